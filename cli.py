@@ -1,0 +1,135 @@
+"""The ``draftsmith`` command: train, export, assets, generate, bench, bench-train."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_train(argv: Sequence[str]) -> int:
+    from draftsmith.train import main as hydra_main
+
+    sys.argv = ["draftsmith train", *argv]
+    hydra_main()
+    return 0
+
+
+def compose_config(overrides: Sequence[str]):
+    """Compose ``conf/train.yaml`` with Hydra overrides outside a Hydra app (bench-train, tests)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def _cmd_bench_train(argv: Sequence[str]) -> int:
+    """``draftsmith bench-train recipe=NAME [overrides] [--steps N] [--out FILE.json]``."""
+    from pathlib import Path
+
+    from draftsmith import recipes
+    from draftsmith.distill.bench_train import bench_train
+
+    parser = argparse.ArgumentParser(prog="draftsmith bench-train")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    opts, overrides = parser.parse_known_args(argv)
+    cfg = compose_config(overrides)
+    result = bench_train(cfg, recipes.get_recipe(cfg.recipe.name), steps=opts.steps, warmup=opts.warmup)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if opts.out:
+        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.out).write_text(text + "\n")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from draftsmith.distill.exporting import export_from_checkpoint
+    from draftsmith.export.format import read_config
+
+    src = args.source
+    if args.format == "draftsmith":
+        out = export_from_checkpoint(src, args.out)
+    else:
+        from pathlib import Path
+
+        export_dir = Path(src)
+        if not (export_dir / "config.json").is_file():  # a run folder or checkpoint: export it first
+            export_dir = export_from_checkpoint(src, Path(args.out).with_name(Path(args.out).name + ".draftsmith"))
+        method = read_config(export_dir)["method"]
+        out = _convert(export_dir, args.out, args.format, method, args.target)
+    print(f"wrote {out}")
+    return 0
+
+
+def _convert(export_dir, out, fmt: str, method: str, target: str | None):
+    lm_head = None
+    if target:
+        from draftsmith.runtime.weights import load_lm_head
+
+        lm_head = load_lm_head(target)
+    if fmt == "medusa":
+        from draftsmith.export.medusa_layout import to_medusa_layout
+
+        return to_medusa_layout(export_dir, out, lm_head)
+    if fmt == "speculators":
+        from draftsmith.export.speculators import to_speculators
+
+        return to_speculators(export_dir, out, target)
+    raise SystemExit(f"unknown --format {fmt!r}; valid: draftsmith, medusa, speculators")
+
+
+def _cmd_assets(args: argparse.Namespace) -> int:
+    from draftsmith.distill import assets
+
+    target = assets.default_target_dir()
+    conversations, report = assets.read_sharegpt(assets.sharegpt_path())
+    questions = assets.mtbench_questions()
+    print(json.dumps({"target": str(target), "sharegpt": {"kept": report.kept, "skipped": report.skipped,
+                                                          "turns": report.turns, "reason": report.reason},
+                      "mtbench_questions": len(questions)}, indent=2))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``draftsmith`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if argv and argv[0] == "train":  # everything after `train` is Hydra's
+        return _cmd_train(argv[1:])
+    if argv and argv[0] == "bench-train":
+        return _cmd_bench_train(argv[1:])
+    parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="train a drafter: draftsmith train recipe=medusa [hydra overrides]")
+    p = sub.add_parser("export", help="export a run folder or checkpoint")
+    p.add_argument("source", help="run folder (holding checkpoints/last.ckpt), .ckpt file, or export folder")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--format", default="draftsmith", choices=["draftsmith", "medusa", "speculators"])
+    p.add_argument("--target", default=None, help="target folder (needed by some converters)")
+    sub.add_parser("bench-train", help="training tokens/s vs target forward tokens/s: draftsmith bench-train recipe=medusa")
+    sub.add_parser("assets", help="prepare the embedded target, data and prompts; print their counts")
+    from draftsmith.runtime import cli as runtime_cli
+
+    runtime_cli.add_subcommands(sub)
+    args = parser.parse_args(argv)
+    handlers = {"export": _cmd_export, "assets": _cmd_assets, **runtime_cli.HANDLERS}
+    try:
+        return handlers[args.command](args)
+    except Exception as err:  # noqa: BLE001 - one clear line for user errors, full trace with DRAFTSMITH_DEBUG
+        import os
+
+        if os.environ.get("DRAFTSMITH_DEBUG"):
+            raise
+        print(f"draftsmith {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Training-throughput benchmark: tokens/s of a recipe's training step next to the target's forward alone.
+
+The ratio ``train tokens/s / target-forward tokens/s`` says how much the drafter costs on top of the frozen
+target. Both are measured in the same process on the same batches, after warm-up steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from draftsmith.distill.module import DistillModule
+from draftsmith.distill.target import Target
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def sample_batches(target: Target, cfg: Any, count: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` full rows of real chat data ([B, max_length], packed so no padding skews the count)."""
+    from draftsmith.distill.data import ChatDataModule
+
+    data = ChatDataModule(tokenizer=target.tokenizer, spec=str(cfg.data.spec), max_length=int(cfg.data.max_length),
+                          batch_size=int(cfg.data.batch_size), limit=cfg.data.limit, packing=True,
+                          val_fraction=float(cfg.data.val_fraction), seed=int(cfg.run.seed))
+    data.setup("fit")
+    batches = []
+    for batch in data.train_dataloader():
+        batches.append(batch)
+        if len(batches) == count:
+            break
+    if len(batches) < count:
+        raise ValueError(f"only {len(batches)} batches of data; raise data.limit")
+    return batches
+
+
+def _timed(fn, batches: list[dict[str, torch.Tensor]], warmup: int) -> list[float]:
+    times = []
+    for i, batch in enumerate(batches):
+        start = time.perf_counter()
+        fn(batch)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_train(cfg: Any, recipe: Any, steps: int = 6, warmup: int = 2) -> dict[str, Any]:
+    """Measure target-forward and full training-step throughput for ``recipe`` under ``cfg``."""
+    torch.manual_seed(int(cfg.run.seed))
+    target = Target.load(cfg.target.name_or_path, cfg.target.dtype, trust_remote_code=bool(cfg.target.trust_remote_code))
+    objective = recipe.build(cfg, target)
+    module = DistillModule(objective, target, dict(cfg.optim), total_steps=steps + warmup)
+    optimizer = module.configure_optimizers()["optimizer"]
+    batches = sample_batches(target, cfg, steps + warmup)
+    tokens = int(batches[0]["attention_mask"].sum())
+    precision = str(cfg.trainer.precision)
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision.startswith("bf16")
+                else contextlib.nullcontext())
+
+    def forward_only(batch: dict[str, torch.Tensor]) -> None:
+        target.features(batch["input_ids"], batch["attention_mask"], objective.taps)
+
+    def train_step(batch: dict[str, torch.Tensor]) -> None:
+        with autocast:
+            loss, _ = module._step(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    fwd = statistics.median(_timed(forward_only, batches, warmup))
+    step = statistics.median(_timed(train_step, batches, warmup))
+    trainable = sum(p.numel() for p in objective.module.parameters() if p.requires_grad)
+    return {
+        "recipe": recipe.name, "target_dtype": str(cfg.target.dtype), "precision": precision,
+        "batch": list(batches[0]["input_ids"].shape), "tokens_per_batch": tokens,
+        "target_forward_tokens_per_s": round(tokens / fwd, 1), "train_tokens_per_s": round(tokens / step, 1),
+        "ratio": round(fwd / step, 3), "trainable_params_m": round(trainable / 1e6, 2),
+        "peak_rss_mib": round(peak_rss_mib(), 1), "threads": torch.get_num_threads(),
+        "timed_steps": steps, "warmup_steps": warmup,
+    }

@@ -1,0 +1,109 @@
+"""The one LightningModule: frozen target forward (no grad) -> drafter forward -> loss."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from draftsmith.distill.objective import Objective
+from draftsmith.distill.target import Target
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or inf; the run stops with the last good checkpoint intact."""
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
+    """Multiplier of the base LR at a step: linear warmup, then constant / linear / cosine decay to ``min_ratio``."""
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"optim.scheduler={schedule!r}; valid: constant, linear, cosine")
+
+    def fn(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant" or total_steps <= warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "linear":
+            return 1.0 - (1.0 - min_ratio) * progress
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return fn
+
+
+class DistillModule(pl.LightningModule):
+    """Online distillation of ``objective.module`` from a frozen ``target``.
+
+    The target is held outside the module tree's state (``_target`` is excluded from ``state_dict``), so
+    checkpoints hold the drafter, optimizer and schedule only, and hparams never contain it.
+    """
+
+    def __init__(self, objective: Objective, target: Target, optim: dict[str, Any], total_steps: int) -> None:
+        super().__init__()
+        self.objective = objective
+        self.drafter = objective.module
+        object.__setattr__(self, "_target", target)  # not a registered submodule: never saved, never optimised
+        self.optim_cfg = dict(optim)
+        self.total_steps = total_steps
+        self.save_hyperparameters({"optim": self.optim_cfg, "total_steps": total_steps})
+        self._tokens_seen = 0
+        self._target_seconds = 0.0
+        self.run_info: dict[str, Any] = {}  # recipe name, target identity, resolved config (set by the trainer)
+
+    @property
+    def target(self) -> Target:
+        return self._target
+
+    @property
+    def tokens_seen(self) -> int:
+        """Non-padding tokens trained on so far (this process)."""
+        return self._tokens_seen
+
+    def on_fit_start(self) -> None:
+        self._target.to(self.device)
+
+    def _step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        start = time.perf_counter()
+        feats = self._target.features(batch["input_ids"], batch["attention_mask"], self.objective.taps)
+        self._target_seconds += time.perf_counter() - start
+        return self.objective.loss(batch, feats)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, metrics = self._step(batch)
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"loss is {loss.item()} at step {self.global_step}; stopping. The last good checkpoint is intact "
+                "in the run's checkpoints/ folder. Lower optim.lr, check the data, or use fp32 (target.dtype=fp32).")
+        tokens = int(batch["attention_mask"].sum())
+        self._tokens_seen += tokens
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.log_dict({f"train/{k}": v for k, v in metrics.items()}, batch_size=batch["input_ids"].shape[0])
+        self.log("train/tokens", float(self._tokens_seen), reduce_fx="max")
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss, metrics = self._step(batch)
+        size = batch["input_ids"].shape[0]
+        self.log("val/loss", loss, prog_bar=True, batch_size=size, sync_dist=True)
+        self.log_dict({f"val/{k}": v for k, v in metrics.items()}, batch_size=size, sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        cfg = self.optim_cfg
+        optimizer = torch.optim.AdamW(params, lr=float(cfg["lr"]), weight_decay=float(cfg.get("weight_decay", 0.0)),
+                                      betas=tuple(cfg.get("betas", (0.9, 0.999))))
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(str(cfg.get("scheduler", "cosine")), int(cfg.get("warmup_steps", 0)), self.total_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Everything `draftsmith export CHECKPOINT` needs, so exporting never has to reload the target.
+        checkpoint["draftsmith"] = {"tokens_seen": self._tokens_seen, "export_config": self.objective.export_config(),
+                                    **self.run_info}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._tokens_seen = int(checkpoint.get("draftsmith", {}).get("tokens_seen", 0))

@@ -1,0 +1,153 @@
+"""The frozen target model and its feature taps.
+
+Alignment conventions (the off-by-one shift is the commonest bug in this field):
+
+* Every tap is indexed by input position ``t``: ``final_hidden[:, t]`` is the state after reading
+  ``input_ids[:, :t+1]``; the target's LM head applied to it predicts token ``t+1``.
+* ``final_hidden`` is AFTER the final RMSNorm (the tensor fed to ``lm_head``; HF ``hidden_states[-1]``).
+  Medusa/Hydra heads and EAGLE-1 regress/consume this one.
+* ``prenorm_hidden`` is the residual stream after the last decoder layer, BEFORE the final norm.
+* ``layers=(i, ...)`` returns HF ``hidden_states[i]``: index 0 is the embedding output, index ``i >= 1`` is the
+  output of decoder layer ``i-1`` == the input of decoder layer ``i`` (pre-norm residual stream). EAGLE-3's
+  "inputs of layers 2, L//2, L-3" are therefore ``layers=(2, L//2, L-3)``.
+* ``logits`` / ``topk`` are the target's next-token logits at each position (predicting token ``t+1``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from draftsmith.export.identity import target_identity
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a config string such as ``bf16`` or ``float32`` to a torch dtype (clear error otherwise)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class FeatureTaps:
+    """What a method asks the target for (see the module docstring for alignment)."""
+
+    final_hidden: bool = True
+    prenorm_hidden: bool = False
+    layers: tuple[int, ...] = ()
+    logits: bool = False
+    topk: int = 0
+
+
+@dataclass
+class TargetFeatures:
+    """Outputs of one no-grad target forward; every tensor is [B, T, ...] and detached."""
+
+    final_hidden: torch.Tensor | None = None  # [B, T, H] post final norm
+    prenorm_hidden: torch.Tensor | None = None  # [B, T, H] pre final norm
+    layer_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [B, T, H] (HF hidden_states[i])
+    logits: torch.Tensor | None = None  # [B, T, V]
+    topk_values: torch.Tensor | None = None  # [B, T, k]
+    topk_indices: torch.Tensor | None = None  # [B, T, k]
+
+
+class Target(nn.Module):
+    """A frozen HF causal LM: eval mode, no gradients, never saved into checkpoints or hparams."""
+
+    def __init__(self, model: nn.Module, tokenizer, name_or_path: str) -> None:
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name_or_path = name_or_path
+
+    @classmethod
+    def load(cls, name_or_path: str, dtype: str | torch.dtype = "bf16", device: str | torch.device = "cpu",
+             trust_remote_code: bool = False) -> Target:
+        """Load a HF causal LM folder (or hub name, if the user allows the network) as a frozen target."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from draftsmith.distill.assets import resolve_target
+
+        path = resolve_target(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype),
+                                                     trust_remote_code=trust_remote_code)
+        log.info("target %s loaded (%s, %.1fM params)", path, dtype, sum(p.numel() for p in model.parameters()) / 1e6)
+        return cls(model.to(device), tokenizer, str(name_or_path))
+
+    @property
+    def config(self):
+        """The HF config of the target."""
+        return self.model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """Frozen LM head weight [V, H] (read-only; shared with drafters that reuse it)."""
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """Frozen token embedding [V, H]."""
+        return self.model.get_input_embeddings().weight
+
+    def identity(self) -> dict:
+        """Identity recorded in exports: name, sizes and a fingerprint of tokenizer + LM head."""
+        return target_identity(self.name_or_path, self.config, self.tokenizer, self.lm_head_weight)
+
+    def train(self, mode: bool = True) -> Target:
+        # Lightning calls .train() on the whole module tree; the target must stay in eval mode.
+        return super().train(False)
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 taps: FeatureTaps = FeatureTaps()) -> TargetFeatures:
+        """One no-grad forward returning the requested taps (input_ids [B, T])."""
+        backbone = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        captured: dict[str, torch.Tensor] = {}
+        hook = None
+        if taps.prenorm_hidden:
+            # HF returns the post-norm state as the last hidden state; the pre-norm residual stream is the final
+            # norm's input, captured with a forward pre-hook.
+            hook = backbone.norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("pre", args[0]))
+        try:
+            out = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                           output_hidden_states=bool(taps.layers), use_cache=False)
+        finally:
+            if hook is not None:
+                hook.remove()
+        final = out.last_hidden_state  # [B, T, H], after the final norm
+        feats = TargetFeatures(final_hidden=final if taps.final_hidden else None, prenorm_hidden=captured.get("pre"))
+        for i in taps.layers:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"layer tap {i} out of range 0..{self.num_layers - 1} (HF hidden_states index; "
+                                 "use prenorm_hidden/final_hidden for the last layer's output)")
+            feats.layer_hidden[i] = out.hidden_states[i]  # [B, T, H]
+        if taps.logits or taps.topk:
+            logits = self.model.get_output_embeddings()(final)  # [B, T, V]
+            if taps.logits:
+                feats.logits = logits
+            if taps.topk:
+                feats.topk_values, feats.topk_indices = logits.topk(taps.topk, dim=-1)
+        return feats

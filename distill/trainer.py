@@ -1,0 +1,135 @@
+"""Run a training job from a composed config: target, data, objective, Lightning Trainer, checkpoints, export."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+
+from draftsmith.distill.module import DistillModule
+from draftsmith.distill.target import Target
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+LAST_CHECKPOINT = "last.ckpt"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint to a temp file, fsyncs, then renames: a kill mid-write never corrupts ``last.ckpt``."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
+                        storage_options: Any | None = None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as fh:
+            torch.save(checkpoint, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+
+def check_config(cfg: DictConfig, recipe: Any) -> None:
+    """Fail fast, before the target loads: missing required fields, bad values, recipe-specific checks."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ValueError(f"missing required config fields: {', '.join(missing)} (set them on the command line, "
+                         "e.g. target.name_or_path=/path/to/model)")
+    if cfg.target.name_or_path in (None, ""):
+        raise ValueError("target.name_or_path is empty: point it at a HF causal-LM folder, or use the default "
+                         "`smollm2-135m`")
+    if int(cfg.trainer.max_steps) < 1:
+        raise ValueError(f"trainer.max_steps must be >= 1, got {cfg.trainer.max_steps}")
+    if int(cfg.data.max_length) < 8:
+        raise ValueError(f"data.max_length must be >= 8, got {cfg.data.max_length}")
+    if recipe.validate is not None:
+        recipe.validate(cfg)
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
+    """CSV always; wandb (offline unless logger.mode=online) when selected."""
+    from pytorch_lightning.loggers import CSVLogger
+
+    loggers: list = [CSVLogger(save_dir=str(run_dir), name="logs", version="")]
+    kind = cfg.logger.get("kind", "csv")
+    if kind == "wandb":
+        from pytorch_lightning.loggers import WandbLogger
+
+        mode = str(cfg.logger.get("mode", "offline"))
+        if mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logger.mode={mode!r}; valid: offline, online, disabled")
+        os.environ.setdefault("WANDB_MODE", mode)
+        loggers.append(WandbLogger(project=cfg.logger.project, entity=cfg.logger.get("entity"),
+                                   save_dir=str(run_dir), offline=mode == "offline", mode=mode))
+    elif kind != "csv":
+        raise ValueError(f"logger.kind={kind!r}; valid: csv, wandb")
+    return loggers
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None) -> pl.Trainer:
+    """A Lightning Trainer from ``cfg.trainer`` with atomic checkpoints every ``run.checkpoint_every`` steps."""
+    t = cfg.trainer
+    checkpoint = ModelCheckpoint(dirpath=str(run_dir / CHECKPOINT_DIR), filename="step{step}",
+                                 auto_insert_metric_name=False, every_n_train_steps=int(cfg.run.checkpoint_every),
+                                 save_last=True, save_top_k=1, monitor=None)
+    val_every = int(cfg.run.val_every)
+    return pl.Trainer(
+        accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, precision=t.precision,
+        max_steps=int(t.max_steps), accumulate_grad_batches=int(t.accumulate_grad_batches),
+        gradient_clip_val=float(cfg.optim.grad_clip) or None, log_every_n_steps=int(t.log_every_n_steps),
+        val_check_interval=val_every if val_every > 0 else None, check_val_every_n_epoch=None if val_every else 1,
+        limit_val_batches=int(cfg.run.final_eval_batches), num_sanity_val_steps=0,
+        logger=build_loggers(cfg, run_dir), callbacks=[checkpoint, *(callbacks or [])],
+        plugins=[AtomicCheckpointIO()], default_root_dir=str(run_dir), enable_model_summary=False,
+        use_distributed_sampler=True,
+    )
+
+
+def resume_path(cfg: DictConfig, run_dir: Path) -> str | None:
+    """``<run dir>/checkpoints/last.ckpt`` when resuming is on and it exists."""
+    last = run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
+    if str(cfg.run.resume).lower() in ("auto", "true") and last.is_file():
+        log.info("resuming from %s", last)
+        return str(last)
+    return None
+
+
+def train(cfg: DictConfig, recipe: Any, run_dir: str | Path) -> dict[str, Any]:
+    """Train ``recipe`` as configured; returns a summary (steps, tokens, seconds, export folder, metrics)."""
+    from draftsmith.distill.data import ChatDataModule
+    from draftsmith.distill.exporting import export_from_module
+
+    run_dir = Path(run_dir)
+    check_config(cfg, recipe)
+    pl.seed_everything(int(cfg.run.seed), workers=True)
+    target = Target.load(cfg.target.name_or_path, cfg.target.dtype, trust_remote_code=bool(cfg.target.trust_remote_code))
+    objective = recipe.build(cfg, target)
+    data = ChatDataModule(tokenizer=target.tokenizer, spec=str(cfg.data.spec), max_length=int(cfg.data.max_length),
+                          batch_size=int(cfg.data.batch_size), num_workers=int(cfg.data.num_workers),
+                          val_fraction=float(cfg.data.val_fraction), limit=cfg.data.limit,
+                          packing=bool(cfg.data.packing), seed=int(cfg.run.seed))
+    module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
+                           total_steps=int(cfg.trainer.max_steps))
+    module.run_info = {"recipe": recipe.name, "target": target.identity(),
+                       "config": OmegaConf.to_container(cfg, resolve=True)}
+    trainer = build_trainer(cfg, run_dir)
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=data, ckpt_path=resume_path(cfg, run_dir))
+    seconds = time.perf_counter() - start
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    summary = {"recipe": recipe.name, "steps": int(trainer.global_step), "tokens": int(module.tokens_seen),
+               "fit_seconds": round(seconds, 1), "metrics": metrics, "run_dir": str(run_dir)}
+    if cfg.run.export and trainer.is_global_zero:
+        out = export_from_module(module, run_dir / "export", training=summary)
+        summary["export"] = str(out)
+        log.info("exported %s drafter to %s", recipe.name, out)
+    return summary

@@ -1,0 +1,40 @@
+"""Identity of a target model, recorded in every export so a drafter is never run against another target."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """sha256 over the tokenizer's vocabulary (token -> id, sorted) and its special tokens."""
+    vocab = tokenizer.get_vocab()
+    payload = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False)
+    special = json.dumps(sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", [])))
+    return hashlib.sha256((payload + special).encode("utf-8")).hexdigest()
+
+
+def lm_head_digest(weight: torch.Tensor) -> str:
+    """sha256 of the LM head rounded to bfloat16, so fp32 and bf16 loads of one model agree."""
+    w = weight.detach().to("cpu", torch.float32).to(torch.bfloat16).contiguous()
+    return hashlib.sha256(w.view(torch.int16).numpy().tobytes()).hexdigest()
+
+
+def target_identity(name_or_path: str, hf_config: Any, tokenizer: Any, lm_head_weight: torch.Tensor) -> dict:
+    """The ``target`` block of an export's config.json.
+
+    ``fingerprint`` hashes the tokenizer vocabulary and the LM head; sizes are kept in clear so a mismatch
+    can be explained field by field.
+    """
+    digest = hashlib.sha256((tokenizer_digest(tokenizer) + lm_head_digest(lm_head_weight)).encode()).hexdigest()
+    return {
+        "name_or_path": str(name_or_path),
+        "model_type": str(getattr(hf_config, "model_type", "unknown")),
+        "vocab_size": int(lm_head_weight.shape[0]),
+        "hidden_size": int(hf_config.hidden_size),
+        "num_hidden_layers": int(hf_config.num_hidden_layers),
+        "fingerprint": "sha256:" + digest,
+    }

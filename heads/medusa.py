@@ -1,0 +1,111 @@
+"""Medusa-1 heads: K residual MLP heads on the target's last (post-norm) hidden state.
+
+Head k (0-based) at position t predicts token t+k+2; the target's own LM head predicts t+1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.export.format import ExportError, read_export
+
+
+@dataclass
+class MedusaConfig:
+    """Architecture of a set of Medusa heads."""
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 3
+    num_layers: int = 1
+    share_lm_head: bool = False  # True: every head reuses the frozen target LM head (Medusa "version 2" layout)
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError(f"num_heads must be >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), with W zero-initialised so a fresh head starts as the identity."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHead(nn.Module):
+    """One head: ``num_layers`` ResBlocks, then its own LM head (absent when the target's is shared)."""
+
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)])
+        self.lm_head = None if config.share_lm_head else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor, shared_lm_head: torch.Tensor | None) -> torch.Tensor:
+        x = self.blocks(hidden)  # [..., H]
+        if self.lm_head is not None:
+            return self.lm_head(x)  # [..., V]
+        return F.linear(x, shared_lm_head.to(x.dtype))  # [..., V]
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads; ``forward`` maps hidden [..., H] to logits [K, ..., V]."""
+
+    def __init__(self, config: MedusaConfig, lm_head_weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.heads = nn.ModuleList([MedusaHead(config) for _ in range(config.num_heads)])
+        if config.share_lm_head and lm_head_weight is None:
+            raise ValueError("share_lm_head=True needs the target's lm_head_weight")
+        if lm_head_weight is not None:
+            if tuple(lm_head_weight.shape) != (config.vocab_size, config.hidden_size):
+                raise ValueError(f"lm_head_weight has shape {tuple(lm_head_weight.shape)}, expected "
+                                 f"({config.vocab_size}, {config.hidden_size})")
+            if config.share_lm_head:
+                # A non-persistent buffer: shared, frozen, never saved in checkpoints or exports.
+                self.register_buffer("shared_lm_head", lm_head_weight.detach(), persistent=False)
+            else:
+                with torch.no_grad():
+                    for head in self.heads:
+                        head.lm_head.weight.copy_(lm_head_weight)  # Medusa-1: each head starts as the target head
+        if not config.share_lm_head:
+            self.shared_lm_head = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.stack([head(hidden, self.shared_lm_head) for head in self.heads])  # [K, ..., V]
+
+    def head_logits(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Logits of head ``k`` alone (saves compute when only some positions/heads are needed)."""
+        return self.heads[k](hidden, self.shared_lm_head)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights an export stores (never the shared target head)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("shared_lm_head")}
+
+    def architecture(self) -> dict:
+        """Architecture block of the export config."""
+        return asdict(self.config)
+
+    @classmethod
+    def from_export(cls, export_dir: str | Path, lm_head_weight: torch.Tensor | None = None) -> MedusaHeads:
+        """Rebuild heads from a draftsmith export folder (pass the target LM head when heads share it)."""
+        config, state = read_export(export_dir)
+        if config["method"] != "medusa":
+            raise ExportError(f"{export_dir} holds a {config['method']!r} export, not medusa")
+        arch = MedusaConfig(**config["architecture"])
+        heads = cls(arch, lm_head_weight if arch.share_lm_head else None)
+        missing, unexpected = heads.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("shared_lm_head")]
+        if missing or unexpected:
+            raise ExportError(f"{export_dir}: weights do not match the architecture (missing {missing[:4]}, "
+                              f"unexpected {unexpected[:4]})")
+        return heads

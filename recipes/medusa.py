@@ -1,0 +1,114 @@
+"""Medusa-1 recipe: K heads on the frozen target's post-norm hidden state, per-head CE with decay lambda^k."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from draftsmith.distill.losses import masked_cross_entropy, soft_cross_entropy, topk_accuracy
+from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
+from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+from draftsmith.recipes.registry import register_recipe
+
+LABEL_SOURCES = ("dataset", "target_argmax", "target_soft")
+
+
+class MedusaObjective:
+    """Trains ``MedusaHeads``: head k at position t is scored on token t+k+2 (the target head predicts t+1)."""
+
+    def __init__(self, heads: MedusaHeads, decay: float, labels: str, topk: int, tree: list[list[int]],
+                 inference: dict[str, Any]) -> None:
+        if labels not in LABEL_SOURCES:
+            raise ValueError(f"distill.labels={labels!r}; valid: {', '.join(LABEL_SOURCES)}")
+        self.module = heads
+        self.decay = decay
+        self.labels = labels
+        self.topk = topk
+        self.tree = tree
+        self.inference = inference
+        # Self-distillation needs the target's logits; dataset labels only need the hidden state.
+        self.taps = FeatureTaps(final_hidden=True, logits=labels != "dataset")
+
+    def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sum over heads of decay^(k+1) * CE(head k at t, label at t+k+2), masked by the label position's loss mask."""
+        # The target may run in bf16 while the heads train in fp32 (or under autocast): match the heads' dtype.
+        hidden = feats.final_hidden.to(next(self.module.parameters()).dtype)  # [B, T, H]
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"] * batch["attention_mask"]
+        # Self-distillation label for token s is the target's prediction at position s-1.
+        greedy = feats.logits.argmax(-1) if self.labels == "target_argmax" else None  # [B, T]
+        total = hidden.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, torch.Tensor] = {}
+        for k in range(self.module.config.num_heads):
+            shift = k + 2
+            if hidden.shape[1] <= shift:
+                break
+            h = hidden[:, :-shift]  # [B, T-shift, H]
+            mask = loss_mask[:, shift:]  # [B, T-shift]: the label position must be an assistant token
+            # Only masked rows go through the head's LM head: the V-wide matmul dominates the cost.
+            keep = mask.bool()
+            logits = self.module.head_logits(h[keep], k)  # [N, V]
+            ones = torch.ones(logits.shape[0], device=logits.device)
+            if self.labels == "dataset":
+                labels = input_ids[:, shift:][keep]  # [N]
+                head_loss = masked_cross_entropy(logits, labels, ones)
+            elif self.labels == "target_argmax":
+                labels = greedy[:, shift - 1:-1][keep]  # target argmax at s-1 predicts token s
+                head_loss = masked_cross_entropy(logits, labels, ones)
+            else:
+                teacher = feats.logits[:, shift - 1:-1][keep]  # [N, V]
+                labels = teacher.argmax(-1)
+                head_loss = soft_cross_entropy(logits, teacher, ones)
+            weight = self.decay ** (k + 1)
+            total = total + weight * head_loss
+            with torch.no_grad():
+                metrics[f"head{k}/loss"] = head_loss.detach()
+                metrics[f"head{k}/top1"] = topk_accuracy(logits, labels, ones, 1)
+                metrics[f"head{k}/top{self.topk}"] = topk_accuracy(logits, labels, ones, self.topk)
+        return total, metrics
+
+    def export_config(self) -> dict[str, Any]:
+        return {"method": "medusa", "architecture": self.module.architecture(),
+                "inference": {**self.inference, "tree": self.tree}}
+
+
+def default_tree(num_heads: int, num_nodes: int, top_k: int) -> list[list[int]]:
+    """A calibration-free sparse Medusa tree of ``num_nodes`` paths.
+
+    Without measured per-head accuracies, assume top-i accuracy falls off geometrically with rank and depth
+    and add paths by decreasing estimated acceptance (the greedy rule of Medusa's optimal sparse tree).
+    """
+    est = [[0.6 * (0.55 ** d) * (0.5 ** i) for i in range(top_k)] for d in range(num_heads)]
+    paths: list[tuple[float, list[int]]] = []
+    frontier: list[tuple[float, list[int]]] = [(est[0][i], [i]) for i in range(top_k)]
+    while frontier and len(paths) < num_nodes:
+        frontier.sort(key=lambda item: -item[0])
+        score, path = frontier.pop(0)
+        paths.append((score, path))
+        if len(path) < num_heads:
+            frontier.extend((score * est[len(path)][i], path + [i]) for i in range(top_k))
+    return sorted((p for _, p in paths), key=lambda p: (len(p), p))
+
+
+def validate(cfg: Any) -> None:
+    """Config checks that must fail before the target is loaded."""
+    if cfg.heads.num_heads < 1:
+        raise ValueError(f"heads.num_heads must be >= 1, got {cfg.heads.num_heads}")
+    if cfg.distill.labels not in LABEL_SOURCES:
+        raise ValueError(f"distill.labels={cfg.distill.labels!r}; valid: {', '.join(LABEL_SOURCES)}")
+
+
+@register_recipe("medusa", validate=validate)
+def build(cfg: Any, target: Target) -> MedusaObjective:
+    """Medusa heads sized from the target, LM heads initialised from (or sharing) the target's."""
+    arch = MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                        num_heads=int(cfg.heads.num_heads), num_layers=int(cfg.heads.num_layers),
+                        share_lm_head=bool(cfg.heads.share_lm_head))
+    heads = MedusaHeads(arch, lm_head_weight=target.lm_head_weight.float())
+    inference = {"top_k": int(cfg.inference.top_k), "verifier": str(cfg.inference.verifier),
+                 "typical": {"posterior_threshold": float(cfg.inference.posterior_threshold),
+                             "posterior_alpha": float(cfg.inference.posterior_alpha)},
+                 "stop_policy": {"kind": "fixed"}}
+    tree = default_tree(arch.num_heads, int(cfg.inference.tree_nodes), int(cfg.inference.top_k))
+    return MedusaObjective(heads, float(cfg.heads.decay), str(cfg.distill.labels), int(cfg.heads.topk_metric),
+                           tree, inference)

@@ -1,0 +1,37 @@
+"""Recipe registry: ``@register_recipe("name")`` on a ``build(cfg, target) -> Objective`` function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+RECIPES: dict[str, Recipe] = {}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A training method: ``build`` wires modules and losses; ``validate`` checks config before the target loads."""
+
+    name: str
+    build: Callable[[Any, Any], Any]
+    validate: Callable[[Any], None] | None = None
+
+
+def register_recipe(name: str, validate: Callable[[Any], None] | None = None) -> Callable:
+    """Decorator registering ``build(cfg, target) -> Objective`` under ``name``."""
+
+    def wrap(build: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        if name in RECIPES:
+            raise ValueError(f"recipe {name!r} registered twice")
+        RECIPES[name] = Recipe(name, build, validate)
+        return build
+
+    return wrap
+
+
+def get_recipe(name: str) -> Recipe:
+    """Look a recipe up by name; an unknown name lists the valid ones."""
+    if name not in RECIPES:
+        raise KeyError(f"unknown recipe {name!r}; valid recipes: {', '.join(sorted(RECIPES))}")
+    return RECIPES[name]

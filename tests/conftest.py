@@ -1,0 +1,91 @@
+"""Shared fixtures: tiny in-process Llama targets with a real chat-template tokenizer (never the hub)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+WORDS = ("the a of to and in is it you that he was for on are with as I his they be at one have this from or had by "
+         "hot word but what some we can out other were all there when up use your how said an each she which do "
+         "their time if will way about many then them write would like so these her long make thing see him two "
+         "has look more day could go come did number sound no most people my over know water than call first who "
+         "may down side been now find hello world python code answer question please explain why user assistant").split()
+
+
+def build_tiny_tokenizer():
+    """A word-level tokenizer with ChatML special tokens and chat template, built in-process."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "\n"]
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(set(WORDS)) + [".", ",", "?", "!"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"), pre_tokenizers.WhitespaceSplit()])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                   eos_token="<|im_end|>", bos_token=None,
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = CHATML
+    return fast
+
+
+def build_tiny_llama(vocab_size: int, seed: int = 0, **overrides):
+    """A random tiny Llama (hidden 64, 4 layers, GQA) in fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+               tie_word_embeddings=True, pad_token_id=1, eos_token_id=3, bos_token_id=None)
+    cfg.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A saved tiny Llama + tokenizer folder usable as ``target.name_or_path``."""
+    path = tmp_path_factory.mktemp("tiny_target")
+    build_tiny_llama(len(tiny_tokenizer)).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+def make_conversations(n: int, seed: int = 0) -> list[dict]:
+    """Deterministic synthetic ShareGPT-style conversations over the tiny vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    words = sorted(set(WORDS))
+
+    def sentence(lo: int, hi: int) -> str:
+        length = int(torch.randint(lo, hi, (1,), generator=g))
+        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (length,), generator=g)) + " ."
+
+    # Assistant replies repeat a pattern so that heads have something learnable.
+    out = []
+    for _ in range(n):
+        q = sentence(4, 10)
+        a = " ".join([q.split()[0], "is", "the", "answer", "to", "the", "question", "."] * 2)
+        out.append({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_data_file(tmp_path_factory) -> Path:
+    """A jsonl of 64 synthetic conversations."""
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(c) for c in make_conversations(64)) + "\n")
+    return path
