@@ -7,9 +7,19 @@ import logging
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("draftsmith.train")
+
+
+def slug(text: str) -> str:
+    """Folder-safe form of Hydra's override string (paths in overrides must not nest folders)."""
+    cleaned = "".join(c if c.isalnum() or c in "=,._-" else "_" for c in str(text)).strip("_")
+    return cleaned[:180] or "default"
+
+
+# Registered at import so `hydra.run.dir` can use it before the job starts.
+OmegaConf.register_new_resolver("slug", slug, replace=True)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytorch_lightning as pl
@@ -66,9 +67,10 @@ class DistillModule(pl.LightningModule):
     def on_fit_start(self) -> None:
         self._target.to(self.device)
 
-    def _step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _step(self, batch: dict[str, torch.Tensor], with_logits: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        taps = replace(self.objective.taps, logits=True) if with_logits else self.objective.taps
         start = time.perf_counter()
-        feats = self._target.features(batch["input_ids"], batch["attention_mask"], self.objective.taps)
+        feats = self._target.features(batch["input_ids"], batch["attention_mask"], taps)
         self._target_seconds += time.perf_counter() - start
         return self.objective.loss(batch, feats)
 
@@ -86,7 +88,8 @@ class DistillModule(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, metrics = self._step(batch)
+        # Validation also asks for the target's logits so objectives can report agreement with its greedy tokens.
+        loss, metrics = self._step(batch, with_logits=True)
         size = batch["input_ids"].shape[0]
         self.log("val/loss", loss, prog_bar=True, batch_size=size, sync_dist=True)
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, batch_size=size, sync_dist=True)
@@ -95,7 +98,7 @@ class DistillModule(pl.LightningModule):
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         cfg = self.optim_cfg
         optimizer = torch.optim.AdamW(params, lr=float(cfg["lr"]), weight_decay=float(cfg.get("weight_decay", 0.0)),
-                                      betas=tuple(cfg.get("betas", (0.9, 0.999))))
+                                      betas=tuple(cfg.get("betas", (0.9, 0.999))), eps=float(cfg.get("eps", 1e-8)))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(str(cfg.get("scheduler", "cosine")), int(cfg.get("warmup_steps", 0)), self.total_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -103,6 +103,10 @@ def resume_path(cfg: DictConfig, run_dir: Path) -> str | None:
     return None
 
 
+def _scalars(metrics: dict) -> dict[str, float]:
+    return {k: round(float(v), 5) for k, v in metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+
+
 def train(cfg: DictConfig, recipe: Any, run_dir: str | Path) -> dict[str, Any]:
     """Train ``recipe`` as configured; returns a summary (steps, tokens, seconds, export folder, metrics)."""
     from draftsmith.distill.data import ChatDataModule
@@ -125,7 +129,10 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path) -> dict[str, Any]:
     start = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=resume_path(cfg, run_dir))
     seconds = time.perf_counter() - start
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    metrics = _scalars(trainer.callback_metrics)
+    if int(cfg.run.final_eval_batches) > 0 and data.val_set is not None and len(data.val_set) > 0:
+        trainer.validate(module, datamodule=data, verbose=False)
+        metrics.update(_scalars(trainer.callback_metrics))
     summary = {"recipe": recipe.name, "steps": int(trainer.global_step), "tokens": int(module.tokens_seen),
                "fit_seconds": round(seconds, 1), "metrics": metrics, "run_dir": str(run_dir)}
     if cfg.run.export and trainer.is_global_zero:

@@ -62,6 +62,10 @@ class MedusaObjective:
             weight = self.decay ** (k + 1)
             total = total + weight * head_loss
             with torch.no_grad():
+                if feats.logits is not None:
+                    # Agreement with the target's own greedy choice of token t+k+2 (what greedy decoding accepts).
+                    greedy_labels = feats.logits[:, shift - 1:-1].argmax(-1)[keep]
+                    metrics[f"head{k}/agree_target_top1"] = topk_accuracy(logits, greedy_labels, ones, 1)
                 metrics[f"head{k}/loss"] = head_loss.detach()
                 metrics[f"head{k}/top1"] = topk_accuracy(logits, labels, ones, 1)
                 metrics[f"head{k}/top{self.topk}"] = topk_accuracy(logits, labels, ones, self.topk)

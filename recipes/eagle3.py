@@ -1,0 +1,143 @@
+"""EAGLE-3 recipe: fused multi-layer features, training-time test (TTT) unrolling, reduced draft vocabulary.
+
+Alignment (distill/data.py: ``loss_mask[s] == 1`` when token ``s`` is an assistant label): at TTT step ``j``,
+index ``t`` reads token ``x_{t+1+j}`` and is scored against the target's distribution at position ``t+1+j``
+(that of ``x_{t+2+j}``) restricted to the draft vocabulary, where ``loss_mask[t+2+j]`` is 1 and the target's
+argmax is in the draft vocabulary. ``L = sum_j step_decay^j * softCE_j`` (each a mean over its scored rows).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.distill.losses import soft_cross_entropy, topk_accuracy
+from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
+from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_target_layers
+from draftsmith.drafters.vocab import draft_vocab_from_batches
+from draftsmith.recipes.eagle import eagle_inference_defaults
+from draftsmith.recipes.registry import register_recipe
+
+log = logging.getLogger(__name__)
+
+
+def shift_left(x: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """``x[:, k:k+n]`` right-padded with zeros to length ``n`` (x [B, T, ...])."""
+    out = x[:, k:k + n]
+    return F.pad(out, (0, 0) * (x.dim() - 2) + (0, n - out.shape[1]))
+
+
+class Eagle3Objective:
+    """Trains ``Eagle3Drafter`` with ``ttt_steps`` unrolled steps of its own outputs."""
+
+    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int = 3, step_decay: float = 0.8, topk: int = 5,
+                 inference: dict[str, Any] | None = None) -> None:
+        if ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+        self.module = drafter
+        self.ttt_steps, self.step_decay, self.topk = ttt_steps, step_decay, topk
+        self.inference = inference or {}
+        self.taps = FeatureTaps(final_hidden=False, layers=tuple(drafter.config.target_layers), logits=True)
+
+    def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sum over TTT steps of decayed soft-CE against the target distribution on the draft vocabulary."""
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        n = ids.shape[1] - 2  # pairs t = 0..T-3 have a step-0 label x_{t+2}
+        if n < 1:
+            raise ValueError(f"EAGLE-3 needs sequences of at least 3 tokens, got {ids.shape[1]}")
+        drafter = self.module
+        fused_in = torch.cat([feats.layer_hidden[i] for i in drafter.config.target_layers], dim=-1)[:, :n]  # [B, N, kH]
+        step_tokens = [shift_left(ids, 1 + j, n) for j in range(self.ttt_steps)]  # x_{t+1+j}, [B, N] each
+        pair_valid = attn[:, :n] * attn[:, 1:n + 1]
+        outputs = drafter.ttt_forward(fused_in, step_tokens, pair_valid)  # a_j [B, N, H] per step
+        labels = batch["loss_mask"] * attn  # [B, T]
+        in_vocab = drafter.t2d[feats.logits.argmax(-1)].long()  # [B, T]: target's greedy token at s+1 is draftable
+        draft_ids = drafter.draft_ids_in_target()  # [Nd]
+        total = outputs[0].new_zeros((), dtype=torch.float32)
+        metrics: dict[str, torch.Tensor] = {}
+        for j, hidden in enumerate(outputs):
+            keep = (shift_left(labels, 2 + j, n) * shift_left(in_vocab, 1 + j, n)).bool()  # [B, N]
+            rows, cols = keep.nonzero(as_tuple=True)
+            teacher = feats.logits[rows, cols + 1 + j].index_select(-1, draft_ids)  # [M, Nd]
+            logits = drafter.logits(hidden[keep])  # [M, Nd]; the LM head only runs on scored rows
+            ones = torch.ones(logits.shape[0], device=logits.device)
+            step_loss = soft_cross_entropy(logits, teacher, ones)
+            total = total + self.step_decay ** j * step_loss
+            with torch.no_grad():
+                greedy = teacher.argmax(-1)  # the draft id of the target's argmax (in vocab by the mask)
+                metrics[f"step{j}/loss"] = step_loss.detach()
+                metrics[f"step{j}/top1"] = topk_accuracy(logits, greedy, ones, 1)
+                metrics[f"step{j}/top{self.topk}"] = topk_accuracy(logits, greedy, ones, self.topk)
+        return total, metrics
+
+    def export_config(self) -> dict[str, Any]:
+        return {"method": "eagle3", "architecture": self.module.architecture(), "inference": dict(self.inference)}
+
+
+def training_token_batches(cfg: Any, target: Target, max_samples: int | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, loss_mask) of the training split, built exactly as the trainer's data module builds it.
+
+    Iterates the split's samples in a fixed order (not a shuffled loader) so every DDP rank gets the same
+    vocabulary; the tokenised data is cached, so the trainer's own data module then reads it from disk.
+    """
+    from draftsmith.distill.data import ChatDataModule
+
+    data = ChatDataModule(tokenizer=target.tokenizer, spec=str(cfg.data.spec), max_length=int(cfg.data.max_length),
+                          batch_size=int(cfg.data.batch_size), num_workers=0,
+                          val_fraction=float(cfg.data.val_fraction), limit=cfg.data.limit, packing=False,
+                          seed=int(cfg.run.seed))
+    data.setup("fit")
+    samples = data.train_set.samples
+    for sample in samples[:max_samples] if max_samples else samples:
+        yield torch.tensor(sample["input_ids"]), torch.tensor(sample["loss_mask"])
+
+
+def validate(cfg: Any) -> None:
+    """Config checks that must fail before the target is loaded."""
+    d = cfg.drafter
+    if int(d.ttt_steps) < 1:
+        raise ValueError(f"drafter.ttt_steps must be >= 1, got {d.ttt_steps}")
+    if not 0 < float(d.step_decay) <= 1:
+        raise ValueError(f"drafter.step_decay must be in (0, 1], got {d.step_decay}")
+    if d.get("draft_vocab_size") is not None and int(d.draft_vocab_size) < 0:
+        raise ValueError(f"drafter.draft_vocab_size must be >= 0 (0 or null = full vocabulary), got {d.draft_vocab_size}")
+    layers = d.get("target_layers")
+    if layers is not None and len(layers) == 0:
+        raise ValueError("drafter.target_layers is empty; use null for the default (2, L//2, L-3)")
+
+
+def build_objective(cfg: Any, target: Target, vocab_batches: Any = None) -> Eagle3Objective:
+    """The objective; ``vocab_batches`` (iterable of (input_ids, loss_mask)) overrides the training-data scan."""
+    d = cfg.drafter
+    vocab = target.vocab_size
+    layers = tuple(int(i) for i in d.target_layers) if d.get("target_layers") else default_target_layers(target.num_layers)
+    bad = [i for i in layers if not 0 <= i < target.num_layers]
+    if bad:
+        raise ValueError(f"drafter.target_layers {list(layers)} has {bad} outside 0..{target.num_layers - 1} (HF "
+                         "hidden_states indices: i = input of decoder layer i)")
+    draft_vocab = min(int(d.get("draft_vocab_size") or vocab), vocab)
+    d2t = t2d = None
+    if draft_vocab < vocab:
+        if vocab_batches is None:
+            samples = d.get("vocab_samples")
+            vocab_batches = training_token_batches(cfg, target, int(samples) if samples else None)
+        d2t, t2d, stats = draft_vocab_from_batches(vocab_batches, vocab, draft_vocab)
+        log.info("draft vocabulary: %d of %d target tokens cover %.1f%% of %d assistant tokens (%d distinct)",
+                 draft_vocab, vocab, 100 * stats["coverage"], stats["tokens"], stats["distinct"])
+    arch = Eagle3Config(**{**Eagle3Config.dims_from_hf(target.config), "vocab_size": vocab},
+                        draft_vocab_size=draft_vocab, target_layers=layers)
+    drafter = Eagle3Drafter(arch, target.embed_weight.float(), d2t, t2d)
+    if bool(d.get("init_lm_head_from_target", True)):
+        drafter.init_lm_head(target.lm_head_weight.float())
+    return Eagle3Objective(drafter, int(d.ttt_steps), float(d.step_decay), int(d.topk_metric),
+                           eagle_inference_defaults(cfg.inference))
+
+
+@register_recipe("eagle3", validate=validate)
+def build(cfg: Any, target: Target) -> Eagle3Objective:
+    """An EAGLE-3 drafter sized from the target; the draft vocabulary is counted on the training split."""
+    return build_objective(cfg, target)

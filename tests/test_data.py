@@ -1,0 +1,268 @@
+"""Chat data pipeline: normalising, loss masks, padding/bucketing/packing, DataModule cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_tiny_tokenizer
+
+from draftsmith.distill import data as data_mod
+from draftsmith.distill.data import (
+    ChatDataModule,
+    TemplateError,
+    bucket_by_length,
+    collate,
+    load_conversations,
+    load_samples,
+    mtbench_prompts,
+    normalize_record,
+    pack_samples,
+    save_samples,
+    tokenize_conversation,
+)
+
+CONV = [
+    {"role": "system", "content": "you are a hot python"},
+    {"role": "user", "content": "hello world"},
+    {"role": "assistant", "content": "the answer is python ."},
+    {"role": "user", "content": "explain why ?"},
+    {"role": "assistant", "content": "it is I like code !"},
+]
+
+
+def _masked_runs(tokens: list, mask: list[int]) -> list[list]:
+    """Contiguous runs of masked tokens."""
+    runs, current = [], []
+    for tok, m in zip(tokens, mask):
+        if m:
+            current.append(tok)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+# ----------------------------------------------------------------------------- normalising and loading
+
+
+def test_normalize_formats():
+    want = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert normalize_record({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}) == want
+    assert normalize_record({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) == want
+    assert normalize_record({"prompt": "q", "response": "a"}) == want
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}, {"role": "assistant", "content": "a"}]}
+    assert normalize_record(parts) == want
+    assert normalize_record({"prompt": "q", "completion": "a", "system": "s"})[0] == {"role": "system", "content": "s"}
+    with pytest.raises(ValueError, match="unknown role 'robot'"):
+        normalize_record({"conversations": [{"from": "robot", "value": "x"}]})
+    with pytest.raises(ValueError, match="unknown record structure"):
+        normalize_record({"text": "x"})
+
+
+def _write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+RECORDS = [
+    {"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"}]},
+    {"messages": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]},
+    {"prompt": "q3", "response": "a3"},
+    {"conversations": [{"from": "human", "value": "only a question"}]},
+]
+
+
+def test_load_jsonl_drops_no_assistant(tmp_path):
+    convs, report = load_conversations(str(_write_jsonl(tmp_path / "d.jsonl", RECORDS)))
+    assert [c[-1]["content"] for c in convs] == ["a1", "a2", "a3"]
+    assert (report.kept, report.skipped, report.turns) == (3, 1, 6)
+    assert "without an assistant turn" in report.reason
+    convs, report = load_conversations(str(tmp_path / "d.jsonl"), limit=2)
+    assert len(convs) == 2
+
+
+def test_load_truncated_json_array(tmp_path):
+    text = json.dumps(RECORDS[:3] + [RECORDS[0]])
+    (tmp_path / "d.json").write_text(text[:-10])
+    convs, report = load_conversations(str(tmp_path / "d.json"))
+    assert len(convs) == 3 and report.skipped == 1 and "truncated" in report.reason
+
+
+def test_load_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(5)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    convs, report = load_conversations(str(tmp_path / "d.parquet"))
+    assert report.kept == 5 and convs[4] == rows[4]["messages"]
+
+
+def test_load_errors_name_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(RECORDS[0]) + "\n{oops\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: invalid JSON"):
+        load_conversations(str(bad))
+    odd = _write_jsonl(tmp_path / "odd.jsonl", [RECORDS[0], {"text": "plain"}])
+    with pytest.raises(ValueError, match=r"odd\.jsonl:2: unknown record structure"):
+        load_conversations(str(odd))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_conversations(str(tmp_path / "missing.jsonl"))
+
+
+# ----------------------------------------------------------------------------- loss mask
+
+
+def test_mask_covers_exactly_assistant_tokens(tiny_tokenizer):
+    out = tokenize_conversation(tiny_tokenizer, CONV, 256)
+    tokens = tiny_tokenizer.convert_ids_to_tokens(out["input_ids"])
+    assert len(out["loss_mask"]) == len(tokens)
+    assert _masked_runs(tokens, out["loss_mask"]) == [
+        ["the", "answer", "is", "python", ".", "<|im_end|>"],
+        ["it", "is", "I", "like", "code", "!", "<|im_end|>"],
+    ]
+    assert out["input_ids"] == tiny_tokenizer(tiny_tokenizer.apply_chat_template(CONV, tokenize=False),
+                                              add_special_tokens=False)["input_ids"]
+
+
+def test_mask_leading_assistant_and_truncation(tiny_tokenizer):
+    out = tokenize_conversation(tiny_tokenizer, CONV[2:], 256)
+    tokens = tiny_tokenizer.convert_ids_to_tokens(out["input_ids"])
+    assert _masked_runs(tokens, out["loss_mask"])[0] == ["the", "answer", "is", "python", ".", "<|im_end|>"]
+    full = tokenize_conversation(tiny_tokenizer, CONV, 256)
+    cut = tokenize_conversation(tiny_tokenizer, CONV, 17)
+    assert cut["input_ids"] == full["input_ids"][:17] and cut["loss_mask"] == full["loss_mask"][:17]
+
+
+def test_unsupported_templates_raise():
+    tok = build_tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # no roles, no generation prompt
+    with pytest.raises(TemplateError, match="unsupported"):
+        tokenize_conversation(tok, CONV, 64)
+    tok.chat_template = "{{ messages[-1]['content'] }}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    with pytest.raises(TemplateError, match="earlier turns"):
+        tokenize_conversation(tok, CONV, 64)
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer():
+    from transformers import AutoTokenizer
+
+    from draftsmith.distill.assets import default_target_dir
+
+    return AutoTokenizer.from_pretrained(default_target_dir())
+
+
+@pytest.mark.integration
+def test_mask_with_real_smollm2_template(smollm_tokenizer):
+    tok = smollm_tokenizer
+    conv = [{"role": "user", "content": "Hi there!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Tell me a joke."},
+            {"role": "assistant", "content": "Why did the chicken\ncross the road?"}]
+    for messages in (conv, conv[1:]):  # the second starts with an assistant turn (common in ShareGPT)
+        out = tokenize_conversation(tok, messages, 512)
+        runs = [tok.decode(r) for r in _masked_runs(out["input_ids"], out["loss_mask"])]
+        assert runs == ["Hello! How can I help?<|im_end|>", "Why did the chicken\ncross the road?<|im_end|>"]
+        assert out["input_ids"] == tok(tok.apply_chat_template(messages, tokenize=False),
+                                       add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.integration
+def test_mtbench_prompts_real(smollm_tokenizer):
+    prompts = mtbench_prompts(smollm_tokenizer)
+    assert len(prompts) == 80
+    assert smollm_tokenizer.decode(prompts[0]).endswith("<|im_start|>assistant\n")
+
+
+def test_mtbench_prompts_from_file(tiny_tokenizer, tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["hello world", "why ?"]}) + "\n")
+    one = mtbench_prompts(tiny_tokenizer, path=path)
+    assert tiny_tokenizer.convert_ids_to_tokens(one[0]) == [
+        "<|im_start|>", "user", "hello", "world", "<|im_end|>", "<|im_start|>", "assistant"]
+    assert len(mtbench_prompts(tiny_tokenizer, turns=2, path=path)) == 2
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def _samples(lengths):
+    return [{"input_ids": list(range(1, n + 1)), "loss_mask": [i % 2 for i in range(n)]} for n in lengths]
+
+
+def test_collate_right_pads():
+    batch = collate(_samples([3, 5, 1]), pad_id=0)
+    assert {k: tuple(v.shape) for k, v in batch.items()} == {k: (3, 5) for k in ("input_ids", "attention_mask", "loss_mask")}
+    assert all(v.dtype == torch.long for v in batch.values())
+    assert batch["input_ids"][0].tolist() == [1, 2, 3, 0, 0]
+    assert batch["attention_mask"].sum(1).tolist() == [3, 5, 1]
+    assert batch["loss_mask"][1].tolist() == [0, 1, 0, 1, 0]
+
+
+def test_bucket_by_length():
+    lengths = [int(x) for x in torch.randint(1, 500, (203,), generator=torch.Generator().manual_seed(0))]
+    batches = bucket_by_length(lengths, batch_size=8, seed=3, window=4)
+    assert sorted(i for b in batches for i in b) == list(range(203))
+    assert sum(len(b) < 8 for b in batches) <= -(-203 // 32)  # at most one short batch per window
+    assert batches == bucket_by_length(lengths, batch_size=8, seed=3, window=4)
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches)
+    rand = [list(range(i, min(i + 8, 203))) for i in range(0, 203, 8)]
+    assert spread < sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in rand) / 2
+
+
+def test_pack_samples():
+    samples = _samples([5, 4, 3, 9, 2, 2])
+    rows = pack_samples(samples, max_length=10)
+    assert [len(r["input_ids"]) for r in rows] == [9, 3, 9, 4]
+    assert [r["num_sequences"] for r in rows] == [2, 1, 1, 2]
+    for key in ("input_ids", "loss_mask"):
+        assert np.concatenate([r[key] for r in rows]).tolist() == sum((s[key] for s in samples), [])
+
+
+def test_save_load_samples_roundtrip(tmp_path):
+    samples = _samples([3, 1, 4])
+    save_samples(tmp_path / "s.safetensors", samples, {"x": 1})
+    loaded, meta = load_samples(tmp_path / "s.safetensors")
+    assert meta == {"x": 1} and len(loaded) == 3
+    assert all(a["input_ids"].tolist() == b["input_ids"] and a["loss_mask"].tolist() == b["loss_mask"]
+               for a, b in zip(loaded, samples))
+
+
+def _convs(n: int) -> list[dict]:
+    return [{"conversations": [{"from": "human", "value": "hello world " * (1 + i % 4)},
+                               {"from": "gpt", "value": "the answer is python ." * (1 + i % 3)}]} for i in range(n)]
+
+
+def test_datamodule_split_batches_and_cache(tiny_tokenizer, tmp_path, monkeypatch):
+    spec = str(_write_jsonl(tmp_path / "chat.jsonl", _convs(50)))
+    dm = ChatDataModule(tiny_tokenizer, spec, max_length=24, batch_size=4, val_fraction=0.1, seed=1,
+                        cache_dir=tmp_path / "cache")
+    dm.prepare_data()
+    dm.setup("fit")
+    assert (len(dm.train_set), len(dm.val_set)) == (45, 5)
+    assert dm.cache_path.is_file() and dm.cache_path.suffix == ".safetensors"
+    batches = list(dm.train_dataloader())
+    assert sum(b["input_ids"].shape[0] for b in batches) == 45
+    for b in batches:
+        assert b["input_ids"].shape == b["loss_mask"].shape == b["attention_mask"].shape
+        assert b["input_ids"].shape[1] <= 24 and b["loss_mask"].sum() > 0
+        assert (b["loss_mask"] <= b["attention_mask"]).all()
+    assert sum(b["input_ids"].shape[0] for b in dm.val_dataloader()) == 5
+
+    def no_reload(*args, **kwargs):
+        raise AssertionError("the cache should have been used")
+
+    monkeypatch.setattr(data_mod, "load_conversations", no_reload)
+    again = ChatDataModule(tiny_tokenizer, spec, max_length=24, batch_size=4, val_fraction=0.1, seed=1,
+                           cache_dir=tmp_path / "cache", packing=True)
+    again.setup("fit")
+    for a, b in zip(again.train_set.samples + again.val_set.samples, dm.train_set.samples + dm.val_set.samples):
+        assert np.array_equal(a["input_ids"], b["input_ids"]) and np.array_equal(a["loss_mask"], b["loss_mask"])
+    packed = list(again.train_dataloader())
+    assert all(b["input_ids"].shape[1] <= 24 for b in packed)
+    assert sum(int(b["attention_mask"].sum()) for b in packed) == sum(dm.train_set.lengths)
+    other = ChatDataModule(tiny_tokenizer, spec, max_length=32, batch_size=4, cache_dir=tmp_path / "cache")
+    assert other.cache_path != dm.cache_path
