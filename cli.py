@@ -86,7 +86,7 @@ def _convert(export_dir, out, fmt: str, method: str, target: str | None):
 
 
 def _cmd_assets(args: argparse.Namespace) -> int:
-    from draftsmith.distill import assets
+    from draftsmith import assets
 
     target = assets.default_target_dir()
     conversations, report = assets.read_sharegpt(assets.sharegpt_path())

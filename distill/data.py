@@ -23,8 +23,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from draftsmith.distill import assets
-from draftsmith.distill.assets import (
+from draftsmith import assets
+from draftsmith.assets import (
     ReadReport,
     StreamStats,
     iter_json_records,

@@ -76,7 +76,7 @@ class Target(nn.Module):
         """Load a HF causal LM folder (or hub name, if the user allows the network) as a frozen target."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from draftsmith.distill.assets import resolve_target
+        from draftsmith.assets import resolve_target
 
         path = resolve_target(name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

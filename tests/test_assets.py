@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.distill import assets
-from draftsmith.distill.assets import (
+from draftsmith import assets
+from draftsmith.assets import (
     AssetError,
     StreamStats,
     iter_json_records,

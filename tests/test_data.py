@@ -151,7 +151,7 @@ def test_unsupported_templates_raise():
 def smollm_tokenizer():
     from transformers import AutoTokenizer
 
-    from draftsmith.distill.assets import default_target_dir
+    from draftsmith.assets import default_target_dir
 
     return AutoTokenizer.from_pretrained(default_target_dir())
 

@@ -1,0 +1,62 @@
+"""Greedy tree verification: the longest drafted prefix that matches the target's argmax, on every candidate path.
+
+Sampling verification (rejection sampling over a tree) is a short, data-dependent walk over a handful of nodes; it lives
+in :mod:`draftsmith.runtime.verify` in plain torch, where a kernel would save nothing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from draftsmith.kernels.dispatch import resolve_backend
+
+
+class GreedyVerifyResult(NamedTuple):
+    """Outcome of :func:`greedy_verify`."""
+
+    best_path: int  # row of ``paths`` with the longest accepted prefix (first one on ties)
+    accept_len: int  # drafted tokens accepted on that path (the root is not counted)
+    bonus_token: int  # target argmax at the last accepted node
+    accept_lens: torch.Tensor  # [P] accepted length of every path
+    argmax: torch.Tensor  # [N] target argmax at every node
+
+
+def greedy_accept_lengths_torch(
+    paths: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: per-node argmax [N] and per-path accepted length [P]."""
+    amax = logits.argmax(-1)  # [N]
+    parent = paths[:, :-1]  # [P, D]
+    child = paths[:, 1:]  # [P, D]
+    has_child = child >= 0
+    match = has_child & (tokens[child.clamp(min=0)] == amax[parent.clamp(min=0)])  # [P, D]
+    lens = match.long().cumprod(dim=1).sum(dim=1)  # [P]
+    return amax, lens
+
+
+def greedy_verify(
+    paths: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor, backend: str = "auto"
+) -> GreedyVerifyResult:
+    """Greedy verification of a draft tree.
+
+    paths [P, D+1]: node indices of every root->leaf path (column 0 is the root, -1 padded); tokens [N]: node tokens;
+    logits [N, V]: target logits at every node (logits at node i predict the token after node i). A path accepts the
+    longest prefix with tokens[path[d+1]] == argmax(logits[path[d]]); the best path is the longest (first on ties) and
+    the bonus token is the target argmax at its last accepted node.
+    """
+    if paths.dim() != 2 or tokens.dim() != 1 or logits.dim() != 2 or logits.shape[0] != tokens.shape[0]:
+        raise ValueError(f"greedy_verify expects paths [P, D+1], tokens [N], logits [N, V]; got "
+                         f"{tuple(paths.shape)}, {tuple(tokens.shape)}, {tuple(logits.shape)}")
+    if paths.numel() == 0 or bool((paths[:, 0] < 0).any()):
+        raise ValueError("every path must start at a node (column 0 is the root)")
+    if resolve_backend(backend, paths, tokens, logits) == "triton":
+        from draftsmith.kernels._triton_verify import greedy_accept_lengths_triton
+
+        amax, lens = greedy_accept_lengths_triton(paths, tokens, logits)
+    else:
+        amax, lens = greedy_accept_lengths_torch(paths.long(), tokens.long(), logits)
+    best = int(lens.argmax())  # first maximal index
+    acc = int(lens[best])
+    last_node = int(paths[best, acc])
+    return GreedyVerifyResult(best, acc, int(amax[last_node]), lens, amax)

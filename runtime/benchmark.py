@@ -1,0 +1,247 @@
+"""``draftsmith bench``: prove an export in the runtime: tau, acceptance curve, tokens/s, speedups, lossless.
+
+Writes ``bench.json`` (fields below), ``bench.md`` (a table) and ``acceptance.png`` (per-position acceptance).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith import assets
+from draftsmith.export.format import check_target, read_config
+from draftsmith.export.identity import target_identity
+from draftsmith.runtime.autoregressive import load_decoder
+from draftsmith.runtime.bench import compare_outputs, eos_ids_from_folder, time_decode, time_hf_generate, time_runtime_ar
+from draftsmith.runtime.proposers import build_proposer
+from draftsmith.runtime.speculative import SpeculativeDecoder
+from draftsmith.runtime.verify import GreedyVerifier, RejectionSamplingVerifier, TypicalVerifier
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Runtime:
+    """A loaded target (runtime decoder + tokenizer) and, optionally, a speculative decoder for an export."""
+
+    folder: str
+    model: Any
+    tokenizer: Any
+    eos_ids: tuple[int, ...]
+    export_config: dict | None = None
+    speculative: SpeculativeDecoder | None = None
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``fp32`` / ``bf16`` -> torch dtype, with the valid names in the error."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def make_verifier(name: str, temperature: float, kernels: str, export_config: dict | None) -> Any:
+    """greedy (lossless at T=0), rejection (lossless sampling), typical (Medusa's lossy rule)."""
+    if name == "auto":
+        name = "greedy" if temperature == 0 else "rejection"
+    if name == "greedy":
+        if temperature != 0:
+            raise ValueError("the greedy verifier decodes at temperature 0; use --verifier rejection for sampling")
+        return GreedyVerifier(kernels)
+    if name == "rejection":
+        return RejectionSamplingVerifier(temperature=max(temperature, 1e-5))
+    if name == "typical":
+        typical = (export_config or {}).get("inference", {}).get("typical", {})
+        return TypicalVerifier(float(typical.get("posterior_threshold", 0.09)),
+                               float(typical.get("posterior_alpha", 0.3)), temperature=max(temperature, 1e-5))
+    raise ValueError(f"unknown verifier {name!r}; valid: auto, greedy, rejection, typical")
+
+
+def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", kernels: str = "auto",
+                 verifier: str = "auto", temperature: float = 0.0, max_cache_len: int = 4096) -> Runtime:
+    """Load the target (from ``target`` or the export's record) and the export's proposer, checking identity."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    export_config = read_config(drafter) if drafter else None
+    name = target or (export_config["target"]["name_or_path"] if export_config else "smollm2-135m")
+    folder = assets.resolve_target(name)
+    if not Path(folder).is_dir():
+        raise FileNotFoundError(f"target folder {folder} not found; pass --target PATH to the target the drafter "
+                                "was trained for")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = load_decoder(folder, dtype=resolve_dtype(dtype), kernel_backend=kernels)
+    runtime = Runtime(str(folder), model, tokenizer, eos_ids_from_folder(folder), export_config)
+    if drafter:
+        identity = target_identity(export_config["target"]["name_or_path"], AutoConfig.from_pretrained(folder),
+                                   tokenizer, model.lm_head_weight)
+        check_target(export_config, identity)
+        proposer = build_proposer(drafter, model)
+        runtime.speculative = SpeculativeDecoder(model, proposer, make_verifier(verifier, temperature, kernels,
+                                                                                export_config),
+                                                 kernels_backend=kernels, max_cache_len=max_cache_len)
+    return runtime
+
+
+def load_prompts(spec: str, tokenizer: Any, limit: int | None) -> list[list[int]]:
+    """``mtbench`` (first turns of the 80 questions) or a jsonl with ``prompt`` or MT-Bench ``turns``."""
+    if spec == "mtbench":
+        texts = [q["turns"][0] for q in assets.mtbench_questions()]
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompts file {path} not found (use 'mtbench' or a .jsonl with a 'prompt' field)")
+        texts = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{n}: not valid JSON ({err})") from err
+            text = record.get("prompt") or (record.get("turns") or [None])[0]
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"{path}:{n}: needs a non-empty 'prompt' string or a 'turns' list")
+            texts.append(text)
+    texts = texts[:limit] if limit else texts
+    if not texts:
+        raise ValueError(f"no prompts in {spec}")
+    return [encode_chat(tokenizer, t) for t in texts]
+
+
+def encode_chat(tokenizer: Any, text: str) -> list[int]:
+    """Render one user turn with the target's chat template and the generation prompt."""
+    if not text.strip():
+        raise ValueError("empty prompt: give some text to continue")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def _step_costs(runtime: Runtime, prompt: list[int], repeats: int = 5) -> dict[str, float]:
+    """Median wall time of one plain decode step and of one verify forward of the export's tree."""
+    model, spec = runtime.model, runtime.speculative
+    nodes = spec.proposer.max_tree_nodes if spec else 1
+    cache = model.allocate_cache(len(prompt) + nodes + 1)
+    with torch.inference_mode():
+        model.forward(torch.tensor(prompt), cache, logits_for="last")
+        cache.commit(len(prompt))
+
+        def one(tokens: int) -> float:
+            ids = torch.full((tokens,), int(prompt[-1]))
+            mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+            start = time.perf_counter()
+            model.forward(ids, cache, tree_mask=mask if tokens > 1 else None, logits_for="all")
+            return time.perf_counter() - start
+
+        one(1)
+        step = statistics.median(one(1) for _ in range(repeats))
+        verify = statistics.median(one(nodes) for _ in range(repeats))
+    return {"tree_nodes": nodes, "ar_step_ms": 1e3 * step, "verify_forward_ms": 1e3 * verify}
+
+
+def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, skip_hf: bool = False,
+              temperature: float = 0.0) -> dict[str, Any]:
+    """Time HF generate, runtime AR and speculative decoding on the same prompts; check losslessness."""
+    spec = runtime.speculative
+    hf = None if skip_hf else time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=runtime.model.dtype)
+    ar = time_runtime_ar(runtime.model, prompts, max_new_tokens, eos_ids=runtime.eos_ids)
+    results: list[Any] = []
+
+    def decode(prompt: list[int]) -> list[int]:
+        gen = torch.Generator().manual_seed(len(results))
+        result = spec.generate(prompt, max_new_tokens, eos_ids=runtime.eos_ids, generator=gen)
+        results.append(result)
+        return result.tokens
+
+    sp = time_decode(decode, prompts, warmup=lambda: spec.generate(prompts[0], 4, eos_ids=runtime.eos_ids))
+    results = results[-len(prompts):]
+    steps = sum(r.steps for r in results)
+    tau = sum(sum(a + 1 for a in r.accepted_per_step) for r in results) / max(1, steps)
+    depth = max((len(r.acceptance_by_position) for r in results), default=0)
+    reached = [0] * depth
+    accepted = [0] * depth
+    for r in results:  # pool the per-prompt curves weighted by how often each depth was reached
+        for a in r.accepted_per_step:
+            for d in range(depth):
+                if a >= d:
+                    reached[d] += 1
+                    accepted[d] += a > d
+    by_position = [accepted[d] / reached[d] if reached[d] else 0.0 for d in range(depth)]
+    reference = hf["outputs"] if hf else ar["outputs"]
+    lossless = None
+    verifier_lossless = getattr(spec.verifier, "lossless", True)
+    if temperature == 0 and verifier_lossless:
+        lossless = compare_outputs(reference, sp["outputs"])
+    costs = _step_costs(runtime, prompts[0])
+    ar_step = ar["seconds"] / max(1, ar["tokens"])
+    spec_step = sp["seconds"] / max(1, steps)
+    tps = {"hf_generate": hf["tokens_per_s"] if hf else None, "runtime_ar": ar["tokens_per_s"],
+           "speculative": sp["tokens_per_s"]}
+    return {
+        "method": runtime.export_config["method"], "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "dtype": str(runtime.model.dtype).replace("torch.", ""), "temperature": temperature,
+        "verifier": type(spec.verifier).__name__, "tau": tau, "acceptance_by_position": by_position,
+        "tokens_per_s": tps,
+        "speedup": {"vs_hf_generate": (tps["speculative"] / tps["hf_generate"]) if hf else None,
+                    "vs_runtime_ar": tps["speculative"] / tps["runtime_ar"],
+                    "runtime_ar_vs_hf_generate": (tps["runtime_ar"] / tps["hf_generate"]) if hf else None},
+        "lossless": None if lossless is None else lossless["all_identical"], "lossless_detail": lossless,
+        "runtime_ar_matches_hf": compare_outputs(hf["outputs"], ar["outputs"])["all_identical"] if hf else None,
+        "step_costs": {**costs, "ar_step_ms_in_decode": 1e3 * ar_step, "spec_step_ms_in_decode": 1e3 * spec_step,
+                       "predicted_speedup_tau_x_step_over_verify": tau * costs["ar_step_ms"] / costs["verify_forward_ms"],
+                       "memory_floor_ms_bf16": 270e6 / 36e9 * 1e3},
+        "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    return "n/a" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The human-readable summary printed by ``draftsmith bench`` and written to ``bench.md``."""
+    t, s, c = result["tokens_per_s"], result["speedup"], result["step_costs"]
+    rows = [
+        ("method", result["method"]), ("prompts x max new tokens", f"{result['prompts']} x {result['max_new_tokens']}"),
+        ("dtype / verifier", f"{result['dtype']} / {result['verifier']}"),
+        ("tau (mean accepted length, incl. bonus)", _fmt(result["tau"], 3)),
+        ("acceptance by position", ", ".join(f"{a:.2f}" for a in result["acceptance_by_position"])),
+        ("HF generate tokens/s", _fmt(t["hf_generate"], 1)), ("runtime AR tokens/s", _fmt(t["runtime_ar"], 1)),
+        ("speculative tokens/s", _fmt(t["speculative"], 1)),
+        ("speedup vs HF generate", _fmt(s["vs_hf_generate"])), ("speedup vs runtime AR", _fmt(s["vs_runtime_ar"])),
+        ("runtime AR vs HF generate", _fmt(s["runtime_ar_vs_hf_generate"])),
+        ("one AR step / one verify forward (ms)", f"{c['ar_step_ms']:.1f} / {c['verify_forward_ms']:.1f} "
+                                                  f"({c['tree_nodes']} nodes)"),
+        ("tau x step/verify (predicted speedup)", _fmt(c["predicted_speedup_tau_x_step_over_verify"])),
+        ("lossless (greedy spec == greedy target)", _fmt(result["lossless"])),
+    ]
+    return "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
+
+
+def write_outputs(result: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write bench.json, bench.md and acceptance.png into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "bench.md").write_text(markdown_table(result))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    curve = result["acceptance_by_position"]
+    ax.bar(range(1, len(curve) + 1), curve, color="#3b7dd8")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | reached)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{result['method']}: tau={result['tau']:.2f}, x{result['speedup']['vs_runtime_ar']:.2f} vs AR")
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=110)
+    plt.close(fig)
+    return out

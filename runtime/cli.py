@@ -1,0 +1,83 @@
+"""Runtime subcommands of the ``draftsmith`` command: generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target folder (default: the one recorded in the export)")
+    p.add_argument("--dtype", default="fp32", help="fp32 (exact) or bf16 (faster)")
+    p.add_argument("--kernels", default="auto", help="auto | torch | triton")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--verifier", default="auto", help="auto | greedy | rejection | typical (lossy)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Register ``generate`` and ``bench``."""
+    g = sub.add_parser("generate", help="stream a completion (speculative with --drafter, else autoregressive)")
+    g.add_argument("--drafter", default=None, help="export folder of a trained drafter")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--seed", type=int, default=0)
+    _add_common(g)
+    b = sub.add_parser("bench", help="tau, acceptance, tokens/s and lossless check of an export")
+    b.add_argument("--drafter", required=True, help="export folder of a trained drafter")
+    b.add_argument("--prompts", default="mtbench", help="mtbench or a .jsonl with 'prompt' (or 'turns')")
+    b.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    b.add_argument("--out", default=None, help="folder for bench.json, bench.md, acceptance.png")
+    b.add_argument("--skip-hf", action="store_true", help="do not time HF generate")
+    _add_common(b)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream decoded text to stdout."""
+    import torch
+
+    from draftsmith.runtime.autoregressive import generate_ar
+    from draftsmith.runtime.benchmark import encode_chat, load_runtime
+
+    rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature)
+    prompt = encode_chat(rt.tokenizer, args.prompt)
+    generator = torch.Generator().manual_seed(args.seed)
+    emitted: list[int] = []
+    printed = ""
+
+    def stream(token: int) -> None:
+        nonlocal printed
+        emitted.append(token)
+        text = rt.tokenizer.decode(emitted, skip_special_tokens=True)
+        sys.stdout.write(text[len(printed):])
+        sys.stdout.flush()
+        printed = text
+
+    if rt.speculative is not None:
+        result = rt.speculative.generate(prompt, args.max_new_tokens, eos_ids=rt.eos_ids, generator=generator,
+                                         stream=stream)
+        print(f"\n[tau {result.tau:.2f} over {result.steps} target forwards]", file=sys.stderr)
+    else:
+        generate_ar(rt.model, prompt, args.max_new_tokens, temperature=args.temperature, eos_ids=rt.eos_ids,
+                    generator=generator, stream=stream)
+        print()
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the table, write JSON/markdown/PNG with --out."""
+    from draftsmith.runtime.benchmark import load_prompts, load_runtime, markdown_table, run_bench, write_outputs
+
+    rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature)
+    prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts)
+    result = run_bench(rt, prompts, args.max_new_tokens, skip_hf=args.skip_hf, temperature=args.temperature)
+    print(markdown_table(result))
+    if args.out:
+        out = write_outputs(result, args.out)
+        print(f"wrote {out / 'bench.json'}, bench.md, acceptance.png")
+    else:
+        print(json.dumps({k: result[k] for k in ("tau", "tokens_per_s", "speedup", "lossless")}, indent=2))
+    return 0
+
+
+HANDLERS = {"generate": cmd_generate, "bench": cmd_bench}

@@ -1,0 +1,265 @@
+"""Verifiers (greedy, typical acceptance, tree rejection sampling) and stop policies of the speculative loop.
+
+A verifier turns a DraftTree and the target logits at every node (``logits [N, V]``: row i predicts the token after
+node i) into an :class:`Acceptance`: the accepted root->node path and the bonus token the target adds after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from draftsmith.kernels.verify import greedy_verify
+from draftsmith.runtime.tree import DraftTree
+
+
+@dataclass
+class Acceptance:
+    """Outcome of verifying one tree. ``path_nodes`` starts with the root (node 0)."""
+
+    path_nodes: list[int]
+    accepted_tokens: list[int]  # tokens of path_nodes[1:]
+    bonus_token: int
+    num_accepted: int  # len(accepted_tokens); tokens emitted this step = num_accepted + 1
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """softmax(logits / temperature) restricted to the top-p nucleus and renormalised, in float64 (``[..., V]``)."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Keep a token if the mass strictly before it is < top_p (the smallest set reaching top_p).
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def on_generator_device(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``x`` on the generator's device (random draws must happen where the generator lives)."""
+    return x if generator is None or x.device == generator.device else x.to(generator.device)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(on_generator_device(probs, generator), 1, generator=generator))
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    device = generator.device if generator is not None else "cpu"
+    return float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """What the speculative loop needs from a verifier."""
+
+    lossless: bool  # True when the output distribution equals the target's (greedy: identical tokens)
+
+    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
+        """Accept a path of ``tree`` given target logits [N, V] at every node."""
+        ...
+
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
+        """Draw one token from the target logits [V] (the first token after the prompt)."""
+        ...
+
+
+class GreedyVerifier:
+    """Lossless greedy: the longest path whose drafted tokens equal the target argmax; bonus = argmax after it."""
+
+    lossless = True
+
+    def __init__(self, kernels_backend: str = "auto") -> None:
+        self.kernels_backend = kernels_backend
+
+    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
+        """See :func:`draftsmith.kernels.verify.greedy_verify`."""
+        paths = tree.retrieve_indices.to(logits.device)
+        res = greedy_verify(paths, tree.tokens.to(logits.device), logits, backend=self.kernels_backend)
+        nodes = [int(i) for i in paths[res.best_path, : res.accept_len + 1]]
+        toks = [int(tree.tokens[i]) for i in nodes[1:]]
+        return Acceptance(nodes, toks, res.bonus_token, res.accept_len)
+
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
+        """Target argmax."""
+        return int(logits.argmax(-1))
+
+
+class TypicalVerifier:
+    """Medusa's typical acceptance (LOSSY: the output distribution is not the target's).
+
+    A drafted token x is accepted if ``p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p)))`` with p the
+    target distribution at temperature ``temperature``; the longest accepted path wins (ties: higher sum of log p).
+    As in Medusa's fast mode the bonus and first tokens are the target argmax.
+    """
+
+    lossless = False
+
+    def __init__(self, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, temperature: float = 0.7) -> None:
+        if temperature <= 0:
+            raise ValueError("typical acceptance needs temperature > 0; use GreedyVerifier for temperature 0")
+        self.posterior_threshold = posterior_threshold
+        self.posterior_alpha = posterior_alpha
+        self.temperature = temperature
+
+    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
+        """Accept the longest path whose tokens are all typical under the target."""
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)  # [N, V]
+        entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)  # [N]
+        threshold = torch.minimum(torch.full_like(entropy, self.posterior_threshold),
+                                  self.posterior_alpha * torch.exp(-entropy))  # [N]
+        paths = tree.retrieve_indices.to(logits.device)  # [P, D+1]
+        parent, child = paths[:, :-1].clamp(min=0), paths[:, 1:]
+        tokens = tree.tokens.to(logits.device)
+        p_child = probs[parent, tokens[child.clamp(min=0)]]  # [P, D] p of each drafted token under its parent
+        ok = (child >= 0) & (p_child > threshold[parent])
+        alive = ok.long().cumprod(dim=1)  # [P, D]
+        lens = alive.sum(1)  # [P]
+        score = (torch.log(p_child.clamp(min=1e-30)) * alive).sum(1)  # tie-break among the longest
+        best_len = int(lens.max())
+        cand = torch.nonzero(lens == best_len).flatten()
+        best = int(cand[score[cand].argmax()])
+        nodes = [int(i) for i in paths[best, : best_len + 1]]
+        return Acceptance(nodes, [int(tree.tokens[i]) for i in nodes[1:]], int(logits[nodes[-1]].argmax()), best_len)
+
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
+        """Target argmax (Medusa fast mode)."""
+        return int(logits.argmax(-1))
+
+
+class RejectionSamplingVerifier:
+    """Tree speculative sampling that preserves the target distribution exactly (temperature / top-p applied to p).
+
+    Walk from the root. At each node, with p the target distribution there, try its children in drafted order:
+    - stochastic children drawn from q (``draft_q`` of the parent): accept x with min(1, p(x)/q(x)); on rejection
+      p <- norm(max(0, p - q)) and, if siblings were drawn without replacement, q <- q with x removed, renormalised
+      (multi-candidate speculative sampling, SpecInfer / EAGLE-1). Each step is ordinary rejection sampling of p
+      against the conditional law of the next sibling given the earlier ones, so the emitted token is exactly ~ p.
+    - deterministic children (``point_mass``: top-k drafts, Medusa heads, greedy chains): the proposal is the point
+      mass at x, so min(1, p(x)/1) = p(x) and the residual max(0, p - delta_x) normalised is p with x zeroed and
+      renormalised. The emitted token is then x with probability p(x) and otherwise drawn from p(. | != x): exactly
+      p. Because the children only depend on the context (not on the target's coin flips), this holds at every
+      depth, so the whole emitted sequence has the target's law.
+    If every child is rejected (or the node is a leaf), the bonus token is drawn from the current residual p.
+
+    The point-mass rule is exact for any child chosen independently of the verifier's coin flips, sampled ones
+    included (EAGLE-2/3 apply it to top-k drafts); with a recorded q the min(1, p/q) rule accepts more often.
+    """
+
+    lossless = True
+
+    def __init__(self, temperature: float = 1.0, top_p: float = 1.0) -> None:
+        if temperature <= 0:
+            raise ValueError("rejection sampling needs temperature > 0; use GreedyVerifier for temperature 0")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        self.temperature = temperature
+        self.top_p = top_p
+
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
+        """Draw from the (temperature, top-p) target distribution."""
+        return _sample(target_probs(logits, self.temperature, self.top_p), generator)
+
+    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
+        """Walk the tree with (multi-candidate) rejection sampling; see the class docstring."""
+        logits = on_generator_device(logits, generator)  # [N, V]
+        point_mass = tree.draft_mode == "point_mass"
+        without_replacement = tree.draft_mode == "without_replacement"
+        node, nodes = 0, [0]
+        while True:
+            p = target_probs(logits[node], self.temperature, self.top_p)  # [V] float64
+            q = None if point_mass else tree.draft_q[node].to(p.device, torch.float64).clone()  # [V]
+            chosen = None
+            for child in tree.children(node):
+                x = int(tree.tokens[child])
+                if point_mass:
+                    accept_prob = float(p[x])
+                else:
+                    if float(q[x]) <= 0:
+                        raise ValueError(f"node {child} drafted token {x} which has probability 0 under its recorded "
+                                         "draft distribution; the proposer's draft_q is inconsistent")
+                    accept_prob = min(1.0, float(p[x] / q[x]))
+                if _uniform(generator) < accept_prob:
+                    chosen = child
+                    break
+                if point_mass:
+                    residual = p.clone()
+                    residual[x] = 0.0
+                else:
+                    residual = (p - q).clamp(min=0.0)
+                    if without_replacement:
+                        q[x] = 0.0
+                        q = q / q.sum() if float(q.sum()) > 0 else q
+                total = float(residual.sum())
+                if total > 1e-12:  # == 0 only when x could not have been rejected; keep p then
+                    p = residual / total
+            if chosen is None:
+                return Acceptance(nodes, [int(tree.tokens[i]) for i in nodes[1:]], _sample(p, generator),
+                                  len(nodes) - 1)
+            node = chosen
+            nodes.append(node)
+
+
+# --- stop policies: bound how far a proposer drafts -------------------------------------------------------------
+
+
+@runtime_checkable
+class StopPolicy(Protocol):
+    """Decides when a proposer stops drafting; ``max_depth`` bounds the draft depth.
+
+    A learned acceptance head (SpecDec++) implements this by predicting, from the drafter's state, the probability
+    that the next draft token will be rejected, and stopping when it exceeds a threshold.
+    """
+
+    max_depth: int
+
+    def should_stop(self, depth: int, confidence: float, state: torch.Tensor | None = None) -> bool:
+        """After ``depth`` drafted tokens on a path, whose last has drafter confidence ``confidence`` (its draft
+        probability) and drafter ``state`` (e.g. a hidden vector), stop extending this path?"""
+        ...
+
+
+@dataclass
+class FixedDepth:
+    """Always draft ``max_depth`` tokens (a static tree is truncated to this depth)."""
+
+    max_depth: int = 4
+
+    def should_stop(self, depth: int, confidence: float, state: torch.Tensor | None = None) -> bool:
+        """Stop at the fixed depth."""
+        return depth >= self.max_depth
+
+
+@dataclass
+class ConfidenceStop:
+    """Stop extending a path once the drafter's probability of its last token falls below ``threshold``."""
+
+    threshold: float = 0.3
+    max_depth: int = 8
+
+    def should_stop(self, depth: int, confidence: float, state: torch.Tensor | None = None) -> bool:
+        """Stop when the last drafted token was unconfident, or at ``max_depth``."""
+        return depth >= self.max_depth or confidence < self.threshold
+
+
+@dataclass
+class LearnedStop:
+    """Stop when a learned head predicts the next draft token is likely rejected (SpecDec++ style).
+
+    ``head`` maps the drafter state [H] to a logit of P(rejection); stop when sigmoid(logit) >= ``threshold``.
+    """
+
+    head: torch.nn.Module
+    threshold: float = 0.7
+    max_depth: int = 8
+
+    def should_stop(self, depth: int, confidence: float, state: torch.Tensor | None = None) -> bool:
+        """Stop at ``max_depth`` or when the head's rejection probability reaches the threshold."""
+        if depth >= self.max_depth:
+            return True
+        if state is None:
+            raise ValueError("LearnedStop needs the drafter state; this proposer does not provide one")
+        with torch.no_grad():
+            return float(torch.sigmoid(self.head(state).reshape(-1)[0])) >= self.threshold

@@ -1,0 +1,401 @@
+"""End-to-end speculative decoding on tiny random Llamas (fp32): greedy is token-identical to plain greedy decoding,
+and tree rejection sampling reproduces the target's distribution (chi-square against the exact distribution)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import transformers
+from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+from draftsmith.runtime.model import LeanDecoder, ModelConfig
+from draftsmith.runtime.proposers import (
+    ChainProposer,
+    DecoderDrafter,
+    DraftState,
+    MedusaProposer,
+    NullProposer,
+    SampledTreeProposer,
+)
+from draftsmith.runtime.speculative import SpeculativeDecoder
+from draftsmith.runtime.verify import (
+    Acceptance,
+    ConfidenceStop,
+    GreedyVerifier,
+    RejectionSamplingVerifier,
+    TypicalVerifier,
+    target_probs,
+)
+from torch import nn
+
+VOCAB = 96
+PROMPTS = [[1, 5, 9], [7], [3, 3, 3, 3, 40, 41, 42, 17, 88, 2, 60]]
+NEW = 48
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: thread hand-offs cost more than they save on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_llama(seed: int, vocab: int = VOCAB, hidden: int = 64, layers: int = 2, head_scale: float = 1.0):
+    """(HF model, LeanDecoder) with the same random weights; ``head_scale`` sharpens the output distribution."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, bos_token_id=None, eos_token_id=None)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.generation_config.eos_token_id = None  # no EOS: generate exactly max_new_tokens
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(head_scale)
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    return hf, LeanDecoder(ModelConfig.from_hf_dict(cfg.to_dict()), weights, kernel_backend="torch").eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0, head_scale=8.0)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    """Plain greedy continuations (one token-forward per step) of every prompt."""
+    return {tuple(p): plain_greedy(target[1], p, NEW) for p in PROMPTS}
+
+
+def plain_greedy(model, prompt, n):
+    cache = model.allocate_cache(len(prompt) + n)
+    logits, _ = model.forward(torch.tensor(prompt), cache)
+    cache.commit(len(prompt))
+    out = [int(logits[-1].argmax())]
+    while len(out) < n:
+        logits, _ = model.forward(torch.tensor(out[-1:]), cache)
+        cache.commit(1)
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+class CountingModel:
+    """Delegates to a decoder, counting forwards and cache compactions."""
+
+    def __init__(self, model):
+        self.model, self.forwards, self.compactions = model, 0, 0
+        self.config, self.device = model.config, model.device
+
+    def allocate_cache(self, max_len):
+        cache = self.model.allocate_cache(max_len)
+        compact = cache.compact
+
+        def counted(*args, **kwargs):
+            self.compactions += 1
+            return compact(*args, **kwargs)
+
+        cache.compact = counted
+        return cache
+
+    def forward(self, *args, **kwargs):
+        self.forwards += 1
+        return self.model.forward(*args, **kwargs)
+
+
+class OracleHeads(nn.Module):
+    """Medusa stand-in that knows the target's greedy continuation: it finds the position of the hidden state it is
+    given and ranks the true token k+2 ahead at rank 0, 1 or (absent) 2, varying with position and head, so the
+    accepted path wanders through the tree and the KV cache needs real compaction."""
+
+    def __init__(self, model, prompt, continuation, num_heads=3):
+        super().__init__()
+        self.seq = list(prompt) + list(continuation)
+        cache = model.allocate_cache(len(self.seq))
+        _, self.hiddens = model.forward(torch.tensor(self.seq), cache)  # [L, H]: h_j predicts seq[j+1]
+        self.num_heads = num_heads
+
+    def forward(self, hidden):
+        j = int((self.hiddens - hidden).norm(dim=-1).argmin())
+        logits = torch.zeros(self.num_heads, VOCAB)
+        for k in range(self.num_heads):
+            pos = j + k + 2
+            truth = self.seq[pos] if pos < len(self.seq) else 0
+            rank = (3 * j + k) % 4 % 3  # 0, 1, 2, 0, ...: mostly present, sometimes not in the top-2
+            fillers = [t for t in range(VOCAB) if t != truth][: 3]
+            order = fillers[:rank] + [truth] + fillers[rank:]
+            for r, tok in enumerate(order):
+                logits[k, tok] = 10.0 - r
+        return logits
+
+
+MEDUSA_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_lean_plain_greedy_matches_hf_generate(target, reference, prompt):
+    hf, _ = target
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out == reference[tuple(prompt)]
+
+
+def test_null_proposer_is_plain_decoding(target, reference):
+    model = CountingModel(target[1])
+    res = SpeculativeDecoder(model, NullProposer()).generate(PROMPTS[0], NEW)
+    assert res.tokens == reference[tuple(PROMPTS[0])]
+    assert res.tau == 1.0 and model.forwards == NEW  # prefill + one forward per further token
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_medusa_random_heads_is_lossless(target, reference, prompt):
+    torch.manual_seed(1)
+    heads = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=VOCAB, num_heads=3)).eval()
+    dec = SpeculativeDecoder(target[1], MedusaProposer(heads, MEDUSA_TREE, top_k=2), GreedyVerifier("torch"))
+    res = dec.generate(prompt, NEW)
+    assert res.tokens == reference[tuple(prompt)]
+    assert res.steps == len(res.accepted_per_step) and len(res.tokens) == NEW
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_medusa_oracle_heads_accepts_and_compacts(target, reference, prompt):
+    model = CountingModel(target[1])
+    heads = OracleHeads(target[1], prompt, reference[tuple(prompt)])
+    res = SpeculativeDecoder(model, MedusaProposer(heads, MEDUSA_TREE, top_k=2)).generate(prompt, NEW)
+    assert res.tokens == reference[tuple(prompt)]
+    assert res.tau > 1.8 and max(res.accepted_per_step) >= 2
+    assert model.compactions > 0  # some accepted paths were not the leftmost nodes
+    assert model.forwards == res.steps + 1
+    assert res.acceptance_by_position[0] >= res.acceptance_by_position[1] >= res.acceptance_by_position[2]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_chain_with_second_lm_is_lossless(target, reference, prompt):
+    _, drafter_lm = tiny_llama(1, head_scale=8.0)
+    dec = SpeculativeDecoder(target[1], ChainProposer(DecoderDrafter(drafter_lm, 256), depth=3))
+    res = dec.generate(prompt, NEW)
+    assert res.tokens == reference[tuple(prompt)]
+
+
+def test_greedy_chain_with_perfect_drafter_has_tau_depth_plus_one(target, reference):
+    depth = 4
+    model = CountingModel(target[1])
+    dec = SpeculativeDecoder(model, ChainProposer(DecoderDrafter(target[1], 256), depth=depth))
+    res = dec.generate(PROMPTS[2], NEW)
+    assert res.tokens == reference[tuple(PROMPTS[2])]
+    assert res.tau == depth + 1 and set(res.accepted_per_step) == {depth}
+    assert res.acceptance_by_position == [1.0] * depth
+    assert model.compactions == 0  # a chain's accepted prefix is already in place
+    assert model.forwards == 1 + math.ceil((NEW - 1) / (depth + 1))
+
+
+def test_greedy_noisy_chain_and_topk_tree_are_lossless(target, reference):
+    prompt = PROMPTS[0]
+    inner = DecoderDrafter(target[1], 256)
+
+    def noisy(ids):  # right most of the time, deterministically wrong every third length
+        logits = inner(ids)
+        return logits.roll(1) if len(ids) % 3 == 0 else logits
+
+    res = SpeculativeDecoder(target[1], ChainProposer(noisy, depth=4)).generate(prompt, NEW)
+    assert res.tokens == reference[tuple(prompt)]
+    assert 1.5 < res.tau < 5.0
+    # EAGLE-2-style top-k tree from the same drafter, with a confidence stop.
+    dec = SpeculativeDecoder(target[1], SampledTreeProposer(noisy, (2, 2, 1), temperature=0.0),
+                             stop_policy=ConfidenceStop(0.2, max_depth=3))
+    res = dec.generate(prompt, NEW)
+    assert res.tokens == reference[tuple(prompt)] and res.tau > 1.5
+
+
+def test_eos_and_stream(target, reference):
+    ref = reference[tuple(PROMPTS[1])]
+    first = next(i for i, t in enumerate(ref) if i >= 5 and ref.index(t) == i)  # a token first seen late
+    eos = ref[first]
+    chunks = []
+    dec = SpeculativeDecoder(target[1], ChainProposer(DecoderDrafter(target[1], 256), depth=3))
+    res = dec.generate(PROMPTS[1], NEW, eos_ids=(eos,), stream=chunks.append)
+    assert res.tokens == ref[: first + 1]
+    assert [t for c in chunks for t in c] == res.tokens and len(chunks) > 1
+    assert dec.generate(PROMPTS[1], 5).tokens == ref[:5]  # max_new_tokens cuts inside an accepted chain
+
+
+def test_typical_verifier_runs_and_is_labelled_lossy(target):
+    heads = OracleHeads(target[1], PROMPTS[0], plain_greedy(target[1], PROMPTS[0], 20))
+    dec = SpeculativeDecoder(target[1], MedusaProposer(heads, MEDUSA_TREE, top_k=2), TypicalVerifier(temperature=0.7))
+    res = dec.generate(PROMPTS[0], 20)
+    assert len(res.tokens) == 20 and res.lossless is False and res.tau > 1.0
+
+
+def test_build_proposer_from_medusa_export(target, reference, tmp_path):
+    from draftsmith.export.format import write_export
+    from draftsmith.runtime.proposers import build_proposer, registered_methods
+
+    torch.manual_seed(2)
+    heads = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=VOCAB, num_heads=2))
+    config = {"method": "medusa", "architecture": heads.architecture(), "target": {"name_or_path": "tiny"},
+              "inference": {"tree": [[0], [1], [0, 0]], "top_k": 2, "verifier": "greedy"}}
+    write_export(tmp_path / "medusa", heads.trainable_state_dict(), config)
+    proposer = build_proposer(tmp_path / "medusa", target[1])
+    assert isinstance(proposer, MedusaProposer) and proposer.max_tree_nodes == 4
+    assert SpeculativeDecoder(target[1], proposer).generate(PROMPTS[0], NEW).tokens == reference[tuple(PROMPTS[0])]
+    assert "medusa" in registered_methods()
+    write_export(tmp_path / "other", {"w": torch.zeros(1)}, {**config, "method": "no-such-method"})
+    with pytest.raises(ValueError, match="no runtime proposer for method 'no-such-method'"):
+        build_proposer(tmp_path / "other", target[1])
+
+
+def test_errors(target):
+    model = CountingModel(target[1])
+    dec = SpeculativeDecoder(model, ChainProposer(DecoderDrafter(target[1], 256), depth=4), max_cache_len=64)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        dec.generate([], 10)
+    with pytest.raises(ValueError, match="need 75 cache slots but the limit is 64"):
+        dec.generate(list(range(50)), 20)
+    assert model.forwards == 0  # refused before any work
+    with pytest.raises(ValueError, match="unknown kernel backend 'gpu'"):
+        SpeculativeDecoder(model, NullProposer(), kernels_backend="gpu")
+    with pytest.raises(ValueError, match="need 257 cache slots but the limit is 256"):  # model's max positions
+        SpeculativeDecoder(target[1], NullProposer()).generate(list(range(200)), 56)
+
+
+# ---- distribution tests ---------------------------------------------------------------------------------------
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value of ``counts`` against ``probs`` (cells with expected < 5 pooled into one)."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    if bool(((obs > 0) & (exp <= 0)).any()):
+        return 0.0
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))  # chi2 survival
+
+
+ALPHA = 1e-4  # strict: the correct sampler must not be flagged by chance (seeds are fixed anyway)
+SMALL_V = 8
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    """A 1-layer V=8 Llama with a sharpened (but not peaked) head, and the exact law of its first two sampled tokens."""
+    hf, lean = tiny_llama(3, vocab=SMALL_V, hidden=32, layers=1, head_scale=10.0)
+    prompt = [1, 2, 3]
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)  # [V]
+        ctx2 = torch.tensor([prompt + [a] for a in range(SMALL_V)])
+        p2 = torch.softmax(hf(ctx2).logits[:, -1].double(), -1)  # [V, V]
+    return lean, prompt, p1[:, None] * p2  # law of (t1, t2)
+
+
+def bigram_drafter(seed: int, scale: float = 2.0):
+    table = torch.randn(SMALL_V, SMALL_V, generator=torch.Generator().manual_seed(seed)) * scale
+    return lambda ids: table[ids[-1]]
+
+
+def sample_counts(decoder, prompt, n, seed):
+    """Counts of (t1, t2) over ``n`` generations: t1 comes from the prefill, t2 from verifying the first tree."""
+    counts = torch.zeros(SMALL_V, SMALL_V)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        t1, t2 = decoder.generate(prompt, 2, generator=gen).tokens
+        counts[t1, t2] += 1
+    return counts
+
+
+class ForgetsResidual(RejectionSamplingVerifier):
+    """A classic bug: after rejecting every child, draw the bonus from the target p instead of the residual."""
+
+    def verify(self, tree, logits, generator=None):
+        acc = super().verify(tree, logits, generator)
+        last = acc.path_nodes[-1]
+        if tree.children(last):  # its children were all rejected: resample from the full target instead
+            p = target_probs(logits[last], self.temperature, self.top_p)
+            return dataclasses.replace(acc, bonus_token=int(torch.multinomial(p, 1, generator=generator)))
+        return acc
+
+
+def test_rejection_sampling_with_replacement_tree_preserves_distribution(small_target):
+    lean, prompt, joint = small_target
+    dec = SpeculativeDecoder(lean, SampledTreeProposer(bigram_drafter(0), (2, 2), temperature=1.0),
+                             RejectionSamplingVerifier(temperature=1.0))
+    assert chi2_pvalue(sample_counts(dec, prompt, 4000, seed=0), joint) > ALPHA
+
+
+def test_rejection_sampling_point_mass_medusa_tree_preserves_distribution(small_target):
+    lean, prompt, joint = small_target
+    torch.manual_seed(5)
+    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=SMALL_V, num_heads=2)).eval()
+    proposer = MedusaProposer(heads, [[0], [1], [2], [0, 0], [0, 1], [1, 0]], top_k=3)
+    dec = SpeculativeDecoder(lean, proposer, RejectionSamplingVerifier(temperature=1.0))
+    assert chi2_pvalue(sample_counts(dec, prompt, 4000, seed=1), joint) > ALPHA
+
+
+def test_chi_square_has_power_against_a_wrong_sampler(small_target):
+    lean, prompt, joint = small_target
+    dec = SpeculativeDecoder(lean, SampledTreeProposer(bigram_drafter(0), (2, 2), temperature=1.0),
+                             ForgetsResidual(temperature=1.0))
+    assert chi2_pvalue(sample_counts(dec, prompt, 1500, seed=2), joint) < ALPHA
+
+
+# Decoder-free loop over a synthetic target (logits: a fixed random table indexed by the last two tokens): cheap
+# enough to check the first THREE tokens (so acceptance below the root's children matters too), sampling without
+# replacement, temperature and top-p.
+
+SYNTH = torch.randn(SMALL_V, SMALL_V, SMALL_V, generator=torch.Generator().manual_seed(11)) * 2.0  # [prev2, prev1, V]
+
+
+def synthetic_logits(ctx: list[int]) -> torch.Tensor:
+    return SYNTH[ctx[-2], ctx[-1]]
+
+
+def first_tokens(proposer, verifier, prompt, n, gen):
+    """Run the speculative loop (propose -> target logits per node -> verify) until ``n`` tokens are out."""
+    out = [verifier.sample(synthetic_logits(prompt), gen)]
+    while len(out) < n:
+        ctx = prompt + out
+        tree = proposer.propose(DraftState(torch.tensor(ctx), out[-1], torch.zeros(1), None, gen))
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        node_ctx = [ctx]
+        for i in range(1, len(tokens)):
+            node_ctx.append(node_ctx[parents[i]] + [tokens[i]])
+        logits = torch.stack([synthetic_logits(c) for c in node_ctx])  # [N, V]: row i predicts after node i
+        acc: Acceptance = verifier.verify(tree, logits, gen)
+        out += acc.accepted_tokens + [acc.bonus_token]
+    return out[:n]
+
+
+class PointMassTreatment(RejectionSamplingVerifier):
+    """Treats sampled children as point masses (EAGLE-2's rule). This is still exact - the point-mass rule is exact
+    for any child chosen independently of the target's coin flips - only less efficient."""
+
+    def verify(self, tree, logits, generator=None):
+        return super().verify(dataclasses.replace(tree, draft_q=None, draft_mode="point_mass"), logits, generator)
+
+
+@pytest.mark.parametrize("mode, verifier_cls, temperature, top_p", [
+    ("without_replacement", RejectionSamplingVerifier, 1.0, 1.0),
+    ("with_replacement", RejectionSamplingVerifier, 0.7, 0.9),
+    ("without_replacement", PointMassTreatment, 1.0, 1.0),
+])
+def test_rejection_sampling_modes_on_synthetic_target(mode, verifier_cls, temperature, top_p):
+    proposer = SampledTreeProposer(bigram_drafter(1), (3, 2), temperature=temperature, top_p=top_p,
+                                   replacement=mode == "with_replacement")
+    verifier = verifier_cls(temperature=temperature, top_p=top_p)
+    gen = torch.Generator().manual_seed(7)
+    prompt = [4, 6]
+    counts = torch.zeros(SMALL_V, SMALL_V, SMALL_V)
+    for _ in range(3000):
+        t1, t2, t3 = first_tokens(proposer, verifier, prompt, 3, gen)
+        counts[t1, t2, t3] += 1
+    p = SYNTH.double()
+    probs = target_probs(p, temperature, top_p)  # [a, b, V]: law of the next token after (..., a, b)
+    exact = probs[prompt[0], prompt[1]][:, None, None] * probs[prompt[1]][:, :, None] * probs  # [t1, t2, t3]
+    assert float(counts[exact == 0].sum()) == 0  # nothing outside the top-p nucleus
+    assert chi2_pvalue(counts.sum(2), exact.sum(2)) > ALPHA  # (t1, t2)
+    assert chi2_pvalue(counts.sum(0), exact.sum(0)) > ALPHA  # (t2, t3)
