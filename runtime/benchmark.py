@@ -18,7 +18,13 @@ from draftsmith import assets
 from draftsmith.export.format import check_target, read_config
 from draftsmith.export.identity import target_identity
 from draftsmith.runtime.autoregressive import load_decoder
-from draftsmith.runtime.bench import compare_outputs, eos_ids_from_folder, time_decode, time_hf_generate, time_runtime_ar
+from draftsmith.runtime.bench import (
+    compare_outputs,
+    eos_ids_from_folder,
+    time_decode,
+    time_hf_generate,
+    time_runtime_ar,
+)
 from draftsmith.runtime.proposers import build_proposer
 from draftsmith.runtime.speculative import SpeculativeDecoder
 from draftsmith.runtime.verify import GreedyVerifier, RejectionSamplingVerifier, TypicalVerifier

@@ -66,7 +66,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write JSON/markdown/PNG with --out."""
-    from draftsmith.runtime.benchmark import load_prompts, load_runtime, markdown_table, run_bench, write_outputs
+    from draftsmith.runtime.benchmark import (
+        load_prompts,
+        load_runtime,
+        markdown_table,
+        run_bench,
+        write_outputs,
+    )
 
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature)
     prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts)
