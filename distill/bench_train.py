@@ -25,11 +25,9 @@ def peak_rss_mib() -> float:
 
 def sample_batches(target: Target, cfg: Any, count: int) -> list[dict[str, torch.Tensor]]:
     """``count`` full rows of real chat data ([B, max_length], packed so no padding skews the count)."""
-    from draftsmith.distill.data import ChatDataModule
+    from draftsmith.distill.data import build_datamodule
 
-    data = ChatDataModule(tokenizer=target.tokenizer, spec=str(cfg.data.spec), max_length=int(cfg.data.max_length),
-                          batch_size=int(cfg.data.batch_size), limit=cfg.data.limit, packing=True,
-                          val_fraction=float(cfg.data.val_fraction), seed=int(cfg.run.seed))
+    data = build_datamodule(cfg, target.tokenizer, packing=True)
     data.setup("fit")
     batches = []
     for batch in data.train_dataloader():

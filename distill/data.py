@@ -553,3 +553,12 @@ class ChatDataModule(pl.LightningDataModule):
         if self.val_set is None:
             self.setup("validate")
         return self._loader(self.val_set, batch_size=self.batch_size, shuffle=False)
+
+
+def build_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None) -> ChatDataModule:
+    """The data module a composed config asks for (``cfg.data`` and ``cfg.run.seed``); one place for every caller."""
+    limit = cfg.data.limit
+    return ChatDataModule(tokenizer=tokenizer, spec=str(cfg.data.spec), max_length=int(cfg.data.max_length),
+                          batch_size=int(cfg.data.batch_size), num_workers=int(cfg.data.num_workers),
+                          val_fraction=float(cfg.data.val_fraction), limit=int(limit) if limit else None,
+                          packing=bool(cfg.data.packing) if packing is None else packing, seed=int(cfg.run.seed))

@@ -75,6 +75,22 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
     return loggers
 
 
+def build_strategy(trainer_cfg: DictConfig) -> Any:
+    """The Lightning strategy for ``trainer.strategy``.
+
+    ``ddp`` gets ``broadcast_buffers=False``: drafters hold the frozen target embedding / LM head as (identical,
+    non-persistent) buffers, and re-broadcasting them every step would move hundreds of MB for nothing.
+    On CPU, DDP uses gloo.
+    """
+    name = str(trainer_cfg.strategy)
+    if name == "ddp":
+        from pytorch_lightning.strategies import DDPStrategy
+
+        backend = "gloo" if str(trainer_cfg.accelerator) == "cpu" else None
+        return DDPStrategy(broadcast_buffers=False, process_group_backend=backend)
+    return name
+
+
 def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None) -> pl.Trainer:
     """A Lightning Trainer from ``cfg.trainer`` with atomic checkpoints every ``run.checkpoint_every`` steps."""
     t = cfg.trainer
@@ -83,7 +99,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None)
                                  save_last=True, save_top_k=1, monitor=None)
     val_every = int(cfg.run.val_every)
     return pl.Trainer(
-        accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, precision=t.precision,
+        accelerator=t.accelerator, devices=t.devices, strategy=build_strategy(t), precision=t.precision,
         max_steps=int(t.max_steps), accumulate_grad_batches=int(t.accumulate_grad_batches),
         gradient_clip_val=float(cfg.optim.grad_clip) or None, log_every_n_steps=int(t.log_every_n_steps),
         val_check_interval=val_every if val_every > 0 else None, check_val_every_n_epoch=None if val_every else 1,
@@ -109,7 +125,7 @@ def _scalars(metrics: dict) -> dict[str, float]:
 
 def train(cfg: DictConfig, recipe: Any, run_dir: str | Path) -> dict[str, Any]:
     """Train ``recipe`` as configured; returns a summary (steps, tokens, seconds, export folder, metrics)."""
-    from draftsmith.distill.data import ChatDataModule
+    from draftsmith.distill.data import build_datamodule
     from draftsmith.distill.exporting import export_from_module
 
     run_dir = Path(run_dir)
@@ -117,10 +133,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path) -> dict[str, Any]:
     pl.seed_everything(int(cfg.run.seed), workers=True)
     target = Target.load(cfg.target.name_or_path, cfg.target.dtype, trust_remote_code=bool(cfg.target.trust_remote_code))
     objective = recipe.build(cfg, target)
-    data = ChatDataModule(tokenizer=target.tokenizer, spec=str(cfg.data.spec), max_length=int(cfg.data.max_length),
-                          batch_size=int(cfg.data.batch_size), num_workers=int(cfg.data.num_workers),
-                          val_fraction=float(cfg.data.val_fraction), limit=cfg.data.limit,
-                          packing=bool(cfg.data.packing), seed=int(cfg.run.seed))
+    data = build_datamodule(cfg, target.tokenizer)
     module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
                            total_steps=int(cfg.trainer.max_steps))
     module.run_info = {"recipe": recipe.name, "target": target.identity(),

@@ -84,12 +84,9 @@ def training_token_batches(cfg: Any, target: Target, max_samples: int | None) ->
     Iterates the split's samples in a fixed order (not a shuffled loader) so every DDP rank gets the same
     vocabulary; the tokenised data is cached, so the trainer's own data module then reads it from disk.
     """
-    from draftsmith.distill.data import ChatDataModule
+    from draftsmith.distill.data import build_datamodule
 
-    data = ChatDataModule(tokenizer=target.tokenizer, spec=str(cfg.data.spec), max_length=int(cfg.data.max_length),
-                          batch_size=int(cfg.data.batch_size), num_workers=0,
-                          val_fraction=float(cfg.data.val_fraction), limit=cfg.data.limit, packing=False,
-                          seed=int(cfg.run.seed))
+    data = build_datamodule(cfg, target.tokenizer, packing=False)
     data.setup("fit")
     samples = data.train_set.samples
     for sample in samples[:max_samples] if max_samples else samples:

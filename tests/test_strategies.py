@@ -12,6 +12,7 @@ import pytest
 from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, StrategyRegistry
 
 from draftsmith.cli import compose_config
+from draftsmith.distill.trainer import build_trainer
 
 PRESETS = ["cpu", "gpu", "ddp", "fsdp", "deepspeed_zero2"]
 
@@ -24,13 +25,12 @@ def test_trainer_presets_compose(preset):
 
 
 def test_ddp_preset_builds_a_ddp_trainer_on_cpu(tmp_path):
-    import pytorch_lightning as pl
-
     cfg = compose_config(["recipe=medusa", "trainer=ddp", "trainer.devices=2"])
-    trainer = pl.Trainer(accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices,
-                         strategy=cfg.trainer.strategy, logger=False, default_root_dir=tmp_path)
+    trainer = build_trainer(cfg, tmp_path)
     assert isinstance(trainer.strategy, DDPStrategy) and trainer.num_devices == 2
-    assert trainer.strategy.process_group_backend in (None, "gloo")
+    assert trainer.strategy.process_group_backend == "gloo"
+    # Frozen target weights held as buffers must not be re-broadcast every step.
+    assert trainer.strategy._ddp_kwargs.get("broadcast_buffers") is False
 
 
 def test_fsdp_preset_resolves_to_fsdp_strategy():

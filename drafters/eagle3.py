@@ -1,0 +1,209 @@
+"""EAGLE-3 drafter: fused low/mid/high target features, one decoder layer, own LM head over a reduced vocab.
+
+Pair index ``t`` reads ``g_t = fc(concat(h^{l_1}_t, h^{l_2}_t, h^{l_3}_t))`` (pre-norm residual stream at the
+INPUT of target layers ``l_i``, i.e. HF ``hidden_states[l_i]``, default ``(2, L//2, L-3)``) and the next token
+``x_{t+1}``. The layer's q/k/v read ``concat(input_layernorm(embed(x_{t+1})), hidden_norm(g_t))`` (2h, embedding
+first); the residual is the un-normed ``g_t``; then post-attention norm + SwiGLU. Its output ``a_t`` (pre-norm)
+goes through ``norm`` and ``lm_head`` (h -> draft vocab) and predicts ``x_{t+2}``. Draft id ``d`` is target id
+``d + d2t[d]``; ``t2d[v]`` says whether target token ``v`` is in the draft vocab.
+
+Training-time test (``ttt_forward``): step 0 runs on ``g``; step ``j > 0`` feeds the drafter's own ``a`` (no fc)
+with the tokens shifted ``j`` more places; query ``t`` of step ``j`` (RoPE position ``t + j``) attends to step-0
+keys ``<= t`` plus the keys of index ``t`` from steps ``1..j``. This equals running ``draft_step`` step by step
+(tests/test_eagle3.py checks it).
+
+Inference (``draft_step`` with the ``KVCache`` of drafters/eagle.py): prefill with ``fuse(target layer
+features)`` of the accepted tokens paired with the following token; each further draft step passes the
+previous output ``a`` (not fused) with the token drafted from it (converted to a target id with
+``draft_to_target``), at the next position. After verification crop the cache to the pairs built from target
+features and feed the fused target features of the newly accepted tokens, exactly as for EAGLE-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.drafters.eagle import (
+    DraftAttention,
+    EagleConfig,
+    KVCache,
+    RMSNorm,
+    SwiGLU,
+    _frozen,
+    _load_strict,
+    build_attention_mask,
+    default_positions,
+)
+from draftsmith.export.format import ExportError, read_export
+
+
+def default_target_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's taps: the inputs of target layers 2, L//2 and L-3 (HF hidden_states indices)."""
+    layers = (2, num_layers // 2, num_layers - 3)
+    if num_layers < 4 or len(set(layers)) != 3:
+        raise ValueError(f"a {num_layers}-layer target has no three distinct default EAGLE-3 taps {layers}; "
+                         "set drafter.target_layers explicitly")
+    return layers
+
+
+@dataclass
+class Eagle3Config(EagleConfig):
+    """Architecture of an EAGLE-3 drafter."""
+
+    draft_vocab_size: int = 0  # 0 = the full target vocabulary
+    target_layers: tuple[int, ...] = field(default_factory=tuple)  # HF hidden_states indices, fused in this order
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.target_layers = tuple(int(i) for i in self.target_layers)
+        if not self.target_layers:
+            raise ValueError("Eagle3Config.target_layers is empty: give the target layers to fuse, e.g. (2, L//2, L-3)")
+        if self.draft_vocab_size == 0:
+            self.draft_vocab_size = self.vocab_size
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, draft_vocab_size: int = 0,
+                       target_layers: tuple[int, ...] | None = None) -> Eagle3Config:
+        """Size the drafter like one layer of the target; default taps ``(2, L//2, L-3)``."""
+        layers = target_layers or default_target_layers(int(hf_config.num_hidden_layers))
+        return cls(**cls.dims_from_hf(hf_config), draft_vocab_size=draft_vocab_size, target_layers=tuple(layers))
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: q/k/v over concat(norm(embedding), norm(hidden)); residual = hidden."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config, 2 * h)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = SwiGLU(h, config.intermediate_size)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
+        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [B, S, 2H]
+        attn, cache = self.self_attn(x, positions, mask, cache)
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), cache
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 drafter; the target embedding is a frozen non-persistent buffer, d2t/t2d are exported buffers."""
+
+    def __init__(self, config: Eagle3Config, embed_weight: torch.Tensor, d2t: torch.Tensor | None = None,
+                 t2d: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        h, n = config.hidden_size, config.draft_vocab_size
+        self.fc = nn.Linear(len(config.target_layers) * h, h, bias=False)
+        self.layer = Eagle3Layer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, n, bias=False)
+        self.register_buffer("embed_weight", _frozen(embed_weight, (config.vocab_size, h), "embed_weight"),
+                             persistent=False)
+        if (d2t is None) != (t2d is None):
+            raise ValueError("pass both d2t and t2d (drafters/vocab.py builds them) or neither")
+        if d2t is None:
+            if n != config.vocab_size:
+                raise ValueError(f"draft_vocab_size {n} < vocab_size {config.vocab_size} needs d2t/t2d maps: "
+                                 "build them with draftsmith.drafters.vocab.draft_vocab_from_batches")
+            d2t = torch.zeros(n, dtype=torch.long)
+            t2d = torch.ones(config.vocab_size, dtype=torch.bool)
+        if d2t.shape != (n,) or t2d.shape != (config.vocab_size,) or int(t2d.sum()) != n:
+            raise ValueError(f"d2t must be [{n}] and t2d [{config.vocab_size}] with {n} True entries; got "
+                             f"{tuple(d2t.shape)}, {tuple(t2d.shape)} with {int(t2d.sum())}")
+        self.register_buffer("d2t", d2t.long().clone())
+        self.register_buffer("t2d", t2d.bool().clone())
+
+    def draft_ids_in_target(self) -> torch.Tensor:
+        """Target id of every draft id, [N] (ascending when built by drafters/vocab.py)."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocab ids to target ids: ``d + d2t[d]``."""
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def init_lm_head(self, target_lm_head_weight: torch.Tensor) -> None:
+        """Start the draft LM head from the target LM head rows of the draft vocabulary."""
+        rows = target_lm_head_weight.index_select(0, self.draft_ids_in_target().to(target_lm_head_weight.device))
+        self.lm_head.weight.copy_(rows)
+
+    def fuse(self, layer_features: torch.Tensor) -> torch.Tensor:
+        """concat(target layer features) [B, S, k*H] -> g [B, S, H]."""
+        return self.fc(layer_features.to(self.fc.weight.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits [..., N] from the layer output ``a`` (pre-norm)."""
+        return self.lm_head(self.norm(hidden))
+
+    def draft_step(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache | None = None,
+                   positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                   tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        """One incremental drafter forward.
+
+        hidden [B, S, H]: ``fuse(target features)`` for pairs from the target, or the drafter's previous output
+        ``a`` for draft steps; input_ids [B, S]: the (target-vocab) token after each hidden state. Cache and masks
+        work as in ``EagleDrafter.forward``. Returns ``(a [B, S, H], logits [B, S, N], cache)``.
+        """
+        if input_ids.shape != hidden.shape[:2]:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and hidden {tuple(hidden.shape)} must share [B, S]")
+        past = 0 if cache is None else cache.length
+        bsz, seq = input_ids.shape
+        if positions is None:
+            positions = default_positions(bsz, seq, past, input_ids.device)
+        mask = build_attention_mask(seq, past, input_ids.device, tree_mask, attention_mask)
+        emb = F.embedding(input_ids, self.embed_weight).to(self.fc.weight.dtype)  # [B, S, H]
+        out, cache = self.layer(emb, hidden, positions, mask, cache)
+        return out, self.logits(out), cache
+
+    def ttt_forward(self, layer_features: torch.Tensor, step_tokens: list[torch.Tensor],
+                    pair_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Unrolled training-time test over ``len(step_tokens)`` steps; returns ``a_j`` [B, N, H] per step.
+
+        layer_features [B, N, k*H] are the target taps of pairs ``0..N-1``; ``step_tokens[j]`` [B, N] holds the
+        token input of step ``j`` at each index (``x_{t+1+j}``, zero-padded); pair_mask [B, N] (1 = real pair)
+        hides padding keys. Gradients flow through ``a`` from one step into the next.
+        """
+        bsz, n, _ = layer_features.shape
+        device = layer_features.device
+        base = default_positions(bsz, n, 0, device)
+        step0 = build_attention_mask(n, 0, device, None, pair_mask)  # [B|1, 1, N, N] causal
+        diag = torch.eye(n, dtype=torch.bool, device=device)[None, None].expand(step0.shape[0], 1, n, n)
+        hidden, cache, outputs = self.fuse(layer_features), None, []
+        for j, tokens in enumerate(step_tokens):
+            # Step j: causal over step-0 keys, then only the own index in each of the steps 1..j.
+            mask = torch.cat([step0] + [diag] * j, dim=-1)  # [B|1, 1, N, (j+1)N]
+            emb = F.embedding(tokens, self.embed_weight).to(self.fc.weight.dtype)  # [B, N, H]
+            hidden, cache = self.layer(emb, hidden, base + j, mask, cache)
+            outputs.append(hidden)
+        return outputs
+
+    def architecture(self) -> dict[str, Any]:
+        """Architecture block of the export config."""
+        arch = asdict(self.config)
+        arch["target_layers"] = list(self.config.target_layers)
+        return arch
+
+    @classmethod
+    def from_export(cls, export_dir: str | Path, embed_weight: torch.Tensor) -> Eagle3Drafter:
+        """Rebuild from a draftsmith export (d2t/t2d come from the export; the embedding from the target)."""
+        config, state = read_export(export_dir)
+        if config["method"] != "eagle3":
+            raise ExportError(f"{export_dir} holds a {config['method']!r} export, not eagle3")
+        arch = Eagle3Config(**config["architecture"])
+        if "d2t" not in state or "t2d" not in state:
+            raise ExportError(f"{export_dir} lacks the d2t/t2d vocabulary maps; re-export the drafter")
+        drafter = cls(arch, embed_weight, state["d2t"], state["t2d"])
+        _load_strict(drafter, state, export_dir)
+        return drafter
