@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from draftsmith.kernels.dispatch import resolve_backend
 
 

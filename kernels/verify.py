@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
 from draftsmith.kernels.dispatch import resolve_backend
 
 

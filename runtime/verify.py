@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+
 from draftsmith.kernels.verify import greedy_verify
 from draftsmith.runtime.tree import DraftTree
 

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+
 from draftsmith.kernels import KernelBackendError, compact_kv, greedy_verify, tree_attention
 from draftsmith.kernels.attention import tree_attention_torch
 

@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 import transformers
+from torch import nn
+
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.runtime.model import LeanDecoder, ModelConfig
 from draftsmith.runtime.proposers import (
@@ -28,7 +30,6 @@ from draftsmith.runtime.verify import (
     TypicalVerifier,
     target_probs,
 )
-from torch import nn
 
 VOCAB = 96
 PROMPTS = [[1, 5, 9], [7], [3, 3, 3, 3, 40, 41, 42, 17, 88, 2, 60]]

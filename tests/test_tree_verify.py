@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from draftsmith.runtime.proposers import DraftState, MedusaProposer
 from draftsmith.runtime.tree import DraftTree, StaticTree, default_medusa_tree, tree_from_head_accuracies
 from draftsmith.runtime.verify import (
