@@ -149,6 +149,37 @@ def _step_costs(runtime: Runtime, prompt: list[int], repeats: int = 5) -> dict[s
     return {"tree_nodes": nodes, "ar_step_ms": 1e3 * step, "verify_forward_ms": 1e3 * verify}
 
 
+def head_agreement(runtime: Runtime, prompts: list[list[int]], continuations: list[list[int]]) -> list[float] | None:
+    """Per-head top-1 agreement with the target's own greedy tokens on held-out prompts (Medusa-style heads).
+
+    For each prompt, the target's greedy continuation is scored in one forward; head k at position t is right
+    when its top-1 equals the continuation token at t+k+2. Only positions whose label lies in the continuation
+    count. Returns one fraction per head, or None for proposers without heads.
+    """
+    heads = getattr(runtime.speculative.proposer, "heads", None) if runtime.speculative else None
+    if heads is None:
+        return None
+    hits: list[int] = []
+    total: list[int] = []
+    with torch.inference_mode():
+        for prompt, cont in zip(prompts, continuations):
+            seq = list(prompt) + list(cont)
+            if len(cont) < 3:
+                continue
+            cache = runtime.model.allocate_cache(len(seq))
+            _, hidden = runtime.model.forward(torch.tensor(seq), cache, logits_for="last")  # hidden [T, H]
+            top1 = heads(hidden).argmax(-1)  # [K, T]
+            labels = torch.tensor(seq)
+            if not hits:
+                hits, total = [0] * top1.shape[0], [0] * top1.shape[0]
+            for k in range(top1.shape[0]):
+                first = max(len(prompt) - k - 2, 0)  # label t+k+2 must be a generated token
+                pred = top1[k, first:len(seq) - k - 2]
+                hits[k] += int((pred == labels[first + k + 2:]).sum())
+                total[k] += pred.numel()
+    return [h / t if t else 0.0 for h, t in zip(hits, total)]
+
+
 def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, skip_hf: bool = False,
               temperature: float = 0.0) -> dict[str, Any]:
     """Time HF generate, runtime AR and speculative decoding on the same prompts; check losslessness."""
@@ -183,6 +214,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     if temperature == 0 and verifier_lossless:
         lossless = compare_outputs(reference, sp["outputs"])
     costs = _step_costs(runtime, prompts[0])
+    agreement = head_agreement(runtime, prompts, ar["outputs"])
     ar_step = ar["seconds"] / max(1, ar["tokens"])
     spec_step = sp["seconds"] / max(1, steps)
     tps = {"hf_generate": hf["tokens_per_s"] if hf else None, "runtime_ar": ar["tokens_per_s"],
@@ -191,6 +223,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "method": runtime.export_config["method"], "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "dtype": str(runtime.model.dtype).replace("torch.", ""), "temperature": temperature,
         "verifier": type(spec.verifier).__name__, "tau": tau, "acceptance_by_position": by_position,
+        "head_agreement_top1": agreement,
         "tokens_per_s": tps,
         "speedup": {"vs_hf_generate": (tps["speculative"] / tps["hf_generate"]) if hf else None,
                     "vs_runtime_ar": tps["speculative"] / tps["runtime_ar"],
@@ -217,6 +250,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         ("dtype / verifier", f"{result['dtype']} / {result['verifier']}"),
         ("tau (mean accepted length, incl. bonus)", _fmt(result["tau"], 3)),
         ("acceptance by position", ", ".join(f"{a:.2f}" for a in result["acceptance_by_position"])),
+        ("head top-1 agreement with target greedy", ", ".join(f"{a:.2f}" for a in result["head_agreement_top1"] or [])
+         or "n/a"),
         ("HF generate tokens/s", _fmt(t["hf_generate"], 1)), ("runtime AR tokens/s", _fmt(t["runtime_ar"], 1)),
         ("speculative tokens/s", _fmt(t["speculative"], 1)),
         ("speedup vs HF generate", _fmt(s["vs_hf_generate"])), ("speedup vs runtime AR", _fmt(s["vs_runtime_ar"])),

@@ -45,9 +45,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     emitted: list[int] = []
     printed = ""
 
-    def stream(token: int) -> None:
+    def stream(tokens: int | list[int]) -> None:
         nonlocal printed
-        emitted.append(token)
+        emitted.extend([tokens] if isinstance(tokens, int) else tokens)
         text = rt.tokenizer.decode(emitted, skip_special_tokens=True)
         sys.stdout.write(text[len(printed):])
         sys.stdout.flush()

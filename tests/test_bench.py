@@ -1,0 +1,104 @@
+"""`draftsmith bench` / `generate` on a tiny target: the JSON contract, the lossless verdict, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import build_tiny_llama
+
+from draftsmith.distill.exporting import export_from_module
+from draftsmith.distill.target import Target
+from draftsmith.export.format import ExportError, TargetMismatchError
+from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+from draftsmith.recipes.medusa import MedusaObjective, default_tree
+from draftsmith.runtime.benchmark import encode_chat, load_prompts, load_runtime, run_bench, write_outputs
+
+
+@pytest.fixture(scope="module")
+def medusa_export(tmp_path_factory, tiny_target_dir, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    target = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=2),
+                        target.lm_head_weight.float())
+    objective = MedusaObjective(heads, 0.8, "dataset", 5, default_tree(2, 6, 4), {"top_k": 4, "verifier": "greedy"})
+
+    class Live:
+        drafter, run_info = heads, {"target": target.identity()}
+
+    Live.objective = objective
+    return export_from_module(Live, tmp_path_factory.mktemp("bench") / "export", training={})
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"prompt": "hello world what is the answer ?"},
+                                                      {"turns": ["please explain the code", "why ?"]}]) + "\n")
+    return path
+
+
+def test_bench_reports_the_contract_and_is_lossless(medusa_export, prompts_file, tmp_path):
+    rt = load_runtime(str(medusa_export), None, "fp32")
+    prompts = load_prompts(str(prompts_file), rt.tokenizer, None)
+    result = run_bench(rt, prompts, max_new_tokens=24)
+    for key in ("method", "prompts", "max_new_tokens", "dtype", "tau", "acceptance_by_position", "tokens_per_s",
+                "speedup", "lossless"):
+        assert key in result
+    assert result["method"] == "medusa" and result["prompts"] == 2 and result["dtype"] == "float32"
+    assert set(result["tokens_per_s"]) == {"hf_generate", "runtime_ar", "speculative"}
+    assert set(result["speedup"]) >= {"vs_hf_generate", "vs_runtime_ar"}
+    assert result["lossless"] is True and result["runtime_ar_matches_hf"] is True
+    assert result["tau"] >= 1.0 and len(result["acceptance_by_position"]) == 2
+    assert len(result["head_agreement_top1"]) == 2
+    out = write_outputs(result, tmp_path / "bench")
+    assert json.loads((out / "bench.json").read_text())["lossless"] is True
+    assert (out / "acceptance.png").stat().st_size > 1000 and "tau" in (out / "bench.md").read_text()
+
+
+def test_bench_refuses_an_export_for_another_target(medusa_export, tmp_path, tiny_tokenizer):
+    other = tmp_path / "other"
+    build_tiny_llama(len(tiny_tokenizer), seed=7).save_pretrained(other)
+    tiny_tokenizer.save_pretrained(other)
+    with pytest.raises(TargetMismatchError, match="fingerprint"):
+        load_runtime(str(medusa_export), str(other), "fp32")
+
+
+def test_bench_errors_for_bad_inputs(medusa_export, tmp_path, tiny_target_dir):
+    with pytest.raises(ExportError, match="does not exist"):
+        load_runtime(str(tmp_path / "nope"), None, "fp32")
+    rt = load_runtime(str(medusa_export), None, "fp32")
+    with pytest.raises(ValueError, match="empty prompt"):
+        encode_chat(rt.tokenizer, "   ")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"nope": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_prompts(str(bad), rt.tokenizer, None)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_runtime(str(medusa_export), None, "int3")
+    with pytest.raises(ValueError, match="unknown kernel backend|valid"):
+        load_runtime(str(medusa_export), None, "fp32", kernels="cuda-magic")
+    long_prompt = list(range(5, 100)) * 60
+    with pytest.raises(ValueError, match="cache"):
+        rt.speculative.generate(long_prompt, 8)
+
+
+def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
+    exe = [sys.executable, "-m", "draftsmith.cli"]
+    gen = subprocess.run([*exe, "generate", "--drafter", str(medusa_export), "--prompt", "hello world",
+                          "--max-new-tokens", "8"], capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert "tau" in gen.stderr
+    bench = subprocess.run([*exe, "bench", "--drafter", str(medusa_export), "--prompts", str(prompts_file),
+                            "--max-new-tokens", "8", "--out", str(tmp_path / "b")], capture_output=True, text=True,
+                           timeout=300)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    assert "| tau" in bench.stdout and (tmp_path / "b" / "bench.json").is_file()
+    missing = subprocess.run([*exe, "bench", "--drafter", str(tmp_path / "missing")], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
