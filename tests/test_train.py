@@ -76,6 +76,15 @@ def test_train_exports_and_resumes_after_kill(tmp_path, tiny_target_dir, tiny_da
     _, state2 = read_export(again)
     assert state.keys() == state2.keys() and all(torch.equal(state[k], state2[k]) for k in state)
 
+    # The console command exports a run folder, and converts to the engine layout.
+    from draftsmith.cli import main as cli_main
+
+    assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "cli_export")]) == 0
+    assert read_export(tmp_path / "cli_export")[0]["method"] == "medusa"
+    assert cli_main(["export", str(run_dir / "export"), "--out", str(tmp_path / "vllm"), "--format", "medusa"]) == 0
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["model_type"] == "medusa"
+    assert cli_main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+
     # Simulated crash: kill -9 a longer run once it has written a checkpoint, then re-run the same command.
     crash_dir = tmp_path / "crash"
     longer = tiny_overrides(tiny_target_dir, tiny_data_file, crash_dir, "trainer.max_steps=400", "run.checkpoint_every=2")
@@ -138,3 +147,11 @@ def test_ddp_two_processes_match_one_process(tmp_path, tiny_target_dir, tiny_dat
     assert a["heads.0.blocks.0.linear.weight"].abs().max() > 0
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), (k, (a[k] - b[k]).abs().max())
+
+
+def test_wandb_logger_runs_offline(tmp_path, tiny_target_dir, tiny_data_file):
+    run_dir = tmp_path / "wb"
+    run_train(*tiny_overrides(tiny_target_dir, tiny_data_file, run_dir, "trainer.max_steps=2", "logger=wandb"),
+              env={"WANDB_MODE": "", "WANDB_SILENT": "true"})
+    assert list((run_dir / "wandb").glob("offline-run-*")), "wandb must default to offline mode"
+    assert (run_dir / "logs" / "metrics.csv").is_file(), "CSV logging stays on next to wandb"
