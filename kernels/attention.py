@@ -42,12 +42,13 @@ def tree_attention_torch(
     vv = v[:, : prefix_len + t]
     # GQA without materialising repeated K/V: view the query heads as [Hkv, group*T] rows per kv head.
     qg = q.reshape(hkv, group * t, d)  # [Hkv, G*T, d]
+    # 4-D inputs keep SDPA on its fused CPU kernel (3-D falls back to the slower math path: ~2x per call).
     if t == 1 and tree_mask is None:
-        out = F.scaled_dot_product_attention(qg, kk, vv, scale=scale)  # one query sees everything
+        out = F.scaled_dot_product_attention(qg[None], kk[None], vv[None], scale=scale)  # one query sees everything
     else:
         mask = full_mask(prefix_len, tree_mask, t, q.device).repeat(group, 1)  # [G*T, P+T]
-        out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask, scale=scale)
-    return out.reshape(hq, t, d)
+        out = F.scaled_dot_product_attention(qg[None], kk[None], vv[None], attn_mask=mask, scale=scale)
+    return out[0].reshape(hq, t, d)
 
 
 def tree_attention(

@@ -2,8 +2,13 @@
 
 Protocol: ``begin(prompt_ids, prefill_hidden, prefill_logits)`` once per generation, ``propose(state) -> DraftTree``
 every step, ``accept(acceptance, new_hidden)`` after verification (``new_hidden [a+1, H]``: the target's post-norm
-hidden states at the accepted path's nodes, root first). ``max_tree_nodes`` bounds the nodes of any proposed tree
-(root included); the decoder sizes the KV cache with it.
+hidden states at the accepted path's nodes, root first; ``acceptance`` has the accepted tokens and the bonus token).
+``max_tree_nodes`` bounds the nodes of any proposed tree (root included); the decoder sizes the KV cache with it.
+A proposer that needs residual-stream taps of the target (EAGLE-3) declares ``feature_taps`` (layer indices as in
+``LeanDecoder.forward_taps``); the loop then also passes ``taps=`` ([T, len(feature_taps) * H], concatenated in that
+order) to ``begin`` (the prompt's) and ``accept`` (the accepted nodes'). Proposers without it keep two arguments.
+
+EAGLE-1/EAGLE-3 proposers live in :mod:`draftsmith.runtime.proposers_eagle` (imported on first use).
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
+
 from draftsmith.runtime.tree import DraftTree, StaticTree
 from draftsmith.runtime.verify import Acceptance, StopPolicy, on_generator_device, target_probs
-from torch import nn
 
 
 @dataclass
@@ -65,8 +71,14 @@ def register_proposer(method: str) -> Callable[[ProposerBuilder], ProposerBuilde
     return deco
 
 
+def _load_builtin_proposers() -> None:
+    """Register the proposers defined in other runtime modules (lazily: they import heavier drafter code)."""
+    import draftsmith.runtime.proposers_eagle  # noqa: F401  (registers "eagle" and "eagle3")
+
+
 def registered_methods() -> list[str]:
     """Export methods the runtime can draft with."""
+    _load_builtin_proposers()
     return sorted(_REGISTRY)
 
 
@@ -76,6 +88,7 @@ def build_proposer(export_dir: str | Path, target_model: Any, **kwargs: Any) -> 
 
     config = read_config(export_dir)
     method = config["method"]
+    _load_builtin_proposers()
     if method not in _REGISTRY:
         raise ValueError(f"no runtime proposer for method {method!r} (export {export_dir}); available: "
                          f"{', '.join(registered_methods()) or 'none'}")

@@ -2,6 +2,8 @@
 path in the KV cache, and let the target's bonus token root the next tree.
 
 The bonus token's hidden state comes from the tree forward itself, so a step costs exactly one target forward.
+Proposers that declare ``feature_taps`` (EAGLE-3: residual-stream inputs of some target layers) get those taps of the
+prompt and of every accepted node from the same forwards (``model.forward_taps``), passed as ``taps=``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from draftsmith.kernels.dispatch import BACKENDS
 from draftsmith.runtime.proposers import DraftState, Proposer
 from draftsmith.runtime.verify import GreedyVerifier, StopPolicy, Verifier
@@ -37,7 +40,8 @@ class SpeculativeDecoder:
     """Speculative generation with a target model (runtime interface), a proposer, a verifier and a stop policy.
 
     ``model`` provides ``allocate_cache(max_len)`` and ``forward(input_ids [T], cache, tree_mask, positions,
-    logits_for) -> (logits [T, V], hidden [T, H])`` (e.g. :class:`draftsmith.runtime.model.LeanDecoder`).
+    logits_for) -> (logits [T, V], hidden [T, H])`` (e.g. :class:`draftsmith.runtime.model.LeanDecoder`); with a
+    proposer that declares ``feature_taps`` it must also provide ``forward_taps`` (same arguments plus ``taps``).
     ``max_cache_len``: the longest sequence allowed (default: the model's ``max_position_embeddings``).
     """
 
@@ -93,13 +97,17 @@ class SpeculativeDecoder:
         lossless = bool(getattr(self.verifier, "lossless", False))
         if max_new_tokens == 0:
             return SpecResult([], 0, [], [], lossless)
+        taps = tuple(int(i) for i in (getattr(self.proposer, "feature_taps", None) or ()))
+        if taps and not callable(getattr(self.model, "forward_taps", None)):
+            raise ValueError(f"the proposer needs the target's layer taps {list(taps)} but {type(self.model).__name__} "
+                             "has no forward_taps; load the target with the lean decoder (backend='lean')")
         cache = self._cache_for(prompt.numel() + max_new_tokens + self.proposer.max_tree_nodes)
         device = getattr(self.model, "device", torch.device("cpu"))
         eos = set(int(e) for e in eos_ids)
 
-        logits, hidden = self.model.forward(prompt.to(device), cache, logits_for="last")  # [1, V], [P, H]
+        logits, hidden, feats = self._forward(taps, prompt.to(device), cache, logits_for="last")  # [1, V], [P, H]
         cache.commit(prompt.numel())
-        self.proposer.begin(prompt, hidden, logits)
+        self.proposer.begin(prompt, hidden, logits, **({"taps": feats} if taps else {}))
         root = self.verifier.sample(logits[-1], generator)
         out: list[int] = []
         done = self._emit(out, [root], max_new_tokens, eos, stream)
@@ -116,15 +124,20 @@ class SpeculativeDecoder:
             prefix = cache.length
             positions = (prefix + tree.depths).to(device)  # siblings share a position
             mask = tree.tree_mask.to(device) if tree.num_nodes > 1 else None
-            logits, hidden = self.model.forward(tree.tokens.to(device), cache, tree_mask=mask, positions=positions)
+            logits, hidden, feats = self._forward(taps, tree.tokens.to(device), cache, tree_mask=mask,
+                                                  positions=positions)
             acc = self.verifier.verify(tree, logits, generator)
             nodes = acc.path_nodes
             if nodes == list(range(len(nodes))):  # accepted nodes already sit right after the prefix
                 cache.commit(len(nodes))
             else:
                 cache.compact(prefix + torch.tensor(nodes, dtype=torch.long), prefix)
-            path_hidden = hidden[torch.tensor(nodes, device=hidden.device)]  # [a+1, H]
-            self.proposer.accept(acc, path_hidden)
+            rows = torch.tensor(nodes, device=hidden.device)
+            path_hidden = hidden[rows]  # [a+1, H]
+            if taps:  # the taps of every accepted node, root first: [a+1, len(taps)*H]
+                self.proposer.accept(acc, path_hidden, taps=feats[rows.to(feats.device)])
+            else:
+                self.proposer.accept(acc, path_hidden)
             hidden_prev = path_hidden[-1]
             root = acc.bonus_token
             accepted.append(acc.num_accepted)
@@ -132,6 +145,15 @@ class SpeculativeDecoder:
             depth_hist.append(int(tree.depths.max()))
             done = self._emit(out, [*acc.accepted_tokens, root], max_new_tokens, eos, stream)
         return SpecResult(out, len(accepted), accepted, _by_position(accepted, depth_hist), lossless, sizes)
+
+    def _forward(self, taps: tuple[int, ...], input_ids: torch.Tensor, cache: Any,
+                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Target forward -> (logits, hidden [T, H], taps concatenated in ``taps`` order [T, k*H] or None)."""
+        if not taps:
+            logits, hidden = self.model.forward(input_ids, cache, **kwargs)
+            return logits, hidden, None
+        logits, hidden, found = self.model.forward_taps(input_ids, cache, taps=taps, **kwargs)
+        return logits, hidden, torch.cat([found[i] for i in taps], dim=-1)  # [T, k*H]
 
     @staticmethod
     def _emit(out: list[int], new: list[int], limit: int, eos: set[int], stream: Callable | None) -> bool:

@@ -1,0 +1,289 @@
+"""Plain autoregressive decoding on a runtime decoder, the HF fallback decoder, and the loader choosing between them.
+
+Every runtime decoder has the interface of :class:`draftsmith.runtime.model.LeanDecoder`: ``allocate_cache(max_len)``,
+``forward(input_ids [T], cache, tree_mask, positions, logits_for) -> (logits [T', V], hidden [T, H])``, a cache with
+``length``, ``commit(n)``, ``compact(src_slots, dst_start)``, ``crop(length)``, and ``lm_head_weight`` /
+``embed_weight`` / ``dtype`` / ``device``. Batch 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from draftsmith.runtime.cache import CacheFullError
+from draftsmith.runtime.model import LeanDecoder, UnsupportedArchitecture
+from draftsmith.runtime.weights import WeightsError, find_safetensors, load_hf_config
+
+
+class RuntimeCache(Protocol):
+    """What the decoding loops need from a decoder's cache."""
+
+    length: int
+    max_len: int
+
+    def commit(self, n: int) -> None: ...
+    def compact(self, src_slots: torch.Tensor, dst_start: int | None = None) -> None: ...
+    def crop(self, length: int) -> None: ...
+
+
+class Decoder(Protocol):
+    """The decoder interface shared by LeanDecoder and HFModelAdapter."""
+
+    def allocate_cache(self, max_len: int) -> RuntimeCache: ...
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        cache: RuntimeCache,
+        tree_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        logits_for: str | torch.Tensor = "all",
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
+) -> int:
+    """Pick a token from logits [V]: argmax when ``temperature == 0``, else nucleus sampling at ``temperature``."""
+    if temperature <= 0.0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [V]
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        drop = sorted_p.cumsum(0) - sorted_p >= top_p
+        probs = probs.scatter(0, order[drop], 0.0)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _check_prompt(prompt_ids: list[int], vocab_size: int | None) -> None:
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt is empty: pass at least one token id (e.g. the BOS token or a chat template)")
+    if vocab_size is not None and not all(0 <= t < vocab_size for t in prompt_ids):
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size][:5]
+        raise ValueError(f"prompt token ids {bad} are outside the vocabulary [0, {vocab_size}); wrong tokenizer?")
+
+
+@torch.inference_mode()
+def generate_ar(
+    model: Decoder,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_ids: Iterable[int] = (),
+    generator: torch.Generator | None = None,
+    stream: Callable[[int], None] | None = None,
+) -> list[int]:
+    """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``, one target forward per token.
+
+    Greedy when ``temperature == 0`` (token-identical to HF ``generate(do_sample=False)`` in fp32). Stops after an
+    ``eos_ids`` token, which is included in the output like HF does. ``stream`` is called with each new token.
+    Returns the new tokens only.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    _check_prompt(prompt_ids, getattr(getattr(model, "config", None), "vocab_size", None))
+    eos = set(eos_ids)
+    if max_new_tokens == 0:
+        return []
+    device = getattr(model, "device", "cpu")
+    cache = model.allocate_cache(len(prompt_ids) + max_new_tokens)
+    logits, _ = model(torch.tensor(prompt_ids, dtype=torch.long, device=device), cache, logits_for="last")
+    cache.commit(len(prompt_ids))
+    out: list[int] = []
+    step = torch.empty(1, dtype=torch.long, device=device)  # reused input buffer
+    while True:
+        tok = sample_token(logits[-1], temperature, top_p, generator)
+        out.append(tok)
+        if stream is not None:
+            stream(tok)
+        if tok in eos or len(out) >= max_new_tokens:
+            return out
+        step.fill_(tok)
+        logits, _ = model(step, cache, logits_for="last")
+        cache.commit(1)
+
+
+class HFCache:
+    """A transformers ``DynamicCache`` behind the static-cache interface.
+
+    The DynamicCache grows by T on every forward; ``length`` counts what the caller kept, and the next forward first
+    crops the DynamicCache back to ``length``. Compaction gathers the kept slots.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        from transformers import DynamicCache
+
+        # No config on purpose: plain full-attention layers that can be cropped/gathered (sliding-window layers keep
+        # a rolling buffer that cannot); the model's own mask logic still applies windows.
+        self.dc = DynamicCache()
+        self.max_len = max_len
+        self.length = 0
+
+    def check_fits(self, new_tokens: int) -> None:
+        """Raise CacheFullError unless ``new_tokens`` more tokens fit."""
+        if self.length + new_tokens > self.max_len:
+            raise CacheFullError(
+                f"{new_tokens} new tokens do not fit: the cache holds {self.length} of {self.max_len} slots; "
+                "allocate a larger cache or shorten the prompt / max_new_tokens"
+            )
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every layer's K and V [1, Hkv, S, d] by ``fn`` of them."""
+        if hasattr(self.dc, "layers"):  # transformers >= 4.56: per-layer objects holding .keys / .values
+            for layer in self.dc.layers:
+                if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                    layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+        else:  # older transformers: parallel lists
+            self.dc.key_cache = [fn(k) for k in self.dc.key_cache]
+            self.dc.value_cache = [fn(v) for v in self.dc.value_cache]
+
+    def sync(self) -> None:
+        """Drop uncommitted slots (those past ``length``) before the next forward."""
+        if self.dc.get_seq_length() > self.length:
+            self._map(lambda t: t[:, :, : self.length])  # [1, Hkv, length, d]
+
+    def commit(self, n: int) -> None:
+        """Keep the first ``n`` tokens of the last forward."""
+        if n < 0:
+            raise ValueError(f"commit count must be >= 0, got {n}")
+        self.check_fits(n)
+        self.length += n
+
+    def compact(self, src_slots: torch.Tensor, dst_start: int | None = None) -> None:
+        """Keep slots ``0..dst_start-1`` then ``src_slots`` (ascending); the length becomes ``dst_start + n``."""
+        dst = self.length if dst_start is None else dst_start
+        if dst > self.length:
+            raise ValueError(f"dst_start {dst} is past the committed length {self.length}; that would leave a gap")
+        keep = torch.cat([torch.arange(dst), src_slots.cpu().long()])
+        self._map(lambda t: t.index_select(2, keep.to(t.device)))
+        self.length = dst + int(src_slots.numel())
+
+    def crop(self, length: int) -> None:
+        """Roll back to the first ``length`` committed tokens."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop length must be in 0..{self.length}, got {length}")
+        self.length = length
+
+
+class HFModelAdapter(torch.nn.Module):
+    """Any transformers causal LM behind the LeanDecoder interface (the fallback for non-Llama architectures).
+
+    Tree masks become a 4D additive mask; the hidden state returned is the base model's ``last_hidden_state``
+    (post final norm). Slower than the lean decoder, kept simple and correct.
+    """
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model.eval()
+        self.config = hf_model.config
+
+    @classmethod
+    def from_pretrained(
+        cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> HFModelAdapter:
+        """Load a local HF folder with ``AutoModelForCausalLM`` (no hub access, no remote code)."""
+        from transformers import AutoModelForCausalLM
+
+        load_hf_config(folder)  # clear errors for a missing folder / config
+        find_safetensors(folder)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+        return cls(model.to(device))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.get_output_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf.get_output_embeddings().weight.device
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.hf.get_output_embeddings().weight
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.hf.get_input_embeddings().weight
+
+    def allocate_cache(self, max_len: int) -> HFCache:
+        """A DynamicCache-backed cache bounded to ``max_len`` tokens."""
+        if max_len < 1:
+            raise ValueError(f"cache max_len must be >= 1, got {max_len}")
+        return HFCache(max_len)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: HFCache,
+        tree_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        logits_for: str | torch.Tensor = "all",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as :meth:`LeanDecoder.forward`."""
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty 1-D LongTensor [T] (batch 1); got {tuple(input_ids.shape)}")
+        t = input_ids.numel()
+        cache.check_fits(t)
+        cache.sync()
+        p = cache.length
+        pos = positions if positions is not None else torch.arange(p, p + t, device=input_ids.device)
+        mask = None
+        if tree_mask is not None:
+            if tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool:
+                raise ValueError(f"tree_mask must be bool [{t}, {t}]; got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+            mask = torch.zeros(1, 1, t, p + t, dtype=self.dtype, device=input_ids.device)  # [1, 1, T, P+T] additive
+            mask[0, 0, :, p:].masked_fill_(~tree_mask.to(input_ids.device), torch.finfo(self.dtype).min)
+        base = getattr(self.hf, self.hf.base_model_prefix)
+        out = base(
+            input_ids=input_ids[None], position_ids=pos[None], attention_mask=mask, past_key_values=cache.dc, use_cache=True
+        )
+        hidden = out.last_hidden_state[0]  # [T, H] post final norm
+        if isinstance(logits_for, str):
+            if logits_for not in ("all", "last"):
+                raise ValueError(f"logits_for must be 'all', 'last' or a LongTensor of rows, got {logits_for!r}")
+            sel = hidden if logits_for == "all" else hidden[-1:]
+        else:
+            sel = hidden.index_select(0, logits_for.to(hidden.device))
+        logits = self.hf.get_output_embeddings()(sel)  # [T', V]
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits, hidden
+
+
+def load_decoder(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    backend: str = "auto",
+    kernel_backend: str = "auto",
+) -> LeanDecoder | HFModelAdapter:
+    """Load a runtime decoder: the lean one when the architecture is supported ("auto"), or force "lean" / "hf"."""
+    if backend not in ("auto", "lean", "hf"):
+        raise ValueError(f"decoder backend must be 'auto', 'lean' or 'hf', got {backend!r}")
+    if backend == "hf":
+        return HFModelAdapter.from_pretrained(folder, dtype, device)
+    try:
+        return LeanDecoder.from_pretrained(folder, dtype, device, kernel_backend=kernel_backend)
+    except UnsupportedArchitecture:
+        if backend == "lean":
+            raise
+        return HFModelAdapter.from_pretrained(folder, dtype, device)
+
+
+__all__ = [
+    "Decoder",
+    "HFCache",
+    "HFModelAdapter",
+    "RuntimeCache",
+    "WeightsError",
+    "generate_ar",
+    "load_decoder",
+    "sample_token",
+]

@@ -1,0 +1,173 @@
+"""Timing harness: tokens/s of HF ``generate``, of the runtime's autoregressive mode, and (via :func:`time_decode`)
+of any other decoding function such as speculative decoding; plus the lossless comparison of outputs.
+
+Every timer returns the same dict: ``tokens`` (new tokens over all prompts), ``seconds`` (decode wall time, warmup
+excluded), ``tokens_per_s``, ``outputs`` (one list of new token ids per prompt) and ``per_prompt`` (tokens, seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.runtime.autoregressive import Decoder, generate_ar
+
+DecodeFn = Callable[[list[int]], list[int]]
+
+
+def time_decode(
+    decode: DecodeFn, prompts_ids: Sequence[list[int]], warmup: Callable[[], object] | None = None
+) -> dict[str, Any]:
+    """Time ``decode(prompt_ids) -> new token ids`` over the prompts (sequentially, batch 1).
+
+    ``warmup`` (a short run, e.g. the same decoder with a few new tokens) is called once first and not timed; it
+    pays one-off costs such as allocator growth, kernel selection and lazy imports.
+    """
+    if not prompts_ids:
+        raise ValueError("no prompts to time: pass at least one list of prompt token ids")
+    if warmup is not None:
+        warmup()
+    outputs, per_prompt = [], []
+    total_tokens, total_s = 0, 0.0
+    for prompt in prompts_ids:
+        t0 = time.perf_counter()
+        new = decode(list(prompt))
+        dt = time.perf_counter() - t0
+        outputs.append(list(new))
+        per_prompt.append({"tokens": len(new), "seconds": dt})
+        total_tokens += len(new)
+        total_s += dt
+    return {
+        "tokens": total_tokens,
+        "seconds": total_s,
+        "tokens_per_s": total_tokens / total_s if total_s > 0 else float("nan"),
+        "outputs": outputs,
+        "per_prompt": per_prompt,
+    }
+
+
+def eos_ids_from_folder(folder: str | Path) -> tuple[int, ...]:
+    """The EOS ids HF ``generate`` would stop at: ``generation_config.json`` first, then ``config.json``."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(folder) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ()
+
+
+def time_hf_generate(
+    folder: str | Path,
+    prompts_ids: Sequence[list[int]],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    model: torch.nn.Module | None = None,
+) -> dict[str, Any]:
+    """Greedy HF ``generate`` (``do_sample=False``, stops at EOS as usual) on the folder's model, batch 1.
+
+    Pass ``model`` to reuse an already loaded ``AutoModelForCausalLM`` (then ``folder`` only names it).
+    """
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True).to(device).eval()
+    pad = (eos_ids_from_folder(folder) or (0,))[0]
+
+    def run(prompt: list[int], n: int) -> list[int]:
+        ids = torch.tensor([prompt], dtype=torch.long, device=device)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=pad
+            )
+        return out[0, ids.shape[1] :].tolist()
+
+    result = time_decode(lambda p: run(p, max_new_tokens), prompts_ids, warmup=lambda: run(prompts_ids[0], 4))
+    result["method"] = "hf_generate"
+    return result
+
+
+def time_runtime_ar(
+    model: Decoder,
+    prompts_ids: Sequence[list[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int] = (),
+) -> dict[str, Any]:
+    """Greedy autoregressive decoding with a runtime decoder (:func:`generate_ar`); stops at ``eos_ids``."""
+
+    def run(prompt: list[int], n: int) -> list[int]:
+        return generate_ar(model, prompt, n, eos_ids=eos_ids)
+
+    result = time_decode(lambda p: run(p, max_new_tokens), prompts_ids, warmup=lambda: run(prompts_ids[0], 4))
+    result["method"] = "runtime_ar"
+    return result
+
+
+def compare_outputs(reference: Sequence[list[int]], candidate: Sequence[list[int]]) -> dict[str, Any]:
+    """Lossless check: how many outputs are token-identical, and where the first differing one diverges."""
+    if len(reference) != len(candidate):
+        raise ValueError(f"{len(reference)} reference outputs vs {len(candidate)} candidate outputs")
+    same, first = 0, None
+    for i, (a, b) in enumerate(zip(reference, candidate)):
+        if list(a) == list(b):
+            same += 1
+        elif first is None:
+            pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            first = {"prompt": i, "position": pos}
+    return {"identical": same, "total": len(reference), "all_identical": same == len(reference), "first_mismatch": first}
+
+
+DEFAULT_PROMPTS = (
+    "Explain in a few sentences why the sky is blue.",
+    "Write a short Python function that checks whether a number is prime.",
+    "Give three tips for staying focused while studying.",
+)
+
+
+def chat_prompts_ids(folder: str | Path, prompts: Sequence[str] = DEFAULT_PROMPTS) -> list[list[int]]:
+    """Token ids of ``prompts`` as single-turn chats with the folder's tokenizer and chat template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    out = []
+    for text in prompts:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))  # transformers v5 returns a BatchEncoding
+    return out
+
+
+def compare_ar(folder: str | Path, max_new_tokens: int = 64, dtypes: Sequence[str] = ("fp32", "bf16")) -> dict:
+    """HF ``generate`` vs the runtime's AR mode on the folder's model for each dtype: tokens/s, speedup, lossless."""
+    from draftsmith.runtime.autoregressive import load_decoder
+
+    names = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    prompts = chat_prompts_ids(folder)
+    eos = eos_ids_from_folder(folder)
+    report: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "threads": torch.get_num_threads()}
+    for name in dtypes:
+        hf = time_hf_generate(folder, prompts, max_new_tokens, dtype=names[name])
+        ar = time_runtime_ar(load_decoder(folder, dtype=names[name]), prompts, max_new_tokens, eos_ids=eos)
+        report[name] = {
+            "hf_tokens_per_s": round(hf["tokens_per_s"], 2),
+            "runtime_ar_tokens_per_s": round(ar["tokens_per_s"], 2),
+            "speedup": round(ar["tokens_per_s"] / hf["tokens_per_s"], 2),
+            "lossless": compare_outputs(hf["outputs"], ar["outputs"]),
+        }
+    return report
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="HF generate vs runtime AR tokens/s on a local HF model folder")
+    parser.add_argument("folder")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    args = parser.parse_args()
+    print(json.dumps(compare_ar(args.folder, args.max_new_tokens, args.dtypes.split(",")), indent=2))

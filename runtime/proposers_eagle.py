@@ -1,0 +1,331 @@
+"""EAGLE-1 / EAGLE-3 proposers: chain drafting and EAGLE-2 dynamic trees over a drafter with its own KV cache.
+
+Feature feeding. Pair ``t`` of the drafter reads the target feature of token ``t`` (EAGLE-1: post-norm final hidden;
+EAGLE-3: the residual-stream taps at the drafter's ``target_layers``, fused by its ``fc``) and the token ``t+1``, at
+RoPE position ``t``. The proposer keeps the pairs whose features came from the target in the drafter's cache
+(``num_committed`` of them) and the features not yet paired as ``pending``: ``begin`` stores the prompt's features
+(paired with the prompt's next tokens), ``accept`` those of the accepted path's nodes (paired with the accepted
+tokens); the last pending feature pairs with the root token, known in ``propose``. ``propose`` crops the cache back
+to the committed pairs (dropping last step's speculative entries), runs the pending pairs in one forward (the "root
+step": its last output drafts depth 1), then drafts:
+
+- ``policy="chain"``: ``depth + 1`` tokens, one drafter forward each, greedy (point masses) or, with
+  ``temperature > 0``, sampled from q = softmax(logits / temperature) within ``top_p``; q is recorded in the
+  DraftTree (over the target vocabulary) so the rejection sampler stays exact.
+- ``policy="tree"`` (EAGLE-2): the root step's top-k are the depth-1 nodes (score = log p). ``depth`` times, the
+  frontier (k nodes, each with its parent's drafter output) is fed in ONE forward with a tree mask (committed pairs,
+  its ancestors among the earlier tree entries, itself); each yields its top-k children with cumulative score =
+  parent + log p, and the global top-k of those k*k become the next frontier. All generated nodes are then reranked
+  and the best ``total_tokens - 1`` kept (stable sort in generation order, so a parent, whose score is >= its
+  child's, always precedes it: the kept set is a connected tree). Children are deterministic given the context,
+  i.e. point masses, which :class:`~draftsmith.runtime.verify.RejectionSamplingVerifier` handles exactly.
+
+In both policies the longest drafted path has ``depth + 1`` tokens (EAGLE-2's convention). EAGLE-3 drafts over its
+reduced vocabulary; ids are mapped to target ids with ``d2t`` and sampled-chain q is scattered onto the target
+vocabulary (zero outside the draft vocabulary).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.drafters.eagle import EagleDrafter, KVCache
+from draftsmith.drafters.eagle3 import Eagle3Drafter
+from draftsmith.export.format import TargetMismatchError, check_target
+from draftsmith.runtime.proposers import DraftState, register_proposer
+from draftsmith.runtime.tree import DraftTree
+from draftsmith.runtime.verify import Acceptance, on_generator_device, target_probs
+
+POLICIES = {"tree": "tree", "chain": "chain", "eagle_dynamic_tree": "tree", "eagle_chain": "chain"}
+
+
+class DraftModel(Protocol):
+    """What the proposer needs from a drafter (adapters below; tests use stubs)."""
+
+    feature_taps: tuple[int, ...]  # target layer taps to feed; () = the post-norm final hidden
+    vocab_size: int  # target vocabulary
+    draft_ids: torch.Tensor | None  # target id of each draft-vocab id [N], None = same vocabulary
+
+    def features(self, feats: torch.Tensor) -> torch.Tensor:
+        """Target features [S, F] -> drafter input hidden [1, S, H]."""
+        ...
+
+    def step(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
+             tree_mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        """hidden [1, S, H], target ids [1, S] -> (out [1, S, H], logits [1, S or 1, N], cache)."""
+        ...
+
+
+class Eagle1DraftModel:
+    """EAGLE-1 adapter: features are the target's post-norm hidden; logits through the target's LM head."""
+
+    feature_taps: tuple[int, ...] = ()
+    draft_ids = None
+
+    def __init__(self, drafter: EagleDrafter) -> None:
+        self.drafter = drafter.eval()
+        self.vocab_size = drafter.config.vocab_size
+
+    def features(self, feats: torch.Tensor) -> torch.Tensor:
+        return feats[None]  # [1, S, H]
+
+    def step(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
+             tree_mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        out, cache = self.drafter(ids, hidden, past_kv=cache, positions=positions, tree_mask=tree_mask)  # [1, S, H]
+        return out, self.drafter.logits(out[:, -1:] if last_only else out), cache  # the V-wide head on needed rows
+
+
+class Eagle3DraftModel:
+    """EAGLE-3 adapter: features are the fused layer taps; own LM head over the draft vocabulary."""
+
+    def __init__(self, drafter: Eagle3Drafter) -> None:
+        self.drafter = drafter.eval()
+        self.feature_taps = tuple(drafter.config.target_layers)
+        self.vocab_size = drafter.config.vocab_size
+        full = drafter.config.draft_vocab_size == drafter.config.vocab_size
+        self.draft_ids = None if full else drafter.draft_ids_in_target()  # [N]
+
+    def features(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.drafter.fuse(feats[None])  # [1, S, k*H] -> [1, S, H]
+
+    def step(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
+             tree_mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        out, logits, cache = self.drafter.draft_step(hidden, ids, cache, positions, tree_mask=tree_mask)
+        return out, logits[:, -1:] if last_only else logits, cache
+
+
+class EagleProposer:
+    """Drafts with an EAGLE drafter (see the module docstring for the policies and how features are fed)."""
+
+    def __init__(self, model: DraftModel, policy: str = "tree", total_tokens: int = 16, depth: int = 4,
+                 top_k: int = 4, temperature: float = 0.0, top_p: float = 1.0) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+        self.policy = POLICIES[policy]
+        draft_vocab = model.vocab_size if model.draft_ids is None else int(model.draft_ids.numel())
+        if depth < 0 or not 1 <= top_k <= draft_vocab or total_tokens < 1:
+            raise ValueError(f"need depth >= 0, 1 <= top_k <= {draft_vocab} (draft vocabulary) and total_tokens >= 1; "
+                             f"got depth={depth}, top_k={top_k}, total_tokens={total_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        if self.policy == "tree" and temperature > 0:
+            raise ValueError("dynamic trees draft the top-k children (point masses, exact under rejection sampling); "
+                             "temperature > 0 is for policy='chain'")
+        self.model = model
+        self.feature_taps = tuple(model.feature_taps)
+        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+        self.temperature, self.top_p = temperature, top_p
+        self.max_tree_nodes = total_tokens if self.policy == "tree" else depth + 2
+        self.cache: KVCache | None = None  # the drafter's: committed pairs, then this step's speculative entries
+        self.num_committed = 0  # pairs built from target features (positions 0 .. num_committed-1)
+        self.pending_feats: torch.Tensor | None = None  # [m, F] target features not yet fed
+        self.pending_ids = torch.zeros(0, dtype=torch.long)  # [m-1] the token after each but the last
+
+    # ---- feature feeding ---------------------------------------------------------------------------------------------
+    def begin(self, prompt_ids: torch.Tensor, prefill_hidden: torch.Tensor, prefill_logits: torch.Tensor,
+              taps: torch.Tensor | None = None) -> None:
+        """New generation: forget the drafter cache; the prompt's features pair with the prompt's next tokens."""
+        self.cache, self.num_committed = None, 0
+        self._set_pending(prompt_ids[1:], prefill_hidden, taps)
+
+    def accept(self, acceptance: Acceptance, new_hidden: torch.Tensor, taps: torch.Tensor | None = None) -> None:
+        """The accepted nodes' features [a+1, F] (root first) pair with the accepted tokens, then the bonus token."""
+        self._set_pending(torch.tensor(acceptance.accepted_tokens, dtype=torch.long), new_hidden, taps)
+
+    def _set_pending(self, next_ids: torch.Tensor, hidden: torch.Tensor, taps: torch.Tensor | None) -> None:
+        feats = taps if self.feature_taps else hidden
+        if self.feature_taps and taps is None and hidden.numel():
+            raise ValueError(f"this drafter needs the target's layer taps {list(self.feature_taps)}; run it with a "
+                             "SpeculativeDecoder over a model with forward_taps (the lean decoder)")
+        self.pending_feats = feats  # [m, F]
+        self.pending_ids = next_ids.reshape(-1).cpu()  # [m-1]: the token after each feature but the last
+
+    @torch.no_grad()
+    def _root_step(self, state: DraftState) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        """Run the pending pairs (the last one with the root token): -> (out [1, 1, H], logits [N], cache)."""
+        feats = self.pending_feats
+        m = 0 if feats is None else feats.shape[0]
+        if m == 0 or self.pending_ids.numel() != m - 1:
+            raise RuntimeError("EagleProposer has no target features to draft from: call begin() at the start of a "
+                               "generation and accept() after every verified tree (SpeculativeDecoder does)")
+        if self.num_committed + m != state.tokens.numel() - 1:
+            raise RuntimeError(f"EagleProposer is out of sync with the decoding loop: {self.num_committed + m} "
+                               f"tokens fed for a context of {state.tokens.numel() - 1}; call begin() per generation")
+        ids = torch.cat([self.pending_ids, torch.tensor([state.root_token])]).to(feats.device)[None]  # [1, m]
+        cache = None if self.cache is None else self.cache.crop(self.num_committed)
+        out, logits, cache = self.model.step(self.model.features(feats), ids, cache, None, None, last_only=True)
+        self.cache, self.num_committed = cache, self.num_committed + m  # committed: pairs from target features only
+        self.pending_feats, self.pending_ids = feats[:0], self.pending_ids[:0]
+        return out[:, -1:], logits[0, -1], cache
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        ids = self.model.draft_ids
+        return draft_ids if ids is None else ids.to(draft_ids.device)[draft_ids]
+
+    # ---- drafting ----------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> DraftTree:
+        """Draft a chain or a dynamic tree rooted at ``state.root_token``."""
+        out, logits, cache = self._root_step(state)
+        policy = state.stop_policy
+        levels = self.depth + 1 if policy is None else min(self.depth + 1, policy.max_depth)
+        if self.policy == "chain":
+            return self._chain(state, out, logits, cache, levels) if levels >= 1 else DraftTree.chain([state.root_token])
+        if levels < 1 or self.total_tokens < 2:
+            return DraftTree.chain([state.root_token])
+        return self._tree(state, out, logits, cache, levels)
+
+    def _chain(self, state: DraftState, out: torch.Tensor, logits: torch.Tensor, cache: KVCache,
+               levels: int) -> DraftTree:
+        tokens, confs, qs = [state.root_token], [1.0], []
+        for d in range(1, levels + 1):
+            if self.temperature > 0:
+                q = on_generator_device(target_probs(logits.float(), self.temperature, self.top_p), state.generator)
+                x = torch.multinomial(q, 1, generator=state.generator)  # [1] draft id
+                qs.append(self._on_target_vocab(q))
+            else:
+                q = torch.softmax(logits.float(), -1)  # [N] only for the confidence
+                x = q.argmax().reshape(1)
+            confs.append(float(q[x]))
+            token = self._to_target(x.to(logits.device))  # [1] target id
+            tokens.append(int(token))
+            if d == levels or (state.stop_policy is not None
+                               and state.stop_policy.should_stop(d, confs[-1], out[0, -1])):
+                break
+            # The new node pairs its parent's drafter output with its token, at the next position.
+            out, step_logits, cache = self.model.step(out, token[None], cache, None, None, last_only=True)
+            logits = step_logits[0, -1]
+        if qs:  # row i: the law node i's child was drawn from; the leaf has none
+            draft_q = torch.stack(qs + [torch.zeros_like(qs[0])])  # [N, V]
+            tree = DraftTree.chain(tokens, draft_q, "with_replacement")
+        else:
+            tree = DraftTree.chain(tokens)
+        tree.draft_confidence = torch.tensor(confs)
+        return tree
+
+    def _on_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """A draft-vocab distribution [N] as one over the target vocabulary [V] (float64, CPU)."""
+        q = q.double().cpu()
+        if self.model.draft_ids is None:
+            return q
+        return torch.zeros(self.model.vocab_size, dtype=torch.float64).index_copy_(0, self.model.draft_ids.cpu(), q)
+
+    def _tree(self, state: DraftState, out: torch.Tensor, logits: torch.Tensor, cache: KVCache,
+              levels: int) -> DraftTree:
+        k, device, policy = self.top_k, out.device, state.stop_policy
+        committed = self.num_committed
+        logp, idx = F.log_softmax(logits.float(), -1).topk(k)  # [k]: depth-1 nodes, score = log p
+        # Generated nodes, in generation order (parents before children); parent -1 = the root.
+        tokens, scores, local, parents = [self._to_target(idx)], [logp], [logp], [torch.full((k,), -1, device=device)]
+        frontier = torch.arange(k, device=device)  # generation indices of the frontier
+        f_tokens, f_scores = tokens[0], logp  # [k]
+        f_hidden = out[0].expand(k, -1)  # [k, H]: each frontier node's parent output
+        ancestors = torch.zeros(k, 0, dtype=torch.bool, device=device)  # [k, tree entries in the cache]
+        seen = torch.ones(k, committed, dtype=torch.bool, device=device)  # every node sees the committed pairs
+        eye = torch.eye(k, dtype=torch.bool, device=device)
+        for level in range(1, levels):
+            mask = torch.cat([seen, ancestors, eye], dim=1)  # [k, committed + (level-1)*k + k]
+            positions = torch.full((1, k), committed - 1 + level, device=device)  # depth-`level` nodes share one
+            out, step_logits, cache = self.model.step(f_hidden[None], f_tokens[None], cache, positions, mask, False)
+            child_logp, child = F.log_softmax(step_logits[0].float(), -1).topk(k, dim=-1)  # [k, k]
+            cum = f_scores[:, None] + child_logp  # [k, k]: log of the product of confidences along the path
+            if policy is not None:  # a stopped node keeps no children
+                own_logp = torch.cat(local)[frontier]  # [k] each frontier node's log p under its parent
+                stop = [policy.should_stop(level, float(lp.exp()), out[0, j]) for j, lp in enumerate(own_logp)]
+                cum = cum.masked_fill(torch.tensor(stop, device=device)[:, None], float("-inf"))
+            base = sum(t.numel() for t in tokens)
+            child_tokens = self._to_target(child.flatten())  # [k*k]
+            tokens.append(child_tokens)
+            scores.append(cum.flatten())
+            local.append(child_logp.flatten())
+            parents.append(frontier.repeat_interleave(k))
+            if level == levels - 1:
+                break
+            f_scores, best = cum.flatten().topk(k)  # global top-k of the k*k children
+            row = best // k  # which frontier node each is a child of
+            frontier, f_tokens, f_hidden = base + best, child_tokens[best], out[0, row]
+            ancestors = torch.cat([ancestors[row], eye[row]], dim=1)  # parent's ancestors + the parent itself
+        return self._rerank(state.root_token, tokens, scores, local, parents)
+
+    def _rerank(self, root: int, tokens: list[torch.Tensor], scores: list[torch.Tensor], local: list[torch.Tensor],
+                parents: list[torch.Tensor]) -> DraftTree:
+        """Keep the best ``total_tokens - 1`` generated nodes (ties: earlier first), in generation order."""
+        all_scores = torch.cat(scores).cpu()  # [G]
+        order = torch.sort(-all_scores, stable=True).indices[: self.total_tokens - 1]
+        keep = order[torch.isfinite(all_scores[order])].sort().values  # [M] generation order
+        node_of = torch.full((all_scores.numel(),), -1, dtype=torch.long)
+        node_of[keep] = torch.arange(1, keep.numel() + 1)
+        gen_parent = torch.cat(parents).cpu()[keep]
+        tree_parent = torch.where(gen_parent < 0, torch.zeros_like(gen_parent), node_of[gen_parent.clamp(min=0)])
+        if bool((tree_parent < 0).any()):  # cannot happen: a parent's score is >= its child's and it comes first
+            raise RuntimeError("dynamic tree reranking kept a node without its parent")
+        conf = torch.cat([torch.ones(1), torch.cat(local).cpu()[keep].exp()])
+        node_tokens = torch.cat([torch.tensor([root]), torch.cat(tokens).cpu()[keep]])
+        return DraftTree.from_parents(node_tokens, [-1, *tree_parent.tolist()], draft_confidence=conf)
+
+
+# ---- builders from export folders -----------------------------------------------------------------------------------
+
+
+def _check_sizes(config: dict, target_model: Any, identity: dict | None) -> None:
+    """Refuse a target whose sizes differ from the export's record (the full fingerprint needs the tokenizer:
+    pass ``identity`` to check it too)."""
+    if identity is not None:
+        check_target(config, identity)
+    recorded = config.get("target", {})
+    cfg = getattr(target_model, "config", None)
+    have = {"vocab_size": int(target_model.lm_head_weight.shape[0]), "hidden_size": getattr(cfg, "hidden_size", None),
+            "num_hidden_layers": getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None))}
+    diffs = [f"{k}: export has {recorded[k]}, target has {v}" for k, v in have.items()
+             if recorded.get(k) is not None and v is not None and int(recorded[k]) != int(v)]
+    if diffs:
+        raise TargetMismatchError(
+            f"this {config['method']} drafter was exported for target {recorded.get('name_or_path')!r}, which differs "
+            f"from the loaded target ({'; '.join(diffs)}). Use the target it was trained for, or retrain the drafter.")
+
+
+def _proposer(config: dict, model: DraftModel, options: dict[str, Any]) -> EagleProposer:
+    """Tree sizes from the export's ``inference`` block, overridden by ``options``."""
+    valid = {"policy", "total_tokens", "depth", "top_k", "temperature", "top_p", "identity"}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for the {config['method']} proposer; valid: {sorted(valid)}")
+    inference = config.get("inference") or {}
+    kw = {"policy": inference.get("proposer", "tree"), "total_tokens": inference.get("total_tokens", 16),
+          "depth": inference.get("depth", 4), "top_k": inference.get("top_k", 4)}
+    kw.update({k: v for k, v in options.items() if k != "identity" and v is not None})
+    return EagleProposer(model, **kw)
+
+
+def _place(drafter: torch.nn.Module, target_model: Any) -> torch.nn.Module:
+    """Run the drafter where and in the precision the target runs."""
+    w = target_model.lm_head_weight
+    return drafter.to(device=w.device, dtype=w.dtype)
+
+
+@register_proposer("eagle")
+def _build_eagle(export_dir: str | Path, config: dict, target_model: Any, **options: Any) -> EagleProposer:
+    """EAGLE-1 proposer; options: policy ("tree" | "chain"), total_tokens, depth, top_k, temperature, top_p, identity."""
+    _check_sizes(config, target_model, options.get("identity"))
+    drafter = EagleDrafter.from_export(export_dir, target_model.embed_weight, target_model.lm_head_weight)
+    return _proposer(config, Eagle1DraftModel(_place(drafter, target_model)), options)
+
+
+@register_proposer("eagle3")
+def _build_eagle3(export_dir: str | Path, config: dict, target_model: Any, **options: Any) -> EagleProposer:
+    """EAGLE-3 proposer (same options); the target must provide ``forward_taps`` (the lean decoder)."""
+    _check_sizes(config, target_model, options.get("identity"))
+    layers = [int(i) for i in config["architecture"].get("target_layers", [])]
+    num_layers = getattr(getattr(target_model, "config", None), "num_layers", None)
+    if num_layers is not None and any(not 0 <= i < num_layers for i in layers):
+        raise TargetMismatchError(f"the eagle3 drafter taps target layers {layers}, outside 0..{num_layers - 1} of "
+                                  "the loaded target; use the target it was trained for")
+    if not callable(getattr(target_model, "forward_taps", None)):
+        raise ValueError(f"EAGLE-3 needs the target's layer taps but {type(target_model).__name__} has no "
+                         "forward_taps; load the target with the lean decoder (backend='lean')")
+    drafter = Eagle3Drafter.from_export(export_dir, target_model.embed_weight)
+    return _proposer(config, Eagle3DraftModel(_place(drafter, target_model)), options)
