@@ -20,9 +20,14 @@ step": its last output drafts depth 1), then drafts:
   child's, always precedes it: the kept set is a connected tree). Children are deterministic given the context,
   i.e. point masses, which :class:`~draftsmith.runtime.verify.RejectionSamplingVerifier` handles exactly.
 
-In both policies the longest drafted path has ``depth + 1`` tokens (EAGLE-2's convention). EAGLE-3 drafts over its
-reduced vocabulary; ids are mapped to target ids with ``d2t`` and sampled-chain q is scattered onto the target
-vocabulary (zero outside the draft vocabulary).
+In both policies the longest drafted path has ``depth + 1`` tokens (EAGLE-2's convention); a stop policy lowers that
+to its ``max_depth`` and leaves a node without children when ``should_stop(depth, the node's draft probability, the
+node's drafter output)`` says so. EAGLE-3 drafts over its reduced vocabulary; ids are mapped to target ids with
+``d2t`` and sampled-chain q is scattered onto the target vocabulary (zero outside the draft vocabulary).
+
+Why this is lossless under rejection sampling: a top-k child is a point mass, accepted with p(x) and otherwise
+zeroed out of p; that is exact for any child chosen without looking at the verifier's coins (see verify.py). A
+sampled chain records the q its token was drawn from, so min(1, p/q) and the residual norm(max(0, p - q)) apply.
 """
 
 from __future__ import annotations
@@ -193,12 +198,14 @@ class EagleProposer:
             confs.append(float(q[x]))
             token = self._to_target(x.to(logits.device))  # [1] target id
             tokens.append(int(token))
-            if d == levels or (state.stop_policy is not None
-                               and state.stop_policy.should_stop(d, confs[-1], out[0, -1])):
+            if d == levels:
                 break
             # The new node pairs its parent's drafter output with its token, at the next position.
             out, step_logits, cache = self.model.step(out, token[None], cache, None, None, last_only=True)
             logits = step_logits[0, -1]
+            # As in trees, the stop policy sees the node's own drafter output (the state its child is drafted from).
+            if state.stop_policy is not None and state.stop_policy.should_stop(d, confs[-1], out[0, -1]):
+                break
         if qs:  # row i: the law node i's child was drawn from; the leaf has none
             draft_q = torch.stack(qs + [torch.zeros_like(qs[0])])  # [N, V]
             tree = DraftTree.chain(tokens, draft_q, "with_replacement")

@@ -1,0 +1,401 @@
+"""EAGLE-1 / EAGLE-3 runtime: dynamic-tree construction on a known distribution, greedy losslessness with random and
+trained drafters (loaded from exports), drafter feature feeding, export errors, and exact rejection sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from conftest import build_tiny_llama
+from omegaconf import OmegaConf
+
+from draftsmith.distill.target import Target
+from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, KVCache
+from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.drafters.vocab import vocab_maps
+from draftsmith.export.format import TargetMismatchError, write_export
+from draftsmith.recipes import eagle as eagle_recipe
+from draftsmith.recipes import eagle3 as eagle3_recipe
+from draftsmith.runtime.model import LeanDecoder, ModelConfig
+from draftsmith.runtime.proposers import DraftState, build_proposer, registered_methods
+from draftsmith.runtime.proposers_eagle import Eagle1DraftModel, Eagle3DraftModel, EagleProposer
+from draftsmith.runtime.speculative import SpeculativeDecoder
+from draftsmith.runtime.verify import ConfidenceStop, FixedDepth, RejectionSamplingVerifier, target_probs
+
+PROMPTS = [[5, 9, 13, 40], [7, 60, 61], [30, 31, 32, 33, 34, 35, 100, 101, 8]]
+NEW = 48
+LAYERS = (1, 2, 3)  # EAGLE-3 taps of the 4-layer tiny target
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: thread hand-offs cost more than they save on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def lean_from_hf(hf: torch.nn.Module) -> LeanDecoder:
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    return LeanDecoder(ModelConfig.from_hf_dict(hf.config.to_dict()), weights, kernel_backend="torch").eval()
+
+
+def plain_greedy(model: LeanDecoder, prompt: list[int], n: int) -> list[int]:
+    cache = model.allocate_cache(len(prompt) + n)
+    logits, _ = model.forward(torch.tensor(prompt), cache)
+    cache.commit(len(prompt))
+    out = [int(logits[-1].argmax())]
+    while len(out) < n:
+        logits, _ = model.forward(torch.tensor(out[-1:]), cache)
+        cache.commit(1)
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+# ---- dynamic tree on a fixed toy distribution --------------------------------------------------------------------
+
+# Next-token law of a bigram "drafter" over a 5-token draft vocabulary (rows: previous token).
+BIGRAM = torch.tensor([
+    [0.05, 0.50, 0.30, 0.10, 0.05],
+    [0.05, 0.05, 0.00, 0.70, 0.20],
+    [0.03, 0.90, 0.00, 0.05, 0.02],
+    [0.40, 0.05, 0.05, 0.00, 0.50],
+    [0.20, 0.20, 0.20, 0.20, 0.20],
+], dtype=torch.float64)
+
+
+class BigramStub:
+    """A DraftModel whose logits only depend on the input token; it records every call and keeps a dummy cache."""
+
+    feature_taps = ()
+
+    def __init__(self, draft_ids: torch.Tensor | None = None, vocab_size: int = 5) -> None:
+        self.draft_ids, self.vocab_size = draft_ids, vocab_size
+        ids = torch.arange(5) if draft_ids is None else draft_ids
+        self.to_draft = torch.full((vocab_size,), -1, dtype=torch.long).index_copy_(0, ids, torch.arange(5))
+        self.calls: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+
+    def features(self, feats):
+        return feats[None]
+
+    def step(self, hidden, ids, cache, positions, tree_mask, last_only):
+        self.calls.append((ids.clone(), positions, tree_mask))
+        d = self.to_draft[ids]  # [1, S] draft ids
+        assert bool((d >= 0).all()), "the stub got a token outside its vocabulary"
+        logits = BIGRAM.clamp(min=1e-9).log().float()[d]  # [1, S, 5]
+        entry = torch.zeros(1, 1, ids.shape[1], 1)
+        cache = KVCache(entry, entry) if cache is None else cache.append(entry, entry)
+        return F.one_hot(d, 5).float(), logits[:, -1:] if last_only else logits, cache
+
+
+def propose_once(proposer: EagleProposer, prompt: list[int], root: int, policy=None):
+    proposer.begin(torch.tensor(prompt), torch.zeros(len(prompt), 1), torch.zeros(1, 5))
+    return proposer.propose(DraftState(torch.tensor(prompt + [root]), root, torch.zeros(1), policy))
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_dynamic_tree_on_a_fixed_distribution_gives_the_known_tree(mapped):
+    # Scores (products of probabilities) of the generated nodes, in generation order:
+    # depth 1: 1 .50, 2 .30 | expansion 1: 1>3 .35, 1>4 .10, 2>1 .27, 2>3 .015 -> frontier {1>3, 2>1}
+    # expansion 2: 1>3>4 .175, 1>3>0 .14, 2>1>3 .189, 2>1>4 .054. Best 6: .50 .35 .30 .27 .189 .175.
+    draft_ids = torch.tensor([1, 4, 7, 10, 13]) if mapped else None  # reduced vocab: target id 3d + 1
+    stub = BigramStub(draft_ids, 16 if mapped else 5)
+    tgt = (lambda d: [int(draft_ids[i]) for i in d]) if mapped else (lambda d: list(d))
+    proposer = EagleProposer(stub, "tree", total_tokens=7, depth=2, top_k=2)
+    tree = propose_once(proposer, tgt([0, 0]), tgt([0])[0])
+    assert tree.tokens.tolist() == tgt([0, 1, 2, 3, 1, 4, 3])
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 2, 3, 4]
+    assert torch.allclose(tree.draft_confidence, torch.tensor([1, .5, .3, .7, .9, .5, .7]), atol=1e-5)
+    assert tree.draft_mode == "point_mass" and tree.draft_q is None
+    # One drafter forward per level: the root step (prompt pairs + root), then each frontier in one batch.
+    (ids0, pos0, mask0), (ids1, pos1, mask1), (ids2, pos2, mask2) = stub.calls
+    assert ids0.tolist() == [tgt([0, 0])] and pos0 is None and mask0 is None
+    assert ids1.tolist() == [tgt([1, 2])] and pos1.tolist() == [[2, 2]]
+    assert mask1.int().tolist() == [[1, 1, 1, 0], [1, 1, 0, 1]]
+    assert ids2.tolist() == [tgt([3, 1])] and pos2.tolist() == [[3, 3]]
+    # 1>3 sees its parent 1 (first tree entry), 2>1 its parent 2 (second), each itself.
+    assert mask2.int().tolist() == [[1, 1, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]]
+    assert proposer.num_committed == 2 and proposer.cache.length == 2  # speculative entries are not kept
+
+
+def test_stop_policies_and_chain_on_the_fixed_distribution():
+    stub = BigramStub()
+    tree_proposer = EagleProposer(stub, "tree", total_tokens=7, depth=2, top_k=2)
+    # Node 2 (p .3) and node 1>4 (p .2) fall below the confidence threshold: they get no children.
+    tree = propose_once(tree_proposer, [0, 0], 0, ConfidenceStop(0.4, max_depth=8))
+    assert tree.tokens.tolist() == [0, 1, 2, 3, 4, 4, 0] and tree.parents.tolist() == [-1, 0, 0, 1, 1, 3, 3]
+    tree = propose_once(tree_proposer, [0, 0], 0, FixedDepth(1))
+    assert tree.tokens.tolist() == [0, 1, 2] and tree.parents.tolist() == [-1, 0, 0]
+    chain = EagleProposer(stub, "chain", depth=2)
+    assert chain.max_tree_nodes == 4
+    tree = propose_once(chain, [0, 0], 0)
+    assert tree.tokens.tolist() == [0, 1, 3, 4] and tree.parents.tolist() == [-1, 0, 1, 2]  # greedy: depth + 1 drafts
+    assert propose_once(chain, [0, 0], 0, FixedDepth(2)).tokens.tolist() == [0, 1, 3]
+    assert propose_once(chain, [0, 0], 0, ConfidenceStop(0.6)).tokens.tolist() == [0, 1]  # p(1) = .5 < .6
+    with pytest.raises(ValueError, match="temperature > 0 is for policy='chain'"):
+        EagleProposer(stub, "tree", temperature=1.0)
+    with pytest.raises(ValueError, match="top_k <= 5"):
+        EagleProposer(stub, "tree", top_k=6)
+    with pytest.raises(RuntimeError, match="call begin"):
+        EagleProposer(stub).propose(DraftState(torch.tensor([0, 0]), 0, torch.zeros(1)))
+
+
+def test_sampled_chain_records_its_law_on_the_target_vocabulary():
+    stub = BigramStub(torch.tensor([1, 4, 7, 10, 13]), 16)
+    proposer = EagleProposer(stub, "chain", depth=1, temperature=0.5)
+    proposer.begin(torch.tensor([1]), torch.zeros(1, 1), torch.zeros(1, 16))
+    tree = proposer.propose(DraftState(torch.tensor([1, 1]), 1, torch.zeros(1), None, torch.Generator().manual_seed(0)))
+    assert tree.draft_mode == "with_replacement" and tree.draft_q.shape == (3, 16)
+    expected = torch.zeros(16, dtype=torch.float64)
+    expected[[1, 4, 7, 10, 13]] = torch.softmax(BIGRAM[0].log() / 0.5, -1)
+    torch.testing.assert_close(tree.draft_q[0], expected, atol=1e-6, rtol=0)
+    assert tree.draft_q[2].sum() == 0 and float(tree.draft_q[0, tree.tokens[1]]) > 0
+
+
+# ---- greedy losslessness on a tiny Llama -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target(tiny_tokenizer):
+    """(distill Target, LeanDecoder) over one tiny 4-layer Llama whose greedy argmax has clear margins."""
+    hf = build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2)
+    return Target(hf, tiny_tokenizer, "tiny"), lean_from_hf(hf)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return {tuple(p): plain_greedy(target[1], p, NEW) for p in PROMPTS}
+
+
+def random_drafters(tgt: Target, lean: LeanDecoder):
+    torch.manual_seed(0)
+    dims = EagleConfig.dims_from_hf(tgt.config)
+    e1 = EagleDrafter(EagleConfig(**dims), lean.embed_weight, lean.lm_head_weight)
+    d2t, t2d = vocab_maps(torch.arange(0, lean.config.vocab_size, 2), lean.config.vocab_size)
+    e3 = Eagle3Drafter(Eagle3Config(**dims, draft_vocab_size=int(t2d.sum()), target_layers=LAYERS),
+                       lean.embed_weight, d2t, t2d)
+    return {"eagle": Eagle1DraftModel(e1), "eagle3": Eagle3DraftModel(e3)}
+
+
+@pytest.mark.parametrize("policy", ["chain", "tree"])
+def test_greedy_with_random_drafters_is_lossless(target, reference, policy):
+    for name, model in random_drafters(*target).items():
+        dec = SpeculativeDecoder(target[1], EagleProposer(model, policy, total_tokens=10, depth=3, top_k=3))
+        for prompt in PROMPTS:
+            res = dec.generate(prompt, NEW)
+            assert res.tokens == reference[tuple(prompt)], (name, prompt)
+            assert max(res.tree_sizes) == (10 if policy == "tree" else 5)
+
+
+def greedy_batch(reference) -> dict[str, torch.Tensor]:
+    """The prompts and the target's own greedy continuations, right-padded, every token a label."""
+    seqs = [p + reference[tuple(p)] for p in PROMPTS]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [1] * (width - len(s)) for s in seqs])
+    attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": attn.clone()}
+
+
+def train(objective, target: Target, batch: dict[str, torch.Tensor], steps: int = 60) -> None:
+    feats = target.features(batch["input_ids"], batch["attention_mask"], objective.taps)  # frozen: computed once
+    opt = torch.optim.AdamW(objective.module.parameters(), lr=3e-3)
+    objective.module.train()
+    for _ in range(steps):
+        loss, _ = objective.loss(batch, feats)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    objective.module.eval()
+
+
+@pytest.fixture(scope="module")
+def exports(target, reference, tmp_path_factory):
+    """EAGLE-1 and EAGLE-3 drafters trained briefly on the target's greedy outputs, written as export folders."""
+    tgt, _ = target
+    batch = greedy_batch(reference)
+    torch.manual_seed(0)
+    cfg1 = OmegaConf.merge(OmegaConf.load(ROOT / "conf/recipe/eagle.yaml"), {"drafter": {"noise_std": 0.0}})
+    cfg3 = OmegaConf.merge(OmegaConf.load(ROOT / "conf/recipe/eagle3.yaml"),
+                           {"drafter": {"target_layers": list(LAYERS), "draft_vocab_size": 64}})
+    objectives = {"eagle": eagle_recipe.build(cfg1, tgt),
+                  "eagle3": eagle3_recipe.build_objective(cfg3, tgt, [(batch["input_ids"], batch["loss_mask"])])}
+    out = {}
+    for name, objective in objectives.items():
+        train(objective, tgt, batch)
+        config = {**objective.export_config(), "target": tgt.identity(), "training": {"steps": 60}}
+        out[name] = write_export(tmp_path_factory.mktemp(name) / "export", objective.module.state_dict(), config)
+    return out
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("policy", ["chain", "tree"])
+def test_trained_drafters_from_exports_are_lossless_and_accept(target, reference, exports, method, policy):
+    proposer = build_proposer(exports[method], target[1], policy=policy)
+    assert proposer.policy == policy and (proposer.total_tokens, proposer.depth, proposer.top_k) == (16, 4, 4)
+    dec = SpeculativeDecoder(target[1], proposer)
+    taus = []
+    for prompt in PROMPTS:
+        res = dec.generate(prompt, NEW)
+        assert res.tokens == reference[tuple(prompt)], prompt
+        taus.append(res.tau)
+    # Memorised continuations: acceptance is high only if the runtime feeds the features the drafter trained on.
+    assert min(taus) > 2.5, taus
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_incremental_drafter_cache_equals_a_full_recompute(target, reference, exports, method):
+    """After a generation, the drafter's committed cache equals one drafter forward over all (feature, next token)
+    pairs of the final sequence, with the features from a single target forward."""
+    lean = target[1]
+    proposer = build_proposer(exports[method], lean, policy="tree", total_tokens=8, depth=2, top_k=3)
+    prompt = PROMPTS[2]
+    res = SpeculativeDecoder(lean, proposer).generate(prompt, 30)
+    seq = torch.tensor(prompt + res.tokens)
+    n = proposer.num_committed
+    assert len(prompt) < n < seq.numel() and res.steps > 1
+    cache = lean.allocate_cache(seq.numel())
+    _, hidden, taps = lean.forward_taps(seq, cache, taps=proposer.feature_taps)
+    feats = torch.cat([taps[i] for i in proposer.feature_taps], -1) if proposer.feature_taps else hidden
+    with torch.no_grad():
+        _, _, full = proposer.model.step(proposer.model.features(feats[:n]), seq[1:n + 1][None], None, None, None, True)
+    inc = proposer.cache.crop(n)
+    torch.testing.assert_close(inc.key, full.key, atol=1e-4, rtol=0)
+    torch.testing.assert_close(inc.value, full.value, atol=1e-4, rtol=0)
+
+
+def test_build_proposer_options_and_target_mismatch(target, exports, tiny_tokenizer):
+    tgt, lean = target
+    assert {"eagle", "eagle3", "medusa"} <= set(registered_methods())
+    proposer = build_proposer(exports["eagle3"], lean, total_tokens=9, depth=2, top_k=2, identity=tgt.identity())
+    assert (proposer.max_tree_nodes, proposer.depth, proposer.top_k) == (9, 2, 2)
+    assert proposer.feature_taps == LAYERS
+    chain = build_proposer(exports["eagle"], lean, policy="chain", depth=3, temperature=0.7)
+    assert chain.max_tree_nodes == 5 and chain.feature_taps == ()
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['tree'\]"):
+        build_proposer(exports["eagle"], lean, tree=[[0]])
+    other = Target(build_tiny_llama(len(tiny_tokenizer), seed=1), tiny_tokenizer, "tiny")
+    with pytest.raises(TargetMismatchError, match="fingerprint"):
+        build_proposer(exports["eagle"], lean, identity=other.identity())
+    wider = lean_from_hf(build_tiny_llama(len(tiny_tokenizer), hidden_size=32))
+    for method in ("eagle", "eagle3"):
+        with pytest.raises(TargetMismatchError, match="hidden_size: export has 64, target has 32"):
+            build_proposer(exports[method], wider)
+    shallow = lean_from_hf(build_tiny_llama(len(tiny_tokenizer), num_hidden_layers=3))
+    with pytest.raises(TargetMismatchError, match="num_hidden_layers: export has 4, target has 3"):
+        build_proposer(exports["eagle3"], shallow)
+
+    class NoTaps:  # a backend without layer taps (like the HF fallback)
+        config, device = lean.config, lean.device
+        lm_head_weight, embed_weight = lean.lm_head_weight, lean.embed_weight
+        allocate_cache, forward = lean.allocate_cache, lean.forward
+
+    with pytest.raises(ValueError, match="no forward_taps; load the target with the lean decoder"):
+        build_proposer(exports["eagle3"], NoTaps())
+    with pytest.raises(ValueError, match="has no forward_taps"):
+        SpeculativeDecoder(NoTaps(), proposer).generate(PROMPTS[0], 4)
+
+
+# ---- rejection sampling stays exact -----------------------------------------------------------------------------------
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value of ``counts`` against ``probs`` (cells with expected < 5 pooled into one)."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = exp > 0
+    if bool(((obs > 0) & ~keep).any()):
+        return 0.0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((obs.numel() - 1) / 2, dtype=torch.float64), stat / 2))
+
+
+ALPHA = 1e-4  # strict: the exact sampler must not be flagged by chance (seeds are fixed anyway)
+SMALL_V = 8
+SMALL_PROMPT = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A 2-layer V=8 Llama with a sharpened head, its HF twin, and random EAGLE-1 / EAGLE-3 (6-token vocab) drafters."""
+    torch.manual_seed(3)
+    cfg = transformers.LlamaConfig(vocab_size=SMALL_V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(10.0)
+    lean = lean_from_hf(hf)
+    dims = EagleConfig.dims_from_hf(cfg)
+    e1 = EagleDrafter(EagleConfig(**dims), lean.embed_weight, lean.lm_head_weight)
+    d2t, t2d = vocab_maps(torch.tensor([0, 1, 2, 4, 5, 7]), SMALL_V)
+    e3 = Eagle3Drafter(Eagle3Config(**dims, draft_vocab_size=6, target_layers=(0, 1)), lean.embed_weight, d2t, t2d)
+    for p in [*e1.parameters(), *e3.parameters()]:
+        p.data.normal_(0, 0.3)  # opinionated drafts: some accepted, many rejected
+    return hf, lean, Eagle1DraftModel(e1), Eagle3DraftModel(e3)
+
+
+def exact_law(hf, temperature: float, top_p: float) -> torch.Tensor:
+    """P(t1, t2, t3) [V, V, V] of the target's first three sampled tokens after SMALL_PROMPT."""
+    v = SMALL_V
+    with torch.no_grad():
+        p1 = target_probs(hf(torch.tensor([SMALL_PROMPT])).logits[0, -1], temperature, top_p)  # [V]
+        ctx2 = torch.tensor([SMALL_PROMPT + [a] for a in range(v)])
+        p2 = target_probs(hf(ctx2).logits[:, -1], temperature, top_p)  # [V, V]
+        ctx3 = torch.tensor([SMALL_PROMPT + [a, b] for a in range(v) for b in range(v)])
+        p3 = target_probs(hf(ctx3).logits[:, -1], temperature, top_p).view(v, v, v)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def sample_counts(decoder: SpeculativeDecoder, n: int, seed: int) -> torch.Tensor:
+    counts = torch.zeros(SMALL_V, SMALL_V, SMALL_V)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        t1, t2, t3 = decoder.generate(SMALL_PROMPT, 3, generator=gen).tokens
+        counts[t1, t2, t3] += 1
+    return counts
+
+
+def assert_matches(counts: torch.Tensor, exact: torch.Tensor) -> None:
+    assert float(counts[exact == 0].sum()) == 0  # nothing outside the top-p nucleus
+    assert chi2_pvalue(counts.sum(2), exact.sum(2)) > ALPHA  # (t1, t2)
+    assert chi2_pvalue(counts.sum(0), exact.sum(0)) > ALPHA  # (t2, t3): acceptance below depth 1 matters too
+
+
+def test_rejection_sampling_with_dynamic_trees_preserves_the_distribution(small):
+    hf, lean, e1, _ = small
+    proposer = EagleProposer(e1, "tree", total_tokens=7, depth=2, top_k=3)
+    dec = SpeculativeDecoder(lean, proposer, RejectionSamplingVerifier(temperature=1.0))
+    counts = sample_counts(dec, 2000, seed=0)
+    assert_matches(counts, exact_law(hf, 1.0, 1.0))
+
+
+def test_rejection_sampling_with_sampled_eagle3_chains_preserves_the_distribution(small):
+    hf, lean, _, e3 = small
+    proposer = EagleProposer(e3, "chain", depth=1, temperature=0.6, top_p=0.9)
+    dec = SpeculativeDecoder(lean, proposer, RejectionSamplingVerifier(temperature=0.8, top_p=0.95))
+    counts = sample_counts(dec, 2000, seed=1)
+    assert_matches(counts, exact_law(hf, 0.8, 0.95))
+
+
+class MisrecordedQ(EagleProposer):
+    """A deliberate bug: samples from a sharp q but records a flat one (uniform over the draft vocabulary)."""
+
+    def _on_target_vocab(self, q):
+        return super()._on_target_vocab(torch.full_like(q, 1.0 / q.numel()))
+
+
+def test_chi_square_has_power_against_a_wrong_draft_law(small):
+    hf, lean, e1, _ = small
+    proposer = MisrecordedQ(e1, "chain", depth=1, temperature=0.3)
+    dec = SpeculativeDecoder(lean, proposer, RejectionSamplingVerifier(temperature=1.0))
+    counts = sample_counts(dec, 800, seed=2)
+    exact = exact_law(hf, 1.0, 1.0)
+    assert min(chi2_pvalue(counts.sum(2), exact.sum(2)), chi2_pvalue(counts.sum(0), exact.sum(0))) < ALPHA
