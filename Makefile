@@ -29,7 +29,7 @@ train-demo: assets
 
 bench-demo:
 	$(VENV)/bin/draftsmith bench --drafter $(DEMO_DIR)/export --prompts mtbench --num-prompts $(BENCH_PROMPTS) \
-		--max-new-tokens $(BENCH_TOKENS) --out $(DEMO_DIR)/bench
+		--max-new-tokens $(BENCH_TOKENS) --dtype bf16 --lossless-dtype fp32 --out $(DEMO_DIR)/bench
 
 demo: train-demo bench-demo
 

@@ -25,7 +25,7 @@ def peak_rss_mib() -> float:
 
 def sample_batches(target: Target, cfg: Any, count: int) -> list[dict[str, torch.Tensor]]:
     """``count`` full rows of real chat data ([B, max_length], packed so no padding skews the count)."""
-    from draftsmith.distill.data import build_datamodule
+    from draftsmith.distill.datamodule import build_datamodule
 
     data = build_datamodule(cfg, target.tokenizer, packing=True)
     data.setup("fit")

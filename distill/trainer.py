@@ -125,7 +125,7 @@ def _scalars(metrics: dict) -> dict[str, float]:
 
 def train(cfg: DictConfig, recipe: Any, run_dir: str | Path) -> dict[str, Any]:
     """Train ``recipe`` as configured; returns a summary (steps, tokens, seconds, export folder, metrics)."""
-    from draftsmith.distill.data import build_datamodule
+    from draftsmith.distill.datamodule import build_datamodule
     from draftsmith.distill.exporting import export_from_module
 
     run_dir = Path(run_dir)

@@ -84,7 +84,7 @@ def training_token_batches(cfg: Any, target: Target, max_samples: int | None) ->
     Iterates the split's samples in a fixed order (not a shuffled loader) so every DDP rank gets the same
     vocabulary; the tokenised data is cached, so the trainer's own data module then reads it from disk.
     """
-    from draftsmith.distill.data import build_datamodule
+    from draftsmith.distill.datamodule import build_datamodule
 
     data = build_datamodule(cfg, target.tokenizer, packing=False)
     data.setup("fit")

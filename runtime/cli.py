@@ -9,7 +9,7 @@ import sys
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target folder (default: the one recorded in the export)")
-    p.add_argument("--dtype", default="fp32", help="fp32 (exact) or bf16 (faster)")
+    p.add_argument("--dtype", default="fp32", help="fp32 (exact) or bf16 (faster on CPU)")
     p.add_argument("--kernels", default="auto", help="auto | torch | triton")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--verifier", default="auto", help="auto | greedy | rejection | typical (lossy)")
@@ -29,6 +29,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     b.add_argument("--out", default=None, help="folder for bench.json, bench.md, acceptance.png")
     b.add_argument("--skip-hf", action="store_true", help="do not time HF generate")
+    b.add_argument("--lossless-dtype", default="fp32",
+                   help="dtype of the lossless check (greedy spec vs HF generate); 'same' = the timing dtype, "
+                        "'none' = skip")
     _add_common(b)
 
 
@@ -69,14 +72,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from draftsmith.runtime.benchmark import (
         load_prompts,
         load_runtime,
+        lossless_check,
         markdown_table,
+        resolve_dtype,
         run_bench,
         write_outputs,
     )
 
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature)
     prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts)
-    result = run_bench(rt, prompts, args.max_new_tokens, skip_hf=args.skip_hf, temperature=args.temperature)
+    lossless = None
+    check = args.lossless_dtype
+    if args.temperature == 0 and check not in ("none", "same") and resolve_dtype(check) != rt.model.dtype:
+        lossless = lossless_check(args.drafter, args.target, prompts, args.max_new_tokens, check, args.kernels)
+    result = run_bench(rt, prompts, args.max_new_tokens, skip_hf=args.skip_hf, temperature=args.temperature,
+                       lossless=None if check == "none" else lossless)
+    if check == "none":
+        result["lossless"] = None
     print(markdown_table(result))
     if args.out:
         out = write_outputs(result, args.out)

@@ -95,10 +95,14 @@ def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert "tau" in gen.stderr
     bench = subprocess.run([*exe, "bench", "--drafter", str(medusa_export), "--prompts", str(prompts_file),
-                            "--max-new-tokens", "8", "--out", str(tmp_path / "b")], capture_output=True, text=True,
-                           timeout=300)
+                            "--max-new-tokens", "8", "--dtype", "bf16", "--lossless-dtype", "fp32",
+                            "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
     assert bench.returncode == 0, bench.stderr[-2000:]
-    assert "| tau" in bench.stdout and (tmp_path / "b" / "bench.json").is_file()
+    assert "| tau" in bench.stdout
+    result = json.loads((tmp_path / "b" / "bench.json").read_text())
+    # Timed in bf16, lossless verdict from a separate fp32 run against HF generate.
+    assert result["dtype"] == "bfloat16" and result["lossless_detail"]["dtype"] == "fp32"
+    assert result["lossless"] is True
     missing = subprocess.run([*exe, "bench", "--drafter", str(tmp_path / "missing")], capture_output=True, text=True,
                              timeout=60)
     assert missing.returncode == 2 and "does not exist" in missing.stderr

@@ -10,20 +10,17 @@ import pytest
 import torch
 from conftest import build_tiny_tokenizer
 
-from draftsmith.distill import data as data_mod
+from draftsmith.distill import datamodule as data_mod
+from draftsmith.distill.conversations import load_conversations, normalize_record
 from draftsmith.distill.data import (
-    ChatDataModule,
     TemplateError,
     bucket_by_length,
     collate,
-    load_conversations,
-    load_samples,
     mtbench_prompts,
-    normalize_record,
     pack_samples,
-    save_samples,
     tokenize_conversation,
 )
+from draftsmith.distill.datamodule import ChatDataModule, load_samples, save_samples
 
 CONV = [
     {"role": "system", "content": "you are a hot python"},

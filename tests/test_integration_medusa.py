@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.distill.data import load_conversations, tokenize_conversation
+from draftsmith.distill.conversations import load_conversations
+from draftsmith.distill.data import tokenize_conversation
 from draftsmith.distill.exporting import export_from_module
 from draftsmith.distill.target import Target
 from draftsmith.export.format import TargetMismatchError, check_target, read_export

@@ -1,0 +1,146 @@
+"""Chat conversations from the embedded ShareGPT file, local jsonl/json/parquet files or HF datasets,
+normalised to ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from draftsmith.assets import ReadReport, StreamStats, iter_json_records, sharegpt_path
+
+logger = logging.getLogger(__name__)
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+          "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+
+def _as_text(content: Any) -> str:
+    """Message content as a string (``None`` -> "", OpenAI content parts -> their joined text)."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        return "".join(str(p.get("text", "")) for p in content if p.get("type", "text") == "text")
+    raise ValueError(f"message content must be a string, got {type(content).__name__}")
+
+
+def normalize_record(record: Any) -> list[dict]:
+    """One record -> ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
+
+    Accepts ShareGPT (``conversations: [{from, value}]``), OpenAI (``messages: [{role, content}]``), a bare
+    list of such messages, and a ``prompt``/``response`` (or ``completion``) pair with optional ``system``.
+    Raises ``ValueError`` for anything else.
+    """
+    if isinstance(record, dict) and "prompt" in record and ("response" in record or "completion" in record):
+        answer = record["response"] if "response" in record else record["completion"]
+        system = [{"role": "system", "content": _as_text(record["system"])}] if record.get("system") else []
+        return system + [{"role": "user", "content": _as_text(record["prompt"])},
+                         {"role": "assistant", "content": _as_text(answer)}]
+    turns = record
+    if isinstance(record, dict):
+        key = "conversations" if "conversations" in record else "messages" if "messages" in record else None
+        if key is None:
+            raise ValueError(f"unknown record structure (keys {sorted(record)[:8]}); expected 'conversations' "
+                             "(ShareGPT), 'messages' (OpenAI) or 'prompt'/'response'")
+        turns = record[key]
+    if not isinstance(turns, list):
+        raise ValueError(f"expected a list of messages, got {type(turns).__name__}")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise ValueError(f"message {i} is a {type(turn).__name__}, expected an object with role/content")
+        role = turn.get("role", turn.get("from"))
+        mapped = _ROLES.get(str(role).lower())
+        if mapped is None:
+            raise ValueError(f"message {i} has unknown role {role!r}; expected one of {sorted(_ROLES)}")
+        out.append({"role": mapped, "content": _as_text(turn.get("content", turn.get("value")))})
+    return out
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from err
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            row += 1
+            yield row, record
+
+
+def _iter_hf_dataset(spec: str) -> Iterator[tuple[int, Any]]:
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError(f"data={spec!r} is not a local file, and loading it as a Hugging Face dataset needs "
+                          "`pip install datasets`") from err
+    local = Path(spec).expanduser()
+    if local.is_dir() and (local / "dataset_info.json").is_file() and (local / "state.json").is_file():
+        ds = datasets.load_from_disk(str(local))  # a folder written by Dataset.save_to_disk
+    else:
+        ds = datasets.load_dataset(spec, split="train")
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds["train"]
+    yield from enumerate(ds, start=1)
+
+
+def load_conversations(spec: str, limit: int | None = None) -> tuple[list[list[dict]], ReadReport]:
+    """Load chat conversations as normalised message lists (see :func:`normalize_record`).
+
+    ``spec`` is ``"sharegpt"`` (the embedded file), a local ``.jsonl``/``.json``/``.parquet`` file, or a
+    Hugging Face dataset name or folder (``datasets.load_dataset``, split ``train``). Conversations without
+    a non-empty assistant turn are dropped and counted. A malformed record in a user file raises a
+    ``ValueError`` naming file and line; in the embedded ShareGPT file it is skipped and counted. The
+    truncated tail of a JSON array is dropped and reported. ``limit`` caps the conversations returned.
+    """
+    stats = StreamStats()
+    strict = True
+    if spec.strip().lower() == "sharegpt":
+        source: Any = sharegpt_path()
+        records = iter_json_records(source, stats)
+        strict = False  # the embedded dump has a few odd records; count them instead of failing
+    else:
+        source = Path(spec).expanduser()
+        suffix = source.suffix.lower()
+        if suffix in (".json", ".jsonl", ".parquet") and not source.is_file():
+            raise FileNotFoundError(f"data file {source} does not exist")
+        if source.is_file() and suffix in (".json", ".jsonl"):
+            records = iter_json_records(source, stats)
+        elif source.is_file() and suffix == ".parquet":
+            records = _iter_parquet(source)
+        elif source.is_file():
+            raise ValueError(f"unsupported data file {source}: use .jsonl, .json or .parquet")
+        else:
+            source, records = spec, _iter_hf_dataset(spec)
+    conversations: list[list[dict]] = []
+    malformed = no_assistant = turns = 0
+    for where, record in records:
+        try:
+            messages = normalize_record(record)
+        except ValueError as err:
+            if strict:
+                raise ValueError(f"{source}:{where}: {err}. Fix the record or convert the file.") from None
+            malformed += 1
+            continue
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+            no_assistant += 1
+            continue
+        conversations.append(messages)
+        turns += len(messages)
+        if limit is not None and len(conversations) >= limit:
+            break
+    reasons = []
+    if stats.tail_line is not None:
+        reasons.append(f"dropped the truncated last record (line {stats.tail_line}, {stats.tail_chars} chars)")
+    if malformed:
+        reasons.append(f"skipped {malformed} malformed record(s)")
+    if no_assistant:
+        reasons.append(f"dropped {no_assistant} conversation(s) without an assistant turn")
+    skipped = malformed + no_assistant + (stats.tail_line is not None)
+    report = ReadReport(len(conversations), skipped, turns, "; ".join(reasons) or "complete")
+    logger.info("data %s: %d conversations, %d turns, %d skipped (%s)", spec, report.kept, turns, skipped,
+                report.reason)
+    return conversations, report

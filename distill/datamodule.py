@@ -1,0 +1,211 @@
+"""The tokenised-sample cache and the LightningDataModule that serves chat batches to the trainer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from draftsmith import assets
+from draftsmith.distill.conversations import load_conversations
+from draftsmith.distill.data import (
+    ChatDataset,
+    PrebuiltBatches,
+    TemplateError,
+    bucket_by_length,
+    collate,
+    pack_samples,
+    pad_id_of,
+    tokenize_conversation,
+)
+
+logger = logging.getLogger(__name__)
+
+_CACHE_VERSION = 1
+
+def _spec_identity(spec: str) -> dict:
+    """What identifies the data source: a local file by absolute path, size and mtime."""
+    path = Path(spec).expanduser()
+    if spec.strip().lower() != "sharegpt" and path.is_file():
+        stat = path.stat()
+        return {"path": str(path.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns}
+    return {"name": spec}
+
+
+def tokenize_all(tokenizer: Any, conversations: Sequence[list[dict]], max_length: int) -> tuple[list[dict], dict]:
+    """Tokenise conversations; drop (and count) the ones with no assistant token left after truncation."""
+    samples, empty, failed, first_error = [], 0, 0, None
+    start = time.perf_counter()
+    for messages in conversations:
+        try:
+            sample = tokenize_conversation(tokenizer, messages, max_length)
+        except TemplateError as err:
+            failed, first_error = failed + 1, first_error or err
+            continue
+        if len(sample["input_ids"]) < 2 or not any(sample["loss_mask"]):
+            empty += 1
+            continue
+        samples.append(sample)
+    seconds = time.perf_counter() - start
+    if not samples:
+        raise first_error or ValueError("no conversation has assistant tokens within max_length")
+    tokens = sum(len(s["input_ids"]) for s in samples)
+    info = {"samples": len(samples), "tokens": tokens, "no_assistant_tokens": empty, "template_errors": failed,
+            "seconds": round(seconds, 2)}
+    logger.info("tokenised %d conversations -> %d samples, %d tokens in %.1f s (%.0f tokens/s)%s",
+                len(conversations), len(samples), tokens, seconds, tokens / max(seconds, 1e-9),
+                f"; {failed} failed: {first_error}" if failed else "")
+    return samples, info
+
+
+def save_samples(path: Path, samples: Sequence[dict], metadata: dict) -> None:
+    """Write samples as flat arrays in one safetensors file (atomic: temp file, then rename)."""
+    from safetensors.numpy import save_file
+
+    lengths = np.asarray([len(s["input_ids"]) for s in samples], dtype=np.int64)  # [N]
+    arrays = {
+        "input_ids": np.concatenate([np.asarray(s["input_ids"], dtype=np.int32) for s in samples]),  # [sum N_i]
+        "loss_mask": np.concatenate([np.asarray(s["loss_mask"], dtype=np.uint8) for s in samples]),  # [sum N_i]
+        "lengths": lengths,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(arrays, str(tmp), metadata={"draftsmith": json.dumps(metadata)})
+    os.replace(tmp, path)
+
+
+def load_samples(path: Path) -> tuple[list[dict], dict]:
+    """Read samples written by :func:`save_samples` (returns samples and their metadata).
+
+    Each sample holds numpy views into two flat arrays (int32 ids, uint8 mask): compact, and shared
+    rather than copied by forked DataLoader workers.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as handle:
+        metadata = json.loads((handle.metadata() or {}).get("draftsmith", "{}"))
+        ids, mask, lengths = (handle.get_tensor(k) for k in ("input_ids", "loss_mask", "lengths"))
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    samples = [{"input_ids": ids[a:b], "loss_mask": mask[a:b]} for a, b in zip(bounds[:-1], bounds[1:])]
+    return samples, metadata
+
+
+class ChatDataModule(pl.LightningDataModule):
+    """Chat conversations tokenised once (cached on disk as safetensors) and served as padded batches.
+
+    The cache key hashes the data source, the tokenizer (name, vocabulary size, chat template),
+    ``max_length`` and ``limit``. The train/val split is a seeded permutation. Training batches are length
+    bucketed (:func:`bucket_by_length`) unless ``packing`` (see :func:`pack_samples` for its caveat).
+    """
+
+    def __init__(self, tokenizer: Any, spec: str, max_length: int, batch_size: int, num_workers: int = 0,
+                 val_fraction: float = 0.02, limit: int | None = None, packing: bool = False, seed: int = 0,
+                 cache_dir: str | Path | None = None):
+        super().__init__()
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.tokenizer, self.spec, self.max_length = tokenizer, spec, max_length
+        self.batch_size, self.num_workers, self.val_fraction = batch_size, num_workers, val_fraction
+        self.limit, self.packing, self.seed = limit, packing, seed
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else assets.cache_dir() / "data"
+        self.pad_id = pad_id_of(tokenizer)
+        self.report: dict = {}
+        self.train_set: ChatDataset | None = None
+        self.val_set: ChatDataset | None = None
+
+    @property
+    def cache_path(self) -> Path:
+        """Where the tokenised samples of this configuration are cached."""
+        template = self.tokenizer.chat_template or ""
+        key = {"v": _CACHE_VERSION, "spec": _spec_identity(self.spec), "max_length": self.max_length,
+               "limit": self.limit, "tokenizer": getattr(self.tokenizer, "name_or_path", ""),
+               "vocab": len(self.tokenizer), "template": hashlib.sha256(template.encode()).hexdigest()}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+        return self.cache_dir / f"chat-{digest}.safetensors"
+
+    def samples(self) -> list[dict]:
+        """All tokenised samples, from the cache or tokenised now (and cached)."""
+        path = self.cache_path
+        if path.is_file():
+            samples, self.report = load_samples(path)
+            logger.info("loaded %d tokenised samples from %s", len(samples), path)
+            return samples
+        conversations, read = load_conversations(self.spec, self.limit)
+        samples, info = tokenize_all(self.tokenizer, conversations, self.max_length)
+        self.report = {"read": read.__dict__, **info}
+        save_samples(path, samples, self.report)
+        logger.info("cached tokenised samples at %s", path)
+        return load_samples(path)[0]  # same compact representation on first and later runs
+
+    def prepare_data(self) -> None:
+        """Tokenise and cache once (Lightning calls this on one process per node)."""
+        self.samples()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Split samples deterministically into train and validation sets."""
+        if self.train_set is not None:
+            return
+        samples = self.samples()
+        order = np.random.default_rng(self.seed).permutation(len(samples))
+        n_val = min(len(samples) - 1, max(1, round(len(samples) * self.val_fraction))) if self.val_fraction else 0
+        self.val_set = ChatDataset([samples[i] for i in order[:n_val]])
+        self.train_set = ChatDataset([samples[i] for i in order[n_val:]])
+
+    def _ordered_sampling(self, size: int) -> dict[str, Any]:
+        """Keep the seeded order; under data parallelism deal item r, r+W, ... to rank r.
+
+        Lightning's automatic distributed sampler reshuffles, which would break the property that W processes
+        see the same global batches as one process with W-step gradient accumulation.
+        """
+        trainer = getattr(self, "trainer", None)
+        world = int(getattr(trainer, "world_size", 1) or 1)
+        if world <= 1:
+            return {"shuffle": False}
+        sampler = torch.utils.data.DistributedSampler(range(size), num_replicas=world, rank=int(trainer.global_rank),
+                                                      shuffle=False, drop_last=False)
+        return {"sampler": sampler}
+
+    def _loader(self, dataset: Dataset, **kwargs: Any) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(dataset, num_workers=self.num_workers, generator=generator,
+                          collate_fn=partial(collate, pad_id=self.pad_id), **kwargs)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches: packed rows, or length buckets (one item = one whole batch)."""
+        if self.train_set is None:
+            self.setup("fit")
+        if self.packing:
+            rows = ChatDataset(pack_samples(self.train_set.samples, self.max_length))
+            order = np.random.default_rng(self.seed).permutation(len(rows))
+            rows = ChatDataset([rows.samples[i] for i in order])
+            return self._loader(rows, batch_size=self.batch_size, **self._ordered_sampling(len(rows)))
+        batches = bucket_by_length(self.train_set.lengths, self.batch_size, seed=self.seed)
+        # The order is already a seeded permutation; no loader shuffle, so a distributed sampler deals batch
+        # r, r+W, ... to rank r and W processes see exactly the batches one process sees with W-step accumulation.
+        return self._loader(PrebuiltBatches(self.train_set, batches), batch_size=None, **self._ordered_sampling(len(batches)))
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches in a fixed order."""
+        if self.val_set is None:
+            self.setup("validate")
+        return self._loader(self.val_set, batch_size=self.batch_size, shuffle=False)
+
+
+def build_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None) -> ChatDataModule:
+    """The data module a composed config asks for (``cfg.data`` and ``cfg.run.seed``); one place for every caller."""
+    limit = cfg.data.limit
+    return ChatDataModule(tokenizer=tokenizer, spec=str(cfg.data.spec), max_length=int(cfg.data.max_length),
+                          batch_size=int(cfg.data.batch_size), num_workers=int(cfg.data.num_workers),
+                          val_fraction=float(cfg.data.val_fraction), limit=int(limit) if limit else None,
+                          packing=bool(cfg.data.packing) if packing is None else packing, seed=int(cfg.run.seed))
