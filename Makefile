@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # A CPU build of torch 2.13.0 lies on this machine's disk; on a GPU machine set TORCH_SPEC=torch.
 TORCH_SPEC ?= torch==2.13.0
-DEMO_STEPS ?= 120
+DEMO_STEPS ?= 60
 DEMO_DIR ?= outputs/demo/medusa
 BENCH_PROMPTS ?= 8
 BENCH_TOKENS ?= 128
