@@ -1,4 +1,4 @@
-"""Runtime subcommands of the ``draftsmith`` command: generate, bench."""
+"""Runtime subcommands of the ``draftsmith`` command: generate, bench, regenerate."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Register ``generate`` and ``bench``."""
+    """Register ``generate``, ``bench`` and ``regenerate``."""
     g = sub.add_parser("generate", help="stream a completion (speculative with --drafter, else autoregressive)")
     g.add_argument("--drafter", default=None, help="export folder of a trained drafter")
     g.add_argument("--prompt", required=True)
@@ -33,6 +33,21 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="dtype of the lossless check (greedy spec vs HF generate); 'same' = the timing dtype, "
                         "'none' = skip")
     _add_common(b)
+    r = sub.add_parser("regenerate", help="rewrite a chat dataset's assistant turns with the target (self-distilled "
+                                          "data for data.spec=)")
+    r.add_argument("--data", default="sharegpt", help="sharegpt (embedded) or a .jsonl/.json of conversations")
+    r.add_argument("--out", required=True, help="output .jsonl ({messages, source_index} per line); resumes "
+                                                "OUT.partial")
+    r.add_argument("--target", default=None, help="target folder (default: the embedded smollm2-135m)")
+    r.add_argument("--limit", type=int, default=None, help="use the first N conversations")
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--turns", default="first", choices=["first", "all"],
+                   help="regenerate the first assistant turn only, or all with the target's own replies in context")
+    r.add_argument("--dtype", default="bf16", help="bf16 (faster on CPU) or fp32")
+    r.add_argument("--kernels", default="auto", help="auto | torch | triton")
+    r.add_argument("--seed", type=int, default=0)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -98,4 +113,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-HANDLERS = {"generate": cmd_generate, "bench": cmd_bench}
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    """Regenerate the dataset's assistant turns and print the summary."""
+    from draftsmith.runtime.regenerate import regenerate, summary
+
+    report = regenerate(args.data, args.out, target=args.target, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_p=args.top_p, turns=args.turns, dtype=args.dtype,
+                        seed=args.seed, kernels=args.kernels)
+    print(summary(report, args.out))
+    return 0
+
+
+HANDLERS = {"generate": cmd_generate, "bench": cmd_bench, "regenerate": cmd_regenerate}

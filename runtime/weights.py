@@ -99,3 +99,18 @@ def load_safetensors(
     if wanted is not None and wanted - out.keys():
         raise WeightsError(f"tensors missing from {str(folder)!r}: {', '.join(sorted(wanted - out.keys())[:8])}")
     return out
+
+
+def load_lm_head(folder: str | Path) -> torch.Tensor:
+    """The target's LM head [V, H] in fp32 (the embedding when the model ties them)."""
+    from draftsmith import assets
+
+    folder = assets.resolve_target(str(folder))
+    config = load_hf_config(folder)
+    key = "lm_head.weight"
+    if config.get("tie_word_embeddings", False):
+        key = "model.embed_tokens.weight"
+    tensors = load_safetensors(folder, dtype=torch.float32, keys=[key])
+    if key not in tensors:
+        raise WeightsError(f"{folder} has no {key}")
+    return tensors[key]

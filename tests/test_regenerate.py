@@ -1,0 +1,130 @@
+"""``draftsmith regenerate``: self-distilled replies through the runtime, resumable jsonl, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from draftsmith.distill.conversations import load_conversations
+from draftsmith.runtime import regenerate as regen
+from draftsmith.runtime.autoregressive import generate_ar, load_decoder
+from draftsmith.runtime.bench import eos_ids_from_folder
+
+SMALL = dict(max_new_tokens=6, dtype="fp32")
+
+
+def _write(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _reference(folder: Path, messages: list[dict], max_new_tokens: int) -> str:
+    """The reply generate_ar gives on the same rendered prompt (greedy, fp32)."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = load_decoder(folder, dtype=torch.float32)
+    eos = regen.stop_ids(tokenizer, eos_ids_from_folder(folder))
+    tokens = generate_ar(model, regen.render_prompt(tokenizer, messages), max_new_tokens, eos_ids=eos)
+    return tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def test_first_turn_greedy_equals_generate_ar_and_output_loads(tiny_target_dir, tiny_data_file, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    report = regen.regenerate(str(tiny_data_file), out, target=str(tiny_target_dir), limit=3, **SMALL)
+    assert report.written == 3 and report.tokens > 0
+    assert not Path(f"{out}.partial").exists() and not Path(f"{out}.partial.json").exists()
+    conversations, read = load_conversations(str(out))
+    assert read.kept == 3 and read.skipped == 0
+    originals = [json.loads(line) for line in tiny_data_file.read_text().splitlines()[:3]]
+    for i, (line, conv, orig) in enumerate(zip(out.read_text().splitlines(), conversations, originals)):
+        assert json.loads(line)["source_index"] == i
+        user = {"role": "user", "content": orig["conversations"][0]["value"]}
+        assert conv[0] == user and conv[1]["role"] == "assistant" and len(conv) == 2
+        assert conv[1]["content"] == _reference(tiny_target_dir, [user], 6)
+        assert conv[1]["content"] != orig["conversations"][1]["value"]  # really rewritten
+
+
+def test_all_turns_use_own_previous_replies(tiny_target_dir, tmp_path):
+    data = _write(tmp_path / "multi.jsonl", [
+        {"messages": [{"role": "system", "content": "you are hello"}, {"role": "user", "content": "why is water hot"},
+                      {"role": "assistant", "content": "original one"}, {"role": "user", "content": "explain more"},
+                      {"role": "assistant", "content": "original two"}, {"role": "user", "content": "and then"}]},
+    ])
+    out = tmp_path / "all.jsonl"
+    regen.regenerate(str(data), out, target=str(tiny_target_dir), turns="all", **SMALL)
+    msgs = json.loads(out.read_text())["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
+    for k in (2, 4, 6):  # each reply conditioned on the regenerated history before it
+        assert msgs[k]["content"] == _reference(tiny_target_dir, msgs[:k], 6)
+    assert "original" not in json.dumps(msgs)
+
+
+def test_resume_after_interruption_gives_identical_file(tiny_target_dir, tiny_data_file, tmp_path, monkeypatch):
+    kwargs = dict(target=str(tiny_target_dir), limit=5, temperature=0.9, top_p=0.9, seed=3, **SMALL)
+    full = tmp_path / "full.jsonl"
+    regen.regenerate(str(tiny_data_file), full, **kwargs)
+    out = tmp_path / "resumed.jsonl"
+    calls = {"n": 0}
+    real = regen.generate_ar
+
+    def interrupted(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(regen, "generate_ar", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        regen.regenerate(str(tiny_data_file), out, **kwargs)
+    monkeypatch.setattr(regen, "generate_ar", real)
+    partial = Path(f"{out}.partial")
+    assert not out.exists() and len(partial.read_text().splitlines()) == 2
+    with open(partial, "a") as handle:  # a line torn by the crash
+        handle.write('{"messages": [{"role": "user", "cont')
+    logs: list[str] = []
+    report = regen.regenerate(str(tiny_data_file), out, log=logs.append, **kwargs)
+    assert report.resumed == 2 and report.written == 3 and "resuming" in logs[0]
+    assert out.read_bytes() == full.read_bytes()
+    assert not partial.exists()
+
+
+def test_resume_with_other_settings_is_refused(tiny_target_dir, tiny_data_file, tmp_path):
+    out = tmp_path / "o.jsonl"
+    Path(f"{out}.partial").write_text("")
+    Path(f"{out}.partial.json").write_text(json.dumps({"data": "x"}))
+    with pytest.raises(ValueError, match="other settings"):
+        regen.regenerate(str(tiny_data_file), out, target=str(tiny_target_dir), limit=1, **SMALL)
+
+
+def test_prompt_longer_than_context_is_skipped_and_counted(tiny_target_dir, tmp_path):
+    long_prompt = " ".join(["hello"] * 600)  # 600 word tokens > 512 positions of the tiny target
+    data = _write(tmp_path / "long.jsonl", [
+        {"conversations": [{"from": "human", "value": long_prompt}, {"from": "gpt", "value": "x"}]},
+        {"conversations": [{"from": "human", "value": "hello world"}, {"from": "gpt", "value": "x"}]},
+    ])
+    out = tmp_path / "long_out.jsonl"
+    report = regen.regenerate(str(data), out, target=str(tiny_target_dir), **SMALL)
+    assert report.written == 1 and report.skipped == {"prompt longer than the context": 1}
+    assert json.loads(out.read_text())["source_index"] == 1
+    assert "1 prompt longer than the context" in regen.summary(report, out)
+
+
+def test_errors(tiny_target_dir, tmp_path, capsys):
+    from draftsmith.cli import main
+
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist"):
+        regen.regenerate(str(missing), tmp_path / "o.jsonl", target=str(tiny_target_dir))
+    assert main(["regenerate", "--data", str(missing), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    empty = _write(tmp_path / "empty.jsonl", [])
+    with pytest.raises(ValueError, match="no conversations"):
+        regen.regenerate(str(empty), tmp_path / "o.jsonl", target=str(tiny_target_dir))
+    bad = _write(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}, {"text": "no chat"}])
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a 'conversations'"):
+        regen.regenerate(str(bad), tmp_path / "o.jsonl", target=str(tiny_target_dir), **SMALL)
+    with pytest.raises(ValueError, match="--turns must be one of"):
+        regen.regenerate(str(bad), tmp_path / "o.jsonl", turns="last")
