@@ -44,6 +44,20 @@ class Runtime:
     speculative: SpeculativeDecoder | None = None
 
 
+def parse_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``["depth=2", "policy=chain"]`` -> ``{"depth": 2, "policy": "chain"}`` (JSON values where they parse)."""
+    options: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"proposer option {pair!r} must look like key=value (e.g. depth=2)")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     """``fp32`` / ``bf16`` -> torch dtype, with the valid names in the error."""
     if name not in DTYPES:
@@ -69,7 +83,8 @@ def make_verifier(name: str, temperature: float, kernels: str, export_config: di
 
 
 def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", kernels: str = "auto",
-                 verifier: str = "auto", temperature: float = 0.0, max_cache_len: int = 4096) -> Runtime:
+                 verifier: str = "auto", temperature: float = 0.0, max_cache_len: int = 4096,
+                 proposer_options: dict[str, Any] | None = None) -> Runtime:
     """Load the target (from ``target`` or the export's record) and the export's proposer, checking identity."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -86,7 +101,7 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
         identity = target_identity(export_config["target"]["name_or_path"], AutoConfig.from_pretrained(folder),
                                    tokenizer, model.lm_head_weight)
         check_target(export_config, identity)
-        proposer = build_proposer(drafter, model)
+        proposer = build_proposer(drafter, model, **(proposer_options or {}))
         runtime.speculative = SpeculativeDecoder(model, proposer, make_verifier(verifier, temperature, kernels,
                                                                                 export_config),
                                                  kernels_backend=kernels, max_cache_len=max_cache_len)
@@ -181,13 +196,14 @@ def head_agreement(runtime: Runtime, prompts: list[list[int]], continuations: li
 
 
 def lossless_check(drafter: str, target: str | None, prompts: list[list[int]], max_new_tokens: int,
-                   dtype: str = "fp32", kernels: str = "auto") -> dict[str, Any]:
+                   dtype: str = "fp32", kernels: str = "auto",
+                   proposer_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Greedy speculative output vs greedy HF ``generate`` of the target, token for token, in ``dtype``.
 
     Exactness is checked in fp32: in bf16, verifying a block is not bit-identical to decoding token by token
     (different reduction orders), so near-ties can legitimately flip.
     """
-    runtime = load_runtime(drafter, target, dtype, kernels, "greedy", 0.0)
+    runtime = load_runtime(drafter, target, dtype, kernels, "greedy", 0.0, proposer_options=proposer_options)
     hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=runtime.model.dtype)
     spec = [runtime.speculative.generate(p, max_new_tokens, eos_ids=runtime.eos_ids).tokens for p in prompts]
     return {"dtype": dtype, **compare_outputs(hf["outputs"], spec)}

@@ -14,6 +14,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--verifier", default="auto", help="auto | greedy | rejection | typical (lossy)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--proposer-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="override an export's inference default, e.g. total_tokens=6 depth=2 policy=chain (EAGLE) "
+                        "or tree='[[0],[1],[0,0]]' (Medusa); repeatable")
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -55,9 +58,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from draftsmith.runtime.autoregressive import generate_ar
-    from draftsmith.runtime.benchmark import encode_chat, load_runtime
+    from draftsmith.runtime.benchmark import encode_chat, load_runtime, parse_options
 
-    rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature)
+    rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
+                      proposer_options=parse_options(args.proposer_option))
     prompt = encode_chat(rt.tokenizer, args.prompt)
     generator = torch.Generator().manual_seed(args.seed)
     emitted: list[int] = []
@@ -89,17 +93,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         load_runtime,
         lossless_check,
         markdown_table,
+        parse_options,
         resolve_dtype,
         run_bench,
         write_outputs,
     )
 
-    rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature)
+    rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
+                      proposer_options=parse_options(args.proposer_option))
     prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts)
     lossless = None
     check = args.lossless_dtype
     if args.temperature == 0 and check not in ("none", "same") and resolve_dtype(check) != rt.model.dtype:
-        lossless = lossless_check(args.drafter, args.target, prompts, args.max_new_tokens, check, args.kernels)
+        lossless = lossless_check(args.drafter, args.target, prompts, args.max_new_tokens, check, args.kernels,
+                                  proposer_options=parse_options(args.proposer_option))
     result = run_bench(rt, prompts, args.max_new_tokens, skip_hf=args.skip_hf, temperature=args.temperature,
                        lossless=None if check == "none" else lossless)
     if check == "none":

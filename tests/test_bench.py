@@ -106,3 +106,14 @@ def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
     missing = subprocess.run([*exe, "bench", "--drafter", str(tmp_path / "missing")], capture_output=True, text=True,
                              timeout=60)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_proposer_options_override_export_defaults(medusa_export):
+    from draftsmith.runtime.benchmark import parse_options
+
+    assert parse_options(["depth=2", "policy=chain", "tree=[[0],[0,0]]"]) == {
+        "depth": 2, "policy": "chain", "tree": [[0], [0, 0]]}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_options(["depth"])
+    rt = load_runtime(str(medusa_export), None, "fp32", proposer_options={"tree": [[0], [0, 0]]})
+    assert rt.speculative.proposer.max_tree_nodes == 3
