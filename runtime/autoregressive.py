@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from draftsmith.runtime.cache import CacheFullError
+from draftsmith.runtime.cache import CacheFullError, CommitMixin
 from draftsmith.runtime.model import LeanDecoder, UnsupportedArchitecture
 from draftsmith.runtime.weights import WeightsError, find_safetensors, load_hf_config
 
@@ -108,7 +108,7 @@ def generate_ar(
         cache.commit(1)
 
 
-class HFCache:
+class HFCache(CommitMixin):
     """A transformers ``DynamicCache`` behind the static-cache interface.
 
     The DynamicCache grows by T on every forward; ``length`` counts what the caller kept, and the next forward first
@@ -146,13 +146,6 @@ class HFCache:
         """Drop uncommitted slots (those past ``length``) before the next forward."""
         if self.dc.get_seq_length() > self.length:
             self._map(lambda t: t[:, :, : self.length])  # [1, Hkv, length, d]
-
-    def commit(self, n: int) -> None:
-        """Keep the first ``n`` tokens of the last forward."""
-        if n < 0:
-            raise ValueError(f"commit count must be >= 0, got {n}")
-        self.check_fits(n)
-        self.length += n
 
     def compact(self, src_slots: torch.Tensor, dst_start: int | None = None) -> None:
         """Keep slots ``0..dst_start-1`` then ``src_slots`` (ascending); the length becomes ``dst_start + n``."""

@@ -16,7 +16,23 @@ class CacheFullError(ValueError):
     """The tokens to add do not fit in the static cache; allocate a longer one."""
 
 
-class KVCache:
+class CommitMixin:
+    """``commit`` shared by the runtime caches: they differ in storage, not in how a forward's tokens are kept."""
+
+    length: int
+
+    def check_fits(self, new_tokens: int) -> None:  # pragma: no cover - each cache defines it
+        raise NotImplementedError
+
+    def commit(self, n: int) -> None:
+        """Keep the first ``n`` tokens written by the last forward (slots ``length .. length+n-1``)."""
+        if n < 0:
+            raise ValueError(f"commit count must be >= 0, got {n}")
+        self.check_fits(n)
+        self.length += n
+
+
+class KVCache(CommitMixin):
     """Preallocated K/V for all layers: ``k``, ``v`` are ``[L, Hkv, max_len, d]``; ``length`` is the committed count."""
 
     def __init__(
@@ -54,13 +70,6 @@ class KVCache:
                 f"{new_tokens} new tokens do not fit: the cache holds {self.length} of {self.max_len} slots; "
                 "allocate a larger cache (allocate_cache(max_len)) or shorten the prompt / max_new_tokens"
             )
-
-    def commit(self, n: int) -> None:
-        """Keep the first ``n`` tokens written by the last forward (slots ``length .. length+n-1``)."""
-        if n < 0:
-            raise ValueError(f"commit count must be >= 0, got {n}")
-        self.check_fits(n)
-        self.length += n
 
     def compact(self, src_slots: torch.Tensor, dst_start: int | None = None) -> None:
         """Move slots ``src_slots`` (ascending, each >= dst_start) to ``dst_start ..`` and set the length after them.
