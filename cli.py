@@ -10,9 +10,10 @@ from collections.abc import Sequence
 
 
 def _cmd_train(argv: Sequence[str]) -> int:
+    from draftsmith.train import expand_shorthands
     from draftsmith.train import main as hydra_main
 
-    sys.argv = ["draftsmith train", *argv]
+    sys.argv = ["draftsmith train", *expand_shorthands(list(argv))]
     hydra_main()
     return 0
 
@@ -39,7 +40,9 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=None)
     opts, overrides = parser.parse_known_args(argv)
-    cfg = compose_config(overrides)
+    from draftsmith.train import expand_shorthands
+
+    cfg = compose_config(expand_shorthands(overrides))
     result = bench_train(cfg, recipes.get_recipe(cfg.recipe.name), steps=opts.steps, warmup=opts.warmup)
     text = json.dumps(result, indent=2)
     print(text)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -22,6 +24,24 @@ def slug(text: str) -> str:
 OmegaConf.register_new_resolver("slug", slug, replace=True)
 
 
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+# `target=PATH` / `data=PATH` shorthands: a value that is not an option of the group is a model folder / data spec.
+SHORTHANDS = {"target": "target.name_or_path", "data": "data.spec"}
+
+
+def expand_shorthands(argv: list[str]) -> list[str]:
+    """Rewrite ``target=/models/x`` to ``target.name_or_path=/models/x`` and ``data=chats.jsonl`` to
+    ``data.spec=chats.jsonl`` unless the value names a config of that group (``target=smollm2`` stays a group choice).
+    """
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in SHORTHANDS and value and not (CONF_DIR / key / f"{value}.yaml").is_file():
+            arg = f"{SHORTHANDS[key]}={value}"
+        out.append(arg)
+    return out
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Compose the config, pick the registered recipe, train, export; returns the final val loss for sweeps."""
@@ -35,4 +55,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    sys.argv = [sys.argv[0], *expand_shorthands(sys.argv[1:])]
     main()

@@ -30,7 +30,8 @@ def run_train(*overrides: str, timeout: int = 240, check: bool = True, env: dict
 
 
 def tiny_overrides(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
-    return ["recipe=medusa", f"target.name_or_path={target}", "target.dtype=fp32", f"data.spec={data}",
+    # `target=PATH` and `data=PATH` are shorthands for target.name_or_path / data.spec.
+    return ["recipe=medusa", f"target={target}", "target.dtype=fp32", f"data={data}",
             "data.limit=null", "data.max_length=48", "data.batch_size=4", "data.val_fraction=0.1",
             "trainer.max_steps=6", "trainer.log_every_n_steps=1", "run.checkpoint_every=3", "run.final_eval_batches=2",
             "optim.warmup_steps=0", f"hydra.run.dir={run_dir}", *extra]
@@ -57,6 +58,10 @@ def test_unknown_option_and_missing_field_fail_before_loading_the_target(tmp_pat
 def test_cfg_job_prints_the_composed_config():
     proc = run_train("recipe=medusa", "heads.num_heads=5", "--cfg", "job")
     assert "num_heads: 5" in proc.stdout and "name: medusa" in proc.stdout
+    proc = run_train("recipe=medusa", "target=/models/my-llama", "data=/data/chats.jsonl", "--cfg", "job")
+    assert "name_or_path: /models/my-llama" in proc.stdout and "spec: /data/chats.jsonl" in proc.stdout
+    proc = run_train("recipe=medusa", "target=smollm2", "--cfg", "job")  # a group option stays a group choice
+    assert "name_or_path: smollm2-135m" in proc.stdout
 
 
 def test_train_exports_and_resumes_after_kill(tmp_path, tiny_target_dir, tiny_data_file):
