@@ -31,14 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (1, 2, 3)  # the tiny target has 4 layers: the default (2, L//2, L-3) needs L >= 7
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread avoids OpenMP spin contention on a loaded 2-core machine (10x here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def recipe_cfg(**drafter) -> OmegaConf:
     """The shipped recipe overlay (conf/recipe/eagle3.yaml) with drafter overrides."""

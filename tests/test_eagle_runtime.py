@@ -31,13 +31,6 @@ LAYERS = (1, 2, 3)  # EAGLE-3 taps of the 4-layer tiny target
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: thread hand-offs cost more than they save on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def lean_from_hf(hf: torch.nn.Module) -> LeanDecoder:

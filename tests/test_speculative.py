@@ -36,13 +36,6 @@ PROMPTS = [[1, 5, 9], [7], [3, 3, 3, 3, 40, 41, 42, 17, 88, 2, 60]]
 NEW = 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: thread hand-offs cost more than they save on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_llama(seed: int, vocab: int = VOCAB, hidden: int = 64, layers: int = 2, head_scale: float = 1.0):

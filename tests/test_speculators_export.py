@@ -63,14 +63,6 @@ print("FORWARD_OK", err)
 """
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread avoids OpenMP spin contention on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture()
 def target(tiny_tokenizer) -> Target:
