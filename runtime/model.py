@@ -22,6 +22,7 @@ from torch import nn
 
 from draftsmith.kernels.attention import tree_attention
 from draftsmith.runtime.cache import KVCache
+from draftsmith.runtime.linear_ops import choose_linear_ops
 from draftsmith.runtime.weights import WeightsError, load_hf_config, load_safetensors
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # SmolLM checkpoints say "llama"
@@ -144,44 +145,6 @@ class _Layer(nn.Module):
             self.register_buffer(name, tensor)
 
 
-def mkldnn_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether oneDNN prepacked linears can run: bf16 on CPU with the mkldnn ops present."""
-    return (
-        dtype == torch.bfloat16
-        and device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
-
-class _DenseOps:
-    """Linears with plain tensors (MKL): best for fp32 on CPU and for CUDA."""
-
-    pack = staticmethod(lambda w: w)
-    pack_res = staticmethod(lambda w: w.t())  # addmm wants (in, out)
-    linear = staticmethod(F.linear)
-
-    @staticmethod
-    def linear_add(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None, res: torch.Tensor) -> torch.Tensor:
-        """res + x @ w_t (+ b), the residual add fused into the GEMM when there is no bias."""
-        return torch.addmm(res, x, w_t) if b is None else res + torch.addmm(b, x, w_t)
-
-
-class _MkldnnOps:
-    """Linears with oneDNN-prepacked bf16 weights: about 2x faster than F.linear for bf16 GEMV on AVX512-BF16 CPUs."""
-
-    pack = staticmethod(lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None))
-    pack_res = pack
-
-    @staticmethod
-    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-    @staticmethod
-    def linear_add(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, res: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise.binary(x, res, w, b, "add")
-
-
 class LeanDecoder(nn.Module):
     """Llama-family decoder for batch-1 inference over a :class:`KVCache`, with tree-masked multi-token forwards."""
 
@@ -197,14 +160,13 @@ class LeanDecoder(nn.Module):
         optional). Raises WeightsError naming missing tensors.
 
         ``kernel_backend`` goes to the attention / KV-compaction kernels ("auto" | "torch" | "triton").
-        ``linear_backend``: "dense" (F.linear), "mkldnn" (oneDNN-prepacked bf16 weights, CPU only) or "auto" (mkldnn
-        for bf16 on CPU when available, else dense). Prepacking keeps a second copy of the weights.
+        ``linear_backend``: "dense" (F.linear), "mkldnn" (oneDNN-prepacked bf16 weights, CPU only; keeps a second
+        copy of the weights), "cpp" (the fused C++ bf16 layer, AVX512-BF16 CPUs) or "auto" (the fastest that can run,
+        see ``draftsmith.runtime.linear_ops``).
         ``compile``: run the forward through ``torch.compile(dynamic=True)``. Off by default: on the 2-core CPU it
         cut the per-step overhead of a 30-layer model from ~3.2 to ~1.9 ms but the first call compiled for ~3 min.
         """
         super().__init__()
-        if linear_backend not in ("auto", "dense", "mkldnn"):
-            raise ValueError(f"linear_backend must be 'auto', 'dense' or 'mkldnn', got {linear_backend!r}")
         self.config = config
         self.kernel_backend = kernel_backend
         self.linear_backend = linear_backend
@@ -250,6 +212,7 @@ class LeanDecoder(nn.Module):
             raise WeightsError("lm_head.weight is missing and tie_word_embeddings is false; the checkpoint is incomplete")
         self._rope_len = 0
         self._ensure_rope(min(config.max_position_embeddings, 4096))
+        self._compile = compile
         self._build_exec()
         self._compiled = torch.compile(self._run, dynamic=True) if compile else None
 
@@ -302,19 +265,16 @@ class LeanDecoder(nn.Module):
     def _build_exec(self) -> None:
         """Per-layer tuples of the weights in the form the chosen linear backend runs (a tuple beats attribute
         lookups in the hot loop)."""
-        use_mkldnn = self.linear_backend == "mkldnn" or (
-            self.linear_backend == "auto" and mkldnn_linear_available(self.dtype, self.device)
-        )
-        if use_mkldnn and not mkldnn_linear_available(self.dtype, self.device):
-            raise ValueError(f"linear_backend='mkldnn' needs bf16 weights on CPU; got {self.dtype} on {self.device}")
-        ops = _MkldnnOps if use_mkldnn else _DenseOps
+        c = self.config
+        ops = choose_linear_ops(self.linear_backend, self.dtype, self.device,
+                                (c.head_dim, c.hidden_size, c.intermediate_size), compiled=self._compile)
         self._ops = ops
         self._exec = [
             (w.ln1, ops.pack(w.wqkv), w.bqkv, w.qn, w.kn, ops.pack_res(w.wo), w.bo, w.ln2, ops.pack(w.wgu), w.bgu,
              ops.pack_res(w.wdown), w.bdown)
             for w in self.layers
         ]  # fmt: skip
-        self._head = ops.pack(self.lm_head)
+        self._head = ops.pack_head(self.lm_head)
 
     def _ensure_rope(self, n: int) -> None:
         """Precompute cos / signed-sin tables [n, 1, d] for positions 0..n-1 (fp32 math, stored in model dtype)."""
@@ -410,8 +370,16 @@ class LeanDecoder(nn.Module):
         linear, linear_add, backend = self._ops.linear, self._ops.linear_add, self.kernel_backend
         found: dict[int, torch.Tensor] = {}
         x = F.embedding(input_ids, self.embed)  # [T, H]
+        fused = getattr(self._ops, "layer", None)
+        if fused is not None:  # the C++ layer: same math, one call per layer
+            mask = None if tree_mask is None else tree_mask.contiguous()
+            cos, sin = cos.contiguous(), sin.contiguous()  # [T, 1, d]
+            for i, (weights, (kc, vc)) in enumerate(zip(self._exec, kv_layers)):
+                if i in taps:
+                    found[i] = x
+                x = fused(x, *weights, kc, vc, start, cos, sin, mask, hq, hkv, eps, scale)  # [T, H]
         for i, ((ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wdown, bdown), (kc, vc)) in enumerate(
-            zip(self._exec, kv_layers)
+            zip(self._exec if fused is None else (), kv_layers)
         ):
             if i in taps:
                 found[i] = x

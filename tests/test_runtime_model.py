@@ -11,12 +11,8 @@ import transformers
 from draftsmith.runtime.autoregressive import HFModelAdapter, generate_ar, load_decoder, sample_token
 from draftsmith.runtime.bench import compare_outputs, time_hf_generate, time_runtime_ar
 from draftsmith.runtime.cache import CacheFullError
-from draftsmith.runtime.model import (
-    LeanDecoder,
-    ModelConfig,
-    UnsupportedArchitecture,
-    mkldnn_linear_available,
-)
+from draftsmith.runtime.linear_ops import mkldnn_linear_available
+from draftsmith.runtime.model import LeanDecoder, ModelConfig, UnsupportedArchitecture
 from draftsmith.runtime.weights import WeightsError
 
 VOCAB = 128
