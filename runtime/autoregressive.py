@@ -256,14 +256,17 @@ def load_decoder(
     device: str | torch.device = "cpu",
     backend: str = "auto",
     kernel_backend: str = "auto",
+    linear_backend: str = "auto",
 ) -> LeanDecoder | HFModelAdapter:
-    """Load a runtime decoder: the lean one when the architecture is supported ("auto"), or force "lean" / "hf"."""
+    """Load a runtime decoder: the lean one when the architecture is supported ("auto"), or force "lean" / "hf".
+    ``linear_backend`` goes to :class:`LeanDecoder` (auto | cpp | mkldnn | dense)."""
     if backend not in ("auto", "lean", "hf"):
         raise ValueError(f"decoder backend must be 'auto', 'lean' or 'hf', got {backend!r}")
     if backend == "hf":
         return HFModelAdapter.from_pretrained(folder, dtype, device)
     try:
-        return LeanDecoder.from_pretrained(folder, dtype, device, kernel_backend=kernel_backend)
+        return LeanDecoder.from_pretrained(folder, dtype, device, kernel_backend=kernel_backend,
+                                           linear_backend=linear_backend)
     except UnsupportedArchitecture:
         if backend == "lean":
             raise

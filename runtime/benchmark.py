@@ -84,8 +84,9 @@ def make_verifier(name: str, temperature: float, kernels: str, export_config: di
 
 def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", kernels: str = "auto",
                  verifier: str = "auto", temperature: float = 0.0, max_cache_len: int = 4096,
-                 proposer_options: dict[str, Any] | None = None) -> Runtime:
-    """Load the target (from ``target`` or the export's record) and the export's proposer, checking identity."""
+                 proposer_options: dict[str, Any] | None = None, linear_backend: str = "auto") -> Runtime:
+    """Load the target (from ``target`` or the export's record) and the export's proposer, checking identity.
+    ``linear_backend`` picks how the lean decoder runs its linears (see ``draftsmith.runtime.linear_ops``)."""
     from transformers import AutoConfig, AutoTokenizer
 
     export_config = read_config(drafter) if drafter else None
@@ -95,7 +96,7 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
         raise FileNotFoundError(f"target folder {folder} not found; pass --target PATH to the target the drafter "
                                 "was trained for")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = load_decoder(folder, dtype=resolve_dtype(dtype), kernel_backend=kernels)
+    model = load_decoder(folder, dtype=resolve_dtype(dtype), kernel_backend=kernels, linear_backend=linear_backend)
     runtime = Runtime(str(folder), model, tokenizer, eos_ids_from_folder(folder), export_config)
     if drafter:
         identity = target_identity(export_config["target"]["name_or_path"], AutoConfig.from_pretrained(folder),
@@ -256,6 +257,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     return {
         "method": runtime.export_config["method"], "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "dtype": str(runtime.model.dtype).replace("torch.", ""), "temperature": temperature,
+        "linear_backend": getattr(runtime.model, "linear_ops", "hf"),
         "verifier": type(spec.verifier).__name__, "tau": tau, "acceptance_by_position": by_position,
         "head_agreement_top1": agreement,
         "tokens_per_s": tps,
@@ -289,7 +291,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     t, s, c = result["tokens_per_s"], result["speedup"], result["step_costs"]
     rows = [
         ("method", result["method"]), ("prompts x max new tokens", f"{result['prompts']} x {result['max_new_tokens']}"),
-        ("dtype / verifier", f"{result['dtype']} / {result['verifier']}"),
+        ("dtype / verifier / linears", f"{result['dtype']} / {result['verifier']} / {result.get('linear_backend')}"),
         ("tau (mean accepted length, incl. bonus)", _fmt(result["tau"], 3)),
         ("acceptance by position", ", ".join(f"{a:.2f}" for a in result["acceptance_by_position"])),
         ("head top-1 agreement with target greedy", ", ".join(f"{a:.2f}" for a in result["head_agreement_top1"] or [])

@@ -11,6 +11,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target folder (default: the one recorded in the export)")
     p.add_argument("--dtype", default="fp32", help="fp32 (exact) or bf16 (faster on CPU)")
     p.add_argument("--kernels", default="auto", help="auto | torch | triton")
+    p.add_argument("--linear-backend", default="auto",
+                   help="auto | cpp (fused C++ bf16 layer, AVX512-BF16 CPUs) | mkldnn (oneDNN bf16) | dense")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--verifier", default="auto", help="auto | greedy | rejection | typical (lossy)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -61,7 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from draftsmith.runtime.benchmark import encode_chat, load_runtime, parse_options
 
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
-                      proposer_options=parse_options(args.proposer_option))
+                      proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend)
     prompt = encode_chat(rt.tokenizer, args.prompt)
     generator = torch.Generator().manual_seed(args.seed)
     emitted: list[int] = []
@@ -100,7 +102,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
 
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
-                      proposer_options=parse_options(args.proposer_option))
+                      proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend)
     prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts)
     lossless = None
     check = args.lossless_dtype

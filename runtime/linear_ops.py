@@ -31,6 +31,8 @@ def mkldnn_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
 class DenseOps:
     """Linears with plain tensors (MKL): best for fp32 on CPU and for CUDA."""
 
+    name = "dense"
+
     pack = pack_head = staticmethod(lambda w: w)
     pack_res = staticmethod(lambda w: w.t())  # addmm wants (in, out)
     linear = staticmethod(F.linear)
@@ -43,6 +45,8 @@ class DenseOps:
 
 class MkldnnOps:
     """Linears with oneDNN-prepacked bf16 weights: about 2x faster than F.linear for bf16 GEMV on AVX512-BF16 CPUs."""
+
+    name = "mkldnn"
 
     pack = staticmethod(lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None))
     pack_res = pack_head = pack
@@ -68,6 +72,7 @@ def cpp_ops(module: ModuleType) -> type:
     from draftsmith.kernels.cpu_layer import pack_weight
 
     class CppOps:
+        name = "cpp"
         pack = staticmethod(pack_weight)
         pack_res = pack
         pack_head = staticmethod(lambda w: PackedLinear(pack_weight(w), w.shape[0]))

@@ -333,11 +333,13 @@ def _build_medusa(export_dir: str | Path, config: dict, target_model: Any, tree:
                   top_k: int | None = None, **_: Any) -> MedusaProposer:
     """Medusa heads from an export, on the target's device/dtype; tree and top_k default to the export's."""
     from draftsmith.heads.medusa import MedusaHeads
+    from draftsmith.runtime.fast_linear import accelerate_linears
 
     lm_head = getattr(target_model, "lm_head_weight", None)
     heads = MedusaHeads.from_export(export_dir, lm_head_weight=lm_head)
     if lm_head is not None:  # run the heads where and in the precision the target runs
         heads = heads.to(device=lm_head.device, dtype=lm_head.dtype)
+        accelerate_linears(heads)  # bf16 on CPU: packed GEMM for the heads' linears
     inference = config.get("inference", {})
     paths = tree or inference.get("tree")
     k = top_k or inference.get("top_k", 10)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from draftsmith.drafters.eagle import EagleDrafter, KVCache
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.export.format import TargetMismatchError, check_target
+from draftsmith.runtime.fast_linear import accelerate_linears
 from draftsmith.runtime.proposers import DraftState, register_proposer
 from draftsmith.runtime.tree import DraftTree
 from draftsmith.runtime.verify import Acceptance, on_generator_device, target_probs
@@ -309,9 +310,11 @@ def _proposer(config: dict, model: DraftModel, options: dict[str, Any]) -> Eagle
 
 
 def _place(drafter: torch.nn.Module, target_model: Any) -> torch.nn.Module:
-    """Run the drafter where and in the precision the target runs."""
+    """Run the drafter where and in the precision the target runs (bf16 CPU linears through the packed kernel)."""
     w = target_model.lm_head_weight
-    return drafter.to(device=w.device, dtype=w.dtype)
+    drafter = drafter.to(device=w.device, dtype=w.dtype).eval()
+    accelerate_linears(drafter)
+    return drafter
 
 
 @register_proposer("eagle")

@@ -102,3 +102,17 @@ def test_cpp_backend_errors_name_the_reason(tmp_path):
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         LeanDecoder.from_pretrained(tmp_path, linear_backend="fast")
     assert "head_dim 24" in cpu_layer.shapes_supported(24, 64, 96)
+
+
+def test_accelerate_linears_swaps_bf16_cpu_linears_only(ext):
+    from draftsmith.runtime.fast_linear import PackedLinear, accelerate_linears
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 40), torch.nn.SiLU(), torch.nn.Linear(40, 7, bias=False))
+    x = torch.randn(3, 5, 32)
+    want = net.bfloat16()(x.bfloat16())
+    assert accelerate_linears(net) == 2 and all(isinstance(net[i], PackedLinear) for i in (0, 2))
+    got = net(x.bfloat16())
+    assert got.shape == (3, 5, 7) and net[0].weight.dtype == torch.bfloat16  # .weight stays readable
+    torch.testing.assert_close(got.float(), want.float(), atol=0.03, rtol=0.02)
+    assert accelerate_linears(torch.nn.Sequential(torch.nn.Linear(8, 8))) == 0  # fp32 stays as it is
