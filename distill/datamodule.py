@@ -29,6 +29,7 @@ from draftsmith.distill.data import (
     pad_id_of,
     tokenize_conversation,
 )
+from draftsmith.distill.resumable import ResumableLoader, ResumableSampler, batches_done_in_epoch
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class ChatDataModule(pl.LightningDataModule):
         self.val_set = ChatDataset([samples[i] for i in order[:n_val]])
         self.train_set = ChatDataset([samples[i] for i in order[n_val:]])
 
-    def _ordered_sampling(self, size: int) -> dict[str, Any]:
+    def _ordered_sampler(self, size: int) -> ResumableSampler:
         """Keep the seeded order; under data parallelism deal item r, r+W, ... to rank r.
 
         Lightning's automatic distributed sampler reshuffles, which would break the property that W processes
@@ -170,11 +171,11 @@ class ChatDataModule(pl.LightningDataModule):
         """
         trainer = getattr(self, "trainer", None)
         world = int(getattr(trainer, "world_size", 1) or 1)
-        if world <= 1:
-            return {"shuffle": False}
-        sampler = torch.utils.data.DistributedSampler(range(size), num_replicas=world, rank=int(trainer.global_rank),
-                                                      shuffle=False, drop_last=False)
-        return {"sampler": sampler}
+        return ResumableSampler(size, rank=int(trainer.global_rank) if world > 1 else 0, world=world)
+
+    def _batches_done(self) -> int:
+        trainer = self.trainer
+        return batches_done_in_epoch(trainer.global_step, trainer.num_training_batches, trainer.accumulate_grad_batches)
 
     def _loader(self, dataset: Dataset, **kwargs: Any) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
@@ -182,18 +183,23 @@ class ChatDataModule(pl.LightningDataModule):
                           collate_fn=partial(collate, pad_id=self.pad_id), **kwargs)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches: packed rows, or length buckets (one item = one whole batch)."""
+        """Training batches in a fixed seeded order (packed rows, or length buckets with one item = one batch),
+        resumable mid-epoch (see :mod:`draftsmith.distill.resumable`)."""
         if self.train_set is None:
             self.setup("fit")
         if self.packing:
             rows = ChatDataset(pack_samples(self.train_set.samples, self.max_length))
             order = np.random.default_rng(self.seed).permutation(len(rows))
-            rows = ChatDataset([rows.samples[i] for i in order])
-            return self._loader(rows, batch_size=self.batch_size, **self._ordered_sampling(len(rows)))
-        batches = bucket_by_length(self.train_set.lengths, self.batch_size, seed=self.seed)
-        # The order is already a seeded permutation; no loader shuffle, so a distributed sampler deals batch
-        # r, r+W, ... to rank r and W processes see exactly the batches one process sees with W-step accumulation.
-        return self._loader(PrebuiltBatches(self.train_set, batches), batch_size=None, **self._ordered_sampling(len(batches)))
+            dataset, batch_size = ChatDataset([rows.samples[i] for i in order]), self.batch_size
+        else:
+            # The order is already a seeded permutation; no loader shuffle, so the sampler deals batch r, r+W, ... to
+            # rank r and W processes see exactly the batches one process sees with W-step accumulation.
+            batches = bucket_by_length(self.train_set.lengths, self.batch_size, seed=self.seed)
+            dataset, batch_size = PrebuiltBatches(self.train_set, batches), None
+        return ResumableLoader(dataset, batch_size=batch_size, sampler=self._ordered_sampler(len(dataset)),
+                               num_workers=self.num_workers, generator=torch.Generator().manual_seed(self.seed),
+                               collate_fn=partial(collate, pad_id=self.pad_id), batches_done=self._batches_done,
+                               items_per_batch=batch_size or 1)
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches in a fixed order."""

@@ -83,6 +83,8 @@ def test_bench_errors_for_bad_inputs(medusa_export, tmp_path, tiny_target_dir):
         load_runtime(str(medusa_export), None, "int3")
     with pytest.raises(ValueError, match="unknown kernel backend|valid"):
         load_runtime(str(medusa_export), None, "fp32", kernels="cuda-magic")
+    with pytest.raises(ValueError, match="linear_backend must be one of auto, dense, mkldnn, cpp"):
+        load_runtime(str(medusa_export), None, "bf16", linear_backend="fast")
     long_prompt = list(range(5, 100)) * 60
     with pytest.raises(ValueError, match="cache"):
         rt.speculative.generate(long_prompt, 8)

@@ -111,6 +111,23 @@ def test_train_exports_and_resumes_after_kill(tmp_path, tiny_target_dir, tiny_da
     assert load_checkpoint(crash_dir)["global_step"] == saved_step + 4
 
 
+def test_resumed_run_continues_the_epoch_and_matches_an_uninterrupted_one(tmp_path, tiny_target_dir, tiny_data_file):
+    """Stop after 3 of the epoch's ~14 batches, resume to 6 steps: the same batches, so the same weights, as one
+    6-step run (a run that replayed the epoch's first batches would end elsewhere)."""
+    common = ("optim.scheduler=constant", "run.checkpoint_every=3", "run.val_every=0")
+    straight = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "straight", *common)
+    run_train(*straight)
+    split = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "split", *common)
+    run_train(*split, "trainer.max_steps=3")
+    assert load_checkpoint(tmp_path / "split")["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"batches_done_in_epoch": 3}]
+    run_train(*split)  # the same command again: resumes from last.ckpt at step 3
+    _, want = read_export(tmp_path / "straight" / "export")
+    _, got = read_export(tmp_path / "split" / "export")
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_nan_loss_stops_with_clear_message_and_keeps_checkpoint(tmp_path, tiny_target_dir, tiny_data_file):
     run_dir = tmp_path / "nan"
     overrides = tiny_overrides(tiny_target_dir, tiny_data_file, run_dir, "optim.lr=1e30", "optim.grad_clip=0",
