@@ -62,36 +62,41 @@ inline __m512 exp16(__m512 x) {
 const bf16* ptr(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
 const bf16* opt_ptr(const std::optional<torch::Tensor>& t) { return t ? ptr(*t) : nullptr; }
 
-// Packed weights: W [N, K] is stored as [ceil(N/16), K/2, 16, 2] ("VNNI" order), zero-padded to whole blocks of 16
-// rows, so one 64-byte load holds 16 rows x 2 columns and one dpbf16 against a broadcast pair of x adds both columns
-// to 16 outputs at once: no horizontal sums, and each weight byte is read once per forward whatever T is.
+// Packed weights: W [N, K] is stored as [ceil(N/16), K/2, 16, 2], zero-padded to whole blocks of 16 rows, so one
+// 64-byte load holds 16 rows x 2 columns. As 16 x 32-bit lanes, lane r = W[r, 2p+1] << 16 | W[r, 2p]: a shift and a
+// mask turn it into the two columns in fp32, each multiplied by one broadcast x value with fp32 FMAs. (On the
+// AVX512-BF16 CPU this was tuned on, vdpbf16ps retires ~1 per 2-4 cycles against 2 FMAs per cycle, so the FMA form
+// is ~2x faster once a multi-token verify makes the GEMM compute-bound; a single token is bandwidth-bound either way.)
+// Each weight byte is read once per forward, whatever T is.
 
-// Blocks [b0, b0+G) of 16 rows against tokens [t0, t0+NT): Y = bf16(bf16(X W^T + bias) + res), rows < N only.
 #ifndef PREFETCH
-#define PREFETCH 16
+#define PREFETCH 16  // in 64-byte vectors
 #endif
 
+// Blocks [b0, b0+G) of 16 rows against tokens [t0, t0+NT): Y = bf16(bf16(X W^T + bias) + res), rows < N only.
+// X is the fp32 copy of the input [T, K].
 template <int G, int NT>
-inline void tile(const bf16* X, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t t0, const bf16* bias,
+inline void tile(const float* X, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t t0, const bf16* bias,
                  const bf16* res, bf16* Y) {
   const int64_t pairs = K / 2;
   __m512 acc[G][NT];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NT; ++j) acc[g][j] = _mm512_setzero_ps();
   const bf16* base = P + b0 * pairs * 32;
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh xb[NT];
-    for (int j = 0; j < NT; ++j) {
-      int32_t pair;
-      std::memcpy(&pair, X + (t0 + j) * K + 2 * p, 4);
-      xb[j] = (__m512bh)_mm512_set1_epi32(pair);
-    }
     for (int g = 0; g < G; ++g) {
       // Software prefetch 1 KiB ahead: the hardware streamer stops at each 4 KiB page, and a 576-wide layer's
       // stream per block is only 18 KiB long.
       _mm_prefetch(reinterpret_cast<const char*>(base + (g * pairs + p + PREFETCH) * 32), _MM_HINT_T0);
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(base + (g * pairs + p) * 32);
-      for (int j = 0; j < NT; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], wv, xb[j]);
+      const __m512i raw = _mm512_loadu_si512(base + (g * pairs + p) * 32);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));  // column 2p of the 16 rows
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(raw, high));   // column 2p+1
+      for (int j = 0; j < NT; ++j) {
+        const float* x = X + (t0 + j) * K + 2 * p;
+        acc[g][j] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[0]), acc[g][j]);
+        acc[g][j] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[1]), acc[g][j]);
+      }
     }
   }
   for (int g = 0; g < G; ++g) {
@@ -108,7 +113,7 @@ inline void tile(const bf16* X, int64_t K, const bf16* P, int64_t N, int64_t b0,
 }
 
 template <int G>
-inline void block_group(const bf16* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, const bf16* bias,
+inline void block_group(const float* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, const bf16* bias,
                         const bf16* res, bf16* Y) {
   int64_t t0 = 0;
   for (; t0 + 4 <= T; t0 += 4) tile<G, 4>(X, K, P, N, b0, t0, bias, res, Y);
@@ -122,13 +127,15 @@ inline void block_group(const bf16* X, int64_t T, int64_t K, const bf16* P, int6
 
 // Y [T, N] = X [T, K] @ W^T (+ bias [N]) (+ res [T, N]) with W packed as above; K even.
 void gemm(const bf16* X, int64_t T, int64_t K, const bf16* P, int64_t N, const bf16* bias, const bf16* res, bf16* Y) {
+  std::vector<float> xf(T * K);  // the input in fp32 once, broadcast from here
+  for (int64_t i = 0; i < T * K; ++i) xf[i] = to_f(X[i]);
   const int64_t blocks = (N + 15) / 16, groups = blocks / 4;
   // A task should stream >= ~64 KiB of weights, or waking the second thread costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (4 * 16 * K * 2));
   at::parallel_for(0, groups, grain, [&](int64_t a, int64_t b) {
-    for (int64_t q = a; q < b; ++q) block_group<4>(X, T, K, P, N, 4 * q, bias, res, Y);
+    for (int64_t q = a; q < b; ++q) block_group<4>(xf.data(), T, K, P, N, 4 * q, bias, res, Y);
   });
-  for (int64_t b = 4 * groups; b < blocks; ++b) block_group<1>(X, T, K, P, N, b, bias, res, Y);
+  for (int64_t b = 4 * groups; b < blocks; ++b) block_group<1>(xf.data(), T, K, P, N, b, bias, res, Y);
 }
 
 // out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) per row of n values (transformers' LlamaRMSNorm in bf16).
