@@ -132,6 +132,14 @@ class LeanDecoder(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on post-norm hidden states [..., H] -> logits [..., V], with the decoder's fast linears (EAGLE-1
+        drafts through the target's head)."""
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.dtype)  # [M, H]
+        with torch.inference_mode():
+            logits = self._ops.linear(rows, self._head, None)  # [M, V]
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
+
     @property
     def linear_ops(self) -> str:
         """The linear backend in use: "cpp", "mkldnn" or "dense" ("auto" resolved)."""

@@ -72,9 +72,10 @@ class Eagle1DraftModel:
     feature_taps: tuple[int, ...] = ()
     draft_ids = None
 
-    def __init__(self, drafter: EagleDrafter) -> None:
+    def __init__(self, drafter: EagleDrafter, head: Any = None) -> None:
         self.drafter = drafter.eval()
         self.vocab_size = drafter.config.vocab_size
+        self.head = head or drafter.logits  # the target's own (packed, faster) head when it offers one
 
     def features(self, feats: torch.Tensor) -> torch.Tensor:
         return feats[None]  # [1, S, H]
@@ -82,7 +83,7 @@ class Eagle1DraftModel:
     def step(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
              tree_mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
         out, cache = self.drafter(ids, hidden, past_kv=cache, positions=positions, tree_mask=tree_mask)  # [1, S, H]
-        return out, self.drafter.logits(out[:, -1:] if last_only else out), cache  # the V-wide head on needed rows
+        return out, self.head(out[:, -1:] if last_only else out), cache  # the V-wide head on needed rows
 
 
 class Eagle3DraftModel:
@@ -322,7 +323,8 @@ def _build_eagle(export_dir: str | Path, config: dict, target_model: Any, **opti
     """EAGLE-1 proposer; options: policy ("tree" | "chain"), total_tokens, depth, top_k, temperature, top_p, identity."""
     _check_sizes(config, target_model, options.get("identity"))
     drafter = EagleDrafter.from_export(export_dir, target_model.embed_weight, target_model.lm_head_weight)
-    return _proposer(config, Eagle1DraftModel(_place(drafter, target_model)), options)
+    head = getattr(target_model, "lm_head_logits", None)  # the same weights, through the target's fast linears
+    return _proposer(config, Eagle1DraftModel(_place(drafter, target_model), head), options)
 
 
 @register_proposer("eagle3")
