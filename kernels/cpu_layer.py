@@ -13,6 +13,7 @@ import functools
 import hashlib
 import os
 import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -39,8 +40,16 @@ def extension_dir() -> Path:
     return Path(os.environ.get("DRAFTSMITH_EXTENSIONS_DIR", default))
 
 
+def _put_env_bin_on_path() -> None:
+    """pip's ``ninja`` lives next to the interpreter, which is not on PATH when a venv is used without activation."""
+    env_bin = str(Path(sys.executable).parent)
+    if env_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([env_bin, os.environ.get("PATH", "")])
+
+
 def why_unavailable() -> str | None:
     """None when the extension can be built and run here, else the reason."""
+    _put_env_bin_on_path()
     if not cpu_has_avx512_bf16():
         return "this CPU lacks AVX512-BF16 (needed by the fused bf16 CPU layer)"
     if shutil.which("c++") is None and shutil.which("g++") is None:
