@@ -215,6 +215,11 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& ln1, co
                             double scale) {
   const int64_t T = x.size(0), H = x.size(1), d = kc.size(2), S = kc.size(1), inter = 2 * wdown.size(1);
   const int64_t nq = hq * d, nqkv = (hq + 2 * hkv) * d, group = hq / hkv;
+  for (const torch::Tensor* t : {&x, &kc, &vc, &cos, &sin, &wqkv, &wo, &wgu, &wdown})
+    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->device().is_cpu(),
+                "the fused CPU layer takes contiguous bf16 CPU tensors");
+  TORCH_CHECK(!tree_mask || (tree_mask->scalar_type() == torch::kBool && tree_mask->is_contiguous()),
+              "tree_mask must be a contiguous bool tensor");
   TORCH_CHECK(d % 16 == 0 && d <= 128, "head_dim must be a multiple of 16 and <= 128");
   TORCH_CHECK(start + T <= S, "the new tokens do not fit in the cache");
   TORCH_CHECK(2 * wqkv.size(1) == H && 2 * wo.size(1) == hq * d && 2 * wgu.size(1) == H && wgu.size(0) * 16 >= 2 * inter,
@@ -271,6 +276,9 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& ln1, co
 // y [T, N] = x [T, K] @ w^T (+ bias) with w packed ([ceil(N/16), K/2, 32]): the LM head and any other bf16 linear.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
                      int64_t n) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.is_contiguous() &&
+                  w.is_contiguous() && x.dim() == 2 && w.dim() == 3,
+              "linear takes a contiguous bf16 x [T, K] and a packed bf16 weight [ceil(N/16), K/2, 32]");
   TORCH_CHECK(x.size(1) == 2 * w.size(1) && (n + 15) / 16 == w.size(0), "x / packed weight / n do not match");
   auto y = torch::empty({x.size(0), n}, x.options());
   gemm(ptr(x), x.size(0), x.size(1), ptr(w), n, opt_ptr(bias), nullptr, reinterpret_cast<bf16*>(y.data_ptr()));

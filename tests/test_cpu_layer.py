@@ -43,6 +43,10 @@ def test_packed_linear_matches_matmul(ext, n):
                                    rtol=0.02)  # fmt: skip
     with pytest.raises(ValueError, match="even number"):
         cpu_layer.pack_weight(torch.zeros(4, 3).bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        ext.linear(torch.randn(2, 48), packed, None, n)  # fp32 input
+    with pytest.raises(RuntimeError, match="do not match"):
+        ext.linear(torch.randn(2, 46).bfloat16(), packed, None, n)
 
 
 def close_as_bf16_reference(got: torch.Tensor, ref_bf16: torch.Tensor, ref_f32: torch.Tensor, what: str) -> None:
