@@ -143,11 +143,15 @@ def encode_chat(tokenizer: Any, text: str) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def _step_costs(runtime: Runtime, prompt: list[int], repeats: int = 5) -> dict[str, float]:
-    """Median wall time of one plain decode step and of one verify forward of the export's tree."""
+FORWARD_SIZES = (1, 2, 4, 8, 16)  # new tokens per forward: how verify cost grows with tree size on this machine
+
+
+def _step_costs(runtime: Runtime, prompt: list[int], repeats: int = 5) -> dict[str, Any]:
+    """Median wall time of one plain decode step, of one verify forward of the export's tree, and of forwards of
+    ``FORWARD_SIZES`` new tokens (to size trees for the machine)."""
     model, spec = runtime.model, runtime.speculative
     nodes = spec.proposer.max_tree_nodes if spec else 1
-    cache = model.allocate_cache(len(prompt) + nodes + 1)
+    cache = model.allocate_cache(len(prompt) + max(nodes, *FORWARD_SIZES) + 1)
     with torch.inference_mode():
         model.forward(torch.tensor(prompt), cache, logits_for="last")
         cache.commit(len(prompt))
@@ -162,7 +166,9 @@ def _step_costs(runtime: Runtime, prompt: list[int], repeats: int = 5) -> dict[s
         one(1)
         step = statistics.median(one(1) for _ in range(repeats))
         verify = statistics.median(one(nodes) for _ in range(repeats))
-    return {"tree_nodes": nodes, "ar_step_ms": 1e3 * step, "verify_forward_ms": 1e3 * verify}
+        by_size = {t: 1e3 * statistics.median(one(t) for _ in range(repeats)) for t in FORWARD_SIZES}
+    return {"tree_nodes": nodes, "ar_step_ms": 1e3 * step, "verify_forward_ms": 1e3 * verify,
+            "forward_ms_by_new_tokens": by_size}
 
 
 def head_agreement(runtime: Runtime, prompts: list[list[int]], continuations: list[list[int]]) -> list[float] | None:
@@ -303,6 +309,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         ("one AR step / one verify forward (ms)", f"{c['ar_step_ms']:.1f} / {c['verify_forward_ms']:.1f} "
                                                   f"({c['tree_nodes']} nodes)"),
         ("tau x step/verify (predicted speedup)", _fmt(c["predicted_speedup_tau_x_step_over_verify"])),
+        ("forward ms for " + "/".join(str(t) for t in c.get("forward_ms_by_new_tokens", {})) + " new tokens",
+         " / ".join(f"{v:.1f}" for v in c.get("forward_ms_by_new_tokens", {}).values()) or "n/a"),
         ("lossless (greedy spec == greedy HF generate)", _lossless_text(result)),
     ]
     return "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"

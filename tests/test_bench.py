@@ -56,9 +56,12 @@ def test_bench_reports_the_contract_and_is_lossless(medusa_export, prompts_file,
     assert result["lossless"] is True and result["runtime_ar_matches_hf"] is True
     assert result["tau"] >= 1.0 and len(result["acceptance_by_position"]) == 2
     assert len(result["head_agreement_top1"]) == 2
+    by_size = result["step_costs"]["forward_ms_by_new_tokens"]
+    assert list(by_size) == [1, 2, 4, 8, 16] and all(ms > 0 for ms in by_size.values())
     out = write_outputs(result, tmp_path / "bench")
     assert json.loads((out / "bench.json").read_text())["lossless"] is True
     assert (out / "acceptance.png").stat().st_size > 1000 and "tau" in (out / "bench.md").read_text()
+    assert "forward ms for 1/2/4/8/16 new tokens" in (out / "bench.md").read_text()
 
 
 def test_bench_refuses_an_export_for_another_target(medusa_export, tmp_path, tiny_tokenizer):
