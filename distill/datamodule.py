@@ -177,10 +177,10 @@ class ChatDataModule(pl.LightningDataModule):
         trainer = self.trainer
         return batches_done_in_epoch(trainer.global_step, trainer.num_training_batches, trainer.accumulate_grad_batches)
 
-    def _loader(self, dataset: Dataset, **kwargs: Any) -> DataLoader:
+    def _loader(self, dataset: Dataset, loader: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(dataset, num_workers=self.num_workers, generator=generator,
-                          collate_fn=partial(collate, pad_id=self.pad_id), **kwargs)
+        return loader(dataset, num_workers=self.num_workers, generator=generator,
+                      collate_fn=partial(collate, pad_id=self.pad_id), **kwargs)
 
     def train_dataloader(self) -> DataLoader:
         """Training batches in a fixed seeded order (packed rows, or length buckets with one item = one batch),
@@ -196,10 +196,8 @@ class ChatDataModule(pl.LightningDataModule):
             # rank r and W processes see exactly the batches one process sees with W-step accumulation.
             batches = bucket_by_length(self.train_set.lengths, self.batch_size, seed=self.seed)
             dataset, batch_size = PrebuiltBatches(self.train_set, batches), None
-        return ResumableLoader(dataset, batch_size=batch_size, sampler=self._ordered_sampler(len(dataset)),
-                               num_workers=self.num_workers, generator=torch.Generator().manual_seed(self.seed),
-                               collate_fn=partial(collate, pad_id=self.pad_id), batches_done=self._batches_done,
-                               items_per_batch=batch_size or 1)
+        return self._loader(dataset, ResumableLoader, batch_size=batch_size, sampler=self._ordered_sampler(len(dataset)),
+                            batches_done=self._batches_done, items_per_batch=batch_size or 1)
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches in a fixed order."""

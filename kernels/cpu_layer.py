@@ -26,6 +26,7 @@ class CpuLayerUnavailable(RuntimeError):
     """The fused CPU layer cannot run here; the message says why (CPU flags, compiler, shapes)."""
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_has_avx512_bf16() -> bool:
     """Whether this CPU advertises AVX512-BF16 (Linux /proc/cpuinfo)."""
     try:
@@ -91,7 +92,7 @@ def shapes_supported(head_dim: int, hidden_size: int, intermediate_size: int) ->
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16 -> [ceil(N/16), K/2, 32]: blocks of 16 rows, each column pair of the block in one 64-byte vector
-    (the order the kernel's dpbf16 consumes). Rows are zero-padded to a whole block; K must be even."""
+    (the order the kernel's GEMM streams). Rows are zero-padded to a whole block; K must be even."""
     n, k = weight.shape
     if k % 2:
         raise ValueError(f"pack_weight needs an even number of input features, got {k}")

@@ -268,45 +268,52 @@ class LeanDecoder(nn.Module):
             cos, sin = self._cos[start : start + t], self._sin[start : start + t]  # [T, 1, d]
         else:
             cos, sin = self._cos[positions], self._sin[positions]  # [T, 1, d]
-        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        nq, nqk, half, eps = hq * d, (hq + hkv) * d, d // 2, c.rms_norm_eps
-        hshape, dshape, scale, end = (c.hidden_size,), (d,), d**-0.5, start + t
-        linear, linear_add, backend = self._ops.linear, self._ops.linear_add, self.kernel_backend
+        hq, hkv, eps, scale = c.num_heads, c.num_kv_heads, c.rms_norm_eps, c.head_dim**-0.5
+        # The fused C++ layer and _torch_layer (its reference) share one signature.
+        fused = getattr(self._ops, "layer", None)
+        layer = fused or self._torch_layer
+        if fused is not None:
+            tree_mask = None if tree_mask is None else tree_mask.contiguous()
+            cos, sin = cos.contiguous(), sin.contiguous()  # [T, 1, d]
         found: dict[int, torch.Tensor] = {}
         x = F.embedding(input_ids, self.embed)  # [T, H]
-        fused = getattr(self._ops, "layer", None)
-        if fused is not None:  # the C++ layer: same math, one call per layer
-            mask = None if tree_mask is None else tree_mask.contiguous()
-            cos, sin = cos.contiguous(), sin.contiguous()  # [T, 1, d]
-            for i, (weights, (kc, vc)) in enumerate(zip(self._exec, kv_layers)):
-                if i in taps:
-                    found[i] = x
-                x = fused(x, *weights, kc, vc, start, cos, sin, mask, hq, hkv, eps, scale)  # [T, H]
-        for i, ((ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wdown, bdown), (kc, vc)) in enumerate(
-            zip(self._exec if fused is None else (), kv_layers)
-        ):
+        for i, (weights, (kc, vc)) in enumerate(zip(self._exec, kv_layers)):
             if i in taps:
                 found[i] = x
-            qkv = linear(F.rms_norm(x, hshape, ln1, eps), wqkv, bqkv)  # [T, (Hq+2Hkv)d]
-            if qn is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
-                q = F.rms_norm(qkv[:, :nq].view(t, hq, d), dshape, qn, eps)
-                k = F.rms_norm(qkv[:, nq:nqk].view(t, hkv, d), dshape, kn, eps)
-                qk = torch.cat((q, k), 1)  # [T, Hq+Hkv, d]
-            else:
-                qk = qkv[:, :nqk].view(t, hq + hkv, d)  # [T, Hq+Hkv, d]
-            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)  # RoPE on q and k at once
-            kc[:, start:end] = qk[:, hq:].transpose(0, 1)  # [Hkv, T, d]
-            vc[:, start:end] = qkv[:, nqk:].view(t, hkv, d).transpose(0, 1)
-            attn = tree_attention(qk[:, :hq].transpose(0, 1), kc, vc, start, tree_mask, scale, backend)  # [Hq, T, d]
-            x = linear_add(attn.transpose(0, 1).reshape(t, nq), wo, bo, x)  # [T, H]
-            gu = linear(F.rms_norm(x, hshape, ln2, eps), wgu, bgu)  # [T, 2I]
-            inter = gu.shape[1] // 2
-            x = linear_add(F.silu(gu[:, :inter]) * gu[:, inter:], wdown, bdown, x)  # [T, H]
+            x = layer(x, *weights, kc, vc, start, cos, sin, tree_mask, hq, hkv, eps, scale)  # [T, H]
         if c.num_layers in taps:
             found[c.num_layers] = x
-        hidden = F.rms_norm(x, hshape, self.norm_w, eps)  # [T, H]
+        hidden = F.rms_norm(x, (c.hidden_size,), self.norm_w, eps)  # [T, H]
         if isinstance(logits_for, str):
             sel = hidden if logits_for == "all" else hidden[-1:]
         else:
             sel = hidden.index_select(0, logits_for.to(hidden.device))
-        return linear(sel, self._head, None), hidden, found  # logits [T', V]
+        return self._ops.linear(sel, self._head, None), hidden, found  # logits [T', V]
+
+    def _torch_layer(
+        self, x: torch.Tensor, ln1: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None, qn: torch.Tensor | None,
+        kn: torch.Tensor | None, wo: torch.Tensor, bo: torch.Tensor | None, ln2: torch.Tensor, wgu: torch.Tensor,
+        bgu: torch.Tensor | None, wdown: torch.Tensor, bdown: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor,
+        start: int, cos: torch.Tensor, sin: torch.Tensor, tree_mask: torch.Tensor | None, hq: int, hkv: int,
+        eps: float, scale: float,
+    ) -> torch.Tensor:
+        """One decoder layer in PyTorch ops: x [T, H] -> [T, H]; writes K/V at slots start..start+T-1. The
+        reference of the fused C++ layer (same arguments)."""
+        linear, linear_add = self._ops.linear, self._ops.linear_add
+        t, d = x.shape[0], kc.shape[-1]
+        nq, nqk, hshape = hq * d, (hq + hkv) * d, x.shape[1:]
+        qkv = linear(F.rms_norm(x, hshape, ln1, eps), wqkv, bqkv)  # [T, (Hq+2Hkv)d]
+        if qn is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            q = F.rms_norm(qkv[:, :nq].view(t, hq, d), (d,), qn, eps)
+            k = F.rms_norm(qkv[:, nq:nqk].view(t, hkv, d), (d,), kn, eps)
+            qk = torch.cat((q, k), 1)  # [T, Hq+Hkv, d]
+        else:
+            qk = qkv[:, :nqk].view(t, hq + hkv, d)  # [T, Hq+Hkv, d]
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # RoPE on q and k at once
+        kc[:, start : start + t] = qk[:, hq:].transpose(0, 1)  # [Hkv, T, d]
+        vc[:, start : start + t] = qkv[:, nqk:].view(t, hkv, d).transpose(0, 1)
+        attn = tree_attention(qk[:, :hq].transpose(0, 1), kc, vc, start, tree_mask, scale, self.kernel_backend)
+        x = linear_add(attn.transpose(0, 1).reshape(t, nq), wo, bo, x)  # [Hq, T, d] -> [T, H]
+        gu = linear(F.rms_norm(x, hshape, ln2, eps), wgu, bgu)  # [T, 2I]
+        inter = gu.shape[1] // 2
+        return linear_add(F.silu(gu[:, :inter]) * gu[:, inter:], wdown, bdown, x)  # [T, H]
