@@ -1,9 +1,11 @@
-"""Fused bf16 decoder layer for CPUs with AVX512-BF16 (C++ in ``cpu_decoder_layer.cpp``), built on first use.
+"""Fused bf16 decoder layer for x86 CPUs (C++ in ``cpu_decoder_layer.cpp``), built on first use per ISA variant.
 
 The lean decoder's torch path (``draftsmith.runtime.model``) is the reference; this kernel runs the same layer in one
 call so that a batch-1 decoding step is bound by reading the weights rather than by per-op overhead. It is built with
 ``torch.utils.cpp_extension`` (g++ and ninja needed) into ``~/.cache/draftsmith/extensions`` the first time a bf16
-model asks for it (about 30 s), and loaded from there afterwards. Everything here is imported lazily; when the CPU,
+model asks for it (about 30 s), and loaded from there afterwards. Two variants share the source: ``avx512_bf16``
+(AVX-512 vectors of 16 fp32 lanes) and ``avx2`` (two AVX2 vectors of 8 lanes, for CPUs without AVX-512); both read
+bf16 weights and accumulate in fp32, the bf16 -> fp32 widening being a 16-bit shift. Everything here is imported lazily; when the CPU,
 the compiler or the shapes do not allow it, :func:`load_cpu_layer` explains why and the caller falls back to torch.
 """
 
@@ -19,6 +21,8 @@ from types import ModuleType
 
 import torch
 
+from draftsmith.kernels import cpu_caps
+
 SOURCE = Path(__file__).with_name("cpu_decoder_layer.cpp")
 
 
@@ -26,13 +30,18 @@ class CpuLayerUnavailable(RuntimeError):
     """The fused CPU layer cannot run here; the message says why (CPU flags, compiler, shapes)."""
 
 
-@functools.lru_cache(maxsize=1)
+# One source, one build per ISA variant: the C++ picks its vector layer from the DRAFTSMITH_ISA_* macro.
+ISA_FLAGS: dict[str, list[str]] = {
+    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+                    "-DDRAFTSMITH_ISA_AVX512_BF16"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DDRAFTSMITH_ISA_AVX2"],
+}  # fmt: skip
+ISAS = tuple(ISA_FLAGS)
+
+
 def cpu_has_avx512_bf16() -> bool:
-    """Whether this CPU advertises AVX512-BF16 (Linux /proc/cpuinfo)."""
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    """Whether this CPU (as probed, ``DRAFTSMITH_CPU_ISA`` applied) has AVX512-BF16."""
+    return cpu_caps.probe().avx512_bf16
 
 
 def extension_dir() -> Path:
@@ -48,11 +57,30 @@ def _put_env_bin_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([env_bin, os.environ.get("PATH", "")])
 
 
-def why_unavailable() -> str | None:
-    """None when the extension can be built and run here, else the reason."""
+def pick_isa(caps: cpu_caps.CpuCaps | None = None) -> tuple[str | None, str]:
+    """The variant for this CPU ("avx512_bf16" | "avx2" | None) and a reason a user can read."""
+    caps = caps or cpu_caps.probe()
+    isa = caps.cpu_layer_isa()
+    if isa is None:
+        return None, f"this CPU ({caps.best_isa()}) has neither AVX512-BF16 nor AVX2+FMA, which the fused layer needs"
+    return isa, f"fused C++ layer, {isa} variant ({caps.best_isa()} CPU)"
+
+
+def why_unavailable(isa: str | None = None, caps: cpu_caps.CpuCaps | None = None) -> str | None:
+    """None when the extension (``isa`` variant, default: the best this CPU runs) can be built and run here, else
+    the reason."""
     _put_env_bin_on_path()
-    if not cpu_has_avx512_bf16():
-        return "this CPU lacks AVX512-BF16 (needed by the fused bf16 CPU layer)"
+    caps = caps or cpu_caps.probe()
+    if isa is None:
+        isa, reason = pick_isa(caps)
+        if isa is None:
+            return reason
+    elif isa not in ISA_FLAGS:
+        return f"unknown fused-layer variant {isa!r}; valid: {', '.join(ISAS)}"
+    elif isa == "avx512_bf16" and not caps.avx512_bf16:
+        return f"this CPU ({caps.best_isa()}) lacks AVX512-BF16, which the avx512_bf16 variant needs"
+    elif isa == "avx2" and not caps.avx2_fma:
+        return f"this CPU ({caps.best_isa()}) lacks AVX2+FMA, which the avx2 variant needs"
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return "no C++ compiler (c++/g++) on PATH to build the fused CPU layer"
     if shutil.which("ninja") is None:
@@ -60,25 +88,29 @@ def why_unavailable() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
-def load_cpu_layer() -> ModuleType:
-    """Build (once per source version) and import the extension; raises CpuLayerUnavailable with the reason."""
-    reason = why_unavailable()
+@functools.lru_cache(maxsize=4)
+def load_cpu_layer(isa: str | None = None) -> ModuleType:
+    """Build (once per source version and ISA variant) and import the extension; raises CpuLayerUnavailable with
+    the reason. ``isa``: "avx512_bf16" | "avx2" | None (the best this CPU runs)."""
+    reason = why_unavailable(isa)
     if reason:
         raise CpuLayerUnavailable(reason)
+    isa = isa or pick_isa()[0]
     from torch.utils.cpp_extension import load  # lazy: pulls in setuptools machinery
 
     source = SOURCE.read_bytes()
     tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
-    name = f"draftsmith_cpu_layer_{tag}"  # a new source or torch gets a new module, never a stale one
+    name = f"draftsmith_cpu_layer_{isa}_{tag}"  # a new source or torch gets a new module, never a stale one
     build = extension_dir() / name
     build.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+    flags = ["-O3", *ISA_FLAGS[isa], "-fopenmp"]
     try:
-        return load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                    build_directory=str(build), verbose=False)  # fmt: skip
+        module = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                      build_directory=str(build), verbose=False)  # fmt: skip
     except Exception as err:  # compiler errors come as RuntimeError / CalledProcessError with the log
-        raise CpuLayerUnavailable(f"building the fused CPU layer failed: {err}") from err
+        raise CpuLayerUnavailable(f"building the fused CPU layer ({isa}) failed: {err}") from err
+    module.isa = isa
+    return module
 
 
 def shapes_supported(head_dim: int, hidden_size: int, intermediate_size: int) -> str | None:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.chat import encode_chat
+from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.runtime.autoregressive import Decoder, generate_ar
 
 DecodeFn = Callable[[list[int]], list[int]]
@@ -90,6 +92,7 @@ def time_hf_generate(
 
     result = time_decode(lambda p: run(p, max_new_tokens), prompts_ids, warmup=lambda: run(prompts_ids[0], 4))
     result["method"] = "hf_generate"
+    result["dtype"] = next(model.parameters()).dtype
     return result
 
 
@@ -107,6 +110,33 @@ def time_runtime_ar(
     result = time_decode(lambda p: run(p, max_new_tokens), prompts_ids, warmup=lambda: run(prompts_ids[0], 4))
     result["method"] = "runtime_ar"
     return result
+
+
+def read_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
+    """Memory read bandwidth this process reaches (GB/s): best of ``repeats`` fp32 sums over a ``mib`` MiB buffer
+    with torch's current thread count (far larger than any cache). A decoding step cannot beat weights / this."""
+    buf = torch.ones(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best / 1e9
+
+
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decoding step reads: every decoder-layer weight plus the LM head (the embedding
+    gathers one row, which is negligible; a tied head counts once)."""
+    layers = getattr(model, "layers", None)
+    head = getattr(model, "lm_head_weight", None)
+    if layers is None:  # HF fallback: every parameter except the input embedding
+        embed = getattr(model, "embed_weight", None)
+        params = {id(p): p for p in model.parameters() if embed is None or p.data_ptr() != embed.data_ptr()}
+        total = sum(p.numel() * p.element_size() for p in params.values())
+        return total + (head.numel() * head.element_size() if head is not None and embed is not None
+                        and head.data_ptr() == embed.data_ptr() else 0)  # fmt: skip
+    total = sum(b.numel() * b.element_size() for b in layers.buffers())
+    return total + (head.numel() * head.element_size() if head is not None else 0)
 
 
 def compare_outputs(reference: Sequence[list[int]], candidate: Sequence[list[int]]) -> dict[str, Any]:
@@ -135,24 +165,19 @@ def chat_prompts_ids(folder: str | Path, prompts: Sequence[str] = DEFAULT_PROMPT
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    out = []
-    for text in prompts:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))  # transformers v5 returns a BatchEncoding
-    return out
+    return [encode_chat(tok, text) for text in prompts]
 
 
 def compare_ar(folder: str | Path, max_new_tokens: int = 64, dtypes: Sequence[str] = ("fp32", "bf16")) -> dict:
     """HF ``generate`` vs the runtime's AR mode on the folder's model for each dtype: tokens/s, speedup, lossless."""
     from draftsmith.runtime.autoregressive import load_decoder
 
-    names = {"fp32": torch.float32, "bf16": torch.bfloat16}
     prompts = chat_prompts_ids(folder)
     eos = eos_ids_from_folder(folder)
     report: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "threads": torch.get_num_threads()}
     for name in dtypes:
-        hf = time_hf_generate(folder, prompts, max_new_tokens, dtype=names[name])
-        ar = time_runtime_ar(load_decoder(folder, dtype=names[name]), prompts, max_new_tokens, eos_ids=eos)
+        hf = time_hf_generate(folder, prompts, max_new_tokens, dtype=dtype_from_name(name))
+        ar = time_runtime_ar(load_decoder(folder, dtype=dtype_from_name(name)), prompts, max_new_tokens, eos_ids=eos)
         report[name] = {
             "hf_tokens_per_s": round(hf["tokens_per_s"], 2),
             "runtime_ar_tokens_per_s": round(ar["tokens_per_s"], 2),

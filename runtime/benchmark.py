@@ -15,21 +15,25 @@ from typing import Any
 import torch
 
 from draftsmith import assets
-from draftsmith.export.format import check_target, read_config
+from draftsmith.common.chat import encode_chat
+from draftsmith.export.format import read_config
 from draftsmith.export.identity import target_identity
+from draftsmith.kernels import cpu_caps
+from draftsmith.runtime import metrics
 from draftsmith.runtime.autoregressive import load_decoder
 from draftsmith.runtime.bench import (
     compare_outputs,
     eos_ids_from_folder,
+    read_bandwidth_gbs,
+    step_weight_bytes,
     time_decode,
     time_hf_generate,
     time_runtime_ar,
 )
+from draftsmith.runtime.prompt_limits import check_prompt_fits
 from draftsmith.runtime.proposers import build_proposer
 from draftsmith.runtime.speculative import SpeculativeDecoder
 from draftsmith.runtime.verify import GreedyVerifier, RejectionSamplingVerifier, TypicalVerifier
-
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -42,6 +46,16 @@ class Runtime:
     eos_ids: tuple[int, ...]
     export_config: dict | None = None
     speculative: SpeculativeDecoder | None = None
+    dtype_reason: str = ""
+
+    def backend_report(self) -> dict[str, Any]:
+        """What runs and why: CPU, dtype, linear backend (for bench.json, the bench table and generate --verbose)."""
+        plan = getattr(self.model, "linear_plan", None)
+        return {"cpu": cpu_caps.probe().describe(), "dtype": str(self.model.dtype).replace("torch.", ""),
+                "dtype_reason": self.dtype_reason,
+                "linear_backend": plan.label if plan else "hf (transformers fallback)",
+                "linear_reason": plan.reason if plan else "architecture not supported by the lean decoder",
+                "kernels": getattr(self.model, "kernel_backend", "n/a"), "device": str(self.model.device)}
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -58,11 +72,32 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
     return options
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """``fp32`` / ``bf16`` -> torch dtype, with the valid names in the error."""
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
-    return DTYPES[name]
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """``auto`` / ``fp32`` / ``bf16`` -> torch dtype for the runtime (see :func:`resolve_runtime_dtype`)."""
+    return resolve_runtime_dtype(name, device)[0]
+
+
+def resolve_runtime_dtype(name: str, device: str = "cpu") -> tuple[torch.dtype, str]:
+    """The runtime's dtype and why. ``auto``: bf16 where the device computes it natively or the fused C++ layer runs
+    (its AVX2 variant streams bf16 weights with fp32 math, so bf16 halves the bytes a step reads), else fp32."""
+    if name != "auto" or torch.device(device).type != "cpu":
+        return cpu_caps.resolve_dtype(name, device)
+    from draftsmith.kernels import cpu_layer
+
+    caps = cpu_caps.probe()
+    if caps.native_bf16:
+        return torch.bfloat16, f"auto -> bf16 (CPU has {caps.best_isa()})"
+    reason = cpu_layer.why_unavailable()
+    if reason is None:
+        return torch.bfloat16, f"auto -> bf16 (no bf16 arithmetic, but the fused layer's {caps.cpu_layer_isa()} " \
+                               "variant reads bf16 weights and computes in fp32)"
+    return torch.float32, f"auto -> fp32 (no bf16 instructions and no fused layer: {reason})"
+
+
+def hf_fastest_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
+    """The dtype HF ``generate`` runs fastest in on this device: bf16 where it is native, else fp32 (HF's bf16 on a
+    CPU without bf16 instructions is emulated and several times slower, so comparing against it is unfair)."""
+    return cpu_caps.resolve_dtype("auto", device)
 
 
 def make_verifier(name: str, temperature: float, kernels: str, export_config: dict | None) -> Any:
@@ -96,21 +131,24 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
         raise FileNotFoundError(f"target folder {folder} not found; pass --target PATH to the target the drafter "
                                 "was trained for")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = load_decoder(folder, dtype=resolve_dtype(dtype), kernel_backend=kernels, linear_backend=linear_backend)
-    runtime = Runtime(str(folder), model, tokenizer, eos_ids_from_folder(folder), export_config)
+    torch_dtype, dtype_reason = resolve_runtime_dtype(dtype)
+    model = load_decoder(folder, dtype=torch_dtype, kernel_backend=kernels, linear_backend=linear_backend)
+    runtime = Runtime(str(folder), model, tokenizer, eos_ids_from_folder(folder), export_config,
+                      dtype_reason=dtype_reason)
     if drafter:
         identity = target_identity(export_config["target"]["name_or_path"], AutoConfig.from_pretrained(folder),
                                    tokenizer, model.lm_head_weight)
-        check_target(export_config, identity)
-        proposer = build_proposer(drafter, model, **(proposer_options or {}))
+        proposer = build_proposer(drafter, model, identity=identity, given=target or str(folder),
+                                  **(proposer_options or {}))
         runtime.speculative = SpeculativeDecoder(model, proposer, make_verifier(verifier, temperature, kernels,
                                                                                 export_config),
                                                  kernels_backend=kernels, max_cache_len=max_cache_len)
     return runtime
 
 
-def load_prompts(spec: str, tokenizer: Any, limit: int | None) -> list[list[int]]:
-    """``mtbench`` (first turns of the 80 questions) or a jsonl with ``prompt`` or MT-Bench ``turns``."""
+def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | None = None) -> list[list[int]]:
+    """``mtbench`` (first turns of the 80 questions) or a jsonl with ``prompt`` or MT-Bench ``turns``. With
+    ``max_len`` (the target's context), a prompt that cannot fit fails at once, named, before any model work."""
     if spec == "mtbench":
         texts = [q["turns"][0] for q in assets.mtbench_questions()]
     else:
@@ -132,15 +170,11 @@ def load_prompts(spec: str, tokenizer: Any, limit: int | None) -> list[list[int]
     texts = texts[:limit] if limit else texts
     if not texts:
         raise ValueError(f"no prompts in {spec}")
-    return [encode_chat(tokenizer, t) for t in texts]
-
-
-def encode_chat(tokenizer: Any, text: str) -> list[int]:
-    """Render one user turn with the target's chat template and the generation prompt."""
-    if not text.strip():
-        raise ValueError("empty prompt: give some text to continue")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    encoded = [encode_chat(tokenizer, t) for t in texts]
+    for n, ids in enumerate(encoded, 1):
+        if max_len is not None:
+            check_prompt_fits(len(ids), max_len, f"prompt {n} of {spec} ({texts[n - 1][:40]!r}...)")
+    return encoded
 
 
 FORWARD_SIZES = (1, 2, 4, 8, 16)  # new tokens per forward: how verify cost grows with tree size on this machine
@@ -165,8 +199,13 @@ def _step_costs(runtime: Runtime, prompt: list[int], repeats: int = 5) -> dict[s
 
         one(1)
         ms = {t: 1e3 * statistics.median(one(t) for _ in range(repeats)) for t in sorted({1, nodes, *FORWARD_SIZES})}
+    weights = step_weight_bytes(model)
+    bandwidth = read_bandwidth_gbs()
+    floor_ms = weights / (bandwidth * 1e9) * 1e3
     return {"tree_nodes": nodes, "ar_step_ms": ms[1], "verify_forward_ms": ms[nodes],
-            "forward_ms_by_new_tokens": {t: ms[t] for t in FORWARD_SIZES}}
+            "forward_ms_by_new_tokens": {t: ms[t] for t in FORWARD_SIZES},
+            "weight_bytes_per_step": weights, "read_bandwidth_gbs": bandwidth, "bandwidth_floor_ms": floor_ms,
+            "ar_step_over_floor": ms[1] / floor_ms}
 
 
 def head_agreement(runtime: Runtime, prompts: list[list[int]], continuations: list[list[int]]) -> list[float] | None:
@@ -211,18 +250,39 @@ def lossless_check(drafter: str, target: str | None, prompts: list[list[int]], m
     runtime = load_runtime(drafter, target, dtype, kernels, "greedy", 0.0, proposer_options=proposer_options)
     hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=runtime.model.dtype)
     spec = [runtime.speculative.generate(p, max_new_tokens, eos_ids=runtime.eos_ids).tokens for p in prompts]
-    return {"dtype": dtype, **compare_outputs(hf["outputs"], spec)}
+    # "hf" lets run_bench reuse this timed HF run when HF's fastest dtype is the check's dtype (fp32 CPUs).
+    return {"dtype": dtype, **compare_outputs(hf["outputs"], spec), "hf": hf}
 
 
 def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, skip_hf: bool = False,
-              temperature: float = 0.0, lossless: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Time HF generate, runtime AR and speculative decoding on the same prompts (in the runtime's dtype).
+              temperature: float = 0.0, lossless: dict[str, Any] | None = None,
+              hf_dtype: str = "same", hf_result: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Time HF generate, runtime AR and speculative decoding on the same prompts.
+
+    The runtime runs in its own dtype; HF ``generate`` in ``hf_dtype`` ("same": the runtime's; "auto": HF's fastest
+    on this device, see :func:`hf_fastest_dtype`, which is what ``draftsmith bench`` uses so that "runtime AR vs HF"
+    compares against a fair peer; or a dtype name).
 
     ``lossless``: the result of :func:`lossless_check` when it was run separately (e.g. fp32 while timing bf16);
-    otherwise greedy outputs are compared here, in the timing dtype.
+    otherwise greedy outputs are compared here, in the timing dtype. Its timed HF run is reused when it ran in the
+    dtype HF is to be timed in (or pass ``hf_result`` from :func:`time_hf_generate` directly).
     """
     spec = runtime.speculative
-    hf = None if skip_hf else time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=runtime.model.dtype)
+    if hf_dtype == "same":
+        hf_torch_dtype, hf_reason = runtime.model.dtype, "same as the runtime"
+    elif hf_dtype == "auto":
+        hf_torch_dtype, hf_reason = hf_fastest_dtype(str(runtime.model.device))
+    else:
+        hf_torch_dtype, hf_reason = cpu_caps.resolve_dtype(hf_dtype, runtime.model.device)
+    lossless = dict(lossless) if lossless is not None else None
+    hf_result = hf_result or (lossless or {}).pop("hf", None)
+    if skip_hf:
+        hf = None
+    elif hf_result is not None and hf_result.get("dtype") == hf_torch_dtype and len(hf_result["outputs"]) == len(prompts):
+        hf = hf_result
+    else:
+        hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=hf_torch_dtype)
+    hf_same_dtype = hf is not None and hf_torch_dtype == runtime.model.dtype
     ar = time_runtime_ar(runtime.model, prompts, max_new_tokens, eos_ids=runtime.eos_ids)
     results: list[Any] = []
 
@@ -235,21 +295,15 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     sp = time_decode(decode, prompts, warmup=lambda: spec.generate(prompts[0], 4, eos_ids=runtime.eos_ids))
     results = results[-len(prompts):]
     steps = sum(r.steps for r in results)
-    tau = sum(sum(a + 1 for a in r.accepted_per_step) for r in results) / max(1, steps)
-    depth = max((len(r.acceptance_by_position) for r in results), default=0)
-    reached = [0] * depth
-    accepted = [0] * depth
-    for r in results:  # pool the per-prompt curves weighted by how often each depth was reached
-        for a in r.accepted_per_step:
-            for d in range(depth):
-                if a >= d:
-                    reached[d] += 1
-                    accepted[d] += a > d
-    by_position = [accepted[d] / reached[d] if reached[d] else 0.0 for d in range(depth)]
-    reference = hf["outputs"] if hf else ar["outputs"]
+    pooled_accepted = [a for r in results for a in r.accepted_per_step]
+    tau = metrics.tau(pooled_accepted)
+    by_position = metrics.acceptance_by_position(pooled_accepted, [d for r in results for d in r.depths])
+    # Same-dtype reference: HF when it ran in the runtime's dtype, else the runtime's own AR (itself checked vs HF).
+    reference = hf["outputs"] if hf_same_dtype else ar["outputs"]
     same_dtype = None
     if temperature == 0 and getattr(spec.verifier, "lossless", True):
         same_dtype = {"dtype": str(runtime.model.dtype).replace("torch.", ""),
+                      "reference": "hf_generate" if hf_same_dtype else "runtime_ar",
                       **compare_outputs(reference, sp["outputs"])}
     lossless = lossless if lossless is not None else same_dtype
     costs = _step_costs(runtime, prompts[0])
@@ -261,7 +315,8 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     return {
         "method": runtime.export_config["method"], "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "dtype": str(runtime.model.dtype).replace("torch.", ""), "temperature": temperature,
-        "linear_backend": getattr(runtime.model, "linear_ops", "hf"),
+        "linear_backend": getattr(runtime.model, "linear_ops", "hf"), "backend": runtime.backend_report(),
+        "hf_dtype": None if hf is None else str(hf_torch_dtype).replace("torch.", ""), "hf_dtype_reason": hf_reason,
         "verifier": type(spec.verifier).__name__, "tau": tau, "acceptance_by_position": by_position,
         "head_agreement_top1": agreement,
         "tokens_per_s": tps,
@@ -270,10 +325,10 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
                     "runtime_ar_vs_hf_generate": (tps["runtime_ar"] / tps["hf_generate"]) if hf else None},
         "lossless": None if lossless is None else lossless["all_identical"], "lossless_detail": lossless,
         "same_dtype_match": same_dtype,
-        "runtime_ar_matches_hf": compare_outputs(hf["outputs"], ar["outputs"])["all_identical"] if hf else None,
+        "runtime_ar_matches_hf": compare_outputs(hf["outputs"], ar["outputs"])["all_identical"] if hf_same_dtype
+        else None,
         "step_costs": {**costs, "ar_step_ms_in_decode": 1e3 * ar_step, "spec_step_ms_in_decode": 1e3 * spec_step,
-                       "predicted_speedup_tau_x_step_over_verify": tau * costs["ar_step_ms"] / costs["verify_forward_ms"],
-                       "memory_floor_ms_bf16": 270e6 / 36e9 * 1e3},
+                       "predicted_speedup_tau_x_step_over_verify": tau * costs["ar_step_ms"] / costs["verify_forward_ms"]},
         "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
         "threads": torch.get_num_threads(),
     }
@@ -293,19 +348,27 @@ def _lossless_text(result: dict[str, Any]) -> str:
 def markdown_table(result: dict[str, Any]) -> str:
     """The human-readable summary printed by ``draftsmith bench`` and written to ``bench.md``."""
     t, s, c = result["tokens_per_s"], result["speedup"], result["step_costs"]
+    b = result.get("backend") or {}
     rows = [
         ("method", result["method"]), ("prompts x max new tokens", f"{result['prompts']} x {result['max_new_tokens']}"),
+        ("CPU", b.get("cpu", "n/a")),
         ("dtype / verifier / linears", f"{result['dtype']} / {result['verifier']} / {result.get('linear_backend')}"),
+        ("why these linears", b.get("linear_reason", "n/a")),
         ("tau (mean accepted length, incl. bonus)", _fmt(result["tau"], 3)),
-        ("acceptance by position", ", ".join(f"{a:.2f}" for a in result["acceptance_by_position"])),
+        ("acceptance by position (P(d accepted | d drafted))",
+         ", ".join(f"{a:.2f}" for a in result["acceptance_by_position"])),
         ("head top-1 agreement with target greedy", ", ".join(f"{a:.2f}" for a in result["head_agreement_top1"] or [])
          or "n/a"),
-        ("HF generate tokens/s", _fmt(t["hf_generate"], 1)), ("runtime AR tokens/s", _fmt(t["runtime_ar"], 1)),
+        (f"HF generate tokens/s ({result.get('hf_dtype')})", _fmt(t["hf_generate"], 1)),
+        (f"runtime AR tokens/s ({result['dtype']})", _fmt(t["runtime_ar"], 1)),
         ("speculative tokens/s", _fmt(t["speculative"], 1)),
         ("speedup vs HF generate", _fmt(s["vs_hf_generate"])), ("speedup vs runtime AR", _fmt(s["vs_runtime_ar"])),
         ("runtime AR vs HF generate", _fmt(s["runtime_ar_vs_hf_generate"])),
         ("one AR step / one verify forward (ms)", f"{c['ar_step_ms']:.1f} / {c['verify_forward_ms']:.1f} "
                                                   f"({c['tree_nodes']} nodes)"),
+        ("one AR step vs bandwidth floor", f"{c['ar_step_ms']:.1f} ms vs {c['bandwidth_floor_ms']:.1f} ms "
+         f"({c['weight_bytes_per_step'] / 1e6:.0f} MB at {c['read_bandwidth_gbs']:.1f} GB/s): "
+         f"{c['ar_step_over_floor']:.2f}x" if "bandwidth_floor_ms" in c else "n/a"),
         ("tau x step/verify (predicted speedup)", _fmt(c["predicted_speedup_tau_x_step_over_verify"])),
         ("forward ms for " + "/".join(str(t) for t in c.get("forward_ms_by_new_tokens", {})) + " new tokens",
          " / ".join(f"{v:.1f}" for v in c.get("forward_ms_by_new_tokens", {}).values()) or "n/a"),

@@ -9,10 +9,13 @@ import sys
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target folder (default: the one recorded in the export)")
-    p.add_argument("--dtype", default="fp32", help="fp32 (exact) or bf16 (faster on CPU)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 where this machine runs it fast: AVX512-BF16, or the fused layer's AVX2 variant; "
+                        "else fp32) | fp32 (exact) | bf16")
     p.add_argument("--kernels", default="auto", help="auto | torch | triton")
     p.add_argument("--linear-backend", default="auto",
-                   help="auto | cpp (fused C++ bf16 layer, AVX512-BF16 CPUs) | mkldnn (oneDNN bf16) | dense")
+                   help="auto (the fastest this CPU can run) | cpp (fused C++ bf16 layer: AVX512-BF16 or AVX2+FMA) | "
+                        "mkldnn (oneDNN bf16: AVX512 BW/VL/DQ or AVX-NE-CONVERT) | dense")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--verifier", default="auto", help="auto | greedy | rejection | typical (lossy)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -27,6 +30,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--drafter", default=None, help="export folder of a trained drafter")
     g.add_argument("--prompt", required=True)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--verbose", action="store_true", help="say on stderr which CPU, dtype and backends run, and why")
     _add_common(g)
     b = sub.add_parser("bench", help="tau, acceptance, tokens/s and lossless check of an export")
     b.add_argument("--drafter", required=True, help="export folder of a trained drafter")
@@ -34,6 +38,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     b.add_argument("--out", default=None, help="folder for bench.json, bench.md, acceptance.png")
     b.add_argument("--skip-hf", action="store_true", help="do not time HF generate")
+    b.add_argument("--hf-dtype", default="auto",
+                   help="dtype HF generate is timed in: auto (its fastest here: bf16 where native, else fp32) | same "
+                        "(the runtime's) | fp32 | bf16")
     b.add_argument("--lossless-dtype", default="fp32",
                    help="dtype of the lossless check (greedy spec vs HF generate); 'same' = the timing dtype, "
                         "'none' = skip")
@@ -59,12 +66,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Stream decoded text to stdout."""
     import torch
 
+    from draftsmith.common.chat import encode_chat
     from draftsmith.runtime.autoregressive import generate_ar
-    from draftsmith.runtime.benchmark import encode_chat, load_runtime, parse_options
+    from draftsmith.runtime.benchmark import load_runtime, parse_options
+    from draftsmith.runtime.prompt_limits import check_prompt_fits, context_limit
 
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend)
+    if args.verbose:
+        for key, value in rt.backend_report().items():
+            print(f"[{key}] {value}", file=sys.stderr)
     prompt = encode_chat(rt.tokenizer, args.prompt)
+    limit = context_limit(rt.model)
+    if limit is not None:
+        check_prompt_fits(len(prompt), limit, "the prompt")
     generator = torch.Generator().manual_seed(args.seed)
     emitted: list[int] = []
     printed = ""
@@ -100,17 +115,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_bench,
         write_outputs,
     )
+    from draftsmith.runtime.prompt_limits import context_limit
 
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend)
-    prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts)
+    prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts, max_len=context_limit(rt.model))
     lossless = None
     check = args.lossless_dtype
     if args.temperature == 0 and check not in ("none", "same") and resolve_dtype(check) != rt.model.dtype:
         lossless = lossless_check(args.drafter, args.target, prompts, args.max_new_tokens, check, args.kernels,
                                   proposer_options=parse_options(args.proposer_option))
     result = run_bench(rt, prompts, args.max_new_tokens, skip_hf=args.skip_hf, temperature=args.temperature,
-                       lossless=None if check == "none" else lossless)
+                       lossless=None if check == "none" else lossless, hf_dtype=args.hf_dtype)
     if check == "none":
         result["lossless"] = None
     print(markdown_table(result))
@@ -118,7 +134,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out = write_outputs(result, args.out)
         print(f"wrote {out / 'bench.json'}, bench.md, acceptance.png")
     else:
-        print(json.dumps({k: result[k] for k in ("tau", "tokens_per_s", "speedup", "lossless")}, indent=2))
+        print(json.dumps({k: result[k] for k in ("tau", "tokens_per_s", "speedup", "lossless", "backend")}, indent=2))
     return 0
 
 

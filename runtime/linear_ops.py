@@ -1,31 +1,38 @@
 """How the lean decoder runs its linears: plain tensors, oneDNN-prepacked bf16, or the fused C++ bf16 layer.
 
-``choose_linear_ops`` maps the ``linear_backend`` setting ("auto" | "dense" | "mkldnn" | "cpp") to one of the op sets
-below for the model's dtype and device. "auto" takes the fastest that can run: on a CPU with AVX512-BF16 and a bf16
-model, the fused C++ layer (``draftsmith.kernels.cpu_layer``, built on first use); else oneDNN-prepacked bf16
-linears; else dense.
+:func:`plan_linear_backend` decides, from the probed CPU capabilities (``draftsmith.kernels.cpu_caps``), which op set
+can run and says why; :func:`choose_linear_ops` builds it. ``"auto"`` never picks what this machine cannot run:
+
+- bf16 on a CPU with AVX512-BF16 or AVX2+FMA (and a C++ compiler): the fused C++ layer, in that ISA's variant;
+- else bf16 where oneDNN's bf16 linears run (AVX512 BW/VL/DQ or AVX-NE-CONVERT): oneDNN-prepacked linears;
+- else, and for fp32 and CUDA: plain ``F.linear`` (MKL / cuBLAS).
+
+Forcing ``"cpp"`` or ``"mkldnn"`` where it cannot run raises a ValueError naming the missing instructions and the
+backend to use instead.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from types import ModuleType
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from draftsmith.kernels import cpu_caps
+
 LINEAR_BACKENDS = ("auto", "dense", "mkldnn", "cpp")
 
 
-def mkldnn_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether oneDNN prepacked linears can run: bf16 on CPU with the mkldnn ops present."""
-    return (
-        dtype == torch.bfloat16
-        and device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+def mkldnn_linear_available(dtype: torch.dtype, device: torch.device, caps: cpu_caps.CpuCaps | None = None) -> bool:
+    """Whether oneDNN prepacked bf16 linears can run: bf16 on a CPU whose ISA oneDNN accepts, and a trial reorder
+    succeeds (the op existing does not mean this CPU can run it)."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return False
+    caps = caps or cpu_caps.probe()
+    return caps.onednn_bf16 and cpu_caps.onednn_bf16_runs()
 
 
 class DenseOps:
@@ -68,7 +75,7 @@ class PackedLinear(NamedTuple):
 
 
 def cpp_ops(module: ModuleType) -> type:
-    """Op set over the fused C++ extension: weights packed for AVX512-BF16 dot products; layers run whole in C++."""
+    """Op set over the fused C++ extension (either ISA variant): packed bf16 weights; layers run whole in C++."""
     from draftsmith.kernels.cpu_layer import pack_weight
 
     class CppOps:
@@ -83,31 +90,103 @@ def cpp_ops(module: ModuleType) -> type:
     return CppOps
 
 
-def choose_linear_ops(
-    backend: str, dtype: torch.dtype, device: torch.device, sizes: tuple[int, int, int], compiled: bool
-) -> type:
-    """The op set for ``backend`` (see the module docstring). Raises ValueError for an unknown name or a backend that
-    cannot run on this dtype / device / CPU (the message says why). ``sizes``: (head_dim, hidden, intermediate)."""
+@dataclass(frozen=True)
+class LinearPlan:
+    """Which op set runs ("cpp" | "mkldnn" | "dense"), the fused layer's ISA variant if cpp, and why."""
+
+    kind: str
+    reason: str
+    isa: str | None = None
+    fused_unavailable: str | None = None  # why "auto" could not take the fused layer (bf16 on CPU only)
+
+    @property
+    def label(self) -> str:
+        """``cpp:avx2`` style name for logs and bench tables."""
+        return f"{self.kind}:{self.isa}" if self.isa else self.kind
+
+
+def plan_linear_backend(
+    backend: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    sizes: tuple[int, int, int],
+    compiled: bool = False,
+    caps: cpu_caps.CpuCaps | None = None,
+    mkldnn_ok: bool | None = None,
+    toolchain_reason: str | None = None,
+) -> LinearPlan:
+    """Decide the linear backend without building anything (tests inject ``caps``, ``mkldnn_ok`` and
+    ``toolchain_reason``). ``sizes``: (head_dim, hidden, intermediate). Raises ValueError for an unknown name or a
+    forced backend that cannot run, naming what is missing and what to use instead."""
+    from draftsmith.kernels import cpu_layer  # lazy: only its pure checks, nothing is built here
+
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {backend!r}")
+    device = torch.device(device)
     if backend == "dense":
-        return DenseOps
-    mkldnn_ok = mkldnn_linear_available(dtype, device)
-    if backend == "mkldnn" and not mkldnn_ok:
-        raise ValueError(f"linear_backend='mkldnn' needs bf16 weights on CPU; got {dtype} on {device}")
-    if backend in ("cpp", "auto") and mkldnn_ok and not compiled:
-        from draftsmith.kernels import cpu_layer  # lazy: only bf16 CPU models ever build it
+        return LinearPlan("dense", "dense requested")
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        if backend != "auto":
+            raise ValueError(f"linear_backend={backend!r} cannot run: it needs bf16 weights on CPU; got {dtype} on "
+                             f"{device}; use linear_backend='dense' (--linear-backend dense)")
+        why = "CUDA: cuBLAS" if device.type == "cuda" else f"{str(dtype).replace('torch.', '')} on {device.type}: MKL"
+        return LinearPlan("dense", f"{why} linears")
+    caps = caps or cpu_caps.probe()
+    if mkldnn_ok is None:
+        mkldnn_ok = mkldnn_linear_available(dtype, device, caps)
+    isa, cpp_reason = cpu_layer.pick_isa(caps)
+    if isa is not None:
+        cpp_reason = toolchain_reason or cpu_layer.shapes_supported(*sizes)
+        if compiled:
+            cpp_reason = "torch.compile is on (the fused layer is opaque to it)"
+    fallback = "mkldnn" if mkldnn_ok else "dense"
+    onednn_missing = (f"oneDNN's bf16 linears need AVX512 BW+VL+DQ or AVX-NE-CONVERT and this CPU has "
+                      f"{caps.best_isa()}")  # fmt: skip
+    if backend == "cpp":
+        if isa is None or cpp_reason:
+            raise ValueError(f"linear_backend='cpp' cannot run: {cpp_reason}; use linear_backend={fallback!r} "
+                             f"(--linear-backend {fallback})")
+        return LinearPlan("cpp", f"fused C++ layer ({isa} variant) requested", isa)
+    if backend == "mkldnn":
+        if not mkldnn_ok:
+            other = "cpp" if isa is not None and not cpp_reason else "dense"
+            raise ValueError(f"linear_backend='mkldnn' cannot run: {onednn_missing}; use linear_backend={other!r} "
+                             f"(--linear-backend {other})")
+        return LinearPlan("mkldnn", "oneDNN bf16 linears requested")
+    if isa is not None and not cpp_reason:
+        return LinearPlan("cpp", f"fused C++ layer, {isa} variant ({caps.best_isa()} CPU)", isa)
+    if mkldnn_ok:
+        return LinearPlan("mkldnn", f"oneDNN bf16 linears (fused layer unavailable: {cpp_reason})",
+                          fused_unavailable=cpp_reason)
+    return LinearPlan("dense", f"plain bf16 F.linear (fused layer unavailable: {cpp_reason}; {onednn_missing})",
+                      fused_unavailable=cpp_reason)
 
-        reason = cpu_layer.why_unavailable() or cpu_layer.shapes_supported(*sizes)
-        if reason is None:
-            try:
-                return cpp_ops(cpu_layer.load_cpu_layer())
-            except cpu_layer.CpuLayerUnavailable as err:
-                reason = str(err)
-        if backend == "cpp":
-            raise ValueError(f"linear_backend='cpp' cannot run: {reason}")
-        warnings.warn(f"fused CPU layer unavailable ({reason}); using oneDNN linears", stacklevel=3)
-    elif backend == "cpp":
-        why = "torch.compile is on" if compiled else f"it needs bf16 weights on CPU; got {dtype} on {device}"
-        raise ValueError(f"linear_backend='cpp' cannot run: {why}")
-    return MkldnnOps if mkldnn_ok else DenseOps
+
+def choose_linear_ops(
+    backend: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    sizes: tuple[int, int, int],
+    compiled: bool,
+    caps: cpu_caps.CpuCaps | None = None,
+) -> tuple[type, LinearPlan]:
+    """The op set for ``backend`` and the plan that chose it (see :func:`plan_linear_backend`). Under "auto" a
+    fused layer that fails to build falls back to the next choice with a one-line warning."""
+    toolchain = None
+    if backend in ("auto", "cpp") and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        from draftsmith.kernels import cpu_layer
+
+        toolchain = cpu_layer.why_unavailable(caps=caps) if cpu_layer.pick_isa(caps)[0] else None
+    plan = plan_linear_backend(backend, dtype, device, sizes, compiled, caps, toolchain_reason=toolchain)
+    if plan.kind == "cpp":
+        from draftsmith.kernels import cpu_layer
+
+        try:
+            return cpp_ops(cpu_layer.load_cpu_layer(plan.isa)), plan
+        except cpu_layer.CpuLayerUnavailable as err:
+            if backend == "cpp":
+                raise ValueError(f"linear_backend='cpp' cannot run: {err}") from err
+            plan = plan_linear_backend("auto", dtype, device, sizes, compiled, caps, toolchain_reason=str(err))
+    if plan.fused_unavailable:
+        warnings.warn(f"linear backend: {plan.reason}", stacklevel=3)
+    return {"mkldnn": MkldnnOps, "dense": DenseOps}[plan.kind], plan

@@ -3,9 +3,9 @@
 Loads a Hugging Face folder's safetensors directly. At load time q/k/v are fused into one matrix and gate/up into
 another, and RoPE cos/sin tables are precomputed, so a decoding step is a short, fixed sequence of tensor ops. Attention
 goes through ``draftsmith.kernels.attention.tree_attention`` so a draft tree is verified in the same forward as plain
-decoding. In bf16 on AVX512-BF16 CPUs each layer instead runs as one call of the fused C++ layer
+decoding. In bf16 on x86 CPUs with AVX512-BF16 or AVX2+FMA each layer instead runs as one call of the fused C++ layer
 (``draftsmith.kernels.cpu_layer``; this module's torch path is its reference), which takes a 135M model's step from
-~22 ms to ~10 ms on 2 cores, close to the time it takes to read the weights.
+~22 ms to ~10 ms on 2 AVX512-BF16 cores, close to the time it takes to read the weights.
 
 Numerics follow transformers (RMSNorm in fp32, RoPE in the model dtype, scale ``head_dim**-0.5``); in fp32 the logits
 match HF to ~1e-5. Batch size is 1 by design: speculative decoding of one request.
@@ -52,8 +52,8 @@ class LeanDecoder(nn.Module):
 
         ``kernel_backend`` goes to the attention / KV-compaction kernels ("auto" | "torch" | "triton").
         ``linear_backend``: "dense" (F.linear), "mkldnn" (oneDNN-prepacked bf16 weights, CPU only; keeps a second
-        copy of the weights), "cpp" (the fused C++ bf16 layer, AVX512-BF16 CPUs) or "auto" (the fastest that can run,
-        see ``draftsmith.runtime.linear_ops``).
+        copy of the weights), "cpp" (the fused C++ bf16 layer, x86 with AVX512-BF16 or AVX2+FMA) or "auto" (the
+        fastest that can run on this CPU, see ``draftsmith.runtime.linear_ops``; ``linear_plan`` records the choice).
         ``compile``: run the forward through ``torch.compile(dynamic=True)``. Off by default: on the 2-core CPU it
         cut the per-step overhead of a 30-layer model from ~3.2 to ~1.9 ms but the first call compiled for ~3 min.
         """
@@ -142,8 +142,9 @@ class LeanDecoder(nn.Module):
 
     @property
     def linear_ops(self) -> str:
-        """The linear backend in use: "cpp", "mkldnn" or "dense" ("auto" resolved)."""
-        return self._ops.name
+        """The linear backend in use: "cpp:avx512_bf16", "cpp:avx2", "mkldnn" or "dense" ("auto" resolved);
+        ``linear_plan.reason`` says why."""
+        return self.linear_plan.label
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -170,8 +171,9 @@ class LeanDecoder(nn.Module):
         """Per-layer tuples of the weights in the form the chosen linear backend runs (a tuple beats attribute
         lookups in the hot loop)."""
         c = self.config
-        ops = choose_linear_ops(self.linear_backend, self.dtype, self.device,
-                                (c.head_dim, c.hidden_size, c.intermediate_size), compiled=self._compile)
+        ops, self.linear_plan = choose_linear_ops(self.linear_backend, self.dtype, self.device,
+                                                  (c.head_dim, c.hidden_size, c.intermediate_size),
+                                                  compiled=self._compile)  # fmt: skip
         self._ops = ops
         self._exec = [
             (w.ln1, ops.pack(w.wqkv), w.bqkv, w.qn, w.kn, ops.pack_res(w.wo), w.bo, w.ln2, ops.pack(w.wgu), w.bgu,

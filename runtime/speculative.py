@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from draftsmith.kernels.dispatch import BACKENDS
+from draftsmith.runtime import metrics
 from draftsmith.runtime.proposers import DraftState, Proposer
 from draftsmith.runtime.verify import GreedyVerifier, StopPolicy, Verifier
 
@@ -26,14 +27,15 @@ class SpecResult:
     tokens: list[int]  # generated tokens (prompt excluded), truncated at eos / max_new_tokens
     steps: int  # target forwards after the prefill (one per verified tree)
     accepted_per_step: list[int]  # drafted tokens accepted at every step (before truncation)
-    acceptance_by_position: list[float]  # [D]: P(draft position d+1 accepted | the tree reached depth d+1)
+    acceptance_by_position: list[float]  # [D]: metrics.acceptance_by_position (cumulative, per drafted depth)
     lossless: bool = True  # False when the verifier is lossy (typical acceptance)
     tree_sizes: list[int] = field(default_factory=list)  # nodes per verified tree (root included)
+    depths: list[int] = field(default_factory=list)  # deepest draft position of each step's tree
 
     @property
     def tau(self) -> float:
-        """Mean tokens emitted per target forward (accepted drafts + the target's bonus token)."""
-        return sum(a + 1 for a in self.accepted_per_step) / max(1, self.steps)
+        """Mean tokens emitted per target forward (:func:`draftsmith.runtime.metrics.tau`)."""
+        return metrics.tau(self.accepted_per_step)
 
 
 class SpeculativeDecoder:
@@ -144,7 +146,8 @@ class SpeculativeDecoder:
             sizes.append(tree.num_nodes)
             depth_hist.append(int(tree.depths.max()))
             done = self._emit(out, [*acc.accepted_tokens, root], max_new_tokens, eos, stream)
-        return SpecResult(out, len(accepted), accepted, _by_position(accepted, depth_hist), lossless, sizes)
+        return SpecResult(out, len(accepted), accepted, metrics.acceptance_by_position(accepted, depth_hist), lossless,
+                          sizes, depth_hist)
 
     def _forward(self, taps: tuple[int, ...], input_ids: torch.Tensor, cache: Any,
                  **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -169,13 +172,3 @@ class SpeculativeDecoder:
         if stream is not None and chunk:
             stream(chunk)
         return len(out) >= limit or (bool(out) and out[-1] in eos)
-
-
-def _by_position(accepted: list[int], depths: list[int]) -> list[float]:
-    """Acceptance rate of draft position d (1-based) among steps whose tree reached depth d."""
-    max_d = max(depths, default=0)
-    rates = []
-    for d in range(1, max_d + 1):
-        reached = [a for a, dep in zip(accepted, depths) if dep >= d]
-        rates.append(sum(a >= d for a in reached) / len(reached) if reached else 0.0)
-    return rates

@@ -62,6 +62,12 @@ def test_bench_reports_the_contract_and_is_lossless(medusa_export, prompts_file,
     assert json.loads((out / "bench.json").read_text())["lossless"] is True
     assert (out / "acceptance.png").stat().st_size > 1000 and "tau" in (out / "bench.md").read_text()
     assert "forward ms for 1/2/4/8/16 new tokens" in (out / "bench.md").read_text()
+    backend = json.loads((out / "bench.json").read_text())["backend"]  # which backends ran, and why
+    assert backend["linear_backend"] == rt.model.linear_ops and backend["linear_reason"] and backend["cpu"]
+    assert backend["dtype"] == "float32" and result["hf_dtype"] == "float32"  # run_bench's default: HF in same dtype
+    costs = result["step_costs"]
+    assert costs["bandwidth_floor_ms"] > 0 and costs["ar_step_over_floor"] > 0 and costs["read_bandwidth_gbs"] > 0
+    assert "vs bandwidth floor" in (out / "bench.md").read_text() and "why these linears" in (out / "bench.md").read_text()
 
 
 def test_bench_refuses_an_export_for_another_target(medusa_export, tmp_path, tiny_tokenizer):
@@ -96,9 +102,10 @@ def test_bench_errors_for_bad_inputs(medusa_export, tmp_path, tiny_target_dir):
 def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
     exe = [sys.executable, "-m", "draftsmith.cli"]
     gen = subprocess.run([*exe, "generate", "--drafter", str(medusa_export), "--prompt", "hello world",
-                          "--max-new-tokens", "8"], capture_output=True, text=True, timeout=120)
+                          "--max-new-tokens", "8", "--verbose"], capture_output=True, text=True, timeout=120)
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert "tau" in gen.stderr
+    assert "[linear_backend]" in gen.stderr and "[linear_reason]" in gen.stderr and "[cpu]" in gen.stderr
     bench = subprocess.run([*exe, "bench", "--drafter", str(medusa_export), "--prompts", str(prompts_file),
                             "--max-new-tokens", "8", "--dtype", "bf16", "--lossless-dtype", "fp32",
                             "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
@@ -108,6 +115,10 @@ def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
     # Timed in bf16, lossless verdict from a separate fp32 run against HF generate.
     assert result["dtype"] == "bfloat16" and result["lossless_detail"]["dtype"] == "fp32"
     assert result["lossless"] is True
+    from draftsmith.runtime.benchmark import hf_fastest_dtype
+
+    assert result["hf_dtype"] == str(hf_fastest_dtype()[0]).replace("torch.", "")  # HF timed at its fastest dtype
+    assert result["backend"]["linear_backend"] == result["linear_backend"] and "hf" not in result["lossless_detail"]
     missing = subprocess.run([*exe, "bench", "--drafter", str(tmp_path / "missing")], capture_output=True, text=True,
                              timeout=60)
     assert missing.returncode == 2 and "does not exist" in missing.stderr

@@ -1,0 +1,41 @@
+"""Training and serving encode a chat the same way (one function in draftsmith.common.chat)."""
+
+import json
+
+import pytest
+
+from draftsmith.common.chat import encode_chat, render_chat
+from draftsmith.distill.data import tokenize_conversation
+from draftsmith.runtime.benchmark import load_prompts
+
+
+def test_training_and_bench_produce_the_same_prompt_ids(tiny_tokenizer, tmp_path):
+    user, reply = "please explain the code", "the answer is python ."
+    trained = tokenize_conversation(tiny_tokenizer, [{"role": "user", "content": user},
+                                                     {"role": "assistant", "content": reply}], max_length=256)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": user}) + "\n")
+    served = load_prompts(str(prompts), tiny_tokenizer, None)[0]
+    # The bench's prompt is exactly the training sequence up to the first assistant token.
+    first_assistant = trained["loss_mask"].index(1)
+    assert served == trained["input_ids"][:first_assistant]
+    assert served == encode_chat(tiny_tokenizer, user) == encode_chat(tiny_tokenizer, [{"role": "user", "content": user}])
+
+
+def test_chat_encoding_errors_are_actionable(tiny_tokenizer):
+    with pytest.raises(ValueError, match="empty prompt"):
+        encode_chat(tiny_tokenizer, "  ")
+
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(ValueError, match="no chat template"):
+        render_chat(NoTemplate(), [{"role": "user", "content": "hi"}])
+
+
+def test_a_prompt_beyond_the_context_fails_at_once_naming_it(tiny_tokenizer, tmp_path):
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello"}) + "\n" + json.dumps({"prompt": "the word " * 600}) + "\n")
+    assert len(load_prompts(str(prompts), tiny_tokenizer, None)) == 2  # no limit given: nothing refused
+    with pytest.raises(ValueError, match=r"prompt 2 of .*long.jsonl.* has \d+ tokens but the target's context is 512"):
+        load_prompts(str(prompts), tiny_tokenizer, None, max_len=512)
