@@ -9,7 +9,7 @@ DEMO_DIR ?= outputs/demo/medusa
 BENCH_PROMPTS ?= 8
 BENCH_TOKENS ?= 128
 
-.PHONY: setup assets demo train-demo bench-demo test lint clean
+.PHONY: setup assets demo train-demo bench-demo test lint clean gpu-check speculators-venv
 
 setup: $(VENV)/.installed
 
@@ -29,12 +29,32 @@ train-demo: assets
 
 bench-demo:
 	$(VENV)/bin/draftsmith bench --drafter $(DEMO_DIR)/export --prompts mtbench --num-prompts $(BENCH_PROMPTS) \
-		--max-new-tokens $(BENCH_TOKENS) --dtype bf16 --lossless-dtype fp32 --out $(DEMO_DIR)/bench
+		--max-new-tokens $(BENCH_TOKENS) --dtype auto --lossless-dtype fp32 --out $(DEMO_DIR)/bench
 
 demo: train-demo bench-demo
 
-test: setup
+# A separate venv with the real `speculators` library (it pins its own transformers), so the test that loads our
+# speculators export with it always runs; when it cannot be installed the reason is kept and the test says it.
+SPEC_VENV ?= .cache/venv-speculators
+speculators-venv: $(SPEC_VENV)/.done
+
+$(SPEC_VENV)/.done:
+	@rm -f $(SPEC_VENV).failed
+	@echo "creating $(SPEC_VENV) with speculators==0.9.0 (once; cached)"
+	@# speculators pulls torchvision/torchaudio built for another torch (no CPU build matches 2.13): they break
+	@# transformers' imports, and nothing here needs them.
+	@( python3 -m venv $(SPEC_VENV) && $(SPEC_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)" speculators==0.9.0 \
+	   > $(SPEC_VENV).log 2>&1 && { $(SPEC_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio \
+	   >> $(SPEC_VENV).log 2>&1 || true; } && touch $@ ) || { tail -n 3 $(SPEC_VENV).log > $(SPEC_VENV).failed; \
+	   echo "could not install speculators==0.9.0 (see $(SPEC_VENV).log); its test will be skipped"; }
+
+test: setup speculators-venv
 	$(PY) -m pytest
+
+# On a machine with a CUDA GPU: GPU-marked tests, a few bf16-mixed steps of each recipe, runtime torch vs Triton on
+# CUDA, a short bench; one table (scripts/gpu_check.sh says how it runs where no registry can be reached).
+gpu-check:
+	bash scripts/gpu_check.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .
