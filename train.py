@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -42,14 +43,40 @@ def expand_shorthands(argv: list[str]) -> list[str]:
     return out
 
 
+def purposeful_errors() -> tuple[type[BaseException], ...]:
+    """Errors draftsmith raises on purpose with a message for the user (bad config, bad data, diverged run)."""
+    from draftsmith.assets import AssetError
+    from draftsmith.distill.errors import DraftsmithError
+    from draftsmith.export.format import ExportError
+
+    return DraftsmithError, ExportError, AssetError
+
+
+def report_error(err: BaseException) -> None:
+    """Print ``error: <message>`` as one line on stderr (and into the run log)."""
+    message = " ".join(str(err).split()) or type(err).__name__
+    log.error("%s: %s", type(err).__name__, message)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Compose the config, pick the registered recipe, train, export; returns the final val loss for sweeps."""
+    """Compose the config, pick the registered recipe, train, export; returns the final val loss for sweeps.
+
+    A purposeful error ends the run with one ``error: ...`` line on stderr and exit status 1; Hydra's partial
+    traceback is only for bugs (and for every error under ``HYDRA_FULL_ERROR=1``).
+    """
     from draftsmith import recipes
     from draftsmith.distill.trainer import train
 
     recipe = recipes.get_recipe(cfg.recipe.name)
-    summary = train(cfg, recipe, HydraConfig.get().runtime.output_dir)
+    try:
+        summary = train(cfg, recipe, HydraConfig.get().runtime.output_dir)
+    except purposeful_errors() as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        report_error(err)
+        sys.exit(1)  # SystemExit passes through Hydra's handler, which would print a traceback for an Exception
     print(json.dumps(summary, indent=2))
     return summary["metrics"].get("val/loss")
 

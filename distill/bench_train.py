@@ -39,6 +39,9 @@ def sample_batches(target: Target, cfg: Any, count: int) -> list[dict[str, torch
     return batches
 
 
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def _timed(fn, batches: list[dict[str, torch.Tensor]], warmup: int) -> list[float]:
     times = []
     for i, batch in enumerate(batches):
@@ -76,7 +79,8 @@ def bench_train(cfg: Any, recipe: Any, steps: int = 6, warmup: int = 2) -> dict[
     step = statistics.median(_timed(train_step, batches, warmup))
     trainable = sum(p.numel() for p in objective.module.parameters() if p.requires_grad)
     return {
-        "recipe": recipe.name, "target_dtype": str(cfg.target.dtype), "precision": precision,
+        "recipe": recipe.name, "target_dtype": _DTYPE_NAMES.get(target.lm_head_weight.dtype, "other"),
+        "target_dtype_config": str(cfg.target.dtype), "precision": precision,  # the resolved dtype, then as asked
         "batch": list(batches[0]["input_ids"].shape), "tokens_per_batch": tokens,
         "target_forward_tokens_per_s": round(tokens / fwd, 1), "train_tokens_per_s": round(tokens / step, 1),
         "ratio": round(fwd / step, 3), "trainable_params_m": round(trainable / 1e6, 2),

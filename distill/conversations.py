@@ -9,6 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.assets import ReadReport, StreamStats, iter_json_records, sharegpt_path
+from draftsmith.distill.errors import (
+    DataError,
+    DataFileNotFoundError,
+    DraftsmithError,
+    MissingDependencyError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +69,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError as err:
-        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from err
+        raise MissingDependencyError(f"reading {path} needs pyarrow: pip install pyarrow") from err
     row = 0
     for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
         for record in batch.to_pylist():
@@ -75,8 +81,8 @@ def _iter_hf_dataset(spec: str) -> Iterator[tuple[int, Any]]:
     try:
         import datasets
     except ImportError as err:
-        raise ImportError(f"data={spec!r} is not a local file, and loading it as a Hugging Face dataset needs "
-                          "`pip install datasets`") from err
+        raise MissingDependencyError(f"data={spec!r} is not a local file, and loading it as a Hugging Face dataset needs "
+                                     "`pip install datasets`") from err
     local = Path(spec).expanduser()
     if local.is_dir() and (local / "dataset_info.json").is_file() and (local / "state.json").is_file():
         ds = datasets.load_from_disk(str(local))  # a folder written by Dataset.save_to_disk
@@ -87,13 +93,36 @@ def _iter_hf_dataset(spec: str) -> Iterator[tuple[int, Any]]:
     yield from enumerate(ds, start=1)
 
 
+def _as_data_errors(records: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+    """The reader's own ``ValueError`` (invalid JSON at a line) is a problem of the user's file: re-raise it as a
+    :class:`DataError` so the command line prints it as one line."""
+    try:
+        yield from records
+    except DraftsmithError:
+        raise
+    except ValueError as err:
+        raise DataError(str(err)) from err
+
+
+def _nothing_to_train_on(source: Any, records: int, malformed: int, no_assistant: int, cut_line: int | None) -> str:
+    """Why a user's data source gave no conversation: empty, or every record dropped (and for which reason)."""
+    if records == 0 and cut_line is not None:
+        return f"data {source} holds no complete record: the JSON array is cut off in its first record (line {cut_line})"
+    if records == 0:
+        return (f"data {source} is empty: it holds no records. Point data= at a .jsonl/.json/.parquet file of chat "
+                "conversations (ShareGPT 'conversations' or OpenAI 'messages').")
+    return (f"data {source}: none of its {records} record(s) has a non-empty assistant turn "
+            f"({no_assistant} without an assistant reply, {malformed} malformed); nothing to train on")
+
+
 def load_conversations(spec: str, limit: int | None = None) -> tuple[list[list[dict]], ReadReport]:
     """Load chat conversations as normalised message lists (see :func:`normalize_record`).
 
     ``spec`` is ``"sharegpt"`` (the embedded file), a local ``.jsonl``/``.json``/``.parquet`` file, or a
     Hugging Face dataset name or folder (``datasets.load_dataset``, split ``train``). Conversations without
     a non-empty assistant turn are dropped and counted. A malformed record in a user file raises a
-    ``ValueError`` naming file and line; in the embedded ShareGPT file it is skipped and counted. The
+    :class:`DataError` (a ``ValueError``) naming file and line, and so does a user source that is empty or has no
+    usable conversation; in the embedded ShareGPT file it is skipped and counted. The
     truncated tail of a JSON array is dropped and reported. ``limit`` caps the conversations returned.
     """
     stats = StreamStats()
@@ -106,23 +135,24 @@ def load_conversations(spec: str, limit: int | None = None) -> tuple[list[list[d
         source = Path(spec).expanduser()
         suffix = source.suffix.lower()
         if suffix in (".json", ".jsonl", ".parquet") and not source.is_file():
-            raise FileNotFoundError(f"data file {source} does not exist")
+            raise DataFileNotFoundError(f"data file {source} does not exist")
         if source.is_file() and suffix in (".json", ".jsonl"):
             records = iter_json_records(source, stats)
         elif source.is_file() and suffix == ".parquet":
             records = _iter_parquet(source)
         elif source.is_file():
-            raise ValueError(f"unsupported data file {source}: use .jsonl, .json or .parquet")
+            raise DataError(f"unsupported data file {source}: use .jsonl, .json or .parquet")
         else:
             source, records = spec, _iter_hf_dataset(spec)
     conversations: list[list[dict]] = []
-    malformed = no_assistant = turns = 0
-    for where, record in records:
+    malformed = no_assistant = turns = seen = 0
+    for where, record in _as_data_errors(records):
+        seen += 1
         try:
             messages = normalize_record(record)
         except ValueError as err:
             if strict:
-                raise ValueError(f"{source}:{where}: {err}. Fix the record or convert the file.") from None
+                raise DataError(f"{source}:{where}: {err}. Fix the record or convert the file.") from None
             malformed += 1
             continue
         if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
@@ -132,6 +162,8 @@ def load_conversations(spec: str, limit: int | None = None) -> tuple[list[list[d
         turns += len(messages)
         if limit is not None and len(conversations) >= limit:
             break
+    if strict and not conversations and limit != 0:
+        raise DataError(_nothing_to_train_on(source, seen, malformed, no_assistant, stats.tail_line))
     reasons = []
     if stats.tail_line is not None:
         reasons.append(f"dropped the truncated last record (line {stats.tail_line}, {stats.tail_chars} chars)")

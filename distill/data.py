@@ -20,6 +20,8 @@ from torch.utils.data import Dataset
 from draftsmith.assets import (
     mtbench_questions,
 )
+from draftsmith.common.chat import render_chat
+from draftsmith.distill.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,8 @@ _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
 def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    # The one rendering serving uses too (common.chat); tokenized below without added special tokens, as there.
+    return render_chat(tokenizer, messages, generation_prompt)
 
 
 def _end_of_turn_ids(tokenizer: Any) -> set[int]:
@@ -42,7 +45,7 @@ def _end_of_turn_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-class TemplateError(ValueError):
+class TemplateError(DataError):
     """The tokenizer's chat template cannot be split into per-turn spans (so no loss mask)."""
 
 

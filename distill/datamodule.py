@@ -29,6 +29,7 @@ from draftsmith.distill.data import (
     pad_id_of,
     tokenize_conversation,
 )
+from draftsmith.distill.errors import ConfigError, DataError
 from draftsmith.distill.resumable import ResumableLoader, ResumableSampler, batches_done_in_epoch
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,9 @@ def tokenize_all(tokenizer: Any, conversations: Sequence[list[dict]], max_length
         samples.append(sample)
     seconds = time.perf_counter() - start
     if not samples:
-        raise first_error or ValueError("no conversation has assistant tokens within max_length")
+        raise first_error or DataError(f"none of the {len(conversations)} conversation(s) has an assistant token "
+                                       f"within the first {max_length} tokens (data.max_length); raise "
+                                       "data.max_length or check the data")
     tokens = sum(len(s["input_ids"]) for s in samples)
     info = {"samples": len(samples), "tokens": tokens, "no_assistant_tokens": empty, "template_errors": failed,
             "seconds": round(seconds, 2)}
@@ -115,7 +118,7 @@ class ChatDataModule(pl.LightningDataModule):
                  cache_dir: str | Path | None = None):
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
         self.tokenizer, self.spec, self.max_length = tokenizer, spec, max_length
         self.batch_size, self.num_workers, self.val_fraction = batch_size, num_workers, val_fraction
         self.limit, self.packing, self.seed = limit, packing, seed

@@ -5,23 +5,37 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 
+from draftsmith.distill.errors import ConfigError, DraftsmithError
 from draftsmith.distill.objective import Objective
 from draftsmith.distill.target import Target
 
 
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or inf; the run stops with the last good checkpoint intact."""
+class NonFiniteLossError(DraftsmithError, RuntimeError):
+    """The training loss became NaN or inf; the run stops (any checkpoint written before stays intact)."""
+
+
+def nonfinite_message(loss: float, step: int, checkpoint: str | None) -> str:
+    """What to tell the user when the loss is ``loss`` at ``step``: where the last good checkpoint is, or that none
+    was written yet, and what to try."""
+    if checkpoint:
+        where = f"The last good checkpoint is intact: {checkpoint}."
+    else:
+        where = ("No checkpoint was written yet (the first comes after run.checkpoint_every steps), so a re-run "
+                 "starts from scratch.")
+    return (f"loss is {loss} at step {step}; stopping. {where} Lower optim.lr, check the data, or use fp32 "
+            "(target.dtype=fp32).")
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
     """Multiplier of the base LR at a step: linear warmup, then constant / linear / cosine decay to ``min_ratio``."""
     if schedule not in ("constant", "linear", "cosine"):
-        raise ValueError(f"optim.scheduler={schedule!r}; valid: constant, linear, cosine")
+        raise ConfigError(f"optim.scheduler={schedule!r}; valid: constant, linear, cosine")
 
     def fn(step: int) -> float:
         if warmup_steps and step < warmup_steps:
@@ -77,15 +91,24 @@ class DistillModule(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, metrics = self._step(batch)
         if not torch.isfinite(loss):
-            raise NonFiniteLossError(
-                f"loss is {loss.item()} at step {self.global_step}; stopping. The last good checkpoint is intact "
-                "in the run's checkpoints/ folder. Lower optim.lr, check the data, or use fp32 (target.dtype=fp32).")
+            raise NonFiniteLossError(nonfinite_message(loss.item(), self.global_step, self._last_checkpoint()))
         tokens = int(batch["attention_mask"].sum())
         self._tokens_seen += tokens
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, batch_size=batch["input_ids"].shape[0])
         self.log("train/tokens", float(self._tokens_seen), reduce_fx="max")
         return loss
+
+    def _last_checkpoint(self) -> str | None:
+        """The newest checkpoint on disk of this run (written now or by the run this one resumed), if any."""
+        trainer = self._trainer
+        for callback in getattr(trainer, "checkpoint_callbacks", []) if trainer is not None else []:
+            dirpath = getattr(callback, "dirpath", None)
+            last = str(Path(dirpath) / "last.ckpt") if dirpath else ""  # a resumed run's checkpoint before any save
+            for path in (getattr(callback, "last_model_path", ""), last, getattr(callback, "best_model_path", "")):
+                if path and Path(path).is_file():
+                    return str(path)
+        return None
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         # Validation also asks for the target's logits so objectives can report agreement with its greedy tokens.

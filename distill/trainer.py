@@ -14,13 +14,18 @@ from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
+from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.module import DistillModule
+from draftsmith.distill.progress import StepProgressBar
 from draftsmith.distill.target import Target
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
+CLIP_ALGORITHMS = ("norm", "value")
+# Lightning strategies that run on CUDA GPUs only (fsdp, deepspeed_stage_2, deepspeed_stage_3_offload, ...).
+_CUDA_ONLY_STRATEGIES = ("fsdp", "deepspeed")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -38,19 +43,41 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         os.replace(tmp, path)
 
 
+def check_devices(trainer_cfg: DictConfig, cuda_available: bool | None = None) -> None:
+    """Refuse a CUDA-only trainer preset (``trainer=gpu``, ``fsdp``, ``deepspeed_*``) on a machine without CUDA with
+    one line naming the CPU presets, before Lightning fails with its own less helpful error."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if cuda_available:
+        return
+    accelerator, strategy = str(trainer_cfg.accelerator).lower(), str(trainer_cfg.strategy).lower()
+    if accelerator in ("gpu", "cuda"):
+        why = f"trainer.accelerator={accelerator}"
+    elif strategy.startswith(_CUDA_ONLY_STRATEGIES):
+        why = f"trainer.strategy={strategy}"
+    else:
+        return
+    raise ConfigError(f"{why} needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False); "
+                      "train on CPU with trainer=cpu, or trainer=ddp trainer.accelerator=cpu for 2 processes")
+
+
 def check_config(cfg: DictConfig, recipe: Any) -> None:
-    """Fail fast, before the target loads: missing required fields, bad values, recipe-specific checks."""
+    """Fail fast, before the target loads: missing required fields, bad values, devices, recipe-specific checks."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        raise ValueError(f"missing required config fields: {', '.join(missing)} (set them on the command line, "
-                         "e.g. target.name_or_path=/path/to/model)")
+        raise ConfigError(f"missing required config fields: {', '.join(missing)} (set them on the command line, "
+                          "e.g. target.name_or_path=/path/to/model)")
     if cfg.target.name_or_path in (None, ""):
-        raise ValueError("target.name_or_path is empty: point it at a HF causal-LM folder, or use the default "
-                         "`smollm2-135m`")
+        raise ConfigError("target.name_or_path is empty: point it at a HF causal-LM folder, or use the default "
+                          "`smollm2-135m`")
     if int(cfg.trainer.max_steps) < 1:
-        raise ValueError(f"trainer.max_steps must be >= 1, got {cfg.trainer.max_steps}")
+        raise ConfigError(f"trainer.max_steps must be >= 1, got {cfg.trainer.max_steps}")
     if int(cfg.data.max_length) < 8:
-        raise ValueError(f"data.max_length must be >= 8, got {cfg.data.max_length}")
+        raise ConfigError(f"data.max_length must be >= 8, got {cfg.data.max_length}")
+    algorithm = str(cfg.optim.get("grad_clip_algorithm", "norm"))
+    if algorithm not in CLIP_ALGORITHMS:
+        raise ConfigError(f"optim.grad_clip_algorithm={algorithm!r}; valid: {', '.join(CLIP_ALGORITHMS)}")
+    check_devices(cfg.trainer)
     if recipe.validate is not None:
         recipe.validate(cfg)
 
@@ -66,12 +93,12 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
 
         mode = str(cfg.logger.get("mode", "offline"))
         if mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"logger.mode={mode!r}; valid: offline, online, disabled")
+            raise ConfigError(f"logger.mode={mode!r}; valid: offline, online, disabled")
         os.environ.setdefault("WANDB_MODE", mode)
         loggers.append(WandbLogger(project=cfg.logger.project, entity=cfg.logger.get("entity"),
                                    save_dir=str(run_dir), offline=mode == "offline", mode=mode))
     elif kind != "csv":
-        raise ValueError(f"logger.kind={kind!r}; valid: csv, wandb")
+        raise ConfigError(f"logger.kind={kind!r}; valid: csv, wandb")
     return loggers
 
 
@@ -91,20 +118,40 @@ def build_strategy(trainer_cfg: DictConfig) -> Any:
     return name
 
 
+def run_device(trainer_cfg: DictConfig) -> str:
+    """The device type the trainer will place the target on (``cuda`` or ``cpu``), for ``target.dtype=auto``."""
+    accelerator = str(trainer_cfg.accelerator).lower()
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+def grad_clipping(optim_cfg: DictConfig) -> dict[str, Any]:
+    """Lightning's ``gradient_clip_val`` / ``gradient_clip_algorithm`` from ``optim.grad_clip`` (0 = off) and
+    ``optim.grad_clip_algorithm`` (``norm``: rescale the global gradient norm; ``value``: clamp each element)."""
+    value = float(optim_cfg.grad_clip or 0.0)
+    if not value:
+        return {"gradient_clip_val": None, "gradient_clip_algorithm": None}
+    return {"gradient_clip_val": value, "gradient_clip_algorithm": str(optim_cfg.get("grad_clip_algorithm", "norm"))}
+
+
 def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None) -> pl.Trainer:
-    """A Lightning Trainer from ``cfg.trainer`` with atomic checkpoints every ``run.checkpoint_every`` steps."""
+    """A Lightning Trainer from ``cfg.trainer`` with atomic checkpoints every ``run.checkpoint_every`` steps and a
+    step-based progress bar (:class:`~draftsmith.distill.progress.StepProgressBar`)."""
     t = cfg.trainer
+    check_devices(t)
     checkpoint = ModelCheckpoint(dirpath=str(run_dir / CHECKPOINT_DIR), filename="step{step}",
                                  auto_insert_metric_name=False, every_n_train_steps=int(cfg.run.checkpoint_every),
                                  save_last=True, save_top_k=1, monitor=None)
     val_every = int(cfg.run.val_every)
     return pl.Trainer(
         accelerator=t.accelerator, devices=t.devices, strategy=build_strategy(t), precision=t.precision,
-        max_steps=int(t.max_steps), accumulate_grad_batches=int(t.accumulate_grad_batches),
-        gradient_clip_val=float(cfg.optim.grad_clip) or None, log_every_n_steps=int(t.log_every_n_steps),
+        max_steps=int(t.max_steps), max_time=t.get("max_time") or None,
+        accumulate_grad_batches=int(t.accumulate_grad_batches),
+        **grad_clipping(cfg.optim), log_every_n_steps=int(t.log_every_n_steps),
         val_check_interval=val_every if val_every > 0 else None, check_val_every_n_epoch=None if val_every else 1,
         limit_val_batches=int(cfg.run.final_eval_batches), num_sanity_val_steps=0,
-        logger=build_loggers(cfg, run_dir), callbacks=[checkpoint, *(callbacks or [])],
+        logger=build_loggers(cfg, run_dir), callbacks=[checkpoint, StepProgressBar(), *(callbacks or [])],
         plugins=[AtomicCheckpointIO()], default_root_dir=str(run_dir), enable_model_summary=False,
         use_distributed_sampler=True,
     )
@@ -131,7 +178,8 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     check_config(cfg, recipe)
     pl.seed_everything(int(cfg.run.seed), workers=True)
-    target = Target.load(cfg.target.name_or_path, cfg.target.dtype, trust_remote_code=bool(cfg.target.trust_remote_code))
+    target = Target.load(cfg.target.name_or_path, cfg.target.dtype, trust_remote_code=bool(cfg.target.trust_remote_code),
+                         runs_on=run_device(cfg.trainer))
     objective = recipe.build(cfg, target)
     data = build_datamodule(cfg, target.tokenizer)
     module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),

@@ -6,26 +6,75 @@ Alignment (distill/data.py: ``loss_mask[s] == 1`` when token ``s`` is an assista
 the last pair (whose token ``x_T`` does not exist) is dropped.
 
 ``L = feature_weight * SmoothL1(f̂_{t+1}, f_{t+1}) + token_weight * softCE(lm_head(f̂_{t+1}), p_target(. | t+1))``.
+
+Input noise (``drafter.noise``): the paper adds U(-0.1, 0.1) to the target features the drafter reads, whatever
+the batch shape. EAGLE's reference code instead scales its noise by ``512 / T`` (T = padded width), about +-1 on
+short buckets; ``noise.ref_len: 512`` reproduces that. The older keys ``drafter.noise_std`` / ``noise_ref_len`` are
+still read when set: ``(U(0,1) - 0.5) * noise_std * noise_ref_len / T``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from draftsmith.distill.errors import ConfigError, DataError
 from draftsmith.distill.losses import masked_smooth_l1, soft_cross_entropy, topk_accuracy
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.recipes.registry import register_recipe
 
+NOISE_KINDS = ("uniform", "none")
+
+
+@dataclass(frozen=True)
+class FeatureNoise:
+    """Training-time noise on the drafter's input features: ``uniform`` adds U(-scale, scale) elementwise.
+
+    ``ref_len`` (default None: off) multiplies the scale by ``ref_len / T`` for a batch of padded width T, as
+    EAGLE's reference code does with 512.
+    """
+
+    kind: str = "uniform"
+    scale: float = 0.1
+    ref_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in NOISE_KINDS:
+            raise ConfigError(f"drafter.noise.kind={self.kind!r}; valid: {', '.join(NOISE_KINDS)}")
+        if self.scale < 0:
+            raise ConfigError(f"drafter.noise.scale must be >= 0, got {self.scale}")
+        if self.ref_len is not None and self.ref_len < 1:
+            raise ConfigError(f"drafter.noise.ref_len must be >= 1 or null, got {self.ref_len}")
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        """``features`` [B, T, H] plus fresh noise (unchanged for kind ``none`` or scale 0)."""
+        if self.kind == "none" or self.scale == 0:
+            return features
+        bound = self.scale * (self.ref_len / features.shape[1] if self.ref_len else 1.0)
+        return features + (torch.rand_like(features) * 2 - 1) * bound
+
 
 def uniform_feature_noise(features: torch.Tensor, std: float, ref_len: int | None) -> torch.Tensor:
-    """EAGLE's input augmentation: ``f + (U(0,1) - 0.5) * std * ref_len / T`` (no length scaling if ref_len is None)."""
-    if std <= 0:
-        return features
-    scale = std * (ref_len / features.shape[1] if ref_len else 1.0)
-    return features + (torch.rand_like(features) - 0.5) * scale
+    """The older length-scaled form: ``f + (U(0,1) - 0.5) * std * ref_len / T`` (no scaling if ref_len is None)."""
+    return FeatureNoise("uniform", std / 2, ref_len)(features) if std > 0 else features
+
+
+def noise_from_config(d: Any) -> FeatureNoise:
+    """``drafter.noise`` ({kind, scale, ref_len}); the older ``drafter.noise_std`` / ``noise_ref_len``, when set,
+    take precedence so configs written for them keep their meaning."""
+    if d.get("noise_std") is not None:
+        std = float(d.noise_std)
+        if std < 0:
+            raise ConfigError(f"drafter.noise_std must be >= 0, got {std}")
+        ref_len = d.get("noise_ref_len")
+        return FeatureNoise("uniform" if std > 0 else "none", std / 2, int(ref_len) if ref_len else None)
+    noise = d.get("noise") or {}
+    ref_len = noise.get("ref_len")
+    return FeatureNoise(str(noise.get("kind", "uniform")), float(noise.get("scale", 0.1)),
+                        int(ref_len) if ref_len else None)
 
 
 def eagle_inference_defaults(cfg_inference: Any) -> dict[str, Any]:
@@ -39,11 +88,10 @@ class EagleObjective:
     """Trains ``EagleDrafter`` on (feature, next token) pairs of the frozen target."""
 
     def __init__(self, drafter: EagleDrafter, feature_weight: float = 1.0, token_weight: float = 0.1,
-                 noise_std: float = 0.2, noise_ref_len: int | None = 512, topk: int = 5,
-                 inference: dict[str, Any] | None = None) -> None:
+                 noise: FeatureNoise = FeatureNoise(), topk: int = 5, inference: dict[str, Any] | None = None) -> None:
         self.module = drafter
         self.feature_weight, self.token_weight = feature_weight, token_weight
-        self.noise_std, self.noise_ref_len = noise_std, noise_ref_len
+        self.noise = noise
         self.topk = topk
         self.inference = inference or {}
         self.taps = FeatureTaps(final_hidden=True, logits=True)
@@ -54,10 +102,10 @@ class EagleObjective:
         final = feats.final_hidden  # [B, T, H] post-norm
         n = ids.shape[1] - 2  # pairs t = 0..T-3 have a label x_{t+2}
         if n < 1:
-            raise ValueError(f"EAGLE needs sequences of at least 3 tokens, got {ids.shape[1]}")
+            raise DataError(f"EAGLE needs sequences of at least 3 tokens, got {ids.shape[1]}")
         inputs = final[:, :n]  # f_t, [B, N, H]
         if self.module.training:
-            inputs = uniform_feature_noise(inputs, self.noise_std, self.noise_ref_len)
+            inputs = self.noise(inputs)
         pair_valid = attn[:, :n] * attn[:, 1:n + 1]  # both f_t and x_{t+1} are real tokens
         pred, _ = self.module(ids[:, 1:n + 1], inputs, attention_mask=pair_valid)  # [B, N, H]
         mask = batch["loss_mask"][:, 2:] * attn[:, 2:]  # [B, N]: label x_{t+2} is an assistant token
@@ -84,10 +132,9 @@ def validate(cfg: Any) -> None:
     """Config checks that must fail before the target is loaded."""
     d = cfg.drafter
     if float(d.feature_weight) < 0 or float(d.token_weight) < 0 or float(d.feature_weight) + float(d.token_weight) == 0:
-        raise ValueError(f"drafter.feature_weight / token_weight must be >= 0 and not both 0, got "
-                         f"{d.feature_weight}, {d.token_weight}")
-    if float(d.noise_std) < 0:
-        raise ValueError(f"drafter.noise_std must be >= 0, got {d.noise_std}")
+        raise ConfigError(f"drafter.feature_weight / token_weight must be >= 0 and not both 0, got "
+                          f"{d.feature_weight}, {d.token_weight}")
+    noise_from_config(d)
 
 
 @register_recipe("eagle", validate=validate)
@@ -97,7 +144,5 @@ def build(cfg: Any, target: Target) -> EagleObjective:
     # vocab_size from the LM head rows: some checkpoints pad the matrix beyond config.vocab_size.
     arch = EagleConfig(**{**EagleConfig.dims_from_hf(target.config), "vocab_size": target.vocab_size})
     drafter = EagleDrafter(arch, target.embed_weight.float(), target.lm_head_weight.float())
-    ref_len = d.get("noise_ref_len")
-    return EagleObjective(drafter, float(d.feature_weight), float(d.token_weight), float(d.noise_std),
-                          int(ref_len) if ref_len else None, int(d.topk_metric),
-                          eagle_inference_defaults(cfg.inference))
+    return EagleObjective(drafter, float(d.feature_weight), float(d.token_weight), noise_from_config(d),
+                          int(d.topk_metric), eagle_inference_defaults(cfg.inference))

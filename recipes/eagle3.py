@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from draftsmith.distill.errors import ConfigError, DataError
 from draftsmith.distill.losses import soft_cross_entropy, topk_accuracy
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_target_layers
@@ -37,7 +38,7 @@ class Eagle3Objective:
     def __init__(self, drafter: Eagle3Drafter, ttt_steps: int = 3, step_decay: float = 0.8, topk: int = 5,
                  inference: dict[str, Any] | None = None) -> None:
         if ttt_steps < 1:
-            raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+            raise ConfigError(f"ttt_steps must be >= 1, got {ttt_steps}")
         self.module = drafter
         self.ttt_steps, self.step_decay, self.topk = ttt_steps, step_decay, topk
         self.inference = inference or {}
@@ -48,7 +49,7 @@ class Eagle3Objective:
         ids, attn = batch["input_ids"], batch["attention_mask"]
         n = ids.shape[1] - 2  # pairs t = 0..T-3 have a step-0 label x_{t+2}
         if n < 1:
-            raise ValueError(f"EAGLE-3 needs sequences of at least 3 tokens, got {ids.shape[1]}")
+            raise DataError(f"EAGLE-3 needs sequences of at least 3 tokens, got {ids.shape[1]}")
         drafter = self.module
         fused_in = torch.cat([feats.layer_hidden[i] for i in drafter.config.target_layers], dim=-1)[:, :n]  # [B, N, kH]
         step_tokens = [shift_left(ids, 1 + j, n) for j in range(self.ttt_steps)]  # x_{t+1+j}, [B, N] each
@@ -97,14 +98,14 @@ def validate(cfg: Any) -> None:
     """Config checks that must fail before the target is loaded."""
     d = cfg.drafter
     if int(d.ttt_steps) < 1:
-        raise ValueError(f"drafter.ttt_steps must be >= 1, got {d.ttt_steps}")
+        raise ConfigError(f"drafter.ttt_steps must be >= 1, got {d.ttt_steps}")
     if not 0 < float(d.step_decay) <= 1:
-        raise ValueError(f"drafter.step_decay must be in (0, 1], got {d.step_decay}")
+        raise ConfigError(f"drafter.step_decay must be in (0, 1], got {d.step_decay}")
     if d.get("draft_vocab_size") is not None and int(d.draft_vocab_size) < 0:
-        raise ValueError(f"drafter.draft_vocab_size must be >= 0 (0 or null = full vocabulary), got {d.draft_vocab_size}")
+        raise ConfigError(f"drafter.draft_vocab_size must be >= 0 (0 or null = full vocabulary), got {d.draft_vocab_size}")
     layers = d.get("target_layers")
     if layers is not None and len(layers) == 0:
-        raise ValueError("drafter.target_layers is empty; use null for the default (2, L//2, L-3)")
+        raise ConfigError("drafter.target_layers is empty; use null for the default (2, L//2, L-3)")
 
 
 def build_objective(cfg: Any, target: Target, vocab_batches: Any = None) -> Eagle3Objective:
@@ -114,8 +115,8 @@ def build_objective(cfg: Any, target: Target, vocab_batches: Any = None) -> Eagl
     layers = tuple(int(i) for i in d.target_layers) if d.get("target_layers") else default_target_layers(target.num_layers)
     bad = [i for i in layers if not 0 <= i < target.num_layers]
     if bad:
-        raise ValueError(f"drafter.target_layers {list(layers)} has {bad} outside 0..{target.num_layers - 1} (HF "
-                         "hidden_states indices: i = input of decoder layer i)")
+        raise ConfigError(f"drafter.target_layers {list(layers)} has {bad} outside 0..{target.num_layers - 1} (HF "
+                          "hidden_states indices: i = input of decoder layer i)")
     draft_vocab = min(int(d.get("draft_vocab_size") or vocab), vocab)
     d2t = t2d = None
     if draft_vocab < vocab:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.losses import masked_cross_entropy, soft_cross_entropy, topk_accuracy
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
@@ -20,7 +21,7 @@ class MedusaObjective:
     def __init__(self, heads: MedusaHeads, decay: float, labels: str, topk: int, tree: list[list[int]],
                  inference: dict[str, Any]) -> None:
         if labels not in LABEL_SOURCES:
-            raise ValueError(f"distill.labels={labels!r}; valid: {', '.join(LABEL_SOURCES)}")
+            raise ConfigError(f"distill.labels={labels!r}; valid: {', '.join(LABEL_SOURCES)}")
         self.module = heads
         self.decay = decay
         self.labels = labels
@@ -97,9 +98,9 @@ def default_tree(num_heads: int, num_nodes: int, top_k: int) -> list[list[int]]:
 def validate(cfg: Any) -> None:
     """Config checks that must fail before the target is loaded."""
     if cfg.heads.num_heads < 1:
-        raise ValueError(f"heads.num_heads must be >= 1, got {cfg.heads.num_heads}")
+        raise ConfigError(f"heads.num_heads must be >= 1, got {cfg.heads.num_heads}")
     if cfg.distill.labels not in LABEL_SOURCES:
-        raise ValueError(f"distill.labels={cfg.distill.labels!r}; valid: {', '.join(LABEL_SOURCES)}")
+        raise ConfigError(f"distill.labels={cfg.distill.labels!r}; valid: {', '.join(LABEL_SOURCES)}")
 
 
 @register_recipe("medusa", validate=validate)

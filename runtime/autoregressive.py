@@ -8,6 +8,7 @@ Every runtime decoder has the interface of :class:`draftsmith.runtime.model.Lean
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
@@ -106,6 +107,31 @@ def generate_ar(
         step.fill_(tok)
         logits, _ = model(step, cache, logits_for="last")
         cache.commit(1)
+
+
+def hf_forward(model: torch.nn.Module, base: torch.nn.Module, logits_to_keep: int | torch.Tensor = 0,
+               **inputs: object) -> tuple[object, torch.Tensor]:
+    """Run a transformers causal LM's own forward; return (its base model's output, logits [B, T', V]).
+
+    The logits come from the model's forward itself, so every model-specific LM-head post-processing (Gemma-2
+    final logit softcapping, Granite ``logits_scaling``, Cohere ``logit_scale``, a head bias, ...) applies exactly as in
+    ``model(ids).logits``; re-applying ``lm_head`` to the hidden state would silently skip it. The base model's
+    output (``last_hidden_state`` post final norm, ``hidden_states``) is captured with a forward hook.
+    ``logits_to_keep``: 0 = every position, ``n`` = the last ``n``, a 1-D LongTensor = those positions.
+    """
+    captured: list = []
+    handle = base.register_forward_hook(lambda _m, _args, output: captured.append(output))
+    native = "logits_to_keep" in inspect.signature(model.forward).parameters
+    try:
+        out = model(**inputs, logits_to_keep=logits_to_keep) if native else model(**inputs)
+    finally:
+        handle.remove()
+    logits = out.logits  # [B, T', V]
+    if not native and isinstance(logits_to_keep, torch.Tensor):  # models without the argument return every row
+        logits = logits.index_select(1, logits_to_keep.to(logits.device))
+    elif not native and logits_to_keep:
+        logits = logits[:, -int(logits_to_keep):]
+    return captured[-1], logits
 
 
 class HFCache(CommitMixin):
@@ -232,21 +258,17 @@ class HFModelAdapter(torch.nn.Module):
                 raise ValueError(f"tree_mask must be bool [{t}, {t}]; got {tree_mask.dtype} {tuple(tree_mask.shape)}")
             mask = torch.zeros(1, 1, t, p + t, dtype=self.dtype, device=input_ids.device)  # [1, 1, T, P+T] additive
             mask[0, 0, :, p:].masked_fill_(~tree_mask.to(input_ids.device), torch.finfo(self.dtype).min)
-        base = getattr(self.hf, self.hf.base_model_prefix)
-        out = base(
-            input_ids=input_ids[None], position_ids=pos[None], attention_mask=mask, past_key_values=cache.dc, use_cache=True
-        )
-        hidden = out.last_hidden_state[0]  # [T, H] post final norm
         if isinstance(logits_for, str):
             if logits_for not in ("all", "last"):
                 raise ValueError(f"logits_for must be 'all', 'last' or a LongTensor of rows, got {logits_for!r}")
-            sel = hidden if logits_for == "all" else hidden[-1:]
+            keep: int | torch.Tensor = 0 if logits_for == "all" else 1
         else:
-            sel = hidden.index_select(0, logits_for.to(hidden.device))
-        logits = self.hf.get_output_embeddings()(sel)  # [T', V]
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
+            keep = logits_for.to(input_ids.device).long()
+        base = getattr(self.hf, self.hf.base_model_prefix)
+        out, logits = hf_forward(self.hf, base, keep, input_ids=input_ids[None], position_ids=pos[None],
+                                 attention_mask=mask, past_key_values=cache.dc, use_cache=True)
+        hidden = out.last_hidden_state[0]  # [T, H] post final norm
+        logits = logits[0]  # [T', V]
         return logits, hidden
 
 
@@ -280,6 +302,7 @@ __all__ = [
     "RuntimeCache",
     "WeightsError",
     "generate_ar",
+    "hf_forward",
     "load_decoder",
     "sample_token",
 ]

@@ -1,0 +1,29 @@
+"""Errors draftsmith raises on purpose: bad config, bad data, a diverged run.
+
+``train.py`` prints any :class:`DraftsmithError` as one ``error: ...`` line (the traceback only with
+``HYDRA_FULL_ERROR=1``); anything else is a bug and keeps its traceback. Each class also derives from the
+builtin type the code raised before (``ValueError``, ``RuntimeError``, ...), so ``except ValueError`` callers and
+``pytest.raises(ValueError)`` keep working.
+"""
+
+from __future__ import annotations
+
+
+class DraftsmithError(Exception):
+    """Base of every error draftsmith raises on purpose, with a message meant for the user."""
+
+
+class ConfigError(DraftsmithError, ValueError):
+    """A config value is missing, out of range or unusable on this machine."""
+
+
+class DataError(DraftsmithError, ValueError):
+    """The training data cannot be used: empty, malformed, or nothing left to train on."""
+
+
+class DataFileNotFoundError(DraftsmithError, FileNotFoundError):
+    """A data file named in the config does not exist."""
+
+
+class MissingDependencyError(DraftsmithError, ImportError):
+    """An optional package the config asks for is not installed."""
