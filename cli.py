@@ -65,26 +65,58 @@ def _cmd_export(args: argparse.Namespace) -> int:
         export_dir = Path(src)
         if not (export_dir / "config.json").is_file():  # a run folder or checkpoint: export it first
             export_dir = export_from_checkpoint(src, Path(args.out).with_name(Path(args.out).name + ".draftsmith"))
-        method = read_config(export_dir)["method"]
-        out = _convert(export_dir, args.out, args.format, method, args.target)
+        out = _convert(export_dir, args.out, args.format, read_config(export_dir), args.target)
     print(f"wrote {out}")
     return 0
 
 
-def _convert(export_dir, out, fmt: str, method: str, target: str | None):
-    lm_head = None
-    if target:
-        from draftsmith.runtime.weights import load_lm_head
+def _verifier_folder(config: dict, target: str | None) -> str:
+    """The target a converted export names: ``--target`` or the export's record, aliases resolved to their folder.
 
-        lm_head = load_lm_head(target)
+    A local folder is written as its absolute path (what vLLM/speculators can load); anything else (a hub id) as is.
+    A local folder is checked against the export's recorded identity, so a converted drafter never names a verifier
+    it was not trained for.
+    """
+    from pathlib import Path
+
+    from draftsmith import assets
+
+    given = target or str(config["target"]["name_or_path"])
+    folder = Path(assets.resolve_target(given)).expanduser()
+    if not folder.is_dir():
+        return given
+    from transformers import AutoConfig, AutoTokenizer
+
+    from draftsmith.export.format import check_target
+    from draftsmith.export.identity import decoder_identity, target_identity
+    from draftsmith.runtime.weights import load_lm_head
+
+    lm_head = load_lm_head(folder)
+    try:
+        identity = target_identity(given, AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder),
+                                   lm_head)
+    except (OSError, ValueError):  # a weights-only folder (no tokenizer): check what the weights show
+        from draftsmith.runtime.weights import load_hf_config
+
+        hf = load_hf_config(folder)
+        identity = decoder_identity(given, hf.get("hidden_size"), hf.get("num_hidden_layers"), lm_head)
+    check_target(config, identity, given=given)
+    return str(folder.resolve())
+
+
+def _convert(export_dir, out, fmt: str, config: dict, target: str | None):
     if fmt == "medusa":
         from draftsmith.export.medusa_layout import to_medusa_layout
+        from draftsmith.runtime.weights import load_lm_head
 
+        # Heads sharing the target's LM head need it: default to the recorded target like speculators does.
+        shared = bool(config["architecture"].get("share_lm_head", False))
+        lm_head = load_lm_head(_verifier_folder(config, target)) if target or shared else None
         return to_medusa_layout(export_dir, out, lm_head)
     if fmt == "speculators":
         from draftsmith.export.speculators import to_speculators
 
-        return to_speculators(export_dir, out, target)
+        return to_speculators(export_dir, out, _verifier_folder(config, target))
     raise SystemExit(f"unknown --format {fmt!r}; valid: draftsmith, medusa, speculators")
 
 
@@ -115,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("source", help="run folder (holding checkpoints/last.ckpt), .ckpt file, or export folder")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--format", default="draftsmith", choices=["draftsmith", "medusa", "speculators"])
-    p.add_argument("--target", default=None, help="target folder (needed by some converters)")
+    p.add_argument("--target", default=None, help="target folder or alias for converters (default: the target the "
+                   "export records); speculators writes its absolute folder path as the verifier")
     sub.add_parser("bench-train", help="training tokens/s vs target forward tokens/s: draftsmith bench-train recipe=medusa")
     sub.add_parser("assets", help="prepare the embedded target, data and prompts; print their counts")
     from draftsmith.runtime import cli as runtime_cli

@@ -19,7 +19,9 @@ FORMAT_NAME = "draftsmith"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-IDENTITY_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "fingerprint")
+IDENTITY_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "fingerprint", "lm_head")
+# Added after format_version 1 shipped: exports written before it lack the field, which is then not compared.
+LATER_IDENTITY_FIELDS = ("lm_head",)
 
 
 class ExportError(RuntimeError):
@@ -111,13 +113,25 @@ def read_export(export_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch
     return config, state
 
 
-def check_target(config: dict[str, Any], identity: dict[str, Any]) -> None:
-    """Raise ``TargetMismatchError`` if ``identity`` is not the target recorded in ``config``."""
+def check_target(config: dict[str, Any], identity: dict[str, Any], given: str | None = None) -> None:
+    """Raise ``TargetMismatchError`` if ``identity`` is not the target recorded in ``config``.
+
+    Only the fields ``identity`` carries are compared (a decoder without its tokenizer has no ``fingerprint``);
+    fields added to the format later are skipped for exports that predate them. ``given`` names the target the
+    user passed (folder or alias) for the message; default: ``identity["name_or_path"]``.
+    """
     recorded = config.get("target", {})
-    diffs = [f"{k}: export has {recorded.get(k)!r}, target has {identity.get(k)!r}"
-             for k in IDENTITY_FIELDS if recorded.get(k) != identity.get(k)]
-    if diffs:
-        raise TargetMismatchError(
-            f"this {config.get('method')} drafter was exported for target {recorded.get('name_or_path')!r}, "
-            f"not {identity.get('name_or_path')!r} (" + "; ".join(diffs) + "). Use the target it was trained "
-            "for, or retrain the drafter for this target.")
+    diffs = [f"{k}: export has {recorded.get(k)!r}, target has {identity[k]!r}"
+             for k in IDENTITY_FIELDS if identity.get(k) is not None and recorded.get(k) != identity[k]
+             and not (k in LATER_IDENTITY_FIELDS and recorded.get(k) is None)]
+    if not diffs:
+        return
+    want = recorded.get("name_or_path")
+    shown = given if given is not None else identity.get("name_or_path")
+    if shown is None or str(shown) == str(want):  # the identity may carry the export's own name: never print it twice
+        other = "the loaded target is a different model"
+    else:
+        other = f"the given target {str(shown)!r} is a different model"
+    raise TargetMismatchError(
+        f"this {config.get('method')} drafter was exported for target {want!r}, but {other} ("
+        + "; ".join(diffs) + "). Use the target it was trained for, or retrain the drafter for this target.")

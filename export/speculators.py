@@ -16,11 +16,20 @@ config.json, field by field (draftsmith export field -> speculators field):
   ``speculators_version``: ``"0.9.0"`` (the schema written here).
 * ``speculators_config.algorithm``: ``"eagle3"``; ``proposal_methods``: one greedy chain proposal
   ``{proposal_type: greedy, speculative_tokens, verifier_accept_k: 1, accept_tolerance: 0.0}`` with
-  ``speculative_tokens`` = the ``speculative_tokens`` argument, else ``inference.depth``, else 3;
-  ``default_proposal_method``: ``"greedy"``.
-* ``speculators_config.verifier``: ``name_or_path`` = the ``verifier_name_or_path`` argument (what vLLM will
-  load; our ``target.name_or_path`` may be a local alias); ``architectures`` = that folder's
-  ``config.json`` ``architectures`` when it is a local folder, else derived from ``target.model_type``.
+  ``speculative_tokens`` = the ``speculative_tokens`` argument, else ``inference.depth + 1`` (depth defaulting to 4 as in the runtime);
+  ``default_proposal_method``: ``"greedy"``. speculators 0.9.0 defines ``speculative_tokens`` as the number of
+  tokens the speculator drafts per verifier forward (the most that can be accepted; vLLM's
+  ``num_speculative_tokens``). draftsmith's EAGLE runtime follows EAGLE-2's ``depth``: its root step drafts depth 1
+  and ``depth`` more drafter forwards follow, so its longest drafted path (chain or dynamic tree) has ``depth + 1``
+  tokens. Writing ``depth + 1`` makes vLLM draft as far per step as ``draftsmith bench`` does with the export.
+* ``speculators_config.verifier``: ``name_or_path`` = the ``verifier_name_or_path`` argument, written as given:
+  pass something an engine can load, a hub id or a folder, never a draftsmith alias such as ``smollm2-135m``
+  (``draftsmith export --format speculators`` resolves aliases and defaults to the export's recorded target,
+  writing a local folder as its absolute path). The embedded target is a dequantised GGUF, not the hub's
+  SmolLM2 weights, so no hub id would name the model the drafter was trained on: on another machine, copy the
+  verifier folder along and rerun the conversion with ``--target NEW_PATH`` (or edit ``name_or_path``).
+  ``architectures`` = that folder's ``config.json`` ``architectures`` when it is a local folder, else derived from
+  ``target.model_type``.
 * ``transformer_layer_config``: a Llama config of the draft layer (speculators builds eagle3's first layer
   from it): ``model_type: llama``, ``num_hidden_layers: 1``, ``vocab_size`` = target vocab size (length of
   ``t2d``), ``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``,
@@ -56,6 +65,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.export.format import ExportError, atomic_folder_write, read_export
 
 log = logging.getLogger(__name__)
@@ -63,7 +73,7 @@ log = logging.getLogger(__name__)
 SPECULATORS_SCHEMA_VERSION = "0.9.0"
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM"}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")  # the torch spellings HF configs use (common.dtypes has all names)
 _LAYER_PARTS = ("input_layernorm.weight", "hidden_norm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
                 "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
@@ -161,6 +171,7 @@ def to_speculators(export_dir: str | Path, out_dir: str | Path, verifier_name_or
     """Write the speculators-format folder of a draftsmith EAGLE-3 export into ``out_dir`` (atomically).
 
     ``verifier_name_or_path`` is what vLLM/speculators will load as the verifier (a hub id or a folder);
+    ``speculative_tokens``: tokens drafted per step, default ``inference.depth + 1`` (see the module docstring);
     ``dtype`` (float32 | bfloat16 | float16) converts the floating weights, default: as exported;
     ``embed_weight`` (the target's input embedding) is written as ``embed_tokens.weight``; by default it is read
     from the verifier when that is a local folder.
@@ -188,9 +199,14 @@ def to_speculators(export_dir: str | Path, out_dir: str | Path, verifier_name_or
         log.warning("no embedding written (verifier %s is not a local folder): vLLM shares the verifier's, but "
                     "speculators' own loader may leave it uninitialised; pass embed_weight", verifier_name_or_path)
     if dtype is not None:
-        tensors = {k: v.to(_DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
+        tensors = {k: v.to(dtype_from_name(dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
     written = str(tensors["fc.weight"].dtype).removeprefix("torch.")
-    steps = speculative_tokens or int(config.get("inference", {}).get("depth", 3))
+    # depth + 1: the runtime's longest drafted path (EAGLE-2's depth counts the forwards after the root step);
+    # a missing depth defaults to 4 as in runtime/proposers_eagle.py's _proposer.
+    depth = int((config.get("inference") or {}).get("depth", 4))
+    steps = speculative_tokens if speculative_tokens is not None else depth + 1
+    if steps < 1:
+        raise ValueError(f"speculative_tokens must be >= 1, got {steps}")
     archs = architectures or verifier_architectures(verifier_name_or_path, str(config["target"].get("model_type")))
     out_config = speculators_config(config, verifier_name_or_path, steps, archs, written)
 

@@ -82,8 +82,36 @@ def registered_methods() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_proposer(export_dir: str | Path, target_model: Any, **kwargs: Any) -> Proposer:
-    """Load the proposer of an export folder for ``target_model`` (its method picks the builder)."""
+def check_target_model(config: dict, target_model: Any, identity: dict | None = None, given: str | None = None) -> None:
+    """Raise ``TargetMismatchError`` unless ``target_model`` is the target the export ``config`` records.
+
+    Compares what the decoder itself shows (sizes, LM-head digest) with the record; ``identity`` (the full
+    :func:`~draftsmith.export.identity.target_identity` of this model, tokenizer included) is checked too when
+    given, and then its LM-head digest stands for the model's (no second hash).
+    """
+    from draftsmith.export.format import check_target
+    from draftsmith.export.identity import decoder_identity
+
+    if identity is not None:
+        check_target(config, identity, given)
+    cfg = getattr(target_model, "config", None)
+    layers = getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None))  # lean | HF config
+    recorded = config.get("target", {})
+    name = given if given is not None else recorded.get("name_or_path", "the loaded target")
+    seen = decoder_identity(name, getattr(cfg, "hidden_size", None), layers,
+                            getattr(target_model, "lm_head_weight", None),
+                            digest=identity is None or "lm_head" not in identity)
+    # Compare only what the export records: a hand-written export may record nothing but a name.
+    check_target(config, {k: v for k, v in seen.items() if k == "name_or_path" or k in recorded}, given)
+
+
+def build_proposer(export_dir: str | Path, target_model: Any, identity: dict | None = None, given: str | None = None,
+                   **kwargs: Any) -> Proposer:
+    """Load the proposer of an export folder for ``target_model`` (its method picks the builder).
+
+    Every method is checked against the target first (:func:`check_target_model`): ``identity`` adds the tokenizer
+    fingerprint, ``given`` names the target the user passed in the error message.
+    """
     from draftsmith.export.format import read_config
 
     config = read_config(export_dir)
@@ -92,6 +120,7 @@ def build_proposer(export_dir: str | Path, target_model: Any, **kwargs: Any) -> 
     if method not in _REGISTRY:
         raise ValueError(f"no runtime proposer for method {method!r} (export {export_dir}); available: "
                          f"{', '.join(registered_methods()) or 'none'}")
+    check_target_model(config, target_model, identity, given)
     return _REGISTRY[method](export_dir, config, target_model, **kwargs)
 
 
@@ -231,7 +260,8 @@ class SampledTreeProposer:
 
     ``temperature > 0``: children drawn from q = softmax(logits / temperature) within ``top_p``, i.i.d.
     (``replacement=True``, duplicates allowed) or one after another without replacement; q is recorded for the
-    rejection sampler. ``temperature == 0``: the top-``branching[d]`` tokens (point masses, EAGLE-2-style top-k).
+    rejection sampler; without replacement a node gets fewer children when the ``top_p`` nucleus holds fewer
+    tokens. ``temperature == 0``: the top-``branching[d]`` tokens (point masses, EAGLE-2-style top-k).
     A stop policy can leave a node unexpanded.
     """
 
@@ -269,7 +299,12 @@ class SampledTreeProposer:
                 k = self.branching[d]
                 if self.temperature > 0:
                     q = target_probs(logits, self.temperature, self.top_p)  # [V] float64
-                    kids = torch.multinomial(q, k, replacement=self.replacement, generator=state.generator)
+                    if not self.replacement:
+                        # Without replacement a nucleus of n < k tokens yields n children: torch would either
+                        # fail or return zero-probability tokens. n depends on q only, never on the verifier's
+                        # coins, so the rejection sampler stays exact (it then draws from the residual).
+                        k = min(k, int(torch.count_nonzero(q)))
+                    kids = torch.multinomial(q, k, replacement=self.replacement, generator=state.generator)  # [k]
                 else:
                     q = torch.softmax(logits.double(), -1)
                     kids = q.topk(k).indices

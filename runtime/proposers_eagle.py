@@ -38,9 +38,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from draftsmith.drafters.eagle import EagleDrafter, KVCache
+from draftsmith.drafters.eagle import EagleDrafter, KVCache, build_attention_mask, default_positions
 from draftsmith.drafters.eagle3 import Eagle3Drafter
-from draftsmith.export.format import TargetMismatchError, check_target
+from draftsmith.export.format import TargetMismatchError
 from draftsmith.runtime.fast_linear import accelerate_linears
 from draftsmith.runtime.proposers import DraftState, register_proposer
 from draftsmith.runtime.tree import DraftTree
@@ -101,8 +101,16 @@ class Eagle3DraftModel:
 
     def step(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
              tree_mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        out, logits, cache = self.drafter.draft_step(hidden, ids, cache, positions, tree_mask=tree_mask)
-        return out, logits[:, -1:] if last_only else logits, cache
+        # Eagle3Drafter.draft_step without its head: the root step feeds every pending prompt row, but only the
+        # last one drafts, so only that row (or the frontier rows of a tree step) goes through norm + lm_head.
+        d = self.drafter
+        past = 0 if cache is None else cache.length
+        if positions is None:
+            positions = default_positions(1, ids.shape[1], past, ids.device)  # [1, S]
+        mask = build_attention_mask(ids.shape[1], past, ids.device, tree_mask)  # [1, 1, S, past+S]
+        emb = F.embedding(ids, d.embed_weight).to(d.fc.weight.dtype)  # [1, S, H]
+        out, cache = d.layer(emb, hidden, positions, mask, cache)  # [1, S, H]
+        return out, d.logits(out[:, -1:] if last_only else out), cache  # [1, 1 or S, N]
 
 
 class EagleProposer:
@@ -280,33 +288,16 @@ class EagleProposer:
 # ---- builders from export folders -----------------------------------------------------------------------------------
 
 
-def _check_sizes(config: dict, target_model: Any, identity: dict | None) -> None:
-    """Refuse a target whose sizes differ from the export's record (the full fingerprint needs the tokenizer:
-    pass ``identity`` to check it too)."""
-    if identity is not None:
-        check_target(config, identity)
-    recorded = config.get("target", {})
-    cfg = getattr(target_model, "config", None)
-    have = {"vocab_size": int(target_model.lm_head_weight.shape[0]), "hidden_size": getattr(cfg, "hidden_size", None),
-            "num_hidden_layers": getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None))}
-    diffs = [f"{k}: export has {recorded[k]}, target has {v}" for k, v in have.items()
-             if recorded.get(k) is not None and v is not None and int(recorded[k]) != int(v)]
-    if diffs:
-        raise TargetMismatchError(
-            f"this {config['method']} drafter was exported for target {recorded.get('name_or_path')!r}, which differs "
-            f"from the loaded target ({'; '.join(diffs)}). Use the target it was trained for, or retrain the drafter.")
-
-
 def _proposer(config: dict, model: DraftModel, options: dict[str, Any]) -> EagleProposer:
     """Tree sizes from the export's ``inference`` block, overridden by ``options``."""
-    valid = {"policy", "total_tokens", "depth", "top_k", "temperature", "top_p", "identity"}
+    valid = {"policy", "total_tokens", "depth", "top_k", "temperature", "top_p"}
     unknown = sorted(set(options) - valid)
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for the {config['method']} proposer; valid: {sorted(valid)}")
     inference = config.get("inference") or {}
     kw = {"policy": inference.get("proposer", "tree"), "total_tokens": inference.get("total_tokens", 16),
           "depth": inference.get("depth", 4), "top_k": inference.get("top_k", 4)}
-    kw.update({k: v for k, v in options.items() if k != "identity" and v is not None})
+    kw.update({k: v for k, v in options.items() if v is not None})
     return EagleProposer(model, **kw)
 
 
@@ -320,8 +311,9 @@ def _place(drafter: torch.nn.Module, target_model: Any) -> torch.nn.Module:
 
 @register_proposer("eagle")
 def _build_eagle(export_dir: str | Path, config: dict, target_model: Any, **options: Any) -> EagleProposer:
-    """EAGLE-1 proposer; options: policy ("tree" | "chain"), total_tokens, depth, top_k, temperature, top_p, identity."""
-    _check_sizes(config, target_model, options.get("identity"))
+    """EAGLE-1 proposer; options: policy ("tree" | "chain"), total_tokens, depth, top_k, temperature, top_p.
+
+    The target was already checked against the export by ``build_proposer`` (the only caller)."""
     drafter = EagleDrafter.from_export(export_dir, target_model.embed_weight, target_model.lm_head_weight)
     head = getattr(target_model, "lm_head_logits", None)  # the same weights, through the target's fast linears
     return _proposer(config, Eagle1DraftModel(_place(drafter, target_model), head), options)
@@ -330,7 +322,6 @@ def _build_eagle(export_dir: str | Path, config: dict, target_model: Any, **opti
 @register_proposer("eagle3")
 def _build_eagle3(export_dir: str | Path, config: dict, target_model: Any, **options: Any) -> EagleProposer:
     """EAGLE-3 proposer (same options); the target must provide ``forward_taps`` (the lean decoder)."""
-    _check_sizes(config, target_model, options.get("identity"))
     layers = [int(i) for i in config["architecture"].get("target_layers", [])]
     num_layers = getattr(getattr(target_model, "config", None), "num_layers", None)
     if num_layers is not None and any(not 0 <= i < num_layers for i in layers):

@@ -10,6 +10,12 @@ Crash safety: lines are appended and flushed to ``OUT.jsonl.partial`` (settings 
 a rerun with the same settings continues after the last complete line, and the finished file is renamed onto
 ``OUT.jsonl`` with ``os.replace``. Sampling uses one generator per conversation seeded from ``seed`` and the
 source index, so a resumed run writes the same bytes as an uninterrupted one.
+
+Over-long conversations: a conversation whose prompt does not fit in the target's context
+(``max_position_embeddings``) is skipped before any model work, with a log line naming its source index, its token
+count and the limit, and counted in the summary. Skipping rather than failing: regenerating a dataset is a long batch
+job in which a few over-long records are normal (ShareGPT has some); stopping would throw the run's progress at the
+user and, on resume, stop at the same record again.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from typing import Any
 import torch
 
 from draftsmith import assets
+from draftsmith.common.chat import encode_chat
 from draftsmith.runtime.autoregressive import generate_ar
+from draftsmith.runtime.prompt_limits import check_prompt_fits, context_limit
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
@@ -91,11 +99,9 @@ def iter_conversations(spec: str, report: RegenerateReport | None = None) -> Ite
 
 
 def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` in the target's chat template followed by the assistant generation prompt."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the target's tokenizer has no chat template; regenerate needs a chat (instruct) target")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    """Token ids of ``messages`` in the target's chat template followed by the assistant generation prompt (the
+    encoding training and bench use: :func:`draftsmith.common.chat.encode_chat`)."""
+    return encode_chat(tokenizer, messages)
 
 
 def stop_ids(tokenizer: Any, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -109,7 +115,8 @@ def stop_ids(tokenizer: Any, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
 def regenerate_conversation(
     model: Any, tokenizer: Any, messages: list[dict], turns: str = "first", max_new_tokens: int = 256,
     temperature: float = 0.0, top_p: float = 1.0, eos_ids: tuple[int, ...] = (),
-    generator: torch.Generator | None = None, context: int | None = None,
+    generator: torch.Generator | None = None, context: int | None = None, what: str = "the conversation",
+    log: Callable[[str], None] | None = None,
 ) -> tuple[list[dict] | None, int, str | None]:
     """Replace the assistant turns of one conversation by the target's replies.
 
@@ -117,6 +124,8 @@ def regenerate_conversation(
     says why: no user turn, prompt longer than the context, empty reply). In ``"first"`` mode the conversation ends
     after the first reply; in ``"all"`` mode every assistant turn is regenerated with the earlier regenerated replies
     in context, a trailing user turn gets a reply too, and ``note == "truncated"`` when the context filled up.
+    A first prompt that does not fit in ``context`` is skipped before any model work; ``log`` then gets one line
+    naming ``what``, its token count and the limit.
     """
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
@@ -137,6 +146,11 @@ def regenerate_conversation(
         room = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt))
         if room <= 0:
             if done == 0:
+                try:
+                    check_prompt_fits(len(prompt), context, what)
+                except ValueError as err:
+                    if log is not None:
+                        log(f"{err}; skipped")
                 return None, total, "prompt longer than the context"
             return out, total, "truncated"
         tokens = generate_ar(model, prompt, room, temperature=temperature, top_p=top_p, eos_ids=eos_ids,
@@ -205,8 +219,7 @@ def regenerate(
         meta_path.write_text(json.dumps(settings))
     rt = load_runtime(None, target, dtype, kernels)
     eos = stop_ids(rt.tokenizer, rt.eos_ids)
-    config = getattr(rt.model, "config", None)
-    context = getattr(config, "max_position_embeddings", None)
+    context = context_limit(rt.model)
     seen, start, last_log = 0, time.perf_counter(), 0.0
     with open(partial, "a", encoding="utf-8") as handle:
         for index, messages in _chain(first, conversations):
@@ -217,7 +230,8 @@ def regenerate(
                 continue
             generator = torch.Generator().manual_seed(seed * 1_000_003 + index)  # per conversation: resumable
             new, tokens, note = regenerate_conversation(rt.model, rt.tokenizer, messages, turns, max_new_tokens,
-                                                        temperature, top_p, eos, generator, context)
+                                                        temperature, top_p, eos, generator, context,
+                                                        f"conversation {index}", log)
             report.tokens += tokens
             if new is None:
                 report.skip(note or "skipped")

@@ -1,0 +1,238 @@
+"""Regression tests for runtime/export fixes: speculators export defaults, identity checks, small nuclei without
+replacement, EAGLE-3 head rows and prompt limits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_llama
+from omegaconf import OmegaConf
+from test_speculative import ALPHA, SMALL_V, SYNTH, bigram_drafter, chi2_pvalue, first_tokens
+from test_speculators_export import export_eagle3
+
+from draftsmith.distill.target import Target
+from draftsmith.drafters.eagle import EagleConfig
+from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.drafters.vocab import vocab_maps
+from draftsmith.export.format import TargetMismatchError, check_target, read_config, write_export
+from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+from draftsmith.recipes import eagle as eagle_recipe
+from draftsmith.recipes import eagle3 as eagle3_recipe
+from draftsmith.runtime.model import LeanDecoder, ModelConfig
+from draftsmith.runtime.proposers import DraftState, SampledTreeProposer, build_proposer
+from draftsmith.runtime.proposers_eagle import Eagle3DraftModel, EagleProposer
+from draftsmith.runtime.speculative import SpeculativeDecoder
+from draftsmith.runtime.verify import RejectionSamplingVerifier, target_probs
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = [1, 2, 3]
+
+
+def lean_from_hf(hf: torch.nn.Module) -> LeanDecoder:
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    return LeanDecoder(ModelConfig.from_hf_dict(hf.config.to_dict()), weights, kernel_backend="torch").eval()
+
+
+@pytest.fixture(scope="module")
+def local_target(tiny_target_dir, tiny_tokenizer) -> Target:
+    """The tiny target loaded from its folder, so its identity names a loadable path."""
+    from transformers import AutoModelForCausalLM
+
+    return Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
+
+
+# ---- 1. `draftsmith export --format speculators` without --target, and with an alias -----------------------------
+
+
+def test_speculators_export_defaults_to_recorded_target_and_resolves_aliases(local_target, tiny_target_dir,
+                                                                              tiny_tokenizer, tmp_path, monkeypatch):
+    from draftsmith import assets
+    from draftsmith.cli import main
+
+    export, _ = export_eagle3(local_target, tmp_path / "export")
+    assert main(["export", str(export), "--format", "speculators", "--out", str(tmp_path / "a")]) == 0
+    verifier = json.loads((tmp_path / "a" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == str(Path(tiny_target_dir).resolve())
+    # An alias (given, or recorded in the export) lands as the folder it resolves to, never as the alias.
+    real = assets.resolve_target
+    monkeypatch.setattr(assets, "resolve_target",
+                        lambda name: str(tiny_target_dir) if name == "smollm2-135m" else real(name))
+    assert main(["export", str(export), "--format", "speculators", "--out", str(tmp_path / "b"),
+                 "--target", "smollm2-135m"]) == 0
+    verifier = json.loads((tmp_path / "b" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == str(Path(tiny_target_dir).resolve())
+    aliased = Target(local_target.model, tiny_tokenizer, "smollm2-135m")
+    export2, _ = export_eagle3(aliased, tmp_path / "export_alias")
+    assert main(["export", str(export2), "--format", "speculators", "--out", str(tmp_path / "c")]) == 0
+    verifier = json.loads((tmp_path / "c" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == str(Path(tiny_target_dir).resolve())
+
+
+# ---- 2. speculative_tokens = what the runtime drafts on its longest path -----------------------------------------
+
+
+def test_speculators_speculative_tokens_equal_the_runtime_chain_length(local_target, tmp_path):
+    from draftsmith.export.speculators import to_speculators
+
+    export, _ = export_eagle3(local_target, tmp_path / "export")
+    depth = int(read_config(export)["inference"]["depth"])
+    out = to_speculators(export, tmp_path / "spec", str(local_target.name_or_path))
+    spec = json.loads((out / "config.json").read_text())["speculators_config"]
+    tokens = spec["proposal_methods"][0]["speculative_tokens"]
+    lean = lean_from_hf(local_target.model)
+    proposer = build_proposer(export, lean, policy="chain")
+    prompt = torch.tensor([5, 9, 13, 40])
+    cache = lean.allocate_cache(8)
+    logits, hidden, taps = lean.forward_taps(prompt, cache, taps=proposer.feature_taps)
+    feats = torch.cat([taps[i] for i in proposer.feature_taps], -1)
+    proposer.begin(prompt, hidden, logits[-1:], taps=feats)
+    root = int(logits[-1].argmax())
+    tree = proposer.propose(DraftState(torch.cat([prompt, torch.tensor([root])]), root, hidden[-1]))
+    assert tokens == tree.num_nodes - 1 == depth + 1  # drafted tokens per step, root excluded
+
+
+# ---- 3. the mismatch message names the recorded target and the one given ---------------------------------------
+
+
+def test_check_target_names_the_recorded_and_the_given_target(local_target, tiny_tokenizer):
+    config = {"method": "medusa", "target": {**local_target.identity(), "name_or_path": "smollm2-135m"}}
+    other = Target(build_tiny_llama(len(tiny_tokenizer), seed=5), tiny_tokenizer, "smollm2-135m").identity()
+    with pytest.raises(TargetMismatchError) as err:
+        check_target(config, other, given="/data/other-folder")
+    msg = str(err.value)
+    assert "'smollm2-135m'" in msg and "/data/other-folder" in msg and "fingerprint" in msg
+    with pytest.raises(TargetMismatchError) as err:  # without given=: never "for 'X', not 'X'"
+        check_target(config, other)
+    assert "not 'smollm2-135m'" not in str(err.value) and "fingerprint" in str(err.value)
+
+
+# ---- 4. every proposer builder checks the target identity ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def method_exports(local_target, tmp_path_factory):
+    """Untrained medusa, eagle and eagle3 exports recorded for ``local_target``."""
+    tgt = local_target
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(hidden_size=tgt.hidden_size, vocab_size=tgt.vocab_size, num_heads=2))
+    out = {"medusa": write_export(tmp_path_factory.mktemp("m") / "export", heads.trainable_state_dict(),
+                                  {"method": "medusa", "architecture": heads.architecture(), "target": tgt.identity(),
+                                   "inference": {"tree": [[0], [1], [0, 0]], "top_k": 2}})}
+    cfg1 = OmegaConf.load(ROOT / "conf/recipe/eagle.yaml")
+    cfg3 = OmegaConf.merge(OmegaConf.load(ROOT / "conf/recipe/eagle3.yaml"),
+                           {"drafter": {"target_layers": LAYERS, "draft_vocab_size": 0}})
+    ids = torch.randint(0, tgt.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    for name, objective in {"eagle": eagle_recipe.build(cfg1, tgt),
+                            "eagle3": eagle3_recipe.build_objective(cfg3, tgt, [(ids, torch.ones_like(ids))])}.items():
+        config = {**objective.export_config(), "target": tgt.identity()}
+        out[name] = write_export(tmp_path_factory.mktemp(name) / "export", objective.module.state_dict(), config)
+    return out
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
+def test_build_proposer_refuses_a_target_with_another_identity(method_exports, local_target, tiny_tokenizer, method):
+    build_proposer(method_exports[method], lean_from_hf(local_target.model))  # its own target: fine
+    same_sizes = lean_from_hf(build_tiny_llama(len(tiny_tokenizer), seed=9))  # other weights, same shapes
+    with pytest.raises(TargetMismatchError, match="lm_head"):
+        build_proposer(method_exports[method], same_sizes)
+
+
+# ---- 5. sampling without replacement from a nucleus smaller than the branching ----------------------------------
+
+
+def test_sampled_tree_without_replacement_small_nucleus_is_exact():
+    # A sharp drafter (nucleus of 1-3 tokens at top_p 0.9) under a flatter target (3-5 tokens).
+    temperature, top_p, branching, drafter = 1.0, 0.9, (3, 2), bigram_drafter(1, scale=4.0)
+    proposer = SampledTreeProposer(drafter, branching, temperature=temperature, top_p=top_p, replacement=False)
+    verifier = RejectionSamplingVerifier(temperature=temperature, top_p=top_p)
+    gen = torch.Generator().manual_seed(3)
+    prompt = [4, 6]
+    tree = proposer.propose(DraftState(torch.tensor(prompt), 6, torch.zeros(1), None, gen))
+    nucleus = int((target_probs(drafter(torch.tensor(prompt)), temperature, top_p) > 0).sum())
+    assert nucleus < branching[0] and len(tree.children(0)) == nucleus  # draws what the nucleus holds
+    counts = torch.zeros(SMALL_V, SMALL_V, SMALL_V)
+    for _ in range(2000):
+        t1, t2, t3 = first_tokens(proposer, verifier, prompt, 3, gen)
+        counts[t1, t2, t3] += 1
+    probs = target_probs(SYNTH.double(), temperature, top_p)  # [a, b, V]
+    exact = probs[prompt[0], prompt[1]][:, None, None] * probs[prompt[1]][:, :, None] * probs  # [t1, t2, t3]
+    assert float(counts[exact == 0].sum()) == 0
+    assert chi2_pvalue(counts.sum(2), exact.sum(2)) > ALPHA
+    assert chi2_pvalue(counts.sum(0), exact.sum(0)) > ALPHA
+
+
+# ---- 6. EAGLE-3 root step: only the needed rows go through the draft LM head -----------------------------------
+
+
+class RowCounter(torch.nn.Module):
+    """Wraps a head and records how many rows each call passes through it."""
+
+    def __init__(self, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.head, self.rows = head, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return self.head(x)
+
+
+class FullHeadEagle3(Eagle3DraftModel):
+    """The previous behaviour: logits on every row, then the last one kept (the reference for greedy output)."""
+
+    def step(self, hidden, ids, cache, positions, tree_mask, last_only):
+        out, logits, cache = self.drafter.draft_step(hidden, ids, cache, positions, tree_mask=tree_mask)
+        return out, logits[:, -1:] if last_only else logits, cache
+
+
+@pytest.mark.parametrize("policy", ["chain", "tree"])
+def test_eagle3_root_step_runs_the_head_on_needed_rows_only(local_target, policy):
+    tgt = local_target
+    lean = lean_from_hf(tgt.model)
+    torch.manual_seed(0)
+    d2t, t2d = vocab_maps(torch.arange(0, lean.config.vocab_size, 2), lean.config.vocab_size)
+    drafter = Eagle3Drafter(Eagle3Config(**EagleConfig.dims_from_hf(tgt.config), draft_vocab_size=int(t2d.sum()),
+                                         target_layers=tuple(LAYERS)), lean.embed_weight, d2t, t2d)
+    counter = RowCounter(drafter.lm_head)
+    drafter.lm_head = counter
+    top_k, depth = 3, 2
+    new = EagleProposer(Eagle3DraftModel(drafter), policy, total_tokens=10, depth=depth, top_k=top_k)
+    long_prompt = [5, 9, 13, 40, 7, 60, 61, 30, 31]
+    res = SpeculativeDecoder(lean, new).generate(long_prompt, 1 + 1)  # prefill + exactly one drafted step
+    per_level = 1 if policy == "chain" else top_k
+    assert counter.rows == [1] + [per_level] * depth and res.steps == 1
+    ref = EagleProposer(FullHeadEagle3(drafter), policy, total_tokens=10, depth=depth, top_k=top_k)
+    for prompt in ([5, 9, 13, 40], long_prompt):  # greedy output and trees unchanged
+        got, want = (SpeculativeDecoder(lean, p).generate(prompt, 24) for p in (new, ref))
+        assert got.tokens == want.tokens and got.tree_sizes == want.tree_sizes
+
+
+# ---- 7. prompts longer than the target's context ------------------------------------------------------------------
+
+
+def test_check_prompt_fits_names_what_the_count_and_the_limit():
+    from draftsmith.runtime.prompt_limits import check_prompt_fits
+
+    check_prompt_fits(8191, 8192, "prompt 0")
+    with pytest.raises(ValueError, match=r"conversation 12.*9000 tokens.*8192"):
+        check_prompt_fits(9000, 8192, "conversation 12")
+
+
+def test_regenerate_reports_the_conversation_its_length_and_the_limit(tiny_target_dir, tiny_tokenizer, tmp_path):
+    from draftsmith.runtime import regenerate as regen
+
+    records = [{"conversations": [{"from": "human", "value": "hello world"}, {"from": "gpt", "value": "x"}]},
+               {"conversations": [{"from": "human", "value": " ".join(["hello"] * 600)},
+                                  {"from": "gpt", "value": "x"}]}]
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    logs: list[str] = []
+    report = regen.regenerate(str(data), tmp_path / "o.jsonl", target=str(tiny_target_dir), max_new_tokens=4,
+                              dtype="fp32", log=logs.append)
+    assert report.written == 1 and report.skipped == {"prompt longer than the context": 1}
+    length = len(regen.render_prompt(tiny_tokenizer, [{"role": "user", "content": records[1]["conversations"][0]
+                                                       ["value"]}]))
+    line = next(m for m in logs if "conversation 1" in m)
+    assert f"{length} tokens" in line and "512" in line and "skipped" in line
