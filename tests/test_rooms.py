@@ -1,0 +1,67 @@
+"""The room rules of docs/ARCHITECTURE.md, enforced by parsing every import (lazy ones inside functions too)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAMEWORKS = ("pytorch_lightning", "lightning", "hydra", "omegaconf")
+
+# room -> module prefixes it must never import (the table in docs/ARCHITECTURE.md)
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "common": (*FRAMEWORKS, "draftsmith.heads", "draftsmith.drafters", "draftsmith.controllers", "draftsmith.distill",
+               "draftsmith.runtime", "draftsmith.kernels", "draftsmith.export", "draftsmith.recipes"),
+    "heads": (*FRAMEWORKS, "draftsmith.runtime", "draftsmith.distill", "draftsmith.recipes", "draftsmith.drafters"),
+    "drafters": (*FRAMEWORKS, "draftsmith.runtime", "draftsmith.distill", "draftsmith.recipes", "draftsmith.heads"),
+    "controllers": (*FRAMEWORKS, "draftsmith.runtime", "draftsmith.distill", "draftsmith.recipes"),
+    "export": (*FRAMEWORKS, "draftsmith.distill", "draftsmith.runtime", "draftsmith.recipes"),
+    "kernels": (*FRAMEWORKS, "draftsmith.distill", "draftsmith.runtime", "draftsmith.recipes"),
+    "runtime": (*FRAMEWORKS, "draftsmith.distill", "draftsmith.recipes"),
+    "distill": ("hydra", "draftsmith.recipes"),  # omegaconf's DictConfig is fine; Hydra itself is train.py's
+    "assets.py": (*FRAMEWORKS, "draftsmith.distill", "draftsmith.runtime", "draftsmith.recipes"),
+}
+MAY_IMPORT_RECIPES = {"train.py", "cli.py", "recipes"}
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import statement in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return found
+
+
+def sources(room: str) -> list[Path]:
+    target = ROOT / room
+    return [target] if target.is_file() else sorted(target.rglob("*.py"))
+
+
+def hits(path: Path, banned: tuple[str, ...]) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{line} imports {name}" for line, name in imported_modules(path)
+            if any(name == b or name.startswith(b + ".") for b in banned)]
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_room_imports_follow_the_table(room):
+    problems = [h for path in sources(room) for h in hits(path, FORBIDDEN[room])]
+    assert not problems, "room rule broken (see docs/ARCHITECTURE.md):\n" + "\n".join(problems)
+
+
+def test_nothing_but_the_entry_points_imports_recipes():
+    tops = [p for p in ROOT.glob("*.py")] + [p for d in ROOT.iterdir() if d.is_dir() and (d / "__init__.py").exists()
+                                             for p in d.rglob("*.py")]  # fmt: skip
+    problems = [h for p in tops if p.relative_to(ROOT).parts[0] not in MAY_IMPORT_RECIPES
+                for h in hits(p, ("draftsmith.recipes",))]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checker_sees_lazy_imports(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from omegaconf import OmegaConf\n    import draftsmith.distill.target\n")
+    assert [n for _, n in imported_modules(module)] == ["omegaconf", "omegaconf.OmegaConf", "draftsmith.distill.target"]
