@@ -30,10 +30,10 @@ from draftsmith.runtime.bench import (
     time_hf_generate,
     time_runtime_ar,
 )
+from draftsmith.runtime.inference_choice import choose_stop_policy, choose_verifier, option_sources
 from draftsmith.runtime.prompt_limits import check_prompt_fits
 from draftsmith.runtime.proposers import build_proposer
 from draftsmith.runtime.speculative import SpeculativeDecoder
-from draftsmith.runtime.verify import GreedyVerifier, RejectionSamplingVerifier, TypicalVerifier
 
 
 @dataclass
@@ -47,6 +47,7 @@ class Runtime:
     export_config: dict | None = None
     speculative: SpeculativeDecoder | None = None
     dtype_reason: str = ""
+    inference: dict[str, Any] | None = None  # verifier / stop policy / proposer options that run, and their sources
 
     def backend_report(self) -> dict[str, Any]:
         """What runs and why: CPU, dtype, linear backend (for bench.json, the bench table and generate --verbose)."""
@@ -100,28 +101,14 @@ def hf_fastest_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
     return cpu_caps.resolve_dtype("auto", device)
 
 
-def make_verifier(name: str, temperature: float, kernels: str, export_config: dict | None) -> Any:
-    """greedy (lossless at T=0), rejection (lossless sampling), typical (Medusa's lossy rule)."""
-    if name == "auto":
-        name = "greedy" if temperature == 0 else "rejection"
-    if name == "greedy":
-        if temperature != 0:
-            raise ValueError("the greedy verifier decodes at temperature 0; use --verifier rejection for sampling")
-        return GreedyVerifier(kernels)
-    if name == "rejection":
-        return RejectionSamplingVerifier(temperature=max(temperature, 1e-5))
-    if name == "typical":
-        typical = (export_config or {}).get("inference", {}).get("typical", {})
-        return TypicalVerifier(float(typical.get("posterior_threshold", 0.09)),
-                               float(typical.get("posterior_alpha", 0.3)), temperature=max(temperature, 1e-5))
-    raise ValueError(f"unknown verifier {name!r}; valid: auto, greedy, rejection, typical")
-
-
 def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", kernels: str = "auto",
                  verifier: str = "auto", temperature: float = 0.0, max_cache_len: int = 4096,
-                 proposer_options: dict[str, Any] | None = None, linear_backend: str = "auto") -> Runtime:
+                 proposer_options: dict[str, Any] | None = None, linear_backend: str = "auto",
+                 stop_policy: str | None = None) -> Runtime:
     """Load the target (from ``target`` or the export's record) and the export's proposer, checking identity.
-    ``linear_backend`` picks how the lean decoder runs its linears (see ``draftsmith.runtime.linear_ops``)."""
+    ``linear_backend`` picks how the lean decoder runs its linears (see ``draftsmith.runtime.linear_ops``).
+    Verifier, stop policy and proposer options: the flags where given, else the export's ``inference`` block
+    (``runtime.inference`` records each choice and its source; see ``draftsmith.runtime.inference_choice``)."""
     from transformers import AutoConfig, AutoTokenizer
 
     export_config = read_config(drafter) if drafter else None
@@ -140,8 +127,11 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
                                    tokenizer, model.lm_head_weight)
         proposer = build_proposer(drafter, model, identity=identity, given=target or str(folder),
                                   **(proposer_options or {}))
-        runtime.speculative = SpeculativeDecoder(model, proposer, make_verifier(verifier, temperature, kernels,
-                                                                                export_config),
+        chosen_verifier, verifier_info = choose_verifier(verifier, temperature, kernels, export_config)
+        policy, policy_info = choose_stop_policy(stop_policy, export_config)
+        runtime.inference = {"verifier": verifier_info, "stop_policy": policy_info,
+                             "proposer_options": option_sources(export_config, proposer_options)}
+        runtime.speculative = SpeculativeDecoder(model, proposer, chosen_verifier, stop_policy=policy,
                                                  kernels_backend=kernels, max_cache_len=max_cache_len)
     return runtime
 
@@ -317,7 +307,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "dtype": str(runtime.model.dtype).replace("torch.", ""), "temperature": temperature,
         "linear_backend": getattr(runtime.model, "linear_ops", "hf"), "backend": runtime.backend_report(),
         "hf_dtype": None if hf is None else str(hf_torch_dtype).replace("torch.", ""), "hf_dtype_reason": hf_reason,
-        "verifier": type(spec.verifier).__name__, "tau": tau, "acceptance_by_position": by_position,
+        "verifier": type(spec.verifier).__name__, "inference": runtime.inference, "tau": tau, "acceptance_by_position": by_position,
         "head_agreement_top1": agreement,
         "tokens_per_s": tps,
         "speedup": {"vs_hf_generate": (tps["speculative"] / tps["hf_generate"]) if hf else None,
@@ -345,6 +335,13 @@ def _lossless_text(result: dict[str, Any]) -> str:
     return f"{result['lossless']} ({detail['identical']}/{detail['total']} prompts identical, {detail['dtype']})"
 
 
+def _inference_text(inference: dict | None) -> str:
+    if not inference:
+        return "n/a"
+    v, p = inference["verifier"], inference["stop_policy"]
+    return f"{v['name']} ({v['source']}) / {p['spec']} ({p['source']})"
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     """The human-readable summary printed by ``draftsmith bench`` and written to ``bench.md``."""
     t, s, c = result["tokens_per_s"], result["speedup"], result["step_costs"]
@@ -354,6 +351,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         ("CPU", b.get("cpu", "n/a")),
         ("dtype / verifier / linears", f"{result['dtype']} / {result['verifier']} / {result.get('linear_backend')}"),
         ("why these linears", b.get("linear_reason", "n/a")),
+        ("verifier / stop policy (source)", _inference_text(result.get("inference"))),
         ("tau (mean accepted length, incl. bonus)", _fmt(result["tau"], 3)),
         ("acceptance by position (P(d accepted | d drafted))",
          ", ".join(f"{a:.2f}" for a in result["acceptance_by_position"])),

@@ -19,6 +19,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--verifier", default="auto", help="auto | greedy | rejection | typical (lossy)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--stop-policy", default=None,
+                   help="fixed:K | confidence:THRESHOLD[:MAX_DEPTH] | none (default: the export's inference.stop_policy)")
     p.add_argument("--proposer-option", action="append", default=None, metavar="KEY=VALUE",
                    help="override an export's inference default, e.g. total_tokens=6 depth=2 policy=chain (EAGLE) "
                         "or tree='[[0],[1],[0,0]]' (Medusa); repeatable")
@@ -72,7 +74,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from draftsmith.runtime.prompt_limits import check_prompt_fits, context_limit
 
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
-                      proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend)
+                      proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
+                      stop_policy=args.stop_policy)
     if args.verbose:
         for key, value in rt.backend_report().items():
             print(f"[{key}] {value}", file=sys.stderr)
@@ -118,7 +121,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from draftsmith.runtime.prompt_limits import context_limit
 
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
-                      proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend)
+                      proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
+                      stop_policy=args.stop_policy)
     prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts, max_len=context_limit(rt.model))
     lossless = None
     check = args.lossless_dtype

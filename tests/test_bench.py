@@ -65,6 +65,11 @@ def test_bench_reports_the_contract_and_is_lossless(medusa_export, prompts_file,
     backend = json.loads((out / "bench.json").read_text())["backend"]  # which backends ran, and why
     assert backend["linear_backend"] == rt.model.linear_ops and backend["linear_reason"] and backend["cpu"]
     assert backend["dtype"] == "float32" and result["hf_dtype"] == "float32"  # run_bench's default: HF in same dtype
+    inference = json.loads((out / "bench.json").read_text())["inference"]  # what ran and where it came from
+    assert inference["verifier"] == {"name": "greedy", "source": "export"}
+    assert inference["stop_policy"] == {"spec": "none", "source": "default"}  # this export names none
+    assert inference["proposer_options"]["tree"]["source"] == "export"
+    assert "greedy (export)" in (out / "bench.md").read_text()
     costs = result["step_costs"]
     assert costs["bandwidth_floor_ms"] > 0 and costs["ar_step_over_floor"] > 0 and costs["read_bandwidth_gbs"] > 0
     assert "vs bandwidth floor" in (out / "bench.md").read_text() and "why these linears" in (out / "bench.md").read_text()
