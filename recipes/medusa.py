@@ -11,6 +11,7 @@ from draftsmith.distill.losses import masked_cross_entropy, soft_cross_entropy, 
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.registry import register_recipe
+from draftsmith.runtime.tree import default_medusa_tree
 
 LABEL_SOURCES = ("dataset", "target_argmax", "target_soft")
 
@@ -78,21 +79,9 @@ class MedusaObjective:
 
 
 def default_tree(num_heads: int, num_nodes: int, top_k: int) -> list[list[int]]:
-    """A calibration-free sparse Medusa tree of ``num_nodes`` paths.
-
-    Without measured per-head accuracies, assume top-i accuracy falls off geometrically with rank and depth
-    and add paths by decreasing estimated acceptance (the greedy rule of Medusa's optimal sparse tree).
-    """
-    est = [[0.6 * (0.55 ** d) * (0.5 ** i) for i in range(top_k)] for d in range(num_heads)]
-    paths: list[tuple[float, list[int]]] = []
-    frontier: list[tuple[float, list[int]]] = [(est[0][i], [i]) for i in range(top_k)]
-    while frontier and len(paths) < num_nodes:
-        frontier.sort(key=lambda item: -item[0])
-        score, path = frontier.pop(0)
-        paths.append((score, path))
-        if len(path) < num_heads:
-            frontier.extend((score * est[len(path)][i], path + [i]) for i in range(top_k))
-    return sorted((p for _, p in paths), key=lambda p: (len(p), p))
+    """The calibration-free sparse Medusa tree: the runtime's one builder
+    (:func:`draftsmith.runtime.tree.default_medusa_tree`), paths sorted by depth then rank for the export."""
+    return sorted(default_medusa_tree(num_heads, num_nodes, top_k), key=lambda p: (len(p), p))
 
 
 def validate(cfg: Any) -> None:
