@@ -265,7 +265,28 @@ class LeanDecoder(nn.Module):
         taps: tuple[int, ...],
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """The forward math (see :meth:`forward_taps`); inputs are already validated."""
-        c, t = self.config, input_ids.numel()
+        c = self.config
+        found: dict[int, torch.Tensor] = {}
+        x = F.embedding(input_ids, self.embed)  # [T, H]
+        x = self._layers(x, 0, c.num_layers, kv_layers, start, tree_mask, positions, taps, found)  # [T, H]
+        if c.num_layers in taps:
+            found[c.num_layers] = x
+        eps = c.rms_norm_eps
+        hidden = F.rms_norm(x, (c.hidden_size,), self.norm_w, eps)  # [T, H]
+        if isinstance(logits_for, str):
+            sel = hidden if logits_for == "all" else hidden[-1:]
+        else:
+            sel = hidden.index_select(0, logits_for.to(hidden.device))
+        return self._ops.linear(sel, self._head, None), hidden, found  # logits [T', V]
+
+    def _layers(
+        self, x: torch.Tensor, first: int, last: int, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], start: int,
+        tree_mask: torch.Tensor | None, positions: torch.Tensor | None, taps: tuple[int, ...] = (),
+        found: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Decoder layers ``first..last-1`` on the residual stream x [T, H]; ``kv_layers[i]`` is layer i's cache;
+        the input of each layer in ``taps`` is stored in ``found``."""
+        c, t = self.config, x.shape[0]
         if positions is None:
             cos, sin = self._cos[start : start + t], self._sin[start : start + t]  # [T, 1, d]
         else:
@@ -277,20 +298,45 @@ class LeanDecoder(nn.Module):
         if fused is not None:
             tree_mask = None if tree_mask is None else tree_mask.contiguous()
             cos, sin = cos.contiguous(), sin.contiguous()  # [T, 1, d]
-        found: dict[int, torch.Tensor] = {}
-        x = F.embedding(input_ids, self.embed)  # [T, H]
-        for i, (weights, (kc, vc)) in enumerate(zip(self._exec, kv_layers)):
-            if i in taps:
+        for i in range(first, last):
+            if found is not None and i in taps:
                 found[i] = x
-            x = layer(x, *weights, kc, vc, start, cos, sin, tree_mask, hq, hkv, eps, scale)  # [T, H]
-        if c.num_layers in taps:
-            found[c.num_layers] = x
-        hidden = F.rms_norm(x, (c.hidden_size,), self.norm_w, eps)  # [T, H]
-        if isinstance(logits_for, str):
-            sel = hidden if logits_for == "all" else hidden[-1:]
-        else:
-            sel = hidden.index_select(0, logits_for.to(hidden.device))
-        return self._ops.linear(sel, self._head, None), hidden, found  # logits [T', V]
+            kc, vc = kv_layers[i]
+            x = layer(x, *self._exec[i], kc, vc, start, cos, sin, tree_mask, hq, hkv, eps, scale)  # [T, H]
+        return x
+
+    def forward_layers(
+        self,
+        hidden: torch.Tensor,
+        cache: KVCache,
+        first: int,
+        last: int,
+        tree_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run only decoder layers ``first..last-1`` (a layer range on the same cache): ``hidden`` [T, H] is the
+        residual stream entering layer ``first`` (``embed`` output for 0) of T new tokens after ``cache.length``;
+        those layers' K/V are written at slots ``cache.length ..`` (not committed). Returns the residual stream
+        leaving layer ``last-1`` [T, H], before the final norm. A self-drafter (Kangaroo) runs the target's shallow
+        layers this way and reuses their KV cache; :meth:`final_hidden` and :meth:`lm_head_logits` finish a forward."""
+        c = self.config
+        if not 0 <= first < last <= c.num_layers:
+            raise ValueError(f"need 0 <= first < last <= {c.num_layers} layers; got first={first}, last={last}")
+        if hidden.dim() != 2 or hidden.shape[1] != c.hidden_size:
+            raise ValueError(f"hidden must be [T, {c.hidden_size}]; got {tuple(hidden.shape)}")
+        cache.check_fits(hidden.shape[0])
+        if positions is not None:
+            self._ensure_rope(int(positions.max()) + 1)
+        with torch.inference_mode():
+            return self._layers(hidden.to(self.dtype), first, last, cache.layers, cache.length, tree_mask, positions)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the residual stream entering layer 0 [T, H]."""
+        return F.embedding(input_ids, self.embed)
+
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm on a residual stream [T, H] (what :meth:`forward` returns as hidden)."""
+        return F.rms_norm(x, (self.config.hidden_size,), self.norm_w, self.config.rms_norm_eps)
 
     def _torch_layer(
         self, x: torch.Tensor, ln1: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None, qn: torch.Tensor | None,
