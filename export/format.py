@@ -1,7 +1,17 @@
-"""The draftsmith export folder: ``config.json`` + ``model.safetensors``, written atomically."""
+"""The draftsmith export folder: ``config.json`` + named weight parts (``model.safetensors`` first), atomically.
+
+Format v2 (v1 exports keep loading):
+- ``parts``: named weight files. ``model`` (``model.safetensors``) is the trained module, as in v1; further parts
+  sit beside it as ``<name>.safetensors`` (e.g. ``adapter`` for a LoRA applied to the target, Medusa-2).
+- ``target.adapter``: when the export changes the target (a trained adapter), the identity names it, so the export
+  is refused against the bare base target.
+- ``base_export``: an optional reference to the export this one stacks on (a SpecDec++ head on an EAGLE drafter),
+  with a fingerprint of the base's config and weights checked when it is resolved.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -16,9 +26,10 @@ from safetensors.torch import load_file, save_file
 import draftsmith
 
 FORMAT_NAME = "draftsmith"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+MAIN_PART = "model"
 IDENTITY_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "fingerprint", "lm_head")
 # Added after format_version 1 shipped: exports written before it lack the field, which is then not compared.
 LATER_IDENTITY_FIELDS = ("lm_head",)
@@ -59,17 +70,29 @@ def atomic_folder_write(out_dir: str | Path, fill: Any) -> Path:
     return out
 
 
-def write_export(out_dir: str | Path, state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
-    """Write ``config.json`` (with format fields added) and ``model.safetensors`` atomically into ``out_dir``."""
+def _part_file(name: str) -> str:
+    return WEIGHTS_FILE if name == MAIN_PART else f"{name}.safetensors"
+
+
+def write_export(out_dir: str | Path, state_dict: dict[str, torch.Tensor], config: dict[str, Any],
+                 parts: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """Write ``config.json`` (with format fields added), ``model.safetensors`` (``state_dict``) and one
+    ``<name>.safetensors`` per extra part, atomically into ``out_dir``."""
     for key in ("method", "architecture", "target"):
         if key not in config:
             raise ValueError(f"export config lacks {key!r}")
+    all_parts = {MAIN_PART: state_dict, **(parts or {})}
+    bad = [n for n in all_parts if not n.replace("_", "").isalnum() or n.lower() != n]
+    if bad:
+        raise ValueError(f"weight part names must be lower-case letters, digits and '_': {bad}")
+    tensors = {n: {k: v.detach().to("cpu").contiguous() for k, v in sd.items()} for n, sd in all_parts.items()}
     full = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "draftsmith_version": draftsmith.__version__,
-            **config}
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+            **config, "parts": {n: {"file": _part_file(n), "tensors": len(t)} for n, t in tensors.items()}}
 
     def fill(tmp: Path) -> None:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "method": str(config["method"])})
+        for name, part in tensors.items():
+            save_file(part, str(tmp / _part_file(name)), metadata={"format": "pt", "method": str(config["method"]),
+                                                                   "part": name})
         (tmp / CONFIG_FILE).write_text(json.dumps(full, indent=2, sort_keys=False) + "\n")
 
     return atomic_folder_write(out_dir, fill)
@@ -100,17 +123,61 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
     return config
 
 
-def read_export(export_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Return ``(config, state_dict)`` of an export folder, with actionable errors for broken folders."""
-    config = read_config(export_dir)
-    weights = Path(export_dir) / WEIGHTS_FILE
-    if not weights.is_file():
-        raise ExportError(f"{weights} is missing; re-export the drafter")
+def _load_part(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise ExportError(f"{path} is missing; re-export the drafter")
     try:
-        state = load_file(str(weights))
+        return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
-        raise ExportError(f"{weights} is corrupt or truncated ({err}); re-export the drafter") from err
-    return config, state
+        raise ExportError(f"{path} is corrupt or truncated ({err}); re-export the drafter") from err
+
+
+def read_export(export_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Return ``(config, state_dict)`` of an export folder's main part, with actionable errors for broken folders."""
+    config = read_config(export_dir)
+    return config, _load_part(Path(export_dir) / WEIGHTS_FILE)
+
+
+def read_export_parts(export_dir: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """``(config, {part name: state_dict})``; a v1 export has the one part ``model``."""
+    config = read_config(export_dir)
+    names = list((config.get("parts") or {MAIN_PART: {}}).keys())
+    return config, {n: _load_part(Path(export_dir) / _part_file(n)) for n in names}
+
+
+def export_fingerprint(export_dir: str | Path) -> str:
+    """sha256 over an export's config.json and weight files: what a stacked export records of its base."""
+    config = read_config(export_dir)
+    digest = hashlib.sha256((Path(export_dir) / CONFIG_FILE).read_bytes())
+    for name in (config.get("parts") or {MAIN_PART: {}}):
+        with open(Path(export_dir) / _part_file(name), "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
+
+
+def base_reference(base_dir: str | Path) -> dict[str, Any]:
+    """The ``base_export`` block for an export stacked on ``base_dir`` (e.g. a controller on a drafter)."""
+    config = read_config(base_dir)
+    return {"path": str(Path(base_dir).resolve()), "method": config["method"], "fingerprint": export_fingerprint(base_dir)}
+
+
+def resolve_base_export(config: dict[str, Any], base_dir: str | Path | None = None) -> Path | None:
+    """The folder of the export ``config`` stacks on (``base_dir`` overrides the recorded path when it moved), or
+    None. Raises ExportError when it is missing or is no longer the export the stacked one was trained on."""
+    ref = config.get("base_export")
+    if not ref:
+        return None
+    path = Path(base_dir or ref["path"])
+    if not path.is_dir():
+        raise ExportError(f"this {config.get('method')} export stacks on {ref['method']} export {ref['path']}, which "
+                          "does not exist here; pass its new location (--base-export PATH)")
+    found = export_fingerprint(path)
+    if found != ref["fingerprint"]:
+        raise ExportError(f"{path} is not the {ref['method']} export this {config.get('method')} export was trained "
+                          f"on (fingerprint {found[:19]}... vs recorded {ref['fingerprint'][:19]}...); use that export "
+                          "or retrain on this one")
+    return path
 
 
 def check_target(config: dict[str, Any], identity: dict[str, Any], given: str | None = None) -> None:
@@ -121,6 +188,12 @@ def check_target(config: dict[str, Any], identity: dict[str, Any], given: str | 
     user passed (folder or alias) for the message; default: ``identity["name_or_path"]``.
     """
     recorded = config.get("target", {})
+    adapter = recorded.get("adapter")
+    if adapter and (identity.get("adapter") or {}).get("fingerprint") != adapter.get("fingerprint"):
+        raise TargetMismatchError(
+            f"this {config.get('method')} export changes its target (a trained {adapter.get('kind', 'adapter')} "
+            f"{adapter.get('fingerprint', '')[:19]}... ships as the export's 'adapter' part), but the target given "
+            "does not carry it; load the target with the export's adapter applied")
     diffs = [f"{k}: export has {recorded.get(k)!r}, target has {identity[k]!r}"
              for k in IDENTITY_FIELDS if identity.get(k) is not None and recorded.get(k) != identity[k]
              and not (k in LATER_IDENTITY_FIELDS and recorded.get(k) is None)]
