@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -209,8 +209,33 @@ class ChatDataModule(pl.LightningDataModule):
         return self._loader(self.val_set, batch_size=self.batch_size, shuffle=False)
 
 
-def build_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None) -> ChatDataModule:
-    """The data module a composed config asks for (``cfg.data`` and ``cfg.run.seed``); one place for every caller."""
+DATAMODULES: dict[str, Callable[..., Any]] = {}
+
+
+def register_batch_kind(name: str) -> Callable:
+    """Register ``fn(cfg, tokenizer, packing) -> LightningDataModule`` as the builder of batch kind ``name``
+    (an objective names its kind with ``batch_kind``; see distill.objective)."""
+
+    def wrap(fn: Callable) -> Callable:
+        if name in DATAMODULES:
+            raise ValueError(f"batch kind {name!r} is registered twice")
+        DATAMODULES[name] = fn
+        return fn
+
+    return wrap
+
+
+def build_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None, kind: str = "chat") -> Any:
+    """The data module of batch kind ``kind`` for a composed config (``cfg.data``, ``cfg.run.seed``); one place for
+    every caller. Raises ValueError naming the registered kinds for an unknown one."""
+    if kind not in DATAMODULES:
+        raise ValueError(f"no datamodule for batch kind {kind!r}; registered: {', '.join(sorted(DATAMODULES))}")
+    return DATAMODULES[kind](cfg, tokenizer, packing)
+
+
+@register_batch_kind("chat")
+def build_chat_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None) -> ChatDataModule:
+    """Chat conversations -> token ids + assistant loss masks (``cfg.data``)."""
     limit = cfg.data.limit
     return ChatDataModule(tokenizer=tokenizer, spec=str(cfg.data.spec), max_length=int(cfg.data.max_length),
                           batch_size=int(cfg.data.batch_size), num_workers=int(cfg.data.num_workers),

@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 
 from draftsmith.distill.errors import ConfigError, DraftsmithError
-from draftsmith.distill.objective import Objective
+from draftsmith.distill.objective import Objective, frozen_models, optimizer_groups
 from draftsmith.distill.target import Target
 
 
@@ -80,11 +80,17 @@ class DistillModule(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self._target.to(self.device)
+        for model in frozen_models(self.objective).values():  # never registered: never saved, never optimised
+            model.to(self.device).eval().requires_grad_(False)
 
     def _step(self, batch: dict[str, torch.Tensor], with_logits: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         taps = replace(self.objective.taps, logits=True) if with_logits else self.objective.taps
         start = time.perf_counter()
-        feats = self._target.features(batch["input_ids"], batch["attention_mask"], taps)
+        own = getattr(self.objective, "features", None)
+        if callable(own):
+            feats = own(self._target, batch)  # the objective's own forwards (several, a layer range, ...)
+        else:
+            feats = self._target.features(batch["input_ids"], batch["attention_mask"], taps)
         self._target_seconds += time.perf_counter() - start
         return self.objective.loss(batch, feats)
 
@@ -118,9 +124,12 @@ class DistillModule(pl.LightningModule):
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, batch_size=size, sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
         cfg = self.optim_cfg
-        optimizer = torch.optim.AdamW(params, lr=float(cfg["lr"]), weight_decay=float(cfg.get("weight_decay", 0.0)),
+        try:
+            groups = optimizer_groups(self.objective, float(cfg["lr"]))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        optimizer = torch.optim.AdamW(groups, lr=float(cfg["lr"]), weight_decay=float(cfg.get("weight_decay", 0.0)),
                                       betas=tuple(cfg.get("betas", (0.9, 0.999))), eps=float(cfg.get("eps", 1e-8)))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(str(cfg.get("scheduler", "cosine")), int(cfg.get("warmup_steps", 0)), self.total_steps))

@@ -174,6 +174,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path) -> dict[str, Any]:
     """Train ``recipe`` as configured; returns a summary (steps, tokens, seconds, export folder, metrics)."""
     from draftsmith.distill.datamodule import build_datamodule
     from draftsmith.distill.exporting import export_from_module
+    from draftsmith.distill.objective import batch_kind
 
     run_dir = Path(run_dir)
     check_config(cfg, recipe)
@@ -181,7 +182,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path) -> dict[str, Any]:
     target = Target.load(cfg.target.name_or_path, cfg.target.dtype, trust_remote_code=bool(cfg.target.trust_remote_code),
                          runs_on=run_device(cfg.trainer))
     objective = recipe.build(cfg, target)
-    data = build_datamodule(cfg, target.tokenizer)
+    data = build_datamodule(cfg, target.tokenizer, kind=batch_kind(objective))
     module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
                            total_steps=int(cfg.trainer.max_steps))
     module.run_info = {"recipe": recipe.name, "target": target.identity(),
