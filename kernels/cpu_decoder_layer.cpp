@@ -1,8 +1,12 @@
-// One Llama-family decoder layer in bf16 for batch-1 decoding and tree verification on AVX512-BF16 CPUs.
+// One Llama-family decoder layer in bf16 for batch-1 decoding and tree verification on x86 CPUs.
 //
 // Why C++: a 135M model's decoding step is ~120 small GEMVs plus ~20 elementwise ops per layer. Through PyTorch
 // each op pays dispatch and thread wake-up costs and the bf16 GEMVs reach ~2/3 of the memory bandwidth; here one
-// call runs a whole layer and the GEMV streams the weights once with AVX512-BF16 dot products.
+// call runs a whole layer and the GEMV streams the weights once, widening bf16 to fp32 for the FMAs.
+//
+// One source, two builds (kernels/cpu_layer.py passes the macro): DRAFTSMITH_ISA_AVX512_BF16 for AVX512-BF16 CPUs
+// and DRAFTSMITH_ISA_AVX2 for AVX2+FMA ones without AVX-512 (e.g. AMD Zen 3). Only the small vector layer below
+// differs between them; the GEMM, norms, RoPE, attention and SiLU are written once over its "16 fp32 lanes" type.
 //
 // The plain-PyTorch reference is LeanDecoder's torch path (draftsmith/runtime/model.py); rounding to bf16 happens
 // where transformers rounds (after each projection, norm, activation and residual add), accumulation is fp32.
@@ -26,37 +30,185 @@ inline float to_f(bf16 v) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-inline bf16 to_bf(float f) { return c10::BFloat16(f).x; }  // round to nearest even, as torch does
-inline float round_bf(float f) { return to_f(to_bf(f)); }
 
-// Up to 32 bf16 values from p; lanes past n are zero (K tails).
-inline __m512bh load32(const bf16* p, int64_t n) {
-  if (n >= 32) return (__m512bh)_mm512_loadu_si512(p);
-  const __mmask32 m = (__mmask32)((1ull << n) - 1);
-  return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
-}
+// ---- vector layer: vf = 16 fp32 lanes ----------------------------------------------------------------------------
+// Loads and stores of bf16 take n, the number of valid lanes (1..16): lanes past n read as zero and are not written,
+// which covers the tails of rows that are not a multiple of 16 long.
+#if defined(DRAFTSMITH_ISA_AVX512_BF16)
 
-// 16 bf16 -> 16 fp32 (lanes outside the mask are zero).
-inline __m512 load16_f(const bf16* p, __mmask16 m = 0xFFFF) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+using vf = __m512;
+
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset1(float a) { return _mm512_set1_ps(a); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline __mmask16 lanes(int64_t n) { return (__mmask16)((1u << n) - 1); }
+
+// bf16 -> fp32 is the 16-bit pattern moved to the top half of the 32-bit lane.
+inline vf load_bf(const bf16* p, int64_t n = 16) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(lanes(n), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-
-// Round 16 fp32 lanes to bf16 precision (nearest even) and back.
-inline __m512 round16(__m512 v) {
+inline void store_bf(bf16* p, vf v, int64_t n = 16) {  // round to nearest even, as torch does
+  _mm256_mask_storeu_epi16(p, lanes(n), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline vf round_bf(vf v) {  // to bf16 precision (nearest even) and back
   const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf vround_int(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT); }
+inline vf vtimes_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral in [-126, 127]
+inline vf zero_where_neg_inf(vf score, vf v) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(score, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), v);
+}
+
+// One packed 64-byte weight vector (16 rows x one column pair, lane r = W[r,2p+1] << 16 | W[r,2p]) as two columns.
+inline void unpack(const bf16* p, vf& even, vf& odd) {
+  const __m512i raw = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));                                 // column 2p of the 16 rows
+  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int(0xFFFF0000u))));  // column 2p+1
+}
+
+// q.k over d (a multiple of 16) bf16 values: vdpbf16ps multiplies bf16 pairs exactly and accumulates in fp32.
+inline float dot_bf16(const bf16* a, const bf16* b, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < d; k += 32) {
+    const __mmask32 m = d - k >= 32 ? ~__mmask32(0) : (__mmask32)((1ull << (d - k)) - 1);
+    const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(m, a + k), y = (__m512bh)_mm512_maskz_loadu_epi16(m, b + k);
+    acc = _mm512_dpbf16_ps(acc, x, y);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// GEMM tiles (blocks of 16 rows x tokens, one fp32 accumulator each): a task takes kGroupBlocks blocks, as one tile
+// per kTileTokens tokens. 4 x 4 accumulators = 16 of the 32 zmm registers.
+constexpr int kGroupBlocks = 4, kTileBlocks = 4, kTileTokens = 4;
+
+#elif defined(DRAFTSMITH_ISA_AVX2)
+
+struct vf {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+
+inline vf vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vf vset1(float a) { const __m256 s = _mm256_set1_ps(a); return {s, s}; }
+inline vf vadd(vf a, vf b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline vf vsub(vf a, vf b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline vf vmul(vf a, vf b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vf vdiv(vf a, vf b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline vf vfmadd(vf a, vf b, vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vf vmax(vf a, vf b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline vf vmin(vf a, vf b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline vf vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+
+// AVX2 has no 16-bit masked loads/stores: tails go through a zeroed stack buffer (rare: only rows not a multiple
+// of 16 long reach them).
+inline vf load_bf(const bf16* p, int64_t n = 16) {
+  __m256i raw;
+  if (n >= 16) {
+    raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  } else {
+    alignas(32) bf16 buf[16] = {};
+    std::memcpy(buf, p, n * sizeof(bf16));
+    raw = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+  }
+  const __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw));       // [8] u32
+  const __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1));  // [8] u32
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+}
+
+// fp32 bits rounded to nearest even at bit 16 (the bf16 pattern is the top half); NaN becomes the quiet NaN
+// 0x7FC0, as c10::BFloat16 does, instead of being rounded into an infinity or a different payload.
+inline __m256i rne_bits(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), nan);
+}
+inline void store_bf(bf16* p, vf v, int64_t n = 16) {
+  const __m256i lo = _mm256_srli_epi32(rne_bits(v.lo), 16), hi = _mm256_srli_epi32(rne_bits(v.hi), 16);
+  // packus interleaves 128-bit halves (lo0-3 hi0-3 lo4-7 hi4-7); the permute puts lanes back in order.
+  const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);  // [16] u16
+  if (n >= 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  } else {
+    alignas(32) bf16 buf[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(buf), h);
+    std::memcpy(p, buf, n * sizeof(bf16));
+  }
+}
+inline vf round_bf(vf v) {
+  const __m256i top = _mm256_set1_epi32(int(0xFFFF0000u));
+  return {_mm256_castsi256_ps(_mm256_and_si256(rne_bits(v.lo), top)),
+          _mm256_castsi256_ps(_mm256_and_si256(rne_bits(v.hi), top))};
+}
+inline float hsum(vf v) {
+  const __m256 s8 = _mm256_add_ps(v.lo, v.hi);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline vf vround_int(vf v) {
+  constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(v.lo, mode), _mm256_round_ps(v.hi, mode)};
+}
+// p * 2^n for integral n in [-126, 127]: 2^n is built directly as the fp32 pattern (n + 127) << 23 (no scalef).
+inline __m256 times_pow2(__m256 p, __m256 n) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline vf vtimes_pow2(vf p, vf n) { return {times_pow2(p.lo, n.lo), times_pow2(p.hi, n.hi)}; }
+inline vf zero_where_neg_inf(vf score, vf v) {
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  return {_mm256_and_ps(_mm256_cmp_ps(score.lo, ninf, _CMP_NEQ_OQ), v.lo),
+          _mm256_and_ps(_mm256_cmp_ps(score.hi, ninf, _CMP_NEQ_OQ), v.hi)};
+}
+
+// The 64-byte packed vector as two 32-byte halves: rows 0-7, then rows 8-15.
+inline void unpack(const bf16* p, vf& even, vf& odd) {
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  const __m256i top = _mm256_set1_epi32(int(0xFFFF0000u));
+  even = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+  odd = {_mm256_castsi256_ps(_mm256_and_si256(lo, top)), _mm256_castsi256_ps(_mm256_and_si256(hi, top))};
+}
+
+// q.k in fp32 FMAs on widened bf16 (products of two bf16 are exact in fp32, as with vdpbf16ps).
+inline float dot_bf16(const bf16* a, const bf16* b, int64_t d) {
+  vf acc = vzero();
+  for (int64_t k = 0; k < d; k += 16) acc = vfmadd(load_bf(a + k), load_bf(b + k), acc);
+  return hsum(acc);
+}
+
+// GEMM tiles with 16 ymm registers, each vf taking two: a single token runs the task's 4 blocks at once (8 ymm of
+// accumulators, 4 weight streams in flight); several tokens run 1 block x 4 tokens (8 ymm of accumulators + 8
+// broadcast inputs), which reuses each unpacked weight vector 4 times without spilling. On Zen 4, 8 tokens: 1 x 4
+// took 3.3 ms per 28 MB of weights, 4 x 2 (spills) 3.5, 2 x 2 5.1, the single-token 4 x 1 tile 5.7.
+constexpr int kGroupBlocks = 4, kTileBlocks = 1, kTileTokens = 4;
+
+#else
+#error "define DRAFTSMITH_ISA_AVX512_BF16 or DRAFTSMITH_ISA_AVX2 (kernels/cpu_layer.py does)"
+#endif
 
 // exp of 16 lanes: x = n ln2 + r, |r| <= ln2/2, degree-6 Taylor polynomial (relative error < 2e-7), times 2^n.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
+inline vf vexp(vf x) {
+  x = vmax(vmin(x, vset1(88.f)), vset1(-87.f));
+  const vf n = vround_int(vmul(x, vset1(1.44269504f)));
+  vf r = vfmadd(n, vset1(-0.693145751953125f), x);  // ln2 split in two for an exact n * ln2_hi
+  r = vfmadd(n, vset1(-1.428606765330187e-06f), r);
+  vf p = vset1(1.f / 720);
+  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = vfmadd(p, r, vset1(c));
+  return vtimes_pow2(p, n);
 }
 
 const bf16* ptr(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
@@ -64,9 +216,10 @@ const bf16* opt_ptr(const std::optional<torch::Tensor>& t) { return t ? ptr(*t) 
 
 // Packed weights: W [N, K] is stored as [ceil(N/16), K/2, 16, 2], zero-padded to whole blocks of 16 rows, so one
 // 64-byte load holds 16 rows x 2 columns. As 16 x 32-bit lanes, lane r = W[r, 2p+1] << 16 | W[r, 2p]: a shift and a
-// mask turn it into the two columns in fp32, each multiplied by one broadcast x value with fp32 FMAs. (On the
-// AVX512-BF16 CPU this was tuned on, vdpbf16ps retires ~1 per 2-4 cycles against 2 FMAs per cycle, so the FMA form
-// is ~2x faster once a multi-token verify makes the GEMM compute-bound; a single token is bandwidth-bound either way.)
+// mask turn it into the two columns in fp32 (unpack), each multiplied by one broadcast x value with fp32 FMAs. (On
+// the AVX512-BF16 CPU this was tuned on, vdpbf16ps retires ~1 per 2-4 cycles against 2 FMAs per cycle, so the FMA
+// form is ~2x faster once a multi-token verify makes the GEMM compute-bound; a single token is bandwidth-bound either
+// way. The same layout serves the AVX2 build, which has no bf16 dot product at all.)
 // Each weight byte is read once per forward, whatever T is.
 
 #ifndef PREFETCH
@@ -79,83 +232,104 @@ template <int G, int NT>
 inline void tile(const float* X, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t t0, const bf16* bias,
                  const bf16* res, bf16* Y) {
   const int64_t pairs = K / 2;
-  __m512 acc[G][NT];
+  vf acc[G][NT];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NT; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j) acc[g][j] = vzero();
   const bf16* base = P + b0 * pairs * 32;
-  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
     for (int g = 0; g < G; ++g) {
       // Software prefetch 1 KiB ahead: the hardware streamer stops at each 4 KiB page, and a 576-wide layer's
       // stream per block is only 18 KiB long.
       _mm_prefetch(reinterpret_cast<const char*>(base + (g * pairs + p + PREFETCH) * 32), _MM_HINT_T0);
-      const __m512i raw = _mm512_loadu_si512(base + (g * pairs + p) * 32);
-      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));  // column 2p of the 16 rows
-      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(raw, high));   // column 2p+1
+      vf even, odd;  // columns 2p and 2p+1 of the 16 rows
+      unpack(base + (g * pairs + p) * 32, even, odd);
       for (int j = 0; j < NT; ++j) {
         const float* x = X + (t0 + j) * K + 2 * p;
-        acc[g][j] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[0]), acc[g][j]);
-        acc[g][j] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[1]), acc[g][j]);
+        acc[g][j] = vfmadd(even, vset1(x[0]), acc[g][j]);
+        acc[g][j] = vfmadd(odd, vset1(x[1]), acc[g][j]);
       }
     }
   }
   for (int g = 0; g < G; ++g) {
     const int64_t r0 = (b0 + g) * 16, valid = std::min<int64_t>(16, N - r0);
-    const __mmask16 m = (__mmask16)((1u << valid) - 1);
-    const __m512 b = bias ? load16_f(bias + r0, m) : _mm512_setzero_ps();
+    const vf b = bias ? load_bf(bias + r0, valid) : vzero();
     for (int j = 0; j < NT; ++j) {
-      __m512 y = round16(_mm512_add_ps(acc[g][j], b));
+      vf y = round_bf(vadd(acc[g][j], b));
       const int64_t at = (t0 + j) * N + r0;
-      if (res) y = _mm512_add_ps(y, load16_f(res + at, m));
-      _mm256_mask_storeu_epi16(Y + at, m, (__m256i)_mm512_cvtneps_pbh(y));
+      if (res) y = vadd(y, load_bf(res + at, valid));
+      store_bf(Y + at, y, valid);
     }
   }
 }
 
+// Tokens [t0, T) in tiles of NT, the remainder (< NT tokens) as one smaller tile.
+template <int G, int NT>
+inline void token_tiles(const float* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t t0,
+                        const bf16* bias, const bf16* res, bf16* Y) {
+  for (; t0 + NT <= T; t0 += NT) tile<G, NT>(X, K, P, N, b0, t0, bias, res, Y);
+  if constexpr (NT > 1)
+    if (t0 < T) token_tiles<G, NT - 1>(X, T, K, P, N, b0, t0, bias, res, Y);
+}
+
+// Blocks [b0, b0+G) against all T tokens: one token as a G-block tile (G weight streams at once, bandwidth-bound);
+// several in tiles of kTileBlocks x kTileTokens (each weight vector reused across tokens, compute-bound).
 template <int G>
 inline void block_group(const float* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, const bf16* bias,
                         const bf16* res, bf16* Y) {
-  int64_t t0 = 0;
-  for (; t0 + 4 <= T; t0 += 4) tile<G, 4>(X, K, P, N, b0, t0, bias, res, Y);
-  switch (T - t0) {
-    case 3: tile<G, 3>(X, K, P, N, b0, t0, bias, res, Y); break;
-    case 2: tile<G, 2>(X, K, P, N, b0, t0, bias, res, Y); break;
-    case 1: tile<G, 1>(X, K, P, N, b0, t0, bias, res, Y); break;
-    default: break;
-  }
+  constexpr int TB = std::min(G, kTileBlocks);
+  static_assert(G % TB == 0, "a group is a whole number of tiles");
+  if (T == 1) return tile<G, 1>(X, K, P, N, b0, 0, bias, res, Y);
+  for (int g = 0; g < G; g += TB) token_tiles<TB, kTileTokens>(X, T, K, P, N, b0 + g, 0, bias, res, Y);
 }
 
 // Y [T, N] = X [T, K] @ W^T (+ bias [N]) (+ res [T, N]) with W packed as above; K even.
 void gemm(const bf16* X, int64_t T, int64_t K, const bf16* P, int64_t N, const bf16* bias, const bf16* res, bf16* Y) {
-  std::vector<float> xf(T * K);  // the input in fp32 once, broadcast from here
-  for (int64_t i = 0; i < T * K; ++i) xf[i] = to_f(X[i]);
-  const int64_t blocks = (N + 15) / 16, groups = blocks / 4;
+  constexpr int G = kGroupBlocks;
+  std::vector<float> xf(T * K);  // [T, K]: the input in fp32 once, broadcast from here
+  int64_t i = 0;
+  for (; i + 16 <= T * K; i += 16) vstore(xf.data() + i, load_bf(X + i));
+  for (; i < T * K; ++i) xf[i] = to_f(X[i]);
+  const int64_t blocks = (N + 15) / 16, groups = blocks / G;
   // A task should stream >= ~64 KiB of weights, or waking the second thread costs more than it saves.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (4 * 16 * K * 2));
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (G * 16 * K * 2));
   at::parallel_for(0, groups, grain, [&](int64_t a, int64_t b) {
-    for (int64_t q = a; q < b; ++q) block_group<4>(xf.data(), T, K, P, N, 4 * q, bias, res, Y);
+    for (int64_t q = a; q < b; ++q) block_group<G>(xf.data(), T, K, P, N, G * q, bias, res, Y);
   });
-  for (int64_t b = 4 * groups; b < blocks; ++b) block_group<1>(xf.data(), T, K, P, N, b, bias, res, Y);
+  for (int64_t b = G * groups; b < blocks; ++b) block_group<1>(xf.data(), T, K, P, N, b, bias, res, Y);
 }
 
 // out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) per row of n values (transformers' LlamaRMSNorm in bf16).
+// In place (out == x) is safe: each 16-lane chunk is read before it is written.
 void rms_norm(const bf16* x, int64_t rows, int64_t n, const bf16* w, float eps, bf16* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const bf16* xr = x + r * n;
-    float ss = 0.f;
-    for (int64_t k = 0; k < n; ++k) ss += to_f(xr[k]) * to_f(xr[k]);
-    const float inv = 1.f / std::sqrt(ss / float(n) + eps);
-    for (int64_t k = 0; k < n; ++k) out[r * n + k] = to_bf(to_f(w[k]) * round_bf(to_f(xr[k]) * inv));
+    vf ss = vzero();
+    for (int64_t k = 0; k < n; k += 16) {
+      const vf v = load_bf(xr + k, std::min<int64_t>(16, n - k));
+      ss = vfmadd(v, v, ss);
+    }
+    const vf inv = vset1(1.f / std::sqrt(hsum(ss) / float(n) + eps));
+    for (int64_t k = 0; k < n; k += 16) {
+      const int64_t m = std::min<int64_t>(16, n - k);
+      store_bf(out + r * n + k, vmul(load_bf(w + k, m), round_bf(vmul(load_bf(xr + k, m), inv))), m);
+    }
   }
 }
 
-// In-place RoPE on one head vector: x*cos + roll(x, d/2)*sin_signed (the sign of rotate_half is in the table).
+// In-place RoPE on one head vector (d a multiple of 16): x*cos + roll(x, d/2)*sin_signed (the sign of rotate_half is
+// in the table), each product rounded to bf16 as torch's bf16 ops do.
 void rope(bf16* x, int64_t d, const bf16* cos, const bf16* sin) {
-  float tmp[1024];
-  for (int64_t j = 0; j < d; ++j) tmp[j] = to_f(x[j]);
-  const int64_t half = d / 2;
-  for (int64_t j = 0; j < d; ++j)
-    x[j] = to_bf(round_bf(tmp[j] * to_f(cos[j])) + round_bf(tmp[(j + half) % d] * to_f(sin[j])));
+  float tmp[256];  // [2d]: x twice, so roll(x, d/2)[j] = tmp[j + d/2] without a wrap
+  for (int64_t j = 0; j < d; j += 16) {
+    const vf v = load_bf(x + j);
+    vstore(tmp + j, v);
+    vstore(tmp + d + j, v);
+  }
+  for (int64_t j = 0; j < d; j += 16) {
+    const vf a = round_bf(vmul(vload(tmp + j), load_bf(cos + j)));
+    const vf b = round_bf(vmul(vload(tmp + j + d / 2), load_bf(sin + j)));
+    store_bf(x + j, vadd(a, b));
+  }
 }
 
 // Attention of new token i, query head h, over prefix slots [0, start) and new slots start+j with mask[i, j].
@@ -170,35 +344,28 @@ void attend_one(const bf16* q, const bf16* kc, const bf16* vc, int64_t start, in
       scores[s] = -INFINITY;
       continue;
     }
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < d; k += 32) acc = _mm512_dpbf16_ps(acc, load32(q + k, d - k), load32(kc + s * d + k, d - k));
-    scores[s] = _mm512_reduce_add_ps(acc) * scale;
+    scores[s] = dot_bf16(q, kc + s * d, d) * scale;
     best = std::max(best, scores[s]);
   }
   // Softmax numerators 16 at a time; masked slots (-inf) become exactly 0 and are skipped below.
   scores.resize((n + 15) / 16 * 16, -INFINITY);
-  __m512 sum = _mm512_setzero_ps();
+  vf sum = vzero();
   for (int64_t s = 0; s < n; s += 16) {
-    const __m512 v = _mm512_loadu_ps(scores.data() + s);
-    const __mmask16 live = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(v, _mm512_set1_ps(best))));
-    _mm512_storeu_ps(scores.data() + s, e);
-    sum = _mm512_add_ps(sum, e);
+    const vf v = vload(scores.data() + s);
+    const vf e = zero_where_neg_inf(v, vexp(vsub(v, vset1(best))));
+    vstore(scores.data() + s, e);
+    sum = vadd(sum, e);
   }
-  const float total = _mm512_reduce_add_ps(sum);
-  __m512 acc[8];  // d <= 128, d % 16 == 0
+  const vf total = vset1(hsum(sum));
+  vf acc[8];  // [d / 16] lanes of the output, d <= 128, d % 16 == 0
   const int64_t chunks = d / 16;
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = vzero();
   for (int64_t s = 0; s < n; ++s) {
     if (scores[s] == 0.f) continue;
-    const __m512 p = _mm512_set1_ps(scores[s]);
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, load16_f(vc + s * d + 16 * c), acc[c]);
+    const vf p = vset1(scores[s]);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = vfmadd(p, load_bf(vc + s * d + 16 * c), acc[c]);
   }
-  float buf[16];
-  for (int64_t c = 0; c < chunks; ++c) {
-    _mm512_storeu_ps(buf, acc[c]);
-    for (int j = 0; j < 16; ++j) out[16 * c + j] = to_bf(buf[j] / total);
-  }
+  for (int64_t c = 0; c < chunks; ++c) store_bf(out + 16 * c, vdiv(acc[c], total));
 }
 
 }  // namespace
@@ -258,15 +425,14 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& ln1, co
   gemm(attn.data(), T, nq, ptr(wo), H, opt_ptr(bo), ptr(x), m);  // x + o_proj(attn)
   rms_norm(m, T, H, ptr(ln2), feps, xn.data());
   gemm(xn.data(), T, H, ptr(wgu), 2 * inter, opt_ptr(bgu), nullptr, gu.data());  // [T, 2I]: gate | up
-  for (int64_t t = 0; t < T; ++t) {  // act = bf16(bf16(silu(gate)) * up), 16 at a time
+  for (int64_t t = 0; t < T; ++t) {  // act [T, I] = bf16(bf16(silu(gate)) * up), 16 at a time
     const bf16* gate = gu.data() + t * 2 * inter;
     const bf16* up = gate + inter;
     for (int64_t j = 0; j < inter; j += 16) {
-      const __mmask16 m = (__mmask16)((1u << std::min<int64_t>(16, inter - j)) - 1);
-      const __m512 g = load16_f(gate + j, m);
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      const __m512 y = _mm512_mul_ps(round16(silu), load16_f(up + j, m));
-      _mm256_mask_storeu_epi16(act.data() + t * inter + j, m, (__m256i)_mm512_cvtneps_pbh(y));
+      const int64_t m = std::min<int64_t>(16, inter - j);
+      const vf g = load_bf(gate + j, m);
+      const vf silu = vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g))));
+      store_bf(act.data() + t * inter + j, vmul(round_bf(silu), load_bf(up + j, m)), m);
     }
   }
   gemm(act.data(), T, inter, ptr(wdown), H, opt_ptr(bdown), m, reinterpret_cast<bf16*>(out.data_ptr()));

@@ -7,6 +7,7 @@ trained for it); a CLI flag overrides them; the bench records each choice with i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from draftsmith.runtime.verify import (
@@ -18,7 +19,42 @@ from draftsmith.runtime.verify import (
     TypicalVerifier,
 )
 
-VERIFIERS = ("greedy", "rejection", "typical")
+VerifierBuilder = Callable[[float, str, dict], Any]  # (temperature, kernels, export inference block) -> verifier
+VERIFIERS: dict[str, VerifierBuilder] = {}
+
+
+def register_verifier(name: str) -> Callable[[VerifierBuilder], VerifierBuilder]:
+    """Register a verifier builder under ``name`` (what ``--verifier`` and an export's ``inference.verifier`` say)."""
+
+    def wrap(fn: VerifierBuilder) -> VerifierBuilder:
+        if name in VERIFIERS:
+            raise ValueError(f"verifier {name!r} is registered twice")
+        VERIFIERS[name] = fn
+        return fn
+
+    return wrap
+
+
+@register_verifier("greedy")
+def _greedy(temperature: float, kernels: str, inference: dict) -> Any:
+    """Lossless at temperature 0: accept while the draft equals the target's argmax."""
+    if temperature != 0:
+        raise ValueError("the greedy verifier decodes at temperature 0; use --verifier rejection for sampling")
+    return GreedyVerifier(kernels)
+
+
+@register_verifier("rejection")
+def _rejection(temperature: float, kernels: str, inference: dict) -> Any:
+    """Lossless sampling: the output distribution is the target's at ``temperature``."""
+    return RejectionSamplingVerifier(temperature=max(temperature, 1e-5))
+
+
+@register_verifier("typical")
+def _typical(temperature: float, kernels: str, inference: dict) -> Any:
+    """Medusa's typical acceptance (lossy), thresholds from the export's ``inference.typical``."""
+    typical = inference.get("typical", {})
+    return TypicalVerifier(float(typical.get("posterior_threshold", 0.09)), float(typical.get("posterior_alpha", 0.3)),
+                           temperature=max(temperature, 1e-5))
 
 
 def _inference(export_config: dict | None) -> dict[str, Any]:
@@ -26,21 +62,12 @@ def _inference(export_config: dict | None) -> dict[str, Any]:
 
 
 def make_verifier(name: str, temperature: float, kernels: str, export_config: dict | None) -> Any:
-    """greedy (lossless at T=0), rejection (lossless sampling), typical (Medusa's lossy rule); "auto" as in
-    :func:`choose_verifier` without the export."""
+    """The registered verifier ``name`` ("auto": greedy at T = 0, else rejection sampling)."""
     if name == "auto":
         name = "greedy" if temperature == 0 else "rejection"
-    if name == "greedy":
-        if temperature != 0:
-            raise ValueError("the greedy verifier decodes at temperature 0; use --verifier rejection for sampling")
-        return GreedyVerifier(kernels)
-    if name == "rejection":
-        return RejectionSamplingVerifier(temperature=max(temperature, 1e-5))
-    if name == "typical":
-        typical = _inference(export_config).get("typical", {})
-        return TypicalVerifier(float(typical.get("posterior_threshold", 0.09)),
-                               float(typical.get("posterior_alpha", 0.3)), temperature=max(temperature, 1e-5))
-    raise ValueError(f"unknown verifier {name!r}; valid: auto, {', '.join(VERIFIERS)}")
+    if name not in VERIFIERS:
+        raise ValueError(f"unknown verifier {name!r}; valid: auto, {', '.join(VERIFIERS)}")
+    return VERIFIERS[name](temperature, kernels, _inference(export_config))
 
 
 def choose_verifier(flag: str, temperature: float, kernels: str, export_config: dict | None) -> tuple[Any, dict]:

@@ -1,4 +1,5 @@
-"""The fused bf16 CPU layer (C++, AVX512-BF16) against the lean decoder's torch path, its reference."""
+"""The fused bf16 CPU layer (C++; each ISA variant this CPU runs: AVX512-BF16, AVX2) against the lean decoder's torch
+path, its reference, and the variants against each other."""
 
 from __future__ import annotations
 
@@ -10,12 +11,22 @@ from draftsmith.kernels import cpu_layer
 from draftsmith.runtime.autoregressive import generate_ar
 from draftsmith.runtime.model import LeanDecoder
 
-pytestmark = pytest.mark.skipif(cpu_layer.why_unavailable() is not None, reason=str(cpu_layer.why_unavailable()))
+# The variants this CPU can run (an AVX512-BF16 CPU runs both; the avx2 one is then tested for real here too).
+RUNNABLE = [isa for isa in cpu_layer.ISAS if cpu_layer.why_unavailable(isa) is None]
+pytestmark = pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))
 
 
-@pytest.fixture(scope="module")
-def ext():
-    return cpu_layer.load_cpu_layer()
+@pytest.fixture(scope="module", params=RUNNABLE or [None])
+def ext(request):
+    """The fused layer built for one ISA variant (each test using it runs once per runnable variant)."""
+    return cpu_layer.load_cpu_layer(request.param)
+
+
+@pytest.fixture
+def use_variant(ext, monkeypatch):
+    """Make ``linear_backend="cpp"`` models (which load the default variant) run ``ext`` instead."""
+    monkeypatch.setattr(cpu_layer, "load_cpu_layer", lambda isa=None: ext)
+    return ext
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -49,6 +60,21 @@ def test_packed_linear_matches_matmul(ext, n):
         ext.linear(torch.randn(2, 46).bfloat16(), packed, None, n)
 
 
+def test_linear_rounds_to_nearest_even_like_torch(ext):
+    """y = a + b through the GEMM (fp32 sum, then one rounding): ties, overflow to inf, inf and NaN round as torch's
+    fp32 -> bf16 cast does (the AVX2 build rounds with integer arithmetic, AVX-512 with vcvtneps2bf16)."""
+    torch.manual_seed(0)
+    big = torch.finfo(torch.bfloat16).max
+    a = torch.cat([torch.randn(200), torch.tensor([1.0, 1.0, 3.0, big, float("inf"), float("inf"), -big, 0.0])])
+    b = torch.cat([torch.randn(200) * 2**-9, torch.tensor([2**-8, 3 * 2**-8, 2**-7, big, 1.0, -float("inf"), -big, -0.0])])
+    x = torch.stack([a, b], 1).bfloat16()  # [208, 2]: bf16 a and b whose fp32 sum needs rounding
+    w = torch.ones(1, 2).bfloat16()  # y = a + b
+    want = (x.float() @ w.float().t()).bfloat16()  # [208, 1]; 1 + 2^-8, 1 + 3 * 2^-8 and 3 + 2^-7 are ties
+    got = ext.linear(x, cpu_layer.pack_weight(w), None, 1)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
 def close_as_bf16_reference(got: torch.Tensor, ref_bf16: torch.Tensor, ref_f32: torch.Tensor, what: str) -> None:
     """``got`` is at most three times as far from the fp32 result as the torch path's bf16 result is (plus 1e-3)."""
     budget = 3 * (ref_bf16.float() - ref_f32).abs().max().item() + 1e-3
@@ -57,7 +83,7 @@ def close_as_bf16_reference(got: torch.Tensor, ref_bf16: torch.Tensor, ref_f32: 
 
 
 @pytest.mark.parametrize("kind", ["Llama", "Qwen2", "Qwen3"])  # plain; q/k/v biases; per-head q/k norm
-def test_fused_layer_matches_torch_path(tmp_path, ext, kind):
+def test_fused_layer_matches_torch_path(tmp_path, use_variant, kind):
     """Prefill, a tree-masked forward at tree positions and a one-token step: logits, hidden states and the K/V
     written to the cache are as close to fp32 as the torch path's bf16 results are (errors here are ~4e-3 on
     logits of ~0.5, so a 10% slip in RoPE or a dropped bias fails)."""
@@ -65,6 +91,7 @@ def test_fused_layer_matches_torch_path(tmp_path, ext, kind):
     tiny_model(kind, tmp_path, **extra)
     models = [LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend=b) for b in ("dense", "cpp")]
     models.append(LeanDecoder.from_pretrained(tmp_path, dtype=torch.float32))
+    assert models[1]._ops.layer is use_variant.decoder_layer
     caches = [m.allocate_cache(32) for m in models]
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     steps = [
@@ -84,11 +111,12 @@ def test_fused_layer_matches_torch_path(tmp_path, ext, kind):
             cache.commit(end - start)
 
 
-def test_fused_layer_greedy_decoding_and_taps(tmp_path, ext):
+def test_fused_layer_greedy_decoding_and_taps(tmp_path, use_variant):
     """Greedy decoding through the fused layer follows the torch path's tokens; layer taps are the layer inputs."""
     tiny_model("Llama", tmp_path)
     ref = LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend="dense")
     fused = LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend="cpp")
+    assert fused._ops.layer is use_variant.decoder_layer
     assert generate_ar(fused, [1, 2, 3], 16) == generate_ar(ref, [1, 2, 3], 16)
     ids = torch.tensor([3, 4, 5])
     _, _, taps_ref = ref.forward_taps(ids, ref.allocate_cache(8), taps=(0, 1, 2))
@@ -108,7 +136,43 @@ def test_cpp_backend_errors_name_the_reason(tmp_path):
     assert "head_dim 24" in cpu_layer.shapes_supported(24, 64, 96)
 
 
-def test_accelerate_linears_swaps_bf16_cpu_linears_only(ext):
+def test_variants_report_their_isa(ext):
+    assert ext.isa in RUNNABLE and hasattr(ext, "decoder_layer")
+
+
+@pytest.mark.skipif(len(RUNNABLE) < 2, reason=f"this CPU runs only {RUNNABLE} of {cpu_layer.ISAS}")
+def test_variants_agree(tmp_path):
+    """The AVX-512 and AVX2 builds run the same math (only the q.k dot product may differ in summation order): on
+    the same layer their outputs and cache writes agree to a bf16 rounding step or two, and their linears exactly."""
+    tiny_model("Qwen2", tmp_path, intermediate_size=100)  # biases; a partial 16-row block and a SiLU tail
+    model = LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend="cpp")
+    c, weights = model.config, model._exec[0]
+    mods = [cpu_layer.load_cpu_layer(isa) for isa in RUNNABLE]
+    torch.manual_seed(1)
+    x = torch.randn(7, c.hidden_size).bfloat16()  # [T, H]
+    prefix = torch.randn(2, c.num_kv_heads, 16, c.head_dim).bfloat16()  # K and V [Hkv, S, d]; slots 0-2 used
+    cos, sin = model._cos[3:10].contiguous(), model._sin[3:10].contiguous()  # [T, 1, d]
+    tree = torch.tril(torch.ones(7, 7, dtype=torch.bool))
+    tree[4, 1:4] = False  # a branch: token 4 sees 0 but not 1-3
+    outs, caches = [], []
+    for mod in mods:
+        kc, vc = prefix[0].clone(), prefix[1].clone()
+        outs.append(mod.decoder_layer(x, *weights, kc, vc, 3, cos, sin, tree, c.num_heads, c.num_kv_heads,
+                                      c.rms_norm_eps, c.head_dim**-0.5))  # fmt: skip
+        caches.append((kc, vc))
+    for out in outs[1:]:
+        torch.testing.assert_close(out.float(), outs[0].float(), atol=0.02, rtol=0.02)
+    for kc, vc in caches[1:]:
+        assert torch.equal(kc, caches[0][0]) and torch.equal(vc, caches[0][1])  # K/V precede attention: bit-identical
+    w = torch.randn(37, 64).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    ys = [mod.linear(x, cpu_layer.pack_weight(w), None, 37) for mod in mods]
+    for y in ys[1:]:
+        assert torch.equal(y, ys[0])  # same fp32 FMA order, same rounding
+
+
+def test_accelerate_linears_swaps_bf16_cpu_linears_only():
+    """Through the default variant (the best this CPU runs)."""
     from draftsmith.runtime.fast_linear import PackedLinear, accelerate_linears
 
     torch.manual_seed(0)
@@ -116,6 +180,7 @@ def test_accelerate_linears_swaps_bf16_cpu_linears_only(ext):
     x = torch.randn(3, 5, 32)
     want = net.bfloat16()(x.bfloat16())
     assert accelerate_linears(net) == 2 and all(isinstance(net[i], PackedLinear) for i in (0, 2))
+    assert net[0]._kernel.isa == cpu_layer.pick_isa()[0]
     got = net(x.bfloat16())
     assert got.shape == (3, 5, 7) and net[0].weight.dtype == torch.bfloat16  # .weight stays readable
     torch.testing.assert_close(got.float(), want.float(), atol=0.03, rtol=0.02)
