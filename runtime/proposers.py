@@ -72,8 +72,16 @@ def register_proposer(method: str) -> Callable[[ProposerBuilder], ProposerBuilde
 
 
 def _load_builtin_proposers() -> None:
-    """Register the proposers defined in other runtime modules (lazily: they import heavier drafter code)."""
-    import draftsmith.runtime.proposers_eagle  # noqa: F401  (registers "eagle" and "eagle3")
+    """Import every ``draftsmith.runtime.proposers_<family>`` module, which registers its proposers (lazily: they
+    import heavier drafter code). A new family's file is found by its name; no list to keep."""
+    import importlib
+    import pkgutil
+
+    import draftsmith.runtime as runtime_pkg
+
+    for info in pkgutil.iter_modules(runtime_pkg.__path__):
+        if info.name.startswith("proposers_"):
+            importlib.import_module(f"draftsmith.runtime.{info.name}")
 
 
 def registered_methods() -> list[str]:
