@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from draftsmith import assets
+from draftsmith.common.registry import Registry
 from draftsmith.distill.conversations import load_conversations
 from draftsmith.distill.data import (
     ChatDataset,
@@ -209,28 +210,14 @@ class ChatDataModule(pl.LightningDataModule):
         return self._loader(self.val_set, batch_size=self.batch_size, shuffle=False)
 
 
-DATAMODULES: dict[str, Callable[..., Any]] = {}
-
-
-def register_batch_kind(name: str) -> Callable:
-    """Register ``fn(cfg, tokenizer, packing) -> LightningDataModule`` as the builder of batch kind ``name``
-    (an objective names its kind with ``batch_kind``; see distill.objective)."""
-
-    def wrap(fn: Callable) -> Callable:
-        if name in DATAMODULES:
-            raise ValueError(f"batch kind {name!r} is registered twice")
-        DATAMODULES[name] = fn
-        return fn
-
-    return wrap
+DATAMODULES: Registry[Callable[..., Any]] = Registry("batch kind")
+register_batch_kind = DATAMODULES.register  # @register_batch_kind(name) on fn(cfg, tokenizer, packing) -> datamodule
 
 
 def build_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None, kind: str = "chat") -> Any:
-    """The data module of batch kind ``kind`` for a composed config (``cfg.data``, ``cfg.run.seed``); one place for
-    every caller. Raises ValueError naming the registered kinds for an unknown one."""
-    if kind not in DATAMODULES:
-        raise ValueError(f"no datamodule for batch kind {kind!r}; registered: {', '.join(sorted(DATAMODULES))}")
-    return DATAMODULES[kind](cfg, tokenizer, packing)
+    """The data module of batch kind ``kind`` (an objective's ``batch_kind``) for a composed config (``cfg.data``,
+    ``cfg.run.seed``); one place for every caller. Raises ValueError naming the registered kinds for an unknown one."""
+    return DATAMODULES.get(kind)(cfg, tokenizer, packing)
 
 
 @register_batch_kind("chat")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from draftsmith.common.registry import Registry
 from draftsmith.runtime.verify import (
     ConfidenceStop,
     FixedDepth,
@@ -20,19 +21,8 @@ from draftsmith.runtime.verify import (
 )
 
 VerifierBuilder = Callable[[float, str, dict], Any]  # (temperature, kernels, export inference block) -> verifier
-VERIFIERS: dict[str, VerifierBuilder] = {}
-
-
-def register_verifier(name: str) -> Callable[[VerifierBuilder], VerifierBuilder]:
-    """Register a verifier builder under ``name`` (what ``--verifier`` and an export's ``inference.verifier`` say)."""
-
-    def wrap(fn: VerifierBuilder) -> VerifierBuilder:
-        if name in VERIFIERS:
-            raise ValueError(f"verifier {name!r} is registered twice")
-        VERIFIERS[name] = fn
-        return fn
-
-    return wrap
+VERIFIERS: Registry[VerifierBuilder] = Registry("verifier")
+register_verifier = VERIFIERS.register  # @register_verifier(name): what --verifier and inference.verifier say
 
 
 @register_verifier("greedy")
@@ -65,9 +55,7 @@ def make_verifier(name: str, temperature: float, kernels: str, export_config: di
     """The registered verifier ``name`` ("auto": greedy at T = 0, else rejection sampling)."""
     if name == "auto":
         name = "greedy" if temperature == 0 else "rejection"
-    if name not in VERIFIERS:
-        raise ValueError(f"unknown verifier {name!r}; valid: auto, {', '.join(VERIFIERS)}")
-    return VERIFIERS[name](temperature, kernels, _inference(export_config))
+    return VERIFIERS.get(name)(temperature, kernels, _inference(export_config))
 
 
 def choose_verifier(flag: str, temperature: float, kernels: str, export_config: dict | None) -> tuple[Any, dict]:

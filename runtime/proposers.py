@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from draftsmith.common.registry import Registry
 from draftsmith.runtime.tree import DraftTree, StaticTree
 from draftsmith.runtime.verify import Acceptance, StopPolicy, on_generator_device, target_probs
 
@@ -56,19 +57,9 @@ class Proposer(Protocol):
 
 
 ProposerBuilder = Callable[..., Proposer]
-_REGISTRY: dict[str, ProposerBuilder] = {}
-
-
-def register_proposer(method: str) -> Callable[[ProposerBuilder], ProposerBuilder]:
-    """Decorator: ``builder(export_dir, config, target_model, **kwargs) -> Proposer`` serves exports of ``method``."""
-
-    def deco(builder: ProposerBuilder) -> ProposerBuilder:
-        if method in _REGISTRY:
-            raise ValueError(f"a proposer for method {method!r} is already registered")
-        _REGISTRY[method] = builder
-        return builder
-
-    return deco
+_REGISTRY: Registry[ProposerBuilder] = Registry("runtime proposer for method")
+# @register_proposer(method) on builder(export_dir, config, target_model, **kwargs) -> Proposer
+register_proposer = _REGISTRY.register
 
 
 def _load_builtin_proposers() -> None:
@@ -87,7 +78,7 @@ def _load_builtin_proposers() -> None:
 def registered_methods() -> list[str]:
     """Export methods the runtime can draft with."""
     _load_builtin_proposers()
-    return sorted(_REGISTRY)
+    return list(_REGISTRY)
 
 
 def check_target_model(config: dict, target_model: Any, identity: dict | None = None, given: str | None = None) -> None:
@@ -129,7 +120,7 @@ def build_proposer(export_dir: str | Path, target_model: Any, identity: dict | N
         raise ValueError(f"no runtime proposer for method {method!r} (export {export_dir}); available: "
                          f"{', '.join(registered_methods()) or 'none'}")
     check_target_model(config, target_model, identity, given)
-    return _REGISTRY[method](export_dir, config, target_model, **kwargs)
+    return _REGISTRY.get(method)(export_dir, config, target_model, **kwargs)
 
 
 def _prune(tree: DraftTree, keep: list[bool]) -> DraftTree:

@@ -73,7 +73,7 @@ def test_the_module_uses_groups_frozen_models_and_own_features():
 
 def test_datamodules_are_chosen_by_batch_kind():
     assert "chat" in DATAMODULES
-    with pytest.raises(ValueError, match="no datamodule for batch kind 'rollouts'; registered: .*chat"):
+    with pytest.raises(ValueError, match="unknown batch kind 'rollouts'; registered: .*chat"):
         build_datamodule(None, None, kind="rollouts")
     made = []
 
@@ -84,7 +84,7 @@ def test_datamodules_are_chosen_by_batch_kind():
 
     try:
         assert build_datamodule("cfg", "tok", kind=batch_kind(TwoPartObjective())) == "pairs-datamodule"
-        with pytest.raises(ValueError, match="registered twice"):
+        with pytest.raises(ValueError, match="batch kind 'pairs_for_test' is registered twice"):
             register_batch_kind("pairs_for_test")(build_pairs)
     finally:
-        del DATAMODULES["pairs_for_test"]
+        DATAMODULES.unregister("pairs_for_test")
