@@ -89,14 +89,14 @@ def _verifier_folder(config: dict, target: str | None) -> str:
 
     from draftsmith.export.format import check_target
     from draftsmith.export.identity import decoder_identity, target_identity
-    from draftsmith.runtime.weights import load_lm_head
+    from draftsmith.runtime.target.weights import load_lm_head
 
     lm_head = load_lm_head(folder)
     try:
         identity = target_identity(given, AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder),
                                    lm_head)
     except (OSError, ValueError):  # a weights-only folder (no tokenizer): check what the weights show
-        from draftsmith.runtime.weights import load_hf_config
+        from draftsmith.runtime.target.weights import load_hf_config
 
         hf = load_hf_config(folder)
         identity = decoder_identity(given, hf.get("hidden_size"), hf.get("num_hidden_layers"), lm_head)
@@ -107,7 +107,7 @@ def _verifier_folder(config: dict, target: str | None) -> str:
 def _convert(export_dir, out, fmt: str, config: dict, target: str | None):
     if fmt == "medusa":
         from draftsmith.export.medusa_layout import to_medusa_layout
-        from draftsmith.runtime.weights import load_lm_head
+        from draftsmith.runtime.target.weights import load_lm_head
 
         # Heads sharing the target's LM head need it: default to the recorded target like speculators does.
         shared = bool(config["architecture"].get("share_lm_head", False))

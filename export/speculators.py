@@ -202,7 +202,7 @@ def to_speculators(export_dir: str | Path, out_dir: str | Path, verifier_name_or
         tensors = {k: v.to(dtype_from_name(dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
     written = str(tensors["fc.weight"].dtype).removeprefix("torch.")
     # depth + 1: the runtime's longest drafted path (EAGLE-2's depth counts the forwards after the root step);
-    # a missing depth defaults to 4 as in runtime/proposers_eagle.py's _proposer.
+    # a missing depth defaults to 4 as in runtime/drafting/eagle.py's _proposer.
     depth = int((config.get("inference") or {}).get("depth", 4))
     steps = speculative_tokens if speculative_tokens is not None else depth + 1
     if steps < 1:

@@ -8,7 +8,7 @@
 // and DRAFTSMITH_ISA_AVX2 for AVX2+FMA ones without AVX-512 (e.g. AMD Zen 3). Only the small vector layer below
 // differs between them; the GEMM, norms, RoPE, attention and SiLU are written once over its "16 fp32 lanes" type.
 //
-// The plain-PyTorch reference is LeanDecoder's torch path (draftsmith/runtime/model.py); rounding to bf16 happens
+// The plain-PyTorch reference is LeanDecoder's torch path (draftsmith/runtime/target/model.py); rounding to bf16 happens
 // where transformers rounds (after each projection, norm, activation and residual add), accumulation is fp32.
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -1,6 +1,6 @@
 """Fused bf16 decoder layer for x86 CPUs (C++ in ``cpu_decoder_layer.cpp``), built on first use per ISA variant.
 
-The lean decoder's torch path (``draftsmith.runtime.model``) is the reference; this kernel runs the same layer in one
+The lean decoder's torch path (``draftsmith.runtime.target.model``) is the reference; this kernel runs the same layer in one
 call so that a batch-1 decoding step is bound by reading the weights rather than by per-op overhead. It is built with
 ``torch.utils.cpp_extension`` (g++ and ninja needed) into ``~/.cache/draftsmith/extensions`` the first time a bf16
 model asks for it (about 30 s), and loaded from there afterwards. Two variants share the source: ``avx512_bf16``

@@ -1,7 +1,7 @@
 """Greedy tree verification: the longest drafted prefix that matches the target's argmax, on every candidate path.
 
 Sampling verification (rejection sampling over a tree) is a short, data-dependent walk over a handful of nodes; it lives
-in :mod:`draftsmith.runtime.verify` in plain torch, where a kernel would save nothing.
+in :mod:`draftsmith.runtime.acceptance.verifiers` in plain torch, where a kernel would save nothing.
 """
 
 from __future__ import annotations

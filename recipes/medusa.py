@@ -11,7 +11,7 @@ from draftsmith.distill.losses import masked_cross_entropy, soft_cross_entropy, 
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.registry import register_recipe
-from draftsmith.runtime.tree import default_medusa_tree
+from draftsmith.runtime.drafting.tree import default_medusa_tree
 
 LABEL_SOURCES = ("dataset", "target_argmax", "target_soft")
 
@@ -80,7 +80,7 @@ class MedusaObjective:
 
 def default_tree(num_heads: int, num_nodes: int, top_k: int) -> list[list[int]]:
     """The calibration-free sparse Medusa tree: the runtime's one builder
-    (:func:`draftsmith.runtime.tree.default_medusa_tree`), paths sorted by depth then rank for the export."""
+    (:func:`draftsmith.runtime.drafting.tree.default_medusa_tree`), paths sorted by depth then rank for the export."""
     return sorted(default_medusa_tree(num_heads, num_nodes, top_k), key=lambda p: (len(p), p))
 
 

@@ -69,9 +69,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from draftsmith.common.chat import encode_chat
-    from draftsmith.runtime.autoregressive import generate_ar
-    from draftsmith.runtime.benchmark import load_runtime, parse_options
-    from draftsmith.runtime.prompt_limits import check_prompt_fits, context_limit
+    from draftsmith.runtime.bench.run import load_runtime, parse_options
+    from draftsmith.runtime.decoding.autoregressive import generate_ar
+    from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
 
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
@@ -108,17 +108,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write JSON/markdown/PNG with --out."""
-    from draftsmith.runtime.benchmark import (
+    from draftsmith.runtime.bench.report import markdown_table, write_outputs
+    from draftsmith.runtime.bench.run import (
         load_prompts,
         load_runtime,
         lossless_check,
-        markdown_table,
         parse_options,
         resolve_dtype,
         run_bench,
-        write_outputs,
     )
-    from draftsmith.runtime.prompt_limits import context_limit
+    from draftsmith.runtime.decoding.prompt_limits import context_limit
 
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
@@ -144,7 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
     """Regenerate the dataset's assistant turns and print the summary."""
-    from draftsmith.runtime.regenerate import regenerate, summary
+    from draftsmith.runtime.tools.regenerate import regenerate, summary
 
     report = regenerate(args.data, args.out, target=args.target, limit=args.limit, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, turns=args.turns, dtype=args.dtype,

@@ -252,7 +252,7 @@ def stage_setup(ctx: Context) -> dict:
     """Target folder, data jsonl and chat-encoded prompts."""
     from transformers import AutoTokenizer
 
-    from draftsmith.runtime.benchmark import encode_chat
+    from draftsmith.runtime.bench.run import encode_chat
 
     plan = ctx.plan
     real = None if plan.tiny or ctx.random_target else converted_target()
@@ -395,7 +395,7 @@ def sync(device: str) -> None:
 
 def decoder(ctx: Context, dtype: str, kernels: str) -> Any:
     """The lean decoder of the target on the check's device (cached per dtype and kernel backend)."""
-    from draftsmith.runtime.autoregressive import load_decoder
+    from draftsmith.runtime.target.loading import load_decoder
 
     key = f"decoder/{dtype}/{kernels}"
     if key not in ctx.cache:
@@ -455,7 +455,7 @@ def forward_ms(model: Any, prompt: list[int], tokens: int, device: str, repeats:
 
 def kernel_parity(ctx: Context) -> dict:
     """fp32: max |logit diff| torch vs triton (prefill, tree forward) and greedy tokens equal on every prompt."""
-    from draftsmith.runtime.autoregressive import generate_ar
+    from draftsmith.runtime.decoding.autoregressive import generate_ar
 
     ref, tri = decoder(ctx, "fp32", "torch"), decoder(ctx, "fp32", "triton")
     diff, same = 0.0, 0
@@ -473,7 +473,7 @@ def kernel_parity(ctx: Context) -> dict:
 
 def kernel_speed(ctx: Context) -> dict:
     """Serving dtype: AR tokens/s and one 16-token forward (a verify-sized step) with each kernel backend."""
-    from draftsmith.runtime.bench import compare_outputs, time_runtime_ar
+    from draftsmith.runtime.bench.timing import compare_outputs, time_runtime_ar
 
     plan = ctx.plan
     dtype, numbers, outputs, prompts = plan.speed_dtype, {}, {}, ctx.prompts[: plan.speed_prompts]
@@ -506,7 +506,7 @@ def stage_kernels(ctx: Context) -> dict:
 
 def hf_reference(ctx: Context, dtype: str) -> dict:
     """HF ``generate`` on the device (timed once per dtype; every recipe's bench reuses it)."""
-    from draftsmith.runtime.bench import time_hf_generate
+    from draftsmith.runtime.bench.timing import time_hf_generate
 
     key = f"hf/{dtype}"
     if key not in ctx.cache:
@@ -517,7 +517,7 @@ def hf_reference(ctx: Context, dtype: str) -> dict:
 
 def runtime_ar(ctx: Context, dtype: str) -> dict:
     """Runtime AR greedy decoding (auto kernels), timed once per dtype."""
-    from draftsmith.runtime.bench import eos_ids_from_folder, time_runtime_ar
+    from draftsmith.runtime.bench.timing import eos_ids_from_folder, time_runtime_ar
 
     key = f"ar/{dtype}"
     if key not in ctx.cache:
@@ -528,10 +528,10 @@ def runtime_ar(ctx: Context, dtype: str) -> dict:
 
 def speculative(ctx: Context, recipe: str, dtype: str) -> tuple[dict, list]:
     """Greedy speculative decoding with the recipe's export (auto kernels): timing dict and per-prompt results."""
-    from draftsmith.runtime.bench import eos_ids_from_folder, time_decode
-    from draftsmith.runtime.proposers import build_proposer
-    from draftsmith.runtime.speculative import SpeculativeDecoder
-    from draftsmith.runtime.verify import GreedyVerifier
+    from draftsmith.runtime.acceptance.verifiers import GreedyVerifier
+    from draftsmith.runtime.bench.timing import eos_ids_from_folder, time_decode
+    from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+    from draftsmith.runtime.drafting.base import build_proposer
 
     model = decoder(ctx, dtype, "auto")
     spec = SpeculativeDecoder(model, build_proposer(ctx.exports[recipe], model), GreedyVerifier("auto"),
@@ -548,7 +548,7 @@ def speculative(ctx: Context, recipe: str, dtype: str) -> tuple[dict, list]:
 
 def stage_bench(ctx: Context, recipe: str) -> dict:
     """HF generate / runtime AR / speculative tokens/s and tau in the serving dtype; fp32 lossless check."""
-    from draftsmith.runtime.bench import compare_outputs
+    from draftsmith.runtime.bench.timing import compare_outputs
 
     if recipe not in ctx.exports:
         raise RuntimeError(f"no export: train:{recipe} did not produce one")

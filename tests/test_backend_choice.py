@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from draftsmith.kernels import cpu_caps, cpu_layer
-from draftsmith.runtime import benchmark
-from draftsmith.runtime.linear_ops import choose_linear_ops, mkldnn_linear_available, plan_linear_backend
+from draftsmith.runtime.bench import run as benchmark
+from draftsmith.runtime.target.linear_ops import (
+    choose_linear_ops,
+    mkldnn_linear_available,
+    plan_linear_backend,
+)
 
 SIZES = (64, 576, 1536)  # head_dim, hidden, intermediate of the embedded target
 ZEN4 = cpu_caps.CpuCaps("x86_64", frozenset("avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16".split()),
@@ -137,7 +141,7 @@ def test_choose_warns_in_one_line_when_the_fused_layer_cannot_run(monkeypatch):
 def test_a_decoder_capped_at_avx2_runs_the_avx2_variant_close_to_the_torch_path(monkeypatch, tmp_path):
     from test_runtime_model import tiny_model
 
-    from draftsmith.runtime.model import LeanDecoder
+    from draftsmith.runtime.target.model import LeanDecoder
 
     tiny_model("Llama", tmp_path)
     capped = cpu_caps.cap_at(cpu_caps.probe(), "avx2")  # what DRAFTSMITH_CPU_ISA=avx2 does

@@ -15,7 +15,8 @@ from draftsmith.distill.target import Target
 from draftsmith.export.format import ExportError, TargetMismatchError
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.medusa import MedusaObjective, default_tree
-from draftsmith.runtime.benchmark import encode_chat, load_prompts, load_runtime, run_bench, write_outputs
+from draftsmith.runtime.bench.report import write_outputs
+from draftsmith.runtime.bench.run import encode_chat, load_prompts, load_runtime, run_bench
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
     # Timed in bf16, lossless verdict from a separate fp32 run against HF generate.
     assert result["dtype"] == "bfloat16" and result["lossless_detail"]["dtype"] == "fp32"
     assert result["lossless"] is True
-    from draftsmith.runtime.benchmark import hf_fastest_dtype
+    from draftsmith.runtime.bench.run import hf_fastest_dtype
 
     assert result["hf_dtype"] == str(hf_fastest_dtype()[0]).replace("torch.", "")  # HF timed at its fastest dtype
     assert result["backend"]["linear_backend"] == result["linear_backend"] and "hf" not in result["lossless_detail"]
@@ -130,7 +131,7 @@ def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
 
 
 def test_proposer_options_override_export_defaults(medusa_export):
-    from draftsmith.runtime.benchmark import parse_options
+    from draftsmith.runtime.bench.run import parse_options
 
     assert parse_options(["depth=2", "policy=chain", "tree=[[0],[0,0]]"]) == {
         "depth": 2, "policy": "chain", "tree": [[0], [0, 0]]}

@@ -8,8 +8,8 @@ import torch
 from test_runtime_model import tiny_model
 
 from draftsmith.kernels import cpu_layer
-from draftsmith.runtime.autoregressive import generate_ar
-from draftsmith.runtime.model import LeanDecoder
+from draftsmith.runtime.decoding.autoregressive import generate_ar
+from draftsmith.runtime.target.model import LeanDecoder
 
 # The variants this CPU can run (an AVX512-BF16 CPU runs both; the avx2 one is then tested for real here too).
 RUNNABLE = [isa for isa in cpu_layer.ISAS if cpu_layer.why_unavailable(isa) is None]
@@ -173,7 +173,7 @@ def test_variants_agree(tmp_path):
 
 def test_accelerate_linears_swaps_bf16_cpu_linears_only():
     """Through the default variant (the best this CPU runs)."""
-    from draftsmith.runtime.fast_linear import PackedLinear, accelerate_linears
+    from draftsmith.runtime.target.fast_linear import PackedLinear, accelerate_linears
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 40), torch.nn.SiLU(), torch.nn.Linear(40, 7, bias=False))

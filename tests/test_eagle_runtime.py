@@ -19,11 +19,12 @@ from draftsmith.drafters.vocab import vocab_maps
 from draftsmith.export.format import TargetMismatchError, write_export
 from draftsmith.recipes import eagle as eagle_recipe
 from draftsmith.recipes import eagle3 as eagle3_recipe
-from draftsmith.runtime.model import LeanDecoder, ModelConfig
-from draftsmith.runtime.proposers import DraftState, build_proposer, registered_methods
-from draftsmith.runtime.proposers_eagle import Eagle1DraftModel, Eagle3DraftModel, EagleProposer
-from draftsmith.runtime.speculative import SpeculativeDecoder
-from draftsmith.runtime.verify import ConfidenceStop, FixedDepth, RejectionSamplingVerifier, target_probs
+from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth
+from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier, target_probs
+from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.drafting.base import DraftState, build_proposer, registered_methods
+from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, Eagle3DraftModel, EagleProposer
+from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
 PROMPTS = [[5, 9, 13, 40], [7, 60, 61], [30, 31, 32, 33, 34, 35, 100, 101, 8]]
 NEW = 48

@@ -21,11 +21,12 @@ from draftsmith.export.format import TargetMismatchError, check_target, read_con
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes import eagle as eagle_recipe
 from draftsmith.recipes import eagle3 as eagle3_recipe
-from draftsmith.runtime.model import LeanDecoder, ModelConfig
-from draftsmith.runtime.proposers import DraftState, SampledTreeProposer, build_proposer
-from draftsmith.runtime.proposers_eagle import Eagle3DraftModel, EagleProposer
-from draftsmith.runtime.speculative import SpeculativeDecoder
-from draftsmith.runtime.verify import RejectionSamplingVerifier, target_probs
+from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier, target_probs
+from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.drafting.base import DraftState, build_proposer
+from draftsmith.runtime.drafting.chain import SampledTreeProposer
+from draftsmith.runtime.drafting.eagle import Eagle3DraftModel, EagleProposer
+from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [1, 2, 3]
@@ -213,7 +214,7 @@ def test_eagle3_root_step_runs_the_head_on_needed_rows_only(local_target, policy
 
 
 def test_check_prompt_fits_names_what_the_count_and_the_limit():
-    from draftsmith.runtime.prompt_limits import check_prompt_fits
+    from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits
 
     check_prompt_fits(8191, 8192, "prompt 0")
     with pytest.raises(ValueError, match=r"conversation 12.*9000 tokens.*8192"):
@@ -221,7 +222,7 @@ def test_check_prompt_fits_names_what_the_count_and_the_limit():
 
 
 def test_regenerate_reports_the_conversation_its_length_and_the_limit(tiny_target_dir, tiny_tokenizer, tmp_path):
-    from draftsmith.runtime import regenerate as regen
+    from draftsmith.runtime.tools import regenerate as regen
 
     records = [{"conversations": [{"from": "human", "value": "hello world"}, {"from": "gpt", "value": "x"}]},
                {"conversations": [{"from": "human", "value": " ".join(["hello"] * 600)},

@@ -106,7 +106,7 @@ def _tiny_hf(kind: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("kind", ["gemma2", "granite", "cohere"])
 def test_teacher_logits_equal_the_hf_forward(kind):
-    from draftsmith.runtime.autoregressive import HFCache, HFModelAdapter
+    from draftsmith.runtime.target.hf import HFCache, HFModelAdapter
 
     model = _tiny_hf(kind)
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))

@@ -21,11 +21,11 @@ from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.export.format import read_export
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.kernels import compact_kv, greedy_verify, tree_attention
-from draftsmith.runtime.model import LeanDecoder, ModelConfig
-from draftsmith.runtime.proposers import MedusaProposer
-from draftsmith.runtime.proposers_eagle import Eagle1DraftModel, EagleProposer
-from draftsmith.runtime.speculative import SpeculativeDecoder
-from draftsmith.runtime.verify import GreedyVerifier
+from draftsmith.runtime.acceptance.verifiers import GreedyVerifier
+from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, EagleProposer
+from draftsmith.runtime.drafting.medusa import MedusaProposer
+from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -2,19 +2,14 @@
 
 import pytest
 
-from draftsmith.runtime.inference_choice import (
+from draftsmith.runtime.acceptance.choice import (
     choose_stop_policy,
     choose_verifier,
     option_sources,
     parse_stop_policy,
 )
-from draftsmith.runtime.verify import (
-    ConfidenceStop,
-    FixedDepth,
-    GreedyVerifier,
-    RejectionSamplingVerifier,
-    TypicalVerifier,
-)
+from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth
+from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, RejectionSamplingVerifier, TypicalVerifier
 
 TYPICAL_EXPORT = {"inference": {"verifier": "typical", "typical": {"posterior_threshold": 0.2, "posterior_alpha": 0.5},
                                 "stop_policy": {"kind": "confidence", "threshold": 0.4, "max_depth": 5},

@@ -10,8 +10,8 @@ from draftsmith.export.format import write_export
 from draftsmith.export.identity import target_identity
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.medusa import default_tree
-from draftsmith.runtime.bench import compare_outputs, time_hf_generate
-from draftsmith.runtime.benchmark import load_prompts, load_runtime
+from draftsmith.runtime.bench.run import load_prompts, load_runtime
+from draftsmith.runtime.bench.timing import compare_outputs, time_hf_generate
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ def medusa_export(tmp_path_factory):
     """Untrained Medusa heads for the embedded target: acceptance is low but exercises every path."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from draftsmith.runtime.weights import load_lm_head
+    from draftsmith.runtime.target.weights import load_lm_head
 
     folder = assets.default_target_dir()
     lm_head = load_lm_head(folder)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_runtime_model import tiny_model
 
-from draftsmith.runtime.model import LeanDecoder
+from draftsmith.runtime.target.model import LeanDecoder
 
 
 @pytest.fixture()

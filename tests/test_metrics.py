@@ -2,7 +2,7 @@
 
 import pytest
 
-from draftsmith.runtime import metrics
+from draftsmith.runtime.decoding import metrics
 
 
 def test_tau_counts_the_bonus_token():

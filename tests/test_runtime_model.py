@@ -8,12 +8,14 @@ import pytest
 import torch
 import transformers
 
-from draftsmith.runtime.autoregressive import HFModelAdapter, generate_ar, load_decoder, sample_token
-from draftsmith.runtime.bench import compare_outputs, time_hf_generate, time_runtime_ar
-from draftsmith.runtime.cache import CacheFullError
-from draftsmith.runtime.linear_ops import mkldnn_linear_available
-from draftsmith.runtime.model import LeanDecoder, ModelConfig, UnsupportedArchitecture
-from draftsmith.runtime.weights import WeightsError
+from draftsmith.runtime.bench.timing import compare_outputs, time_hf_generate, time_runtime_ar
+from draftsmith.runtime.decoding.autoregressive import generate_ar, sample_token
+from draftsmith.runtime.target.cache import CacheFullError
+from draftsmith.runtime.target.hf import HFModelAdapter
+from draftsmith.runtime.target.linear_ops import mkldnn_linear_available
+from draftsmith.runtime.target.loading import load_decoder
+from draftsmith.runtime.target.model import LeanDecoder, ModelConfig, UnsupportedArchitecture
+from draftsmith.runtime.target.weights import WeightsError
 
 VOCAB = 128
 LLAMA3_ROPE = {

@@ -12,24 +12,19 @@ import transformers
 from torch import nn
 
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.runtime.model import LeanDecoder, ModelConfig
-from draftsmith.runtime.proposers import (
-    ChainProposer,
-    DecoderDrafter,
-    DraftState,
-    MedusaProposer,
-    NullProposer,
-    SampledTreeProposer,
-)
-from draftsmith.runtime.speculative import SpeculativeDecoder
-from draftsmith.runtime.verify import (
+from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop
+from draftsmith.runtime.acceptance.verifiers import (
     Acceptance,
-    ConfidenceStop,
     GreedyVerifier,
     RejectionSamplingVerifier,
     TypicalVerifier,
     target_probs,
 )
+from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.drafting.base import DraftState, NullProposer
+from draftsmith.runtime.drafting.chain import ChainProposer, DecoderDrafter, SampledTreeProposer
+from draftsmith.runtime.drafting.medusa import MedusaProposer
+from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
 VOCAB = 96
 PROMPTS = [[1, 5, 9], [7], [3, 3, 3, 3, 40, 41, 42, 17, 88, 2, 60]]
@@ -222,7 +217,7 @@ def test_typical_verifier_runs_and_is_labelled_lossy(target):
 
 def test_build_proposer_from_medusa_export(target, reference, tmp_path):
     from draftsmith.export.format import write_export
-    from draftsmith.runtime.proposers import build_proposer, registered_methods
+    from draftsmith.runtime.drafting.base import build_proposer, registered_methods
 
     torch.manual_seed(2)
     heads = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=VOCAB, num_heads=2))

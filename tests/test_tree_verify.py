@@ -5,17 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.runtime.proposers import DraftState, MedusaProposer
-from draftsmith.runtime.tree import DraftTree, StaticTree, default_medusa_tree, tree_from_head_accuracies
-from draftsmith.runtime.verify import (
-    ConfidenceStop,
-    FixedDepth,
+from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth, LearnedStop, StopPolicy
+from draftsmith.runtime.acceptance.verifiers import (
     GreedyVerifier,
-    LearnedStop,
     RejectionSamplingVerifier,
-    StopPolicy,
     TypicalVerifier,
     target_probs,
+)
+from draftsmith.runtime.drafting.base import DraftState
+from draftsmith.runtime.drafting.medusa import MedusaProposer
+from draftsmith.runtime.drafting.tree import (
+    DraftTree,
+    StaticTree,
+    default_medusa_tree,
+    tree_from_head_accuracies,
 )
 
 PATHS = [[1], [0], [0, 0], [0, 1], [1, 0], [0, 0, 0]]  # deliberately unsorted

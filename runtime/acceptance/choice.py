@@ -11,14 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from draftsmith.common.registry import Registry
-from draftsmith.runtime.verify import (
-    ConfidenceStop,
-    FixedDepth,
-    GreedyVerifier,
-    RejectionSamplingVerifier,
-    StopPolicy,
-    TypicalVerifier,
-)
+from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth, StopPolicy
+from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, RejectionSamplingVerifier, TypicalVerifier
 
 VerifierBuilder = Callable[[float, str, dict], Any]  # (temperature, kernels, export inference block) -> verifier
 VERIFIERS: Registry[VerifierBuilder] = Registry("verifier")

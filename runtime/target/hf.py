@@ -1,112 +1,16 @@
-"""Plain autoregressive decoding on a runtime decoder, the HF fallback decoder, and the loader choosing between them.
-
-Every runtime decoder has the interface of :class:`draftsmith.runtime.model.LeanDecoder`: ``allocate_cache(max_len)``,
-``forward(input_ids [T], cache, tree_mask, positions, logits_for) -> (logits [T', V], hidden [T, H])``, a cache with
-``length``, ``commit(n)``, ``compact(src_slots, dst_start)``, ``crop(length)``, and ``lm_head_weight`` /
-``embed_weight`` / ``dtype`` / ``device``. Batch 1.
-"""
+"""The HF fallback decoder: a transformers causal LM behind the runtime decoder interface, and
+its exact logits (the model's own LM-head post-processing included)."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
-from draftsmith.runtime.cache import CacheFullError, CommitMixin
-from draftsmith.runtime.model import LeanDecoder, UnsupportedArchitecture
-from draftsmith.runtime.weights import WeightsError, find_safetensors, load_hf_config
-
-
-class RuntimeCache(Protocol):
-    """What the decoding loops need from a decoder's cache."""
-
-    length: int
-    max_len: int
-
-    def commit(self, n: int) -> None: ...
-    def compact(self, src_slots: torch.Tensor, dst_start: int | None = None) -> None: ...
-    def crop(self, length: int) -> None: ...
-
-
-class Decoder(Protocol):
-    """The decoder interface shared by LeanDecoder and HFModelAdapter."""
-
-    def allocate_cache(self, max_len: int) -> RuntimeCache: ...
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        cache: RuntimeCache,
-        tree_mask: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        logits_for: str | torch.Tensor = "all",
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-def sample_token(
-    logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
-) -> int:
-    """Pick a token from logits [V]: argmax when ``temperature == 0``, else nucleus sampling at ``temperature``."""
-    if temperature <= 0.0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [V]
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
-        drop = sorted_p.cumsum(0) - sorted_p >= top_p
-        probs = probs.scatter(0, order[drop], 0.0)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def _check_prompt(prompt_ids: list[int], vocab_size: int | None) -> None:
-    if len(prompt_ids) == 0:
-        raise ValueError("the prompt is empty: pass at least one token id (e.g. the BOS token or a chat template)")
-    if vocab_size is not None and not all(0 <= t < vocab_size for t in prompt_ids):
-        bad = [t for t in prompt_ids if not 0 <= t < vocab_size][:5]
-        raise ValueError(f"prompt token ids {bad} are outside the vocabulary [0, {vocab_size}); wrong tokenizer?")
-
-
-@torch.inference_mode()
-def generate_ar(
-    model: Decoder,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    eos_ids: Iterable[int] = (),
-    generator: torch.Generator | None = None,
-    stream: Callable[[int], None] | None = None,
-) -> list[int]:
-    """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``, one target forward per token.
-
-    Greedy when ``temperature == 0`` (token-identical to HF ``generate(do_sample=False)`` in fp32). Stops after an
-    ``eos_ids`` token, which is included in the output like HF does. ``stream`` is called with each new token.
-    Returns the new tokens only.
-    """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    _check_prompt(prompt_ids, getattr(getattr(model, "config", None), "vocab_size", None))
-    eos = set(eos_ids)
-    if max_new_tokens == 0:
-        return []
-    device = getattr(model, "device", "cpu")
-    cache = model.allocate_cache(len(prompt_ids) + max_new_tokens)
-    logits, _ = model(torch.tensor(prompt_ids, dtype=torch.long, device=device), cache, logits_for="last")
-    cache.commit(len(prompt_ids))
-    out: list[int] = []
-    step = torch.empty(1, dtype=torch.long, device=device)  # reused input buffer
-    while True:
-        tok = sample_token(logits[-1], temperature, top_p, generator)
-        out.append(tok)
-        if stream is not None:
-            stream(tok)
-        if tok in eos or len(out) >= max_new_tokens:
-            return out
-        step.fill_(tok)
-        logits, _ = model(step, cache, logits_for="last")
-        cache.commit(1)
+from draftsmith.runtime.target.cache import CacheFullError, CommitMixin
+from draftsmith.runtime.target.weights import find_safetensors, load_hf_config
 
 
 def hf_forward(model: torch.nn.Module, base: torch.nn.Module, logits_to_keep: int | torch.Tensor = 0,
@@ -270,39 +174,3 @@ class HFModelAdapter(torch.nn.Module):
         hidden = out.last_hidden_state[0]  # [T, H] post final norm
         logits = logits[0]  # [T', V]
         return logits, hidden
-
-
-def load_decoder(
-    folder: str | Path,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    backend: str = "auto",
-    kernel_backend: str = "auto",
-    linear_backend: str = "auto",
-) -> LeanDecoder | HFModelAdapter:
-    """Load a runtime decoder: the lean one when the architecture is supported ("auto"), or force "lean" / "hf".
-    ``linear_backend`` goes to :class:`LeanDecoder` (auto | cpp | mkldnn | dense)."""
-    if backend not in ("auto", "lean", "hf"):
-        raise ValueError(f"decoder backend must be 'auto', 'lean' or 'hf', got {backend!r}")
-    if backend == "hf":
-        return HFModelAdapter.from_pretrained(folder, dtype, device)
-    try:
-        return LeanDecoder.from_pretrained(folder, dtype, device, kernel_backend=kernel_backend,
-                                           linear_backend=linear_backend)
-    except UnsupportedArchitecture:
-        if backend == "lean":
-            raise
-        return HFModelAdapter.from_pretrained(folder, dtype, device)
-
-
-__all__ = [
-    "Decoder",
-    "HFCache",
-    "HFModelAdapter",
-    "RuntimeCache",
-    "WeightsError",
-    "generate_ar",
-    "hf_forward",
-    "load_decoder",
-    "sample_token",
-]

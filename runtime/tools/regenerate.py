@@ -33,8 +33,8 @@ import torch
 
 from draftsmith import assets
 from draftsmith.common.chat import encode_chat
-from draftsmith.runtime.autoregressive import generate_ar
-from draftsmith.runtime.prompt_limits import check_prompt_fits, context_limit
+from draftsmith.runtime.decoding.autoregressive import generate_ar
+from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
@@ -190,7 +190,7 @@ def regenerate(
     kernels: str = "auto", log: Callable[[str], None] | None = None,
 ) -> RegenerateReport:
     """Regenerate ``data`` with the target and write ``out`` (jsonl), resuming an interrupted ``out.partial``."""
-    from draftsmith.runtime.benchmark import load_runtime
+    from draftsmith.runtime.bench.run import load_runtime
 
     if turns not in TURNS:
         raise ValueError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")

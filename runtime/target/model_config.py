@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.runtime.weights import load_hf_config
+from draftsmith.runtime.target.weights import load_hf_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # SmolLM checkpoints say "llama"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from draftsmith.kernels.dispatch import BACKENDS
-from draftsmith.runtime import metrics
-from draftsmith.runtime.proposers import DraftState, Proposer
-from draftsmith.runtime.verify import GreedyVerifier, StopPolicy, Verifier
+from draftsmith.runtime.acceptance.stop_policies import StopPolicy
+from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, Verifier
+from draftsmith.runtime.decoding import metrics
+from draftsmith.runtime.drafting.base import DraftState, Proposer
 
 
 @dataclass
@@ -34,7 +35,7 @@ class SpecResult:
 
     @property
     def tau(self) -> float:
-        """Mean tokens emitted per target forward (:func:`draftsmith.runtime.metrics.tau`)."""
+        """Mean tokens emitted per target forward (:func:`draftsmith.runtime.decoding.metrics.tau`)."""
         return metrics.tau(self.accepted_per_step)
 
 
@@ -42,7 +43,7 @@ class SpeculativeDecoder:
     """Speculative generation with a target model (runtime interface), a proposer, a verifier and a stop policy.
 
     ``model`` provides ``allocate_cache(max_len)`` and ``forward(input_ids [T], cache, tree_mask, positions,
-    logits_for) -> (logits [T, V], hidden [T, H])`` (e.g. :class:`draftsmith.runtime.model.LeanDecoder`); with a
+    logits_for) -> (logits [T, V], hidden [T, H])`` (e.g. :class:`draftsmith.runtime.target.model.LeanDecoder`); with a
     proposer that declares ``feature_taps`` it must also provide ``forward_taps`` (same arguments plus ``taps``).
     ``max_cache_len``: the longest sequence allowed (default: the model's ``max_position_embeddings``).
     """

@@ -18,7 +18,7 @@ step": its last output drafts depth 1), then drafts:
   parent + log p, and the global top-k of those k*k become the next frontier. All generated nodes are then reranked
   and the best ``total_tokens - 1`` kept (stable sort in generation order, so a parent, whose score is >= its
   child's, always precedes it: the kept set is a connected tree). Children are deterministic given the context,
-  i.e. point masses, which :class:`~draftsmith.runtime.verify.RejectionSamplingVerifier` handles exactly.
+  i.e. point masses, which :class:`~draftsmith.runtime.acceptance.verifiers.RejectionSamplingVerifier` handles exactly.
 
 In both policies the longest drafted path has ``depth + 1`` tokens (EAGLE-2's convention); a stop policy lowers that
 to its ``max_depth`` and leaves a node without children when ``should_stop(depth, the node's draft probability, the
@@ -26,7 +26,7 @@ node's drafter output)`` says so. EAGLE-3 drafts over its reduced vocabulary; id
 ``d2t`` and sampled-chain q is scattered onto the target vocabulary (zero outside the draft vocabulary).
 
 Why this is lossless under rejection sampling: a top-k child is a point mass, accepted with p(x) and otherwise
-zeroed out of p; that is exact for any child chosen without looking at the verifier's coins (see verify.py). A
+zeroed out of p; that is exact for any child chosen without looking at the verifier's coins (see acceptance/verifiers.py). A
 sampled chain records the q its token was drawn from, so min(1, p/q) and the residual norm(max(0, p - q)) apply.
 """
 
@@ -41,10 +41,10 @@ import torch.nn.functional as F
 from draftsmith.drafters.eagle import EagleDrafter, KVCache, build_attention_mask, default_positions
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.export.format import TargetMismatchError
-from draftsmith.runtime.fast_linear import accelerate_linears
-from draftsmith.runtime.proposers import DraftState, register_proposer
-from draftsmith.runtime.tree import DraftTree
-from draftsmith.runtime.verify import Acceptance, on_generator_device, target_probs
+from draftsmith.runtime.acceptance.verifiers import Acceptance, on_generator_device, target_probs
+from draftsmith.runtime.drafting.base import DraftState, register_proposer
+from draftsmith.runtime.drafting.tree import DraftTree
+from draftsmith.runtime.target.fast_linear import accelerate_linears
 
 POLICIES = {"tree": "tree", "chain": "chain", "eagle_dynamic_tree": "tree", "eagle_chain": "chain"}
 

@@ -1,7 +1,4 @@
-"""``draftsmith bench``: prove an export in the runtime: tau, acceptance curve, tokens/s, speedups, lossless.
-
-Writes ``bench.json`` (fields below), ``bench.md`` (a table) and ``acceptance.png`` (per-position acceptance).
-"""
+"""``draftsmith bench``: prove an export in the runtime: tau, acceptance curve, tokens/s, speedups, lossless."""
 
 from __future__ import annotations
 
@@ -19,9 +16,8 @@ from draftsmith.common.chat import encode_chat
 from draftsmith.export.format import read_config
 from draftsmith.export.identity import target_identity
 from draftsmith.kernels import cpu_caps
-from draftsmith.runtime import metrics
-from draftsmith.runtime.autoregressive import load_decoder
-from draftsmith.runtime.bench import (
+from draftsmith.runtime.acceptance.choice import choose_stop_policy, choose_verifier, option_sources
+from draftsmith.runtime.bench.timing import (
     compare_outputs,
     eos_ids_from_folder,
     read_bandwidth_gbs,
@@ -30,10 +26,11 @@ from draftsmith.runtime.bench import (
     time_hf_generate,
     time_runtime_ar,
 )
-from draftsmith.runtime.inference_choice import choose_stop_policy, choose_verifier, option_sources
-from draftsmith.runtime.prompt_limits import check_prompt_fits
-from draftsmith.runtime.proposers import build_proposer
-from draftsmith.runtime.speculative import SpeculativeDecoder
+from draftsmith.runtime.decoding import metrics
+from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits
+from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.drafting.base import build_proposer
+from draftsmith.runtime.target.loading import load_decoder
 
 
 @dataclass
@@ -106,9 +103,9 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
                  proposer_options: dict[str, Any] | None = None, linear_backend: str = "auto",
                  stop_policy: str | None = None) -> Runtime:
     """Load the target (from ``target`` or the export's record) and the export's proposer, checking identity.
-    ``linear_backend`` picks how the lean decoder runs its linears (see ``draftsmith.runtime.linear_ops``).
+    ``linear_backend`` picks how the lean decoder runs its linears (see ``draftsmith.runtime.target.linear_ops``).
     Verifier, stop policy and proposer options: the flags where given, else the export's ``inference`` block
-    (``runtime.inference`` records each choice and its source; see ``draftsmith.runtime.inference_choice``)."""
+    (``runtime.inference`` records each choice and its source; see ``draftsmith.runtime.acceptance.choice``)."""
     from transformers import AutoConfig, AutoTokenizer
 
     export_config = read_config(drafter) if drafter else None
@@ -322,78 +319,3 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
         "threads": torch.get_num_threads(),
     }
-
-
-def _fmt(value: Any, digits: int = 2) -> str:
-    return "n/a" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
-
-
-def _lossless_text(result: dict[str, Any]) -> str:
-    detail = result.get("lossless_detail")
-    if not detail:
-        return "not checked (sampling or lossy verifier)"
-    return f"{result['lossless']} ({detail['identical']}/{detail['total']} prompts identical, {detail['dtype']})"
-
-
-def _inference_text(inference: dict | None) -> str:
-    if not inference:
-        return "n/a"
-    v, p = inference["verifier"], inference["stop_policy"]
-    return f"{v['name']} ({v['source']}) / {p['spec']} ({p['source']})"
-
-
-def markdown_table(result: dict[str, Any]) -> str:
-    """The human-readable summary printed by ``draftsmith bench`` and written to ``bench.md``."""
-    t, s, c = result["tokens_per_s"], result["speedup"], result["step_costs"]
-    b = result.get("backend") or {}
-    rows = [
-        ("method", result["method"]), ("prompts x max new tokens", f"{result['prompts']} x {result['max_new_tokens']}"),
-        ("CPU", b.get("cpu", "n/a")),
-        ("dtype / verifier / linears", f"{result['dtype']} / {result['verifier']} / {result.get('linear_backend')}"),
-        ("why these linears", b.get("linear_reason", "n/a")),
-        ("verifier / stop policy (source)", _inference_text(result.get("inference"))),
-        ("tau (mean accepted length, incl. bonus)", _fmt(result["tau"], 3)),
-        ("acceptance by position (P(d accepted | d drafted))",
-         ", ".join(f"{a:.2f}" for a in result["acceptance_by_position"])),
-        ("head top-1 agreement with target greedy", ", ".join(f"{a:.2f}" for a in result["head_agreement_top1"] or [])
-         or "n/a"),
-        (f"HF generate tokens/s ({result.get('hf_dtype')})", _fmt(t["hf_generate"], 1)),
-        (f"runtime AR tokens/s ({result['dtype']})", _fmt(t["runtime_ar"], 1)),
-        ("speculative tokens/s", _fmt(t["speculative"], 1)),
-        ("speedup vs HF generate", _fmt(s["vs_hf_generate"])), ("speedup vs runtime AR", _fmt(s["vs_runtime_ar"])),
-        ("runtime AR vs HF generate", _fmt(s["runtime_ar_vs_hf_generate"])),
-        ("one AR step / one verify forward (ms)", f"{c['ar_step_ms']:.1f} / {c['verify_forward_ms']:.1f} "
-                                                  f"({c['tree_nodes']} nodes)"),
-        ("one AR step vs bandwidth floor", f"{c['ar_step_ms']:.1f} ms vs {c['bandwidth_floor_ms']:.1f} ms "
-         f"({c['weight_bytes_per_step'] / 1e6:.0f} MB at {c['read_bandwidth_gbs']:.1f} GB/s): "
-         f"{c['ar_step_over_floor']:.2f}x" if "bandwidth_floor_ms" in c else "n/a"),
-        ("tau x step/verify (predicted speedup)", _fmt(c["predicted_speedup_tau_x_step_over_verify"])),
-        ("forward ms for " + "/".join(str(t) for t in c.get("forward_ms_by_new_tokens", {})) + " new tokens",
-         " / ".join(f"{v:.1f}" for v in c.get("forward_ms_by_new_tokens", {}).values()) or "n/a"),
-        ("lossless (greedy spec == greedy HF generate)", _lossless_text(result)),
-    ]
-    return "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
-
-
-def write_outputs(result: dict[str, Any], out_dir: str | Path) -> Path:
-    """Write bench.json, bench.md and acceptance.png into ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "bench.md").write_text(markdown_table(result))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    curve = result["acceptance_by_position"]
-    ax.bar(range(1, len(curve) + 1), curve, color="#3b7dd8")
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("P(accepted | reached)")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"{result['method']}: tau={result['tau']:.2f}, x{result['speedup']['vs_runtime_ar']:.2f} vs AR")
-    fig.tight_layout()
-    fig.savefig(out / "acceptance.png", dpi=110)
-    plt.close(fig)
-    return out

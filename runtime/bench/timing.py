@@ -17,7 +17,8 @@ import torch
 
 from draftsmith.common.chat import encode_chat
 from draftsmith.common.dtypes import dtype_from_name
-from draftsmith.runtime.autoregressive import Decoder, generate_ar
+from draftsmith.runtime.decoding.autoregressive import generate_ar
+from draftsmith.runtime.target.loading import Decoder
 
 DecodeFn = Callable[[list[int]], list[int]]
 
@@ -170,7 +171,7 @@ def chat_prompts_ids(folder: str | Path, prompts: Sequence[str] = DEFAULT_PROMPT
 
 def compare_ar(folder: str | Path, max_new_tokens: int = 64, dtypes: Sequence[str] = ("fp32", "bf16")) -> dict:
     """HF ``generate`` vs the runtime's AR mode on the folder's model for each dtype: tokens/s, speedup, lossless."""
-    from draftsmith.runtime.autoregressive import load_decoder
+    from draftsmith.runtime.target.loading import load_decoder
 
     prompts = chat_prompts_ids(folder)
     eos = eos_ids_from_folder(folder)

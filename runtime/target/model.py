@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.kernels.attention import tree_attention
-from draftsmith.runtime.cache import KVCache
-from draftsmith.runtime.linear_ops import choose_linear_ops
-from draftsmith.runtime.model_config import ModelConfig, UnsupportedArchitecture, rope_inv_freq
-from draftsmith.runtime.weights import WeightsError, load_safetensors
+from draftsmith.runtime.target.cache import KVCache
+from draftsmith.runtime.target.linear_ops import choose_linear_ops
+from draftsmith.runtime.target.model_config import ModelConfig, UnsupportedArchitecture, rope_inv_freq
+from draftsmith.runtime.target.weights import WeightsError, load_safetensors
 
 __all__ = ["LeanDecoder", "ModelConfig", "UnsupportedArchitecture", "rope_inv_freq"]
 
@@ -53,7 +53,7 @@ class LeanDecoder(nn.Module):
         ``kernel_backend`` goes to the attention / KV-compaction kernels ("auto" | "torch" | "triton").
         ``linear_backend``: "dense" (F.linear), "mkldnn" (oneDNN-prepacked bf16 weights, CPU only; keeps a second
         copy of the weights), "cpp" (the fused C++ bf16 layer, x86 with AVX512-BF16 or AVX2+FMA) or "auto" (the
-        fastest that can run on this CPU, see ``draftsmith.runtime.linear_ops``; ``linear_plan`` records the choice).
+        fastest that can run on this CPU, see ``draftsmith.runtime.target.linear_ops``; ``linear_plan`` records the choice).
         ``compile``: run the forward through ``torch.compile(dynamic=True)``. Off by default: on the 2-core CPU it
         cut the per-step overhead of a 30-layer model from ~3.2 to ~1.9 ms but the first call compiled for ~3 min.
         """

@@ -1,0 +1,1 @@
+"""Bench: timing, the benchmark run, its report."""

@@ -1,0 +1,1 @@
+"""Decoding loops: autoregressive, speculative (room for parallel/diffusion loops), and their metrics."""

@@ -1,0 +1,73 @@
+"""Plain autoregressive decoding on any runtime decoder (batch 1), and token sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from draftsmith.runtime.target.loading import Decoder
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
+) -> int:
+    """Pick a token from logits [V]: argmax when ``temperature == 0``, else nucleus sampling at ``temperature``."""
+    if temperature <= 0.0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [V]
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        drop = sorted_p.cumsum(0) - sorted_p >= top_p
+        probs = probs.scatter(0, order[drop], 0.0)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _check_prompt(prompt_ids: list[int], vocab_size: int | None) -> None:
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt is empty: pass at least one token id (e.g. the BOS token or a chat template)")
+    if vocab_size is not None and not all(0 <= t < vocab_size for t in prompt_ids):
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size][:5]
+        raise ValueError(f"prompt token ids {bad} are outside the vocabulary [0, {vocab_size}); wrong tokenizer?")
+
+
+@torch.inference_mode()
+def generate_ar(
+    model: Decoder,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_ids: Iterable[int] = (),
+    generator: torch.Generator | None = None,
+    stream: Callable[[int], None] | None = None,
+) -> list[int]:
+    """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``, one target forward per token.
+
+    Greedy when ``temperature == 0`` (token-identical to HF ``generate(do_sample=False)`` in fp32). Stops after an
+    ``eos_ids`` token, which is included in the output like HF does. ``stream`` is called with each new token.
+    Returns the new tokens only.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    _check_prompt(prompt_ids, getattr(getattr(model, "config", None), "vocab_size", None))
+    eos = set(eos_ids)
+    if max_new_tokens == 0:
+        return []
+    device = getattr(model, "device", "cpu")
+    cache = model.allocate_cache(len(prompt_ids) + max_new_tokens)
+    logits, _ = model(torch.tensor(prompt_ids, dtype=torch.long, device=device), cache, logits_for="last")
+    cache.commit(len(prompt_ids))
+    out: list[int] = []
+    step = torch.empty(1, dtype=torch.long, device=device)  # reused input buffer
+    while True:
+        tok = sample_token(logits[-1], temperature, top_p, generator)
+        out.append(tok)
+        if stream is not None:
+            stream(tok)
+        if tok in eos or len(out) >= max_new_tokens:
+            return out
+        step.fill_(tok)
+        logits, _ = model(step, cache, logits_for="last")
+        cache.commit(1)

@@ -1,0 +1,1 @@
+"""Drafting: the proposer protocol and registry, trees, one file per proposer family."""

@@ -1,0 +1,151 @@
+"""The proposer protocol, the draft state handed to it, and one registry that discovers proposer families.
+
+Every module of this package except ``base`` and ``tree`` is a family: importing it registers its builders
+(``@register_proposer(method)``), so adding a family adds a file and no line to any list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from draftsmith.common.registry import Registry
+from draftsmith.runtime.acceptance.stop_policies import StopPolicy
+from draftsmith.runtime.acceptance.verifiers import Acceptance
+from draftsmith.runtime.drafting.tree import DraftTree
+
+
+@dataclass
+class DraftState:
+    """What a proposer sees at the start of a step."""
+
+    tokens: torch.Tensor  # [L+1] prompt + every emitted token; the last one is the root (not yet in the KV cache)
+    root_token: int
+    hidden: torch.Tensor  # [H] target post-norm hidden at the position before the root (its logits gave the root)
+    stop_policy: StopPolicy | None = None
+    generator: torch.Generator | None = None
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """A drafter seen by the speculative loop."""
+
+    max_tree_nodes: int
+
+    def begin(self, prompt_ids: torch.Tensor, prefill_hidden: torch.Tensor, prefill_logits: torch.Tensor) -> None:
+        """Start a generation: prompt [P], target hidden [P, H], target logits of the last prompt position [1, V]."""
+        ...
+
+    def propose(self, state: DraftState) -> DraftTree:
+        """Draft a tree rooted at ``state.root_token``."""
+        ...
+
+    def accept(self, acceptance: Acceptance, new_hidden: torch.Tensor) -> None:
+        """Learn what was accepted (``new_hidden [a+1, H]`` at the accepted nodes)."""
+        ...
+
+
+ProposerBuilder = Callable[..., Proposer]
+
+
+_REGISTRY: Registry[ProposerBuilder] = Registry("runtime proposer for method")
+
+
+# @register_proposer(method) on builder(export_dir, config, target_model, **kwargs) -> Proposer
+register_proposer = _REGISTRY.register
+
+
+def _load_builtin_proposers() -> None:
+    """Import every family module of this package (all but ``base`` and ``tree``), which registers its proposers
+    (lazily: they import heavier drafter code). A new family's file is found by being here; no list to keep."""
+    import importlib
+    import pkgutil
+
+    import draftsmith.runtime.drafting as drafting
+
+    for info in pkgutil.iter_modules(drafting.__path__):
+        if info.name not in ("base", "tree"):
+            importlib.import_module(f"draftsmith.runtime.drafting.{info.name}")
+
+
+def registered_methods() -> list[str]:
+    """Export methods the runtime can draft with."""
+    _load_builtin_proposers()
+    return list(_REGISTRY)
+
+
+def check_target_model(config: dict, target_model: Any, identity: dict | None = None, given: str | None = None) -> None:
+    """Raise ``TargetMismatchError`` unless ``target_model`` is the target the export ``config`` records.
+
+    Compares what the decoder itself shows (sizes, LM-head digest) with the record; ``identity`` (the full
+    :func:`~draftsmith.export.identity.target_identity` of this model, tokenizer included) is checked too when
+    given, and then its LM-head digest stands for the model's (no second hash).
+    """
+    from draftsmith.export.format import check_target
+    from draftsmith.export.identity import decoder_identity
+
+    if identity is not None:
+        check_target(config, identity, given)
+    cfg = getattr(target_model, "config", None)
+    layers = getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None))  # lean | HF config
+    recorded = config.get("target", {})
+    name = given if given is not None else recorded.get("name_or_path", "the loaded target")
+    seen = decoder_identity(name, getattr(cfg, "hidden_size", None), layers,
+                            getattr(target_model, "lm_head_weight", None),
+                            digest=identity is None or "lm_head" not in identity)
+    # Compare only what the export records: a hand-written export may record nothing but a name.
+    check_target(config, {k: v for k, v in seen.items() if k == "name_or_path" or k in recorded}, given)
+
+
+def build_proposer(export_dir: str | Path, target_model: Any, identity: dict | None = None, given: str | None = None,
+                   **kwargs: Any) -> Proposer:
+    """Load the proposer of an export folder for ``target_model`` (its method picks the builder).
+
+    Every method is checked against the target first (:func:`check_target_model`): ``identity`` adds the tokenizer
+    fingerprint, ``given`` names the target the user passed in the error message.
+    """
+    from draftsmith.export.format import read_config
+
+    config = read_config(export_dir)
+    method = config["method"]
+    _load_builtin_proposers()
+    if method not in _REGISTRY:
+        raise ValueError(f"no runtime proposer for method {method!r} (export {export_dir}); available: "
+                         f"{', '.join(registered_methods()) or 'none'}")
+    check_target_model(config, target_model, identity, given)
+    return _REGISTRY.get(method)(export_dir, config, target_model, **kwargs)
+
+
+def prune_tree(tree: DraftTree, keep: list[bool]) -> DraftTree:
+    """The sub-tree of kept nodes (a kept node's parent must be kept)."""
+    new_index = {}
+    parents, rows = [], []
+    for i, k in enumerate(keep):
+        if k:
+            new_index[i] = len(rows)
+            rows.append(i)
+            parents.append(-1 if i == 0 else new_index[int(tree.parents[i])])
+    idx = torch.tensor(rows, dtype=torch.long)
+    q = tree.draft_q[idx] if tree.draft_q is not None else None
+    conf = tree.draft_confidence[idx] if tree.draft_confidence is not None else None
+    return DraftTree.from_parents(tree.tokens[idx], parents, q, tree.draft_mode, conf)
+
+
+class NullProposer:
+    """Drafts nothing: the loop becomes plain autoregressive decoding (one target forward per token)."""
+
+    max_tree_nodes = 1
+
+    def begin(self, prompt_ids: torch.Tensor, prefill_hidden: torch.Tensor, prefill_logits: torch.Tensor) -> None:
+        """Nothing to prepare."""
+
+    def propose(self, state: DraftState) -> DraftTree:
+        """A root-only tree."""
+        return DraftTree.chain([state.root_token])
+
+    def accept(self, acceptance: Acceptance, new_hidden: torch.Tensor) -> None:
+        """Nothing to learn."""

@@ -1,0 +1,81 @@
+"""Medusa heads as a proposer: a static sparse tree of the heads' top-k tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from draftsmith.runtime.acceptance.verifiers import Acceptance
+from draftsmith.runtime.drafting.base import DraftState, prune_tree, register_proposer
+from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
+
+
+class MedusaProposer:
+    """Medusa heads on the target's hidden state fill a static tree with each head's top-k tokens.
+
+    ``heads``: an nn.Module mapping hidden [..., H] to logits [K, ..., V] (head k predicts the token k+2 after the
+    hidden's position, i.e. k+1 after the root). Children are deterministic (point masses), which the rejection
+    sampler handles exactly. A stop policy prunes the tree: a node's children are dropped when
+    ``should_stop(depth, head probability of the node's token, target hidden)`` says so.
+    """
+
+    def __init__(self, heads: nn.Module, tree: StaticTree | list[list[int]], top_k: int | None = None) -> None:
+        if not isinstance(tree, StaticTree):
+            tree = StaticTree.from_paths(tree, top_k or 1 + max(c for p in tree for c in p))
+        self.heads = heads
+        self.tree = tree
+        self.max_tree_nodes = tree.num_nodes
+
+    def begin(self, prompt_ids: torch.Tensor, prefill_hidden: torch.Tensor, prefill_logits: torch.Tensor) -> None:
+        """Medusa is stateless across steps."""
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> DraftTree:
+        """Run the heads on ``state.hidden`` and fill the static tree."""
+        logits = self.heads(state.hidden)  # [K, V]
+        if logits.dim() != 2 or logits.shape[0] < self.tree.depth:
+            raise ValueError(f"Medusa heads returned logits {tuple(logits.shape)}; the tree needs {self.tree.depth} "
+                             "heads, each giving [V] for a hidden [H]")
+        top_p, top_i = torch.softmax(logits.float(), -1).topk(self.tree.top_k, dim=-1)  # [K, top_k]
+        tree = self.tree.build(state.root_token, top_i)
+        conf = torch.cat([torch.ones(1, device=top_p.device), top_p.reshape(-1)])[self.tree.candidate_index.to(top_p.device)]
+        tree.draft_confidence = conf.cpu()  # [N]
+        policy = state.stop_policy
+        if policy is None:
+            return tree
+        keep = [True] * tree.num_nodes
+        expand = [False] * tree.num_nodes  # may node i have children?
+        for i in range(tree.num_nodes):
+            if i > 0:
+                keep[i] = keep[int(tree.parents[i])] and expand[int(tree.parents[i])]
+            if keep[i]:
+                expand[i] = not policy.should_stop(int(tree.depths[i]), float(conf[i]), state.hidden)
+        return tree if all(keep) else prune_tree(tree, keep)
+
+    def accept(self, acceptance: Acceptance, new_hidden: torch.Tensor) -> None:
+        """Nothing to learn: the next step reads the hidden state from the DraftState."""
+
+
+@register_proposer("medusa")
+def _build_medusa(export_dir: str | Path, config: dict, target_model: Any, tree: list[list[int]] | None = None,
+                  top_k: int | None = None, **_: Any) -> MedusaProposer:
+    """Medusa heads from an export, on the target's device/dtype; tree and top_k default to the export's."""
+    from draftsmith.heads.medusa import MedusaHeads
+    from draftsmith.runtime.target.fast_linear import accelerate_linears
+
+    lm_head = getattr(target_model, "lm_head_weight", None)
+    heads = MedusaHeads.from_export(export_dir, lm_head_weight=lm_head)
+    if lm_head is not None:  # run the heads where and in the precision the target runs
+        heads = heads.to(device=lm_head.device, dtype=lm_head.dtype)
+        accelerate_linears(heads)  # bf16 on CPU: packed GEMM for the heads' linears
+    inference = config.get("inference", {})
+    paths = tree or inference.get("tree")
+    k = top_k or inference.get("top_k", 10)
+    if not paths:
+        from draftsmith.runtime.drafting.tree import default_medusa_tree
+
+        paths = default_medusa_tree(heads.config.num_heads, top_k=min(k, 4))
+    return MedusaProposer(heads.eval(), StaticTree.from_paths(paths, k))

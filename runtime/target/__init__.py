@@ -1,0 +1,1 @@
+"""The target side: lean decoder, HF fallback, weights, KV cache, linear backends."""

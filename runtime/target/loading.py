@@ -1,0 +1,65 @@
+"""The runtime decoder interface and the loader choosing the lean decoder or the HF fallback.
+
+Every runtime decoder has the interface of :class:`draftsmith.runtime.target.model.LeanDecoder`: ``allocate_cache(max_len)``,
+``forward(input_ids [T], cache, tree_mask, positions, logits_for) -> (logits [T', V], hidden [T, H])``, a cache with
+``length``, ``commit(n)``, ``compact(src_slots, dst_start)``, ``crop(length)``, and ``lm_head_weight`` /
+``embed_weight`` / ``dtype`` / ``device``. Batch 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from draftsmith.runtime.target.hf import HFModelAdapter
+from draftsmith.runtime.target.model import LeanDecoder, UnsupportedArchitecture
+
+
+class RuntimeCache(Protocol):
+    """What the decoding loops need from a decoder's cache."""
+
+    length: int
+    max_len: int
+
+    def commit(self, n: int) -> None: ...
+    def compact(self, src_slots: torch.Tensor, dst_start: int | None = None) -> None: ...
+    def crop(self, length: int) -> None: ...
+
+
+class Decoder(Protocol):
+    """The decoder interface shared by LeanDecoder and HFModelAdapter."""
+
+    def allocate_cache(self, max_len: int) -> RuntimeCache: ...
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        cache: RuntimeCache,
+        tree_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        logits_for: str | torch.Tensor = "all",
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def load_decoder(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    backend: str = "auto",
+    kernel_backend: str = "auto",
+    linear_backend: str = "auto",
+) -> LeanDecoder | HFModelAdapter:
+    """Load a runtime decoder: the lean one when the architecture is supported ("auto"), or force "lean" / "hf".
+    ``linear_backend`` goes to :class:`LeanDecoder` (auto | cpp | mkldnn | dense)."""
+    if backend not in ("auto", "lean", "hf"):
+        raise ValueError(f"decoder backend must be 'auto', 'lean' or 'hf', got {backend!r}")
+    if backend == "hf":
+        return HFModelAdapter.from_pretrained(folder, dtype, device)
+    try:
+        return LeanDecoder.from_pretrained(folder, dtype, device, kernel_backend=kernel_backend,
+                                           linear_backend=linear_backend)
+    except UnsupportedArchitecture:
+        if backend == "lean":
+            raise
+        return HFModelAdapter.from_pretrained(folder, dtype, device)

@@ -1,0 +1,1 @@
+"""Tools built on the runtime: regenerate (self-distilled training data)."""
