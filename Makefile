@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # A CPU build of torch 2.13.0 lies on this machine's disk; on a GPU machine set TORCH_SPEC=torch.
 TORCH_SPEC ?= torch==2.13.0
 DEMO_STEPS ?= 60
+# The demo trains for DEMO_STEPS steps or DEMO_TRAIN_TIME of wall time, whichever comes first, so that it takes about
+# the same time on every machine kind (an AVX2-only CPU trains in fp32, more slowly than one with AVX512-BF16).
+DEMO_TRAIN_TIME ?= 00:00:04:00
 DEMO_DIR ?= outputs/demo/medusa
 BENCH_PROMPTS ?= 8
 BENCH_TOKENS ?= 128
@@ -25,7 +28,8 @@ assets: setup
 	$(VENV)/bin/draftsmith assets
 
 train-demo: assets
-	$(PY) train.py recipe=medusa trainer.max_steps=$(DEMO_STEPS) hydra.run.dir=$(DEMO_DIR)
+	$(PY) train.py recipe=medusa trainer.max_steps=$(DEMO_STEPS) trainer.max_time=$(DEMO_TRAIN_TIME) \
+		hydra.run.dir=$(DEMO_DIR)
 
 bench-demo:
 	$(VENV)/bin/draftsmith bench --drafter $(DEMO_DIR)/export --prompts mtbench --num-prompts $(BENCH_PROMPTS) \

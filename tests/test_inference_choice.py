@@ -41,7 +41,7 @@ def test_stop_policies_parse_from_flags_and_exports():
     assert parse_stop_policy({"kind": "fixed"}) is None and parse_stop_policy({"kind": "fixed", "max_depth": 2}) == \
         FixedDepth(2)  # fmt: skip
     policy, info = choose_stop_policy(None, TYPICAL_EXPORT)
-    assert policy == ConfidenceStop(0.4, 5) and info["source"] == "export"
+    assert policy == ConfidenceStop(0.4, 5) and info == {"spec": "confidence:0.4:5", "source": "export"}
     policy, info = choose_stop_policy("fixed:2", TYPICAL_EXPORT)
     assert policy == FixedDepth(2) and info == {"spec": "fixed:2", "source": "flag"}
     for bad in ("fixed:two", "confidence", "sometimes:3"):

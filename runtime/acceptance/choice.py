@@ -98,7 +98,9 @@ def choose_stop_policy(flag: str | None, export_config: dict | None) -> tuple[St
         return parse_stop_policy(flag), {"spec": flag, "source": "flag"}
     exported = _inference(export_config).get("stop_policy")
     if exported is not None:
-        return parse_stop_policy(exported), {"spec": exported, "source": "export"}
+        spec = exported if not isinstance(exported, dict) else ":".join(
+            [str(exported.get("kind", "fixed"))] + [str(exported[k]) for k in ("threshold", "max_depth") if k in exported])
+        return parse_stop_policy(exported), {"spec": spec, "source": "export"}
     return None, {"spec": "none", "source": "default"}
 
 

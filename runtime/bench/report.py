@@ -36,7 +36,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         ("why these linears", b.get("linear_reason", "n/a")),
         ("verifier / stop policy (source)", _inference_text(result.get("inference"))),
         ("tau (mean accepted length, incl. bonus)", _fmt(result["tau"], 3)),
-        ("acceptance by position (P(d accepted | d drafted))",
+        ("acceptance by position (P(d accepted given d drafted))",
          ", ".join(f"{a:.2f}" for a in result["acceptance_by_position"])),
         ("head top-1 agreement with target greedy", ", ".join(f"{a:.2f}" for a in result["head_agreement_top1"] or [])
          or "n/a"),
