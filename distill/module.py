@@ -13,7 +13,7 @@ import torch
 
 from draftsmith.distill.errors import ConfigError, DraftsmithError
 from draftsmith.distill.objective import Objective, frozen_models, optimizer_groups
-from draftsmith.distill.target import Target
+from draftsmith.distill.target import TargetModel
 
 
 class NonFiniteLossError(DraftsmithError, RuntimeError):
@@ -57,7 +57,7 @@ class DistillModule(pl.LightningModule):
     checkpoints hold the drafter, optimizer and schedule only, and hparams never contain it.
     """
 
-    def __init__(self, objective: Objective, target: Target, optim: dict[str, Any], total_steps: int) -> None:
+    def __init__(self, objective: Objective, target: TargetModel, optim: dict[str, Any], total_steps: int) -> None:
         super().__init__()
         self.objective = objective
         self.drafter = objective.module
@@ -70,7 +70,7 @@ class DistillModule(pl.LightningModule):
         self.run_info: dict[str, Any] = {}  # recipe name, target identity, resolved config (set by the trainer)
 
     @property
-    def target(self) -> Target:
+    def target(self) -> TargetModel:
         return self._target
 
     @property

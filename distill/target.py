@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -79,8 +80,34 @@ class TargetFeatures:
     topk_indices: torch.Tensor | None = None  # [B, T, k]
 
 
+@runtime_checkable
+class TargetModel(Protocol):
+    """What recipes and the LightningModule need of a frozen target. :class:`Target` (a causal LM) is one
+    implementation; a masked-diffusion LM is another kind to come. It is never saved into checkpoints or hparams,
+    and its own weights are never optimised (a trainable adapter is the objective's module, not the target's)."""
+
+    tokenizer: Any
+    name_or_path: str
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def lm_head_weight(self) -> torch.Tensor: ...
+    @property
+    def embed_weight(self) -> torch.Tensor: ...
+    def identity(self) -> dict: ...
+    def to(self, *args: Any, **kwargs: Any) -> Any: ...
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 taps: FeatureTaps | None = None) -> TargetFeatures: ...
+
+
 class Target(nn.Module):
-    """A frozen HF causal LM: eval mode, no gradients, never saved into checkpoints or hparams."""
+    """A frozen HF causal LM (the :class:`TargetModel` every recipe uses today): eval mode, no gradients, never saved
+    into checkpoints or hparams."""
 
     def __init__(self, model: nn.Module, tokenizer, name_or_path: str) -> None:
         super().__init__()

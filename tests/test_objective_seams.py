@@ -88,3 +88,14 @@ def test_datamodules_are_chosen_by_batch_kind():
             register_batch_kind("pairs_for_test")(build_pairs)
     finally:
         DATAMODULES.unregister("pairs_for_test")
+
+
+def test_the_causal_lm_target_is_one_implementation_of_the_target_protocol(tiny_target_dir, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.distill.target import Target, TargetModel
+
+    target = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
+    assert isinstance(target, TargetModel)
+    assert not isinstance(object(), TargetModel)
+    assert not any(p.requires_grad for p in target.parameters())  # frozen: nothing of it can reach the optimizer

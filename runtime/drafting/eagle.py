@@ -38,7 +38,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from draftsmith.drafters.eagle import EagleDrafter, KVCache, build_attention_mask, default_positions
+from draftsmith.common.layers import KVCache, build_attention_mask, default_positions
+from draftsmith.drafters.eagle import EagleDrafter
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.export.format import TargetMismatchError
 from draftsmith.runtime.acceptance.verifiers import Acceptance, on_generator_device, target_probs
