@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_STEPS ?= 60
 # The demo trains for DEMO_STEPS steps or DEMO_TRAIN_TIME of wall time, whichever comes first, so that it takes about
 # the same time on every machine kind (an AVX2-only CPU trains in fp32, more slowly than one with AVX512-BF16).
-DEMO_TRAIN_TIME ?= 00:00:04:00
+DEMO_TRAIN_TIME ?= 00:00:03:00
 DEMO_DIR ?= outputs/demo/medusa
 BENCH_PROMPTS ?= 8
 BENCH_TOKENS ?= 128
