@@ -17,8 +17,3 @@ def dtype_from_name(name: str) -> torch.dtype:
     if key not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
     return DTYPES[key]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch dtype -> its short torch name (``bfloat16``), as bench.json and export configs write it."""
-    return str(dtype).removeprefix("torch.")

@@ -39,11 +39,6 @@ ISA_FLAGS: dict[str, list[str]] = {
 ISAS = tuple(ISA_FLAGS)
 
 
-def cpu_has_avx512_bf16() -> bool:
-    """Whether this CPU (as probed, ``DRAFTSMITH_CPU_ISA`` applied) has AVX512-BF16."""
-    return cpu_caps.probe().avx512_bf16
-
-
 def extension_dir() -> Path:
     """Where built extensions are cached (``DRAFTSMITH_EXTENSIONS_DIR`` or ``~/.cache/draftsmith/extensions``)."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "draftsmith" / "extensions"
