@@ -423,13 +423,13 @@ def prefill_and_tree_logits(model: Any, prompt: list[int], nodes: int = 12) -> t
     cache = model.allocate_cache(len(prompt) + nodes)
     ids = torch.tensor(prompt, device=dev)
     with torch.inference_mode():
-        pre, _ = model.forward(ids, cache, logits_for="all")
+        pre = model.forward(ids, cache, logits_for="all").logits
         cache.commit(len(prompt))
         tree = torch.tensor([(prompt[i % len(prompt)] * 7 + i) % model.config.vocab_size for i in range(nodes)],
                             device=dev)
         mask = random_tree_mask(nodes).to(dev)
         depth = (mask.sum(-1) - 1).to(dev)
-        out, _ = model.forward(tree, cache, tree_mask=mask, positions=len(prompt) + depth, logits_for="all")
+        out = model.forward(tree, cache, tree_mask=mask, positions=len(prompt) + depth, logits_for="all").logits
     return pre.float(), out.float()
 
 

@@ -100,7 +100,8 @@ def test_fused_layer_matches_torch_path(tmp_path, use_variant, kind):
         dict(input_ids=torch.tensor([10])),
     ]
     for step in steps:
-        (ref, ref_h), (got, got_h), (f32, f32_h) = (m(cache=c, **step) for m, c in zip(models, caches))
+        (ref, ref_h), (got, got_h), (f32, f32_h) = ((o.logits, o.hidden) for o in
+                                                    (m(cache=c, **step) for m, c in zip(models, caches)))
         close_as_bf16_reference(got, ref, f32, "logits")
         close_as_bf16_reference(got_h, ref_h, f32_h, "hidden")
         start, end = caches[0].length, caches[0].length + step["input_ids"].numel()
@@ -119,8 +120,8 @@ def test_fused_layer_greedy_decoding_and_taps(tmp_path, use_variant):
     assert fused._ops.layer is use_variant.decoder_layer
     assert generate_ar(fused, [1, 2, 3], 16) == generate_ar(ref, [1, 2, 3], 16)
     ids = torch.tensor([3, 4, 5])
-    _, _, taps_ref = ref.forward_taps(ids, ref.allocate_cache(8), taps=(0, 1, 2))
-    _, _, taps_got = fused.forward_taps(ids, fused.allocate_cache(8), taps=(0, 1, 2))
+    taps_ref = ref.forward(ids, ref.allocate_cache(8), taps=(0, 1, 2)).taps
+    taps_got = fused.forward(ids, fused.allocate_cache(8), taps=(0, 1, 2)).taps
     assert sorted(taps_got) == [0, 1, 2]
     assert torch.equal(taps_got[0], taps_ref[0])  # the embeddings themselves
     for i in (1, 2):

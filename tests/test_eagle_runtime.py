@@ -22,9 +22,11 @@ from draftsmith.recipes import eagle3 as eagle3_recipe
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth
 from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier, target_probs
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import DraftState, build_proposer, registered_methods
+from draftsmith.runtime.drafting.base import StepContext, build_proposer, registered_methods
 from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, Eagle3DraftModel, EagleProposer
+from draftsmith.runtime.target.hf import HFModelAdapter
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
+from draftsmith.runtime.target.output import TargetOutput
 
 PROMPTS = [[5, 9, 13, 40], [7, 60, 61], [30, 31, 32, 33, 34, 35, 100, 101, 8]]
 NEW = 48
@@ -41,11 +43,11 @@ def lean_from_hf(hf: torch.nn.Module) -> LeanDecoder:
 
 def plain_greedy(model: LeanDecoder, prompt: list[int], n: int) -> list[int]:
     cache = model.allocate_cache(len(prompt) + n)
-    logits, _ = model.forward(torch.tensor(prompt), cache)
+    logits = model.forward(torch.tensor(prompt), cache).logits
     cache.commit(len(prompt))
     out = [int(logits[-1].argmax())]
     while len(out) < n:
-        logits, _ = model.forward(torch.tensor(out[-1:]), cache)
+        logits = model.forward(torch.tensor(out[-1:]), cache).logits
         cache.commit(1)
         out.append(int(logits[-1].argmax()))
     return out
@@ -88,8 +90,8 @@ class BigramStub:
 
 
 def propose_once(proposer: EagleProposer, prompt: list[int], root: int, policy=None):
-    proposer.begin(torch.tensor(prompt), torch.zeros(len(prompt), 1), torch.zeros(1, 5))
-    return proposer.propose(DraftState(torch.tensor(prompt + [root]), root, torch.zeros(1), policy))
+    proposer.begin(StepContext(torch.tensor(prompt + [root]), root, torch.zeros(len(prompt), 1)))
+    return proposer.propose(StepContext(torch.tensor(prompt + [root]), root, torch.zeros(1), policy))
 
 
 @pytest.mark.parametrize("mapped", [False, True])
@@ -136,14 +138,14 @@ def test_stop_policies_and_chain_on_the_fixed_distribution():
     with pytest.raises(ValueError, match="top_k <= 5"):
         EagleProposer(stub, "tree", top_k=6)
     with pytest.raises(RuntimeError, match="call begin"):
-        EagleProposer(stub).propose(DraftState(torch.tensor([0, 0]), 0, torch.zeros(1)))
+        EagleProposer(stub).propose(StepContext(torch.tensor([0, 0]), 0, torch.zeros(1)))
 
 
 def test_sampled_chain_records_its_law_on_the_target_vocabulary():
     stub = BigramStub(torch.tensor([1, 4, 7, 10, 13]), 16)
     proposer = EagleProposer(stub, "chain", depth=1, temperature=0.5)
-    proposer.begin(torch.tensor([1]), torch.zeros(1, 1), torch.zeros(1, 16))
-    tree = proposer.propose(DraftState(torch.tensor([1, 1]), 1, torch.zeros(1), None, torch.Generator().manual_seed(0)))
+    proposer.begin(StepContext(torch.tensor([1, 1]), 1, torch.zeros(1, 1)))
+    tree = proposer.propose(StepContext(torch.tensor([1, 1]), 1, torch.zeros(1), None, torch.Generator().manual_seed(0)))
     assert tree.draft_mode == "with_replacement" and tree.draft_q.shape == (3, 16)
     expected = torch.zeros(16, dtype=torch.float64)
     expected[[1, 4, 7, 10, 13]] = torch.softmax(BIGRAM[0].log() / 0.5, -1)
@@ -253,8 +255,8 @@ def test_incremental_drafter_cache_equals_a_full_recompute(target, reference, ex
     n = proposer.num_committed
     assert len(prompt) < n < seq.numel() and res.steps > 1
     cache = lean.allocate_cache(seq.numel())
-    _, hidden, taps = lean.forward_taps(seq, cache, taps=proposer.feature_taps)
-    feats = torch.cat([taps[i] for i in proposer.feature_taps], -1) if proposer.feature_taps else hidden
+    res = lean.forward(seq, cache, taps=proposer.feature_taps)
+    feats = res.tap_features(proposer.feature_taps) if proposer.feature_taps else res.hidden
     with torch.no_grad():
         _, _, full = proposer.model.step(proposer.model.features(feats[:n]), seq[1:n + 1][None], None, None, None, True)
     inc = proposer.cache.crop(n)
@@ -283,15 +285,29 @@ def test_build_proposer_options_and_target_mismatch(target, exports, tiny_tokeni
     with pytest.raises(TargetMismatchError, match="num_hidden_layers: export has 4, target has 3"):
         build_proposer(exports["eagle3"], shallow)
 
-    class NoTaps:  # a backend without layer taps (like the HF fallback)
+    class DropsTaps:  # a backend whose forward ignores the taps it is asked for
         config, device = lean.config, lean.device
         lm_head_weight, embed_weight = lean.lm_head_weight, lean.embed_weight
-        allocate_cache, forward = lean.allocate_cache, lean.forward
+        allocate_cache = lean.allocate_cache
 
-    with pytest.raises(ValueError, match="no forward_taps; load the target with the lean decoder"):
-        build_proposer(exports["eagle3"], NoTaps())
-    with pytest.raises(ValueError, match="has no forward_taps"):
-        SpeculativeDecoder(NoTaps(), proposer).generate(PROMPTS[0], 4)
+        def forward(self, *args, taps=(), **kwargs):
+            out = lean.forward(*args, **kwargs)
+            return TargetOutput(out.logits, out.hidden)
+
+    with pytest.raises(ValueError, match=r"returned no taps for layers \[1, 2, 3\]"):
+        SpeculativeDecoder(DropsTaps(), proposer).generate(PROMPTS[0], 4)
+
+
+def test_eagle3_serves_through_the_hf_fallback_with_the_lean_decoders_tokens(target, exports):
+    """Taps are part of the one forward result, so the HF fallback (transformers' hidden_states) serves EAGLE-3 too."""
+    tgt, lean = target
+    hf = HFModelAdapter(tgt.model)
+    for prompt in PROMPTS[:2]:
+        want = SpeculativeDecoder(lean, build_proposer(exports["eagle3"], lean, depth=2)).generate(prompt, 16).tokens
+        got = SpeculativeDecoder(hf, build_proposer(exports["eagle3"], hf, depth=2)).generate(prompt, 16).tokens
+        assert got == want
+    with pytest.raises(ValueError, match="the HF fallback can tap decoder-layer inputs 0..3"):
+        hf.forward(torch.tensor([1, 2]), hf.allocate_cache(4), taps=(4,))
 
 
 # ---- rejection sampling stays exact -----------------------------------------------------------------------------------

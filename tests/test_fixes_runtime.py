@@ -23,7 +23,7 @@ from draftsmith.recipes import eagle as eagle_recipe
 from draftsmith.recipes import eagle3 as eagle3_recipe
 from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier, target_probs
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import DraftState, build_proposer
+from draftsmith.runtime.drafting.base import StepContext, build_proposer
 from draftsmith.runtime.drafting.chain import SampledTreeProposer
 from draftsmith.runtime.drafting.eagle import Eagle3DraftModel, EagleProposer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
@@ -87,11 +87,11 @@ def test_speculators_speculative_tokens_equal_the_runtime_chain_length(local_tar
     proposer = build_proposer(export, lean, policy="chain")
     prompt = torch.tensor([5, 9, 13, 40])
     cache = lean.allocate_cache(8)
-    logits, hidden, taps = lean.forward_taps(prompt, cache, taps=proposer.feature_taps)
-    feats = torch.cat([taps[i] for i in proposer.feature_taps], -1)
-    proposer.begin(prompt, hidden, logits[-1:], taps=feats)
-    root = int(logits[-1].argmax())
-    tree = proposer.propose(DraftState(torch.cat([prompt, torch.tensor([root])]), root, hidden[-1]))
+    res = lean.forward(prompt, cache, taps=proposer.feature_taps)
+    root = int(res.logits[-1].argmax())
+    context = torch.cat([prompt, torch.tensor([root])])
+    proposer.begin(StepContext(context, root, res.hidden, taps=res.tap_features(proposer.feature_taps)))
+    tree = proposer.propose(StepContext(context, root, res.hidden[-1]))
     assert tokens == tree.num_nodes - 1 == depth + 1  # drafted tokens per step, root excluded
 
 
@@ -151,7 +151,7 @@ def test_sampled_tree_without_replacement_small_nucleus_is_exact():
     verifier = RejectionSamplingVerifier(temperature=temperature, top_p=top_p)
     gen = torch.Generator().manual_seed(3)
     prompt = [4, 6]
-    tree = proposer.propose(DraftState(torch.tensor(prompt), 6, torch.zeros(1), None, gen))
+    tree = proposer.propose(StepContext(torch.tensor(prompt), 6, torch.zeros(1), None, gen))
     nucleus = int((target_probs(drafter(torch.tensor(prompt)), temperature, top_p) > 0).sum())
     assert nucleus < branching[0] and len(tree.children(0)) == nucleus  # draws what the nucleus holds
     counts = torch.zeros(SMALL_V, SMALL_V, SMALL_V)

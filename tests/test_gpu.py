@@ -61,11 +61,11 @@ def plain_greedy(model: LeanDecoder, prompt: list[int], n: int) -> list[int]:
     """One token per forward: the reference every speculative run must reproduce."""
     cache = model.allocate_cache(len(prompt) + n)
     with torch.inference_mode():
-        logits, _ = model.forward(torch.tensor(prompt, device=CUDA), cache)
+        logits = model.forward(torch.tensor(prompt, device=CUDA), cache).logits
         cache.commit(len(prompt))
         out = [int(logits[-1].argmax())]
         while len(out) < n:
-            logits, _ = model.forward(torch.tensor(out[-1:], device=CUDA), cache)
+            logits = model.forward(torch.tensor(out[-1:], device=CUDA), cache).logits
             cache.commit(1)
             out.append(int(logits[-1].argmax()))
     return out
@@ -82,11 +82,11 @@ def test_lean_decoder_on_cuda_matches_hf_logits_fp32(hf_model, kernels):
     with torch.inference_mode():
         want = hf_model(ids[None]).logits[0].float()  # [T, V]
         cache = lean.allocate_cache(ids.numel())
-        prefill, _ = lean.forward(ids[:6], cache)  # prefill, then token-by-token through the static cache
+        prefill = lean.forward(ids[:6], cache).logits  # prefill, then token-by-token through the static cache
         cache.commit(6)
         steps = []
         for i in range(6, ids.numel()):
-            logits, _ = lean.forward(ids[i : i + 1], cache)
+            logits = lean.forward(ids[i : i + 1], cache).logits
             cache.commit(1)
             steps.append(logits)
     got = torch.cat([prefill, *steps]).float()

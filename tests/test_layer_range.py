@@ -15,7 +15,8 @@ def model(tmp_path):
 
 def test_layer_ranges_compose_to_the_whole_forward(model):
     ids = torch.tensor([5, 6, 7, 8, 9])
-    want_logits, want_hidden = model(ids, model.allocate_cache(8))
+    want = model(ids, model.allocate_cache(8))
+    want_logits, want_hidden = want.logits, want.hidden
     cache = model.allocate_cache(8)
     shallow = model.forward_layers(model.embed_tokens(ids), cache, 0, 1)  # [T, H]: a self-drafter's sub-network
     deep = model.forward_layers(shallow, cache, 1, model.config.num_layers)

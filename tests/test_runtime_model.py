@@ -104,11 +104,12 @@ def test_prefill_and_incremental_logits_match_hf(case):
     ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = hf_logits(hf, ids)
     cache = lean.allocate_cache(16)
-    logits, hidden = lean(torch.tensor(ids[:8]), cache)
+    res = lean(torch.tensor(ids[:8]), cache)
+    logits, hidden = res.logits, res.hidden
     cache.commit(8)
     steps = [logits]
     for tok in ids[8:]:
-        step_logits, _ = lean(torch.tensor([tok]), cache, logits_for="last")
+        step_logits = lean(torch.tensor([tok]), cache, logits_for="last").logits
         cache.commit(1)
         steps.append(step_logits)
     torch.testing.assert_close(torch.cat(steps), ref, atol=1e-4, rtol=1e-4)
@@ -133,7 +134,8 @@ def test_sharded_checkpoint_and_taps_match_hf(tmp_path):
     lean = LeanDecoder.from_pretrained(tmp_path / "sharded")
     ids = [3, 14, 15, 92, 65, 35]
     cache = lean.allocate_cache(8)
-    logits, _, taps = lean.forward_taps(torch.tensor(ids), cache, taps=(0, 1, 2))
+    res = lean.forward(torch.tensor(ids), cache, taps=(0, 1, 2))
+    logits, taps = res.logits, res.taps
     with torch.no_grad():
         out = hf(torch.tensor([ids]), output_hidden_states=True)
     torch.testing.assert_close(logits, out.logits[0], atol=1e-4, rtol=1e-4)
@@ -156,11 +158,13 @@ def test_tree_forward_equals_per_path_decoding(tmp_path, backend, kind):
     cache = model.allocate_cache(32)
     model(torch.tensor(prompt), cache)
     cache.commit(len(prompt))
-    logits, hidden = model(torch.tensor(tokens), cache, tree_mask=mask, positions=len(prompt) + depth)
+    res = model(torch.tensor(tokens), cache, tree_mask=mask, positions=len(prompt) + depth)
+    logits, hidden = res.logits, res.hidden
     for node in range(len(tokens)):
         path = [tokens[j] for j in path_to(parents, node)]
         ref_cache = model.allocate_cache(32)
-        ref_logits, ref_hidden = model(torch.tensor(prompt + path), ref_cache, logits_for="last")
+        ref = model(torch.tensor(prompt + path), ref_cache, logits_for="last")
+        ref_logits, ref_hidden = ref.logits, ref.hidden
         torch.testing.assert_close(logits[node], ref_logits[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(hidden[node], ref_hidden[-1], atol=1e-4, rtol=1e-4)
 
@@ -184,8 +188,8 @@ def test_compaction_keeps_exactly_the_accepted_path(tmp_path, backend):
     model(torch.tensor(prompt + [tokens[j] for j in accepted]), ref_cache)
     ref_cache.commit(cache.length)
     for tok in [4, 77, 12]:  # continue decoding on both caches
-        got, _ = model(torch.tensor([tok]), cache)
-        want, _ = model(torch.tensor([tok]), ref_cache)
+        got = model(torch.tensor([tok]), cache).logits
+        want = model(torch.tensor([tok]), ref_cache).logits
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         cache.commit(1)
         ref_cache.commit(1)
@@ -256,11 +260,12 @@ def test_bf16_runs_close_to_fp32(tmp_path):
     tiny_model("Llama", tmp_path)
     ids = torch.tensor([5, 6, 7, 8])
     f32 = LeanDecoder.from_pretrained(tmp_path)
-    ref, _ = f32(ids, f32.allocate_cache(8))
+    ref = f32(ids, f32.allocate_cache(8)).logits
     backends = ["dense", "mkldnn"] if mkldnn_linear_available(torch.bfloat16, torch.device("cpu")) else ["dense"]
     for backend in backends:  # oneDNN-prepacked and plain bf16 linears
         b16 = LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend=backend)
-        got, hidden = b16(ids, b16.allocate_cache(8))
+        res = b16(ids, b16.allocate_cache(8))
+        got, hidden = res.logits, res.hidden
         assert got.dtype == hidden.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), ref, atol=0.1, rtol=0.05)
     with pytest.raises(ValueError, match="bf16 weights on CPU"):

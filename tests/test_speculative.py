@@ -21,7 +21,7 @@ from draftsmith.runtime.acceptance.verifiers import (
     target_probs,
 )
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import DraftState, NullProposer
+from draftsmith.runtime.drafting.base import NullProposer, StepContext
 from draftsmith.runtime.drafting.chain import ChainProposer, DecoderDrafter, SampledTreeProposer
 from draftsmith.runtime.drafting.medusa import MedusaProposer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
@@ -60,11 +60,11 @@ def reference(target):
 
 def plain_greedy(model, prompt, n):
     cache = model.allocate_cache(len(prompt) + n)
-    logits, _ = model.forward(torch.tensor(prompt), cache)
+    logits = model.forward(torch.tensor(prompt), cache).logits
     cache.commit(len(prompt))
     out = [int(logits[-1].argmax())]
     while len(out) < n:
-        logits, _ = model.forward(torch.tensor(out[-1:]), cache)
+        logits = model.forward(torch.tensor(out[-1:]), cache).logits
         cache.commit(1)
         out.append(int(logits[-1].argmax()))
     return out
@@ -102,7 +102,7 @@ class OracleHeads(nn.Module):
         super().__init__()
         self.seq = list(prompt) + list(continuation)
         cache = model.allocate_cache(len(self.seq))
-        _, self.hiddens = model.forward(torch.tensor(self.seq), cache)  # [L, H]: h_j predicts seq[j+1]
+        self.hiddens = model.forward(torch.tensor(self.seq), cache).hidden  # [L, H]: h_j predicts seq[j+1]
         self.num_heads = num_heads
 
     def forward(self, hidden):
@@ -348,7 +348,7 @@ def first_tokens(proposer, verifier, prompt, n, gen):
     out = [verifier.sample(synthetic_logits(prompt), gen)]
     while len(out) < n:
         ctx = prompt + out
-        tree = proposer.propose(DraftState(torch.tensor(ctx), out[-1], torch.zeros(1), None, gen))
+        tree = proposer.propose(StepContext(torch.tensor(ctx), out[-1], torch.zeros(1), None, gen))
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         node_ctx = [ctx]
         for i in range(1, len(tokens)):

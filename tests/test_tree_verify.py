@@ -5,14 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth, LearnedStop, StopPolicy
+from draftsmith.runtime.acceptance.stop_policies import (
+    ConfidenceStop,
+    FixedDepth,
+    LearnedStop,
+    StopContext,
+    StopPolicy,
+)
 from draftsmith.runtime.acceptance.verifiers import (
     GreedyVerifier,
     RejectionSamplingVerifier,
     TypicalVerifier,
     target_probs,
 )
-from draftsmith.runtime.drafting.base import DraftState
+from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.medusa import MedusaProposer
 from draftsmith.runtime.drafting.tree import (
     DraftTree,
@@ -158,19 +164,44 @@ def test_target_probs_top_p():
 
 
 def test_stop_policies():
-    assert FixedDepth(2).should_stop(2, 1.0) and not FixedDepth(2).should_stop(1, 0.0)
+    assert FixedDepth(2).should_stop(StopContext(2, 1.0)) and not FixedDepth(2).should_stop(StopContext(1, 0.0))
     stop = ConfidenceStop(threshold=0.4, max_depth=5)
-    assert stop.should_stop(1, 0.3) and not stop.should_stop(1, 0.5) and stop.should_stop(5, 0.9)
+    assert stop.should_stop(StopContext(1, 0.3)) and not stop.should_stop(StopContext(1, 0.5))
+    assert stop.should_stop(StopContext(5, 0.9))
     head = torch.nn.Linear(4, 1)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.constant_(head.bias, 2.0)  # sigmoid(2) = 0.88: predicts a rejection
     learned = LearnedStop(head, threshold=0.7)
-    assert learned.should_stop(1, 0.9, torch.zeros(4)) and not LearnedStop(head, threshold=0.95).should_stop(
-        1, 0.9, torch.zeros(4))
+    assert learned.should_stop(StopContext(1, 0.9, torch.zeros(4))) and not LearnedStop(head, threshold=0.95).should_stop(
+        StopContext(1, 0.9, torch.zeros(4)))
     with pytest.raises(ValueError, match="drafter state"):
-        learned.should_stop(1, 0.9, None)
+        learned.should_stop(StopContext(1, 0.9, None))
     for p in (FixedDepth(), stop, learned):
         assert isinstance(p, StopPolicy)
+
+
+def test_learned_stop_accumulates_along_a_path_and_branches_keep_their_own():
+    """SpecDec++: stop at the first depth d where 1 - prod_{i<=d}(1 - p_reject_i) > h (not before, not after)."""
+    head = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.ones_(head.weight)  # logit = state value
+    p_reject = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    states = torch.log(p_reject / (1 - p_reject))[:, None]  # [4, 1] logits giving those rejection probabilities
+    policy = LearnedStop(head, threshold=0.45, max_depth=8)
+    ctx, stops = StopContext(0, 1.0), []
+    for d in range(4):
+        ctx = ctx.child(d + 1, 0.5, states[d])
+        stops.append(policy.should_stop(ctx))
+    # 1 - 0.9 = 0.1, 1 - 0.72 = 0.28, 1 - 0.504 = 0.496 > 0.45: stop exactly after the third token
+    assert stops == [False, False, True, True]
+    assert ctx.path["accept_prob"] == pytest.approx(0.9 * 0.8 * 0.7 * 0.6)
+    first = StopContext(0, 1.0).child(1, 0.5, states[0])
+    policy.should_stop(first)
+    sibling_a, sibling_b = first.child(2, 0.5, states[1]), first.child(2, 0.5, states[3])
+    assert not policy.should_stop(sibling_a) and policy.should_stop(sibling_b)  # 0.28 vs 1 - 0.9*0.6 = 0.46
+    assert first.path["accept_prob"] == pytest.approx(0.9)  # the branches did not write into the parent's scratch
+    with pytest.raises(ValueError, match="drafter state"):
+        policy.should_stop(StopContext(1, 0.9))
+    assert LearnedStop(head, threshold=0.0, min_depth=2).should_stop(StopContext(1, 0.5, states[3])) is False
 
 
 class FixedHeads(torch.nn.Module):
@@ -187,7 +218,7 @@ class FixedHeads(torch.nn.Module):
 def test_medusa_proposer_fills_tree_and_prunes_with_stop_policy():
     probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.6, 0.05, 0.25], [0.9, 0.05, 0.03, 0.02]])
     proposer = MedusaProposer(FixedHeads(probs.log()), PATHS, top_k=3)
-    state = DraftState(torch.tensor([1, 2]), 2, torch.zeros(8))
+    state = StepContext(torch.tensor([1, 2]), 2, torch.zeros(8))
     tree = proposer.propose(state)
     # head0 top3 = [0, 1, 2], head1 top3 = [1, 3, 0], head2 top3 = [0, 1, 2]
     assert tree.tokens.tolist() == [2, 0, 1, 1, 3, 1, 0]

@@ -1,26 +1,42 @@
-"""Stop policies: how deep a proposer drafts (fixed K, drafter confidence, a learned acceptance head)."""
+"""Stop policies: how deep a proposer drafts (fixed K, drafter confidence, a learned acceptance head).
+
+Every policy reads one :class:`StopContext`, built the same way by every proposer after it drafts a token on a path:
+``depth`` (tokens drafted on the path so far, the new one included), ``confidence`` (the drafter's probability of
+the new token), ``state`` (the drafter's hidden vector that scored the new token, when the proposer has one) and
+``path`` (a per-path scratch dict a policy may keep running values in; a proposer gives every branch its own copy).
+``should_stop(ctx)`` True means: keep the new token, draft nothing after it on this path.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 
+@dataclass
+class StopContext:
+    """What a stop policy sees after a token is drafted at ``depth`` (1 = the first token after the root)."""
+
+    depth: int
+    confidence: float
+    state: torch.Tensor | None = None  # [H] drafter state that scored the token (None: the proposer has none)
+    path: dict[str, Any] = field(default_factory=dict)  # per-path running values (copied when a path branches)
+
+    def child(self, depth: int, confidence: float, state: torch.Tensor | None = None) -> StopContext:
+        """The context one token deeper on the same path (the scratch is copied, so siblings do not share it)."""
+        return StopContext(depth, confidence, state, dict(self.path))
+
+
 @runtime_checkable
 class StopPolicy(Protocol):
-    """Decides when a proposer stops drafting; ``max_depth`` bounds the draft depth.
-
-    A learned acceptance head (SpecDec++) implements this by predicting, from the drafter's state, the probability
-    that the next draft token will be rejected, and stopping when it exceeds a threshold.
-    """
+    """Decides when a proposer stops drafting; ``max_depth`` bounds the draft depth."""
 
     max_depth: int
 
-    def should_stop(self, depth: int, confidence: float, state: torch.Tensor | None = None) -> bool:
-        """After ``depth`` drafted tokens on a path, whose last has drafter confidence ``confidence`` (its draft
-        probability) and drafter ``state`` (e.g. a hidden vector), stop extending this path?"""
+    def should_stop(self, ctx: StopContext) -> bool:
+        """Stop extending this path after the token described by ``ctx``?"""
         ...
 
 
@@ -30,9 +46,9 @@ class FixedDepth:
 
     max_depth: int = 4
 
-    def should_stop(self, depth: int, confidence: float, state: torch.Tensor | None = None) -> bool:
+    def should_stop(self, ctx: StopContext) -> bool:
         """Stop at the fixed depth."""
-        return depth >= self.max_depth
+        return ctx.depth >= self.max_depth
 
 
 @dataclass
@@ -42,27 +58,33 @@ class ConfidenceStop:
     threshold: float = 0.3
     max_depth: int = 8
 
-    def should_stop(self, depth: int, confidence: float, state: torch.Tensor | None = None) -> bool:
+    def should_stop(self, ctx: StopContext) -> bool:
         """Stop when the last drafted token was unconfident, or at ``max_depth``."""
-        return depth >= self.max_depth or confidence < self.threshold
+        return ctx.depth >= self.max_depth or ctx.confidence < self.threshold
 
 
 @dataclass
 class LearnedStop:
-    """Stop when a learned head predicts the next draft token is likely rejected (SpecDec++ style).
+    """SpecDec++'s rule: stop once the predicted probability that some token of the path is rejected exceeds ``h``.
 
-    ``head`` maps the drafter state [H] to a logit of P(rejection); stop when sigmoid(logit) >= ``threshold``.
+    ``head`` maps the drafter state [H] that scored token i to a logit of P(token i is rejected | every token before
+    it accepted). After the token at depth d: stop iff ``1 - prod_{i<=d} (1 - sigmoid(head(state_i))) > threshold``
+    (at d = 1 simply P(reject) > h), or ``d >= max_depth``; never before ``min_depth``. The running product lives in
+    ``ctx.path`` so each path of a tree keeps its own.
     """
 
     head: torch.nn.Module
     threshold: float = 0.7
     max_depth: int = 8
+    min_depth: int = 1
 
-    def should_stop(self, depth: int, confidence: float, state: torch.Tensor | None = None) -> bool:
-        """Stop at ``max_depth`` or when the head's rejection probability reaches the threshold."""
-        if depth >= self.max_depth:
-            return True
-        if state is None:
+    def should_stop(self, ctx: StopContext) -> bool:
+        """Apply the rule above (updates ``ctx.path["accept_prob"]``)."""
+        if ctx.state is None:
             raise ValueError("LearnedStop needs the drafter state; this proposer does not provide one")
         with torch.no_grad():
-            return float(torch.sigmoid(self.head(state).reshape(-1)[0])) >= self.threshold
+            p_reject = float(torch.sigmoid(self.head(ctx.state).reshape(-1)[0]))
+        ctx.path["accept_prob"] = ctx.path.get("accept_prob", 1.0) * (1.0 - p_reject)
+        if ctx.depth >= self.max_depth:
+            return True
+        return ctx.depth >= self.min_depth and 1.0 - ctx.path["accept_prob"] > self.threshold

@@ -21,9 +21,25 @@ class Acceptance:
     num_accepted: int  # len(accepted_tokens); tokens emitted this step = num_accepted + 1
 
 
-def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """softmax(logits / temperature) restricted to the top-p nucleus and renormalised, in float64 (``[..., V]``)."""
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
+def target_probs(logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float = 1.0) -> torch.Tensor:
+    """softmax(logits / temperature) restricted to the top-p nucleus and renormalised, in float64 (``[..., V]``).
+
+    ``temperature`` is a float or a tensor of one temperature per row (shape ``logits.shape[:-1]``); a row at
+    temperature 0 is the point mass at its argmax (greedy decoding as a distribution).
+    """
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.to(logits.device, torch.float64)
+        if t.shape != logits.shape[:-1]:
+            raise ValueError(f"per-row temperatures must have shape {tuple(logits.shape[:-1])}, got {tuple(t.shape)}")
+        if bool((t < 0).any()) or not bool(torch.isfinite(t).all()):
+            raise ValueError("temperatures must be finite and >= 0")
+        greedy = t == 0
+        probs = torch.softmax(logits.double() / torch.where(greedy, 1.0, t)[..., None], dim=-1)
+        if bool(greedy.any()):
+            onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+            probs = torch.where(greedy[..., None], onehot, probs)
+    else:
+        probs = torch.softmax(logits.double() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # Keep a token if the mass strictly before it is < top_p (the smallest set reaching top_p).
@@ -54,13 +70,22 @@ class Verifier(Protocol):
 
     lossless: bool  # True when the output distribution equals the target's (greedy: identical tokens)
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
-        """Accept a path of ``tree`` given target logits [N, V] at every node."""
+    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None,
+               temperature: torch.Tensor | None = None) -> Acceptance:
+        """Accept a path of ``tree`` given target logits [N, V] at every node (``temperature`` [N]: a per-node
+        sampling temperature, for verifiers with ``per_position_temperature``)."""
         ...
 
-    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None,
+               temperature: torch.Tensor | None = None) -> int:
         """Draw one token from the target logits [V] (the first token after the prompt)."""
         ...
+
+
+def _no_temperature(verifier: object, temperature: torch.Tensor | None) -> None:
+    if temperature is not None:
+        raise ValueError(f"{type(verifier).__name__} has one fixed law; per-position temperatures need the "
+                         "rejection-sampling verifier (verifier=rejection)")
 
 
 class GreedyVerifier:
@@ -71,16 +96,20 @@ class GreedyVerifier:
     def __init__(self, kernels_backend: str = "auto") -> None:
         self.kernels_backend = kernels_backend
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
+    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None,
+               temperature: torch.Tensor | None = None) -> Acceptance:
         """See :func:`draftsmith.kernels.verify.greedy_verify`."""
+        _no_temperature(self, temperature)
         paths = tree.retrieve_indices.to(logits.device)
         res = greedy_verify(paths, tree.tokens.to(logits.device), logits, backend=self.kernels_backend)
         nodes = [int(i) for i in paths[res.best_path, : res.accept_len + 1]]
         toks = [int(tree.tokens[i]) for i in nodes[1:]]
         return Acceptance(nodes, toks, res.bonus_token, res.accept_len)
 
-    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None,
+               temperature: torch.Tensor | None = None) -> int:
         """Target argmax."""
+        _no_temperature(self, temperature)
         return int(logits.argmax(-1))
 
 
@@ -101,8 +130,10 @@ class TypicalVerifier:
         self.posterior_alpha = posterior_alpha
         self.temperature = temperature
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
+    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None,
+               temperature: torch.Tensor | None = None) -> Acceptance:
         """Accept the longest path whose tokens are all typical under the target."""
+        _no_temperature(self, temperature)
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)  # [N, V]
         entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)  # [N]
         threshold = torch.minimum(torch.full_like(entropy, self.posterior_threshold),
@@ -121,8 +152,10 @@ class TypicalVerifier:
         nodes = [int(i) for i in paths[best, : best_len + 1]]
         return Acceptance(nodes, [int(tree.tokens[i]) for i in nodes[1:]], int(logits[nodes[-1]].argmax()), best_len)
 
-    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None,
+               temperature: torch.Tensor | None = None) -> int:
         """Target argmax (Medusa fast mode)."""
+        _no_temperature(self, temperature)
         return int(logits.argmax(-1))
 
 
@@ -146,6 +179,7 @@ class RejectionSamplingVerifier:
     """
 
     lossless = True
+    per_position_temperature = True
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0) -> None:
         if temperature <= 0:
@@ -155,18 +189,26 @@ class RejectionSamplingVerifier:
         self.temperature = temperature
         self.top_p = top_p
 
-    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
-        """Draw from the (temperature, top-p) target distribution."""
-        return _sample(target_probs(logits, self.temperature, self.top_p), generator)
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None,
+               temperature: torch.Tensor | None = None) -> int:
+        """Draw from the (temperature, top-p) target distribution (``temperature`` []: this draw's own)."""
+        t = self.temperature if temperature is None else temperature.reshape(logits.shape[:-1])
+        return _sample(target_probs(logits, t, self.top_p), generator)
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
-        """Walk the tree with (multi-candidate) rejection sampling; see the class docstring."""
+    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None,
+               temperature: torch.Tensor | None = None) -> Acceptance:
+        """Walk the tree with (multi-candidate) rejection sampling; see the class docstring. ``temperature`` [N]
+        replaces the verifier's temperature node by node (0 = greedy there), e.g. from an adaptive-temperature
+        layer: the emitted sequence then has exactly the law of sampling each position at its own temperature."""
         logits = on_generator_device(logits, generator)  # [N, V]
+        if temperature is not None and temperature.shape != logits.shape[:1]:
+            raise ValueError(f"per-node temperatures must have shape [{logits.shape[0]}], got {tuple(temperature.shape)}")
         point_mass = tree.draft_mode == "point_mass"
         without_replacement = tree.draft_mode == "without_replacement"
         node, nodes = 0, [0]
         while True:
-            p = target_probs(logits[node], self.temperature, self.top_p)  # [V] float64
+            t = self.temperature if temperature is None else temperature[node]
+            p = target_probs(logits[node], t, self.top_p)  # [V] float64
             q = None if point_mass else tree.draft_q[node].to(p.device, torch.float64).clone()  # [V]
             chosen = None
             for child in tree.children(node):

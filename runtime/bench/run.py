@@ -29,7 +29,7 @@ from draftsmith.runtime.bench.timing import (
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import build_proposer
+from draftsmith.runtime.drafting.base import LookaheadHeads, build_proposer
 from draftsmith.runtime.target.loading import load_decoder
 
 
@@ -202,8 +202,8 @@ def head_agreement(runtime: Runtime, prompts: list[list[int]], continuations: li
     when its top-1 equals the continuation token at t+k+2. Only positions whose label lies in the continuation
     count. Returns one fraction per head, or None for proposers without heads.
     """
-    heads = getattr(runtime.speculative.proposer, "heads", None) if runtime.speculative else None
-    if heads is None:
+    proposer = runtime.speculative.proposer if runtime.speculative else None
+    if not isinstance(proposer, LookaheadHeads):
         return None
     hits: list[int] = []
     total: list[int] = []
@@ -213,8 +213,8 @@ def head_agreement(runtime: Runtime, prompts: list[list[int]], continuations: li
             if len(cont) < 3:
                 continue
             cache = runtime.model.allocate_cache(len(seq))
-            _, hidden = runtime.model.forward(torch.tensor(seq), cache, logits_for="last")  # hidden [T, H]
-            top1 = heads(hidden).argmax(-1)  # [K, T]
+            hidden = runtime.model.forward(torch.tensor(seq), cache, logits_for="last").hidden  # [T, H]
+            top1 = proposer.lookahead_logits(hidden).argmax(-1)  # [K, T]
             labels = torch.tensor(seq)
             if not hits:
                 hits, total = [0] * top1.shape[0], [0] * top1.shape[0]

@@ -2,8 +2,11 @@
 path in the KV cache, and let the target's bonus token root the next tree.
 
 The bonus token's hidden state comes from the tree forward itself, so a step costs exactly one target forward.
-Proposers that declare ``feature_taps`` (EAGLE-3: residual-stream inputs of some target layers) get those taps of the
-prompt and of every accepted node from the same forwards (``model.forward_taps``), passed as ``taps=``.
+Proposers hear about each event through one :class:`~draftsmith.runtime.drafting.base.StepContext`; those that declare
+``feature_taps`` (EAGLE-3: residual-stream inputs of some target layers) find those taps of the prompt and of every
+accepted node in it, requested from the same forwards. An optional ``temperature_policy`` (an adaptive-temperature
+layer) gives every position its own sampling temperature from the target's hidden state there; the verifier then
+samples (and verifies) each node at its own temperature.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from draftsmith.kernels.dispatch import BACKENDS
 from draftsmith.runtime.acceptance.stop_policies import StopPolicy
 from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, Verifier
 from draftsmith.runtime.decoding import metrics
-from draftsmith.runtime.drafting.base import DraftState, Proposer
+from draftsmith.runtime.drafting.base import Proposer, StepContext
 
 
 @dataclass
@@ -43,8 +46,9 @@ class SpeculativeDecoder:
     """Speculative generation with a target model (runtime interface), a proposer, a verifier and a stop policy.
 
     ``model`` provides ``allocate_cache(max_len)`` and ``forward(input_ids [T], cache, tree_mask, positions,
-    logits_for) -> (logits [T, V], hidden [T, H])`` (e.g. :class:`draftsmith.runtime.target.model.LeanDecoder`); with a
-    proposer that declares ``feature_taps`` it must also provide ``forward_taps`` (same arguments plus ``taps``).
+    logits_for, taps) -> TargetOutput`` (e.g. :class:`draftsmith.runtime.target.model.LeanDecoder`).
+    ``temperature_policy``: ``hidden [T, H] -> temperatures [T]`` (0 = greedy at that position), needs a verifier with
+    ``per_position_temperature`` (rejection sampling).
     ``max_cache_len``: the longest sequence allowed (default: the model's ``max_position_embeddings``).
     """
 
@@ -56,13 +60,18 @@ class SpeculativeDecoder:
         stop_policy: StopPolicy | None = None,
         kernels_backend: str = "auto",
         max_cache_len: int | None = None,
+        temperature_policy: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if kernels_backend not in BACKENDS:
             raise ValueError(f"unknown kernel backend {kernels_backend!r}; valid backends are {', '.join(BACKENDS)}")
         self.model = model
         self.proposer = proposer
         self.verifier = verifier if verifier is not None else GreedyVerifier(kernels_backend)
+        if temperature_policy is not None and not getattr(self.verifier, "per_position_temperature", False):
+            raise ValueError(f"a per-position temperature policy needs a verifier that samples at per-node "
+                             f"temperatures (verifier=rejection), not {type(self.verifier).__name__}")
         self.stop_policy = stop_policy
+        self.temperature_policy = temperature_policy
         self.kernels_backend = kernels_backend
         cfg = getattr(model, "config", None)
         self.max_cache_len = max_cache_len or getattr(cfg, "max_position_embeddings", None)
@@ -101,24 +110,23 @@ class SpeculativeDecoder:
         if max_new_tokens == 0:
             return SpecResult([], 0, [], [], lossless)
         taps = tuple(int(i) for i in (getattr(self.proposer, "feature_taps", None) or ()))
-        if taps and not callable(getattr(self.model, "forward_taps", None)):
-            raise ValueError(f"the proposer needs the target's layer taps {list(taps)} but {type(self.model).__name__} "
-                             "has no forward_taps; load the target with the lean decoder (backend='lean')")
         cache = self._cache_for(prompt.numel() + max_new_tokens + self.proposer.max_tree_nodes)
         device = getattr(self.model, "device", torch.device("cpu"))
         eos = set(int(e) for e in eos_ids)
 
-        logits, hidden, feats = self._forward(taps, prompt.to(device), cache, logits_for="last")  # [1, V], [P, H]
+        pre = self.model.forward(prompt.to(device), cache, logits_for="last", taps=taps)  # logits [1, V], hidden [P, H]
         cache.commit(prompt.numel())
-        self.proposer.begin(prompt, hidden, logits, **({"taps": feats} if taps else {}))
-        root = self.verifier.sample(logits[-1], generator)
+        root = self.verifier.sample(pre.logits[-1], generator, **self._temperatures(pre.hidden[-1:]))
+        policy = self.stop_policy
+        self.proposer.begin(StepContext(torch.cat([prompt, prompt.new_tensor([root])]), root, pre.hidden, policy,
+                                        generator, pre.tap_features(taps), pre.logits))
         out: list[int] = []
         done = self._emit(out, [root], max_new_tokens, eos, stream)
-        hidden_prev = hidden[-1]  # [H] the hidden whose logits produced the root
+        hidden_prev = pre.hidden[-1]  # [H] the hidden whose logits produced the root
         accepted, sizes, depth_hist = [], [], []
         while not done:
-            state = DraftState(torch.tensor([*prompt.tolist(), *out]), root, hidden_prev, self.stop_policy, generator)
-            tree = self.proposer.propose(state)
+            tokens = torch.tensor([*prompt.tolist(), *out])
+            tree = self.proposer.propose(StepContext(tokens, root, hidden_prev, policy, generator))
             if int(tree.tokens[0]) != root:
                 raise ValueError("the proposer's tree must start with the root token it was given")
             if tree.num_nodes > self.proposer.max_tree_nodes:
@@ -127,21 +135,20 @@ class SpeculativeDecoder:
             prefix = cache.length
             positions = (prefix + tree.depths).to(device)  # siblings share a position
             mask = tree.tree_mask.to(device) if tree.num_nodes > 1 else None
-            logits, hidden, feats = self._forward(taps, tree.tokens.to(device), cache, tree_mask=mask,
-                                                  positions=positions)
-            acc = self.verifier.verify(tree, logits, generator)
+            res = self.model.forward(tree.tokens.to(device), cache, tree_mask=mask, positions=positions, taps=taps)
+            acc = self.verifier.verify(tree, res.logits, generator, **self._temperatures(res.hidden))
             nodes = acc.path_nodes
             if nodes == list(range(len(nodes))):  # accepted nodes already sit right after the prefix
                 cache.commit(len(nodes))
             else:
                 cache.compact(prefix + torch.tensor(nodes, dtype=torch.long), prefix)
-            rows = torch.tensor(nodes, device=hidden.device)
-            path_hidden = hidden[rows]  # [a+1, H]
-            if taps:  # the taps of every accepted node, root first: [a+1, len(taps)*H]
-                self.proposer.accept(acc, path_hidden, taps=feats[rows.to(feats.device)])
-            else:
-                self.proposer.accept(acc, path_hidden)
-            hidden_prev = path_hidden[-1]
+            rows = torch.tensor(nodes, device=res.hidden.device)
+            path_taps = res.tap_features(taps)
+            self.proposer.accept(StepContext(
+                tokens, root, res.hidden[rows], policy, generator,  # hidden [a+1, H] at the accepted nodes, root first
+                None if path_taps is None else path_taps[rows.to(path_taps.device)],  # [a+1, k*H]
+                res.logits[rows.to(res.logits.device)], acc))  # [a+1, V]
+            hidden_prev = res.hidden[rows[-1]]
             root = acc.bonus_token
             accepted.append(acc.num_accepted)
             sizes.append(tree.num_nodes)
@@ -150,14 +157,14 @@ class SpeculativeDecoder:
         return SpecResult(out, len(accepted), accepted, metrics.acceptance_by_position(accepted, depth_hist), lossless,
                           sizes, depth_hist)
 
-    def _forward(self, taps: tuple[int, ...], input_ids: torch.Tensor, cache: Any,
-                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Target forward -> (logits, hidden [T, H], taps concatenated in ``taps`` order [T, k*H] or None)."""
-        if not taps:
-            logits, hidden = self.model.forward(input_ids, cache, **kwargs)
-            return logits, hidden, None
-        logits, hidden, found = self.model.forward_taps(input_ids, cache, taps=taps, **kwargs)
-        return logits, hidden, torch.cat([found[i] for i in taps], dim=-1)  # [T, k*H]
+    def _temperatures(self, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"temperature": [T]}`` from the temperature policy for target hidden rows [T, H]; {} without one."""
+        if self.temperature_policy is None:
+            return {}
+        temps = torch.as_tensor(self.temperature_policy(hidden)).reshape(-1)  # [T]
+        if temps.numel() != hidden.shape[0]:
+            raise ValueError(f"the temperature policy returned {temps.numel()} temperatures for {hidden.shape[0]} rows")
+        return {"temperature": temps}
 
     @staticmethod
     def _emit(out: list[int], new: list[int], limit: int, eos: set[int], stream: Callable | None) -> bool:

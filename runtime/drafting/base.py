@@ -1,4 +1,4 @@
-"""The proposer protocol, the draft state handed to it, and one registry that discovers proposer families.
+"""The proposer protocol, the step context handed to it, and one registry that discovers proposer families.
 
 Every module of this package except ``base`` and ``tree`` is a family: importing it registers its builders
 (``@register_proposer(method)``), so adding a family adds a file and no line to any list.
@@ -20,32 +20,55 @@ from draftsmith.runtime.drafting.tree import DraftTree
 
 
 @dataclass
-class DraftState:
-    """What a proposer sees at the start of a step."""
+class StepContext:
+    """What a proposer is told, one type for every event of a generation (``begin``, ``propose``, ``accept``).
+
+    Rows of the target forward that just ran, by event (P = prompt length, a = accepted drafted tokens):
+    - begin: ``hidden`` [P, H] and ``taps`` [P, k*H] of the prompt, ``logits`` [1, V] at its last position;
+    - propose: ``hidden`` [H], the row whose logits gave ``root_token``;
+    - accept: ``hidden`` [a+1, H], ``taps`` [a+1, k*H] and ``logits`` [a+1, V] at the accepted nodes (root first),
+      and ``acceptance``.
+    ``taps`` holds the target layers the proposer declares in ``feature_taps`` (concatenated in that order); None for
+    a proposer that declares none.
+    """
 
     tokens: torch.Tensor  # [L+1] prompt + every emitted token; the last one is the root (not yet in the KV cache)
     root_token: int
-    hidden: torch.Tensor  # [H] target post-norm hidden at the position before the root (its logits gave the root)
+    hidden: torch.Tensor
     stop_policy: StopPolicy | None = None
     generator: torch.Generator | None = None
+    taps: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    acceptance: Acceptance | None = None
 
 
 @runtime_checkable
 class Proposer(Protocol):
-    """A drafter seen by the speculative loop."""
+    """A drafter seen by the speculative loop. ``feature_taps`` (optional attribute): target layers whose inputs
+    the proposer reads (EAGLE-3); the loop then requests them from every target forward."""
 
     max_tree_nodes: int
 
-    def begin(self, prompt_ids: torch.Tensor, prefill_hidden: torch.Tensor, prefill_logits: torch.Tensor) -> None:
-        """Start a generation: prompt [P], target hidden [P, H], target logits of the last prompt position [1, V]."""
+    def begin(self, ctx: StepContext) -> None:
+        """Start a generation from the prompt's target rows."""
         ...
 
-    def propose(self, state: DraftState) -> DraftTree:
-        """Draft a tree rooted at ``state.root_token``."""
+    def propose(self, ctx: StepContext) -> DraftTree:
+        """Draft a tree rooted at ``ctx.root_token``."""
         ...
 
-    def accept(self, acceptance: Acceptance, new_hidden: torch.Tensor) -> None:
-        """Learn what was accepted (``new_hidden [a+1, H]`` at the accepted nodes)."""
+    def accept(self, ctx: StepContext) -> None:
+        """Learn what was accepted (``ctx.acceptance``, the target rows at the accepted nodes)."""
+        ...
+
+
+@runtime_checkable
+class LookaheadHeads(Protocol):
+    """A proposer whose heads predict several tokens ahead from one target hidden state (Medusa): the bench scores
+    each head's top-1 against the target's greedy continuation."""
+
+    def lookahead_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> logits [K, T, V]: head k at position t predicts the token at t+k+2."""
         ...
 
 
@@ -140,12 +163,12 @@ class NullProposer:
 
     max_tree_nodes = 1
 
-    def begin(self, prompt_ids: torch.Tensor, prefill_hidden: torch.Tensor, prefill_logits: torch.Tensor) -> None:
+    def begin(self, ctx: StepContext) -> None:
         """Nothing to prepare."""
 
-    def propose(self, state: DraftState) -> DraftTree:
+    def propose(self, ctx: StepContext) -> DraftTree:
         """A root-only tree."""
-        return DraftTree.chain([state.root_token])
+        return DraftTree.chain([ctx.root_token])
 
-    def accept(self, acceptance: Acceptance, new_hidden: torch.Tensor) -> None:
+    def accept(self, ctx: StepContext) -> None:
         """Nothing to learn."""

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from draftsmith.runtime.acceptance.verifiers import Acceptance, on_generator_device, target_probs
-from draftsmith.runtime.drafting.base import DraftState
+from draftsmith.runtime.acceptance.stop_policies import StopContext
+from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
+from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.tree import DraftTree
 
 
@@ -30,21 +31,21 @@ class ChainProposer:
         self.top_p = top_p
         self.max_tree_nodes = depth + 1
 
-    def begin(self, prompt_ids: torch.Tensor, prefill_hidden: torch.Tensor, prefill_logits: torch.Tensor) -> None:
+    def begin(self, ctx: StepContext) -> None:
         """Stateless: the drafter sees the full token sequence each call."""
 
     @torch.no_grad()
-    def propose(self, state: DraftState) -> DraftTree:
+    def propose(self, ctx: StepContext) -> DraftTree:
         """Draft up to ``depth`` tokens (fewer if the stop policy says so)."""
-        seq = state.tokens
-        tokens, qs, confs = [state.root_token], [], [1.0]
-        policy = state.stop_policy
+        seq = ctx.tokens
+        tokens, qs, confs = [ctx.root_token], [], [1.0]
+        policy, stop = ctx.stop_policy, StopContext(0, 1.0)
         max_depth = min(self.depth, policy.max_depth) if policy is not None else self.depth
         while len(tokens) - 1 < max_depth:
-            logits = on_generator_device(self.drafter(seq).float(), state.generator)  # [V]
+            logits = on_generator_device(self.drafter(seq).float(), ctx.generator)  # [V]
             if self.temperature > 0:
                 q = target_probs(logits, self.temperature, self.top_p)  # [V] float64
-                x = int(torch.multinomial(q, 1, generator=state.generator))
+                x = int(torch.multinomial(q, 1, generator=ctx.generator))
             else:
                 q = torch.softmax(logits.double(), -1)
                 x = int(q.argmax())
@@ -52,7 +53,8 @@ class ChainProposer:
             tokens.append(x)
             confs.append(float(q[x]))
             seq = torch.cat([seq, seq.new_tensor([x])])
-            if policy is not None and policy.should_stop(len(tokens) - 1, confs[-1], None):
+            stop = stop.child(len(tokens) - 1, confs[-1])
+            if policy is not None and policy.should_stop(stop):
                 break
         if self.temperature > 0:
             draft_q = torch.stack(qs + [torch.zeros_like(qs[0])])  # [N, V]; the leaf has no children
@@ -62,7 +64,7 @@ class ChainProposer:
         tree.draft_confidence = torch.tensor(confs)
         return tree
 
-    def accept(self, acceptance: Acceptance, new_hidden: torch.Tensor) -> None:
+    def accept(self, ctx: StepContext) -> None:
         """Stateless."""
 
 
@@ -91,22 +93,23 @@ class SampledTreeProposer:
             total += width
         self.max_tree_nodes = total
 
-    def begin(self, prompt_ids: torch.Tensor, prefill_hidden: torch.Tensor, prefill_logits: torch.Tensor) -> None:
+    def begin(self, ctx: StepContext) -> None:
         """Stateless."""
 
     @torch.no_grad()
-    def propose(self, state: DraftState) -> DraftTree:
+    def propose(self, ctx: StepContext) -> DraftTree:
         """Expand nodes breadth-first (parents always precede children)."""
-        tokens, parents, depths, confs, seqs = [state.root_token], [-1], [0], [1.0], [state.tokens]
+        tokens, parents, depths, confs, seqs = [ctx.root_token], [-1], [0], [1.0], [ctx.tokens]
         qs: list[torch.Tensor | None] = [None]
-        policy = state.stop_policy
+        stops = [StopContext(0, 1.0)]  # one per node: each path keeps its own policy scratch
+        policy = ctx.stop_policy
         i = 0
         while i < len(tokens):
             d = depths[i]
             stop = d >= len(self.branching) or (
-                policy is not None and (d >= policy.max_depth or policy.should_stop(d, confs[i], None)))
+                policy is not None and (d >= policy.max_depth or (d > 0 and policy.should_stop(stops[i]))))
             if not stop:
-                logits = on_generator_device(self.drafter(seqs[i]).float(), state.generator)  # [V]
+                logits = on_generator_device(self.drafter(seqs[i]).float(), ctx.generator)  # [V]
                 k = self.branching[d]
                 if self.temperature > 0:
                     q = target_probs(logits, self.temperature, self.top_p)  # [V] float64
@@ -115,7 +118,7 @@ class SampledTreeProposer:
                         # fail or return zero-probability tokens. n depends on q only, never on the verifier's
                         # coins, so the rejection sampler stays exact (it then draws from the residual).
                         k = min(k, int(torch.count_nonzero(q)))
-                    kids = torch.multinomial(q, k, replacement=self.replacement, generator=state.generator)  # [k]
+                    kids = torch.multinomial(q, k, replacement=self.replacement, generator=ctx.generator)  # [k]
                 else:
                     q = torch.softmax(logits.double(), -1)
                     kids = q.topk(k).indices
@@ -125,6 +128,7 @@ class SampledTreeProposer:
                     parents.append(i)
                     depths.append(d + 1)
                     confs.append(float(q[x]))
+                    stops.append(stops[i].child(d + 1, float(q[x])))
                     seqs.append(torch.cat([seqs[i], seqs[i].new_tensor([x])]))
                     qs.append(None)
             i += 1
@@ -135,7 +139,7 @@ class SampledTreeProposer:
             return DraftTree.from_parents(tokens, parents, draft_q, mode, torch.tensor(confs))
         return DraftTree.from_parents(tokens, parents, draft_confidence=torch.tensor(confs))
 
-    def accept(self, acceptance: Acceptance, new_hidden: torch.Tensor) -> None:
+    def accept(self, ctx: StepContext) -> None:
         """Stateless."""
 
 
@@ -168,7 +172,7 @@ class DecoderDrafter:
         self.cache.length = lcp  # roll back to the common prefix
         new = token_ids[lcp:]
         device = getattr(self.model, "device", token_ids.device)
-        logits, _ = self.model.forward(new.to(device), self.cache, logits_for="last")  # [1, V]
+        logits = self.model.forward(new.to(device), self.cache, logits_for="last").logits  # [1, V]
         self.cache.commit(new.numel())
         self.ids = ids.clone()
         return logits[-1]

@@ -21,8 +21,9 @@ step": its last output drafts depth 1), then drafts:
   i.e. point masses, which :class:`~draftsmith.runtime.acceptance.verifiers.RejectionSamplingVerifier` handles exactly.
 
 In both policies the longest drafted path has ``depth + 1`` tokens (EAGLE-2's convention); a stop policy lowers that
-to its ``max_depth`` and leaves a node without children when ``should_stop(depth, the node's draft probability, the
-node's drafter output)`` says so. EAGLE-3 drafts over its reduced vocabulary; ids are mapped to target ids with
+to its ``max_depth`` and leaves a node without children when ``should_stop`` says so for the node's
+:class:`~draftsmith.runtime.acceptance.stop_policies.StopContext` (its depth, its draft probability, its drafter
+output as ``state``). EAGLE-3 drafts over its reduced vocabulary; ids are mapped to target ids with
 ``d2t`` and sampled-chain q is scattered onto the target vocabulary (zero outside the draft vocabulary).
 
 Why this is lossless under rejection sampling: a top-k child is a point mass, accepted with p(x) and otherwise
@@ -42,8 +43,9 @@ from draftsmith.common.layers import KVCache, build_attention_mask, default_posi
 from draftsmith.drafters.eagle import EagleDrafter
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.export.format import TargetMismatchError
-from draftsmith.runtime.acceptance.verifiers import Acceptance, on_generator_device, target_probs
-from draftsmith.runtime.drafting.base import DraftState, register_proposer
+from draftsmith.runtime.acceptance.stop_policies import StopContext
+from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
+from draftsmith.runtime.drafting.base import StepContext, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
@@ -142,36 +144,35 @@ class EagleProposer:
         self.pending_ids = torch.zeros(0, dtype=torch.long)  # [m-1] the token after each but the last
 
     # ---- feature feeding ---------------------------------------------------------------------------------------------
-    def begin(self, prompt_ids: torch.Tensor, prefill_hidden: torch.Tensor, prefill_logits: torch.Tensor,
-              taps: torch.Tensor | None = None) -> None:
+    def begin(self, ctx: StepContext) -> None:
         """New generation: forget the drafter cache; the prompt's features pair with the prompt's next tokens."""
         self.cache, self.num_committed = None, 0
-        self._set_pending(prompt_ids[1:], prefill_hidden, taps)
+        self._set_pending(ctx.tokens[1:-1], ctx)  # tokens = prompt + root: the prompt's next tokens, root excluded
 
-    def accept(self, acceptance: Acceptance, new_hidden: torch.Tensor, taps: torch.Tensor | None = None) -> None:
+    def accept(self, ctx: StepContext) -> None:
         """The accepted nodes' features [a+1, F] (root first) pair with the accepted tokens, then the bonus token."""
-        self._set_pending(torch.tensor(acceptance.accepted_tokens, dtype=torch.long), new_hidden, taps)
+        self._set_pending(torch.tensor(ctx.acceptance.accepted_tokens, dtype=torch.long), ctx)
 
-    def _set_pending(self, next_ids: torch.Tensor, hidden: torch.Tensor, taps: torch.Tensor | None) -> None:
-        feats = taps if self.feature_taps else hidden
-        if self.feature_taps and taps is None and hidden.numel():
+    def _set_pending(self, next_ids: torch.Tensor, ctx: StepContext) -> None:
+        feats = ctx.taps if self.feature_taps else ctx.hidden
+        if self.feature_taps and ctx.taps is None and ctx.hidden.numel():
             raise ValueError(f"this drafter needs the target's layer taps {list(self.feature_taps)}; run it with a "
-                             "SpeculativeDecoder over a model with forward_taps (the lean decoder)")
+                             "SpeculativeDecoder, which requests them from the target forward")
         self.pending_feats = feats  # [m, F]
         self.pending_ids = next_ids.reshape(-1).cpu()  # [m-1]: the token after each feature but the last
 
     @torch.no_grad()
-    def _root_step(self, state: DraftState) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+    def _root_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
         """Run the pending pairs (the last one with the root token): -> (out [1, 1, H], logits [N], cache)."""
         feats = self.pending_feats
         m = 0 if feats is None else feats.shape[0]
         if m == 0 or self.pending_ids.numel() != m - 1:
             raise RuntimeError("EagleProposer has no target features to draft from: call begin() at the start of a "
                                "generation and accept() after every verified tree (SpeculativeDecoder does)")
-        if self.num_committed + m != state.tokens.numel() - 1:
+        if self.num_committed + m != ctx.tokens.numel() - 1:
             raise RuntimeError(f"EagleProposer is out of sync with the decoding loop: {self.num_committed + m} "
-                               f"tokens fed for a context of {state.tokens.numel() - 1}; call begin() per generation")
-        ids = torch.cat([self.pending_ids, torch.tensor([state.root_token])]).to(feats.device)[None]  # [1, m]
+                               f"tokens fed for a context of {ctx.tokens.numel() - 1}; call begin() per generation")
+        ids = torch.cat([self.pending_ids, torch.tensor([ctx.root_token])]).to(feats.device)[None]  # [1, m]
         cache = None if self.cache is None else self.cache.crop(self.num_committed)
         out, logits, cache = self.model.step(self.model.features(feats), ids, cache, None, None, last_only=True)
         self.cache, self.num_committed = cache, self.num_committed + m  # committed: pairs from target features only
@@ -184,24 +185,24 @@ class EagleProposer:
 
     # ---- drafting ----------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def propose(self, state: DraftState) -> DraftTree:
-        """Draft a chain or a dynamic tree rooted at ``state.root_token``."""
-        out, logits, cache = self._root_step(state)
-        policy = state.stop_policy
+    def propose(self, ctx: StepContext) -> DraftTree:
+        """Draft a chain or a dynamic tree rooted at ``ctx.root_token``."""
+        out, logits, cache = self._root_step(ctx)
+        policy = ctx.stop_policy
         levels = self.depth + 1 if policy is None else min(self.depth + 1, policy.max_depth)
         if self.policy == "chain":
-            return self._chain(state, out, logits, cache, levels) if levels >= 1 else DraftTree.chain([state.root_token])
+            return self._chain(ctx, out, logits, cache, levels) if levels >= 1 else DraftTree.chain([ctx.root_token])
         if levels < 1 or self.total_tokens < 2:
-            return DraftTree.chain([state.root_token])
-        return self._tree(state, out, logits, cache, levels)
+            return DraftTree.chain([ctx.root_token])
+        return self._tree(ctx, out, logits, cache, levels)
 
-    def _chain(self, state: DraftState, out: torch.Tensor, logits: torch.Tensor, cache: KVCache,
+    def _chain(self, ctx: StepContext, out: torch.Tensor, logits: torch.Tensor, cache: KVCache,
                levels: int) -> DraftTree:
-        tokens, confs, qs = [state.root_token], [1.0], []
+        tokens, confs, qs, stop = [ctx.root_token], [1.0], [], StopContext(0, 1.0)
         for d in range(1, levels + 1):
             if self.temperature > 0:
-                q = on_generator_device(target_probs(logits.float(), self.temperature, self.top_p), state.generator)
-                x = torch.multinomial(q, 1, generator=state.generator)  # [1] draft id
+                q = on_generator_device(target_probs(logits.float(), self.temperature, self.top_p), ctx.generator)
+                x = torch.multinomial(q, 1, generator=ctx.generator)  # [1] draft id
                 qs.append(self._on_target_vocab(q))
             else:
                 q = torch.softmax(logits.float(), -1)  # [N] only for the confidence
@@ -215,7 +216,8 @@ class EagleProposer:
             out, step_logits, cache = self.model.step(out, token[None], cache, None, None, last_only=True)
             logits = step_logits[0, -1]
             # As in trees, the stop policy sees the node's own drafter output (the state its child is drafted from).
-            if state.stop_policy is not None and state.stop_policy.should_stop(d, confs[-1], out[0, -1]):
+            stop = stop.child(d, confs[-1], out[0, -1])
+            if ctx.stop_policy is not None and ctx.stop_policy.should_stop(stop):
                 break
         if qs:  # row i: the law node i's child was drawn from; the leaf has none
             draft_q = torch.stack(qs + [torch.zeros_like(qs[0])])  # [N, V]
@@ -232,9 +234,9 @@ class EagleProposer:
             return q
         return torch.zeros(self.model.vocab_size, dtype=torch.float64).index_copy_(0, self.model.draft_ids.cpu(), q)
 
-    def _tree(self, state: DraftState, out: torch.Tensor, logits: torch.Tensor, cache: KVCache,
+    def _tree(self, ctx: StepContext, out: torch.Tensor, logits: torch.Tensor, cache: KVCache,
               levels: int) -> DraftTree:
-        k, device, policy = self.top_k, out.device, state.stop_policy
+        k, device, policy = self.top_k, out.device, ctx.stop_policy
         committed = self.num_committed
         logp, idx = F.log_softmax(logits.float(), -1).topk(k)  # [k]: depth-1 nodes, score = log p
         # Generated nodes, in generation order (parents before children); parent -1 = the root.
@@ -245,6 +247,7 @@ class EagleProposer:
         ancestors = torch.zeros(k, 0, dtype=torch.bool, device=device)  # [k, tree entries in the cache]
         seen = torch.ones(k, committed, dtype=torch.bool, device=device)  # every node sees the committed pairs
         eye = torch.eye(k, dtype=torch.bool, device=device)
+        f_parent_stops = [StopContext(0, 1.0) for _ in range(k)]  # each frontier path's policy context so far
         for level in range(1, levels):
             mask = torch.cat([seen, ancestors, eye], dim=1)  # [k, committed + (level-1)*k + k]
             positions = torch.full((1, k), committed - 1 + level, device=device)  # depth-`level` nodes share one
@@ -253,7 +256,8 @@ class EagleProposer:
             cum = f_scores[:, None] + child_logp  # [k, k]: log of the product of confidences along the path
             if policy is not None:  # a stopped node keeps no children
                 own_logp = torch.cat(local)[frontier]  # [k] each frontier node's log p under its parent
-                stop = [policy.should_stop(level, float(lp.exp()), out[0, j]) for j, lp in enumerate(own_logp)]
+                stops = [f_parent_stops[j].child(level, float(lp.exp()), out[0, j]) for j, lp in enumerate(own_logp)]
+                stop = [policy.should_stop(c) for c in stops]
                 cum = cum.masked_fill(torch.tensor(stop, device=device)[:, None], float("-inf"))
             base = sum(t.numel() for t in tokens)
             child_tokens = self._to_target(child.flatten())  # [k*k]
@@ -267,7 +271,9 @@ class EagleProposer:
             row = best // k  # which frontier node each is a child of
             frontier, f_tokens, f_hidden = base + best, child_tokens[best], out[0, row]
             ancestors = torch.cat([ancestors[row], eye[row]], dim=1)  # parent's ancestors + the parent itself
-        return self._rerank(state.root_token, tokens, scores, local, parents)
+            if policy is not None:
+                f_parent_stops = [stops[int(r)] for r in row]
+        return self._rerank(ctx.root_token, tokens, scores, local, parents)
 
     def _rerank(self, root: int, tokens: list[torch.Tensor], scores: list[torch.Tensor], local: list[torch.Tensor],
                 parents: list[torch.Tensor]) -> DraftTree:
@@ -322,14 +328,13 @@ def _build_eagle(export_dir: str | Path, config: dict, target_model: Any, **opti
 
 @register_proposer("eagle3")
 def _build_eagle3(export_dir: str | Path, config: dict, target_model: Any, **options: Any) -> EagleProposer:
-    """EAGLE-3 proposer (same options); the target must provide ``forward_taps`` (the lean decoder)."""
+    """EAGLE-3 proposer (same options); the loop requests its layer taps from every target forward (the lean
+    decoder and the HF fallback both return them)."""
     layers = [int(i) for i in config["architecture"].get("target_layers", [])]
-    num_layers = getattr(getattr(target_model, "config", None), "num_layers", None)
+    cfg = getattr(target_model, "config", None)
+    num_layers = getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None))  # lean | HF config
     if num_layers is not None and any(not 0 <= i < num_layers for i in layers):
         raise TargetMismatchError(f"the eagle3 drafter taps target layers {layers}, outside 0..{num_layers - 1} of "
                                   "the loaded target; use the target it was trained for")
-    if not callable(getattr(target_model, "forward_taps", None)):
-        raise ValueError(f"EAGLE-3 needs the target's layer taps but {type(target_model).__name__} has no "
-                         "forward_taps; load the target with the lean decoder (backend='lean')")
     drafter = Eagle3Drafter.from_export(export_dir, target_model.embed_weight)
     return _proposer(config, Eagle3DraftModel(_place(drafter, target_model)), options)

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.runtime.acceptance.verifiers import Acceptance
-from draftsmith.runtime.drafting.base import DraftState, prune_tree, register_proposer
+from draftsmith.runtime.acceptance.stop_policies import StopContext
+from draftsmith.runtime.drafting.base import StepContext, prune_tree, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 
 
@@ -19,7 +19,7 @@ class MedusaProposer:
     ``heads``: an nn.Module mapping hidden [..., H] to logits [K, ..., V] (head k predicts the token k+2 after the
     hidden's position, i.e. k+1 after the root). Children are deterministic (point masses), which the rejection
     sampler handles exactly. A stop policy prunes the tree: a node's children are dropped when
-    ``should_stop(depth, head probability of the node's token, target hidden)`` says so.
+    the policy says so for the node's :class:`StopContext` (its depth, its head probability, the target hidden).
     """
 
     def __init__(self, heads: nn.Module, tree: StaticTree | list[list[int]], top_k: int | None = None) -> None:
@@ -29,34 +29,41 @@ class MedusaProposer:
         self.tree = tree
         self.max_tree_nodes = tree.num_nodes
 
-    def begin(self, prompt_ids: torch.Tensor, prefill_hidden: torch.Tensor, prefill_logits: torch.Tensor) -> None:
+    def begin(self, ctx: StepContext) -> None:
         """Medusa is stateless across steps."""
 
     @torch.no_grad()
-    def propose(self, state: DraftState) -> DraftTree:
-        """Run the heads on ``state.hidden`` and fill the static tree."""
-        logits = self.heads(state.hidden)  # [K, V]
+    def propose(self, ctx: StepContext) -> DraftTree:
+        """Run the heads on ``ctx.hidden`` [H] and fill the static tree."""
+        logits = self.heads(ctx.hidden)  # [K, V]
         if logits.dim() != 2 or logits.shape[0] < self.tree.depth:
             raise ValueError(f"Medusa heads returned logits {tuple(logits.shape)}; the tree needs {self.tree.depth} "
                              "heads, each giving [V] for a hidden [H]")
         top_p, top_i = torch.softmax(logits.float(), -1).topk(self.tree.top_k, dim=-1)  # [K, top_k]
-        tree = self.tree.build(state.root_token, top_i)
+        tree = self.tree.build(ctx.root_token, top_i)
         conf = torch.cat([torch.ones(1, device=top_p.device), top_p.reshape(-1)])[self.tree.candidate_index.to(top_p.device)]
         tree.draft_confidence = conf.cpu()  # [N]
-        policy = state.stop_policy
+        policy = ctx.stop_policy
         if policy is None:
             return tree
         keep = [True] * tree.num_nodes
-        expand = [False] * tree.num_nodes  # may node i have children?
-        for i in range(tree.num_nodes):
-            if i > 0:
-                keep[i] = keep[int(tree.parents[i])] and expand[int(tree.parents[i])]
+        expand = [policy.max_depth > 0] + [False] * (tree.num_nodes - 1)  # may node i have children?
+        stops = [StopContext(0, 1.0, ctx.hidden)]  # one per node: each path keeps its own policy scratch
+        for i in range(1, tree.num_nodes):
+            parent = int(tree.parents[i])
+            stops.append(stops[parent].child(int(tree.depths[i]), float(conf[i]), ctx.hidden))
+            keep[i] = keep[parent] and expand[parent]
             if keep[i]:
-                expand[i] = not policy.should_stop(int(tree.depths[i]), float(conf[i]), state.hidden)
+                expand[i] = not policy.should_stop(stops[i])
         return tree if all(keep) else prune_tree(tree, keep)
 
-    def accept(self, acceptance: Acceptance, new_hidden: torch.Tensor) -> None:
-        """Nothing to learn: the next step reads the hidden state from the DraftState."""
+    @torch.no_grad()
+    def lookahead_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> logits [K, T, V] of every head (head k at t predicts the token at t+k+2)."""
+        return self.heads(hidden)
+
+    def accept(self, ctx: StepContext) -> None:
+        """Nothing to learn: the next step reads the hidden state from its context."""
 
 
 @register_proposer("medusa")

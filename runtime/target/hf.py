@@ -4,12 +4,13 @@ its exact logits (the model's own LM-head post-processing included)."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from draftsmith.runtime.target.cache import CacheFullError, CommitMixin
+from draftsmith.runtime.target.output import TargetOutput
 from draftsmith.runtime.target.weights import find_safetensors, load_hf_config
 
 
@@ -147,8 +148,17 @@ class HFModelAdapter(torch.nn.Module):
         tree_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         logits_for: str | torch.Tensor = "all",
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same contract as :meth:`LeanDecoder.forward`."""
+        taps: Sequence[int] = (),
+    ) -> TargetOutput:
+        """Same contract as :meth:`LeanDecoder.forward`; taps come from transformers' ``hidden_states`` (the input
+        of each decoder layer), so layer ``num_layers`` (the pre-norm last output, which HF does not expose) is
+        refused."""
+        taps = tuple(int(i) for i in taps)
+        num_layers = int(self.hf.config.num_hidden_layers)
+        bad = [i for i in taps if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"the HF fallback can tap decoder-layer inputs 0..{num_layers - 1}, not {bad}; load the "
+                             "target with the lean decoder (backend='lean') for the pre-norm last output")
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D LongTensor [T] (batch 1); got {tuple(input_ids.shape)}")
         t = input_ids.numel()
@@ -170,7 +180,7 @@ class HFModelAdapter(torch.nn.Module):
             keep = logits_for.to(input_ids.device).long()
         base = getattr(self.hf, self.hf.base_model_prefix)
         out, logits = hf_forward(self.hf, base, keep, input_ids=input_ids[None], position_ids=pos[None],
-                                 attention_mask=mask, past_key_values=cache.dc, use_cache=True)
-        hidden = out.last_hidden_state[0]  # [T, H] post final norm
-        logits = logits[0]  # [T', V]
-        return logits, hidden
+                                 attention_mask=mask, past_key_values=cache.dc, use_cache=True,
+                                 output_hidden_states=bool(taps))
+        found = {i: out.hidden_states[i][0] for i in taps}  # hidden_states[i] = input of layer i, [T, H]
+        return TargetOutput(logits[0], out.last_hidden_state[0], found)  # [T', V], [T, H] post final norm

@@ -1,13 +1,14 @@
 """The runtime decoder interface and the loader choosing the lean decoder or the HF fallback.
 
 Every runtime decoder has the interface of :class:`draftsmith.runtime.target.model.LeanDecoder`: ``allocate_cache(max_len)``,
-``forward(input_ids [T], cache, tree_mask, positions, logits_for) -> (logits [T', V], hidden [T, H])``, a cache with
+``forward(input_ids [T], cache, tree_mask, positions, logits_for, taps) -> TargetOutput`` (logits, hidden, taps), a cache with
 ``length``, ``commit(n)``, ``compact(src_slots, dst_start)``, ``crop(length)``, and ``lm_head_weight`` /
 ``embed_weight`` / ``dtype`` / ``device``. Batch 1.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -15,6 +16,7 @@ import torch
 
 from draftsmith.runtime.target.hf import HFModelAdapter
 from draftsmith.runtime.target.model import LeanDecoder, UnsupportedArchitecture
+from draftsmith.runtime.target.output import TargetOutput
 
 
 class RuntimeCache(Protocol):
@@ -39,7 +41,8 @@ class Decoder(Protocol):
         tree_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         logits_for: str | torch.Tensor = "all",
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        taps: Sequence[int] = (),
+    ) -> TargetOutput: ...
 
 
 def load_decoder(

@@ -13,6 +13,7 @@ match HF to ~1e-5. Batch size is 1 by design: speculative decoding of one reques
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from draftsmith.kernels.attention import tree_attention
 from draftsmith.runtime.target.cache import KVCache
 from draftsmith.runtime.target.linear_ops import choose_linear_ops
 from draftsmith.runtime.target.model_config import ModelConfig, UnsupportedArchitecture, rope_inv_freq
+from draftsmith.runtime.target.output import TargetOutput
 from draftsmith.runtime.target.weights import WeightsError, load_safetensors
 
 __all__ = ["LeanDecoder", "ModelConfig", "UnsupportedArchitecture", "rope_inv_freq"]
@@ -214,29 +216,17 @@ class LeanDecoder(nn.Module):
         tree_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         logits_for: str | torch.Tensor = "all",
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        taps: Sequence[int] = (),
+    ) -> TargetOutput:
         """Run T new tokens after the cache's committed prefix.
 
         input_ids [T] long. Their K/V go to slots ``cache.length .. +T-1`` (``cache.length`` is NOT advanced: call
         ``cache.commit(n)`` or ``cache.compact(...)``). New token i attends to the whole prefix and to new token j iff
         ``tree_mask[i, j]`` ([T, T] bool; None = causal). ``positions`` [T] default to ``cache.length + arange(T)``
         (tree nodes pass ``prefix_len + depth``). ``logits_for``: "all", "last" or a LongTensor of row indices.
-        Returns logits [T', V] (model dtype) and the post-final-norm hidden states [T, H].
+        ``taps``: decoder layers whose input (residual stream, pre-norm) to return as well.
+        Returns a :class:`TargetOutput`: logits [T', V] (model dtype), post-final-norm hidden [T, H], taps.
         """
-        logits, hidden, _ = self.forward_taps(input_ids, cache, tree_mask, positions, logits_for, taps=())
-        return logits, hidden
-
-    def forward_taps(
-        self,
-        input_ids: torch.Tensor,
-        cache: KVCache,
-        tree_mask: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        logits_for: str | torch.Tensor = "all",
-        taps: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
-        """:meth:`forward` plus residual-stream taps: ``taps[i]`` is the input of decoder layer i (pre-norm; 0 = the
-        embeddings, ``num_layers`` = the last layer's output before the final norm), each [T, H]."""
         # Validate everything before any slot is written.
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D LongTensor [T] (batch 1); got {tuple(input_ids.shape)}")
@@ -246,13 +236,19 @@ class LeanDecoder(nn.Module):
             raise ValueError(f"positions must have shape [{t}], got {tuple(positions.shape)}")
         if isinstance(logits_for, str) and logits_for not in ("all", "last"):
             raise ValueError(f"logits_for must be 'all', 'last' or a LongTensor of rows, got {logits_for!r}")
+        taps = tuple(int(i) for i in taps)
+        bad = [i for i in taps if not 0 <= i <= self.config.num_layers]
+        if bad:
+            raise ValueError(f"taps {bad} outside 0..{self.config.num_layers} (layer inputs; num_layers = last output)")
         self._ensure_rope(max(cache.max_len, int(positions.max()) + 1 if positions is not None else 0))
         if self._compiled is None:
             with torch.inference_mode():
-                return self._run(input_ids, cache.layers, cache.length, tree_mask, positions, logits_for, tuple(taps))
+                return TargetOutput(*self._run(input_ids, cache.layers, cache.length, tree_mask, positions,
+                                               logits_for, taps))
         # inductor cannot trace inference tensors: compiled forwards run as ordinary no-grad code
         with torch.inference_mode(False), torch.no_grad():
-            return self._compiled(input_ids, cache.layers, cache.length, tree_mask, positions, logits_for, tuple(taps))
+            return TargetOutput(*self._compiled(input_ids, cache.layers, cache.length, tree_mask, positions,
+                                                logits_for, taps))
 
     def _run(
         self,
@@ -264,7 +260,7 @@ class LeanDecoder(nn.Module):
         logits_for: str | torch.Tensor,
         taps: tuple[int, ...],
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
-        """The forward math (see :meth:`forward_taps`); inputs are already validated."""
+        """The forward math (see :meth:`forward`); inputs are already validated."""
         c = self.config
         found: dict[int, torch.Tensor] = {}
         x = F.embedding(input_ids, self.embed)  # [T, H]

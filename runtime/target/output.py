@@ -1,0 +1,33 @@
+"""The one result type of a target forward, shared by the lean decoder and the HF fallback."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """What a target forward over T new tokens returns.
+
+    ``logits`` [T', V]: rows chosen by ``logits_for`` ("all": T' = T, "last": 1, or the given row indices).
+    ``hidden`` [T, H]: post-final-norm hidden states (row i produced logits row i when ``logits_for="all"``).
+    ``taps``: residual-stream taps requested with ``taps=(...)``: layer i -> the input of decoder layer i [T, H]
+    (0 = the embeddings, ``num_layers`` = the last layer's output before the final norm).
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    taps: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def tap_features(self, layers: Sequence[int]) -> torch.Tensor | None:
+        """The taps of ``layers`` concatenated in that order, [T, len(layers)*H]; None when ``layers`` is empty."""
+        if not layers:
+            return None
+        missing = [i for i in layers if i not in self.taps]
+        if missing:
+            raise ValueError(f"the target forward returned no taps for layers {missing} (it returned {sorted(self.taps)}); "
+                             "its forward must honour taps=(...) (the lean decoder and the HF fallback do)")
+        return torch.cat([self.taps[i] for i in layers], dim=-1)  # [T, k*H]
