@@ -19,8 +19,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--verifier", default="auto", help="auto | greedy | rejection | typical (lossy)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--stop-policy", default=None,
-                   help="fixed:K | confidence:THRESHOLD[:MAX_DEPTH] | none (default: the export's inference.stop_policy)")
+    p.add_argument("--stop-policy", default="auto",
+                   help="auto (the export's policy, its depth chosen for this machine's measured costs: plain decoding "
+                        "when speculation is predicted to lose) | export (exactly the export's inference.stop_policy) | "
+                        "fixed:K | confidence:THRESHOLD[:MAX_DEPTH] | none")
     p.add_argument("--proposer-option", action="append", default=None, metavar="KEY=VALUE",
                    help="override an export's inference default, e.g. total_tokens=6 depth=2 policy=chain (EAGLE) "
                         "or tree='[[0],[1],[0,0]]' (Medusa); repeatable")
@@ -40,6 +42,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     b.add_argument("--out", default=None, help="folder for bench.json, bench.md, acceptance.png")
     b.add_argument("--skip-hf", action="store_true", help="do not time HF generate")
+    b.add_argument("--profile", action="store_true",
+                   help="time each part of a speculative step (drafting, verify forward, verification, KV, update)")
+    b.add_argument("--sweep-k", default=None, metavar="K1,K2,...",
+                   help="also time fixed draft depths K on the same prompts, next to the policy in force")
     b.add_argument("--hf-dtype", default="auto",
                    help="dtype HF generate is timed in: auto (its fastest here: bf16 where native, else fp32) | same "
                         "(the runtime's) | fp32 | bf16")
@@ -79,6 +85,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.verbose:
         for key, value in rt.backend_report().items():
             print(f"[{key}] {value}", file=sys.stderr)
+    if rt.speculative is not None and args.stop_policy == "auto":
+        from draftsmith.runtime.bench import tuning
+
+        note = tuning.apply_cached_depth(rt)
+        if args.verbose or "lose" in note:
+            print(f"[draft depth] {note}", file=sys.stderr)
     prompt = encode_chat(rt.tokenizer, args.prompt)
     limit = context_limit(rt.model)
     if limit is not None:
@@ -128,8 +140,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.temperature == 0 and check not in ("none", "same") and resolve_dtype(check) != rt.model.dtype:
         lossless = lossless_check(args.drafter, args.target, prompts, args.max_new_tokens, check, args.kernels,
                                   proposer_options=parse_options(args.proposer_option))
+    sweep = [int(k) for k in args.sweep_k.split(",")] if args.sweep_k else None
+    if sweep and any(k < 0 for k in sweep):
+        raise ValueError(f"--sweep-k takes draft depths >= 0, got {args.sweep_k}")
     result = run_bench(rt, prompts, args.max_new_tokens, skip_hf=args.skip_hf, temperature=args.temperature,
-                       lossless=None if check == "none" else lossless, hf_dtype=args.hf_dtype)
+                       lossless=None if check == "none" else lossless, hf_dtype=args.hf_dtype,
+                       cost_aware=args.stop_policy == "auto", profile=args.profile, sweep_k=sweep)
     if check == "none":
         result["lossless"] = None
     print(markdown_table(result))

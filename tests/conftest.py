@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Measured step costs (the bench's cost-aware default) go to a per-session folder, never the user's cache.
+os.environ.setdefault("DRAFTSMITH_COST_CACHE", tempfile.mkdtemp(prefix="draftsmith-costs-"))
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"

@@ -114,13 +114,19 @@ def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
     assert "[linear_backend]" in gen.stderr and "[linear_reason]" in gen.stderr and "[cpu]" in gen.stderr
     bench = subprocess.run([*exe, "bench", "--drafter", str(medusa_export), "--prompts", str(prompts_file),
                             "--max-new-tokens", "8", "--dtype", "bf16", "--lossless-dtype", "fp32",
-                            "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
+                            "--profile", "--sweep-k", "1,2", "--out", str(tmp_path / "b")],
+                           capture_output=True, text=True, timeout=300)
     assert bench.returncode == 0, bench.stderr[-2000:]
-    assert "| tau" in bench.stdout
+    assert "| tau" in bench.stdout and "| stop policy | tau |" in bench.stdout and "per speculative step" in bench.stdout
     result = json.loads((tmp_path / "b" / "bench.json").read_text())
     # Timed in bf16, lossless verdict from a separate fp32 run against HF generate.
     assert result["dtype"] == "bfloat16" and result["lossless_detail"]["dtype"] == "fp32"
     assert result["lossless"] is True
+    # The default stop policy is cost-aware: a depth (or plain decoding) chosen from costs measured here.
+    cm = result["cost_model"]
+    assert cm["table"][0]["depth"] == 0 and cm["depth"] in [r["depth"] for r in cm["table"]]
+    assert [r["policy"] for r in result["sweep"]][:3] == ["plain (runtime AR)", "fixed:1", "fixed:2"]
+    assert result["profile"]["steps"] > 0 and result["profile"]["step_ms"] > 0
     from draftsmith.runtime.bench.run import hf_fastest_dtype
 
     assert result["hf_dtype"] == str(hf_fastest_dtype()[0]).replace("torch.", "")  # HF timed at its fastest dtype

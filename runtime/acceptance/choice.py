@@ -8,10 +8,19 @@ trained for it); a CLI flag overrides them; the bench records each choice with i
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from draftsmith.common.registry import Registry
-from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth, StopPolicy
+from draftsmith.runtime.acceptance.stop_policies import (
+    ConfidenceStop,
+    FixedDepth,
+    LearnedStop,
+    ProposerHead,
+    StopPolicy,
+)
 from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, RejectionSamplingVerifier, TypicalVerifier
 
 VerifierBuilder = Callable[[float, str, dict], Any]  # (temperature, kernels, export inference block) -> verifier
@@ -67,15 +76,29 @@ def choose_verifier(flag: str, temperature: float, kernels: str, export_config: 
     return make_verifier(name, temperature, kernels, export_config), {"name": name, "source": source}
 
 
-def parse_stop_policy(spec: str | dict | None) -> StopPolicy | None:
-    """``fixed:K`` | ``confidence:T`` (or ``confidence:T:K``) | ``none`` / ``fixed`` (the proposer's own depth), or an
-    export's ``{"kind": ..., ...}`` dict -> a stop policy (None = the proposer's own depth)."""
+STOP_POLICY_FORMS = "fixed:K, confidence:THRESHOLD[:MAX_DEPTH], learned:H[:MIN_DEPTH:MAX_DEPTH] or none"
+_DICT_FIELDS = {"fixed": ("max_depth",), "confidence": ("threshold", "max_depth"),
+                "learned": ("threshold", "min_depth", "max_depth")}
+
+
+def _threshold(kind: str, value: Any) -> float:
+    """A stop threshold from user input: a number strictly inside (0, 1)."""
+    t = float(value)
+    if not 0.0 < t < 1.0:
+        what = "P(some drafted token is rejected)" if kind == "learned" else "the drafter's probability"
+        raise ValueError(f"{kind} stop threshold {value} is outside (0, 1): it bounds {what}; e.g. {kind}:0.3")
+    return t
+
+
+def parse_stop_policy(spec: str | dict | None, head: torch.nn.Module | None = None) -> StopPolicy | None:
+    """``fixed:K`` | ``confidence:T`` (or ``confidence:T:K``) | ``learned:H`` (or ``learned:H:MIN:MAX``, SpecDec++'s
+    rule, with ``head`` the export's acceptance head) | ``none`` / ``fixed`` (the proposer's own depth), or an export's
+    ``{"kind": ..., ...}`` dict -> a stop policy (None = the proposer's own depth). Thresholds must lie in (0, 1)."""
     if spec is None:
         return None
     if isinstance(spec, dict):
         kind = str(spec.get("kind", "fixed"))
-        args = [spec[k] for k in ("threshold", "max_depth") if k in spec] if kind == "confidence" else \
-            [spec["max_depth"]] if "max_depth" in spec else []  # fmt: skip
+        args = [spec[k] for k in _DICT_FIELDS.get(kind, ()) if k in spec]
     else:
         kind, *args = str(spec).split(":")
     try:
@@ -84,23 +107,55 @@ def parse_stop_policy(spec: str | dict | None) -> StopPolicy | None:
         if kind == "fixed" and len(args) == 1:
             return FixedDepth(int(args[0]))
         if kind == "confidence" and len(args) in (1, 2):
-            return ConfidenceStop(float(args[0]), *(int(a) for a in args[1:]))
-    except ValueError:
-        pass
-    if kind == "learned":
-        raise ValueError("a learned stop policy needs an acceptance-head export (SpecDec++), which this export is not")
-    raise ValueError(f"stop policy {spec!r}: use fixed:K, confidence:THRESHOLD[:MAX_DEPTH] or none")
+            return ConfidenceStop(_threshold(kind, args[0]), *(int(a) for a in args[1:]))
+        if kind == "learned" and len(args) in (1, 3):
+            threshold = _threshold(kind, args[0])
+            if head is None:
+                raise LookupError
+            depths = [int(a) for a in args[1:]]
+            if depths and not 1 <= depths[0] <= depths[1]:
+                raise ValueError(f"learned stop policy {spec!r}: need 1 <= MIN_DEPTH <= MAX_DEPTH")
+            return LearnedStop(head, threshold, *(depths[::-1]))  # (threshold, max_depth, min_depth)
+    except LookupError:
+        raise ValueError("a learned stop policy needs an acceptance-head export (SpecDec++, method 'specdecpp'), "
+                         "which this export is not; train one with `python train.py recipe=specdecpp "
+                         "drafter=EXPORT_DIR`, or use fixed:K / confidence:THRESHOLD") from None
+    except ValueError as err:
+        if "outside (0, 1)" in str(err) or "MIN_DEPTH" in str(err):
+            raise
+    raise ValueError(f"stop policy {spec!r}: use {STOP_POLICY_FORMS}")
 
 
-def choose_stop_policy(flag: str | None, export_config: dict | None) -> tuple[StopPolicy | None, dict]:
-    """The stop policy and ``{"spec", "source"}``: the flag, else the export's ``inference.stop_policy``."""
+def learned_head(export_dir: str | Path | None, export_config: dict | None) -> torch.nn.Module | None:
+    """The acceptance head of a SpecDec++ export (None for any other export)."""
+    if export_dir is None or (export_config or {}).get("method") != "specdecpp":
+        return None
+    from draftsmith.controllers.acceptance import AcceptanceHead
+
+    return AcceptanceHead.from_export(export_dir)[0]
+
+
+def _spec_string(exported: str | dict) -> str:
+    if not isinstance(exported, dict):
+        return str(exported)
+    kind = str(exported.get("kind", "fixed"))
+    return ":".join([kind] + [str(exported[k]) for k in _DICT_FIELDS.get(kind, ()) if k in exported])
+
+
+def choose_stop_policy(flag: str | None, export_config: dict | None,
+                       export_dir: str | Path | None = None) -> tuple[StopPolicy | None, dict]:
+    """The stop policy and ``{"spec", "source"}``: the flag, else the export's ``inference.stop_policy``.
+    ``export_dir`` (the export folder) lets ``learned`` load a SpecDec++ export's acceptance head."""
+    needs_head = any(str(s).startswith("learned") or (isinstance(s, dict) and s.get("kind") == "learned")
+                     for s in (flag, _inference(export_config).get("stop_policy")))
+    head = learned_head(export_dir, export_config) if needs_head else None
+    if needs_head and head is None and (export_config or {}).get("method") == "specdecpp":
+        head = ProposerHead()  # the SpecDec++ proposer carries the head and binds it before drafting
     if flag not in (None, "auto"):
-        return parse_stop_policy(flag), {"spec": flag, "source": "flag"}
+        return parse_stop_policy(flag, head), {"spec": flag, "source": "flag"}
     exported = _inference(export_config).get("stop_policy")
     if exported is not None:
-        spec = exported if not isinstance(exported, dict) else ":".join(
-            [str(exported.get("kind", "fixed"))] + [str(exported[k]) for k in ("threshold", "max_depth") if k in exported])
-        return parse_stop_policy(exported), {"spec": spec, "source": "export"}
+        return parse_stop_policy(exported, head), {"spec": _spec_string(exported), "source": "export"}
     return None, {"spec": "none", "source": "default"}
 
 

@@ -9,7 +9,7 @@ the new token), ``state`` (the drafter's hidden vector that scored the new token
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -78,6 +78,12 @@ class LearnedStop:
     max_depth: int = 8
     min_depth: int = 1
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"LearnedStop threshold must be in [0, 1], got {self.threshold}")
+        if not 1 <= self.min_depth <= self.max_depth:
+            raise ValueError(f"need 1 <= min_depth <= max_depth, got {self.min_depth}, {self.max_depth}")
+
     def should_stop(self, ctx: StopContext) -> bool:
         """Apply the rule above (updates ``ctx.path["accept_prob"]``)."""
         if ctx.state is None:
@@ -88,3 +94,20 @@ class LearnedStop:
         if ctx.depth >= self.max_depth:
             return True
         return ctx.depth >= self.min_depth and 1.0 - ctx.path["accept_prob"] > self.threshold
+
+
+class ProposerHead(torch.nn.Module):
+    """Stands in for the acceptance head of a SpecDec++ export when the stop policy is chosen without the export's
+    folder: the SpecDec++ proposer, which loaded the head with its drafter, swaps in its own head before drafting
+    (:func:`bind_learned_head`). Any other proposer reaching it gets a clear error."""
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the learned stop policy reads a SpecDec++ acceptance head, which this proposer does not have; "
+                         "pass --drafter a specdecpp export, or use fixed:K / confidence:THRESHOLD")
+
+
+def bind_learned_head(policy: StopPolicy | None, head: torch.nn.Module) -> StopPolicy | None:
+    """``policy`` with ``head`` in place of a :class:`ProposerHead` placeholder (other policies unchanged)."""
+    if isinstance(policy, LearnedStop) and isinstance(policy.head, ProposerHead):
+        return replace(policy, head=head)
+    return policy

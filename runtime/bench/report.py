@@ -55,7 +55,33 @@ def markdown_table(result: dict[str, Any]) -> str:
          " / ".join(f"{v:.1f}" for v in c.get("forward_ms_by_new_tokens", {}).values()) or "n/a"),
         ("lossless (greedy spec == greedy HF generate)", _lossless_text(result)),
     ]
-    return "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
+    cm = result.get("cost_model")
+    if cm:
+        rows.append(("cost-aware depth (calibrated on this machine)", cm["summary"]))
+    text = "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
+    return text + _sections(result)
+
+
+def _sections(result: dict[str, Any]) -> str:
+    """The optional tables: cost-model predictions, the fixed-K sweep, the per-step profile."""
+    out = ""
+    cm = result.get("cost_model")
+    if cm:
+        out += "\n| draft depth | predicted tokens/step | predicted step ms | predicted speedup |\n|---|---|---|---|\n"
+        out += "".join(f"| {int(r['depth'])}{' (plain)' if r['depth'] == 0 else ''}{' <- chosen' if r['depth'] == cm['depth'] else ''}"
+                       f" | {r['tokens']:.2f} | {r['step_ms']:.1f} | {r['speedup']:.2f} |\n" for r in cm["table"])
+    if result.get("sweep"):
+        out += "\n| stop policy | tau | tokens/s | vs runtime AR |\n|---|---|---|---|\n"
+        out += "".join(f"| {r['policy']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup_vs_runtime_ar']:.2f} |\n"
+                       for r in result["sweep"])
+    prof = result.get("profile")
+    if prof:
+        parts = [k for k in prof if k.endswith("_ms") and k not in ("step_ms",)]
+        out += "\n| per speculative step (ms) | " + " | ".join(k[:-3] for k in parts) + " | whole step |\n"
+        out += "|---" * (len(parts) + 2) + "|\n"
+        out += f"| mean over {prof['steps']} steps | " + " | ".join(f"{prof[k]:.2f}" for k in parts) + \
+            f" | {prof['step_ms']:.2f} |\n"
+    return out
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path) -> Path:

@@ -17,6 +17,7 @@ from draftsmith.export.format import read_config
 from draftsmith.export.identity import target_identity
 from draftsmith.kernels import cpu_caps
 from draftsmith.runtime.acceptance.choice import choose_stop_policy, choose_verifier, option_sources
+from draftsmith.runtime.bench import tuning
 from draftsmith.runtime.bench.timing import (
     compare_outputs,
     eos_ids_from_folder,
@@ -108,6 +109,7 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
     (``runtime.inference`` records each choice and its source; see ``draftsmith.runtime.acceptance.choice``)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    stop_policy = None if stop_policy in ("auto", "export") else stop_policy  # the export's; bench may tune it
     export_config = read_config(drafter) if drafter else None
     name = target or (export_config["target"]["name_or_path"] if export_config else "smollm2-135m")
     folder = assets.resolve_target(name)
@@ -243,7 +245,8 @@ def lossless_check(drafter: str, target: str | None, prompts: list[list[int]], m
 
 def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, skip_hf: bool = False,
               temperature: float = 0.0, lossless: dict[str, Any] | None = None,
-              hf_dtype: str = "same", hf_result: dict[str, Any] | None = None) -> dict[str, Any]:
+              hf_dtype: str = "same", hf_result: dict[str, Any] | None = None, cost_aware: bool = False,
+              profile: bool = False, sweep_k: list[int] | None = None) -> dict[str, Any]:
     """Time HF generate, runtime AR and speculative decoding on the same prompts.
 
     The runtime runs in its own dtype; HF ``generate`` in ``hf_dtype`` ("same": the runtime's; "auto": HF's fastest
@@ -253,6 +256,10 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     ``lossless``: the result of :func:`lossless_check` when it was run separately (e.g. fp32 while timing bf16);
     otherwise greedy outputs are compared here, in the timing dtype. Its timed HF run is reused when it ran in the
     dtype HF is to be timed in (or pass ``hf_result`` from :func:`time_hf_generate` directly).
+
+    ``cost_aware``: before timing, calibrate and apply the fastest draft depth for this machine (plain decoding
+    when speculation is predicted to lose; see :mod:`draftsmith.runtime.bench.tuning`). ``profile``: time each part
+    of the speculative step in an extra pass. ``sweep_k``: also time every fixed depth K on the same prompts.
     """
     spec = runtime.speculative
     if hf_dtype == "same":
@@ -271,6 +278,12 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=hf_torch_dtype)
     hf_same_dtype = hf is not None and hf_torch_dtype == runtime.model.dtype
     ar = time_runtime_ar(runtime.model, prompts, max_new_tokens, eos_ids=runtime.eos_ids)
+    ar_step = ar["seconds"] / max(1, ar["tokens"])
+    costs = _step_costs(runtime, prompts[0])
+    cost_model, export_proposer = None, spec.proposer
+    if cost_aware:
+        verify_ms = {**costs["forward_ms_by_new_tokens"], costs["tree_nodes"]: costs["verify_forward_ms"]}
+        _, cost_model = tuning.choose_cost_aware_depth(runtime, prompts, 1e3 * ar_step, verify_ms)
     results: list[Any] = []
 
     def decode(prompt: list[int]) -> list[int]:
@@ -293,10 +306,17 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
                       "reference": "hf_generate" if hf_same_dtype else "runtime_ar",
                       **compare_outputs(reference, sp["outputs"])}
     lossless = lossless if lossless is not None else same_dtype
-    costs = _step_costs(runtime, prompts[0])
     agreement = head_agreement(runtime, prompts, ar["outputs"])
-    ar_step = ar["seconds"] / max(1, ar["tokens"])
     spec_step = sp["seconds"] / max(1, steps)
+    step_profile = tuning.profiled_run(spec, prompts, max_new_tokens, runtime.eos_ids)[0] if profile else None
+    sweep = None
+    if sweep_k:
+        policy_spec = ((runtime.inference or {}).get("stop_policy") or {}).get("spec", "export")
+        sweep = [{"policy": "plain (runtime AR)", "tau": 1.0, "tokens_per_s": ar["tokens_per_s"]},
+                 *tuning.sweep_fixed_depths(runtime, prompts, max_new_tokens, sweep_k, export_proposer),
+                 {"policy": f"{policy_spec} (in force)", "tau": tau, "tokens_per_s": sp["tokens_per_s"]}]
+        for row in sweep:
+            row["speedup_vs_runtime_ar"] = row["tokens_per_s"] / ar["tokens_per_s"]
     tps = {"hf_generate": hf["tokens_per_s"] if hf else None, "runtime_ar": ar["tokens_per_s"],
            "speculative": sp["tokens_per_s"]}
     return {
@@ -318,4 +338,5 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
                        "predicted_speedup_tau_x_step_over_verify": tau * costs["ar_step_ms"] / costs["verify_forward_ms"]},
         "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
         "threads": torch.get_num_threads(),
+        "cost_model": cost_model, "profile": step_profile, "sweep": sweep,
     }

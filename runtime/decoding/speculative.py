@@ -12,6 +12,7 @@ samples (and verifies) each node at its own temperature.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from draftsmith.kernels.dispatch import BACKENDS
 from draftsmith.runtime.acceptance.stop_policies import StopPolicy
 from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, Verifier
 from draftsmith.runtime.decoding import metrics
+from draftsmith.runtime.decoding.profile import StepProfiler
 from draftsmith.runtime.drafting.base import Proposer, StepContext
 
 
@@ -76,6 +78,7 @@ class SpeculativeDecoder:
         cfg = getattr(model, "config", None)
         self.max_cache_len = max_cache_len or getattr(cfg, "max_position_embeddings", None)
         self._cache = None
+        self.profiler: StepProfiler | None = None  # set one to time each part of every step (bench --profile)
 
     def _cache_for(self, needed: int) -> Any:
         if self.max_cache_len is not None and needed > self.max_cache_len:
@@ -124,36 +127,45 @@ class SpeculativeDecoder:
         done = self._emit(out, [root], max_new_tokens, eos, stream)
         hidden_prev = pre.hidden[-1]  # [H] the hidden whose logits produced the root
         accepted, sizes, depth_hist = [], [], []
+        prof = self.profiler
+        part = prof.part if prof is not None else _no_part
         while not done:
-            tokens = torch.tensor([*prompt.tolist(), *out])
-            tree = self.proposer.propose(StepContext(tokens, root, hidden_prev, policy, generator))
-            if int(tree.tokens[0]) != root:
-                raise ValueError("the proposer's tree must start with the root token it was given")
-            if tree.num_nodes > self.proposer.max_tree_nodes:
-                raise ValueError(f"the proposer drafted {tree.num_nodes} nodes but declared max_tree_nodes="
-                                 f"{self.proposer.max_tree_nodes}; the KV cache is sized from the latter")
-            prefix = cache.length
-            positions = (prefix + tree.depths).to(device)  # siblings share a position
-            mask = tree.tree_mask.to(device) if tree.num_nodes > 1 else None
-            res = self.model.forward(tree.tokens.to(device), cache, tree_mask=mask, positions=positions, taps=taps)
-            acc = self.verifier.verify(tree, res.logits, generator, **self._temperatures(res.hidden))
-            nodes = acc.path_nodes
-            if nodes == list(range(len(nodes))):  # accepted nodes already sit right after the prefix
-                cache.commit(len(nodes))
-            else:
-                cache.compact(prefix + torch.tensor(nodes, dtype=torch.long), prefix)
-            rows = torch.tensor(nodes, device=res.hidden.device)
-            path_taps = res.tap_features(taps)
-            self.proposer.accept(StepContext(
-                tokens, root, res.hidden[rows], policy, generator,  # hidden [a+1, H] at the accepted nodes, root first
-                None if path_taps is None else path_taps[rows.to(path_taps.device)],  # [a+1, k*H]
-                res.logits[rows.to(res.logits.device)], acc))  # [a+1, V]
-            hidden_prev = res.hidden[rows[-1]]
-            root = acc.bonus_token
-            accepted.append(acc.num_accepted)
-            sizes.append(tree.num_nodes)
-            depth_hist.append(int(tree.depths.max()))
-            done = self._emit(out, [*acc.accepted_tokens, root], max_new_tokens, eos, stream)
+            with prof.step() if prof is not None else nullcontext():
+                with part("draft"):
+                    tokens = torch.tensor([*prompt.tolist(), *out])
+                    tree = self.proposer.propose(StepContext(tokens, root, hidden_prev, policy, generator))
+                if int(tree.tokens[0]) != root:
+                    raise ValueError("the proposer's tree must start with the root token it was given")
+                if tree.num_nodes > self.proposer.max_tree_nodes:
+                    raise ValueError(f"the proposer drafted {tree.num_nodes} nodes but declared max_tree_nodes="
+                                     f"{self.proposer.max_tree_nodes}; the KV cache is sized from the latter")
+                with part("verify_forward"):
+                    prefix = cache.length
+                    positions = (prefix + tree.depths).to(device)  # siblings share a position
+                    mask = tree.tree_mask.to(device) if tree.num_nodes > 1 else None
+                    res = self.model.forward(tree.tokens.to(device), cache, tree_mask=mask, positions=positions,
+                                             taps=taps)
+                with part("verification"):
+                    acc = self.verifier.verify(tree, res.logits, generator, **self._temperatures(res.hidden))
+                nodes = acc.path_nodes
+                with part("kv_compaction"):
+                    if nodes == list(range(len(nodes))):  # accepted nodes already sit right after the prefix
+                        cache.commit(len(nodes))
+                    else:
+                        cache.compact(prefix + torch.tensor(nodes, dtype=torch.long), prefix)
+                with part("proposer_update"):
+                    rows = torch.tensor(nodes, device=res.hidden.device)
+                    path_taps = res.tap_features(taps)
+                    self.proposer.accept(StepContext(
+                        tokens, root, res.hidden[rows], policy, generator,  # hidden [a+1, H] at the accepted nodes
+                        None if path_taps is None else path_taps[rows.to(path_taps.device)],  # [a+1, k*H]
+                        res.logits[rows.to(res.logits.device)], acc))  # [a+1, V]
+                hidden_prev = res.hidden[rows[-1]]
+                root = acc.bonus_token
+                accepted.append(acc.num_accepted)
+                sizes.append(tree.num_nodes)
+                depth_hist.append(int(tree.depths.max()))
+                done = self._emit(out, [*acc.accepted_tokens, root], max_new_tokens, eos, stream)
         return SpecResult(out, len(accepted), accepted, metrics.acceptance_by_position(accepted, depth_hist), lossless,
                           sizes, depth_hist)
 
@@ -180,3 +192,8 @@ class SpeculativeDecoder:
         if stream is not None and chunk:
             stream(chunk)
         return len(out) >= limit or (bool(out) and out[-1] in eos)
+
+
+def _no_part(name: str) -> nullcontext:
+    """The part timer when no profiler is set."""
+    return nullcontext()

@@ -1,0 +1,124 @@
+"""The cost-aware default: from this machine's measured step costs and a drafter's measured acceptance, predict the
+speed of every draft depth (plain decoding included) and pick the fastest, or derive SpecDec++'s threshold h.
+
+Model of one speculative step drafting to depth K (``nodes(K)`` tree nodes, root included):
+    time(K)   = draft_ms_per_depth * K + verify_ms(nodes(K)) + overhead_ms
+    tokens(K) = 1 + sum_{d<=K} acc[d]      (acc[d]: cumulative acceptance at draft position d, the bench's curve)
+and plain decoding emits one token per ``ar_step_ms``. Predicted speedup(K) = tokens(K) / time(K) * ar_step_ms.
+K = 0 means plain decoding (speedup 1 by definition), so a drafter that cannot pay here is never chosen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MachineCosts:
+    """Measured costs on this machine for one (target, dtype, backend, drafter)."""
+
+    ar_step_ms: float  # one plain decode step
+    verify_ms: dict[int, float]  # forward of n new tokens -> ms (interpolated between the measured sizes)
+    draft_ms_per_depth: float = 0.0  # drafting one more depth level in a step
+    overhead_ms: float = 0.0  # per speculative step, besides drafting and the verify forward
+
+    def verify_at(self, nodes: int) -> float:
+        """Verify-forward ms for ``nodes`` new tokens, linear between measured sizes (extrapolated past them)."""
+        sizes = sorted(int(n) for n in self.verify_ms)
+        ms = {int(n): float(v) for n, v in self.verify_ms.items()}
+        if nodes in ms:
+            return ms[nodes]
+        lo = max([n for n in sizes if n < nodes], default=sizes[0])
+        hi = min([n for n in sizes if n > nodes], default=sizes[-1])
+        if lo == hi:  # beyond the measured range: extend the last segment's slope
+            lo, hi = (sizes[-2], sizes[-1]) if nodes > sizes[-1] and len(sizes) > 1 else (lo, hi)
+            if lo == hi:
+                return ms[lo]
+        return ms[lo] + (ms[hi] - ms[lo]) * (nodes - lo) / (hi - lo)
+
+
+@dataclass
+class DepthChoice:
+    """The chosen draft depth (0 = plain decoding) and the prediction for every candidate."""
+
+    depth: int
+    predicted_speedup: float
+    table: list[dict[str, float]] = field(default_factory=list)  # per depth: tokens, step ms, speedup
+
+    @property
+    def speculation_loses(self) -> bool:
+        """True when no draft depth is predicted to beat plain decoding."""
+        return self.depth == 0
+
+    def summary(self) -> str:
+        """One line for the bench and the log."""
+        best_spec = max((r for r in self.table if r["depth"] > 0), key=lambda r: r["speedup"], default=None)
+        if self.depth == 0:
+            loss = "" if best_spec is None else f" (best draft depth {int(best_spec['depth'])} predicted at " \
+                                                f"{best_spec['speedup']:.2f}x, i.e. {100 * (1 - best_spec['speedup']):.0f}% slower)"
+            return f"speculation is predicted to lose on this machine{loss}: serving plain decoding"
+        return f"draft depth {self.depth} predicted at {self.predicted_speedup:.2f}x plain decoding"
+
+
+def choose_depth(cum_acceptance: Sequence[float], costs: MachineCosts,
+                 nodes_for_depth: Callable[[int], int] = lambda d: d + 1, min_gain: float = 0.03) -> DepthChoice:
+    """Pick the depth K in 0..len(cum_acceptance) with the highest predicted speed (see the module docstring).
+    ``nodes_for_depth(K)``: tree nodes verified when drafting to depth K (a chain: K + 1). Speculation is chosen
+    only when predicted to beat plain decoding by ``min_gain`` (the prediction's own error is a few percent)."""
+    table = [{"depth": 0, "tokens": 1.0, "step_ms": costs.ar_step_ms, "speedup": 1.0}]
+    tokens = 1.0
+    for k, acc in enumerate(cum_acceptance, start=1):
+        tokens += float(acc)
+        step = costs.draft_ms_per_depth * k + costs.verify_at(nodes_for_depth(k)) + costs.overhead_ms
+        table.append({"depth": k, "tokens": tokens, "step_ms": step, "speedup": tokens / step * costs.ar_step_ms})
+    best = max(table, key=lambda r: (r["speedup"], -r["depth"]))
+    if best["speedup"] < 1.0 + min_gain:
+        best = table[0]
+    return DepthChoice(int(best["depth"]), best["speedup"], table)
+
+
+def threshold_from_costs(costs: MachineCosts, nodes: int = 2) -> float:
+    """SpecDec++'s h for this machine: drafting one more token pays only if the chance that it is emitted (every
+    token so far accepted, it too) exceeds its cost relative to a plain step, ``c = (draft_ms_per_depth + marginal
+    verify ms) / ar_step_ms``; so stop once P(some rejection) > h = 1 - c (clamped to [0.05, 0.95])."""
+    marginal = max(0.0, costs.verify_at(nodes + 1) - costs.verify_at(nodes))
+    c = (costs.draft_ms_per_depth + marginal) / costs.ar_step_ms
+    return min(0.95, max(0.05, 1.0 - c))
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    """A stable key for (machine, target, dtype, backend, drafter)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where measured costs are kept (``DRAFTSMITH_COST_CACHE`` or ~/.cache/draftsmith/costs)."""
+    return Path(os.environ.get("DRAFTSMITH_COST_CACHE", Path.home() / ".cache" / "draftsmith" / "costs"))
+
+
+def save_choice(key: str, costs: MachineCosts, cum_acceptance: Sequence[float], choice: DepthChoice,
+                identity: dict[str, Any]) -> Path:
+    """Write the measurement and the decision atomically (``generate`` reuses them)."""
+    path = cache_dir() / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"identity": identity, "costs": asdict(costs), "acceptance": list(cum_acceptance),
+                               "depth": choice.depth, "predicted_speedup": choice.predicted_speedup,
+                               "table": choice.table}, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load_choice(key: str) -> dict[str, Any] | None:
+    """The cached decision for ``key``, or None (never measured here, or unreadable)."""
+    path = cache_dir() / f"{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None

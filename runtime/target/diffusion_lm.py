@@ -1,0 +1,183 @@
+"""A block-diffusion LM served from an ordinary HF causal-LM folder: block masks, loading, prefix-cached forwards.
+
+Conventions (shared by training, decoding and the oracle):
+
+* The folder's ``config.json`` carries ``draftsmith_diffusion = {"block_length", "mask_token_id", "shift"}``; a
+  folder without it is a causal LM and is refused as a diffusion target.
+* Attention is bidirectional inside a block and causal across blocks: query ``i`` may read key ``j`` iff
+  ``block[j] <= block[i]``. The mask is always passed as an explicit 4-D boolean tensor, because with SDPA and no
+  padding transformers drops a 2-D mask and Llama attention silently falls back to causal.
+* Shift (as in DiffuLLaMA/Dream): the logits at position ``i`` score token ``i+1``, so the first slot of a block is
+  predicted by the last position of the block before it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DIFFUSION_KEY = "draftsmith_diffusion"
+MASK_TOKEN = "<|mask|>"
+
+
+class DiffusionTargetError(ValueError):
+    """A model or folder cannot be used as a block-diffusion target (one actionable message)."""
+
+
+@dataclass(frozen=True)
+class DiffusionSpec:
+    """What makes a causal LM folder a block-diffusion target."""
+
+    block_length: int
+    mask_token_id: int
+    shift: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"block_length": self.block_length, "mask_token_id": self.mask_token_id, "shift": self.shift}
+
+
+def spec_of(config: Any, where: str = "the model") -> DiffusionSpec:
+    """The diffusion spec recorded in a HF config (object or dict); a causal LM gets a clear error."""
+    raw = config.get(DIFFUSION_KEY) if isinstance(config, dict) else getattr(config, DIFFUSION_KEY, None)
+    if not raw:
+        raise DiffusionTargetError(
+            f"{where} is a causal (autoregressive) LM, not a block-diffusion target: its config has no "
+            f"{DIFFUSION_KEY!r} block. Adapt it first with `draftsmith train recipe=diffusion_adapt target=...` and "
+            "pass the run's export folder")
+    return DiffusionSpec(int(raw["block_length"]), int(raw["mask_token_id"]), bool(raw.get("shift", True)))
+
+
+def block_ids(length: int, block_length: int, offset: int = 0, device: Any = None) -> torch.Tensor:
+    """Block index of each position ``0..length-1``: ``(pos + offset) // block_length`` -> [length]."""
+    return (torch.arange(length, device=device) + offset) // block_length
+
+
+def prompt_offset(prompt_len: int, block_length: int) -> int:
+    """The block offset that makes the first generated position start a block (prompt ends on a boundary)."""
+    return (-prompt_len) % block_length
+
+
+def block_causal_mask(q_blocks: torch.Tensor, k_blocks: torch.Tensor,
+                      k_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean attention mask [B, 1, Tq, Tk] (True = may attend) from block ids q [B, Tq] and k [B, Tk]."""
+    allowed = k_blocks[:, None, :] <= q_blocks[:, :, None]  # [B, Tq, Tk]
+    if k_valid is not None:
+        allowed = allowed & k_valid[:, None, :].bool()
+    return allowed[:, None]  # [B, 1, Tq, Tk]
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as the additive float mask every attention backend reads the same way
+    (eager attention adds the mask to the scores, so a boolean one would be silently wrong there)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+class DiffusionLM:
+    """A block-diffusion LM (a HF ``*ForCausalLM`` with bidirectional-in-block attention) for decoding.
+
+    ``forward(ids, blocks, cache)`` runs one no-grad forward of the new positions ``ids`` [1, T] whose block ids are
+    ``blocks`` [1, T], after the positions already in ``cache`` (a HF ``DynamicCache`` or None), and returns the
+    logits [1, T, V] (position i scores token i+1). ``cache`` is extended only when ``commit=True``.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, spec: DiffusionSpec, name_or_path: str = "") -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.name_or_path = name_or_path
+        self.forwards = 0  # model calls since creation (the bench's "forwards per generated token")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    def eos_ids(self) -> tuple[int, ...]:
+        """Token ids that end a text (the tokenizer's EOS and the config's ``eos_token_id``)."""
+        ids = {getattr(self.tokenizer, "eos_token_id", None)}
+        eos = getattr(self.model.config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return tuple(sorted(i for i in ids if i is not None))
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, blocks: torch.Tensor, cache: Any = None, past_blocks: torch.Tensor | None = None,
+                commit: bool = False) -> tuple[torch.Tensor, Any]:
+        """Logits [1, T, V] of ``ids`` [1, T] at block ids ``blocks`` [1, T] after ``cache`` (block ids ``past_blocks``
+        [1, P]); returns ``(logits, cache)`` with ``cache`` extended by ``ids`` only when ``commit``."""
+        from transformers import DynamicCache
+
+        past = 0 if cache is None else cache.get_seq_length()
+        keys = blocks if past_blocks is None else torch.cat([past_blocks, blocks], dim=1)  # [1, P+T]
+        if keys.shape[1] != past + ids.shape[1]:
+            raise ValueError(f"block ids cover {keys.shape[1]} positions but the forward has {past + ids.shape[1]}")
+        dtype = next(self.model.parameters()).dtype
+        mask = additive_mask(block_causal_mask(blocks, keys), dtype)  # [1, 1, T, P+T]: never the causal fallback
+        positions = torch.arange(past, past + ids.shape[1], device=ids.device)[None]  # [1, T]
+        work = cache
+        if cache is not None and not commit:
+            work = _cache_copy(cache)  # the block is scored, not committed: keep the prefix cache as it was
+        elif cache is None and commit:
+            work = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=work,
+                         use_cache=work is not None)
+        self.forwards += 1
+        return out.logits.float(), (work if commit else cache)
+
+
+def _cache_copy(cache: Any) -> Any:
+    """A shallow copy of a DynamicCache whose layers can be appended to without touching the original."""
+    import copy
+
+    clone = copy.copy(cache)
+    clone.layers = [copy.copy(layer) for layer in cache.layers]
+    return clone
+
+
+def load_diffusion_lm(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                      trust_remote_code: bool = False) -> DiffusionLM:
+    """Load a block-diffusion target folder (written by ``recipe=diffusion_adapt``); a causal LM is refused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.assets import resolve_target
+
+    path = Path(resolve_target(str(name_or_path)))
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise DiffusionTargetError(f"{path} has no config.json: pass a HF model folder written by "
+                                   "`draftsmith diffusion-export` or by recipe=diffusion_adapt")
+    raw = json.loads(config_file.read_text())
+    if raw.get("format") == "draftsmith":
+        raise DiffusionTargetError(
+            f"{path} is a draftsmith export, not a HF model folder; convert it with "
+            f"`draftsmith diffusion-export {path} --out {path}-hf` and pass that folder")
+    spec = spec_of(raw, where=str(path))
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    if spec.mask_token_id >= model.get_input_embeddings().weight.shape[0]:
+        raise DiffusionTargetError(f"{path}: mask token id {spec.mask_token_id} is outside the embedding table")
+    return DiffusionLM(model.to(device), tokenizer, spec, str(name_or_path))
+
+
+def save_diffusion_folder(model: torch.nn.Module, tokenizer: Any, spec: DiffusionSpec, out_dir: str | Path,
+                          extra: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` + ``tokenizer`` as an ordinary HF folder carrying the diffusion spec (atomic: temp + rename)."""
+    from draftsmith.export.format import atomic_folder_write
+
+    setattr(model.config, DIFFUSION_KEY, {**spec.to_dict(), **(extra or {})})
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return atomic_folder_write(out_dir, fill)
+
+
+__all__ = ["DIFFUSION_KEY", "MASK_TOKEN", "DiffusionLM", "DiffusionSpec", "DiffusionTargetError", "additive_mask", "block_causal_mask",
+           "block_ids", "load_diffusion_lm", "prompt_offset", "save_diffusion_folder", "spec_of"]

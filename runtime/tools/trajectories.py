@@ -1,0 +1,172 @@
+"""``draftsmith trajectories``: Learn2PD oracle trajectories ("extremely greedy parallel" decoding) as training data.
+
+Per prompt: decode once with the baseline (greedy) for the reference answer, then again with the oracle, which
+at every step records the block's ``L`` confidences and which predictions already equal the reference (all slots,
+masked or not), commits every masked slot whose prediction equals the reference, and copies the reference block in
+when the predictions did not change since the previous step (anti-stall). Each step is one example.
+
+Output folder: ``meta.json`` (settings + target identity, written first) and ``shard-NNNNN.safetensors`` files
+(``conf`` float32 [N, L], ``labels`` uint8 [N, L], ``prompt`` int32 [N], ``step`` int32 [N]), each covering
+``shard_size`` prompts and written atomically (temp file + rename). A rerun with the same settings skips the
+shards already written (resumable); other settings in the same folder are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.runtime.decoding.diffusion import DiffusionDecodeConfig, check_fits, diffusion_decode
+from draftsmith.runtime.target.diffusion_lm import DiffusionLM
+
+META = "meta.json"
+SHARD = "shard-{:05d}.safetensors"
+
+
+class TrajectoryError(ValueError):
+    """A trajectory folder cannot be written or read as asked (one actionable message)."""
+
+
+@dataclass
+class OracleTrace:
+    """The examples of one prompt: confidences and labels [S, L], the step within its block [S]."""
+
+    conf: torch.Tensor
+    labels: torch.Tensor
+    steps: torch.Tensor
+    reference: list[int]
+
+
+def oracle_trace(lm: DiffusionLM, prompt: list[int], cfg: DiffusionDecodeConfig,
+                 reference: list[int] | None = None) -> OracleTrace:
+    """Reference decode (unless given) then the oracle decode of ``prompt``; the recorded steps."""
+    base = DiffusionDecodeConfig(**{**asdict(cfg), "temperature": 0.0, "eotp": False})
+    if reference is None:
+        reference = diffusion_decode(lm, prompt, base).tokens
+    L = lm.spec.block_length
+    ref = torch.tensor(reference, dtype=torch.long, device=lm.device)
+    confs, labels, steps, state = [], [], [], {"block": 0, "prev": None}
+
+    def observe(b: int, step: int, masked: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor,
+                canvas: torch.Tensor) -> None:
+        block_ref = ref[b * L:(b + 1) * L]
+        confs.append(conf.float().cpu())
+        labels.append((x0 == block_ref).cpu())
+        steps.append(step)
+        if step > 0 and state["prev"] is not None and torch.equal(x0, state["prev"]):
+            canvas[masked] = block_ref[masked]  # anti-stall: nothing moved, take the reference block
+        state["block"], state["prev"] = b, x0.clone()
+
+    def policy(step: int, masked: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, k: int) -> torch.Tensor:
+        b = state["block"]
+        return masked & (x0 == ref[b * L:(b + 1) * L])
+
+    oracle_cfg = DiffusionDecodeConfig(**{**asdict(base), "gen_length": len(reference)})
+    diffusion_decode(lm, prompt, oracle_cfg, policy=policy, observe=observe)
+    return OracleTrace(torch.stack(confs), torch.stack(labels).to(torch.uint8), torch.tensor(steps, dtype=torch.int32),
+                       reference)
+
+
+def settings(lm: DiffusionLM, cfg: DiffusionDecodeConfig, num_prompts: int, shard_size: int) -> dict[str, Any]:
+    """What identifies a trajectory folder: the target, the decoding setup and the prompt list."""
+    return {"target": lm.name_or_path, "block_length": lm.spec.block_length, "mask_token_id": lm.spec.mask_token_id,
+            "steps_per_block": cfg.steps_per_block, "gen_length": cfg.gen_length, "stop_at_eot": cfg.stop_at_eot,
+            "use_cache": cfg.use_cache, "num_prompts": num_prompts, "shard_size": shard_size}
+
+
+def _shard_ok(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {"conf", "labels"} <= set(handle.keys())
+    except Exception:  # noqa: BLE001 - any unreadable shard is redone
+        return False
+
+
+def write_trajectories(lm: DiffusionLM, prompts: list[list[int]], out: str | Path, cfg: DiffusionDecodeConfig,
+                       shard_size: int = 8, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Write (or resume) the oracle trajectories of ``prompts`` (token ids) into ``out``; returns counts."""
+    from safetensors.torch import save_file
+
+    if not prompts:
+        raise TrajectoryError("no prompts to decode")
+    for i, p in enumerate(prompts):  # every prompt is checked before any shard is written
+        try:
+            check_fits(len(p), cfg.gen_length, lm.context)
+        except ValueError as err:
+            raise TrajectoryError(f"prompt {i}: {err}") from None
+    out = Path(out)
+    meta = settings(lm, cfg, len(prompts), shard_size)
+    if (out / META).is_file():
+        old = json.loads((out / META).read_text())
+        if old != meta:
+            diff = sorted(k for k in meta if old.get(k) != meta[k])
+            raise TrajectoryError(f"{out} holds trajectories made with other settings ({', '.join(diff)}); "
+                                  "use another --out folder or remove it")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / META).write_text(json.dumps(meta, indent=2) + "\n")
+    examples = resumed = 0
+    for s, first in enumerate(range(0, len(prompts), shard_size)):
+        path = out / SHARD.format(s)
+        count = min(shard_size, len(prompts) - first)
+        if path.is_file() and _shard_ok(path):
+            resumed += count
+            if progress:
+                progress(count)
+            continue
+        parts = []
+        for i in range(first, first + count):
+            trace = oracle_trace(lm, prompts[i], cfg)
+            parts.append((trace, i))
+            if progress:
+                progress(1)
+        tensors = {"conf": torch.cat([t.conf for t, _ in parts]).contiguous(),  # [N, L]
+                   "labels": torch.cat([t.labels for t, _ in parts]).contiguous(),  # [N, L]
+                   "prompt": torch.cat([torch.full((len(t.steps),), i, dtype=torch.int32) for t, i in parts]),
+                   "step": torch.cat([t.steps for t, _ in parts])}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file(tensors, str(tmp), metadata={"prompts": f"{first}-{first + count - 1}"})
+        os.replace(tmp, path)
+        examples += len(tensors["conf"])
+    total = sum(_count(p) for p in sorted(out.glob("shard-*.safetensors")))
+    return {"prompts": len(prompts), "resumed_prompts": resumed, "new_examples": examples, "examples": total,
+            "out": str(out)}
+
+
+def _count(path: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return int(handle.get_slice("conf").get_shape()[0])
+
+
+def load_prompts(spec: str, tokenizer: Any, limit: int | None = None) -> list[list[int]]:
+    """Prompt token ids (chat template, generation prompt) from ``mtbench``, ``sharegpt`` or a file with one prompt
+    per line (``.txt``) or per JSON line (``{"prompt": ...}`` or ``{"turns": [...]}``)."""
+    from draftsmith import assets
+    from draftsmith.common.chat import encode_chat
+
+    if spec == "mtbench":
+        texts = [q["turns"][0] for q in assets.mtbench_questions()]
+    elif spec == "sharegpt":
+        convs, _ = assets.read_sharegpt(assets.sharegpt_path(), limit=limit)
+        texts = [c["conversations"][0]["value"] for c in convs if c.get("conversations")]
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise TrajectoryError(f"--prompts {spec!r}: not 'mtbench', 'sharegpt' or an existing file")
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        if path.suffix == ".jsonl":
+            records = [json.loads(ln) for ln in lines]
+            texts = [r["prompt"] if "prompt" in r else r["turns"][0] for r in records]
+        else:
+            texts = lines
+    texts = texts[:limit] if limit else texts
+    return [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
