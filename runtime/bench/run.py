@@ -31,6 +31,7 @@ from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import LookaheadHeads, build_proposer
+from draftsmith.runtime.target.adapters import target_adapter
 from draftsmith.runtime.target.loading import load_decoder
 
 
@@ -118,12 +119,16 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
                                 "was trained for")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     torch_dtype, dtype_reason = resolve_runtime_dtype(dtype)
-    model = load_decoder(folder, dtype=torch_dtype, kernel_backend=kernels, linear_backend=linear_backend)
+    adapter = target_adapter(drafter, export_config) if drafter else None  # Medusa-2: the target it trained
+    model = load_decoder(folder, dtype=torch_dtype, kernel_backend=kernels, linear_backend=linear_backend,
+                         transform_weights=adapter[0] if adapter else None)
     runtime = Runtime(str(folder), model, tokenizer, eos_ids_from_folder(folder), export_config,
                       dtype_reason=dtype_reason)
     if drafter:
         identity = target_identity(export_config["target"]["name_or_path"], AutoConfig.from_pretrained(folder),
                                    tokenizer, model.lm_head_weight)
+        if adapter:
+            identity = {**identity, "adapter": adapter[1]}
         proposer = build_proposer(drafter, model, identity=identity, given=target or str(folder),
                                   **(proposer_options or {}))
         chosen_verifier, verifier_info = choose_verifier(verifier, temperature, kernels, export_config)

@@ -66,6 +66,7 @@ class MedusaProposer:
         """Nothing to learn: the next step reads the hidden state from its context."""
 
 
+@register_proposer("medusa2")  # the heads of Medusa-2; load_runtime merges its adapter into the target first
 @register_proposer("medusa")
 def _build_medusa(export_dir: str | Path, config: dict, target_model: Any, tree: list[list[int]] | None = None,
                   top_k: int | None = None, **_: Any) -> MedusaProposer:

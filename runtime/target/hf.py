@@ -108,14 +108,19 @@ class HFModelAdapter(torch.nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+        transform_weights: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ) -> HFModelAdapter:
-        """Load a local HF folder with ``AutoModelForCausalLM`` (no hub access, no remote code)."""
+        """Load a local HF folder with ``AutoModelForCausalLM`` (no hub access, no remote code); ``transform_weights``
+        rewrites its HF-named weights (e.g. merging an export's LoRA adapter)."""
         from transformers import AutoModelForCausalLM
 
         load_hf_config(folder)  # clear errors for a missing folder / config
         find_safetensors(folder)
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+        if transform_weights is not None:
+            with torch.no_grad():
+                model.load_state_dict(transform_weights(dict(model.state_dict())))
         return cls(model.to(device))
 
     @property

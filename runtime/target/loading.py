@@ -8,7 +8,7 @@ Every runtime decoder has the interface of :class:`draftsmith.runtime.target.mod
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -52,17 +52,19 @@ def load_decoder(
     backend: str = "auto",
     kernel_backend: str = "auto",
     linear_backend: str = "auto",
+    transform_weights: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> LeanDecoder | HFModelAdapter:
     """Load a runtime decoder: the lean one when the architecture is supported ("auto"), or force "lean" / "hf".
-    ``linear_backend`` goes to :class:`LeanDecoder` (auto | cpp | mkldnn | dense)."""
+    ``linear_backend`` goes to :class:`LeanDecoder` (auto | cpp | mkldnn | dense); ``transform_weights`` rewrites the
+    HF-named weights first (see :mod:`draftsmith.runtime.target.adapters`)."""
     if backend not in ("auto", "lean", "hf"):
         raise ValueError(f"decoder backend must be 'auto', 'lean' or 'hf', got {backend!r}")
     if backend == "hf":
-        return HFModelAdapter.from_pretrained(folder, dtype, device)
+        return HFModelAdapter.from_pretrained(folder, dtype, device, transform_weights)
     try:
         return LeanDecoder.from_pretrained(folder, dtype, device, kernel_backend=kernel_backend,
-                                           linear_backend=linear_backend)
+                                           linear_backend=linear_backend, transform_weights=transform_weights)
     except UnsupportedArchitecture:
         if backend == "lean":
             raise
-        return HFModelAdapter.from_pretrained(folder, dtype, device)
+        return HFModelAdapter.from_pretrained(folder, dtype, device, transform_weights)

@@ -13,7 +13,7 @@ match HF to ~1e-5. Batch size is 1 by design: speculative decoding of one reques
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -119,11 +119,15 @@ class LeanDecoder(nn.Module):
         kernel_backend: str = "auto",
         linear_backend: str = "auto",
         compile: bool = False,
+        transform_weights: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ) -> LeanDecoder:
         """Load a HF model folder (config.json + safetensors). Raises UnsupportedArchitecture before reading weights
-        when the architecture is not a Llama-family one, WeightsError for a missing folder or tensors."""
+        when the architecture is not a Llama-family one, WeightsError for a missing folder or tensors.
+        ``transform_weights`` rewrites the HF-named weights before use (e.g. merging an export's LoRA adapter)."""
         config = ModelConfig.from_folder(folder)
         weights = load_safetensors(folder, dtype=dtype, device=device)
+        if transform_weights is not None:
+            weights = transform_weights(weights)
         return cls(config, weights, kernel_backend=kernel_backend, linear_backend=linear_backend, compile=compile).eval()
 
     @property
