@@ -58,6 +58,15 @@ def markdown_table(result: dict[str, Any]) -> str:
     cm = result.get("cost_model")
     if cm:
         rows.append(("cost-aware depth (calibrated on this machine)", cm["summary"]))
+    change = result.get("target_change")
+    if change:
+        rows.append(("LOSSY: export changes the target", change["why"]))
+        rows.append(("perplexity on held-out data: adapted / original",
+                     f"{change['perplexity_adapted']:.2f} / {change['perplexity_original']:.2f} "
+                     f"({change['held_out_conversations']} conversations)"))
+        if "greedy_token_agreement_with_original" in change:
+            rows.append(("greedy agreement with the original target", f"{change['greedy_token_agreement_with_original']:.3f}"
+                         f" of tokens, {change['identical_outputs']} outputs identical"))
     text = "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
     return text + _sections(result)
 

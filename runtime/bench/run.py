@@ -17,7 +17,7 @@ from draftsmith.export.format import read_config
 from draftsmith.export.identity import target_identity
 from draftsmith.kernels import cpu_caps
 from draftsmith.runtime.acceptance.choice import choose_stop_policy, choose_verifier, option_sources
-from draftsmith.runtime.bench import tuning
+from draftsmith.runtime.bench import quality, tuning
 from draftsmith.runtime.bench.timing import (
     compare_outputs,
     eos_ids_from_folder,
@@ -312,6 +312,13 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
                       **compare_outputs(reference, sp["outputs"])}
     lossless = lossless if lossless is not None else same_dtype
     agreement = head_agreement(runtime, prompts, ar["outputs"])
+    target_change = None
+    if ((runtime.export_config or {}).get("target") or {}).get("adapter"):  # Medusa-2: served on the adapted target
+        original = load_decoder(runtime.folder, dtype=runtime.model.dtype)
+        original_outputs = time_runtime_ar(original, prompts, max_new_tokens, eos_ids=runtime.eos_ids)["outputs"]
+        target_change = quality.lossy_target_report(runtime, original, sp["outputs"],
+                                                    original_outputs if temperature == 0 else None)
+        del original
     spec_step = sp["seconds"] / max(1, steps)
     step_profile = tuning.profiled_run(spec, prompts, max_new_tokens, runtime.eos_ids)[0] if profile else None
     sweep = None
@@ -343,5 +350,5 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
                        "predicted_speedup_tau_x_step_over_verify": tau * costs["ar_step_ms"] / costs["verify_forward_ms"]},
         "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
         "threads": torch.get_num_threads(),
-        "cost_model": cost_model, "profile": step_profile, "sweep": sweep,
+        "cost_model": cost_model, "profile": step_profile, "sweep": sweep, "target_change": target_change,
     }
