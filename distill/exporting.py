@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.export.format import ExportError, write_export
+from draftsmith.export.adapter import adapter_fingerprint, module_key_to_part_key
+from draftsmith.export.format import MAIN_PART, ExportError, write_export
 
 DRAFTER_PREFIX = "drafter."
 
@@ -17,11 +18,40 @@ def _compose_config(export_config: dict[str, Any], target: dict[str, Any], train
             "inference": export_config.get("inference", {}), "training": training}
 
 
+def split_parts(state: dict[str, torch.Tensor], export_config: dict[str, Any],
+                target: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict]:
+    """The module's state dict -> (main part, further parts, target identity) per ``export_config["weight_parts"]``.
+
+    ``weight_parts`` (optional) maps a part name to ``{"prefix": <state-dict key prefix>, "kind": ...}``; keys are
+    stored without the prefix. A ``kind: lora`` part (an adapter on the target) gets HF module-path keys
+    (:mod:`draftsmith.export.adapter`) and the target identity gets ``adapter: {kind, fingerprint}`` of those
+    weights, so the export is refused against a target without it. Without ``weight_parts``: one ``model`` part.
+    """
+    spec = export_config.get("weight_parts")
+    if not spec:
+        return state, {}, target
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, part in spec.items():
+        prefix = part["prefix"]
+        chosen = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if part.get("kind") == "lora":
+            chosen = {module_key_to_part_key(k): v for k, v in chosen.items()}
+            target = {**target, "adapter": {"kind": "lora", "fingerprint": adapter_fingerprint(chosen)}}
+        parts[name] = chosen
+    stray = [k for k in state if not any(k.startswith(p["prefix"]) for p in spec.values())]
+    if stray or MAIN_PART not in parts:
+        raise ExportError(f"weight_parts {sorted(spec)} must include {MAIN_PART!r} and cover every weight "
+                          f"(uncovered: {stray[:4]})")
+    main = parts.pop(MAIN_PART)
+    return main, parts, target
+
+
 def export_from_module(module: Any, out_dir: str | Path, training: dict[str, Any]) -> Path:
     """Export the live ``DistillModule``'s drafter (weights only; never the frozen target)."""
     state = {k: v.detach().float() if v.is_floating_point() else v for k, v in module.drafter.state_dict().items()}
-    config = _compose_config(module.objective.export_config(), module.run_info["target"], training)
-    return write_export(out_dir, state, config)
+    export_config = module.objective.export_config()
+    main, parts, target = split_parts(state, export_config, module.run_info["target"])
+    return write_export(out_dir, main, _compose_config(export_config, target, training), parts=parts)
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -56,4 +86,5 @@ def export_from_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
              for k, v in ckpt["state_dict"].items() if k.startswith(DRAFTER_PREFIX)}
     training = {"steps": int(ckpt.get("global_step", 0)), "tokens": int(meta.get("tokens_seen", 0)),
                 "checkpoint": str(find_checkpoint(path))}
-    return write_export(out_dir, state, _compose_config(meta["export_config"], meta["target"], training))
+    main, parts, target = split_parts(state, meta["export_config"], meta["target"])
+    return write_export(out_dir, main, _compose_config(meta["export_config"], target, training), parts=parts)

@@ -54,7 +54,13 @@ class DistillModule(pl.LightningModule):
     """Online distillation of ``objective.module`` from a frozen ``target``.
 
     The target is held outside the module tree's state (``_target`` is excluded from ``state_dict``), so
-    checkpoints hold the drafter, optimizer and schedule only, and hparams never contain it.
+    checkpoints hold the drafter, optimizer and schedule only, and hparams never contain it. A trainable adapter
+    the target carries (Medusa-2's LoRA, :meth:`~draftsmith.distill.target.Target.attach_lora`) is registered in
+    the objective's module too, so it is optimised, checkpointed and exported with it.
+
+    Further optional objective hooks read here: ``set_step(global_step)`` before each training step;
+    ``on_validation_start()`` / ``on_validation_end(reduce_sum)`` around each validation pass (``reduce_sum`` sums
+    a tensor over processes under DDP, else None).
     """
 
     def __init__(self, objective: Objective, target: TargetModel, optim: dict[str, Any], total_steps: int) -> None:
@@ -95,6 +101,9 @@ class DistillModule(pl.LightningModule):
         return self.objective.loss(batch, feats)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        set_step = getattr(self.objective, "set_step", None)
+        if callable(set_step):  # step-dependent objectives (head warmup) read the global step, which survives resume
+            set_step(int(self.global_step))
         loss, metrics = self._step(batch)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(nonfinite_message(loss.item(), self.global_step, self._last_checkpoint()))
@@ -122,6 +131,20 @@ class DistillModule(pl.LightningModule):
         size = batch["input_ids"].shape[0]
         self.log("val/loss", loss, prog_bar=True, batch_size=size, sync_dist=True)
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, batch_size=size, sync_dist=True)
+
+    def on_validation_epoch_start(self) -> None:
+        hook = getattr(self.objective, "on_validation_start", None)
+        if callable(hook):  # e.g. reset the per-head accuracy counts a calibrated tree is built from
+            hook()
+
+    def on_validation_epoch_end(self) -> None:
+        hook = getattr(self.objective, "on_validation_end", None)
+        if callable(hook):
+            hook(self._reduce_sum if self.trainer.world_size > 1 else None)
+
+    def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over every process (counts gathered by objectives during validation)."""
+        return self.trainer.strategy.reduce(tensor.to(self.device), reduce_op="sum").cpu()
 
     def configure_optimizers(self) -> dict[str, Any]:
         cfg = self.optim_cfg

@@ -22,6 +22,8 @@ AVX2-only EPYC ran the target forward at 80 tok/s in bf16 against 488 tok/s in f
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,6 +32,7 @@ from torch import nn
 
 from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.distill.errors import ConfigError
+from draftsmith.distill.lora import LoraSpec, TargetAdapter, lora_module_paths, require_peft
 from draftsmith.export.identity import target_identity
 from draftsmith.kernels import cpu_caps
 
@@ -84,7 +87,8 @@ class TargetFeatures:
 class TargetModel(Protocol):
     """What recipes and the LightningModule need of a frozen target. :class:`Target` (a causal LM) is one
     implementation; a masked-diffusion LM is another kind to come. It is never saved into checkpoints or hparams,
-    and its own weights are never optimised (a trainable adapter is the objective's module, not the target's)."""
+    and its own weights are never optimised. A trainable adapter (:meth:`Target.attach_lora`) is a submodule of the
+    target that the objective's module registers too: it is the objective's module that trains and saves it."""
 
     tokenizer: Any
     name_or_path: str
@@ -114,6 +118,7 @@ class Target(nn.Module):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path
+        self.adapter: TargetAdapter | None = None  # a trainable LoRA, when a recipe attaches one
 
     @classmethod
     def load(cls, name_or_path: str, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
@@ -164,17 +169,67 @@ class Target(nn.Module):
         return self.model.get_input_embeddings().weight
 
     def identity(self) -> dict:
-        """Identity recorded in exports: name, sizes and a fingerprint of tokenizer + LM head."""
-        return target_identity(self.name_or_path, self.config, self.tokenizer, self.lm_head_weight)
+        """Identity recorded in exports: name, sizes and a fingerprint of tokenizer + LM head; with an adapter
+        attached, also ``adapter: {kind, fingerprint}`` of its current weights."""
+        ident = target_identity(self.name_or_path, self.config, self.tokenizer, self.lm_head_weight)
+        if self.adapter is not None:
+            ident["adapter"] = {"kind": "lora", "fingerprint": self.adapter.fingerprint()}
+        return ident
+
+    def attach_lora(self, spec: LoraSpec) -> TargetAdapter:
+        """Inject trainable LoRA adapters (peft) into the target's linears named by ``spec.target_modules``.
+
+        The adapter becomes the registered submodule ``self.adapter``; the rest of the target stays frozen. Raises
+        ConfigError when peft is missing, an adapter is already attached, or no linear matches.
+        """
+        peft = require_peft("a LoRA adapter on the target (recipe=medusa2)")
+        if self.adapter is not None:
+            raise ConfigError("the target already carries an adapter")
+        paths = lora_module_paths(self.model, spec.target_modules)
+        config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                                 target_modules=paths, bias="none")
+        peft.inject_adapter_in_model(config, self.model)
+        layers = {}
+        for name, module in self.model.named_modules():
+            if isinstance(module, peft.tuners.lora.LoraLayer) and "default" in module.lora_A:
+                layers[name] = (module.lora_A["default"], module.lora_B["default"])
+        if sorted(layers) != sorted(paths):
+            raise ConfigError(f"peft adapted {len(layers)} modules, expected {len(paths)}: {sorted(layers)[:3]}")
+        # fp32 adapter weights on a bf16/fp16 target: the optimizer then updates fp32 values (peft casts the layer's
+        # input to the adapter's dtype and the result back).
+        self.adapter = TargetAdapter(spec, layers).float()
+        return self.adapter
+
+    @contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """Run the original target (Medusa-2's self-distillation teacher: the same model, no second copy)."""
+        if self.adapter is None:
+            yield
+            return
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)  # also re-enables the adapter weights' gradients
 
     def train(self, mode: bool = True) -> Target:
         # Lightning calls .train() on the whole module tree; the target must stay in eval mode.
         return super().train(False)
 
-    @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 taps: FeatureTaps = FeatureTaps()) -> TargetFeatures:
-        """One no-grad forward returning the requested taps (input_ids [B, T])."""
+                 taps: FeatureTaps = FeatureTaps(), grad: bool = False) -> TargetFeatures:
+        """One forward returning the requested taps (input_ids [B, T]); no-grad unless ``grad`` (a trainable adapter:
+        the taps then carry the graph back to it, where gradients are enabled at all)."""
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            return self._features(input_ids, attention_mask, taps)
+
+    def _features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  taps: FeatureTaps) -> TargetFeatures:
         backbone = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         captured: dict[str, torch.Tensor] = {}
         hook = None

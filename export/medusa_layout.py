@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.export.format import ExportError, atomic_folder_write, read_export
+from draftsmith.export.format import ExportError, atomic_folder_write, read_export_parts
 
 
 def medusa_layout_tensors(state: dict[str, torch.Tensor], num_heads: int, num_layers: int,
@@ -50,9 +50,11 @@ def medusa_layout_tensors(state: dict[str, torch.Tensor], num_heads: int, num_la
 
 def to_medusa_layout(export_dir: str | Path, out_dir: str | Path, lm_head_weight: torch.Tensor | None = None) -> Path:
     """Write the vLLM/TGI Medusa layout of a draftsmith Medusa export into ``out_dir`` (atomically)."""
-    config, state = read_export(export_dir)
-    if config["method"] != "medusa":
-        raise ExportError(f"--format medusa converts Medusa exports; {export_dir} holds {config['method']!r}")
+    config, parts = read_export_parts(export_dir)
+    state = parts["model"]
+    if config["method"] not in ("medusa", "medusa2"):
+        raise ExportError(f"--format medusa converts Medusa-1/2 exports; {export_dir} holds {config['method']!r}")
+    adapter = (config.get("inference") or {}).get("adapter")
     arch = config["architecture"]
     vllm, original = medusa_layout_tensors(state, arch["num_heads"], arch["num_layers"], lm_head_weight)
     engine_config = {
@@ -72,5 +74,20 @@ def to_medusa_layout(export_dir: str | Path, out_dir: str | Path, lm_head_weight
         save_file(vllm, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         save_file(original, str(tmp / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
+        if adapter:  # Medusa-2 changed the target: its LoRA in peft's layout, for engines that serve base + LoRA
+            write_peft_lora(tmp / "lora", parts[adapter.get("part", "adapter")], adapter,
+                            config["target"]["name_or_path"])
 
     return atomic_folder_write(out_dir, fill)
+
+
+def write_peft_lora(out: Path, part: dict[str, torch.Tensor], block: dict, base: str) -> None:
+    """A Medusa-2 adapter part as a peft LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``, keys
+    ``base_model.model.<module path>.lora_A.weight``): vLLM and peft load it on the base model the heads need."""
+    out.mkdir(parents=True)
+    save_file({f"base_model.model.{k}": v.contiguous() for k, v in part.items()},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(block["rank"]),
+                   "lora_alpha": float(block["alpha"]), "target_modules": list(block.get("target_modules", [])),
+                   "lora_dropout": 0.0, "bias": "none", "base_model_name_or_path": base}
+    (out / "adapter_config.json").write_text(json.dumps(peft_config, indent=2) + "\n")

@@ -126,7 +126,8 @@ def test_teacher_logits_equal_the_hf_forward(kind):
     with torch.no_grad():
         full = model(input_ids=row[None]).logits[0]  # [T, V]
     for logits_for, rows in (("all", slice(None)), ("last", slice(-1, None)), (torch.tensor([2, 5]), [2, 5])):
-        logits, hidden = adapter(row, HFCache(16), logits_for=logits_for)
+        out = adapter(row, HFCache(16), logits_for=logits_for)
+        logits, hidden = out.logits, out.hidden
         torch.testing.assert_close(logits, full[rows], rtol=0, atol=1e-5)
         assert hidden.shape == (9, 32)
 

@@ -6,7 +6,6 @@ cache); every node sees itself and its ancestors; ``retrieve_indices [P, D+1]`` 
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import torch
@@ -152,25 +151,11 @@ class StaticTree:
 
 
 def tree_from_head_accuracies(acc: torch.Tensor | list[list[float]], num_nodes: int) -> list[list[int]]:
-    """Medusa's greedy optimal sparse tree: ``acc [K, top_k]`` = probability that top-(i+1) of head k is right.
+    """Medusa's greedy optimal sparse tree for ``acc [K, top_k]``, best node first (the one builder:
+    :func:`draftsmith.common.trees.greedy_tree`, also used by the recipes' end-of-training calibration)."""
+    from draftsmith.common.trees import greedy_tree
 
-    A path's expected contribution is the product of its accuracies; nodes are added best-first until ``num_nodes``
-    drafted nodes (root excluded). Because a child's product never exceeds its parent's, the chosen set is a tree.
-    """
-    acc = torch.as_tensor(acc, dtype=torch.float64)
-    if acc.dim() != 2 or num_nodes < 1:
-        raise ValueError("acc must be [num_heads, top_k] and num_nodes >= 1")
-    num_heads, top_k = acc.shape
-    heap: list[tuple[float, tuple[int, ...]]] = [(-float(acc[0, i]), (i,)) for i in range(top_k)]
-    heapq.heapify(heap)
-    chosen: list[list[int]] = []
-    while heap and len(chosen) < num_nodes:
-        neg, path = heapq.heappop(heap)
-        chosen.append(list(path))
-        if len(path) < num_heads:  # its children become candidates
-            for i in range(top_k):
-                heapq.heappush(heap, (neg * float(acc[len(path), i]), (*path, i)))
-    return chosen
+    return greedy_tree(acc, num_nodes)
 
 
 def default_medusa_tree(num_heads: int, num_nodes: int = 12, top_k: int = 4) -> list[list[int]]:
