@@ -38,6 +38,10 @@ class Objective(Protocol):
 #                                         {"params", "lr_scale"} (x optim.lr), e.g. heads vs adapter learning rates
 #   features(target, batch) -> Any        its own feature computation (several forwards, a layer range, ...);
 #                                         replaces ``target.features(input_ids, attention_mask, taps)``
+#   set_step(global_step)                 called before each training step (warmups that survive a resume)
+#   on_validation_start() / on_validation_end(reduce_sum)
+#                                         wrap each validation pass (e.g. Medusa tree calibration from head
+#                                         accuracies, summed over processes with ``reduce_sum``)
 
 
 def batch_kind(objective: Any) -> str:
