@@ -52,10 +52,20 @@ def purposeful_errors() -> tuple[type[BaseException], ...]:
     return DraftsmithError, ExportError, AssetError
 
 
-def report_error(err: BaseException) -> None:
+PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a shell reports for a job ended by SIGTERM
+
+
+def preempted() -> tuple[type[BaseException], ...]:
+    """Lightning's ``SIGTERMException``: training stopped on SIGTERM after saving a checkpoint."""
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    return (SIGTERMException,)
+
+
+def report_error(err: BaseException | str) -> None:
     """Print ``error: <message>`` as one line on stderr (and into the run log)."""
     message = " ".join(str(err).split()) or type(err).__name__
-    log.error("%s: %s", type(err).__name__, message)
+    log.error("%s: %s", "preempted" if isinstance(err, str) else type(err).__name__, message)
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
@@ -70,8 +80,15 @@ def main(cfg: DictConfig) -> float | None:
     from draftsmith.distill.trainer import train
 
     recipe = recipes.get_recipe(cfg.recipe.name)
+    hydra_cfg = HydraConfig.get()
+    run_name = f"{cfg.recipe.name}-{slug(hydra_cfg.job.override_dirname)}"
     try:
-        summary = train(cfg, recipe, HydraConfig.get().runtime.output_dir)
+        summary = train(cfg, recipe, hydra_cfg.runtime.output_dir, run_name=run_name)
+    except preempted() as err:
+        # SIGTERM (SLURM preemption): ClusterCallback saved a checkpoint; the requeued attempt resumes from it.
+        report_error(f"preempted by SIGTERM ({type(err).__name__}): checkpoint saved in {hydra_cfg.runtime.output_dir}"
+                     "/checkpoints; run the same command again (SLURM requeues it) to resume")
+        sys.exit(PREEMPTED_EXIT)
     except purposeful_errors() as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -81,6 +98,22 @@ def main(cfg: DictConfig) -> float | None:
     return summary["metrics"].get("val/loss")
 
 
+def check_launcher(argv: list[str]) -> str | None:
+    """The error to print when ``hydra/launcher=slurm`` is asked for without hydra-submitit-launcher installed (Hydra's
+    own message would be a missing config deep in a traceback), else None."""
+    import importlib.util
+
+    wants = any(a.split("=", 1)[0] in ("hydra/launcher", "+hydra/launcher") and "=" in a and
+                a.split("=", 1)[1].startswith(("slurm", "submitit")) for a in argv)
+    if wants and importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+        return ("hydra/launcher=slurm needs the submitit launcher: pip install hydra-submitit-launcher "
+                "(or `pip install draftsmith[slurm]`), then submit again")
+    return None
+
+
 if __name__ == "__main__":
     sys.argv = [sys.argv[0], *expand_shorthands(sys.argv[1:])]
+    if (problem := check_launcher(sys.argv[1:])) is not None:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(1)
     main()

@@ -62,6 +62,9 @@ def find_checkpoint(path: str | Path) -> Path:
     candidate = path / "checkpoints" / "last.ckpt"
     if candidate.is_file():
         return candidate
+    pointer = path / "checkpoints" / "last"  # written where the filesystem has no symlinks
+    if pointer.is_file() and (path / "checkpoints" / pointer.read_text().strip()).is_file():
+        return path / "checkpoints" / pointer.read_text().strip()
     raise ExportError(f"no checkpoint at {path}: pass a .ckpt file or a run folder holding checkpoints/last.ckpt")
 
 

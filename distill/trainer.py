@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -11,21 +13,36 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
-from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
+from draftsmith.distill.checkpoints import (
+    CHECKPOINT_DIR,
+    LAST_CHECKPOINT,
+    QuotaCheckpoint,
+    find_resume_checkpoint,
+)
+from draftsmith.distill.cluster import (
+    ClusterCallback,
+    keep_global_batch,
+    planned_world_size,
+    read_global_batch,
+)
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.module import DistillModule
 from draftsmith.distill.progress import StepProgressBar
+from draftsmith.distill.strategies import (
+    apply_activation_checkpointing,
+    build_precision,
+    build_strategy,
+    check_devices,
+)
 from draftsmith.distill.target import Target
+from draftsmith.distill.target_shard import TargetSharding, check_target_shard
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
-LAST_CHECKPOINT = "last.ckpt"
+__all__ = ["CHECKPOINT_DIR", "LAST_CHECKPOINT", "build_strategy", "build_trainer", "check_devices", "train"]
 CLIP_ALGORITHMS = ("norm", "value")
-# Lightning strategies that run on CUDA GPUs only (fsdp, deepspeed_stage_2, deepspeed_stage_3_offload, ...).
-_CUDA_ONLY_STRATEGIES = ("fsdp", "deepspeed")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -41,24 +58,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-
-
-def check_devices(trainer_cfg: DictConfig, cuda_available: bool | None = None) -> None:
-    """Refuse a CUDA-only trainer preset (``trainer=gpu``, ``fsdp``, ``deepspeed_*``) on a machine without CUDA with
-    one line naming the CPU presets, before Lightning fails with its own less helpful error."""
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
-    if cuda_available:
-        return
-    accelerator, strategy = str(trainer_cfg.accelerator).lower(), str(trainer_cfg.strategy).lower()
-    if accelerator in ("gpu", "cuda"):
-        why = f"trainer.accelerator={accelerator}"
-    elif strategy.startswith(_CUDA_ONLY_STRATEGIES):
-        why = f"trainer.strategy={strategy}"
-    else:
-        return
-    raise ConfigError(f"{why} needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False); "
-                      "train on CPU with trainer=cpu, or trainer=ddp trainer.accelerator=cpu for 2 processes")
 
 
 def check_config(cfg: DictConfig, recipe: Any) -> None:
@@ -82,8 +81,9 @@ def check_config(cfg: DictConfig, recipe: Any) -> None:
         recipe.validate(cfg)
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
-    """CSV always; wandb (offline unless logger.mode=online) when selected."""
+def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str | None = None) -> list:
+    """CSV always; wandb (offline unless logger.mode=online) when selected, named ``run_name`` (recipe + overrides)
+    and given the resolved config."""
     from pytorch_lightning.loggers import CSVLogger
 
     loggers: list = [CSVLogger(save_dir=str(run_dir), name="logs", version="")]
@@ -95,27 +95,27 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
         if mode not in ("offline", "online", "disabled"):
             raise ConfigError(f"logger.mode={mode!r}; valid: offline, online, disabled")
         os.environ.setdefault("WANDB_MODE", mode)
-        loggers.append(WandbLogger(project=cfg.logger.project, entity=cfg.logger.get("entity"),
-                                   save_dir=str(run_dir), offline=mode == "offline", mode=mode))
+        name = cfg.logger.get("name") or run_name or str(cfg.recipe.name)
+        loggers.append(WandbLogger(project=cfg.logger.project, entity=cfg.logger.get("entity"), name=name,
+                                   save_dir=str(run_dir), offline=mode == "offline", mode=mode,
+                                   group=cfg.logger.get("group") or str(cfg.recipe.name),
+                                   config=OmegaConf.to_container(cfg, resolve=True)))
     elif kind != "csv":
         raise ConfigError(f"logger.kind={kind!r}; valid: csv, wandb")
     return loggers
 
 
-def build_strategy(trainer_cfg: DictConfig) -> Any:
-    """The Lightning strategy for ``trainer.strategy``.
-
-    ``ddp`` gets ``broadcast_buffers=False``: drafters hold the frozen target embedding / LM head as (identical,
-    non-persistent) buffers, and re-broadcasting them every step would move hundreds of MB for nothing.
-    On CPU, DDP uses gloo.
-    """
-    name = str(trainer_cfg.strategy)
-    if name == "ddp":
-        from pytorch_lightning.strategies import DDPStrategy
-
-        backend = "gloo" if str(trainer_cfg.accelerator) == "cpu" else None
-        return DDPStrategy(broadcast_buffers=False, process_group_backend=backend)
-    return name
+def finish_loggers(loggers: list, export_dir: Path | None) -> None:
+    """Attach the export's ``config.json`` to a wandb run (its files; synced later when offline) and finish the run,
+    so that the next job of a sweep in this process starts its own run."""
+    config = export_dir / "config.json" if export_dir is not None else None
+    for logger in loggers:
+        if type(logger).__name__ != "WandbLogger":
+            continue
+        if config is not None and config.is_file():
+            logger.experiment.save(str(config), base_path=str(export_dir.parent), policy="now")
+            logger.experiment.summary["export_config"] = json.loads(config.read_text())
+        logger.experiment.finish()
 
 
 def run_device(trainer_cfg: DictConfig) -> str:
@@ -135,49 +135,83 @@ def grad_clipping(optim_cfg: DictConfig) -> dict[str, Any]:
     return {"gradient_clip_val": value, "gradient_clip_algorithm": str(optim_cfg.get("grad_clip_algorithm", "norm"))}
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None) -> pl.Trainer:
-    """A Lightning Trainer from ``cfg.trainer`` with atomic checkpoints every ``run.checkpoint_every`` steps and a
-    step-based progress bar (:class:`~draftsmith.distill.progress.StepProgressBar`)."""
+def slurm_environment(cfg: DictConfig) -> list:
+    """Lightning's SLURM environment with auto-requeue on SIGUSR1 when running under SLURM (``run.requeue``)."""
+    from lightning_fabric.plugins.environments import SLURMEnvironment
+
+    if not SLURMEnvironment.detect():
+        return []
+    return [SLURMEnvironment(auto_requeue=bool(cfg.run.get("requeue", True)), requeue_signal=signal.SIGUSR1)]
+
+
+def node_count(trainer_cfg: DictConfig) -> int:
+    """``trainer.num_nodes``, or SLURM's node count (``SLURM_NNODES``) when a SLURM job has more nodes than that."""
+    nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
+    slurm = int(os.environ.get("SLURM_NNODES", "0") or 0)
+    if slurm > nodes:
+        log.warning("SLURM job has %d nodes and trainer.num_nodes=%d: training on %d nodes", slurm, nodes, slurm)
+        return slurm
+    return nodes
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None, drafter: Any = None,
+                  run_name: str | None = None) -> pl.Trainer:
+    """A Lightning Trainer from ``cfg.trainer``: the preset's strategy object (:mod:`draftsmith.distill.strategies`,
+    ``drafter`` for FSDP's wrap policy), atomic checkpoints every ``run.checkpoint_every`` steps keeping the newest
+    ``run.keep_checkpoints`` (:class:`~draftsmith.distill.checkpoints.QuotaCheckpoint`), a checkpoint on SIGTERM and
+    SLURM requeue (:mod:`draftsmith.distill.cluster`), and a step-based progress bar."""
     t = cfg.trainer
     check_devices(t)
-    checkpoint = ModelCheckpoint(dirpath=str(run_dir / CHECKPOINT_DIR), filename="step{step}",
-                                 auto_insert_metric_name=False, every_n_train_steps=int(cfg.run.checkpoint_every),
-                                 save_last=True, save_top_k=1, monitor=None)
+    run_dir = Path(run_dir)
+    checkpoint = QuotaCheckpoint(run_dir / CHECKPOINT_DIR, every_n_train_steps=int(cfg.run.checkpoint_every),
+                                 keep=int(cfg.run.get("keep_checkpoints", 2)))
+    precision = build_precision(t)
+    plugins = [AtomicCheckpointIO(), *slurm_environment(cfg), *([precision] if precision is not None else [])]
     val_every = int(cfg.run.val_every)
     return pl.Trainer(
-        accelerator=t.accelerator, devices=t.devices, strategy=build_strategy(t), precision=t.precision,
+        accelerator=t.accelerator, devices=t.devices, num_nodes=node_count(t),
+        strategy=build_strategy(t, drafter), precision=None if precision is not None else t.precision,
         max_steps=int(t.max_steps), max_time=t.get("max_time") or None,
         accumulate_grad_batches=int(t.accumulate_grad_batches),
         **grad_clipping(cfg.optim), log_every_n_steps=int(t.log_every_n_steps),
         val_check_interval=val_every if val_every > 0 else None, check_val_every_n_epoch=None if val_every else 1,
         limit_val_batches=int(cfg.run.final_eval_batches), num_sanity_val_steps=0,
-        logger=build_loggers(cfg, run_dir), callbacks=[checkpoint, StepProgressBar(), *(callbacks or [])],
-        plugins=[AtomicCheckpointIO()], default_root_dir=str(run_dir), enable_model_summary=False,
+        logger=build_loggers(cfg, run_dir, run_name),
+        callbacks=[checkpoint, ClusterCallback(run_dir, checkpoint, int(cfg.data.batch_size)), StepProgressBar(),
+                   *(callbacks or [])],
+        plugins=plugins, default_root_dir=str(run_dir), enable_model_summary=False,
         use_distributed_sampler=True,
     )
 
 
 def resume_path(cfg: DictConfig, run_dir: Path) -> str | None:
-    """``<run dir>/checkpoints/last.ckpt`` when resuming is on and it exists."""
-    last = run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
-    if str(cfg.run.resume).lower() in ("auto", "true") and last.is_file():
-        log.info("resuming from %s", last)
-        return str(last)
-    return None
+    """The newest checkpoint of the run folder (``last.ckpt``'s target, a newer SLURM requeue checkpoint, ...) when
+    resuming is on."""
+    if str(cfg.run.resume).lower() not in ("auto", "true"):
+        return None
+    found = find_resume_checkpoint(run_dir)
+    if found is not None:
+        log.info("resuming from %s", found)
+    return str(found) if found is not None else None
 
 
 def _scalars(metrics: dict) -> dict[str, float]:
     return {k: round(float(v), 5) for k, v in metrics.items() if torch.is_tensor(v) and v.numel() == 1}
 
 
-def train(cfg: DictConfig, recipe: Any, run_dir: str | Path) -> dict[str, Any]:
-    """Train ``recipe`` as configured; returns a summary (steps, tokens, seconds, export folder, metrics)."""
+def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | None = None) -> dict[str, Any]:
+    """Train ``recipe`` as configured; returns a summary (steps, tokens, seconds, export folder, metrics).
+    ``run_name`` names the run in experiment trackers (train.py passes recipe + overrides)."""
     from draftsmith.distill.datamodule import build_datamodule
     from draftsmith.distill.exporting import export_from_module
     from draftsmith.distill.objective import batch_kind
 
     run_dir = Path(run_dir)
     check_config(cfg, recipe)
+    shard_target = check_target_shard(cfg)
+    ckpt_path = resume_path(cfg, run_dir)
+    if ckpt_path is not None:  # another attempt, maybe on another device count: keep the global batch
+        keep_global_batch(cfg, read_global_batch(run_dir), planned_world_size(cfg.trainer))
     pl.seed_everything(int(cfg.run.seed), workers=True)
     target = Target.load(cfg.target.name_or_path, cfg.target.dtype, trust_remote_code=bool(cfg.target.trust_remote_code),
                          runs_on=run_device(cfg.trainer))
@@ -187,9 +221,13 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path) -> dict[str, Any]:
                            total_steps=int(cfg.trainer.max_steps))
     module.run_info = {"recipe": recipe.name, "target": target.identity(),
                        "config": OmegaConf.to_container(cfg, resolve=True)}
-    trainer = build_trainer(cfg, run_dir)
+    wrapped = apply_activation_checkpointing(module.drafter, cfg.trainer)
+    if wrapped:
+        log.info("activation checkpointing: %s", ", ".join(sorted(c.__name__ for c in wrapped)))
+    extra = [TargetSharding(target, cfg.trainer)] if shard_target else []
+    trainer = build_trainer(cfg, run_dir, callbacks=extra, drafter=module.drafter, run_name=run_name)
     start = time.perf_counter()
-    trainer.fit(module, datamodule=data, ckpt_path=resume_path(cfg, run_dir))
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     seconds = time.perf_counter() - start
     metrics = _scalars(trainer.callback_metrics)
     if int(cfg.run.final_eval_batches) > 0 and data.val_set is not None and len(data.val_set) > 0:
@@ -201,4 +239,5 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path) -> dict[str, Any]:
         out = export_from_module(module, run_dir / "export", training=summary)
         summary["export"] = str(out)
         log.info("exported %s drafter to %s", recipe.name, out)
+    finish_loggers(trainer.loggers, Path(summary["export"]) if "export" in summary else None)
     return summary

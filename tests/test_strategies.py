@@ -1,20 +1,55 @@
 """Every trainer preset composes, and GPU-only strategies build the right Lightning strategy objects.
 
 Lightning refuses FSDP and DeepSpeed on a CPU accelerator, so these presets are checked by construction:
-the composed config, the strategy object Lightning resolves from it, and its settings.
+the composed config, the strategy object built from it for a real drafter, and its settings.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, StrategyRegistry
 
 from draftsmith.cli import compose_config
+from draftsmith.distill.errors import ConfigError
+from draftsmith.distill.strategies import (
+    apply_activation_checkpointing,
+    build_precision,
+    build_strategy,
+    check_devices,
+    layer_classes,
+)
+from draftsmith.distill.target_shard import check_target_shard
 from draftsmith.distill.trainer import build_trainer
 
-PRESETS = ["cpu", "gpu", "ddp", "fsdp", "deepspeed_zero2"]
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = ["cpu", "gpu", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"]
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="deepspeed not installed (extra: deepspeed)")
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_tokenizer):
+    from conftest import build_tiny_llama
+
+    from draftsmith.distill.target import Target
+
+    return Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
+
+
+def drafter_for(recipe: str, target, *overrides: str):
+    """The recipe's trainable module for the tiny target (full draft vocabulary: no data scan)."""
+    from draftsmith import recipes
+
+    extra = ["drafter.target_layers=[1,2,3]", "drafter.draft_vocab_size=0"] if recipe == "eagle3" else []
+    cfg = compose_config([f"recipe={recipe}", *extra, *overrides])
+    return recipes.get_recipe(recipe).build(cfg, target)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -22,6 +57,19 @@ def test_trainer_presets_compose(preset):
     cfg = compose_config(["recipe=medusa", f"trainer={preset}"])
     assert cfg.trainer.max_steps > 0 and cfg.trainer.strategy
     assert cfg.recipe.name == "medusa"
+    assert cfg.trainer.activation_checkpointing is False and cfg.target.shard is False
+
+
+@pytest.mark.parametrize("preset,expect", [("fsdp", ["strategy: fsdp", "sharding_strategy: FULL_SHARD",
+                                                      "state_dict_type: full", "precision: bf16-mixed"]),
+                                           ("deepspeed_zero2", ["strategy: deepspeed_stage_2", "offload_optimizer: false"]),
+                                           ("deepspeed_zero3", ["strategy: deepspeed_stage_3", "offload_parameters: false"])])
+def test_cfg_job_shows_each_preset(preset, expect):
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "recipe=eagle3", f"trainer={preset}",
+                           "target.shard=true", "--cfg", "job"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for line in [*expect, "activation_checkpointing: false", "shard: true", "keep_checkpoints: 2"]:
+        assert line in proc.stdout, (line, proc.stdout)
 
 
 def test_ddp_preset_builds_a_ddp_trainer_on_cpu(tmp_path):
@@ -39,7 +87,61 @@ def test_fsdp_preset_resolves_to_fsdp_strategy():
     assert isinstance(StrategyRegistry.get(cfg.trainer.strategy), FSDPStrategy)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed (extra: deepspeed)")
+def test_fsdp_strategy_wraps_each_drafter_layer_and_nothing_of_the_target(tiny_target):
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from draftsmith.drafters.eagle3 import Eagle3Layer
+
+    objective = drafter_for("eagle3", tiny_target)
+    cfg = compose_config(["recipe=eagle3", "trainer=fsdp"])
+    strategy = build_strategy(cfg.trainer, objective.module)
+    assert isinstance(strategy, FSDPStrategy)
+    assert strategy.sharding_strategy.name == "FULL_SHARD" and strategy._state_dict_type == "full"
+    assert strategy.cpu_offload.offload_params is False and strategy.kwargs["use_orig_params"] is True
+    policy = strategy.kwargs["auto_wrap_policy"]
+    assert isinstance(policy, ModuleWrapPolicy) and set(policy._module_classes) == {Eagle3Layer}
+    # Every drafter parameter is either in a wrapped layer or in the root unit (fc, norm, lm_head); none of the
+    # target's parameters is reachable from the module FSDP wraps.
+    wrapped = {id(p) for m in objective.module.modules() if isinstance(m, Eagle3Layer) for p in m.parameters()}
+    assert wrapped and len(wrapped) < sum(1 for _ in objective.module.parameters())
+    target_ids = {id(p) for p in tiny_target.parameters()}
+    assert not target_ids & {id(p) for p in objective.module.parameters()}
+    assert strategy._activation_checkpointing_kwargs == {}  # off by default
+
+    on = build_strategy(compose_config(["recipe=eagle3", "trainer=fsdp", "trainer.activation_checkpointing=true",
+                                        "trainer.fsdp.cpu_offload=true"]).trainer, objective.module)
+    check = on._activation_checkpointing_kwargs["auto_wrap_policy"]
+    assert set(check._module_classes) == {Eagle3Layer} and on.cpu_offload.offload_params is True
+
+
+def test_fsdp_wrap_classes_for_medusa_and_by_name(tiny_target):
+    from draftsmith.heads.medusa import MedusaHead
+
+    medusa = drafter_for("medusa", tiny_target).module
+    assert layer_classes(medusa) == {MedusaHead}
+    assert layer_classes(medusa, ["MedusaHead"]) == {MedusaHead}
+    with pytest.raises(ConfigError, match="not modules of the drafter; it has: .*MedusaHead"):
+        layer_classes(medusa, ["LlamaDecoderLayer"])
+    hybrid = build_strategy(compose_config(["recipe=medusa", "trainer=fsdp", "trainer.num_nodes=2", "trainer.devices=8",
+                                            "trainer.fsdp.sharding_strategy=HYBRID_SHARD"]).trainer, medusa)
+    assert hybrid.sharding_strategy.name == "HYBRID_SHARD" and hybrid.kwargs["device_mesh"] == (2, 8)
+    with pytest.raises(ConfigError, match="state_dict_type='local'; valid: full"):
+        build_strategy(compose_config(["recipe=medusa", "trainer=fsdp", "trainer.fsdp.state_dict_type=local"]).trainer)
+    with pytest.raises(ConfigError, match="sharding_strategy='SHARDED'.*FULL_SHARD"):
+        build_strategy(compose_config(["recipe=medusa", "trainer=fsdp", "trainer.fsdp.sharding_strategy=sharded"]).trainer)
+
+
+def test_fsdp_precision_plugin_is_bf16_mixed():
+    from pytorch_lightning.plugins.precision import FSDPPrecision
+
+    plugin = build_precision(compose_config(["recipe=eagle3", "trainer=fsdp"]).trainer)
+    assert isinstance(plugin, FSDPPrecision)
+    mp = plugin.mixed_precision_config
+    assert mp.param_dtype == torch.bfloat16 and mp.reduce_dtype == torch.bfloat16
+    assert build_precision(compose_config(["recipe=eagle3", "trainer=cpu"]).trainer) is None
+
+
+@needs_deepspeed
 def test_deepspeed_preset_resolves_to_zero_stage_2():
     from pytorch_lightning.strategies import DeepSpeedStrategy
 
@@ -49,6 +151,96 @@ def test_deepspeed_preset_resolves_to_zero_stage_2():
     assert strategy.config["zero_optimization"]["stage"] == 2
 
 
+@needs_deepspeed
+@pytest.mark.parametrize("preset,stage", [("deepspeed_zero2", 2), ("deepspeed_zero3", 3)])
+def test_deepspeed_presets_build_their_zero_stage_and_offload(preset, stage):
+    from pytorch_lightning.plugins.precision import DeepSpeedPrecision
+    from pytorch_lightning.strategies import DeepSpeedStrategy
+
+    cfg = compose_config(["recipe=eagle3", f"trainer={preset}"])
+    strategy = build_strategy(cfg.trainer)
+    assert isinstance(strategy, DeepSpeedStrategy)
+    zero = strategy.config["zero_optimization"]
+    assert zero["stage"] == stage and "offload_optimizer" not in zero and "offload_param" not in zero
+    plugin = build_precision(cfg.trainer)
+    assert isinstance(plugin, DeepSpeedPrecision) and plugin.precision == "bf16-mixed"
+    offload = build_strategy(compose_config(["recipe=eagle3", f"trainer={preset}",
+                                             "trainer.deepspeed.offload_optimizer=true"]).trainer)
+    assert offload.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    if stage == 3:
+        params = build_strategy(compose_config(["recipe=eagle3", f"trainer={preset}",
+                                                "trainer.deepspeed.offload_parameters=true"]).trainer)
+        assert params.config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    else:
+        with pytest.raises(ConfigError, match="offload_parameters=true needs ZeRO stage 3.*deepspeed_zero3"):
+            build_strategy(compose_config(["recipe=eagle3", f"trainer={preset}",
+                                           "trainer.deepspeed.offload_parameters=true"]).trainer)
+
+
+@pytest.mark.parametrize("preset", ["fsdp", "deepspeed_zero2", "deepspeed_zero3"])
+def test_gpu_only_preset_on_cpu_names_the_cpu_preset(preset):
+    cfg = compose_config(["recipe=eagle3", f"trainer={preset}"])
+    with pytest.raises(ConfigError, match=rf"preset trainer={preset.split('_')[0]}.*needs a CUDA GPU.*trainer=cpu"
+                                          r".*trainer=ddp trainer.accelerator=cpu"):
+        check_devices(cfg.trainer, cuda_available=False)
+    check_devices(cfg.trainer, cuda_available=True)
+
+
+def test_target_shard_needs_a_sharding_preset():
+    def shard(*o):
+        return check_target_shard(compose_config(["recipe=eagle3", *o]))
+
+    assert shard("trainer=fsdp") is False  # default: replicated
+    assert shard("trainer=fsdp", "target.shard=true") is True
+    assert shard("trainer=deepspeed_zero3", "target.shard=true") is True
+    for preset in ("ddp", "cpu", "deepspeed_zero2"):
+        with pytest.raises(ConfigError, match="target.shard=true needs a sharding preset.*trainer=fsdp"):
+            shard(f"trainer={preset}", "target.shard=true")
+
+
+def test_frozen_target_is_never_in_state_dict_or_optimizer(tiny_target):
+    from draftsmith.distill.module import DistillModule
+
+    objective = drafter_for("eagle3", tiny_target)
+    module = DistillModule(objective, tiny_target, {"lr": 1e-3}, total_steps=4)
+    target_ids = {id(p) for p in tiny_target.parameters()}
+    optimizer = module.configure_optimizers()["optimizer"]
+    optimised = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert optimised == {id(p) for p in objective.module.parameters() if p.requires_grad}
+    assert not optimised & target_ids and not {id(p) for p in module.parameters()} & target_ids
+    assert all(not k.startswith(("_target", "target.")) and ".model.layers." not in k for k in module.state_dict())
+
+
+def test_activation_checkpointing_keeps_keys_values_and_gradients(tiny_target):
+    from draftsmith.drafters.eagle3 import Eagle3Layer
+
+    torch.manual_seed(0)
+    plain = drafter_for("eagle3", tiny_target)
+    torch.manual_seed(0)
+    wrapped = drafter_for("eagle3", tiny_target)
+    cfg = compose_config(["recipe=eagle3", "trainer=cpu", "trainer.activation_checkpointing=true"])
+    assert apply_activation_checkpointing(wrapped.module, cfg.trainer) == {Eagle3Layer}
+    assert apply_activation_checkpointing(plain.module, compose_config(["recipe=eagle3"]).trainer) == set()
+    assert any(type(m).__name__ == "CheckpointWrapper" for m in wrapped.module.modules())
+    assert list(plain.module.state_dict()) == list(wrapped.module.state_dict())  # export / checkpoint keys unchanged
+
+    ids = torch.randint(5, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    feats = tiny_target.features(ids, batch["attention_mask"], plain.taps)
+    losses = []
+    for objective in (plain, wrapped):
+        loss, _ = objective.loss(batch, feats)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1])
+    grads = [{n: p.grad for n, p in o.module.named_parameters()} for o in (plain, wrapped)]
+    names = [n.replace("_checkpoint_wrapped_module.", "") for n in grads[1]]
+    assert names == list(grads[0])
+    for (name, g0), g1 in zip(grads[0].items(), grads[1].values()):
+        torch.testing.assert_close(g1, g0, msg=name)
+
+
 def test_wandb_logger_defaults_to_offline():
     cfg = compose_config(["recipe=medusa", "logger=wandb"])
     assert cfg.logger.kind == "wandb" and cfg.logger.mode == "offline"
+    assert OmegaConf.select(cfg, "logger.name") is None
