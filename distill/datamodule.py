@@ -186,20 +186,38 @@ class ChatDataModule(pl.LightningDataModule):
         return loader(dataset, num_workers=self.num_workers, generator=generator,
                       collate_fn=partial(collate, pad_id=self.pad_id), **kwargs)
 
-    def train_dataloader(self) -> DataLoader:
-        """Training batches in a fixed seeded order (packed rows, or length buckets with one item = one batch),
-        resumable mid-epoch (see :mod:`draftsmith.distill.resumable`)."""
+    def _train_layout(self) -> tuple[Dataset, int | None]:
+        """The training dataset and its loader batch size: packed rows in a seeded order (``batch_size`` rows a
+        batch), or length buckets where one item is one whole batch (``None``)."""
         if self.train_set is None:
             self.setup("fit")
         if self.packing:
             rows = ChatDataset(pack_samples(self.train_set.samples, self.max_length))
             order = np.random.default_rng(self.seed).permutation(len(rows))
-            dataset, batch_size = ChatDataset([rows.samples[i] for i in order]), self.batch_size
+            return ChatDataset([rows.samples[i] for i in order]), self.batch_size
+        # The order is already a seeded permutation; no loader shuffle, so the sampler deals batch r, r+W, ... to
+        # rank r and W processes see exactly the batches one process sees with W-step accumulation.
+        return PrebuiltBatches(self.train_set, bucket_by_length(self.train_set.lengths, self.batch_size, seed=self.seed)), None
+
+    def batch_plan(self, split: str) -> tuple[list[dict], list[list[int]]]:
+        """``(items, batches)`` of ``split`` ("train" | "val"): the items (samples, or packed rows) and the item
+        indices of each batch, in the order the split's loader serves them to one process from the start. The
+        offline feature cache (:mod:`draftsmith.distill.feature_cache`) stores exactly these batches."""
+        if split == "train":
+            dataset, batch_size = self._train_layout()
+            if batch_size is None:
+                return dataset.dataset.samples, [list(b) for b in dataset.batches]
+            items = dataset.samples
         else:
-            # The order is already a seeded permutation; no loader shuffle, so the sampler deals batch r, r+W, ... to
-            # rank r and W processes see exactly the batches one process sees with W-step accumulation.
-            batches = bucket_by_length(self.train_set.lengths, self.batch_size, seed=self.seed)
-            dataset, batch_size = PrebuiltBatches(self.train_set, batches), None
+            if self.val_set is None:
+                self.setup("validate")
+            items, batch_size = self.val_set.samples, self.batch_size
+        return items, [list(range(a, min(a + batch_size, len(items)))) for a in range(0, len(items), batch_size)]
+
+    def train_dataloader(self) -> DataLoader:
+        """Training batches in a fixed seeded order (packed rows, or length buckets with one item = one batch),
+        resumable mid-epoch (see :mod:`draftsmith.distill.resumable`)."""
+        dataset, batch_size = self._train_layout()
         return self._loader(dataset, ResumableLoader, batch_size=batch_size, sampler=self._ordered_sampler(len(dataset)),
                             batches_done=self._batches_done, items_per_batch=batch_size or 1)
 
@@ -217,6 +235,10 @@ register_batch_kind = DATAMODULES.register  # @register_batch_kind(name) on fn(c
 def build_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None, kind: str = "chat") -> Any:
     """The data module of batch kind ``kind`` (an objective's ``batch_kind``) for a composed config (``cfg.data``,
     ``cfg.run.seed``); one place for every caller. Raises ValueError naming the registered kinds for an unknown one."""
+    if cfg.data.get("features"):  # offline: the batches and target features come from a feature cache
+        from draftsmith.distill.cached_features import cached_datamodule
+
+        return cached_datamodule(cfg, kind)
     return DATAMODULES.get(kind)(cfg, tokenizer, packing)
 
 

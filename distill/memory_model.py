@@ -82,8 +82,9 @@ def activation_bytes_per_token(t: Shape, draft_vocab: int, ttt_steps: int, elem_
 
 
 def feature_cache_bytes_per_token(t: Shape) -> int:
-    """Offline cache: 3 taps + last hidden state in bf16, token id (int32) and loss mask (uint8)."""
-    return 4 * t.hidden * 2 + 5
+    """Offline cache (``draftsmith cache-features``): 3 taps + last hidden state in bf16, token id (int32),
+    attention and loss masks (uint8 each)."""
+    return 4 * t.hidden * 2 + 6
 
 
 def memory_per_gpu(t: Shape, preset: str, world: int = 8, draft_vocab: int = 32000, ttt_steps: int = 7,

@@ -85,6 +85,9 @@ class DistillModule(pl.LightningModule):
         return self._tokens_seen
 
     def on_fit_start(self) -> None:
+        check = getattr(self._target, "check_taps", None)
+        if callable(check):  # a feature cache: refuse taps it does not hold before the first step
+            check(self.objective.taps, own_features=callable(getattr(self.objective, "features", None)))
         self._target.to(self.device)
         for model in frozen_models(self.objective).values():  # never registered: never saved, never optimised
             model.to(self.device).eval().requires_grad_(False)
@@ -93,7 +96,10 @@ class DistillModule(pl.LightningModule):
         taps = replace(self.objective.taps, logits=True) if with_logits else self.objective.taps
         start = time.perf_counter()
         own = getattr(self.objective, "features", None)
-        if callable(own):
+        cached = getattr(self._target, "batch_features", None)
+        if callable(cached):  # offline (data.features): the batch carries the target's features
+            feats, batch = cached(batch, taps)
+        elif callable(own):
             feats = own(self._target, batch)  # the objective's own forwards (several, a layer range, ...)
         else:
             feats = self._target.features(batch["input_ids"], batch["attention_mask"], taps)

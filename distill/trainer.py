@@ -213,8 +213,13 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     if ckpt_path is not None:  # another attempt, maybe on another device count: keep the global batch
         keep_global_batch(cfg, read_global_batch(run_dir), planned_world_size(cfg.trainer))
     pl.seed_everything(int(cfg.run.seed), workers=True)
-    target = Target.load(cfg.target.name_or_path, cfg.target.dtype, trust_remote_code=bool(cfg.target.trust_remote_code),
-                         runs_on=run_device(cfg.trainer))
+    if cfg.data.get("features"):  # offline: the feature cache's stand-in; the target model is never loaded
+        from draftsmith.distill.cached_features import CachedTarget, open_cache
+
+        target = CachedTarget(open_cache(cfg))
+    else:
+        target = Target.load(cfg.target.name_or_path, cfg.target.dtype,
+                             trust_remote_code=bool(cfg.target.trust_remote_code), runs_on=run_device(cfg.trainer))
     objective = recipe.build(cfg, target)
     data = build_datamodule(cfg, target.tokenizer, kind=batch_kind(objective))
     module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
