@@ -14,8 +14,13 @@ DRAFTER_PREFIX = "drafter."
 
 
 def _compose_config(export_config: dict[str, Any], target: dict[str, Any], training: dict[str, Any]) -> dict[str, Any]:
-    return {"method": export_config["method"], "architecture": export_config["architecture"], "target": target,
-            "inference": export_config.get("inference", {}), "training": training}
+    """The export's config.json: the objective's blocks, the target identity, training facts, and the base export a
+    controller was trained on (``base_export``, checked when it loads)."""
+    config = {"method": export_config["method"], "architecture": export_config["architecture"], "target": target,
+              "inference": export_config.get("inference", {}), "training": training}
+    if export_config.get("base_export"):
+        config["base_export"] = export_config["base_export"]
+    return config
 
 
 def split_parts(state: dict[str, torch.Tensor], export_config: dict[str, Any],

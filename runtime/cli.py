@@ -22,7 +22,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-policy", default="auto",
                    help="auto (the export's policy, its depth chosen for this machine's measured costs: plain decoding "
                         "when speculation is predicted to lose) | export (exactly the export's inference.stop_policy) | "
-                        "fixed:K | confidence:THRESHOLD[:MAX_DEPTH] | none")
+                        "fixed:K | confidence:THRESHOLD[:MAX_DEPTH] | learned:H[:MIN_DEPTH:MAX_DEPTH] (SpecDec++ "
+                        "exports) | none")
     p.add_argument("--proposer-option", action="append", default=None, metavar="KEY=VALUE",
                    help="override an export's inference default, e.g. total_tokens=6 depth=2 policy=chain (EAGLE) "
                         "or tree='[[0],[1],[0,0]]' (Medusa); repeatable")
@@ -53,6 +54,20 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="dtype of the lossless check (greedy spec vs HF generate); 'same' = the timing dtype, "
                         "'none' = skip")
     _add_common(b)
+    c = sub.add_parser("calibrate", help="reliability plot + expected calibration error of a SpecDec++ "
+                                         "acceptance head on held-out drafts")
+    c.add_argument("--drafter", required=True, help="a SpecDec++ export folder")
+    c.add_argument("--prompts", default="mtbench", help="mtbench or a .jsonl with 'prompt' (or 'turns')")
+    c.add_argument("--out", required=True, help="folder for calibration.json and reliability.png")
+    c.add_argument("--target", default=None, help="target folder (default: the one recorded in the export)")
+    c.add_argument("--num-prompts", type=int, default=None)
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--depth", type=int, default=None, help="fixed draft depth scored (default: the export's max)")
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--bins", type=int, default=10)
+    c.add_argument("--dtype", default="fp32")
+    c.add_argument("--seed", type=int, default=0)
+
     r = sub.add_parser("regenerate", help="rewrite a chat dataset's assistant turns with the target (self-distilled "
                                           "data for data.spec=)")
     r.add_argument("--data", default="sharegpt", help="sharegpt (embedded) or a .jsonl/.json of conversations")
@@ -168,4 +183,16 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
-HANDLERS = {"generate": cmd_generate, "bench": cmd_bench, "regenerate": cmd_regenerate}
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Score the acceptance head's predictions against what the target accepted; write JSON and the PNG."""
+    from draftsmith.runtime.tools.calibrate import calibrate
+
+    result = calibrate(args.drafter, args.prompts, args.out, target=args.target, num_prompts=args.num_prompts,
+                       max_new_tokens=args.max_new_tokens, depth=args.depth, temperature=args.temperature,
+                       bins=args.bins, dtype=args.dtype, seed=args.seed)
+    print(f"expected calibration error {result['ece']:.4f} over {result['count']} drafts; wrote "
+          f"{args.out}/calibration.json and reliability.png")
+    return 0
+
+
+HANDLERS = {"generate": cmd_generate, "bench": cmd_bench, "regenerate": cmd_regenerate, "calibrate": cmd_calibrate}

@@ -81,8 +81,8 @@ class LearnedStop:
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"LearnedStop threshold must be in [0, 1], got {self.threshold}")
-        if not 1 <= self.min_depth <= self.max_depth:
-            raise ValueError(f"need 1 <= min_depth <= max_depth, got {self.min_depth}, {self.max_depth}")
+        if self.min_depth < 1 or self.max_depth < 1:  # min > max is allowed: max_depth wins (a capped depth)
+            raise ValueError(f"need min_depth >= 1 and max_depth >= 1, got {self.min_depth}, {self.max_depth}")
 
     def should_stop(self, ctx: StopContext) -> bool:
         """Apply the rule above (updates ``ctx.path["accept_prob"]``)."""

@@ -58,6 +58,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     cm = result.get("cost_model")
     if cm:
         rows.append(("cost-aware depth (calibrated on this machine)", cm["summary"]))
+        if cm.get("learned_threshold"):
+            lt = cm["learned_threshold"]
+            rows.append(("SpecDec++ threshold h (from costs)", f"{lt['h']:.2f} (export: {lt['was']}): {lt['why']}"))
     change = result.get("target_change")
     if change:
         rows.append(("LOSSY: export changes the target", change["why"]))

@@ -30,7 +30,7 @@ from draftsmith.runtime.bench.timing import (
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import LookaheadHeads, build_proposer
+from draftsmith.runtime.drafting.base import LookaheadHeads, WrapsTarget, build_proposer
 from draftsmith.runtime.target.adapters import target_adapter
 from draftsmith.runtime.target.loading import load_decoder
 
@@ -132,10 +132,11 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
         proposer = build_proposer(drafter, model, identity=identity, given=target or str(folder),
                                   **(proposer_options or {}))
         chosen_verifier, verifier_info = choose_verifier(verifier, temperature, kernels, export_config)
-        policy, policy_info = choose_stop_policy(stop_policy, export_config)
+        policy, policy_info = choose_stop_policy(stop_policy, export_config, export_dir=drafter)
         runtime.inference = {"verifier": verifier_info, "stop_policy": policy_info,
                              "proposer_options": option_sources(export_config, proposer_options)}
-        runtime.speculative = SpeculativeDecoder(model, proposer, chosen_verifier, stop_policy=policy,
+        verify_model = proposer.wrap_target(model) if isinstance(proposer, WrapsTarget) else model  # Kangaroo
+        runtime.speculative = SpeculativeDecoder(verify_model, proposer, chosen_verifier, stop_policy=policy,
                                                  kernels_backend=kernels, max_cache_len=max_cache_len)
     return runtime
 

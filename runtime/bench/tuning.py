@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from draftsmith.kernels import cpu_caps
-from draftsmith.runtime.acceptance.stop_policies import FixedDepth
+from draftsmith.runtime.acceptance.stop_policies import FixedDepth, LearnedStop
 from draftsmith.runtime.bench.cost_model import (
     DepthChoice,
     MachineCosts,
@@ -19,6 +19,7 @@ from draftsmith.runtime.bench.cost_model import (
     choose_depth,
     load_choice,
     save_choice,
+    threshold_from_costs,
 )
 from draftsmith.runtime.bench.timing import time_decode
 from draftsmith.runtime.decoding import metrics
@@ -73,12 +74,20 @@ def choose_cost_aware_depth(runtime: Any, prompts: Sequence[list[int]], ar_step_
     costs = costs_from_profile(report, sum(depths) / max(1, len(depths)), ar_step_ms, verify_ms)
     nodes = prof_nodes_by_depth(results)
     choice = choose_depth(acceptance, costs, lambda k: nodes(k))
+    learned = None
+    if isinstance(spec.stop_policy, LearnedStop):  # SpecDec++: its h from this machine's costs (the MDP threshold)
+        h = threshold_from_costs(costs)
+        learned = {"h": h, "was": spec.stop_policy.threshold,
+                   "why": f"one more draft token costs {costs.draft_ms_per_depth:.2f} ms drafting + its marginal "
+                          f"verify vs a {costs.ar_step_ms:.2f} ms plain step: stop once P(rejection) > 1 - that ratio"}
+        spec.stop_policy = dataclasses.replace(spec.stop_policy, threshold=h)
     apply_depth(spec, choice.depth)
     key = cache_key(machine_identity(runtime))
     path = save_choice(key, costs, acceptance, choice, machine_identity(runtime))
     record = {"calibration_prompts": len(calib), "calibration_tokens": CALIBRATION_TOKENS,
               "acceptance_by_position": acceptance, "costs": dataclasses.asdict(costs), "table": choice.table,
               "depth": choice.depth, "predicted_speedup": choice.predicted_speedup, "summary": choice.summary(),
+              "learned_threshold": learned,
               "cache": str(path)}
     return choice, record
 

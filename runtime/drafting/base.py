@@ -72,6 +72,16 @@ class LookaheadHeads(Protocol):
         ...
 
 
+@runtime_checkable
+class WrapsTarget(Protocol):
+    """A proposer that drafts with the target's own layers and cache (Kangaroo): the loop runs over
+    ``wrap_target(model)``, which shares the KV cache and reuses the shallow layers' states in verification."""
+
+    def wrap_target(self, model: Any) -> Any:
+        """The decoder the speculative loop should verify with."""
+        ...
+
+
 ProposerBuilder = Callable[..., Proposer]
 
 

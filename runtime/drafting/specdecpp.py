@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.controllers.acceptance import AcceptanceHead
+from draftsmith.controllers.acceptance import AcceptanceHead, stacked_config
 from draftsmith.runtime.acceptance.choice import parse_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import StopPolicy, bind_learned_head
 from draftsmith.runtime.drafting.base import Proposer, StepContext, build_proposer, register_proposer
@@ -30,6 +30,11 @@ class LearnedStopProposer:
         self.base, self.head, self.default_policy = base, head, default_policy
         self.max_tree_nodes = base.max_tree_nodes
         self.feature_taps = tuple(getattr(base, "feature_taps", ()) or ())
+
+    def wrap_target(self, model: Any) -> Any:
+        """The base's target wrapper (Kangaroo: shallow-cache reuse), else the model itself."""
+        wrap = getattr(self.base, "wrap_target", None)
+        return wrap(model) if callable(wrap) else model
 
     def begin(self, ctx: StepContext) -> None:
         """Start a generation (the base's own bookkeeping)."""
@@ -55,6 +60,9 @@ def _build_specdecpp(export_dir: str | Path, config: dict, target_model: Any, ba
     head = head.to(device=place.device).eval()
     policy = parse_stop_policy((config.get("inference") or {}).get("stop_policy") or {"kind": "learned",
                                                                                      "threshold": 0.3}, head)
-    options = {"policy": "chain", **options}
-    options.setdefault("depth", policy.max_depth)  # the chain may reach the rule's max depth
+    if stacked_config(config)["base_export"]["method"] == "kangaroo":  # a chain drafter with its own options
+        options.setdefault("max_depth", policy.max_depth)
+    else:
+        options = {"policy": "chain", **options}
+        options.setdefault("depth", policy.max_depth)  # the chain may reach the rule's max depth
     return LearnedStopProposer(build_proposer(base, target_model, **options), head, policy)

@@ -1,0 +1,361 @@
+"""SpecDec++: acceptance labels, the weighted soft BCE, the stop rule's exact step, training states that equal the
+runtime's, exports stacked on their drafter, lossless greedy decoding with every stop policy, and exact rejection
+sampling under the learned rule."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import build_tiny_llama
+from omegaconf import OmegaConf
+from test_eagle_runtime import BigramStub, lean_from_hf, plain_greedy, propose_once
+from test_speculative import ALPHA, SMALL_V, chi2_pvalue, small_target, tiny_llama  # noqa: F401 (fixture)
+
+from draftsmith.controllers.acceptance import (
+    AcceptanceHead,
+    AcceptanceHeadConfig,
+    acceptance_labels,
+    weighted_soft_bce,
+)
+from draftsmith.distill.errors import ConfigError
+from draftsmith.distill.target import Target
+from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
+from draftsmith.export.format import ExportError, write_export
+from draftsmith.recipes import specdecpp
+from draftsmith.runtime.acceptance.choice import choose_stop_policy, parse_stop_policy
+from draftsmith.runtime.acceptance.stop_policies import LearnedStop, StopContext
+from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
+from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.drafting.base import build_proposer
+from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, EagleProposer
+from draftsmith.runtime.drafting.specdecpp import LearnedStopProposer
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 9, 13, 40], [7, 60, 61]]
+NEW = 24
+
+
+# ---- labels, loss, head -------------------------------------------------------------------------------------------
+
+
+def test_labels_on_a_toy_pair_are_min_one_p_over_q():
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]])
+    q = torch.tensor([[0.25, 0.6, 0.1, 0.05], [0.4, 0.4, 0.1, 0.1]])
+    for tok in range(4):
+        tokens = torch.tensor([tok, tok])
+        want = torch.minimum(torch.ones(2), p[:, tok] / q[:, tok])
+        torch.testing.assert_close(acceptance_labels(p, q, tokens), want)
+    assert acceptance_labels(p, q, torch.tensor([0, 3])).tolist() == pytest.approx([1.0, 1.0])
+    assert acceptance_labels(p, q, torch.tensor([1, 0])).tolist() == pytest.approx([0.5, 0.25])
+
+
+def test_weighted_soft_bce_matches_the_two_class_reference_in_value_and_gradient():
+    torch.manual_seed(0)
+    z = torch.randn(7, requires_grad=True)
+    label = torch.rand(7)
+    mask = torch.tensor([1, 1, 0, 1, 1, 1, 0.0])
+    w = 6.0
+    loss = weighted_soft_bce(z, label, w, mask)
+    # The reference's form: class logits [reject, accept] = [z, 0], CE weighted by [w, 1] and the soft label.
+    z_ref = z.detach().clone().requires_grad_(True)
+    logits = torch.stack([z_ref, torch.zeros_like(z_ref)], -1)
+    ce0 = F.cross_entropy(logits, torch.zeros(7, dtype=torch.long), reduction="none")
+    ce1 = F.cross_entropy(logits, torch.ones(7, dtype=torch.long), reduction="none")
+    ref = ((ce0 * w * (1 - label) + ce1 * label) * mask).sum() / (w * ((1 - label) * mask).sum() + (label * mask).sum())
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(z.grad, z_ref.grad)
+
+
+def test_head_blocks_are_independent_not_one_block_repeated():
+    head = AcceptanceHead(AcceptanceHeadConfig(hidden_size=16, num_layers=3))
+    ptrs = {b.linear.weight.data_ptr() for b in head.blocks}
+    assert len(ptrs) == 3
+    assert sum(p.numel() for p in head.parameters()) == 3 * (16 * 16 + 16) + 16 + 1
+    assert head(torch.zeros(5, 16)).shape == (5,)
+
+
+# ---- the stop rule ------------------------------------------------------------------------------------------------
+
+
+class ScriptedHead(torch.nn.Module):
+    """Returns the rejection logit of a scripted P(reject) per call, recording the states it reads."""
+
+    def __init__(self, p_reject: list[float]) -> None:
+        super().__init__()
+        self.p, self.states = p_reject, []
+
+    def forward(self, state):
+        self.states.append(state.detach().clone())
+        p = torch.tensor(self.p[min(len(self.states), len(self.p)) - 1])
+        return torch.log(p / (1 - p)).reshape(1)
+
+
+def expected_depth(p_reject, h, max_depth, min_depth=1):
+    """The rule by hand: the first depth d >= min_depth with 1 - prod_{i<=d}(1 - p_i) > h, else max_depth."""
+    keep = 1.0
+    for d, p in enumerate(p_reject, start=1):
+        keep *= 1 - p
+        if d >= max_depth or (d >= min_depth and 1 - keep > h):
+            return d
+    return max_depth
+
+
+@pytest.mark.parametrize("p_reject,h,min_depth", [
+    ([0.6, 0.1, 0.1], 0.5, 1),        # first step: P(reject) of token 1 alone exceeds h
+    ([0.1, 0.1, 0.5, 0.1], 0.5, 1),   # 0.1, 0.19, 0.595: token 3's own estimate tips it (no off-by-one)
+    ([0.1, 0.1, 0.31, 0.1], 0.5, 1),  # 0.1, 0.19, 0.4411, 0.497: never, up to max_depth
+    ([0.9, 0.1, 0.1], 0.5, 2),        # min_depth holds the first stop back
+])
+def test_learned_rule_stops_at_exactly_the_formula_step(p_reject, h, min_depth):
+    want = expected_depth(p_reject, h, 4, min_depth)
+    policy = LearnedStop(ScriptedHead(p_reject), threshold=h, max_depth=4, min_depth=min_depth)
+    ctx, stopped = StopContext(0, 1.0), None
+    for d in range(1, 5):
+        ctx = ctx.child(d, 0.5, torch.zeros(2))
+        if policy.should_stop(ctx):
+            stopped = d
+            break
+    assert stopped == want
+    # In a chain proposer the rule decides after token d from the state whose input is token d.
+    head = ScriptedHead(p_reject)
+    chain = EagleProposer(BigramStub(), "chain", depth=7)
+    tree = propose_once(chain, [0, 0], 0, LearnedStop(head, threshold=h, max_depth=4, min_depth=min_depth))
+    assert tree.num_nodes - 1 == want
+    drafted = tree.tokens[1:].tolist()
+    # BigramStub's output is one_hot(input token): the d-th state the head read is the d-th drafted token's.
+    assert [int(s.argmax()) for s in head.states] == drafted[: len(head.states)]
+
+
+# ---- training on a tiny target ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target(tiny_tokenizer):
+    hf = build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2)
+    return Target(hf, tiny_tokenizer, "tiny"), lean_from_hf(hf)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return {tuple(p): plain_greedy(target[1], p, NEW) for p in PROMPTS}
+
+
+def eagle_export(tgt: Target, lean, folder: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    arch = EagleConfig(**EagleConfig.dims_from_hf(tgt.config))
+    drafter = EagleDrafter(arch, lean.embed_weight, lean.lm_head_weight)
+    config = {"method": "eagle", "architecture": asdict(arch), "target": tgt.identity(),
+              "inference": {"proposer": "chain", "depth": 4, "verifier": "greedy"}}
+    return write_export(folder, drafter.state_dict(), config)
+
+
+@pytest.fixture(scope="module")
+def drafters(target, tmp_path_factory):
+    tgt, lean = target
+    return [eagle_export(tgt, lean, tmp_path_factory.mktemp(f"eagle{i}") / "export", i) for i in (0, 1)]
+
+
+def recipe_cfg(drafter: Path, **head):
+    cfg = OmegaConf.load(ROOT / "conf/recipe/specdecpp.yaml")
+    return OmegaConf.merge(cfg, {"drafter": str(drafter), "head": head})
+
+
+def greedy_batch(reference):
+    seqs = [p + reference[tuple(p)] for p in PROMPTS]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [1] * (width - len(s)) for s in seqs])
+    attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": attn.clone()}
+
+
+@pytest.fixture(scope="module")
+def trained(target, reference, drafters, tmp_path_factory):
+    """A head trained briefly (fixed batch) on drafter 0, its losses, and its export."""
+    tgt, _ = target
+    cfg = recipe_cfg(drafters[0], temperature=1.0, mixing_ratio=0.0)
+    specdecpp.validate(cfg)
+    objective = specdecpp.build(cfg, tgt)
+    torch.manual_seed(0)
+    feats = objective.features(tgt, greedy_batch(reference))
+    opt = torch.optim.AdamW(objective.module.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        loss, metrics = objective.loss({}, feats)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    config = {**objective.export_config(), "target": tgt.identity(), "training": {"steps": 40}}
+    out = write_export(tmp_path_factory.mktemp("specdecpp") / "export", objective.module.state_dict(), config)
+    return objective, feats, losses, out
+
+
+def test_training_labels_and_loss(trained):
+    objective, feats, losses, _ = trained
+    assert objective.frozen["drafter"] is objective.drafter and not any(p.requires_grad for p in
+                                                                         objective.drafter.parameters())
+    assert feats.states.shape[0] == feats.labels.shape[0] > 20
+    assert bool(((feats.labels >= 0) & (feats.labels <= 1)).all()) and 0 < float(feats.labels.mean()) < 1
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def eagle3_export(tgt: Target, lean, folder: Path) -> Path:
+    from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from draftsmith.drafters.vocab import vocab_maps
+
+    torch.manual_seed(2)
+    d2t, t2d = vocab_maps(torch.arange(0, lean.config.vocab_size, 2), lean.config.vocab_size)
+    arch = Eagle3Config(**EagleConfig.dims_from_hf(tgt.config), draft_vocab_size=int(t2d.sum()), target_layers=(1, 2, 3))
+    drafter = Eagle3Drafter(arch, lean.embed_weight, d2t, t2d)
+    config = {"method": "eagle3", "architecture": drafter.architecture(), "target": tgt.identity(),
+              "inference": {"proposer": "chain", "depth": 4, "verifier": "greedy"}}
+    return write_export(folder, drafter.state_dict(), config)
+
+
+@pytest.mark.parametrize("base", ["eagle", "eagle3"])
+def test_training_state_is_the_runtime_stop_state(target, reference, drafters, base, tmp_path):
+    """Greedy labels (temperature 0): the state the head trains on for the candidate after position t is the state
+    the runtime chain hands the stop policy for its first drafted token, from the same context (EAGLE-3: over its
+    reduced draft vocabulary)."""
+    tgt, lean = target
+    prompt = PROMPTS[0]
+    batch = greedy_batch(reference)  # row 0: PROMPTS[0] and its greedy continuation, unpadded
+    drafter = drafters[0] if base == "eagle" else eagle3_export(tgt, lean, tmp_path / "e3")
+    objective = specdecpp.build(recipe_cfg(drafter, temperature=0.0, mixing_ratio=0.0), tgt)
+    feats = objective.features(tgt, {k: v[:1] for k, v in batch.items()})
+    head = ScriptedHead([0.99])
+    proposer = LearnedStopProposer(build_proposer(drafter, lean, policy="chain"), head,
+                                   LearnedStop(head, threshold=0.5, max_depth=4))
+    SpeculativeDecoder(lean, proposer).generate(prompt, 2)
+    t = len(prompt) - 1  # the runtime's root is the target's token after the prompt, x_{t+1}
+    torch.testing.assert_close(head.states[0].float(), feats.states[t], atol=1e-4, rtol=1e-4)
+    assert bool(((feats.labels == 0) | (feats.labels == 1)).all())  # greedy: accepted iff the target's argmax
+    if base == "eagle3":  # sampled labels over the reduced vocabulary stay probabilities
+        sampled = specdecpp.build(recipe_cfg(drafter, temperature=1.0, mixing_ratio=0.3, mixed_in_loss=True), tgt)
+        feats = sampled.features(tgt, batch)
+        assert bool(((feats.labels >= 0) & (feats.labels <= 1)).all()) and float(feats.weight.min()) == 1.0
+
+
+# ---- exports and the runtime --------------------------------------------------------------------------------------
+
+
+def test_export_references_its_drafter_and_refuses_another(trained, drafters, target):
+    _, _, _, export = trained
+    head, base = AcceptanceHead.from_export(export)
+    assert base == drafters[0].resolve()
+    with pytest.raises(ExportError, match="is not the eagle export this specdecpp export was trained on"):
+        AcceptanceHead.from_export(export, drafters[1])
+    with pytest.raises(ExportError, match="is not the eagle export"):
+        build_proposer(export, target[1], base_export=drafters[1])
+
+
+@pytest.mark.parametrize("spec", [None, "fixed:3", "confidence:0.6", "learned:0.3", "learned:0.6:2:5"])
+def test_greedy_decoding_is_lossless_with_every_stop_policy(trained, target, reference, spec):
+    _, _, _, export = trained
+    lean = target[1]
+    from draftsmith.export.format import read_config
+
+    config = read_config(export)
+    policy, info = choose_stop_policy(spec, config)  # no folder: the proposer binds its own head to learned:H
+    assert info["source"] == ("export" if spec is None else "flag")
+    dec = SpeculativeDecoder(lean, build_proposer(export, lean), stop_policy=policy)
+    depths = []
+    for prompt in PROMPTS:
+        res = dec.generate(prompt, NEW)
+        assert res.tokens == reference[tuple(prompt)], (spec, prompt)
+        depths += res.depths
+    if spec == "fixed:3":
+        assert max(depths) == 3
+    with_folder, _ = choose_stop_policy(spec, config, export)
+    if spec and spec.startswith("learned"):
+        assert isinstance(with_folder, LearnedStop) and isinstance(with_folder.head, AcceptanceHead)
+
+
+class HashHead(torch.nn.Module):
+    """A deterministic, strongly state-dependent rejection logit (so the draft length really varies)."""
+
+    def forward(self, state):
+        return 4 * torch.sin(1000 * state.float().sum(-1))
+
+
+def test_rejection_sampling_with_the_learned_rule_keeps_the_target_law(small_target):  # noqa: F811
+    lean, prompt, joint = small_target
+    torch.manual_seed(3)
+    hf_cfg = {"hidden_size": 32, "vocab_size": SMALL_V, "intermediate_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8}
+    drafter = EagleDrafter(EagleConfig(**hf_cfg), lean.embed_weight, lean.lm_head_weight).eval()
+    head = HashHead()  # any function of the drafter state: the stop decision never looks at the verifier
+    base = EagleProposer(Eagle1DraftModel(drafter), "chain", depth=3, temperature=1.0)
+    proposer = LearnedStopProposer(base, head, LearnedStop(head, threshold=0.5, max_depth=3))
+    dec = SpeculativeDecoder(lean, proposer, RejectionSamplingVerifier(temperature=1.0))
+    counts, gen, depths = torch.zeros(SMALL_V, SMALL_V), torch.Generator().manual_seed(0), set()
+    for _ in range(1000):
+        res = dec.generate(prompt, 2, generator=gen)
+        counts[res.tokens[0], res.tokens[1]] += 1
+        depths.update(res.depths)
+    assert len(depths) > 1  # the rule really varies the draft length
+    assert chi2_pvalue(counts, joint) > ALPHA
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+
+def test_bad_stop_policies_and_recipe_config_are_named(drafters, tmp_path):
+    with pytest.raises(ValueError, match=r"outside \(0, 1\)"):
+        parse_stop_policy("learned:1.5")
+    with pytest.raises(ValueError, match=r"outside \(0, 1\)"):
+        parse_stop_policy("confidence:0")
+    with pytest.raises(ValueError, match="use fixed:K, confidence:THRESHOLD.*learned:H"):
+        parse_stop_policy("sometimes:3")
+    with pytest.raises(ValueError, match="acceptance-head export"):
+        choose_stop_policy("learned:0.3", {"method": "eagle"})
+    with pytest.raises(ConfigError, match="pass drafter=EXPORT_DIR"):
+        specdecpp.validate(OmegaConf.load(ROOT / "conf/recipe/specdecpp.yaml"))
+    with pytest.raises(ConfigError, match="inference.threshold must be in"):
+        specdecpp.validate(OmegaConf.merge(recipe_cfg(drafters[0]), {"inference": {"threshold": 1.2}}))
+    with pytest.raises(ConfigError, match="nowhere does not exist"):
+        specdecpp.validate(recipe_cfg(tmp_path / "nowhere"))
+
+
+# ---- calibration --------------------------------------------------------------------------------------------------
+
+
+def test_reliability_bins_and_ece_by_hand():
+    from draftsmith.runtime.tools.calibrate import reliability
+
+    report = reliability(torch.tensor([0.05, 0.15, 0.95, 0.95]), torch.tensor([0, 1, 1, 0]), bins=10)
+    assert report["ece"] == pytest.approx((0.05 + 0.85 + 2 * 0.45) / 4)
+    assert [b["count"] for b in report["bins"]] == [1, 1, 0, 0, 0, 0, 0, 0, 0, 2]
+    assert report["brier"] == pytest.approx((0.05**2 + 0.85**2 + 0.05**2 + 0.95**2) / 4)
+
+
+def test_calibrate_writes_the_plot_and_ece_of_held_out_drafts(tiny_target_dir, tmp_path):
+    import json
+
+    from draftsmith.runtime.tools.calibrate import calibrate
+
+    tgt = Target.load(str(tiny_target_dir), dtype="fp32")
+    lean = lean_from_hf(tgt.model)
+    base = eagle_export(tgt, lean, tmp_path / "eagle", 0)
+    head = AcceptanceHead(AcceptanceHeadConfig(64, 1))
+    arch = {**head.architecture(), "base_export": specdecpp.base_reference(base)}
+    config = {"method": "specdecpp", "architecture": arch, "target": tgt.identity(), "base_export": arch["base_export"],
+              "inference": {"stop_policy": {"kind": "learned", "threshold": 0.3, "min_depth": 1, "max_depth": 3}}}
+    export = write_export(tmp_path / "head", head.state_dict(), config)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello world"}\n{"prompt": "why is the answer python"}\n')
+    report = calibrate(str(export), str(prompts), str(tmp_path / "out"), target=str(tiny_target_dir),
+                       max_new_tokens=12)
+    assert (tmp_path / "out/reliability.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((tmp_path / "out/calibration.json").read_text())
+    assert saved["ece"] == pytest.approx(report["ece"]) and 0 <= saved["ece"] <= 1
+    assert saved["count"] == sum(b["count"] for b in saved["bins"]) > 0
+    assert set(saved["by_depth"]) <= {"1", "2", "3"} and "1" in saved["by_depth"]
+    with pytest.raises(ValueError, match="calibrate scores a SpecDec\\+\\+ acceptance head"):
+        calibrate(str(base), str(prompts), str(tmp_path / "out2"), target=str(tiny_target_dir))
