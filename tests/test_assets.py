@@ -171,6 +171,18 @@ def test_embedded_mtbench():
     assert all(len(q["turns"]) == 2 and all(isinstance(t, str) for t in q["turns"]) for q in questions)
 
 
+def test_embedded_humaneval_second_prompt_set(tmp_path):
+    prompts = assets.humaneval_prompts()
+    assert len(prompts) == 164 and all("```python" in p and "def " in p for p in prompts)
+    import gzip
+
+    bad = tmp_path / "HumanEval.jsonl.gz"
+    with gzip.open(bad, "wt") as handle:
+        handle.write('{"task_id": "x"}\n')
+    with pytest.raises(ValueError, match=r"HumanEval.jsonl.gz:1: a HumanEval problem needs a 'prompt' string"):
+        assets.humaneval_prompts(bad)
+
+
 @pytest.fixture(scope="session")
 def converted_target() -> Path:
     """The embedded target converted once (into $DRAFTSMITH_CACHE or ~/.cache/draftsmith)."""

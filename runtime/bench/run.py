@@ -142,10 +142,13 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
 
 
 def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | None = None) -> list[list[int]]:
-    """``mtbench`` (first turns of the 80 questions) or a jsonl with ``prompt`` or MT-Bench ``turns``. With
+    """``mtbench`` (first turns of the 80 questions), ``humaneval`` (the 164 problems as chat prompts) or a jsonl
+    with ``prompt`` or MT-Bench ``turns``. With
     ``max_len`` (the target's context), a prompt that cannot fit fails at once, named, before any model work."""
     if spec == "mtbench":
         texts = [q["turns"][0] for q in assets.mtbench_questions()]
+    elif spec == "humaneval":
+        texts = assets.humaneval_prompts()
     else:
         path = Path(spec)
         if not path.is_file():
