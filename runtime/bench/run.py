@@ -103,7 +103,7 @@ def hf_fastest_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
 def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", kernels: str = "auto",
                  verifier: str = "auto", temperature: float = 0.0, max_cache_len: int = 4096,
                  proposer_options: dict[str, Any] | None = None, linear_backend: str = "auto",
-                 stop_policy: str | None = None) -> Runtime:
+                 stop_policy: str | None = None, controller: str | None = None) -> Runtime:
     """Load the target (from ``target`` or the export's record) and the export's proposer, checking identity.
     ``linear_backend`` picks how the lean decoder runs its linears (see ``draftsmith.runtime.target.linear_ops``).
     Verifier, stop policy and proposer options: the flags where given, else the export's ``inference`` block
@@ -112,6 +112,8 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
 
     stop_policy = None if stop_policy in ("auto", "export") else stop_policy  # the export's; bench may tune it
     export_config = read_config(drafter) if drafter else None
+    if controller and not target and export_config is None:
+        target = read_config(controller)["target"]["name_or_path"]
     name = target or (export_config["target"]["name_or_path"] if export_config else "smollm2-135m")
     folder = assets.resolve_target(name)
     if not Path(folder).is_dir():
@@ -138,7 +140,36 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
         verify_model = proposer.wrap_target(model) if isinstance(proposer, WrapsTarget) else model  # Kangaroo
         runtime.speculative = SpeculativeDecoder(verify_model, proposer, chosen_verifier, stop_policy=policy,
                                                  kernels_backend=kernels, max_cache_len=max_cache_len)
+    if controller:
+        identity = target_identity(read_config(controller)["target"]["name_or_path"], AutoConfig.from_pretrained(folder),
+                                   tokenizer, model.lm_head_weight)
+        attach_controller(runtime, controller, identity, target or str(folder), kernels, max_cache_len)
     return runtime
+
+
+def attach_controller(runtime: Runtime, controller: str, identity: dict, given: str, kernels: str = "auto",
+                      max_cache_len: int = 4096) -> None:
+    """Sample with an adaptive-temperature export's per-position temperatures: with a drafter, its speculative loop
+    verifies by rejection sampling at each node's temperature (the adaptive decoder's law exactly); without one, the
+    same loop with the null proposer is the adaptive decoder alone. The controller must be for this target."""
+    from draftsmith.controllers.adaptive_temperature import AdaptiveTemperatureHead, TemperaturePolicy
+    from draftsmith.export.format import check_target
+    from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
+    from draftsmith.runtime.drafting.base import NullProposer
+
+    head, config = AdaptiveTemperatureHead.from_export(controller)
+    check_target(config, identity, given)  # a controller trained on another target's hidden states is refused
+    head = head.to(device=runtime.model.device)
+    policy = TemperaturePolicy(head, mode=(config.get("inference") or {}).get("choice", "greedy"))
+    spec = runtime.speculative
+    proposer = spec.proposer if spec is not None else NullProposer()
+    runtime.speculative = SpeculativeDecoder(spec.model if spec is not None else runtime.model, proposer,
+                                             RejectionSamplingVerifier(1.0), spec.stop_policy if spec else None,
+                                             kernels_backend=kernels, max_cache_len=max_cache_len,
+                                             temperature_policy=lambda h: policy(h.to(next(head.parameters()).dtype)))
+    runtime.inference = {**(runtime.inference or {}), "controller": {"export": str(controller),
+                                                                      "grid": list(head.config.grid),
+                                                                      "granularity": policy.granularity}}
 
 
 def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | None = None) -> list[list[int]]:

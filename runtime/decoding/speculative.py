@@ -112,6 +112,9 @@ class SpeculativeDecoder:
         lossless = bool(getattr(self.verifier, "lossless", False))
         if max_new_tokens == 0:
             return SpecResult([], 0, [], [], lossless)
+        reset = getattr(self.temperature_policy, "reset", None)
+        if callable(reset):  # a sequence-level policy decides afresh from each prompt's last hidden state
+            reset()
         taps = tuple(int(i) for i in (getattr(self.proposer, "feature_taps", None) or ()))
         cache = self._cache_for(prompt.numel() + max_new_tokens + self.proposer.max_tree_nodes)
         device = getattr(self.model, "device", torch.device("cpu"))

@@ -1,0 +1,130 @@
+"""The ``preference`` batch kind: chosen/rejected pairs of a rollout folder (``draftsmith rollouts``) for LPO.
+
+A batch of P pairs holds 2P rows, the P chosen responses first and then their P rejected ones (row i and row P + i
+are a pair). Each row is ``prompt_ids + response tokens`` (right-padded, cut at ``data.max_length``), with
+``choice_index`` [2P, T]: at position t the grid index of the temperature that sampled token t + 1 (-1 at prompt
+positions, padding, and the last position), ``first`` [2P]: the prompt's last position (where the head makes a
+sequence-level choice), and ``kind`` [2P]: the prompt kind's number in ``meta["kinds"]`` (for per-kind metrics).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+from draftsmith.distill.datamodule import register_batch_kind
+from draftsmith.distill.errors import ConfigError, DataError
+
+META, ROWS = "meta.json", "rollouts.jsonl"
+
+
+def read_pairs(folder: str | Path) -> tuple[dict[str, Any], list[dict]]:
+    """``(meta, pairs)`` of a rollout folder, each pair ``{prompt_ids, chosen: {tokens, temps}, rejected, kind}``;
+    DataError with the fix for a missing folder, a folder that is not a rollout folder, or one without any pair."""
+    folder = Path(folder)
+    fix = f"run `draftsmith rollouts --out {folder} ...` first (it resumes)"
+    if not folder.is_dir():
+        raise DataError(f"rollout folder {folder} does not exist; {fix}")
+    if not (folder / META).is_file() or not (folder / ROWS).is_file():
+        raise DataError(f"{folder} is not a rollout folder (needs {META} and {ROWS}); {fix}")
+    meta = json.loads((folder / META).read_text())
+    pairs, rows = [], 0
+    for n, line in enumerate((folder / ROWS).read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line of an interrupted run; the rollouts tool cuts it on resume
+        rows += 1
+        if row.get("chosen") is None:
+            continue
+        c, r = row["samples"][row["chosen"]], row["samples"][row["rejected"]]
+        if len(c["tokens"]) != len(c["temps"]) or len(r["tokens"]) != len(r["temps"]):
+            raise DataError(f"{folder / ROWS}:{n + 1}: a sample has {len(c['tokens'])} tokens but "
+                            f"{len(c['temps'])} temperature indices; regenerate the folder")
+        pairs.append({"prompt_ids": row["prompt_ids"], "kind": row.get("kind") or "default",
+                      "chosen": {"tokens": c["tokens"], "temps": c["temps"]},
+                      "rejected": {"tokens": r["tokens"], "temps": r["temps"]}})
+    if not pairs:
+        raise DataError(f"{folder} holds no chosen/rejected pairs ({rows} prompts, all with tied rewards or none "
+                        f"written); sample more responses per prompt (--samples-per-prompt) or use a reward that "
+                        f"separates them, then rerun the rollouts")
+    meta["kinds"] = sorted({p["kind"] for p in pairs})
+    return meta, pairs
+
+
+def _row(prompt: list[int], sample: dict, max_length: int) -> tuple[list[int], list[int]]:
+    """(ids, choice indices) of prompt + response, cut at ``max_length`` (indices shifted: position t chose t + 1)."""
+    ids = (list(prompt) + list(sample["tokens"]))[:max_length]
+    choice = ([-1] * (len(prompt) - 1) + list(sample["temps"]))[: len(ids) - 1] + [-1]
+    return ids, choice
+
+
+def collate_pairs(pairs: list[dict], max_length: int, pad_id: int, kinds: list[str]) -> dict[str, torch.Tensor]:
+    """2P right-padded rows (chosen first, then rejected) with ``choice_index``, ``first`` and ``kind``."""
+    longest = max(len(p["prompt_ids"]) for p in pairs)
+    if longest >= max_length:
+        raise DataError(f"a prompt of {longest} tokens leaves no response token within data.max_length={max_length}; "
+                        "raise data.max_length")
+    rows = [_row(p["prompt_ids"], p[side], max_length) for side in ("chosen", "rejected") for p in pairs]
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [2P, T]
+    choice = torch.full((len(rows), width), -1, dtype=torch.long)  # [2P, T]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [2P, T]
+    for i, (r_ids, r_choice) in enumerate(rows):
+        ids[i, : len(r_ids)] = torch.tensor(r_ids)
+        choice[i, : len(r_choice)] = torch.tensor(r_choice)
+        mask[i, : len(r_ids)] = 1
+    first = torch.tensor([len(p["prompt_ids"]) - 1 for p in pairs] * 2)  # [2P]
+    kind = torch.tensor([kinds.index(p["kind"]) for p in pairs] * 2)  # [2P]
+    return {"input_ids": ids, "attention_mask": mask, "choice_index": choice, "first": first, "kind": kind}
+
+
+class PreferenceDataModule(pl.LightningDataModule):
+    """Seeded train/validation split of a rollout folder's pairs, shuffled batches of ``batch_size`` pairs."""
+
+    def __init__(self, folder: str | Path, batch_size: int, max_length: int, pad_id: int, val_fraction: float = 0.1,
+                 seed: int = 0) -> None:
+        super().__init__()
+        if not 0.0 <= val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        self.folder, self.batch_size, self.max_length, self.pad_id = Path(folder), batch_size, max_length, pad_id
+        self.val_fraction, self.seed = val_fraction, seed
+        self.meta: dict[str, Any] = {}
+        self.train_set: list[dict] | None = None
+        self.val_set: list[dict] | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        self.meta, pairs = read_pairs(self.folder)
+        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.seed)).tolist()
+        n_val = min(len(pairs) - 1, max(1, round(len(pairs) * self.val_fraction))) if self.val_fraction else 0
+        self.val_set = [pairs[i] for i in order[:n_val]]
+        self.train_set = [pairs[i] for i in order[n_val:]]
+
+    def _collate(self, pairs: list[dict]) -> dict[str, torch.Tensor]:
+        return collate_pairs(pairs, self.max_length, self.pad_id, self.meta["kinds"])
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=self._collate,
+                          generator=torch.Generator().manual_seed(self.seed))
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup("validate")
+        return DataLoader(self.val_set, batch_size=self.batch_size, collate_fn=self._collate)
+
+
+@register_batch_kind("preference")
+def build_preference_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None) -> PreferenceDataModule:
+    """``data.spec`` is the rollout folder (``data=DIR`` on the command line)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    return PreferenceDataModule(str(cfg.data.spec), int(cfg.data.batch_size), int(cfg.data.max_length), int(pad),
+                                float(cfg.data.val_fraction), int(cfg.run.seed))

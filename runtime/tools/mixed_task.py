@@ -1,0 +1,89 @@
+"""The embedded adaptive-temperature task: a mixed prompt set whose best fixed temperature differs by kind.
+
+- ``arithmetic`` (checkable, exact match): "What is a + b?" with one-digit operands.
+- ``copy`` (checkable, exact match): "Repeat this word exactly: <word>".
+  Greedy decoding is expected to be best for both: every sampled deviation can only lose the one right answer.
+- ``continue`` (open-ended, relevance minus repetition): "Continue this sentence in many different ways: <start>".
+  The small embedded target decoding greedily loops ("The cat is a cat. The cat is a cat. ..."), which the
+  repetition term punishes; sampling breaks the loops (the paper's Wikitext-2 repetition setting, in miniature).
+  A first version used "Write a short story about <topic>." instead: at 32-40 new tokens greedy did not loop yet
+  and T=0 was (insignificantly) best there too, so that kind gave adaptive decoding nothing to learn.
+
+Prompts are generated deterministically (no files to ship) and split by a fixed rule into ``train`` and ``heldout``
+(every fifth prompt of each kind is held out). Records are ``{"id", "kind", "text", "answer"}`` (``answer`` None for
+open-ended prompts), the form :mod:`draftsmith.runtime.tools.rewards` scores.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+SPLITS = ("train", "heldout", "all")
+WORDS = ("apple", "river", "garden", "silver", "window", "planet", "yellow", "thunder", "basket", "mirror", "candle",
+         "forest", "pencil", "rocket", "button", "island", "marble", "violin", "saddle", "tomato", "lantern", "copper",
+         "meadow", "falcon", "harbor", "pepper", "jacket", "velvet", "anchor", "cactus", "ribbon", "glacier", "puzzle",
+         "orange", "bridge", "feather", "walnut", "compass", "blanket", "dolphin")
+STARTS = ("The cat", "My friend", "The old house", "Every morning", "The little boy", "In the city", "The sun",
+          "Our teacher", "The river", "A dog", "The king", "My mother", "The train", "Yesterday", "The robot",
+          "The garden", "At night", "The doctor", "A bird", "The ship", "My brother", "The forest", "The car",
+          "The girl", "In winter", "The baker", "The moon", "Our team", "The farmer", "The computer", "The town",
+          "A storm", "The singer", "The window", "My father", "The mountain", "The student", "The rain", "The queen",
+          "The clock")
+
+
+def _arithmetic(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        out.append({"id": f"arithmetic-{i}", "kind": "arithmetic", "text": f"What is {a} + {b}?", "answer": str(a + b)})
+    return out
+
+
+def _copy(n: int) -> list[dict]:
+    return [{"id": f"copy-{i}", "kind": "copy", "text": f"Repeat this word exactly: {WORDS[i % len(WORDS)]}",
+             "answer": WORDS[i % len(WORDS)]} for i in range(n)]
+
+
+def _continue(n: int) -> list[dict]:
+    return [{"id": f"continue-{i}", "kind": "continue", "answer": None,
+             "text": f"Continue this sentence in many different ways: {STARTS[i % len(STARTS)]}"} for i in range(n)]
+
+
+def mixed_prompts(split: str = "train", per_kind: int = 40, seed: int = 0) -> list[dict]:
+    """The embedded mixed prompt set (kinds interleaved) of ``split``: train, heldout (every fifth prompt) or all."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    kinds = [_arithmetic(per_kind, seed), _copy(per_kind), _continue(per_kind)]
+    rows = [p for group in zip(*kinds) for p in group]
+    if split == "all":
+        return rows
+    held = {i for i in range(len(rows)) if (i // len(kinds)) % 5 == 4}
+    return [p for i, p in enumerate(rows) if (i in held) == (split == "heldout")]
+
+
+def load_prompt_records(spec: str, limit: int | None = None) -> list[dict]:
+    """Prompt records from ``embedded`` / ``embedded:train|heldout|all`` or a ``.jsonl`` file of
+    ``{"text"|"prompt", "kind"?, "answer"?}`` objects (kind defaults to ``default``)."""
+    if spec.startswith("embedded"):
+        _, _, split = spec.partition(":")
+        rows = mixed_prompts(split or "train")
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(f"--prompts {spec!r}: not 'embedded[:train|heldout|all]' or an existing .jsonl file")
+        rows = []
+        for n, line in enumerate(path.read_text().splitlines()):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            text = rec.get("text", rec.get("prompt"))
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"{path}:{n + 1}: each line needs a non-empty 'text' (or 'prompt')")
+            rows.append({"id": str(rec.get("id", n)), "kind": str(rec.get("kind", "default")), "text": text,
+                         "answer": rec.get("answer")})
+    if not rows:
+        raise ValueError(f"--prompts {spec!r} holds no prompts")
+    return rows[:limit] if limit else rows
