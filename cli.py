@@ -1,4 +1,5 @@
-"""The ``draftsmith`` command: train, export, assets, generate, bench, bench-train."""
+"""The ``draftsmith`` command: train, export, assets, generate, bench, bench-train, and the diffusion ones
+(diffusion-export, trajectories, diffusion-bench)."""
 
 from __future__ import annotations
 
@@ -132,6 +133,57 @@ def _cmd_assets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_diffusion_export(args: argparse.Namespace) -> int:
+    """A recipe=diffusion_adapt export (or run folder) -> an ordinary HF model folder that ``--target`` can name."""
+    from draftsmith.runtime.target.diffusion_lm import folder_from_export
+
+    print(f"wrote {folder_from_export(args.source, args.out)}")
+    return 0
+
+
+def _cmd_trajectories(args: argparse.Namespace) -> int:
+    from draftsmith.runtime.tools.trajectories import run_cli
+
+    print(json.dumps(run_cli(args), indent=2))
+    return 0
+
+
+def _cmd_diffusion_bench(args: argparse.Namespace) -> int:
+    from draftsmith.runtime.bench.diffusion import run_cli
+
+    run_cli(args)
+    return 0
+
+
+def _add_diffusion_subcommands(sub: argparse._SubParsersAction) -> None:
+    """``diffusion-export``, ``trajectories`` and ``diffusion-bench`` (Learn2PD on block-diffusion targets)."""
+    p = sub.add_parser("diffusion-export", help="turn a recipe=diffusion_adapt export into a HF model folder")
+    p.add_argument("source", help="<run dir>/export (or the run folder)")
+    p.add_argument("--out", required=True, help="output HF folder (written atomically)")
+    for name, helptext in (("trajectories", "Learn2PD oracle trajectories of a diffusion target"),
+                           ("diffusion-bench", "baseline vs Learn2PD vs EoTP block-diffusion decoding")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--target", required=True, help="diffusion target folder (draftsmith diffusion-export)")
+        p.add_argument("--prompts", default="mtbench", help="mtbench | sharegpt | a .txt/.jsonl file")
+        p.add_argument("--limit", type=int, default=None, help="first N prompts")
+        p.add_argument("--gen-length", type=int, default=256)
+        p.add_argument("--steps-per-block", type=int, default=None, help="default: the block length (1 token/step)")
+        p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
+        p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+        if name == "trajectories":
+            p.add_argument("--out", required=True, help="trajectory folder (resumable)")
+            p.add_argument("--shard-size", type=int, default=8, help="prompts per safetensors shard")
+            p.add_argument("--full", action="store_true", help="decode all gen-length slots (default: stop after "
+                           "the block holding the reference's EoT)")
+        else:
+            p.add_argument("--filter", default=None, help="Learn2PD export folder (recipe=learn2pd)")
+            p.add_argument("--threshold", type=float, default=None, help="override the filter's threshold")
+            p.add_argument("--cache", default="off", choices=["off", "on", "both"],
+                           help="prefix KV cache across finished blocks: off, on, or every mode both ways")
+            p.add_argument("--temperature", type=float, default=0.0)
+            p.add_argument("--out", default=None, help="write the result JSON here")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``draftsmith`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -140,6 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_train(argv[1:])
     if argv and argv[0] == "bench-train":
         return _cmd_bench_train(argv[1:])
+    if argv and argv[0] == "cache-features":  # Hydra overrides plus --out/--dtype/--shard-mb
+        from draftsmith.train import cache_features_main
+
+        return cache_features_main(argv[1:])
     parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train a drafter: draftsmith train recipe=medusa [hydra overrides]")
@@ -150,12 +206,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--target", default=None, help="target folder or alias for converters (default: the target the "
                    "export records); speculators writes its absolute folder path as the verifier")
     sub.add_parser("bench-train", help="training tokens/s vs target forward tokens/s: draftsmith bench-train recipe=medusa")
+    sub.add_parser("cache-features", help="run the target once and cache the features a recipe taps: "
+                                          "draftsmith cache-features recipe=eagle3 --out DIR")
     sub.add_parser("assets", help="prepare the embedded target, data and prompts; print their counts")
     from draftsmith.runtime import cli as runtime_cli
 
     runtime_cli.add_subcommands(sub)
+    _add_diffusion_subcommands(sub)
     args = parser.parse_args(argv)
-    handlers = {"export": _cmd_export, "assets": _cmd_assets, **runtime_cli.HANDLERS}
+    handlers = {"export": _cmd_export, "assets": _cmd_assets, "diffusion-export": _cmd_diffusion_export,
+                "trajectories": _cmd_trajectories, "diffusion-bench": _cmd_diffusion_bench, **runtime_cli.HANDLERS}
     try:
         return handlers[args.command](args)
     except Exception as err:  # noqa: BLE001 - one clear line for user errors, full trace with DRAFTSMITH_DEBUG

@@ -52,7 +52,11 @@ def split_parts(state: dict[str, torch.Tensor], export_config: dict[str, Any],
 
 
 def export_from_module(module: Any, out_dir: str | Path, training: dict[str, Any]) -> Path:
-    """Export the live ``DistillModule``'s drafter (weights only; never the frozen target)."""
+    """Export the live ``DistillModule``'s drafter (weights only; never the frozen target). An objective with its
+    own ``write_export(out_dir, training)`` (diffusion_adapt: an ordinary HF model folder) writes it instead."""
+    own = getattr(module.objective, "write_export", None)
+    if callable(own):
+        return Path(own(out_dir, training))
     state = {k: v.detach().float() if v.is_floating_point() else v for k, v in module.drafter.state_dict().items()}
     export_config = module.objective.export_config()
     main, parts, target = split_parts(state, export_config, module.run_info["target"])

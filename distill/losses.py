@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+
+from draftsmith.distill.errors import ConfigError
+from draftsmith.kernels.linear_cross_entropy import LinearCEOutput, linear_cross_entropy
 
 
 def _masked_mean(per_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -55,3 +61,64 @@ def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
         return torch.zeros((), device=logits.device)
     top = logits[keep].topk(k, dim=-1).indices  # [N, k]
     return (top == labels[keep].unsqueeze(-1)).any(-1).float().mean()
+
+
+def topk_hits(top: torch.Tensor, labels: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """Fraction of rows whose label is among the first ``k`` of ``top`` [N, >=k] (sorted top-k ids); 0 if empty."""
+    if top.shape[0] == 0:
+        return torch.zeros((), device=top.device)
+    return (top[:, :k] == labels.unsqueeze(-1)).any(-1).float().mean()
+
+
+_LM_HEAD_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LMHeadLoss:
+    """Cross-entropy of a vocabulary-wide head, from its input hidden [N, H] and weight [V, H].
+
+    ``fused`` (config ``loss.fused_linear_ce``: auto | true | false, auto = on) runs
+    :func:`draftsmith.kernels.linear_cross_entropy.linear_cross_entropy`: rows in chunks, never the [N, V]
+    logits; off computes the logits and uses :func:`masked_cross_entropy` / :func:`soft_cross_entropy`.
+    ``matmul_dtype`` (``loss.lm_head_dtype``: auto | fp32 | bf16) is the dtype of the head's matmuls; auto (None)
+    follows the trainer precision (autocast) and the inputs. Both paths give the same values and gradients.
+    """
+
+    fused: bool = True
+    chunk_size: int | None = None
+    matmul_dtype: torch.dtype | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> LMHeadLoss:
+        """Read the ``loss`` block (absent keys take the defaults); one ConfigError per bad value."""
+        block = cfg.get("loss") or {}
+        raw = block.get("fused_linear_ce", "auto")
+        choice = str(raw).lower() if not isinstance(raw, bool) else ("true" if raw else "false")
+        if choice not in ("auto", "true", "false"):
+            raise ConfigError(f"loss.fused_linear_ce={raw!r}; valid: auto, true, false")
+        chunk = block.get("chunk_size")
+        if chunk is not None and int(chunk) < 1:
+            raise ConfigError(f"loss.chunk_size must be >= 1 or null, got {chunk}")
+        dtype = str(block.get("lm_head_dtype", "auto"))
+        if dtype not in _LM_HEAD_DTYPES:
+            raise ConfigError(f"loss.lm_head_dtype={dtype!r}; valid: {', '.join(_LM_HEAD_DTYPES)}")
+        return cls(choice != "false", int(chunk) if chunk is not None else None, _LM_HEAD_DTYPES[dtype])
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, *, labels: torch.Tensor | None = None,
+                 teacher_logits: torch.Tensor | None = None, topk: int = 0) -> LinearCEOutput:
+        """Mean CE over the rows of ``hidden`` against hard ``labels`` [N] or ``softmax(teacher_logits)`` [N, V];
+        ``topk`` > 0 also returns each row's top-k ids (for the accuracy metrics) as ``.topk`` [N, k]."""
+        topk = min(topk, weight.shape[0])
+        if self.fused:
+            return linear_cross_entropy(hidden, weight, labels, target_logits=teacher_logits, topk=topk,
+                                        chunk_size=self.chunk_size, compute_dtype=self.matmul_dtype)
+        dtype = self.matmul_dtype or torch.promote_types(hidden.dtype, weight.dtype)
+        logits = F.linear(hidden.to(dtype), weight.to(dtype))  # [N, V]
+        ones = torch.ones(logits.shape[0], device=logits.device)
+        if teacher_logits is None:
+            loss = masked_cross_entropy(logits, labels, ones)
+        else:
+            loss = soft_cross_entropy(logits, teacher_logits, ones)
+        with torch.no_grad():
+            top = logits.topk(topk, dim=-1).indices if topk else logits.new_empty(logits.shape[0], 0, dtype=torch.long)
+        return LinearCEOutput(loss, top)

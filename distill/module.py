@@ -113,7 +113,8 @@ class DistillModule(pl.LightningModule):
         loss, metrics = self._step(batch)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(nonfinite_message(loss.item(), self.global_step, self._last_checkpoint()))
-        tokens = int(batch["attention_mask"].sum())
+        # Batch kinds without a token mask (trajectories) say how many examples they hold.
+        tokens = int(batch["num_tokens"]) if "num_tokens" in batch else int(batch["attention_mask"].sum())
         self._tokens_seen += tokens
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, batch_size=batch["input_ids"].shape[0])

@@ -192,6 +192,11 @@ class EagleDrafter(nn.Module):
         w = self.lm_head_weight
         return F.linear(pred_features, w if w.dtype == pred_features.dtype else w.to(pred_features.dtype))
 
+    def logit_parts(self, pred_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(LM-head input [..., H], frozen LM-head weight [V, H]): ``logits`` without the matmul, for a fused
+        linear + cross-entropy that never materialises the [..., V] logits."""
+        return pred_features, self.lm_head_weight
+
     def architecture(self) -> dict[str, Any]:
         """Architecture block of the export config."""
         return asdict(self.config)

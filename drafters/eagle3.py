@@ -147,6 +147,11 @@ class Eagle3Drafter(nn.Module):
         """Draft-vocab logits [..., N] from the layer output ``a`` (pre-norm)."""
         return self.lm_head(self.norm(hidden))
 
+    def logit_parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed LM-head input [..., H], draft LM-head weight [N, H]): ``logits`` without the matmul, for a
+        fused linear + cross-entropy that never materialises the [..., N] logits."""
+        return self.norm(hidden), self.lm_head.weight
+
     def draft_step(self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: KVCache | None = None,
                    positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                    tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, KVCache]:

@@ -87,6 +87,16 @@ class MedusaHeads(nn.Module):
         """Logits of head ``k`` alone (saves compute when only some positions/heads are needed)."""
         return self.heads[k](hidden, self.shared_lm_head)
 
+    def head_parts(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head ``k`` split at its LM head: (input of the LM head [..., H], LM-head weight [V, H]).
+
+        ``F.linear(*head_parts(h, k))`` equals ``head_logits(h, k)``; training passes the two to a fused linear +
+        cross-entropy instead, so the [..., V] logits are never materialised. The shared target head is frozen.
+        """
+        head = self.heads[k]
+        weight = head.lm_head.weight if head.lm_head is not None else self.shared_lm_head
+        return head.blocks(hidden), weight
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights an export stores (never the shared target head)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("shared_lm_head")}
@@ -99,7 +109,7 @@ class MedusaHeads(nn.Module):
     def from_export(cls, export_dir: str | Path, lm_head_weight: torch.Tensor | None = None) -> MedusaHeads:
         """Rebuild heads from a draftsmith export folder (pass the target LM head when heads share it)."""
         config, state = read_export(export_dir)
-        if config["method"] != "medusa":
+        if config["method"] not in ("medusa", "medusa2"):
             raise ExportError(f"{export_dir} holds a {config['method']!r} export, not medusa")
         arch = MedusaConfig(**config["architecture"])
         heads = cls(arch, lm_head_weight if arch.share_lm_head else None)

@@ -15,6 +15,7 @@ _EXPORTS = {
     "BACKENDS": "draftsmith.kernels.dispatch",
     "KernelBackendError": "draftsmith.kernels.dispatch",
     "resolve_backend": "draftsmith.kernels.dispatch",
+    "linear_cross_entropy": "draftsmith.kernels.linear_cross_entropy",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from draftsmith.distill.errors import ConfigError, DataError
-from draftsmith.distill.losses import masked_smooth_l1, soft_cross_entropy, topk_accuracy
+from draftsmith.distill.losses import LMHeadLoss, masked_smooth_l1, topk_hits
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.recipes.registry import register_recipe
@@ -88,12 +88,14 @@ class EagleObjective:
     """Trains ``EagleDrafter`` on (feature, next token) pairs of the frozen target."""
 
     def __init__(self, drafter: EagleDrafter, feature_weight: float = 1.0, token_weight: float = 0.1,
-                 noise: FeatureNoise = FeatureNoise(), topk: int = 5, inference: dict[str, Any] | None = None) -> None:
+                 noise: FeatureNoise = FeatureNoise(), topk: int = 5, inference: dict[str, Any] | None = None,
+                 lm_loss: LMHeadLoss | None = None) -> None:
         self.module = drafter
         self.feature_weight, self.token_weight = feature_weight, token_weight
         self.noise = noise
         self.topk = topk
         self.inference = inference or {}
+        self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE by default (loss.fused_linear_ce)
         self.taps = FeatureTaps(final_hidden=True, logits=True)
 
     def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -114,14 +116,14 @@ class EagleObjective:
         ones = torch.ones(pred_k.shape[0], device=pred.device)
         feature_loss = masked_smooth_l1(pred_k, final[:, 1:n + 1][keep], ones)
         teacher = feats.logits[:, 1:n + 1][keep]  # [M, V]: the target's distribution of x_{t+2}
-        logits = self.module.logits(pred_k)  # [M, V]
-        token_loss = soft_cross_entropy(logits, teacher, ones)
+        out = self.lm_loss(*self.module.logit_parts(pred_k), teacher_logits=teacher, topk=self.topk)  # no [M, V] logits
+        token_loss = out.loss
         total = self.feature_weight * feature_loss + self.token_weight * token_loss
         with torch.no_grad():
             greedy = teacher.argmax(-1)
             metrics = {"feature_loss": feature_loss.detach(), "token_loss": token_loss.detach(),
-                       "top1": topk_accuracy(logits, greedy, ones, 1),
-                       f"top{self.topk}": topk_accuracy(logits, greedy, ones, self.topk)}
+                       "top1": topk_hits(out.topk, greedy, 1),
+                       f"top{self.topk}": topk_hits(out.topk, greedy, self.topk)}
         return total, metrics
 
     def export_config(self) -> dict[str, Any]:
@@ -135,6 +137,7 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"drafter.feature_weight / token_weight must be >= 0 and not both 0, got "
                           f"{d.feature_weight}, {d.token_weight}")
     noise_from_config(d)
+    LMHeadLoss.from_config(cfg)
 
 
 @register_recipe("eagle", validate=validate)
@@ -145,4 +148,4 @@ def build(cfg: Any, target: Target) -> EagleObjective:
     arch = EagleConfig(**{**EagleConfig.dims_from_hf(target.config), "vocab_size": target.vocab_size})
     drafter = EagleDrafter(arch, target.embed_weight.float(), target.lm_head_weight.float())
     return EagleObjective(drafter, float(d.feature_weight), float(d.token_weight), noise_from_config(d),
-                          int(d.topk_metric), eagle_inference_defaults(cfg.inference))
+                          int(d.topk_metric), eagle_inference_defaults(cfg.inference), LMHeadLoss.from_config(cfg))

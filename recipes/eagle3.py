@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.distill.errors import ConfigError, DataError
-from draftsmith.distill.losses import soft_cross_entropy, topk_accuracy
+from draftsmith.distill.losses import LMHeadLoss, topk_hits
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_target_layers
 from draftsmith.drafters.vocab import draft_vocab_from_batches
@@ -36,12 +36,13 @@ class Eagle3Objective:
     """Trains ``Eagle3Drafter`` with ``ttt_steps`` unrolled steps of its own outputs."""
 
     def __init__(self, drafter: Eagle3Drafter, ttt_steps: int = 3, step_decay: float = 0.8, topk: int = 5,
-                 inference: dict[str, Any] | None = None) -> None:
+                 inference: dict[str, Any] | None = None, lm_loss: LMHeadLoss | None = None) -> None:
         if ttt_steps < 1:
             raise ConfigError(f"ttt_steps must be >= 1, got {ttt_steps}")
         self.module = drafter
         self.ttt_steps, self.step_decay, self.topk = ttt_steps, step_decay, topk
         self.inference = inference or {}
+        self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE by default (loss.fused_linear_ce)
         self.taps = FeatureTaps(final_hidden=False, layers=tuple(drafter.config.target_layers), logits=True)
 
     def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -64,15 +65,15 @@ class Eagle3Objective:
             keep = (shift_left(labels, 2 + j, n) * shift_left(in_vocab, 1 + j, n)).bool()  # [B, N]
             rows, cols = keep.nonzero(as_tuple=True)
             teacher = feats.logits[rows, cols + 1 + j].index_select(-1, draft_ids)  # [M, Nd]
-            logits = drafter.logits(hidden[keep])  # [M, Nd]; the LM head only runs on scored rows
-            ones = torch.ones(logits.shape[0], device=logits.device)
-            step_loss = soft_cross_entropy(logits, teacher, ones)
+            # The LM head only runs on scored rows, chunked with the CE (no [M, Nd] logits when fused).
+            out = self.lm_loss(*drafter.logit_parts(hidden[keep]), teacher_logits=teacher, topk=self.topk)
+            step_loss = out.loss
             total = total + self.step_decay ** j * step_loss
             with torch.no_grad():
                 greedy = teacher.argmax(-1)  # the draft id of the target's argmax (in vocab by the mask)
                 metrics[f"step{j}/loss"] = step_loss.detach()
-                metrics[f"step{j}/top1"] = topk_accuracy(logits, greedy, ones, 1)
-                metrics[f"step{j}/top{self.topk}"] = topk_accuracy(logits, greedy, ones, self.topk)
+                metrics[f"step{j}/top1"] = topk_hits(out.topk, greedy, 1)
+                metrics[f"step{j}/top{self.topk}"] = topk_hits(out.topk, greedy, self.topk)
         return total, metrics
 
     def export_config(self) -> dict[str, Any]:
@@ -106,6 +107,7 @@ def validate(cfg: Any) -> None:
     layers = d.get("target_layers")
     if layers is not None and len(layers) == 0:
         raise ConfigError("drafter.target_layers is empty; use null for the default (2, L//2, L-3)")
+    LMHeadLoss.from_config(cfg)
 
 
 def build_objective(cfg: Any, target: Target, vocab_batches: Any = None) -> Eagle3Objective:
@@ -132,7 +134,7 @@ def build_objective(cfg: Any, target: Target, vocab_batches: Any = None) -> Eagl
     if bool(d.get("init_lm_head_from_target", True)):
         drafter.init_lm_head(target.lm_head_weight.float())
     return Eagle3Objective(drafter, int(d.ttt_steps), float(d.step_decay), int(d.topk_metric),
-                           eagle_inference_defaults(cfg.inference))
+                           eagle_inference_defaults(cfg.inference), LMHeadLoss.from_config(cfg))
 
 
 @register_recipe("eagle3", validate=validate)

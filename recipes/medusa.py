@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.trees import TreeCalibration
 from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.losses import masked_cross_entropy, soft_cross_entropy, topk_accuracy
+from draftsmith.distill.losses import LMHeadLoss, topk_hits
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.registry import register_recipe
@@ -20,7 +21,7 @@ class MedusaObjective:
     """Trains ``MedusaHeads``: head k at position t is scored on token t+k+2 (the target head predicts t+1)."""
 
     def __init__(self, heads: MedusaHeads, decay: float, labels: str, topk: int, tree: list[list[int]],
-                 inference: dict[str, Any]) -> None:
+                 inference: dict[str, Any], lm_loss: LMHeadLoss | None = None, tree_nodes: int | None = None) -> None:
         if labels not in LABEL_SOURCES:
             raise ConfigError(f"distill.labels={labels!r}; valid: {', '.join(LABEL_SOURCES)}")
         self.module = heads
@@ -29,8 +30,19 @@ class MedusaObjective:
         self.topk = topk
         self.tree = tree
         self.inference = inference
+        self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE by default (loss.fused_linear_ce)
+        # Validation top-k accuracies of each head -> Medusa's greedy optimal tree in the export (``tree`` stays the
+        # fallback when no validation ran).
+        self.calibration = TreeCalibration(heads.config.num_heads, int(inference.get("top_k", 10)),
+                                           tree_nodes or len(tree), tree)
         # Self-distillation needs the target's logits; dataset labels only need the hidden state.
         self.taps = FeatureTaps(final_hidden=True, logits=labels != "dataset")
+
+    def on_validation_start(self) -> None:
+        self.calibration.on_validation_start()
+
+    def on_validation_end(self, reduce_sum: Any = None) -> None:
+        self.calibration.on_validation_end(reduce_sum)
 
     def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Sum over heads of decay^(k+1) * CE(head k at t, label at t+k+2), masked by the label position's loss mask."""
@@ -41,6 +53,8 @@ class MedusaObjective:
         greedy = feats.logits.argmax(-1) if self.labels == "target_argmax" else None  # [B, T]
         total = hidden.new_zeros((), dtype=torch.float32)
         metrics: dict[str, torch.Tensor] = {}
+        calibrating = not self.module.training and feats.logits is not None
+        topk = max(self.topk, self.calibration.stats.top_k) if calibrating else self.topk
         for k in range(self.module.config.num_heads):
             shift = k + 2
             if hidden.shape[1] <= shift:
@@ -49,33 +63,35 @@ class MedusaObjective:
             mask = loss_mask[:, shift:]  # [B, T-shift]: the label position must be an assistant token
             # Only masked rows go through the head's LM head: the V-wide matmul dominates the cost.
             keep = mask.bool()
-            logits = self.module.head_logits(h[keep], k)  # [N, V]
-            ones = torch.ones(logits.shape[0], device=logits.device)
+            x, lm_weight = self.module.head_parts(h[keep], k)  # [N, H], [V, H]
             if self.labels == "dataset":
                 labels = input_ids[:, shift:][keep]  # [N]
-                head_loss = masked_cross_entropy(logits, labels, ones)
+                out = self.lm_loss(x, lm_weight, labels=labels, topk=topk)
             elif self.labels == "target_argmax":
                 labels = greedy[:, shift - 1:-1][keep]  # target argmax at s-1 predicts token s
-                head_loss = masked_cross_entropy(logits, labels, ones)
+                out = self.lm_loss(x, lm_weight, labels=labels, topk=topk)
             else:
                 teacher = feats.logits[:, shift - 1:-1][keep]  # [N, V]
                 labels = teacher.argmax(-1)
-                head_loss = soft_cross_entropy(logits, teacher, ones)
+                out = self.lm_loss(x, lm_weight, teacher_logits=teacher, topk=topk)
+            head_loss = out.loss
             weight = self.decay ** (k + 1)
             total = total + weight * head_loss
             with torch.no_grad():
                 if feats.logits is not None:
                     # Agreement with the target's own greedy choice of token t+k+2 (what greedy decoding accepts).
                     greedy_labels = feats.logits[:, shift - 1:-1].argmax(-1)[keep]
-                    metrics[f"head{k}/agree_target_top1"] = topk_accuracy(logits, greedy_labels, ones, 1)
+                    metrics[f"head{k}/agree_target_top1"] = topk_hits(out.topk, greedy_labels, 1)
+                    if calibrating:
+                        self.calibration.stats.update_topk(k, out.topk, greedy_labels)
                 metrics[f"head{k}/loss"] = head_loss.detach()
-                metrics[f"head{k}/top1"] = topk_accuracy(logits, labels, ones, 1)
-                metrics[f"head{k}/top{self.topk}"] = topk_accuracy(logits, labels, ones, self.topk)
+                metrics[f"head{k}/top1"] = topk_hits(out.topk, labels, 1)
+                metrics[f"head{k}/top{self.topk}"] = topk_hits(out.topk, labels, self.topk)
         return total, metrics
 
     def export_config(self) -> dict[str, Any]:
         return {"method": "medusa", "architecture": self.module.architecture(),
-                "inference": {**self.inference, "tree": self.tree}}
+                "inference": {**self.inference, **self.calibration.tree_block()}}
 
 
 def default_tree(num_heads: int, num_nodes: int, top_k: int) -> list[list[int]]:
@@ -90,6 +106,7 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"heads.num_heads must be >= 1, got {cfg.heads.num_heads}")
     if cfg.distill.labels not in LABEL_SOURCES:
         raise ConfigError(f"distill.labels={cfg.distill.labels!r}; valid: {', '.join(LABEL_SOURCES)}")
+    LMHeadLoss.from_config(cfg)
 
 
 @register_recipe("medusa", validate=validate)
@@ -105,4 +122,4 @@ def build(cfg: Any, target: Target) -> MedusaObjective:
                  "stop_policy": {"kind": "fixed"}}
     tree = default_tree(arch.num_heads, int(cfg.inference.tree_nodes), int(cfg.inference.top_k))
     return MedusaObjective(heads, float(cfg.heads.decay), str(cfg.distill.labels), int(cfg.heads.topk_metric),
-                           tree, inference)
+                           tree, inference, LMHeadLoss.from_config(cfg), tree_nodes=int(cfg.inference.tree_nodes))

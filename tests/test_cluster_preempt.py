@@ -117,7 +117,7 @@ def _fake_slurm(tmp_path: Path) -> dict[str, str]:
             "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "HYDRA_FULL_ERROR": "0"}
 
 
-def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():
@@ -153,7 +153,7 @@ def test_sigusr1_requeues_and_sigterm_checkpoints_then_the_next_attempt_resumes(
             assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
             sent = time.time()
             proc.send_signal(signal.SIGTERM)  # SLURM's preemption / kill warning
-            proc.wait(timeout=60)
+            proc.wait(timeout=180)
             stopped_in = time.time() - sent
         finally:
             if proc.poll() is None:

@@ -83,7 +83,8 @@ def run_cli(args: Any) -> dict[str, Any]:
     result = bench_modes(lm, prompts, cfg, filt, caches={"off": (False,), "on": (True,), "both": (False, True)}[args.cache],
                          threshold=args.threshold)
     result["target"], result["filter"] = str(args.target), args.filter
-    result["samples"] = [lm.tokenizer.decode(a) for a in result["answers"]["baseline"][:3]]
+    first = result["rows"][0]["mode"]  # baseline or baseline+cache
+    result["samples"] = [lm.tokenizer.decode(a) for a in result["answers"][first][:3]]
     print(format_table(result))
     for i, text in enumerate(result["samples"]):
         print(f"--- baseline answer {i}: {text[:300]!r}")

@@ -122,6 +122,9 @@ def diffusion_decode(lm: DiffusionLM, prompt: list[int] | torch.Tensor, cfg: Dif
     ``canvas`` [L] is the block, and writing into it replaces tokens (the oracle's anti-stall copy).
     """
     L, mask_id = lm.spec.block_length, lm.spec.mask_token_id
+    if not lm.spec.shift:
+        raise ValueError("this target scores slot i at position i (no shift, LLaDA-style); only shifted block-diffusion "
+                         "targets (recipe=diffusion_adapt, Dream-style) decode here so far")
     if cfg.gen_length % L:
         raise ValueError(f"gen_length {cfg.gen_length} is not a multiple of the block length {L}")
     prompt = torch.as_tensor(prompt, dtype=torch.long, device=lm.device).reshape(-1)
@@ -151,6 +154,7 @@ def diffusion_decode(lm: DiffusionLM, prompt: list[int] | torch.Tensor, cfg: Dif
                 blocks = block_ids(len(seq) + L, L, offset, lm.device)[None]
                 logits, _ = lm.forward(canvas[None], blocks[:, len(seq):], cache, past_blocks=blocks[:, :len(seq)])
                 slot_logits = torch.cat([last_logits[None], logits[0, :-1]])  # [L, V]
+            slot_logits[:, mask_id] = float("-inf")  # never "predict" the mask itself: the slot would stay masked
             x0, conf = score(slot_logits, cfg.temperature, generator)
             if observe is not None:
                 observe(b, step, masked, x0, conf, canvas)
@@ -164,6 +168,8 @@ def diffusion_decode(lm: DiffusionLM, prompt: list[int] | torch.Tensor, cfg: Dif
                     commit[cut + 1:] = False
             canvas[commit] = x0[commit]
             step += 1
+            if step > 4 * L:  # a policy that never commits would loop forever
+                raise RuntimeError(f"block {b} is still masked after {step} steps: the policy commits nothing")
         block_steps.append(step)
         seq = torch.cat([seq, canvas])
         if cut is not None:

@@ -179,5 +179,40 @@ def save_diffusion_folder(model: torch.nn.Module, tokenizer: Any, spec: Diffusio
     return atomic_folder_write(out_dir, fill)
 
 
-__all__ = ["DIFFUSION_KEY", "MASK_TOKEN", "DiffusionLM", "DiffusionSpec", "DiffusionTargetError", "additive_mask", "block_causal_mask",
+def folder_from_export(source: str | Path, out_dir: str | Path) -> Path:
+    """Rebuild the HF folder of a ``recipe=diffusion_adapt`` export (``<run dir>/export`` or the run folder):
+    config from the export's architecture, weights from ``model.safetensors``, the base tokenizer plus the mask token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from draftsmith.assets import resolve_target
+    from draftsmith.export.format import read_export
+
+    source = Path(source)
+    if not (source / "config.json").is_file() and (source / "export" / "config.json").is_file():
+        source = source / "export"
+    config, state = read_export(source)
+    if config.get("method") != "diffusion_adapt":
+        raise DiffusionTargetError(f"{source} is a {config.get('method')!r} export, not a recipe=diffusion_adapt one")
+    arch = config["architecture"]
+    hf = dict(arch["hf_config"])
+    spec = spec_of(hf, where=str(source))
+    model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[hf.pop("model_type")].from_dict(hf))
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if not k.startswith("lm_head.")]:
+        raise DiffusionTargetError(f"{source}: weights do not fit the recorded config (missing {missing[:3]}, "
+                                   f"unexpected {unexpected[:3]})")
+    model.tie_weights()
+    base = arch.get("base_tokenizer") or config["target"]["name_or_path"]
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(str(base)))
+    if MASK_TOKEN not in tokenizer.get_vocab():
+        tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
+    if tokenizer.convert_tokens_to_ids(MASK_TOKEN) != spec.mask_token_id:
+        raise DiffusionTargetError(f"the tokenizer of {base} gives {MASK_TOKEN} another id than the trained "
+                                   f"{spec.mask_token_id}; it is not the tokenizer the model was adapted with")
+    return save_diffusion_folder(model, tokenizer, spec, out_dir, extra={"trained": config.get("training", {})})
+
+
+__all__ = ["folder_from_export", "DIFFUSION_KEY", "MASK_TOKEN", "DiffusionLM", "DiffusionSpec", "DiffusionTargetError", "additive_mask", "block_causal_mask",
            "block_ids", "load_diffusion_lm", "prompt_offset", "save_diffusion_folder", "spec_of"]
