@@ -235,11 +235,13 @@ register_batch_kind = DATAMODULES.register  # @register_batch_kind(name) on fn(c
 def build_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None, kind: str = "chat") -> Any:
     """The data module of batch kind ``kind`` (an objective's ``batch_kind``) for a composed config (``cfg.data``,
     ``cfg.run.seed``); one place for every caller. Raises ValueError naming the registered kinds for an unknown one."""
-    if cfg.data.get("features"):  # offline: the batches and target features come from a feature cache
+    build = DATAMODULES.get(kind)  # an unknown kind fails first, naming the registered ones
+    data = getattr(cfg, "data", None)
+    if data is not None and data.get("features"):  # offline: the batches and target features come from a cache
         from draftsmith.distill.cached_features import cached_datamodule
 
         return cached_datamodule(cfg, kind)
-    return DATAMODULES.get(kind)(cfg, tokenizer, packing)
+    return build(cfg, tokenizer, packing)
 
 
 @register_batch_kind("chat")

@@ -116,6 +116,7 @@ class Context:
     prompts: list[list[int]] = field(default_factory=list)
     exports: dict[str, Path] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
+    recipes: list[str] = field(default_factory=list)  # empty: every standalone recipe
 
     def log(self, text: str) -> None:
         """Append to the run's log file (subprocess outputs and tracebacks land here too)."""
@@ -325,12 +326,24 @@ def stage_pytest(ctx: Context, limit: float) -> dict:
 # ---------------------------------------------------------------------------------------------------- training
 
 
-def recipe_names() -> list[str]:
-    """Recipes both registered in ``draftsmith.recipes`` and selectable as ``conf/recipe/<name>.yaml``."""
+# Recipes that need an input beyond chat data (or make no drafter): not trained standalone by the GPU check.
+NEEDS_INPUT = {"specdecpp": "drafter=EXPORT", "learn2pd": "trajectories", "adaptive_temperature": "rollouts",
+               "diffusion_adapt": "makes a target, not a drafter"}
+
+
+def recipe_names(only: list[str] | None = None) -> list[str]:
+    """Recipes registered in ``draftsmith.recipes``, selectable as ``conf/recipe/<name>.yaml`` and trainable on chat
+    data alone (``only``: just those, e.g. the CPU test's three)."""
     from draftsmith.recipes import RECIPES
 
     on_disk = {p.stem for p in (REPO / "conf" / "recipe").glob("*.yaml")}
-    return sorted(set(RECIPES) & on_disk)
+    names = sorted((set(RECIPES) & on_disk) - set(NEEDS_INPUT))
+    if only:
+        unknown = sorted(set(only) - set(names))
+        if unknown:
+            raise ValueError(f"--recipes {unknown} not among the standalone recipes {names}")
+        names = [n for n in names if n in only]
+    return names
 
 
 def train_overrides(ctx: Context, recipe: str, run_dir: Path) -> list[str]:
@@ -582,7 +595,7 @@ def stage_list(ctx: Context, limits: dict[str, float]) -> list[tuple[str, Callab
         ("setup", stage_setup, limits["setup"]),
         ("pytest-gpu", lambda c: stage_pytest(c, limits["pytest"]), limits["pytest"] + 30)]
     try:
-        recipes = recipe_names()
+        recipes = recipe_names(ctx.recipes)
     except Exception as err:  # noqa: BLE001 - reported as its own failed stage
         recipes = []
         stages.append(("recipes", failing(err), 1.0))
@@ -648,6 +661,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--random-target", action="store_true",
                    help="use the random SmolLM2-shaped target even where the converted one is cached")
     p.add_argument("--fail-stage", action="append", default=[], help="make this stage fail (tests the isolation)")
+    p.add_argument("--recipes", default=None, help="comma-separated recipes to train and bench (default: every "
+                   "recipe that trains on chat data alone)")
     p.add_argument("--only", action="append", default=[], help="run only stages starting with this (repeatable)")
     p.add_argument("--stage-timeout", type=float, default=240.0, help="seconds per training / runtime stage")
     p.add_argument("--pytest-timeout", type=float, default=300.0, help="seconds for the gpu-marked tests")
@@ -671,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     log_path = out / "gpu_check.log"
     log_path.write_text("")
     ctx = Context(Plan.make(args.device, args.tiny), out, work, log_path, set(args.fail_stage),
-                  random_target=args.random_target, target=Path(args.target) if args.target else None)
+                  random_target=args.random_target, target=Path(args.target) if args.target else None,
+                  recipes=[r for r in args.recipes.split(",") if r] if args.recipes else [])
     limits = {"setup": 300.0, "pytest": args.pytest_timeout, "train": args.stage_timeout,
               "runtime": args.stage_timeout}
     start, env, records = time.perf_counter(), environment(args.device), []

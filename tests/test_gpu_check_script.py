@@ -63,7 +63,11 @@ def test_run_stage_isolates_failures_and_enforces_time_limits(gpu_check, ctx):
 def test_helpers(gpu_check, tmp_path):
     from draftsmith.recipes import RECIPES
 
-    assert gpu_check.recipe_names() == sorted(RECIPES) and {"medusa", "eagle", "eagle3"} <= set(RECIPES)
+    assert gpu_check.recipe_names() == sorted(set(RECIPES) - set(gpu_check.NEEDS_INPUT))
+    assert {"medusa", "eagle", "eagle3", "hydra", "clover2", "kangaroo"} <= set(gpu_check.recipe_names())
+    assert gpu_check.recipe_names(["medusa", "eagle"]) == ["eagle", "medusa"]
+    with pytest.raises(ValueError, match="not among the standalone recipes"):
+        gpu_check.recipe_names(["specdecpp"])
     xml = tmp_path / "r.xml"
     xml.write_text('<testsuites><testsuite tests="7" failures="1" errors="0" skipped="2"/></testsuites>')
     assert gpu_check.junit_counts(xml) == {"passed": 4, "failed": 1, "errors": 0, "skipped": 2}
@@ -76,7 +80,7 @@ def test_helpers(gpu_check, tmp_path):
 def test_tiny_cpu_run_reports_every_stage_and_survives_an_injected_failure(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(out), "--work", str(tmp_path / "w"),
-           "--fail-stage", "bench:eagle"]
+           "--fail-stage", "bench:eagle", "--recipes", "eagle,eagle3,medusa"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]

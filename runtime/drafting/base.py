@@ -131,7 +131,10 @@ def check_target_model(config: dict, target_model: Any, identity: dict | None = 
                             getattr(target_model, "lm_head_weight", None),
                             digest=identity is None or "lm_head" not in identity)
     # Compare only what the export records: a hand-written export may record nothing but a name.
-    check_target(config, {k: v for k, v in seen.items() if k == "name_or_path" or k in recorded}, given)
+    shown = {k: v for k, v in seen.items() if k == "name_or_path" or k in recorded}
+    if identity is not None and identity.get("adapter"):  # an adapter merged at load (checked above in full)
+        shown["adapter"] = identity["adapter"]
+    check_target(config, shown, given)
 
 
 def build_proposer(export_dir: str | Path, target_model: Any, identity: dict | None = None, given: str | None = None,
