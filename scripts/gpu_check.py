@@ -6,8 +6,9 @@ Stages (each timed, each under its own time limit, each failure caught so that i
    it is already in draftsmith's cache; otherwise (the lent GPU machine cannot receive the 98 MB GGUF) a Llama of the
    same shapes with random weights, and an offline word-level tokenizer padded to the same 49,152 entries.
 2. ``pytest-gpu``: the test suite's ``gpu``-marked tests (``pytest -m gpu``).
-3. ``train:<recipe>``: every registered recipe trains a few steps through ``train.py`` (``trainer=gpu``,
-   bf16-mixed) and exports.
+3. ``train:<recipe>``: every standalone recipe trains a few steps through ``train.py`` (``trainer=gpu``,
+   bf16-mixed) and exports. On CUDA, ``strategy:<preset>``: EAGLE-3 under ``trainer=fsdp|deepspeed_zero2|
+   deepspeed_zero3 trainer.devices=1`` (each strategy built and run on one GPU).
 4. ``runtime-kernels``: the lean decoder with ``kernel_backend="torch"`` vs ``"triton"``: fp32 parity (logits of a
    prefill and of a tree-verify forward, greedy tokens) and the decode speed of each in the serving dtype.
 5. ``bench:<recipe>``: HF ``generate`` vs runtime AR vs speculative decoding with each export, plus the fp32
@@ -388,6 +389,26 @@ def stage_train(ctx: Context, recipe: str, limit: float) -> dict:
             "error": "" if ok else "wrong step count, no export or no loss"}
 
 
+STRATEGY_PRESETS = ("fsdp", "deepspeed_zero2", "deepspeed_zero3")
+
+
+def stage_strategy(ctx: Context, preset: str, limit: float) -> dict:
+    """A few EAGLE-3 steps under ``trainer=<preset> trainer.devices=1`` (builds and runs the strategy on one GPU)."""
+    if ctx.target is None:
+        raise RuntimeError("setup failed: no target")
+    run_dir = ctx.work / "strategy" / preset
+    overrides = [o for o in train_overrides(ctx, "eagle3", run_dir) if not o.startswith("trainer=")]
+    proc = run_logged(ctx, [sys.executable, str(REPO / "train.py"), *overrides, f"trainer={preset}",
+                            "trainer.devices=1"], limit)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return {"ok": False, "error": f"train.py exit {proc.returncode}: {tail[:300]}"}
+    summary = last_json(proc.stdout)
+    ok = summary.get("steps") == ctx.plan.train_steps
+    return {"ok": ok, "numbers": {"steps": summary.get("steps"), "fit_s": summary.get("fit_seconds")},
+            "note": f"trainer={preset} trainer.devices=1", "error": "" if ok else "wrong step count"}
+
+
 # ---------------------------------------------------------------------------------------------------- runtime
 
 
@@ -601,6 +622,10 @@ def stage_list(ctx: Context, limits: dict[str, float]) -> list[tuple[str, Callab
         stages.append(("recipes", failing(err), 1.0))
     for r in recipes:
         stages.append((f"train:{r}", lambda c, r=r: stage_train(c, r, limits["train"]), limits["train"] + 30))
+    if ctx.plan.device == "cuda":  # the sharding presets need a GPU (the CPU run checks them by inspection)
+        for preset in STRATEGY_PRESETS:
+            stages.append((f"strategy:{preset}", lambda c, p=preset: stage_strategy(c, p, limits["train"]),
+                           limits["train"] + 30))
     stages.append(("runtime-kernels", stage_kernels, limits["runtime"]))
     for r in recipes:
         stages.append((f"bench:{r}", lambda c, r=r: stage_bench(c, r), limits["runtime"]))
