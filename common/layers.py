@@ -145,6 +145,25 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer (pre-norm attention + SwiGLU, HF parameter names, so a target's layer loads into it)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config, h)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = SwiGLU(h, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
+        """x [B, S, H] -> (x [B, S, H], cache incl. the new keys)."""
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
 def default_positions(batch: int, seq: int, start: int, device: torch.device) -> torch.Tensor:
     """Positions ``start .. start+seq-1`` for every row, [B, S]."""
     return torch.arange(start, start + seq, device=device).expand(batch, seq)

@@ -30,10 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.common.layers import (
-    DraftAttention,
+    DecoderLayer,
     KVCache,
     RMSNorm,
-    SwiGLU,
     build_attention_mask,
     default_positions,
 )
@@ -98,24 +97,6 @@ class TokenAttention(nn.Module):
         k = self.k(emb).view(split)
         gate = F.cosine_similarity(q, k, dim=-1).unsqueeze(-1)  # [..., n, 1]
         return state + (self.v(emb).view(split) * gate).flatten(-2)  # [..., H]
-
-
-class DecoderLayer(nn.Module):
-    """A Llama decoder layer (HF parameter names, so the target's last layer loads into it)."""
-
-    def __init__(self, config: CloverConfig) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.self_attn = DraftAttention(config, h)
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.mlp = SwiGLU(h, config.intermediate_size)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
-        attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 class CloverHeads(nn.Module):

@@ -30,10 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.common.layers import (
-    DraftAttention,
+    DecoderLayer,
     KVCache,
-    RMSNorm,
-    SwiGLU,
     build_attention_mask,
     default_positions,
 )
@@ -115,24 +113,13 @@ class HydraHead(nn.Module):
         return torch.cat([x, ones], -1), torch.cat([self.lm_head.weight, self.lm_head.bias[:, None]], 1)  # H+1
 
 
-class PrefixLayer(nn.Module):
+class PrefixLayer(DecoderLayer):
     """Hydra++'s prefix attention: a Llama decoder layer over the context's hidden states, identity at init."""
 
     def __init__(self, config: HydraConfig) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.self_attn = DraftAttention(config, h)
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.mlp = SwiGLU(h, config.intermediate_size)
+        super().__init__(config)
         nn.init.zeros_(self.self_attn.o_proj.weight)
         nn.init.zeros_(self.mlp.down_proj.weight)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
-        attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 class HydraHeads(nn.Module):
