@@ -57,7 +57,7 @@ def generate_ar(
         return []
     device = getattr(model, "device", "cpu")
     cache = model.allocate_cache(len(prompt_ids) + max_new_tokens)
-    logits = model(torch.tensor(prompt_ids, dtype=torch.long, device=device), cache, logits_for="last").logits
+    logits = model.forward(torch.tensor(prompt_ids, dtype=torch.long, device=device), cache, logits_for="last").logits
     cache.commit(len(prompt_ids))
     out: list[int] = []
     step = torch.empty(1, dtype=torch.long, device=device)  # reused input buffer
@@ -69,5 +69,5 @@ def generate_ar(
         if tok in eos or len(out) >= max_new_tokens:
             return out
         step.fill_(tok)
-        logits = model(step, cache, logits_for="last").logits
+        logits = model.forward(step, cache, logits_for="last").logits
         cache.commit(1)
