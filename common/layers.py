@@ -102,6 +102,15 @@ def build_attention_mask(num_new: int, past: int, device: torch.device, tree_mas
     return mask | eye[None, None]
 
 
+def check_attention_shape(config: Any) -> None:
+    """Fill ``head_dim`` (0 = hidden_size // num_attention_heads) and check the GQA grouping of a drafter config."""
+    if config.head_dim == 0:
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ValueError(f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+                         f"num_key_value_heads ({config.num_key_value_heads})")
+
+
 class DraftAttention(nn.Module):
     """Llama GQA self-attention (no biases) whose q/k/v read ``in_features`` inputs, with a KV cache."""
 

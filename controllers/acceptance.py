@@ -6,7 +6,7 @@ token before it on the chain was accepted. It outputs one rejection logit, the c
 :class:`draftsmith.runtime.acceptance.stop_policies.LearnedStop` (stop iff ``1 - prod(1 - sigmoid(logit_i)) > h``).
 
 Layout: ``num_layers`` independent ResBlocks (``x + SiLU(W x + b)``), built with a comprehension so that "3 layers"
-means three blocks with their own weights (the reference code's ``[ResBlock(h)] * n`` shares one block n times),
+means three blocks with their own weights (the reference code multiplies a one-block list, sharing one block n times),
 then ``Linear(h, 1)``.
 
 Labels (SpecDec++ section 6.3): for a token Z drafted from q at a context where the target's distribution is p, the
@@ -60,7 +60,7 @@ class AcceptanceHead(nn.Module):
     def __init__(self, config: AcceptanceHeadConfig) -> None:
         super().__init__()
         self.config = config
-        # One block per layer, each with its own weights (never ``[ResBlock(h)] * n``).
+        # One block per layer, each with its own weights (a multiplied list would share one block's).
         self.blocks = nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)])
         self.out = nn.Linear(config.hidden_size, 1)
 

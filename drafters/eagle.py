@@ -46,6 +46,7 @@ from draftsmith.common.layers import (  # noqa: F401  (re-exported: the EAGLE dr
     SwiGLU,
     apply_rope,
     build_attention_mask,
+    check_attention_shape,
     default_positions,
     rope_cos_sin,
 )
@@ -75,11 +76,7 @@ class EagleConfig:
     max_position_embeddings: int = 2048
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
+        check_attention_shape(self)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 

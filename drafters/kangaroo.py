@@ -29,6 +29,7 @@ from draftsmith.common.layers import (
     KVCache,
     RMSNorm,
     build_attention_mask,
+    check_attention_shape,
     default_positions,
 )
 from draftsmith.export.format import ExportError, read_export
@@ -63,11 +64,7 @@ class KangarooConfig:
     max_position_embeddings: int = 2048
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
+        check_attention_shape(self)
         check_exit_layer(self.exit_layer, self.num_target_layers)
 
 

@@ -53,7 +53,7 @@ def sample_group(model: Any, prompt_ids: Sequence[int], n: int, grid: Sequence[f
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     device = next(model.parameters()).device
     temps = torch.tensor(list(grid), dtype=torch.float64)  # [K]
-    ids = torch.tensor([list(prompt_ids)] * n, dtype=torch.long, device=device)  # [N, P]
+    ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device).repeat(n, 1)  # [P] -> [N, P]
     out, logits = hf_forward(model, base, 1, input_ids=ids, use_cache=True)
     tokens, choices, fixed = [], [], None
     eos, finished = torch.tensor(list(eos_ids), dtype=torch.long), torch.zeros(n, dtype=torch.bool)
