@@ -70,6 +70,7 @@ def topk_hits(top: torch.Tensor, labels: torch.Tensor, k: int = 1) -> torch.Tens
     return (top[:, :k] == labels.unsqueeze(-1)).any(-1).float().mean()
 
 
+IGNORE_INDEX = -100  # a hard label that scores nothing (the fused kernel's default ignore_index)
 _LM_HEAD_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -115,8 +116,8 @@ class LMHeadLoss:
         dtype = self.matmul_dtype or torch.promote_types(hidden.dtype, weight.dtype)
         logits = F.linear(hidden.to(dtype), weight.to(dtype))  # [N, V]
         ones = torch.ones(logits.shape[0], device=logits.device)
-        if teacher_logits is None:
-            loss = masked_cross_entropy(logits, labels, ones)
+        if teacher_logits is None:  # rows labelled IGNORE_INDEX score nothing, as in the fused path
+            loss = masked_cross_entropy(logits, labels.clamp_min(0), labels != IGNORE_INDEX)
         else:
             loss = soft_cross_entropy(logits, teacher_logits, ones)
         with torch.no_grad():

@@ -4,7 +4,8 @@ One output folder serves both consumers:
 
 * vLLM (``vllm/model_executor/models/medusa.py``): ``config.json`` with ``model_type: medusa``,
   ``architectures: [MedusaModel]``, ``num_heads``, ``num_hidden_layers`` (ResBlocks per head), ``hidden_size``,
-  ``vocab_size``, ``truncated_vocab_size`` (= vocab_size: no token map), ``medusa_fc_bias: true`` (our ResBlocks
+  ``vocab_size``, ``truncated_vocab_size`` (= vocab_size, or the draft vocabulary's size with a ``token_map``
+  tensor of its target ids), ``medusa_fc_bias: true`` (our ResBlocks
   have a bias), ``original_lm_head`` (heads share one LM head); weights in ``model.safetensors`` as
   ``blocks.{head}.layers.{layer}.weight|bias`` and ``lm_heads.{head}.weight``.
 * The original FasterDecoding/Medusa layout read by TGI: the same ``config.json`` also carries
@@ -43,8 +44,13 @@ def medusa_layout_tensors(state: dict[str, torch.Tensor], num_heads: int, num_la
         if head is None:
             raise ExportError("this export shares the target's LM head: pass the target (--target) so its LM head "
                               "can be written into the engine layout")
+        draft_ids = state.get("draft_ids")
+        if draft_ids is not None and head.shape[0] != draft_ids.numel():  # a shared full head: its draft rows
+            head = head[draft_ids]  # [V', H]
         vllm[f"lm_heads.{k}.weight"] = head.contiguous().clone()
         original[f"{k}.{num_layers}.weight"] = head.contiguous().clone()
+    if "draft_ids" in state:  # vLLM's truncated vocabulary: logits of column i belong to target id token_map[i]
+        vllm["token_map"] = state["draft_ids"].to(torch.long).contiguous().clone()
     return vllm, original
 
 
@@ -61,7 +67,7 @@ def to_medusa_layout(export_dir: str | Path, out_dir: str | Path, lm_head_weight
         "model_type": "medusa", "architectures": ["MedusaModel"],
         "hidden_size": arch["hidden_size"], "vocab_size": arch["vocab_size"],
         "num_heads": arch["num_heads"], "num_hidden_layers": arch["num_layers"],
-        "truncated_vocab_size": arch["vocab_size"], "medusa_fc_bias": True,
+        "truncated_vocab_size": arch.get("draft_vocab_size") or arch["vocab_size"], "medusa_fc_bias": True,
         "original_lm_head": bool(arch.get("share_lm_head", False)),
         "max_paths": len(config.get("inference", {}).get("tree", [])) or 64,
         "topk": int(config.get("inference", {}).get("top_k", 10)),
@@ -70,9 +76,17 @@ def to_medusa_layout(export_dir: str | Path, out_dir: str | Path, lm_head_weight
         "draftsmith": {"converted_from": str(Path(export_dir).resolve()), "target": config["target"]},
     }
 
+    reduced = bool(arch.get("draft_vocab_size"))
+    if reduced:  # the original layout has no token map: a reduced head cannot be written there faithfully
+        engine_config["draftsmith"]["medusa_lm_head"] = (
+            "not written: these heads score a draft vocabulary of "
+            f"{arch['draft_vocab_size']} tokens, which only vLLM's layout (truncated_vocab_size + token_map) can "
+            "express; train with heads.draft_vocab_size=null for TGI / the original Medusa code")
+
     def fill(tmp: Path) -> None:
         save_file(vllm, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        save_file(original, str(tmp / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
+        if not reduced:
+            save_file(original, str(tmp / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         if adapter:  # Medusa-2 changed the target: its LoRA in peft's layout, for engines that serve base + LoRA
             write_peft_lora(tmp / "lora", parts[adapter.get("part", "adapter")], adapter,

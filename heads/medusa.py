@@ -24,10 +24,22 @@ class MedusaConfig:
     num_heads: int = 3
     num_layers: int = 1
     share_lm_head: bool = False  # True: every head reuses the frozen target LM head (Medusa "version 2" layout)
+    # Heads score only this many target tokens (the most frequent in the training data; ids in the ``draft_ids``
+    # buffer); None = the whole vocabulary. Each head's LM head is most of a Medusa step's cost, in training and
+    # in drafting, so 8k of 49k tokens makes both ~6x cheaper for the few tokens heads could ever propose.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_layers < 0:
             raise ValueError(f"num_heads must be >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size} (or None for all), "
+                             f"got {self.draft_vocab_size}")
+
+    @property
+    def head_vocab_size(self) -> int:
+        """Width of each head's logits: the draft vocabulary, or the target's."""
+        return self.draft_vocab_size or self.vocab_size
 
 
 class ResBlock(nn.Module):
@@ -48,28 +60,46 @@ class MedusaHead(nn.Module):
     def __init__(self, config: MedusaConfig) -> None:
         super().__init__()
         self.blocks = nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)])
-        self.lm_head = None if config.share_lm_head else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.share_lm_head else nn.Linear(config.hidden_size, config.head_vocab_size,
+                                                                   bias=False)
 
     def forward(self, hidden: torch.Tensor, shared_lm_head: torch.Tensor | None) -> torch.Tensor:
         x = self.blocks(hidden)  # [..., H]
         if self.lm_head is not None:
-            return self.lm_head(x)  # [..., V]
-        return F.linear(x, shared_lm_head.to(x.dtype))  # [..., V]
+            return self.lm_head(x)  # [..., V'] (V' = draft vocabulary or V)
+        return F.linear(x, shared_lm_head.to(x.dtype))  # [..., V']
 
 
 class MedusaHeads(nn.Module):
-    """K Medusa heads; ``forward`` maps hidden [..., H] to logits [K, ..., V]."""
+    """K Medusa heads; ``forward`` maps hidden [..., H] to logits [K, ..., V'] over ``config.head_vocab_size``
+    columns: target ids, or with a draft vocabulary the indices into ``draft_ids`` (see :meth:`to_target_ids`).
 
-    def __init__(self, config: MedusaConfig, lm_head_weight: torch.Tensor | None = None) -> None:
+    ``draft_ids`` [V'] (ascending target ids) is required with ``config.draft_vocab_size`` and saved with the heads.
+    """
+
+    def __init__(self, config: MedusaConfig, lm_head_weight: torch.Tensor | None = None,
+                 draft_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
         self.heads = nn.ModuleList([MedusaHead(config) for _ in range(config.num_heads)])
         if config.share_lm_head and lm_head_weight is None:
             raise ValueError("share_lm_head=True needs the target's lm_head_weight")
+        if config.draft_vocab_size is not None:
+            if draft_ids is None or tuple(draft_ids.shape) != (config.draft_vocab_size,):
+                raise ValueError(f"draft_vocab_size={config.draft_vocab_size} needs draft_ids of that length "
+                                 f"(the target id of each draft token), got "
+                                 f"{None if draft_ids is None else tuple(draft_ids.shape)}")
+            if int(draft_ids.min()) < 0 or int(draft_ids.max()) >= config.vocab_size:
+                raise ValueError(f"draft_ids must be target ids in 0..{config.vocab_size - 1}")
+            self.register_buffer("draft_ids", draft_ids.detach().to(torch.long).clone())
+        else:
+            self.draft_ids = None
         if lm_head_weight is not None:
             if tuple(lm_head_weight.shape) != (config.vocab_size, config.hidden_size):
                 raise ValueError(f"lm_head_weight has shape {tuple(lm_head_weight.shape)}, expected "
                                  f"({config.vocab_size}, {config.hidden_size})")
+            if self.draft_ids is not None:
+                lm_head_weight = lm_head_weight[self.draft_ids.to(lm_head_weight.device)]  # [V', H]
             if config.share_lm_head:
                 # A non-persistent buffer: shared, frozen, never saved in checkpoints or exports.
                 self.register_buffer("shared_lm_head", lm_head_weight.detach(), persistent=False)
@@ -81,7 +111,19 @@ class MedusaHeads(nn.Module):
             self.shared_lm_head = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.stack([head(hidden, self.shared_lm_head) for head in self.heads])  # [K, ..., V]
+        return torch.stack([head(hidden, self.shared_lm_head) for head in self.heads])  # [K, ..., V']
+
+    def to_target_ids(self, head_ids: torch.Tensor) -> torch.Tensor:
+        """Column indices of the heads' logits -> target token ids (the identity without a draft vocabulary)."""
+        return head_ids if self.draft_ids is None else self.draft_ids[head_ids]
+
+    def to_head_ids(self, target_ids: torch.Tensor, missing: int = -100) -> torch.Tensor:
+        """Target token ids -> the heads' column indices; ids outside the draft vocabulary become ``missing``."""
+        if self.draft_ids is None:
+            return target_ids
+        index = torch.full((self.config.vocab_size,), missing, dtype=torch.long, device=target_ids.device)
+        index[self.draft_ids] = torch.arange(self.draft_ids.numel(), device=target_ids.device)
+        return index[target_ids]
 
     def head_logits(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """Logits of head ``k`` alone (saves compute when only some positions/heads are needed)."""
@@ -112,7 +154,7 @@ class MedusaHeads(nn.Module):
         if config["method"] not in ("medusa", "medusa2"):
             raise ExportError(f"{export_dir} holds a {config['method']!r} export, not medusa")
         arch = MedusaConfig(**config["architecture"])
-        heads = cls(arch, lm_head_weight if arch.share_lm_head else None)
+        heads = cls(arch, lm_head_weight if arch.share_lm_head else None, draft_ids=state.get("draft_ids"))
         missing, unexpected = heads.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith("shared_lm_head")]
         if missing or unexpected:

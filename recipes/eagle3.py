@@ -9,17 +9,16 @@ argmax is in the draft vocabulary. ``L = sum_j step_decay^j * softCE_j`` (each a
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from draftsmith.distill.draft_vocab import count_draft_vocab
 from draftsmith.distill.errors import ConfigError, DataError
 from draftsmith.distill.losses import LMHeadLoss, topk_hits
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_target_layers
-from draftsmith.drafters.vocab import draft_vocab_from_batches
 from draftsmith.recipes.eagle import eagle_inference_defaults
 from draftsmith.recipes.registry import register_recipe
 
@@ -80,21 +79,6 @@ class Eagle3Objective:
         return {"method": "eagle3", "architecture": self.module.architecture(), "inference": dict(self.inference)}
 
 
-def training_token_batches(cfg: Any, target: Target, max_samples: int | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids, loss_mask) of the training split, built exactly as the trainer's data module builds it.
-
-    Iterates the split's samples in a fixed order (not a shuffled loader) so every DDP rank gets the same
-    vocabulary; the tokenised data is cached, so the trainer's own data module then reads it from disk.
-    """
-    from draftsmith.distill.datamodule import build_datamodule
-
-    data = build_datamodule(cfg, target.tokenizer, packing=False)
-    data.setup("fit")
-    samples = data.train_set.samples
-    for sample in samples[:max_samples] if max_samples else samples:
-        yield torch.tensor(sample["input_ids"]), torch.tensor(sample["loss_mask"])
-
-
 def validate(cfg: Any) -> None:
     """Config checks that must fail before the target is loaded."""
     d = cfg.drafter
@@ -122,12 +106,8 @@ def build_objective(cfg: Any, target: Target, vocab_batches: Any = None) -> Eagl
     draft_vocab = min(int(d.get("draft_vocab_size") or vocab), vocab)
     d2t = t2d = None
     if draft_vocab < vocab:
-        if vocab_batches is None:
-            samples = d.get("vocab_samples")
-            vocab_batches = training_token_batches(cfg, target, int(samples) if samples else None)
-        d2t, t2d, stats = draft_vocab_from_batches(vocab_batches, vocab, draft_vocab)
-        log.info("draft vocabulary: %d of %d target tokens cover %.1f%% of %d assistant tokens (%d distinct)",
-                 draft_vocab, vocab, 100 * stats["coverage"], stats["tokens"], stats["distinct"])
+        samples = d.get("vocab_samples")
+        d2t, t2d = count_draft_vocab(cfg, target, draft_vocab, int(samples) if samples else None, vocab_batches)
     arch = Eagle3Config(**{**Eagle3Config.dims_from_hf(target.config), "vocab_size": vocab},
                         draft_vocab_size=draft_vocab, target_layers=layers)
     drafter = Eagle3Drafter(arch, target.embed_weight.float(), d2t, t2d)

@@ -7,10 +7,12 @@ from typing import Any
 import torch
 
 from draftsmith.common.trees import TreeCalibration
+from draftsmith.distill.draft_vocab import count_draft_vocab
 from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.losses import LMHeadLoss, topk_hits
+from draftsmith.distill.losses import IGNORE_INDEX, LMHeadLoss, topk_hits
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+from draftsmith.kernels.linear_cross_entropy import LinearCEOutput
 from draftsmith.recipes.registry import register_recipe
 from draftsmith.runtime.drafting.tree import default_medusa_tree
 
@@ -63,17 +65,17 @@ class MedusaObjective:
             mask = loss_mask[:, shift:]  # [B, T-shift]: the label position must be an assistant token
             # Only masked rows go through the head's LM head: the V-wide matmul dominates the cost.
             keep = mask.bool()
-            x, lm_weight = self.module.head_parts(h[keep], k)  # [N, H], [V, H]
+            rows = h[keep]  # [N, H]
             if self.labels == "dataset":
                 labels = input_ids[:, shift:][keep]  # [N]
-                out = self.lm_loss(x, lm_weight, labels=labels, topk=topk)
+                out = medusa_head_loss(self.lm_loss, self.module, rows, k, labels=labels, topk=topk)
             elif self.labels == "target_argmax":
                 labels = greedy[:, shift - 1:-1][keep]  # target argmax at s-1 predicts token s
-                out = self.lm_loss(x, lm_weight, labels=labels, topk=topk)
+                out = medusa_head_loss(self.lm_loss, self.module, rows, k, labels=labels, topk=topk)
             else:
                 teacher = feats.logits[:, shift - 1:-1][keep]  # [N, V]
                 labels = teacher.argmax(-1)
-                out = self.lm_loss(x, lm_weight, teacher_logits=teacher, topk=topk)
+                out = medusa_head_loss(self.lm_loss, self.module, rows, k, teacher=teacher, topk=topk)
             head_loss = out.loss
             weight = self.decay ** (k + 1)
             total = total + weight * head_loss
@@ -94,6 +96,39 @@ class MedusaObjective:
                 "inference": {**self.inference, **self.calibration.tree_block()}}
 
 
+def medusa_head_loss(lm_loss: LMHeadLoss, heads: MedusaHeads, rows: torch.Tensor, k: int, *,
+                     labels: torch.Tensor | None = None, teacher: torch.Tensor | None = None,
+                     topk: int = 0) -> LinearCEOutput:
+    """CE of head ``k`` on hidden rows [N, H] against target-id ``labels`` [N] or the ``teacher`` logits [N, V].
+
+    With a draft vocabulary the head scores its V' columns: a label outside it scores nothing (the head can never
+    propose it) and the teacher is restricted to it. ``.topk`` comes back as target ids, so accuracies and tree
+    calibration count out-of-vocabulary labels as misses."""
+    x, weight = heads.head_parts(rows, k)  # [N, H], [V', H]
+    if labels is not None:
+        labels = heads.to_head_ids(labels, missing=IGNORE_INDEX)  # [N]
+    if teacher is not None and heads.draft_ids is not None:
+        teacher = teacher[:, heads.draft_ids]  # [N, V']
+    out = lm_loss(x, weight, labels=labels, teacher_logits=teacher, topk=topk)
+    return LinearCEOutput(out.loss, heads.to_target_ids(out.topk))
+
+
+def check_draft_vocab_size(heads: Any) -> None:
+    """``heads.draft_vocab_size``: null or 0 (the full vocabulary) or a positive count."""
+    size = heads.get("draft_vocab_size")
+    if size is not None and int(size) < 0:
+        raise ConfigError(f"heads.draft_vocab_size must be >= 0 (0 or null = the full vocabulary), got {size}")
+
+
+def medusa_draft_ids(cfg: Any, target: Target) -> torch.Tensor | None:
+    """The target ids Medusa heads score (``heads.draft_vocab_size`` most frequent assistant tokens), or None."""
+    size = cfg.heads.get("draft_vocab_size")
+    if not size or int(size) >= target.vocab_size:
+        return None
+    d2t, _ = count_draft_vocab(cfg, target, int(size), cfg.heads.get("vocab_samples"))
+    return d2t + torch.arange(d2t.numel())  # target id = draft index + offset
+
+
 def default_tree(num_heads: int, num_nodes: int, top_k: int) -> list[list[int]]:
     """The calibration-free sparse Medusa tree: the runtime's one builder
     (:func:`draftsmith.runtime.drafting.tree.default_medusa_tree`), paths sorted by depth then rank for the export."""
@@ -104,6 +139,7 @@ def validate(cfg: Any) -> None:
     """Config checks that must fail before the target is loaded."""
     if cfg.heads.num_heads < 1:
         raise ConfigError(f"heads.num_heads must be >= 1, got {cfg.heads.num_heads}")
+    check_draft_vocab_size(cfg.heads)
     if cfg.distill.labels not in LABEL_SOURCES:
         raise ConfigError(f"distill.labels={cfg.distill.labels!r}; valid: {', '.join(LABEL_SOURCES)}")
     LMHeadLoss.from_config(cfg)
@@ -112,10 +148,12 @@ def validate(cfg: Any) -> None:
 @register_recipe("medusa", validate=validate)
 def build(cfg: Any, target: Target) -> MedusaObjective:
     """Medusa heads sized from the target, LM heads initialised from (or sharing) the target's."""
+    draft_ids = medusa_draft_ids(cfg, target)
     arch = MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                         num_heads=int(cfg.heads.num_heads), num_layers=int(cfg.heads.num_layers),
-                        share_lm_head=bool(cfg.heads.share_lm_head))
-    heads = MedusaHeads(arch, lm_head_weight=target.lm_head_weight.float())
+                        share_lm_head=bool(cfg.heads.share_lm_head),
+                        draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()))
+    heads = MedusaHeads(arch, lm_head_weight=target.lm_head_weight.float(), draft_ids=draft_ids)
     inference = {"top_k": int(cfg.inference.top_k), "verifier": str(cfg.inference.verifier),
                  "typical": {"posterior_threshold": float(cfg.inference.posterior_threshold),
                              "posterior_alpha": float(cfg.inference.posterior_alpha)},

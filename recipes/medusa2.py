@@ -28,7 +28,12 @@ from draftsmith.distill.losses import LMHeadLoss, masked_cross_entropy, topk_hit
 from draftsmith.distill.target import FeatureTaps, Target
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.hydra import inference_block, make_calibration
-from draftsmith.recipes.medusa import LABEL_SOURCES
+from draftsmith.recipes.medusa import (
+    LABEL_SOURCES,
+    check_draft_vocab_size,
+    medusa_draft_ids,
+    medusa_head_loss,
+)
 from draftsmith.recipes.registry import register_recipe
 
 
@@ -132,14 +137,14 @@ class Medusa2Objective:
             if ids.shape[1] <= shift:
                 break
             keep = mask_all[:, shift:]  # [B, T-shift]: label x_{t+k+2} is an assistant token
-            x, weight = heads.head_parts(head_in[:, :-shift][keep], k)  # [N, H], [V, H]
+            rows = head_in[:, :-shift][keep]  # [N, H]
             teacher = original[:, shift - 1:-1][keep] if original is not None else None
             if self.labels == "target_soft":
                 labels = teacher.argmax(-1)
-                out = self.lm_loss(x, weight, teacher_logits=teacher, topk=topk)
+                out = medusa_head_loss(self.lm_loss, heads, rows, k, teacher=teacher, topk=topk)
             else:
                 labels = ids[:, shift:][keep] if self.labels == "dataset" else teacher.argmax(-1)
-                out = self.lm_loss(x, weight, labels=labels, topk=topk)
+                out = medusa_head_loss(self.lm_loss, heads, rows, k, labels=labels, topk=topk)
             head_sum = head_sum + self.decay ** (k + 1) * out.loss
             with torch.no_grad():
                 metrics[f"head{k}/loss"] = out.loss.detach()
@@ -184,6 +189,7 @@ def validate(cfg: Any) -> None:
     h = cfg.heads
     if int(h.num_heads) < 1:
         raise ConfigError(f"heads.num_heads must be >= 1, got {h.num_heads}")
+    check_draft_vocab_size(h)
     if int(h.warmup_steps) < 0 or float(h.lr_multiplier) <= 0:
         raise ConfigError(f"heads.warmup_steps must be >= 0 and heads.lr_multiplier > 0, got {h.warmup_steps}, "
                           f"{h.lr_multiplier}")
@@ -199,9 +205,11 @@ def build(cfg: Any, target: Target) -> Medusa2Objective:
     validate(cfg)
     adapter = target.attach_lora(lora_spec(cfg))
     h = cfg.heads
+    draft_ids = medusa_draft_ids(cfg, target)
     arch = MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=int(h.num_heads),
-                        num_layers=int(h.num_layers), share_lm_head=bool(h.share_lm_head))
-    heads = MedusaHeads(arch, lm_head_weight=target.lm_head_weight.float())
+                        num_layers=int(h.num_layers), share_lm_head=bool(h.share_lm_head),
+                        draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()))
+    heads = MedusaHeads(arch, lm_head_weight=target.lm_head_weight.float(), draft_ids=draft_ids)
     return Medusa2Objective(Medusa2Module(heads, adapter), target, decay=float(h.decay),
                             heads_coefficient=float(h.coefficient), lm_weight=float(cfg.adapter.lm_weight),
                             warmup_steps=int(h.warmup_steps), lr_multiplier=float(h.lr_multiplier),

@@ -145,3 +145,28 @@ def test_proposer_options_override_export_defaults(medusa_export):
         parse_options(["depth"])
     rt = load_runtime(str(medusa_export), None, "fp32", proposer_options={"tree": [[0], [0, 0]]})
     assert rt.speculative.proposer.max_tree_nodes == 3
+
+
+def test_interleaved_timing_rotates_the_order_and_shares_drift(monkeypatch):
+    """Prompt i runs the decoders in an order rotated by i; a machine that slows down over the bench slows both
+    decoders alike (sequential timing charged all of it to the decoder timed second)."""
+    from draftsmith.runtime.bench import timing
+
+    clock = {"now": 0.0, "calls": 0}
+    order: list[str] = []
+
+    def slowing_decoder(name: str):
+        def decode(prompt: list[int]) -> list[int]:
+            order.append(name)
+            clock["calls"] += 1
+            clock["now"] += 1.0 + 0.1 * clock["calls"]  # each call takes longer than the last: drift
+            return list(prompt)
+        return decode
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["now"])
+    timed = timing.time_interleaved({"a": slowing_decoder("a"), "b": slowing_decoder("b")}, [[1, 2]] * 4)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert timed["a"]["seconds"] == pytest.approx(timed["b"]["seconds"])
+    assert timed["a"]["outputs"] == [[1, 2]] * 4 and timed["b"]["tokens"] == 8
+    with pytest.raises(ValueError, match="no prompts"):
+        timing.time_interleaved({"a": slowing_decoder("a")}, [])

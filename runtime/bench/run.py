@@ -23,11 +23,12 @@ from draftsmith.runtime.bench.timing import (
     eos_ids_from_folder,
     read_bandwidth_gbs,
     step_weight_bytes,
-    time_decode,
     time_hf_generate,
+    time_interleaved,
     time_runtime_ar,
 )
 from draftsmith.runtime.decoding import metrics
+from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import LookaheadHeads, WrapsTarget, build_proposer
@@ -256,7 +257,7 @@ def head_agreement(runtime: Runtime, prompts: list[list[int]], continuations: li
                 continue
             cache = runtime.model.allocate_cache(len(seq))
             hidden = runtime.model.forward(torch.tensor(seq), cache, logits_for="last").hidden  # [T, H]
-            top1 = proposer.lookahead_logits(hidden).argmax(-1)  # [K, T]
+            top1 = proposer.lookahead_top1(hidden)  # [K, T] target ids
             labels = torch.tensor(seq)
             if not hits:
                 hits, total = [0] * top1.shape[0], [0] * top1.shape[0]
@@ -317,13 +318,14 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     else:
         hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=hf_torch_dtype)
     hf_same_dtype = hf is not None and hf_torch_dtype == runtime.model.dtype
-    ar = time_runtime_ar(runtime.model, prompts, max_new_tokens, eos_ids=runtime.eos_ids)
-    ar_step = ar["seconds"] / max(1, ar["tokens"])
     costs = _step_costs(runtime, prompts[0])
     cost_model, export_proposer = None, spec.proposer
-    if cost_aware:
+    if cost_aware:  # the cost model's plain step: a short AR run on the calibration prompts
+        probe = time_runtime_ar(runtime.model, prompts[:tuning.CALIBRATION_PROMPTS], tuning.CALIBRATION_TOKENS,
+                                eos_ids=runtime.eos_ids)
         verify_ms = {**costs["forward_ms_by_new_tokens"], costs["tree_nodes"]: costs["verify_forward_ms"]}
-        _, cost_model = tuning.choose_cost_aware_depth(runtime, prompts, 1e3 * ar_step, verify_ms)
+        _, cost_model = tuning.choose_cost_aware_depth(runtime, prompts, 1e3 * probe["seconds"] / max(1, probe["tokens"]),
+                                                       verify_ms)
     results: list[Any] = []
 
     def decode(prompt: list[int]) -> list[int]:
@@ -332,7 +334,14 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         results.append(result)
         return result.tokens
 
-    sp = time_decode(decode, prompts, warmup=lambda: spec.generate(prompts[0], 4, eos_ids=runtime.eos_ids))
+    # AR and speculative decoding alternate prompt by prompt, so the speedup is not the machine's drift.
+    timed = time_interleaved(
+        {"runtime_ar": lambda p: generate_ar(runtime.model, p, max_new_tokens, eos_ids=runtime.eos_ids),
+         "speculative": decode},
+        prompts, {"runtime_ar": lambda: generate_ar(runtime.model, prompts[0], 4, eos_ids=runtime.eos_ids),
+                  "speculative": lambda: spec.generate(prompts[0], 4, eos_ids=runtime.eos_ids)})
+    ar, sp = timed["runtime_ar"], timed["speculative"]
+    ar_step = ar["seconds"] / max(1, ar["tokens"])
     results = results[-len(prompts):]
     steps = sum(r.steps for r in results)
     pooled_accepted = [a for r in results for a in r.accepted_per_step]

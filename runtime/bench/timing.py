@@ -33,25 +33,42 @@ def time_decode(
     """
     if not prompts_ids:
         raise ValueError("no prompts to time: pass at least one list of prompt token ids")
-    if warmup is not None:
-        warmup()
-    outputs, per_prompt = [], []
-    total_tokens, total_s = 0, 0.0
-    for prompt in prompts_ids:
-        t0 = time.perf_counter()
-        new = decode(list(prompt))
-        dt = time.perf_counter() - t0
-        outputs.append(list(new))
-        per_prompt.append({"tokens": len(new), "seconds": dt})
-        total_tokens += len(new)
-        total_s += dt
-    return {
-        "tokens": total_tokens,
-        "seconds": total_s,
-        "tokens_per_s": total_tokens / total_s if total_s > 0 else float("nan"),
-        "outputs": outputs,
-        "per_prompt": per_prompt,
-    }
+    return time_interleaved({"decode": decode}, prompts_ids, {"decode": warmup} if warmup else None)["decode"]
+
+
+def time_interleaved(
+    decoders: dict[str, DecodeFn],
+    prompts_ids: Sequence[list[int]],
+    warmups: dict[str, Callable[[], object]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Time several decoders on the same prompts, alternating per prompt: prompt i runs them in an order rotated by
+    i. A machine's speed drifts during a bench (frequency, other load, allocator growth); timing one decoder after
+    the other puts all the drift on whichever ran second, which made two identical decoders differ by 10%.
+    Interleaved, the drift is shared. Returns one :func:`time_decode` dict per decoder name."""
+    if not prompts_ids:
+        raise ValueError("no prompts to time: pass at least one list of prompt token ids")
+    for warmup in (warmups or {}).values():
+        if warmup is not None:
+            warmup()
+    names = list(decoders)
+    outputs: dict[str, list[list[int]]] = {n: [] for n in names}
+    per_prompt: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    for i, prompt in enumerate(prompts_ids):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            t0 = time.perf_counter()
+            new = decoders[name](list(prompt))
+            dt = time.perf_counter() - t0
+            outputs[name].append(list(new))
+            per_prompt[name].append({"tokens": len(new), "seconds": dt})
+    report = {}
+    for name in names:
+        tokens = sum(p["tokens"] for p in per_prompt[name])
+        seconds = sum(p["seconds"] for p in per_prompt[name])
+        report[name] = {"tokens": tokens, "seconds": seconds,
+                        "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+                        "outputs": outputs[name], "per_prompt": per_prompt[name]}
+    return report
 
 
 def eos_ids_from_folder(folder: str | Path) -> tuple[int, ...]:

@@ -67,8 +67,8 @@ class LookaheadHeads(Protocol):
     """A proposer whose heads predict several tokens ahead from one target hidden state (Medusa): the bench scores
     each head's top-1 against the target's greedy continuation."""
 
-    def lookahead_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H] -> logits [K, T, V]: head k at position t predicts the token at t+k+2."""
+    def lookahead_top1(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> top-1 target ids [K, T]: head k at position t predicts the token at t+k+2."""
         ...
 
 

@@ -40,7 +40,7 @@ class MedusaProposer:
             raise ValueError(f"Medusa heads returned logits {tuple(logits.shape)}; the tree needs {self.tree.depth} "
                              "heads, each giving [V] for a hidden [H]")
         top_p, top_i = torch.softmax(logits.float(), -1).topk(self.tree.top_k, dim=-1)  # [K, top_k]
-        tree = self.tree.build(ctx.root_token, top_i)
+        tree = self.tree.build(ctx.root_token, self._target_ids(top_i))
         conf = torch.cat([torch.ones(1, device=top_p.device), top_p.reshape(-1)])[self.tree.candidate_index.to(top_p.device)]
         tree.draft_confidence = conf.cpu()  # [N]
         policy = ctx.stop_policy
@@ -57,10 +57,15 @@ class MedusaProposer:
                 expand[i] = not policy.should_stop(stops[i])
         return tree if all(keep) else prune_tree(tree, keep)
 
+    def _target_ids(self, head_ids: torch.Tensor) -> torch.Tensor:
+        """Head logit columns -> target ids (heads with a draft vocabulary score only its tokens)."""
+        to_target = getattr(self.heads, "to_target_ids", None)
+        return to_target(head_ids) if to_target is not None else head_ids
+
     @torch.no_grad()
-    def lookahead_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H] -> logits [K, T, V] of every head (head k at t predicts the token at t+k+2)."""
-        return self.heads(hidden)
+    def lookahead_top1(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> each head's top-1 target id [K, T] (head k at t predicts the token at t+k+2)."""
+        return self._target_ids(self.heads(hidden).argmax(-1))
 
     def accept(self, ctx: StepContext) -> None:
         """Nothing to learn: the next step reads the hidden state from its context."""

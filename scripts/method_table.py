@@ -1,0 +1,132 @@
+"""Equal-budget method table: train each recipe for the same steps on the same batches, bench each export, and
+write one JSON + markdown table + PNG (tau, acceptance by position, tokens/s, speedup, extra parameters, training
+ratio, fit wall time).
+
+    python scripts/method_table.py --steps 80 --out outputs/method_table            # all head-family + EAGLE
+    python scripts/method_table.py --recipes medusa,eagle3 --steps 40 --out /tmp/t  # a subset
+    python scripts/method_table.py --recipes medusa@heads.draft_vocab_size=8192       # a recipe with overrides
+
+Every recipe sees the same data order (same seed, same batches), so equal steps means equal training tokens; each
+stage is skipped when its output already exists, so an interrupted table resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RECIPES = "medusa,medusa2,hydra,hydra_pp,clover2,eagle,eagle3,kangaroo"
+DRAFTSMITH = str(Path(sys.executable).with_name("draftsmith"))  # the console script of this venv
+LABELS = {"medusa": "Medusa-1", "medusa2": "Medusa-2 (lossy)", "hydra": "Hydra", "hydra_pp": "Hydra++",
+          "clover2": "Clover-2", "eagle": "EAGLE-1", "eagle3": "EAGLE-3", "kangaroo": "Kangaroo"}
+
+
+def _run(cmd: list[str], log: Path) -> float:
+    """Run ``cmd`` with its output in ``log``; returns wall seconds; raises with the log's tail on failure."""
+    start = time.perf_counter()
+    with log.open("w") as fh:
+        code = subprocess.call(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+    if code != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise RuntimeError(f"{' '.join(cmd)} failed ({code}); see {log}:\n{tail}")
+    return time.perf_counter() - start
+
+
+def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str]) -> dict[str, Any]:
+    """Train (or resume) ``spec`` (``recipe[@override@...]``), measure its training ratio, bench its export;
+    returns the table row."""
+    recipe, *overrides = spec.split("@")
+    run_dir = out / "runs" / "_".join([recipe, *("".join(c if c.isalnum() else "-" for c in o) for o in overrides)])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    export = run_dir / "export"
+    if not (export / "config.json").is_file():
+        _run([sys.executable, "train.py", f"recipe={recipe}", f"trainer.max_steps={steps}", *overrides,
+              f"hydra.run.dir={run_dir}"], run_dir / "train.log")
+    ratio_file = run_dir / "bench_train.json"
+    if not ratio_file.is_file():
+        _run([DRAFTSMITH, "bench-train", f"recipe={recipe}", *overrides, "--out", str(ratio_file)],
+             run_dir / "bench_train.log")
+    bench_dir = run_dir / "bench"
+    if not (bench_dir / "bench.json").is_file():
+        _run([DRAFTSMITH, "bench", "--drafter", str(export), "--out", str(bench_dir),
+              *bench_args], run_dir / "bench.log")
+    training = json.loads((export / "config.json").read_text()).get("training") or {}
+    ratio = json.loads(ratio_file.read_text())
+    bench = json.loads((bench_dir / "bench.json").read_text())
+    label = LABELS.get(recipe, recipe) + (f" ({', '.join(overrides)})" if overrides else "")
+    return {"recipe": spec, "method": label, "steps": training.get("steps"),
+            "tokens": training.get("tokens"), "fit_seconds": training.get("fit_seconds"),
+            "extra_params": ratio.get("trainable_params_m", 0.0) * 1e6, "training_ratio": ratio.get("ratio"),
+            "tau": bench["tau"], "acceptance_by_position": bench["acceptance_by_position"],
+            "tokens_per_s": bench["tokens_per_s"]["speculative"], "ar_tokens_per_s": bench["tokens_per_s"]["runtime_ar"],
+            "speedup_vs_ar": bench["speedup"]["vs_runtime_ar"], "lossless_fp32": bench["lossless"],
+            "target_change": bench.get("target_change"), "stop_policy": (bench.get("inference") or {}).get("stop_policy")}
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The README table."""
+    head = ("| method | tau | acceptance by position | tok/s | speedup vs AR | lossless (fp32) | extra params | "
+            "training ratio | fit wall time | tokens |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    body = ""
+    for r in rows:
+        acc = ", ".join(f"{a:.2f}" for a in r["acceptance_by_position"][:5])
+        lossless = "lossy (by design)" if r["target_change"] else ("yes" if r["lossless_fp32"] else "NO")
+        body += (f"| {r['method']} | {r['tau']:.3f} | {acc} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | "
+                 f"{lossless} | {r['extra_params'] / 1e6:.1f}M | {r['training_ratio']:.2f} | "
+                 f"{r['fit_seconds']:.0f} s | {r['tokens']:,} |\n")
+    return head + body
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Acceptance by position per method, and tau."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows:
+        curve = r["acceptance_by_position"]
+        left.plot(range(1, len(curve) + 1), curve, marker="o", label=r["method"])
+    left.set_xlabel("draft position")
+    left.set_ylabel("acceptance rate")
+    left.legend(fontsize=7)
+    right.bar([r["method"] for r in rows], [r["tau"] for r in rows])
+    right.set_ylabel("tau (accepted + bonus per step)")
+    right.tick_params(axis="x", rotation=45, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    """CLI entry: see the module docstring."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipes", default=DEFAULT_RECIPES)
+    parser.add_argument("--steps", type=int, default=80, help="optimizer steps per recipe (the same batches each)")
+    parser.add_argument("--out", default="outputs/method_table")
+    parser.add_argument("--bench-args", default="--prompts mtbench --num-prompts 8 --max-new-tokens 128 "
+                        "--stop-policy export --skip-hf --lossless-dtype fp32",
+                        help="arguments for `draftsmith bench` (export = each method's own tree/depth, no tuning)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for recipe in args.recipes.split(","):
+        print(f"[method-table] {recipe} ...", flush=True)
+        rows.append(one_recipe(recipe, out, args.steps, args.bench_args.split()))
+        (out / "table.json").write_text(json.dumps(rows, indent=2) + "\n")
+        print(markdown(rows[-1:]), flush=True)
+    (out / "table.md").write_text(markdown(rows))
+    plot(rows, out / "table.png")
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
