@@ -23,6 +23,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPES = "medusa,medusa2,hydra,hydra_pp,clover2,eagle,eagle3,kangaroo"
 DRAFTSMITH = str(Path(sys.executable).with_name("draftsmith"))  # the console script of this venv
+# Default settings (cost-aware stop policy) on the same prompts, timing only: does any export lose to plain decoding?
+DEFAULT_BENCH_ARGS = ["--prompts", "mtbench", "--num-prompts", "8", "--max-new-tokens", "128", "--skip-hf",
+                      "--lossless-dtype", "none"]
 LABELS = {"medusa": "Medusa-1", "medusa2": "Medusa-2 (lossy)", "hydra": "Hydra", "hydra_pp": "Hydra++",
           "clover2": "Clover-2", "eagle": "EAGLE-1", "eagle3": "EAGLE-3", "kangaroo": "Kangaroo"}
 
@@ -56,6 +59,11 @@ def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str]) -> dict[
     if not (bench_dir / "bench.json").is_file():
         _run([DRAFTSMITH, "bench", "--drafter", str(export), "--out", str(bench_dir),
               *bench_args], run_dir / "bench.log")
+    default_dir = run_dir / "bench_default"  # the same export with default settings: the cost-aware policy decides
+    if not (default_dir / "bench.json").is_file():
+        _run([DRAFTSMITH, "bench", "--drafter", str(export), "--out", str(default_dir), *DEFAULT_BENCH_ARGS],
+             run_dir / "bench_default.log")
+    default = json.loads((default_dir / "bench.json").read_text())
     training = json.loads((export / "config.json").read_text()).get("training") or {}
     ratio = json.loads(ratio_file.read_text())
     bench = json.loads((bench_dir / "bench.json").read_text())
@@ -66,20 +74,23 @@ def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str]) -> dict[
             "tau": bench["tau"], "acceptance_by_position": bench["acceptance_by_position"],
             "tokens_per_s": bench["tokens_per_s"]["speculative"], "ar_tokens_per_s": bench["tokens_per_s"]["runtime_ar"],
             "speedup_vs_ar": bench["speedup"]["vs_runtime_ar"], "lossless_fp32": bench["lossless"],
-            "target_change": bench.get("target_change"), "stop_policy": (bench.get("inference") or {}).get("stop_policy")}
+            "target_change": bench.get("target_change"), "stop_policy": (bench.get("inference") or {}).get("stop_policy"),
+            "default_speedup_vs_ar": default["speedup"]["vs_runtime_ar"],
+            "default_choice": (default.get("cost_model") or {}).get("summary")}
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The README table."""
     head = ("| method | tau | acceptance by position | tok/s | speedup vs AR | lossless (fp32) | extra params | "
-            "training ratio | fit wall time | tokens |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "training ratio | fit wall time | tokens | default settings vs AR |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = ""
     for r in rows:
         acc = ", ".join(f"{a:.2f}" for a in r["acceptance_by_position"][:5])
         lossless = "lossy (by design)" if r["target_change"] else ("yes" if r["lossless_fp32"] else "NO")
         body += (f"| {r['method']} | {r['tau']:.3f} | {acc} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | "
                  f"{lossless} | {r['extra_params'] / 1e6:.1f}M | {r['training_ratio']:.2f} | "
-                 f"{r['fit_seconds']:.0f} s | {r['tokens']:,} |\n")
+                 f"{r['fit_seconds']:.0f} s | {r['tokens']:,} | {r['default_speedup_vs_ar']:.2f}x |\n")
     return head + body
 
 

@@ -126,6 +126,7 @@ def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
     cm = result["cost_model"]
     assert cm["table"][0]["depth"] == 0 and cm["depth"] in [r["depth"] for r in cm["table"]]
     assert [r["policy"] for r in result["sweep"]][:3] == ["plain (runtime AR)", "fixed:1", "fixed:2"]
+    assert result["sweep"][-1]["policy"].endswith("(in force)") and result["sweep"][0]["speedup_vs_runtime_ar"] == 1.0
     assert result["profile"]["steps"] > 0 and result["profile"]["step_ms"] > 0
     from draftsmith.runtime.bench.run import hf_fastest_dtype
 

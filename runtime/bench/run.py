@@ -366,13 +366,10 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     spec_step = sp["seconds"] / max(1, steps)
     step_profile = tuning.profiled_run(spec, prompts, max_new_tokens, runtime.eos_ids)[0] if profile else None
     sweep = None
-    if sweep_k:
-        policy_spec = ((runtime.inference or {}).get("stop_policy") or {}).get("spec", "export")
-        sweep = [{"policy": "plain (runtime AR)", "tau": 1.0, "tokens_per_s": ar["tokens_per_s"]},
-                 *tuning.sweep_fixed_depths(runtime, prompts, max_new_tokens, sweep_k, export_proposer),
-                 {"policy": f"{policy_spec} (in force)", "tau": tau, "tokens_per_s": sp["tokens_per_s"]}]
+    if sweep_k:  # its own interleaved pass: plain AR, each fixed K and the policy in force, comparable row to row
+        sweep = tuning.sweep_fixed_depths(runtime, prompts, max_new_tokens, sweep_k, export_proposer)
         for row in sweep:
-            row["speedup_vs_runtime_ar"] = row["tokens_per_s"] / ar["tokens_per_s"]
+            row["speedup_vs_runtime_ar"] = row["tokens_per_s"] / sweep[0]["tokens_per_s"]
     tps = {"hf_generate": hf["tokens_per_s"] if hf else None, "runtime_ar": ar["tokens_per_s"],
            "speculative": sp["tokens_per_s"]}
     return {
