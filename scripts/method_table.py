@@ -41,7 +41,7 @@ def _run(cmd: list[str], log: Path) -> float:
     return time.perf_counter() - start
 
 
-def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str]) -> dict[str, Any]:
+def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str], default_bench: bool = True) -> dict[str, Any]:
     """Train (or resume) ``spec`` (``recipe[@override@...]``), measure its training ratio, bench its export;
     returns the table row."""
     recipe, *overrides = spec.split("@")
@@ -60,10 +60,10 @@ def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str]) -> dict[
         _run([DRAFTSMITH, "bench", "--drafter", str(export), "--out", str(bench_dir),
               *bench_args], run_dir / "bench.log")
     default_dir = run_dir / "bench_default"  # the same export with default settings: the cost-aware policy decides
-    if not (default_dir / "bench.json").is_file():
+    if default_bench and not (default_dir / "bench.json").is_file():
         _run([DRAFTSMITH, "bench", "--drafter", str(export), "--out", str(default_dir), *DEFAULT_BENCH_ARGS],
              run_dir / "bench_default.log")
-    default = json.loads((default_dir / "bench.json").read_text())
+    default = json.loads((default_dir / "bench.json").read_text()) if (default_dir / "bench.json").is_file() else {}
     training = json.loads((export / "config.json").read_text()).get("training") or {}
     ratio = json.loads(ratio_file.read_text())
     bench = json.loads((bench_dir / "bench.json").read_text())
@@ -75,8 +75,12 @@ def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str]) -> dict[
             "tokens_per_s": bench["tokens_per_s"]["speculative"], "ar_tokens_per_s": bench["tokens_per_s"]["runtime_ar"],
             "speedup_vs_ar": bench["speedup"]["vs_runtime_ar"], "lossless_fp32": bench["lossless"],
             "target_change": bench.get("target_change"), "stop_policy": (bench.get("inference") or {}).get("stop_policy"),
-            "default_speedup_vs_ar": default["speedup"]["vs_runtime_ar"],
+            "default_speedup_vs_ar": (default.get("speedup") or {}).get("vs_runtime_ar"),
             "default_choice": (default.get("cost_model") or {}).get("summary")}
+
+
+def _x(ratio: float | None) -> str:
+    return "not run" if ratio is None else f"{ratio:.2f}x"
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -90,7 +94,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lossless = "lossy (by design)" if r["target_change"] else ("yes" if r["lossless_fp32"] else "NO")
         body += (f"| {r['method']} | {r['tau']:.3f} | {acc} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | "
                  f"{lossless} | {r['extra_params'] / 1e6:.1f}M | {r['training_ratio']:.2f} | "
-                 f"{r['fit_seconds']:.0f} s | {r['tokens']:,} | {r['default_speedup_vs_ar']:.2f}x |\n")
+                 f"{r['fit_seconds']:.0f} s | {r['tokens']:,} | {_x(r['default_speedup_vs_ar'])} |\n")
     return head + body
 
 
@@ -124,13 +128,16 @@ def main() -> int:
     parser.add_argument("--bench-args", default="--prompts mtbench --num-prompts 8 --max-new-tokens 128 "
                         "--stop-policy export --skip-hf --lossless-dtype fp32",
                         help="arguments for `draftsmith bench` (export = each method's own tree/depth, no tuning)")
+    parser.add_argument("--default-bench", default="all",
+                        help="specs also benched with default settings (cost-aware policy): all, none or a list")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for recipe in args.recipes.split(","):
         print(f"[method-table] {recipe} ...", flush=True)
-        rows.append(one_recipe(recipe, out, args.steps, args.bench_args.split()))
+        default_bench = args.default_bench == "all" or recipe in args.default_bench.split(",")
+        rows.append(one_recipe(recipe, out, args.steps, args.bench_args.split(), default_bench))
         (out / "table.json").write_text(json.dumps(rows, indent=2) + "\n")
         print(markdown(rows[-1:]), flush=True)
     (out / "table.md").write_text(markdown(rows))
