@@ -92,8 +92,12 @@ class MedusaHeads(nn.Module):
             if int(draft_ids.min()) < 0 or int(draft_ids.max()) >= config.vocab_size:
                 raise ValueError(f"draft_ids must be target ids in 0..{config.vocab_size - 1}")
             self.register_buffer("draft_ids", draft_ids.detach().to(torch.long).clone())
+            # target id -> head column (-1 outside the draft vocabulary), derived once: the loss maps labels each step
+            index = torch.full((config.vocab_size,), -1, dtype=torch.long)
+            index[self.draft_ids] = torch.arange(config.draft_vocab_size)
+            self.register_buffer("head_index", index, persistent=False)
         else:
-            self.draft_ids = None
+            self.draft_ids = self.head_index = None
         if lm_head_weight is not None:
             if tuple(lm_head_weight.shape) != (config.vocab_size, config.hidden_size):
                 raise ValueError(f"lm_head_weight has shape {tuple(lm_head_weight.shape)}, expected "
@@ -119,11 +123,10 @@ class MedusaHeads(nn.Module):
 
     def to_head_ids(self, target_ids: torch.Tensor, missing: int = -100) -> torch.Tensor:
         """Target token ids -> the heads' column indices; ids outside the draft vocabulary become ``missing``."""
-        if self.draft_ids is None:
+        if self.head_index is None:
             return target_ids
-        index = torch.full((self.config.vocab_size,), missing, dtype=torch.long, device=target_ids.device)
-        index[self.draft_ids] = torch.arange(self.draft_ids.numel(), device=target_ids.device)
-        return index[target_ids]
+        head_ids = self.head_index[target_ids]
+        return head_ids.masked_fill(head_ids < 0, missing)
 
     def head_logits(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """Logits of head ``k`` alone (saves compute when only some positions/heads are needed)."""

@@ -101,3 +101,16 @@ def tiny_data_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "chat.jsonl"
     path.write_text("\n".join(json.dumps(c) for c in make_conversations(64)) + "\n")
     return path
+
+
+def train_on_fixed_batch(objective, batch, feats, steps: int = 15, lr: float = 3e-3) -> list[float]:
+    """AdamW steps of ``objective`` on one batch and its target features; the loss after each step's forward."""
+    opt = torch.optim.AdamW(objective.module.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss, _ = objective.loss(batch, feats)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

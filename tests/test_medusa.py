@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny_llama
+from conftest import build_tiny_llama, train_on_fixed_batch
 from safetensors.torch import load_file
 
 from draftsmith.distill.exporting import export_from_module
@@ -92,14 +92,7 @@ def test_loss_goes_down_on_a_fixed_batch(target, labels):
     ids = torch.randint(5, target.vocab_size, (4, 24))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     feats = target.features(ids, batch["attention_mask"], objective.taps)
-    opt = torch.optim.AdamW(objective.module.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(15):
-        loss, _ = objective.loss(batch, feats)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_on_fixed_batch(objective, batch, feats)
     if labels == "target_soft":
         # Soft CE is bounded below by the (high) entropy of a random tiny teacher: check the excess goes down.
         assert losses[-1] < losses[0] - 0.01 and losses == sorted(losses, reverse=True), losses

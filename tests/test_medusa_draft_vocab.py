@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny_llama
+from conftest import build_tiny_llama, train_on_fixed_batch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from test_speculative import NEW, PROMPTS, VOCAB, plain_greedy, tiny_llama
@@ -85,14 +85,7 @@ def test_training_with_a_draft_vocabulary_lowers_the_loss(target):
     batch_ids = torch.randint(5, 45, (4, 24), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": batch_ids, "attention_mask": torch.ones_like(batch_ids), "loss_mask": torch.ones_like(batch_ids)}
     feats = target.features(batch_ids, batch["attention_mask"], objective.taps)
-    opt = torch.optim.AdamW(heads.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(15):
-        loss, _ = objective.loss(batch, feats)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_on_fixed_batch(objective, batch, feats)
     assert losses[-1] < 0.7 * losses[0], losses
 
 
