@@ -245,3 +245,23 @@ def test_specdecpp_head_on_a_kangaroo_drafter(target, reference, trained, tmp_pa
     report = calibrate_decoder(lambda p: SpeculativeDecoder(lean, p), build_proposer(trained[2], lean, max_depth=4),
                                objective.module.eval(), PROMPTS, 16, 4)
     assert report["count"] > 0 and set(report["by_depth"]) <= {1, 2, 3} and 0 <= report["ece"] <= 1
+
+
+def test_bench_reports_the_verify_compute_saved(tiny_target_dir, tiny_tokenizer, tmp_path):
+    """`draftsmith bench` on a Kangaroo export serves through the shallow-reuse wrapper, stays lossless, and reports
+    the share of verify compute the reuse saved (reused share x exit_layer / layers)."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.runtime.bench.report import write_outputs
+    from draftsmith.runtime.bench.run import load_runtime, run_bench
+
+    tgt = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
+    objective = recipe.build(cfg(exit_layer=1), tgt)
+    config = {**objective.export_config(), "target": tgt.identity(), "training": {}}
+    export = write_export(tmp_path / "export", objective.module.state_dict(), config)
+    runtime = load_runtime(str(export), None, "fp32")
+    result = run_bench(runtime, [[5, 9, 13, 40], [7, 60, 61]], max_new_tokens=16)
+    reuse = result["verify_reuse"]
+    assert result["lossless"] is True and 0 < reuse["reused_tokens"] <= reuse["verified_tokens"]
+    assert reuse["verify_compute_saved"] == pytest.approx(reuse["reused_tokens"] / reuse["verified_tokens"] / 4)
+    assert "verify compute saved by the shallow cache" in (write_outputs(result, tmp_path / "b") / "bench.md").read_text()

@@ -61,6 +61,11 @@ def markdown_table(result: dict[str, Any]) -> str:
         if cm.get("learned_threshold"):
             lt = cm["learned_threshold"]
             rows.append(("SpecDec++ threshold h (from costs)", f"{lt['h']:.2f} (export: {lt['was']}): {lt['why']}"))
+    reuse = result.get("verify_reuse")
+    if reuse:
+        rows.append(("verify compute saved by the shallow cache (Kangaroo)",
+                     f"{reuse['verify_compute_saved']:.1%} ({reuse['reused_tokens']} of {reuse['verified_tokens']} "
+                     "verified tokens skipped the shallow layers)"))
     change = result.get("target_change")
     if change:
         rows.append(("LOSSY: export changes the target", change["why"]))

@@ -370,6 +370,10 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         sweep = tuning.sweep_fixed_depths(runtime, prompts, max_new_tokens, sweep_k, export_proposer)
         for row in sweep:
             row["speedup_vs_runtime_ar"] = row["tokens_per_s"] / sweep[0]["tokens_per_s"]
+    verify_reuse = None
+    if callable(getattr(spec.model, "saved_share", None)):  # Kangaroo: verify forwards that skipped the shallow layers
+        verify_reuse = {"reused_tokens": spec.model.reused_tokens, "verified_tokens": spec.model.verified_tokens,
+                        "verify_compute_saved": spec.model.saved_share()}
     tps = {"hf_generate": hf["tokens_per_s"] if hf else None, "runtime_ar": ar["tokens_per_s"],
            "speculative": sp["tokens_per_s"]}
     return {
@@ -392,4 +396,5 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
         "threads": torch.get_num_threads(),
         "cost_model": cost_model, "profile": step_profile, "sweep": sweep, "target_change": target_change,
+        "verify_reuse": verify_reuse,
     }
