@@ -223,7 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if os.environ.get("DRAFTSMITH_DEBUG"):
             raise
-        print(f"draftsmith {args.command}: error: {err}", file=sys.stderr)
+        # An exception without a message (StopIteration, a bare assert) is a bug: name it and how to see where.
+        text = str(err) or f"{type(err).__name__} (a bug; rerun with DRAFTSMITH_DEBUG=1 for the traceback)"
+        print(f"draftsmith {args.command}: error: {text}", file=sys.stderr)
         return 2
 
 

@@ -171,3 +171,20 @@ def test_interleaved_timing_rotates_the_order_and_shares_drift(monkeypatch):
     assert timed["a"]["outputs"] == [[1, 2]] * 4 and timed["b"]["tokens"] == 8
     with pytest.raises(ValueError, match="no prompts"):
         timing.time_interleaved({"a": slowing_decoder("a")}, [])
+
+
+def test_an_exception_without_a_message_is_named_not_printed_empty(monkeypatch, capsys):
+    """A bug that raises a bare StopIteration used to print `error: ` and nothing else."""
+    from draftsmith import cli
+    from draftsmith.runtime import cli as runtime_cli
+
+    def broken(args):
+        raise StopIteration
+
+    monkeypatch.setitem(runtime_cli.HANDLERS, "generate", broken)
+    monkeypatch.delenv("DRAFTSMITH_DEBUG", raising=False)
+    assert cli.main(["generate", "--prompt", "hi"]) == 2
+    assert "error: StopIteration (a bug; rerun with DRAFTSMITH_DEBUG=1" in capsys.readouterr().err
+    monkeypatch.setenv("DRAFTSMITH_DEBUG", "1")
+    with pytest.raises(StopIteration):
+        cli.main(["generate", "--prompt", "hi"])

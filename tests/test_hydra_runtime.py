@@ -87,3 +87,32 @@ def test_each_depth_is_one_call_over_its_frontier_and_each_head_sees_its_path():
     first, second = int(tree.tokens[1]), int(tree.tokens[2])
     assert heads.calls[1] == [[4, first], [4, second]]
     assert heads.calls[2] == [[4, first, int(tree.tokens[3])]] and len(heads.calls) == 3
+
+
+class WeightOnlyLinear(torch.nn.Module):
+    """What the packed bf16 GEMM leaves behind: no parameters, the weight as a plain attribute."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def test_heads_without_parameters_after_packing_still_serve_losslessly(target):
+    """Regression: plain Hydra heads whose every linear was packed have no parameters left; the proposer must still
+    find their dtype (it once asked ``next(parameters())`` and `bench` died with an empty StopIteration)."""
+    from draftsmith.runtime.drafting.base import module_dtype
+
+    heads = random_heads(target, prefix_layer=False, seed=2)
+    for parent in list(heads.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, WeightOnlyLinear(child))
+    assert not list(heads.parameters()) and module_dtype(heads) == torch.float32
+    decoder = SpeculativeDecoder(target, HydraProposer(heads, TREE, top_k=3))
+    for prompt in PROMPTS:
+        assert decoder.generate(prompt, 24).tokens == plain_greedy(target, prompt, 24)
+    with pytest.raises(ValueError, match="no floating weights"):
+        module_dtype(torch.nn.ReLU())

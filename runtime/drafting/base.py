@@ -156,6 +156,18 @@ def build_proposer(export_dir: str | Path, target_model: Any, identity: dict | N
     return _REGISTRY.get(method)(export_dir, config, target_model, **kwargs)
 
 
+def module_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The floating dtype a drafter module computes in. Its parameters may be gone: the packed bf16 GEMM
+    (``runtime.target.fast_linear``) swaps linears for buffers and keeps each weight as a plain attribute."""
+    for tensor in module.parameters():
+        return tensor.dtype
+    for sub in module.modules():
+        weight = getattr(sub, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+            return weight.dtype
+    raise ValueError(f"{type(module).__name__} has no floating weights to take a compute dtype from")
+
+
 def prune_tree(tree: DraftTree, keep: list[bool]) -> DraftTree:
     """The sub-tree of kept nodes (a kept node's parent must be kept)."""
     new_index = {}

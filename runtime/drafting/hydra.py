@@ -18,7 +18,7 @@ import torch
 
 from draftsmith.common.layers import KVCache
 from draftsmith.runtime.acceptance.stop_policies import StopContext
-from draftsmith.runtime.drafting.base import StepContext, prune_tree, register_proposer
+from draftsmith.runtime.drafting.base import StepContext, module_dtype, prune_tree, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree, default_medusa_tree
 
 
@@ -37,6 +37,7 @@ class HydraProposer:
         self.heads, self.tree = heads, tree
         self.max_tree_nodes = tree.num_nodes
         self.uses_context = getattr(heads, "prefix", None) is not None
+        self.dtype = module_dtype(heads)  # once: packed bf16 linears leave the heads without parameters
         self._cache: KVCache | None = None
         self._ctx: torch.Tensor | None = None  # [H] the heads' context state at the root's position
         self._by_depth = [[i for i in range(tree.num_nodes) if int(tree.depths[i]) == d] for d in range(tree.depth + 1)]
@@ -47,7 +48,7 @@ class HydraProposer:
         self._ctx = ctx[0, -1]
 
     def _dtype(self) -> torch.dtype:
-        return next(self.heads.parameters()).dtype
+        return self.dtype
 
     def begin(self, ctx: StepContext) -> None:
         """New generation: restart the prefix layer's cache on the prompt's hidden states."""
