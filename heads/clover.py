@@ -135,8 +135,20 @@ class CloverHeads(nn.Module):
         """Frozen token embeddings [...] -> [..., H] in the heads' dtype."""
         return F.embedding(tokens, self.embed_weight).to(self.head_mlp.weight.dtype)
 
+    def serve_lm_head(self) -> nn.Linear:
+        """Inference: the frozen LM head as an ``nn.Linear`` child sharing the buffer's storage, so a packed bf16
+        GEMM can replace it (``runtime.target.fast_linear.accelerate_linears``); :meth:`logits` then uses it."""
+        linear = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
+                           device=self.lm_head_weight.device, dtype=self.lm_head_weight.dtype)
+        linear.weight = nn.Parameter(self.lm_head_weight, requires_grad=False)  # shared, not copied
+        self.served_lm_head = linear
+        return linear
+
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., V] of a head output through the target's frozen LM head."""
+        served = getattr(self, "served_lm_head", None)
+        if served is not None:
+            return served(out.to(self.lm_head_weight.dtype))
         return F.linear(out, self.lm_head_weight.to(out.dtype))
 
     def context(self, prenorm: torch.Tensor, next_tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -98,15 +98,26 @@ class HydraHead(nn.Module):
         self.lm_head = None if config.share_lm_head else nn.Linear(h, config.vocab_size, bias=True)
 
     def forward(self, z: torch.Tensor, shared_lm_head: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(*self.parts(z, shared_lm_head))  # [..., V]
+        return self.logits(z, shared_lm_head)  # [..., V]
 
-    def parts(self, z: torch.Tensor, shared_lm_head: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(LM-head input, LM-head weight) with ``F.linear(x, w)`` = the logits; an own head's bias is folded in
-        as an extra input column of ones, so a fused linear + cross-entropy can take the pair."""
+    def features(self, z: torch.Tensor) -> torch.Tensor:
+        """The LM head's input: z [..., (k+2)H] -> [..., H]."""
         x = self.grounded(self.dropout(z))  # [..., H]
         for block in self.blocks:
             x = block(self.dropout(x))
-        x = self.dropout(x)
+        return self.dropout(x)
+
+    def logits(self, z: torch.Tensor, shared_lm_head: torch.Tensor | None) -> torch.Tensor:
+        """Inference logits [..., V] through the LM head module itself (bias added, no weight copy), so a packed
+        bf16 GEMM that replaced it serves it."""
+        x = self.features(z)
+        return F.linear(x, shared_lm_head.to(x.dtype)) if self.lm_head is None else self.lm_head(x)
+
+    def parts(self, z: torch.Tensor, shared_lm_head: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(LM-head input, LM-head weight) with ``F.linear(x, w)`` = the logits; an own head's bias is folded in
+        as an extra input column of ones, so a fused linear + cross-entropy can take the pair (training: this
+        copies the [V, H] weight each call, which inference avoids through :meth:`logits`)."""
+        x = self.features(z)
         if self.lm_head is None:
             return x, shared_lm_head.to(x.dtype)
         ones = x.new_ones((*x.shape[:-1], 1))
@@ -169,14 +180,18 @@ class HydraHeads(nn.Module):
 
     def head_logits(self, ctx: torch.Tensor, prefix_emb: torch.Tensor, k: int) -> torch.Tensor:
         """Head k on ctx [..., H] and the embeddings of its k+1 prefix tokens [..., k+1, H] -> logits [..., V]."""
-        return F.linear(*self.head_parts(ctx, prefix_emb, k))
+        return self.heads[k].logits(self._head_input(ctx, prefix_emb, k), self.shared_lm_head)
+
+    @staticmethod
+    def _head_input(ctx: torch.Tensor, prefix_emb: torch.Tensor, k: int) -> torch.Tensor:
+        """Head k's grounded input: ctx [..., H] and prefix_emb [..., k+1, H] -> [..., (k+2)H]."""
+        if prefix_emb.shape[-2] != k + 1:
+            raise ValueError(f"head {k} reads {k + 1} prefix tokens, got {prefix_emb.shape[-2]}")
+        return torch.cat([ctx, prefix_emb.to(ctx.dtype).flatten(-2)], dim=-1)
 
     def head_parts(self, ctx: torch.Tensor, prefix_emb: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`head_logits` split at the LM head: (input [..., H or H+1], weight [V, H or H+1])."""
-        if prefix_emb.shape[-2] != k + 1:
-            raise ValueError(f"head {k} reads {k + 1} prefix tokens, got {prefix_emb.shape[-2]}")
-        z = torch.cat([ctx, prefix_emb.to(ctx.dtype).flatten(-2)], dim=-1)  # [..., (k+2)H]
-        return self.heads[k].parts(z, self.shared_lm_head)
+        return self.heads[k].parts(self._head_input(ctx, prefix_emb, k), self.shared_lm_head)
 
     def step(self, ctx: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
         """Runtime expansion of one tree depth: ctx [N, H], prefix tokens [N, k+1] -> head k's logits [N, V].

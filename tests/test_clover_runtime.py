@@ -71,3 +71,17 @@ def test_clover_greedy_is_lossless_and_its_cache_holds_exactly_the_committed_pai
         c_full = heads.context(full[None, :-1], seq[None, 1:])[0][0, -1]
     torch.testing.assert_close(proposer._c, c_full, atol=1e-4, rtol=1e-4)
     assert proposer._caches[0].length == seq.numel() - 1
+
+
+def test_the_served_lm_head_shares_the_targets_storage_and_gives_the_same_drafts(target):
+    """At load the runtime exposes the frozen LM head as a module (so the packed GEMM can serve it): same storage,
+    same logits, and greedy decoding stays lossless through it."""
+    heads = random_heads(target, seed=3)
+    out = torch.randn(5, target.config.hidden_size)
+    before = heads.logits(out)
+    served = heads.serve_lm_head()
+    assert served.weight.data_ptr() == heads.lm_head_weight.data_ptr()
+    torch.testing.assert_close(heads.logits(out), before)
+    decoder = SpeculativeDecoder(target, CloverProposer(heads, TREE, target.config.num_layers, top_k=3))
+    for prompt in PROMPTS:
+        assert decoder.generate(prompt, 24).tokens == plain_greedy(target, prompt, 24)

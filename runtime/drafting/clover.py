@@ -91,6 +91,7 @@ def _build_clover(export_dir: str | Path, config: dict, target_model: Any, tree:
     source = config["architecture"].get("embed_source", "embed")
     heads = CloverHeads.from_export(export_dir, lm_head if source == "lm_head" else embed, lm_head)
     heads = heads.to(device=lm_head.device, dtype=lm_head.dtype).eval()
+    heads.serve_lm_head()  # the V-wide LM head as a module, so the packed GEMM below serves it too
     accelerate_linears(heads)
     cfg = getattr(target_model, "config", None)
     num_layers = getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None))
