@@ -117,6 +117,20 @@ def test_greedy_verify_reference_hand_example():
     assert res.accept_lens.tolist() == [1, 3, 0]
 
 
+def test_greedy_verify_on_half_precision_logits_equals_the_plain_argmax_ties_included():
+    """bf16/fp16 logits are widened before the argmax (faster on CPU): the argmax, ties resolved to the first
+    maximum, must be exactly the one taken in the logits' own dtype."""
+    torch.manual_seed(0)
+    paths = torch.tensor([[0, 1, 2], [0, 3, -1]])
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = (torch.randn(4, 300) * 4).round().to(dtype)  # coarse values: many ties per row
+        logits[:, 7] = logits[:, 250] = logits.max(-1).values.max() + 1  # an exact tie for the maximum
+        tokens = torch.tensor([5, 7, 7, 9])
+        res = greedy_verify(paths, tokens, logits, backend="torch")
+        assert torch.equal(res.argmax, logits.argmax(-1)) and res.argmax.tolist() == [7, 7, 7, 7]
+        assert (res.best_path, res.accept_len, res.bonus_token) == (0, 2, 7)
+
+
 def test_unknown_backend_lists_valid_ones():
     q, k, v, p, mask, scale = attention_inputs(ATTN_CASES[0])
     with pytest.raises(ValueError, match="valid backends are auto, torch, triton"):
