@@ -21,6 +21,7 @@ tree frontier. Training runs every head at every position at once (``teacher_for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,7 @@ class CloverHeads(nn.Module):
             if tuple(w.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {shape}")
             self.register_buffer(name, w.detach(), persistent=False)
+        self.lm_head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by the runtime (see logits)
         self.token_attn = TokenAttention(h, config.num_attention_heads, config.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -135,20 +137,11 @@ class CloverHeads(nn.Module):
         """Frozen token embeddings [...] -> [..., H] in the heads' dtype."""
         return F.embedding(tokens, self.embed_weight).to(self.head_mlp.weight.dtype)
 
-    def serve_lm_head(self) -> nn.Linear:
-        """Inference: the frozen LM head as an ``nn.Linear`` child sharing the buffer's storage, so a packed bf16
-        GEMM can replace it (``runtime.target.fast_linear.accelerate_linears``); :meth:`logits` then uses it."""
-        linear = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
-                           device=self.lm_head_weight.device, dtype=self.lm_head_weight.dtype)
-        linear.weight = nn.Parameter(self.lm_head_weight, requires_grad=False)  # shared, not copied
-        self.served_lm_head = linear
-        return linear
-
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Draft logits [..., V] of a head output through the target's frozen LM head."""
-        served = getattr(self, "served_lm_head", None)
-        if served is not None:
-            return served(out.to(self.lm_head_weight.dtype))
+        """Draft logits [..., V] of a head output through the target's frozen LM head (``lm_head_fn`` when the
+        runtime sets one: the target's own head on its fast linears, same weights)."""
+        if self.lm_head_fn is not None:
+            return self.lm_head_fn(out)
         return F.linear(out, self.lm_head_weight.to(out.dtype))
 
     def context(self, prenorm: torch.Tensor, next_tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -73,14 +73,14 @@ def test_clover_greedy_is_lossless_and_its_cache_holds_exactly_the_committed_pai
     assert proposer._caches[0].length == seq.numel() - 1
 
 
-def test_the_served_lm_head_shares_the_targets_storage_and_gives_the_same_drafts(target):
-    """At load the runtime exposes the frozen LM head as a module (so the packed GEMM can serve it): same storage,
-    same logits, and greedy decoding stays lossless through it."""
+def test_drafting_through_the_targets_own_lm_head_gives_the_same_drafts(target):
+    """At load the runtime drafts through the target's own (fast) LM head instead of a second copy: same logits,
+    and greedy decoding stays lossless through it."""
     heads = random_heads(target, seed=3)
     out = torch.randn(5, target.config.hidden_size)
     before = heads.logits(out)
-    served = heads.serve_lm_head()
-    assert served.weight.data_ptr() == heads.lm_head_weight.data_ptr()
+    heads.lm_head_fn = target.lm_head_logits
+    assert heads.lm_head_weight.data_ptr() == target.lm_head_weight.data_ptr()  # the same weights, not a copy
     torch.testing.assert_close(heads.logits(out), before)
     decoder = SpeculativeDecoder(target, CloverProposer(heads, TREE, target.config.num_layers, top_k=3))
     for prompt in PROMPTS:

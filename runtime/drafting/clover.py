@@ -34,7 +34,7 @@ class CloverProposer(HydraProposer):
 
     def _pairs(self, prenorm: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Feed pairs (p [S, H], x [S]) to the augmenting block; keep the last pair's output."""
-        dtype = self._dtype()
+        dtype = self.dtype
         c, self._caches = self.heads.context(prenorm[None].to(dtype), next_tokens.reshape(1, -1).to(prenorm.device),
                                              caches=self._caches)  # [1, S, H]
         self._c = c[0, -1]
@@ -91,7 +91,8 @@ def _build_clover(export_dir: str | Path, config: dict, target_model: Any, tree:
     source = config["architecture"].get("embed_source", "embed")
     heads = CloverHeads.from_export(export_dir, lm_head if source == "lm_head" else embed, lm_head)
     heads = heads.to(device=lm_head.device, dtype=lm_head.dtype).eval()
-    heads.serve_lm_head()  # the V-wide LM head as a module, so the packed GEMM below serves it too
+    # The V-wide LM head is the target's own: draft through the target's fast (packed) head, as EAGLE does.
+    heads.lm_head_fn = getattr(target_model, "lm_head_logits", None)
     accelerate_linears(heads)
     cfg = getattr(target_model, "config", None)
     num_layers = getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None))

@@ -44,11 +44,8 @@ class HydraProposer:
 
     def _feed(self, hidden: torch.Tensor) -> None:
         """Run the prefix layer over new context rows hidden [S, H]; keep the last output."""
-        ctx, self._cache = self.heads.context(hidden[None].to(self._dtype()), cache=self._cache)  # [1, S, H]
+        ctx, self._cache = self.heads.context(hidden[None].to(self.dtype), cache=self._cache)  # [1, S, H]
         self._ctx = ctx[0, -1]
-
-    def _dtype(self) -> torch.dtype:
-        return self.dtype
 
     def begin(self, ctx: StepContext) -> None:
         """New generation: restart the prefix layer's cache on the prompt's hidden states."""
@@ -64,7 +61,7 @@ class HydraProposer:
     @torch.no_grad()
     def propose(self, ctx: StepContext) -> DraftTree:
         """Expand the static tree depth by depth, one head call per depth."""
-        state = self._ctx if self.uses_context else ctx.hidden.to(self._dtype())  # [H]
+        state = self._ctx if self.uses_context else ctx.hidden.to(self.dtype)  # [H]
         if state is None:
             raise RuntimeError("HydraProposer has no context: call begin() at the start of a generation")
         tree, n = self.tree, self.tree.num_nodes
