@@ -44,9 +44,24 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="tau, acceptance, tokens/s and lossless check of an export")
     b.add_argument("--drafter", default=None, help="export folder of a trained drafter")
     b.add_argument("--controller", default=None,
-                   help="adaptive-temperature export: tokens/s with and without the layer (its overhead)")
+                   help="adaptive-temperature export(s), comma-separated: tokens/s with and without the layer (its "
+                        "overhead); on a reward task (--prompts embedded[:split] or --reward) also the mean reward of "
+                        "each layer and of every fixed temperature of its grid, per prompt kind, with 95%% intervals")
     b.add_argument("--prompts", default="mtbench",
-                   help="mtbench, humaneval or a .jsonl with 'prompt' (or 'turns')")
+                   help="mtbench, humaneval or a .jsonl with 'prompt' (or 'turns'); with --controller also "
+                        "embedded[:train|heldout|all] (the mixed reward task) or a .jsonl of {text, kind?, answer?}")
+    b.add_argument("--reward", default=None, help="with --controller: score rewards with this reward (embedded, "
+                   "exact_match, open_ended or pkg.module:function; default embedded on the embedded task)")
+    b.add_argument("--samples-per-prompt", type=int, default=4, help="with a reward: responses sampled per prompt")
+    b.add_argument("--grid", default=None, help="with a reward: the fixed temperatures compared (default: the "
+                   "controllers' grid, else 0,0.2,...,1)")
+    b.add_argument("--overhead-prompts", type=int, default=8, help="with a reward: prompts timed for the overhead")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--filter", default=None, help="Learn2PD export: with a block-diffusion --target, bench baseline, "
+                   "Learn2PD, EoTP and both (the same as `draftsmith diffusion-bench`)")
+    b.add_argument("--cache", default="off", choices=["off", "on", "both"],
+                   help="block-diffusion bench: prefix KV cache across finished blocks off, on, or every mode both ways")
+    b.add_argument("--gen-length", type=int, default=256, help="block-diffusion bench: answer slots per prompt")
     b.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     b.add_argument("--out", default=None, help="folder for bench.json, bench.md, acceptance.png")
     b.add_argument("--skip-hf", action="store_true", help="do not time HF generate")
@@ -148,6 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write JSON/markdown/PNG with --out."""
+    from draftsmith.runtime.bench.controller import cmd_reward_bench, is_reward_task
     from draftsmith.runtime.bench.report import markdown_table, write_outputs
     from draftsmith.runtime.bench.run import (
         load_prompts,
@@ -159,8 +175,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     from draftsmith.runtime.decoding.prompt_limits import context_limit
 
+    if args.filter or _is_diffusion_target(args.target):
+        from argparse import Namespace
+
+        from draftsmith.runtime.bench.diffusion import run_cli
+
+        if args.drafter or args.controller:
+            raise ValueError("a block-diffusion target is benched with --filter (Learn2PD) only, not with --drafter or "
+                             "--controller")
+        if not args.target:
+            raise ValueError("--filter needs --target DIFFUSION_TARGET (a folder from `draftsmith diffusion-export`)")
+        run_cli(Namespace(target=args.target, filter=args.filter, prompts=args.prompts, limit=args.num_prompts,
+                          gen_length=args.gen_length, steps_per_block=None, threshold=None, cache=args.cache,
+                          temperature=args.temperature, dtype="fp32" if args.dtype == "auto" else args.dtype,
+                          threads=None, out=str(Path(args.out) / "diffusion_bench.json") if args.out else None))
+        return 0
+    if is_reward_task(args):
+        if args.drafter:
+            raise ValueError("a reward bench takes --controller (or nothing: fixed temperatures only), not --drafter "
+                             "(a drafter does not change the output distribution); bench its speed separately")
+        return cmd_reward_bench(args)
     if not args.drafter and not args.controller:
-        raise ValueError("bench needs --drafter EXPORT (a drafter) and/or --controller EXPORT (a temperature layer)")
+        raise ValueError("bench needs --drafter EXPORT (a drafter), --controller EXPORT (a temperature layer), or a "
+                         "reward task (--prompts embedded:heldout) to compare fixed temperatures")
+    if args.controller:
+        if "," in args.controller:
+            raise ValueError("several --controller exports are compared on a reward task only (--prompts "
+                             "embedded:heldout or --reward NAME)")
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
                       stop_policy=args.stop_policy, controller=args.controller)
@@ -194,6 +235,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         print(json.dumps({k: result[k] for k in ("tau", "tokens_per_s", "speedup", "lossless", "backend")}, indent=2))
     return 0
+
+
+def _is_diffusion_target(target: str | None) -> bool:
+    """Whether ``target`` is a block-diffusion folder (its config.json carries the diffusion block)."""
+    from draftsmith.runtime.target.diffusion_lm import DIFFUSION_KEY
+
+    config = Path(target) / "config.json" if target else None
+    return bool(config and config.is_file() and DIFFUSION_KEY in json.loads(config.read_text()))
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:

@@ -128,3 +128,28 @@ def test_cli_refuses_causal_target_and_foreign_filter(tiny_target_dir, tmp_path,
     rc = cli.main(["diffusion-bench", "--target", str(dlm), "--prompts", str(prompts), "--gen-length", "16",
                    "--cache", "on", "--out", str(tmp_path / "b.json")])
     assert rc == 0 and json.loads((tmp_path / "b.json").read_text())["rows"][0]["same_as_baseline"] == 1.0
+    # `draftsmith bench --target DLM [--filter EXPORT]` is the same bench (the spelling), with a markdown twin
+    rc = cli.main(["bench", "--target", str(dlm), "--filter", str(tmp_path / "f32"), "--prompts", str(prompts),
+                   "--gen-length", "16"])
+    assert rc == 2 and "trained for block length 32 but the target decodes blocks of 8" in capsys.readouterr().err
+    rc = cli.main(["bench", "--target", str(dlm), "--prompts", str(prompts), "--gen-length", "16", "--cache", "on",
+                   "--out", str(tmp_path / "bench")])
+    table = (tmp_path / "bench" / "diffusion_bench.md").read_text()
+    assert rc == 0 and "| baseline+cache |" in table and "| eotp+cache |" in table
+    assert json.loads((tmp_path / "bench" / "diffusion_bench.json").read_text())["rows"][0]["same_as_baseline"] == 1.0
+
+
+def test_task_accuracy_counts_only_checkable_prompts():
+    from draftsmith.runtime.bench.diffusion import add_task_accuracy, markdown_table
+
+    records = [{"text": "What is 2 + 3?", "answer": "5"}, {"text": "Continue: The cat", "answer": None},
+               {"text": "Repeat this word exactly: apple", "answer": "apple"}]
+    words = {1: "The answer is 5.", 2: "a cat", 3: "pear", 4: "apple"}
+    result = {"rows": [{"mode": "baseline"}, {"mode": "eotp"}],
+              "answers": {"baseline": [[1], [2], [3]], "eotp": [[1], [2], [4]]}}
+    add_task_accuracy(result, records, lambda ids: words[ids[0]])
+    assert [r["task_accuracy"] for r in result["rows"]] == [0.5, 1.0] and result["checkable_prompts"] == 2
+    for row in result["rows"]:
+        row.update(tokens_per_s=1, steps_per_block=1, forwards_per_token=1, speedup=1, step_reduction=1,
+                   same_as_baseline=1)
+    assert "task accuracy |" in markdown_table(result).splitlines()[0]

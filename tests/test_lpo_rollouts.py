@@ -166,6 +166,18 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
     assert len(out) == 6
     result = bench_controller(rt, [[5, 9, 13], [7, 7, 2]], 6)
     assert result["tokens_per_s_with_layer"] > 0 and 0.0 <= result["mean_chosen_temperature"] <= 1.0
+    assert result["layer_calls"] >= 2 * 6 and result["tokens_per_s_without_layer"] > 0  # replayed call by call
+
+    # The reward bench: every fixed grid temperature and the layer on the task, then the layer's overhead.
+    from draftsmith.cli import main as cli_main
+
+    assert cli_main(["bench", "--controller", summary["export"], "--target", str(tiny_target_dir), "--prompts",
+                     str(prompts), "--reward", REWARD, "--samples-per-prompt", "2", "--max-new-tokens", "6",
+                     "--overhead-prompts", "2", "--dtype", "fp32", "--out", str(tmp_path / "rb")]) == 0
+    report = json.loads((tmp_path / "rb" / "reward_eval.json").read_text())
+    assert list(report["table"]) == ["T=0", "T=0.5", "T=1", "adaptive-token"] and report["prompts"] == len(TEXTS)
+    assert report["overhead"]["adaptive-token"]["layer_calls"] > 0
+    assert (tmp_path / "rb" / "reward_eval.md").read_text().startswith("| condition | mixed set | k |")
 
 
 def test_a_controller_that_always_picks_t0_decodes_exactly_greedy():

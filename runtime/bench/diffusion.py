@@ -6,6 +6,7 @@ speedup over the baseline (same cache setting) and the share of prompts whose an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -21,8 +22,10 @@ MODES = ("baseline", "learn2pd", "eotp", "learn2pd+eotp")
 
 
 def bench_modes(lm: DiffusionLM, prompts: list[list[int]], cfg: DiffusionDecodeConfig, filter_module: Any = None,
-                caches: tuple[bool, ...] = (False,), threshold: float | None = None) -> dict[str, Any]:
-    """Decode every prompt in every mode (Learn2PD modes only with a filter); returns rows and the answers."""
+                caches: tuple[bool, ...] = (False,), threshold: float | None = None,
+                progress: Callable[[int], None] = lambda k: None) -> dict[str, Any]:
+    """Decode every prompt in every mode (Learn2PD modes only with a filter); returns rows and the answers.
+    ``progress(1)`` is called after each decode."""
     rows, answers = [], {}
     for cache in caches:
         for mode in MODES:
@@ -30,7 +33,10 @@ def bench_modes(lm: DiffusionLM, prompts: list[list[int]], cfg: DiffusionDecodeC
                 continue
             run_cfg = replace(cfg, use_cache=cache, eotp="eotp" in mode)
             policy = learn2pd_policy(filter_module, threshold) if "learn2pd" in mode else baseline_policy
-            results = [diffusion_decode(lm, p, run_cfg, policy=policy) for p in prompts]
+            results = []
+            for p in prompts:
+                results.append(diffusion_decode(lm, p, run_cfg, policy=policy))
+                progress(1)
             name = mode + ("+cache" if cache else "")
             answers[name] = [r.answer for r in results]
             seconds = sum(r.seconds for r in results)
@@ -61,8 +67,29 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def add_task_accuracy(result: dict[str, Any], records: list[dict], decode: Callable[[list[int]], str]) -> None:
+    """Each row's ``task_accuracy``: the exact-match share over the prompts that have a checkable ``answer``."""
+    from draftsmith.runtime.tools.rewards import exact_match
+
+    checkable = [i for i, r in enumerate(records) if r.get("answer") is not None]
+    for row in result["rows"]:
+        answers = result["answers"][row["mode"]]
+        hits = [exact_match(records[i], decode(answers[i])) for i in checkable]
+        row["task_accuracy"] = round(sum(hits) / len(hits), 3) if hits else None
+    result["checkable_prompts"] = len(checkable)
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The bench rows as markdown (what the README and ``--out``'s .md hold)."""
+    cols = ("mode", "tokens_per_s", "steps_per_block", "forwards_per_token", "speedup", "step_reduction",
+            "same_as_baseline") + (("task_accuracy",) if "task_accuracy" in result["rows"][0] else ())
+    out = "| " + " | ".join(c.replace("_", " ") for c in cols) + " |\n|" + "---|" * len(cols) + "\n"
+    return out + "".join("| " + " | ".join(str(row[c]) for c in cols) + " |\n" for row in result["rows"])
+
+
 def run_cli(args: Any) -> dict[str, Any]:
-    """``draftsmith diffusion-bench``: every mode over the prompts; prints the table, writes JSON with ``--out``."""
+    """``draftsmith diffusion-bench`` (= ``draftsmith bench --target DLM [--filter EXPORT]``): every mode over the
+    prompts with a progress bar; prints the table, writes JSON (and a markdown twin) with ``--out``."""
     import json
     from pathlib import Path
 
@@ -78,11 +105,25 @@ def run_cli(args: Any) -> dict[str, Any]:
     lm = load_diffusion_lm(args.target, dtype=dtype_from_name(args.dtype))
     filt = Learn2PDFilter.from_export(args.filter, block_length=lm.spec.block_length) if args.filter else None
     steps = args.steps_per_block or (filt.config.steps_per_block if filt is not None else lm.spec.block_length)
-    prompts = load_prompts(args.prompts, lm.tokenizer, args.limit)
+    records = None
+    if str(args.prompts).startswith("embedded"):  # the mixed task: some prompts have a checkable answer
+        from draftsmith.common.chat import encode_chat
+        from draftsmith.runtime.tools.mixed_task import load_prompt_records
+
+        records = load_prompt_records(args.prompts, args.limit)
+        prompts = [encode_chat(lm.tokenizer, [{"role": "user", "content": r["text"]}]) for r in records]
+    else:
+        prompts = load_prompts(args.prompts, lm.tokenizer, args.limit)
     cfg = DiffusionDecodeConfig(gen_length=args.gen_length, steps_per_block=steps, temperature=args.temperature)
-    result = bench_modes(lm, prompts, cfg, filt, caches={"off": (False,), "on": (True,), "both": (False, True)}[args.cache],
-                         threshold=args.threshold)
+    caches = {"off": (False,), "on": (True,), "both": (False, True)}[args.cache]
+    modes = sum(1 for m in MODES if filt is not None or "learn2pd" not in m) * len(caches)
+    from tqdm import tqdm
+
+    with tqdm(total=modes * len(prompts), desc="diffusion bench", unit="decode") as bar:
+        result = bench_modes(lm, prompts, cfg, filt, caches=caches, threshold=args.threshold, progress=bar.update)
     result["target"], result["filter"] = str(args.target), args.filter
+    if records is not None:
+        add_task_accuracy(result, records, lambda ids: lm.tokenizer.decode(ids, skip_special_tokens=True))
     first = result["rows"][0]["mode"]  # baseline or baseline+cache
     result["samples"] = [lm.tokenizer.decode(a) for a in result["answers"][first][:3]]
     print(format_table(result))
@@ -91,4 +132,5 @@ def run_cli(args: Any) -> dict[str, Any]:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.out).with_suffix(".md").write_text(markdown_table(result))
     return result

@@ -24,13 +24,24 @@ SPLITS = ("train", "heldout", "all")
 WORDS = ("apple", "river", "garden", "silver", "window", "planet", "yellow", "thunder", "basket", "mirror", "candle",
          "forest", "pencil", "rocket", "button", "island", "marble", "violin", "saddle", "tomato", "lantern", "copper",
          "meadow", "falcon", "harbor", "pepper", "jacket", "velvet", "anchor", "cactus", "ribbon", "glacier", "puzzle",
-         "orange", "bridge", "feather", "walnut", "compass", "blanket", "dolphin")
+         "orange", "bridge", "feather", "walnut", "compass", "blanket", "dolphin",
+         # the second 40 (per_kind 80): appended, so the first 40 prompts of each kind keep their split
+         "hammer", "carpet", "pillow", "rabbit", "cotton", "ladder", "needle", "turtle", "camera", "bottle", "kettle",
+         "spider", "parrot", "wallet", "sponge", "helmet", "zipper", "muffin", "lemon", "tunnel", "canyon", "barrel",
+         "magnet", "pirate", "oyster", "goblet", "trumpet", "biscuit", "cabinet", "diamond", "blossom", "chimney",
+         "penguin", "lobster", "satchel", "thimble", "scarf", "shovel", "teapot", "wagon")
 STARTS = ("The cat", "My friend", "The old house", "Every morning", "The little boy", "In the city", "The sun",
           "Our teacher", "The river", "A dog", "The king", "My mother", "The train", "Yesterday", "The robot",
           "The garden", "At night", "The doctor", "A bird", "The ship", "My brother", "The forest", "The car",
           "The girl", "In winter", "The baker", "The moon", "Our team", "The farmer", "The computer", "The town",
           "A storm", "The singer", "The window", "My father", "The mountain", "The student", "The rain", "The queen",
-          "The clock")
+          "The clock",
+          "The old man", "My sister", "The village", "Last summer", "The horse", "On the beach", "The pilot",
+          "Our neighbor", "The lake", "A cat", "The prince", "My uncle", "The bus", "Tomorrow", "The scientist",
+          "The park", "In the morning", "The nurse", "A fox", "The boat", "My cousin", "The desert", "The bicycle",
+          "The woman", "In spring", "The chef", "The stars", "Our class", "The fisherman", "The phone", "The castle",
+          "A wind", "The painter", "The door", "My grandmother", "The valley", "The teacher", "The snow", "The wizard",
+          "The bell")
 
 
 def _arithmetic(n: int, seed: int) -> list[dict]:
@@ -43,19 +54,26 @@ def _arithmetic(n: int, seed: int) -> list[dict]:
 
 
 def _copy(n: int) -> list[dict]:
-    return [{"id": f"copy-{i}", "kind": "copy", "text": f"Repeat this word exactly: {WORDS[i % len(WORDS)]}",
-             "answer": WORDS[i % len(WORDS)]} for i in range(n)]
+    return [{"id": f"copy-{i}", "kind": "copy", "text": f"Repeat this word exactly: {WORDS[i]}", "answer": WORDS[i]}
+            for i in range(n)]
 
 
 def _continue(n: int) -> list[dict]:
     return [{"id": f"continue-{i}", "kind": "continue", "answer": None,
-             "text": f"Continue this sentence in many different ways: {STARTS[i % len(STARTS)]}"} for i in range(n)]
+             "text": f"Continue this sentence in many different ways: {STARTS[i]}"} for i in range(n)]
 
 
-def mixed_prompts(split: str = "train", per_kind: int = 40, seed: int = 0) -> list[dict]:
-    """The embedded mixed prompt set (kinds interleaved) of ``split``: train, heldout (every fifth prompt) or all."""
+def mixed_prompts(split: str = "train", per_kind: int = 80, seed: int = 0) -> list[dict]:
+    """The embedded mixed prompt set (kinds interleaved) of ``split``: train, heldout (every fifth prompt) or all.
+
+    80 prompts per kind (64 train, 16 held out). The first 40 of each kind are the set of earlier versions, with the
+    same split; the second 40 were added because 8 held-out open-ended prompts gave too wide an interval (whether
+    greedy decoding loops depends a lot on the prompt)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if not 1 <= per_kind <= min(len(WORDS), len(STARTS)):
+        raise ValueError(f"per_kind must be 1..{min(len(WORDS), len(STARTS))} (distinct words and starts), got "
+                         f"{per_kind}")
     kinds = [_arithmetic(per_kind, seed), _copy(per_kind), _continue(per_kind)]
     rows = [p for group in zip(*kinds) for p in group]
     if split == "all":

@@ -46,10 +46,11 @@ class RolloutError(ValueError):
 @torch.no_grad()
 def sample_group(model: Any, prompt_ids: Sequence[int], n: int, grid: Sequence[float], granularity: str,
                  head: AdaptiveTemperatureHead | None = None, max_new_tokens: int = 64, eos_ids: Sequence[int] = (),
-                 generator: torch.Generator | None = None) -> list[tuple[list[int], list[int]]]:
+                 generator: torch.Generator | None = None, choice: str = "sample") -> list[tuple[list[int], list[int]]]:
     """N sampled responses of one prompt with a HF causal LM -> ``[(tokens, temperature indices)]``, each cut after
     its first eos. The head (or a uniform draw when None) picks the index from the post-norm hidden state that
-    produces the token's logits: once per response (``sequence``) or at every token (``token``)."""
+    produces the token's logits: once per response (``sequence``) or at every token (``token``); ``choice`` is
+    ``sample`` (a draw from the head: what LPO learns from) or ``greedy`` (its argmax: how it is served)."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     device = next(model.parameters()).device
     temps = torch.tensor(list(grid), dtype=torch.float64)  # [K]
@@ -60,10 +61,12 @@ def sample_group(model: Any, prompt_ids: Sequence[int], n: int, grid: Sequence[f
     for _ in range(max_new_tokens):
         hidden = out.last_hidden_state[:, -1]  # [N, H] post-norm
         if fixed is None or granularity == "token":
-            if head is None:
+            if head is None and len(temps) == 1:  # a fixed temperature draws nothing: its token draws then match a
+                idx = torch.zeros(n, dtype=torch.long)  # layer's that picks the same temperature (paired benches)
+            elif head is None:
                 idx = torch.randint(len(temps), (n,), generator=generator)
             else:
-                idx = head.choose(hidden, "sample", generator).cpu()  # [N]
+                idx = head.choose(hidden, choice, generator).cpu()  # [N]
             fixed = idx
         probs = target_probs(logits[:, -1].cpu(), temps[fixed])  # [N, V] float64
         tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [N]
