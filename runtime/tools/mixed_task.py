@@ -3,11 +3,13 @@
 - ``arithmetic`` (checkable, exact match): "What is a + b?" with one-digit operands.
 - ``copy`` (checkable, exact match): "Repeat this word exactly: <word>".
   Greedy decoding is expected to be best for both: every sampled deviation can only lose the one right answer.
-- ``continue`` (open-ended, relevance minus repetition): "Continue this sentence in many different ways: <start>".
-  The small embedded target decoding greedily loops ("The cat is a cat. The cat is a cat. ..."), which the
-  repetition term punishes; sampling breaks the loops (the paper's Wikitext-2 repetition setting, in miniature).
-  A first version used "Write a short story about <topic>." instead: at 32-40 new tokens greedy did not loop yet
-  and T=0 was (insignificantly) best there too, so that kind gave adaptive decoding nothing to learn.
+- ``continue`` (open-ended, relevance minus repetition): "Continue this text: <start>". Decoding greedily, the small
+  embedded target loops or drifts, which the repetition term punishes; sampling breaks the loops (the paper's
+  Wikitext-2 repetition setting, in miniature). Measured on 16 held-out starts, 4 samples, 128 new tokens: reward
+  0.188 at T=0, 0.411 at T=0.8 (paired +0.223 [+0.054, +0.398]).
+  Earlier forms gave adaptive decoding nothing to learn: "Write a short story about <topic>." at 32-40 new tokens
+  (greedy did not loop yet), and "Continue this sentence in many different ways: <start>", where greedy looped on
+  some starts only and was the best fixed temperature over 16 held-out prompts (0.439 vs 0.407 at T=0.4).
 
 Prompts are generated deterministically (no files to ship) and split by a fixed rule into ``train`` and ``heldout``
 (every fifth prompt of each kind is held out). Records are ``{"id", "kind", "text", "answer"}`` (``answer`` None for
@@ -60,7 +62,7 @@ def _copy(n: int) -> list[dict]:
 
 def _continue(n: int) -> list[dict]:
     return [{"id": f"continue-{i}", "kind": "continue", "answer": None,
-             "text": f"Continue this sentence in many different ways: {STARTS[i]}"} for i in range(n)]
+             "text": f"Continue this text: {STARTS[i]}"} for i in range(n)]
 
 
 def mixed_prompts(split: str = "train", per_kind: int = 80, seed: int = 0) -> list[dict]:
