@@ -121,6 +121,7 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
     from draftsmith.runtime.bench.run import load_runtime
     from draftsmith.runtime.tools.mixed_task import load_prompt_records
     from draftsmith.runtime.tools.rewards import load_reward
+    from draftsmith.runtime.tools.rollouts import eos_ids_of
 
     exports = [e for e in (args.controller or "").split(",") if e.strip()]
     names = layer_names(exports)
@@ -143,7 +144,7 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
     records = load_prompt_records(args.prompts, args.num_prompts)
     for r in records:
         r["ids"] = encode_chat(tokenizer, r["text"])
-    eos = sorted({i for i in (tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id)) if i is not None})
+    eos = eos_ids_of(tokenizer, model)
     reward_name = args.reward or "embedded"
     settings = {"target": str(target), "prompts": args.prompts, "samples": args.samples_per_prompt,
                 "max_new_tokens": args.max_new_tokens,
@@ -171,7 +172,3 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
         png = plot(result, out / "reward_eval.png")
         print(f"wrote {out / 'reward_eval.json'}, reward_eval.md" + (", reward_eval.png" if png else ""))
     return 0
-
-
-def _as_list(x: Any) -> list:
-    return list(x) if isinstance(x, list | tuple) else [x]

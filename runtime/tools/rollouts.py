@@ -231,7 +231,7 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
     records = load_prompt_records(args.prompts, args.limit)
     for r in records:
         r["ids"] = encode_chat(tokenizer, r["text"])
-    eos = [i for i in {tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id)} if i is not None]
+    eos = eos_ids_of(tokenizer, model)
     meta = settings(args.target, grid, granularity, args.samples_per_prompt, args.max_new_tokens, args.reward,
                     args.seed, args.prompts, len(records), str(Path(args.controller).resolve()) if args.controller
                     else None)
@@ -241,8 +241,11 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
     return 0
 
 
-def _as_list(x: Any) -> list:
-    return list(x) if isinstance(x, list | tuple) else [x]
+def eos_ids_of(tokenizer: Any, model: Any) -> list[int]:
+    """The token ids that end a response: the tokenizer's eos and the model's generation-config eos (one or a list)."""
+    extra = model.generation_config.eos_token_id
+    extra = list(extra) if isinstance(extra, list | tuple) else [extra]
+    return sorted({i for i in (tokenizer.eos_token_id, *extra) if i is not None})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
