@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import TQDMProgressBar
+from pytorch_lightning.callbacks import Timer, TQDMProgressBar
 
 
 def format_duration(seconds: float) -> str:
@@ -25,18 +25,29 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def progress_fields(step: int, max_steps: int, start_step: int, tokens: int, seconds: float) -> dict[str, str]:
+def progress_fields(step: int, max_steps: int, start_step: int, tokens: int, seconds: float,
+                    time_left: float | None = None) -> dict[str, str]:
     """The bar's text for ``step`` of ``max_steps``: ``{"step": "N/M", "tok/s": ..., "eta": ...}``.
 
     ``start_step`` is where this fit began (a resume starts past 0), ``tokens`` the tokens trained on since then and
     ``seconds`` the wall time since then; before the first step of this fit there is no pace, so ``eta`` is ``?``.
+    ``time_left`` is what ``trainer.max_time`` still allows: a time-bounded run ends at whichever comes first.
     """
     done = step - start_step
     fields = {"step": f"{step}/{max_steps}"}
     if done <= 0 or seconds <= 0:
         return {**fields, "tok/s": "?", "eta": "?"}
     left = max(0, max_steps - step) * seconds / done
+    if time_left is not None:
+        left = min(left, max(0.0, time_left))
     return {**fields, "tok/s": f"{tokens / seconds:,.0f}", "eta": format_duration(left)}
+
+
+def max_time_left(trainer: pl.Trainer) -> float | None:
+    """Seconds ``trainer.max_time`` still allows this fit (restored elapsed time counted), or None without one."""
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    left = timer.time_remaining("train") if timer is not None else None
+    return float(left) if left is not None else None
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -75,7 +86,7 @@ class StepProgressBar(TQDMProgressBar):
         # tokens_seen counts this process only; data-parallel processes train on equal shares.
         tokens = (int(getattr(pl_module, "tokens_seen", 0)) - self._start_tokens) * int(trainer.world_size or 1)
         fields = progress_fields(int(trainer.global_step), int(trainer.max_steps), self._start_step, tokens,
-                                 time.perf_counter() - self._start_time)
+                                 time.perf_counter() - self._start_time, time_left=max_time_left(trainer))
         metrics = {k: v for k, v in self.get_metrics(trainer, pl_module).items() if k != "v_num"}
         return f"step {fields['step']}", {"tok/s": fields["tok/s"], "eta": fields["eta"], **metrics}
 

@@ -130,8 +130,7 @@ class DiffusionAdaptObjective:
         return loss, metrics
 
     def write_export(self, out_dir: Any, training: dict[str, Any]) -> Any:
-        """The export as an ordinary HF folder (for an ``export_from_module`` hook; until the trainer calls it,
-        ``draftsmith diffusion-export`` converts the draftsmith-format export)."""
+        """The export as an ordinary HF folder (``export_from_module`` calls this instead of the draftsmith format)."""
         return save_diffusion_folder(self.module.model, self.module.tokenizer, self.module.spec, out_dir,
                                      extra={"trained": training})
 

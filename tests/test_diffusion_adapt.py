@@ -72,3 +72,7 @@ def test_draftsmith_export_converts_to_hf_folder(tiny_target_dir, tmp_path):
     lm = load_diffusion_lm(str(out))
     ids = torch.tensor([[5, 6, 7, 8]])
     torch.testing.assert_close(lm.model(ids).logits, objective.module.model.eval()(ids).logits)
+    # what the trainer writes now is already the HF folder: converting it again says to pass it directly
+    with pytest.raises(DiffusionTargetError, match="already a block-diffusion HF folder"):
+        folder_from_export(out, tmp_path / "hf2")
+    assert not (tmp_path / "hf2").exists()

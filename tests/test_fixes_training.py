@@ -268,18 +268,25 @@ def test_nonfinite_loss_before_any_checkpoint_says_none_was_written(tmp_path, ti
 
 
 def test_progress_bar_shows_steps_tokens_per_second_and_eta(tmp_path):
-    from draftsmith.distill.progress import StepProgressBar, format_duration, progress_fields
+    from pytorch_lightning.callbacks import Timer
+
+    from draftsmith.distill.progress import StepProgressBar, format_duration, max_time_left, progress_fields
     from draftsmith.distill.trainer import build_trainer
 
     assert progress_fields(12, 200, 0, 12_000, 10.0) == {"step": "12/200", "tok/s": "1,200", "eta": "2m37s"}
     assert progress_fields(50, 200, 50, 0, 0.0) == {"step": "50/200", "tok/s": "?", "eta": "?"}  # just resumed
+    # trainer.max_time ends the run first: the ETA is the time it still allows, not the step count's pace
+    assert progress_fields(12, 100_000, 0, 12_000, 10.0, time_left=125.0)["eta"] == "2m05s"
+    assert progress_fields(12, 200, 0, 12_000, 10.0, time_left=3600.0)["eta"] == "2m37s"
     assert [format_duration(s) for s in (5, 65, 7300)] == ["5s", "1m05s", "2h01m"]
+    assert max_time_left(SimpleNamespace(callbacks=[Timer(duration="00:00:10:00")])) == 600.0
+    assert max_time_left(SimpleNamespace(callbacks=[])) is None
 
     trainer = build_trainer(compose_config(["recipe=medusa"]), tmp_path)
     assert isinstance(trainer.progress_bar_callback, StepProgressBar)
 
     bar = StepProgressBar()
-    fake = SimpleNamespace(global_step=0, max_steps=200, world_size=1, loggers=[],
+    fake = SimpleNamespace(global_step=0, max_steps=200, world_size=1, loggers=[], callbacks=[],
                            progress_bar_metrics={"train/loss": 3.25})
     module = SimpleNamespace(tokens_seen=0)
     bar.on_train_start(fake, module)

@@ -191,6 +191,10 @@ def folder_from_export(source: str | Path, out_dir: str | Path) -> Path:
     source = Path(source)
     if not (source / "config.json").is_file() and (source / "export" / "config.json").is_file():
         source = source / "export"
+    raw = json.loads((source / "config.json").read_text()) if (source / "config.json").is_file() else {}
+    if DIFFUSION_KEY in raw and raw.get("format") != "draftsmith":
+        raise DiffusionTargetError(f"{source} is already a block-diffusion HF folder (recipe=diffusion_adapt writes "
+                                   f"one): pass it as the target directly, e.g. `--target {source}`")
     config, state = read_export(source)
     if config.get("method") != "diffusion_adapt":
         raise DiffusionTargetError(f"{source} is a {config.get('method')!r} export, not a recipe=diffusion_adapt one")
