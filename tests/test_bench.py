@@ -188,3 +188,34 @@ def test_an_exception_without_a_message_is_named_not_printed_empty(monkeypatch, 
     monkeypatch.setenv("DRAFTSMITH_DEBUG", "1")
     with pytest.raises(StopIteration):
         cli.main(["generate", "--prompt", "hi"])
+
+
+def _timer(rows: list[tuple[int, float]]) -> dict:
+    return {"per_prompt": [{"tokens": t, "seconds": s} for t, s in rows]}
+
+
+def test_speedup_ci_brackets_the_ratio_and_collapses_when_every_prompt_agrees():
+    from draftsmith.runtime.bench.timing import speedup_ci
+
+    base = _timer([(100, 1.0), (50, 0.5), (80, 1.0)])
+    twice = _timer([(100, 0.5), (50, 0.25), (80, 0.5)])  # every prompt exactly 2x faster
+    lo, hi = speedup_ci(base, twice)
+    assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
+    noisy = _timer([(100, 0.9), (50, 0.6), (80, 1.0)])  # per prompt 1.11x, 0.83x, 0.8x of base's rate
+    lo, hi = speedup_ci(base, noisy)
+    assert 0.8 - 1e-9 <= lo < hi <= 1.0 / 0.9 + 1e-9
+    with pytest.raises(ValueError, match="same prompts"):
+        speedup_ci(base, _timer([(100, 1.0)]))
+
+
+def test_bench_table_shows_the_speedup_interval_and_says_when_plain_decoding_was_served(medusa_export, prompts_file):
+    from draftsmith.runtime.bench.report import markdown_table
+    from draftsmith.runtime.drafting.base import NullProposer
+
+    rt = load_runtime(str(medusa_export), None, "fp32")
+    rt.speculative.proposer = NullProposer()  # what the cost-aware default serves when speculation would lose
+    result = run_bench(rt, load_prompts(str(prompts_file), rt.tokenizer, None), max_new_tokens=8, skip_hf=True)
+    lo, hi = result["speedup"]["vs_runtime_ar_ci95"]
+    assert lo <= hi and result["served_plain"] is True and result["lossless"] is True
+    row = next(line for line in markdown_table(result).splitlines() if line.startswith("| speedup vs runtime AR"))
+    assert "95% CI" in row and "runtime AR loop itself" in row

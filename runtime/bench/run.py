@@ -22,6 +22,7 @@ from draftsmith.runtime.bench.timing import (
     compare_outputs,
     eos_ids_from_folder,
     read_bandwidth_gbs,
+    speedup_ci,
     step_weight_bytes,
     time_hf_generate,
     time_interleaved,
@@ -31,7 +32,7 @@ from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import LookaheadHeads, WrapsTarget, build_proposer
+from draftsmith.runtime.drafting.base import LookaheadHeads, NullProposer, WrapsTarget, build_proposer
 from draftsmith.runtime.target.adapters import target_adapter
 from draftsmith.runtime.target.loading import load_decoder
 
@@ -156,7 +157,6 @@ def attach_controller(runtime: Runtime, controller: str, identity: dict, given: 
     from draftsmith.controllers.adaptive_temperature import AdaptiveTemperatureHead, TemperaturePolicy
     from draftsmith.export.format import check_target
     from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
-    from draftsmith.runtime.drafting.base import NullProposer
 
     head, config = AdaptiveTemperatureHead.from_export(controller)
     check_target(config, identity, given)  # a controller trained on another target's hidden states is refused
@@ -386,6 +386,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "tokens_per_s": tps,
         "speedup": {"vs_hf_generate": (tps["speculative"] / tps["hf_generate"]) if hf else None,
                     "vs_runtime_ar": tps["speculative"] / tps["runtime_ar"],
+                    "vs_runtime_ar_ci95": list(speedup_ci(ar, sp)),
                     "runtime_ar_vs_hf_generate": (tps["runtime_ar"] / tps["hf_generate"]) if hf else None},
         "lossless": None if lossless is None else lossless["all_identical"], "lossless_detail": lossless,
         "same_dtype_match": same_dtype,
@@ -396,5 +397,5 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
         "threads": torch.get_num_threads(),
         "cost_model": cost_model, "profile": step_profile, "sweep": sweep, "target_change": target_change,
-        "verify_reuse": verify_reuse,
+        "verify_reuse": verify_reuse, "served_plain": type(spec.proposer) is NullProposer,
     }
