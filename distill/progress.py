@@ -14,15 +14,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Timer, TQDMProgressBar
 
-
-def format_duration(seconds: float) -> str:
-    """``42s``, ``3m05s`` or ``2h07m``: short enough for a progress bar postfix."""
-    seconds = max(0, int(round(seconds)))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+from draftsmith.common.durations import format_duration
 
 
 def progress_fields(step: int, max_steps: int, start_step: int, tokens: int, seconds: float,

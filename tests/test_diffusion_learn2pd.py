@@ -151,5 +151,14 @@ def test_task_accuracy_counts_only_checkable_prompts():
     assert [r["task_accuracy"] for r in result["rows"]] == [0.5, 1.0] and result["checkable_prompts"] == 2
     for row in result["rows"]:
         row.update(tokens_per_s=1, steps_per_block=1, forwards_per_token=1, speedup=1, step_reduction=1,
-                   same_as_baseline=1)
+                   same_as_baseline=1, agreed_prefix=1)
     assert "task accuracy |" in markdown_table(result).splitlines()[0]
+
+
+def test_agreed_prefix_measures_the_share_before_the_first_difference():
+    from draftsmith.runtime.bench.diffusion import agreed_prefix
+
+    base = [[1, 2, 3, 4], [5, 6], [7, 8]]
+    assert agreed_prefix(base, base) == 1.0
+    # 2 of 4 tokens before the difference; a longer answer agrees on 2 of its 3; an empty one on none
+    assert agreed_prefix([[1, 2, 9, 4], [5, 6, 0], []], base) == pytest.approx((2 / 4 + 2 / 3 + 0) / 3)

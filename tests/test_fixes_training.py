@@ -279,6 +279,9 @@ def test_progress_bar_shows_steps_tokens_per_second_and_eta(tmp_path):
     assert progress_fields(12, 100_000, 0, 12_000, 10.0, time_left=125.0)["eta"] == "2m05s"
     assert progress_fields(12, 200, 0, 12_000, 10.0, time_left=3600.0)["eta"] == "2m37s"
     assert [format_duration(s) for s in (5, 65, 7300)] == ["5s", "1m05s", "2h01m"]
+    from draftsmith.common.durations import eta_seconds
+
+    assert eta_seconds(0, 10, 5.0) is None and eta_seconds(2, 10, 5.0) == 20.0 and eta_seconds(10, 10, 9.0) == 0
     assert max_time_left(SimpleNamespace(callbacks=[Timer(duration="00:00:10:00")])) == 600.0
     assert max_time_left(SimpleNamespace(callbacks=[])) is None
 

@@ -88,6 +88,7 @@ def test_resume_after_interruption_gives_identical_file(tiny_target_dir, tiny_da
     logs: list[str] = []
     report = regen.regenerate(str(tiny_data_file), out, log=logs.append, **kwargs)
     assert report.resumed == 2 and report.written == 3 and "resuming" in logs[0]
+    assert any(", eta " in m for m in logs)  # a long regeneration says how long is left
     assert out.read_bytes() == full.read_bytes()
     assert not partial.exists()
 

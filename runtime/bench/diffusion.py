@@ -48,7 +48,8 @@ def bench_modes(lm: DiffusionLM, prompts: list[list[int]], cfg: DiffusionDecodeC
                          "steps": sum(r.steps for r in results),
                          "steps_per_block": round(sum(r.steps for r in results) / max(blocks, 1), 2),
                          "forwards_per_token": round(sum(r.forwards for r in results) / max(tokens, 1), 3),
-                         "same_as_baseline": round(sum(a == b for a, b in zip(answers[name], base)) / len(prompts), 3)})
+                         "same_as_baseline": round(sum(a == b for a, b in zip(answers[name], base)) / len(prompts), 3),
+                         "agreed_prefix": round(agreed_prefix(answers[name], base), 3)})
     base_s = {c: next(r["seconds"] for r in rows if r["mode"] == "baseline" + ("+cache" if c else "")) for c in caches}
     base_steps = {c: next(r["steps"] for r in rows if r["mode"] == "baseline" + ("+cache" if c else "")) for c in caches}
     for row in rows:
@@ -58,10 +59,21 @@ def bench_modes(lm: DiffusionLM, prompts: list[list[int]], cfg: DiffusionDecodeC
     return {"config": asdict(cfg), "prompts": len(prompts), "rows": rows, "answers": answers}
 
 
+def agreed_prefix(answers: list[list[int]], baseline: list[list[int]]) -> float:
+    """Mean share of each baseline answer that a mode reproduces before its first differing token (1.0 = identical;
+    a prompt whose answers differ only after the baseline's end scores by the longer answer). Finer than
+    ``same_as_baseline``: one early divergence and one at the last token both make an answer "different"."""
+    shares = []
+    for a, b in zip(answers, baseline):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        shares.append(same / max(len(a), len(b), 1))
+    return sum(shares) / max(len(shares), 1)
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The bench rows as an aligned text table."""
     cols = ("mode", "tokens_per_s", "steps", "steps_per_block", "forwards_per_token", "speedup", "step_reduction",
-            "same_as_baseline")
+            "same_as_baseline", "agreed_prefix")
     lines = ["  ".join(f"{c:>18}" for c in cols)]
     lines += ["  ".join(f"{str(row[c]):>18}" for c in cols) for row in result["rows"]]
     return "\n".join(lines)
@@ -82,7 +94,7 @@ def add_task_accuracy(result: dict[str, Any], records: list[dict], decode: Calla
 def markdown_table(result: dict[str, Any]) -> str:
     """The bench rows as markdown (what the README and ``--out``'s .md hold)."""
     cols = ("mode", "tokens_per_s", "steps_per_block", "forwards_per_token", "speedup", "step_reduction",
-            "same_as_baseline") + (("task_accuracy",) if "task_accuracy" in result["rows"][0] else ())
+            "same_as_baseline", "agreed_prefix") + (("task_accuracy",) if "task_accuracy" in result["rows"][0] else ())
     out = "| " + " | ".join(c.replace("_", " ") for c in cols) + " |\n|" + "---|" * len(cols) + "\n"
     return out + "".join("| " + " | ".join(str(row[c]) for c in cols) + " |\n" for row in result["rows"])
 

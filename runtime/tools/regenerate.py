@@ -33,6 +33,7 @@ import torch
 
 from draftsmith import assets
 from draftsmith.common.chat import encode_chat
+from draftsmith.common.durations import eta_seconds, format_duration
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
 
@@ -221,6 +222,7 @@ def regenerate(
     eos = stop_ids(rt.tokenizer, rt.eos_ids)
     context = context_limit(rt.model)
     seen, start, last_log = 0, time.perf_counter(), 0.0
+    skipped_before = None  # conversations the resumed file already held when this run's first new one started
     with open(partial, "a", encoding="utf-8") as handle:
         for index, messages in _chain(first, conversations):
             if limit is not None and seen >= limit:
@@ -228,6 +230,8 @@ def regenerate(
             seen += 1
             if index <= last_done:
                 continue
+            if skipped_before is None:
+                skipped_before = seen - 1
             generator = torch.Generator().manual_seed(seed * 1_000_003 + index)  # per conversation: resumable
             new, tokens, note = regenerate_conversation(rt.model, rt.tokenizer, messages, turns, max_new_tokens,
                                                         temperature, top_p, eos, generator, context,
@@ -244,8 +248,10 @@ def regenerate(
             now = time.perf_counter() - start
             if now - last_log >= 5.0 or report.written == 1:
                 last_log = now
+                left = eta_seconds(seen - skipped_before, limit - skipped_before, now) if limit else None
                 log(f"[{seen}{'/' + str(limit) if limit else ''}] wrote {report.written + report.resumed}, "
-                    f"{report.tokens} tokens, {report.tokens / max(now, 1e-9):.1f} tokens/s")
+                    f"{report.tokens} tokens, {report.tokens / max(now, 1e-9):.1f} tokens/s"
+                    + (f", eta {format_duration(left)}" if left is not None else ""))
     report.seconds = time.perf_counter() - start
     if report.written + report.resumed == 0:
         raise ValueError(f"no conversation of {data} could be regenerated (skipped: {report.skipped}); "
