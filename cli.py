@@ -163,7 +163,7 @@ def _add_diffusion_subcommands(sub: argparse._SubParsersAction) -> None:
     for name, helptext in (("trajectories", "Learn2PD oracle trajectories of a diffusion target"),
                            ("diffusion-bench", "baseline vs Learn2PD vs EoTP block-diffusion decoding")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--target", required=True, help="diffusion target folder (draftsmith diffusion-export)")
+        p.add_argument("--target", required=True, help="block-diffusion target folder (recipe=diffusion_adapt's <run dir>/export)")
         p.add_argument("--prompts", default="mtbench", help="mtbench | sharegpt | a .txt/.jsonl file")
         p.add_argument("--limit", type=int, default=None, help="first N prompts")
         p.add_argument("--gen-length", type=int, default=256)
