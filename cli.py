@@ -170,6 +170,8 @@ def _add_diffusion_subcommands(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--steps-per-block", type=int, default=None, help="default: the block length (1 token/step)")
         p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+        p.add_argument("--trust-remote-code", action="store_true",
+                       help="allow a target whose modelling code ships with its weights (LLaDA, Dream) to run it")
         if name == "trajectories":
             p.add_argument("--out", required=True, help="trajectory folder (resumable)")
             p.add_argument("--shard-size", type=int, default=8, help="prompts per safetensors shard")

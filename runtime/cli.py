@@ -62,6 +62,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--cache", default="off", choices=["off", "on", "both"],
                    help="block-diffusion bench: prefix KV cache across finished blocks off, on, or every mode both ways")
     b.add_argument("--gen-length", type=int, default=256, help="block-diffusion bench: answer slots per prompt")
+    b.add_argument("--threshold", type=float, default=None,
+                   help="block-diffusion bench: the Learn2PD filter's acceptance threshold (default: the exported one)")
+    b.add_argument("--trust-remote-code", action="store_true",
+                   help="block-diffusion bench: allow a target whose modelling code ships with it (LLaDA, Dream)")
     b.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     b.add_argument("--out", default=None, help="folder for bench.json, bench.md, acceptance.png")
     b.add_argument("--skip-hf", action="store_true", help="do not time HF generate")
@@ -184,11 +188,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError("a block-diffusion target is benched with --filter (Learn2PD) only, not with --drafter or "
                              "--controller")
         if not args.target:
-            raise ValueError("--filter needs --target DIFFUSION_TARGET (a folder from `draftsmith diffusion-export`)")
+            raise ValueError("--filter needs --target DIFFUSION_TARGET (recipe=diffusion_adapt's <run dir>/export)")
         run_cli(Namespace(target=args.target, filter=args.filter, prompts=args.prompts, limit=args.num_prompts,
-                          gen_length=args.gen_length, steps_per_block=None, threshold=None, cache=args.cache,
+                          gen_length=args.gen_length, steps_per_block=None, threshold=args.threshold, cache=args.cache,
                           temperature=args.temperature, dtype="fp32" if args.dtype == "auto" else args.dtype,
-                          threads=None, out=str(Path(args.out) / "diffusion_bench.json") if args.out else None))
+                          threads=None, trust_remote_code=args.trust_remote_code,
+                          out=str(Path(args.out) / "diffusion_bench.json") if args.out else None))
         return 0
     if is_reward_task(args):
         if args.drafter:
@@ -238,11 +243,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _is_diffusion_target(target: str | None) -> bool:
-    """Whether ``target`` is a block-diffusion folder (its config.json carries the diffusion block)."""
-    from draftsmith.runtime.target.diffusion_lm import DIFFUSION_KEY
+    """Whether ``target`` is a diffusion-LM folder (its config.json carries the diffusion block, or it is a known
+    published family: LLaDA, Dream)."""
+    from draftsmith.runtime.target.diffusion_lm import DIFFUSION_KEY, REMOTE_FAMILIES
 
     config = Path(target) / "config.json" if target else None
-    return bool(config and config.is_file() and DIFFUSION_KEY in json.loads(config.read_text()))
+    if not (config and config.is_file()):
+        return False
+    raw = json.loads(config.read_text())
+    return DIFFUSION_KEY in raw or str(raw.get("model_type", "")).lower() in REMOTE_FAMILIES
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:

@@ -122,9 +122,11 @@ def diffusion_decode(lm: DiffusionLM, prompt: list[int] | torch.Tensor, cfg: Dif
     ``canvas`` [L] is the block, and writing into it replaces tokens (the oracle's anti-stall copy).
     """
     L, mask_id = lm.spec.block_length, lm.spec.mask_token_id
-    if not lm.spec.shift:
-        raise ValueError("this target scores slot i at position i (no shift, LLaDA-style); only shifted block-diffusion "
-                         "targets (recipe=diffusion_adapt, Dream-style) decode here so far")
+    full_attention = getattr(lm.spec, "attention", "block") == "full"
+    if cfg.use_cache and (full_attention or not lm.spec.shift):
+        raise ValueError("the prefix cache needs a shifted block-causal target (recipe=diffusion_adapt); this one "
+                         + ("attends to the whole canvas (LLaDA, Dream)" if full_attention else "has no shift")
+                         + ": decode with the cache off")
     if cfg.gen_length % L:
         raise ValueError(f"gen_length {cfg.gen_length} is not a multiple of the block length {L}")
     prompt = torch.as_tensor(prompt, dtype=torch.long, device=lm.device).reshape(-1)
@@ -147,9 +149,11 @@ def diffusion_decode(lm: DiffusionLM, prompt: list[int] | torch.Tensor, cfg: Dif
         while bool((canvas == mask_id).any()):
             masked = canvas == mask_id
             if cache is None:
-                full = torch.cat([seq, canvas])[None]
+                later = cfg.gen_length - (b + 1) * L if full_attention else 0  # LLaDA/Dream also see later masks
+                full = torch.cat([seq, canvas, canvas.new_full((later,), mask_id)])[None]  # [1, P + bL + L + later]
                 logits, _ = lm.forward(full, block_ids(full.shape[1], L, offset, lm.device)[None])
-                slot_logits = logits[0, len(seq) - 1:len(seq) - 1 + L]  # [L, V]: position i scores slot i+1
+                first = len(seq) - 1 if lm.spec.shift else len(seq)  # shift: position i scores slot i+1
+                slot_logits = logits[0, first:first + L]  # [L, V]
             else:
                 blocks = block_ids(len(seq) + L, L, offset, lm.device)[None]
                 logits, _ = lm.forward(canvas[None], blocks[:, len(seq):], cache, past_blocks=blocks[:, :len(seq)])

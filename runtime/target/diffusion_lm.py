@@ -9,6 +9,12 @@ Conventions (shared by training, decoding and the oracle):
   padding transformers drops a 2-D mask and Llama attention silently falls back to causal.
 * Shift (as in DiffuLLaMA/Dream): the logits at position ``i`` score token ``i+1``, so the first slot of a block is
   predicted by the last position of the block before it.
+
+Published diffusion LMs ship their modelling code with the weights (``auto_map`` in ``config.json``), so they load
+only with ``trust_remote_code=True``, an explicit opt-in. They attend to the whole canvas (``attention="full"``):
+every step scores the prompt, the finished blocks, the current block and the still-masked later blocks together,
+with no prefix cache. LLaDA scores slot ``i`` at position ``i`` (no shift); Dream, initialised from Qwen2.5, keeps
+the shift.
 """
 
 from __future__ import annotations
@@ -35,20 +41,43 @@ class DiffusionSpec:
     block_length: int
     mask_token_id: int
     shift: bool = True
+    attention: str = "block"  # "block": bidirectional in a block, causal across (ours); "full": the whole canvas
 
     def to_dict(self) -> dict[str, Any]:
-        return {"block_length": self.block_length, "mask_token_id": self.mask_token_id, "shift": self.shift}
+        return {"block_length": self.block_length, "mask_token_id": self.mask_token_id, "shift": self.shift,
+                "attention": self.attention}
+
+
+# model_type -> (mask token id when the config does not name one, shift). Block length is a decoding choice for
+# these (LLaDA's evaluations and Learn2PD's filter use 32).
+REMOTE_FAMILIES = {"llada": (126336, False), "dream": (151666, True)}
+REMOTE_BLOCK_LENGTH = 32
 
 
 def spec_of(config: Any, where: str = "the model") -> DiffusionSpec:
-    """The diffusion spec recorded in a HF config (object or dict); a causal LM gets a clear error."""
+    """The diffusion spec recorded in a HF config (object or dict), or a known published family's (LLaDA, Dream);
+    a causal LM gets a clear error."""
     raw = config.get(DIFFUSION_KEY) if isinstance(config, dict) else getattr(config, DIFFUSION_KEY, None)
+    model_type = str((config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", "")) or "")
+    if not raw and model_type.lower() in REMOTE_FAMILIES:
+        default_mask, shift = REMOTE_FAMILIES[model_type.lower()]
+        mask = config.get("mask_token_id") if isinstance(config, dict) else getattr(config, "mask_token_id", None)
+        return DiffusionSpec(REMOTE_BLOCK_LENGTH, int(default_mask if mask is None else mask), shift, "full")
     if not raw:
         raise DiffusionTargetError(
             f"{where} is a causal (autoregressive) LM, not a block-diffusion target: its config has no "
             f"{DIFFUSION_KEY!r} block. Adapt it first with `draftsmith train recipe=diffusion_adapt target=...` and "
             "pass the run's export folder")
-    return DiffusionSpec(int(raw["block_length"]), int(raw["mask_token_id"]), bool(raw.get("shift", True)))
+    attention = str(raw.get("attention", "block"))
+    if attention not in ("block", "full"):
+        raise DiffusionTargetError(f"{where}: {DIFFUSION_KEY}.attention is {attention!r}; valid: block, full")
+    return DiffusionSpec(int(raw["block_length"]), int(raw["mask_token_id"]), bool(raw.get("shift", True)), attention)
+
+
+def supports_prefix_cache(spec: DiffusionSpec) -> bool:
+    """Whether finished blocks can be cached: block-causal attention (a finished block never reads a later one) and
+    the shift (the next block's first slot is scored by the cached last position)."""
+    return spec.attention == "block" and spec.shift
 
 
 def block_ids(length: int, block_length: int, offset: int = 0, device: Any = None) -> torch.Tensor:
@@ -113,6 +142,13 @@ class DiffusionLM:
         [1, P]); returns ``(logits, cache)`` with ``cache`` extended by ``ids`` only when ``commit``."""
         from transformers import DynamicCache
 
+        if self.spec.attention == "full":  # LLaDA/Dream: the remote model attends to everything it is given
+            if cache is not None or commit:
+                raise ValueError("a full-attention diffusion LM (LLaDA, Dream) has no prefix cache: decode with the "
+                                 "cache off")
+            out = self.model(input_ids=ids)
+            self.forwards += 1
+            return out.logits.float(), None
         past = 0 if cache is None else cache.get_seq_length()
         keys = blocks if past_blocks is None else torch.cat([past_blocks, blocks], dim=1)  # [1, P+T]
         if keys.shape[1] != past + ids.shape[1]:
@@ -158,9 +194,20 @@ def load_diffusion_lm(name_or_path: str, dtype: torch.dtype = torch.float32, dev
             f"{path} is a draftsmith export, not a HF model folder; convert it with "
             f"`draftsmith diffusion-export {path} --out {path}-hf` and pass that folder")
     spec = spec_of(raw, where=str(path))
+    auto_map = raw.get("auto_map") or {}
+    if spec.attention == "full" and not trust_remote_code:
+        raise DiffusionTargetError(
+            f"{path} is a {raw.get('model_type')} model whose modelling code ships with the weights (config.json "
+            "auto_map); loading it runs that code, so it is off by default: pass --trust-remote-code to allow it")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    if spec.mask_token_id >= model.get_input_embeddings().weight.shape[0]:
+    if "AutoModelForCausalLM" in auto_map or not auto_map:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    else:  # Dream registers its LM (with the head) under AutoModel only
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and spec.mask_token_id >= embeddings.weight.shape[0]:
         raise DiffusionTargetError(f"{path}: mask token id {spec.mask_token_id} is outside the embedding table")
     return DiffusionLM(model.to(device), tokenizer, spec, str(name_or_path))
 
@@ -218,5 +265,5 @@ def folder_from_export(source: str | Path, out_dir: str | Path) -> Path:
     return save_diffusion_folder(model, tokenizer, spec, out_dir, extra={"trained": config.get("training", {})})
 
 
-__all__ = ["folder_from_export", "DIFFUSION_KEY", "MASK_TOKEN", "DiffusionLM", "DiffusionSpec", "DiffusionTargetError", "additive_mask", "block_causal_mask",
-           "block_ids", "load_diffusion_lm", "prompt_offset", "save_diffusion_folder", "spec_of"]
+__all__ = ["folder_from_export", "DIFFUSION_KEY", "MASK_TOKEN", "REMOTE_FAMILIES", "DiffusionLM", "DiffusionSpec", "DiffusionTargetError", "additive_mask", "block_causal_mask",
+           "block_ids", "load_diffusion_lm", "prompt_offset", "save_diffusion_folder", "spec_of", "supports_prefix_cache"]

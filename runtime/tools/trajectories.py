@@ -178,15 +178,16 @@ def run_cli(args: Any) -> dict[str, Any]:
     from tqdm import tqdm
 
     from draftsmith.common.dtypes import dtype_from_name
-    from draftsmith.runtime.target.diffusion_lm import load_diffusion_lm
+    from draftsmith.runtime.target.diffusion_lm import load_diffusion_lm, supports_prefix_cache
 
     if args.threads:
         torch.set_num_threads(int(args.threads))
-    lm = load_diffusion_lm(args.target, dtype=dtype_from_name(args.dtype))
+    lm = load_diffusion_lm(args.target, dtype=dtype_from_name(args.dtype),
+                           trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
     prompts = load_prompts(args.prompts, lm.tokenizer, args.limit)
     cfg = DiffusionDecodeConfig(gen_length=args.gen_length, steps_per_block=args.steps_per_block or
                                 lm.spec.block_length, stop_at_eot=not args.full,
-                                use_cache=True)  # exact (tests) and several times cheaper
+                                use_cache=supports_prefix_cache(lm.spec))  # exact (tests) and several times cheaper
     with tqdm(total=len(prompts), desc="trajectories", unit="prompt") as bar:
         result = write_trajectories(lm, prompts, args.out, cfg, shard_size=args.shard_size, progress=bar.update)
     print(f"{result['examples']} examples from {result['prompts']} prompts in {result['out']}", flush=True)
