@@ -206,6 +206,7 @@ def test_speedup_ci_brackets_the_ratio_and_collapses_when_every_prompt_agrees():
     assert 0.8 - 1e-9 <= lo < hi <= 1.0 / 0.9 + 1e-9
     with pytest.raises(ValueError, match="same prompts"):
         speedup_ci(base, _timer([(100, 1.0)]))
+    assert speedup_ci(_timer([(100, 1.0)]), _timer([(100, 0.5)])) == (None, None)  # one prompt: no interval
 
 
 def test_bench_table_shows_the_speedup_interval_and_says_when_plain_decoding_was_served(medusa_export, prompts_file):
@@ -219,3 +220,5 @@ def test_bench_table_shows_the_speedup_interval_and_says_when_plain_decoding_was
     assert lo <= hi and result["served_plain"] is True and result["lossless"] is True
     row = next(line for line in markdown_table(result).splitlines() if line.startswith("| speedup vs runtime AR"))
     assert "95% CI" in row and "runtime AR loop itself" in row
+    rt.speculative.temperature_policy = lambda hidden: torch.zeros(hidden.shape[0])  # still no drafter, but the
+    assert not rt.speculative.serves_plain_ar()  # speculative loop runs (a controller's tempered sampling)

@@ -137,6 +137,9 @@ def test_cli_refuses_causal_target_and_foreign_filter(tiny_target_dir, tmp_path,
     table = (tmp_path / "bench" / "diffusion_bench.md").read_text()
     assert rc == 0 and "| baseline+cache |" in table and "| eotp+cache |" in table
     assert json.loads((tmp_path / "bench" / "diffusion_bench.json").read_text())["rows"][0]["same_as_baseline"] == 1.0
+    for bad in (["--threshold", "0.5"], ["--filter", str(tmp_path / "f32"), "--threshold", "1.5"]):  # before loading
+        rc = cli.main(["bench", "--target", str(dlm), "--prompts", str(prompts), "--gen-length", "16", *bad])
+        assert rc == 2 and "needs --filter EXPORT and a value strictly between 0 and 1" in capsys.readouterr().err
 
 
 def test_task_accuracy_counts_only_checkable_prompts():
@@ -162,3 +165,4 @@ def test_agreed_prefix_measures_the_share_before_the_first_difference():
     assert agreed_prefix(base, base) == 1.0
     # 2 of 4 tokens before the difference; a longer answer agrees on 2 of its 3; an empty one on none
     assert agreed_prefix([[1, 2, 9, 4], [5, 6, 0], []], base) == pytest.approx((2 / 4 + 2 / 3 + 0) / 3)
+    assert agreed_prefix([[]], [[]]) == 1.0  # two empty answers (an EoT at the first slot) are the same answer

@@ -135,6 +135,26 @@ def test_remote_family_needs_the_opt_in_then_decodes_like_the_reference_loop(fam
         diffusion_decode(lm, prompt, DiffusionDecodeConfig(gen_length=12, steps_per_block=4, use_cache=True))
 
 
+def test_bench_refuses_the_cache_for_a_full_attention_target_before_decoding(tmp_path, tiny_tokenizer, capsys):
+    from draftsmith import cli
+
+    folder = write_remote_folder(tmp_path / "llada", "llada", tiny_tokenizer)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello world\n")
+    rc = cli.main(["bench", "--target", str(folder), "--trust-remote-code", "--prompts", str(prompts),
+                   "--gen-length", "32", "--cache", "both", "--out", str(tmp_path / "b")])
+    assert rc == 2 and "use --cache off" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+def test_a_draftsmith_folder_cannot_claim_full_attention():
+    from draftsmith.runtime.target.diffusion_lm import DIFFUSION_KEY, spec_of
+
+    block = {"block_length": 32, "mask_token_id": 5, "shift": True}
+    assert spec_of({DIFFUSION_KEY: block}).attention == "block"
+    with pytest.raises(DiffusionTargetError, match="block-causal"):
+        spec_of({DIFFUSION_KEY: {**block, "attention": "full"}})
+
+
 def test_bench_recognises_a_remote_family_folder(tmp_path, tiny_tokenizer):
     from draftsmith.runtime.cli import _is_diffusion_target
 

@@ -66,7 +66,7 @@ def agreed_prefix(answers: list[list[int]], baseline: list[list[int]]) -> float:
     shares = []
     for a, b in zip(answers, baseline):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        shares.append(same / max(len(a), len(b), 1))
+        shares.append(1.0 if a == b else same / max(len(a), len(b)))
     return sum(shares) / max(len(shares), 1)
 
 
@@ -109,9 +109,13 @@ def run_cli(args: Any) -> dict[str, Any]:
 
     from draftsmith.common.dtypes import dtype_from_name
     from draftsmith.controllers.learn2pd import Learn2PDFilter
-    from draftsmith.runtime.target.diffusion_lm import load_diffusion_lm
+    from draftsmith.runtime.target.diffusion_lm import load_diffusion_lm, supports_prefix_cache
     from draftsmith.runtime.tools.trajectories import load_prompts
 
+    caches = {"off": (False,), "on": (True,), "both": (False, True)}[args.cache]
+    if args.threshold is not None and (args.filter is None or not 0 < args.threshold < 1):
+        raise ValueError(f"--threshold {args.threshold}: it is the Learn2PD filter's acceptance probability, so it "
+                         "needs --filter EXPORT and a value strictly between 0 and 1")
     if args.threads:
         torch.set_num_threads(int(args.threads))
     lm = load_diffusion_lm(args.target, dtype=dtype_from_name(args.dtype),
@@ -128,7 +132,9 @@ def run_cli(args: Any) -> dict[str, Any]:
     else:
         prompts = load_prompts(args.prompts, lm.tokenizer, args.limit)
     cfg = DiffusionDecodeConfig(gen_length=args.gen_length, steps_per_block=steps, temperature=args.temperature)
-    caches = {"off": (False,), "on": (True,), "both": (False, True)}[args.cache]
+    if True in caches and not supports_prefix_cache(lm.spec):  # before any decode, not after the uncached modes
+        raise ValueError(f"--cache {args.cache}: {args.target} has no exact prefix cache (full attention or no shift, "
+                         "e.g. LLaDA or Dream); use --cache off")
     modes = sum(1 for m in MODES if filt is not None or "learn2pd" not in m) * len(caches)
     from tqdm import tqdm
 

@@ -30,7 +30,7 @@ def _speedup_text(result: dict[str, Any]) -> str:
     s = result["speedup"]
     text = _fmt(s["vs_runtime_ar"])
     lo, hi = s.get("vs_runtime_ar_ci95") or (None, None)
-    if lo is not None and lo == lo:  # nan when one prompt was timed
+    if lo is not None:  # None when one prompt was timed
         text += f" [{lo:.2f}, {hi:.2f}] (95% CI, prompts resampled)"
     if result.get("served_plain"):
         text += "; served plain decoding runs the runtime AR loop itself, so any gap is timing noise"

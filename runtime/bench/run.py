@@ -397,5 +397,5 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
         "threads": torch.get_num_threads(),
         "cost_model": cost_model, "profile": step_profile, "sweep": sweep, "target_change": target_change,
-        "verify_reuse": verify_reuse, "served_plain": type(spec.proposer) is NullProposer,
+        "verify_reuse": verify_reuse, "served_plain": spec.serves_plain_ar(),
     }

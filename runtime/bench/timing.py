@@ -72,7 +72,8 @@ def time_interleaved(
     return report
 
 
-def speedup_ci(base: dict[str, Any], other: dict[str, Any], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+def speedup_ci(base: dict[str, Any], other: dict[str, Any], draws: int = 2000,
+               seed: int = 0) -> tuple[float | None, float | None]:
     """95% percentile-bootstrap interval of ``other``'s tokens/s over ``base``'s, resampling prompts (paired: both
     timers' ``per_prompt`` rows come from the same prompts, as :func:`time_interleaved` gives them).
 
@@ -81,17 +82,20 @@ def speedup_ci(base: dict[str, Any], other: dict[str, Any], draws: int = 2000, s
     a, b = base["per_prompt"], other["per_prompt"]
     if len(a) != len(b):
         raise ValueError(f"speedup_ci needs the same prompts for both timers, got {len(a)} and {len(b)} rows")
-    if len(a) < 2:
-        return (float("nan"), float("nan"))
+    if len(a) < 2:  # one prompt: no interval (None keeps bench.json valid JSON)
+        return (None, None)
     rng, n = random.Random(seed), len(a)
     ratios = []
     for _ in range(draws):
         idx = [rng.randrange(n) for _ in range(n)]
         rate_a = sum(a[i]["tokens"] for i in idx) / max(sum(a[i]["seconds"] for i in idx), 1e-12)
         rate_b = sum(b[i]["tokens"] for i in idx) / max(sum(b[i]["seconds"] for i in idx), 1e-12)
-        ratios.append(rate_b / rate_a if rate_a > 0 else float("nan"))
+        if rate_a > 0 and rate_b > 0:  # a draw of prompts with no tokens has no ratio
+            ratios.append(rate_b / rate_a)
+    if not ratios:
+        return (None, None)
     ratios.sort()
-    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
+    return ratios[int(0.025 * len(ratios))], ratios[max(0, int(0.975 * len(ratios)) - 1)]
 
 
 def eos_ids_from_folder(folder: str | Path) -> tuple[int, ...]:

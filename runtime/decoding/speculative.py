@@ -80,6 +80,12 @@ class SpeculativeDecoder:
         self._cache = None
         self.profiler: StepProfiler | None = None  # set one to time each part of every step (bench --profile)
 
+    def serves_plain_ar(self) -> bool:
+        """Whether ``generate`` hands over to the plain autoregressive loop: nothing is drafted, greedy, no
+        temperature policy and no profiler (the cost-aware default's plain decoding)."""
+        return (type(self.proposer) is NullProposer and isinstance(self.verifier, GreedyVerifier)
+                and self.temperature_policy is None and self.profiler is None)
+
     def _check_cache_limit(self, needed: int) -> None:
         if self.max_cache_len is not None and needed > self.max_cache_len:
             raise ValueError(
@@ -115,8 +121,7 @@ class SpeculativeDecoder:
         lossless = bool(getattr(self.verifier, "lossless", False))
         if max_new_tokens == 0:
             return SpecResult([], 0, [], [], lossless)
-        if (type(self.proposer) is NullProposer and isinstance(self.verifier, GreedyVerifier)
-                and self.temperature_policy is None and self.profiler is None):
+        if self.serves_plain_ar():
             return self._plain_greedy(prompt, max_new_tokens, eos_ids, stream)
         reset = getattr(self.temperature_policy, "reset", None)
         if callable(reset):  # a sequence-level policy decides afresh from each prompt's last hidden state

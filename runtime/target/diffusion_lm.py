@@ -68,10 +68,10 @@ def spec_of(config: Any, where: str = "the model") -> DiffusionSpec:
             f"{where} is a causal (autoregressive) LM, not a block-diffusion target: its config has no "
             f"{DIFFUSION_KEY!r} block. Adapt it first with `draftsmith train recipe=diffusion_adapt target=...` and "
             "pass the run's export folder")
-    attention = str(raw.get("attention", "block"))
-    if attention not in ("block", "full"):
-        raise DiffusionTargetError(f"{where}: {DIFFUSION_KEY}.attention is {attention!r}; valid: block, full")
-    return DiffusionSpec(int(raw["block_length"]), int(raw["mask_token_id"]), bool(raw.get("shift", True)), attention)
+    if str(raw.get("attention", "block")) != "block":  # "full" is only the remote families' (their code attends so)
+        raise DiffusionTargetError(f"{where}: {DIFFUSION_KEY}.attention is {raw.get('attention')!r}; a draftsmith "
+                                   "diffusion folder is block-causal ('block')")
+    return DiffusionSpec(int(raw["block_length"]), int(raw["mask_token_id"]), bool(raw.get("shift", True)))
 
 
 def supports_prefix_cache(spec: DiffusionSpec) -> bool:
@@ -110,7 +110,7 @@ class DiffusionLM:
 
     ``forward(ids, blocks, cache)`` runs one no-grad forward of the new positions ``ids`` [1, T] whose block ids are
     ``blocks`` [1, T], after the positions already in ``cache`` (a HF ``DynamicCache`` or None), and returns the
-    logits [1, T, V] (position i scores token i+1). ``cache`` is extended only when ``commit=True``.
+    logits [1, T, V] (with the shift, position i scores token i+1). ``cache`` is extended only when ``commit=True``.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, spec: DiffusionSpec, name_or_path: str = "") -> None:
@@ -126,7 +126,9 @@ class DiffusionLM:
 
     @property
     def context(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        config = self.model.config  # LLaDA names it max_sequence_length
+        return int(getattr(config, "max_position_embeddings", None) or getattr(config, "max_sequence_length", None)
+                   or 1 << 30)
 
     def eos_ids(self) -> tuple[int, ...]:
         """Token ids that end a text (the tokenizer's EOS and the config's ``eos_token_id``)."""

@@ -222,7 +222,7 @@ def regenerate(
     eos = stop_ids(rt.tokenizer, rt.eos_ids)
     context = context_limit(rt.model)
     seen, start, last_log = 0, time.perf_counter(), 0.0
-    skipped_before = None  # conversations the resumed file already held when this run's first new one started
+    resumed_before = None  # conversations the resumed file already held (the ETA counts this run's pace only)
     with open(partial, "a", encoding="utf-8") as handle:
         for index, messages in _chain(first, conversations):
             if limit is not None and seen >= limit:
@@ -230,8 +230,8 @@ def regenerate(
             seen += 1
             if index <= last_done:
                 continue
-            if skipped_before is None:
-                skipped_before = seen - 1
+            if resumed_before is None:
+                resumed_before = seen - 1
             generator = torch.Generator().manual_seed(seed * 1_000_003 + index)  # per conversation: resumable
             new, tokens, note = regenerate_conversation(rt.model, rt.tokenizer, messages, turns, max_new_tokens,
                                                         temperature, top_p, eos, generator, context,
@@ -248,7 +248,7 @@ def regenerate(
             now = time.perf_counter() - start
             if now - last_log >= 5.0 or report.written == 1:
                 last_log = now
-                left = eta_seconds(seen - skipped_before, limit - skipped_before, now) if limit else None
+                left = eta_seconds(seen - resumed_before, limit - resumed_before, now) if limit else None
                 log(f"[{seen}{'/' + str(limit) if limit else ''}] wrote {report.written + report.resumed}, "
                     f"{report.tokens} tokens, {report.tokens / max(now, 1e-9):.1f} tokens/s"
                     + (f", eta {format_duration(left)}" if left is not None else ""))
