@@ -131,6 +131,39 @@ def test_greedy_verify_on_half_precision_logits_equals_the_plain_argmax_ties_inc
         assert (res.best_path, res.accept_len, res.bonus_token) == (0, 2, 7)
 
 
+def test_greedy_walk_and_the_cpu_verifier_equal_the_tensor_reference_on_random_trees():
+    """The host-side walk the CPU verifier uses makes greedy_verify's decision: best path (first on ties), accepted
+    length, bonus, on random trees whose logits often agree with the drafted tokens."""
+    from draftsmith.kernels.verify import greedy_walk
+    from draftsmith.runtime.acceptance.verifiers import GreedyVerifier
+    from draftsmith.runtime.drafting.tree import DraftTree
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        tokens = torch.randint(0, 6, (n,), generator=g)
+        logits = torch.randn(n, 6, generator=g)
+        if trial % 2:  # half the trees: make the target agree with many drafted children
+            for child, parent in enumerate(parents[1:], start=1):
+                if torch.rand(1, generator=g) < 0.7:
+                    logits[parent, int(tokens[child])] += 10.0
+        tree = DraftTree.from_parents(tokens, parents)
+        paths = tree.retrieve_indices
+        ref = greedy_verify(paths, tokens, logits, backend="torch")
+        walked = greedy_walk(paths.tolist(), tokens.tolist(), logits.argmax(-1).tolist())
+        assert walked == (ref.best_path, ref.accept_len, ref.bonus_token)
+        for dtype in (torch.float32, torch.bfloat16):
+            acc = GreedyVerifier().verify(tree, logits.to(dtype))
+            ref_d = greedy_verify(paths, tokens, logits.to(dtype), backend="torch")
+            assert acc.num_accepted == ref_d.accept_len and acc.bonus_token == ref_d.bonus_token
+            assert acc.path_nodes == paths[ref_d.best_path, : ref_d.accept_len + 1].tolist()
+    with pytest.raises(ValueError, match="start at a node"):
+        greedy_walk([[-1, 0]], [1], [1])
+    with pytest.raises(ValueError, match="expects paths"):  # a wrong logits shape still gets greedy_verify's error
+        GreedyVerifier().verify(DraftTree.chain([1, 2]), torch.zeros(3, 4))
+
+
 def test_unknown_backend_lists_valid_ones():
     q, k, v, p, mask, scale = attention_inputs(ATTN_CASES[0])
     with pytest.raises(ValueError, match="valid backends are auto, torch, triton"):

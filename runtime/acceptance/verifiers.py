@@ -7,7 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from draftsmith.kernels.verify import greedy_verify
+from draftsmith.kernels.verify import greedy_verify, greedy_walk
 from draftsmith.runtime.drafting.tree import DraftTree
 
 
@@ -98,8 +98,18 @@ class GreedyVerifier:
 
     def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None,
                temperature: torch.Tensor | None = None) -> Acceptance:
-        """See :func:`draftsmith.kernels.verify.greedy_verify`."""
+        """See :func:`draftsmith.kernels.verify.greedy_verify` (on a CPU: :func:`~draftsmith.kernels.verify.greedy_walk`,
+        the same decision over host lists)."""
         _no_temperature(self, temperature)
+        if (logits.device.type == "cpu" and self.kernels_backend in ("auto", "torch") and logits.dim() == 2
+                and logits.shape[0] == tree.num_nodes):  # anything else: greedy_verify checks it and says why
+            # Host fast path: one argmax, then the walk over Python lists (kernels.verify.greedy_walk).
+            amax = (logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits).argmax(-1)  # [N]
+            paths_list = tree.retrieve_indices.tolist()
+            tokens_list = tree.tokens.tolist()
+            best, accept_len, bonus = greedy_walk(paths_list, tokens_list, amax.tolist())
+            nodes = paths_list[best][: accept_len + 1]
+            return Acceptance(nodes, [tokens_list[i] for i in nodes[1:]], bonus, accept_len)
         paths = tree.retrieve_indices.to(logits.device)
         res = greedy_verify(paths, tree.tokens.to(logits.device), logits, backend=self.kernels_backend)
         nodes = [int(i) for i in paths[res.best_path, : res.accept_len + 1]]
