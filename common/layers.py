@@ -9,6 +9,7 @@ EAGLE config, or any dataclass that has them). The KV cache API is documented in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -33,10 +34,18 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``[B, S, head_dim]`` for integer ``positions`` [B, S] (rotate-half layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    freqs = positions[..., None].float() * inv_freq  # [B, S, head_dim/2]
+    freqs = positions[..., None].float() * _inv_freq(head_dim, float(theta), positions.device)  # [B, S, head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, head_dim]
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@lru_cache(maxsize=16)
+def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim/2], computed once per shape: a drafting step is a few rows, and
+    rebuilding this table cost about as much as applying it. Built outside inference mode, so that a table first
+    made while decoding is still an ordinary tensor when training uses it."""
+    with torch.inference_mode(False), torch.no_grad():
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -123,9 +132,10 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
-        """x [B, S, in], positions [B, S], mask [B|1, 1, S, P+S] bool -> (out [B, S, H], cache incl. the new keys)."""
+        """x [B, S, in], positions [B, S], mask [B|1, 1, S, P+S] bool (None: every key, e.g. one new query) ->
+        (out [B, S, H], cache incl. the new keys)."""
         c = self.config
         bsz, seq, _ = x.shape
         q = self.q_proj(x).view(bsz, seq, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B, nh, S, d]
@@ -135,9 +145,13 @@ class DraftAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = KVCache(k, v) if cache is None else cache.append(k, v)
         groups = c.num_attention_heads // c.num_key_value_heads
-        keys = cache.key.repeat_interleave(groups, dim=1)  # [B, nh, P+S, d]
-        values = cache.value.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, nh, S, d]
+        if torch.is_grad_enabled():  # training: the path the recipes were tuned with
+            keys = cache.key.repeat_interleave(groups, dim=1)  # [B, nh, P+S, d]
+            values = cache.value.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, nh, S, d]
+        else:  # drafting: SDPA's own GQA reads the cache without copying it `groups` times (the same output bits)
+            out = F.scaled_dot_product_attention(q, cache.key, cache.value, attn_mask=mask,
+                                                 enable_gqa=groups > 1)  # [B, nh, S, d]
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1)), cache
 
 

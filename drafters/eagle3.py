@@ -89,7 +89,7 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.mlp = SwiGLU(h, config.intermediate_size)
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
         x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [B, S, 2H]
         attn, cache = self.self_attn(x, positions, mask, cache)

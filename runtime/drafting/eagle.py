@@ -110,7 +110,9 @@ class Eagle3DraftModel:
         past = 0 if cache is None else cache.length
         if positions is None:
             positions = default_positions(1, ids.shape[1], past, ids.device)  # [1, S]
-        mask = build_attention_mask(ids.shape[1], past, ids.device, tree_mask)  # [1, 1, S, past+S]
+        # One new query sees every key: no mask to build (SDPA without one gives the same output, and faster).
+        one_query = ids.shape[1] == 1 and tree_mask is None
+        mask = None if one_query else build_attention_mask(ids.shape[1], past, ids.device, tree_mask)  # [1,1,S,P+S]
         emb = F.embedding(ids, d.embed_weight).to(d.fc.weight.dtype)  # [1, S, H]
         out, cache = d.layer(emb, hidden, positions, mask, cache)  # [1, S, H]
         return out, d.logits(out[:, -1:] if last_only else out), cache  # [1, 1 or S, N]
