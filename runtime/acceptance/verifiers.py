@@ -7,7 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from draftsmith.kernels.verify import greedy_verify, greedy_walk
+from draftsmith.kernels.verify import greedy_verify, greedy_walk, target_argmax
 from draftsmith.runtime.drafting.tree import DraftTree
 
 
@@ -104,7 +104,7 @@ class GreedyVerifier:
         if (logits.device.type == "cpu" and self.kernels_backend in ("auto", "torch") and logits.dim() == 2
                 and logits.shape[0] == tree.num_nodes):  # anything else: greedy_verify checks it and says why
             # Host fast path: one argmax, then the walk over Python lists (kernels.verify.greedy_walk).
-            amax = (logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits).argmax(-1)  # [N]
+            amax = target_argmax(logits)  # [N]
             paths_list = tree.retrieve_indices.tolist()
             tokens_list = tree.tokens.tolist()
             best, accept_len, bonus = greedy_walk(paths_list, tokens_list, amax.tolist())

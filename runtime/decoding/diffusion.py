@@ -16,7 +16,12 @@ from typing import Any
 
 import torch
 
-from draftsmith.runtime.target.diffusion_lm import DiffusionLM, block_ids, prompt_offset
+from draftsmith.runtime.target.diffusion_lm import (
+    DiffusionLM,
+    block_ids,
+    prompt_offset,
+    supports_prefix_cache,
+)
 
 # policy(step, masked [L] bool, x0 [L], conf [L], k) -> commit [L] bool (a superset of the top-k for Learn2PD)
 Policy = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -122,8 +127,8 @@ def diffusion_decode(lm: DiffusionLM, prompt: list[int] | torch.Tensor, cfg: Dif
     ``canvas`` [L] is the block, and writing into it replaces tokens (the oracle's anti-stall copy).
     """
     L, mask_id = lm.spec.block_length, lm.spec.mask_token_id
-    full_attention = getattr(lm.spec, "attention", "block") == "full"
-    if cfg.use_cache and (full_attention or not lm.spec.shift):
+    full_attention = lm.spec.attention == "full"
+    if cfg.use_cache and not supports_prefix_cache(lm.spec):
         raise ValueError("the prefix cache needs a shifted block-causal target (recipe=diffusion_adapt); this one "
                          + ("attends to the whole canvas (LLaDA, Dream)" if full_attention else "has no shift")
                          + ": decode with the cache off")
