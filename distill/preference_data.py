@@ -59,6 +59,31 @@ def read_pairs(folder: str | Path) -> tuple[dict[str, Any], list[dict]]:
     return meta, pairs
 
 
+ROUND_SEPARATOR = "+"
+
+
+def read_pair_rounds(spec: str | Path) -> tuple[dict[str, Any], list[dict]]:
+    """``(meta, pairs)`` of one rollout folder or of several rounds joined with ``+`` (``data=r1+r2``): the pairs of
+    every folder, in order. The folders must share the target and the temperature grid (their recorded indices point
+    into it); the joined meta is token-level when any folder is, and its ``kinds`` are the union."""
+    folders = [f for f in str(spec).split(ROUND_SEPARATOR) if f]
+    if not folders:
+        raise DataError("data.spec is empty; give a rollout folder, or several joined with '+' (data=r1+r2)")
+    meta, pairs = read_pairs(folders[0])
+    for folder in folders[1:]:
+        other, more = read_pairs(folder)
+        for key in ("target", "grid"):
+            if other.get(key) != meta.get(key):
+                raise DataError(f"{folder} was sampled with {key} {other.get(key)!r} but {folders[0]} with "
+                                f"{meta.get(key)!r}; rounds joined with '+' must share the target and the grid")
+        if other.get("granularity") == "token":
+            meta["granularity"] = "token"
+        pairs.extend(more)
+    meta["kinds"] = sorted({p["kind"] for p in pairs})
+    meta["folders"] = folders
+    return meta, pairs
+
+
 def _row(prompt: list[int], sample: dict, max_length: int) -> tuple[list[int], list[int]]:
     """(ids, choice indices) of prompt + response, cut at ``max_length`` (indices shifted: position t chose t + 1)."""
     ids = (list(prompt) + list(sample["tokens"]))[:max_length]
@@ -94,7 +119,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
-        self.folder, self.batch_size, self.max_length, self.pad_id = Path(folder), batch_size, max_length, pad_id
+        self.folder, self.batch_size, self.max_length, self.pad_id = str(folder), batch_size, max_length, pad_id
         self.val_fraction, self.seed = val_fraction, seed
         self.meta: dict[str, Any] = {}
         self.train_set: list[dict] | None = None
@@ -103,7 +128,7 @@ class PreferenceDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        self.meta, pairs = read_pairs(self.folder)
+        self.meta, pairs = read_pair_rounds(self.folder)
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.seed)).tolist()
         n_val = min(len(pairs) - 1, max(1, round(len(pairs) * self.val_fraction))) if self.val_fraction else 0
         self.val_set = [pairs[i] for i in order[:n_val]]
@@ -124,7 +149,7 @@ class PreferenceDataModule(pl.LightningDataModule):
 
 @register_batch_kind("preference")
 def build_preference_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None) -> PreferenceDataModule:
-    """``data.spec`` is the rollout folder (``data=DIR`` on the command line)."""
+    """``data.spec`` is the rollout folder (``data=DIR`` on the command line), or rounds joined with ``+``."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     return PreferenceDataModule(str(cfg.data.spec), int(cfg.data.batch_size), int(cfg.data.max_length), int(pad),
                                 float(cfg.data.val_fraction), int(cfg.run.seed))

@@ -7,8 +7,10 @@ chosen/rejected pairs of a rollout folder.
 The loop (rounds), each round on the same target:
 1. ``draftsmith rollouts --out r1 --granularity token`` (no controller: uniformly random grid temperatures);
 2. ``python train.py recipe=adaptive_temperature data=r1`` -> ``outputs/.../export``;
-3. ``draftsmith rollouts --controller outputs/.../export --out r2`` (samples with the trained head), train on r2
-   (optionally ``lpo.reference=`` the round-1 export for the joint / latent forms), and so on.
+3. ``draftsmith rollouts --controller R1_EXPORT --out r2`` (samples with the trained head), then
+   ``python train.py recipe=adaptive_temperature data=r1+r2 controller.init=R1_EXPORT``: the pairs of every round so
+   far, starting from the last round's head (optionally ``lpo.reference=R1_EXPORT`` for the joint / latent forms),
+   and so on.
 The grid comes from the rollout folder (``controller.grid`` may repeat it, never change it: the recorded indices
 point into it).
 """
@@ -28,7 +30,7 @@ from draftsmith.controllers.adaptive_temperature import (
 )
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.lpo_loss import LOSS_FORMS, lpo_loss, tempered_token_log_probs
-from draftsmith.distill.preference_data import read_pairs
+from draftsmith.distill.preference_data import read_pair_rounds
 from draftsmith.distill.target import FeatureTaps, Target
 from draftsmith.export.format import ExportError
 from draftsmith.recipes.registry import register_recipe
@@ -110,7 +112,7 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"lpo.form must be one of {', '.join(LOSS_FORMS)}, got {cfg.lpo.form!r}")
     if float(cfg.lpo.beta) <= 0:
         raise ConfigError(f"lpo.beta must be > 0, got {cfg.lpo.beta}")
-    meta, _ = read_pairs(str(cfg.data.spec))
+    meta, _ = read_pair_rounds(str(cfg.data.spec))
     _grid(cfg, meta)
     if granularity == "sequence" and meta.get("granularity") == "token":
         raise ConfigError("controller.granularity=sequence cannot learn from token-level rollouts (each response "
@@ -120,7 +122,7 @@ def validate(cfg: Any) -> None:
 @register_recipe("adaptive_temperature", validate=validate)
 def build(cfg: Any, target: Target) -> AdaptiveTemperatureObjective:
     """A head on the target's post-norm hidden state over the rollout folder's temperature grid."""
-    meta, _ = read_pairs(str(cfg.data.spec))
+    meta, _ = read_pair_rounds(str(cfg.data.spec))
     hidden = int(target.model.config.hidden_size)
     arch = AdaptiveTemperatureConfig(hidden_size=hidden, grid=_grid(cfg, meta),
                                      granularity=str(cfg.controller.granularity), width=int(cfg.controller.width),
@@ -135,5 +137,23 @@ def build(cfg: Any, target: Target) -> AdaptiveTemperatureObjective:
         if list(reference.config.grid) != arch.grid or reference.config.hidden_size != hidden:
             raise ConfigError(f"lpo.reference {ref_spec} was trained on another grid or target (grid "
                               f"{reference.config.grid}, hidden {reference.config.hidden_size})")
-    return AdaptiveTemperatureObjective(AdaptiveTemperatureHead(arch), str(cfg.lpo.form), float(cfg.lpo.beta),
-                                        reference)
+    head = AdaptiveTemperatureHead(arch)
+    init = cfg.controller.get("init")
+    if init:
+        head.load_state_dict(_previous_round(str(init), head).state_dict())
+    return AdaptiveTemperatureObjective(head, str(cfg.lpo.form), float(cfg.lpo.beta), reference)
+
+
+def _previous_round(export: str, head: AdaptiveTemperatureHead) -> AdaptiveTemperatureHead:
+    """The head of ``controller.init`` (a previous round's export), which must have ``head``'s architecture."""
+    try:
+        previous, _ = AdaptiveTemperatureHead.from_export(export)
+    except ExportError as err:
+        raise ConfigError(f"controller.init: {err}") from None
+    theirs, ours = previous.architecture(), head.architecture()
+    differ = sorted(k for k in ours if theirs.get(k) != ours[k])
+    if differ:
+        raise ConfigError(f"controller.init {export} has another {', '.join(differ)} "
+                          f"({', '.join(f'{k}={theirs.get(k)!r} vs {ours[k]!r}' for k in differ)}); start from an "
+                          "export of the same architecture, or drop controller.init")
+    return previous

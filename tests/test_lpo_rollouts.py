@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -156,6 +157,26 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
     assert json.loads((tmp_path / "r2" / "meta.json").read_text())["controller"].endswith("export")
     assert len(rows(tmp_path / "r2")) == len(TEXTS)
 
+    # Round 2 trains on every round's pairs (r1+r2), starting from round 1's head (lr 0: it must come out unchanged).
+    from draftsmith.distill.errors import ConfigError
+    from draftsmith.distill.preference_data import read_pair_rounds
+
+    joined = f"{tmp_path / 'r1'}+{tmp_path / 'r2'}"
+    _, pairs = read_pair_rounds(joined)
+    assert len(pairs) == len(read_pairs(tmp_path / "r1")[1]) + len(read_pairs(tmp_path / "r2")[1])
+    round2 = ["recipe=adaptive_temperature", f"target.name_or_path={tiny_target_dir}", "target.dtype=fp32",
+              f"data.spec={joined}", "trainer.max_steps=1", "data.batch_size=2", "data.val_fraction=0",
+              "run.final_eval_batches=0", "controller.width=8", f"controller.init={summary['export']}"]
+    second = train(compose_config([*round2, "optim.lr=0"]), get_recipe("adaptive_temperature"), tmp_path / "run2")
+    after, _ = AdaptiveTemperatureHead.from_export(second["export"])
+    for name, weight in head.state_dict().items():
+        torch.testing.assert_close(after.state_dict()[name], weight, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="controller.init .* has another width"):
+        train(compose_config([*round2, "controller.width=4"]), get_recipe("adaptive_temperature"), tmp_path / "run3")
+    main([*common, "--grid", "0,1", "--out", str(tmp_path / "other_grid")])
+    with pytest.raises(DataError, match="must share the target and the grid"):
+        read_pair_rounds(f"{tmp_path / 'r1'}+{tmp_path / 'other_grid'}")
+
     # Serving it: generate/bench --controller load it on its target; the loop samples at the layer's temperatures.
     from draftsmith.runtime.bench.controller import bench_controller
     from draftsmith.runtime.bench.run import load_runtime
@@ -167,6 +188,20 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
     result = bench_controller(rt, [[5, 9, 13], [7, 7, 2]], 6)
     assert result["tokens_per_s_with_layer"] > 0 and 0.0 <= result["mean_chosen_temperature"] <= 1.0
     assert result["layer_calls"] >= 2 * 6 and result["tokens_per_s_without_layer"] > 0  # replayed call by call
+    low, high = result["overhead_ci95"]
+    assert low <= high and 0 < result["layer_share"] < 1 and result["layer_ms_per_call"] > 0
+    fast_layer = rt.speculative.temperature_policy
+
+    def slow_layer(hidden):  # a layer that costs 3 ms a call: both the timing and the direct share must see it
+        time.sleep(0.003)
+        return fast_layer(hidden)
+
+    slow_layer.reset = getattr(fast_layer, "reset", lambda: None)
+    rt.speculative.temperature_policy = slow_layer
+    slow = bench_controller(rt, [[5, 9, 13], [7, 7, 2]], 6)
+    rt.speculative.temperature_policy = fast_layer
+    assert slow["layer_ms_per_call"] >= 3 and slow["layer_share"] > result["layer_share"]
+    assert slow["overhead"] > 0.3 and slow["overhead_ci95"][0] > 0
 
     # The reward bench: every fixed grid temperature and the layer on the task, then the layer's overhead.
     from draftsmith.cli import main as cli_main
