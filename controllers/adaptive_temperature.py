@@ -102,9 +102,9 @@ class AdaptiveTemperatureHead(nn.Module):
         """Temperature indices [...]: the head's argmax (``greedy``) or a draw from it (``sample``)."""
         if mode not in CHOICES:
             raise ValueError(f"choice mode must be one of {', '.join(CHOICES)}, got {mode!r}")
+        if mode == "greedy":  # the argmax of the logits is that of their log-softmax: skip the normalisation
+            return self(hidden).argmax(-1)
         logp = self.log_probs(hidden)  # [..., K]
-        if mode == "greedy":
-            return logp.argmax(-1)
         flat = logp.reshape(-1, logp.shape[-1]).exp()  # [N, K]
         if generator is not None and generator.device != flat.device:
             flat = flat.to(generator.device)
@@ -155,19 +155,27 @@ class TemperaturePolicy:
         self.granularity = check_granularity(granularity or head.config.granularity)
         self.last_indices: torch.Tensor | None = None
         self._sequence_index: torch.Tensor | None = None
+        self._sequence_temperature: torch.Tensor | None = None
 
     def reset(self) -> None:
         """Forget the sequence-level choice (call before each new prompt)."""
-        self._sequence_index = None
+        self._sequence_index = self._sequence_temperature = None
 
-    @torch.no_grad()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.reshape(-1, hidden.shape[-1])  # [T, H]
-        if self.granularity == "token":
-            idx = self.head.choose(rows, self.mode, self.generator)  # [T]
-        else:
-            if self._sequence_index is None:
-                self._sequence_index = self.head.choose(rows[-1:], self.mode, self.generator)[0]
-            idx = self._sequence_index.expand(rows.shape[0])  # [T]
-        self.last_indices = idx
-        return self.head.temperatures(idx)
+        rows = hidden.numel() // hidden.shape[-1]  # T
+        if self.granularity == "sequence" and self._sequence_index is not None:
+            # Decided at the response's first call: every later call of the loop only repeats it (no head, no grad
+            # mode switch), so a sequence-level layer costs one head call per response.
+            self.last_indices = self._sequence_index.expand(rows)  # [T]
+            return self._sequence_temperature.expand(rows)  # [T]
+        with torch.no_grad():
+            # The target may run in bf16 while the head stays fp32: the rows take the head's dtype.
+            flat = hidden.reshape(rows, hidden.shape[-1]).to(self.head.out.weight.dtype)  # [T, H]
+            if self.granularity == "token":
+                idx = self.head.choose(flat, self.mode, self.generator)  # [T]
+                self.last_indices = idx
+                return self.head.temperatures(idx)
+            self._sequence_index = self.head.choose(flat[-1:], self.mode, self.generator)[0]
+            self._sequence_temperature = self.head.temperatures(self._sequence_index)
+            self.last_indices = self._sequence_index.expand(rows)  # [T]
+            return self._sequence_temperature.expand(rows)  # [T]

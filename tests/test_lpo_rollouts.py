@@ -203,6 +203,28 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
     assert slow["layer_ms_per_call"] >= 3 and slow["layer_share"] > result["layer_share"]
     assert slow["overhead"] > 0.3 and slow["overhead_ci95"][0] > 0
 
+    # A sequence-level layer served by the runtime decides afresh for every prompt (its reset reaches the loop).
+    from draftsmith.export.format import read_export, write_export
+    seq_config, seq_state = read_export(summary["export"])
+    seq_config["architecture"]["granularity"] = seq_config["inference"]["granularity"] = "sequence"
+    g = torch.Generator().manual_seed(5)
+    seq_state = {k: torch.randn(v.shape, generator=g) * 3 if k.endswith("weight") else torch.zeros(v.shape)
+                 for k, v in sorted(seq_state.items())}
+    seq_export = write_export(tmp_path / "seq_export", seq_state, seq_config)
+
+    def choices(prompts_in_order):
+        served = load_runtime(None, str(tiny_target_dir), "fp32", controller=str(seq_export))
+        picked = []
+        for prompt in prompts_in_order:
+            served.speculative.generate(prompt, 4, generator=torch.Generator().manual_seed(0))
+            picked.append(int(served.speculative.temperature_policy.last_indices[0]))
+        return picked
+
+    candidates = [[5, 9, 13], [7, 7, 2], [11, 4], [2, 8, 8, 6], [9], [14, 3, 5]]
+    alone = [choices([c])[0] for c in candidates]
+    assert len(set(alone)) > 1  # the random head picks different temperatures for different prompts
+    assert choices(candidates) == alone
+
     # The reward bench: every fixed grid temperature and the layer on the task, then the layer's overhead.
     from draftsmith.cli import main as cli_main
 

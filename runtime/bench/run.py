@@ -167,7 +167,7 @@ def attach_controller(runtime: Runtime, controller: str, identity: dict, given: 
     runtime.speculative = SpeculativeDecoder(spec.model if spec is not None else runtime.model, proposer,
                                              RejectionSamplingVerifier(1.0), spec.stop_policy if spec else None,
                                              kernels_backend=kernels, max_cache_len=max_cache_len,
-                                             temperature_policy=lambda h: policy(h.to(next(head.parameters()).dtype)))
+                                             temperature_policy=policy)  # the policy itself: the loop calls its reset
     runtime.inference = {**(runtime.inference or {}), "controller": {"export": str(controller),
                                                                       "grid": list(head.config.grid),
                                                                       "granularity": policy.granularity}}
