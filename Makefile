@@ -17,7 +17,7 @@ BENCH_TOKENS ?= 128
 # same command after an interruption. Run it in the background: nohup make train-best > train-best.log 2>&1 &
 BEST_DIR ?= outputs/best/eagle3
 BEST_CONVERSATIONS ?= 2000
-BEST_STEPS ?= 3500
+BEST_STEPS ?= 3000
 BEST_TIME ?= 00:04:00:00
 BEST_DATA := outputs/best/regen$(BEST_CONVERSATIONS).jsonl
 # The drafter trains in bf16 autocast where the CPU computes bf16 natively (AVX512-BF16/AMX: bench-train measured
