@@ -130,3 +130,13 @@ def test_errors(tiny_target_dir, tmp_path, capsys):
         regen.regenerate(str(bad), tmp_path / "o.jsonl", target=str(tiny_target_dir), **SMALL)
     with pytest.raises(ValueError, match="--turns must be one of"):
         regen.regenerate(str(bad), tmp_path / "o.jsonl", turns="last")
+
+
+def test_without_a_limit_the_progress_counts_the_whole_file_and_gives_an_eta(tiny_target_dir, tiny_data_file,
+                                                                               tmp_path):
+    logs: list[str] = []
+    report = regen.regenerate(str(tiny_data_file), tmp_path / "all.jsonl", target=str(tiny_target_dir),
+                              log=logs.append, **SMALL)
+    records = len(tiny_data_file.read_text().splitlines())
+    assert report.written + len(report.skipped) >= 1 and logs[0].startswith(f"[1/{records}]")
+    assert ", eta " in logs[0]

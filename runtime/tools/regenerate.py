@@ -218,6 +218,8 @@ def regenerate(
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
         meta_path.write_text(json.dumps(settings))
+    # The ETA needs the total: the limit, or (without one) one counting pass over the data, seconds against hours.
+    total = limit if limit is not None else sum(1 for _ in iter_conversations(data))
     rt = load_runtime(None, target, dtype, kernels)
     eos = stop_ids(rt.tokenizer, rt.eos_ids)
     context = context_limit(rt.model)
@@ -248,8 +250,8 @@ def regenerate(
             now = time.perf_counter() - start
             if now - last_log >= 5.0 or report.written == 1:
                 last_log = now
-                left = eta_seconds(seen - resumed_before, limit - resumed_before, now) if limit else None
-                log(f"[{seen}{'/' + str(limit) if limit else ''}] wrote {report.written + report.resumed}, "
+                left = eta_seconds(seen - resumed_before, total - resumed_before, now)
+                log(f"[{seen}/{total}] wrote {report.written + report.resumed}, "
                     f"{report.tokens} tokens, {report.tokens / max(now, 1e-9):.1f} tokens/s"
                     + (f", eta {format_duration(left)}" if left is not None else ""))
     report.seconds = time.perf_counter() - start
