@@ -144,7 +144,8 @@ class TemperaturePolicy:
     Token granularity answers every row. Sequence granularity decides once, from the last row of the first call after
     :meth:`reset` (the speculative loop's first call is the prompt's last hidden state), and repeats that temperature
     for the rest of the response; call :meth:`reset` before each new prompt. ``last_indices`` holds the indices of the
-    latest call.
+    latest call. A sequence-level answer is a read-only view of the cached choice (expanded, not copied: the loop
+    only reads it).
     """
 
     def __init__(self, head: AdaptiveTemperatureHead, mode: str = "greedy", generator: torch.Generator | None = None,
@@ -169,8 +170,7 @@ class TemperaturePolicy:
             self.last_indices = self._sequence_index.expand(rows)  # [T]
             return self._sequence_temperature.expand(rows)  # [T]
         with torch.no_grad():
-            # The target may run in bf16 while the head stays fp32: the rows take the head's dtype.
-            flat = hidden.reshape(rows, hidden.shape[-1]).to(self.head.out.weight.dtype)  # [T, H]
+            flat = hidden.reshape(rows, hidden.shape[-1])  # [T, H] (the head casts to its own dtype)
             if self.granularity == "token":
                 idx = self.head.choose(flat, self.mode, self.generator)  # [T]
                 self.last_indices = idx

@@ -66,9 +66,14 @@ def read_pair_rounds(spec: str | Path) -> tuple[dict[str, Any], list[dict]]:
     """``(meta, pairs)`` of one rollout folder or of several rounds joined with ``+`` (``data=r1+r2``): the pairs of
     every folder, in order. The folders must share the target and the temperature grid (their recorded indices point
     into it); the joined meta is token-level when any folder is, and its ``kinds`` are the union."""
-    folders = [f for f in str(spec).split(ROUND_SEPARATOR) if f]
+    # A folder whose own name holds '+' is one folder, not rounds.
+    folders = [str(spec)] if Path(spec).is_dir() else [f for f in str(spec).split(ROUND_SEPARATOR) if f]
     if not folders:
         raise DataError("data.spec is empty; give a rollout folder, or several joined with '+' (data=r1+r2)")
+    seen = [Path(f).resolve() for f in folders]
+    if len(set(seen)) != len(seen):
+        raise DataError(f"data.spec {spec} names a rollout folder twice; its pairs would count double (and land in "
+                        "both the train and the validation split); name each round once")
     meta, pairs = read_pairs(folders[0])
     for folder in folders[1:]:
         other, more = read_pairs(folder)

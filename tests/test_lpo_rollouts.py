@@ -169,6 +169,7 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
               "run.final_eval_batches=0", "controller.width=8", f"controller.init={summary['export']}"]
     second = train(compose_config([*round2, "optim.lr=0"]), get_recipe("adaptive_temperature"), tmp_path / "run2")
     after, _ = AdaptiveTemperatureHead.from_export(second["export"])
+    assert head.out.weight.abs().sum() > 0  # round 1 moved the zero-initialised output layer: a fresh head differs
     for name, weight in head.state_dict().items():
         torch.testing.assert_close(after.state_dict()[name], weight, rtol=0, atol=0)
     with pytest.raises(ConfigError, match="controller.init .* has another width"):
@@ -176,6 +177,12 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
     main([*common, "--grid", "0,1", "--out", str(tmp_path / "other_grid")])
     with pytest.raises(DataError, match="must share the target and the grid"):
         read_pair_rounds(f"{tmp_path / 'r1'}+{tmp_path / 'other_grid'}")
+    with pytest.raises(DataError, match="names a rollout folder twice"):
+        read_pair_rounds(f"{tmp_path / 'r1'}+{tmp_path / 'r1'}")
+    import shutil
+
+    shutil.copytree(tmp_path / "r1", tmp_path / "run+v2")  # a '+' inside one folder's name is not two rounds
+    assert len(read_pair_rounds(tmp_path / "run+v2")[1]) == len(read_pairs(tmp_path / "r1")[1])
 
     # Serving it: generate/bench --controller load it on its target; the loop samples at the layer's temperatures.
     from draftsmith.runtime.bench.controller import bench_controller

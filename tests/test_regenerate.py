@@ -138,5 +138,9 @@ def test_without_a_limit_the_progress_counts_the_whole_file_and_gives_an_eta(tin
     report = regen.regenerate(str(tiny_data_file), tmp_path / "all.jsonl", target=str(tiny_target_dir),
                               log=logs.append, **SMALL)
     records = len(tiny_data_file.read_text().splitlines())
-    assert report.written + len(report.skipped) >= 1 and logs[0].startswith(f"[1/{records}]")
-    assert ", eta " in logs[0]
+    progress = [m for m in logs if m.startswith("[")]
+    assert report.written >= 1 and progress and progress[0].startswith(f"[1/{records}]") and ", eta " in progress[0]
+    logs.clear()  # a limit beyond the file counts the file, not the limit
+    regen.regenerate(str(tiny_data_file), tmp_path / "over.jsonl", target=str(tiny_target_dir), limit=10 * records,
+                     log=logs.append, **SMALL)
+    assert [m for m in logs if m.startswith("[")][0].startswith(f"[1/{records}]")

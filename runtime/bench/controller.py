@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -28,25 +27,26 @@ def bench_controller(runtime: Any, prompts: list[list[int]], max_new_tokens: int
     without it: same seeds, same temperatures, so the same tokens and sampling work; the difference is the layer.
 
     That difference is small against a prompt's timing noise on a busy CPU (a few percent), so the result also has
-    a paired bootstrap interval over prompts (``overhead_ci95``) and the layer's own cost measured directly: the
-    median time of one call in the recording pass times the calls, as a share of the timed decode
-    (``layer_share``)."""
+    a paired bootstrap interval over prompts (``overhead_ci95``; from a handful of prompts it is itself rough) and
+    the layer's own cost measured directly: the summed time of its calls in the recording pass (the first prompt's
+    calls, which pay the warm-up, left out and the rest scaled to all calls), as a share of the timed decode
+    (``layer_share``). Summed, not a median: a sequence layer's one real head call per response counts."""
     spec = runtime.speculative
     layer = spec.temperature_policy
     index = {tuple(p): i for i, p in enumerate(prompts)}
     recorded: dict[int, list[torch.Tensor]] = {}
-    call_seconds: list[float] = []
+    call_seconds: list[list[float]] = []  # per prompt, per call
 
     def run(prompt: list[int], policy: Any) -> list[int]:
         spec.temperature_policy = policy
         generator = torch.Generator().manual_seed(index[tuple(prompt)])
         return spec.generate(prompt, max_new_tokens, eos_ids=runtime.eos_ids, generator=generator).tokens
 
-    def recorder(store: list[torch.Tensor]) -> Any:
+    def recorder(store: list[torch.Tensor], seconds: list[float]) -> Any:
         def recording(hidden: torch.Tensor) -> torch.Tensor:
             t0 = time.perf_counter()
             temps = layer(hidden)
-            call_seconds.append(time.perf_counter() - t0)
+            seconds.append(time.perf_counter() - t0)
             store.append(torch.as_tensor(temps).clone())
             return temps
 
@@ -68,20 +68,24 @@ def bench_controller(runtime: Any, prompts: list[list[int]], max_new_tokens: int
     try:
         for prompt in prompts:
             recorded[index[tuple(prompt)]] = store = []
-            run(prompt, recorder(store))
+            call_seconds.append([])
+            run(prompt, recorder(store, call_seconds[-1]))
         times = time_interleaved({"with": lambda p: run(p, layer), "without": replay}, prompts)
     finally:
         spec.temperature_policy = layer
     chosen = [t.float().reshape(-1)[-1] for calls in recorded.values() for t in calls]  # the position emitting next
     with_layer, without = times["with"]["tokens_per_s"], times["without"]["tokens_per_s"]
     low, high = speedup_ci(times["without"], times["with"])  # ratio with / without, paired by prompt
-    layer_seconds = statistics.median(call_seconds) * len(call_seconds) if call_seconds else 0.0
+    calls = sum(len(c) for c in call_seconds)
+    kept = [t for c in (call_seconds[1:] if len(call_seconds) > 1 else call_seconds) for t in c]
+    layer_seconds = sum(kept) * calls / len(kept) if kept else None
     return {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "controller": runtime.inference["controller"],
             "tokens_per_s_with_layer": with_layer, "tokens_per_s_without_layer": without,
             "overhead": 1.0 - with_layer / without,
             "overhead_ci95": [None if high is None else 1.0 - high, None if low is None else 1.0 - low],
-            "layer_ms_per_call": 1e3 * statistics.median(call_seconds) if call_seconds else None,
-            "layer_share": layer_seconds / times["with"]["seconds"] if times["with"]["seconds"] > 0 else None,
+            "layer_ms_per_call": 1e3 * layer_seconds / calls if layer_seconds is not None else None,
+            "layer_share": (layer_seconds / times["with"]["seconds"]
+                            if layer_seconds is not None and times["with"]["seconds"] > 0 else None),
             "layer_calls": len(chosen),
             "mean_chosen_temperature": float(torch.stack(chosen).mean()) if chosen else None}
 

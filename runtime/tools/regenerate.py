@@ -20,6 +20,7 @@ user and, on resume, stop at the same record again.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -218,8 +219,8 @@ def regenerate(
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
         meta_path.write_text(json.dumps(settings))
-    # The ETA needs the total: the limit, or (without one) one counting pass over the data, seconds against hours.
-    total = limit if limit is not None else sum(1 for _ in iter_conversations(data))
+    # The ETA needs the total: one counting pass over the data (up to the limit), seconds against hours.
+    total = sum(1 for _ in itertools.islice(iter_conversations(data), limit))
     rt = load_runtime(None, target, dtype, kernels)
     eos = stop_ids(rt.tokenizer, rt.eos_ids)
     context = context_limit(rt.model)
