@@ -164,11 +164,17 @@ class TemperaturePolicy:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.numel() // hidden.shape[-1]  # T
-        if self.granularity == "sequence" and self._sequence_index is not None:
-            # Decided at the response's first call: every later call of the loop only repeats it (no head, no grad
-            # mode switch), so a sequence-level layer costs one head call per response.
-            self.last_indices = self._sequence_index.expand(rows)  # [T]
-            return self._sequence_temperature.expand(rows)  # [T]
+        flat = hidden.reshape(rows, hidden.shape[-1])  # [T, H] (the head casts to its own dtype)
+        if self.granularity == "token":
+            with torch.no_grad():
+                self.last_indices = self.head.choose(flat, self.mode, self.generator)  # [T]
+            return self.head.temperatures(self.last_indices)
+        if self._sequence_index is None:  # a response's first call decides; later calls only repeat it (no head)
+            with torch.no_grad():
+                self._sequence_index = self.head.choose(flat[-1:], self.mode, self.generator)[0]
+            self._sequence_temperature = self.head.temperatures(self._sequence_index)
+        self.last_indices = self._sequence_index.expand(rows)  # [T]
+        return self._sequence_temperature.expand(rows)  # [T]
         with torch.no_grad():
             flat = hidden.reshape(rows, hidden.shape[-1])  # [T, H] (the head casts to its own dtype)
             if self.granularity == "token":

@@ -140,7 +140,7 @@ def build(cfg: Any, target: Target) -> AdaptiveTemperatureObjective:
     head = AdaptiveTemperatureHead(arch)
     init = cfg.controller.get("init")
     if init:
-        head.load_state_dict(_previous_round(str(init), head).state_dict())
+        head = _previous_round(str(init), head).train()
     return AdaptiveTemperatureObjective(head, str(cfg.lpo.form), float(cfg.lpo.beta), reference)
 
 

@@ -86,7 +86,7 @@ def bench_controller(runtime: Any, prompts: list[list[int]], max_new_tokens: int
             "layer_ms_per_call": 1e3 * layer_seconds / calls if layer_seconds is not None else None,
             "layer_share": (layer_seconds / times["with"]["seconds"]
                             if layer_seconds is not None and times["with"]["seconds"] > 0 else None),
-            "layer_calls": len(chosen),
+            "layer_calls": calls,
             "mean_chosen_temperature": float(torch.stack(chosen).mean()) if chosen else None}
 
 

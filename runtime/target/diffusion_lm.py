@@ -11,10 +11,10 @@ Conventions (shared by training, decoding and the oracle):
   predicted by the last position of the block before it.
 
 Published diffusion LMs ship their modelling code with the weights (``auto_map`` in ``config.json``), so they load
-only when the user turns ``trust_remote_code`` on (``--trust-remote-code``); it is off by default. They attend to the whole canvas (``attention="full"``):
-every step scores the prompt, the finished blocks, the current block and the still-masked later blocks together,
-with no prefix cache. LLaDA scores slot ``i`` at position ``i`` (no shift); Dream, initialised from Qwen2.5, keeps
-the shift.
+only when the user turns ``trust_remote_code`` on (``--trust-remote-code``); it is off by default. They attend
+to the whole canvas (``attention="full"``): every step scores the prompt, the finished blocks, the current block
+and the still-masked later blocks together, with no prefix cache. LLaDA scores slot ``i`` at position ``i`` (no
+shift); Dream, initialised from Qwen2.5, keeps the shift.
 """
 
 from __future__ import annotations
