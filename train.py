@@ -113,35 +113,6 @@ def check_launcher(argv: list[str]) -> str | None:
     return None
 
 
-def cache_features_main(argv: list[str]) -> int:
-    """``draftsmith cache-features recipe=NAME [overrides] --out DIR [--dtype bf16|fp32] [--shard-mb N]``: run the
-    target once over the data and write the features the recipe taps (:mod:`draftsmith.distill.feature_cache`).
-    Lives here, not in distill/, because composing configs (Hydra) and picking recipes is train.py's job."""
-    import argparse
-
-    from hydra import compose, initialize_config_dir
-
-    from draftsmith import recipes
-    from draftsmith.distill.feature_cache import build_cache
-
-    parser = argparse.ArgumentParser(prog="draftsmith cache-features")
-    parser.add_argument("--out", required=True, help="cache folder (a re-run resumes there)")
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="stored feature dtype")
-    parser.add_argument("--shard-mb", type=float, default=1024.0, help="about this many MB per shard")
-    opts, overrides = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=expand_shorthands(overrides))
-        manifest = build_cache(cfg, recipes.get_recipe(cfg.recipe.name), opts.out, dtype=opts.dtype,
-                               shard_bytes=int(opts.shard_mb * 1e6))
-    except purposeful_errors() as err:
-        report_error(err)
-        return 1
-    print(json.dumps({k: manifest[k] for k in ("fingerprint", "bytes_per_token", "tokens", "batches")}, indent=2))
-    return 0
-
-
 if __name__ == "__main__":
     sys.argv = [sys.argv[0], *expand_shorthands(sys.argv[1:])]
     if (problem := check_launcher(sys.argv[1:])) is not None:

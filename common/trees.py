@@ -145,3 +145,22 @@ class TreeCalibration:
             return {"tree": self.fallback, "tree_source": "default"}
         return {"tree": calibrated_tree(acc, self.num_nodes), "tree_source": "calibrated",
                 "head_accuracies": [[round(float(a), 5) for a in row] for row in acc]}
+
+
+def tree_from_head_accuracies(acc: torch.Tensor | list[list[float]], num_nodes: int) -> list[list[int]]:
+    """Medusa's greedy optimal sparse tree for ``acc [K, top_k]``, best node first (the one builder:
+    :func:`draftsmith.common.trees.greedy_tree`, also used by the recipes' end-of-training calibration)."""
+    return greedy_tree(acc, num_nodes)
+
+
+def default_medusa_tree(num_heads: int, num_nodes: int = 12, top_k: int = 4) -> list[list[int]]:
+    """A sparse tree for ``num_nodes`` drafted nodes without calibration.
+
+    Uses the greedy construction on assumed accuracies: head k's top-1 is right with probability 0.6 * 0.8^k and
+    top-(i+1) with that times 0.4^i (typical of trained Medusa heads: accuracy falls with depth and rank). The default
+    budget (12 nodes) suits a 2-core CPU, where trees above ~10-16 nodes become compute-bound.
+    """
+    if num_heads < 1 or top_k < 1:
+        raise ValueError("num_heads and top_k must be >= 1")
+    acc = [[0.6 * 0.8**k * 0.4**i for i in range(top_k)] for k in range(num_heads)]
+    return tree_from_head_accuracies(acc, min(num_nodes, sum(top_k ** (d + 1) for d in range(num_heads))))

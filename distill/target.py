@@ -241,7 +241,7 @@ class Target(nn.Module):
         try:
             if want_logits:
                 # The model's own forward, so its LM-head post-processing applies (see the module docstring).
-                from draftsmith.runtime.target.hf import hf_forward
+                from draftsmith.common.hf_forward import hf_forward
 
                 out, logits = hf_forward(self.model, backbone, 0, input_ids=input_ids, attention_mask=attention_mask,
                                          output_hidden_states=bool(taps.layers), use_cache=False)

@@ -19,16 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.common.diffusion_format import DIFFUSION_KEY, MASK_TOKEN, DiffusionSpec, additive_mask
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.target import FeatureTaps, Target
+from draftsmith.export.diffusion_folder import save_diffusion_folder
 from draftsmith.recipes.registry import register_recipe
-from draftsmith.runtime.target.diffusion_lm import (
-    DIFFUSION_KEY,
-    MASK_TOKEN,
-    DiffusionSpec,
-    additive_mask,
-    save_diffusion_folder,
-)
 
 
 class DiffusionAdapter(nn.Module):
@@ -164,7 +159,7 @@ def validate(cfg: Any) -> None:
 @register_recipe("diffusion_adapt", validate=validate)
 def build(cfg: Any, target: Target) -> DiffusionAdaptObjective:
     """A trainable fp32 copy of the target with a mask token; the frozen target itself is left untouched."""
-    from draftsmith.runtime.target.diffusion_lm import spec_of
+    from draftsmith.common.diffusion_format import spec_of
 
     if getattr(target.config, DIFFUSION_KEY, None):
         spec_of(target.config)  # already a diffusion model: continue adapting with its own spec

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from draftsmith.common.diffusion_format import DiffusionTargetError, spec_of
 from draftsmith.controllers.learn2pd import Learn2PDConfig, Learn2PDFilter
 from draftsmith.distill.errors import ConfigError, DataError
 from draftsmith.distill.target import FeatureTaps, Target
 from draftsmith.distill.trajectory_data import read_trajectories
 from draftsmith.recipes.registry import register_recipe
-from draftsmith.runtime.target.diffusion_lm import DiffusionTargetError, spec_of
 
 
 class Learn2PDObjective:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.common.trees import TreeCalibration
+from draftsmith.common.trees import TreeCalibration, default_medusa_tree
 from draftsmith.distill.draft_vocab import count_draft_vocab
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.losses import IGNORE_INDEX, LMHeadLoss, topk_hits
@@ -14,7 +14,6 @@ from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.kernels.linear_cross_entropy import LinearCEOutput
 from draftsmith.recipes.registry import register_recipe
-from draftsmith.runtime.drafting.tree import default_medusa_tree
 
 LABEL_SOURCES = ("dataset", "target_argmax", "target_soft")
 

@@ -254,7 +254,7 @@ def stage_setup(ctx: Context) -> dict:
     """Target folder, data jsonl and chat-encoded prompts."""
     from transformers import AutoTokenizer
 
-    from draftsmith.runtime.bench.run import encode_chat
+    from draftsmith.common.chat import encode_chat
 
     plan = ctx.plan
     real = None if plan.tiny or ctx.random_target else converted_target()
@@ -507,7 +507,7 @@ def kernel_parity(ctx: Context) -> dict:
 
 def kernel_speed(ctx: Context) -> dict:
     """Serving dtype: AR tokens/s and one 16-token forward (a verify-sized step) with each kernel backend."""
-    from draftsmith.runtime.bench.timing import compare_outputs, time_runtime_ar
+    from draftsmith.bench.timing import compare_outputs, time_runtime_ar
 
     plan = ctx.plan
     dtype, numbers, outputs, prompts = plan.speed_dtype, {}, {}, ctx.prompts[: plan.speed_prompts]
@@ -540,7 +540,7 @@ def stage_kernels(ctx: Context) -> dict:
 
 def hf_reference(ctx: Context, dtype: str) -> dict:
     """HF ``generate`` on the device (timed once per dtype; every recipe's bench reuses it)."""
-    from draftsmith.runtime.bench.timing import time_hf_generate
+    from draftsmith.bench.timing import time_hf_generate
 
     key = f"hf/{dtype}"
     if key not in ctx.cache:
@@ -551,7 +551,7 @@ def hf_reference(ctx: Context, dtype: str) -> dict:
 
 def runtime_ar(ctx: Context, dtype: str) -> dict:
     """Runtime AR greedy decoding (auto kernels), timed once per dtype."""
-    from draftsmith.runtime.bench.timing import eos_ids_from_folder, time_runtime_ar
+    from draftsmith.bench.timing import eos_ids_from_folder, time_runtime_ar
 
     key = f"ar/{dtype}"
     if key not in ctx.cache:
@@ -562,8 +562,8 @@ def runtime_ar(ctx: Context, dtype: str) -> dict:
 
 def speculative(ctx: Context, recipe: str, dtype: str) -> tuple[dict, list]:
     """Greedy speculative decoding with the recipe's export (auto kernels): timing dict and per-prompt results."""
+    from draftsmith.bench.timing import eos_ids_from_folder, time_decode
     from draftsmith.runtime.acceptance.verifiers import GreedyVerifier
-    from draftsmith.runtime.bench.timing import eos_ids_from_folder, time_decode
     from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
     from draftsmith.runtime.drafting.base import build_proposer
 
@@ -582,7 +582,7 @@ def speculative(ctx: Context, recipe: str, dtype: str) -> tuple[dict, list]:
 
 def stage_bench(ctx: Context, recipe: str) -> dict:
     """HF generate / runtime AR / speculative tokens/s and tau in the serving dtype; fp32 lossless check."""
-    from draftsmith.runtime.bench.timing import compare_outputs
+    from draftsmith.bench.timing import compare_outputs
 
     if recipe not in ctx.exports:
         raise RuntimeError(f"no export: train:{recipe} did not produce one")

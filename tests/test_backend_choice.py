@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftsmith.kernels import cpu_caps, cpu_layer
-from draftsmith.runtime.bench import run as benchmark
+from draftsmith.runtime import serving as benchmark
 from draftsmith.runtime.target.linear_ops import (
     choose_linear_ops,
     mkldnn_linear_available,

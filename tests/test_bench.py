@@ -10,13 +10,16 @@ import pytest
 import torch
 from conftest import build_tiny_llama
 
+from draftsmith.bench.prompts import load_prompts
+from draftsmith.bench.report import write_outputs
+from draftsmith.bench.run import run_bench
+from draftsmith.common.chat import encode_chat
 from draftsmith.distill.exporting import export_from_module
 from draftsmith.distill.target import Target
 from draftsmith.export.format import ExportError, TargetMismatchError
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.medusa import MedusaObjective, default_tree
-from draftsmith.runtime.bench.report import write_outputs
-from draftsmith.runtime.bench.run import encode_chat, load_prompts, load_runtime, run_bench
+from draftsmith.runtime.serving import load_runtime
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,7 @@ def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
     assert [r["policy"] for r in result["sweep"]][:3] == ["plain (runtime AR)", "fixed:1", "fixed:2"]
     assert result["sweep"][-1]["policy"].endswith("(in force)") and result["sweep"][0]["speedup_vs_runtime_ar"] == 1.0
     assert result["profile"]["steps"] > 0 and result["profile"]["step_ms"] > 0
-    from draftsmith.runtime.bench.run import hf_fastest_dtype
+    from draftsmith.runtime.serving import hf_fastest_dtype
 
     assert result["hf_dtype"] == str(hf_fastest_dtype()[0]).replace("torch.", "")  # HF timed at its fastest dtype
     assert result["backend"]["linear_backend"] == result["linear_backend"] and "hf" not in result["lossless_detail"]
@@ -138,7 +141,7 @@ def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
 
 
 def test_proposer_options_override_export_defaults(medusa_export):
-    from draftsmith.runtime.bench.run import parse_options
+    from draftsmith.runtime.serving import parse_options
 
     assert parse_options(["depth=2", "policy=chain", "tree=[[0],[0,0]]"]) == {
         "depth": 2, "policy": "chain", "tree": [[0], [0, 0]]}
@@ -151,7 +154,7 @@ def test_proposer_options_override_export_defaults(medusa_export):
 def test_interleaved_timing_rotates_the_order_and_shares_drift(monkeypatch):
     """Prompt i runs the decoders in an order rotated by i; a machine that slows down over the bench slows both
     decoders alike (sequential timing charged all of it to the decoder timed second)."""
-    from draftsmith.runtime.bench import timing
+    from draftsmith.bench import timing
 
     clock = {"now": 0.0, "calls": 0}
     order: list[str] = []
@@ -195,7 +198,7 @@ def _timer(rows: list[tuple[int, float]]) -> dict:
 
 
 def test_speedup_ci_brackets_the_ratio_and_collapses_when_every_prompt_agrees():
-    from draftsmith.runtime.bench.timing import speedup_ci
+    from draftsmith.bench.timing import speedup_ci
 
     base = _timer([(100, 1.0), (50, 0.5), (80, 1.0)])
     twice = _timer([(100, 0.5), (50, 0.25), (80, 0.5)])  # every prompt exactly 2x faster
@@ -210,7 +213,7 @@ def test_speedup_ci_brackets_the_ratio_and_collapses_when_every_prompt_agrees():
 
 
 def test_bench_table_shows_the_speedup_interval_and_says_when_plain_decoding_was_served(medusa_export, prompts_file):
-    from draftsmith.runtime.bench.report import markdown_table
+    from draftsmith.bench.report import markdown_table
     from draftsmith.runtime.drafting.base import NullProposer
 
     rt = load_runtime(str(medusa_export), None, "fp32")

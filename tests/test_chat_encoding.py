@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from draftsmith.bench.prompts import load_prompts
 from draftsmith.common.chat import encode_chat, render_chat
 from draftsmith.distill.data import tokenize_conversation
-from draftsmith.runtime.bench.run import load_prompts
 
 
 def test_training_and_bench_produce_the_same_prompt_ids(tiny_tokenizer, tmp_path):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.cli import compose_config
+from draftsmith.cli.training import compose_config
 from draftsmith.distill.exporting import load_checkpoint
 from draftsmith.distill.trainer import train
 from draftsmith.recipes import get_recipe

@@ -8,7 +8,7 @@ import torch
 from conftest import build_tiny_llama
 
 from draftsmith import recipes
-from draftsmith.cli import compose_config
+from draftsmith.cli.training import compose_config
 from draftsmith.distill.memory_model import (
     PRESETS,
     TARGETS,

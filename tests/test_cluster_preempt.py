@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.cli import compose_config
+from draftsmith.cli.training import compose_config
 from draftsmith.distill.checkpoints import (
     drop_stale_requeue_checkpoints,
     find_resume_checkpoint,

@@ -70,7 +70,7 @@ def _fsdp_drafter_worker(rank: int, world: int, port: int, out: str) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         from draftsmith import recipes
-        from draftsmith.cli import compose_config
+        from draftsmith.cli.training import compose_config
         from draftsmith.distill.strategies import build_strategy
 
         tok = build_tiny_tokenizer()

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from draftsmith.cli import compose_config
+from draftsmith.cli.training import compose_config
 from draftsmith.distill.trainer import train
 from draftsmith.recipes import get_recipe
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from test_speculative import tiny_llama
 
+from draftsmith.bench.timing import time_runtime_ar
+from draftsmith.runtime.acceptance import depth_choice
+from draftsmith.runtime.acceptance.cost_model import MachineCosts, choose_depth, threshold_from_costs
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth
-from draftsmith.runtime.bench import tuning
-from draftsmith.runtime.bench.cost_model import MachineCosts, choose_depth, threshold_from_costs
-from draftsmith.runtime.bench.timing import time_runtime_ar
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import NullProposer
@@ -76,7 +76,7 @@ def test_cost_aware_default_on_measured_costs(offset, expect_plain, tmp_path, mo
         for _ in range(5):
             lean.forward(torch.tensor([3] * n), cache)
         verify_ms[n] = (time.perf_counter() - t0) / 5 * 1e3
-    choice, record = tuning.choose_cost_aware_depth(runtime, [prompt, prompt], 1e3 * ar["seconds"] / ar["tokens"],
+    choice, record = depth_choice.choose_cost_aware_depth(runtime, [prompt, prompt], 1e3 * ar["seconds"] / ar["tokens"],
                                                     verify_ms)
     assert choice.speculation_loses == expect_plain
     if expect_plain:
@@ -87,7 +87,7 @@ def test_cost_aware_default_on_measured_costs(offset, expect_plain, tmp_path, mo
     assert (tmp_path / f"{next(tmp_path.glob('*.json')).name}").is_file()
     fresh = SimpleNamespace(**{**vars(runtime), "speculative": SpeculativeDecoder(
         lean, ChainProposer(OracleDrafter(sequence, 96, offset), depth=4), stop_policy=FixedDepth(4))})
-    note = tuning.apply_cached_depth(fresh)  # generate reuses the decision measured by the bench
+    note = depth_choice.apply_cached_depth(fresh)  # generate reuses the decision measured by the bench
     assert ("plain decoding" in note) == expect_plain
 
 
@@ -96,7 +96,7 @@ def test_profile_parts_add_up_to_the_measured_step():
     prompt = [1, 5, 9]
     sequence = prompt + generate_ar(lean, prompt, 80)
     spec = SpeculativeDecoder(lean, ChainProposer(OracleDrafter(sequence, 96, 0), depth=3))
-    report, results, _ = tuning.profiled_run(spec, [prompt, prompt], 60, ())
+    report, results, _ = depth_choice.profiled_run(spec, [prompt, prompt], 60, ())
     assert report["steps"] == sum(r.steps for r in results) > 10
     parts = sum(report[f"{k}_ms"] for k in ("draft", "verify_forward", "verification", "kv_compaction",
                                              "proposer_update"))

@@ -128,7 +128,7 @@ def test_eotp_truncates_and_skips_later_blocks():
 
 
 def test_oracle_labels_on_toy_trajectory():
-    from draftsmith.runtime.tools.trajectories import oracle_trace
+    from draftsmith.datagen.trajectories import oracle_trace
 
     answer = [5, 6, 7, 9, 4, 4, 5, 6]
     lm = ScriptedLM(prompt_len=2, answer=answer, stuck=(5,))

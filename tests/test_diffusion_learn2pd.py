@@ -11,12 +11,12 @@ from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 
 from draftsmith.controllers.learn2pd import FilterMismatchError, Learn2PDConfig, Learn2PDFilter
+from draftsmith.datagen.trajectories import TrajectoryError, write_trajectories
 from draftsmith.distill.errors import ConfigError, DataError
 from draftsmith.distill.trajectory_data import TrajectoryDataModule, read_trajectories
 from draftsmith.export.format import write_export
 from draftsmith.runtime.decoding.diffusion import DiffusionDecodeConfig
 from draftsmith.runtime.target.diffusion_lm import DiffusionLM, DiffusionSpec
-from draftsmith.runtime.tools.trajectories import TrajectoryError, write_trajectories
 
 CFG = DiffusionDecodeConfig(gen_length=16, steps_per_block=8)
 
@@ -122,13 +122,7 @@ def test_cli_refuses_causal_target_and_foreign_filter(tiny_target_dir, tmp_path,
     filt = Learn2PDFilter(Learn2PDConfig(block_length=32))
     write_export(tmp_path / "f32", filt.state_dict(), {"method": "learn2pd", "architecture": filt.architecture(),
                                                         "target": {"name_or_path": "x"}})
-    rc = cli.main(["diffusion-bench", "--target", str(dlm), "--filter", str(tmp_path / "f32"), "--prompts",
-                   str(prompts), "--gen-length", "16"])
-    assert rc == 2 and "trained for block length 32 but the target decodes blocks of 8" in capsys.readouterr().err
-    rc = cli.main(["diffusion-bench", "--target", str(dlm), "--prompts", str(prompts), "--gen-length", "16",
-                   "--cache", "on", "--out", str(tmp_path / "b.json")])
-    assert rc == 0 and json.loads((tmp_path / "b.json").read_text())["rows"][0]["same_as_baseline"] == 1.0
-    # `draftsmith bench --target DLM [--filter EXPORT]` is the same bench (the spelling), with a markdown twin
+    # `draftsmith bench --target DLM [--filter EXPORT]` is the one block-diffusion bench, with a markdown twin
     rc = cli.main(["bench", "--target", str(dlm), "--filter", str(tmp_path / "f32"), "--prompts", str(prompts),
                    "--gen-length", "16"])
     assert rc == 2 and "trained for block length 32 but the target decodes blocks of 8" in capsys.readouterr().err
@@ -143,7 +137,7 @@ def test_cli_refuses_causal_target_and_foreign_filter(tiny_target_dir, tmp_path,
 
 
 def test_task_accuracy_counts_only_checkable_prompts():
-    from draftsmith.runtime.bench.diffusion import add_task_accuracy, markdown_table
+    from draftsmith.evals.diffusion import add_task_accuracy, markdown_table
 
     records = [{"text": "What is 2 + 3?", "answer": "5"}, {"text": "Continue: The cat", "answer": None},
                {"text": "Repeat this word exactly: apple", "answer": "apple"}]
@@ -159,7 +153,7 @@ def test_task_accuracy_counts_only_checkable_prompts():
 
 
 def test_agreed_prefix_measures_the_share_before_the_first_difference():
-    from draftsmith.runtime.bench.diffusion import agreed_prefix
+    from draftsmith.evals.diffusion import agreed_prefix
 
     base = [[1, 2, 3, 4], [5, 6], [7, 8]]
     assert agreed_prefix(base, base) == 1.0

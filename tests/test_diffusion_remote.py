@@ -156,7 +156,7 @@ def test_a_draftsmith_folder_cannot_claim_full_attention():
 
 
 def test_bench_recognises_a_remote_family_folder(tmp_path, tiny_tokenizer):
-    from draftsmith.runtime.cli import _is_diffusion_target
+    from draftsmith.cli.serving import _is_diffusion_target
 
     folder = write_remote_folder(tmp_path / "llada", "llada", tiny_tokenizer)
     assert _is_diffusion_target(str(folder)) and not _is_diffusion_target(str(tmp_path))

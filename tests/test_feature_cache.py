@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.cli import compose_config
+from draftsmith.cli.training import compose_config
 from draftsmith.distill.cached_features import open_cache, train_offline
 from draftsmith.distill.feature_cache import FeatureCacheError, build_cache
 from draftsmith.distill.target import Target
@@ -83,7 +83,7 @@ def test_training_from_the_cache_gives_the_online_weights(tmp_path, fp32_cache, 
 
 def test_printed_bytes_per_token_match_the_files(tmp_path, tiny_target_dir, tiny_data_file, capsys):
     """``draftsmith cache-features`` (bf16): the printed bytes/token x tokens is exactly the shards' tensor bytes."""
-    from draftsmith.train import cache_features_main
+    from draftsmith.cli.training import _cmd_cache_features as cache_features_main
 
     out = tmp_path / "bf16"
     argv = [*overrides(tiny_target_dir, tiny_data_file), "--out", str(out), "--shard-mb", "0.03"]

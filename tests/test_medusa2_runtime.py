@@ -7,12 +7,12 @@ import pytest
 import torch
 from head_family_utils import fit_steps, fixed_batch, recipe_cfg
 
+from draftsmith.bench import quality
 from draftsmith.distill.target import Target
 from draftsmith.export.format import TargetMismatchError
-from draftsmith.runtime.bench import quality
-from draftsmith.runtime.bench.run import load_runtime
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.drafting.base import build_proposer
+from draftsmith.runtime.serving import load_runtime
 from draftsmith.runtime.target.loading import load_decoder
 
 pytest.importorskip("peft")

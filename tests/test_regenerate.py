@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from draftsmith.bench.timing import eos_ids_from_folder
+from draftsmith.datagen import regenerate as regen
 from draftsmith.distill.conversations import load_conversations
-from draftsmith.runtime.bench.timing import eos_ids_from_folder
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.target.loading import load_decoder
-from draftsmith.runtime.tools import regenerate as regen
 
 SMALL = dict(max_new_tokens=6, dtype="fp32")
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import build_tiny_llama
 
+from draftsmith.bench import reward_eval
 from draftsmith.common.chat import encode_chat
 from draftsmith.controllers.adaptive_temperature import AdaptiveTemperatureConfig, AdaptiveTemperatureHead
-from draftsmith.runtime.bench import reward_eval
-from draftsmith.runtime.bench.reward_eval import bootstrap_ci, evaluate, reward_table, summarize
+from draftsmith.evals.reward_eval import bootstrap_ci, evaluate, reward_table, summarize
 
 GRID = [0.0, 1.0]
 TEXTS = ["hello world", "what is the answer", "please explain why", "write some code"]
@@ -104,7 +104,7 @@ def test_bench_refuses_mixed_modes(argv, message, capsys):
 
 
 def test_the_embedded_task_splits_are_disjoint_and_the_first_forty_are_stable():
-    from draftsmith.runtime.tools.mixed_task import mixed_prompts
+    from draftsmith.datagen.mixed_task import mixed_prompts
 
     train, held = mixed_prompts("train"), mixed_prompts("heldout")
     assert (len(train), len(held)) == (192, 48)

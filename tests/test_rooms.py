@@ -11,19 +11,30 @@ ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = ("pytorch_lightning", "lightning", "hydra", "omegaconf")
 
 # room -> module prefixes it must never import (the table in docs/ARCHITECTURE.md)
+TRAINING = ("draftsmith.distill", "draftsmith.recipes")
+MEASURING = ("draftsmith.bench", "draftsmith.datagen", "draftsmith.evals", "draftsmith.cli")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "common": (*FRAMEWORKS, "draftsmith.heads", "draftsmith.drafters", "draftsmith.controllers", "draftsmith.distill",
-               "draftsmith.runtime", "draftsmith.kernels", "draftsmith.export", "draftsmith.recipes"),
-    "heads": (*FRAMEWORKS, "draftsmith.runtime", "draftsmith.distill", "draftsmith.recipes", "draftsmith.drafters"),
-    "drafters": (*FRAMEWORKS, "draftsmith.runtime", "draftsmith.distill", "draftsmith.recipes", "draftsmith.heads"),
-    "controllers": (*FRAMEWORKS, "draftsmith.runtime", "draftsmith.distill", "draftsmith.recipes"),
-    "export": (*FRAMEWORKS, "draftsmith.distill", "draftsmith.runtime", "draftsmith.recipes"),
-    "kernels": (*FRAMEWORKS, "draftsmith.distill", "draftsmith.runtime", "draftsmith.recipes"),
-    "runtime": (*FRAMEWORKS, "draftsmith.distill", "draftsmith.recipes"),
-    "distill": ("hydra", "draftsmith.recipes"),  # omegaconf's DictConfig is fine; Hydra itself is train.py's
-    "assets.py": (*FRAMEWORKS, "draftsmith.distill", "draftsmith.runtime", "draftsmith.recipes"),
+    "common": (*FRAMEWORKS, *TRAINING, *MEASURING, "draftsmith.heads", "draftsmith.drafters", "draftsmith.controllers",
+               "draftsmith.runtime", "draftsmith.kernels", "draftsmith.export"),
+    "heads": (*FRAMEWORKS, *TRAINING, *MEASURING, "draftsmith.runtime", "draftsmith.drafters"),
+    "drafters": (*FRAMEWORKS, *TRAINING, *MEASURING, "draftsmith.runtime", "draftsmith.heads"),
+    "controllers": (*FRAMEWORKS, *TRAINING, *MEASURING, "draftsmith.runtime"),
+    "export": (*FRAMEWORKS, *TRAINING, *MEASURING, "draftsmith.runtime"),
+    "kernels": (*FRAMEWORKS, *TRAINING, *MEASURING, "draftsmith.runtime"),
+    # runtime/ serves and nothing else: no training, measurement, data production or CLI code
+    "runtime": (*FRAMEWORKS, *TRAINING, *MEASURING),
+    # bench/ measures the runtime; it never reaches into data producers or evaluations (they import it)
+    "bench": (*FRAMEWORKS, *TRAINING, "draftsmith.datagen", "draftsmith.evals", "draftsmith.cli"),
+    # datagen/ produces training data with the runtime; distill/ imports its readers, never the reverse
+    "datagen": (*FRAMEWORKS, *TRAINING, "draftsmith.bench", "draftsmith.evals", "draftsmith.cli"),
+    "evals": (*FRAMEWORKS, *TRAINING, "draftsmith.cli"),
+    # training never imports serving or measurement code: what both need lives in common/
+    "distill": ("hydra", "draftsmith.recipes", "draftsmith.runtime", "draftsmith.bench", "draftsmith.evals",
+                "draftsmith.cli"),
+    "recipes": ("draftsmith.runtime", "draftsmith.bench", "draftsmith.evals", "draftsmith.cli"),
+    "assets.py": (*FRAMEWORKS, *TRAINING, *MEASURING, "draftsmith.runtime"),
 }
-MAY_IMPORT_RECIPES = {"train.py", "cli.py", "recipes"}
+MAY_IMPORT_RECIPES = {"train.py", "cli", "recipes"}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from draftsmith.runtime.bench.timing import compare_outputs, time_hf_generate, time_runtime_ar
+from draftsmith.bench.timing import compare_outputs, time_hf_generate, time_runtime_ar
 from draftsmith.runtime.decoding.autoregressive import generate_ar, sample_token
 from draftsmith.runtime.target.cache import CacheFullError
 from draftsmith.runtime.target.hf import HFModelAdapter

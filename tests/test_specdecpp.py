@@ -327,7 +327,7 @@ def test_bad_stop_policies_and_recipe_config_are_named(drafters, tmp_path):
 
 
 def test_reliability_bins_and_ece_by_hand():
-    from draftsmith.runtime.tools.calibrate import reliability
+    from draftsmith.evals.calibrate import reliability
 
     report = reliability(torch.tensor([0.05, 0.15, 0.95, 0.95]), torch.tensor([0, 1, 1, 0]), bins=10)
     assert report["ece"] == pytest.approx((0.05 + 0.85 + 2 * 0.45) / 4)
@@ -338,7 +338,7 @@ def test_reliability_bins_and_ece_by_hand():
 def test_calibrate_writes_the_plot_and_ece_of_held_out_drafts(tiny_target_dir, tmp_path):
     import json
 
-    from draftsmith.runtime.tools.calibrate import calibrate
+    from draftsmith.evals.calibrate import calibrate
 
     tgt = Target.load(str(tiny_target_dir), dtype="fp32")
     lean = lean_from_hf(tgt.model)

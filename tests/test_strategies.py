@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, StrategyRegistry
 
-from draftsmith.cli import compose_config
+from draftsmith.cli.training import compose_config
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.strategies import (
     apply_activation_checkpointing,

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.trees import default_medusa_tree
 from draftsmith.runtime.drafting.base import StepContext, register_proposer
 from draftsmith.runtime.drafting.hydra import HydraProposer
-from draftsmith.runtime.drafting.tree import DraftTree, StaticTree, default_medusa_tree
+from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 
 
 class CloverProposer(HydraProposer):

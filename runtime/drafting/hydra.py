@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from draftsmith.common.layers import KVCache
+from draftsmith.common.trees import default_medusa_tree
 from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.drafting.base import StepContext, module_dtype, prune_tree, register_proposer
-from draftsmith.runtime.drafting.tree import DraftTree, StaticTree, default_medusa_tree
+from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 
 
 class HydraProposer:

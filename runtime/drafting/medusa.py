@@ -88,7 +88,7 @@ def _build_medusa(export_dir: str | Path, config: dict, target_model: Any, tree:
     paths = tree or inference.get("tree")
     k = top_k or inference.get("top_k", 10)
     if not paths:
-        from draftsmith.runtime.drafting.tree import default_medusa_tree
+        from draftsmith.common.trees import default_medusa_tree
 
         paths = default_medusa_tree(heads.config.num_heads, top_k=min(k, 4))
     return MedusaProposer(heads.eval(), StaticTree.from_paths(paths, k))

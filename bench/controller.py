@@ -2,21 +2,17 @@
 
 Cost: the same decoding loop, prompts and seeds run once with the layer choosing every position's temperature and
 once replaying the temperatures it chose without running it. Reward (prompts ``embedded[:split]`` or a ``--reward``): see
-:mod:`draftsmith.runtime.bench.reward_eval`.
+:mod:`draftsmith.evals.reward_eval`.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftsmith.runtime.bench.timing import speedup_ci, time_interleaved
+from draftsmith.bench.timing import speedup_ci, time_interleaved
 
 
 def bench_controller(runtime: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
@@ -114,94 +110,3 @@ def controller_table(result: dict[str, Any]) -> str:
             ("mean chosen temperature", "n/a" if result["mean_chosen_temperature"] is None
              else f"{result['mean_chosen_temperature']:.2f}")]
     return "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
-
-
-def is_reward_task(args: argparse.Namespace) -> bool:
-    """Whether ``bench`` scores rewards: the embedded mixed task or an explicit ``--reward``."""
-    return str(args.prompts).startswith("embedded") or args.reward is not None
-
-
-def layer_names(exports: list[str]) -> dict[str, str]:
-    """``adaptive-<granularity>`` per export (a folder name is appended when two share a granularity)."""
-    from draftsmith.export.format import read_config
-
-    names: dict[str, str] = {}
-    for export in exports:
-        name = f"adaptive-{read_config(export)['architecture']['granularity']}"
-        if name in names:
-            name = f"{name}-{Path(export).resolve().parent.name}"
-        names[name] = export
-    return names
-
-
-def _fingerprint(export: str) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(Path(export).glob("*.safetensors")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def cmd_reward_bench(args: argparse.Namespace) -> int:
-    """``bench [--controller A[,B]] --prompts embedded:heldout``: rewards of every fixed grid temperature and of each
-    layer on the task (JSON, markdown, PNG in ``--out``), then each layer's overhead in tokens/s."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from draftsmith import assets
-    from draftsmith.common.chat import encode_chat
-    from draftsmith.controllers.adaptive_temperature import DEFAULT_GRID, AdaptiveTemperatureHead, check_grid
-    from draftsmith.export.format import read_config
-    from draftsmith.runtime.bench.reward_eval import evaluate, plot, reward_table
-    from draftsmith.runtime.bench.run import load_runtime
-    from draftsmith.runtime.tools.mixed_task import load_prompt_records
-    from draftsmith.runtime.tools.rewards import load_reward
-    from draftsmith.runtime.tools.rollouts import eos_ids_of
-
-    exports = [e for e in (args.controller or "").split(",") if e.strip()]
-    names = layer_names(exports)
-    layers = {name: AdaptiveTemperatureHead.from_export(e)[0] for name, e in names.items()}
-    grids = {tuple(h.config.grid) for h in layers.values()}
-    if args.grid is not None:
-        grids.add(check_grid([t for t in args.grid.split(",") if t.strip()]))
-    if len(grids) > 1:
-        raise ValueError(f"the controllers and --grid use different temperature grids {sorted(grids)}; bench them "
-                         "separately (or drop --grid)")
-    grid = list(next(iter(grids))) if grids else list(DEFAULT_GRID)
-    target = args.target or (read_config(exports[0])["target"]["name_or_path"] if exports else "smollm2-135m")
-    path = assets.resolve_target(target)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # the dtype rollouts sample in
-    for name, head in layers.items():
-        if head.config.hidden_size != model.config.hidden_size:
-            raise ValueError(f"{names[name]} reads hidden size {head.config.hidden_size} but {target} has "
-                             f"{model.config.hidden_size}; bench it with the target it was trained on")
-    records = load_prompt_records(args.prompts, args.num_prompts)
-    for r in records:
-        r["ids"] = encode_chat(tokenizer, r["text"])
-    eos = eos_ids_of(tokenizer, model)
-    reward_name = args.reward or "embedded"
-    settings = {"target": str(target), "prompts": args.prompts, "samples": args.samples_per_prompt,
-                "max_new_tokens": args.max_new_tokens,
-                "reward": reward_name, "seed": args.seed, "dtype": "fp32"}
-    result = evaluate(model, records, {n: (h, _fingerprint(names[n])) for n, h in layers.items()}, grid,
-                      load_reward(reward_name), reward_name, lambda t: tokenizer.decode(t, skip_special_tokens=True),
-                      args.samples_per_prompt, args.max_new_tokens, eos, args.seed, args.out, settings)
-    result["controllers"] = names
-    print(reward_table(result))
-    overhead = {}
-    for name, export in names.items():  # tokens/s with and without each layer, in the runtime's serving dtype
-        rt = load_runtime(None, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
-                          linear_backend=args.linear_backend, controller=export)
-        overhead[name] = bench_controller(rt, [r["ids"] for r in records[: args.overhead_prompts]],
-                                          args.max_new_tokens)
-        print(f"{name}: {overhead[name]['tokens_per_s_with_layer']:.1f} tok/s with the layer, "
-              f"{overhead[name]['tokens_per_s_without_layer']:.1f} replaying its temperatures without it (overhead "
-              f"{overhead_text(overhead[name])})")
-    result["overhead"] = overhead
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "reward_eval.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / "reward_eval.md").write_text(reward_table(result))
-        png = plot(result, out / "reward_eval.png")
-        print(f"wrote {out / 'reward_eval.json'}, reward_eval.md" + (", reward_eval.png" if png else ""))
-    return 0

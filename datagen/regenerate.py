@@ -192,7 +192,7 @@ def regenerate(
     kernels: str = "auto", log: Callable[[str], None] | None = None,
 ) -> RegenerateReport:
     """Regenerate ``data`` with the target and write ``out`` (jsonl), resuming an interrupted ``out.partial``."""
-    from draftsmith.runtime.bench.run import load_runtime
+    from draftsmith.runtime.serving import load_runtime
 
     if turns not in TURNS:
         raise ValueError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")

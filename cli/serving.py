@@ -1,4 +1,4 @@
-"""Runtime subcommands of the ``draftsmith`` command: generate, bench, regenerate."""
+"""Serving commands: generate (stream a completion) and bench (prove an export: speed, tau, lossless; also the\nreward and block-diffusion benches, chosen by the arguments)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "or tree='[[0],[1],[0,0]]' (Medusa); repeatable")
 
 
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Register ``generate``, ``bench`` and ``regenerate``."""
-    g = sub.add_parser("generate", help="stream a completion (speculative with --drafter, else autoregressive)")
+def _generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter", default=None, help="export folder of a trained drafter")
     g.add_argument("--controller", default=None,
                    help="adaptive-temperature export: sample each position at the layer's temperature (with "
@@ -41,7 +39,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--verbose", action="store_true", help="say on stderr which CPU, dtype and backends run, and why")
     _add_common(g)
-    b = sub.add_parser("bench", help="tau, acceptance, tokens/s and lossless check of an export")
+
+
+def _bench_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--drafter", default=None, help="export folder of a trained drafter")
     b.add_argument("--controller", default=None,
                    help="adaptive-temperature export(s), comma-separated: tokens/s with and without the layer (its "
@@ -58,10 +58,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--overhead-prompts", type=int, default=8, help="with a reward: prompts timed for the overhead")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--filter", default=None, help="Learn2PD export: with a block-diffusion --target, bench baseline, "
-                   "Learn2PD, EoTP and both (the same as `draftsmith diffusion-bench`)")
+                   "Learn2PD, EoTP and both (the one block-diffusion bench)")
     b.add_argument("--cache", default="off", choices=["off", "on", "both"],
                    help="block-diffusion bench: prefix KV cache across finished blocks off, on, or every mode both ways")
     b.add_argument("--gen-length", type=int, default=256, help="block-diffusion bench: answer slots per prompt")
+    b.add_argument("--steps-per-block", type=int, default=None,
+                   help="block-diffusion bench: denoising steps per block (default: the block length)")
     b.add_argument("--threshold", type=float, default=None,
                    help="block-diffusion bench: the Learn2PD filter's acceptance threshold (default: the exported one)")
     b.add_argument("--trust-remote-code", action="store_true",
@@ -80,41 +82,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="dtype of the lossless check (greedy spec vs HF generate); 'same' = the timing dtype, "
                         "'none' = skip")
     _add_common(b)
-    c = sub.add_parser("calibrate", help="reliability plot + expected calibration error of a SpecDec++ "
-                                         "acceptance head on held-out drafts")
-    c.add_argument("--drafter", required=True, help="a SpecDec++ export folder")
-    c.add_argument("--prompts", default="mtbench", help="mtbench or a .jsonl with 'prompt' (or 'turns')")
-    c.add_argument("--out", required=True, help="folder for calibration.json and reliability.png")
-    c.add_argument("--target", default=None, help="target folder (default: the one recorded in the export)")
-    c.add_argument("--num-prompts", type=int, default=None)
-    c.add_argument("--max-new-tokens", type=int, default=128)
-    c.add_argument("--depth", type=int, default=None, help="fixed draft depth scored (default: the export's max)")
-    c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--bins", type=int, default=10)
-    c.add_argument("--dtype", default="fp32")
-    c.add_argument("--seed", type=int, default=0)
 
-    from draftsmith.runtime.tools.rollouts import add_arguments as add_rollout_arguments
 
-    o = sub.add_parser("rollouts", help="sample N responses per prompt with the adaptive-temperature decoder, score "
-                                        "them, write chosen/rejected pairs (data for recipe=adaptive_temperature)")
-    add_rollout_arguments(o)
-
-    r = sub.add_parser("regenerate", help="rewrite a chat dataset's assistant turns with the target (self-distilled "
-                                          "data for data.spec=)")
-    r.add_argument("--data", default="sharegpt", help="sharegpt (embedded) or a .jsonl/.json of conversations")
-    r.add_argument("--out", required=True, help="output .jsonl ({messages, source_index} per line); resumes "
-                                                "OUT.partial")
-    r.add_argument("--target", default=None, help="target folder (default: the embedded smollm2-135m)")
-    r.add_argument("--limit", type=int, default=None, help="use the first N conversations")
-    r.add_argument("--max-new-tokens", type=int, default=256)
-    r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--turns", default="first", choices=["first", "all"],
-                   help="regenerate the first assistant turn only, or all with the target's own replies in context")
-    r.add_argument("--dtype", default="bf16", help="bf16 (faster on CPU) or fp32")
-    r.add_argument("--kernels", default="auto", help="auto | torch | triton")
-    r.add_argument("--seed", type=int, default=0)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -122,9 +91,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from draftsmith.common.chat import encode_chat
-    from draftsmith.runtime.bench.run import load_runtime, parse_options
     from draftsmith.runtime.decoding.autoregressive import generate_ar
     from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
+    from draftsmith.runtime.serving import load_runtime, parse_options
 
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
@@ -133,9 +102,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for key, value in rt.backend_report().items():
             print(f"[{key}] {value}", file=sys.stderr)
     if rt.speculative is not None and args.stop_policy == "auto":
-        from draftsmith.runtime.bench import tuning
+        from draftsmith.runtime.acceptance import depth_choice
 
-        note = tuning.apply_cached_depth(rt)
+        note = depth_choice.apply_cached_depth(rt)
         if args.verbose or "lose" in note:
             print(f"[draft depth] {note}", file=sys.stderr)
     prompt = encode_chat(rt.tokenizer, args.prompt)
@@ -167,22 +136,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write JSON/markdown/PNG with --out."""
-    from draftsmith.runtime.bench.controller import cmd_reward_bench, is_reward_task
-    from draftsmith.runtime.bench.report import markdown_table, write_outputs
-    from draftsmith.runtime.bench.run import (
-        load_prompts,
-        load_runtime,
-        lossless_check,
-        parse_options,
-        resolve_dtype,
-        run_bench,
-    )
+    from draftsmith.bench.prompts import load_prompts
+    from draftsmith.bench.report import markdown_table, write_outputs
+    from draftsmith.bench.run import lossless_check, run_bench
+    from draftsmith.evals.reward_bench import cmd_reward_bench, is_reward_task
     from draftsmith.runtime.decoding.prompt_limits import context_limit
+    from draftsmith.runtime.serving import load_runtime, parse_options, resolve_dtype
 
     if args.filter or _is_diffusion_target(args.target):
         from argparse import Namespace
 
-        from draftsmith.runtime.bench.diffusion import run_cli
+        from draftsmith.evals.diffusion import run_cli
 
         if args.drafter or args.controller:
             raise ValueError("a block-diffusion target is benched with --filter (Learn2PD) only, not with --drafter or "
@@ -190,7 +154,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.target:
             raise ValueError("--filter needs --target DIFFUSION_TARGET (recipe=diffusion_adapt's <run dir>/export)")
         run_cli(Namespace(target=args.target, filter=args.filter, prompts=args.prompts, limit=args.num_prompts,
-                          gen_length=args.gen_length, steps_per_block=None, threshold=args.threshold, cache=args.cache,
+                          gen_length=args.gen_length, steps_per_block=args.steps_per_block, threshold=args.threshold, cache=args.cache,
                           temperature=args.temperature, dtype="fp32" if args.dtype == "auto" else args.dtype,
                           threads=None, trust_remote_code=args.trust_remote_code,
                           out=str(Path(args.out) / "diffusion_bench.json") if args.out else None))
@@ -212,7 +176,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       stop_policy=args.stop_policy, controller=args.controller)
     prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts, max_len=context_limit(rt.model))
     if args.controller:
-        from draftsmith.runtime.bench.controller import bench_controller, controller_table
+        from draftsmith.bench.controller import bench_controller, controller_table
 
         result = bench_controller(rt, prompts, args.max_new_tokens)
         print(controller_table(result))
@@ -254,35 +218,5 @@ def _is_diffusion_target(target: str | None) -> bool:
     return DIFFUSION_KEY in raw or str(raw.get("model_type", "")).lower() in REMOTE_FAMILIES
 
 
-def cmd_regenerate(args: argparse.Namespace) -> int:
-    """Regenerate the dataset's assistant turns and print the summary."""
-    from draftsmith.runtime.tools.regenerate import regenerate, summary
-
-    report = regenerate(args.data, args.out, target=args.target, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, top_p=args.top_p, turns=args.turns, dtype=args.dtype,
-                        seed=args.seed, kernels=args.kernels)
-    print(summary(report, args.out))
-    return 0
-
-
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    """Score the acceptance head's predictions against what the target accepted; write JSON and the PNG."""
-    from draftsmith.runtime.tools.calibrate import calibrate
-
-    result = calibrate(args.drafter, args.prompts, args.out, target=args.target, num_prompts=args.num_prompts,
-                       max_new_tokens=args.max_new_tokens, depth=args.depth, temperature=args.temperature,
-                       bins=args.bins, dtype=args.dtype, seed=args.seed)
-    print(f"expected calibration error {result['ece']:.4f} over {result['count']} drafts; wrote "
-          f"{args.out}/calibration.json and reliability.png")
-    return 0
-
-
-def cmd_rollouts(args: argparse.Namespace) -> int:
-    """Write (or resume) an LPO rollout folder and print its summary."""
-    from draftsmith.runtime.tools.rollouts import cmd_rollouts as run
-
-    return run(args)
-
-
-HANDLERS = {"generate": cmd_generate, "bench": cmd_bench, "regenerate": cmd_regenerate, "calibrate": cmd_calibrate,
-            "rollouts": cmd_rollouts}
+ARGUMENTS = {"generate": _generate_arguments, "bench": _bench_arguments}
+HANDLERS = {"generate": cmd_generate, "bench": cmd_bench}

@@ -134,11 +134,12 @@ def calibrate(drafter: str, prompts: str, out: str, target: str | None = None, n
               dtype: str = "fp32", seed: int = 0) -> dict[str, Any]:
     """``draftsmith calibrate``: load the SpecDec++ export and its drafter on the target, decode ``prompts`` (mtbench
     or a .jsonl), write ``OUT/calibration.json`` and ``OUT/reliability.png``; returns the report."""
+    from draftsmith.bench.prompts import load_prompts
     from draftsmith.export.format import read_config
     from draftsmith.runtime.acceptance.choice import choose_verifier
-    from draftsmith.runtime.bench.run import load_prompts, load_runtime
     from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
     from draftsmith.runtime.drafting.base import build_proposer
+    from draftsmith.runtime.serving import load_runtime
 
     config = read_config(drafter)
     if config.get("method") != "specdecpp":

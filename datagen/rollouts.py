@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.hf_forward import hf_forward
 from draftsmith.controllers.adaptive_temperature import (
     DEFAULT_GRID,
     AdaptiveTemperatureHead,
     check_granularity,
     check_grid,
 )
+from draftsmith.datagen.rewards import Reward, load_reward, score
 from draftsmith.runtime.acceptance.verifiers import target_probs
-from draftsmith.runtime.target.hf import hf_forward
-from draftsmith.runtime.tools.rewards import Reward, load_reward, score
 
 META = "meta.json"
 ROWS = "rollouts.jsonl"
@@ -202,7 +202,7 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
 
     from draftsmith import assets
     from draftsmith.common.chat import encode_chat
-    from draftsmith.runtime.tools.mixed_task import load_prompt_records
+    from draftsmith.datagen.mixed_task import load_prompt_records
 
     if args.samples_per_prompt < 2:
         raise RolloutError(f"--samples-per-prompt must be >= 2 to form a chosen/rejected pair, got "
@@ -249,7 +249,7 @@ def eos_ids_of(tokenizer: Any, model: Any) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m draftsmith.runtime.tools.rollouts ...`` (the same flags as ``draftsmith rollouts``)."""
+    """``python -m draftsmith.datagen.rollouts ...`` (the same flags as ``draftsmith rollouts``)."""
     parser = argparse.ArgumentParser(prog="draftsmith rollouts", description=__doc__.split("\n")[0])
     add_arguments(parser)
     return cmd_rollouts(parser.parse_args(argv))

@@ -13,7 +13,7 @@
 
 Prompts are generated deterministically (no files to ship) and split by a fixed rule into ``train`` and ``heldout``
 (every fifth prompt of each kind is held out). Records are ``{"id", "kind", "text", "answer"}`` (``answer`` None for
-open-ended prompts), the form :mod:`draftsmith.runtime.tools.rewards` scores.
+open-ended prompts), the form :mod:`draftsmith.datagen.rewards` scores.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def add_task_accuracy(result: dict[str, Any], records: list[dict], decode: Callable[[list[int]], str]) -> None:
     """Each row's ``task_accuracy``: the exact-match share over the prompts that have a checkable ``answer``."""
-    from draftsmith.runtime.tools.rewards import exact_match
+    from draftsmith.datagen.rewards import exact_match
 
     checkable = [i for i, r in enumerate(records) if r.get("answer") is not None]
     for row in result["rows"]:
@@ -100,7 +100,7 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 
 def run_cli(args: Any) -> dict[str, Any]:
-    """``draftsmith diffusion-bench`` (= ``draftsmith bench --target DLM [--filter EXPORT]``): every mode over the
+    """``draftsmith bench --target DLM [--filter EXPORT]``: every mode over the
     prompts with a progress bar; prints the table, writes JSON (and a markdown twin) with ``--out``."""
     import json
     from pathlib import Path
@@ -109,8 +109,8 @@ def run_cli(args: Any) -> dict[str, Any]:
 
     from draftsmith.common.dtypes import dtype_from_name
     from draftsmith.controllers.learn2pd import Learn2PDFilter
+    from draftsmith.datagen.trajectories import load_prompts
     from draftsmith.runtime.target.diffusion_lm import load_diffusion_lm, supports_prefix_cache
-    from draftsmith.runtime.tools.trajectories import load_prompts
 
     caches = {"off": (False,), "on": (True,), "both": (False, True)}[args.cache]
     if args.threshold is not None and (args.filter is None or not 0 < args.threshold < 1):
@@ -125,7 +125,7 @@ def run_cli(args: Any) -> dict[str, Any]:
     records = None
     if str(args.prompts).startswith("embedded"):  # the mixed task: some prompts have a checkable answer
         from draftsmith.common.chat import encode_chat
-        from draftsmith.runtime.tools.mixed_task import load_prompt_records
+        from draftsmith.datagen.mixed_task import load_prompt_records
 
         records = load_prompt_records(args.prompts, args.limit)
         prompts = [encode_chat(lm.tokenizer, [{"role": "user", "content": r["text"]}]) for r in records]

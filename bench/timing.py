@@ -19,6 +19,7 @@ import torch
 from draftsmith.common.chat import encode_chat
 from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.runtime.decoding.autoregressive import generate_ar
+from draftsmith.runtime.serving import eos_ids_from_folder
 from draftsmith.runtime.target.loading import Decoder
 
 DecodeFn = Callable[[list[int]], list[int]]
@@ -98,15 +99,6 @@ def speedup_ci(base: dict[str, Any], other: dict[str, Any], draws: int = 2000,
     return ratios[int(0.025 * len(ratios))], ratios[max(0, int(0.975 * len(ratios)) - 1)]
 
 
-def eos_ids_from_folder(folder: str | Path) -> tuple[int, ...]:
-    """The EOS ids HF ``generate`` would stop at: ``generation_config.json`` first, then ``config.json``."""
-    for name in ("generation_config.json", "config.json"):
-        path = Path(folder) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (int(eos),)
-    return ()
 
 
 def time_hf_generate(

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from draftsmith.controllers.adaptive_temperature import AdaptiveTemperatureHead
-from draftsmith.runtime.tools.rewards import Reward, score
-from draftsmith.runtime.tools.rollouts import sample_group
+from draftsmith.datagen.rewards import Reward, score
+from draftsmith.datagen.rollouts import sample_group
 
 BOOTSTRAP_DRAWS = 2000
 

@@ -1,0 +1,1 @@
+"""Speed and quality measurement of the runtime: timing, the benchmark run, sweeps, its report."""

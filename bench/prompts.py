@@ -1,0 +1,45 @@
+"""Prompt sets for benches and evaluations: MT-Bench, HumanEval or a jsonl file, chat-encoded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from draftsmith import assets
+from draftsmith.common.chat import encode_chat
+from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits
+
+
+def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | None = None) -> list[list[int]]:
+    """``mtbench`` (first turns of the 80 questions), ``humaneval`` (the 164 problems as chat prompts) or a jsonl
+    with ``prompt`` or MT-Bench ``turns``. With
+    ``max_len`` (the target's context), a prompt that cannot fit fails at once, named, before any model work."""
+    if spec == "mtbench":
+        texts = [q["turns"][0] for q in assets.mtbench_questions()]
+    elif spec == "humaneval":
+        texts = assets.humaneval_prompts()
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompts file {path} not found (use 'mtbench' or a .jsonl with a 'prompt' field)")
+        texts = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{n}: not valid JSON ({err})") from err
+            text = record.get("prompt") or (record.get("turns") or [None])[0]
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"{path}:{n}: needs a non-empty 'prompt' string or a 'turns' list")
+            texts.append(text)
+    texts = texts[:limit] if limit else texts
+    if not texts:
+        raise ValueError(f"no prompts in {spec}")
+    encoded = [encode_chat(tokenizer, t) for t in texts]
+    for n, ids in enumerate(encoded, 1):
+        if max_len is not None:
+            check_prompt_fits(len(ids), max_len, f"prompt {n} of {spec} ({texts[n - 1][:40]!r}...)")
+    return encoded

@@ -1,0 +1,68 @@
+"""The ``draftsmith`` command. Every command is one row of :data:`COMMANDS`; its arguments and handler live in the
+module the row names (``training``, ``serving``, ``data``), imported only when the command line is parsed."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+# name -> (module in draftsmith.cli, help). Commands in RAW_ARGV take Hydra overrides and parse their own argv.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("training", "train a drafter: draftsmith train recipe=medusa [hydra overrides]"),
+    "bench-train": ("training", "training tokens/s vs target forward tokens/s: draftsmith bench-train recipe=medusa"),
+    "cache-features": ("training", "run the target once and cache the features a recipe taps: "
+                                   "draftsmith cache-features recipe=eagle3 --out DIR"),
+    "export": ("training", "export a run folder or checkpoint (or convert an export to an engine's layout)"),
+    "assets": ("training", "prepare the embedded target, data and prompts; print their counts"),
+    "generate": ("serving", "stream a completion (speculative with --drafter, else autoregressive)"),
+    "bench": ("serving", "tau, acceptance, tokens/s and lossless check of an export (with a block-diffusion "
+                         "--target: the Learn2PD bench; with --controller: the adaptive-temperature bench)"),
+    "regenerate": ("data", "rewrite a chat dataset's assistant turns with the target (self-distilled data for "
+                           "data.spec=)"),
+    "rollouts": ("data", "sample N responses per prompt with the adaptive-temperature decoder, score them, write "
+                         "chosen/rejected pairs (data for recipe=adaptive_temperature)"),
+    "trajectories": ("data", "Learn2PD oracle trajectories of a diffusion target"),
+    "diffusion-export": ("data", "turn a recipe=diffusion_adapt export into a HF model folder"),
+    "calibrate": ("data", "reliability plot + expected calibration error of a SpecDec++ acceptance head on "
+                          "held-out drafts"),
+}
+RAW_ARGV = ("train", "bench-train", "cache-features")
+
+
+def command_module(name: str):
+    """The module that holds command ``name``'s arguments (``ARGUMENTS``) and handler (``HANDLERS``/``RAW_HANDLERS``)."""
+    return importlib.import_module(f"draftsmith.cli.{COMMANDS[name][0]}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every command in :data:`COMMANDS`."""
+    parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, helptext) in COMMANDS.items():
+        p = sub.add_parser(name, help=helptext)
+        add_arguments = getattr(command_module(name), "ARGUMENTS", {}).get(name)
+        if add_arguments is not None:
+            add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``draftsmith`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if argv and argv[0] in RAW_ARGV:  # everything after the name is Hydra's
+        return command_module(argv[0]).RAW_HANDLERS[argv[0]](argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return command_module(args.command).HANDLERS[args.command](args)
+    except Exception as err:  # noqa: BLE001 - one clear line for user errors, full trace with DRAFTSMITH_DEBUG
+        if os.environ.get("DRAFTSMITH_DEBUG"):
+            raise
+        # An exception without a message (StopIteration, a bare assert) is a bug: name it and how to see where.
+        text = str(err) or f"{type(err).__name__} (a bug; rerun with DRAFTSMITH_DEBUG=1 for the traceback)"
+        print(f"draftsmith {args.command}: error: {text}", file=sys.stderr)
+        return 2

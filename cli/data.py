@@ -1,0 +1,116 @@
+"""Data and evaluation commands: regenerate, rollouts, trajectories, diffusion-export (training-data producers in
+``datagen/``) and calibrate (an evaluation in ``evals/``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--data", default="sharegpt", help="sharegpt (embedded) or a .jsonl/.json of conversations")
+    r.add_argument("--out", required=True, help="output .jsonl ({messages, source_index} per line); resumes "
+                                                "OUT.partial")
+    r.add_argument("--target", default=None, help="target folder (default: the embedded smollm2-135m)")
+    r.add_argument("--limit", type=int, default=None, help="use the first N conversations")
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--turns", default="first", choices=["first", "all"],
+                   help="regenerate the first assistant turn only, or all with the target's own replies in context")
+    r.add_argument("--dtype", default="bf16", help="bf16 (faster on CPU) or fp32")
+    r.add_argument("--kernels", default="auto", help="auto | torch | triton")
+    r.add_argument("--seed", type=int, default=0)
+
+
+def _calibrate_arguments(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--drafter", required=True, help="a SpecDec++ export folder")
+    c.add_argument("--prompts", default="mtbench", help="mtbench or a .jsonl with 'prompt' (or 'turns')")
+    c.add_argument("--out", required=True, help="folder for calibration.json and reliability.png")
+    c.add_argument("--target", default=None, help="target folder (default: the one recorded in the export)")
+    c.add_argument("--num-prompts", type=int, default=None)
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--depth", type=int, default=None, help="fixed draft depth scored (default: the export's max)")
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--bins", type=int, default=10)
+    c.add_argument("--dtype", default="fp32")
+    c.add_argument("--seed", type=int, default=0)
+
+
+def _rollouts_arguments(p: argparse.ArgumentParser) -> None:
+    from draftsmith.datagen.rollouts import add_arguments
+
+    add_arguments(p)
+
+
+def _diffusion_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="<run dir>/export (or the run folder)")
+    p.add_argument("--out", required=True, help="output HF folder (written atomically)")
+
+
+def _trajectories_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True,
+                   help="block-diffusion target folder (recipe=diffusion_adapt's <run dir>/export)")
+    p.add_argument("--prompts", default="mtbench", help="mtbench | sharegpt | a .txt/.jsonl file")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts")
+    p.add_argument("--gen-length", type=int, default=256)
+    p.add_argument("--steps-per-block", type=int, default=None, help="default: the block length (1 token/step)")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a target whose modelling code ships with its weights (LLaDA, Dream) to run it")
+    p.add_argument("--out", required=True, help="trajectory folder (resumable)")
+    p.add_argument("--shard-size", type=int, default=8, help="prompts per safetensors shard")
+    p.add_argument("--full", action="store_true", help="decode all gen-length slots (default: stop after "
+                   "the block holding the reference's EoT)")
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    """Regenerate the dataset's assistant turns and print the summary."""
+    from draftsmith.datagen.regenerate import regenerate, summary
+
+    report = regenerate(args.data, args.out, target=args.target, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_p=args.top_p, turns=args.turns, dtype=args.dtype,
+                        seed=args.seed, kernels=args.kernels)
+    print(summary(report, args.out))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Score the acceptance head's predictions against what the target accepted; write JSON and the PNG."""
+    from draftsmith.evals.calibrate import calibrate
+
+    result = calibrate(args.drafter, args.prompts, args.out, target=args.target, num_prompts=args.num_prompts,
+                       max_new_tokens=args.max_new_tokens, depth=args.depth, temperature=args.temperature,
+                       bins=args.bins, dtype=args.dtype, seed=args.seed)
+    print(f"expected calibration error {result['ece']:.4f} over {result['count']} drafts; wrote "
+          f"{args.out}/calibration.json and reliability.png")
+    return 0
+
+
+def cmd_rollouts(args: argparse.Namespace) -> int:
+    """Write (or resume) an LPO rollout folder and print its summary."""
+    from draftsmith.datagen.rollouts import cmd_rollouts as run
+
+    return run(args)
+
+
+def cmd_diffusion_export(args: argparse.Namespace) -> int:
+    """A recipe=diffusion_adapt export (or run folder) -> an ordinary HF model folder that ``--target`` can name."""
+    from draftsmith.runtime.target.diffusion_lm import folder_from_export
+
+    print(f"wrote {folder_from_export(args.source, args.out)}")
+    return 0
+
+
+def cmd_trajectories(args: argparse.Namespace) -> int:
+    from draftsmith.datagen.trajectories import run_cli
+
+    print(json.dumps(run_cli(args), indent=2))
+    return 0
+
+
+ARGUMENTS = {"regenerate": _regenerate_arguments, "rollouts": _rollouts_arguments, "calibrate": _calibrate_arguments,
+             "diffusion-export": _diffusion_export_arguments, "trajectories": _trajectories_arguments}
+HANDLERS = {"regenerate": cmd_regenerate, "rollouts": cmd_rollouts, "calibrate": cmd_calibrate,
+            "diffusion-export": cmd_diffusion_export, "trajectories": cmd_trajectories}

@@ -1,0 +1,172 @@
+"""Training-side commands: train, bench-train, cache-features (Hydra overrides after the name), export, assets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_train(argv: Sequence[str]) -> int:
+    from draftsmith.train import expand_shorthands
+    from draftsmith.train import main as hydra_main
+
+    sys.argv = ["draftsmith train", *expand_shorthands(list(argv))]
+    hydra_main()
+    return 0
+
+
+def compose_config(overrides: Sequence[str]):
+    """Compose ``conf/train.yaml`` with Hydra overrides outside a Hydra app (bench-train, tests)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def _cmd_bench_train(argv: Sequence[str]) -> int:
+    """``draftsmith bench-train recipe=NAME [overrides] [--steps N] [--out FILE.json]``."""
+    from pathlib import Path
+
+    from draftsmith import recipes
+    from draftsmith.distill.bench_train import bench_train
+
+    parser = argparse.ArgumentParser(prog="draftsmith bench-train")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    opts, overrides = parser.parse_known_args(argv)
+    from draftsmith.train import expand_shorthands
+
+    cfg = compose_config(expand_shorthands(overrides))
+    result = bench_train(cfg, recipes.get_recipe(cfg.recipe.name), steps=opts.steps, warmup=opts.warmup)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if opts.out:
+        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.out).write_text(text + "\n")
+    return 0
+
+
+def _cmd_cache_features(argv: list[str]) -> int:
+    """``draftsmith cache-features recipe=NAME [overrides] --out DIR [--dtype bf16|fp32] [--shard-mb N]``: run the
+    target once over the data and write the features the recipe taps (:mod:`draftsmith.distill.feature_cache`).
+    Lives in the CLI, not in distill/, because composing configs (Hydra) and picking recipes is the entry points' job."""
+    import argparse
+
+    from draftsmith import recipes
+    from draftsmith.distill.feature_cache import build_cache
+    from draftsmith.train import expand_shorthands, purposeful_errors, report_error
+
+    parser = argparse.ArgumentParser(prog="draftsmith cache-features")
+    parser.add_argument("--out", required=True, help="cache folder (a re-run resumes there)")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="stored feature dtype")
+    parser.add_argument("--shard-mb", type=float, default=1024.0, help="about this many MB per shard")
+    opts, overrides = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = compose_config(expand_shorthands(overrides))
+        manifest = build_cache(cfg, recipes.get_recipe(cfg.recipe.name), opts.out, dtype=opts.dtype,
+                               shard_bytes=int(opts.shard_mb * 1e6))
+    except purposeful_errors() as err:
+        report_error(err)
+        return 1
+    print(json.dumps({k: manifest[k] for k in ("fingerprint", "bytes_per_token", "tokens", "batches")}, indent=2))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from draftsmith.distill.exporting import export_from_checkpoint
+    from draftsmith.export.format import read_config
+
+    src = args.source
+    if args.format == "draftsmith":
+        out = export_from_checkpoint(src, args.out)
+    else:
+        from pathlib import Path
+
+        export_dir = Path(src)
+        if not (export_dir / "config.json").is_file():  # a run folder or checkpoint: export it first
+            export_dir = export_from_checkpoint(src, Path(args.out).with_name(Path(args.out).name + ".draftsmith"))
+        out = _convert(export_dir, args.out, args.format, read_config(export_dir), args.target)
+    print(f"wrote {out}")
+    return 0
+
+
+def _verifier_folder(config: dict, target: str | None) -> str:
+    """The target a converted export names: ``--target`` or the export's record, aliases resolved to their folder.
+
+    A local folder is written as its absolute path (what vLLM/speculators can load); anything else (a hub id) as is.
+    A local folder is checked against the export's recorded identity, so a converted drafter never names a verifier
+    it was not trained for.
+    """
+    from pathlib import Path
+
+    from draftsmith import assets
+
+    given = target or str(config["target"]["name_or_path"])
+    folder = Path(assets.resolve_target(given)).expanduser()
+    if not folder.is_dir():
+        return given
+    from transformers import AutoConfig, AutoTokenizer
+
+    from draftsmith.export.format import check_target
+    from draftsmith.export.identity import decoder_identity, target_identity
+    from draftsmith.runtime.target.weights import load_lm_head
+
+    lm_head = load_lm_head(folder)
+    try:
+        identity = target_identity(given, AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder),
+                                   lm_head)
+    except (OSError, ValueError):  # a weights-only folder (no tokenizer): check what the weights show
+        from draftsmith.runtime.target.weights import load_hf_config
+
+        hf = load_hf_config(folder)
+        identity = decoder_identity(given, hf.get("hidden_size"), hf.get("num_hidden_layers"), lm_head)
+    check_target(config, identity, given=given)
+    return str(folder.resolve())
+
+
+def _convert(export_dir, out, fmt: str, config: dict, target: str | None):
+    if fmt == "medusa":
+        from draftsmith.export.medusa_layout import to_medusa_layout
+        from draftsmith.runtime.target.weights import load_lm_head
+
+        # Heads sharing the target's LM head need it: default to the recorded target like speculators does.
+        shared = bool(config["architecture"].get("share_lm_head", False))
+        lm_head = load_lm_head(_verifier_folder(config, target)) if target or shared else None
+        return to_medusa_layout(export_dir, out, lm_head)
+    if fmt == "speculators":
+        from draftsmith.export.speculators import to_speculators
+
+        return to_speculators(export_dir, out, _verifier_folder(config, target))
+    raise SystemExit(f"unknown --format {fmt!r}; valid: draftsmith, medusa, speculators")
+
+
+def _cmd_assets(args: argparse.Namespace) -> int:
+    from draftsmith import assets
+
+    target = assets.default_target_dir()
+    conversations, report = assets.read_sharegpt(assets.sharegpt_path())
+    questions = assets.mtbench_questions()
+    print(json.dumps({"target": str(target), "sharegpt": {"kept": report.kept, "skipped": report.skipped,
+                                                          "turns": report.turns, "reason": report.reason},
+                      "mtbench_questions": len(questions)}, indent=2))
+    return 0
+
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="run folder (holding checkpoints/last.ckpt), .ckpt file, or export folder")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--format", default="draftsmith", choices=["draftsmith", "medusa", "speculators"])
+    p.add_argument("--target", default=None, help="target folder or alias for converters (default: the target the "
+                   "export records); speculators writes its absolute folder path as the verifier")
+
+
+ARGUMENTS = {"export": _export_arguments}
+HANDLERS = {"export": _cmd_export, "assets": _cmd_assets}
+RAW_HANDLERS = {"train": _cmd_train, "bench-train": _cmd_bench_train, "cache-features": _cmd_cache_features}

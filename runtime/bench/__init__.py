@@ -1,1 +1,0 @@
-"""Bench: timing, the benchmark run, its report."""

@@ -1,1 +1,0 @@
-"""Tools built on the runtime: regenerate (self-distilled training data)."""
