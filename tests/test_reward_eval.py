@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import build_tiny_llama
 
-from draftsmith.bench import reward_eval
+from draftsmith.evals import reward_eval
 from draftsmith.common.chat import encode_chat
 from draftsmith.controllers.adaptive_temperature import AdaptiveTemperatureConfig, AdaptiveTemperatureHead
 from draftsmith.evals.reward_eval import bootstrap_ci, evaluate, reward_table, summarize
