@@ -132,6 +132,12 @@ def _verifier_folder(config: dict, target: str | None) -> str:
 
 
 def _convert(export_dir, out, fmt: str, config: dict, target: str | None):
+    from draftsmith.common.methods import METHODS, export_formats
+
+    method = METHODS.get(config.get("method"))
+    if method is not None and fmt not in method.formats:  # the one method table says which converters apply
+        raise SystemExit(f"--format {fmt} does not hold {method.name!r} exports; {method.label} exports as: "
+                         f"{', '.join(method.formats)}")
     if fmt == "medusa":
         from draftsmith.export.medusa_layout import to_medusa_layout
         from draftsmith.runtime.target.weights import load_lm_head
@@ -144,7 +150,7 @@ def _convert(export_dir, out, fmt: str, config: dict, target: str | None):
         from draftsmith.export.speculators import to_speculators
 
         return to_speculators(export_dir, out, _verifier_folder(config, target))
-    raise SystemExit(f"unknown --format {fmt!r}; valid: draftsmith, medusa, speculators")
+    raise SystemExit(f"unknown --format {fmt!r}; valid: {', '.join(export_formats())}")
 
 
 def _cmd_assets(args: argparse.Namespace) -> int:
@@ -162,7 +168,9 @@ def _cmd_assets(args: argparse.Namespace) -> int:
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="run folder (holding checkpoints/last.ckpt), .ckpt file, or export folder")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--format", default="draftsmith", choices=["draftsmith", "medusa", "speculators"])
+    from draftsmith.common.methods import export_formats
+
+    p.add_argument("--format", default="draftsmith", choices=export_formats())
     p.add_argument("--target", default=None, help="target folder or alias for converters (default: the target the "
                    "export records); speculators writes its absolute folder path as the verifier")
 

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from draftsmith.common.methods import METHODS
+
 RECIPES: dict[str, Recipe] = {}
 
 
@@ -31,7 +33,11 @@ def register_recipe(name: str, validate: Callable[[Any], None] | None = None) ->
 
 
 def get_recipe(name: str) -> Recipe:
-    """Look a recipe up by name; an unknown name lists the valid ones."""
+    """Look a recipe up by name; an unknown name lists the valid ones, and a recipe missing from the method table
+    (``common/methods.py``) is an error too: the table is what the CLI, the scripts and the tests read."""
     if name not in RECIPES:
         raise KeyError(f"unknown recipe {name!r}; valid recipes: {', '.join(sorted(RECIPES))}")
+    if name not in METHODS:
+        raise KeyError(f"recipe {name!r} has no entry in the method table (common/methods.py METHODS); add one "
+                       "(docs/ADDING_A_METHOD.md)")
     return RECIPES[name]

@@ -20,14 +20,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from draftsmith.common.methods import labels, method_table_recipes
+
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_RECIPES = "medusa,medusa2,hydra,hydra_pp,clover2,eagle,eagle3,kangaroo"
+# Recipes and labels come from the one method table (common/methods.py: in_method_table, label).
+DEFAULT_RECIPES = ",".join(method_table_recipes())
 DRAFTSMITH = str(Path(sys.executable).with_name("draftsmith"))  # the console script of this venv
 # Default settings (cost-aware stop policy) on the same prompts, timing only: does any export lose to plain decoding?
 DEFAULT_BENCH_ARGS = ["--prompts", "mtbench", "--num-prompts", "8", "--max-new-tokens", "128", "--skip-hf",
                       "--lossless-dtype", "none"]
-LABELS = {"medusa": "Medusa-1", "medusa2": "Medusa-2 (lossy)", "hydra": "Hydra", "hydra_pp": "Hydra++",
-          "clover2": "Clover-2", "eagle": "EAGLE-1", "eagle3": "EAGLE-3", "kangaroo": "Kangaroo"}
+LABELS = labels()
 
 
 def _run(cmd: list[str], log: Path) -> float:

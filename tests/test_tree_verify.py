@@ -20,12 +20,8 @@ from draftsmith.runtime.acceptance.verifiers import (
 )
 from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.medusa import MedusaProposer
-from draftsmith.runtime.drafting.tree import (
-    DraftTree,
-    StaticTree,
-    default_medusa_tree,
-    tree_from_head_accuracies,
-)
+from draftsmith.common.trees import default_medusa_tree, tree_from_head_accuracies
+from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 
 PATHS = [[1], [0], [0, 0], [0, 1], [1, 0], [0, 0, 0]]  # deliberately unsorted
 
