@@ -69,7 +69,9 @@ def report_error(err: BaseException | str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+# An absolute config path: Hydra resolves a relative one against the calling module, which breaks when this file
+# runs as `draftsmith.train` (the `draftsmith train` command) instead of as a script.
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Compose the config, pick the registered recipe, train, export; returns the final val loss for sweeps.
 

@@ -38,12 +38,15 @@ def command_module(name: str):
     return importlib.import_module(f"draftsmith.cli.{COMMANDS[name][0]}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every command in :data:`COMMANDS`."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of :data:`COMMANDS`. With ``command``, only that command's arguments are added (the
+    others keep their name and help), so a command line imports its own module alone."""
     parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, helptext) in COMMANDS.items():
         p = sub.add_parser(name, help=helptext)
+        if command not in (None, name):
+            continue
         add_arguments = getattr(command_module(name), "ARGUMENTS", {}).get(name)
         if add_arguments is not None:
             add_arguments(p)
@@ -56,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if argv and argv[0] in RAW_ARGV:  # everything after the name is Hydra's
         return command_module(argv[0]).RAW_HANDLERS[argv[0]](argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
     try:
         return command_module(args.command).HANDLERS[args.command](args)
     except Exception as err:  # noqa: BLE001 - one clear line for user errors, full trace with DRAFTSMITH_DEBUG

@@ -108,6 +108,7 @@ def test_bench_errors_for_bad_inputs(medusa_export, tmp_path, tiny_target_dir):
         rt.speculative.generate(long_prompt, 8)
 
 
+@pytest.mark.e2e  # a train.py / draftsmith subprocess
 def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
     exe = [sys.executable, "-m", "draftsmith.cli"]
     gen = subprocess.run([*exe, "generate", "--drafter", str(medusa_export), "--prompt", "hello world",
@@ -179,7 +180,7 @@ def test_interleaved_timing_rotates_the_order_and_shares_drift(monkeypatch):
 def test_an_exception_without_a_message_is_named_not_printed_empty(monkeypatch, capsys):
     """A bug that raises a bare StopIteration used to print `error: ` and nothing else."""
     from draftsmith import cli
-    from draftsmith.runtime import cli as runtime_cli
+    from draftsmith.cli import serving as runtime_cli
 
     def broken(args):
         raise StopIteration
