@@ -25,7 +25,8 @@ BEST_DATA := outputs/best/regen$(BEST_CONVERSATIONS).jsonl
 BEST_PRECISION ?= $(shell $(PY) -c "from draftsmith.kernels.cpu_caps import native_bf16; \
 	print('bf16-mixed' if native_bf16('cpu')[0] else '32-true')" 2>/dev/null || echo 32-true)
 
-.PHONY: setup setup-dev assets demo train-demo bench-demo test lint clean gpu-check speculators-venv train-best \
+.PHONY: setup setup-dev assets demo train-demo bench-demo test test-fast test-integration test-e2e lint clean \
+	gpu-check speculators-venv train-best \
 	method-table
 
 setup: $(VENV)/.installed
@@ -74,8 +75,20 @@ $(SPEC_VENV)/.done:
 	   >> $(SPEC_VENV).log 2>&1 || true; } && touch $@ ) || { tail -n 3 $(SPEC_VENV).log > $(SPEC_VENV).failed; \
 	   echo "could not install speculators==0.9.0 (see $(SPEC_VENV).log); its test will be skipped"; }
 
+# Tests come in tiers (tests/conftest.py TIERS): `test-fast` runs the unit tier (tiny in-process models, about two
+# minutes), `test-integration` the tests on the embedded SmolLM2-135M target, `test-e2e` whole train.py / draftsmith
+# runs; `test` runs all three (CI).
 test: setup-dev speculators-venv
 	$(PY) -m pytest
+
+test-fast: setup-dev
+	$(PY) -m pytest -m unit
+
+test-integration: setup-dev
+	$(PY) -m pytest -m integration
+
+test-e2e: setup-dev speculators-venv
+	$(PY) -m pytest -m e2e
 
 # On a machine with a CUDA GPU: GPU-marked tests, a few bf16-mixed steps of each recipe, runtime torch vs Triton on
 # CUDA, a short bench; one table (scripts/gpu_check.sh says how it runs where no registry can be reached).

@@ -69,6 +69,14 @@ def bench_controller(runtime: Any, prompts: list[list[int]], max_new_tokens: int
         times = time_interleaved({"with": lambda p: run(p, layer), "without": replay}, prompts)
     finally:
         spec.temperature_policy = layer
+    return _controller_result(runtime, prompts, max_new_tokens, recorded, call_seconds, times)
+
+
+def _controller_result(runtime: Any, prompts: list[list[int]], max_new_tokens: int,
+                       recorded: dict[int, list[torch.Tensor]], call_seconds: list[list[float]],
+                       times: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The result of :func:`bench_controller` from its recorded temperatures, the layer's per-call seconds (per
+    prompt) and the interleaved timings with and without the layer."""
     chosen = [t.float().reshape(-1)[-1] for calls in recorded.values() for t in calls]  # the position emitting next
     with_layer, without = times["with"]["tokens_per_s"], times["without"]["tokens_per_s"]
     low, high = speedup_ci(times["without"], times["with"])  # ratio with / without, paired by prompt

@@ -23,7 +23,7 @@ from draftsmith.kernels import cpu_caps
 from draftsmith.runtime.acceptance import depth_choice
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
-from draftsmith.runtime.drafting.base import LookaheadHeads
+from draftsmith.runtime.drafting.base import LookaheadHeads, ReportsVerifyReuse
 from draftsmith.runtime.serving import Runtime, hf_fastest_dtype, load_runtime
 from draftsmith.runtime.target.loading import load_decoder
 
@@ -123,6 +123,52 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     of the speculative step in an extra pass. ``sweep_k``: also time every fixed depth K on the same prompts.
     """
     spec = runtime.speculative
+    hf, hf_torch_dtype, hf_reason, lossless = _time_hf(runtime, prompts, max_new_tokens, skip_hf, hf_dtype, lossless,
+                                                       hf_result)
+    hf_same_dtype = hf is not None and hf_torch_dtype == runtime.model.dtype
+    costs = _step_costs(runtime, prompts[0])
+    export_proposer = spec.proposer
+    cost_model = _apply_cost_aware_depth(runtime, prompts, costs) if cost_aware else None
+    ar, sp, results = _time_ar_and_speculative(runtime, prompts, max_new_tokens)
+    ar_step = ar["seconds"] / max(1, ar["tokens"])
+    steps, tau, by_position = _pooled_acceptance(results)
+    same_dtype = _same_dtype_match(runtime, temperature, hf if hf_same_dtype else None, ar, sp)
+    lossless = lossless if lossless is not None else same_dtype
+    agreement = head_agreement(runtime, prompts, ar["outputs"])
+    target_change = _adapted_target_change(runtime, prompts, max_new_tokens, temperature, sp)
+    spec_step = sp["seconds"] / max(1, steps)
+    step_profile = depth_choice.profiled_run(spec, prompts, max_new_tokens, runtime.eos_ids)[0] if profile else None
+    # its own interleaved pass: plain AR, each fixed K and the policy in force, comparable row to row
+    sweep = _fixed_depth_sweep(runtime, prompts, max_new_tokens, sweep_k, export_proposer) if sweep_k else None
+    # a verify model that reuses drafted states (verify forwards that skipped the shallow layers)
+    verify_reuse = spec.model.verify_reuse() if isinstance(spec.model, ReportsVerifyReuse) else None
+    tps = {"hf_generate": hf["tokens_per_s"] if hf else None, "runtime_ar": ar["tokens_per_s"],
+           "speculative": sp["tokens_per_s"]}
+    return {
+        **_run_settings(runtime, prompts, max_new_tokens, temperature, hf, hf_torch_dtype, hf_reason),
+        "tau": tau, "acceptance_by_position": by_position,
+        "head_agreement_top1": agreement,
+        "tokens_per_s": tps,
+        "speedup": _speedups(tps, ar, sp, hf),
+        "lossless": None if lossless is None else lossless["all_identical"], "lossless_detail": lossless,
+        "same_dtype_match": same_dtype,
+        "runtime_ar_matches_hf": compare_outputs(hf["outputs"], ar["outputs"])["all_identical"] if hf_same_dtype
+        else None,
+        "step_costs": {**costs, "ar_step_ms_in_decode": 1e3 * ar_step, "spec_step_ms_in_decode": 1e3 * spec_step,
+                       "predicted_speedup_tau_x_step_over_verify": tau * costs["ar_step_ms"] / costs["verify_forward_ms"]},
+        "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
+        "threads": torch.get_num_threads(),
+        "cost_model": cost_model, "profile": step_profile, "sweep": sweep, "target_change": target_change,
+        "verify_reuse": verify_reuse, "served_plain": spec.serves_plain_ar(),
+    }
+
+
+def _time_hf(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, skip_hf: bool, hf_dtype: str,
+             lossless: dict[str, Any] | None,
+             hf_result: dict[str, Any] | None) -> tuple[dict[str, Any] | None, torch.dtype, str, dict[str, Any] | None]:
+    """HF ``generate`` timed in ``hf_dtype`` (see :func:`run_bench`): ``(timing or None with skip_hf, the dtype, why
+    that dtype, lossless)``. A timed HF run carried by ``lossless`` (taken out of a copy of it, returned) or passed as
+    ``hf_result`` is reused when it ran in that dtype on as many prompts."""
     if hf_dtype == "same":
         hf_torch_dtype, hf_reason = runtime.model.dtype, "same as the runtime"
     elif hf_dtype == "auto":
@@ -137,15 +183,27 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         hf = hf_result
     else:
         hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=hf_torch_dtype)
-    hf_same_dtype = hf is not None and hf_torch_dtype == runtime.model.dtype
-    costs = _step_costs(runtime, prompts[0])
-    cost_model, export_proposer = None, spec.proposer
-    if cost_aware:  # the cost model's plain step: a short AR run on the calibration prompts
-        probe = time_runtime_ar(runtime.model, prompts[:depth_choice.CALIBRATION_PROMPTS], depth_choice.CALIBRATION_TOKENS,
-                                eos_ids=runtime.eos_ids)
-        verify_ms = {**costs["forward_ms_by_new_tokens"], costs["tree_nodes"]: costs["verify_forward_ms"]}
-        _, cost_model = depth_choice.choose_cost_aware_depth(runtime, prompts, 1e3 * probe["seconds"] / max(1, probe["tokens"]),
-                                                       verify_ms)
+    return hf, hf_torch_dtype, hf_reason, lossless
+
+
+def _apply_cost_aware_depth(runtime: Runtime, prompts: list[list[int]], costs: dict[str, Any]) -> dict[str, Any]:
+    """Calibrate and apply the fastest draft depth for this machine (:mod:`draftsmith.runtime.acceptance.depth_choice`)
+    from the measured forward costs; returns the cost model. Its plain step: a short AR run on the calibration
+    prompts."""
+    probe = time_runtime_ar(runtime.model, prompts[:depth_choice.CALIBRATION_PROMPTS], depth_choice.CALIBRATION_TOKENS,
+                            eos_ids=runtime.eos_ids)
+    verify_ms = {**costs["forward_ms_by_new_tokens"], costs["tree_nodes"]: costs["verify_forward_ms"]}
+    _, cost_model = depth_choice.choose_cost_aware_depth(runtime, prompts, 1e3 * probe["seconds"] / max(1, probe["tokens"]),
+                                                   verify_ms)
+    return cost_model
+
+
+def _time_ar_and_speculative(runtime: Runtime, prompts: list[list[int]],
+                             max_new_tokens: int) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """Runtime AR and speculative decoding timed on ``prompts``, alternating prompt by prompt so the speedup is not the
+    machine's drift: ``(AR timing, speculative timing, the speculative results of the timed pass)``. Speculative
+    prompt i samples with a generator seeded by its call count."""
+    spec = runtime.speculative
     results: list[Any] = []
 
     def decode(prompt: list[int]) -> list[int]:
@@ -154,68 +212,75 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         results.append(result)
         return result.tokens
 
-    # AR and speculative decoding alternate prompt by prompt, so the speedup is not the machine's drift.
     timed = time_interleaved(
         {"runtime_ar": lambda p: generate_ar(runtime.model, p, max_new_tokens, eos_ids=runtime.eos_ids),
          "speculative": decode},
         prompts, {"runtime_ar": lambda: generate_ar(runtime.model, prompts[0], 4, eos_ids=runtime.eos_ids),
                   "speculative": lambda: spec.generate(prompts[0], 4, eos_ids=runtime.eos_ids)})
-    ar, sp = timed["runtime_ar"], timed["speculative"]
-    ar_step = ar["seconds"] / max(1, ar["tokens"])
-    results = results[-len(prompts):]
+    return timed["runtime_ar"], timed["speculative"], results[-len(prompts):]
+
+
+def _pooled_acceptance(results: list[Any]) -> tuple[int, float, list[float]]:
+    """``(verify steps, tau, acceptance by draft position)`` pooled over the speculative results of every prompt."""
     steps = sum(r.steps for r in results)
     pooled_accepted = [a for r in results for a in r.accepted_per_step]
     tau = metrics.tau(pooled_accepted)
     by_position = metrics.acceptance_by_position(pooled_accepted, [d for r in results for d in r.depths])
-    # Same-dtype reference: HF when it ran in the runtime's dtype, else the runtime's own AR (itself checked vs HF).
-    reference = hf["outputs"] if hf_same_dtype else ar["outputs"]
-    same_dtype = None
-    if temperature == 0 and getattr(spec.verifier, "lossless", True):
-        same_dtype = {"dtype": str(runtime.model.dtype).replace("torch.", ""),
-                      "reference": "hf_generate" if hf_same_dtype else "runtime_ar",
-                      **compare_outputs(reference, sp["outputs"])}
-    lossless = lossless if lossless is not None else same_dtype
-    agreement = head_agreement(runtime, prompts, ar["outputs"])
-    target_change = None
-    if ((runtime.export_config or {}).get("target") or {}).get("adapter"):  # Medusa-2: served on the adapted target
-        original = load_decoder(runtime.folder, dtype=runtime.model.dtype)
-        original_outputs = time_runtime_ar(original, prompts, max_new_tokens, eos_ids=runtime.eos_ids)["outputs"]
-        target_change = quality.lossy_target_report(runtime, original, sp["outputs"],
-                                                    original_outputs if temperature == 0 else None)
-        del original
-    spec_step = sp["seconds"] / max(1, steps)
-    step_profile = depth_choice.profiled_run(spec, prompts, max_new_tokens, runtime.eos_ids)[0] if profile else None
-    sweep = None
-    if sweep_k:  # its own interleaved pass: plain AR, each fixed K and the policy in force, comparable row to row
-        sweep = sweep_fixed_depths(runtime, prompts, max_new_tokens, sweep_k, export_proposer)
-        for row in sweep:
-            row["speedup_vs_runtime_ar"] = row["tokens_per_s"] / sweep[0]["tokens_per_s"]
-    verify_reuse = None
-    if callable(getattr(spec.model, "saved_share", None)):  # Kangaroo: verify forwards that skipped the shallow layers
-        verify_reuse = {"reused_tokens": spec.model.reused_tokens, "verified_tokens": spec.model.verified_tokens,
-                        "verify_compute_saved": spec.model.saved_share()}
-    tps = {"hf_generate": hf["tokens_per_s"] if hf else None, "runtime_ar": ar["tokens_per_s"],
-           "speculative": sp["tokens_per_s"]}
+    return steps, tau, by_position
+
+
+def _same_dtype_match(runtime: Runtime, temperature: float, hf_reference: dict[str, Any] | None,
+                      ar: dict[str, Any], sp: dict[str, Any]) -> dict[str, Any] | None:
+    """Greedy lossless verifiers only: the speculative outputs against a same-dtype reference, HF when it ran in the
+    runtime's dtype (``hf_reference``, else None), else the runtime's own AR (itself checked against HF)."""
+    if not (temperature == 0 and getattr(runtime.speculative.verifier, "lossless", True)):
+        return None
+    reference = hf_reference["outputs"] if hf_reference is not None else ar["outputs"]
+    return {"dtype": str(runtime.model.dtype).replace("torch.", ""),
+            "reference": "hf_generate" if hf_reference is not None else "runtime_ar",
+            **compare_outputs(reference, sp["outputs"])}
+
+
+def _adapted_target_change(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                           sp: dict[str, Any]) -> dict[str, Any] | None:
+    """Medusa-2 (served on the adapted target): how the adapted target's outputs differ from the original's; None for
+    an export that serves the target unchanged."""
+    if not ((runtime.export_config or {}).get("target") or {}).get("adapter"):
+        return None
+    original = load_decoder(runtime.folder, dtype=runtime.model.dtype)
+    original_outputs = time_runtime_ar(original, prompts, max_new_tokens, eos_ids=runtime.eos_ids)["outputs"]
+    report = quality.lossy_target_report(runtime, original, sp["outputs"], original_outputs if temperature == 0 else None)
+    del original
+    return report
+
+
+def _fixed_depth_sweep(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, sweep_k: list[int],
+                       export_proposer: Any) -> list[dict[str, Any]]:
+    """Every fixed depth in ``sweep_k`` timed on ``prompts`` (:func:`sweep_fixed_depths`), each row with its speedup
+    over the first row (plain AR)."""
+    sweep = sweep_fixed_depths(runtime, prompts, max_new_tokens, sweep_k, export_proposer)
+    for row in sweep:
+        row["speedup_vs_runtime_ar"] = row["tokens_per_s"] / sweep[0]["tokens_per_s"]
+    return sweep
+
+
+def _run_settings(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                  hf: dict[str, Any] | None, hf_torch_dtype: torch.dtype, hf_reason: str) -> dict[str, Any]:
+    """The leading fields of a bench result: what was run, in which dtypes and on which backends."""
+    spec = runtime.speculative
     return {
         "method": runtime.export_config["method"], "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "dtype": str(runtime.model.dtype).replace("torch.", ""), "temperature": temperature,
         "linear_backend": getattr(runtime.model, "linear_ops", "hf"), "backend": runtime.backend_report(),
         "hf_dtype": None if hf is None else str(hf_torch_dtype).replace("torch.", ""), "hf_dtype_reason": hf_reason,
-        "verifier": type(spec.verifier).__name__, "inference": runtime.inference, "tau": tau, "acceptance_by_position": by_position,
-        "head_agreement_top1": agreement,
-        "tokens_per_s": tps,
-        "speedup": {"vs_hf_generate": (tps["speculative"] / tps["hf_generate"]) if hf else None,
-                    "vs_runtime_ar": tps["speculative"] / tps["runtime_ar"],
-                    "vs_runtime_ar_ci95": list(speedup_ci(ar, sp)),
-                    "runtime_ar_vs_hf_generate": (tps["runtime_ar"] / tps["hf_generate"]) if hf else None},
-        "lossless": None if lossless is None else lossless["all_identical"], "lossless_detail": lossless,
-        "same_dtype_match": same_dtype,
-        "runtime_ar_matches_hf": compare_outputs(hf["outputs"], ar["outputs"])["all_identical"] if hf_same_dtype
-        else None,
-        "step_costs": {**costs, "ar_step_ms_in_decode": 1e3 * ar_step, "spec_step_ms_in_decode": 1e3 * spec_step,
-                       "predicted_speedup_tau_x_step_over_verify": tau * costs["ar_step_ms"] / costs["verify_forward_ms"]},
-        "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
-        "threads": torch.get_num_threads(),
-        "cost_model": cost_model, "profile": step_profile, "sweep": sweep, "target_change": target_change,
-        "verify_reuse": verify_reuse, "served_plain": spec.serves_plain_ar(),
+        "verifier": type(spec.verifier).__name__, "inference": runtime.inference,
     }
+
+
+def _speedups(tps: dict[str, float | None], ar: dict[str, Any], sp: dict[str, Any],
+              hf: dict[str, Any] | None) -> dict[str, Any]:
+    """Speculative over HF generate and over runtime AR (with the paired 95% interval), and runtime AR over HF."""
+    return {"vs_hf_generate": (tps["speculative"] / tps["hf_generate"]) if hf else None,
+            "vs_runtime_ar": tps["speculative"] / tps["runtime_ar"],
+            "vs_runtime_ar_ci95": list(speedup_ci(ar, sp)),
+            "runtime_ar_vs_hf_generate": (tps["runtime_ar"] / tps["hf_generate"]) if hf else None}

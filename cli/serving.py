@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -137,28 +138,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write JSON/markdown/PNG with --out."""
     from draftsmith.bench.prompts import load_prompts
-    from draftsmith.bench.report import markdown_table, write_outputs
-    from draftsmith.bench.run import lossless_check, run_bench
     from draftsmith.evals.reward_bench import cmd_reward_bench, is_reward_task
     from draftsmith.runtime.decoding.prompt_limits import context_limit
-    from draftsmith.runtime.serving import load_runtime, parse_options, resolve_dtype
+    from draftsmith.runtime.serving import load_runtime, parse_options
 
     if args.filter or _is_diffusion_target(args.target):
-        from argparse import Namespace
-
-        from draftsmith.evals.diffusion import run_cli
-
-        if args.drafter or args.controller:
-            raise ValueError("a block-diffusion target is benched with --filter (Learn2PD) only, not with --drafter or "
-                             "--controller")
-        if not args.target:
-            raise ValueError("--filter needs --target DIFFUSION_TARGET (recipe=diffusion_adapt's <run dir>/export)")
-        run_cli(Namespace(target=args.target, filter=args.filter, prompts=args.prompts, limit=args.num_prompts,
-                          gen_length=args.gen_length, steps_per_block=args.steps_per_block, threshold=args.threshold, cache=args.cache,
-                          temperature=args.temperature, dtype="fp32" if args.dtype == "auto" else args.dtype,
-                          threads=None, trust_remote_code=args.trust_remote_code,
-                          out=str(Path(args.out) / "diffusion_bench.json") if args.out else None))
-        return 0
+        return _bench_diffusion(args)
     if is_reward_task(args):
         if args.drafter:
             raise ValueError("a reward bench takes --controller (or nothing: fixed temperatures only), not --drafter "
@@ -176,14 +161,47 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       stop_policy=args.stop_policy, controller=args.controller)
     prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts, max_len=context_limit(rt.model))
     if args.controller:
-        from draftsmith.bench.controller import bench_controller, controller_table
+        return _bench_controller_layer(args, rt, prompts)
+    return _bench_drafter(args, rt, prompts)
 
-        result = bench_controller(rt, prompts, args.max_new_tokens)
-        print(controller_table(result))
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "controller.json").write_text(json.dumps(result, indent=2) + "\n")
-        return 0
+
+def _bench_diffusion(args: argparse.Namespace) -> int:
+    """``bench --filter`` or a block-diffusion ``--target``: the Learn2PD filter bench (:mod:`draftsmith.evals.diffusion`)."""
+    from argparse import Namespace
+
+    from draftsmith.evals.diffusion import run_cli
+
+    if args.drafter or args.controller:
+        raise ValueError("a block-diffusion target is benched with --filter (Learn2PD) only, not with --drafter or "
+                         "--controller")
+    if not args.target:
+        raise ValueError("--filter needs --target DIFFUSION_TARGET (recipe=diffusion_adapt's <run dir>/export)")
+    run_cli(Namespace(target=args.target, filter=args.filter, prompts=args.prompts, limit=args.num_prompts,
+                      gen_length=args.gen_length, steps_per_block=args.steps_per_block, threshold=args.threshold,
+                      cache=args.cache, temperature=args.temperature, dtype="fp32" if args.dtype == "auto" else args.dtype,
+                      threads=None, trust_remote_code=args.trust_remote_code,
+                      out=str(Path(args.out) / "diffusion_bench.json") if args.out else None))
+    return 0
+
+
+def _bench_controller_layer(args: argparse.Namespace, rt: Any, prompts: list[list[int]]) -> int:
+    """``bench --controller EXPORT``: the temperature layer's overhead (printed; ``controller.json`` in --out)."""
+    from draftsmith.bench.controller import bench_controller, controller_table
+
+    result = bench_controller(rt, prompts, args.max_new_tokens)
+    print(controller_table(result))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "controller.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _bench_drafter(args: argparse.Namespace, rt: Any, prompts: list[list[int]]) -> int:
+    """``bench --drafter EXPORT``: speed, tau and the lossless check (printed; JSON/markdown/PNG in --out)."""
+    from draftsmith.bench.report import markdown_table, write_outputs
+    from draftsmith.bench.run import lossless_check, run_bench
+    from draftsmith.runtime.serving import parse_options, resolve_dtype
+
     lossless = None
     check = args.lossless_dtype
     if args.temperature == 0 and check not in ("none", "same") and resolve_dtype(check) != rt.model.dtype:

@@ -18,7 +18,7 @@ Loss (section 6.4): weighted soft BCE, the reject class weighted by ``reject_wei
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.export.format import ExportError, read_export, resolve_base_export
+from draftsmith.export.exportable import Exportable, ExportContents
+from draftsmith.export.format import ExportError, resolve_base_export
 
 METHOD = "specdecpp"
 
@@ -54,8 +55,12 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class AcceptanceHead(nn.Module):
+class AcceptanceHead(Exportable, nn.Module):
     """Drafter state [..., H] -> rejection logit [...] (sigmoid = P(this draft token is rejected))."""
+
+    method = METHOD
+    config_class = AcceptanceHeadConfig
+    extra_architecture_keys = True  # the architecture block also keeps base_export
 
     def __init__(self, config: AcceptanceHeadConfig) -> None:
         super().__init__()
@@ -72,31 +77,26 @@ class AcceptanceHead(nn.Module):
         """P(accept) [...] = 1 - sigmoid(rejection logit)."""
         return torch.sigmoid(-self(state))
 
-    def architecture(self) -> dict[str, Any]:
-        """Architecture block of the export config."""
-        return asdict(self.config)
-
     @classmethod
-    def from_export(cls, export_dir: str | Path, base_dir: str | Path | None = None) -> tuple[AcceptanceHead, Path]:
-        """Load a SpecDec++ export -> (head, folder of the drafter export it was trained on).
+    def _build(cls, architecture: AcceptanceHeadConfig, export: ExportContents,
+               base_dir: str | Path | None = None) -> AcceptanceHead:
+        """The head of a SpecDec++ export, after checking the drafter export it was trained on.
 
         ``base_dir`` overrides the recorded drafter location; the drafter found there must be the very export the
-        head was trained on (config and weights fingerprint), else ExportError.
+        head was trained on (config and weights fingerprint), else ExportError. The returned export config's
+        ``base_export.path`` is then the folder found (see :func:`base_export_dir`).
         """
-        config, state = read_export(export_dir)
-        if config.get("method") != METHOD:
-            raise ExportError(f"{export_dir} holds a {config.get('method')!r} export, not {METHOD} (an acceptance head)")
-        base = resolve_base_export(stacked_config(config), base_dir)
+        stacked = stacked_config(export.config)
+        base = resolve_base_export(stacked, base_dir)
         if base is None:
-            raise ExportError(f"{export_dir}: a {METHOD} export must record the drafter export it was trained on "
+            raise ExportError(f"{export.path}: a {METHOD} export must record the drafter export it was trained on "
                               "(base_export); re-export it")
-        arch = {k: v for k, v in config["architecture"].items() if k in ("hidden_size", "num_layers")}
-        head = cls(AcceptanceHeadConfig(**arch))
-        missing, unexpected = head.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ExportError(f"{export_dir}: weights do not match the architecture (missing {missing[:4]}, "
-                              f"unexpected {unexpected[:4]}); re-export the head")
-        return head.eval(), base
+        export.config["base_export"] = {**stacked["base_export"], "path": str(base)}
+        return cls(architecture)
+def base_export_dir(config: dict[str, Any]) -> Path:
+    """The drafter export folder of a SpecDec++ export config returned by ``AcceptanceHead.from_export`` (resolved
+    and fingerprint-checked there)."""
+    return Path(stacked_config(config)["base_export"]["path"])
 
 
 def stacked_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.export.format import ExportError, read_export
+from draftsmith.export.exportable import Exportable
 
 METHOD = "adaptive_temperature"
 DEFAULT_GRID = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -74,8 +72,12 @@ class AdaptiveTemperatureConfig:
                              f"{self.width}, {self.num_layers}")
 
 
-class AdaptiveTemperatureHead(nn.Module):
+class AdaptiveTemperatureHead(Exportable, nn.Module):
     """Target hidden [..., H] -> logits over the temperature grid [..., K]."""
+
+    method = METHOD
+    config_class = AdaptiveTemperatureConfig
+    extra_architecture_keys = True
 
     def __init__(self, config: AdaptiveTemperatureConfig) -> None:
         super().__init__()
@@ -113,26 +115,6 @@ class AdaptiveTemperatureHead(nn.Module):
     def temperatures(self, indices: torch.Tensor) -> torch.Tensor:
         """Grid temperatures [...] of ``indices`` [...]."""
         return self.grid.to(indices.device)[indices]
-
-    def architecture(self) -> dict[str, Any]:
-        """Architecture block of the export config."""
-        return asdict(self.config)
-
-    @classmethod
-    def from_export(cls, export_dir: str | Path) -> tuple[AdaptiveTemperatureHead, dict[str, Any]]:
-        """Load an adaptive-temperature export -> (head in eval mode, export config). ExportError if the folder holds
-        another method or weights that do not fit the recorded architecture."""
-        config, state = read_export(export_dir)
-        if config.get("method") != METHOD:
-            raise ExportError(f"{export_dir} holds a {config.get('method')!r} export, not {METHOD} (a temperature "
-                              "controller)")
-        known = set(AdaptiveTemperatureConfig.__dataclass_fields__)
-        head = cls(AdaptiveTemperatureConfig(**{k: v for k, v in config["architecture"].items() if k in known}))
-        missing, unexpected = head.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ExportError(f"{export_dir}: weights do not match the architecture (missing {missing[:4]}, "
-                              f"unexpected {unexpected[:4]}); re-export the controller")
-        return head.eval(), config
 
 
 class TemperaturePolicy:

@@ -8,12 +8,12 @@ error. A slot is committed early when ``sigmoid(filter(conf)) > threshold``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from draftsmith.export.exportable import Exportable, ExportContents
 
 METHOD = "learn2pd"
 
@@ -33,8 +33,11 @@ class Learn2PDConfig:
     steps_per_block: int = 32
 
 
-class Learn2PDFilter(nn.Module):
+class Learn2PDFilter(Exportable, nn.Module):
     """``conf [..., L] -> logits [..., L]``; independent layers (built by comprehension, never shared)."""
+
+    method = METHOD
+    config_class = Learn2PDConfig
 
     def __init__(self, config: Learn2PDConfig) -> None:
         super().__init__()
@@ -61,23 +64,13 @@ class Learn2PDFilter(nn.Module):
         thr = self.config.threshold if threshold is None else threshold
         return torch.sigmoid(self(conf.to(self.layers[0].weight.dtype))) > thr
 
-    def architecture(self) -> dict[str, Any]:
-        """The export's ``architecture`` block."""
-        return asdict(self.config)
-
     @classmethod
-    def from_export(cls, export_dir: str | Path, block_length: int | None = None) -> Learn2PDFilter:
-        """Load an exported filter; ``block_length`` (the target's) must match the one it was trained for."""
-        from draftsmith.export.format import ExportError, read_export
-
-        config, state = read_export(export_dir)
-        if config.get("method") != METHOD:
-            raise ExportError(f"{export_dir} holds a {config.get('method')!r} export, not a Learn2PD filter")
-        arch = Learn2PDConfig(**config["architecture"])
-        if block_length is not None and int(block_length) != arch.block_length:
+    def _build(cls, architecture: Learn2PDConfig, export: ExportContents,
+               block_length: int | None = None) -> Learn2PDFilter:
+        """The filter of an export; ``block_length`` (the target's) must match the one it was trained for."""
+        if block_length is not None and int(block_length) != architecture.block_length:
             raise FilterMismatchError(
-                f"{export_dir} was trained for block length {arch.block_length} but the target decodes blocks of "
-                f"{block_length}; retrain the filter on trajectories of this target (draftsmith trajectories)")
-        module = cls(arch)
-        module.load_state_dict(state)
-        return module.eval()
+                f"{export.path} was trained for block length {architecture.block_length} but the target decodes "
+                f"blocks of {block_length}; retrain the filter on trajectories of this target "
+                "(draftsmith trajectories)")
+        return cls(architecture)

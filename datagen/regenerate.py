@@ -194,10 +194,7 @@ def regenerate(
     """Regenerate ``data`` with the target and write ``out`` (jsonl), resuming an interrupted ``out.partial``."""
     from draftsmith.runtime.serving import load_runtime
 
-    if turns not in TURNS:
-        raise ValueError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")
-    if max_new_tokens < 1 or (limit is not None and limit < 1):
-        raise ValueError("--max-new-tokens and --limit must be >= 1")
+    _check_arguments(turns, max_new_tokens, limit)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(out)
     partial, meta_path = Path(f"{out}.partial"), Path(f"{out}.partial.json")
@@ -208,17 +205,7 @@ def regenerate(
         raise ValueError(f"no conversations in {data}: expected records with 'conversations' or 'messages'")
     settings = {"data": data, "target": target, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "turns": turns, "dtype": dtype, "seed": seed}
-    last_done = -1
-    if partial.exists():
-        saved = json.loads(meta_path.read_text()) if meta_path.is_file() else None
-        if saved != settings:
-            raise ValueError(f"{partial} was written with other settings ({saved}); rerun with those or delete "
-                             f"{partial} and {meta_path} to start over")
-        report.resumed, last_done = _read_partial(partial)
-        log(f"resuming {partial}: {report.resumed} conversations already done (up to source index {last_done})")
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        meta_path.write_text(json.dumps(settings))
+    last_done = _resume_or_start(out, partial, meta_path, settings, report, log)
     # The ETA needs the total: one counting pass over the data (up to the limit), seconds against hours.
     total = sum(1 for _ in itertools.islice(iter_conversations(data), limit))
     rt = load_runtime(None, target, dtype, kernels)
@@ -244,17 +231,12 @@ def regenerate(
                 report.skip(note or "skipped")
                 continue
             report.truncated += note == "truncated"
-            handle.write(json.dumps({"messages": new, "source_index": index}, ensure_ascii=False) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+            _append_line(handle, {"messages": new, "source_index": index})
             report.written += 1
             now = time.perf_counter() - start
             if now - last_log >= 5.0 or report.written == 1:
                 last_log = now
-                left = eta_seconds(seen - resumed_before, total - resumed_before, now)
-                log(f"[{seen}/{total}] wrote {report.written + report.resumed}, "
-                    f"{report.tokens} tokens, {report.tokens / max(now, 1e-9):.1f} tokens/s"
-                    + (f", eta {format_duration(left)}" if left is not None else ""))
+                _log_progress(log, report, seen, total, resumed_before, now)
     report.seconds = time.perf_counter() - start
     if report.written + report.resumed == 0:
         raise ValueError(f"no conversation of {data} could be regenerated (skipped: {report.skipped}); "
@@ -262,6 +244,49 @@ def regenerate(
     os.replace(partial, out)  # atomic: OUT appears only complete
     meta_path.unlink(missing_ok=True)
     return report
+
+
+def _check_arguments(turns: str, max_new_tokens: int, limit: int | None) -> None:
+    """Refuse an unknown ``--turns`` mode and a non-positive ``--max-new-tokens`` or ``--limit``."""
+    if turns not in TURNS:
+        raise ValueError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")
+    if max_new_tokens < 1 or (limit is not None and limit < 1):
+        raise ValueError("--max-new-tokens and --limit must be >= 1")
+
+
+def _resume_or_start(out: Path, partial: Path, meta_path: Path, settings: dict[str, Any], report: RegenerateReport,
+                     log: Callable[[str], None]) -> int:
+    """Continue an interrupted ``partial`` written with the same ``settings`` (its complete lines counted in
+    ``report.resumed``), or start a new one (its settings written to ``meta_path``); returns the last source index
+    already done (-1 when starting)."""
+    last_done = -1
+    if partial.exists():
+        saved = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+        if saved != settings:
+            raise ValueError(f"{partial} was written with other settings ({saved}); rerun with those or delete "
+                             f"{partial} and {meta_path} to start over")
+        report.resumed, last_done = _read_partial(partial)
+        log(f"resuming {partial}: {report.resumed} conversations already done (up to source index {last_done})")
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        meta_path.write_text(json.dumps(settings))
+    return last_done
+
+
+def _append_line(handle: Any, record: dict[str, Any]) -> None:
+    """Append one JSON line and force it to disk (a crash keeps every complete line)."""
+    handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def _log_progress(log: Callable[[str], None], report: RegenerateReport, seen: int, total: int, resumed_before: int,
+                  now: float) -> None:
+    """The progress line: conversations seen and written, tokens, pace and (this run's pace only) the ETA."""
+    left = eta_seconds(seen - resumed_before, total - resumed_before, now)
+    log(f"[{seen}/{total}] wrote {report.written + report.resumed}, "
+        f"{report.tokens} tokens, {report.tokens / max(now, 1e-9):.1f} tokens/s"
+        + (f", eta {format_duration(left)}" if left is not None else ""))
 
 
 def _chain(first: tuple[int, list[dict]], rest: Iterator[tuple[int, list[dict]]]) -> Iterator[tuple[int, list[dict]]]:

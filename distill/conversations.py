@@ -115,6 +115,39 @@ def _nothing_to_train_on(source: Any, records: int, malformed: int, no_assistant
             f"({no_assistant} without an assistant reply, {malformed} malformed); nothing to train on")
 
 
+def _open_records(spec: str, stats: StreamStats) -> tuple[Any, Iterator[tuple[int, Any]], bool]:
+    """The source named by ``spec`` (a path, or ``spec`` itself for a Hugging Face dataset), its ``(where, record)``
+    iterator, and whether a malformed record is an error (``strict``: every user source, not the embedded file)."""
+    if spec.strip().lower() == "sharegpt":
+        source: Any = sharegpt_path()
+        # the embedded dump has a few odd records; count them instead of failing
+        return source, iter_json_records(source, stats), False
+    source = Path(spec).expanduser()
+    suffix = source.suffix.lower()
+    if suffix in (".json", ".jsonl", ".parquet") and not source.is_file():
+        raise DataFileNotFoundError(f"data file {source} does not exist")
+    if source.is_file() and suffix in (".json", ".jsonl"):
+        return source, iter_json_records(source, stats), True
+    if source.is_file() and suffix == ".parquet":
+        return source, _iter_parquet(source), True
+    if source.is_file():
+        raise DataError(f"unsupported data file {source}: use .jsonl, .json or .parquet")
+    return spec, _iter_hf_dataset(spec), True
+
+
+def _read_report(kept: int, turns: int, malformed: int, no_assistant: int, stats: StreamStats) -> ReadReport:
+    """The :class:`ReadReport` of a load: what was kept, what was skipped and why."""
+    reasons = []
+    if stats.tail_line is not None:
+        reasons.append(f"dropped the truncated last record (line {stats.tail_line}, {stats.tail_chars} chars)")
+    if malformed:
+        reasons.append(f"skipped {malformed} malformed record(s)")
+    if no_assistant:
+        reasons.append(f"dropped {no_assistant} conversation(s) without an assistant turn")
+    skipped = malformed + no_assistant + (stats.tail_line is not None)
+    return ReadReport(kept, skipped, turns, "; ".join(reasons) or "complete")
+
+
 def load_conversations(spec: str, limit: int | None = None) -> tuple[list[list[dict]], ReadReport]:
     """Load chat conversations as normalised message lists (see :func:`normalize_record`).
 
@@ -126,24 +159,7 @@ def load_conversations(spec: str, limit: int | None = None) -> tuple[list[list[d
     truncated tail of a JSON array is dropped and reported. ``limit`` caps the conversations returned.
     """
     stats = StreamStats()
-    strict = True
-    if spec.strip().lower() == "sharegpt":
-        source: Any = sharegpt_path()
-        records = iter_json_records(source, stats)
-        strict = False  # the embedded dump has a few odd records; count them instead of failing
-    else:
-        source = Path(spec).expanduser()
-        suffix = source.suffix.lower()
-        if suffix in (".json", ".jsonl", ".parquet") and not source.is_file():
-            raise DataFileNotFoundError(f"data file {source} does not exist")
-        if source.is_file() and suffix in (".json", ".jsonl"):
-            records = iter_json_records(source, stats)
-        elif source.is_file() and suffix == ".parquet":
-            records = _iter_parquet(source)
-        elif source.is_file():
-            raise DataError(f"unsupported data file {source}: use .jsonl, .json or .parquet")
-        else:
-            source, records = spec, _iter_hf_dataset(spec)
+    source, records, strict = _open_records(spec, stats)
     conversations: list[list[dict]] = []
     malformed = no_assistant = turns = seen = 0
     for where, record in _as_data_errors(records):
@@ -164,15 +180,7 @@ def load_conversations(spec: str, limit: int | None = None) -> tuple[list[list[d
             break
     if strict and not conversations and limit != 0:
         raise DataError(_nothing_to_train_on(source, seen, malformed, no_assistant, stats.tail_line))
-    reasons = []
-    if stats.tail_line is not None:
-        reasons.append(f"dropped the truncated last record (line {stats.tail_line}, {stats.tail_chars} chars)")
-    if malformed:
-        reasons.append(f"skipped {malformed} malformed record(s)")
-    if no_assistant:
-        reasons.append(f"dropped {no_assistant} conversation(s) without an assistant turn")
-    skipped = malformed + no_assistant + (stats.tail_line is not None)
-    report = ReadReport(len(conversations), skipped, turns, "; ".join(reasons) or "complete")
-    logger.info("data %s: %d conversations, %d turns, %d skipped (%s)", spec, report.kept, turns, skipped,
+    report = _read_report(len(conversations), turns, malformed, no_assistant, stats)
+    logger.info("data %s: %d conversations, %d turns, %d skipped (%s)", spec, report.kept, turns, report.skipped,
                 report.reason)
     return conversations, report

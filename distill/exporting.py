@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.constants import ADAPTER_LORA
 from draftsmith.export.adapter import adapter_fingerprint, module_key_to_part_key
 from draftsmith.export.format import MAIN_PART, ExportError, write_export
 
@@ -39,9 +40,9 @@ def split_parts(state: dict[str, torch.Tensor], export_config: dict[str, Any],
     for name, part in spec.items():
         prefix = part["prefix"]
         chosen = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        if part.get("kind") == "lora":
+        if part.get("kind") == ADAPTER_LORA:
             chosen = {module_key_to_part_key(k): v for k, v in chosen.items()}
-            target = {**target, "adapter": {"kind": "lora", "fingerprint": adapter_fingerprint(chosen)}}
+            target = {**target, "adapter": {"kind": ADAPTER_LORA, "fingerprint": adapter_fingerprint(chosen)}}
         parts[name] = chosen
     stray = [k for k in state if not any(k.startswith(p["prefix"]) for p in spec.values())]
     if stray or MAIN_PART not in parts:

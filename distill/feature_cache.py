@@ -149,13 +149,10 @@ def build_cache(cfg: Any, recipe: Any, out: str | Path, dtype: str = "bf16", sha
     complete shard of an earlier run with the same fingerprint. ``target`` skips loading one (tests);
     ``stop_after`` stops after that many new shards (tests of an interrupted run). Returns the manifest.
     """
-    import hashlib
-
     from tqdm.auto import tqdm
 
     from draftsmith.distill.data import collate
     from draftsmith.distill.datamodule import build_chat_datamodule
-    from draftsmith.distill.objective import batch_kind
     from draftsmith.distill.target import Target
     from draftsmith.distill.trainer import run_device
 
@@ -168,11 +165,7 @@ def build_cache(cfg: Any, recipe: Any, out: str | Path, dtype: str = "bf16", sha
     if target is None:
         target = Target.load(cfg.target.name_or_path, cfg.target.dtype, device=device,
                              trust_remote_code=bool(cfg.target.trust_remote_code))
-    objective = recipe.build(cfg, target)
-    if callable(getattr(objective, "features", None)) or batch_kind(objective) != "chat":
-        raise FeatureCacheError(f"recipe {cfg.recipe.name} computes its own target features or trains on "
-                                f"{batch_kind(objective)!r} batches: it cannot train from a feature cache")
-    taps = cached_taps(objective.taps)
+    taps = _cacheable_taps(cfg, recipe, target)
     names, store = feature_names(taps), DTYPES[dtype]
     bpt = bytes_per_token(len(names), target.hidden_size, store)
     data = build_chat_datamodule(cfg, target.tokenizer, packing=None)
@@ -181,6 +174,59 @@ def build_cache(cfg: Any, recipe: Any, out: str | Path, dtype: str = "bf16", sha
     batches = [(split, i, len(b) * max(len(items[j]["input_ids"]) for j in b))
                for split, (items, plan) in plans.items() for i, b in enumerate(plan)]
     shards = plan_shards(batches, bpt, shard_bytes)
+    manifest = _new_manifest(out, cfg, taps, dtype, shard_bytes, names, target, bpt, plans, shards)
+    done = [s for s in shards if (out / s["file"]).is_file()]
+    _check_disk_budget(out, manifest, done, target, dtype)
+    if len(done) == len(shards) and old_complete(out):
+        return json.loads((out / MANIFEST).read_text())
+    _start_writing(out, manifest, target)
+    first = plans[batches[0][0]]
+    _check_logits(target, collate([first[0][j] for j in first[1][0]], data.pad_id), taps, device)
+    bar = tqdm(total=manifest["tokens"], initial=sum(s["tokens"] for s in done), unit="tok", unit_scale=True,
+               desc="cache-features")
+    written = 0
+    for shard in shards:
+        if shard in done:
+            continue
+        if stop_after is not None and written >= stop_after:
+            bar.close()
+            return manifest
+        tensors, meta = _shard_tensors(target, taps, names, store, device, data.pad_id, plans,
+                                       batches[shard["start"]:shard["stop"]], bar)
+        _write_shard(out / shard["file"], tensors, meta)
+        written += 1
+    bar.close()
+    manifest["complete"] = True
+    _write_json(out / MANIFEST, manifest)
+    log.info("feature cache complete: %s (%s)", out, human(bpt * manifest["tokens"]))
+    return manifest
+
+
+def _start_writing(out: Path, manifest: dict, target: Any) -> None:
+    """Clear an interrupted run's temp shards, write the (incomplete) manifest and save the target's head files."""
+    for stale in out.glob(".shard-*"):  # a temp file of an interrupted run: never renamed, never complete
+        stale.unlink()
+    _write_json(out / MANIFEST, manifest)
+    _save_target(target, out)
+
+
+def _cacheable_taps(cfg: Any, recipe: Any, target: Any) -> FeatureTaps:
+    """The taps to cache for ``recipe``'s objective on ``target``; refuses an objective that computes its own target
+    features or trains on other than chat batches."""
+    from draftsmith.distill.objective import batch_kind, has_own_features
+
+    objective = recipe.build(cfg, target)
+    if has_own_features(objective) or batch_kind(objective) != "chat":
+        raise FeatureCacheError(f"recipe {cfg.recipe.name} computes its own target features or trains on "
+                                f"{batch_kind(objective)!r} batches: it cannot train from a feature cache")
+    return cached_taps(objective.taps)
+
+
+def _new_manifest(out: Path, cfg: Any, taps: FeatureTaps, dtype: str, shard_bytes: int, names: list[str],
+                  target: Any, bpt: int, plans: dict[str, Any], shards: list[dict]) -> dict:
+    """The (not yet complete) manifest of this cache; refuses when ``out`` holds a cache of another configuration."""
+    import hashlib
+
     settings = settings_of(cfg)
     key = {"settings": settings, "taps": asdict(taps), "dtype": dtype, "shard_bytes": int(shard_bytes)}
     manifest = {"format": FORMAT, "version": VERSION,
@@ -195,7 +241,13 @@ def build_cache(cfg: Any, recipe: Any, out: str | Path, dtype: str = "bf16", sha
             diff = differences({k: old.get(k) for k in key}, key)
             raise FeatureCacheError(f"{out} holds a feature cache for another configuration ({'; '.join(diff)}); "
                                     "choose another --out or delete that folder")
-    done = [s for s in shards if (out / s["file"]).is_file()]
+    return manifest
+
+
+def _check_disk_budget(out: Path, manifest: dict, done: list[dict], target: Any, dtype: str) -> None:
+    """Create ``out``, print what the cache needs (shards not yet ``done``, plus the target's embedding and LM head
+    when not yet saved) against the free space, and refuse when it does not fit."""
+    shards, bpt, names = manifest["shards"], manifest["bytes_per_token"], manifest["features"]
     need = sum(s["bytes"] for s in shards) - sum(s["bytes"] for s in done)
     if not (out / TARGET_DIR / HEAD_FILE).is_file():  # + the embedding and LM head the stand-in target reads
         need += sum(w.numel() * w.element_size() for w in (target.embed_weight, target.lm_head_weight))
@@ -208,44 +260,30 @@ def build_cache(cfg: Any, recipe: Any, out: str | Path, dtype: str = "bf16", sha
     if need > free:
         raise FeatureCacheError(f"the feature cache needs {human(need)} more but {out} has {human(free)} free; free "
                                 "space, pick another --out, or shrink the data (data.limit, data.max_length)")
-    if len(done) == len(shards) and old_complete(out):
-        return json.loads((out / MANIFEST).read_text())
-    for stale in out.glob(".shard-*"):  # a temp file of an interrupted run: never renamed, never complete
-        stale.unlink()
-    _write_json(out / MANIFEST, manifest)
-    _save_target(target, out)
-    first = plans[batches[0][0]]
-    _check_logits(target, collate([first[0][j] for j in first[1][0]], data.pad_id), taps, device)
-    bar = tqdm(total=manifest["tokens"], initial=sum(s["tokens"] for s in done), unit="tok", unit_scale=True,
-               desc="cache-features")
-    written = 0
-    for shard in shards:
-        if shard in done:
-            continue
-        if stop_after is not None and written >= stop_after:
-            bar.close()
-            return manifest
-        tensors, meta = {}, {}
-        for split, i, positions in batches[shard["start"]:shard["stop"]]:
-            items, plan = plans[split]
-            batch = collate([items[j] for j in plan[i]], data.pad_id)  # [B, T] each
-            feats = target.features(batch["input_ids"].to(device), batch["attention_mask"].to(device), taps)
-            name = f"{split}.{i}"
-            tensors[f"{name}.input_ids"] = batch["input_ids"].to(torch.int32)
-            tensors[f"{name}.attention_mask"] = batch["attention_mask"].to(torch.uint8)
-            tensors[f"{name}.loss_mask"] = batch["loss_mask"].to(torch.uint8)
-            for feature in names:
-                value = feats.layer_hidden[int(feature[6:])] if feature.startswith("layer.") else getattr(feats, feature)
-                tensors[f"{name}.{feature}"] = value.detach().to("cpu", store).contiguous()  # [B, T, H]
-            meta[name] = [int(j) for j in plan[i]]
-            bar.update(positions)
-        _write_shard(out / shard["file"], tensors, meta)
-        written += 1
-    bar.close()
-    manifest["complete"] = True
-    _write_json(out / MANIFEST, manifest)
-    log.info("feature cache complete: %s (%s)", out, human(bpt * manifest["tokens"]))
-    return manifest
+
+
+def _shard_tensors(target: Any, taps: FeatureTaps, names: list[str], store: torch.dtype, device: Any, pad_id: int,
+                   plans: dict[str, Any], batches: list[tuple[str, int, int]],
+                   bar: Any) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """One shard's tensors (ids, masks and features of each of its ``batches``) and its metadata (each batch's sample
+    indices); advances the progress ``bar`` by each batch's positions."""
+    from draftsmith.distill.data import collate
+
+    tensors, meta = {}, {}
+    for split, i, positions in batches:
+        items, plan = plans[split]
+        batch = collate([items[j] for j in plan[i]], pad_id)  # [B, T] each
+        feats = target.features(batch["input_ids"].to(device), batch["attention_mask"].to(device), taps)
+        name = f"{split}.{i}"
+        tensors[f"{name}.input_ids"] = batch["input_ids"].to(torch.int32)
+        tensors[f"{name}.attention_mask"] = batch["attention_mask"].to(torch.uint8)
+        tensors[f"{name}.loss_mask"] = batch["loss_mask"].to(torch.uint8)
+        for feature in names:
+            value = feats.layer_hidden[int(feature[6:])] if feature.startswith("layer.") else getattr(feats, feature)
+            tensors[f"{name}.{feature}"] = value.detach().to("cpu", store).contiguous()  # [B, T, H]
+        meta[name] = [int(j) for j in plan[i]]
+        bar.update(positions)
+    return tensors, meta
 
 
 def old_complete(out: Path) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftsmith.common.constants import ADAPTER_LORA
 from draftsmith.distill.errors import ConfigError
 from draftsmith.export.adapter import PATH_SEP, adapter_fingerprint, module_key_to_part_key
 
@@ -91,5 +92,5 @@ class TargetAdapter(nn.Module):
 
     def config_block(self) -> dict[str, Any]:
         """What the runtime needs to apply the part (``inference.adapter`` of the export)."""
-        return {"kind": "lora", "part": "adapter", "rank": int(self.spec.rank), "alpha": float(self.spec.alpha),
+        return {"kind": ADAPTER_LORA, "part": "adapter", "rank": int(self.spec.rank), "alpha": float(self.spec.alpha),
                 "scaling": self.spec.scaling, "target_modules": list(self.spec.target_modules)}

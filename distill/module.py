@@ -11,8 +11,9 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from draftsmith.distill.cached_features import CachedTarget
 from draftsmith.distill.errors import ConfigError, DraftsmithError
-from draftsmith.distill.objective import Objective, frozen_models, optimizer_groups
+from draftsmith.distill.objective import Objective, optimizer_groups
 from draftsmith.distill.target import TargetModel
 
 
@@ -58,13 +59,16 @@ class DistillModule(pl.LightningModule):
     the target carries (Medusa-2's LoRA, :meth:`~draftsmith.distill.target.Target.attach_lora`) is registered in
     the objective's module too, so it is optimised, checkpointed and exported with it.
 
-    Further optional objective hooks read here: ``set_step(global_step)`` before each training step;
-    ``on_validation_start()`` / ``on_validation_end(reduce_sum)`` around each validation pass (``reduce_sum`` sums
-    a tensor over processes under DDP, else None).
+    The objective's hooks (:class:`~draftsmith.distill.objective.Objective`) are called directly:
+    ``set_step(global_step)`` before each training step; ``on_validation_start()`` / ``on_validation_end(reduce_sum)``
+    around each validation pass (``reduce_sum`` sums a tensor over processes under DDP, else None).
     """
 
     def __init__(self, objective: Objective, target: TargetModel, optim: dict[str, Any], total_steps: int) -> None:
         super().__init__()
+        if not isinstance(objective, Objective):
+            raise TypeError(f"{type(objective).__name__} is not a draftsmith.distill.objective.Objective; "
+                            "recipes build objectives that subclass it")
         self.objective = objective
         self.drafter = objective.module
         object.__setattr__(self, "_target", target)  # not a registered submodule: never saved, never optimised
@@ -85,31 +89,27 @@ class DistillModule(pl.LightningModule):
         return self._tokens_seen
 
     def on_fit_start(self) -> None:
-        check = getattr(self._target, "check_taps", None)
-        if callable(check):  # a feature cache: refuse taps it does not hold before the first step
-            check(self.objective.taps, own_features=callable(getattr(self.objective, "features", None)))
+        if isinstance(self._target, CachedTarget):  # a feature cache: refuse taps it does not hold before step 1
+            self._target.check_taps(self.objective.taps, own_features=self.objective.own_features)
         self._target.to(self.device)
-        for model in frozen_models(self.objective).values():  # never registered: never saved, never optimised
+        for model in self.objective.frozen.values():  # never registered: never saved, never optimised
             model.to(self.device).eval().requires_grad_(False)
 
     def _step(self, batch: dict[str, torch.Tensor], with_logits: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         taps = replace(self.objective.taps, logits=True) if with_logits else self.objective.taps
         start = time.perf_counter()
-        own = getattr(self.objective, "features", None)
-        cached = getattr(self._target, "batch_features", None)
-        if callable(cached):  # offline (data.features): the batch carries the target's features
-            feats, batch = cached(batch, taps)
-        elif callable(own):
-            feats = own(self._target, batch)  # the objective's own forwards (several, a layer range, ...)
+        if isinstance(self._target, CachedTarget):  # offline (data.features): the batch carries the features
+            feats, batch = self._target.batch_features(batch, taps)
+        elif self.objective.own_features:
+            feats = self.objective.features(self._target, batch)  # own forwards (several, a layer range, ...)
         else:
             feats = self._target.features(batch["input_ids"], batch["attention_mask"], taps)
         self._target_seconds += time.perf_counter() - start
         return self.objective.loss(batch, feats)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        set_step = getattr(self.objective, "set_step", None)
-        if callable(set_step):  # step-dependent objectives (head warmup) read the global step, which survives resume
-            set_step(int(self.global_step))
+        # step-dependent objectives (head warmup) read the global step, which survives resume
+        self.objective.set_step(int(self.global_step))
         loss, metrics = self._step(batch)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(nonfinite_message(loss.item(), self.global_step, self._last_checkpoint()))
@@ -140,14 +140,10 @@ class DistillModule(pl.LightningModule):
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, batch_size=size, sync_dist=True)
 
     def on_validation_epoch_start(self) -> None:
-        hook = getattr(self.objective, "on_validation_start", None)
-        if callable(hook):  # e.g. reset the per-head accuracy counts a calibrated tree is built from
-            hook()
+        self.objective.on_validation_start()  # e.g. reset the per-head accuracy counts a calibrated tree is built from
 
     def on_validation_epoch_end(self) -> None:
-        hook = getattr(self.objective, "on_validation_end", None)
-        if callable(hook):
-            hook(self._reduce_sum if self.trainer.world_size > 1 else None)
+        self.objective.on_validation_end(self._reduce_sum if self.trainer.world_size > 1 else None)
 
     def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over every process (counts gathered by objectives during validation)."""

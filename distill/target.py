@@ -1,6 +1,7 @@
 """The frozen target model and its feature taps.
 
-Alignment conventions (the off-by-one shift is the commonest bug in this field):
+Alignment conventions of the taps (the off-by-one shift is the commonest bug in this field; how EAGLE pairs these
+features with tokens is stated once, in drafters/eagle.py):
 
 * Every tap is indexed by input position ``t``: ``final_hidden[:, t]`` is the state after reading
   ``input_ids[:, :t+1]``; the target's LM head applied to it predicts token ``t+1``.
@@ -30,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from draftsmith.common.constants import ADAPTER_LORA
 from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.lora import LoraSpec, TargetAdapter, lora_module_paths, require_peft
@@ -173,7 +175,7 @@ class Target(nn.Module):
         attached, also ``adapter: {kind, fingerprint}`` of its current weights."""
         ident = target_identity(self.name_or_path, self.config, self.tokenizer, self.lm_head_weight)
         if self.adapter is not None:
-            ident["adapter"] = {"kind": "lora", "fingerprint": self.adapter.fingerprint()}
+            ident["adapter"] = {"kind": ADAPTER_LORA, "fingerprint": self.adapter.fingerprint()}
         return ident
 
     def attach_lora(self, spec: LoraSpec) -> TargetAdapter:

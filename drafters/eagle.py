@@ -1,9 +1,16 @@
 """EAGLE-1 drafter: one Llama-style decoder layer that extrapolates the target's post-norm feature.
 
-Inputs at pair index ``t`` are the target feature ``f_t`` (post final norm, ``Target`` tap ``final_hidden``)
-and the NEXT token ``x_{t+1}``: ``z_t = fc(concat(embed(x_{t+1}), f_t))`` (embedding first), then one decoder
-layer without ``input_layernorm`` gives ``f̂_{t+1}`` (no final norm); the target's frozen LM head turns it into
-the distribution of ``x_{t+2}``. RoPE position of pair ``t`` is ``t``.
+Token/feature alignment of the EAGLE family (the one authoritative statement; recipes/eagle.py,
+recipes/eagle3.py, drafters/eagle3.py and runtime/drafting/eagle.py refer here). The target feature ``f_t`` at input
+position ``t`` is the state after reading ``x_0..x_t`` (distill/target.py's tap convention), from which the target
+predicts ``x_{t+1}``. The drafter's pair ``t`` is ``(f_t, x_{t+1})``: the feature together with the token the target
+produced from it, which is one place further on (the "off-by-one" shift); it sits at RoPE position ``t`` and predicts
+the following feature ``f̂_{t+1}`` and so the token ``x_{t+2}``. A sequence of ``T`` tokens has pairs ``t = 0..T-2``
+(``x_T`` does not exist), and a loss on pair ``t`` is masked by ``loss_mask[t+2]``, the token it predicts.
+
+EAGLE-1: ``z_t = fc(concat(embed(x_{t+1}), f_t))`` (embedding first, ``f_t`` the post-final-norm ``Target`` tap
+``final_hidden``), then one decoder layer without ``input_layernorm`` gives ``f̂_{t+1}`` (no final norm); the
+target's frozen LM head turns it into the distribution of ``x_{t+2}``.
 
 The building blocks (RMSNorm, RoPE, attention with a KV cache, SwiGLU MLP) live in ``draftsmith.common.layers`` so
 that heads (Hydra++, Clover-2) can use them too; they are re-exported here.
@@ -31,8 +38,7 @@ just scored, each paired with the token that follows it); the last output drafts
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +56,7 @@ from draftsmith.common.layers import (  # noqa: F401  (re-exported: the EAGLE dr
     default_positions,
     rope_cos_sin,
 )
-from draftsmith.export.format import ExportError, read_export
+from draftsmith.export.exportable import Exportable
 
 
 def _rope_theta(hf_config: Any) -> float:
@@ -148,8 +154,14 @@ def _frozen(weight: torch.Tensor, shape: tuple[int, int], what: str) -> torch.Te
     return weight.detach()
 
 
-class EagleDrafter(nn.Module):
+class EagleDrafter(Exportable, nn.Module):
     """EAGLE-1 drafter. The target's embedding and LM head are frozen non-persistent buffers (never exported)."""
+
+    method = "eagle"
+    config_class = EagleConfig
+    target_weights = ("embed_weight", "lm_head_weight")
+    self_drafting = False  # drafts from its own recurrence over target features (see KangarooDrafter)
+    tapped_layers: tuple[int, ...] = ()  # reads the target's post-norm final hidden state, no layer taps
 
     def __init__(self, config: EagleConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         super().__init__()
@@ -193,26 +205,3 @@ class EagleDrafter(nn.Module):
         """(LM-head input [..., H], frozen LM-head weight [V, H]): ``logits`` without the matmul, for a fused
         linear + cross-entropy that never materialises the [..., V] logits."""
         return pred_features, self.lm_head_weight
-
-    def architecture(self) -> dict[str, Any]:
-        """Architecture block of the export config."""
-        return asdict(self.config)
-
-    @classmethod
-    def from_export(cls, export_dir: str | Path, embed_weight: torch.Tensor,
-                    lm_head_weight: torch.Tensor) -> EagleDrafter:
-        """Rebuild from a draftsmith export; the target's embedding and LM head are passed in (not stored)."""
-        config, state = read_export(export_dir)
-        if config["method"] != "eagle":
-            raise ExportError(f"{export_dir} holds a {config['method']!r} export, not eagle")
-        drafter = cls(EagleConfig(**config["architecture"]), embed_weight, lm_head_weight)
-        _load_strict(drafter, state, export_dir)
-        return drafter
-
-
-def _load_strict(module: nn.Module, state: dict[str, torch.Tensor], export_dir: str | Path) -> None:
-    """Load exported weights, naming missing/unexpected keys (non-persistent buffers are never in exports)."""
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ExportError(f"{export_dir}: weights do not match the architecture (missing {missing[:4]}, "
-                          f"unexpected {unexpected[:4]}); re-export the drafter")

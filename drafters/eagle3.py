@@ -1,6 +1,7 @@
 """EAGLE-3 drafter: fused low/mid/high target features, one decoder layer, own LM head over a reduced vocab.
 
-Pair index ``t`` reads ``g_t = fc(concat(h^{l_1}_t, h^{l_2}_t, h^{l_3}_t))`` (pre-norm residual stream at the
+Pairs are aligned as for EAGLE-1 (drafters/eagle.py's module docstring): pair index ``t`` reads
+``g_t = fc(concat(h^{l_1}_t, h^{l_2}_t, h^{l_3}_t))`` (pre-norm residual stream at the
 INPUT of target layers ``l_i``, i.e. HF ``hidden_states[l_i]``, default ``(2, L//2, L-3)``) and the next token
 ``x_{t+1}``. The layer's q/k/v read ``concat(input_layernorm(embed(x_{t+1})), hidden_norm(g_t))`` (2h, embedding
 first); the residual is the un-normed ``g_t``; then post-attention norm + SwiGLU. Its output ``a_t`` (pre-norm)
@@ -22,7 +23,6 @@ features and feed the fused target features of the newly accepted tokens, exactl
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,11 +36,11 @@ from draftsmith.drafters.eagle import (
     RMSNorm,
     SwiGLU,
     _frozen,
-    _load_strict,
     build_attention_mask,
     default_positions,
 )
-from draftsmith.export.format import ExportError, read_export
+from draftsmith.export.exportable import Exportable, ExportContents
+from draftsmith.export.format import ExportError
 
 
 def default_target_layers(num_layers: int) -> tuple[int, int, int]:
@@ -97,8 +97,18 @@ class Eagle3Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), cache
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(Exportable, nn.Module):
     """EAGLE-3 drafter; the target embedding is a frozen non-persistent buffer, d2t/t2d are exported buffers."""
+
+    method = "eagle3"
+    config_class = Eagle3Config
+    target_weights = ("embed_weight",)
+    self_drafting = False  # drafts from its own recurrence over fused target features
+
+    @property
+    def tapped_layers(self) -> tuple[int, ...]:
+        """Target layers (HF ``hidden_states`` indices) the drafter fuses, in order."""
+        return tuple(self.config.target_layers)
 
     def __init__(self, config: Eagle3Config, embed_weight: torch.Tensor, d2t: torch.Tensor | None = None,
                  t2d: torch.Tensor | None = None) -> None:
@@ -201,14 +211,8 @@ class Eagle3Drafter(nn.Module):
         return arch
 
     @classmethod
-    def from_export(cls, export_dir: str | Path, embed_weight: torch.Tensor) -> Eagle3Drafter:
-        """Rebuild from a draftsmith export (d2t/t2d come from the export; the embedding from the target)."""
-        config, state = read_export(export_dir)
-        if config["method"] != "eagle3":
-            raise ExportError(f"{export_dir} holds a {config['method']!r} export, not eagle3")
-        arch = Eagle3Config(**config["architecture"])
-        if "d2t" not in state or "t2d" not in state:
-            raise ExportError(f"{export_dir} lacks the d2t/t2d vocabulary maps; re-export the drafter")
-        drafter = cls(arch, embed_weight, state["d2t"], state["t2d"])
-        _load_strict(drafter, state, export_dir)
-        return drafter
+    def _build(cls, architecture: Eagle3Config, export: ExportContents, embed_weight: torch.Tensor) -> Eagle3Drafter:
+        """A drafter on the target's embedding; its d2t/t2d vocabulary maps come from the export."""
+        if "d2t" not in export.state or "t2d" not in export.state:
+            raise ExportError(f"{export.path} lacks the d2t/t2d vocabulary maps; re-export the drafter")
+        return cls(architecture, embed_weight, export.state["d2t"], export.state["t2d"])

@@ -16,8 +16,7 @@ untrained adapter is exactly the "early exit" drafter ``lm_head(norm(s))``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from draftsmith.common.layers import (
     check_attention_shape,
     default_positions,
 )
-from draftsmith.export.format import ExportError, read_export
+from draftsmith.export.exportable import Exportable
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -96,8 +95,20 @@ class KangarooAdapter(nn.Module):
         return self.norm(x + attn), cache  # [B, S, H]
 
 
-class KangarooDrafter(nn.Module):
+class KangarooDrafter(Exportable, nn.Module):
     """The self-drafter: shared shallow target layers (references), the adapter, the frozen target LM head."""
+
+    method = "kangaroo"
+    config_class = KangarooConfig
+    target_weights = ("lm_head_weight",)
+    # It drafts with the target's own shallow layers: the states of drafted tokens come from a target forward over
+    # them (a stacked acceptance head reads those), not from the drafter's own recurrence.
+    self_drafting = True
+
+    @property
+    def tapped_layers(self) -> tuple[int, ...]:
+        """Target layers (HF ``hidden_states`` indices) the drafter reads: the exit layer's input."""
+        return (self.config.exit_layer,)
 
     def __init__(self, config: KangarooConfig, lm_head_weight: torch.Tensor, shallow_layers: Sequence[Any] = (),
                  final_norm_weight: torch.Tensor | None = None) -> None:
@@ -132,21 +143,3 @@ class KangarooDrafter(nn.Module):
     def logit_parts(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(LM-head input, frozen LM-head weight), for a fused linear + cross-entropy."""
         return features, self.lm_head_weight
-
-    def architecture(self) -> dict[str, Any]:
-        """Architecture block of the export config."""
-        return asdict(self.config)
-
-    @classmethod
-    def from_export(cls, export_dir: str | Path, lm_head_weight: torch.Tensor,
-                    shallow_layers: Sequence[Any] = ()) -> KangarooDrafter:
-        """Rebuild from a draftsmith export; the target's LM head (and layers) are passed in, never stored."""
-        config, state = read_export(export_dir)
-        if config["method"] != "kangaroo":
-            raise ExportError(f"{export_dir} holds a {config['method']!r} export, not kangaroo")
-        drafter = cls(KangarooConfig(**config["architecture"]), lm_head_weight, shallow_layers)
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ExportError(f"{export_dir}: weights do not match the architecture (missing {missing[:4]}, "
-                              f"unexpected {unexpected[:4]}); re-export the drafter")
-        return drafter

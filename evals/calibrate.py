@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.controllers.acceptance import AcceptanceHead
+from draftsmith.controllers.acceptance import AcceptanceHead, base_export_dir
 from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.tree import DraftTree
@@ -138,22 +138,20 @@ def calibrate(drafter: str, prompts: str, out: str, target: str | None = None, n
     from draftsmith.export.format import read_config
     from draftsmith.runtime.acceptance.choice import choose_verifier
     from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-    from draftsmith.runtime.drafting.base import build_proposer
+    from draftsmith.runtime.drafting.base import build_proposer, chain_options
     from draftsmith.runtime.serving import load_runtime
 
     config = read_config(drafter)
     if config.get("method") != "specdecpp":
         raise ValueError(f"{drafter} is a {config.get('method')!r} export; calibrate scores a SpecDec++ acceptance "
                          "head (method 'specdecpp', from `python train.py recipe=specdecpp drafter=EXPORT_DIR`)")
-    head, base = AcceptanceHead.from_export(drafter)
+    head, head_config = AcceptanceHead.from_export(drafter)
+    base = base_export_dir(head_config)
     runtime = load_runtime(None, target or config["target"]["name_or_path"], dtype=dtype)
     stop = (config.get("inference") or {}).get("stop_policy") or {}
     depth = int(depth or stop.get("max_depth", 6))
     options = {"temperature": temperature if temperature > 0 else 0.0}
-    if read_config(base).get("method") == "kangaroo":  # its chain takes max_depth (drafted tokens)
-        options["max_depth"] = depth + 1
-    else:
-        options.update(policy="chain", depth=depth)
+    options.update(chain_options(base, depth + 1))  # the base proposer's own way of drafting depth + 1 tokens
     proposer = build_proposer(base, runtime.model, **options)
     verifier, _ = choose_verifier("auto", temperature, "auto", None)
     head = head.to(runtime.model.lm_head_weight.device)

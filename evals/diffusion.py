@@ -120,7 +120,7 @@ def run_cli(args: Any) -> dict[str, Any]:
         torch.set_num_threads(int(args.threads))
     lm = load_diffusion_lm(args.target, dtype=dtype_from_name(args.dtype),
                            trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
-    filt = Learn2PDFilter.from_export(args.filter, block_length=lm.spec.block_length) if args.filter else None
+    filt = Learn2PDFilter.from_export(args.filter, block_length=lm.spec.block_length)[0] if args.filter else None
     steps = args.steps_per_block or (filt.config.steps_per_block if filt is not None else lm.spec.block_length)
     records = None
     if str(args.prompts).startswith("embedded"):  # the mixed task: some prompts have a checkable answer

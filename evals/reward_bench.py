@@ -49,9 +49,8 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
     from draftsmith.datagen.mixed_task import load_prompt_records
     from draftsmith.datagen.rewards import load_reward
     from draftsmith.datagen.rollouts import eos_ids_of
-    from draftsmith.evals.reward_eval import evaluate, plot, reward_table
+    from draftsmith.evals.reward_eval import evaluate, reward_table
     from draftsmith.export.format import read_config
-    from draftsmith.runtime.serving import load_runtime
 
     exports = [e for e in (args.controller or "").split(",") if e.strip()]
     names = layer_names(exports)
@@ -84,8 +83,19 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
                       args.samples_per_prompt, args.max_new_tokens, eos, args.seed, args.out, settings)
     result["controllers"] = names
     print(reward_table(result))
+    result["overhead"] = _layer_overheads(args, names, records)
+    if args.out:
+        _write_reward_eval(result, Path(args.out))
+    return 0
+
+
+def _layer_overheads(args: argparse.Namespace, names: dict[str, str], records: list[dict]) -> dict[str, dict]:
+    """Tokens/s with and without each layer (by name -> export) on the first ``--overhead-prompts`` records' ids, in
+    the runtime's serving dtype; printed per layer."""
+    from draftsmith.runtime.serving import load_runtime
+
     overhead = {}
-    for name, export in names.items():  # tokens/s with and without each layer, in the runtime's serving dtype
+    for name, export in names.items():
         rt = load_runtime(None, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                           linear_backend=args.linear_backend, controller=export)
         overhead[name] = bench_controller(rt, [r["ids"] for r in records[: args.overhead_prompts]],
@@ -93,12 +103,15 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
         print(f"{name}: {overhead[name]['tokens_per_s_with_layer']:.1f} tok/s with the layer, "
               f"{overhead[name]['tokens_per_s_without_layer']:.1f} replaying its temperatures without it (overhead "
               f"{overhead_text(overhead[name])})")
-    result["overhead"] = overhead
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "reward_eval.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / "reward_eval.md").write_text(reward_table(result))
-        png = plot(result, out / "reward_eval.png")
-        print(f"wrote {out / 'reward_eval.json'}, reward_eval.md" + (", reward_eval.png" if png else ""))
-    return 0
+    return overhead
+
+
+def _write_reward_eval(result: dict, out: Path) -> None:
+    """``reward_eval.json``, ``reward_eval.md`` and (where it can be drawn) ``reward_eval.png`` in ``out``."""
+    from draftsmith.evals.reward_eval import plot, reward_table
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "reward_eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "reward_eval.md").write_text(reward_table(result))
+    png = plot(result, out / "reward_eval.png")
+    print(f"wrote {out / 'reward_eval.json'}, reward_eval.md" + (", reward_eval.png" if png else ""))

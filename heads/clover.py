@@ -22,9 +22,7 @@ tree frontier. Training runs every head at every position at once (``teacher_for
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +35,7 @@ from draftsmith.common.layers import (
     build_attention_mask,
     default_positions,
 )
-from draftsmith.export.format import ExportError, read_export
+from draftsmith.export.exportable import Exportable
 
 EMBED_SOURCES = ("embed", "lm_head")
 
@@ -100,8 +98,11 @@ class TokenAttention(nn.Module):
         return state + (self.v(emb).view(split) * gate).flatten(-2)  # [..., H]
 
 
-class CloverHeads(nn.Module):
+class CloverHeads(Exportable, nn.Module):
     """Clover-2 (see the module docstring). The token embedding and LM head are frozen non-persistent buffers."""
+
+    method = "clover2"
+    config_class = CloverConfig
 
     def __init__(self, config: CloverConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                  init_layer: dict[str, torch.Tensor] | None = None, final_norm: torch.Tensor | None = None) -> None:
@@ -190,21 +191,3 @@ class CloverHeads(nn.Module):
             state = self.rnn(state[:, :n], emb)
             outs.append(self.head_norm(self.head_mlp2(torch.cat([state, emb], dim=-1))))
         return outs
-
-    def architecture(self) -> dict[str, Any]:
-        """Architecture block of the export config."""
-        return asdict(self.config)
-
-    @classmethod
-    def from_export(cls, export_dir: str | Path, embed_weight: torch.Tensor,
-                    lm_head_weight: torch.Tensor) -> CloverHeads:
-        """Rebuild from a draftsmith export; pass the target's weight named by ``embed_source`` and its LM head."""
-        config, state = read_export(export_dir)
-        if config["method"] != "clover2":
-            raise ExportError(f"{export_dir} holds a {config['method']!r} export, not clover2")
-        heads = cls(CloverConfig(**config["architecture"]), embed_weight, lm_head_weight)
-        missing, unexpected = heads.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ExportError(f"{export_dir}: weights do not match the architecture (missing {missing[:4]}, "
-                              f"unexpected {unexpected[:4]}); re-export the drafter")
-        return heads

@@ -21,9 +21,7 @@ head ``j-1``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +33,7 @@ from draftsmith.common.layers import (
     build_attention_mask,
     default_positions,
 )
-from draftsmith.export.format import ExportError, read_export
+from draftsmith.export.exportable import Exportable, ExportContents
 from draftsmith.heads.medusa import ResBlock
 
 METHODS = ("hydra", "hydra_pp")
@@ -133,8 +131,11 @@ class PrefixLayer(DecoderLayer):
         nn.init.zeros_(self.mlp.down_proj.weight)
 
 
-class HydraHeads(nn.Module):
+class HydraHeads(Exportable, nn.Module):
     """K grounded heads; the target's embedding (and LM head when shared) are frozen non-persistent buffers."""
+
+    method, also_loads = METHODS[0], METHODS[1:]
+    config_class = HydraConfig
 
     def __init__(self, config: HydraConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -227,21 +228,8 @@ class HydraHeads(nn.Module):
         """What an export stores (never the frozen embedding or shared LM head)."""
         return dict(self.state_dict())
 
-    def architecture(self) -> dict[str, Any]:
-        """Architecture block of the export config."""
-        return asdict(self.config)
-
     @classmethod
-    def from_export(cls, export_dir: str | Path, embed_weight: torch.Tensor,
-                    lm_head_weight: torch.Tensor | None = None) -> HydraHeads:
-        """Rebuild from a draftsmith export; the target's embedding (and LM head if shared) are passed in."""
-        config, state = read_export(export_dir)
-        if config["method"] not in METHODS:
-            raise ExportError(f"{export_dir} holds a {config['method']!r} export, not one of {METHODS}")
-        arch = HydraConfig(**config["architecture"])
-        heads = cls(arch, embed_weight, lm_head_weight if arch.share_lm_head else None)
-        missing, unexpected = heads.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ExportError(f"{export_dir}: weights do not match the architecture (missing {missing[:4]}, "
-                              f"unexpected {unexpected[:4]}); re-export the drafter")
-        return heads
+    def _build(cls, architecture: HydraConfig, export: ExportContents, embed_weight: torch.Tensor,
+               lm_head_weight: torch.Tensor | None = None) -> HydraHeads:
+        """Heads on the target's embedding (and LM head if shared), which the export does not store."""
+        return cls(architecture, embed_weight, lm_head_weight if architecture.share_lm_head else None)

@@ -5,14 +5,13 @@ Head k (0-based) at position t predicts token t+k+2; the target's own LM head pr
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.export.format import ExportError, read_export
+from draftsmith.export.exportable import Exportable, ExportContents
 
 
 @dataclass
@@ -70,12 +69,17 @@ class MedusaHead(nn.Module):
         return F.linear(x, shared_lm_head.to(x.dtype))  # [..., V']
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(Exportable, nn.Module):
     """K Medusa heads; ``forward`` maps hidden [..., H] to logits [K, ..., V'] over ``config.head_vocab_size``
     columns: target ids, or with a draft vocabulary the indices into ``draft_ids`` (see :meth:`to_target_ids`).
 
     ``draft_ids`` [V'] (ascending target ids) is required with ``config.draft_vocab_size`` and saved with the heads.
     """
+
+    method = "medusa"
+    also_loads = ("medusa2",)
+    config_class = MedusaConfig
+    unexported_keys = ("shared_lm_head",)
 
     def __init__(self, config: MedusaConfig, lm_head_weight: torch.Tensor | None = None,
                  draft_ids: torch.Tensor | None = None) -> None:
@@ -146,21 +150,9 @@ class MedusaHeads(nn.Module):
         """The weights an export stores (never the shared target head)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("shared_lm_head")}
 
-    def architecture(self) -> dict:
-        """Architecture block of the export config."""
-        return asdict(self.config)
-
     @classmethod
-    def from_export(cls, export_dir: str | Path, lm_head_weight: torch.Tensor | None = None) -> MedusaHeads:
-        """Rebuild heads from a draftsmith export folder (pass the target LM head when heads share it)."""
-        config, state = read_export(export_dir)
-        if config["method"] not in ("medusa", "medusa2"):
-            raise ExportError(f"{export_dir} holds a {config['method']!r} export, not medusa")
-        arch = MedusaConfig(**config["architecture"])
-        heads = cls(arch, lm_head_weight if arch.share_lm_head else None, draft_ids=state.get("draft_ids"))
-        missing, unexpected = heads.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.startswith("shared_lm_head")]
-        if missing or unexpected:
-            raise ExportError(f"{export_dir}: weights do not match the architecture (missing {missing[:4]}, "
-                              f"unexpected {unexpected[:4]})")
-        return heads
+    def _build(cls, architecture: MedusaConfig, export: ExportContents,
+               lm_head_weight: torch.Tensor | None = None) -> MedusaHeads:
+        """Heads for an export (pass the target LM head when they share it); ``draft_ids`` come from the export."""
+        return cls(architecture, lm_head_weight if architecture.share_lm_head else None,
+                   draft_ids=export.state.get("draft_ids"))

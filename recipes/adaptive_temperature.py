@@ -30,13 +30,14 @@ from draftsmith.controllers.adaptive_temperature import (
 )
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.lpo_loss import LOSS_FORMS, lpo_loss, tempered_token_log_probs
+from draftsmith.distill.objective import Objective
 from draftsmith.distill.preference_data import read_pair_rounds
 from draftsmith.distill.target import FeatureTaps, Target
 from draftsmith.export.format import ExportError
 from draftsmith.recipes.registry import register_recipe
 
 
-class AdaptiveTemperatureObjective:
+class AdaptiveTemperatureObjective(Objective):
     """LPO on the head's log-probabilities of the recorded temperature indices (and, for the joint / latent forms, on
     the frozen target's token log-probabilities at every grid temperature)."""
 

@@ -15,6 +15,7 @@ import torch
 from draftsmith.common.trees import TreeCalibration
 from draftsmith.distill.errors import ConfigError, DataError
 from draftsmith.distill.losses import LMHeadLoss, masked_smooth_l1, topk_hits
+from draftsmith.distill.objective import Objective
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.heads.clover import EMBED_SOURCES, CloverConfig, CloverHeads
@@ -22,7 +23,7 @@ from draftsmith.recipes.hydra import inference_block, make_calibration
 from draftsmith.recipes.registry import register_recipe
 
 
-class CloverObjective:
+class CloverObjective(Objective):
     """Trains :class:`CloverHeads` on the frozen target's pre-norm states, post-norm features and logits."""
 
     def __init__(self, heads: CloverHeads, feature_weight: float, token_weight: float, decay: float, topk: int,

@@ -21,6 +21,7 @@ from torch import nn
 
 from draftsmith.common.diffusion_format import DIFFUSION_KEY, MASK_TOKEN, DiffusionSpec, additive_mask
 from draftsmith.distill.errors import ConfigError
+from draftsmith.distill.objective import Objective
 from draftsmith.distill.target import FeatureTaps, Target
 from draftsmith.export.diffusion_folder import save_diffusion_folder
 from draftsmith.recipes.registry import register_recipe
@@ -81,7 +82,7 @@ def pad_with_eot(ids: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor
     return ids, loss_mask
 
 
-class DiffusionAdaptObjective:
+class DiffusionAdaptObjective(Objective):
     """Masked-token CE weighted by 1/t, t ~ U(eps, 1), on assistant tokens (and the EoT padding)."""
 
     batch_kind = "chat"

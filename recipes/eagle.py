@@ -1,9 +1,8 @@
 """EAGLE-1 recipe: regress the target's next post-norm feature and match its next-token distribution.
 
-Alignment (distill/data.py: ``loss_mask[s] == 1`` when token ``s`` is an assistant label): pair ``t`` reads
-``(f_t, x_{t+1})`` and predicts ``f̂_{t+1}``; its targets are ``f_{t+1}`` and the target's distribution of
-``x_{t+2}`` (target logits at position ``t+1``); both losses use ``loss_mask[t+2]`` (the predicted token), so
-the last pair (whose token ``x_T`` does not exist) is dropped.
+Alignment: the pairing of drafters/eagle.py's module docstring (pair ``t`` = ``(f_t, x_{t+1})`` predicts
+``f̂_{t+1}`` and ``x_{t+2}``). Its targets are ``f_{t+1}`` and the target's logits at position ``t+1``; both losses
+use ``loss_mask[t+2]`` (distill/data.py: ``loss_mask[s] == 1`` when token ``s`` is an assistant label).
 
 ``L = feature_weight * SmoothL1(f̂_{t+1}, f_{t+1}) + token_weight * softCE(lm_head(f̂_{t+1}), p_target(. | t+1))``.
 
@@ -20,8 +19,10 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.constants import EAGLE_TREE_PROPOSER, STOP_FIXED
 from draftsmith.distill.errors import ConfigError, DataError
 from draftsmith.distill.losses import LMHeadLoss, masked_smooth_l1, topk_hits
+from draftsmith.distill.objective import Objective
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.recipes.registry import register_recipe
@@ -79,12 +80,12 @@ def noise_from_config(d: Any) -> FeatureNoise:
 
 def eagle_inference_defaults(cfg_inference: Any) -> dict[str, Any]:
     """The ``inference`` block of EAGLE-family exports (EAGLE-2 dynamic tree sizes, verifier, stop policy)."""
-    return {"proposer": "eagle_dynamic_tree", "total_tokens": int(cfg_inference.total_tokens),
+    return {"proposer": EAGLE_TREE_PROPOSER, "total_tokens": int(cfg_inference.total_tokens),
             "depth": int(cfg_inference.depth), "top_k": int(cfg_inference.top_k),
-            "verifier": str(cfg_inference.verifier), "stop_policy": {"kind": "fixed"}}
+            "verifier": str(cfg_inference.verifier), "stop_policy": {"kind": STOP_FIXED}}
 
 
-class EagleObjective:
+class EagleObjective(Objective):
     """Trains ``EagleDrafter`` on (feature, next token) pairs of the frozen target."""
 
     def __init__(self, drafter: EagleDrafter, feature_weight: float = 1.0, token_weight: float = 0.1,

@@ -1,7 +1,7 @@
 """EAGLE-3 recipe: fused multi-layer features, training-time test (TTT) unrolling, reduced draft vocabulary.
 
-Alignment (distill/data.py: ``loss_mask[s] == 1`` when token ``s`` is an assistant label): at TTT step ``j``,
-index ``t`` reads token ``x_{t+1+j}`` and is scored against the target's distribution at position ``t+1+j``
+Alignment: the pairing of drafters/eagle.py's module docstring, moved ``j`` places on at TTT step ``j``: index
+``t`` reads token ``x_{t+1+j}`` and is scored against the target's distribution at position ``t+1+j``
 (that of ``x_{t+2+j}``) restricted to the draft vocabulary, where ``loss_mask[t+2+j]`` is 1 and the target's
 argmax is in the draft vocabulary. ``L = sum_j step_decay^j * softCE_j`` (each a mean over its scored rows).
 """
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from draftsmith.distill.draft_vocab import count_draft_vocab
 from draftsmith.distill.errors import ConfigError, DataError
 from draftsmith.distill.losses import LMHeadLoss, topk_hits
+from draftsmith.distill.objective import Objective
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_target_layers
 from draftsmith.recipes.eagle import eagle_inference_defaults
@@ -31,7 +32,7 @@ def shift_left(x: torch.Tensor, k: int, n: int) -> torch.Tensor:
     return F.pad(out, (0, 0) * (x.dim() - 2) + (0, n - out.shape[1]))
 
 
-class Eagle3Objective:
+class Eagle3Objective(Objective):
     """Trains ``Eagle3Drafter`` with ``ttt_steps`` unrolled steps of its own outputs."""
 
     def __init__(self, drafter: Eagle3Drafter, ttt_steps: int = 3, step_decay: float = 0.8, topk: int = 5,

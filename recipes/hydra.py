@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.constants import STOP_FIXED
 from draftsmith.common.trees import TreeCalibration
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.losses import LMHeadLoss, topk_hits
+from draftsmith.distill.objective import Objective
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.heads.hydra import HydraConfig, HydraHeads
@@ -24,7 +26,7 @@ from draftsmith.recipes.medusa import LABEL_SOURCES, default_tree
 from draftsmith.recipes.registry import register_recipe
 
 
-class HydraObjective:
+class HydraObjective(Objective):
     """Trains :class:`HydraHeads`; ``method`` is ``hydra`` or ``hydra_pp`` (the runtime treats both alike)."""
 
     def __init__(self, heads: HydraHeads, method: str, decay: float, labels: str, topk: int,
@@ -89,7 +91,7 @@ def inference_block(cfg_inference: Any) -> dict[str, Any]:
             "verifier": str(cfg_inference.verifier),
             "typical": {"posterior_threshold": float(cfg_inference.posterior_threshold),
                         "posterior_alpha": float(cfg_inference.posterior_alpha)},
-            "stop_policy": {"kind": "fixed"}}
+            "stop_policy": {"kind": STOP_FIXED}}
 
 
 def make_calibration(num_heads: int, cfg_inference: Any) -> TreeCalibration:

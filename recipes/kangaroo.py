@@ -15,8 +15,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from draftsmith.common.constants import STOP_CONFIDENCE
 from draftsmith.distill.errors import ConfigError, DataError
 from draftsmith.distill.losses import LMHeadLoss, topk_hits
+from draftsmith.distill.objective import Objective
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.drafters.kangaroo import KangarooConfig, KangarooDrafter, check_exit_layer, default_exit_layer
@@ -37,7 +39,7 @@ def expected_acceptance(draft_in: torch.Tensor, weight: torch.Tensor, teacher_lo
     return total / draft_in.shape[0]
 
 
-class KangarooObjective:
+class KangarooObjective(Objective):
     """Soft CE between the adapter's draft and the target at the same position (see the module docstring)."""
 
     def __init__(self, drafter: KangarooDrafter, inference: dict[str, Any], lm_loss: LMHeadLoss | None = None,
@@ -119,6 +121,7 @@ def build(cfg: Any, target: Target) -> KangarooObjective:
     drafter = KangarooDrafter(arch, target.lm_head_weight.float(), shallow, _final_norm(target))
     inf = cfg.inference
     inference = {"proposer": "kangaroo", "threshold": float(inf.threshold), "max_depth": int(inf.max_depth),
-                 "verifier": str(inf.verifier), "stop_policy": {"kind": "confidence", "threshold": float(inf.threshold),
-                                                                "max_depth": int(inf.max_depth)}}
+                 "verifier": str(inf.verifier),
+                 "stop_policy": {"kind": STOP_CONFIDENCE, "threshold": float(inf.threshold),
+                                 "max_depth": int(inf.max_depth)}}
     return KangarooObjective(drafter, inference, LMHeadLoss.from_config(cfg), int(cfg.drafter.topk_metric))

@@ -14,12 +14,13 @@ import torch.nn.functional as F
 from draftsmith.common.diffusion_format import DiffusionTargetError, spec_of
 from draftsmith.controllers.learn2pd import Learn2PDConfig, Learn2PDFilter
 from draftsmith.distill.errors import ConfigError, DataError
+from draftsmith.distill.objective import Objective
 from draftsmith.distill.target import FeatureTaps, Target
 from draftsmith.distill.trajectory_data import read_trajectories
 from draftsmith.recipes.registry import register_recipe
 
 
-class Learn2PDObjective:
+class Learn2PDObjective(Objective):
     """BCE of the filter's logits against the oracle's "prediction already equals the reference" labels."""
 
     batch_kind = "trajectories"

@@ -6,10 +6,12 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.constants import STOP_FIXED
 from draftsmith.common.trees import TreeCalibration, default_medusa_tree
 from draftsmith.distill.draft_vocab import count_draft_vocab
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.losses import IGNORE_INDEX, LMHeadLoss, topk_hits
+from draftsmith.distill.objective import Objective
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.kernels.linear_cross_entropy import LinearCEOutput
@@ -18,7 +20,7 @@ from draftsmith.recipes.registry import register_recipe
 LABEL_SOURCES = ("dataset", "target_argmax", "target_soft")
 
 
-class MedusaObjective:
+class MedusaObjective(Objective):
     """Trains ``MedusaHeads``: head k at position t is scored on token t+k+2 (the target head predicts t+1)."""
 
     def __init__(self, heads: MedusaHeads, decay: float, labels: str, topk: int, tree: list[list[int]],
@@ -156,7 +158,7 @@ def build(cfg: Any, target: Target) -> MedusaObjective:
     inference = {"top_k": int(cfg.inference.top_k), "verifier": str(cfg.inference.verifier),
                  "typical": {"posterior_threshold": float(cfg.inference.posterior_threshold),
                              "posterior_alpha": float(cfg.inference.posterior_alpha)},
-                 "stop_policy": {"kind": "fixed"}}
+                 "stop_policy": {"kind": STOP_FIXED}}
     tree = default_tree(arch.num_heads, int(cfg.inference.tree_nodes), int(cfg.inference.top_k))
     return MedusaObjective(heads, float(cfg.heads.decay), str(cfg.distill.labels), int(cfg.heads.topk_metric),
                            tree, inference, LMHeadLoss.from_config(cfg), tree_nodes=int(cfg.inference.tree_nodes))

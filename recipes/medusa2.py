@@ -21,10 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftsmith.common.constants import ADAPTER_LORA
 from draftsmith.common.trees import TreeCalibration
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.lora import LoraSpec, TargetAdapter, require_peft
 from draftsmith.distill.losses import LMHeadLoss, masked_cross_entropy, topk_hits
+from draftsmith.distill.objective import Objective
 from draftsmith.distill.target import FeatureTaps, Target
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.hydra import inference_block, make_calibration
@@ -54,7 +56,7 @@ class Medusa2Features:
     original_logits: torch.Tensor | None  # [B, T, V], adapters disabled, no grad
 
 
-class Medusa2Objective:
+class Medusa2Objective(Objective):
     """Joint heads + LoRA training on one target (see the module docstring)."""
 
     taps = FeatureTaps(final_hidden=True)
@@ -172,7 +174,8 @@ class Medusa2Objective:
         return {"method": "medusa2", "architecture": self.module.heads.architecture(),
                 "inference": {"proposer": "medusa2", **self.inference, **self.calibration.tree_block(),
                               "adapter": self.module.adapter.config_block(), "lossy": True},
-                "weight_parts": {"model": {"prefix": "heads."}, "adapter": {"prefix": "adapter.lora.", "kind": "lora"}}}
+                "weight_parts": {"model": {"prefix": "heads."},
+                                 "adapter": {"prefix": "adapter.lora.", "kind": ADAPTER_LORA}}}
 
 
 def lora_spec(cfg: Any) -> LoraSpec:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from draftsmith.common.constants import STOP_LEARNED
 from draftsmith.controllers.acceptance import (
     METHOD,
     AcceptanceHead,
@@ -36,6 +37,7 @@ from draftsmith.controllers.acceptance import (
     weighted_soft_bce,
 )
 from draftsmith.distill.errors import ConfigError, DataError
+from draftsmith.distill.objective import Objective
 from draftsmith.distill.target import FeatureTaps, Target
 from draftsmith.drafters.eagle import EagleDrafter
 from draftsmith.drafters.eagle3 import Eagle3Drafter
@@ -43,7 +45,8 @@ from draftsmith.drafters.kangaroo import KangarooDrafter
 from draftsmith.export.format import ExportError, base_reference, check_target, read_config
 from draftsmith.recipes.registry import register_recipe
 
-BASE_METHODS = ("eagle", "eagle3", "kangaroo")
+CHAIN_DRAFTERS = {cls.method: cls for cls in (EagleDrafter, Eagle3Drafter, KangarooDrafter)}
+BASE_METHODS = tuple(CHAIN_DRAFTERS)
 
 
 @dataclass
@@ -61,7 +64,7 @@ def _min_ratio(p_z: torch.Tensor, q_z: torch.Tensor) -> torch.Tensor:
                                  max=0.0)).float()
 
 
-class SpecDecObjective:
+class SpecDecObjective(Objective):
     """Trains :class:`AcceptanceHead` on the states of a frozen chain drafter (see the module docstring)."""
 
     def __init__(self, head: AcceptanceHead, drafter: torch.nn.Module, base_method: str, base_ref: dict[str, Any],
@@ -74,9 +77,7 @@ class SpecDecObjective:
         self.reject_weight, self.temperature = reject_weight, temperature
         self.mixing_ratio, self.mixed_in_loss = mixing_ratio, mixed_in_loss
         self.inference = inference or {}
-        layers = tuple(getattr(drafter.config, "target_layers", ()))
-        if base_method == "kangaroo":
-            layers = (drafter.config.exit_layer,)
+        layers = tuple(drafter.tapped_layers)
         self.taps = FeatureTaps(final_hidden=not layers, layers=layers, logits=True)
 
     # ---- the frozen drafter's two passes -------------------------------------------------------------------------
@@ -117,10 +118,11 @@ class SpecDecObjective:
         return z, _min_ratio(p_z, q_z), mixed
 
     @torch.no_grad()
-    def _kangaroo_features(self, target: Any, batch: dict[str, torch.Tensor]) -> HeadBatch:
-        """Kangaroo base: the candidates replace the tokens they draft (the paper's sequence of draft tokens, a
-        ``mixing_ratio`` share kept as the target's); a second target forward gives their shallow states, whose
-        adapter outputs the head reads (as at inference, the context holds earlier drafted tokens)."""
+    def _self_drafting_features(self, target: Any, batch: dict[str, torch.Tensor]) -> HeadBatch:
+        """A self-drafting base (``drafter.self_drafting``, Kangaroo): the candidates replace the tokens they draft
+        (the paper's sequence of draft tokens, a ``mixing_ratio`` share kept as the target's); a second target
+        forward gives their shallow states, whose adapter outputs the head reads (as at inference, the context
+        holds earlier drafted tokens)."""
         ids, attn = batch["input_ids"], batch["attention_mask"]
         n, layer = ids.shape[1] - 1, self.drafter.config.exit_layer  # row t drafts token t+1
         feats = target.features(ids, attn, self.taps)
@@ -139,8 +141,8 @@ class SpecDecObjective:
     @torch.no_grad()
     def features(self, target: Any, batch: dict[str, torch.Tensor]) -> HeadBatch:
         """Target forward, then the drafter's candidate pass and state pass; labels from the target's logits."""
-        if self.base_method == "kangaroo":
-            return self._kangaroo_features(target, batch)
+        if self.drafter.self_drafting:
+            return self._self_drafting_features(target, batch)
         ids, attn = batch["input_ids"], batch["attention_mask"]
         n = ids.shape[1] - 2  # index t: pair (f_t, x_{t+1}) drafts x_{t+2}
         if n < 1:
@@ -192,12 +194,7 @@ def load_frozen_drafter(export_dir: str | Path, target: Any) -> tuple[torch.nn.M
         raise ConfigError(f"drafter={export_dir} is a {method!r} export; SpecDec++ trains on a chain drafter: "
                           f"{', '.join(BASE_METHODS)}")
     check_target(config, target.identity(), getattr(target, "name_or_path", None))
-    if method == "eagle":
-        drafter = EagleDrafter.from_export(export_dir, target.embed_weight, target.lm_head_weight)
-    elif method == "kangaroo":
-        drafter = KangarooDrafter.from_export(export_dir, target.lm_head_weight)
-    else:
-        drafter = Eagle3Drafter.from_export(export_dir, target.embed_weight)
+    drafter, _ = CHAIN_DRAFTERS[method].from_export_on(export_dir, target)
     return drafter.float(), method
 
 
@@ -241,7 +238,7 @@ def build(cfg: Any, target: Target) -> SpecDecObjective:
     h, stop = _head_cfg(cfg), cfg.inference
     head = AcceptanceHead(AcceptanceHeadConfig(drafter.config.hidden_size, int(h.num_layers)))
     inference = {"proposer": "chain", "verifier": str(stop.verifier),
-                 "stop_policy": {"kind": "learned", "threshold": float(stop.threshold),
+                 "stop_policy": {"kind": STOP_LEARNED, "threshold": float(stop.threshold),
                                  "min_depth": int(stop.min_depth), "max_depth": int(stop.max_depth)}}
     return SpecDecObjective(head, drafter, method, base_reference(str(cfg.drafter)), float(h.reject_weight),
                             float(h.temperature), float(h.mixing_ratio), bool(h.mixed_in_loss), inference)

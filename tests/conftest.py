@@ -54,6 +54,100 @@ def build_tiny_llama(vocab_size: int, seed: int = 0, **overrides):
     return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
 
 
+# ----------------------------------------------------------------------------------------------------- test tiers
+# Every test file has one tier; `make test-fast` runs `-m unit`, `make test-integration` `-m integration`, `make
+# test-e2e` `-m e2e`, and `make test` all three. tests/test_tiers.py fails when a file is missing here.
+#   unit:        tiny in-process models and configs; each test takes seconds at most.
+#   integration: the embedded SmolLM2-135M target (its assets, its conversion, real chat data).
+#   e2e:         whole runs: `train.py` / `draftsmith` subprocesses, training runs end to end, and the chi-square
+#                tests that sample thousands of whole decodes (over 5 s each).
+# A test marked `integration` or `e2e` itself keeps that tier whatever its file's (a unit file's subprocess run or slow
+# statistical test is marked `@pytest.mark.e2e` on the function); `slow` and `gpu` are orthogonal and stay as they are.
+TIERS = {
+    "test_assets.py": "unit",  # its embedded-package tests are marked integration
+    "test_backend_choice.py": "unit",  # its simulated-AVX2 `draftsmith generate` run is marked e2e
+    "test_bench.py": "unit",  # its `draftsmith generate` / `bench` CLI run is marked e2e
+    "test_calibrated_tree.py": "unit",
+    "test_chat_encoding.py": "unit",
+    "test_clover.py": "unit",
+    "test_cli_table.py": "unit",  # its `draftsmith train` run is marked e2e
+    "test_clover_runtime.py": "unit",
+    "test_cluster_elastic.py": "e2e",
+    "test_cluster_memory.py": "unit",
+    "test_cluster_preempt.py": "e2e",
+    "test_cluster_shard.py": "unit",
+    "test_cluster_slurm.py": "e2e",
+    "test_cluster_wandb.py": "unit",
+    "test_cost_model.py": "unit",
+    "test_cpu_layer.py": "unit",
+    "test_data.py": "unit",  # its real SmolLM2 template tests are marked integration
+    "test_diffusion_adapt.py": "unit",
+    "test_diffusion_decode.py": "unit",
+    "test_diffusion_learn2pd.py": "unit",
+    "test_diffusion_mask.py": "unit",
+    "test_diffusion_remote.py": "unit",
+    "test_draft_attention.py": "unit",
+    "test_eagle.py": "unit",  # its train.py run is marked e2e
+    "test_eagle3.py": "unit",  # its train.py run is marked e2e
+    "test_eagle_runtime.py": "unit",  # its slow test(s) are marked e2e
+    "test_export_v2.py": "unit",
+    "test_exportable.py": "unit",
+    "test_feature_cache.py": "unit",
+    "test_gpu.py": "e2e",  # CUDA only (skipped elsewhere); ends with a train.py run on the GPU
+    "test_gpu_check_script.py": "e2e",
+    "test_head_family_train.py": "e2e",
+    "test_hydra.py": "unit",
+    "test_hydra_runtime.py": "unit",
+    "test_inference_choice.py": "unit",
+    "test_integration_medusa.py": "integration",
+    "test_integration_runtime.py": "integration",
+    "test_kangaroo.py": "unit",  # its slow test(s) are marked e2e
+    "test_kernels.py": "unit",
+    "test_layer_range.py": "unit",
+    "test_linear_cross_entropy.py": "unit",
+    "test_lpo_controller.py": "unit",
+    "test_lpo_loss.py": "unit",
+    "test_lpo_rollouts.py": "unit",  # its slow test(s) are marked e2e
+    "test_medusa.py": "unit",
+    "test_medusa2.py": "unit",
+    "test_medusa2_runtime.py": "unit",
+    "test_medusa_draft_vocab.py": "unit",
+    "test_method_table.py": "unit",
+    "test_metrics.py": "unit",
+    "test_objective_seams.py": "unit",
+    "test_regenerate.py": "unit",
+    "test_reward_eval.py": "unit",
+    "test_room_walk.py": "e2e",
+    "test_rooms.py": "unit",
+    "test_runtime_guards.py": "unit",
+    "test_runtime_model.py": "unit",
+    "test_seams_runtime.py": "unit",  # its slow test(s) are marked e2e
+    "test_specdecpp.py": "unit",
+    "test_speculative.py": "unit",  # its slow test(s) are marked e2e
+    "test_speculators_export.py": "unit",  # its run of the real speculators library is marked e2e
+    "test_strategies.py": "unit",  # its `train.py --cfg job` runs are marked e2e
+    "test_tiers.py": "unit",
+    "test_train.py": "e2e",
+    "test_training_guards.py": "unit",  # its two train.py runs are marked e2e
+    "test_tree_verify.py": "unit",
+}
+TIER_MARKERS = ("unit", "integration", "e2e")
+pytest_plugins = ("pytester",)  # tests/test_tiers.py runs the hooks below on a small suite
+DESELECTED: list[pytest.Item] = []  # items `-m` / `-k` left out of this run (tests/test_tiers.py checks them too)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers added here
+def pytest_collection_modifyitems(config, items):
+    """Mark each item with its file's tier unless the test already carries a tier marker of its own."""
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in TIER_MARKERS) and item.path.name in TIERS:
+            item.add_marker(TIERS[item.path.name])
+
+
+def pytest_deselected(items):
+    DESELECTED.extend(items)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     """Tiny models run many times faster on one thread than on two contended ones (subprocesses are unaffected)."""

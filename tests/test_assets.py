@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith import assets
+from draftsmith import assets, json_records
 from draftsmith.assets import (
     AssetError,
     StreamStats,
@@ -50,7 +50,7 @@ def test_truncated_array_drops_cut_tail(tmp_path):
 
 
 def test_complete_array_and_small_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(assets, "_CHUNK", 7)  # force many buffer refills mid-record
+    monkeypatch.setattr(json_records, "_CHUNK", 7)  # force many buffer refills mid-record
     records = [_record(i) for i in range(20)]
     kept, report = read_sharegpt(_write_array(tmp_path / "ok.json", records))
     assert kept == records

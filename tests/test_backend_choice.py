@@ -160,6 +160,7 @@ def test_a_decoder_capped_at_avx2_runs_the_avx2_variant_close_to_the_torch_path(
 AVX2_MACHINE = {"DRAFTSMITH_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
+@pytest.mark.e2e  # a train.py / draftsmith subprocess
 def test_an_avx2_machine_simulated_end_to_end_generates_with_what_it_can_run(tiny_target_dir):
     """torch, oneDNN and our probe all limited to AVX2 (oneDNN then refuses bf16 reorders exactly as on a Zen 3):
     the runtime must pick a backend that runs, and say which."""

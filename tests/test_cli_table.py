@@ -32,6 +32,7 @@ def test_a_command_line_builds_only_its_own_arguments():
         only_bench.parse_args(["generate", "--prompt", "hi"])
 
 
+@pytest.mark.e2e  # a `draftsmith train` subprocess
 def test_draftsmith_train_composes_the_config_as_python_train_py_does(tmp_path):
     """`draftsmith train` loads train.py as draftsmith.train; Hydra must still find conf/ (it once did not)."""
     run = subprocess.run([sys.executable, "-m", "draftsmith.cli", "train", "recipe=medusa", "--cfg", "job"],

@@ -86,7 +86,7 @@ def test_filter_recipe_learns_and_exports(traj_dir, tmp_path):
     assert loss.item() < 0.85 * first.item() and 0 <= metrics["fpr"].item() <= 1
     config = {**objective.export_config(), "target": {"name_or_path": "tiny"}}
     write_export(tmp_path / "f", objective.module.state_dict(), config)
-    loaded = Learn2PDFilter.from_export(tmp_path / "f", block_length=8)
+    loaded, _ = Learn2PDFilter.from_export(tmp_path / "f", block_length=8)
     torch.testing.assert_close(loaded(batch["conf"]), objective.module(batch["conf"]))
     with pytest.raises(FilterMismatchError, match="trained for block length 8 but the target decodes blocks of 32"):
         Learn2PDFilter.from_export(tmp_path / "f", block_length=32)

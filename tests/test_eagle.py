@@ -173,7 +173,7 @@ def test_export_round_trip_is_exact(tmp_path, target):
     config, state = read_export(out)
     assert config["method"] == "eagle" and config["inference"]["proposer"] == "eagle_dynamic_tree"
     assert not any("embed" in k or "lm_head" in k for k in state)
-    loaded = EagleDrafter.from_export(out, target.embed_weight, target.lm_head_weight)
+    loaded, _ = EagleDrafter.from_export(out, embed_weight=target.embed_weight, lm_head_weight=target.lm_head_weight)
     assert loaded.config == objective.module.config
     ids = torch.randint(5, target.vocab_size, (2, 6))
     feats = torch.randn(2, 6, target.hidden_size)
@@ -185,7 +185,7 @@ def test_export_round_trip_is_exact(tmp_path, target):
         from draftsmith.export.format import write_export
 
         write_export(tmp_path / "m", {}, {"method": "medusa", "architecture": {}, "target": {}})
-        EagleDrafter.from_export(tmp_path / "m", target.embed_weight, target.lm_head_weight)
+        EagleDrafter.from_export(tmp_path / "m", embed_weight=target.embed_weight, lm_head_weight=target.lm_head_weight)
 
 
 def test_validate_rejects_bad_weights():
@@ -198,6 +198,7 @@ def test_validate_rejects_bad_weights():
         EagleConfig(hidden_size=64, vocab_size=10, intermediate_size=8, num_attention_heads=4, num_key_value_heads=3)
 
 
+@pytest.mark.e2e  # a train.py / draftsmith subprocess
 def test_train_py_end_to_end(tmp_path, tiny_target_dir, tiny_data_file):
     """Hydra composition + Lightning (with input noise on) + export for recipe=eagle."""
     run_dir = tmp_path / "run"

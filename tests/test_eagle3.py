@@ -224,7 +224,7 @@ def test_export_round_trip_is_exact(tmp_path, target):
     config, state = read_export(out)
     assert config["method"] == "eagle3" and config["architecture"]["target_layers"] == list(LAYERS)
     assert state["d2t"].dtype == torch.long and state["t2d"].dtype == torch.bool
-    loaded = Eagle3Drafter.from_export(out, target.embed_weight)
+    loaded, _ = Eagle3Drafter.from_export(out, embed_weight=target.embed_weight)
     assert loaded.config == objective.module.config
     feats = torch.randn(2, 6, 3 * target.hidden_size)
     tokens = [torch.randint(0, target.vocab_size, (2, 6)) for _ in range(2)]
@@ -249,6 +249,7 @@ def test_validate_and_bad_layers(target):
                       torch.zeros(10, 8))
 
 
+@pytest.mark.e2e  # a train.py / draftsmith subprocess
 def test_train_py_end_to_end(tmp_path, tiny_target_dir, tiny_data_file):
     """Hydra composition + Lightning + export for recipe=eagle3, with the draft vocab counted on the data."""
     run_dir = tmp_path / "run"

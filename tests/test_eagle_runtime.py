@@ -379,6 +379,7 @@ def assert_matches(counts: torch.Tensor, exact: torch.Tensor) -> None:
     assert chi2_pvalue(counts.sum(0), exact.sum(0)) > ALPHA  # (t2, t3): acceptance below depth 1 matters too
 
 
+@pytest.mark.e2e  # thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
 def test_rejection_sampling_with_dynamic_trees_preserves_the_distribution(small):
     hf, lean, e1, _ = small
     proposer = EagleProposer(e1, "tree", total_tokens=7, depth=2, top_k=3)
@@ -387,6 +388,7 @@ def test_rejection_sampling_with_dynamic_trees_preserves_the_distribution(small)
     assert_matches(counts, exact_law(hf, 1.0, 1.0))
 
 
+@pytest.mark.e2e  # thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
 def test_rejection_sampling_with_sampled_eagle3_chains_preserves_the_distribution(small):
     hf, lean, _, e3 = small
     proposer = EagleProposer(e3, "chain", depth=1, temperature=0.6, top_p=0.9)

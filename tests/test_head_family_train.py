@@ -61,7 +61,7 @@ def test_train_exports_each_head_family_recipe(name, tmp_path, tiny_target_dir, 
         hf = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
         embed, lm_head = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
         cls = CloverHeads if name == "clover2" else HydraHeads
-        heads = cls.from_export(summary["export"], embed, lm_head)
+        heads, _ = cls.from_export(summary["export"], embed_weight=embed, lm_head_weight=lm_head)
         assert all(torch.equal(v, parts["model"][k]) for k, v in heads.state_dict().items())
     # `draftsmith export RUN_DIR` reproduces the end-of-training export, parts included.
     _, again = read_export_parts(export_from_checkpoint(tmp_path / "run", tmp_path / "from_ckpt"))

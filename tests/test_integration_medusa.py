@@ -67,7 +67,7 @@ def test_medusa_heads_learn_on_a_fixed_real_batch(target, real_batch, tmp_path):
     out = export_from_module(Live, tmp_path / "export", training={"steps": 8})
     config, _ = read_export(out)
     check_target(config, target.identity())
-    reloaded = MedusaHeads.from_export(out)
+    reloaded, _ = MedusaHeads.from_export(out)
     hidden = feats.final_hidden[0, :5].float()
     assert torch.equal(reloaded(hidden), objective.module(hidden))
     config["target"]["num_hidden_layers"] = 12

@@ -157,6 +157,7 @@ def test_greedy_decoding_is_lossless_with_every_stop_policy(target, reference, t
     assert model.saved_share() == pytest.approx(1 / 4)  # every verified token skipped layer 0 of 4
 
 
+@pytest.mark.e2e  # thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
 def test_sampled_drafting_keeps_the_target_law(tmp_path):
     hf, lean = tiny_llama(3, vocab=SMALL_V, hidden=32, layers=2, head_scale=10.0)
     prompt = [1, 2, 3]

@@ -126,6 +126,7 @@ def test_pairs_collate_into_shifted_choice_indices(setup, tmp_path):
         collate_pairs(pairs[:1], n, 1, meta_read["kinds"])
 
 
+@pytest.mark.e2e  # two rounds of rollouts and controller training, end to end
 def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir, tmp_path, capsys):
     from draftsmith.cli.training import compose_config
     from draftsmith.datagen.rollouts import main

@@ -115,7 +115,7 @@ def test_export_round_trip_is_exact_and_checks_target(tmp_path, target, tiny_tok
     config, state = read_export(out)
     assert config["method"] == "medusa" and config["target"]["vocab_size"] == target.vocab_size
     assert config["inference"]["tree"] and config["target"]["fingerprint"].startswith("sha256:")
-    reloaded = MedusaHeads.from_export(out)
+    reloaded, _ = MedusaHeads.from_export(out)
     x = torch.randn(3, target.hidden_size)
     assert torch.equal(reloaded(x), objective.module(x))
     check_target(config, target.identity())

@@ -104,7 +104,7 @@ def test_recipe_counts_the_draft_vocabulary_and_exports_it(target, tmp_path, mon
 
     Live.objective = objective
     out = export_from_module(Live, tmp_path / "export", training={})
-    reloaded = MedusaHeads.from_export(out)
+    reloaded, _ = MedusaHeads.from_export(out)
     assert torch.equal(reloaded.draft_ids, torch.tensor([5, 9, 11]))
     layout = to_medusa_layout(out, tmp_path / "vllm")
     cfg_json = json.loads((layout / "config.json").read_text())

@@ -8,11 +8,11 @@ from torch import nn
 
 from draftsmith.distill.datamodule import DATAMODULES, build_datamodule, register_batch_kind
 from draftsmith.distill.module import DistillModule
-from draftsmith.distill.objective import batch_kind, frozen_models, optimizer_groups
+from draftsmith.distill.objective import Objective, batch_kind, frozen_models, optimizer_groups
 from draftsmith.distill.target import FeatureTaps
 
 
-class TwoPartObjective:
+class TwoPartObjective(Objective):
     """Heads and an 'adapter' trained at different learning rates, a frozen reference model, own features."""
 
     taps = FeatureTaps(final_hidden=True)
@@ -99,3 +99,52 @@ def test_the_causal_lm_target_is_one_implementation_of_the_target_protocol(tiny_
     assert isinstance(target, TargetModel)
     assert not isinstance(object(), TargetModel)
     assert not any(p.requires_grad for p in target.parameters())  # frozen: nothing of it can reach the optimizer
+    # Behaviour, not only names: every protocol member has the protocol's signature and answers as it promises.
+    import inspect
+
+    for name, member in vars(TargetModel).items():
+        if callable(member) and not name.startswith("_"):  # the protocol's parameters first; any extra is optional
+            ours, promised = inspect.signature(getattr(Target, name)).parameters, inspect.signature(member).parameters
+            assert list(ours)[:len(promised)] == list(promised), name
+            assert all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                       for p in list(ours.values())[len(promised):]), name
+    h, v, n = target.hidden_size, target.vocab_size, target.num_layers
+    assert target.lm_head_weight.shape == target.embed_weight.shape == (v, h)
+    assert {"vocab_size", "hidden_size", "num_hidden_layers"} <= set(target.identity())
+    ids = torch.randint(0, v, (2, 5))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    feats = target.features(ids, mask, FeatureTaps(final_hidden=True, prenorm_hidden=True, layers=(0, n - 1),
+                                                   logits=True, topk=3))
+    assert feats.final_hidden.shape == feats.prenorm_hidden.shape == (2, 5, h)
+    assert set(feats.layer_hidden) == {0, n - 1} and all(t.shape == (2, 5, h) for t in feats.layer_hidden.values())
+    assert feats.logits.shape == (2, 5, v) and feats.topk_indices.shape == feats.topk_values.shape == (2, 5, 3)
+    assert not any(t.requires_grad for t in (feats.final_hidden, feats.logits))  # detached, no-grad forward
+    assert torch.equal(feats.topk_indices[..., 0], feats.logits.argmax(-1))
+    bare = target.features(ids, mask, FeatureTaps(final_hidden=True))
+    assert bare.logits is None and bare.layer_hidden == {} and torch.allclose(bare.final_hidden, feats.final_hidden)
+
+
+def test_every_recipe_objective_is_an_objective_with_working_default_hooks():
+    import importlib
+
+    from draftsmith.recipes import RECIPES
+
+    for name, recipe in RECIPES.items():
+        build = recipe.build
+        objective_types = [t for t in vars(importlib.import_module(build.__module__)).values()
+                           if isinstance(t, type) and t.__name__.endswith("Objective")
+                           and t.__module__ == build.__module__]
+        assert objective_types and all(issubclass(t, Objective) for t in objective_types), name
+    plain = TwoPartObjective()
+    plain.set_step(3)
+    plain.on_validation_start()
+    plain.on_validation_end(None)
+    assert plain.own_features and not Objective.own_features.fget(NanFreeObjective())
+
+
+class NanFreeObjective(Objective):
+    """The smallest objective: the base's defaults for everything but the loss."""
+
+    module = nn.Linear(2, 2)
+    taps = FeatureTaps()

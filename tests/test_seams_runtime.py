@@ -84,6 +84,7 @@ def test_a_temperature_policy_needs_a_sampling_verifier():
         SpeculativeDecoder(lean, NullProposer(), GreedyVerifier(), temperature_policy=lambda h: torch.zeros(len(h)))
 
 
+@pytest.mark.e2e  # thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
 def test_speculative_sampling_at_per_position_temperatures_keeps_the_adaptive_law():
     """A temperature chosen from the target's hidden at each position (greedy at some, T=1.3 at others): speculative
     sampling must emit (t1, t2) with exactly the law of sampling each position at its own temperature."""

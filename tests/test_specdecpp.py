@@ -19,6 +19,7 @@ from draftsmith.controllers.acceptance import (
     AcceptanceHead,
     AcceptanceHeadConfig,
     acceptance_labels,
+    base_export_dir,
     weighted_soft_bce,
 )
 from draftsmith.distill.errors import ConfigError
@@ -247,10 +248,10 @@ def test_training_state_is_the_runtime_stop_state(target, reference, drafters, b
 
 def test_export_references_its_drafter_and_refuses_another(trained, drafters, target):
     _, _, _, export = trained
-    head, base = AcceptanceHead.from_export(export)
-    assert base == drafters[0].resolve()
+    head, config = AcceptanceHead.from_export(export)
+    assert base_export_dir(config) == drafters[0].resolve()
     with pytest.raises(ExportError, match="is not the eagle export this specdecpp export was trained on"):
-        AcceptanceHead.from_export(export, drafters[1])
+        AcceptanceHead.from_export(export, base_dir=drafters[1])
     with pytest.raises(ExportError, match="is not the eagle export"):
         build_proposer(export, target[1], base_export=drafters[1])
 

@@ -208,11 +208,42 @@ def test_eos_and_stream(target, reference):
     assert dec.generate(PROMPTS[1], 5).tokens == ref[:5]  # max_new_tokens cuts inside an accepted chain
 
 
-def test_typical_verifier_runs_and_is_labelled_lossy(target):
-    heads = OracleHeads(target[1], PROMPTS[0], plain_greedy(target[1], PROMPTS[0], 20))
-    dec = SpeculativeDecoder(target[1], MedusaProposer(heads, MEDUSA_TREE, top_k=2), TypicalVerifier(temperature=0.7))
-    res = dec.generate(PROMPTS[0], 20)
-    assert len(res.tokens) == 20 and res.lossless is False and res.tau > 1.0
+def test_typical_verifier_accepts_by_the_entropy_threshold_where_greedy_rejects():
+    """Typical acceptance keeps a drafted token x when p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p))),
+    with p the target distribution at the verifier's temperature. The same p(x) = 0.08 is typical after a flat row
+    (the entropy bound, 0.3 * exp(-1.917) = 0.044, is the lower one) and atypical after a peaked row (the constant
+    0.09 is); greedy keeps only argmax tokens."""
+    from draftsmith.runtime.drafting.tree import DraftTree
+
+    flat = [0.20, 0.15, 0.15, 0.15, 0.15, 0.12, 0.08]  # argmax 0; token 6 has p = 0.08
+    peaked = [0.70, 0.08, 0.06, 0.05, 0.05, 0.03, 0.03]  # argmax 0; token 1 has p = 0.08
+
+    def threshold(p: list[float], alpha: float, constant: float = 0.09) -> float:  # the documented rule, by hand
+        entropy = -sum(x * math.log(x + 1e-5) for x in p)
+        return min(constant, alpha * math.exp(-entropy))
+
+    assert threshold(flat, 0.3) < 0.08 < threshold(flat, 0.6) < 0.09 == threshold(peaked, 0.3)
+    # node: token (parent) -> row of target probabilities after it
+    #   0: root          -> flat
+    #   1: 6 (0)  p=0.08 under flat: typical, not argmax     -> peaked
+    #   2: 0 (0)  argmax of flat                             -> peaked
+    #   3: 0 (1)  argmax of peaked                           -> flat
+    #   4: 1 (2)  p=0.08 under peaked: atypical              -> flat
+    #   5: 6 (3)  p=0.08 under flat: typical                 -> peaked
+    tree = DraftTree.from_parents([0, 6, 0, 0, 1, 6], [-1, 0, 0, 1, 2, 3])
+    rows = [flat, peaked, peaked, flat, flat, peaked]
+    temperature = 0.7
+    logits = temperature * torch.log(torch.tensor(rows, dtype=torch.float64))  # softmax(logits / T) = rows
+
+    typical = TypicalVerifier(temperature=temperature).verify(tree, logits)
+    assert (typical.path_nodes, typical.accepted_tokens, typical.bonus_token) == ([0, 1, 3, 5], [6, 0, 6], 0)
+    assert typical.num_accepted == 3
+    greedy = GreedyVerifier("torch").verify(tree, logits)
+    assert (greedy.path_nodes, greedy.accepted_tokens, greedy.bonus_token) == ([0, 2], [0], 0)
+    # A larger alpha lifts the flat row's bound above 0.08 (0.6 * exp(-1.917) = 0.088): node 1 becomes atypical, node 4
+    # stays so. Read at T = 1 instead of 0.7, the flat row would be flatter still and node 1 typical again.
+    strict = TypicalVerifier(posterior_alpha=0.6, temperature=temperature).verify(tree, logits)
+    assert (strict.path_nodes, strict.accepted_tokens, strict.num_accepted) == ([0, 2], [0], 1)
 
 
 def test_build_proposer_from_medusa_export(target, reference, tmp_path):
@@ -309,6 +340,7 @@ class ForgetsResidual(RejectionSamplingVerifier):
         return acc
 
 
+@pytest.mark.e2e  # thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
 def test_rejection_sampling_with_replacement_tree_preserves_distribution(small_target):
     lean, prompt, joint = small_target
     dec = SpeculativeDecoder(lean, SampledTreeProposer(bigram_drafter(0), (2, 2), temperature=1.0),
@@ -316,6 +348,7 @@ def test_rejection_sampling_with_replacement_tree_preserves_distribution(small_t
     assert chi2_pvalue(sample_counts(dec, prompt, 4000, seed=0), joint) > ALPHA
 
 
+@pytest.mark.e2e  # thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
 def test_rejection_sampling_point_mass_medusa_tree_preserves_distribution(small_target):
     lean, prompt, joint = small_target
     torch.manual_seed(5)

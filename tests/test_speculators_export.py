@@ -143,6 +143,7 @@ def test_eagle1_and_other_methods_are_refused_with_a_reason(tmp_path, target):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e  # the real speculators library, in its own venv (make speculators-venv), in a subprocess
 @pytest.mark.skipif(not HAVE_SPECULATORS, reason=_no_speculators_reason())
 def test_real_speculators_library_loads_it_with_identical_weights_and_logits(tmp_path, target):
     export, drafter = export_eagle3(target, tmp_path / "export")

@@ -60,6 +60,7 @@ def test_trainer_presets_compose(preset):
     assert cfg.trainer.activation_checkpointing is False and cfg.target.shard is False
 
 
+@pytest.mark.e2e  # a train.py subprocess per preset
 @pytest.mark.parametrize("preset,expect", [("fsdp", ["strategy: fsdp", "sharding_strategy: FULL_SHARD",
                                                       "state_dict_type: full", "precision: bf16-mixed"]),
                                            ("deepspeed_zero2", ["strategy: deepspeed_stage_2", "offload_optimizer: false"]),

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.constants import STOP_CONFIDENCE, STOP_FIXED, STOP_LEARNED
 from draftsmith.common.registry import Registry
 from draftsmith.runtime.acceptance.stop_policies import (
     ConfidenceStop,
@@ -77,8 +78,8 @@ def choose_verifier(flag: str, temperature: float, kernels: str, export_config: 
 
 
 STOP_POLICY_FORMS = "fixed:K, confidence:THRESHOLD[:MAX_DEPTH], learned:H[:MIN_DEPTH:MAX_DEPTH] or none"
-_DICT_FIELDS = {"fixed": ("max_depth",), "confidence": ("threshold", "max_depth"),
-                "learned": ("threshold", "min_depth", "max_depth")}
+_DICT_FIELDS = {STOP_FIXED: ("max_depth",), STOP_CONFIDENCE: ("threshold", "max_depth"),
+                STOP_LEARNED: ("threshold", "min_depth", "max_depth")}
 
 
 def _threshold(kind: str, value: Any) -> float:
@@ -104,11 +105,11 @@ def parse_stop_policy(spec: str | dict | None, head: torch.nn.Module | None = No
     try:
         if kind in ("none", "fixed") and not args:
             return None
-        if kind == "fixed" and len(args) == 1:
+        if kind == STOP_FIXED and len(args) == 1:
             return FixedDepth(int(args[0]))
-        if kind == "confidence" and len(args) in (1, 2):
+        if kind == STOP_CONFIDENCE and len(args) in (1, 2):
             return ConfidenceStop(_threshold(kind, args[0]), *(int(a) for a in args[1:]))
-        if kind == "learned" and len(args) in (1, 3):
+        if kind == STOP_LEARNED and len(args) in (1, 3):
             threshold = _threshold(kind, args[0])
             if head is None:
                 raise LookupError
@@ -146,7 +147,7 @@ def choose_stop_policy(flag: str | None, export_config: dict | None,
                        export_dir: str | Path | None = None) -> tuple[StopPolicy | None, dict]:
     """The stop policy and ``{"spec", "source"}``: the flag, else the export's ``inference.stop_policy``.
     ``export_dir`` (the export folder) lets ``learned`` load a SpecDec++ export's acceptance head."""
-    needs_head = any(str(s).startswith("learned") or (isinstance(s, dict) and s.get("kind") == "learned")
+    needs_head = any(str(s).startswith("learned") or (isinstance(s, dict) and s.get("kind") == STOP_LEARNED)
                      for s in (flag, _inference(export_config).get("stop_policy")))
     head = learned_head(export_dir, export_config) if needs_head else None
     if needs_head and head is None and (export_config or {}).get("method") == "specdecpp":

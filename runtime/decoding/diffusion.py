@@ -128,12 +128,7 @@ def diffusion_decode(lm: DiffusionLM, prompt: list[int] | torch.Tensor, cfg: Dif
     """
     L, mask_id = lm.spec.block_length, lm.spec.mask_token_id
     full_attention = lm.spec.attention == "full"
-    if cfg.use_cache and not supports_prefix_cache(lm.spec):
-        raise ValueError("the prefix cache needs a shifted block-causal target (recipe=diffusion_adapt); this one "
-                         + ("attends to the whole canvas (LLaDA, Dream)" if full_attention else "has no shift")
-                         + ": decode with the cache off")
-    if cfg.gen_length % L:
-        raise ValueError(f"gen_length {cfg.gen_length} is not a multiple of the block length {L}")
+    _check_decodable(lm, cfg)
     prompt = torch.as_tensor(prompt, dtype=torch.long, device=lm.device).reshape(-1)
     check_fits(len(prompt), cfg.gen_length, lm.context)
     start_time, forwards0 = time.perf_counter(), lm.forwards
@@ -153,17 +148,8 @@ def diffusion_decode(lm: DiffusionLM, prompt: list[int] | torch.Tensor, cfg: Dif
         cut, step = None, 0
         while bool((canvas == mask_id).any()):
             masked = canvas == mask_id
-            if cache is None:
-                later = cfg.gen_length - (b + 1) * L if full_attention else 0  # LLaDA/Dream also see later masks
-                full = torch.cat([seq, canvas, canvas.new_full((later,), mask_id)])[None]  # [1, P + bL + L + later]
-                logits, _ = lm.forward(full, block_ids(full.shape[1], L, offset, lm.device)[None])
-                first = len(seq) - 1 if lm.spec.shift else len(seq)  # shift: position i scores slot i+1
-                slot_logits = logits[0, first:first + L]  # [L, V]
-            else:
-                blocks = block_ids(len(seq) + L, L, offset, lm.device)[None]
-                logits, _ = lm.forward(canvas[None], blocks[:, len(seq):], cache, past_blocks=blocks[:, :len(seq)])
-                slot_logits = torch.cat([last_logits[None], logits[0, :-1]])  # [L, V]
-            slot_logits[:, mask_id] = float("-inf")  # never "predict" the mask itself: the slot would stay masked
+            later = cfg.gen_length - (b + 1) * L if full_attention else 0  # LLaDA/Dream also see later masks
+            slot_logits = _block_slot_logits(lm, seq, canvas, later, offset, cache, last_logits)
             x0, conf = score(slot_logits, cfg.temperature, generator)
             if observe is not None:
                 observe(b, step, masked, x0, conf, canvas)
@@ -171,10 +157,7 @@ def diffusion_decode(lm: DiffusionLM, prompt: list[int] | torch.Tensor, cfg: Dif
             k = schedule[min(step, len(schedule) - 1)]
             commit = policy(step, masked, x0, conf, k) & masked
             if cfg.eotp and cut is None:
-                cut, _ = eotp_cut(commit, masked, x0, conf, eos)
-                if cut is not None:
-                    canvas[cut + 1:] = int(x0[cut])  # everything after the end would decode to EoT: pad it now
-                    commit[cut + 1:] = False
+                cut = _cut_at_predicted_end(canvas, commit, masked, x0, conf, eos)
             canvas[commit] = x0[commit]
             step += 1
             if step > 4 * L:  # a policy that never commits would loop forever
@@ -195,6 +178,49 @@ def diffusion_decode(lm: DiffusionLM, prompt: list[int] | torch.Tensor, cfg: Dif
     return DecodeResult(tokens=tokens, answer=tokens[:ends[0]] if ends else tokens, steps=sum(block_steps),
                         forwards=lm.forwards - forwards0, block_steps=block_steps,
                         seconds=time.perf_counter() - start_time, truncated_at=truncated_at)
+
+
+def _cut_at_predicted_end(canvas: torch.Tensor, commit: torch.Tensor, masked: torch.Tensor, x0: torch.Tensor,
+                          conf: torch.Tensor, eos: torch.Tensor) -> int | None:
+    """End-of-Text Prediction for one step: the slot where the answer ends (:func:`eotp_cut`), or None; on a cut the
+    canvas after it is padded with that EoT and nothing after it is committed (``canvas``, ``commit`` edited)."""
+    cut, _ = eotp_cut(commit, masked, x0, conf, eos)
+    if cut is not None:
+        canvas[cut + 1:] = int(x0[cut])  # everything after the end would decode to EoT: pad it now
+        commit[cut + 1:] = False
+    return cut
+
+
+def _check_decodable(lm: DiffusionLM, cfg: DiffusionDecodeConfig) -> None:
+    """Refuse a config the target cannot decode: the prefix cache on a target without one, or a generation length
+    that is not a whole number of blocks."""
+    L = lm.spec.block_length
+    full_attention = lm.spec.attention == "full"
+    if cfg.use_cache and not supports_prefix_cache(lm.spec):
+        raise ValueError("the prefix cache needs a shifted block-causal target (recipe=diffusion_adapt); this one "
+                         + ("attends to the whole canvas (LLaDA, Dream)" if full_attention else "has no shift")
+                         + ": decode with the cache off")
+    if cfg.gen_length % L:
+        raise ValueError(f"gen_length {cfg.gen_length} is not a multiple of the block length {L}")
+
+
+def _block_slot_logits(lm: DiffusionLM, seq: torch.Tensor, canvas: torch.Tensor, later: int, offset: int,
+                       cache: Any, last_logits: torch.Tensor | None) -> torch.Tensor:
+    """Logits [L, V] for the block's ``L`` slots, the mask token ruled out: one forward over prompt + finished blocks
+    + ``canvas`` (+ ``later`` masked slots a full-attention target also sees), or, with the prefix ``cache``, over
+    the canvas alone (``last_logits`` scoring its first slot)."""
+    L, mask_id = lm.spec.block_length, lm.spec.mask_token_id
+    if cache is None:
+        full = torch.cat([seq, canvas, canvas.new_full((later,), mask_id)])[None]  # [1, P + bL + L + later]
+        logits, _ = lm.forward(full, block_ids(full.shape[1], L, offset, lm.device)[None])
+        first = len(seq) - 1 if lm.spec.shift else len(seq)  # shift: position i scores slot i+1
+        slot_logits = logits[0, first:first + L]  # [L, V]
+    else:
+        blocks = block_ids(len(seq) + L, L, offset, lm.device)[None]
+        logits, _ = lm.forward(canvas[None], blocks[:, len(seq):], cache, past_blocks=blocks[:, :len(seq)])
+        slot_logits = torch.cat([last_logits[None], logits[0, :-1]])  # [L, V]
+    slot_logits[:, mask_id] = float("-inf")  # never "predict" the mask itself: the slot would stay masked
+    return slot_logits
 
 
 def learn2pd_policy(filter_module: Any, threshold: float | None = None) -> Policy:

@@ -113,33 +113,18 @@ class SpeculativeDecoder:
         ``generator`` drives every random choice (sampling verifiers and sampling drafters); ``stream`` is called
         with each new chunk of tokens as soon as it is final.
         """
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().cpu()
-        if prompt.numel() == 0:
-            raise ValueError("the prompt is empty: pass at least one token id (e.g. the BOS token)")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        prompt = _checked_prompt(prompt_ids, max_new_tokens)
         lossless = bool(getattr(self.verifier, "lossless", False))
         if max_new_tokens == 0:
             return SpecResult([], 0, [], [], lossless)
         if self.serves_plain_ar():
             return self._plain_greedy(prompt, max_new_tokens, eos_ids, stream)
-        reset = getattr(self.temperature_policy, "reset", None)
-        if callable(reset):  # a sequence-level policy decides afresh from each prompt's last hidden state
-            reset()
-        taps = tuple(int(i) for i in (getattr(self.proposer, "feature_taps", None) or ()))
-        cache = self._cache_for(prompt.numel() + max_new_tokens + self.proposer.max_tree_nodes)
-        device = getattr(self.model, "device", torch.device("cpu"))
+        taps, cache, device = self._prepare(prompt, max_new_tokens)
         eos = set(int(e) for e in eos_ids)
-
-        pre = self.model.forward(prompt.to(device), cache, logits_for="last", taps=taps)  # logits [1, V], hidden [P, H]
-        cache.commit(prompt.numel())
-        root = self.verifier.sample(pre.logits[-1], generator, **self._temperatures(pre.hidden[-1:]))
+        root, hidden_prev = self._prefill(prompt, cache, device, taps, generator)  # hidden_prev [H] produced the root
         policy = self.stop_policy
-        self.proposer.begin(StepContext(torch.cat([prompt, prompt.new_tensor([root])]), root, pre.hidden, policy,
-                                        generator, pre.tap_features(taps), pre.logits))
         out: list[int] = []
         done = self._emit(out, [root], max_new_tokens, eos, stream)
-        hidden_prev = pre.hidden[-1]  # [H] the hidden whose logits produced the root
         accepted, sizes, depth_hist = [], [], []
         prof = self.profiler
         part = prof.part if prof is not None else _no_part
@@ -148,11 +133,7 @@ class SpeculativeDecoder:
                 with part("draft"):
                     tokens = torch.tensor([*prompt.tolist(), *out])
                     tree = self.proposer.propose(StepContext(tokens, root, hidden_prev, policy, generator))
-                if int(tree.tokens[0]) != root:
-                    raise ValueError("the proposer's tree must start with the root token it was given")
-                if tree.num_nodes > self.proposer.max_tree_nodes:
-                    raise ValueError(f"the proposer drafted {tree.num_nodes} nodes but declared max_tree_nodes="
-                                     f"{self.proposer.max_tree_nodes}; the KV cache is sized from the latter")
+                self._check_tree(tree, root)
                 with part("verify_forward"):
                     prefix = cache.length
                     positions = (prefix + tree.depths).to(device)  # siblings share a position
@@ -168,13 +149,7 @@ class SpeculativeDecoder:
                     else:
                         cache.compact(prefix + torch.tensor(nodes, dtype=torch.long), prefix)
                 with part("proposer_update"):
-                    rows = torch.tensor(nodes, device=res.hidden.device)
-                    path_taps = res.tap_features(taps)
-                    self.proposer.accept(StepContext(
-                        tokens, root, res.hidden[rows], policy, generator,  # hidden [a+1, H] at the accepted nodes
-                        None if path_taps is None else path_taps[rows.to(path_taps.device)],  # [a+1, k*H]
-                        res.logits[rows.to(res.logits.device)], acc))  # [a+1, V]
-                hidden_prev = res.hidden[rows[-1]]
+                    hidden_prev = self._accept_path(res, acc, nodes, tokens, root, policy, taps, generator)
                 root = acc.bonus_token
                 accepted.append(acc.num_accepted)
                 sizes.append(tree.num_nodes)
@@ -182,6 +157,49 @@ class SpeculativeDecoder:
                 done = self._emit(out, [*acc.accepted_tokens, root], max_new_tokens, eos, stream)
         return SpecResult(out, len(accepted), accepted, metrics.acceptance_by_position(accepted, depth_hist), lossless,
                           sizes, depth_hist)
+
+    def _prepare(self, prompt: torch.Tensor, max_new_tokens: int) -> tuple[tuple[int, ...], Any, torch.device]:
+        """Per generation: reset a sequence-level temperature policy; the feature taps the proposer reads, a KV cache
+        sized for prompt + ``max_new_tokens`` + one tree, and the model's device."""
+        reset = getattr(self.temperature_policy, "reset", None)
+        if callable(reset):  # a sequence-level policy decides afresh from each prompt's last hidden state
+            reset()
+        taps = tuple(int(i) for i in (getattr(self.proposer, "feature_taps", None) or ()))
+        cache = self._cache_for(prompt.numel() + max_new_tokens + self.proposer.max_tree_nodes)
+        device = getattr(self.model, "device", torch.device("cpu"))
+        return taps, cache, device
+
+    def _prefill(self, prompt: torch.Tensor, cache: Any, device: Any, taps: tuple[int, ...],
+                 generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+        """Prefill ``prompt`` [P] into ``cache``, sample the root (the first generated token) and start the proposer;
+        returns the root and the hidden state [H] whose logits produced it."""
+        pre = self.model.forward(prompt.to(device), cache, logits_for="last", taps=taps)  # logits [1, V], hidden [P, H]
+        cache.commit(prompt.numel())
+        root = self.verifier.sample(pre.logits[-1], generator, **self._temperatures(pre.hidden[-1:]))
+        self.proposer.begin(StepContext(torch.cat([prompt, prompt.new_tensor([root])]), root, pre.hidden,
+                                        self.stop_policy, generator, pre.tap_features(taps), pre.logits))
+        return root, pre.hidden[-1]
+
+    def _check_tree(self, tree: Any, root: int) -> None:
+        """Refuse a drafted tree that does not start at ``root`` or has more nodes than the cache was sized for."""
+        if int(tree.tokens[0]) != root:
+            raise ValueError("the proposer's tree must start with the root token it was given")
+        if tree.num_nodes > self.proposer.max_tree_nodes:
+            raise ValueError(f"the proposer drafted {tree.num_nodes} nodes but declared max_tree_nodes="
+                             f"{self.proposer.max_tree_nodes}; the KV cache is sized from the latter")
+
+    def _accept_path(self, res: Any, acc: Any, nodes: list[int], tokens: torch.Tensor, root: int, policy: Any,
+                     taps: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
+        """Tell the proposer which path (``nodes``, the root first) the verifier accepted: hidden states, taps and
+        logits at its nodes; returns the hidden state [H] of the last accepted node, whose logits produced the bonus
+        token."""
+        rows = torch.tensor(nodes, device=res.hidden.device)
+        path_taps = res.tap_features(taps)
+        self.proposer.accept(StepContext(
+            tokens, root, res.hidden[rows], policy, generator,  # hidden [a+1, H] at the accepted nodes
+            None if path_taps is None else path_taps[rows.to(path_taps.device)],  # [a+1, k*H]
+            res.logits[rows.to(res.logits.device)], acc))  # [a+1, V]
+        return res.hidden[rows[-1]]
 
     def _plain_greedy(self, prompt: torch.Tensor, max_new_tokens: int, eos_ids: Sequence[int],
                       stream: Callable[[list[int]], None] | None) -> SpecResult:
@@ -219,6 +237,16 @@ class SpeculativeDecoder:
         if stream is not None and chunk:
             stream(chunk)
         return len(out) >= limit or (bool(out) and out[-1] in eos)
+
+
+def _checked_prompt(prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int) -> torch.Tensor:
+    """The prompt as a flat CPU long tensor [P]; refuses an empty prompt and a negative ``max_new_tokens``."""
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().cpu()
+    if prompt.numel() == 0:
+        raise ValueError("the prompt is empty: pass at least one token id (e.g. the BOS token)")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    return prompt
 
 
 def _no_part(name: str) -> nullcontext:

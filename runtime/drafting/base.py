@@ -82,7 +82,19 @@ class WrapsTarget(Protocol):
         ...
 
 
+@runtime_checkable
+class ReportsVerifyReuse(Protocol):
+    """A verify model (what ``wrap_target`` returns) that reuses drafted states in verification (Kangaroo's shallow
+    layers): the bench reports what the reuse saved."""
+
+    def verify_reuse(self) -> dict[str, float]:
+        """``{"reused_tokens", "verified_tokens", "verify_compute_saved"}`` so far."""
+        ...
+
+
 ProposerBuilder = Callable[..., Proposer]
+# chain(tokens) -> the builder options for a chain of at most ``tokens`` drafted tokens (see register_chain)
+ChainOptions = Callable[[int], dict[str, Any]]
 
 
 _REGISTRY: Registry[ProposerBuilder] = Registry("runtime proposer for method")
@@ -90,6 +102,23 @@ _REGISTRY: Registry[ProposerBuilder] = Registry("runtime proposer for method")
 
 # @register_proposer(method) on builder(export_dir, config, target_model, **kwargs) -> Proposer
 register_proposer = _REGISTRY.register
+_CHAINS: Registry[ChainOptions] = Registry("chain-drafting proposer for method")
+# @register_chain(method) on chain(tokens) -> options: the method's proposer can draft a plain chain, on which
+# SpecDec++ and its calibration stack a stop rule; the family says how its builder is asked for one.
+register_chain = _CHAINS.register
+
+
+def chain_options(export_dir: str | Path, tokens: int) -> dict[str, Any]:
+    """Builder options that make the proposer of ``export_dir`` draft a chain of at most ``tokens`` tokens; ValueError
+    for a method whose proposer drafts no chain."""
+    from draftsmith.export.format import read_config
+
+    method = read_config(export_dir)["method"]
+    _load_family_of(method)
+    if method not in _CHAINS:
+        raise ValueError(f"the {method!r} proposer of {export_dir} drafts no chain; chain drafters: "
+                         f"{', '.join(_CHAINS) or 'none'}")
+    return _CHAINS.get(method)(int(tokens))
 
 
 def _load_builtin_proposers() -> None:
@@ -103,6 +132,23 @@ def _load_builtin_proposers() -> None:
     for info in pkgutil.iter_modules(drafting.__path__):
         if info.name not in ("base", "tree"):
             importlib.import_module(f"draftsmith.runtime.drafting.{info.name}")
+
+
+def _load_family_of(method: str) -> None:
+    """Import the family module that registers ``method`` (``medusa2`` -> ``medusa.py``, ``hydra_pp`` -> ``hydra.py``,
+    ``eagle3`` -> ``eagle.py``), so serving one export imports its own family alone; every family when the name
+    leads to none."""
+    import importlib
+    import importlib.util
+    import re
+
+    for name in dict.fromkeys((method, re.sub(r"(_pp|\d+)$", "", method))):
+        if method in _REGISTRY:
+            return
+        if name not in ("base", "tree") and importlib.util.find_spec(f"draftsmith.runtime.drafting.{name}"):
+            importlib.import_module(f"draftsmith.runtime.drafting.{name}")
+    if method not in _REGISTRY:
+        _load_builtin_proposers()
 
 
 def registered_methods() -> list[str]:
@@ -148,7 +194,7 @@ def build_proposer(export_dir: str | Path, target_model: Any, identity: dict | N
 
     config = read_config(export_dir)
     method = config["method"]
-    _load_builtin_proposers()
+    _load_family_of(method)
     if method not in _REGISTRY:
         raise ValueError(f"no runtime proposer for method {method!r} (export {export_dir}); available: "
                          f"{', '.join(registered_methods()) or 'none'}")

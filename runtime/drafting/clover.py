@@ -90,7 +90,8 @@ def _build_clover(export_dir: str | Path, config: dict, target_model: Any, tree:
 
     embed, lm_head = target_model.embed_weight, target_model.lm_head_weight
     source = config["architecture"].get("embed_source", "embed")
-    heads = CloverHeads.from_export(export_dir, lm_head if source == "lm_head" else embed, lm_head)
+    heads, _ = CloverHeads.from_export(export_dir, embed_weight=lm_head if source == "lm_head" else embed,
+                                       lm_head_weight=lm_head)
     heads = heads.to(device=lm_head.device, dtype=lm_head.dtype).eval()
     # The V-wide LM head is the target's own: draft through the target's fast (packed) head, as EAGLE does.
     heads.lm_head_fn = getattr(target_model, "lm_head_logits", None)

@@ -1,8 +1,7 @@
 """EAGLE-1 / EAGLE-3 proposers: chain drafting and EAGLE-2 dynamic trees over a drafter with its own KV cache.
 
-Feature feeding. Pair ``t`` of the drafter reads the target feature of token ``t`` (EAGLE-1: post-norm final hidden;
-EAGLE-3: the residual-stream taps at the drafter's ``target_layers``, fused by its ``fc``) and the token ``t+1``, at
-RoPE position ``t``. The proposer keeps the pairs whose features came from the target in the drafter's cache
+Feature feeding follows the pairing of drafters/eagle.py's module docstring (pair ``t`` = target feature of token
+``t`` with token ``t+1``, at RoPE position ``t``; EAGLE-3 fuses its ``target_layers`` taps with its ``fc``). The proposer keeps the pairs whose features came from the target in the drafter's cache
 (``num_committed`` of them) and the features not yet paired as ``pending``: ``begin`` stores the prompt's features
 (paired with the prompt's next tokens), ``accept`` those of the accepted path's nodes (paired with the accepted
 tokens); the last pending feature pairs with the root token, known in ``propose``. ``propose`` crops the cache back
@@ -34,88 +33,24 @@ sampled chain records the q its token was drawn from, so min(1, p/q) and the res
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from draftsmith.common.layers import KVCache, build_attention_mask, default_positions
+from draftsmith.common.constants import EAGLE_CHAIN_PROPOSER, EAGLE_TREE_PROPOSER
+from draftsmith.common.layers import KVCache
 from draftsmith.drafters.eagle import EagleDrafter
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.export.format import TargetMismatchError
 from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
-from draftsmith.runtime.drafting.base import StepContext, register_proposer
+from draftsmith.runtime.drafting.base import StepContext, register_chain, register_proposer
+from draftsmith.runtime.drafting.eagle_models import DraftModel, Eagle1DraftModel, Eagle3DraftModel
 from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
-POLICIES = {"tree": "tree", "chain": "chain", "eagle_dynamic_tree": "tree", "eagle_chain": "chain"}
-
-
-class DraftModel(Protocol):
-    """What the proposer needs from a drafter (adapters below; tests use stubs)."""
-
-    feature_taps: tuple[int, ...]  # target layer taps to feed; () = the post-norm final hidden
-    vocab_size: int  # target vocabulary
-    draft_ids: torch.Tensor | None  # target id of each draft-vocab id [N], None = same vocabulary
-
-    def features(self, feats: torch.Tensor) -> torch.Tensor:
-        """Target features [S, F] -> drafter input hidden [1, S, H]."""
-        ...
-
-    def step(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
-             tree_mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        """hidden [1, S, H], target ids [1, S] -> (out [1, S, H], logits [1, S or 1, N], cache)."""
-        ...
-
-
-class Eagle1DraftModel:
-    """EAGLE-1 adapter: features are the target's post-norm hidden; logits through the target's LM head."""
-
-    feature_taps: tuple[int, ...] = ()
-    draft_ids = None
-
-    def __init__(self, drafter: EagleDrafter, head: Any = None) -> None:
-        self.drafter = drafter.eval()
-        self.vocab_size = drafter.config.vocab_size
-        self.head = head or drafter.logits  # the target's own (packed, faster) head when it offers one
-
-    def features(self, feats: torch.Tensor) -> torch.Tensor:
-        return feats[None]  # [1, S, H]
-
-    def step(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
-             tree_mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        out, cache = self.drafter(ids, hidden, past_kv=cache, positions=positions, tree_mask=tree_mask)  # [1, S, H]
-        return out, self.head(out[:, -1:] if last_only else out), cache  # the V-wide head on needed rows
-
-
-class Eagle3DraftModel:
-    """EAGLE-3 adapter: features are the fused layer taps; own LM head over the draft vocabulary."""
-
-    def __init__(self, drafter: Eagle3Drafter) -> None:
-        self.drafter = drafter.eval()
-        self.feature_taps = tuple(drafter.config.target_layers)
-        self.vocab_size = drafter.config.vocab_size
-        full = drafter.config.draft_vocab_size == drafter.config.vocab_size
-        self.draft_ids = None if full else drafter.draft_ids_in_target()  # [N]
-
-    def features(self, feats: torch.Tensor) -> torch.Tensor:
-        return self.drafter.fuse(feats[None])  # [1, S, k*H] -> [1, S, H]
-
-    def step(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
-             tree_mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        # Eagle3Drafter.draft_step without its head: the root step feeds every pending prompt row, but only the
-        # last one drafts, so only that row (or the frontier rows of a tree step) goes through norm + lm_head.
-        d = self.drafter
-        past = 0 if cache is None else cache.length
-        if positions is None:
-            positions = default_positions(1, ids.shape[1], past, ids.device)  # [1, S]
-        # One new query sees every key: no mask to build (SDPA without one gives the same output, and faster).
-        one_query = ids.shape[1] == 1 and tree_mask is None
-        mask = None if one_query else build_attention_mask(ids.shape[1], past, ids.device, tree_mask)  # [1,1,S,P+S]
-        emb = F.embedding(ids, d.embed_weight).to(d.fc.weight.dtype)  # [1, S, H]
-        out, cache = d.layer(emb, hidden, positions, mask, cache)  # [1, S, H]
-        return out, d.logits(out[:, -1:] if last_only else out), cache  # [1, 1 or S, N]
+POLICIES = {"tree": "tree", "chain": "chain", EAGLE_TREE_PROPOSER: "tree", EAGLE_CHAIN_PROPOSER: "chain"}
 
 
 class EagleProposer:
@@ -318,12 +253,20 @@ def _place(drafter: torch.nn.Module, target_model: Any) -> torch.nn.Module:
     return drafter
 
 
+@register_chain("eagle")
+@register_chain("eagle3")
+def _eagle_chain(tokens: int) -> dict[str, Any]:
+    """The EAGLE chain policy: ``depth + 1`` drafted tokens (see the module docstring)."""
+    return {"policy": "chain", "depth": tokens - 1}
+
+
 @register_proposer("eagle")
 def _build_eagle(export_dir: str | Path, config: dict, target_model: Any, **options: Any) -> EagleProposer:
     """EAGLE-1 proposer; options: policy ("tree" | "chain"), total_tokens, depth, top_k, temperature, top_p.
 
     The target was already checked against the export by ``build_proposer`` (the only caller)."""
-    drafter = EagleDrafter.from_export(export_dir, target_model.embed_weight, target_model.lm_head_weight)
+    drafter, _ = EagleDrafter.from_export(export_dir, embed_weight=target_model.embed_weight,
+                                         lm_head_weight=target_model.lm_head_weight)
     head = getattr(target_model, "lm_head_logits", None)  # the same weights, through the target's fast linears
     return _proposer(config, Eagle1DraftModel(_place(drafter, target_model), head), options)
 
@@ -338,5 +281,8 @@ def _build_eagle3(export_dir: str | Path, config: dict, target_model: Any, **opt
     if num_layers is not None and any(not 0 <= i < num_layers for i in layers):
         raise TargetMismatchError(f"the eagle3 drafter taps target layers {layers}, outside 0..{num_layers - 1} of "
                                   "the loaded target; use the target it was trained for")
-    drafter = Eagle3Drafter.from_export(export_dir, target_model.embed_weight)
+    drafter, _ = Eagle3Drafter.from_export(export_dir, embed_weight=target_model.embed_weight)
     return _proposer(config, Eagle3DraftModel(_place(drafter, target_model)), options)
+
+
+__all__ = ["POLICIES", "DraftModel", "Eagle1DraftModel", "Eagle3DraftModel", "EagleProposer"]

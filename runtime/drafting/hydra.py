@@ -110,7 +110,8 @@ def _build_hydra(export_dir: str | Path, config: dict, target_model: Any, tree: 
     from draftsmith.runtime.target.fast_linear import accelerate_linears
 
     embed, lm_head = target_model.embed_weight, target_model.lm_head_weight
-    heads = HydraHeads.from_export(export_dir, embed, lm_head).to(device=lm_head.device, dtype=lm_head.dtype).eval()
+    heads, _ = HydraHeads.from_export(export_dir, embed_weight=embed, lm_head_weight=lm_head)
+    heads = heads.to(device=lm_head.device, dtype=lm_head.dtype).eval()
     accelerate_linears(heads)  # bf16 on CPU: packed GEMM for the heads' linears
     inference = config.get("inference", {})
     k = top_k or inference.get("top_k", 10)

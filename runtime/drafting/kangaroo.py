@@ -32,7 +32,7 @@ import torch
 from draftsmith.drafters.kangaroo import KangarooDrafter, check_exit_layer
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, StopContext
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
-from draftsmith.runtime.drafting.base import StepContext, register_proposer
+from draftsmith.runtime.drafting.base import StepContext, register_chain, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.cache import KVCache as RuntimeKVCache
 from draftsmith.runtime.target.output import TargetOutput
@@ -212,6 +212,11 @@ class KangarooTarget:
         self.proposer.cache, self.proposer.private = cache, False
         return cache
 
+    def verify_reuse(self) -> dict[str, float]:
+        """What the shallow-state reuse saved so far (the bench's ``verify_reuse`` block)."""
+        return {"reused_tokens": self.reused_tokens, "verified_tokens": self.verified_tokens,
+                "verify_compute_saved": self.saved_share()}
+
     def saved_share(self) -> float:
         """Share of the verify forwards' layer work skipped by reusing the shallow states (0 before any step)."""
         if self.verified_tokens == 0:
@@ -241,6 +246,12 @@ class KangarooTarget:
         return TargetOutput(self.model.lm_head_logits(rows), hidden, found)
 
 
+@register_chain("kangaroo")
+def _kangaroo_chain(tokens: int) -> dict[str, Any]:
+    """Kangaroo always drafts a chain: ``max_depth`` counts drafted tokens."""
+    return {"max_depth": tokens}
+
+
 @register_proposer("kangaroo")
 def _build_kangaroo(export_dir: str | Path, config: dict, target_model: Any, **options: Any) -> KangarooProposer:
     """Kangaroo proposer; options: threshold, max_depth, temperature, top_p (defaults from the export's inference).
@@ -255,7 +266,7 @@ def _build_kangaroo(export_dir: str | Path, config: dict, target_model: Any, **o
                          f"decoder (layer-range forward), not {type(target_model).__name__}; use --backend lean")
     exit_layer = check_exit_layer(config["architecture"]["exit_layer"], int(target_model.config.num_layers))
     w = target_model.lm_head_weight
-    drafter = KangarooDrafter.from_export(export_dir, w, tuple(layers[:exit_layer]))
+    drafter, _ = KangarooDrafter.from_export(export_dir, lm_head_weight=w, shallow_layers=tuple(layers[:exit_layer]))
     drafter = drafter.to(device=w.device, dtype=w.dtype).eval()
     inference = config.get("inference") or {}
     kw = {"threshold": inference.get("threshold", 0.6), "max_depth": inference.get("max_depth", 6)}

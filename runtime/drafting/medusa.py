@@ -80,7 +80,7 @@ def _build_medusa(export_dir: str | Path, config: dict, target_model: Any, tree:
     from draftsmith.runtime.target.fast_linear import accelerate_linears
 
     lm_head = getattr(target_model, "lm_head_weight", None)
-    heads = MedusaHeads.from_export(export_dir, lm_head_weight=lm_head)
+    heads, _ = MedusaHeads.from_export(export_dir, lm_head_weight=lm_head)
     if lm_head is not None:  # run the heads where and in the precision the target runs
         heads = heads.to(device=lm_head.device, dtype=lm_head.dtype)
         accelerate_linears(heads)  # bf16 on CPU: packed GEMM for the heads' linears

@@ -16,10 +16,18 @@ from typing import Any
 
 import torch
 
-from draftsmith.controllers.acceptance import AcceptanceHead, stacked_config
+from draftsmith.common.constants import STOP_LEARNED
+from draftsmith.controllers.acceptance import AcceptanceHead, base_export_dir
 from draftsmith.runtime.acceptance.choice import parse_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import StopPolicy, bind_learned_head
-from draftsmith.runtime.drafting.base import Proposer, StepContext, build_proposer, register_proposer
+from draftsmith.runtime.drafting.base import (
+    Proposer,
+    StepContext,
+    WrapsTarget,
+    build_proposer,
+    chain_options,
+    register_proposer,
+)
 from draftsmith.runtime.drafting.tree import DraftTree
 
 
@@ -32,9 +40,8 @@ class LearnedStopProposer:
         self.feature_taps = tuple(getattr(base, "feature_taps", ()) or ())
 
     def wrap_target(self, model: Any) -> Any:
-        """The base's target wrapper (Kangaroo: shallow-cache reuse), else the model itself."""
-        wrap = getattr(self.base, "wrap_target", None)
-        return wrap(model) if callable(wrap) else model
+        """The base's target wrapper (a proposer that drafts on the target's own layers), else the model itself."""
+        return self.base.wrap_target(model) if isinstance(self.base, WrapsTarget) else model
 
     def begin(self, ctx: StepContext) -> None:
         """Start a generation (the base's own bookkeeping)."""
@@ -55,14 +62,11 @@ def _build_specdecpp(export_dir: str | Path, config: dict, target_model: Any, ba
                      **options: Any) -> LearnedStopProposer:
     """The base export's proposer in chain mode with the learned stop rule; ``base_export`` overrides the recorded
     location of the drafter export (it must still be the one the head was trained on)."""
-    head, base = AcceptanceHead.from_export(export_dir, base_export)
+    head, head_config = AcceptanceHead.from_export(export_dir, base_dir=base_export)
+    base = base_export_dir(head_config)
     place = target_model.lm_head_weight
     head = head.to(device=place.device).eval()
-    policy = parse_stop_policy((config.get("inference") or {}).get("stop_policy") or {"kind": "learned",
+    policy = parse_stop_policy((config.get("inference") or {}).get("stop_policy") or {"kind": STOP_LEARNED,
                                                                                      "threshold": 0.3}, head)
-    if stacked_config(config)["base_export"]["method"] == "kangaroo":  # a chain drafter with its own options
-        options.setdefault("max_depth", policy.max_depth)
-    else:
-        options = {"policy": "chain", **options}
-        options.setdefault("depth", policy.max_depth)  # the chain may reach the rule's max depth
+    options = {**chain_options(base, policy.max_depth), **options}  # the chain may reach the rule's max depth
     return LearnedStopProposer(build_proposer(base, target_model, **options), head, policy)

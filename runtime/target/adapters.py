@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.constants import ADAPTER_LORA
+
 WeightTransform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
@@ -22,7 +24,7 @@ def target_adapter(export_dir: str | Path, config: dict[str, Any]) -> tuple[Weig
     from draftsmith.export.format import ExportError, read_export_parts
 
     block = (config.get("inference") or {}).get("adapter") or {}
-    if block.get("kind", recorded.get("kind")) != "lora":
+    if block.get("kind", recorded.get("kind")) != ADAPTER_LORA:
         raise ExportError(f"{export_dir}: the target adapter kind {block.get('kind')!r} cannot be applied by this "
                           "runtime (it merges LoRA adapters)")
     _, parts = read_export_parts(export_dir)
@@ -31,5 +33,5 @@ def target_adapter(export_dir: str | Path, config: dict[str, Any]) -> tuple[Weig
         raise ExportError(f"{export_dir}: the export names a target adapter but has no "
                           f"{block.get('part', 'adapter')!r} part; re-export the drafter")
     scaling = float(block["scaling"]) if "scaling" in block else float(block["alpha"]) / float(block["rank"])
-    return (lambda weights: merge_lora(weights, part, scaling)), {"kind": "lora",
+    return (lambda weights: merge_lora(weights, part, scaling)), {"kind": ADAPTER_LORA,
                                                                    "fingerprint": adapter_fingerprint(part)}

@@ -22,6 +22,12 @@ from torch import nn
 
 from draftsmith.kernels.attention import tree_attention
 from draftsmith.runtime.target.cache import KVCache
+from draftsmith.runtime.target.layer_weights import (
+    FusedLayerWeights,
+    checkpoint_prefix,
+    checkpoint_tensor,
+    fused_layers,
+)
 from draftsmith.runtime.target.linear_ops import choose_linear_ops
 from draftsmith.runtime.target.model_config import ModelConfig, UnsupportedArchitecture, rope_inv_freq
 from draftsmith.runtime.target.output import TargetOutput
@@ -29,13 +35,7 @@ from draftsmith.runtime.target.weights import WeightsError, load_safetensors
 
 __all__ = ["LeanDecoder", "ModelConfig", "UnsupportedArchitecture", "rope_inv_freq"]
 
-class _Layer(nn.Module):
-    """One decoder layer's (fused) weights as buffers; the math lives in LeanDecoder for speed."""
-
-    def __init__(self, w: dict[str, torch.Tensor | None]) -> None:
-        super().__init__()
-        for name, tensor in w.items():
-            self.register_buffer(name, tensor)
+_Layer = FusedLayerWeights  # the per-layer buffers (kept under its old name)
 
 
 class LeanDecoder(nn.Module):
@@ -63,40 +63,10 @@ class LeanDecoder(nn.Module):
         self.config = config
         self.kernel_backend = kernel_backend
         self.linear_backend = linear_backend
-        p = "model." if "model.embed_tokens.weight" in weights else ""
-
-        def get(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise WeightsError(f"tensor {name!r} is missing from the checkpoint ({config.model_type} layout expected)")
-            return weights[name]
-
-        def cat(*names: str) -> torch.Tensor:
-            return torch.cat([get(n) for n in names])
-
-        layers = []
-        for i in range(config.num_layers):
-            a, m = f"{p}layers.{i}.self_attn.", f"{p}layers.{i}.mlp."
-            layers.append(
-                _Layer(
-                    {
-                        "ln1": get(f"{p}layers.{i}.input_layernorm.weight"),
-                        "wqkv": cat(*(a + f"{n}_proj.weight" for n in "qkv")),  # [(Hq+2Hkv)d, H]
-                        "bqkv": cat(*(a + f"{n}_proj.bias" for n in "qkv")) if config.qkv_bias else None,
-                        "qn": get(a + "q_norm.weight") if config.qk_norm else None,
-                        "kn": get(a + "k_norm.weight") if config.qk_norm else None,
-                        "wo": get(a + "o_proj.weight"),  # [H, Hq*d]
-                        "bo": get(a + "o_proj.bias") if config.o_bias else None,
-                        "ln2": get(f"{p}layers.{i}.post_attention_layernorm.weight"),
-                        "wgu": cat(m + "gate_proj.weight", m + "up_proj.weight"),  # [2I, H]
-                        "bgu": cat(m + "gate_proj.bias", m + "up_proj.bias") if config.mlp_bias else None,
-                        "wdown": get(m + "down_proj.weight"),  # [H, I]
-                        "bdown": get(m + "down_proj.bias") if config.mlp_bias else None,
-                    }
-                )
-            )
-        self.layers = nn.ModuleList(layers)
-        self.register_buffer("embed", get(f"{p}embed_tokens.weight"))  # [V, H]
-        self.register_buffer("norm_w", get(f"{p}norm.weight"))
+        p = checkpoint_prefix(weights)
+        self.layers = fused_layers(config, weights, p)
+        self.register_buffer("embed", checkpoint_tensor(weights, f"{p}embed_tokens.weight", config))  # [V, H]
+        self.register_buffer("norm_w", checkpoint_tensor(weights, f"{p}norm.weight", config))
         if "lm_head.weight" in weights:
             self.register_buffer("lm_head", weights["lm_head.weight"])  # [V, H]
         elif config.tie_word_embeddings:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.distill.errors import ConfigError
+from draftsmith.distill.objective import Objective
 from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.recipes.registry import register_recipe
 from toy_method.toy_echo_head import ToyEchoHead
@@ -15,7 +16,7 @@ from toy_method.toy_echo_head import ToyEchoHead
 METHOD = "toy_echo"
 
 
-class ToyEchoObjective:
+class ToyEchoObjective(Objective):
     """CE of the head at position t against the token at t+2, on assistant tokens."""
 
     def __init__(self, head: ToyEchoHead) -> None:

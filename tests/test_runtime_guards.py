@@ -1,5 +1,5 @@
-"""Regression tests for runtime/export fixes: speculators export defaults, identity checks, small nuclei without
-replacement, EAGLE-3 head rows and prompt limits."""
+"""What guards the runtime and its exports: speculators export defaults and aliases, target identity checks in every
+proposer builder, sampled trees from nuclei smaller than the branching, EAGLE-3 head rows and prompt limits."""
 
 from __future__ import annotations
 
