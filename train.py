@@ -53,6 +53,89 @@ def purposeful_errors() -> tuple[type[BaseException], ...]:
 
 
 PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a shell reports for a job ended by SIGTERM
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a job ended by Ctrl-C
+# Keys the code reads with a default although no config file sets them (`+key=value` may add these).
+OPTIONAL_KEYS = frozenset({"drafter.noise_std", "drafter.noise_ref_len"})
+
+
+def flat_keys(node, prefix: str = "") -> list[str]:
+    """Every dotted key of a config (inner nodes too), e.g. ``heads``, ``heads.num_heads``."""
+    out = []
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            path = f"{prefix}{key}"
+            out.append(path)
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                out.extend(flat_keys(child, f"{path}."))
+    return out
+
+
+def unknown_added_keys(cfg: DictConfig, overrides: list[str]) -> str | None:
+    """The error for ``+key=value`` overrides that add a key no config of this recipe has (a typo such as
+    ``+heads.num_head=4`` would otherwise train with the default silently), with close matches; else None.
+    Hydra accepts ``+key`` only for a key its config lacks, so every such key is new; group additions
+    (``+hydra/launcher=x``), ``hydra.*`` keys and :data:`OPTIONAL_KEYS` pass."""
+    import difflib
+
+    added = []
+    for override in overrides:
+        if not override.startswith("+") or override.startswith("++"):
+            continue
+        key, _, value = override[1:].partition("=")
+        key = key.strip()
+        if "/" in key or key.startswith("hydra.") or key in OPTIONAL_KEYS or (CONF_DIR / key).is_dir():
+            continue
+        added.append((key, value))
+    if not added:
+        return None
+    new = {key for key, _ in added}
+    known = [k for k in flat_keys(cfg) if k not in new and not any(k.startswith(f"{n}.") for n in new)]
+    problems = []
+    for key, value in added:
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
+        if not close:  # the same leaf under another parent (heads.draft_vocab_size vs drafter.draft_vocab_size)
+            leaf = leaf_of(key)
+            close = [k for k in known if difflib.SequenceMatcher(None, leaf, leaf_of(k)).ratio() >= 0.85][:3]
+        hint = (f"; did you mean {' or '.join(close)}? (set an existing key without '+', e.g. {close[0]}={value})"
+                if close else "; drop it, or see conf/ for the keys this recipe reads")
+        problems.append(f"+{key}={value} adds a key that no config of recipe={cfg.recipe.name} reads{hint}")
+    return " | ".join(problems)
+
+
+def leaf_of(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that resumes this run: the same one (``run.resume=auto`` finds the run folder's newest
+    checkpoint), without a ``run.resume=false`` that would start over."""
+    import shlex
+
+    prog, *args = argv or ["train.py"]
+    args = [a for a in args if a.split("=", 1)[0].lstrip("+") != "run.resume"]
+    head = prog if not prog.endswith(".py") else f"python {shlex.quote(prog)}"
+    return " ".join([head, *(shlex.quote(a) for a in args)])
+
+
+def interrupted_message(err: BaseException, argv: list[str], run_dir: str) -> str:
+    """What Ctrl-C prints: the step, where the newest checkpoint is (or that none was written yet) and the command
+    that resumes."""
+    step = getattr(err, "step", None)
+    checkpoint = getattr(err, "checkpoint", None)
+    every = getattr(err, "checkpoint_every", None)
+    if checkpoint is None:
+        from draftsmith.distill.checkpoints import find_resume_checkpoint
+
+        found = find_resume_checkpoint(getattr(err, "run_dir", run_dir))
+        checkpoint = str(found) if found else None
+    at = f" at step {step}" if step is not None else ""
+    if checkpoint:
+        return (f"interrupted (Ctrl-C){at}; the last checkpoint is {checkpoint}; resume with: "
+                f"{resume_command(argv)}")
+    first = f" (the first comes after run.checkpoint_every={every} steps)" if every else ""
+    return (f"interrupted (Ctrl-C){at}; no checkpoint was written yet{first}, so nothing to resume; start again "
+            f"with: {resume_command(argv)}")
 
 
 def preempted() -> tuple[type[BaseException], ...]:
@@ -65,7 +148,7 @@ def preempted() -> tuple[type[BaseException], ...]:
 def report_error(err: BaseException | str) -> None:
     """Print ``error: <message>`` as one line on stderr (and into the run log)."""
     message = " ".join(str(err).split()) or type(err).__name__
-    log.error("%s: %s", "preempted" if isinstance(err, str) else type(err).__name__, message)
+    log.error("%s: %s", "stopped" if isinstance(err, str) else type(err).__name__, message)
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
@@ -87,14 +170,23 @@ def main(cfg: DictConfig) -> float | None:
     if cfg.data.get("features"):  # offline: batches and target features from a cache, the target never loaded
         from draftsmith.distill.cached_features import train_offline as train
     try:
+        from draftsmith.distill.errors import ConfigError
+
+        if (problem := unknown_added_keys(cfg, list(hydra_cfg.overrides.task))) is not None:
+            raise ConfigError(problem)
         summary = train(cfg, recipe, hydra_cfg.runtime.output_dir, run_name=run_name)
+    except KeyboardInterrupt as err:  # Ctrl-C: where the checkpoint is and how to resume, exit 130 like a shell
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("DRAFTSMITH_DEBUG") == "1":
+            raise
+        report_error(interrupted_message(err, sys.argv, hydra_cfg.runtime.output_dir))
+        sys.exit(INTERRUPTED_EXIT)
     except preempted() as err:
         # SIGTERM (SLURM preemption): ClusterCallback saved a checkpoint; the requeued attempt resumes from it.
         report_error(f"preempted by SIGTERM ({type(err).__name__}): checkpoint saved in {hydra_cfg.runtime.output_dir}"
                      "/checkpoints; run the same command again (SLURM requeues it) to resume")
         sys.exit(PREEMPTED_EXIT)
     except purposeful_errors() as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("DRAFTSMITH_DEBUG") == "1":
             raise
         report_error(err)
         sys.exit(1)  # SystemExit passes through Hydra's handler, which would print a traceback for an Exception

@@ -85,7 +85,8 @@ def markdown_table(result: dict[str, Any]) -> str:
                      f"{change['perplexity_adapted']:.2f} / {change['perplexity_original']:.2f} "
                      f"({change['held_out_conversations']} conversations)"))
         if "greedy_token_agreement_with_original" in change:
-            rows.append(("greedy agreement with the original target", f"{change['greedy_token_agreement_with_original']:.3f}"
+            rows.append(("greedy agreement with the original target",
+                         f"{change['greedy_token_agreement_with_original']:.3f}"
                          f" of tokens, {change['identical_outputs']} outputs identical"))
     text = "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
     return text + _sections(result)
@@ -97,11 +98,13 @@ def _sections(result: dict[str, Any]) -> str:
     cm = result.get("cost_model")
     if cm:
         out += "\n| draft depth | predicted tokens/step | predicted step ms | predicted speedup |\n|---|---|---|---|\n"
-        out += "".join(f"| {int(r['depth'])}{' (plain)' if r['depth'] == 0 else ''}{' <- chosen' if r['depth'] == cm['depth'] else ''}"
+        out += "".join(f"| {int(r['depth'])}{' (plain)' if r['depth'] == 0 else ''}"
+                       f"{' <- chosen' if r['depth'] == cm['depth'] else ''}"
                        f" | {r['tokens']:.2f} | {r['step_ms']:.1f} | {r['speedup']:.2f} |\n" for r in cm["table"])
     if result.get("sweep"):
         out += "\n| stop policy | tau | tokens/s | vs runtime AR |\n|---|---|---|---|\n"
-        out += "".join(f"| {r['policy']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup_vs_runtime_ar']:.2f} |\n"
+        out += "".join(f"| {r['policy']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f}"
+                       f" | {r['speedup_vs_runtime_ar']:.2f} |\n"
                        for r in result["sweep"])
     prof = result.get("profile")
     if prof:

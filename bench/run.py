@@ -119,8 +119,8 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     dtype HF is to be timed in (or pass ``hf_result`` from :func:`time_hf_generate` directly).
 
     ``cost_aware``: before timing, calibrate and apply the fastest draft depth for this machine (plain decoding
-    when speculation is predicted to lose; see :mod:`draftsmith.runtime.acceptance.depth_choice`). ``profile``: time each part
-    of the speculative step in an extra pass. ``sweep_k``: also time every fixed depth K on the same prompts.
+    when speculation is predicted to lose; see :mod:`draftsmith.runtime.acceptance.depth_choice`). ``profile``: time
+    each part of the speculative step in an extra pass. ``sweep_k``: also time every fixed depth K on the same prompts.
     """
     spec = runtime.speculative
     hf, hf_torch_dtype, hf_reason, lossless = _time_hf(runtime, prompts, max_new_tokens, skip_hf, hf_dtype, lossless,
@@ -155,8 +155,10 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "runtime_ar_matches_hf": compare_outputs(hf["outputs"], ar["outputs"])["all_identical"] if hf_same_dtype
         else None,
         "step_costs": {**costs, "ar_step_ms_in_decode": 1e3 * ar_step, "spec_step_ms_in_decode": 1e3 * spec_step,
-                       "predicted_speedup_tau_x_step_over_verify": tau * costs["ar_step_ms"] / costs["verify_forward_ms"]},
-        "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
+                       "predicted_speedup_tau_x_step_over_verify":
+                           tau * costs["ar_step_ms"] / costs["verify_forward_ms"]},
+        "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"],
+                   "speculative": sp["tokens"]},
         "threads": torch.get_num_threads(),
         "cost_model": cost_model, "profile": step_profile, "sweep": sweep, "target_change": target_change,
         "verify_reuse": verify_reuse, "served_plain": spec.serves_plain_ar(),
@@ -179,7 +181,8 @@ def _time_hf(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, sk
     hf_result = hf_result or (lossless or {}).pop("hf", None)
     if skip_hf:
         hf = None
-    elif hf_result is not None and hf_result.get("dtype") == hf_torch_dtype and len(hf_result["outputs"]) == len(prompts):
+    elif (hf_result is not None and hf_result.get("dtype") == hf_torch_dtype
+          and len(hf_result["outputs"]) == len(prompts)):
         hf = hf_result
     else:
         hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=hf_torch_dtype)
@@ -193,8 +196,8 @@ def _apply_cost_aware_depth(runtime: Runtime, prompts: list[list[int]], costs: d
     probe = time_runtime_ar(runtime.model, prompts[:depth_choice.CALIBRATION_PROMPTS], depth_choice.CALIBRATION_TOKENS,
                             eos_ids=runtime.eos_ids)
     verify_ms = {**costs["forward_ms_by_new_tokens"], costs["tree_nodes"]: costs["verify_forward_ms"]}
-    _, cost_model = depth_choice.choose_cost_aware_depth(runtime, prompts, 1e3 * probe["seconds"] / max(1, probe["tokens"]),
-                                                   verify_ms)
+    ar_step_ms = 1e3 * probe["seconds"] / max(1, probe["tokens"])
+    _, cost_model = depth_choice.choose_cost_aware_depth(runtime, prompts, ar_step_ms, verify_ms)
     return cost_model
 
 
@@ -249,7 +252,8 @@ def _adapted_target_change(runtime: Runtime, prompts: list[list[int]], max_new_t
         return None
     original = load_decoder(runtime.folder, dtype=runtime.model.dtype)
     original_outputs = time_runtime_ar(original, prompts, max_new_tokens, eos_ids=runtime.eos_ids)["outputs"]
-    report = quality.lossy_target_report(runtime, original, sp["outputs"], original_outputs if temperature == 0 else None)
+    report = quality.lossy_target_report(runtime, original, sp["outputs"],
+                                         original_outputs if temperature == 0 else None)
     del original
     return report
 

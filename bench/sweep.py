@@ -56,7 +56,8 @@ def timed_generations(spec: SpeculativeDecoder, prompts: Sequence[list[int]], ma
     results: list[Any] = []
 
     def decode(prompt: list[int]) -> list[int]:
-        res = spec.generate(prompt, max_new_tokens, eos_ids=eos_ids, generator=torch.Generator().manual_seed(len(results)))
+        res = spec.generate(prompt, max_new_tokens, eos_ids=eos_ids,
+                            generator=torch.Generator().manual_seed(len(results)))
         results.append(res)
         return res.tokens
 

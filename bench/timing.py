@@ -187,7 +187,8 @@ def compare_outputs(reference: Sequence[list[int]], candidate: Sequence[list[int
         elif first is None:
             pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             first = {"prompt": i, "position": pos}
-    return {"identical": same, "total": len(reference), "all_identical": same == len(reference), "first_mismatch": first}
+    return {"identical": same, "total": len(reference), "all_identical": same == len(reference),
+            "first_mismatch": first}
 
 
 DEFAULT_PROMPTS = (
@@ -211,7 +212,8 @@ def compare_ar(folder: str | Path, max_new_tokens: int = 64, dtypes: Sequence[st
 
     prompts = chat_prompts_ids(folder)
     eos = eos_ids_from_folder(folder)
-    report: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "threads": torch.get_num_threads()}
+    report: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                              "threads": torch.get_num_threads()}
     for name in dtypes:
         hf = time_hf_generate(folder, prompts, max_new_tokens, dtype=dtype_from_name(name))
         ar = time_runtime_ar(load_decoder(folder, dtype=dtype_from_name(name)), prompts, max_new_tokens, eos_ids=eos)

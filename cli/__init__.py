@@ -34,7 +34,8 @@ RAW_ARGV = ("train", "bench-train", "cache-features")
 
 
 def command_module(name: str):
-    """The module that holds command ``name``'s arguments (``ARGUMENTS``) and handler (``HANDLERS``/``RAW_HANDLERS``)."""
+    """The module that holds command ``name``'s arguments (``ARGUMENTS``) and handler
+    (``HANDLERS``/``RAW_HANDLERS``)."""
     return importlib.import_module(f"draftsmith.cli.{COMMANDS[name][0]}")
 
 

@@ -135,10 +135,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def is_reward_task(args: argparse.Namespace) -> bool:
+    """Whether ``bench`` scores rewards: the embedded mixed task or an explicit ``--reward``."""
+    return str(args.prompts).startswith("embedded") or args.reward is not None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write JSON/markdown/PNG with --out."""
     from draftsmith.bench.prompts import load_prompts
-    from draftsmith.evals.reward_bench import cmd_reward_bench, is_reward_task
     from draftsmith.runtime.decoding.prompt_limits import context_limit
     from draftsmith.runtime.serving import load_runtime, parse_options
 
@@ -148,6 +152,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.drafter:
             raise ValueError("a reward bench takes --controller (or nothing: fixed temperatures only), not --drafter "
                              "(a drafter does not change the output distribution); bench its speed separately")
+        from draftsmith.evals.reward_bench import cmd_reward_bench
+
         return cmd_reward_bench(args)
     if not args.drafter and not args.controller:
         raise ValueError("bench needs --drafter EXPORT (a drafter), --controller EXPORT (a temperature layer), or a "
@@ -166,7 +172,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_diffusion(args: argparse.Namespace) -> int:
-    """``bench --filter`` or a block-diffusion ``--target``: the Learn2PD filter bench (:mod:`draftsmith.evals.diffusion`)."""
+    """``bench --filter`` or a block-diffusion ``--target``: the Learn2PD filter bench
+    (:mod:`draftsmith.evals.diffusion`)."""
     from argparse import Namespace
 
     from draftsmith.evals.diffusion import run_cli
@@ -178,8 +185,9 @@ def _bench_diffusion(args: argparse.Namespace) -> int:
         raise ValueError("--filter needs --target DIFFUSION_TARGET (recipe=diffusion_adapt's <run dir>/export)")
     run_cli(Namespace(target=args.target, filter=args.filter, prompts=args.prompts, limit=args.num_prompts,
                       gen_length=args.gen_length, steps_per_block=args.steps_per_block, threshold=args.threshold,
-                      cache=args.cache, temperature=args.temperature, dtype="fp32" if args.dtype == "auto" else args.dtype,
-                      threads=None, trust_remote_code=args.trust_remote_code,
+                      cache=args.cache, temperature=args.temperature,
+                      dtype="fp32" if args.dtype == "auto" else args.dtype, threads=None,
+                      trust_remote_code=args.trust_remote_code,
                       out=str(Path(args.out) / "diffusion_bench.json") if args.out else None))
     return 0
 

@@ -41,7 +41,8 @@ def spec_of(config: Any, where: str = "the model") -> DiffusionSpec:
     """The diffusion spec recorded in a HF config (object or dict), or a known published family's (LLaDA, Dream);
     a causal LM gets a clear error."""
     raw = config.get(DIFFUSION_KEY) if isinstance(config, dict) else getattr(config, DIFFUSION_KEY, None)
-    model_type = str((config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", "")) or "")
+    model_type = str((config.get("model_type") if isinstance(config, dict)
+                      else getattr(config, "model_type", "")) or "")
     if not raw and model_type.lower() in REMOTE_FAMILIES:
         default_mask, shift = REMOTE_FAMILIES[model_type.lower()]
         mask = config.get("mask_token_id") if isinstance(config, dict) else getattr(config, "mask_token_id", None)

@@ -136,7 +136,8 @@ def weighted_soft_bce(reject_logit: torch.Tensor, accept_prob: torch.Tensor, rej
     return total / (reject_weight * not_p.sum() + p.sum()).clamp_min(1e-8)
 
 
-def binary_kl(accept_prob: torch.Tensor, predicted_accept: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def binary_kl(accept_prob: torch.Tensor, predicted_accept: torch.Tensor,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean KL(Bernoulli(label) || Bernoulli(prediction)) over valid positions (the paper's logged metric)."""
     eps = 1e-6
     p = accept_prob.double().clamp(eps, 1 - eps)

@@ -100,7 +100,8 @@ class AdaptiveTemperatureHead(Exportable, nn.Module):
         """log P(temperature index | hidden) [..., K]."""
         return F.log_softmax(self(hidden).float(), dim=-1)
 
-    def choose(self, hidden: torch.Tensor, mode: str = "greedy", generator: torch.Generator | None = None) -> torch.Tensor:
+    def choose(self, hidden: torch.Tensor, mode: str = "greedy",
+               generator: torch.Generator | None = None) -> torch.Tensor:
         """Temperature indices [...]: the head's argmax (``greedy``) or a draw from it (``sample``)."""
         if mode not in CHOICES:
             raise ValueError(f"choice mode must be one of {', '.join(CHOICES)}, got {mode!r}")

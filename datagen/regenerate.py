@@ -177,7 +177,8 @@ def _read_partial(partial: Path) -> tuple[int, int]:
             last = int(json.loads(raw)["source_index"])
         except (ValueError, KeyError, TypeError):
             if good + len(raw) < len(data):  # a bad line in the middle is corruption, not an interruption
-                raise ValueError(f"{partial} has a corrupt line after {lines} good ones; delete it to start over") from None
+                raise ValueError(f"{partial} has a corrupt line after {lines} good ones; "
+                                 "delete it to start over") from None
             break
         good, lines = good + len(raw), lines + 1
     if good < len(data):

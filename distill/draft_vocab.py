@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.distill.errors import DataError, DraftsmithError
 from draftsmith.drafters.vocab import draft_vocab_from_batches
 
 log = logging.getLogger(__name__)
@@ -30,12 +31,17 @@ def training_token_batches(cfg: Any, target: Any, max_samples: int | None) -> It
 
 
 def count_draft_vocab(cfg: Any, target: Any, size: int, samples: int | None = None,
-                      batches: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      batches: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                      key: str = "drafter.draft_vocab_size") -> tuple[torch.Tensor, torch.Tensor]:
     """``(d2t, t2d)`` of the ``size`` most frequent assistant tokens of the training split (or of ``batches``),
-    logging how much of the assistant text they cover."""
+    logging how much of the assistant text they cover. ``key`` names the config key of the size in messages."""
     batches = batches if batches is not None else training_token_batches(cfg, target, samples)
-    d2t, t2d, stats = draft_vocab_from_batches(batches, target.vocab_size, size)
+    try:
+        d2t, t2d, stats = draft_vocab_from_batches(batches, target.vocab_size, size, key)
+    except ValueError as err:
+        if isinstance(err, DraftsmithError):
+            raise
+        raise DataError(f"{err} ({key}={size})") from err
     log.info("draft vocabulary: %d of %d target tokens cover %.1f%% of %d assistant tokens (%d distinct)",
              size, target.vocab_size, 100 * stats["coverage"], stats["tokens"], stats["distinct"])
     return d2t, t2d

@@ -27,3 +27,13 @@ class DataFileNotFoundError(DraftsmithError, FileNotFoundError):
 
 class MissingDependencyError(DraftsmithError, ImportError):
     """An optional package the config asks for is not installed."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped training: ``step`` reached, the newest ``checkpoint`` on disk (None if none yet) and the run
+    folder it resumes from. A ``KeyboardInterrupt``, so code that catches that still does; ``train.py`` reports it
+    with the command that resumes, exit status 130."""
+
+    def __init__(self, step: int, checkpoint: str | None, run_dir: str, checkpoint_every: int | None = None) -> None:
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.checkpoint, self.run_dir, self.checkpoint_every = step, checkpoint, run_dir, checkpoint_every

@@ -21,6 +21,24 @@ class NonFiniteLossError(DraftsmithError, RuntimeError):
     """The training loss became NaN or inf; the run stops (any checkpoint written before stays intact)."""
 
 
+class NothingScoredError(DraftsmithError, RuntimeError):
+    """The first training batches score no position at all: the run would train on a zero loss and export noise."""
+
+
+class ZeroLossError(DraftsmithError, RuntimeError):
+    """The training loss was exactly zero for ``run.zero_loss_patience`` consecutive steps: nothing is learned."""
+
+
+SCORED_CHECK_BATCHES = 4  # the first batches of a run that must score some position between them
+
+
+def nothing_scored_message(batches: int, step: int, reason: str | None) -> str:
+    why = reason or ("their loss masks select no token: no assistant reply survives data.max_length, or the chat "
+                     "template marks no assistant turn")
+    return (f"nothing to train on: the first {batches} training batch(es) score no position ({why}); stopping at "
+            f"step {step} instead of training on a zero loss")
+
+
 def nonfinite_message(loss: float, step: int, checkpoint: str | None) -> str:
     """What to tell the user when the loss is ``loss`` at ``step``: where the last good checkpoint is, or that none
     was written yet, and what to try."""
@@ -64,7 +82,8 @@ class DistillModule(pl.LightningModule):
     around each validation pass (``reduce_sum`` sums a tensor over processes under DDP, else None).
     """
 
-    def __init__(self, objective: Objective, target: TargetModel, optim: dict[str, Any], total_steps: int) -> None:
+    def __init__(self, objective: Objective, target: TargetModel, optim: dict[str, Any], total_steps: int,
+                 zero_loss_patience: int = 5) -> None:
         super().__init__()
         if not isinstance(objective, Objective):
             raise TypeError(f"{type(objective).__name__} is not a draftsmith.distill.objective.Objective; "
@@ -77,6 +96,9 @@ class DistillModule(pl.LightningModule):
         self.save_hyperparameters({"optim": self.optim_cfg, "total_steps": total_steps})
         self._tokens_seen = 0
         self._target_seconds = 0.0
+        self.zero_loss_patience = int(zero_loss_patience or 0)  # 0 = never stop on a zero loss
+        self._zero_steps = 0  # consecutive training steps whose loss was exactly 0
+        self._scored_batches = self._scored_positions = 0  # over this process's first SCORED_CHECK_BATCHES batches
         self.run_info: dict[str, Any] = {}  # recipe name, target identity, resolved config (set by the trainer)
 
     @property
@@ -113,6 +135,8 @@ class DistillModule(pl.LightningModule):
         loss, metrics = self._step(batch)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(nonfinite_message(loss.item(), self.global_step, self._last_checkpoint()))
+        self._check_scored(batch)
+        self._check_zero_loss(loss)
         # Batch kinds without a token mask (trajectories) say how many examples they hold.
         tokens = int(batch["num_tokens"]) if "num_tokens" in batch else int(batch["attention_mask"].sum())
         self._tokens_seen += tokens
@@ -120,6 +144,38 @@ class DistillModule(pl.LightningModule):
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, batch_size=batch["input_ids"].shape[0])
         self.log("train/tokens", float(self._tokens_seen), reduce_fx="max")
         return loss
+
+    def _check_scored(self, batch: dict[str, torch.Tensor]) -> None:
+        """Stop at the first batches when none of them scores a position (the objective's ``last_scored`` count,
+        else the batch's loss mask); batch kinds without either are not checked."""
+        if self._scored_batches >= SCORED_CHECK_BATCHES:
+            return
+        scored = getattr(self.objective, "last_scored", None)
+        if scored is None:
+            if "loss_mask" not in batch:
+                return
+            scored = int((batch["loss_mask"].bool() & batch["attention_mask"].bool()).sum())
+        self._scored_batches += 1
+        self._scored_positions += int(scored)
+        last = self._scored_batches == SCORED_CHECK_BATCHES or int(self.global_step) + 1 >= self.total_steps
+        if last and self._scored_positions == 0:
+            raise NothingScoredError(nothing_scored_message(
+                self._scored_batches, int(self.global_step), getattr(self.objective, "unscored_reason", None)))
+        if last:
+            self._scored_batches = SCORED_CHECK_BATCHES
+
+    def _check_zero_loss(self, loss: torch.Tensor) -> None:
+        """Stop after ``zero_loss_patience`` consecutive steps whose loss is exactly zero."""
+        if not self.zero_loss_patience:
+            return
+        self._zero_steps = self._zero_steps + 1 if float(loss.detach()) == 0.0 else 0
+        if self._zero_steps >= self.zero_loss_patience:
+            reason = getattr(self.objective, "unscored_reason", None)
+            raise ZeroLossError(
+                f"the training loss was exactly 0.0 for {self._zero_steps} consecutive steps (up to step "
+                f"{int(self.global_step)}){f': {reason}' if reason else ''}; nothing is being learned, so the run "
+                "stops. Check the data's loss masks and the recipe's settings (run.zero_loss_patience=0 turns this "
+                "check off)")
 
     def _last_checkpoint(self) -> str | None:
         """The newest checkpoint on disk of this run (written now or by the run this one resumed), if any."""

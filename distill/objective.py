@@ -30,6 +30,11 @@ class Objective:
     taps: FeatureTaps
     batch_kind: ClassVar[str] = "chat"
     frozen: Mapping[str, nn.Module] = MappingProxyType({})
+    # Set by ``loss`` where a batch's scored positions are not simply its loss mask (EAGLE-3 scores only those whose
+    # target argmax is in the draft vocabulary): how many the last batch scored and, when none, why. The module
+    # stops a run whose first batches score nothing; None = count the batch's loss mask.
+    last_scored: int | None = None
+    unscored_reason: str | None = None
 
     def loss(self, batch: dict[str, torch.Tensor], feats: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(scalar loss, detached metrics) of ``batch`` given the target features ``feats``."""

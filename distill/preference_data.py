@@ -10,6 +10,7 @@ sequence-level choice), and ``kind`` [2P]: the prompt kind's number in ``meta["k
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from draftsmith.distill.datamodule import register_batch_kind
 from draftsmith.distill.errors import ConfigError, DataError
 
 META, ROWS = "meta.json", "rollouts.jsonl"
+log = logging.getLogger(__name__)
 
 
 def read_pairs(folder: str | Path) -> tuple[dict[str, Any], list[dict]]:
@@ -89,6 +91,25 @@ def read_pair_rounds(spec: str | Path) -> tuple[dict[str, Any], list[dict]]:
     return meta, pairs
 
 
+def fitting_pairs(pairs: list[dict], max_length: int, folder: Any, meta: dict[str, Any] | None = None) -> list[dict]:
+    """The pairs whose prompt leaves at least one response token within ``max_length``; the others are skipped and
+    reported in one warning (how many, the longest prompt, the ``data.max_length`` that keeps them all). DataError
+    when none is left, before any training step."""
+    keep = [p for p in pairs if len(p["prompt_ids"]) < max_length]
+    skipped = len(pairs) - len(keep)
+    if not skipped:
+        return pairs
+    longest = max(len(p["prompt_ids"]) for p in pairs)
+    need = longest + int((meta or {}).get("max_new_tokens") or 1)
+    what = (f"{skipped} of {len(pairs)} rollout pair(s) of {folder} have a prompt of data.max_length={max_length} "
+            f"tokens or more (the longest {longest}), which leaves no response token")
+    if not keep:
+        raise DataError(f"{what}: nothing left to train on; set data.max_length={need} (prompt + the rollouts' "
+                        "max_new_tokens) or make rollouts of shorter prompts")
+    log.warning("%s: skipped them; data.max_length=%d keeps them all", what, need)
+    return keep
+
+
 def _row(prompt: list[int], sample: dict, max_length: int) -> tuple[list[int], list[int]]:
     """(ids, choice indices) of prompt + response, cut at ``max_length`` (indices shifted: position t chose t + 1)."""
     ids = (list(prompt) + list(sample["tokens"]))[:max_length]
@@ -134,6 +155,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         self.meta, pairs = read_pair_rounds(self.folder)
+        pairs = fitting_pairs(pairs, self.max_length, self.folder, self.meta)
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.seed)).tolist()
         n_val = min(len(pairs) - 1, max(1, round(len(pairs) * self.val_fraction))) if self.val_fraction else 0
         self.val_set = [pairs[i] for i in order[:n_val]]

@@ -26,6 +26,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -85,6 +86,63 @@ class TargetFeatures:
     topk_indices: torch.Tensor | None = None  # [B, T, k]
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether ``name`` is meant as a local path rather than a hub id (``org/name``): absolute, ``./``, ``~``,
+    a Windows drive, or more than one ``/``."""
+    return (name.startswith(("/", ".", "~", "\\")) or (len(name) > 1 and name[1] == ":") or name.count("/") > 1
+            or Path(name).expanduser().exists())
+
+
+def check_safetensors(file: Path) -> str | None:
+    """Why ``file`` is not a complete safetensors file (a truncated download, ...), or None; reads its header only."""
+    import json
+    import struct
+
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as fh:
+            if size < 8:
+                raise ValueError(f"{size} bytes")
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            if header_len > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(fh.read(header_len))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError) as err:
+        return f"its header is unreadable ({err})"
+    if 8 + header_len + end > size:
+        return f"it is truncated: {size:,} bytes, its header needs {8 + header_len + end:,}"
+    return None
+
+
+def check_target_folder(path: str) -> bool:
+    """Refuse a target that names a missing local folder, or a folder with a corrupt ``config.json`` or a truncated
+    ``*.safetensors`` (naming the file), before transformers reports it in a long traceback. True when ``path`` is a
+    local folder."""
+    import json
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        if looks_like_path(path):
+            what = "is a file, not a model folder" if folder.exists() else "does not exist"
+            raise ConfigError(f"target.name_or_path={path}: {what}; point target= at a HF causal-LM folder "
+                              "(config.json, tokenizer, weights) or use the default smollm2-135m")
+        return False
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"target folder {folder} has no config.json: is it a Hugging Face model folder?")
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"target file {config} is not valid JSON ({err}); the folder is damaged: re-download "
+                          "or re-save the model") from None
+    for file in sorted(folder.glob("*.safetensors")):
+        problem = check_safetensors(file)
+        if problem:
+            raise ConfigError(f"target file {file} is damaged: {problem}; re-download or re-save the model")
+    return True
+
+
 @runtime_checkable
 class TargetModel(Protocol):
     """What recipes and the LightningModule need of a frozen target. :class:`Target` (a causal LM) is one
@@ -137,8 +195,24 @@ class Target(nn.Module):
         torch_dtype, why = resolve_target_dtype(dtype, runs_on if runs_on is not None else device)
         log.info("target dtype: %s", why)
         path = resolve_target(name_or_path)
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        local = check_target_folder(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as err:
+            if isinstance(err, ConfigError):
+                raise
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            where = (f"target folder {path}" if local else
+                     f"target.name_or_path={name_or_path!r} is not a local folder and loading it from the Hugging "
+                     "Face hub failed")
+            raise ConfigError(f"{where}: {first} (point target= at a HF causal-LM folder with config.json, tokenizer "
+                              "and weights, or use the default smollm2-135m)") from err
+        except Exception as err:  # safetensors' own error type, and the like: a damaged folder
+            if not local:
+                raise
+            raise ConfigError(f"target folder {path} could not be loaded: {type(err).__name__}: "
+                              f"{str(err).strip()[:300]}; re-download or re-save it") from err
         log.info("target %s loaded (%s, %.1fM params)", path, torch_dtype,
                  sum(p.numel() for p in model.parameters()) / 1e6)
         return cls(model.to(device), tokenizer, str(name_or_path))

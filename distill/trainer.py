@@ -27,7 +27,7 @@ from draftsmith.distill.cluster import (
     planned_world_size,
     read_global_batch,
 )
-from draftsmith.distill.errors import ConfigError
+from draftsmith.distill.errors import ConfigError, TrainingInterrupted
 from draftsmith.distill.module import DistillModule
 from draftsmith.distill.progress import StepProgressBar
 from draftsmith.distill.strategies import (
@@ -60,6 +60,36 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         os.replace(tmp, path)
 
 
+class InterruptWatch(pl.Callback):
+    """Notes a Ctrl-C during ``fit``: Lightning catches the KeyboardInterrupt, shuts down and calls ``sys.exit(1)``,
+    and only its ``on_exception`` hook tells that exit apart from any other."""
+
+    interrupted = False
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt):
+            self.interrupted = True
+
+
+def fit_or_interrupted(trainer: pl.Trainer, module: pl.LightningModule, data: Any, ckpt_path: str | None,
+                       run_dir: Path, checkpoint_every: int) -> None:
+    """``trainer.fit`` that turns Ctrl-C into :class:`TrainingInterrupted` (step, newest checkpoint, run folder)
+    instead of Lightning's bare exit status 1."""
+    watch = next((c for c in trainer.callbacks if isinstance(c, InterruptWatch)), None)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    except (SystemExit, KeyboardInterrupt) as err:
+        if isinstance(err, SystemExit) and not (watch is not None and watch.interrupted):
+            raise
+        try:  # Lightning ignores SIGINT while it shuts down; a process that lives on gets Ctrl-C back
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        except ValueError:  # not the main thread
+            pass
+        found = find_resume_checkpoint(run_dir)
+        raise TrainingInterrupted(int(trainer.global_step), str(found) if found else None, str(run_dir),
+                                  checkpoint_every) from None
+
+
 def check_config(cfg: DictConfig, recipe: Any) -> None:
     """Fail fast, before the target loads: missing required fields, bad values, devices, recipe-specific checks."""
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -71,14 +101,40 @@ def check_config(cfg: DictConfig, recipe: Any) -> None:
                           "`smollm2-135m`")
     if int(cfg.trainer.max_steps) < 1:
         raise ConfigError(f"trainer.max_steps must be >= 1, got {cfg.trainer.max_steps}")
+    if int(cfg.run.get("zero_loss_patience", 5) or 0) < 0:
+        raise ConfigError(f"run.zero_loss_patience must be >= 0 (0 = off), got {cfg.run.zero_loss_patience}")
     if int(cfg.data.max_length) < 8:
         raise ConfigError(f"data.max_length must be >= 8, got {cfg.data.max_length}")
+    check_optim(cfg.optim)
     algorithm = str(cfg.optim.get("grad_clip_algorithm", "norm"))
     if algorithm not in CLIP_ALGORITHMS:
         raise ConfigError(f"optim.grad_clip_algorithm={algorithm!r}; valid: {', '.join(CLIP_ALGORITHMS)}")
     check_devices(cfg.trainer)
     if recipe.validate is not None:
         recipe.validate(cfg)
+
+
+def check_optim(optim: DictConfig) -> None:
+    """``optim.*`` values that would train nothing or diverge: a learning rate that is not positive, negative decay,
+    betas outside [0, 1), a negative warmup."""
+    def number(key: str) -> float:
+        try:
+            return float(optim.get(key))
+        except (TypeError, ValueError):
+            raise ConfigError(f"optim.{key}={optim.get(key)!r} is not a number") from None
+
+    lr = number("lr")
+    if not lr > 0 or lr != lr or lr == float("inf"):
+        raise ConfigError(f"optim.lr={optim.lr} must be a positive number (e.g. optim.lr=1e-3)")
+    if optim.get("weight_decay") is not None and number("weight_decay") < 0:
+        raise ConfigError(f"optim.weight_decay={optim.weight_decay} must be >= 0")
+    if optim.get("eps") is not None and not number("eps") > 0:
+        raise ConfigError(f"optim.eps={optim.eps} must be > 0")
+    if optim.get("warmup_steps") is not None and number("warmup_steps") < 0:
+        raise ConfigError(f"optim.warmup_steps={optim.warmup_steps} must be >= 0")
+    betas = optim.get("betas")
+    if betas is not None and (len(betas) != 2 or not all(0 <= float(b) < 1 for b in betas)):
+        raise ConfigError(f"optim.betas={list(betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str | None = None) -> list:
@@ -178,7 +234,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
         limit_val_batches=int(cfg.run.final_eval_batches), num_sanity_val_steps=0,
         logger=build_loggers(cfg, run_dir, run_name),
         callbacks=[checkpoint, ClusterCallback(run_dir, checkpoint, int(cfg.data.batch_size)), StepProgressBar(),
-                   *(callbacks or [])],
+                   InterruptWatch(), *(callbacks or [])],
         plugins=plugins, default_root_dir=str(run_dir), enable_model_summary=False,
         use_distributed_sampler=True,
     )
@@ -223,7 +279,8 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     objective = recipe.build(cfg, target)
     data = build_datamodule(cfg, target.tokenizer, kind=batch_kind(objective))
     module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
-                           total_steps=int(cfg.trainer.max_steps))
+                           total_steps=int(cfg.trainer.max_steps),
+                           zero_loss_patience=int(cfg.run.get("zero_loss_patience", 5) or 0))
     module.run_info = {"recipe": recipe.name, "target": target.identity(),
                        "config": OmegaConf.to_container(cfg, resolve=True)}
     wrapped = apply_activation_checkpointing(module.drafter, cfg.trainer)
@@ -232,7 +289,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     extra = [TargetSharding(target, cfg.trainer)] if shard_target else []
     trainer = build_trainer(cfg, run_dir, callbacks=extra, drafter=module.drafter, run_name=run_name)
     start = time.perf_counter()
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    fit_or_interrupted(trainer, module, data, ckpt_path, run_dir, int(cfg.run.checkpoint_every))
     seconds = time.perf_counter() - start
     metrics = _scalars(trainer.callback_metrics)
     if int(cfg.run.final_eval_batches) > 0 and data.val_set is not None and len(data.val_set) > 0:

@@ -44,12 +44,18 @@ from draftsmith.export.format import ExportError
 
 
 def default_target_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's taps: the inputs of target layers 2, L//2 and L-3 (HF hidden_states indices)."""
+    """EAGLE-3's taps: the inputs of target layers 2, L//2 and L-3 (HF hidden_states indices); a shallow target
+    where those are not three distinct layers (L < 7) gets a low/mid/high spread of the layers it has instead
+    (``(low, (low+L-1)//2, L-1)`` with ``low`` 1, or 0 for L = 3). Fewer than 3 layers raise ValueError."""
     layers = (2, num_layers // 2, num_layers - 3)
-    if num_layers < 4 or len(set(layers)) != 3:
-        raise ValueError(f"a {num_layers}-layer target has no three distinct default EAGLE-3 taps {layers}; "
-                         "set drafter.target_layers explicitly")
-    return layers
+    if len(set(layers)) == 3 and layers[-1] > layers[-2]:
+        return layers
+    if num_layers < 3:
+        raise ValueError(f"a {num_layers}-layer target has no three distinct layers for EAGLE-3's default taps; set "
+                         f"drafter.target_layers explicitly, e.g. "
+                         f"drafter.target_layers=[{', '.join(map(str, range(num_layers)))}]")
+    low, high = (1 if num_layers >= 4 else 0), num_layers - 1
+    return low, (low + high) // 2, high
 
 
 @dataclass

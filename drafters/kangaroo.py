@@ -1,4 +1,5 @@
-"""Kangaroo self-drafter: the target's first ``exit_layer`` layers + a one-attention-block adapter + the target's LM head.
+"""Kangaroo self-drafter: the target's first ``exit_layer`` layers + a one-attention-block adapter + the target's LM
+head.
 
 The shallow sub-network IS the target's: the drafter keeps references to the target's first layers (never copies,
 never registers them, so they are neither trained nor exported) and the runtime runs them on the target's own KV
@@ -42,7 +43,8 @@ def default_exit_layer(num_layers: int) -> int:
 def check_exit_layer(exit_layer: int, num_layers: int) -> int:
     """``exit_layer`` when it lies inside the target's depth (1 .. num_layers-1), else a ValueError naming the range."""
     if not 1 <= int(exit_layer) <= num_layers - 1:
-        raise ValueError(f"exit_layer {exit_layer} is outside the target's depth: valid choices are 1..{num_layers - 1} "
+        raise ValueError(f"exit_layer {exit_layer} is outside the target's depth: "
+                         f"valid choices are 1..{num_layers - 1} "
                          f"(the target has {num_layers} layers; default {default_exit_layer(num_layers)})")
     return int(exit_layer)
 

@@ -32,15 +32,17 @@ def count_assistant_tokens(batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     return counts
 
 
-def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
-    """The ``draft_vocab_size`` most frequent target ids, ascending [N]; ties (and unseen tokens) by lower id."""
+def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int,
+                       key: str = "drafter.draft_vocab_size") -> torch.Tensor:
+    """The ``draft_vocab_size`` most frequent target ids, ascending [N]; ties (and unseen tokens) by lower id.
+    ``key`` is the config key that sets the size (named in the warning)."""
     vocab_size = counts.numel()
     if not 0 < draft_vocab_size <= vocab_size:
         raise ValueError(f"draft_vocab_size must be in 1..{vocab_size}, got {draft_vocab_size}")
     seen = int((counts > 0).sum())
     if seen < draft_vocab_size:
         log.warning("only %d distinct assistant tokens seen for a draft vocabulary of %d: the rest is filled "
-                    "with unseen ids (scan more data, or lower drafter.draft_vocab_size)", seen, draft_vocab_size)
+                    "with unseen ids (scan more data, or lower %s)", seen, draft_vocab_size, key)
     order = torch.sort(-counts, stable=True).indices  # by decreasing count, lower id first among ties
     return order[:draft_vocab_size].sort().values
 
@@ -57,7 +59,8 @@ def vocab_maps(target_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor,
 
 
 def draft_vocab_from_batches(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int,
-                             draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                             draft_vocab_size: int, key: str = "drafter.draft_vocab_size"
+                             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Count assistant tokens in ``batches`` and build ``(d2t, t2d, stats)``.
 
     ``stats`` has ``tokens`` (assistant tokens scanned), ``distinct`` and ``coverage`` (share of the scanned
@@ -68,7 +71,7 @@ def draft_vocab_from_batches(batches: Iterable[tuple[torch.Tensor, torch.Tensor]
     if total == 0:
         raise ValueError("no assistant tokens (loss_mask == 1) in the batches scanned for the draft vocabulary; "
                          "check the data's loss masks")
-    ids = select_draft_vocab(counts, draft_vocab_size)
+    ids = select_draft_vocab(counts, draft_vocab_size, key)
     d2t, t2d = vocab_maps(ids, vocab_size)
     stats = {"tokens": float(total), "distinct": float((counts > 0).sum()),
              "coverage": float(counts[ids].sum()) / total}

@@ -51,7 +51,8 @@ def bench_modes(lm: DiffusionLM, prompts: list[list[int]], cfg: DiffusionDecodeC
                          "same_as_baseline": round(sum(a == b for a, b in zip(answers[name], base)) / len(prompts), 3),
                          "agreed_prefix": round(agreed_prefix(answers[name], base), 3)})
     base_s = {c: next(r["seconds"] for r in rows if r["mode"] == "baseline" + ("+cache" if c else "")) for c in caches}
-    base_steps = {c: next(r["steps"] for r in rows if r["mode"] == "baseline" + ("+cache" if c else "")) for c in caches}
+    base_steps = {c: next(r["steps"] for r in rows if r["mode"] == "baseline" + ("+cache" if c else ""))
+                  for c in caches}
     for row in rows:
         cache = row["mode"].endswith("+cache")
         row["speedup"] = round(base_s[cache] / row["seconds"], 2) if row["seconds"] else 0.0

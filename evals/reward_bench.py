@@ -13,11 +13,6 @@ import torch
 from draftsmith.bench.controller import bench_controller, overhead_text
 
 
-def is_reward_task(args: argparse.Namespace) -> bool:
-    """Whether ``bench`` scores rewards: the embedded mixed task or an explicit ``--reward``."""
-    return str(args.prompts).startswith("embedded") or args.reward is not None
-
-
 def layer_names(exports: list[str]) -> dict[str, str]:
     """``adaptive-<granularity>`` per export (a folder name is appended when two share a granularity)."""
     from draftsmith.export.format import read_config

@@ -102,8 +102,8 @@ def summarize(conditions: dict[str, list[dict]], layers: Sequence[str]) -> dict[
         versus[layer]["beats_every_fixed"] = all(versus[layer][name]["mean"] > 0 for name in fixed)
         versus[layer]["significantly"] = all(versus[layer][name]["ci95"][0] > 0 for name in fixed)
     best_by_kind = {kind: max(fixed, key=lambda name: table[name][kind]["mean"]) for kind in kinds} if fixed else {}
-    return {"kinds": kinds, "prompts": len(first), "table": table, "best_fixed": best, "best_fixed_by_kind": best_by_kind,
-            "layer_vs_fixed": versus}
+    return {"kinds": kinds, "prompts": len(first), "table": table, "best_fixed": best,
+            "best_fixed_by_kind": best_by_kind, "layer_vs_fixed": versus}
 
 
 def _stat(values: Sequence[float]) -> dict[str, Any]:

@@ -128,7 +128,8 @@ class CloverHeads(Exportable, nn.Module):
                 missing, unexpected = layer.load_state_dict(init_layer, strict=False)
                 if missing or unexpected:
                     raise ValueError(f"the target's last layer does not fit a Llama decoder layer (missing "
-                                     f"{missing[:3]}, unexpected {unexpected[:3]}): Clover-2 needs a Llama-family target")
+                                     f"{missing[:3]}, unexpected {unexpected[:3]}): "
+                                     "Clover-2 needs a Llama-family target")
         if final_norm is not None:
             with torch.no_grad():
                 self.norm.weight.copy_(final_norm)

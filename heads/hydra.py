@@ -137,7 +137,8 @@ class HydraHeads(Exportable, nn.Module):
     method, also_loads = METHODS[0], METHODS[1:]
     config_class = HydraConfig
 
-    def __init__(self, config: HydraConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> None:
+    def __init__(self, config: HydraConfig, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
         shape = (config.vocab_size, config.hidden_size)
@@ -159,7 +160,8 @@ class HydraHeads(Exportable, nn.Module):
                     head.lm_head.bias.zero_()
 
     def context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache | None]:
+                cache: KVCache | None = None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache | None]:
         """The heads' context state for new positions: hidden [B, S, H] (post-norm) -> (ctx [B, S, H], cache).
 
         Identity (and cache None) without a prefix layer. With one: causal attention over cached + new positions;

@@ -61,8 +61,11 @@ class Eagle3Objective(Objective):
         draft_ids = drafter.draft_ids_in_target()  # [Nd]
         total = outputs[0].new_zeros((), dtype=torch.float32)
         metrics: dict[str, torch.Tensor] = {}
+        scored = labelled = 0
         for j, hidden in enumerate(outputs):
-            keep = (shift_left(labels, 2 + j, n) * shift_left(in_vocab, 1 + j, n)).bool()  # [B, N]
+            wanted = shift_left(labels, 2 + j, n)
+            keep = (wanted * shift_left(in_vocab, 1 + j, n)).bool()  # [B, N]
+            scored, labelled = scored + keep.sum(), labelled + wanted.sum()
             rows, cols = keep.nonzero(as_tuple=True)
             teacher = feats.logits[rows, cols + 1 + j].index_select(-1, draft_ids)  # [M, Nd]
             # The LM head only runs on scored rows, chunked with the CE (no [M, Nd] logits when fused).
@@ -74,7 +77,20 @@ class Eagle3Objective(Objective):
                 metrics[f"step{j}/loss"] = step_loss.detach()
                 metrics[f"step{j}/top1"] = topk_hits(out.topk, greedy, 1)
                 metrics[f"step{j}/top{self.topk}"] = topk_hits(out.topk, greedy, self.topk)
+        self.note_scored(int(scored), int(labelled))
         return total, metrics
+
+    def note_scored(self, scored: int, labelled: int) -> None:
+        """How many positions the batch scored, and why none when none: the loss mask, or a draft vocabulary that
+        never holds the target's greedy token."""
+        self.last_scored, self.unscored_reason = scored, None
+        if scored == 0 and labelled > 0:
+            d = self.module.config
+            self.unscored_reason = (
+                f"the target's greedy token is in the EAGLE-3 draft vocabulary at none of {labelled} assistant "
+                f"positions (drafter.draft_vocab_size={d.draft_vocab_size} of {d.vocab_size}, counted on the training "
+                "data): the target does not predict the data's tokens. Check that target and data match (a random "
+                "or untrained target?), or raise drafter.draft_vocab_size (0 = the full vocabulary)")
 
     def export_config(self) -> dict[str, Any]:
         return {"method": "eagle3", "architecture": self.module.architecture(), "inference": dict(self.inference)}
@@ -91,7 +107,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"drafter.draft_vocab_size must be >= 0 (0 or null = full vocabulary), got {d.draft_vocab_size}")
     layers = d.get("target_layers")
     if layers is not None and len(layers) == 0:
-        raise ConfigError("drafter.target_layers is empty; use null for the default (2, L//2, L-3)")
+        raise ConfigError("drafter.target_layers is empty; use null for the default (2, L//2, L-3), spread over "
+                          "the layers a shallow target has)")
     LMHeadLoss.from_config(cfg)
 
 
@@ -99,7 +116,11 @@ def build_objective(cfg: Any, target: Target, vocab_batches: Any = None) -> Eagl
     """The objective; ``vocab_batches`` (iterable of (input_ids, loss_mask)) overrides the training-data scan."""
     d = cfg.drafter
     vocab = target.vocab_size
-    layers = tuple(int(i) for i in d.target_layers) if d.get("target_layers") else default_target_layers(target.num_layers)
+    try:
+        layers = (tuple(int(i) for i in d.target_layers) if d.get("target_layers")
+                  else default_target_layers(target.num_layers))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     bad = [i for i in layers if not 0 <= i < target.num_layers]
     if bad:
         raise ConfigError(f"drafter.target_layers {list(layers)} has {bad} outside 0..{target.num_layers - 1} (HF "

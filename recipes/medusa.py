@@ -126,7 +126,8 @@ def medusa_draft_ids(cfg: Any, target: Target) -> torch.Tensor | None:
     size = cfg.heads.get("draft_vocab_size")
     if not size or int(size) >= target.vocab_size:
         return None
-    d2t, _ = count_draft_vocab(cfg, target, int(size), cfg.heads.get("vocab_samples"))
+    d2t, _ = count_draft_vocab(cfg, target, int(size), cfg.heads.get("vocab_samples"),
+                               key="heads.draft_vocab_size")
     return d2t + torch.arange(d2t.numel())  # target id = draft index + offset
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith import assets, json_records
+from draftsmith import assets
 from draftsmith.assets import (
     AssetError,
     StreamStats,
@@ -17,6 +17,7 @@ from draftsmith.assets import (
     read_sharegpt,
     resolve_target,
 )
+from draftsmith.common import json_records
 
 
 def _record(i: int, turns: int = 2) -> dict:

@@ -86,8 +86,9 @@ def test_default_taps_and_architecture(target):
                        num_attention_heads=4, num_key_value_heads=2)
     assert Eagle3Config.from_hf_config(cfg8).target_layers == (2, 4, 5)
     assert default_target_layers(32) == (2, 16, 29)
-    with pytest.raises(ValueError, match="three distinct"):
-        default_target_layers(4)
+    assert default_target_layers(4) == (1, 2, 3) and default_target_layers(3) == (0, 1, 2)  # shallow: a spread
+    with pytest.raises(ValueError, match="drafter.target_layers"):
+        default_target_layers(2)
     drafter = make_objective(target).module
     h = target.hidden_size
     assert drafter.fc.weight.shape == (h, 3 * h) and drafter.fc.bias is None

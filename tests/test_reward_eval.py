@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import build_tiny_llama
 
-from draftsmith.evals import reward_eval
 from draftsmith.common.chat import encode_chat
 from draftsmith.controllers.adaptive_temperature import AdaptiveTemperatureConfig, AdaptiveTemperatureHead
+from draftsmith.evals import reward_eval
 from draftsmith.evals.reward_eval import bootstrap_ci, evaluate, reward_table, summarize
 
 GRID = [0.0, 1.0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftsmith.common.trees import default_medusa_tree, tree_from_head_accuracies
 from draftsmith.runtime.acceptance.stop_policies import (
     ConfidenceStop,
     FixedDepth,
@@ -20,7 +21,6 @@ from draftsmith.runtime.acceptance.verifiers import (
 )
 from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.medusa import MedusaProposer
-from draftsmith.common.trees import default_medusa_tree, tree_from_head_accuracies
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 
 PATHS = [[1], [0], [0, 0], [0, 1], [1, 0], [0, 0, 0]]  # deliberately unsorted
