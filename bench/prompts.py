@@ -15,6 +15,8 @@ def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | No
     """``mtbench`` (first turns of the 80 questions), ``humaneval`` (the 164 problems as chat prompts) or a jsonl
     with ``prompt`` or MT-Bench ``turns``. With
     ``max_len`` (the target's context), a prompt that cannot fit fails at once, named, before any model work."""
+    if limit is not None and limit < 1:  # 0 would mean "all" and -N "all but N" below: refuse both
+        raise ValueError(f"the number of prompts must be >= 1, got {limit} (leave it out to use every prompt)")
     if spec == "mtbench":
         texts = [q["turns"][0] for q in assets.mtbench_questions()]
     elif spec == "humaneval":

@@ -46,6 +46,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         ("CPU", b.get("cpu", "n/a")),
         ("dtype / verifier / linears", f"{result['dtype']} / {result['verifier']} / {result.get('linear_backend')}"),
         ("why these linears", b.get("linear_reason", "n/a")),
+        ("decoder (why)", f"{b.get('decoder_backend') or 'n/a'} ({b.get('decoder_reason') or 'n/a'})"),
         ("verifier / stop policy (source)", _inference_text(result.get("inference"))),
         ("tau (mean accepted length, incl. bonus)", _fmt(result["tau"], 3)),
         ("acceptance by position (P(d accepted given d drafted))",

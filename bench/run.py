@@ -91,13 +91,15 @@ def head_agreement(runtime: Runtime, prompts: list[list[int]], continuations: li
 
 def lossless_check(drafter: str, target: str | None, prompts: list[list[int]], max_new_tokens: int,
                    dtype: str = "fp32", kernels: str = "auto",
-                   proposer_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Greedy speculative output vs greedy HF ``generate`` of the target, token for token, in ``dtype``.
+                   proposer_options: dict[str, Any] | None = None, backend: str = "auto") -> dict[str, Any]:
+    """Greedy speculative output vs greedy HF ``generate`` of the target, token for token, in ``dtype`` (the decoder
+    ``backend`` as the bench's own run: auto | lean | hf).
 
     Exactness is checked in fp32: in bf16, verifying a block is not bit-identical to decoding token by token
     (different reduction orders), so near-ties can legitimately flip.
     """
-    runtime = load_runtime(drafter, target, dtype, kernels, "greedy", 0.0, proposer_options=proposer_options)
+    runtime = load_runtime(drafter, target, dtype, kernels, "greedy", 0.0, proposer_options=proposer_options,
+                           backend=backend)
     hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=runtime.model.dtype)
     spec = [runtime.speculative.generate(p, max_new_tokens, eos_ids=runtime.eos_ids).tokens for p in prompts]
     # "hf" lets run_bench reuse this timed HF run when HF's fastest dtype is the check's dtype (fp32 CPUs).

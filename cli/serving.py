@@ -15,6 +15,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="auto (bf16 where this machine runs it fast: AVX512-BF16, or the fused layer's AVX2 variant; "
                         "else fp32) | fp32 (exact) | bf16")
     p.add_argument("--kernels", default="auto", help="auto | torch | triton")
+    p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
+                   help="target decoder: auto (the lean decoder where it supports the model, else the transformers "
+                        "fallback; --verbose and bench say which and why) | lean | hf")
     p.add_argument("--linear-backend", default="auto",
                    help="auto (the fastest this CPU can run) | cpp (fused C++ bf16 layer: AVX512-BF16 or AVX2+FMA) | "
                         "mkldnn (oneDNN bf16: AVX512 BW/VL/DQ or AVX-NE-CONVERT) | dense")
@@ -87,6 +90,27 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
 
 
 
+# Counts that must be >= 1: (flag, argument, what leaving it out does). Checked before anything loads.
+POSITIVE_COUNTS = (("--max-new-tokens", "max_new_tokens", ""),
+                   ("--num-prompts", "num_prompts", " (leave it out to use every prompt)"),
+                   ("--samples-per-prompt", "samples_per_prompt", ""), ("--gen-length", "gen_length", ""),
+                   ("--steps-per-block", "steps_per_block", " (leave it out for one step per block position)"))
+
+
+def refuse_bad_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before any model loads, what cannot run: a count below 1, or a file where an export folder goes."""
+    for flag, name, hint in POSITIVE_COUNTS:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}{hint}")
+    for flag in ("--drafter", "--controller"):
+        for given in filter(None, str(getattr(args, flag[2:], None) or "").split(",")):
+            if Path(given).is_file():
+                hint = f" ({Path(given).parent})" if Path(given).name == "config.json" else ""
+                raise ValueError(f"{flag} {given} is a file, not an export folder: pass the folder that holds "
+                                 f"config.json{hint}")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream decoded text to stdout."""
     import torch
@@ -96,9 +120,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
     from draftsmith.runtime.serving import load_runtime, parse_options
 
+    refuse_bad_arguments(args)
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
-                      stop_policy=args.stop_policy, controller=args.controller)
+                      stop_policy=args.stop_policy, controller=args.controller, backend=args.backend)
     if args.verbose:
         for key, value in rt.backend_report().items():
             print(f"[{key}] {value}", file=sys.stderr)
@@ -146,6 +171,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from draftsmith.runtime.decoding.prompt_limits import context_limit
     from draftsmith.runtime.serving import load_runtime, parse_options
 
+    refuse_bad_arguments(args)
     if args.filter or _is_diffusion_target(args.target):
         return _bench_diffusion(args)
     if is_reward_task(args):
@@ -164,7 +190,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                              "embedded:heldout or --reward NAME)")
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
-                      stop_policy=args.stop_policy, controller=args.controller)
+                      stop_policy=args.stop_policy, controller=args.controller, backend=args.backend)
     prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts, max_len=context_limit(rt.model))
     if args.controller:
         return _bench_controller_layer(args, rt, prompts)
@@ -214,7 +240,7 @@ def _bench_drafter(args: argparse.Namespace, rt: Any, prompts: list[list[int]]) 
     check = args.lossless_dtype
     if args.temperature == 0 and check not in ("none", "same") and resolve_dtype(check) != rt.model.dtype:
         lossless = lossless_check(args.drafter, args.target, prompts, args.max_new_tokens, check, args.kernels,
-                                  proposer_options=parse_options(args.proposer_option))
+                                  proposer_options=parse_options(args.proposer_option), backend=args.backend)
     sweep = [int(k) for k in args.sweep_k.split(",")] if args.sweep_k else None
     if sweep and any(k < 0 for k in sweep):
         raise ValueError(f"--sweep-k takes draft depths >= 0, got {args.sweep_k}")
@@ -236,11 +262,12 @@ def _is_diffusion_target(target: str | None) -> bool:
     """Whether ``target`` is a diffusion-LM folder (its config.json carries the diffusion block, or it is a known
     published family: LLaDA, Dream)."""
     from draftsmith.runtime.target.diffusion_lm import DIFFUSION_KEY, REMOTE_FAMILIES
+    from draftsmith.runtime.target.weights import load_hf_config
 
     config = Path(target) / "config.json" if target else None
     if not (config and config.is_file()):
         return False
-    raw = json.loads(config.read_text())
+    raw = load_hf_config(target)  # a corrupt config.json: named, with what to do
     return DIFFUSION_KEY in raw or str(raw.get("model_type", "")).lower() in REMOTE_FAMILIES
 
 

@@ -55,7 +55,8 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
 def _cmd_cache_features(argv: list[str]) -> int:
     """``draftsmith cache-features recipe=NAME [overrides] --out DIR [--dtype bf16|fp32] [--shard-mb N]``: run the
     target once over the data and write the features the recipe taps (:mod:`draftsmith.distill.feature_cache`).
-    Lives in the CLI, not in distill/, because composing configs (Hydra) and picking recipes is the entry points' job."""
+    Lives in the CLI, not in distill/, because composing configs (Hydra) and picking recipes is the entry points'
+    job."""
     import argparse
 
     from draftsmith import recipes
@@ -80,19 +81,26 @@ def _cmd_cache_features(argv: list[str]) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from draftsmith.distill.exporting import export_from_checkpoint
-    from draftsmith.export.format import read_config
+    from draftsmith.export.format import CONFIG_FILE, read_config
 
     src = args.source
     if args.format == "draftsmith":
+        if (Path(src) / CONFIG_FILE).is_file():
+            raise ValueError(f"{src} is already a draftsmith export; export takes a run folder or .ckpt file, or "
+                             "converts an export with --format medusa|speculators")
         out = export_from_checkpoint(src, args.out)
-    else:
-        from pathlib import Path
+    elif (Path(src) / CONFIG_FILE).is_file():
+        out = _convert(src, args.out, args.format, read_config(src), args.target, source=src)
+    else:  # a run folder or checkpoint: export it into a temporary folder, removed whatever happens
+        import tempfile
 
-        export_dir = Path(src)
-        if not (export_dir / "config.json").is_file():  # a run folder or checkpoint: export it first
-            export_dir = export_from_checkpoint(src, Path(args.out).with_name(Path(args.out).name + ".draftsmith"))
-        out = _convert(export_dir, args.out, args.format, read_config(export_dir), args.target)
+        parent = Path(args.out).resolve().parent
+        with tempfile.TemporaryDirectory(prefix=".draftsmith-export-", dir=parent if parent.is_dir() else None) as tmp:
+            export_dir = export_from_checkpoint(src, Path(tmp) / "export")
+            out = _convert(export_dir, args.out, args.format, read_config(export_dir), args.target, source=src)
     print(f"wrote {out}")
     return 0
 
@@ -131,13 +139,15 @@ def _verifier_folder(config: dict, target: str | None) -> str:
     return str(folder.resolve())
 
 
-def _convert(export_dir, out, fmt: str, config: dict, target: str | None):
+def _convert(export_dir, out, fmt: str, config: dict, target: str | None, source: str | None = None):
+    """Convert ``export_dir`` to ``fmt``; errors and the converted folder name ``source`` (what the user passed)."""
     from draftsmith.common.methods import METHODS, export_formats
 
+    source = str(source or export_dir)
     method = METHODS.get(config.get("method"))
     if method is not None and fmt not in method.formats:  # the one method table says which converters apply
-        raise SystemExit(f"--format {fmt} does not hold {method.name!r} exports; {method.label} exports as: "
-                         f"{', '.join(method.formats)}")
+        raise ValueError(f"{source}: --format {fmt} does not hold {method.name!r} exports; {method.label} exports "
+                         f"as: {', '.join(method.formats)}")
     if fmt == "medusa":
         from draftsmith.export.medusa_layout import to_medusa_layout
         from draftsmith.runtime.target.weights import load_lm_head
@@ -145,12 +155,12 @@ def _convert(export_dir, out, fmt: str, config: dict, target: str | None):
         # Heads sharing the target's LM head need it: default to the recorded target like speculators does.
         shared = bool(config["architecture"].get("share_lm_head", False))
         lm_head = load_lm_head(_verifier_folder(config, target)) if target or shared else None
-        return to_medusa_layout(export_dir, out, lm_head)
+        return to_medusa_layout(export_dir, out, lm_head, source=source)
     if fmt == "speculators":
         from draftsmith.export.speculators import to_speculators
 
-        return to_speculators(export_dir, out, _verifier_folder(config, target))
-    raise SystemExit(f"unknown --format {fmt!r}; valid: {', '.join(export_formats())}")
+        return to_speculators(export_dir, out, _verifier_folder(config, target), source=source)
+    raise ValueError(f"unknown --format {fmt!r}; valid: {', '.join(export_formats())}")
 
 
 def _cmd_assets(args: argparse.Namespace) -> int:

@@ -52,7 +52,8 @@ def lora_pairs(part: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, t
     return pairs
 
 
-def merge_lora(weights: dict[str, torch.Tensor], part: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+def merge_lora(weights: dict[str, torch.Tensor], part: dict[str, torch.Tensor],
+               scaling: float) -> dict[str, torch.Tensor]:
     """A copy of ``weights`` (HF names) with the adapter merged: ``W_P + scaling * B @ A`` for every adapted ``P``.
 
     The product is computed in fp32 and cast back to each weight's dtype.

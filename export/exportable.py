@@ -93,14 +93,18 @@ class Exportable:
         arch = dict(export.config.get("architecture") or {})
         known = {f.name for f in fields(cls.config_class)}
         unknown = sorted(set(arch) - known)
+        # The method names the module, the architecture its shape: when they disagree, config.json's "method" was
+        # edited or another draftsmith version wrote the export. One line names the export, the method and the fields.
+        claims = f"{export.path} claims method {export.config.get('method')!r}, but its architecture"
+        fix = ("if config.json's 'method' was edited, restore the method the export was written with; else re-export "
+               "the drafter with this draftsmith")
         if unknown and not cls.extra_architecture_keys:
-            raise ExportError(f"{export.path}: architecture fields {unknown} are unknown to {cls.config_class.__name__}"
-                              "; this export was written by another draftsmith version: re-export the drafter")
+            raise ExportError(f"{claims} fields {unknown} are unknown to {cls.config_class.__name__} (its fields: "
+                              f"{', '.join(sorted(known))}); {fix}")
         try:
             return cls.config_class(**{k: v for k, v in arch.items() if k in known})
         except (TypeError, ValueError) as err:
-            raise ExportError(f"{export.path}: its architecture does not make a {cls.config_class.__name__} ({err})"
-                              "; re-export the drafter") from err
+            raise ExportError(f"{claims} does not make a {cls.config_class.__name__} ({err}); {fix}") from err
 
 
 def load_exported_state(module: nn.Module, export: ExportContents, unexported: tuple[str, ...] = ()) -> None:

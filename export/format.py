@@ -101,6 +101,10 @@ def write_export(out_dir: str | Path, state_dict: dict[str, torch.Tensor], confi
 def read_config(export_dir: str | Path) -> dict[str, Any]:
     """Read and validate an export's ``config.json``."""
     path = Path(export_dir)
+    if path.is_file():
+        hint = f" ({path.parent})" if path.name == CONFIG_FILE else ""
+        raise ExportError(f"{path} is a file, not an export folder: pass the folder that holds config.json{hint}, "
+                          "written by `draftsmith export` or by training (<run dir>/export)")
     if not path.is_dir():
         raise ExportError(f"export folder {path} does not exist; pass the folder written by `draftsmith export` "
                           "or by training (<run dir>/export)")
@@ -159,7 +163,8 @@ def export_fingerprint(export_dir: str | Path) -> str:
 def base_reference(base_dir: str | Path) -> dict[str, Any]:
     """The ``base_export`` block for an export stacked on ``base_dir`` (e.g. a controller on a drafter)."""
     config = read_config(base_dir)
-    return {"path": str(Path(base_dir).resolve()), "method": config["method"], "fingerprint": export_fingerprint(base_dir)}
+    return {"path": str(Path(base_dir).resolve()), "method": config["method"],
+            "fingerprint": export_fingerprint(base_dir)}
 
 
 def resolve_base_export(config: dict[str, Any], base_dir: str | Path | None = None) -> Path | None:

@@ -29,8 +29,9 @@ from safetensors.torch import save_file
 from draftsmith.export.format import ExportError, atomic_folder_write, read_export_parts
 
 
-def medusa_layout_tensors(state: dict[str, torch.Tensor], num_heads: int, num_layers: int,
-                          lm_head_weight: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def medusa_layout_tensors(
+    state: dict[str, torch.Tensor], num_heads: int, num_layers: int, lm_head_weight: torch.Tensor | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Map draftsmith head weights to (vLLM keys, original-Medusa keys)."""
     vllm: dict[str, torch.Tensor] = {}
     original: dict[str, torch.Tensor] = {}
@@ -54,12 +55,15 @@ def medusa_layout_tensors(state: dict[str, torch.Tensor], num_heads: int, num_la
     return vllm, original
 
 
-def to_medusa_layout(export_dir: str | Path, out_dir: str | Path, lm_head_weight: torch.Tensor | None = None) -> Path:
-    """Write the vLLM/TGI Medusa layout of a draftsmith Medusa export into ``out_dir`` (atomically)."""
+def to_medusa_layout(export_dir: str | Path, out_dir: str | Path, lm_head_weight: torch.Tensor | None = None,
+                     source: str | Path | None = None) -> Path:
+    """Write the vLLM/TGI Medusa layout of a draftsmith Medusa export into ``out_dir`` (atomically). ``source``: what
+    the user converted (a run folder exported into a temporary folder first), named in errors and the layout."""
     config, parts = read_export_parts(export_dir)
     state = parts["model"]
+    source = Path(source or export_dir)
     if config["method"] not in ("medusa", "medusa2"):
-        raise ExportError(f"--format medusa converts Medusa-1/2 exports; {export_dir} holds {config['method']!r}")
+        raise ExportError(f"--format medusa converts Medusa-1/2 exports; {source} holds {config['method']!r}")
     adapter = (config.get("inference") or {}).get("adapter")
     arch = config["architecture"]
     vllm, original = medusa_layout_tensors(state, arch["num_heads"], arch["num_layers"], lm_head_weight)
@@ -73,7 +77,7 @@ def to_medusa_layout(export_dir: str | Path, out_dir: str | Path, lm_head_weight
         "topk": int(config.get("inference", {}).get("top_k", 10)),
         "medusa_num_heads": arch["num_heads"], "medusa_num_layers": arch["num_layers"],
         "base_model_name_or_path": config["target"]["name_or_path"],
-        "draftsmith": {"converted_from": str(Path(export_dir).resolve()), "target": config["target"]},
+        "draftsmith": {"converted_from": str(source.resolve()), "target": config["target"]},
     }
 
     reduced = bool(arch.get("draft_vocab_size"))

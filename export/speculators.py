@@ -16,7 +16,8 @@ config.json, field by field (draftsmith export field -> speculators field):
   ``speculators_version``: ``"0.9.0"`` (the schema written here).
 * ``speculators_config.algorithm``: ``"eagle3"``; ``proposal_methods``: one greedy chain proposal
   ``{proposal_type: greedy, speculative_tokens, verifier_accept_k: 1, accept_tolerance: 0.0}`` with
-  ``speculative_tokens`` = the ``speculative_tokens`` argument, else ``inference.depth + 1`` (depth defaulting to 4 as in the runtime);
+  ``speculative_tokens`` = the ``speculative_tokens`` argument, else ``inference.depth + 1`` (depth defaulting to 4
+  as in the runtime);
   ``default_proposal_method``: ``"greedy"``. speculators 0.9.0 defines ``speculative_tokens`` as the number of
   tokens the speculator drafts per verifier forward (the most that can be accepted; vLLM's
   ``num_speculative_tokens``). draftsmith's EAGLE runtime follows EAGLE-2's ``depth``: its root step drafts depth 1
@@ -167,14 +168,16 @@ def speculators_config(config: dict[str, Any], verifier_name_or_path: str, specu
 
 def to_speculators(export_dir: str | Path, out_dir: str | Path, verifier_name_or_path: str,
                    speculative_tokens: int | None = None, dtype: str | None = None,
-                   architectures: list[str] | None = None, embed_weight: torch.Tensor | None = None) -> Path:
+                   architectures: list[str] | None = None, embed_weight: torch.Tensor | None = None,
+                   source: str | Path | None = None) -> Path:
     """Write the speculators-format folder of a draftsmith EAGLE-3 export into ``out_dir`` (atomically).
 
     ``verifier_name_or_path`` is what vLLM/speculators will load as the verifier (a hub id or a folder);
     ``speculative_tokens``: tokens drafted per step, default ``inference.depth + 1`` (see the module docstring);
     ``dtype`` (float32 | bfloat16 | float16) converts the floating weights, default: as exported;
     ``embed_weight`` (the target's input embedding) is written as ``embed_tokens.weight``; by default it is read
-    from the verifier when that is a local folder.
+    from the verifier when that is a local folder; ``source``: what the user converted (a run folder exported into a
+    temporary folder first), named in errors.
     """
     config, state = read_export(export_dir)
     method = config["method"]
@@ -183,7 +186,8 @@ def to_speculators(export_dir: str | Path, out_dir: str | Path, verifier_name_or
                           "peagle, dflash, dflash2, dspark, mtp, xpress); train with recipe=eagle3 to serve "
                           "through speculators/vLLM, or run the EAGLE-1 drafter in draftsmith's runtime")
     if method != "eagle3":
-        raise ExportError(f"the speculators format holds EAGLE-3 drafters; {export_dir} is a {method!r} export")
+        raise ExportError(f"the speculators format holds EAGLE-3 drafters; {source or export_dir} is a {method!r} "
+                          "export")
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}; valid: {', '.join(_DTYPES)}")
     arch = config["architecture"]

@@ -1,4 +1,5 @@
-"""Tree attention over a static KV cache: the new tokens attend to the whole prefix plus a tree mask among themselves."""
+"""Tree attention over a static KV cache: the new tokens attend to the whole prefix plus a tree mask among
+themselves."""
 
 from __future__ import annotations
 
@@ -29,6 +30,40 @@ def full_mask(prefix_len: int, tree_mask: torch.Tensor | None, t: int, device: t
         tree_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
     prefix = torch.ones(t, prefix_len, dtype=torch.bool, device=device)
     return torch.cat([prefix, tree_mask.to(device)], dim=1)  # [T, P+T]
+
+
+def window_mask(prefix_len: int, tree_mask: torch.Tensor | None, positions: torch.Tensor, window: int | None,
+                ) -> torch.Tensor:
+    """:func:`full_mask` [T, prefix_len+T] with a sliding window on top: query i sees key j only if
+    ``positions[i] - pos(j) < window`` (transformers' convention), where prefix slot s holds position s and new token
+    j position ``positions[j]`` (a tree node at depth d sits at prefix + d). ``window`` None: no window."""
+    t = positions.numel()
+    mask = full_mask(prefix_len, tree_mask, t, positions.device)
+    if window is None:
+        return mask
+    keys = torch.cat([torch.arange(prefix_len, device=positions.device), positions])  # [P+T]
+    return mask & (positions[:, None] - keys[None, :] < window)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float | None = None) -> torch.Tensor:
+    """Attention of T queries q [Hq, T, d] over the first S' = mask.shape[1] slots of k, v [Hkv, S, d] under a
+    boolean mask [T, S'] (e.g. :func:`window_mask`); ``softcap`` caps the scaled scores to
+    ``softcap * tanh(scores / softcap)`` before masking (Gemma-2), with the softmax in fp32 like transformers.
+    Plain PyTorch (any device). Returns [Hq, T, d]."""
+    hq, t, d = q.shape
+    hkv, s = k.shape[0], mask.shape[1]
+    group = hq // hkv
+    qg, kk, vv = q.reshape(hkv, group * t, d), k[:, :s], v[:, :s]  # query heads grouped per kv head (GQA)
+    rows = mask.repeat(group, 1)  # [G*T, S']
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qg[None], kk[None], vv[None], attn_mask=rows, scale=scale)[0]
+    else:
+        scores = torch.matmul(qg, kk.transpose(1, 2)) * scale  # [Hkv, G*T, S']
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~rows, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), vv)
+    return out.reshape(hq, t, d)
 
 
 def tree_attention_torch(

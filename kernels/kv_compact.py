@@ -9,7 +9,8 @@ from draftsmith.kernels.dispatch import resolve_backend
 
 def _check(k: torch.Tensor, v: torch.Tensor, src_slots: torch.Tensor, dst_start: int) -> None:
     if k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"compact_kv expects layer-stacked k, v [L, Hkv, S, d]; got {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"compact_kv expects layer-stacked k, v [L, Hkv, S, d]; "
+                         f"got {tuple(k.shape)}, {tuple(v.shape)}")
     if src_slots.dim() != 1 or src_slots.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"src_slots must be a 1-D integer tensor; got {src_slots.dtype} {tuple(src_slots.shape)}")
     n = src_slots.numel()
@@ -27,7 +28,8 @@ def compact_kv_torch(k: torch.Tensor, v: torch.Tensor, src_slots: torch.Tensor, 
     v[:, :, dst_start : dst_start + n] = v.index_select(2, idx)
 
 
-def compact_kv(k: torch.Tensor, v: torch.Tensor, src_slots: torch.Tensor, dst_start: int, backend: str = "auto") -> None:
+def compact_kv(k: torch.Tensor, v: torch.Tensor, src_slots: torch.Tensor, dst_start: int,
+               backend: str = "auto") -> None:
     """In place: for layer-stacked k, v [L, Hkv, S, d] copy slots ``src_slots`` (long [n], ascending, each >= dst_start)
     to ``dst_start .. dst_start+n-1``. ``backend``: "auto" | "torch" | "triton"."""
     _check(k, v, src_slots, dst_start)

@@ -54,7 +54,8 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | No
            chunk_size: int | None, topk: int) -> None:
     """One clear message per bad input (shapes, dtypes, options)."""
     if hidden.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"hidden must be [N, H] and weight [V, H]; got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(f"hidden must be [N, H] and weight [V, H]; "
+                         f"got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     n, h = hidden.shape
     v = weight.shape[0]
     if weight.shape[1] != h:

@@ -18,7 +18,8 @@ from draftsmith.runtime.acceptance.choice import choose_stop_policy, choose_veri
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import NullProposer, WrapsTarget, build_proposer
 from draftsmith.runtime.target.adapters import target_adapter
-from draftsmith.runtime.target.loading import load_decoder
+from draftsmith.runtime.target.loading import choose_decoder
+from draftsmith.runtime.target.weights import load_hf_config
 
 
 def eos_ids_from_folder(folder: str | Path) -> tuple[int, ...]:
@@ -26,7 +27,11 @@ def eos_ids_from_folder(folder: str | Path) -> tuple[int, ...]:
     for name in ("generation_config.json", "config.json"):
         path = Path(folder) / name
         if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
+            try:
+                eos = json.loads(path.read_text()).get("eos_token_id")
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} is not valid JSON (line {err.lineno}: {err.msg}): re-download or re-save "
+                                 "the target (save_pretrained)") from err
             if eos is not None:
                 return tuple(eos) if isinstance(eos, list) else (int(eos),)
     return ()
@@ -44,6 +49,8 @@ class Runtime:
     speculative: SpeculativeDecoder | None = None
     dtype_reason: str = ""
     inference: dict[str, Any] | None = None  # verifier / stop policy / proposer options that run, and their sources
+    decoder_backend: str = ""  # "lean" or "hf" (the transformers fallback)
+    decoder_reason: str = ""  # why: forced by --backend, or what auto found
 
     def backend_report(self) -> dict[str, Any]:
         """What runs and why: CPU, dtype, linear backend (for bench.json, the bench table and generate --verbose)."""
@@ -51,7 +58,8 @@ class Runtime:
         return {"cpu": cpu_caps.probe().describe(), "dtype": str(self.model.dtype).replace("torch.", ""),
                 "dtype_reason": self.dtype_reason,
                 "linear_backend": plan.label if plan else "hf (transformers fallback)",
-                "linear_reason": plan.reason if plan else "architecture not supported by the lean decoder",
+                "linear_reason": plan.reason if plan else self.decoder_reason,
+                "decoder_backend": self.decoder_backend, "decoder_reason": self.decoder_reason,
                 "kernels": getattr(self.model, "kernel_backend", "n/a"), "device": str(self.model.device)}
 
 
@@ -100,9 +108,10 @@ def hf_fastest_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
 def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", kernels: str = "auto",
                  verifier: str = "auto", temperature: float = 0.0, max_cache_len: int = 4096,
                  proposer_options: dict[str, Any] | None = None, linear_backend: str = "auto",
-                 stop_policy: str | None = None, controller: str | None = None) -> Runtime:
+                 stop_policy: str | None = None, controller: str | None = None, backend: str = "auto") -> Runtime:
     """Load the target (from ``target`` or the export's record) and the export's proposer, checking identity.
-    ``linear_backend`` picks how the lean decoder runs its linears (see ``draftsmith.runtime.target.linear_ops``).
+    ``backend`` picks the decoder (auto | lean | hf, see ``choose_decoder``); ``linear_backend`` how the lean decoder
+    runs its linears (see ``draftsmith.runtime.target.linear_ops``).
     Verifier, stop policy and proposer options: the flags where given, else the export's ``inference`` block
     (``runtime.inference`` records each choice and its source; see ``draftsmith.runtime.acceptance.choice``)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -116,14 +125,17 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
     if not Path(folder).is_dir():
         raise FileNotFoundError(f"target folder {folder} not found; pass --target PATH to the target the drafter "
                                 "was trained for")
+    load_hf_config(folder)  # a corrupt config.json is named here, not as transformers' bare JSON error
     tokenizer = AutoTokenizer.from_pretrained(folder)
     torch_dtype, dtype_reason = resolve_runtime_dtype(dtype)
     adapter = target_adapter(drafter, export_config) if drafter else None  # Medusa-2: the target it trained
-    model = load_decoder(folder, dtype=torch_dtype, kernel_backend=kernels, linear_backend=linear_backend,
-                         transform_weights=adapter[0] if adapter else None)
+    model, decoder, why = choose_decoder(folder, torch_dtype, backend=backend, kernel_backend=kernels,
+                                         linear_backend=linear_backend,
+                                         transform_weights=adapter[0] if adapter else None)
     runtime = Runtime(str(folder), model, tokenizer, eos_ids_from_folder(folder), export_config,
-                      dtype_reason=dtype_reason)
+                      dtype_reason=dtype_reason, decoder_backend=decoder, decoder_reason=why)
     if drafter:
+        getattr(model, "check_speculative", lambda: None)()  # the HF fallback verifies trees exactly or refuses
         identity = target_identity(export_config["target"]["name_or_path"], AutoConfig.from_pretrained(folder),
                                    tokenizer, model.lm_head_weight)
         if adapter:

@@ -74,9 +74,11 @@ def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str], default_
             "tokens": training.get("tokens"), "fit_seconds": training.get("fit_seconds"),
             "extra_params": ratio.get("trainable_params_m", 0.0) * 1e6, "training_ratio": ratio.get("ratio"),
             "tau": bench["tau"], "acceptance_by_position": bench["acceptance_by_position"],
-            "tokens_per_s": bench["tokens_per_s"]["speculative"], "ar_tokens_per_s": bench["tokens_per_s"]["runtime_ar"],
+            "tokens_per_s": bench["tokens_per_s"]["speculative"],
+            "ar_tokens_per_s": bench["tokens_per_s"]["runtime_ar"],
             "speedup_vs_ar": bench["speedup"]["vs_runtime_ar"], "lossless_fp32": bench["lossless"],
-            "target_change": bench.get("target_change"), "stop_policy": (bench.get("inference") or {}).get("stop_policy"),
+            "target_change": bench.get("target_change"),
+            "stop_policy": (bench.get("inference") or {}).get("stop_policy"),
             "default_speedup_vs_ar": (default.get("speedup") or {}).get("vs_runtime_ar"),
             "default_choice": (default.get("cost_model") or {}).get("summary")}
 

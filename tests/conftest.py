@@ -70,6 +70,7 @@ TIERS = {
     "test_calibrated_tree.py": "unit",
     "test_chat_encoding.py": "unit",
     "test_clover.py": "unit",
+    "test_cli_bad_inputs.py": "unit",
     "test_cli_table.py": "unit",  # its `draftsmith train` run is marked e2e
     "test_clover_runtime.py": "unit",
     "test_cluster_elastic.py": "e2e",
@@ -96,6 +97,7 @@ TIERS = {
     "test_gpu.py": "e2e",  # CUDA only (skipped elsewhere); ends with a train.py run on the GPU
     "test_gpu_check_script.py": "e2e",
     "test_head_family_train.py": "e2e",
+    "test_hf_fallback.py": "unit",
     "test_hydra.py": "unit",
     "test_hydra_runtime.py": "unit",
     "test_inference_choice.py": "unit",
@@ -129,6 +131,7 @@ TIERS = {
     "test_tiers.py": "unit",
     "test_train.py": "e2e",
     "test_training_guards.py": "unit",  # its two train.py runs are marked e2e
+    "test_training_refusals.py": "unit",  # its train.py run is marked e2e
     "test_tree_verify.py": "unit",
 }
 TIER_MARKERS = ("unit", "integration", "e2e")

@@ -15,7 +15,8 @@ def recipe_cfg(name: str, **extra):
     return OmegaConf.merge(cfg, extra)
 
 
-def fixed_batch(vocab: int, batch: int = 4, length: int = 16, seed: int = 0, period: int = 0) -> dict[str, torch.Tensor]:
+def fixed_batch(vocab: int, batch: int = 4, length: int = 16, seed: int = 0,
+                period: int = 0) -> dict[str, torch.Tensor]:
     """Random tokens (or, with ``period``, each row repeating ``period`` random tokens: learnable by a LM)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, vocab, (batch, period or length), generator=g)

@@ -76,7 +76,8 @@ def test_bench_reports_the_contract_and_is_lossless(medusa_export, prompts_file,
     assert "greedy (export)" in (out / "bench.md").read_text()
     costs = result["step_costs"]
     assert costs["bandwidth_floor_ms"] > 0 and costs["ar_step_over_floor"] > 0 and costs["read_bandwidth_gbs"] > 0
-    assert "vs bandwidth floor" in (out / "bench.md").read_text() and "why these linears" in (out / "bench.md").read_text()
+    assert ("vs bandwidth floor" in (out / "bench.md").read_text()
+            and "why these linears" in (out / "bench.md").read_text())
 
 
 def test_bench_refuses_an_export_for_another_target(medusa_export, tmp_path, tiny_tokenizer):
@@ -121,7 +122,8 @@ def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
                             "--profile", "--sweep-k", "1,2", "--out", str(tmp_path / "b")],
                            capture_output=True, text=True, timeout=300)
     assert bench.returncode == 0, bench.stderr[-2000:]
-    assert "| tau" in bench.stdout and "| stop policy | tau |" in bench.stdout and "per speculative step" in bench.stdout
+    assert ("| tau" in bench.stdout and "| stop policy | tau |" in bench.stdout
+            and "per speculative step" in bench.stdout)
     result = json.loads((tmp_path / "b" / "bench.json").read_text())
     # Timed in bf16, lossless verdict from a separate fp32 run against HF generate.
     assert result["dtype"] == "bfloat16" and result["lossless_detail"]["dtype"] == "fp32"

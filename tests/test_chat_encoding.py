@@ -19,7 +19,8 @@ def test_training_and_bench_produce_the_same_prompt_ids(tiny_tokenizer, tmp_path
     # The bench's prompt is exactly the training sequence up to the first assistant token.
     first_assistant = trained["loss_mask"].index(1)
     assert served == trained["input_ids"][:first_assistant]
-    assert served == encode_chat(tiny_tokenizer, user) == encode_chat(tiny_tokenizer, [{"role": "user", "content": user}])
+    assert served == encode_chat(tiny_tokenizer, user) == encode_chat(tiny_tokenizer,
+                                                                      [{"role": "user", "content": user}])
 
 
 def test_chat_encoding_errors_are_actionable(tiny_tokenizer):

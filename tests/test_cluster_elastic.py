@@ -47,7 +47,8 @@ def test_ddp_checkpoint_resumes_in_one_process_with_the_same_global_batch(tmp_pa
     resumed_cfg = compose_config(overrides(tiny_target_dir, tiny_data_file, "trainer=cpu", "trainer.max_steps=4"))
     with caplog.at_level(logging.INFO):
         train(resumed_cfg, get_recipe("medusa"), run_dir)
-    assert "resuming on 1 devices (was 2): trainer.accumulate_grad_batches 1 -> 2 keeps the global batch of 4" in caplog.text
+    assert ("resuming on 1 devices (was 2): trainer.accumulate_grad_batches 1 -> 2 "
+            "keeps the global batch of 4") in caplog.text
     assert resumed_cfg.trainer.accumulate_grad_batches == 2
     assert load_checkpoint(run_dir)["global_step"] == 4
 

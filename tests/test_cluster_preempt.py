@@ -90,8 +90,9 @@ def test_epoch_position_is_rescaled_to_the_new_accumulation():
     def ckpt(done, processed):
         counters = {"ready": processed, "started": processed, "processed": processed, "completed": processed - 1}
         return {"loops": {"fit_loop": {"state_dict": {"combined_loader": [{"batches_done_in_epoch": done}]},
-                                       "epoch_loop.batch_progress": {"current": dict(counters),
-                                                                     "total": {k: v + 20 for k, v in counters.items()}}}}}
+                                       "epoch_loop.batch_progress": {
+                                           "current": dict(counters),
+                                           "total": {k: v + 20 for k, v in counters.items()}}}}}
 
     two_ranks = ckpt(done=3, processed=3)  # 2 processes x accumulation 1: 3 steps, 3 batches per rank
     assert rescale_loop_state(two_ranks, old_accumulate=1, new_accumulate=2) == 6

@@ -29,8 +29,9 @@ def test_offline_wandb_run_has_name_config_and_export_config(tmp_path, tiny_targ
 
     monkeypatch.setattr(wandb, "init", spy)
     run_dir = tmp_path / "run"
-    cfg = compose_config(["recipe=medusa", "logger=wandb", f"target.name_or_path={tiny_target_dir}", "target.dtype=fp32",
-                          f"data.spec={tiny_data_file}", "data.limit=null", "data.max_length=48", "data.batch_size=4",
+    cfg = compose_config(["recipe=medusa", "logger=wandb", f"target.name_or_path={tiny_target_dir}",
+                          "target.dtype=fp32", f"data.spec={tiny_data_file}", "data.limit=null", "data.max_length=48",
+                          "data.batch_size=4",
                           "trainer.max_steps=2", "run.final_eval_batches=0", "heads.num_heads=2"])
     summary = train(cfg, get_recipe("medusa"), run_dir, run_name="medusa-heads.num_heads=2")
     assert len(calls) == 1 and summary["export"]

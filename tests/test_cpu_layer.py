@@ -66,7 +66,8 @@ def test_linear_rounds_to_nearest_even_like_torch(ext):
     torch.manual_seed(0)
     big = torch.finfo(torch.bfloat16).max
     a = torch.cat([torch.randn(200), torch.tensor([1.0, 1.0, 3.0, big, float("inf"), float("inf"), -big, 0.0])])
-    b = torch.cat([torch.randn(200) * 2**-9, torch.tensor([2**-8, 3 * 2**-8, 2**-7, big, 1.0, -float("inf"), -big, -0.0])])
+    b = torch.cat([torch.randn(200) * 2**-9,
+                   torch.tensor([2**-8, 3 * 2**-8, 2**-7, big, 1.0, -float("inf"), -big, -0.0])])
     x = torch.stack([a, b], 1).bfloat16()  # [208, 2]: bf16 a and b whose fp32 sum needs rounding
     w = torch.ones(1, 2).bfloat16()  # y = a + b
     want = (x.float() @ w.float().t()).bfloat16()  # [208, 1]; 1 + 2^-8, 1 + 3 * 2^-8 and 3 + 2^-7 are ties

@@ -48,10 +48,13 @@ def _masked_runs(tokens: list, mask: list[int]) -> list[list]:
 
 def test_normalize_formats():
     want = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    assert normalize_record({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}) == want
-    assert normalize_record({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) == want
+    assert normalize_record({"conversations": [{"from": "human", "value": "q"},
+                                               {"from": "gpt", "value": "a"}]}) == want
+    assert normalize_record({"messages": [{"role": "user", "content": "q"},
+                                          {"role": "assistant", "content": "a"}]}) == want
     assert normalize_record({"prompt": "q", "response": "a"}) == want
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}, {"role": "assistant", "content": "a"}]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]},
+                          {"role": "assistant", "content": "a"}]}
     assert normalize_record(parts) == want
     assert normalize_record({"prompt": "q", "completion": "a", "system": "s"})[0] == {"role": "system", "content": "s"}
     with pytest.raises(ValueError, match="unknown role 'robot'"):
@@ -92,7 +95,8 @@ def test_load_truncated_json_array(tmp_path):
 def test_load_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(5)]
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(5)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     convs, report = load_conversations(str(tmp_path / "d.parquet"))
     assert report.kept == 5 and convs[4] == rows[4]["messages"]
@@ -192,7 +196,8 @@ def _samples(lengths):
 
 def test_collate_right_pads():
     batch = collate(_samples([3, 5, 1]), pad_id=0)
-    assert {k: tuple(v.shape) for k, v in batch.items()} == {k: (3, 5) for k in ("input_ids", "attention_mask", "loss_mask")}
+    assert {k: tuple(v.shape) for k, v in batch.items()} == {k: (3, 5) for k in ("input_ids", "attention_mask",
+                                                                                  "loss_mask")}
     assert all(v.dtype == torch.long for v in batch.values())
     assert batch["input_ids"][0].tolist() == [1, 2, 3, 0, 0]
     assert batch["attention_mask"].sum(1).tolist() == [3, 5, 1]

@@ -98,7 +98,8 @@ def test_learn2pd_recipe_refuses_causal_target(traj_dir, tiny_target_dir):
     from draftsmith.distill.target import Target
     from draftsmith.recipes.learn2pd import build
 
-    cfg = OmegaConf.create({"data": {"spec": str(traj_dir)}, "filter": {"hidden": 8, "num_layers": 2, "threshold": 0.9}})
+    cfg = OmegaConf.create({"data": {"spec": str(traj_dir)},
+                            "filter": {"hidden": 8, "num_layers": 2, "threshold": 0.9}})
     with pytest.raises(ConfigError, match="causal .*not a block-diffusion target"):
         build(cfg, Target.load(str(tiny_target_dir), "fp32"))
     assert json.loads((traj_dir / "meta.json").read_text())["num_prompts"] == 3

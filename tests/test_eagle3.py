@@ -261,7 +261,8 @@ def test_train_py_end_to_end(tmp_path, tiny_target_dir, tiny_data_file):
                  "data.val_fraction=0.1", "trainer.max_steps=3", "run.checkpoint_every=3", "run.final_eval_batches=1",
                  "drafter.target_layers=[1,2,3]", "drafter.draft_vocab_size=40", f"hydra.run.dir={run_dir}"]
     proc = subprocess.run([sys.executable, "-c", code, *overrides], cwd=ROOT, capture_output=True, text=True,
-                          timeout=240, env={**os.environ, "DRAFTSMITH_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"})
+                          timeout=240,
+                          env={**os.environ, "DRAFTSMITH_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     config, state = read_export(run_dir / "export")
     assert config["method"] == "eagle3" and config["architecture"]["draft_vocab_size"] == 40

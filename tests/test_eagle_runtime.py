@@ -145,7 +145,8 @@ def test_sampled_chain_records_its_law_on_the_target_vocabulary():
     stub = BigramStub(torch.tensor([1, 4, 7, 10, 13]), 16)
     proposer = EagleProposer(stub, "chain", depth=1, temperature=0.5)
     proposer.begin(StepContext(torch.tensor([1, 1]), 1, torch.zeros(1, 1)))
-    tree = proposer.propose(StepContext(torch.tensor([1, 1]), 1, torch.zeros(1), None, torch.Generator().manual_seed(0)))
+    tree = proposer.propose(StepContext(torch.tensor([1, 1]), 1, torch.zeros(1), None,
+                                        torch.Generator().manual_seed(0)))
     assert tree.draft_mode == "with_replacement" and tree.draft_q.shape == (3, 16)
     expected = torch.zeros(16, dtype=torch.float64)
     expected[[1, 4, 7, 10, 13]] = torch.softmax(BIGRAM[0].log() / 0.5, -1)
@@ -310,7 +311,7 @@ def test_eagle3_serves_through_the_hf_fallback_with_the_lean_decoders_tokens(tar
         hf.forward(torch.tensor([1, 2]), hf.allocate_cache(4), taps=(4,))
 
 
-# ---- rejection sampling stays exact -----------------------------------------------------------------------------------
+# ---- rejection sampling stays exact ----------------------------------------------------------------------------------
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

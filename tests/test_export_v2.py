@@ -29,7 +29,8 @@ def test_parts_round_trip_and_the_main_part_stays_model_safetensors(tmp_path):
     cfg, parts = read_export_parts(out)
     assert cfg["format_version"] == 2 and set(parts) == {"model", "adapter"}
     assert cfg["parts"]["adapter"] == {"file": "adapter.safetensors", "tensors": 1}
-    assert torch.equal(parts["adapter"]["lora_A"], adapter["lora_A"]) and torch.equal(read_export(out)[1]["w"], heads["w"])
+    assert (torch.equal(parts["adapter"]["lora_A"], adapter["lora_A"])
+            and torch.equal(read_export(out)[1]["w"], heads["w"]))
     with pytest.raises(ValueError, match="lower-case letters"):
         write_export(tmp_path / "bad", heads, config(), parts={"Bad Name": adapter})
 

@@ -143,8 +143,9 @@ def test_refusals(tmp_path, fp32_cache, tiny_target_dir, tiny_data_file, target,
         train_offline(cfg("data.max_length=40"), recipe, tmp_path / "b")
     # another recipe
     with pytest.raises(FeatureCacheError, match=r"recipe: cache 'eagle3', now 'eagle'"):
-        open_cache(compose_config(["recipe=eagle", f"target.name_or_path={tiny_target_dir}", f"data.spec={tiny_data_file}",
-                                   "data.limit=null", "data.max_length=48", "data.batch_size=4",
+        open_cache(compose_config(["recipe=eagle", f"target.name_or_path={tiny_target_dir}",
+                                   f"data.spec={tiny_data_file}", "data.limit=null", "data.max_length=48",
+                                   "data.batch_size=4",
                                    "data.val_fraction=0.1", f"data.features={fp32_cache}"]))
     # the same recipe tapping other layers: refused at fit start, before the first step
     with pytest.raises(FeatureCacheError, match=r"needs layer 0"):

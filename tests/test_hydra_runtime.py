@@ -24,7 +24,8 @@ def target():
 def random_heads(lean, prefix_layer: bool, seed: int = 0) -> HydraHeads:
     torch.manual_seed(seed)
     h, v = lean.config.hidden_size, lean.config.vocab_size
-    extra = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128) if prefix_layer else {}
+    extra = (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
+             if prefix_layer else {})
     heads = HydraHeads(HydraConfig(hidden_size=h, vocab_size=v, num_heads=3, num_layers=2, prefix_layer=prefix_layer,
                                    **extra), lean.embed_weight, lean.lm_head_weight)
     for p in heads.parameters():  # random (not identity-initialised) heads, so every path differs

@@ -53,5 +53,6 @@ def test_stop_policies_parse_from_flags_and_exports():
 
 def test_option_sources_mark_flags_over_export_values():
     sources = option_sources(TYPICAL_EXPORT, {"tree": [[0]]})
-    assert sources["tree"] == {"value": [[0]], "source": "flag"} and sources["top_k"] == {"value": 10, "source": "export"}
+    assert (sources["tree"] == {"value": [[0]], "source": "flag"}
+            and sources["top_k"] == {"value": 10, "source": "export"})
     assert "verifier" not in sources and "stop_policy" not in sources

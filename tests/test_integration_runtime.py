@@ -30,8 +30,8 @@ def medusa_export(tmp_path_factory):
     heads = MedusaHeads(MedusaConfig(hidden_size=576, vocab_size=49152, num_heads=3), lm_head)
     for head in heads.heads:  # perturb so that heads disagree with the target head
         head.blocks[0].linear.weight.data.normal_(0, 0.02)
-    identity = target_identity("smollm2-135m", AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder),
-                               lm_head)
+    identity = target_identity("smollm2-135m", AutoConfig.from_pretrained(folder),
+                               AutoTokenizer.from_pretrained(folder), lm_head)
     config = {"method": "medusa", "architecture": heads.architecture(), "target": identity,
               "inference": {"tree": default_tree(3, 12, 10), "top_k": 10, "verifier": "greedy"}}
     return write_export(tmp_path_factory.mktemp("medusa") / "export", heads.trainable_state_dict(), config)

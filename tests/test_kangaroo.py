@@ -266,4 +266,5 @@ def test_bench_reports_the_verify_compute_saved(tiny_target_dir, tiny_tokenizer,
     reuse = result["verify_reuse"]
     assert result["lossless"] is True and 0 < reuse["reused_tokens"] <= reuse["verified_tokens"]
     assert reuse["verify_compute_saved"] == pytest.approx(reuse["reused_tokens"] / reuse["verified_tokens"] / 4)
-    assert "verify compute saved by the shallow cache" in (write_outputs(result, tmp_path / "b") / "bench.md").read_text()
+    assert ("verify compute saved by the shallow cache"
+            in (write_outputs(result, tmp_path / "b") / "bench.md").read_text())

@@ -87,7 +87,8 @@ def test_tree_attention_row_of_a_tree_equals_its_path_as_a_chain():
     for i, par in enumerate(parents):
         if par >= 0:
             mask[i] |= mask[par]
-    q, k, v = torch.randn(2, 6, 8, generator=gen), torch.randn(1, 16, 8, generator=gen), torch.randn(1, 16, 8, generator=gen)
+    q, k, v = (torch.randn(2, 6, 8, generator=gen), torch.randn(1, 16, 8, generator=gen),
+               torch.randn(1, 16, 8, generator=gen))
     out = tree_attention(q, k, v, 10, mask, 0.3, backend="torch")
     path = [0, 1, 3, 5]
     kc, vc = k.clone(), v.clone()
@@ -194,7 +195,8 @@ def test_forcing_triton_on_cpu_without_interpreter_is_explained(monkeypatch):
 
 
 def test_auto_uses_torch_on_cpu_and_package_import_does_not_load_triton():
-    code = ("import sys, torch; import draftsmith.kernels as K; from draftsmith.kernels.dispatch import resolve_backend;"
+    code = ("import sys, torch; import draftsmith.kernels as K; "
+            "from draftsmith.kernels.dispatch import resolve_backend;"
             "assert resolve_backend('auto', torch.zeros(1)) == 'torch';"
             "K.tree_attention(torch.randn(2, 1, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4), 2, None, 0.5);"
             "print('triton' in sys.modules)")
@@ -240,7 +242,8 @@ def _parity_report() -> dict:
         for seed in range(4):
             g = torch.Generator().manual_seed(seed)
             # Ties (small integer logits) check that both pick the first maximal index.
-            logits = torch.randint(0, 3, (7, vocab), generator=g).float() if ties else torch.randn(7, vocab, generator=g)
+            logits = (torch.randint(0, 3, (7, vocab), generator=g).float() if ties
+                      else torch.randn(7, vocab, generator=g))
             amax = logits.argmax(-1)
             tokens = torch.randint(0, vocab, (7,), generator=g)
             tokens[1], tokens[3] = amax[0], amax[1]  # make path 0 match for a while

@@ -24,7 +24,8 @@ def fresh_target(tiny_target_dir, tiny_tokenizer):
 
 def medusa2_cfg(**heads):
     return recipe_cfg("medusa2", heads={"num_heads": 2, "warmup_steps": 2, **heads},
-                      adapter={"rank": 4, "target_modules": ["q_proj", "v_proj"]}, inference={"tree_nodes": 4, "top_k": 3})
+                      adapter={"rank": 4, "target_modules": ["q_proj", "v_proj"]},
+                      inference={"tree_nodes": 4, "top_k": 3})
 
 
 def test_medusa2_trains_only_lora_and_heads_and_its_export_refuses_the_plain_target(fresh_target, tmp_path):
@@ -76,7 +77,8 @@ def test_medusa2_trains_only_lora_and_heads_and_its_export_refuses_the_plain_tar
         # Self-distillation's teacher: the same model with adapters disabled is the original target.
         with fresh_target.adapter_disabled():
             original = fresh_target.model(ids).logits
-        torch.testing.assert_close(original, AutoModelForCausalLM.from_pretrained(fresh_target.name_or_path)(ids).logits)
+        torch.testing.assert_close(original,
+                                   AutoModelForCausalLM.from_pretrained(fresh_target.name_or_path)(ids).logits)
     assert not torch.allclose(original, adapted)
     assert all(p.requires_grad for n, p in fresh_target.model.named_parameters() if "lora_" in n)  # re-enabled
 

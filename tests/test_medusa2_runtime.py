@@ -28,7 +28,8 @@ def medusa2_export(tiny_target_dir, tiny_tokenizer, tmp_path_factory):
 
     target = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
     cfg = recipe_cfg("medusa2", heads={"num_heads": 2, "warmup_steps": 2},
-                     adapter={"rank": 4, "target_modules": ["q_proj", "v_proj"]}, inference={"tree_nodes": 4, "top_k": 3})
+                     adapter={"rank": 4, "target_modules": ["q_proj", "v_proj"]},
+                     inference={"tree_nodes": 4, "top_k": 3})
     objective = get_recipe("medusa2").build(cfg, target)
     fit_steps(objective, target, fixed_batch(target.vocab_size, period=5), 12, lr=3e-2)
     module = DistillModule(objective, target, {"lr": 1e-3}, total_steps=12)

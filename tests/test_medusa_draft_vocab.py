@@ -83,7 +83,8 @@ def test_training_with_a_draft_vocabulary_lowers_the_loss(target):
     heads = reduced_heads(target, ids, num_heads=3)
     objective = MedusaObjective(heads, 0.8, "dataset", 5, default_tree(3, 8, 4), {"top_k": 4, "verifier": "greedy"})
     batch_ids = torch.randint(5, 45, (4, 24), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": batch_ids, "attention_mask": torch.ones_like(batch_ids), "loss_mask": torch.ones_like(batch_ids)}
+    batch = {"input_ids": batch_ids, "attention_mask": torch.ones_like(batch_ids),
+             "loss_mask": torch.ones_like(batch_ids)}
     feats = target.features(batch_ids, batch["attention_mask"], objective.taps)
     losses = train_on_fixed_batch(objective, batch, feats)
     assert losses[-1] < 0.7 * losses[0], losses
@@ -92,7 +93,7 @@ def test_training_with_a_draft_vocabulary_lowers_the_loss(target):
 def test_recipe_counts_the_draft_vocabulary_and_exports_it(target, tmp_path, monkeypatch):
     counts = [(torch.tensor([[5, 5, 5, 9, 9, 11, 2]]), torch.tensor([[1, 1, 1, 1, 1, 1, 0]]))]
     monkeypatch.setattr(medusa_recipe, "count_draft_vocab",
-                        lambda cfg, tgt, size, samples=None: _d2t(counts, tgt.vocab_size, size))
+                        lambda cfg, tgt, size, samples=None, **kw: _d2t(counts, tgt.vocab_size, size))
     cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "recipe" / "medusa.yaml"), {"heads": {"draft_vocab_size": 3},
                                                                       "distill": {"labels": "dataset"}})
     objective = medusa_recipe.build(cfg, target)

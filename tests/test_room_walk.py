@@ -1,5 +1,5 @@
-"""The two walks of docs/ARCHITECTURE.md (train -> export, export -> bench) stay short: scripts/room_walk.py runs each in
-a fresh interpreter under sys.setprofile and lists the repository files in the order they are first entered."""
+"""The two walks of docs/ARCHITECTURE.md (train -> export, export -> bench) stay short: scripts/room_walk.py runs each
+in a fresh interpreter under sys.setprofile and lists the repository files in the order they are first entered."""
 
 from __future__ import annotations
 

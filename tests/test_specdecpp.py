@@ -212,7 +212,8 @@ def eagle3_export(tgt: Target, lean, folder: Path) -> Path:
 
     torch.manual_seed(2)
     d2t, t2d = vocab_maps(torch.arange(0, lean.config.vocab_size, 2), lean.config.vocab_size)
-    arch = Eagle3Config(**EagleConfig.dims_from_hf(tgt.config), draft_vocab_size=int(t2d.sum()), target_layers=(1, 2, 3))
+    arch = Eagle3Config(**EagleConfig.dims_from_hf(tgt.config), draft_vocab_size=int(t2d.sum()),
+                        target_layers=(1, 2, 3))
     drafter = Eagle3Drafter(arch, lean.embed_weight, d2t, t2d)
     config = {"method": "eagle3", "architecture": drafter.architecture(), "target": tgt.identity(),
               "inference": {"proposer": "chain", "depth": 4, "verifier": "greedy"}}

@@ -125,7 +125,8 @@ MEDUSA_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [0, 1, 0], [
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_lean_plain_greedy_matches_hf_generate(target, reference, prompt):
     hf, _ = target
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                      pad_token_id=0)[0, len(prompt):].tolist()
     assert out == reference[tuple(prompt)]
 
 

@@ -1,8 +1,8 @@
 """speculators-format converter: our side always; the real library (separate venv) when it is installed.
 
-The library check runs in ``.cache/venv-speculators`` (made by ``make test``; speculators 0.9.0 pins its own transformers), in a
-subprocess: ``SpeculatorModel.from_pretrained`` must load the converted folder with identical weights, and its
-own EAGLE-3 forward (eager attention, teacher-forced TTT) must reproduce our per-step logits.
+The library check runs in ``.cache/venv-speculators`` (made by ``make test``; speculators 0.9.0 pins its own
+transformers), in a subprocess: ``SpeculatorModel.from_pretrained`` must load the converted folder with identical
+weights, and its own EAGLE-3 forward (eager attention, teacher-forced TTT) must reproduce our per-step logits.
 """
 
 from __future__ import annotations
@@ -105,10 +105,12 @@ def test_our_side_files_keys_shapes_and_config(tmp_path, target):
     assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 48
     spec = config["speculators_config"]
     assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
-    assert spec["proposal_methods"][0]["speculative_tokens"] == 5  # inference.depth + 1: the longest path the runtime drafts (aligned, issue 9)
+    # inference.depth + 1: the longest path the runtime drafts (aligned, issue 9)
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 5
     assert spec["verifier"] == {"name_or_path": str(verifier), "architectures": ["LlamaForCausalLM"]}
     layer = config["transformer_layer_config"]
-    assert (layer["model_type"], layer["num_hidden_layers"], layer["vocab_size"], layer["hidden_size"]) == ("llama", 1, v, h)
+    assert (layer["model_type"], layer["num_hidden_layers"], layer["vocab_size"],
+            layer["hidden_size"]) == ("llama", 1, v, h)
     assert (layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]) == (4, 2, 16)
     assert config["eagle_aux_hidden_state_layer_ids"] == LAYERS and config["target_hidden_size"] == h
     assert not any(config[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"))

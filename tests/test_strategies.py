@@ -61,10 +61,11 @@ def test_trainer_presets_compose(preset):
 
 
 @pytest.mark.e2e  # a train.py subprocess per preset
-@pytest.mark.parametrize("preset,expect", [("fsdp", ["strategy: fsdp", "sharding_strategy: FULL_SHARD",
-                                                      "state_dict_type: full", "precision: bf16-mixed"]),
-                                           ("deepspeed_zero2", ["strategy: deepspeed_stage_2", "offload_optimizer: false"]),
-                                           ("deepspeed_zero3", ["strategy: deepspeed_stage_3", "offload_parameters: false"])])
+@pytest.mark.parametrize("preset,expect", [
+    ("fsdp", ["strategy: fsdp", "sharding_strategy: FULL_SHARD", "state_dict_type: full", "precision: bf16-mixed"]),
+    ("deepspeed_zero2", ["strategy: deepspeed_stage_2", "offload_optimizer: false"]),
+    ("deepspeed_zero3", ["strategy: deepspeed_stage_3", "offload_parameters: false"]),
+])
 def test_cfg_job_shows_each_preset(preset, expect):
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "recipe=eagle3", f"trainer={preset}",
                            "target.shard=true", "--cfg", "job"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -129,7 +130,8 @@ def test_fsdp_wrap_classes_for_medusa_and_by_name(tiny_target):
     with pytest.raises(ConfigError, match="state_dict_type='local'; valid: full"):
         build_strategy(compose_config(["recipe=medusa", "trainer=fsdp", "trainer.fsdp.state_dict_type=local"]).trainer)
     with pytest.raises(ConfigError, match="sharding_strategy='SHARDED'.*FULL_SHARD"):
-        build_strategy(compose_config(["recipe=medusa", "trainer=fsdp", "trainer.fsdp.sharding_strategy=sharded"]).trainer)
+        build_strategy(compose_config(["recipe=medusa", "trainer=fsdp",
+                                       "trainer.fsdp.sharding_strategy=sharded"]).trainer)
 
 
 def test_fsdp_precision_plugin_is_bf16_mixed():

@@ -78,5 +78,6 @@ def test_an_explicit_tier_on_a_test_wins_over_its_files(pytester):
     for expr in ("unit", "integration", "e2e", "slow", "gpu", ANY_TIER_BUT_ONE):
         result = pytester.runpytest("--collect-only", "-q", "-p", "no:cacheprovider", "-m", expr)
         selected[expr] = sorted(line.split("::")[1] for line in result.outlines if "::" in line)
-    assert selected == {"unit": ["test_plain"], "integration": ["test_embedded"], "e2e": ["test_run", "test_subprocess"],
-                        "slow": ["test_subprocess"], "gpu": ["test_run"], ANY_TIER_BUT_ONE: ["test_lost"]}
+    assert selected == {"unit": ["test_plain"], "integration": ["test_embedded"],
+                        "e2e": ["test_run", "test_subprocess"], "slow": ["test_subprocess"], "gpu": ["test_run"],
+                        ANY_TIER_BUT_ONE: ["test_lost"]}

@@ -92,7 +92,8 @@ def test_train_exports_and_resumes_after_kill(tmp_path, tiny_target_dir, tiny_da
 
     # Simulated crash: kill -9 a longer run once it has written a checkpoint, then re-run the same command.
     crash_dir = tmp_path / "crash"
-    longer = tiny_overrides(tiny_target_dir, tiny_data_file, crash_dir, "trainer.max_steps=400", "run.checkpoint_every=2")
+    longer = tiny_overrides(tiny_target_dir, tiny_data_file, crash_dir, "trainer.max_steps=400",
+                            "run.checkpoint_every=2")
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *longer], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     last = crash_dir / "checkpoints" / "last.ckpt"
@@ -119,7 +120,8 @@ def test_resumed_run_continues_the_epoch_and_matches_an_uninterrupted_one(tmp_pa
     run_train(*straight)
     split = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "split", *common)
     run_train(*split, "trainer.max_steps=3")
-    assert load_checkpoint(tmp_path / "split")["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"batches_done_in_epoch": 3}]
+    assert load_checkpoint(tmp_path / "split")["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
+        {"batches_done_in_epoch": 3}]
     run_train(*split)  # the same command again: resumes from last.ckpt at step 3
     _, want = read_export(tmp_path / "straight" / "export")
     _, got = read_export(tmp_path / "split" / "export")

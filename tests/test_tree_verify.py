@@ -168,8 +168,8 @@ def test_stop_policies():
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.constant_(head.bias, 2.0)  # sigmoid(2) = 0.88: predicts a rejection
     learned = LearnedStop(head, threshold=0.7)
-    assert learned.should_stop(StopContext(1, 0.9, torch.zeros(4))) and not LearnedStop(head, threshold=0.95).should_stop(
-        StopContext(1, 0.9, torch.zeros(4)))
+    assert (learned.should_stop(StopContext(1, 0.9, torch.zeros(4)))
+            and not LearnedStop(head, threshold=0.95).should_stop(StopContext(1, 0.9, torch.zeros(4))))
     with pytest.raises(ValueError, match="drafter state"):
         learned.should_stop(StopContext(1, 0.9, None))
     for p in (FixedDepth(), stop, learned):

@@ -61,7 +61,8 @@ class DepthChoice:
         best_spec = max((r for r in self.table if r["depth"] > 0), key=lambda r: r["speedup"], default=None)
         if self.depth == 0:
             loss = "" if best_spec is None else f" (best draft depth {int(best_spec['depth'])} predicted at " \
-                                                f"{best_spec['speedup']:.2f}x, i.e. {100 * (1 - best_spec['speedup']):.0f}% slower)"
+                                                f"{best_spec['speedup']:.2f}x, " \
+                                                f"i.e. {100 * (1 - best_spec['speedup']):.0f}% slower)"
             return f"speculation is predicted to lose on this machine{loss}: serving plain decoding"
         return f"draft depth {self.depth} predicted at {self.predicted_speedup:.2f}x plain decoding"
 

@@ -101,7 +101,8 @@ def apply_cached_depth(runtime: Any) -> str:
         return (f"speculation was measured to lose on this machine (best predicted "
                 f"{max((r['speedup'] for r in cached['table'] if r['depth'] > 0), default=0.0):.2f}x): plain decoding "
                 "(--stop-policy export forces the export's policy)")
-    return f"draft depth {cached['depth']} (predicted {cached['predicted_speedup']:.2f}x, calibrated by draftsmith bench)"
+    return (f"draft depth {cached['depth']} (predicted {cached['predicted_speedup']:.2f}x, "
+            "calibrated by draftsmith bench)")
 
 
 def prof_nodes_by_depth(results: Sequence[Any]) -> Any:

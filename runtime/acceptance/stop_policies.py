@@ -102,7 +102,8 @@ class ProposerHead(torch.nn.Module):
     (:func:`bind_learned_head`). Any other proposer reaching it gets a clear error."""
 
     def forward(self, state: torch.Tensor) -> torch.Tensor:
-        raise ValueError("the learned stop policy reads a SpecDec++ acceptance head, which this proposer does not have; "
+        raise ValueError("the learned stop policy reads a SpecDec++ acceptance head, "
+                         "which this proposer does not have; "
                          "pass --drafter a specdecpp export, or use fixed:K / confidence:THRESHOLD")
 
 

@@ -98,8 +98,8 @@ class GreedyVerifier:
 
     def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None,
                temperature: torch.Tensor | None = None) -> Acceptance:
-        """See :func:`draftsmith.kernels.verify.greedy_verify` (on a CPU: :func:`~draftsmith.kernels.verify.greedy_walk`,
-        the same decision over host lists)."""
+        """See :func:`draftsmith.kernels.verify.greedy_verify` (on a CPU:
+        :func:`~draftsmith.kernels.verify.greedy_walk`, the same decision over host lists)."""
         _no_temperature(self, temperature)
         if (logits.device.type == "cpu" and self.kernels_backend in ("auto", "torch") and logits.dim() == 2
                 and logits.shape[0] == tree.num_nodes):  # anything else: greedy_verify checks it and says why
@@ -133,7 +133,8 @@ class TypicalVerifier:
 
     lossless = False
 
-    def __init__(self, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, temperature: float = 0.7) -> None:
+    def __init__(self, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
+                 temperature: float = 0.7) -> None:
         if temperature <= 0:
             raise ValueError("typical acceptance needs temperature > 0; use GreedyVerifier for temperature 0")
         self.posterior_threshold = posterior_threshold
@@ -212,7 +213,8 @@ class RejectionSamplingVerifier:
         layer: the emitted sequence then has exactly the law of sampling each position at its own temperature."""
         logits = on_generator_device(logits, generator)  # [N, V]
         if temperature is not None and temperature.shape != logits.shape[:1]:
-            raise ValueError(f"per-node temperatures must have shape [{logits.shape[0]}], got {tuple(temperature.shape)}")
+            raise ValueError(f"per-node temperatures must have shape [{logits.shape[0]}], "
+                             f"got {tuple(temperature.shape)}")
         point_mass = tree.draft_mode == "point_mass"
         without_replacement = tree.draft_mode == "without_replacement"
         node, nodes = 0, [0]

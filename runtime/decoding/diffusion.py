@@ -97,7 +97,8 @@ def eotp_cut(commit: torch.Tensor, masked: torch.Tensor, x0: torch.Tensor, conf:
     return None, False
 
 
-def score(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def score(logits: torch.Tensor, temperature: float,
+          generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x0`` and its confidence ``softmax(logits)[x0]`` for logits [L, V]; Gumbel-max sampling at T > 0."""
     if temperature > 0:
         u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64).clamp_(1e-20, 1)

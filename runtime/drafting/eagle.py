@@ -1,7 +1,8 @@
 """EAGLE-1 / EAGLE-3 proposers: chain drafting and EAGLE-2 dynamic trees over a drafter with its own KV cache.
 
 Feature feeding follows the pairing of drafters/eagle.py's module docstring (pair ``t`` = target feature of token
-``t`` with token ``t+1``, at RoPE position ``t``; EAGLE-3 fuses its ``target_layers`` taps with its ``fc``). The proposer keeps the pairs whose features came from the target in the drafter's cache
+``t`` with token ``t+1``, at RoPE position ``t``; EAGLE-3 fuses its ``target_layers`` taps with its ``fc``). The
+proposer keeps the pairs whose features came from the target in the drafter's cache
 (``num_committed`` of them) and the features not yet paired as ``pending``: ``begin`` stores the prompt's features
 (paired with the prompt's next tokens), ``accept`` those of the accepted path's nodes (paired with the accepted
 tokens); the last pending feature pairs with the root token, known in ``propose``. ``propose`` crops the cache back
@@ -26,8 +27,9 @@ output as ``state``). EAGLE-3 drafts over its reduced vocabulary; ids are mapped
 ``d2t`` and sampled-chain q is scattered onto the target vocabulary (zero outside the draft vocabulary).
 
 Why this is lossless under rejection sampling: a top-k child is a point mass, accepted with p(x) and otherwise
-zeroed out of p; that is exact for any child chosen without looking at the verifier's coins (see acceptance/verifiers.py). A
-sampled chain records the q its token was drawn from, so min(1, p/q) and the residual norm(max(0, p - q)) apply.
+zeroed out of p; that is exact for any child chosen without looking at the verifier's coins (see
+acceptance/verifiers.py). A sampled chain records the q its token was drawn from, so min(1, p/q) and the residual
+norm(max(0, p - q)) apply.
 """
 
 from __future__ import annotations
@@ -238,6 +240,14 @@ def _proposer(config: dict, model: DraftModel, options: dict[str, Any]) -> Eagle
     unknown = sorted(set(options) - valid)
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for the {config['method']} proposer; valid: {sorted(valid)}")
+    draft_vocab = model.vocab_size if model.draft_ids is None else int(model.draft_ids.numel())
+    ranges = {"total_tokens": (2, None, "tree nodes: the root and at least one drafted token"),
+              "depth": (0, None, "drafter forwards after the root step"), "top_k": (1, draft_vocab, "draft vocabulary")}
+    for key, (low, high, what) in ranges.items():
+        value = options.get(key)
+        if value is not None and (not isinstance(value, int) or value < low or (high is not None and value > high)):
+            span = f"in {low}..{high}" if high is not None else f">= {low}"
+            raise ValueError(f"--proposer-option {key}={value!r} is out of range: an integer {span} ({what})")
     inference = config.get("inference") or {}
     kw = {"policy": inference.get("proposer", "tree"), "total_tokens": inference.get("total_tokens", 16),
           "depth": inference.get("depth", 4), "top_k": inference.get("top_k", 4)}

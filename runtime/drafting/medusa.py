@@ -41,7 +41,8 @@ class MedusaProposer:
                              "heads, each giving [V] for a hidden [H]")
         top_p, top_i = torch.softmax(logits.float(), -1).topk(self.tree.top_k, dim=-1)  # [K, top_k]
         tree = self.tree.build(ctx.root_token, self._target_ids(top_i))
-        conf = torch.cat([torch.ones(1, device=top_p.device), top_p.reshape(-1)])[self.tree.candidate_index.to(top_p.device)]
+        conf = torch.cat([torch.ones(1, device=top_p.device), top_p.reshape(-1)])[
+            self.tree.candidate_index.to(top_p.device)]
         tree.draft_confidence = conf.cpu()  # [N]
         policy = ctx.stop_policy
         if policy is None:
@@ -84,11 +85,32 @@ def _build_medusa(export_dir: str | Path, config: dict, target_model: Any, tree:
     if lm_head is not None:  # run the heads where and in the precision the target runs
         heads = heads.to(device=lm_head.device, dtype=lm_head.dtype)
         accelerate_linears(heads)  # bf16 on CPU: packed GEMM for the heads' linears
-    inference = config.get("inference", {})
+    return MedusaProposer(heads.eval(), static_tree_of(heads.config, config.get("inference", {}), tree, top_k))
+
+
+def static_tree_of(arch: Any, inference: dict, tree: list[list[int]] | None, top_k: int | None) -> StaticTree:
+    """The static tree of heads with architecture ``arch`` (``num_heads``, ``vocab_size``, ``draft_vocab_size``):
+    ``tree`` / ``top_k`` (proposer options) over the export's ``inference`` defaults. A shape that cannot run (no
+    node, top_k outside the heads' vocabulary, deeper than the heads) is refused naming the option and its range."""
+    vocab = getattr(arch, "draft_vocab_size", None) or arch.vocab_size
+    if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
+        raise ValueError(f"--proposer-option top_k={top_k!r} is out of range: an integer in 1..{vocab} (the heads' "
+                         "vocabulary)")
+    if tree is not None and (not isinstance(tree, list) or not tree):
+        raise ValueError(f"--proposer-option tree={tree!r} has no nodes: give a list of at least one path, e.g. "
+                         "tree='[[0],[1],[0,0]]'")
+    origin = "--proposer-option tree" if tree is not None else "the export's inference.tree"
     paths = tree or inference.get("tree")
     k = top_k or inference.get("top_k", 10)
     if not paths:
         from draftsmith.common.trees import default_medusa_tree
 
-        paths = default_medusa_tree(heads.config.num_heads, top_k=min(k, 4))
-    return MedusaProposer(heads.eval(), StaticTree.from_paths(paths, k))
+        paths = default_medusa_tree(arch.num_heads, top_k=min(k, 4))
+    try:
+        static = StaticTree.from_paths(paths, k)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{origin}: {err}") from err
+    if static.depth > arch.num_heads:
+        raise ValueError(f"{origin} is {static.depth} deep, but the export has {arch.num_heads} heads (one per "
+                         f"depth): use paths of 1..{arch.num_heads} entries")
+    return static

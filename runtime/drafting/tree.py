@@ -45,7 +45,8 @@ class DraftTree:
     """One step's draft: N nodes, root first, parents before children.
 
     ``draft_q`` / ``draft_mode`` describe how the children of each node were drawn, for lossless sampling:
-    - ``"point_mass"`` (``draft_q`` None): children are deterministic (top-k of a drafter, Medusa heads, a greedy chain);
+    - ``"point_mass"`` (``draft_q`` None): children are deterministic (top-k of a drafter, Medusa heads, a greedy
+      chain);
     - ``"with_replacement"``: the children of node p were drawn i.i.d. from ``draft_q[p]`` (a distribution over V);
     - ``"without_replacement"``: drawn one after another from ``draft_q[p]`` with earlier siblings removed.
     A chain drafter's output is a tree with one path.
@@ -66,7 +67,8 @@ class DraftTree:
         if self.draft_mode not in self.MODES:
             raise ValueError(f"draft_mode must be one of {self.MODES}, got {self.draft_mode!r}")
         if self.draft_mode != "point_mass" and self.draft_q is None:
-            raise ValueError(f"draft_mode {self.draft_mode!r} needs draft_q (the distribution the children were drawn from)")
+            raise ValueError(f"draft_mode {self.draft_mode!r} needs draft_q "
+                             "(the distribution the children were drawn from)")
 
     @property
     def num_nodes(self) -> int:

@@ -3,15 +3,138 @@ its exact logits (the model's own LM-head post-processing included)."""
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from draftsmith.common.hf_forward import hf_forward  # noqa: F401 - the fallback's forward
 from draftsmith.runtime.target.cache import CacheFullError, CommitMixin
+from draftsmith.runtime.target.model_config import UnsupportedArchitecture
 from draftsmith.runtime.target.output import TargetOutput
 from draftsmith.runtime.target.weights import find_safetensors, load_hf_config
+
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer types the fallback masks itself
+# Families whose tree verification through the fallback tests/test_hf_fallback.py proves token for token (windows
+# included); any other family is probed once at load (:func:`probe_trees`) before it may verify trees.
+PROVEN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "gpt2")
+MASKED_ATTENTION = ("eager", "sdpa")  # implementations that read a 4-D additive mask
+
+
+@dataclass(frozen=True)
+class FallbackAttention:
+    """How a transformers causal LM attends, as far as the fallback's verification must reproduce it.
+
+    The fallback's cache keeps every token of every layer, so it builds each forward's 4-D mask itself: the tree mask
+    (or causal) over the new tokens, ANDed on windowed layers with the sliding window measured in positions (a tree
+    node at depth d sees what plain decoding sees at position prefix + d). Models that mix full and windowed layers
+    get a ``{layer_type: mask}`` dict, which their forward hands to each layer.
+    """
+
+    name: str
+    windows: dict[int, int]  # layer index -> sliding window (tokens), as the model applies it
+    layer_types: tuple[str, ...]  # the mask keys the model reads (per-layer models); () = one mask for every layer
+    refusal: str | None  # why trees cannot be verified exactly; None = they can
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> FallbackAttention:
+        """Read the model's config and forward: its windows, whether it takes per-layer masks, what it cannot do."""
+        cfg = model.config
+        name = type(model).__name__.removesuffix("ForCausalLM")
+        base = getattr(model, model.base_model_prefix, model)
+        try:
+            source = inspect.getsource(type(base).forward)
+        except (OSError, TypeError):
+            source = ""
+        per_layer = re.search(r"isinstance\((causal_mask_mapping := )?attention_mask, dict\)", source) is not None
+        types = tuple(getattr(cfg, "layer_types", None) or ())
+        window = getattr(cfg, "sliding_window", None)
+        windows: dict[int, int] = {}
+        if window and "create_sliding_window_causal_mask" in source:
+            layers = range(int(cfg.num_hidden_layers))
+            windows = {i: int(window) for i in layers if not (per_layer and types) or types[i] == SLIDING}
+        keys = tuple(sorted({FULL, SLIDING} | set(types))) if per_layer and types else ()
+        return cls(name, windows, keys, _refusal(name, cfg, windows, keys, per_layer, types))
+
+    def masks(self, p: int, pos: torch.Tensor, tree_mask: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive [1, 1, T, P+T] mask(s) for T new tokens at positions ``pos`` after ``p`` committed slots (slot j
+        holds position j); ``tree_mask`` [T, T] bool, None = causal."""
+        t = pos.numel()
+        allowed = torch.ones(t, p + t, dtype=torch.bool, device=pos.device)  # [T, P+T]
+        own = tree_mask if tree_mask is not None else torch.ones(t, t, dtype=torch.bool).tril()
+        allowed[:, p:] = own.to(pos.device)
+        if not self.windows:
+            return _additive(allowed, dtype)
+        gap = pos[:, None] - torch.cat([torch.arange(p, device=pos.device), pos])[None, :]  # [T, P+T] query - key
+        sliding = allowed & (gap < next(iter(self.windows.values())))
+        if not self.layer_types:
+            return _additive(sliding, dtype)  # every layer has the window
+        return {key: _additive(sliding if key == SLIDING else allowed, dtype) for key in self.layer_types}
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool [T, S] -> additive [1, 1, T, S] (0 where allowed, the dtype's minimum elsewhere)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def _refusal(name: str, cfg: object, windows: dict[int, int], keys: tuple[str, ...], per_layer: bool,
+             types: tuple[str, ...]) -> str | None:
+    """One line naming the attention feature the fallback cannot verify trees through exactly, or None."""
+    head = f"the transformers fallback cannot verify trees for {name}"
+    tail = "; serve it without --drafter (plain generation through the fallback is exact) or with --backend lean " \
+           "once the lean decoder supports it"
+    other = sorted(set(types) - {FULL, SLIDING})
+    if other:
+        return f"{head} with {', '.join(other)} layers: the fallback builds full and sliding-window masks only{tail}"
+    if getattr(cfg, "attention_chunk_size", None):
+        return f"{head} with chunked attention (chunks of {cfg.attention_chunk_size}): the fallback does not " \
+               f"chunk its tree masks{tail}"
+    if getattr(cfg, "alibi", False) or getattr(cfg, "model_type", "") in ("bloom", "mpt"):
+        return f"{head} with ALiBi position biases: they follow cache slots, not the tree's positions{tail}"
+    impl = getattr(cfg, "_attn_implementation", None) or "eager"
+    if impl not in MASKED_ATTENTION:
+        return f"{head} with attn_implementation={impl!r}: it ignores the tree's 4-D mask (use eager or sdpa){tail}"
+    if windows and per_layer and not keys:
+        layers = ",".join(str(i) for i in sorted(windows))
+        return f"{head} with a sliding window (layers {layers}: window {next(iter(windows.values()))}): its config " \
+               f"names no layer types to mask per layer{tail}"
+    return None
+
+
+@torch.inference_mode()
+def probe_trees(adapter: HFModelAdapter, prefix: int = 8) -> str | None:
+    """Verify a small tree through the fallback and compare every node's logits with the model's own uncached forward
+    of that node's path; None when they agree, else the refusal line. Proves a family no test covers, at load."""
+    shortest = min(adapter.attention.windows.values(), default=None)
+    n = prefix + (shortest + 2 if shortest is not None and shortest < 64 else 0)  # reach past a small window
+    vocab = int(adapter.embed_weight.shape[0])
+    ids = torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(0)).to(adapter.device)
+    parents, depths = [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2]
+    tokens = torch.randint(vocab, (5,), generator=torch.Generator().manual_seed(1)).to(adapter.device)
+    paths: list[list[int]] = []
+    for i, p in enumerate(parents):  # parents precede children
+        paths.append((paths[p] if p >= 0 else []) + [i])
+    mask = torch.zeros(5, 5, dtype=torch.bool)
+    for i, path in enumerate(paths):
+        mask[i, path] = True
+    cache = adapter.allocate_cache(n + 5)
+    adapter(ids, cache, logits_for="last")
+    cache.commit(n)
+    got = adapter(tokens, cache, tree_mask=mask, positions=n + torch.tensor(depths, device=adapter.device)).logits
+    tol = 1e-3 if adapter.dtype == torch.float32 else 5e-2
+    for i, path in enumerate(paths):
+        want = adapter.hf(torch.cat([ids, tokens[path]])[None]).logits[0, -1]  # [V]
+        err = float((got[i] - want).abs().max())
+        if err > tol * max(1.0, float(want.abs().max())):
+            return f"the transformers fallback cannot verify trees for {adapter.attention.name}: a probe tree's " \
+                   f"logits differ from the model's own forward by {err:.3g} (attention the fallback does not " \
+                   "reproduce); serve it without --drafter (plain generation through the fallback is exact)"
+    return None
 
 
 class HFCache(CommitMixin):
@@ -80,6 +203,22 @@ class HFModelAdapter(torch.nn.Module):
         super().__init__()
         self.hf = hf_model.eval()
         self.config = hf_model.config
+        self.attention = FallbackAttention.of(hf_model)
+        self.tree_refusal = self.attention.refusal  # None: tree verification is exact; else why it is refused
+        self._probed = False
+
+    def check_speculative(self) -> None:
+        """Refuse (one line) to verify trees unless it is exact: a known feature the fallback cannot mask, or, for a
+        family no test proves, a probe tree whose logits differ from the model's own forward."""
+        if self.tree_refusal is None and not self._probed and self.config.model_type not in PROVEN_FAMILIES:
+            self.tree_refusal = probe_trees(self)
+        self._probed = True
+        self._check_trees()
+
+    def _check_trees(self) -> None:
+        """Raise :class:`UnsupportedArchitecture` when this model's tree verification would not be exact."""
+        if self.tree_refusal is not None:
+            raise UnsupportedArchitecture(self.tree_refusal)
 
     @classmethod
     def from_pretrained(
@@ -120,6 +259,19 @@ class HFModelAdapter(torch.nn.Module):
             raise ValueError(f"cache max_len must be >= 1, got {max_len}")
         return HFCache(max_len)
 
+    def _check_inputs(self, input_ids: torch.Tensor, taps: Sequence[int]) -> tuple[int, ...]:
+        """The taps as ints, after checking them and ``input_ids`` [T]."""
+        taps = tuple(int(i) for i in taps)
+        num_layers = int(self.hf.config.num_hidden_layers)
+        bad = [i for i in taps if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"the HF fallback can tap decoder-layer inputs 0..{num_layers - 1}, not {bad}; load the "
+                             "target with the lean decoder (backend='lean') for the pre-norm last output")
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise ValueError("input_ids must be a non-empty 1-D LongTensor [T] (batch 1); got "
+                             f"{tuple(input_ids.shape)}")
+        return taps
+
     @torch.inference_mode()
     def forward(
         self,
@@ -133,25 +285,18 @@ class HFModelAdapter(torch.nn.Module):
         """Same contract as :meth:`LeanDecoder.forward`; taps come from transformers' ``hidden_states`` (the input
         of each decoder layer), so layer ``num_layers`` (the pre-norm last output, which HF does not expose) is
         refused."""
-        taps = tuple(int(i) for i in taps)
-        num_layers = int(self.hf.config.num_hidden_layers)
-        bad = [i for i in taps if not 0 <= i < num_layers]
-        if bad:
-            raise ValueError(f"the HF fallback can tap decoder-layer inputs 0..{num_layers - 1}, not {bad}; load the "
-                             "target with the lean decoder (backend='lean') for the pre-norm last output")
-        if input_ids.dim() != 1 or input_ids.numel() == 0:
-            raise ValueError(f"input_ids must be a non-empty 1-D LongTensor [T] (batch 1); got {tuple(input_ids.shape)}")
+        taps = self._check_inputs(input_ids, taps)
         t = input_ids.numel()
         cache.check_fits(t)
         cache.sync()
         p = cache.length
         pos = positions if positions is not None else torch.arange(p, p + t, device=input_ids.device)
-        mask = None
-        if tree_mask is not None:
-            if tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool:
-                raise ValueError(f"tree_mask must be bool [{t}, {t}]; got {tree_mask.dtype} {tuple(tree_mask.shape)}")
-            mask = torch.zeros(1, 1, t, p + t, dtype=self.dtype, device=input_ids.device)  # [1, 1, T, P+T] additive
-            mask[0, 0, :, p:].masked_fill_(~tree_mask.to(input_ids.device), torch.finfo(self.dtype).min)
+        if tree_mask is not None and (tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool):
+            raise ValueError(f"tree_mask must be bool [{t}, {t}]; got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+        if tree_mask is not None or (positions is not None and t > 1):
+            self._check_trees()  # a tree (or positions other than the slots) is served exactly or refused
+        windows = bool(self.attention.windows)  # the cache keeps every token: the fallback masks windows itself
+        mask = self.attention.masks(p, pos, tree_mask, self.dtype) if tree_mask is not None or windows else None
         if isinstance(logits_for, str):
             if logits_for not in ("all", "last"):
                 raise ValueError(f"logits_for must be 'all', 'last' or a LongTensor of rows, got {logits_for!r}")

@@ -1,9 +1,9 @@
 """The runtime decoder interface and the loader choosing the lean decoder or the HF fallback.
 
-Every runtime decoder has the interface of :class:`draftsmith.runtime.target.model.LeanDecoder`: ``allocate_cache(max_len)``,
-``forward(input_ids [T], cache, tree_mask, positions, logits_for, taps) -> TargetOutput`` (logits, hidden, taps), a cache with
-``length``, ``commit(n)``, ``compact(src_slots, dst_start)``, ``crop(length)``, and ``lm_head_weight`` /
-``embed_weight`` / ``dtype`` / ``device``. Batch 1.
+Every runtime decoder has the interface of :class:`draftsmith.runtime.target.model.LeanDecoder`:
+``allocate_cache(max_len)``, ``forward(input_ids [T], cache, tree_mask, positions, logits_for, taps) -> TargetOutput``
+(logits, hidden, taps), a cache with ``length``, ``commit(n)``, ``compact(src_slots, dst_start)``, ``crop(length)``,
+and ``lm_head_weight`` / ``embed_weight`` / ``dtype`` / ``device``. Batch 1.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import torch
 from draftsmith.runtime.target.hf import HFModelAdapter
 from draftsmith.runtime.target.model import LeanDecoder, UnsupportedArchitecture
 from draftsmith.runtime.target.output import TargetOutput
+from draftsmith.runtime.target.weights import load_hf_config
+
+BACKENDS = ("auto", "lean", "hf")
 
 
 class RuntimeCache(Protocol):
@@ -57,14 +60,44 @@ def load_decoder(
     """Load a runtime decoder: the lean one when the architecture is supported ("auto"), or force "lean" / "hf".
     ``linear_backend`` goes to :class:`LeanDecoder` (auto | cpp | mkldnn | dense); ``transform_weights`` rewrites the
     HF-named weights first (see :mod:`draftsmith.runtime.target.adapters`)."""
-    if backend not in ("auto", "lean", "hf"):
-        raise ValueError(f"decoder backend must be 'auto', 'lean' or 'hf', got {backend!r}")
+    return choose_decoder(folder, dtype, device, backend, kernel_backend, linear_backend, transform_weights)[0]
+
+
+def choose_decoder(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    backend: str = "auto",
+    kernel_backend: str = "auto",
+    linear_backend: str = "auto",
+    transform_weights: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> tuple[LeanDecoder | HFModelAdapter, str, str]:
+    """:func:`load_decoder` and what it chose: (decoder, "lean" | "hf", why). ``backend="lean"`` on a model the lean
+    decoder lacks raises :class:`UnsupportedArchitecture` with one line naming the feature."""
+    if backend not in BACKENDS:
+        raise ValueError(f"decoder backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "hf":
-        return HFModelAdapter.from_pretrained(folder, dtype, device, transform_weights)
-    try:
-        return LeanDecoder.from_pretrained(folder, dtype, device, kernel_backend=kernel_backend,
-                                           linear_backend=linear_backend, transform_weights=transform_weights)
-    except UnsupportedArchitecture:
-        if backend == "lean":
-            raise
-        return HFModelAdapter.from_pretrained(folder, dtype, device, transform_weights)
+        return HFModelAdapter.from_pretrained(folder, dtype, device, transform_weights), "hf", "forced by --backend hf"
+    missing = _lean_missing(folder)
+    if missing is None:
+        try:
+            lean = LeanDecoder.from_pretrained(folder, dtype, device, kernel_backend=kernel_backend,
+                                               linear_backend=linear_backend, transform_weights=transform_weights)
+        except UnsupportedArchitecture as err:
+            missing = str(err)
+        else:
+            why = "forced by --backend lean" if backend == "lean" else "auto: the lean decoder supports this model"
+            return lean, "lean", why
+    if backend == "lean":
+        raise UnsupportedArchitecture(f"--backend lean: {missing}")
+    fallback = HFModelAdapter.from_pretrained(folder, dtype, device, transform_weights)
+    return fallback, "hf", f"auto: the lean decoder cannot run it ({missing})"
+
+
+def _lean_missing(folder: str | Path) -> str | None:
+    """What the lean decoder lacks for this folder's model, via ``model_config.lean_support`` where it exists (None =
+    supported, or no such check: then loading it decides)."""
+    from draftsmith.runtime.target import model_config
+
+    check = getattr(model_config, "lean_support", None)
+    return None if check is None else check(load_hf_config(folder))

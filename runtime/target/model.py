@@ -1,4 +1,4 @@
-"""Lean Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3) over a static KV cache, batch 1.
+"""Lean Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3; Gemma-2/3) over a static KV cache, batch 1.
 
 Loads a Hugging Face folder's safetensors directly. At load time q/k/v are fused into one matrix and gate/up into
 another, and RoPE cos/sin tables are precomputed, so a decoding step is a short, fixed sequence of tensor ops. Attention
@@ -9,6 +9,10 @@ decoding. In bf16 on x86 CPUs with AVX512-BF16 or AVX2+FMA each layer instead ru
 
 Numerics follow transformers (RMSNorm in fp32, RoPE in the model dtype, scale ``head_dim**-0.5``); in fp32 the logits
 match HF to ~1e-5. Batch size is 1 by design: speculative decoding of one request.
+
+A model whose layers go beyond the plain Llama layer (sliding windows, Gemma's norms, softcaps, GELU) is built as
+:class:`draftsmith.runtime.target.family_decoder.FamilyDecoder`, a subclass chosen once when it is constructed
+(``ModelConfig.llama_layer_gap``), so this module's decode step carries no per-token check for them.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from draftsmith.kernels.attention import tree_attention
 from draftsmith.runtime.target.cache import KVCache
 from draftsmith.runtime.target.layer_weights import (
     FusedLayerWeights,
+    canonical_weights,
     checkpoint_prefix,
     checkpoint_tensor,
     fused_layers,
 )
 from draftsmith.runtime.target.linear_ops import choose_linear_ops
-from draftsmith.runtime.target.model_config import ModelConfig, UnsupportedArchitecture, rope_inv_freq
+from draftsmith.runtime.target.model_config import ModelConfig, UnsupportedArchitecture, rope_inv_freq, rope_tables
 from draftsmith.runtime.target.output import TargetOutput
 from draftsmith.runtime.target.weights import WeightsError, load_safetensors
 
@@ -40,6 +45,14 @@ _Layer = FusedLayerWeights  # the per-layer buffers (kept under its old name)
 
 class LeanDecoder(nn.Module):
     """Llama-family decoder for batch-1 inference over a :class:`KVCache`, with tree-masked multi-token forwards."""
+
+    def __new__(cls, config: ModelConfig | None = None, *args, **kwargs) -> LeanDecoder:
+        # A config the plain Llama layer cannot run builds the general-layer subclass: decided once, here.
+        if cls is LeanDecoder and config is not None and config.llama_layer_gap is not None:
+            from draftsmith.runtime.target.family_decoder import FamilyDecoder
+
+            cls = FamilyDecoder
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -60,6 +73,7 @@ class LeanDecoder(nn.Module):
         cut the per-step overhead of a 30-layer model from ~3.2 to ~1.9 ms but the first call compiled for ~3 min.
         """
         super().__init__()
+        weights = canonical_weights(config, weights)  # Phi-3 / Gemma checkpoints under Llama names
         self.config = config
         self.kernel_backend = kernel_backend
         self.linear_backend = linear_backend
@@ -163,21 +177,16 @@ class LeanDecoder(nn.Module):
         if n <= self._rope_len:
             return
         n = max(n, 2 * self._rope_len)
-        with torch.inference_mode(False):  # ordinary tensors even when first needed under inference_mode
-            freqs = torch.outer(torch.arange(n, dtype=torch.float32), rope_inv_freq(self.config))  # [n, d/2]
-            cos, sin = freqs.cos(), freqs.sin()
-            self._cos = torch.cat([cos, cos], -1)[:, None].to(self.dtype).to(self.device)  # [n, 1, d]
-            # rotate_half(x) * sin == roll(x, d/2) * cat(-sin, sin): fold the sign into the table.
-            self._sin = torch.cat([-sin, sin], -1)[:, None].to(self.dtype).to(self.device)  # [n, 1, d]
+        self._cos, self._sin = rope_tables(rope_inv_freq(self.config), n, self.dtype, self.device)  # [n, 1, d]
         self._rope_len = n
 
     def allocate_cache(self, max_len: int) -> KVCache:
         """A static cache of ``max_len`` slots (batch 1)."""
         c = self.config
-        if c.sliding_window is not None and max_len > c.sliding_window:
+        if c.sliding_window is not None and max_len > c.sliding_window:  # only a window past max_position_embeddings
             raise UnsupportedArchitecture(
-                f"a {max_len}-token cache exceeds the model's sliding window ({c.sliding_window}); the lean decoder "
-                "implements full attention only: use a shorter cache or backend='hf'"
+                f"a {max_len}-token cache exceeds the model's sliding window ({c.sliding_window}), which is longer than "
+                f"its max_position_embeddings ({c.max_position_embeddings}); use a cache of at most that many tokens"
             )
         self._ensure_rope(max_len)
         return KVCache(c.num_layers, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device, self.kernel_backend)

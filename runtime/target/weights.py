@@ -40,7 +40,8 @@ def load_hf_config(folder: str | Path) -> dict:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise WeightsError(f"{str(path)!r} is not valid JSON ({err}); re-save the model with save_pretrained") from err
+        raise WeightsError(f"{path} is not valid JSON (line {err.lineno}: {err.msg}): re-download or re-save the "
+                           "target (save_pretrained)") from err
 
 
 def find_safetensors(folder: str | Path) -> list[Path]:
@@ -95,7 +96,8 @@ def load_safetensors(
                         tensor = tensor.to(dtype)
                     out[name] = tensor.to(device)
         except (OSError, SafetensorError) as err:  # truncated/corrupt files
-            raise WeightsError(f"cannot read {str(file)!r}: {err}; the file may be truncated, re-save the model") from err
+            raise WeightsError(f"{file} is truncated or corrupt ({err}): re-download or re-save the target "
+                               "(save_pretrained)") from err
     if wanted is not None and wanted - out.keys():
         raise WeightsError(f"tensors missing from {str(folder)!r}: {', '.join(sorted(wanted - out.keys())[:8])}")
     return out

@@ -23,7 +23,8 @@ class ToyEchoObjective(Objective):
         self.module = head
         self.taps = FeatureTaps(final_hidden=True)  # the target's post-norm hidden state, nothing else
 
-    def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, batch: dict[str, torch.Tensor],
+             feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Masked CE of head(h_t) vs x_{t+2}, plus its top-1 accuracy as a metric."""
         hidden = feats.final_hidden[:, :-2].to(self.module.proj.weight.dtype)  # [B, T-2, H]
         keep = (batch["loss_mask"] * batch["attention_mask"])[:, 2:].bool()  # [B, T-2]
