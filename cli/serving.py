@@ -1,4 +1,5 @@
-"""Serving commands: generate (stream a completion) and bench (prove an export: speed, tau, lossless; also the\nreward and block-diffusion benches, chosen by the arguments)."""
+"""Serving commands: generate (stream a completion) and bench (prove an export: speed, tau, lossless; also the
+reward and block-diffusion benches, chosen by the arguments)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop-policy", default="auto",
                    help="auto (the export's policy, its depth chosen for this machine's measured costs: plain decoding "
-                        "when speculation is predicted to lose) | export (exactly the export's inference.stop_policy) | "
-                        "fixed:K | confidence:THRESHOLD[:MAX_DEPTH] | learned:H[:MIN_DEPTH:MAX_DEPTH] (SpecDec++ "
+                        "when speculation is predicted to lose) | export (exactly the export's inference.stop_policy) "
+                        "| fixed:K | confidence:THRESHOLD[:MAX_DEPTH] | learned:H[:MIN_DEPTH:MAX_DEPTH] (SpecDec++ "
                         "exports) | none")
     p.add_argument("--proposer-option", action="append", default=None, metavar="KEY=VALUE",
                    help="override an export's inference default, e.g. total_tokens=6 depth=2 policy=chain (EAGLE) "
@@ -64,7 +65,8 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--filter", default=None, help="Learn2PD export: with a block-diffusion --target, bench baseline, "
                    "Learn2PD, EoTP and both (the one block-diffusion bench)")
     b.add_argument("--cache", default="off", choices=["off", "on", "both"],
-                   help="block-diffusion bench: prefix KV cache across finished blocks off, on, or every mode both ways")
+                   help="block-diffusion bench: prefix KV cache across finished blocks off, on, or every mode both "
+                        "ways")
     b.add_argument("--gen-length", type=int, default=256, help="block-diffusion bench: answer slots per prompt")
     b.add_argument("--steps-per-block", type=int, default=None,
                    help="block-diffusion bench: denoising steps per block (default: the block length)")

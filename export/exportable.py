@@ -99,8 +99,7 @@ class Exportable:
         fix = ("if config.json's 'method' was edited, restore the method the export was written with; else re-export "
                "the drafter with this draftsmith")
         if unknown and not cls.extra_architecture_keys:
-            raise ExportError(f"{claims} fields {unknown} are unknown to {cls.config_class.__name__} (its fields: "
-                              f"{', '.join(sorted(known))}); {fix}")
+            raise ExportError(f"{claims} fields {unknown} are unknown to {cls.config_class.__name__}; {fix}")
         try:
             return cls.config_class(**{k: v for k, v in arch.items() if k in known})
         except (TypeError, ValueError) as err:

@@ -150,8 +150,8 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
         runtime.speculative = SpeculativeDecoder(verify_model, proposer, chosen_verifier, stop_policy=policy,
                                                  kernels_backend=kernels, max_cache_len=max_cache_len)
     if controller:
-        identity = target_identity(read_config(controller)["target"]["name_or_path"], AutoConfig.from_pretrained(folder),
-                                   tokenizer, model.lm_head_weight)
+        identity = target_identity(read_config(controller)["target"]["name_or_path"],
+                                   AutoConfig.from_pretrained(folder), tokenizer, model.lm_head_weight)
         attach_controller(runtime, controller, identity, target or str(folder), kernels, max_cache_len)
     return runtime
 

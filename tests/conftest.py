@@ -105,6 +105,7 @@ TIERS = {
     "test_integration_runtime.py": "integration",
     "test_kangaroo.py": "unit",  # its slow test(s) are marked e2e
     "test_kernels.py": "unit",
+    "test_model_families.py": "unit",
     "test_layer_range.py": "unit",
     "test_linear_cross_entropy.py": "unit",
     "test_lpo_controller.py": "unit",

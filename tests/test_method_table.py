@@ -105,7 +105,7 @@ def test_cli_format_choices_and_refusals_come_from_the_table(tmp_path):
     parser = build_parser()
     export = next(a for a in parser._subparsers._group_actions[0].choices["export"]._actions if a.dest == "format")
     assert list(export.choices) == export_formats()
-    with pytest.raises(SystemExit, match=r"'medusa' exports; Medusa-1 exports as: draftsmith, medusa"):
+    with pytest.raises(ValueError, match=r"'medusa' exports; Medusa-1 exports as: draftsmith, medusa"):
         _convert(tmp_path, tmp_path / "out", "speculators", {"method": "medusa"}, None)
 
 

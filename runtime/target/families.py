@@ -94,7 +94,7 @@ def layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[tuple[int | Non
     ``sliding_window_pattern`` (default 6). A window at least ``max_position_embeddings`` long never masks a
     position the model can reach: those layers count as global (the cache is then refused beyond the window)."""
     n = int(cfg["num_hidden_layers"])
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", 4096 if model_type in ("mistral", *GEMMA_TYPES) else None)  # class defaults
     if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         window = None  # Qwen configs carry a window size that is inactive unless use_sliding_window
     if model_type == "llama" or not window:

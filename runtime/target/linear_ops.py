@@ -114,10 +114,12 @@ def plan_linear_backend(
     caps: cpu_caps.CpuCaps | None = None,
     mkldnn_ok: bool | None = None,
     toolchain_reason: str | None = None,
+    unfused: str | None = None,
 ) -> LinearPlan:
     """Decide the linear backend without building anything (tests inject ``caps``, ``mkldnn_ok`` and
-    ``toolchain_reason``). ``sizes``: (head_dim, hidden, intermediate). Raises ValueError for an unknown name or a
-    forced backend that cannot run, naming what is missing and what to use instead."""
+    ``toolchain_reason``). ``sizes``: (head_dim, hidden, intermediate). ``unfused``: why the fused layer cannot run
+    this model's layers (a feature it lacks, e.g. sliding windows), None if it can. Raises ValueError for an unknown
+    name or a forced backend that cannot run, naming what is missing and what to use instead."""
     from draftsmith.kernels import cpu_layer  # lazy: only its pure checks, nothing is built here
 
     if backend not in LINEAR_BACKENDS:
@@ -136,7 +138,7 @@ def plan_linear_backend(
         mkldnn_ok = mkldnn_linear_available(dtype, device, caps)
     isa, cpp_reason = cpu_layer.pick_isa(caps)
     if isa is not None:
-        cpp_reason = toolchain_reason or cpu_layer.shapes_supported(*sizes)
+        cpp_reason = unfused or toolchain_reason or cpu_layer.shapes_supported(*sizes)
         if compiled:
             cpp_reason = "torch.compile is on (the fused layer is opaque to it)"
     fallback = "mkldnn" if mkldnn_ok else "dense"
@@ -169,15 +171,17 @@ def choose_linear_ops(
     sizes: tuple[int, int, int],
     compiled: bool,
     caps: cpu_caps.CpuCaps | None = None,
+    unfused: str | None = None,
 ) -> tuple[type, LinearPlan]:
     """The op set for ``backend`` and the plan that chose it (see :func:`plan_linear_backend`). Under "auto" a
     fused layer that fails to build falls back to the next choice with a one-line warning."""
     toolchain = None
-    if backend in ("auto", "cpp") and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+    if backend in ("auto", "cpp") and not unfused and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
         from draftsmith.kernels import cpu_layer
 
         toolchain = cpu_layer.why_unavailable(caps=caps) if cpu_layer.pick_isa(caps)[0] else None
-    plan = plan_linear_backend(backend, dtype, device, sizes, compiled, caps, toolchain_reason=toolchain)
+    plan = plan_linear_backend(backend, dtype, device, sizes, compiled, caps, toolchain_reason=toolchain,
+                               unfused=unfused)
     if plan.kind == "cpp":
         from draftsmith.kernels import cpu_layer
 

@@ -18,13 +18,13 @@ A model whose layers go beyond the plain Llama layer (sliding windows, Gemma's n
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.kernels.attention import tree_attention
 from draftsmith.runtime.target.cache import KVCache
 from draftsmith.runtime.target.layer_weights import (
     FusedLayerWeights,
@@ -36,6 +36,7 @@ from draftsmith.runtime.target.layer_weights import (
 from draftsmith.runtime.target.linear_ops import choose_linear_ops
 from draftsmith.runtime.target.model_config import ModelConfig, UnsupportedArchitecture, rope_inv_freq, rope_tables
 from draftsmith.runtime.target.output import TargetOutput
+from draftsmith.runtime.target.torch_layers import llama_layer
 from draftsmith.runtime.target.weights import WeightsError, load_safetensors
 
 __all__ = ["LeanDecoder", "ModelConfig", "UnsupportedArchitecture", "rope_inv_freq"]
@@ -68,7 +69,7 @@ class LeanDecoder(nn.Module):
         ``kernel_backend`` goes to the attention / KV-compaction kernels ("auto" | "torch" | "triton").
         ``linear_backend``: "dense" (F.linear), "mkldnn" (oneDNN-prepacked bf16 weights, CPU only; keeps a second
         copy of the weights), "cpp" (the fused C++ bf16 layer, x86 with AVX512-BF16 or AVX2+FMA) or "auto" (the
-        fastest that can run on this CPU, see ``draftsmith.runtime.target.linear_ops``; ``linear_plan`` records the choice).
+        fastest that can run on this CPU, see ``draftsmith.runtime.target.linear_ops``; ``linear_plan`` records it).
         ``compile``: run the forward through ``torch.compile(dynamic=True)``. Off by default: on the 2-core CPU it
         cut the per-step overhead of a 30-layer model from ~3.2 to ~1.9 ms but the first call compiled for ~3 min.
         """
@@ -86,7 +87,8 @@ class LeanDecoder(nn.Module):
         elif config.tie_word_embeddings:
             self.lm_head = self.embed  # tied: the same tensor, no copy
         else:
-            raise WeightsError("lm_head.weight is missing and tie_word_embeddings is false; the checkpoint is incomplete")
+            raise WeightsError("lm_head.weight is missing and tie_word_embeddings is false: the checkpoint is "
+                               "incomplete")
         self._rope_len = 0
         self._ensure_rope(min(config.max_position_embeddings, 4096))
         self._compile = compile
@@ -112,7 +114,8 @@ class LeanDecoder(nn.Module):
         weights = load_safetensors(folder, dtype=dtype, device=device)
         if transform_weights is not None:
             weights = transform_weights(weights)
-        return cls(config, weights, kernel_backend=kernel_backend, linear_backend=linear_backend, compile=compile).eval()
+        return cls(config, weights, kernel_backend=kernel_backend, linear_backend=linear_backend,
+                   compile=compile).eval()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -165,6 +168,7 @@ class LeanDecoder(nn.Module):
                                                   (c.head_dim, c.hidden_size, c.intermediate_size),
                                                   compiled=self._compile)  # fmt: skip
         self._ops = ops
+        self._torch_layer = partial(llama_layer, ops.linear, ops.linear_add, self.kernel_backend)  # C++ layer's twin
         self._exec = [
             (w.ln1, ops.pack(w.wqkv), w.bqkv, w.qn, w.kn, ops.pack_res(w.wo), w.bo, w.ln2, ops.pack(w.wgu), w.bgu,
              ops.pack_res(w.wdown), w.bdown)
@@ -183,11 +187,9 @@ class LeanDecoder(nn.Module):
     def allocate_cache(self, max_len: int) -> KVCache:
         """A static cache of ``max_len`` slots (batch 1)."""
         c = self.config
-        if c.sliding_window is not None and max_len > c.sliding_window:  # only a window past max_position_embeddings
-            raise UnsupportedArchitecture(
-                f"a {max_len}-token cache exceeds the model's sliding window ({c.sliding_window}), which is longer than "
-                f"its max_position_embeddings ({c.max_position_embeddings}); use a cache of at most that many tokens"
-            )
+        if c.sliding_window is not None and max_len > c.sliding_window:  # a window past max_position_embeddings
+            raise UnsupportedArchitecture(f"a {max_len}-token cache exceeds the model's sliding window "
+                                          f"({c.sliding_window} > max_position_embeddings): use a shorter cache")
         self._ensure_rope(max_len)
         return KVCache(c.num_layers, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device, self.kernel_backend)
 
@@ -212,7 +214,8 @@ class LeanDecoder(nn.Module):
         """
         # Validate everything before any slot is written.
         if input_ids.dim() != 1 or input_ids.numel() == 0:
-            raise ValueError(f"input_ids must be a non-empty 1-D LongTensor [T] (batch 1); got {tuple(input_ids.shape)}")
+            raise ValueError(f"input_ids must be a non-empty 1-D LongTensor [T] (batch 1); got "
+                             f"{tuple(input_ids.shape)}")
         t = input_ids.numel()
         cache.check_fits(t)
         if positions is not None and positions.shape != (t,):
@@ -316,31 +319,3 @@ class LeanDecoder(nn.Module):
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm on a residual stream [T, H] (what :meth:`forward` returns as hidden)."""
         return F.rms_norm(x, (self.config.hidden_size,), self.norm_w, self.config.rms_norm_eps)
-
-    def _torch_layer(
-        self, x: torch.Tensor, ln1: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None, qn: torch.Tensor | None,
-        kn: torch.Tensor | None, wo: torch.Tensor, bo: torch.Tensor | None, ln2: torch.Tensor, wgu: torch.Tensor,
-        bgu: torch.Tensor | None, wdown: torch.Tensor, bdown: torch.Tensor | None, kc: torch.Tensor, vc: torch.Tensor,
-        start: int, cos: torch.Tensor, sin: torch.Tensor, tree_mask: torch.Tensor | None, hq: int, hkv: int,
-        eps: float, scale: float,
-    ) -> torch.Tensor:
-        """One decoder layer in PyTorch ops: x [T, H] -> [T, H]; writes K/V at slots start..start+T-1. The
-        reference of the fused C++ layer (same arguments)."""
-        linear, linear_add = self._ops.linear, self._ops.linear_add
-        t, d = x.shape[0], kc.shape[-1]
-        nq, nqk, hshape = hq * d, (hq + hkv) * d, x.shape[1:]
-        qkv = linear(F.rms_norm(x, hshape, ln1, eps), wqkv, bqkv)  # [T, (Hq+2Hkv)d]
-        if qn is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
-            q = F.rms_norm(qkv[:, :nq].view(t, hq, d), (d,), qn, eps)
-            k = F.rms_norm(qkv[:, nq:nqk].view(t, hkv, d), (d,), kn, eps)
-            qk = torch.cat((q, k), 1)  # [T, Hq+Hkv, d]
-        else:
-            qk = qkv[:, :nqk].view(t, hq + hkv, d)  # [T, Hq+Hkv, d]
-        qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # RoPE on q and k at once
-        kc[:, start : start + t] = qk[:, hq:].transpose(0, 1)  # [Hkv, T, d]
-        vc[:, start : start + t] = qkv[:, nqk:].view(t, hkv, d).transpose(0, 1)
-        attn = tree_attention(qk[:, :hq].transpose(0, 1), kc, vc, start, tree_mask, scale, self.kernel_backend)
-        x = linear_add(attn.transpose(0, 1).reshape(t, nq), wo, bo, x)  # [Hq, T, d] -> [T, H]
-        gu = linear(F.rms_norm(x, hshape, ln2, eps), wgu, bgu)  # [T, 2I]
-        inter = gu.shape[1] // 2
-        return linear_add(F.silu(gu[:, :inter]) * gu[:, inter:], wdown, bdown, x)  # [T, H]

@@ -36,7 +36,8 @@ def load_hf_config(folder: str | Path) -> dict:
     """Return the parsed ``config.json`` of a model folder (raises WeightsError when missing or not JSON)."""
     path = _folder(folder) / "config.json"
     if not path.is_file():
-        raise WeightsError(f"{str(path)!r} is missing: the model folder needs the config.json written by save_pretrained")
+        raise WeightsError(f"{str(path)!r} is missing: the model folder needs the config.json written by "
+                           "save_pretrained")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
