@@ -37,6 +37,14 @@ def _speedup_text(result: dict[str, Any]) -> str:
     return text
 
 
+def _contention_text(busy: dict[str, Any]) -> str:
+    """CONTENDED with the reason, or quiet, with the readings behind the verdict."""
+    share = busy.get("others_cpu_share")
+    readings = (f"others used {'n/a' if share is None else f'{share:.0%}'} of {busy['cpus']} CPUs; own CPU/wall "
+                f"{busy['own_cpu_over_wall']:.2f}; load {busy.get('load_average_1m')}")
+    return f"**CONTENDED**: {busy['why']} ({readings})" if busy.get("contended") else f"quiet ({readings})"
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     """The human-readable summary printed by ``draftsmith bench`` and written to ``bench.md``."""
     t, s, c = result["tokens_per_s"], result["speedup"], result["step_costs"]
@@ -74,6 +82,9 @@ def markdown_table(result: dict[str, Any]) -> str:
         if cm.get("learned_threshold"):
             lt = cm["learned_threshold"]
             rows.append(("SpecDec++ threshold h (from costs)", f"{lt['h']:.2f} (export: {lt['was']}): {lt['why']}"))
+    busy = result.get("contention")
+    if busy:
+        rows.append(("machine while timing", _contention_text(busy)))
     reuse = result.get("verify_reuse")
     if reuse:
         rows.append(("verify compute saved by the shallow cache (Kangaroo)",

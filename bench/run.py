@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench import quality
+from draftsmith.bench import contention, quality
 from draftsmith.bench.sweep import sweep_fixed_depths
 from draftsmith.bench.timing import (
     compare_outputs,
@@ -125,6 +125,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     each part of the speculative step in an extra pass. ``sweep_k``: also time every fixed depth K on the same prompts.
     """
     spec = runtime.speculative
+    timing_start = contention.snapshot()
     hf, hf_torch_dtype, hf_reason, lossless = _time_hf(runtime, prompts, max_new_tokens, skip_hf, hf_dtype, lossless,
                                                        hf_result)
     hf_same_dtype = hf is not None and hf_torch_dtype == runtime.model.dtype
@@ -132,6 +133,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     export_proposer = spec.proposer
     cost_model = _apply_cost_aware_depth(runtime, prompts, costs) if cost_aware else None
     ar, sp, results = _time_ar_and_speculative(runtime, prompts, max_new_tokens)
+    busy = contention.verdict(timing_start, contention.snapshot())
     ar_step = ar["seconds"] / max(1, ar["tokens"])
     steps, tau, by_position = _pooled_acceptance(results)
     same_dtype = _same_dtype_match(runtime, temperature, hf if hf_same_dtype else None, ar, sp)
@@ -163,7 +165,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
                    "speculative": sp["tokens"]},
         "threads": torch.get_num_threads(),
         "cost_model": cost_model, "profile": step_profile, "sweep": sweep, "target_change": target_change,
-        "verify_reuse": verify_reuse, "served_plain": spec.serves_plain_ar(),
+        "verify_reuse": verify_reuse, "served_plain": spec.serves_plain_ar(), "contention": busy,
     }
 
 

@@ -55,7 +55,8 @@ def _timed(fn, batches: list[dict[str, torch.Tensor]], warmup: int) -> list[floa
 def bench_train(cfg: Any, recipe: Any, steps: int = 6, warmup: int = 2) -> dict[str, Any]:
     """Measure target-forward and full training-step throughput for ``recipe`` under ``cfg``."""
     torch.manual_seed(int(cfg.run.seed))
-    target = Target.load(cfg.target.name_or_path, cfg.target.dtype, trust_remote_code=bool(cfg.target.trust_remote_code))
+    target = Target.load(cfg.target.name_or_path, cfg.target.dtype,
+                         trust_remote_code=bool(cfg.target.trust_remote_code))
     objective = recipe.build(cfg, target)
     module = DistillModule(objective, target, dict(cfg.optim), total_steps=steps + warmup)
     optimizer = module.configure_optimizers()["optimizer"]

@@ -76,7 +76,8 @@ def keep_global_batch(cfg: DictConfig, previous: dict[str, int] | None, world: i
         return accumulate
     target = int(previous["global_batch"])
     if target % (world * batch):
-        raise ConfigError(f"cannot keep the global batch {target} of the interrupted run (world {previous['world_size']}"
+        raise ConfigError(f"cannot keep the global batch {target} of the interrupted run "
+                          f"(world {previous['world_size']}"
                           f" x batch {previous['batch_size']} x accumulation {previous['accumulate_grad_batches']}) "
                           f"on {world} devices with data.batch_size={batch}: use a device count dividing "
                           f"{target // batch}, or data.batch_size dividing {target // world}")
@@ -141,7 +142,8 @@ class ClusterCallback(pl.Callback):
         old, new = int(saved["accumulate_grad_batches"]), int(trainer.accumulate_grad_batches)
         done = rescale_loop_state(checkpoint, old, new)
         if old != new:
-            log.warning("checkpoint of %d x %d-step accumulation resumed as %d x %d: epoch position %d batches per rank",
+            log.warning("checkpoint of %d x %d-step accumulation resumed as %d x %d: "
+                        "epoch position %d batches per rank",
                         saved["world_size"], old, trainer.world_size, new, done)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

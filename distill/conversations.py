@@ -81,8 +81,8 @@ def _iter_hf_dataset(spec: str) -> Iterator[tuple[int, Any]]:
     try:
         import datasets
     except ImportError as err:
-        raise MissingDependencyError(f"data={spec!r} is not a local file, and loading it as a Hugging Face dataset needs "
-                                     "`pip install datasets`") from err
+        raise MissingDependencyError(f"data={spec!r} is not a local file, and loading it as a Hugging Face "
+                                     "dataset needs `pip install datasets`") from err
     local = Path(spec).expanduser()
     if local.is_dir() and (local / "dataset_info.json").is_file() and (local / "state.json").is_file():
         ds = datasets.load_from_disk(str(local))  # a folder written by Dataset.save_to_disk
@@ -110,7 +110,8 @@ def _as_data_errors(records: Iterator[tuple[int, Any]], source: Any = None) -> I
 def _nothing_to_train_on(source: Any, records: int, malformed: int, no_assistant: int, cut_line: int | None) -> str:
     """Why a user's data source gave no conversation: empty, or every record dropped (and for which reason)."""
     if records == 0 and cut_line is not None:
-        return f"data {source} holds no complete record: the JSON array is cut off in its first record (line {cut_line})"
+        return (f"data {source} holds no complete record: the JSON array is cut off in its first record "
+                f"(line {cut_line})")
     if records == 0:
         return (f"data {source} is empty: it holds no records. Point data= at a .jsonl/.json/.parquet file of chat "
                 "conversations (ShareGPT 'conversations' or OpenAI 'messages').")

@@ -197,7 +197,8 @@ class ChatDataModule(pl.LightningDataModule):
             return ChatDataset([rows.samples[i] for i in order]), self.batch_size
         # The order is already a seeded permutation; no loader shuffle, so the sampler deals batch r, r+W, ... to
         # rank r and W processes see exactly the batches one process sees with W-step accumulation.
-        return PrebuiltBatches(self.train_set, bucket_by_length(self.train_set.lengths, self.batch_size, seed=self.seed)), None
+        batches = bucket_by_length(self.train_set.lengths, self.batch_size, seed=self.seed)
+        return PrebuiltBatches(self.train_set, batches), None
 
     def batch_plan(self, split: str) -> tuple[list[dict], list[list[int]]]:
         """``(items, batches)`` of ``split`` ("train" | "val"): the items (samples, or packed rows) and the item
@@ -218,8 +219,8 @@ class ChatDataModule(pl.LightningDataModule):
         """Training batches in a fixed seeded order (packed rows, or length buckets with one item = one batch),
         resumable mid-epoch (see :mod:`draftsmith.distill.resumable`)."""
         dataset, batch_size = self._train_layout()
-        return self._loader(dataset, ResumableLoader, batch_size=batch_size, sampler=self._ordered_sampler(len(dataset)),
-                            batches_done=self._batches_done, items_per_batch=batch_size or 1)
+        return self._loader(dataset, ResumableLoader, batch_size=batch_size,
+                            sampler=self._ordered_sampler(len(dataset)), batches_done=self._batches_done, items_per_batch=batch_size or 1)
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches in a fixed order."""

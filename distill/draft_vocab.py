@@ -15,7 +15,9 @@ from draftsmith.drafters.vocab import draft_vocab_from_batches
 log = logging.getLogger(__name__)
 
 
-def training_token_batches(cfg: Any, target: Any, max_samples: int | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def training_token_batches(
+    cfg: Any, target: Any, max_samples: int | None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids, loss_mask) of the training split, built exactly as the trainer's data module builds it.
 
     Iterates the split's samples in a fixed order (not a shuffled loader) so every DDP rank gets the same

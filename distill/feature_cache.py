@@ -107,7 +107,8 @@ def plan_shards(batches: list[tuple[str, int, int]], bpt: int, shard_bytes: int)
             shards.append({"file": f"shard-{len(shards):05d}.safetensors", "start": g, "stop": g, "tokens": 0,
                            "bytes": 0})
         shard = shards[-1]
-        shard["stop"], shard["tokens"], shard["bytes"] = g + 1, shard["tokens"] + positions, shard["bytes"] + positions * bpt
+        shard["stop"], shard["tokens"], shard["bytes"] = (g + 1, shard["tokens"] + positions,
+                                                          shard["bytes"] + positions * bpt)
     return shards
 
 
@@ -116,7 +117,8 @@ def _check_logits(target: Any, batch: dict[str, torch.Tensor], taps: FeatureTaps
     ids, attn = batch["input_ids"][:1].to(device), batch["attention_mask"][:1].to(device)
     feats = target.features(ids, attn, FeatureTaps(final_hidden=True, logits=True))
     rebuilt = F.linear(feats.final_hidden, target.lm_head_weight)
-    if not torch.allclose(rebuilt.float(), feats.logits.float(), rtol=1e-3, atol=1e-3 * feats.logits.abs().max().item()):
+    if not torch.allclose(rebuilt.float(), feats.logits.float(), rtol=1e-3,
+                          atol=1e-3 * feats.logits.abs().max().item()):
         raise FeatureCacheError(f"target {target.name_or_path} post-processes its logits (softcapping, scaling or a "
                                 "bias): the feature cache cannot rebuild them from hidden states; train online "
                                 "(without data.features)")

@@ -48,7 +48,8 @@ class LoraSpec:
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout} (adapter.dropout)")
         if not self.target_modules:
-            raise ConfigError("adapter.target_modules is empty: name the target's linears to adapt, e.g. [q_proj, v_proj]")
+            raise ConfigError("adapter.target_modules is empty: name the target's linears to adapt, "
+                              "e.g. [q_proj, v_proj]")
 
     @property
     def scaling(self) -> float:

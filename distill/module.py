@@ -117,7 +117,9 @@ class DistillModule(pl.LightningModule):
         for model in self.objective.frozen.values():  # never registered: never saved, never optimised
             model.to(self.device).eval().requires_grad_(False)
 
-    def _step(self, batch: dict[str, torch.Tensor], with_logits: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _step(
+        self, batch: dict[str, torch.Tensor], with_logits: bool = False
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         taps = replace(self.objective.taps, logits=True) if with_logits else self.objective.taps
         start = time.perf_counter()
         if isinstance(self._target, CachedTarget):  # offline (data.features): the batch carries the features
@@ -214,7 +216,8 @@ class DistillModule(pl.LightningModule):
         optimizer = torch.optim.AdamW(groups, lr=float(cfg["lr"]), weight_decay=float(cfg.get("weight_decay", 0.0)),
                                       betas=tuple(cfg.get("betas", (0.9, 0.999))), eps=float(cfg.get("eps", 1e-8)))
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(str(cfg.get("scheduler", "cosine")), int(cfg.get("warmup_steps", 0)), self.total_steps))
+            optimizer,
+            lr_lambda(str(cfg.get("scheduler", "cosine")), int(cfg.get("warmup_steps", 0)), self.total_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

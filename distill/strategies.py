@@ -71,7 +71,8 @@ def layer_classes(drafter: nn.Module, names: Any = "auto") -> set[type[nn.Module
     if names not in (None, "auto"):
         missing = [n for n in names if n not in found]
         if missing:
-            raise ConfigError(f"wrap_classes {missing} are not modules of the drafter; it has: {', '.join(sorted(found))}")
+            raise ConfigError(f"wrap_classes {missing} are not modules of the drafter; "
+                              f"it has: {', '.join(sorted(found))}")
         return {found[n] for n in names}
     candidates = []
     for child in drafter.children():
@@ -105,7 +106,8 @@ def _fsdp(trainer_cfg: DictConfig, drafter: nn.Module | None) -> Any:
         raise ConfigError(f"trainer.fsdp.sharding_strategy={sharding!r}; valid: {', '.join(SHARDING_STRATEGIES)}")
     state_dict_type = str(opts.get("state_dict_type", "full"))
     if state_dict_type not in ("full", "sharded"):
-        raise ConfigError(f"trainer.fsdp.state_dict_type={state_dict_type!r}; valid: full (one file), sharded (a folder)")
+        raise ConfigError(f"trainer.fsdp.state_dict_type={state_dict_type!r}; "
+                          "valid: full (one file), sharded (a folder)")
     classes = layer_classes(drafter, opts.get("wrap_classes", "auto")) if drafter is not None else None
     checkpointing = classes if bool(trainer_cfg.get("activation_checkpointing", False)) and classes else None
     mesh = None

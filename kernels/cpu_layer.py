@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from draftsmith.kernels import cpu_caps
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decoder_layer.cpp")
 
@@ -84,6 +88,25 @@ def why_unavailable(isa: str | None = None, caps: cpu_caps.CpuCaps | None = None
     return None
 
 
+STALE_LOCK_S = 900  # a build takes about a minute on 2 cores; a lock this old was left by a killed build
+
+
+def clear_stale_lock(build: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove torch's build lock in ``build`` when it is older than ``max_age_s``. torch's file baton records no
+    owner, so a build killed mid-way (Ctrl-C, a CI timeout) leaves a lock that makes every later process wait for
+    ever; returns whether one was removed."""
+    lock = build / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    log.warning("removing a stale build lock (%.0f s old, left by an interrupted build): %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.lru_cache(maxsize=4)
 def load_cpu_layer(isa: str | None = None) -> ModuleType:
     """Build (once per source version and ISA variant) and import the extension; raises CpuLayerUnavailable with
@@ -99,6 +122,7 @@ def load_cpu_layer(isa: str | None = None) -> ModuleType:
     name = f"draftsmith_cpu_layer_{isa}_{tag}"  # a new source or torch gets a new module, never a stale one
     build = extension_dir() / name
     build.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(build)
     flags = ["-O3", *ISA_FLAGS[isa], "-fopenmp"]
     try:
         module = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],

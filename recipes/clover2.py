@@ -40,7 +40,9 @@ class CloverObjective(Objective):
     def on_validation_end(self, reduce_sum: Any = None) -> None:
         self.calibration.on_validation_end(reduce_sum)
 
-    def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, batch: dict[str, torch.Tensor], feats: TargetFeatures
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids, attn = batch["input_ids"], batch["attention_mask"]
         total_len = ids.shape[1]
         if total_len < 3:

@@ -112,8 +112,9 @@ class DiffusionAdaptObjective(Objective):
         blocks = (torch.arange(T, device=device)[None] + offset) // spec.block_length  # [B, T]
         valid = torch.ones_like(ids, dtype=torch.bool)
         positions = torch.arange(T, device=device).repeat(2)[None].expand(B, -1)  # [B, 2T]
-        hidden = model.get_decoder()(input_ids=torch.cat([xt, ids], 1), attention_mask=additive_mask(two_stream_mask(blocks, valid), model.dtype),
-                             position_ids=positions, use_cache=False).last_hidden_state  # [B, 2T, H]
+        hidden = model.get_decoder()(input_ids=torch.cat([xt, ids], 1),
+                                     attention_mask=additive_mask(two_stream_mask(blocks, valid), model.dtype),
+                                     position_ids=positions, use_cache=False).last_hidden_state  # [B, 2T, H]
         b, j = noised.nonzero(as_tuple=True)  # [N] each: the masked slots
         opens_block = blocks[b, j] != blocks[b, j - 1]
         source = torch.where(opens_block, T + j - 1, j - 1)  # clean predictor for a block's first slot

@@ -99,7 +99,9 @@ class EagleObjective(Objective):
         self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE by default (loss.fused_linear_ce)
         self.taps = FeatureTaps(final_hidden=True, logits=True)
 
-    def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, batch: dict[str, torch.Tensor], feats: TargetFeatures
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Weighted feature regression + soft CE over pairs whose predicted token is an assistant label."""
         ids, attn = batch["input_ids"], batch["attention_mask"]
         final = feats.final_hidden  # [B, T, H] post-norm

@@ -45,7 +45,9 @@ class Eagle3Objective(Objective):
         self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE by default (loss.fused_linear_ce)
         self.taps = FeatureTaps(final_hidden=False, layers=tuple(drafter.config.target_layers), logits=True)
 
-    def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, batch: dict[str, torch.Tensor], feats: TargetFeatures
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Sum over TTT steps of decayed soft-CE against the target distribution on the draft vocabulary."""
         ids, attn = batch["input_ids"], batch["attention_mask"]
         n = ids.shape[1] - 2  # pairs t = 0..T-3 have a step-0 label x_{t+2}
@@ -104,7 +106,8 @@ def validate(cfg: Any) -> None:
     if not 0 < float(d.step_decay) <= 1:
         raise ConfigError(f"drafter.step_decay must be in (0, 1], got {d.step_decay}")
     if d.get("draft_vocab_size") is not None and int(d.draft_vocab_size) < 0:
-        raise ConfigError(f"drafter.draft_vocab_size must be >= 0 (0 or null = full vocabulary), got {d.draft_vocab_size}")
+        raise ConfigError(f"drafter.draft_vocab_size must be >= 0 (0 or null = full vocabulary), "
+                          f"got {d.draft_vocab_size}")
     layers = d.get("target_layers")
     if layers is not None and len(layers) == 0:
         raise ConfigError("drafter.target_layers is empty; use null for the default (2, L//2, L-3), spread over "

@@ -45,7 +45,9 @@ class HydraObjective(Objective):
     def on_validation_end(self, reduce_sum: Any = None) -> None:
         self.calibration.on_validation_end(reduce_sum)
 
-    def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, batch: dict[str, torch.Tensor], feats: TargetFeatures
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Sum over heads of decay^(k+1) * CE(head k at t, label x_{t+k+2}) over assistant label positions."""
         ids = batch["input_ids"]
         mask_all = batch["loss_mask"] * batch["attention_mask"]  # [B, T]

@@ -50,7 +50,9 @@ class KangarooObjective(Objective):
         self.topk = topk
         self.taps = FeatureTaps(final_hidden=False, layers=(drafter.config.exit_layer,), logits=True)
 
-    def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, batch: dict[str, torch.Tensor], feats: TargetFeatures
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Masked mean soft CE over rows t whose next token t+1 is an assistant label."""
         ids, attn = batch["input_ids"], batch["attention_mask"]
         n = ids.shape[1] - 1  # rows t = 0..T-2 predict token t+1
@@ -65,7 +67,8 @@ class KangarooObjective(Objective):
         with torch.no_grad():
             greedy = teacher.argmax(-1)
             metrics = {"accept": expected_acceptance(rows.detach(), self.module.lm_head_weight, teacher),
-                       "top1": topk_hits(res.topk, greedy, 1), f"top{self.topk}": topk_hits(res.topk, greedy, self.topk)}
+                       "top1": topk_hits(res.topk, greedy, 1),
+                       f"top{self.topk}": topk_hits(res.topk, greedy, self.topk)}
         return res.loss, metrics
 
     def export_config(self) -> dict[str, Any]:

@@ -47,7 +47,9 @@ class MedusaObjective(Objective):
     def on_validation_end(self, reduce_sum: Any = None) -> None:
         self.calibration.on_validation_end(reduce_sum)
 
-    def loss(self, batch: dict[str, torch.Tensor], feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, batch: dict[str, torch.Tensor], feats: TargetFeatures
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Sum over heads of decay^(k+1) * CE(head k at t, label at t+k+2), masked by the label position's loss mask."""
         # The target may run in bf16 while the heads train in fp32 (or under autocast): match the heads' dtype.
         hidden = feats.final_hidden.to(next(self.module.parameters()).dtype)  # [B, T, H]

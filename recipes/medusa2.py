@@ -115,7 +115,9 @@ class Medusa2Objective(Objective):
             return x, weight
         return torch.cat([x, x.new_ones((*x.shape[:-1], 1))], -1), torch.cat([weight, bias[:, None]], 1)
 
-    def loss(self, batch: dict[str, torch.Tensor], feats: Medusa2Features) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, batch: dict[str, torch.Tensor], feats: Medusa2Features
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids = batch["input_ids"]
         mask_all = (batch["loss_mask"] * batch["attention_mask"]).bool()  # [B, T]
         heads = self.module.heads

@@ -33,7 +33,7 @@ FAMILIES = {
     "phi3": ("Phi3", {}),
     "phi3_window": ("Phi3", {"sliding_window": WINDOW}),
     "gemma2": ("Gemma2", {"sliding_window": WINDOW, "num_hidden_layers": 4, "head_dim": 16, "query_pre_attn_scalar": 24,
-                          "attn_logit_softcapping": 1.5, "final_logit_softcapping": 2.0}),
+                          "attn_logit_softcapping": 0.5, "final_logit_softcapping": 2.0}),
     "gemma3": ("Gemma3Text", {"sliding_window": WINDOW, "num_hidden_layers": 4, "head_dim": 16,
                               "query_pre_attn_scalar": 24, "rope_parameters": GEMMA3_ROPE,
                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention",

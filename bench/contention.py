@@ -1,0 +1,61 @@
+"""Is this machine busy while we time? A speed figure taken while other processes ran says little about the code.
+
+Two readings over the timed interval: the share of every CPU that *other* processes used (``/proc/stat``'s busy time
+of all CPUs minus this process's own CPU time), and this process's CPU time over its wall time. Load average is
+recorded too, but it is a one-minute moving average that lags, so the verdict rests on the first reading.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+OTHERS_SHARE_LIMIT = 0.10  # other processes using over 10% of all CPUs during timing: the figure is contended
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """Cumulative CPU counters at one moment."""
+
+    wall_s: float
+    own_cpu_s: float
+    busy_all_s: float | None  # busy seconds of all CPUs (None where /proc/stat is unreadable)
+
+
+def _busy_all_seconds(stat: Path = Path("/proc/stat")) -> float | None:
+    """Busy time of all CPUs since boot: user+nice+system+irq+softirq+steal (idle and iowait left out)."""
+    try:
+        fields = [int(x) for x in stat.read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = sum(fields[:3]) + sum(fields[5:8])  # user nice system | (idle iowait) | irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def snapshot() -> CpuSnapshot:
+    """The counters now."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return CpuSnapshot(time.perf_counter(), usage.ru_utime + usage.ru_stime, _busy_all_seconds())
+
+
+def verdict(start: CpuSnapshot, end: CpuSnapshot, cpus: int | None = None,
+            limit: float = OTHERS_SHARE_LIMIT) -> dict[str, Any]:
+    """What the interval from ``start`` to ``end`` says: others' share of all CPUs, this process's CPU over wall,
+    the load average, and ``contended`` with the reason."""
+    cpus = cpus or os.cpu_count() or 1
+    wall = max(end.wall_s - start.wall_s, 1e-9)
+    own = end.own_cpu_s - start.own_cpu_s
+    others = None
+    if start.busy_all_s is not None and end.busy_all_s is not None:
+        others = max(0.0, (end.busy_all_s - start.busy_all_s) - own) / (wall * cpus)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    contended = others is not None and others > limit
+    why = (f"other processes used {others:.0%} of the {cpus} CPUs while timing (over {limit:.0%}): the figures are "
+           "contended; rerun on a quiet machine" if contended else None)
+    return {"others_cpu_share": None if others is None else round(others, 3), "own_cpu_over_wall": round(own / wall, 2),
+            "load_average_1m": None if load is None else round(load, 2), "cpus": cpus, "contended": contended,
+            "why": why}
