@@ -124,8 +124,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     when speculation is predicted to lose; see :mod:`draftsmith.runtime.acceptance.depth_choice`). ``profile``: time
     each part of the speculative step in an extra pass. ``sweep_k``: also time every fixed depth K on the same prompts.
     """
-    spec = runtime.speculative
-    timing_start = contention.snapshot()
+    spec, timing_start = runtime.speculative, contention.snapshot()
     hf, hf_torch_dtype, hf_reason, lossless = _time_hf(runtime, prompts, max_new_tokens, skip_hf, hf_dtype, lossless,
                                                        hf_result)
     hf_same_dtype = hf is not None and hf_torch_dtype == runtime.model.dtype
@@ -133,7 +132,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     export_proposer = spec.proposer
     cost_model = _apply_cost_aware_depth(runtime, prompts, costs) if cost_aware else None
     ar, sp, results = _time_ar_and_speculative(runtime, prompts, max_new_tokens)
-    busy = contention.verdict(timing_start, contention.snapshot())
+    busy = contention.verdict(timing_start, contention.snapshot())  # was the machine quiet while timing?
     ar_step = ar["seconds"] / max(1, ar["tokens"])
     steps, tau, by_position = _pooled_acceptance(results)
     same_dtype = _same_dtype_match(runtime, temperature, hf if hf_same_dtype else None, ar, sp)

@@ -220,7 +220,8 @@ class ChatDataModule(pl.LightningDataModule):
         resumable mid-epoch (see :mod:`draftsmith.distill.resumable`)."""
         dataset, batch_size = self._train_layout()
         return self._loader(dataset, ResumableLoader, batch_size=batch_size,
-                            sampler=self._ordered_sampler(len(dataset)), batches_done=self._batches_done, items_per_batch=batch_size or 1)
+                            sampler=self._ordered_sampler(len(dataset)), batches_done=self._batches_done,
+                            items_per_batch=batch_size or 1)
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches in a fixed order."""

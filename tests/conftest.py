@@ -16,14 +16,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DRAFTSMITH_COST_CACHE", tempfile.mkdtemp(prefix="draftsmith-costs-"))
 
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 WORDS = ("the a of to and in is it you that he was for on are with as I his they be at one have this from or had by "
          "hot word but what some we can out other were all there when up use your how said an each she which do "
          "their time if will way about many then them write would like so these her long make thing see him two "
          "has look more day could go come did number sound no most people my over know water than call first who "
-         "may down side been now find hello world python code answer question please explain why user assistant").split()
+         "may down side been now find hello world python code answer question please explain why "
+         "user assistant").split()
 
 
 def build_tiny_tokenizer():
@@ -34,7 +36,8 @@ def build_tiny_tokenizer():
     specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "\n"]
     vocab = {tok: i for i, tok in enumerate(specials + sorted(set(WORDS)) + [".", ",", "?", "!"])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"), pre_tokenizers.WhitespaceSplit()])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"),
+                                                 pre_tokenizers.WhitespaceSplit()])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
                                    eos_token="<|im_end|>", bos_token=None,
                                    additional_special_tokens=["<|im_start|>", "<|im_end|>"])
@@ -99,6 +102,7 @@ TIERS = {
     "test_gpu_check_script.py": "e2e",
     "test_head_family_train.py": "e2e",
     "test_hf_fallback.py": "unit",
+    "test_house_rules.py": "unit",
     "test_hydra.py": "unit",
     "test_hydra_runtime.py": "unit",
     "test_inference_choice.py": "unit",
