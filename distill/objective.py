@@ -41,8 +41,8 @@ class Objective:
         raise NotImplementedError
 
     def export_config(self) -> dict[str, Any]:
-        ("""``method``, ``architecture`` and ``inference`` blocks of the export config """
-         """(target is added by the caller).""")
+        """``method``, ``architecture`` and ``inference`` blocks of the export config (target is added by the
+        caller)."""
         raise NotImplementedError
 
     def param_groups(self) -> list[dict[str, Any]]:

@@ -4,7 +4,6 @@ kernels/, ruff clean, and module lists built with comprehensions (never ``[Modul
 from __future__ import annotations
 
 import ast
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,10 +64,7 @@ def ruff_command() -> list[str] | None:
     else:
         return [sys.executable, "-m", "ruff"]
     beside = Path(sys.executable).parent / "ruff"
-    if beside.exists():
-        return [str(beside)]
-    found = shutil.which("ruff")
-    return [found] if found else None
+    return [str(beside)] if beside.exists() else None
 
 
 def test_ruff_is_clean():

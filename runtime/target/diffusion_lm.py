@@ -75,7 +75,8 @@ class DiffusionLM:
         return tuple(sorted(i for i in ids if i is not None))
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, blocks: torch.Tensor, cache: Any = None, past_blocks: torch.Tensor | None = None,
+    def forward(self, ids: torch.Tensor, blocks: torch.Tensor, cache: Any = None,
+                past_blocks: torch.Tensor | None = None,
                 commit: bool = False) -> tuple[torch.Tensor, Any]:
         """Logits [1, T, V] of ``ids`` [1, T] at block ids ``blocks`` [1, T] after ``cache`` (block ids ``past_blocks``
         [1, P]); returns ``(logits, cache)`` with ``cache`` extended by ``ids`` only when ``commit``."""
@@ -153,7 +154,8 @@ def load_diffusion_lm(name_or_path: str, dtype: torch.dtype = torch.float32, dev
 
 def folder_from_export(source: str | Path, out_dir: str | Path) -> Path:
     """Rebuild the HF folder of a ``recipe=diffusion_adapt`` export (``<run dir>/export`` or the run folder):
-    config from the export's architecture, weights from ``model.safetensors``, the base tokenizer plus the mask token."""
+    config from the export's architecture, weights from ``model.safetensors``, the base tokenizer plus the mask
+    token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -190,5 +192,6 @@ def folder_from_export(source: str | Path, out_dir: str | Path) -> Path:
     return save_diffusion_folder(model, tokenizer, spec, out_dir, extra={"trained": config.get("training", {})})
 
 
-__all__ = ["folder_from_export", "DIFFUSION_KEY", "MASK_TOKEN", "REMOTE_FAMILIES", "DiffusionLM", "DiffusionSpec", "DiffusionTargetError", "additive_mask", "block_causal_mask",
-           "block_ids", "load_diffusion_lm", "prompt_offset", "save_diffusion_folder", "spec_of", "supports_prefix_cache"]
+__all__ = ["folder_from_export", "DIFFUSION_KEY", "MASK_TOKEN", "REMOTE_FAMILIES", "DiffusionLM", "DiffusionSpec",
+           "DiffusionTargetError", "additive_mask", "block_causal_mask", "block_ids", "load_diffusion_lm",
+           "prompt_offset", "save_diffusion_folder", "spec_of", "supports_prefix_cache"]

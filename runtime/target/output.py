@@ -28,6 +28,7 @@ class TargetOutput:
             return None
         missing = [i for i in layers if i not in self.taps]
         if missing:
-            raise ValueError(f"the target forward returned no taps for layers {missing} (it returned {sorted(self.taps)}); "
+            raise ValueError(f"the target forward returned no taps for layers {missing} "
+                             f"(it returned {sorted(self.taps)}); "
                              "its forward must honour taps=(...) (the lean decoder and the HF fallback do)")
         return torch.cat([self.taps[i] for i in layers], dim=-1)  # [T, k*H]
