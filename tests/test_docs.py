@@ -1,0 +1,35 @@
+"""The docs match the code: ARCHITECTURE.md lists every module, and no doc points outside the repository."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module_table():
+    spec = importlib.util.spec_from_file_location("module_table", ROOT / "scripts" / "module_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_architecture_lists_every_module_and_no_other():
+    mt = _module_table()
+    on_disk = {str(p) for p in mt.modules()}
+    in_doc = set(mt.listed(mt.DOC.read_text()))
+    assert not on_disk - in_doc, f"modules missing from docs/ARCHITECTURE.md: {sorted(on_disk - in_doc)} " \
+                                 "(python scripts/module_table.py --write)"
+    assert not in_doc - on_disk, f"docs/ARCHITECTURE.md lists modules that do not exist: {sorted(in_doc - on_disk)}"
+
+
+def test_no_doc_points_outside_the_repository():
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    offenders = [str(d.relative_to(ROOT)) for d in docs if "../shared" in d.read_text() or "DESIGN.md" in d.read_text()]
+    assert not offenders, f"docs that point outside the repository: {offenders}"
+
+
+def test_readme_stays_short():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 300, f"README.md has {lines} lines; measurement logs belong in docs/MEASUREMENTS.md"
