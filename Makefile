@@ -26,7 +26,7 @@ BEST_PRECISION ?= $(shell $(PY) -c "from draftsmith.kernels.cpu_caps import nati
 	print('bf16-mixed' if native_bf16('cpu')[0] else '32-true')" 2>/dev/null || echo 32-true)
 
 .PHONY: setup setup-dev assets demo train-demo bench-demo test test-fast test-integration test-e2e lint clean \
-	gpu-check speculators-venv train-best \
+	gpu-check speculators-venv llamacpp train-best \
 	method-table
 
 setup: $(VENV)/.installed
@@ -74,6 +74,12 @@ $(SPEC_VENV)/.done:
 	   > $(SPEC_VENV).log 2>&1 && { $(SPEC_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio \
 	   >> $(SPEC_VENV).log 2>&1 || true; } && touch $@ ) || { tail -n 3 $(SPEC_VENV).log > $(SPEC_VENV).failed; \
 	   echo "could not install speculators==0.9.0 (see $(SPEC_VENV).log); its test will be skipped"; }
+
+# llama.cpp's CPU tools, the peer `draftsmith bench --llamacpp` times: built once from the llama.cpp tree vendored by
+# the llama-cpp-python==0.3.36 sdist into $DRAFTSMITH_CACHE/llamacpp-0.3.36 (default ~/.cache/draftsmith), outside the
+# clone; a later run returns at once. A failed build keeps its reason in llamacpp-0.3.36.failed there: rerun to retry.
+llamacpp:
+	@PYTHON=$$(test -x $(PY) && echo $(PY) || echo python3) bash scripts/build_llamacpp.sh
 
 # Tests come in tiers (tests/conftest.py TIERS): `test-fast` runs the unit tier (tiny in-process models, about two
 # minutes), `test-integration` the tests on the embedded SmolLM2-135M target, `test-e2e` whole train.py / draftsmith

@@ -45,6 +45,35 @@ def _contention_text(busy: dict[str, Any]) -> str:
     return f"**CONTENDED**: {busy['why']} ({readings})" if busy.get("contended") else f"quiet ({readings})"
 
 
+def _over(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _peer_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """``bench --llamacpp``: llama.cpp's tokens/s per weight file and runtime AR over it (``peers.llamacpp``)."""
+    peer = (result.get("peers") or {}).get("llamacpp")
+    if not peer:
+        return []
+    if "skipped" in peer:
+        return [("llama.cpp tok/s", f"skipped: {peer['skipped']}")]
+    rows, ratios, ar = [], [], result["tokens_per_s"]["runtime_ar"]
+    for key, label in (("q4_1", "Q4_1"), ("bf16", "BF16")):
+        row = peer.get(key) or {"skipped": "not run"}
+        if "skipped" in row:
+            rows.append((f"llama.cpp {label} tok/s", f"skipped: {row['skipped']}"))
+            continue
+        same = {True: "same prompt ids", False: "PROMPT IDS DIFFER", None: "prompt ids unchecked"}
+        rows.append((f"llama.cpp {label} tok/s", f"{_fmt(row['decode_tokens_per_s'], 1)} decode; "
+                     f"{_fmt(row['tokens_per_s_incl_prompt'], 1)} incl. prompt eval (as runtime AR); prompt eval "
+                     f"{_fmt(row['prompt_tokens_per_s'], 0)}; {row['threads']} threads, "
+                     f"{same[row['prompt_ids_match']]}"))
+        ratios.append(f"{label} {_fmt(_over(ar, row['tokens_per_s_incl_prompt']))} "
+                      f"(decode-only {_fmt(_over(ar, row['decode_tokens_per_s']))})")
+    if ratios:
+        rows.append(("runtime AR / llama.cpp (both incl. prompt eval)", "; ".join(ratios)))
+    return rows
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     """The human-readable summary printed by ``draftsmith bench`` and written to ``bench.md``."""
     t, s, c = result["tokens_per_s"], result["speedup"], result["step_costs"]
@@ -63,7 +92,7 @@ def markdown_table(result: dict[str, Any]) -> str:
          or "n/a"),
         (f"HF generate tokens/s ({result.get('hf_dtype')})", _fmt(t["hf_generate"], 1)),
         (f"runtime AR tokens/s ({result['dtype']})", _fmt(t["runtime_ar"], 1)),
-        ("speculative tokens/s", _fmt(t["speculative"], 1)),
+        ("speculative tokens/s", _fmt(t["speculative"], 1)), *_peer_rows(result),
         ("speedup vs HF generate", _fmt(s["vs_hf_generate"])), ("speedup vs runtime AR", _speedup_text(result)),
         ("runtime AR vs HF generate", _fmt(s["runtime_ar_vs_hf_generate"])),
         ("one AR step / one verify forward (ms)", f"{c['ar_step_ms']:.1f} / {c['verify_forward_ms']:.1f} "
@@ -78,7 +107,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     ]
     cm = result.get("cost_model")
     if cm:
-        rows.append(("cost-aware depth (calibrated on this machine)", cm["summary"]))
+        rows.append(("cost-aware shape (calibrated on this machine)", cm["summary"]))
         if cm.get("learned_threshold"):
             lt = cm["learned_threshold"]
             rows.append(("SpecDec++ threshold h (from costs)", f"{lt['h']:.2f} (export: {lt['was']}): {lt['why']}"))
@@ -109,10 +138,7 @@ def _sections(result: dict[str, Any]) -> str:
     out = ""
     cm = result.get("cost_model")
     if cm:
-        out += "\n| draft depth | predicted tokens/step | predicted step ms | predicted speedup |\n|---|---|---|---|\n"
-        out += "".join(f"| {int(r['depth'])}{' (plain)' if r['depth'] == 0 else ''}"
-                       f"{' <- chosen' if r['depth'] == cm['depth'] else ''}"
-                       f" | {r['tokens']:.2f} | {r['step_ms']:.1f} | {r['speedup']:.2f} |\n" for r in cm["table"])
+        out += _shape_rows(cm)
     if result.get("sweep"):
         out += "\n| stop policy | tau | tokens/s | vs runtime AR |\n|---|---|---|---|\n"
         out += "".join(f"| {r['policy']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f}"
@@ -125,6 +151,21 @@ def _sections(result: dict[str, Any]) -> str:
         out += "|---" * (len(parts) + 2) + "|\n"
         out += f"| mean over {prof['steps']} steps | " + " | ".join(f"{prof[k]:.2f}" for k in parts) + \
             f" | {prof['step_ms']:.2f} |\n"
+    return out
+
+
+def _shape_rows(cm: dict[str, Any]) -> str:
+    """The cost model's table: plain, every timed shape and the best predicted ones, predicted next to measured."""
+    rows = [r for i, r in enumerate(cm["table"]) if i < 9 or r.get("measured_speedup") is not None]
+    out = ("\n| draft shape | nodes | predicted tokens/step | predicted step ms | predicted speedup "
+           "| measured speedup |\n|---|---|---|---|---|---|\n")
+    for r in rows:
+        chosen = " <- chosen" if r["shape"] == cm.get("shape_label") else ""
+        measured = r.get("measured_speedup")
+        out += (f"| {r['shape']}{chosen} | {r['nodes']:.1f} | {r['tokens']:.2f} | {r['step_ms']:.1f} | "
+                f"{r['predicted_speedup']:.2f} | {'not timed' if measured is None else f'{measured:.2f}'} |\n")
+    if len(cm["table"]) > len(rows):
+        out += f"| ({len(cm['table']) - len(rows)} more candidates predicted, see bench.json) | | | | | |\n"
     return out
 
 

@@ -27,7 +27,7 @@ from draftsmith.runtime.drafting.base import LookaheadHeads, ReportsVerifyReuse
 from draftsmith.runtime.serving import Runtime, hf_fastest_dtype, load_runtime
 from draftsmith.runtime.target.loading import load_decoder
 
-FORWARD_SIZES = (1, 2, 4, 8, 16)  # new tokens per forward: how verify cost grows with tree size on this machine
+FORWARD_SIZES = tuple(range(1, 17))  # new tokens per forward: every verify size a candidate shape can have
 
 
 def _step_costs(runtime: Runtime, prompt: list[int], repeats: int = 5) -> dict[str, Any]:
@@ -193,14 +193,11 @@ def _time_hf(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, sk
 
 
 def _apply_cost_aware_depth(runtime: Runtime, prompts: list[list[int]], costs: dict[str, Any]) -> dict[str, Any]:
-    """Calibrate and apply the fastest draft depth for this machine (:mod:`draftsmith.runtime.acceptance.depth_choice`)
-    from the measured forward costs; returns the cost model. Its plain step: a short AR run on the calibration
-    prompts."""
-    probe = time_runtime_ar(runtime.model, prompts[:depth_choice.CALIBRATION_PROMPTS], depth_choice.CALIBRATION_TOKENS,
-                            eos_ids=runtime.eos_ids)
-    verify_ms = {**costs["forward_ms_by_new_tokens"], costs["tree_nodes"]: costs["verify_forward_ms"]}
-    ar_step_ms = 1e3 * probe["seconds"] / max(1, probe["tokens"])
-    _, cost_model = depth_choice.choose_cost_aware_depth(runtime, prompts, ar_step_ms, verify_ms)
+    """Calibrate, predict and time candidate shapes, and apply the best measured one (or plain decoding) for this
+    machine (:mod:`draftsmith.runtime.acceptance.depth_choice`), reusing the forward curve measured for every size
+    1..16; its plain step is timed without the prefill there. Returns the cost model for bench.json."""
+    verify_ms = {int(n): float(v) for n, v in costs["forward_ms_by_new_tokens"].items()}
+    _, cost_model = depth_choice.choose_cost_aware_shape(runtime, prompts, verify_ms)
     return cost_model
 
 

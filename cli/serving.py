@@ -87,6 +87,9 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--lossless-dtype", default="fp32",
                    help="dtype of the lossless check (greedy spec vs HF generate); 'same' = the timing dtype, "
                         "'none' = skip")
+    b.add_argument("--llamacpp", action="store_true",
+                   help="also time llama.cpp greedy on the same prompts and threads (`make llamacpp` builds it once): "
+                        "the shipped Q4_1 GGUF and a BF16 GGUF converted from the target (peers.llamacpp)")
     _add_common(b)
 
 
@@ -132,9 +135,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if rt.speculative is not None and args.stop_policy == "auto":
         from draftsmith.runtime.acceptance import depth_choice
 
-        note = depth_choice.apply_cached_depth(rt)
-        if args.verbose or "lose" in note:
-            print(f"[draft depth] {note}", file=sys.stderr)
+        note = depth_choice.apply_cached_shape(rt)
+        if args.verbose or "plain decoding" in note:
+            print(f"[draft shape] {note}", file=sys.stderr)
     prompt = encode_chat(rt.tokenizer, args.prompt)
     limit = context_limit(rt.model)
     if limit is not None:
@@ -251,6 +254,11 @@ def _bench_drafter(args: argparse.Namespace, rt: Any, prompts: list[list[int]]) 
                        cost_aware=args.stop_policy == "auto", profile=args.profile, sweep_k=sweep)
     if check == "none":
         result["lossless"] = None
+    if args.llamacpp:
+        from draftsmith.bench.llamacpp import llamacpp_peers
+
+        result["peers"] = {"llamacpp": llamacpp_peers(prompts, rt.tokenizer, args.max_new_tokens, result["threads"],
+                                                      rt.folder, result["tokens_per_s"]["runtime_ar"])}
     print(markdown_table(result))
     if args.out:
         out = write_outputs(result, args.out)

@@ -148,18 +148,27 @@ def _convert(export_dir, out, fmt: str, config: dict, target: str | None, source
     if method is not None and fmt not in method.formats:  # the one method table says which converters apply
         raise ValueError(f"{source}: --format {fmt} does not hold {method.name!r} exports; {method.label} exports "
                          f"as: {', '.join(method.formats)}")
-    if fmt == "medusa":
+    if fmt in ("medusa", "medusa-tgi"):
         from draftsmith.export.medusa_layout import to_medusa_layout
+        from draftsmith.export.medusa_tgi import to_medusa_tgi
         from draftsmith.runtime.target.weights import load_lm_head
 
         # Heads sharing the target's LM head need it: default to the recorded target like speculators does.
+        # TGI loads the base model the config names: the target, always.
         shared = bool(config["architecture"].get("share_lm_head", False))
-        lm_head = load_lm_head(_verifier_folder(config, target)) if target or shared else None
+        base = _verifier_folder(config, target) if target or shared or fmt == "medusa-tgi" else None
+        lm_head = load_lm_head(base) if target or shared else None
+        if fmt == "medusa-tgi":
+            return to_medusa_tgi(export_dir, out, base, lm_head, source=source)
         return to_medusa_layout(export_dir, out, lm_head, source=source)
     if fmt == "speculators":
         from draftsmith.export.speculators import to_speculators
 
         return to_speculators(export_dir, out, _verifier_folder(config, target), source=source)
+    if fmt == "sglang":
+        from draftsmith.export.sglang import to_sglang
+
+        return to_sglang(export_dir, out, source=source)
     raise ValueError(f"unknown --format {fmt!r}; valid: {', '.join(export_formats())}")
 
 

@@ -50,7 +50,7 @@ class Method:
 
 FAMILIES = ("heads", "drafter", "self-speculative", "controller", "target-adaptation")
 _HEADS_TABLE = dict(family="heads", in_method_table=True)
-_MEDUSA = ("draftsmith", "medusa")
+_MEDUSA = ("draftsmith", "medusa", "medusa-tgi")  # vLLM layout, FasterDecoding/TGI layout
 
 # Insertion order is the method table's row order (in_method_table entries first).
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -65,14 +65,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("clover2", "Clover-2", module="heads/clover.py", proposer="clover2", **_HEADS_TABLE,
            tests=("tests/test_clover.py", "tests/test_clover_runtime.py")),
     Method("eagle", "EAGLE-1", "drafter", module="drafters/eagle.py", proposer="eagle", in_method_table=True,
-           tests=("tests/test_eagle.py", "tests/test_eagle_runtime.py")),
+           tests=("tests/test_eagle.py", "tests/test_eagle_runtime.py", "tests/test_eagle_sampling.py")),
     Method("eagle3", "EAGLE-3", "drafter", module="drafters/eagle3.py", proposer="eagle3", in_method_table=True,
-           formats=("draftsmith", "speculators"), tiny_overrides=("drafter.target_layers=[1,2,3]",),
+           formats=("draftsmith", "speculators", "sglang"), tiny_overrides=("drafter.target_layers=[1,2,3]",),
            tests=("tests/test_eagle3.py", "tests/test_speculators_export.py")),
     Method("kangaroo", "Kangaroo", "self-speculative", module="drafters/kangaroo.py", proposer="kangaroo",
            in_method_table=True, tests=("tests/test_kangaroo.py",)),
     Method("specdecpp", "SpecDec++", "controller", module="controllers/acceptance.py", proposer="specdecpp",
-           needs_input="drafter=EXPORT", tests=("tests/test_specdecpp.py",)),
+           needs_input="drafter=EXPORT", tests=("tests/test_specdecpp.py", "tests/test_specdecpp_stop_rule.py")),
     Method("adaptive_temperature", "Adaptive temperature (LPO)", "controller",
            module="controllers/adaptive_temperature.py", proposer=CONTROLLER, needs_input="rollouts",
            tests=("tests/test_lpo_controller.py", "tests/test_lpo_loss.py", "tests/test_lpo_rollouts.py")),

@@ -83,6 +83,7 @@ TIERS = {
     "test_cluster_slurm.py": "e2e",
     "test_cluster_wandb.py": "unit",
     "test_cost_model.py": "unit",
+    "test_shape_choice.py": "unit",
     "test_cpu_layer.py": "unit",
     "test_contention.py": "unit",
     "test_docs.py": "unit",
@@ -95,7 +96,9 @@ TIERS = {
     "test_draft_attention.py": "unit",
     "test_eagle.py": "unit",  # its train.py run is marked e2e
     "test_eagle3.py": "unit",  # its train.py run is marked e2e
-    "test_eagle_runtime.py": "unit",  # its slow test(s) are marked e2e
+    "test_eagle_runtime.py": "unit",
+    "test_eagle_sampling.py": "unit",  # its slow test(s) are marked e2e
+    "test_engine_layouts.py": "unit",
     "test_export_v2.py": "unit",
     "test_exportable.py": "unit",
     "test_feature_cache.py": "unit",
@@ -114,6 +117,7 @@ TIERS = {
     "test_model_families.py": "unit",
     "test_layer_range.py": "unit",
     "test_linear_cross_entropy.py": "unit",
+    "test_llamacpp.py": "unit",  # its run of the real cached llama.cpp build is marked integration
     "test_lpo_controller.py": "unit",
     "test_lpo_loss.py": "unit",
     "test_lpo_rollouts.py": "unit",  # its slow test(s) are marked e2e
@@ -132,13 +136,17 @@ TIERS = {
     "test_runtime_model.py": "unit",
     "test_seams_runtime.py": "unit",  # its slow test(s) are marked e2e
     "test_specdecpp.py": "unit",
-    "test_speculative.py": "unit",  # its slow test(s) are marked e2e
+    "test_specdecpp_stop_rule.py": "unit",
+    "test_speculative.py": "unit",
+    "test_speculative_sampling.py": "unit",  # its slow test(s) are marked e2e
     "test_speculators_export.py": "unit",  # its run of the real speculators library is marked e2e
     "test_strategies.py": "unit",  # its `train.py --cfg job` runs are marked e2e
     "test_tiers.py": "unit",
     "test_train.py": "e2e",
-    "test_training_guards.py": "unit",  # its two train.py runs are marked e2e
+    "test_train_errors.py": "unit",  # its train.py run is marked e2e
+    "test_training_guards.py": "unit",  # its train.py run is marked e2e
     "test_training_refusals.py": "unit",  # its train.py run is marked e2e
+    "test_training_scores_nothing.py": "unit",
     "test_tree_verify.py": "unit",
 }
 TIER_MARKERS = ("unit", "integration", "e2e")

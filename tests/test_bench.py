@@ -61,11 +61,11 @@ def test_bench_reports_the_contract_and_is_lossless(medusa_export, prompts_file,
     assert result["tau"] >= 1.0 and len(result["acceptance_by_position"]) == 2
     assert len(result["head_agreement_top1"]) == 2
     by_size = result["step_costs"]["forward_ms_by_new_tokens"]
-    assert list(by_size) == [1, 2, 4, 8, 16] and all(ms > 0 for ms in by_size.values())
+    assert list(by_size) == list(range(1, 17)) and all(ms > 0 for ms in by_size.values())  # every verify size
     out = write_outputs(result, tmp_path / "bench")
     assert json.loads((out / "bench.json").read_text())["lossless"] is True
     assert (out / "acceptance.png").stat().st_size > 1000 and "tau" in (out / "bench.md").read_text()
-    assert "forward ms for 1/2/4/8/16 new tokens" in (out / "bench.md").read_text()
+    assert "forward ms for " + "/".join(map(str, range(1, 17))) + " new tokens" in (out / "bench.md").read_text()
     backend = json.loads((out / "bench.json").read_text())["backend"]  # which backends ran, and why
     assert backend["linear_backend"] == rt.model.linear_ops and backend["linear_reason"] and backend["cpu"]
     assert backend["dtype"] == "float32" and result["hf_dtype"] == "float32"  # run_bench's default: HF in same dtype

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 from test_speculative import tiny_llama
 
-from draftsmith.bench.timing import time_runtime_ar
 from draftsmith.runtime.acceptance import depth_choice
 from draftsmith.runtime.acceptance.cost_model import MachineCosts, choose_depth, threshold_from_costs
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth
@@ -59,31 +57,28 @@ class OracleDrafter:
 
 @pytest.mark.parametrize("offset, expect_plain", [(1, True), (0, False)])
 def test_cost_aware_default_on_measured_costs(offset, expect_plain, tmp_path, monkeypatch):
+    from test_shape_choice import CostedModel, FakeClock
+
     monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path))
     _, lean = tiny_llama(0, layers=4, head_scale=8.0)
     prompt = [1, 5, 9]
     sequence = prompt + generate_ar(lean, prompt, 120)
-    spec = SpeculativeDecoder(lean, ChainProposer(OracleDrafter(sequence, 96, offset), depth=4),
+    clock = FakeClock()  # every forward charges it: 10 ms + 0.25 ms per new token, a 50 ms prefill
+    costed = CostedModel(lean, clock, lambda n: 10.0 + 0.25 * n, prefill_ms=50.0)
+    spec = SpeculativeDecoder(costed, ChainProposer(OracleDrafter(sequence, 96, offset), depth=4),
                               stop_policy=ConfidenceStop(0.1, max_depth=4))
     runtime = SimpleNamespace(speculative=spec, model=lean, eos_ids=(), folder="tiny", export_config={"method": "t"})
-    ar = time_runtime_ar(lean, [prompt] * 2, 48)
-    cache = lean.allocate_cache(32)
-    lean.forward(torch.tensor(prompt), cache)
-    cache.commit(len(prompt))
-    verify_ms = {}
-    for n in (1, 2, 4, 8):  # the verify forward of n new tokens on this machine
-        t0 = time.perf_counter()
-        for _ in range(5):
-            lean.forward(torch.tensor([3] * n), cache)
-        verify_ms[n] = (time.perf_counter() - t0) / 5 * 1e3
-    choice, record = depth_choice.choose_cost_aware_depth(runtime, [prompt, prompt], 1e3 * ar["seconds"] / ar["tokens"],
-                                                    verify_ms)
+    choice, record = depth_choice.choose_cost_aware_shape(runtime, [prompt, prompt], clock=clock)
     assert choice.speculation_loses == expect_plain
+    assert record["ar_step_ms_decode_only"] == pytest.approx(10.25) and sorted(record["verify_ms_by_nodes"]) == \
+        list(range(1, 17))
+    assert all(r["measured_speedup"] is not None for r in record["timed"]) and len(record["timed"]) == 4  # + plain
     if expect_plain:
         assert isinstance(spec.proposer, NullProposer) and record["acceptance_by_position"][0] == 0.0
         assert spec.generate(prompt, 20).tokens == sequence[3:23]  # plain decoding through the same loop
     else:
         assert isinstance(spec.stop_policy, ConfidenceStop) and spec.stop_policy.max_depth == choice.depth >= 1
+        assert choice.measured_speedup > 1.0 + choice.noise
     assert (tmp_path / f"{next(tmp_path.glob('*.json')).name}").is_file()
     fresh = SimpleNamespace(**{**vars(runtime), "speculative": SpeculativeDecoder(
         lean, ChainProposer(OracleDrafter(sequence, 96, offset), depth=4), stop_policy=FixedDepth(4))})

@@ -34,6 +34,17 @@ def rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
+def parsed(paths: list[Path], offenders: list[str]) -> list[tuple[Path, ast.Module]]:
+    """The syntax trees of ``paths``; a file that does not parse is an offender (it cannot be checked)."""
+    trees = []
+    for path in paths:
+        try:
+            trees.append((path, ast.parse(path.read_text(), filename=str(path))))
+        except SyntaxError as err:
+            offenders.append(f"{rel(path)}:{err.lineno}: does not parse ({err.msg})")
+    return trees
+
+
 def test_no_module_is_over_350_lines():
     offenders = []
     for path in python_files():
@@ -44,9 +55,8 @@ def test_no_module_is_over_350_lines():
 
 
 def test_no_function_is_over_60_lines():
-    offenders = []
-    for path in python_files():
-        tree = ast.parse(path.read_text(), filename=str(path))
+    offenders: list[str] = []
+    for path, tree in parsed(python_files(), offenders):
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
@@ -86,9 +96,8 @@ def is_repeated_call_list(node: ast.AST) -> bool:
 
 def test_module_lists_are_built_with_comprehensions():
     """``[nn.Linear(...)] * n`` repeats one module n times (shared weights); build lists with comprehensions."""
-    offenders = []
-    for path in python_files(*MODULE_LIST_DIRS):
-        tree = ast.parse(path.read_text(), filename=str(path))
+    offenders: list[str] = []
+    for path, tree in parsed(python_files(*MODULE_LIST_DIRS), offenders):
         offenders += [f"{rel(path)}:{node.lineno}: {ast.unparse(node)}"
                       for node in ast.walk(tree) if is_repeated_call_list(node)]
     assert not offenders, f"lists of one call multiplied (use a comprehension): {offenders}"

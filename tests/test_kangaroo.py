@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 from test_eagle_runtime import lean_from_hf, plain_greedy
-from test_speculative import ALPHA, SMALL_V, chi2_pvalue, tiny_llama
+from test_speculative import tiny_llama
+from test_speculative_sampling import ALPHA, SMALL_V, chi2_pvalue
 
 from draftsmith.controllers.acceptance import AcceptanceHead, AcceptanceHeadConfig
 from draftsmith.distill.errors import ConfigError
@@ -211,7 +212,7 @@ def test_an_unwrapped_loop_drafts_on_a_private_shallow_cache_and_stays_lossless(
 def test_specdecpp_head_on_a_kangaroo_drafter(target, reference, trained, tmp_path):
     """The head trains on the adapter state of each candidate (here one candidate, right after the prompt: the
     runtime's first stop state), and its export drives the Kangaroo chain losslessly."""
-    from test_specdecpp import ScriptedHead
+    from test_specdecpp_stop_rule import ScriptedHead
 
     from draftsmith.recipes import specdecpp
     from draftsmith.runtime.drafting.specdecpp import LearnedStopProposer

@@ -126,24 +126,21 @@ def test_pairs_collate_into_shifted_choice_indices(setup, tmp_path):
         collate_pairs(pairs[:1], n, 1, meta_read["kinds"])
 
 
-@pytest.mark.e2e  # two rounds of rollouts and controller training, end to end
-def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir, tmp_path, capsys):
+def round_one_rollouts_and_controller(common: list[str], target_dir, tmp_path, capsys):
+    """Round 1: bad grids are refused, rollouts are written, the controller trains on them; round 2 samples with it.
+    Returns round 1's training summary and its head."""
     from draftsmith.cli.training import compose_config
     from draftsmith.datagen.rollouts import main
     from draftsmith.distill.trainer import train
     from draftsmith.recipes import get_recipe
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"text": t, "kind": "k"}) + "\n" for t in TEXTS))
-    common = ["--target", str(tiny_target_dir), "--prompts", str(prompts), "--reward", REWARD, "--max-new-tokens", "6",
-              "--samples-per-prompt", "3", "--no-progress"]
     with pytest.raises(ValueError, match="grid is empty"):
         main([*common, "--grid", "", "--out", str(tmp_path / "bad")])
     with pytest.raises(RolloutError, match=">= 2"):
         main([*common, "--samples-per-prompt", "1", "--out", str(tmp_path / "bad")])
     main([*common, "--grid", "0,0.5,1", "--out", str(tmp_path / "r1")])
     assert json.loads(capsys.readouterr().out)["written"] == len(TEXTS)
-    cfg = compose_config(["recipe=adaptive_temperature", f"target.name_or_path={tiny_target_dir}", "target.dtype=fp32",
+    cfg = compose_config(["recipe=adaptive_temperature", f"target.name_or_path={target_dir}", "target.dtype=fp32",
                           f"data.spec={tmp_path / 'r1'}", "trainer.max_steps=2", "data.batch_size=2",
                           "data.val_fraction=0", "run.final_eval_batches=0", "lpo.form=latent", "controller.width=8"])
     summary = train(cfg, get_recipe("adaptive_temperature"), tmp_path / "run")
@@ -157,17 +154,27 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
     main([*common, "--controller", summary["export"], "--out", str(tmp_path / "r2")])  # round 2 samples with the head
     assert json.loads((tmp_path / "r2" / "meta.json").read_text())["controller"].endswith("export")
     assert len(rows(tmp_path / "r2")) == len(TEXTS)
+    return summary, head
 
-    # Round 2 trains on every round's pairs (r1+r2), starting from round 1's head (lr 0: it must come out unchanged).
+
+def round_two_trains_on_every_round(common: list[str], target_dir, tmp_path, export: str, head) -> None:
+    """Round 2 trains on every round's pairs (r1+r2), starting from round 1's head (lr 0: it must come out unchanged);
+    rounds must share the target and the grid, and name each folder once."""
+    import shutil
+
+    from draftsmith.cli.training import compose_config
+    from draftsmith.datagen.rollouts import main
     from draftsmith.distill.errors import ConfigError
     from draftsmith.distill.preference_data import read_pair_rounds
+    from draftsmith.distill.trainer import train
+    from draftsmith.recipes import get_recipe
 
     joined = f"{tmp_path / 'r1'}+{tmp_path / 'r2'}"
     _, pairs = read_pair_rounds(joined)
     assert len(pairs) == len(read_pairs(tmp_path / "r1")[1]) + len(read_pairs(tmp_path / "r2")[1])
-    round2 = ["recipe=adaptive_temperature", f"target.name_or_path={tiny_target_dir}", "target.dtype=fp32",
+    round2 = ["recipe=adaptive_temperature", f"target.name_or_path={target_dir}", "target.dtype=fp32",
               f"data.spec={joined}", "trainer.max_steps=1", "data.batch_size=2", "data.val_fraction=0",
-              "run.final_eval_batches=0", "controller.width=8", f"controller.init={summary['export']}"]
+              "run.final_eval_batches=0", "controller.width=8", f"controller.init={export}"]
     second = train(compose_config([*round2, "optim.lr=0"]), get_recipe("adaptive_temperature"), tmp_path / "run2")
     after, _ = AdaptiveTemperatureHead.from_export(second["export"])
     assert head.out.weight.abs().sum() > 0  # round 1 moved the zero-initialised output layer: a fresh head differs
@@ -180,16 +187,17 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
         read_pair_rounds(f"{tmp_path / 'r1'}+{tmp_path / 'other_grid'}")
     with pytest.raises(DataError, match="names a rollout folder twice"):
         read_pair_rounds(f"{tmp_path / 'r1'}+{tmp_path / 'r1'}")
-    import shutil
-
     shutil.copytree(tmp_path / "r1", tmp_path / "run+v2")  # a '+' inside one folder's name is not two rounds
     assert len(read_pair_rounds(tmp_path / "run+v2")[1]) == len(read_pairs(tmp_path / "r1")[1])
 
-    # Serving it: generate/bench --controller load it on its target; the loop samples at the layer's temperatures.
+
+def serving_and_benching_the_controller(target_dir, export: str) -> None:
+    """generate/bench --controller load it on its target; the loop samples at the layer's temperatures, and the bench
+    sees a slow layer's cost both in its timing and in its direct share."""
     from draftsmith.bench.controller import bench_controller
     from draftsmith.runtime.serving import load_runtime
 
-    rt = load_runtime(None, str(tiny_target_dir), "fp32", controller=summary["export"])
+    rt = load_runtime(None, str(target_dir), "fp32", controller=export)
     assert rt.speculative.temperature_policy is not None and rt.inference["controller"]["grid"] == [0.0, 0.5, 1.0]
     out = rt.speculative.generate([5, 9, 13], 6, generator=torch.Generator().manual_seed(0)).tokens
     assert len(out) == 6
@@ -211,9 +219,13 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
     assert slow["layer_ms_per_call"] >= 3 and slow["layer_share"] > result["layer_share"]
     assert slow["overhead"] > 0.3 and slow["overhead_ci95"][0] > 0
 
-    # A sequence-level layer served by the runtime decides afresh for every prompt (its reset reaches the loop).
+
+def sequence_layer_decides_afresh_per_prompt(target_dir, tmp_path, export: str) -> None:
+    """A sequence-level layer served by the runtime decides afresh for every prompt (its reset reaches the loop)."""
     from draftsmith.export.format import read_export, write_export
-    seq_config, seq_state = read_export(summary["export"])
+    from draftsmith.runtime.serving import load_runtime
+
+    seq_config, seq_state = read_export(export)
     seq_config["architecture"]["granularity"] = seq_config["inference"]["granularity"] = "sequence"
     g = torch.Generator().manual_seed(5)
     seq_state = {k: torch.randn(v.shape, generator=g) * 3 if k.endswith("weight") else torch.zeros(v.shape)
@@ -221,7 +233,7 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
     seq_export = write_export(tmp_path / "seq_export", seq_state, seq_config)
 
     def choices(prompts_in_order):
-        served = load_runtime(None, str(tiny_target_dir), "fp32", controller=str(seq_export))
+        served = load_runtime(None, str(target_dir), "fp32", controller=str(seq_export))
         picked = []
         for prompt in prompts_in_order:
             served.speculative.generate(prompt, 4, generator=torch.Generator().manual_seed(0))
@@ -233,16 +245,31 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
     assert len(set(alone)) > 1  # the random head picks different temperatures for different prompts
     assert choices(candidates) == alone
 
-    # The reward bench: every fixed grid temperature and the layer on the task, then the layer's overhead.
+
+def reward_bench_of_the_controller(target_dir, tmp_path, prompts, export: str) -> None:
+    """The reward bench: every fixed grid temperature and the layer on the task, then the layer's overhead."""
     from draftsmith.cli import main as cli_main
 
-    assert cli_main(["bench", "--controller", summary["export"], "--target", str(tiny_target_dir), "--prompts",
+    assert cli_main(["bench", "--controller", export, "--target", str(target_dir), "--prompts",
                      str(prompts), "--reward", REWARD, "--samples-per-prompt", "2", "--max-new-tokens", "6",
                      "--overhead-prompts", "2", "--dtype", "fp32", "--out", str(tmp_path / "rb")]) == 0
     report = json.loads((tmp_path / "rb" / "reward_eval.json").read_text())
     assert list(report["table"]) == ["T=0", "T=0.5", "T=1", "adaptive-token"] and report["prompts"] == len(TEXTS)
     assert report["overhead"]["adaptive-token"]["layer_calls"] > 0
     assert (tmp_path / "rb" / "reward_eval.md").read_text().startswith("| condition | mixed set | k |")
+
+
+@pytest.mark.e2e  # two rounds of rollouts and controller training, end to end
+def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t, "kind": "k"}) + "\n" for t in TEXTS))
+    common = ["--target", str(tiny_target_dir), "--prompts", str(prompts), "--reward", REWARD, "--max-new-tokens", "6",
+              "--samples-per-prompt", "3", "--no-progress"]
+    summary, head = round_one_rollouts_and_controller(common, tiny_target_dir, tmp_path, capsys)
+    round_two_trains_on_every_round(common, tiny_target_dir, tmp_path, summary["export"], head)
+    serving_and_benching_the_controller(tiny_target_dir, summary["export"])
+    sequence_layer_decides_afresh_per_prompt(tiny_target_dir, tmp_path, summary["export"])
+    reward_bench_of_the_controller(tiny_target_dir, tmp_path, prompts, summary["export"])
 
 
 def test_a_controller_that_always_picks_t0_decodes_exactly_greedy():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
-from test_speculative import ALPHA, SMALL_V, SYNTH, bigram_drafter, chi2_pvalue, first_tokens
+from test_speculative_sampling import ALPHA, SMALL_V, SYNTH, bigram_drafter, chi2_pvalue, first_tokens
 from test_speculators_export import export_eagle3
 
 from draftsmith.distill.target import Target

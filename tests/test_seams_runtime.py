@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_speculative import ALPHA, SMALL_V, bigram_drafter, chi2_pvalue, tiny_llama
+from test_speculative import tiny_llama
+from test_speculative_sampling import ALPHA, SMALL_V, bigram_drafter, chi2_pvalue
 
 from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, RejectionSamplingVerifier, target_probs
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder

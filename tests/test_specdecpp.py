@@ -1,6 +1,6 @@
-"""SpecDec++: acceptance labels, the weighted soft BCE, the stop rule's exact step, training states that equal the
-runtime's, exports stacked on their drafter, lossless greedy decoding with every stop policy, and exact rejection
-sampling under the learned rule."""
+"""SpecDec++: acceptance labels, the weighted soft BCE, training states that equal the runtime's, exports stacked on
+their drafter, lossless greedy decoding with every stop policy, bad input and calibration (the stop rule's exact step
+and exact rejection sampling under it: test_specdecpp_stop_rule.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
-from test_eagle_runtime import BigramStub, lean_from_hf, plain_greedy, propose_once
-from test_speculative import ALPHA, SMALL_V, chi2_pvalue, small_target, tiny_llama  # noqa: F401 (fixture)
+from test_eagle_runtime import lean_from_hf, plain_greedy
+from test_specdecpp_stop_rule import ScriptedHead
 
 from draftsmith.controllers.acceptance import (
     AcceptanceHead,
@@ -28,11 +28,9 @@ from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.export.format import ExportError, write_export
 from draftsmith.recipes import specdecpp
 from draftsmith.runtime.acceptance.choice import choose_stop_policy, parse_stop_policy
-from draftsmith.runtime.acceptance.stop_policies import LearnedStop, StopContext
-from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
+from draftsmith.runtime.acceptance.stop_policies import LearnedStop
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import build_proposer
-from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, EagleProposer
 from draftsmith.runtime.drafting.specdecpp import LearnedStopProposer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,58 +77,6 @@ def test_head_blocks_are_independent_not_one_block_repeated():
     assert len(ptrs) == 3
     assert sum(p.numel() for p in head.parameters()) == 3 * (16 * 16 + 16) + 16 + 1
     assert head(torch.zeros(5, 16)).shape == (5,)
-
-
-# ---- the stop rule ------------------------------------------------------------------------------------------------
-
-
-class ScriptedHead(torch.nn.Module):
-    """Returns the rejection logit of a scripted P(reject) per call, recording the states it reads."""
-
-    def __init__(self, p_reject: list[float]) -> None:
-        super().__init__()
-        self.p, self.states = p_reject, []
-
-    def forward(self, state):
-        self.states.append(state.detach().clone())
-        p = torch.tensor(self.p[min(len(self.states), len(self.p)) - 1])
-        return torch.log(p / (1 - p)).reshape(1)
-
-
-def expected_depth(p_reject, h, max_depth, min_depth=1):
-    """The rule by hand: the first depth d >= min_depth with 1 - prod_{i<=d}(1 - p_i) > h, else max_depth."""
-    keep = 1.0
-    for d, p in enumerate(p_reject, start=1):
-        keep *= 1 - p
-        if d >= max_depth or (d >= min_depth and 1 - keep > h):
-            return d
-    return max_depth
-
-
-@pytest.mark.parametrize("p_reject,h,min_depth", [
-    ([0.6, 0.1, 0.1], 0.5, 1),        # first step: P(reject) of token 1 alone exceeds h
-    ([0.1, 0.1, 0.5, 0.1], 0.5, 1),   # 0.1, 0.19, 0.595: token 3's own estimate tips it (no off-by-one)
-    ([0.1, 0.1, 0.31, 0.1], 0.5, 1),  # 0.1, 0.19, 0.4411, 0.497: never, up to max_depth
-    ([0.9, 0.1, 0.1], 0.5, 2),        # min_depth holds the first stop back
-])
-def test_learned_rule_stops_at_exactly_the_formula_step(p_reject, h, min_depth):
-    want = expected_depth(p_reject, h, 4, min_depth)
-    policy = LearnedStop(ScriptedHead(p_reject), threshold=h, max_depth=4, min_depth=min_depth)
-    ctx, stopped = StopContext(0, 1.0), None
-    for d in range(1, 5):
-        ctx = ctx.child(d, 0.5, torch.zeros(2))
-        if policy.should_stop(ctx):
-            stopped = d
-            break
-    assert stopped == want
-    # In a chain proposer the rule decides after token d from the state whose input is token d.
-    head = ScriptedHead(p_reject)
-    chain = EagleProposer(BigramStub(), "chain", depth=7)
-    tree = propose_once(chain, [0, 0], 0, LearnedStop(head, threshold=h, max_depth=4, min_depth=min_depth))
-    assert tree.num_nodes - 1 == want
-    drafted = tree.tokens[1:].tolist()
-    # BigramStub's output is one_hot(input token): the d-th state the head read is the d-th drafted token's.
-    assert [int(s.argmax()) for s in head.states] == drafted[: len(head.states)]
 
 
 # ---- training on a tiny target ------------------------------------------------------------------------------------
@@ -277,32 +223,6 @@ def test_greedy_decoding_is_lossless_with_every_stop_policy(trained, target, ref
     with_folder, _ = choose_stop_policy(spec, config, export)
     if spec and spec.startswith("learned"):
         assert isinstance(with_folder, LearnedStop) and isinstance(with_folder.head, AcceptanceHead)
-
-
-class HashHead(torch.nn.Module):
-    """A deterministic, strongly state-dependent rejection logit (so the draft length really varies)."""
-
-    def forward(self, state):
-        return 4 * torch.sin(1000 * state.float().sum(-1))
-
-
-def test_rejection_sampling_with_the_learned_rule_keeps_the_target_law(small_target):  # noqa: F811
-    lean, prompt, joint = small_target
-    torch.manual_seed(3)
-    hf_cfg = {"hidden_size": 32, "vocab_size": SMALL_V, "intermediate_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 8}
-    drafter = EagleDrafter(EagleConfig(**hf_cfg), lean.embed_weight, lean.lm_head_weight).eval()
-    head = HashHead()  # any function of the drafter state: the stop decision never looks at the verifier
-    base = EagleProposer(Eagle1DraftModel(drafter), "chain", depth=3, temperature=1.0)
-    proposer = LearnedStopProposer(base, head, LearnedStop(head, threshold=0.5, max_depth=3))
-    dec = SpeculativeDecoder(lean, proposer, RejectionSamplingVerifier(temperature=1.0))
-    counts, gen, depths = torch.zeros(SMALL_V, SMALL_V), torch.Generator().manual_seed(0), set()
-    for _ in range(1000):
-        res = dec.generate(prompt, 2, generator=gen)
-        counts[res.tokens[0], res.tokens[1]] += 1
-        depths.update(res.depths)
-    assert len(depths) > 1  # the rule really varies the draft length
-    assert chi2_pvalue(counts, joint) > ALPHA
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------------

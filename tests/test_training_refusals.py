@@ -1,7 +1,6 @@
-"""Training refuses nonsense with one actionable line: runs that score no position (EAGLE-3 whose draft vocabulary
-never holds the target's argmax, empty loss masks), a loss stuck at exactly zero, EAGLE-3's taps on shallow
-targets, bad optimizer values, missing or damaged targets, binary or missing data, unknown ``+key`` overrides,
-Ctrl-C (where the checkpoint is, how to resume, exit 130) and rollout prompts longer than data.max_length."""
+"""Training refuses nonsense with one actionable line: bad optimizer values, missing or damaged targets, binary or
+missing data, unknown ``+key`` overrides, Ctrl-C (where the checkpoint is, how to resume, exit 130) and rollout
+prompts longer than data.max_length (runs that score no position: test_training_scores_nothing.py)."""
 
 from __future__ import annotations
 
@@ -13,16 +12,14 @@ import runpy
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 
 from draftsmith.cli.training import compose_config
 from draftsmith.distill.errors import ConfigError, DataError, DataFileNotFoundError, TrainingInterrupted
-from draftsmith.distill.target import FeatureTaps, Target
+from draftsmith.distill.target import Target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,152 +55,7 @@ def error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.strip()]
 
 
-# --------------------------------------------------------------------------- 1. runs that score nothing
-
-
-@pytest.fixture(scope="module")
-def argmax_outside_data_target(tmp_path_factory, tiny_tokenizer) -> Path:
-    """A Qwen2-like tiny target (untied head, a vocabulary padded past the tokenizer's) whose argmax is always its last
-    id, a padding id past the tokenizer that no assistant reply contains: every embedding carries a large constant
-    component, and only the last row of the LM head reads it."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tiny_tokenizer) + 64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, pad_token_id=1, eos_token_id=3)
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.add_(100.0)
-        model.lm_head.weight[-1] = 1.0
-    path = tmp_path_factory.mktemp("qwen2_argmax0")
-    model.save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return path
-
-
-def test_eagle3_whose_draft_vocabulary_never_holds_the_argmax_stops_at_the_first_batches(
-        tmp_path, monkeypatch, argmax_outside_data_target, tiny_data_file):
-    from draftsmith.distill.module import NothingScoredError
-
-    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
-    overrides = ["recipe=eagle3", *tiny_overrides(argmax_outside_data_target, tiny_data_file),
-                 "trainer.max_steps=40", "drafter.draft_vocab_size=16", "drafter.ttt_steps=1"]
-    # drafter.target_layers stays null: a 4-layer target gets the default taps spread over its layers
-    with pytest.raises(NothingScoredError) as err:
-        run_train_inprocess(overrides, tmp_path / "run")
-    message = str(err.value)
-    assert "first 4 training batch(es) score no position" in message and "step 3" in message, message
-    assert "draft vocabulary" in message and "drafter.draft_vocab_size=16" in message, message
-    assert not (tmp_path / "run" / "export").exists()  # nothing exported
-
-
-class ScriptedObjective:
-    """Objective stand-in whose loss is scripted (value, scored count)."""
-
-    def __new__(cls, losses, scored=None, reason=None):
-        from draftsmith.distill.objective import Objective
-
-        class Scripted(Objective):
-            module = torch.nn.Linear(2, 2)
-            taps = FeatureTaps()
-
-            def __init__(self):
-                self.calls = 0
-
-            def features(self, target, batch):
-                return None
-
-            def loss(self, batch, feats):
-                value = losses[min(self.calls, len(losses) - 1)]
-                if scored is not None:
-                    self.last_scored, self.unscored_reason = scored, reason
-                self.calls += 1
-                return self.module.weight.sum() * 0 + value, {}
-
-        return Scripted()
-
-
-def scripted_module(objective, tiny_tokenizer, total_steps=100, patience=5):
-    from draftsmith.distill.module import DistillModule
-
-    target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
-    module = DistillModule(objective, target, {"lr": 1e-3}, total_steps=total_steps, zero_loss_patience=patience)
-    module._trainer = SimpleNamespace(global_step=0, checkpoint_callbacks=[])
-    module.log = module.log_dict = lambda *a, **k: None
-    return module
-
-
-def batch(loss_mask_value: int):
-    ids = torch.randint(5, 20, (2, 6))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-            "loss_mask": torch.full_like(ids, loss_mask_value)}
-
-
-def test_loss_masks_that_select_nothing_stop_at_the_first_batches(tiny_tokenizer):
-    from draftsmith.distill.module import NothingScoredError
-
-    module = scripted_module(ScriptedObjective([1.0]), tiny_tokenizer)
-    for i in range(3):
-        module.training_step(batch(0), i)  # empty masks so far: not yet decided
-    with pytest.raises(NothingScoredError, match=r"first 4 training batch\(es\) score no position \(their loss "
-                                                 r"masks select no token.*data\.max_length"):
-        module.training_step(batch(0), 3)
-
-    # one scoring batch among the first four is enough, and later empty batches are never checked
-    fine = scripted_module(ScriptedObjective([1.0]), tiny_tokenizer)
-    for i, value in enumerate([0, 0, 1, 0, 0, 0, 0, 0]):
-        fine.training_step(batch(value), i)
-    # a run shorter than four steps is checked at its last step
-    short = scripted_module(ScriptedObjective([1.0]), tiny_tokenizer, total_steps=1)
-    with pytest.raises(NothingScoredError, match="first 1 training batch"):
-        short.training_step(batch(0), 0)
-    # an objective's own count (and reason) wins over the loss mask
-    own = scripted_module(ScriptedObjective([1.0], scored=0, reason="my reason"), tiny_tokenizer, total_steps=2)
-    own.training_step(batch(1), 0)
-    own._trainer.global_step = 1
-    with pytest.raises(NothingScoredError, match=r"\(my reason\)"):
-        own.training_step(batch(1), 1)
-
-
-def test_a_loss_of_exactly_zero_for_patience_steps_stops(tiny_tokenizer):
-    from draftsmith.distill.module import ZeroLossError
-
-    assert OmegaConf.load(ROOT / "conf/train.yaml").run.zero_loss_patience == 5
-    module = scripted_module(ScriptedObjective([0.0, 0.0, 1.0, 0.0, 0.0, 0.0]), tiny_tokenizer, patience=3)
-    for i in range(5):  # the 1.0 at step 2 resets the count
-        module._trainer.global_step = i
-        module.training_step(batch(1), i)
-    module._trainer.global_step = 5
-    with pytest.raises(ZeroLossError, match=r"exactly 0\.0 for 3 consecutive steps \(up to step 5\).*"
-                                            r"run\.zero_loss_patience=0"):
-        module.training_step(batch(1), 5)
-    off = scripted_module(ScriptedObjective([0.0]), tiny_tokenizer, patience=0)
-    for i in range(8):
-        off.training_step(batch(1), i)
-    with pytest.raises(ConfigError, match="run.zero_loss_patience must be >= 0"):
-        from draftsmith import recipes
-        from draftsmith.distill.trainer import check_config
-
-        check_config(compose_config(["recipe=medusa", "run.zero_loss_patience=-1"]), recipes.get_recipe("medusa"))
-
-
-def test_eagle3_default_taps_adapt_to_shallow_targets(tiny_tokenizer):
-    from draftsmith.drafters.eagle3 import default_target_layers
-    from draftsmith.recipes import eagle3
-
-    assert [default_target_layers(n) for n in (3, 4, 5, 6, 7, 8, 32)] == [
-        (0, 1, 2), (1, 2, 3), (1, 2, 4), (1, 3, 5), (2, 3, 4), (2, 4, 5), (2, 16, 29)]
-    cfg = compose_config(["recipe=eagle3", "drafter.draft_vocab_size=0"])
-    four = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
-    assert eagle3.build(cfg, four).taps.layers == (1, 2, 3)
-    two = Target(build_tiny_llama(len(tiny_tokenizer), num_hidden_layers=2), tiny_tokenizer, "tiny")
-    with pytest.raises(ConfigError, match=r"2-layer target .*drafter\.target_layers") as err:
-        eagle3.build(cfg, two)
-    assert "\n" not in str(err.value)
-
-
-# --------------------------------------------------------------------------- 2. one actionable line each
+# --------------------------------------------------------------------------- one actionable line each
 
 
 def test_a_learning_rate_that_is_not_positive_is_refused_before_loading():

@@ -1,5 +1,6 @@
 """The cost-aware default: from this machine's measured step costs and a drafter's measured acceptance, predict the
-speed of every draft depth (plain decoding included) and pick the fastest, or derive SpecDec++'s threshold h.
+speed of every draft shape (:func:`predict_shapes`; depths alone: :func:`choose_depth`), decide on measured speeds
+(:func:`decide_shape`: plain decoding unless a shape beats it by more than the noise), or derive SpecDec++'s h.
 
 Model of one speculative step drafting to depth K (``nodes(K)`` tree nodes, root included):
     time(K)   = draft_ms_per_depth * K + verify_ms(nodes(K)) + overhead_ms
@@ -18,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.runtime.acceptance.shapes import PLAIN, RecordedStep, Shape, accepted_length
+
 
 @dataclass(frozen=True)
 class MachineCosts:
@@ -27,6 +30,7 @@ class MachineCosts:
     verify_ms: dict[int, float]  # forward of n new tokens -> ms (interpolated between the measured sizes)
     draft_ms_per_depth: float = 0.0  # drafting one more depth level in a step
     overhead_ms: float = 0.0  # per speculative step, besides drafting and the verify forward
+    draft_fixed_ms: float = 0.0  # drafting cost per step whatever the depth (Medusa-family heads run once)
 
     def verify_at(self, nodes: int) -> float:
         """Verify-forward ms for ``nodes`` new tokens, linear between measured sizes (extrapolated past them)."""
@@ -84,6 +88,77 @@ def choose_depth(cum_acceptance: Sequence[float], costs: MachineCosts,
     return DepthChoice(int(best["depth"]), best["speedup"], table)
 
 
+@dataclass
+class ShapeChoice:
+    """The served shape (:data:`~draftsmith.runtime.acceptance.shapes.PLAIN`: plain decoding), why, and for every
+    candidate its prediction (and, for those timed, the measured speedup)."""
+
+    shape: Shape
+    why: str
+    predicted_speedup: float = 1.0
+    measured_speedup: float | None = None
+    noise: float | None = None
+    table: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def depth(self) -> int:
+        """Drafted levels of the served shape (0: plain decoding)."""
+        return 0 if self.shape.kind == "plain" else self.shape.depth
+
+    @property
+    def speculation_loses(self) -> bool:
+        """True when plain decoding is served."""
+        return self.shape.kind == "plain"
+
+    def summary(self) -> str:
+        """One line for the bench and the log."""
+        return self.why
+
+
+def predict_shapes(steps: Sequence[RecordedStep], shapes: Sequence[Shape], costs: MachineCosts,
+                   static_paths: Callable[[Shape], set[tuple[int, ...]] | None] = lambda s: None,
+                   ) -> list[dict[str, Any]]:
+    """Predicted tokens per step, step ms and speedup over plain decoding of every shape, from the recorded
+    calibration steps (:func:`~draftsmith.runtime.acceptance.shapes.accepted_length`) and this machine's costs:
+    ``step = draft_fixed + draft_per_depth * depth + mean verify_at(nodes) + overhead``. Best first, plain included."""
+    if not steps:
+        raise ValueError("no calibration steps to predict shapes from")
+    rows = [{"shape": PLAIN.label, "spec": asdict(PLAIN), "tokens": 1.0, "nodes": 1.0, "step_ms": costs.ar_step_ms,
+             "predicted_speedup": 1.0}]
+    for shape in shapes:
+        paths = static_paths(shape)
+        got = [accepted_length(step, shape, paths) for step in steps]
+        tokens = 1.0 + sum(a for a, _ in got) / len(got)
+        verify = sum(costs.verify_at(n) for _, n in got) / len(got)
+        step_ms = costs.draft_fixed_ms + costs.draft_ms_per_depth * shape.depth + verify + costs.overhead_ms
+        rows.append({"shape": shape.label, "spec": asdict(shape), "tokens": tokens,
+                     "nodes": sum(n for _, n in got) / len(got), "step_ms": step_ms,
+                     "predicted_speedup": tokens / step_ms * costs.ar_step_ms})
+    return sorted(rows, key=lambda r: (-r["predicted_speedup"], r["nodes"]))
+
+
+def decide_shape(table: list[dict[str, Any]], measured: dict[str, float], noise: float) -> ShapeChoice:
+    """Serve the best *measured* shape if it beats plain decoding by more than ``noise`` (a fraction); else plain
+    decoding, saying why. ``measured``: shape label -> measured speedup over plain decoding (timed interleaved)."""
+    for row in table:
+        row["measured_speedup"] = measured.get(row["shape"], 1.0 if row["shape"] == PLAIN.label else None)
+    timed = [r for r in table if r["shape"] != PLAIN.label and r["measured_speedup"] is not None]
+    if not timed:
+        best = max((r for r in table if r["shape"] != PLAIN.label), key=lambda r: r["predicted_speedup"], default=None)
+        why = ("no draft shape is predicted to beat plain decoding" + (
+            f" (best {best['shape']} predicted at {best['predicted_speedup']:.2f}x)" if best else "")
+               + ": serving plain decoding")
+        return ShapeChoice(PLAIN, why, 1.0, None, noise, table)
+    best = max(timed, key=lambda r: r["measured_speedup"])
+    said = (f"{best['shape']} measured at {best['measured_speedup']:.2f}x runtime AR (predicted "
+            f"{best['predicted_speedup']:.2f}x; noise {noise:.0%})")
+    if best["measured_speedup"] > 1.0 + noise:
+        return ShapeChoice(Shape.from_dict(best["spec"]), f"{said}: serving it", best["predicted_speedup"],
+                           best["measured_speedup"], noise, table)
+    return ShapeChoice(PLAIN, f"best measured shape {said} does not beat runtime AR by more than the noise: "
+                              "serving plain decoding", 1.0, best["measured_speedup"], noise, table)
+
+
 def threshold_from_costs(costs: MachineCosts, nodes: int = 2) -> float:
     """SpecDec++'s h for this machine: drafting one more token pays only if the chance that it is emitted (every
     token so far accepted, it too) exceeds its cost relative to a plain step, ``c = (draft_ms_per_depth + marginal
@@ -112,6 +187,18 @@ def save_choice(key: str, costs: MachineCosts, cum_acceptance: Sequence[float], 
     tmp.write_text(json.dumps({"identity": identity, "costs": asdict(costs), "acceptance": list(cum_acceptance),
                                "depth": choice.depth, "predicted_speedup": choice.predicted_speedup,
                                "table": choice.table}, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def save_shape_choice(key: str, costs: MachineCosts, choice: ShapeChoice, identity: dict[str, Any]) -> Path:
+    """Write the measured costs and the shape decision atomically (``generate`` reapplies the shape)."""
+    path = cache_dir() / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"identity": identity, "costs": asdict(costs), "shape": asdict(choice.shape),
+                               "depth": choice.depth, "why": choice.why, "predicted_speedup": choice.predicted_speedup,
+                               "measured_speedup": choice.measured_speedup, "table": choice.table}, indent=1))
     tmp.replace(path)
     return path
 

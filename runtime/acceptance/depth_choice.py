@@ -1,32 +1,46 @@
-"""The cost-aware depth choice: calibrate on a few prompts, predict every depth with :mod:`cost_model`, apply the
-fastest (plain decoding included), and cache the decision per machine and export so ``generate`` reuses it."""
+"""The cost-aware shape choice: measure what the loop does on this machine (a verify forward of every size 1..16 on
+a real cache, the plain decode step without its prefill, acceptance on ``CALIBRATION_PROMPTS x CALIBRATION_TOKENS``
+tokens), predict every candidate shape (:mod:`shapes`, :mod:`cost_model`), time the best few against plain decoding,
+serve the best measured one only when it beats plain decoding by more than the measured noise, and cache the decision
+per machine and export so ``generate`` reuses it. Every timer reads an injectable ``clock``."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from draftsmith.kernels import cpu_caps
+from draftsmith.runtime.acceptance import shapes
 from draftsmith.runtime.acceptance.cost_model import (
-    DepthChoice,
     MachineCosts,
+    ShapeChoice,
     cache_key,
-    choose_depth,
+    decide_shape,
     load_choice,
-    save_choice,
+    predict_shapes,
+    save_shape_choice,
     threshold_from_costs,
 )
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth, LearnedStop
 from draftsmith.runtime.decoding import metrics
+from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.profile import StepProfiler
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import NullProposer
 
-CALIBRATION_PROMPTS = 2
-CALIBRATION_TOKENS = 48
+CALIBRATION_PROMPTS = 4  # prompts calibration drafts on (fewer when the bench has fewer)
+CALIBRATION_TOKENS = 64  # new tokens per calibration prompt: up to 256 target tokens, ~100 verified steps
+MIN_CALIBRATION_TOKENS = 64  # fewer generated tokens than this (short outputs, early EOS): no calibration
+VERIFY_SIZES = tuple(range(1, shapes.MAX_NODES + 1))  # every forward size a candidate can verify
+CHECK_TOP = 3  # predicted-best shapes timed against plain decoding
+CHECK_TOKENS = 32  # new tokens per prompt when timing them
+MIN_NOISE = 0.03  # the noise floor when two identical plain passes happened to agree closely
+Clock = Callable[[], float]
 
 
 def profiled_run(spec: SpeculativeDecoder, prompts: Sequence[list[int]], max_new_tokens: int,
@@ -58,68 +72,247 @@ def machine_identity(runtime: Any) -> dict[str, Any]:
             "method": (runtime.export_config or {}).get("method")}
 
 
-def choose_cost_aware_depth(runtime: Any, prompts: Sequence[list[int]], ar_step_ms: float,
-                            verify_ms: dict[int, float]) -> tuple[DepthChoice, dict[str, Any]]:
-    """Calibrate on the first prompts at the export's full depth, predict every depth, apply the fastest to
-    ``runtime.speculative`` (a capped stop policy, or the null proposer when speculation is predicted to lose) and
-    cache the decision for this machine. Returns the choice and a record for bench.json."""
-    spec = runtime.speculative
-    calib = list(prompts[:CALIBRATION_PROMPTS])
-    report, results, prof = profiled_run(spec, calib, CALIBRATION_TOKENS, runtime.eos_ids)
-    accepted = [a for r in results for a in r.accepted_per_step]
-    depths = [d for r in results for d in r.depths]
-    acceptance = metrics.acceptance_by_position(accepted, depths)
-    costs = costs_from_profile(report, sum(depths) / max(1, len(depths)), ar_step_ms, verify_ms)
-    nodes = prof_nodes_by_depth(results)
-    choice = choose_depth(acceptance, costs, lambda k: nodes(k))
-    learned = None
+def forward_curve(model: Any, prompt: list[int], sizes: Sequence[int] = VERIFY_SIZES, repeats: int = 3,
+                  clock: Clock = time.perf_counter) -> dict[int, float]:
+    """ms of one forward of ``n`` new tokens (a causal tree mask, as a verify step) after ``prompt`` on a real KV
+    cache, for every ``n`` in ``sizes`` (median of ``repeats``; the cache is not advanced)."""
+    device = getattr(model, "device", "cpu")
+    cache = model.allocate_cache(len(prompt) + max(sizes) + 1)
+    with torch.inference_mode():
+        model.forward(torch.tensor(prompt, device=device), cache, logits_for="last")
+        cache.commit(len(prompt))
+
+        def one(n: int) -> float:
+            ids = torch.full((n,), int(prompt[-1]), device=device)
+            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril() if n > 1 else None
+            start = clock()
+            model.forward(ids, cache, tree_mask=mask, logits_for="all")
+            return 1e3 * (clock() - start)
+
+        one(1)  # warm-up
+        return {int(n): statistics.median(one(int(n)) for _ in range(repeats)) for n in sizes}
+
+
+def decode_step_ms(model: Any, prompts: Sequence[list[int]], tokens: int,
+                   clock: Clock = time.perf_counter) -> tuple[float, list[float]]:
+    """The plain decode step WITHOUT the prefill: greedy steps after an untimed prefill of each prompt. Returns (mean
+    ms per step over every prompt, ms per step of each prompt)."""
+    device = getattr(model, "device", "cpu")
+    per_prompt = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            cache = model.allocate_cache(len(prompt) + tokens + 1)
+            logits = model.forward(torch.tensor(prompt, device=device), cache, logits_for="last").logits
+            cache.commit(len(prompt))
+            spent = 0.0
+            for _ in range(tokens):
+                step = logits[-1].argmax().reshape(1)
+                start = clock()
+                logits = model.forward(step, cache, logits_for="last").logits
+                cache.commit(1)
+                spent += clock() - start
+            per_prompt.append(1e3 * spent / tokens)
+    return sum(per_prompt) / len(per_prompt), per_prompt
+
+
+class _Recorder:
+    """Wraps the calibration proposer: times ``propose`` with the clock and records every verified tree with the
+    path the verifier accepted (:class:`~draftsmith.runtime.acceptance.shapes.RecordedStep`)."""
+
+    def __init__(self, inner: Any, clock: Clock) -> None:
+        self.inner, self.clock = inner, clock
+        self.max_tree_nodes = inner.max_tree_nodes
+        self.feature_taps = getattr(inner, "feature_taps", None)
+        self.steps: list[shapes.RecordedStep] = []
+        self.draft_s, self._tree = 0.0, None
+
+    def begin(self, ctx: Any) -> None:
+        """Start the inner proposer."""
+        self.inner.begin(ctx)
+
+    def propose(self, ctx: Any) -> Any:
+        """Draft with the inner proposer, timed."""
+        start = self.clock()
+        self._tree = self.inner.propose(ctx)
+        self.draft_s += self.clock() - start
+        return self._tree
+
+    def accept(self, ctx: Any) -> None:
+        """Record the verified tree and its accepted path, then tell the inner proposer."""
+        self.steps.append(shapes.record_step(self._tree, ctx.acceptance.path_nodes))
+        self.inner.accept(ctx)
+
+
+def _calibrate(spec: SpeculativeDecoder, base: Any, prompts: Sequence[list[int]], eos_ids: Sequence[int],
+               clock: Clock) -> tuple[_Recorder, dict[str, Any], list[Any]]:
+    """Draft the family's superset shape (no fixed depth cap) on the prompts: (recorder, profile report, results)."""
+    recorder = _Recorder(shapes.calibration_proposer(base), clock)
+    saved = spec.proposer, spec.stop_policy
+    spec.proposer = recorder
+    if isinstance(spec.stop_policy, FixedDepth):
+        spec.stop_policy = None
+    try:
+        report, results, _ = profiled_run(spec, prompts, CALIBRATION_TOKENS, eos_ids)
+    finally:
+        spec.proposer, spec.stop_policy = saved
+    return recorder, report, results
+
+
+def interleaved(decoders: dict[str, Callable[[list[int]], int]], prompts: Sequence[list[int]],
+                clock: Clock = time.perf_counter) -> dict[str, list[tuple[int, float]]]:
+    """(tokens, seconds) of every decoder on every prompt, prompt i running them in an order rotated by i so that the
+    machine's drift is shared (the runtime's own copy of the bench's interleaved timer; runtime/ never imports
+    bench/). Each decoder returns how many tokens it emitted."""
+    names = list(decoders)
+    out: dict[str, list[tuple[int, float]]] = {n: [] for n in names}
+    for i, prompt in enumerate(prompts):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = clock()
+            emitted = decoders[name](list(prompt))
+            out[name].append((emitted, clock() - start))
+    return out
+
+
+def _rate(rows: list[tuple[int, float]]) -> float:
+    return sum(t for t, _ in rows) / max(sum(s for _, s in rows), 1e-12)
+
+
+def check_shapes(spec: SpeculativeDecoder, base: Any, candidates: Sequence[shapes.Shape], prompts: Sequence[list[int]],
+                 eos_ids: Sequence[int], clock: Clock = time.perf_counter) -> tuple[dict[str, float], float]:
+    """Time each candidate (a few real steps: ``CHECK_TOKENS`` per prompt) interleaved with two identical plain
+    passes: ({label: measured speedup over plain}, noise). The noise is the largest per-prompt disagreement of the two
+    plain passes (at least ``MIN_NOISE``)."""
+    saved = spec.proposer, spec.stop_policy
+    runs: dict[str, tuple[Any, Any]] = {}
+    for shape in candidates:
+        shapes.apply_shape(spec, shape, base)
+        runs[shape.label] = (spec.proposer, spec.stop_policy)
+        spec.proposer, spec.stop_policy = saved
+
+    def spec_run(label: str) -> Callable[[list[int]], int]:
+        def run(prompt: list[int]) -> int:
+            spec.proposer, spec.stop_policy = runs[label]
+            return len(spec.generate(prompt, CHECK_TOKENS, eos_ids=eos_ids,
+                                     generator=torch.Generator().manual_seed(0)).tokens)
+        return run
+
+    def plain(prompt: list[int]) -> int:
+        return len(generate_ar(spec.model, prompt, CHECK_TOKENS, eos_ids=eos_ids))
+
+    decoders = {"plain": plain, "plain (again)": plain, **{label: spec_run(label) for label in runs}}
+    try:
+        for run in decoders.values():  # warm-up, untimed
+            run(list(prompts[0])[:])
+        timed = interleaved(decoders, prompts, clock)
+    finally:
+        spec.proposer, spec.stop_policy = saved
+    ar = _rate(timed["plain"] + timed["plain (again)"])
+    pairs = zip(timed["plain"], timed["plain (again)"])
+    noise = max([MIN_NOISE] + [abs(_rate([a]) / max(_rate([b]), 1e-12) - 1.0) for a, b in pairs])
+    return {label: _rate(timed[label]) / ar for label in runs}, noise
+
+
+def _machine_costs(recorder: _Recorder, report: dict[str, Any], base: Any, ar_ms: float,
+                   curve: dict[int, float]) -> MachineCosts:
+    """Costs from the calibration: drafting per step (per depth level, or fixed for static trees), the per-step rest
+    besides the verify forward (profiled), the measured verify curve and the decode-only AR step."""
+    steps = max(1, len(recorder.steps))
+    draft_ms = 1e3 * recorder.draft_s / steps
+    overhead = report["verification_ms"] + report["kv_compaction_ms"] + report["proposer_update_ms"] + \
+        max(0.0, report["unattributed_ms"])
+    if shapes.family_of(base) == "static_tree":
+        return MachineCosts(ar_ms, curve, 0.0, overhead, draft_ms)
+    mean_depth = sum(max(s.depths) for s in recorder.steps) / steps
+    return MachineCosts(ar_ms, curve, draft_ms / max(mean_depth, 1.0), overhead)
+
+
+def _serve_plain(runtime: Any, why: str, record: dict[str, Any]) -> tuple[ShapeChoice, dict[str, Any]]:
+    """Plain decoding because calibration could not run; cached like any decision."""
+    choice = ShapeChoice(shapes.PLAIN, f"{why}: serving plain decoding")
+    shapes.apply_shape(runtime.speculative, shapes.PLAIN)
+    path = save_shape_choice(cache_key(machine_identity(runtime)), MachineCosts(0.0, {1: 0.0}), choice,
+                             machine_identity(runtime))
+    return choice, {**record, **_decision(choice), "cache": str(path)}
+
+
+def _decision(choice: ShapeChoice) -> dict[str, Any]:
+    return {"shape": dataclasses.asdict(choice.shape), "shape_label": choice.shape.label, "depth": choice.depth,
+            "why": choice.why, "summary": choice.summary(), "predicted_speedup": choice.predicted_speedup,
+            "measured_speedup": choice.measured_speedup, "noise": choice.noise, "table": choice.table,
+            "timed": [{k: r[k] for k in ("shape", "predicted_speedup", "measured_speedup")} for r in choice.table
+                      if r["measured_speedup"] is not None]}
+
+
+def choose_cost_aware_shape(runtime: Any, prompts: Sequence[list[int]], verify_ms: dict[int, float] | None = None,
+                            clock: Clock = time.perf_counter) -> tuple[ShapeChoice, dict[str, Any]]:
+    """Calibrate, predict every candidate shape, time the best ``CHECK_TOP`` against plain decoding, apply the best
+    measured one (or plain decoding) to ``runtime.speculative`` and cache the decision for this machine and export.
+    ``verify_ms``: a measured forward-cost curve to reuse when it covers every size 1..16. Returns the choice and a
+    record for bench.json."""
+    spec, base = runtime.speculative, runtime.speculative.proposer
+    calib = [list(p) for p in prompts[:CALIBRATION_PROMPTS]]
+    record: dict[str, Any] = {"calibration_prompts": len(calib), "calibration_tokens": CALIBRATION_TOKENS,
+                              "min_calibration_tokens": MIN_CALIBRATION_TOKENS, "learned_threshold": None}
+    if not calib:
+        return _serve_plain(runtime, "no prompt to calibrate on", record)
+    recorder, report, results = _calibrate(spec, base, calib, runtime.eos_ids, clock)
+    generated = sum(len(r.tokens) for r in results)
+    record.update(calibration_generated_tokens=generated, calibration_steps=len(recorder.steps))
+    if generated < MIN_CALIBRATION_TOKENS or not recorder.steps:
+        return _serve_plain(runtime, f"cannot calibrate: {len(calib)} prompt(s) gave {generated} new tokens, fewer "
+                                     f"than the {MIN_CALIBRATION_TOKENS} needed to measure acceptance (outputs too "
+                                     "short)", record)
+    curve = verify_ms if verify_ms and all(n in verify_ms for n in VERIFY_SIZES) else \
+        forward_curve(spec.model, calib[0], clock=clock)
+    ar_ms, ar_per_prompt = decode_step_ms(spec.model, calib, CHECK_TOKENS, clock)
+    costs = _machine_costs(recorder, report, base, ar_ms, {int(n): float(v) for n, v in curve.items()})
+    table = predict_shapes(recorder.steps, shapes.candidates(base), costs, lambda s: shapes.static_paths_of(base, s))
+    top = [shapes.Shape.from_dict(r["spec"]) for r in table if r["shape"] != shapes.PLAIN.label][:CHECK_TOP]
+    measured, noise = check_shapes(spec, base, top, calib, runtime.eos_ids, clock)
+    choice = decide_shape(table, measured, noise)
+    choice.table = [r for r in table if r["shape"] == shapes.PLAIN.label] + \
+        [r for r in table if r["shape"] != shapes.PLAIN.label]
+    for row in choice.table:
+        row["depth"] = row["spec"]["depth"]
     if isinstance(spec.stop_policy, LearnedStop):  # SpecDec++: its h from this machine's costs (the MDP threshold)
-        h = threshold_from_costs(costs)
-        learned = {"h": h, "was": spec.stop_policy.threshold,
-                   "why": f"one more draft token costs {costs.draft_ms_per_depth:.2f} ms drafting + its marginal "
-                          f"verify vs a {costs.ar_step_ms:.2f} ms plain step: stop once P(rejection) > 1 - that ratio"}
-        spec.stop_policy = dataclasses.replace(spec.stop_policy, threshold=h)
-    apply_depth(spec, choice.depth)
-    key = cache_key(machine_identity(runtime))
-    path = save_choice(key, costs, acceptance, choice, machine_identity(runtime))
-    record = {"calibration_prompts": len(calib), "calibration_tokens": CALIBRATION_TOKENS,
-              "acceptance_by_position": acceptance, "costs": dataclasses.asdict(costs), "table": choice.table,
-              "depth": choice.depth, "predicted_speedup": choice.predicted_speedup, "summary": choice.summary(),
-              "learned_threshold": learned,
-              "cache": str(path)}
+        record["learned_threshold"] = _learned_threshold(spec, costs)
+    shapes.apply_shape(spec, choice.shape, base)
+    path = save_shape_choice(cache_key(machine_identity(runtime)), costs, choice, machine_identity(runtime))
+    record.update(acceptance_by_position=metrics.acceptance_by_position(
+        [len(s.accepted) - 1 for s in recorder.steps], [max(s.depths) for s in recorder.steps]),
+        costs=dataclasses.asdict(costs), ar_step_ms_decode_only=ar_ms, ar_step_ms_per_prompt=ar_per_prompt,
+        verify_ms_by_nodes=costs.verify_ms, candidates=len(table) - 1, **_decision(choice), cache=str(path))
     return choice, record
 
 
-def apply_cached_depth(runtime: Any) -> str:
-    """Apply the depth ``draftsmith bench`` chose for this machine and export (cached), or keep the export's
-    policy when it never ran here. Returns what was done, for the user."""
+def _learned_threshold(spec: SpeculativeDecoder, costs: MachineCosts) -> dict[str, Any]:
+    """Set SpecDec++'s h from this machine's costs; what was done, for the record."""
+    h = threshold_from_costs(costs)
+    done = {"h": h, "was": spec.stop_policy.threshold,
+            "why": f"one more draft token costs {costs.draft_ms_per_depth:.2f} ms drafting + its marginal "
+                   f"verify vs a {costs.ar_step_ms:.2f} ms plain step: stop once P(rejection) > 1 - that ratio"}
+    spec.stop_policy = dataclasses.replace(spec.stop_policy, threshold=h)
+    return done
+
+
+def apply_cached_shape(runtime: Any) -> str:
+    """Apply the shape ``draftsmith bench`` chose for this machine and export (cached), or keep the export's own when
+    it never ran here. Returns what was done, for the user."""
     cached = load_choice(cache_key(machine_identity(runtime)))
     if cached is None:
         return "not calibrated on this machine: the export's stop policy runs (draftsmith bench calibrates it)"
-    apply_depth(runtime.speculative, int(cached["depth"]))
-    if int(cached["depth"]) == 0:
-        return (f"speculation was measured to lose on this machine (best predicted "
-                f"{max((r['speedup'] for r in cached['table'] if r['depth'] > 0), default=0.0):.2f}x): plain decoding "
-                "(--stop-policy export forces the export's policy)")
-    return (f"draft depth {cached['depth']} (predicted {cached['predicted_speedup']:.2f}x, "
-            "calibrated by draftsmith bench)")
+    if "shape" not in cached:  # a decision cached before shapes: a depth
+        apply_depth(runtime.speculative, int(cached["depth"]))
+        return f"draft depth {cached['depth']} (calibrated by draftsmith bench)"
+    shape = shapes.Shape.from_dict(cached["shape"])
+    shapes.apply_shape(runtime.speculative, shape)
+    if shape.kind == "plain":
+        return f"{cached['why']} (--stop-policy export forces the export's policy)"
+    return f"draft shape {shape.label}: {cached['why']} (calibrated by draftsmith bench)"
 
 
-def prof_nodes_by_depth(results: Sequence[Any]) -> Any:
-    """``nodes(K)``: mean tree nodes up to depth K over the calibration steps (root included). Steps record only
-    their size and deepest position, so a node count per depth is spread evenly over a step's depths."""
-    per_depth: dict[int, list[float]] = {}
-    for r in results:
-        for size, depth in zip(r.tree_sizes, r.depths):
-            for k in range(1, depth + 1):
-                per_depth.setdefault(k, []).append(1 + (size - 1) * k / depth)
-
-    def nodes(k: int) -> int:
-        seen = per_depth.get(k)
-        return max(k + 1, round(sum(seen) / len(seen))) if seen else k + 1
-
-    return nodes
-
+apply_cached_depth = apply_cached_shape  # the name generate used before shapes
 
 def apply_depth(spec: SpeculativeDecoder, depth: int) -> None:
     """Cap the draft depth at ``depth`` (keeping the policy's own rule), or serve plain decoding for 0."""

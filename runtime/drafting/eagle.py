@@ -58,6 +58,8 @@ POLICIES = {"tree": "tree", "chain": "chain", EAGLE_TREE_PROPOSER: "tree", EAGLE
 class EagleProposer:
     """Drafts with an EAGLE drafter (see the module docstring for the policies and how features are fed)."""
 
+    shape_family = "dynamic_tree"  # runtime/acceptance/shapes.py: chains and trees through reshape()
+
     def __init__(self, model: DraftModel, policy: str = "tree", total_tokens: int = 16, depth: int = 4,
                  top_k: int = 4, temperature: float = 0.0, top_p: float = 1.0) -> None:
         if policy not in POLICIES:
@@ -72,7 +74,7 @@ class EagleProposer:
         if self.policy == "tree" and temperature > 0:
             raise ValueError("dynamic trees draft the top-k children (point masses, exact under rejection sampling); "
                              "temperature > 0 is for policy='chain'")
-        self.model = model
+        self.model, self.shape_vocab = model, draft_vocab
         self.feature_taps = tuple(model.feature_taps)
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
         self.temperature, self.top_p = temperature, top_p
@@ -81,6 +83,17 @@ class EagleProposer:
         self.num_committed = 0  # pairs built from target features (positions 0 .. num_committed-1)
         self.pending_feats: torch.Tensor | None = None  # [m, F] target features not yet fed
         self.pending_ids = torch.zeros(0, dtype=torch.long)  # [m-1] the token after each but the last
+
+    def reshape(self, options: dict[str, Any]) -> None:
+        """Draft another shape from now on: ``policy``, ``total_tokens``, ``top_k``, ``depth`` (checked as in
+        ``__init__``); the drafter, its cache and the sampling settings are kept."""
+        kw = {"policy": self.policy, "total_tokens": self.total_tokens, "depth": self.depth, "top_k": self.top_k}
+        kw.update(options)
+        probe = EagleProposer.__new__(EagleProposer)
+        EagleProposer.__init__(probe, self.model, temperature=self.temperature, top_p=self.top_p, **kw)
+        self.policy, self.total_tokens, self.depth, self.top_k = probe.policy, probe.total_tokens, probe.depth, \
+            probe.top_k
+        self.max_tree_nodes = probe.max_tree_nodes
 
     # ---- feature feeding ---------------------------------------------------------------------------------------------
     def begin(self, ctx: StepContext) -> None:

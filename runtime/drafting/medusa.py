@@ -22,10 +22,20 @@ class MedusaProposer:
     the policy says so for the node's :class:`StopContext` (its depth, its head probability, the target hidden).
     """
 
+    shape_family = "static_tree"  # runtime/acceptance/shapes.py: node budgets through reshape()
+
     def __init__(self, heads: nn.Module, tree: StaticTree | list[list[int]], top_k: int | None = None) -> None:
+        self.heads = heads
+        self.reshape({"tree": tree, "top_k": top_k})
+        arch = getattr(heads, "config", None)
+        self.num_heads = getattr(arch, "num_heads", None) or self.tree.depth
+        self.shape_vocab = getattr(arch, "draft_vocab_size", None) or getattr(arch, "vocab_size", None)
+
+    def reshape(self, options: dict[str, Any]) -> None:
+        """Draft another static tree from now on: ``tree`` (a StaticTree or choice paths) and ``top_k``."""
+        tree, top_k = options["tree"], options.get("top_k")
         if not isinstance(tree, StaticTree):
             tree = StaticTree.from_paths(tree, top_k or 1 + max(c for p in tree for c in p))
-        self.heads = heads
         self.tree = tree
         self.max_tree_nodes = tree.num_nodes
 
