@@ -30,14 +30,16 @@ from typing import Any
 from draftsmith import assets
 
 VERSION = "0.3.36"
-# measured on a 2-core AMD EPYC (Zen 4) VM, under other load; the script records the real time in build_seconds
-BUILD_MINUTES_ESTIMATE = 12
+# 353 s on a 2-core AMD EPYC (Zen 4) VM at low priority beside other work; the script records each build's time
+BUILD_MINUTES_ESTIMATE = 6
 COMPLETION = "llama-completion"
 
 _PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 _EVAL = re.compile(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs")
+_END_OF_TEXT = " [end of text]\n"
 _PROMPT_COUNT = re.compile(r"number of tokens in prompt = (\d+)")
-_PROMPT_ID = re.compile(r"^\s*(\d+) -> '", re.M)
+# llama.cpp's log lines may start with a timestamp and level ("0.00.891.812 I "), as its default log format has them
+_PROMPT_ID = re.compile(r"^(?:[\d.]+ [DIWE] )?\s*(\d+) -> '", re.M)
 
 
 class LlamaCppMissing(RuntimeError):
@@ -101,7 +103,9 @@ def run_completion(gguf: Path, prompt: str, max_new_tokens: int, threads: int = 
                           text=True, errors="replace", timeout=timeout_s, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise RuntimeError(f"{COMPLETION} exited {proc.returncode}: {proc.stderr[-800:]}")
-    return {**parse_perf(proc.stderr), "prompt_ids": parse_prompt_ids(proc.stderr), "text": proc.stdout}
+    text, eos = proc.stdout, proc.stdout.endswith(_END_OF_TEXT)  # the tool prints the marker when it stops at EOS
+    return {**parse_perf(proc.stderr), "prompt_ids": parse_prompt_ids(proc.stderr),
+            "text": text[:-len(_END_OF_TEXT)] if eos else text, "stopped_at_eos": eos}
 
 
 def _prompt_texts(prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any) -> list[str]:
@@ -139,7 +143,7 @@ def llamacpp_row(gguf_path: str | Path, prompts: Sequence[str] | Sequence[Sequen
         "new_tokens": new_tokens,
         "prompt_ids_match": None if given_ids is None else [r["prompt_ids"] for r in runs] == given_ids,
         "per_prompt": [{k: r[k] for k in ("prompt_tokens", "prompt_ms", "decode_runs", "decode_ms")} for r in runs],
-        "texts": [r["text"] for r in runs],
+        "texts": [r["text"] for r in runs], "stopped_at_eos": [r["stopped_at_eos"] for r in runs],
     }
 
 

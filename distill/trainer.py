@@ -115,7 +115,7 @@ def check_config(cfg: DictConfig, recipe: Any) -> None:
 
 
 def check_optim(optim: DictConfig) -> None:
-    """``optim.*`` values that would train nothing or diverge: a learning rate that is not positive, negative decay,
+    """``optim.*`` values that would diverge or make no sense: a negative or non-finite learning rate, negative decay,
     betas outside [0, 1), a negative warmup."""
     def number(key: str) -> float:
         try:
@@ -124,8 +124,10 @@ def check_optim(optim: DictConfig) -> None:
             raise ConfigError(f"optim.{key}={optim.get(key)!r} is not a number") from None
 
     lr = number("lr")
-    if not lr > 0 or lr != lr or lr == float("inf"):
+    if not lr >= 0 or lr == float("inf"):  # NaN fails >= too
         raise ConfigError(f"optim.lr={optim.lr} must be a positive number (e.g. optim.lr=1e-3)")
+    if lr == 0:  # allowed: runs the pipeline without moving a weight (checking an init or an export)
+        log.warning("optim.lr=0: the weights will not change")
     if optim.get("weight_decay") is not None and number("weight_decay") < 0:
         raise ConfigError(f"optim.weight_decay={optim.weight_decay} must be >= 0")
     if optim.get("eps") is not None and not number("eps") > 0:

@@ -186,7 +186,7 @@ def run_folder(tmp_path, medusa, target):
 def test_export_of_a_run_folder_to_a_format_it_refuses_leaves_nothing(capsys, run_folder, tmp_path):
     line = run(capsys, ["export", str(run_folder), "--out", str(tmp_path / "spec"), "--format", "speculators"])
     assert line == (f"draftsmith export: error: {run_folder}: --format speculators does not hold 'medusa' exports; "
-                    "Medusa-1 exports as: draftsmith, medusa")
+                    "Medusa-1 exports as: draftsmith, medusa, medusa-tgi")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no <out>.draftsmith, no temporary folder
 
 

@@ -15,37 +15,74 @@ from draftsmith.bench.report import _peer_rows
 ROOT = Path(__file__).resolve().parents[1]
 
 # stderr of a real `llama-completion --verbose-prompt` run (llama-cpp-python 0.3.36's llama.cpp, SmolLM2-135M Q4_1,
-# 2 threads), the lines the parser reads and a few around them
+# 2 threads, 8 new tokens, the chat-encoded prompt "Hi"; on a busy machine) from the prompt on, less the sampler
+# settings and the empty lines; its default log format starts each line with a timestamp and a level
 REAL_LOG = """\
-main: prompt: '<|im_start|>system
+0.00.891.739 I llama_completion: prompt: '<|im_start|>system
 You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
 <|im_start|>user
 Hi<|im_end|>
 <|im_start|>assistant
 '
-main: number of tokens in prompt = 5
-     1 -> '<|im_start|>'
-  9690 -> 'system'
-   198 -> '
+0.00.891.778 I llama_completion: number of tokens in prompt = 31
+0.00.891.812 I      1 -> '<|im_start|>'
+0.00.891.847 I   9690 -> 'system'
+0.00.891.881 I    198 -> '
 '
-  2683 -> 'You'
-   359 -> ' are'
-
-sampler seed: 0
-generate: n_ctx = 512, n_batch = 2048, n_predict = 8, n_keep = 0
-common_perf_print:    sampling time =       0.45 ms
-common_perf_print:    samplers time =       0.21 ms /    13 tokens
-common_perf_print:        load time =      64.05 ms
-common_perf_print: prompt eval time =      21.13 ms /     5 tokens (    4.23 ms per token,   236.63 tokens per second)
-common_perf_print:        eval time =      27.20 ms /     7 runs   (    3.89 ms per token,   257.35 tokens per second)
-common_perf_print:       total time =      49.02 ms /    12 tokens
-"""
+0.00.891.914 I   2683 -> 'You'
+0.00.891.949 I    359 -> ' are'
+0.00.891.982 I    253 -> ' a'
+0.00.892.017 I   5356 -> ' helpful'
+0.00.892.051 I   5646 -> ' AI'
+0.00.892.084 I  11173 -> ' assistant'
+0.00.892.119 I   3365 -> ' named'
+0.00.892.150 I   3511 -> ' Sm'
+0.00.892.151 I    308 -> 'ol'
+0.00.892.151 I  34519 -> 'LM'
+0.00.892.152 I     28 -> ','
+0.00.892.152 I   7018 -> ' trained'
+0.00.892.153 I    411 -> ' by'
+0.00.892.153 I    407 -> ' H'
+0.00.892.154 I  19712 -> 'ugging'
+0.00.892.154 I   8182 -> ' Face'
+0.00.892.154 I      2 -> '<|im_end|>'
+0.00.892.154 I    198 -> '
+'
+0.00.892.155 I      1 -> '<|im_start|>'
+0.00.892.155 I   4093 -> 'user'
+0.00.892.155 I    198 -> '
+'
+0.00.892.156 I  26843 -> 'Hi'
+0.00.892.156 I      2 -> '<|im_end|>'
+0.00.892.156 I    198 -> '
+'
+0.00.892.156 I      1 -> '<|im_start|>'
+0.00.892.157 I    520 -> 'ass'
+0.00.892.157 I   9531 -> 'istant'
+0.00.892.157 I    198 -> '
+'
+0.00.892.163 I sampler seed: 0
+0.00.892.177 I generate: n_ctx = 512, n_batch = 2048, n_predict = 8, n_keep = 0
+""" + (
+    "0.03.970.776 I common_perf_print:    sampling time =       0.71 ms\n"
+    "0.03.970.777 I common_perf_print:    samplers time =       0.16 ms /    39 tokens\n"
+    "0.03.970.779 I common_perf_print:        load time =     608.35 ms\n"
+    "0.03.970.780 I common_perf_print: prompt eval time =    1896.85 ms /    31 tokens"
+    " (   61.19 ms per token,    16.34 tokens per second)\n"
+    "0.03.970.781 I common_perf_print:        eval time =    1163.61 ms /     7 runs  "
+    " (  166.23 ms per token,     6.02 tokens per second)\n"
+    "0.03.970.782 I common_perf_print:       total time =    3084.80 ms /    38 tokens\n"
+    "0.03.970.782 I common_perf_print: unaccounted time =      23.63 ms /   0.8 %     "
+    " (total - sampling - prompt eval - eval) / (total)\n"
+    "0.03.970.782 I common_perf_print:    graphs reused =          6\n"
+)
 
 
 def test_the_perf_counters_and_prompt_ids_are_read_from_a_real_log():
     perf = llamacpp.parse_perf(REAL_LOG)
-    assert perf == {"prompt_ms": 21.13, "prompt_tokens": 5, "decode_ms": 27.20, "decode_runs": 7}
-    assert llamacpp.parse_prompt_ids(REAL_LOG) == [1, 9690, 198, 2683, 359]  # a piece holding a newline included
+    assert perf == {"prompt_ms": 1896.85, "prompt_tokens": 31, "decode_ms": 1163.61, "decode_runs": 7}
+    ids = llamacpp.parse_prompt_ids(REAL_LOG)  # pieces holding a newline ('\n' is token 198) included
+    assert len(ids) == 31 and ids[:4] == [1, 9690, 198, 2683] and ids[-4:] == [1, 520, 9531, 198]
     assert llamacpp.parse_prompt_ids("no verbose prompt here") is None
     with pytest.raises(ValueError, match="eval time"):
         llamacpp.parse_perf("main: error: unable to load model")

@@ -142,12 +142,12 @@ def test_medusa_engine_layout(tmp_path, target):
     out = export_from_module(_Module(objective, target), tmp_path / "export", training={})
     layout = to_medusa_layout(out, tmp_path / "vllm")
     cfg = json.loads((layout / "config.json").read_text())
-    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 2 and cfg["medusa_num_layers"] == 1
+    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 2 and cfg["num_hidden_layers"] == 1
     vllm = load_file(layout / "model.safetensors")
-    original = load_file(layout / "medusa_lm_head.safetensors")
+    assert not (layout / "medusa_lm_head.safetensors").exists()  # TGI's layout is --format medusa-tgi
     state = objective.module.state_dict()
     assert torch.equal(vllm["blocks.1.layers.0.weight"], state["heads.1.blocks.0.linear.weight"])
-    assert torch.equal(original["1.1.weight"], state["heads.1.lm_head.weight"])
+    assert torch.equal(vllm["lm_heads.1.weight"], state["heads.1.lm_head.weight"])
     assert set(vllm) == {f"blocks.{k}.layers.0.{p}" for k in range(2) for p in ("weight", "bias")} | {
         "lm_heads.0.weight", "lm_heads.1.weight"}
 

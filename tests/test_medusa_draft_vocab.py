@@ -112,8 +112,7 @@ def test_recipe_counts_the_draft_vocabulary_and_exports_it(target, tmp_path, mon
     weights = load_file(layout / "model.safetensors")
     assert cfg_json["truncated_vocab_size"] == 3 and weights["token_map"].tolist() == [5, 9, 11]
     assert weights["lm_heads.0.weight"].shape == (3, target.hidden_size)
-    assert not (layout / "medusa_lm_head.safetensors").exists()  # no token map in the original layout
-    assert "truncated_vocab_size" in cfg_json["draftsmith"]["medusa_lm_head"]
+    assert not (layout / "medusa_lm_head.safetensors").exists()  # TGI's layout has no token map (medusa-tgi refuses)
 
 
 def _d2t(batches, vocab, size):

@@ -64,7 +64,7 @@ def test_a_learning_rate_that_is_not_positive_is_refused_before_loading():
 
     medusa = recipes.get_recipe("medusa")
     for bad, match in (("optim.lr=-1e-3", r"optim\.lr=-0\.001 must be a positive number"),
-                       ("optim.lr=0", r"optim\.lr=0 must be a positive"),
+                       ("optim.lr=nan", r"optim\.lr=nan must be a positive"),
                        ("optim.weight_decay=-1", r"optim\.weight_decay=-1 must be >= 0"),
                        ("optim.betas=[0.9,1.5]", r"optim\.betas=\[0\.9, 1\.5\] must be two numbers in \[0, 1\)")):
         with pytest.raises(ConfigError, match=match):
