@@ -20,6 +20,7 @@ is excluded from both).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -88,6 +89,14 @@ def parse_prompt_ids(log: str) -> list[int] | None:
     return ids if len(ids) == n else None
 
 
+def parse_output(stdout: str) -> tuple[str, bool]:
+    """``(generated text, stopped at EOS)`` from ``llama-completion --no-display-prompt``'s stdout: the text, then
+    " [end of text]\\n" when it stopped at EOS, then "\\n\\n" on exit."""
+    text = stdout[:-2] if stdout.endswith("\n\n") else stdout
+    eos = text.endswith(_END_OF_TEXT)
+    return (text[:-len(_END_OF_TEXT)] if eos else text), eos
+
+
 def completion_command(gguf: Path, prompt: str, max_new_tokens: int, threads: int, ctx: int) -> list[str]:
     """The ``llama-completion`` argv of one greedy raw-prompt run (see the module docstring for each choice)."""
     return [str(llamacpp_dir() / "bin" / COMPLETION), "-m", str(gguf), "-p", prompt, "-n", str(max_new_tokens),
@@ -98,14 +107,14 @@ def completion_command(gguf: Path, prompt: str, max_new_tokens: int, threads: in
 def run_completion(gguf: Path, prompt: str, max_new_tokens: int, threads: int = 2,
                    timeout_s: float = 600.0) -> dict[str, Any]:
     """One greedy ``llama-completion`` run: its perf counters, the prompt ids it used and the generated text."""
-    ctx = max(512, 4 * len(prompt) // 3 + max_new_tokens + 64)  # a token is >= ~0.75 characters here
+    ctx = max(512, len(prompt) + max_new_tokens + 64)  # a prompt has no more tokens than characters
     proc = subprocess.run(completion_command(gguf, prompt, max_new_tokens, threads, ctx), capture_output=True,
                           text=True, errors="replace", timeout=timeout_s, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise RuntimeError(f"{COMPLETION} exited {proc.returncode}: {proc.stderr[-800:]}")
-    text, eos = proc.stdout, proc.stdout.endswith(_END_OF_TEXT)  # the tool prints the marker when it stops at EOS
-    return {**parse_perf(proc.stderr), "prompt_ids": parse_prompt_ids(proc.stderr),
-            "text": text[:-len(_END_OF_TEXT)] if eos else text, "stopped_at_eos": eos}
+    text, eos = parse_output(proc.stdout)
+    return {**parse_perf(proc.stderr), "prompt_ids": parse_prompt_ids(proc.stderr), "text": text,
+            "stopped_at_eos": eos}
 
 
 def _prompt_texts(prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any) -> list[str]:
@@ -148,7 +157,8 @@ def llamacpp_row(gguf_path: str | Path, prompts: Sequence[str] | Sequence[Sequen
 
 
 def bf16_gguf(target_dir: str | Path | None = None, python: str = sys.executable) -> Path:
-    """The target converted once to a BF16 GGUF with the cached ``convert_hf_to_gguf.py`` (kept in ``gguf/``)."""
+    """The target converted once to a BF16 GGUF with the cached ``convert_hf_to_gguf.py`` (kept in ``gguf/``), run on
+    ``python`` (torch, transformers, numpy) with the build's ``pydeps/`` (sentencepiece) first on its path."""
     root = llamacpp_dir()
     reason = missing_build_reason(root)
     if reason:
@@ -158,9 +168,11 @@ def bf16_gguf(target_dir: str | Path | None = None, python: str = sys.executable
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(".partial")
+    partial = out.with_name(f"{out.name}.{os.getpid()}.partial")  # two benches converting at once never collide
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root / "pydeps"),
+                                                                      os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([python, str(root / "convert_hf_to_gguf.py"), str(folder), "--outtype", "bf16",
-                           "--outfile", str(partial)], capture_output=True, text=True, errors="replace")
+                           "--outfile", str(partial)], capture_output=True, text=True, errors="replace", env=env)
     if proc.returncode != 0 or not partial.is_file():
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {folder}: {proc.stderr[-800:]}")
     partial.replace(out)

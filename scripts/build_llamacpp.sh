@@ -2,10 +2,11 @@
 # Cached build of llama.cpp's CPU tools (the peer `draftsmith bench --llamacpp` times), from the llama.cpp tree that
 # the PyPI source distribution llama-cpp-python==$VERSION vendors under vendor/llama.cpp. Built once, outside the
 # clone, into $DRAFTSMITH_CACHE/llamacpp-$VERSION (default ~/.cache/draftsmith): bin/ holds the tools,
-# convert_hf_to_gguf.py + conversion/ + gguf-py/ the HF -> GGUF converter. A second run returns at once.
+# convert_hf_to_gguf.py + conversion/ + gguf-py/ (+ pydeps/) the HF -> GGUF converter. A second run returns at once.
 # On failure the log's tail is kept in llamacpp-$VERSION.failed next to it; retry with `make llamacpp` (or
-# LLAMACPP_FORCE=1 to rebuild a finished one). Knobs: PYTHON (pip for the download), LLAMACPP_JOBS (default 2),
-# LLAMACPP_TARGETS (the cmake targets; default below), LLAMACPP_CMAKE_ARGS (added to the configure step).
+# LLAMACPP_FORCE=1 to redo a finished one). Knobs: PYTHON (its pip downloads; the converter runs on it: the project's
+# venv), LLAMACPP_JOBS (default 2), LLAMACPP_TARGETS (the cmake targets; default below), LLAMACPP_CMAKE_ARGS (added
+# to the configure step).
 set -euo pipefail
 
 VERSION=${LLAMACPP_VERSION:-0.3.36}
@@ -31,7 +32,7 @@ if ! flock -n 9; then
     [[ -f $ROOT/.done ]] && { echo "llama.cpp $VERSION: built by the other run in $ROOT/bin"; exit 0; }
 fi
 
-rm -f "$FAILED"
+rm -f "$FAILED" "$ROOT/.done"
 : > "$LOG"
 start=$(date +%s)
 
@@ -79,6 +80,10 @@ done
 # the converter imports its conversion/ package and the gguf-py next to it (unless NO_LOCAL_GGUF is set)
 rm -rf "$ROOT/conversion" "$ROOT/gguf-py"
 step "install converter" cp -r "$TREE/convert_hf_to_gguf.py" "$TREE/conversion" "$TREE/gguf-py" "$ROOT/"
+# the converter imports sentencepiece even for a BPE (tokenizer.json) model such as SmolLM2: installed beside it, in
+# pydeps/ (bench/llamacpp.py puts it on PYTHONPATH), not in the project's venv; torch/transformers/numpy come from PYTHON
+rm -rf "$ROOT/pydeps"
+step "converter deps" "$PY" -m pip install -q --no-deps --target "$ROOT/pydeps" "sentencepiece>=0.1.98,<0.3.0"
 
 seconds=$(( $(date +%s) - start ))
 echo "$seconds" > "$ROOT/build_seconds"

@@ -88,6 +88,14 @@ def test_the_perf_counters_and_prompt_ids_are_read_from_a_real_log():
         llamacpp.parse_perf("main: error: unable to load model")
 
 
+def test_the_generated_text_is_read_from_stdout():
+    # real stdouts: stopped at EOS within 16 tokens (BF16), and cut at 16 tokens (Q4_1)
+    assert llamacpp.parse_output("The capital of France is Paris. [end of text]\n\n\n") == (
+        "The capital of France is Paris.", True)
+    assert llamacpp.parse_output("L'Étoile, la Marseillaise, la femme au\n\n") == (
+        "L'Étoile, la Marseillaise, la femme au", False)
+
+
 def test_a_missing_build_is_named_with_the_command_that_makes_it(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
     reason = llamacpp.missing_build_reason()
@@ -136,7 +144,7 @@ def test_bench_takes_the_flag():
 
 
 @pytest.mark.integration
-def test_the_cached_build_decodes_a_chat_prompt_greedily():
+def test_the_cached_build_decodes_a_chat_prompt_greedily_from_both_weight_files():
     reason = llamacpp.missing_build_reason()
     if reason:
         pytest.skip(reason)
@@ -151,9 +159,13 @@ def test_the_cached_build_decodes_a_chat_prompt_greedily():
         pytest.skip(str(err))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = encode_chat(tokenizer, "What is the capital of France?")
-    row = llamacpp.llamacpp_row(gguf, [ids], 8, threads=2, tokenizer=tokenizer)
-    assert row["prompt_ids_match"], "llama.cpp tokenized the rendered chat prompt differently"
-    assert row["per_prompt"][0]["prompt_tokens"] == len(ids)
-    assert 1 <= row["new_tokens"] <= 8 and row["decode_tokens_per_s"] > 0 and row["texts"][0].strip()
+    peers = llamacpp.llamacpp_peers([ids], tokenizer, 8, 2, folder, runtime_ar_tokens_per_s=100.0)
+    for key in ("q4_1", "bf16"):  # the BF16 file is converted once with the cached converter
+        row = peers[key]
+        assert "skipped" not in row, row
+        assert row["prompt_ids_match"], f"llama.cpp tokenized the rendered chat prompt differently ({key})"
+        assert row["per_prompt"][0]["prompt_tokens"] == len(ids)
+        assert 1 <= row["new_tokens"] <= 8 and row["decode_tokens_per_s"] > 0 and row["texts"][0].strip()
+        assert row["runtime_ar_over_llamacpp"] == pytest.approx(100.0 / row["tokens_per_s_incl_prompt"])
     again = llamacpp.llamacpp_row(gguf, [ids], 8, threads=2, tokenizer=tokenizer)
-    assert again["texts"] == row["texts"]  # greedy: the same text every time
+    assert again["texts"] == peers["q4_1"]["texts"]  # greedy: the same text every time
