@@ -23,6 +23,7 @@ from draftsmith.kernels import cpu_caps
 from draftsmith.runtime.acceptance import depth_choice
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
+from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.drafting.base import LookaheadHeads, ReportsVerifyReuse
 from draftsmith.runtime.serving import Runtime, hf_fastest_dtype, load_runtime
 from draftsmith.runtime.target.loading import load_decoder
@@ -132,7 +133,8 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     export_proposer = spec.proposer
     cost_model = _apply_cost_aware_depth(runtime, prompts, costs) if cost_aware else None
     ar, sp, results = _time_ar_and_speculative(runtime, prompts, max_new_tokens)
-    busy = contention.verdict(timing_start, contention.snapshot())  # was the machine quiet while timing?
+    # was the machine quiet while timing, and how often the decode loops gave up or took back a core
+    busy = {**contention.verdict(timing_start, contention.snapshot()), "thread_changes": governor().changes}
     ar_step = ar["seconds"] / max(1, ar["tokens"])
     steps, tau, by_position = _pooled_acceptance(results)
     same_dtype = _same_dtype_match(runtime, temperature, hf if hf_same_dtype else None, ar, sp)

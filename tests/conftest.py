@@ -87,6 +87,7 @@ TIERS = {
     "test_cpu_layer.py": "unit",
     "test_contention.py": "unit",
     "test_docs.py": "unit",
+    "test_thread_governor.py": "unit",
     "test_data.py": "unit",  # its real SmolLM2 template tests are marked integration
     "test_diffusion_adapt.py": "unit",
     "test_diffusion_decode.py": "unit",

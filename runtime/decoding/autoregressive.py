@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.target.loading import Decoder
 
 
@@ -61,7 +62,9 @@ def generate_ar(
     cache.commit(len(prompt_ids))
     out: list[int] = []
     step = torch.empty(1, dtype=torch.long, device=device)  # reused input buffer
+    threads = governor()  # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
     while True:
+        threads.tick()
         tok = sample_token(logits[-1], temperature, top_p, generator)
         out.append(tok)
         if stream is not None:

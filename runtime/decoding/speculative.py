@@ -23,6 +23,7 @@ from draftsmith.runtime.acceptance.stop_policies import StopPolicy
 from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, Verifier
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.profile import StepProfiler
+from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.drafting.base import NullProposer, Proposer, StepContext
 
 
@@ -128,7 +129,9 @@ class SpeculativeDecoder:
         accepted, sizes, depth_hist = [], [], []
         prof = self.profiler
         part = prof.part if prof is not None else _no_part
+        threads = governor()  # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
         while not done:
+            threads.tick()
             with prof.step() if prof is not None else nullcontext():
                 with part("draft"):
                     tokens = torch.tensor([*prompt.tolist(), *out])
