@@ -129,8 +129,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     hf, hf_torch_dtype, hf_reason, lossless = _time_hf(runtime, prompts, max_new_tokens, skip_hf, hf_dtype, lossless,
                                                        hf_result)
     hf_same_dtype = hf is not None and hf_torch_dtype == runtime.model.dtype
-    costs = _step_costs(runtime, prompts[0])
-    export_proposer = spec.proposer
+    costs, export_proposer = _step_costs(runtime, prompts[0]), spec.proposer
     cost_model = _apply_cost_aware_depth(runtime, prompts, costs) if cost_aware else None
     ar, sp, results = _time_ar_and_speculative(runtime, prompts, max_new_tokens)
     # was the machine quiet while timing, and how often the decode loops gave up or took back a core
