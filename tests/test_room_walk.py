@@ -10,13 +10,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_BOUNDARIES = 12  # room boundaries one walk should cross (consecutive first-entered files in different rooms)
-# TODO(lead): today's walks cross far more than the target, so the bound in force is today's count, to stop it
-# growing. The offenders (docs/ARCHITECTURE.md, "The two walks"): recipes/__init__.py imports every recipe, and
-# each recipe its module room, for any one recipe trained; the CLI parser imports every command module (a bench
-# enters datagen/ through cli/data.py's rollouts arguments) and cmd_bench imports evals/reward_bench and
-# bench/controller for every bench; runtime/drafting/base.py imports every proposer family. Lower these numbers
-# as the walks shrink, down to TARGET_BOUNDARIES.
-BOUND_IN_FORCE = {"training": 45, "serving": 42}
+# The walks still cross more than the target (27 and 30 when measured, from 45 and 42 before the rooms were made
+# lazy: a run imports only its recipe, a command line only its command module, serving only the export's proposer
+# family), so the bound in force is today's count plus one, to stop it growing. What remains is mostly the leaf
+# rooms common/ and kernels/, entered from most rooms. Lower these numbers as the walks shrink.
+BOUND_IN_FORCE = {"training": 28, "serving": 31}
 
 
 def load_script():
