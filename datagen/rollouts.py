@@ -33,11 +33,8 @@ from draftsmith.controllers.adaptive_temperature import (
     check_grid,
 )
 from draftsmith.datagen.rewards import Reward, load_reward, score
+from draftsmith.datagen.rollout_folder import META, ROWS  # the format this writes
 from draftsmith.runtime.acceptance.verifiers import target_probs
-
-META = "meta.json"
-ROWS = "rollouts.jsonl"
-
 
 # conf/data/sharegpt.yaml's data.max_length, what `train.py recipe=adaptive_temperature data=<rollouts>` cuts rows
 # at unless told otherwise (datagen/ reads no Hydra config; tests/test_training_refusals.py keeps the two equal).

@@ -22,11 +22,9 @@ from typing import Any
 
 import torch
 
+from draftsmith.datagen.trajectory_folder import META, SHARD  # the format this writes
 from draftsmith.runtime.decoding.diffusion import DiffusionDecodeConfig, check_fits, diffusion_decode
 from draftsmith.runtime.target.diffusion_lm import DiffusionLM
-
-META = "meta.json"
-SHARD = "shard-{:05d}.safetensors"
 
 
 class TrajectoryError(ValueError):

@@ -9,7 +9,6 @@ sequence-level choice), and ``kind`` [2P]: the prompt kind's number in ``meta["k
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -18,47 +17,21 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
+from draftsmith.datagen import rollout_folder
+from draftsmith.datagen.rollout_folder import RolloutFolderError
 from draftsmith.distill.datamodule import register_batch_kind
 from draftsmith.distill.errors import ConfigError, DataError
 
-META, ROWS = "meta.json", "rollouts.jsonl"
 log = logging.getLogger(__name__)
 
 
 def read_pairs(folder: str | Path) -> tuple[dict[str, Any], list[dict]]:
-    """``(meta, pairs)`` of a rollout folder, each pair ``{prompt_ids, chosen: {tokens, temps}, rejected, kind}``;
-    DataError with the fix for a missing folder, a folder that is not a rollout folder, or one without any pair."""
-    folder = Path(folder)
-    fix = f"run `draftsmith rollouts --out {folder} ...` first (it resumes)"
-    if not folder.is_dir():
-        raise DataError(f"rollout folder {folder} does not exist; {fix}")
-    if not (folder / META).is_file() or not (folder / ROWS).is_file():
-        raise DataError(f"{folder} is not a rollout folder (needs {META} and {ROWS}); {fix}")
-    meta = json.loads((folder / META).read_text())
-    pairs, rows = [], 0
-    for n, line in enumerate((folder / ROWS).read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line of an interrupted run; the rollouts tool cuts it on resume
-        rows += 1
-        if row.get("chosen") is None:
-            continue
-        c, r = row["samples"][row["chosen"]], row["samples"][row["rejected"]]
-        if len(c["tokens"]) != len(c["temps"]) or len(r["tokens"]) != len(r["temps"]):
-            raise DataError(f"{folder / ROWS}:{n + 1}: a sample has {len(c['tokens'])} tokens but "
-                            f"{len(c['temps'])} temperature indices; regenerate the folder")
-        pairs.append({"prompt_ids": row["prompt_ids"], "kind": row.get("kind") or "default",
-                      "chosen": {"tokens": c["tokens"], "temps": c["temps"]},
-                      "rejected": {"tokens": r["tokens"], "temps": r["temps"]}})
-    if not pairs:
-        raise DataError(f"{folder} holds no chosen/rejected pairs ({rows} prompts, all with tied rewards or none "
-                        f"written); sample more responses per prompt (--samples-per-prompt) or use a reward that "
-                        f"separates them, then rerun the rollouts")
-    meta["kinds"] = sorted({p["kind"] for p in pairs})
-    return meta, pairs
+    """``(meta, pairs)`` of a rollout folder (:func:`draftsmith.datagen.rollout_folder.read_pairs`); its format errors
+    become training's DataError (one line, the fix included)."""
+    try:
+        return rollout_folder.read_pairs(folder)
+    except RolloutFolderError as err:
+        raise DataError(str(err)) from None
 
 
 ROUND_SEPARATOR = "+"

@@ -7,7 +7,6 @@ trainer's token count reads as examples. An empty, incomplete or corrupt folder 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,43 +14,19 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from draftsmith.datagen import trajectory_folder
+from draftsmith.datagen.trajectory_folder import TrajectoryFolderError
 from draftsmith.distill.datamodule import register_batch_kind
 from draftsmith.distill.errors import ConfigError, DataError
 
-META = "meta.json"
-
 
 def read_trajectories(folder: str | Path) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
-    """``(meta, conf [N, L], labels [N, L])`` of a trajectory folder, with one clear error for each broken state."""
-    from safetensors import safe_open
-
-    folder = Path(folder)
-    fix = f"run `draftsmith trajectories --target ... --prompts ... --out {folder}` (it resumes)"
-    if not folder.is_dir():
-        raise DataError(f"trajectory folder {folder} does not exist; {fix}")
-    if not (folder / META).is_file():
-        raise DataError(f"{folder} has no {META}: it is empty or not a trajectory folder; {fix}")
-    meta = json.loads((folder / META).read_text())
-    shards = sorted(folder.glob("shard-*.safetensors"))
-    expected = -(-int(meta["num_prompts"]) // int(meta["shard_size"]))
-    if not shards:
-        raise DataError(f"{folder} holds no trajectory shards (expected {expected}); {fix}")
-    if len(shards) < expected:
-        raise DataError(f"{folder} is incomplete: {len(shards)} of {expected} shards; {fix} to finish it")
-    confs, labels = [], []
-    for path in shards:
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                confs.append(handle.get_tensor("conf").float())  # [n, L]
-                labels.append(handle.get_tensor("labels").float())  # [n, L]
-        except Exception as err:  # noqa: BLE001 - safetensors raises several types for truncated files
-            raise DataError(f"trajectory shard {path} is truncated or corrupt ({type(err).__name__}); delete it and "
-                            f"{fix} to rewrite it") from None
-    conf, label = torch.cat(confs), torch.cat(labels)
-    if conf.shape[1] != int(meta["block_length"]) or conf.shape != label.shape or not len(conf):
-        raise DataError(f"{folder}: shards do not match block length {meta['block_length']} (conf {tuple(conf.shape)}, "
-                        f"labels {tuple(label.shape)}); regenerate the folder")
-    return meta, conf, label
+    """``(meta, conf [N, L], labels [N, L])`` of a trajectory folder
+    (:func:`draftsmith.datagen.trajectory_folder.read_trajectories`); its format errors become training's DataError."""
+    try:
+        return trajectory_folder.read_trajectories(folder)
+    except TrajectoryFolderError as err:
+        raise DataError(str(err)) from None
 
 
 def collate_trajectories(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:

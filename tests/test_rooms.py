@@ -76,3 +76,13 @@ def test_the_checker_sees_lazy_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from omegaconf import OmegaConf\n    import draftsmith.distill.target\n")
     assert [n for _, n in imported_modules(module)] == ["omegaconf", "omegaconf.OmegaConf", "draftsmith.distill.target"]
+
+
+def test_each_data_folder_format_is_written_down_once():
+    """A folder format's file names live in its datagen/<name>_folder.py, which both the writer (datagen/) and the
+    reader training uses (distill/) import; a second copy would drift (it once did: META and ROWS twice)."""
+    import re
+
+    defined = [f"{p.relative_to(ROOT)}:{m.group(1)}" for room in ("datagen", "distill") for p in sources(room)
+               for m in re.finditer(r"^(META|ROWS|SHARD)\b[^=\n]*=", p.read_text(), re.M)]
+    assert defined and all("_folder.py:" in d for d in defined), defined
