@@ -34,6 +34,7 @@ VERSION = "0.3.36"
 # 353 s on a 2-core AMD EPYC (Zen 4) VM at low priority beside other work; the script records each build's time
 BUILD_MINUTES_ESTIMATE = 6
 COMPLETION = "llama-completion"
+SPECULATIVE = "llama-speculative-simple"
 
 _PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 _EVAL = re.compile(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs")
@@ -117,7 +118,7 @@ def run_completion(gguf: Path, prompt: str, max_new_tokens: int, threads: int = 
             "stopped_at_eos": eos}
 
 
-def _prompt_texts(prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any) -> list[str]:
+def prompt_texts(prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any) -> list[str]:
     """Rendered prompt texts: strings as given, token ids decoded with every special token kept."""
     if all(isinstance(p, str) for p in prompts):
         return list(prompts)  # type: ignore[arg-type]
@@ -138,7 +139,7 @@ def llamacpp_row(gguf_path: str | Path, prompts: Sequence[str] | Sequence[Sequen
     gguf = Path(gguf_path)
     if not gguf.is_file():
         raise LlamaCppMissing(f"no GGUF file at {gguf}")
-    texts = _prompt_texts(prompts, tokenizer)
+    texts = prompt_texts(prompts, tokenizer)
     runs = [run_completion(gguf, text, max_new_tokens, threads) for text in texts]
     decode_ms, decode_runs = sum(r["decode_ms"] for r in runs), sum(r["decode_runs"] for r in runs)
     prompt_ms, prompt_tokens = sum(r["prompt_ms"] for r in runs), sum(r["prompt_tokens"] for r in runs)
@@ -154,6 +155,47 @@ def llamacpp_row(gguf_path: str | Path, prompts: Sequence[str] | Sequence[Sequen
         "per_prompt": [{k: r[k] for k in ("prompt_tokens", "prompt_ms", "decode_runs", "decode_ms")} for r in runs],
         "texts": [r["text"] for r in runs], "stopped_at_eos": [r["stopped_at_eos"] for r in runs],
     }
+
+
+_SPEC_COUNTS = re.compile(r"\b(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)")
+_SPEC_TIMES = re.compile(r"\b(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds")
+
+
+def speculative_command(target: Path, draft: Path, prompt: str, max_new_tokens: int, n_max: int, threads: int,
+                        ctx: int) -> list[str]:
+    """The ``llama-speculative-simple`` argv of one greedy EAGLE-3 run (raw prompt taken verbatim, as
+    :func:`completion_command`; ``--spec-draft-n-max``: tokens drafted per step)."""
+    return [str(llamacpp_dir() / "bin" / SPECULATIVE), "-m", str(target), "-md", str(draft), "--spec-type",
+            "draft-eagle3", "--spec-draft-n-max", str(n_max), "-p", prompt, "-n", str(max_new_tokens), "-t",
+            str(threads), "-tb", str(threads), "-c", str(ctx), "--temp", "0", "--top-k", "1", "--seed", "0",
+            "--no-escape"]
+
+
+def parse_speculative(stdout: str, stderr: str, prompt: str) -> dict[str, Any]:
+    """Counters, times and generated text of a ``llama-speculative-simple`` run. Its stdout is "\\n\\n", the prompt's
+    pieces, the new tokens' pieces (the end-of-generation token not printed), "\\n\\n" twice; its log has ``n_drafted``,
+    ``n_accept``, ``n_predict`` (tokens generated: sum over verify steps of accepted + 1) and the encode/decode
+    times. Raises ``ValueError`` when a line is missing."""
+    counts = {k: int(v) for k, v in _SPEC_COUNTS.findall(stderr)}
+    times = {k: (int(n), float(sec)) for k, n, sec in _SPEC_TIMES.findall(stderr)}
+    if len(counts) < 4 or len(times) < 2:
+        raise ValueError("no n_drafted / n_accept / decoded lines in llama-speculative-simple's log: " + stderr[-600:])
+    text = stdout.removeprefix("\n\n")
+    text = text[len(prompt):] if text.startswith(prompt) else text
+    text = text.removesuffix("\n\n\n\n")  # two "\\n\\n": after the text, and at exit
+    return {**counts, "prompt_tokens": times["encoded"][0], "prompt_s": times["encoded"][1],
+            "decode_s": times["decoded"][1], "text": text}
+
+
+def run_speculative(target: Path, draft: Path, prompt: str, max_new_tokens: int, n_max: int, threads: int = 2,
+                    timeout_s: float = 600.0) -> dict[str, Any]:
+    """One greedy ``llama-speculative-simple --spec-type draft-eagle3`` run (:func:`parse_speculative`'s dict)."""
+    ctx = max(512, len(prompt) + max_new_tokens + n_max + 64)
+    proc = subprocess.run(speculative_command(target, draft, prompt, max_new_tokens, n_max, threads, ctx),
+                          capture_output=True, text=True, errors="replace", timeout=timeout_s, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{SPECULATIVE} exited {proc.returncode}: {proc.stderr[-800:]}")
+    return parse_speculative(proc.stdout, proc.stderr, prompt)
 
 
 def bf16_gguf(target_dir: str | Path | None = None, python: str = sys.executable) -> Path:

@@ -1,5 +1,6 @@
 """The ``draftsmith`` command. Every command is one row of :data:`COMMANDS`; its arguments and handler live in the
-module the row names (``training``, ``serving``, ``data``), imported only when the command line is parsed."""
+module the row names (``training``, ``serving``, ``data``, ``engines``), imported only when the command line is
+parsed."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                          "chosen/rejected pairs (data for recipe=adaptive_temperature)"),
     "trajectories": ("data", "Learn2PD oracle trajectories of a diffusion target"),
     "diffusion-export": ("data", "turn a recipe=diffusion_adapt export into a HF model folder"),
+    "engine-check": ("engines", "run an EAGLE-3 export in llama.cpp (plain and speculative, greedy): lossless in the "
+                                "engine, its acceptance and tokens/s beside the runtime's"),
     "calibrate": ("data", "reliability plot + expected calibration error of a SpecDec++ acceptance head on "
                           "held-out drafts"),
 }

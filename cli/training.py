@@ -93,14 +93,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
                              "converts an export with --format medusa|speculators")
         out = export_from_checkpoint(src, args.out)
     elif (Path(src) / CONFIG_FILE).is_file():
-        out = _convert(src, args.out, args.format, read_config(src), args.target, source=src)
+        out = _convert(src, args.out, args.format, read_config(src), args.target, source=src, quant=args.quantize)
     else:  # a run folder or checkpoint: export it into a temporary folder, removed whatever happens
         import tempfile
 
         parent = Path(args.out).resolve().parent
         with tempfile.TemporaryDirectory(prefix=".draftsmith-export-", dir=parent if parent.is_dir() else None) as tmp:
             export_dir = export_from_checkpoint(src, Path(tmp) / "export")
-            out = _convert(export_dir, args.out, args.format, read_config(export_dir), args.target, source=src)
+            out = _convert(export_dir, args.out, args.format, read_config(export_dir), args.target, source=src,
+                           quant=args.quantize)
     print(f"wrote {out}")
     return 0
 
@@ -139,15 +140,17 @@ def _verifier_folder(config: dict, target: str | None) -> str:
     return str(folder.resolve())
 
 
-def _convert(export_dir, out, fmt: str, config: dict, target: str | None, source: str | None = None):
+def _convert(export_dir, out, fmt: str, config: dict, target: str | None, source: str | None = None,
+             quant: str | None = None):
     """Convert ``export_dir`` to ``fmt``; errors and the converted folder name ``source`` (what the user passed)."""
     from draftsmith.common.methods import METHODS, export_formats
 
     source = str(source or export_dir)
     method = METHODS.get(config.get("method"))
     if method is not None and fmt not in method.formats:  # the one method table says which converters apply
-        raise ValueError(f"{source}: --format {fmt} does not hold {method.name!r} exports; {method.label} exports "
-                         f"as: {', '.join(method.formats)}")
+        hint = " (llama.cpp's --spec-type runs EAGLE-3 drafters only)" if fmt == "gguf" else ""
+        raise ValueError(f"{source}: --format {fmt} does not hold {method.name!r} exports{hint}; {method.label} "
+                         f"exports as: {', '.join(method.formats)}")
     if fmt in ("medusa", "medusa-tgi"):
         from draftsmith.export.medusa_layout import to_medusa_layout
         from draftsmith.export.medusa_tgi import to_medusa_tgi
@@ -169,7 +172,21 @@ def _convert(export_dir, out, fmt: str, config: dict, target: str | None, source
         from draftsmith.export.sglang import to_sglang
 
         return to_sglang(export_dir, out, source=source)
+    if fmt == "gguf":
+        return _to_gguf(export_dir, out, _verifier_folder(config, target), quant, source)
     raise ValueError(f"unknown --format {fmt!r}; valid: {', '.join(export_formats())}")
+
+
+def _to_gguf(export_dir, out, target_folder: str, quant: str | None, source: str):
+    """``--format gguf``: the cached llama.cpp build converts the drafter (and the target, cached once as BF16)."""
+    from draftsmith.bench import llamacpp
+    from draftsmith.export.gguf import to_gguf
+
+    reason = llamacpp.missing_build_reason()
+    if reason:
+        raise ValueError(f"--format gguf runs llama.cpp's own converter, which is {reason}")
+    return to_gguf(export_dir, out, target_folder, llamacpp.llamacpp_dir(), llamacpp.bf16_gguf(target_folder),
+                   quant=quant, source=source)
 
 
 def _cmd_assets(args: argparse.Namespace) -> int:
@@ -192,6 +209,8 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="draftsmith", choices=export_formats())
     p.add_argument("--target", default=None, help="target folder or alias for converters (default: the target the "
                    "export records); speculators writes its absolute folder path as the verifier")
+    p.add_argument("--quantize", default=None, metavar="QTYPE", help="--format gguf: also write the target "
+                   "quantised with llama-quantize (Q4_1, Q8_0, ...); the drafter stays BF16")
 
 
 ARGUMENTS = {"export": _export_arguments}

@@ -67,7 +67,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("eagle", "EAGLE-1", "drafter", module="drafters/eagle.py", proposer="eagle", in_method_table=True,
            tests=("tests/test_eagle.py", "tests/test_eagle_runtime.py", "tests/test_eagle_sampling.py")),
     Method("eagle3", "EAGLE-3", "drafter", module="drafters/eagle3.py", proposer="eagle3", in_method_table=True,
-           formats=("draftsmith", "speculators", "sglang"), tiny_overrides=("drafter.target_layers=[1,2,3]",),
+           formats=("draftsmith", "speculators", "sglang", "gguf"), tiny_overrides=("drafter.target_layers=[1,2,3]",),
            tests=("tests/test_eagle3.py", "tests/test_speculators_export.py")),
     Method("kangaroo", "Kangaroo", "self-speculative", module="drafters/kangaroo.py", proposer="kangaroo",
            in_method_table=True, tests=("tests/test_kangaroo.py",)),

@@ -105,6 +105,7 @@ TIERS = {
     "test_feature_cache.py": "unit",
     "test_gpu.py": "e2e",  # CUDA only (skipped elsewhere); ends with a train.py run on the GPU
     "test_gpu_check_script.py": "e2e",
+    "test_gguf_export.py": "unit",  # its real llama.cpp conversion + engine-check on the embedded target is integration
     "test_head_family_train.py": "e2e",
     "test_hf_fallback.py": "unit",
     "test_house_rules.py": "unit",

@@ -76,11 +76,12 @@ def test_get_recipe_refuses_a_recipe_missing_from_the_table(monkeypatch):
 
 
 def test_formats_follow_the_converters():
-    assert export_formats() == ["draftsmith", "medusa", "medusa-tgi", "sglang", "speculators"]
+    assert export_formats() == ["draftsmith", "gguf", "medusa", "medusa-tgi", "sglang", "speculators"]
     assert [n for n in METHODS if "medusa" in formats_of(n)] == ["medusa", "medusa2"]
     assert [n for n in METHODS if "medusa-tgi" in formats_of(n)] == ["medusa", "medusa2"]
     assert [n for n in METHODS if "speculators" in formats_of(n)] == ["eagle3"]
     assert [n for n in METHODS if "sglang" in formats_of(n)] == ["eagle3"]
+    assert [n for n in METHODS if "gguf" in formats_of(n)] == ["eagle3"]  # llama.cpp's --spec-type draft-eagle3
 
 
 def test_method_table_script_reads_the_table(toy, monkeypatch):

@@ -1,0 +1,60 @@
+"""Engine commands: engine-check (run an export inside llama.cpp and compare it with the runtime)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+
+def _gguf_files(export: str, gguf_dir: str | None, tmp: str) -> dict[str, str]:
+    """The target and draft GGUF files of ``export``: ``gguf_dir``'s when it holds a conversion, else converted into
+    ``gguf_dir`` (or the temporary ``tmp``) with ``draftsmith export --format gguf``'s converter."""
+    from draftsmith.cli.training import _convert
+    from draftsmith.export.format import CONFIG_FILE, read_config
+    from draftsmith.export.gguf import MANIFEST, read_manifest
+
+    folder = Path(gguf_dir) if gguf_dir else Path(tmp) / "gguf"
+    if not (folder / MANIFEST).is_file():
+        if not (Path(export) / CONFIG_FILE).is_file():
+            raise ValueError(f"{export} is not a draftsmith export folder (no {CONFIG_FILE}); export the run first")
+        _convert(export, folder, "gguf", read_config(export), None, source=export)
+    return read_manifest(folder)["paths"]
+
+
+def _cmd_engine_check(args: argparse.Namespace) -> int:
+    from draftsmith.evals.engine_check import engine_check, markdown
+
+    if args.engine != "llamacpp":
+        raise ValueError(f"--engine {args.engine!r}; valid: llamacpp")
+    with tempfile.TemporaryDirectory(prefix="draftsmith-engine-check-") as tmp:
+        paths = _gguf_files(args.export, args.gguf, tmp)
+        result = engine_check(args.export, paths["target"], paths["draft"], args.prompts, args.num_prompts,
+                              args.max_new_tokens, args.draft_n_max, args.threads, args.dtype)
+    if args.gguf is None:  # the temporary files are gone
+        result["target_gguf"] = result["draft_gguf"] = "(temporary)"
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(markdown(result))
+    return 0
+
+
+def _engine_check_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("export", help="draftsmith export folder (EAGLE-3)")
+    p.add_argument("--engine", default="llamacpp", choices=("llamacpp",))
+    p.add_argument("--gguf", default=None, help="folder of `draftsmith export --format gguf` (converted there when "
+                   "empty; default: a temporary conversion)")
+    p.add_argument("--prompts", default="mtbench", help="mtbench | humaneval | FILE.jsonl")
+    p.add_argument("--num-prompts", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--draft-n-max", type=int, default=4, help="tokens drafted per step: llama.cpp's "
+                   "--spec-draft-n-max and the runtime's chain length")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", help="the draftsmith runtime's dtype (auto | bf16 | fp32)")
+    p.add_argument("--out", default=None, help="write the result JSON here")
+
+
+ARGUMENTS = {"engine-check": _engine_check_arguments}
+HANDLERS = {"engine-check": _cmd_engine_check}

@@ -1,0 +1,132 @@
+"""Run an export inside an engine people serve with and check it there: llama.cpp (``draftsmith engine-check``).
+
+On the same chat prompts (the bench's, rendered to text for llama.cpp as ``bench/llamacpp.py`` does), greedy:
+
+- llama.cpp plain: ``llama-completion`` on the target GGUF (its own greedy tokens and decode rate);
+- llama.cpp speculative: ``llama-speculative-simple -m TARGET -md DRAFT --spec-type draft-eagle3
+  --spec-draft-n-max N``: its ``n_drafted`` / ``n_accept`` / ``n_predict`` counters give its acceptance rate and its
+  tau (``n_predict`` tokens over ``n_predict - n_accept`` verify steps), its decode time the tokens/s;
+- lossless inside the engine: the speculative text equals the plain text (or starts with it: the speculative tool may
+  run past ``-n`` by up to ``N`` tokens; when plain stopped at the end of generation the texts must be equal).
+  llama.cpp's tools print text, not ids, so the comparison is of the decoded texts;
+- the draftsmith runtime on the same export: a greedy chain of ``N`` drafted tokens per step (``policy=chain,
+  depth=N-1, fixed:N``, llama.cpp's shape), its tau, acceptance, tokens/s, its own lossless check (speculative ids
+  equal its AR ids) and whether its AR text equals llama.cpp's plain text (a cross-engine check; the two engines'
+  numerics differ, so a late divergence between near-tied tokens is possible).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from draftsmith.bench import llamacpp
+from draftsmith.bench.prompts import load_prompts
+from draftsmith.bench.timing import time_interleaved
+from draftsmith.runtime.decoding import metrics
+from draftsmith.runtime.decoding.autoregressive import generate_ar
+
+
+def texts_lossless(plain: str, plain_eos: bool, speculative: str) -> bool:
+    """The speculative text is llama.cpp's plain greedy text: equal, or (plain cut at ``-n``) extending it."""
+    return speculative == plain if plain_eos else speculative.startswith(plain)
+
+
+def llamacpp_speculative(target: Path, draft: Path, texts: Sequence[str], max_new_tokens: int, n_max: int,
+                         threads: int) -> dict[str, Any]:
+    """Pooled counters and rates of ``llama-speculative-simple`` over ``texts``, with each prompt's text."""
+    runs = [llamacpp.run_speculative(target, draft, t, max_new_tokens, n_max, threads) for t in texts]
+    drafted, accepted = sum(r["n_drafted"] for r in runs), sum(r["n_accept"] for r in runs)
+    predicted, decode_s = sum(r["n_predict"] for r in runs), sum(r["decode_s"] for r in runs)
+    prompt_s = sum(r["prompt_s"] for r in runs)
+    steps = predicted - accepted
+    return {"n_draft_max": n_max, "n_drafted": drafted, "n_accept": accepted, "n_predict": predicted,
+            "acceptance": accepted / drafted if drafted else None, "tau": predicted / steps if steps else None,
+            "decode_tokens_per_s": predicted / decode_s if decode_s > 0 else None,
+            "tokens_per_s_incl_prompt": predicted / (decode_s + prompt_s) if decode_s + prompt_s > 0 else None,
+            "texts": [r["text"] for r in runs],
+            "per_prompt": [{k: r[k] for k in ("n_drafted", "n_accept", "n_predict", "decode_s")} for r in runs]}
+
+
+def runtime_side(runtime: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    """The draftsmith runtime's AR and speculative decoding on ``prompts``, timed interleaved."""
+    spec, results = runtime.speculative, []
+
+    def speculative(prompt: list[int]) -> list[int]:
+        res = spec.generate(prompt, max_new_tokens, eos_ids=runtime.eos_ids)
+        results.append(res)
+        return res.tokens
+
+    timed = time_interleaved(
+        {"ar": lambda p: generate_ar(runtime.model, p, max_new_tokens, eos_ids=runtime.eos_ids),
+         "speculative": speculative}, prompts,
+        {"ar": lambda: generate_ar(runtime.model, prompts[0], 4, eos_ids=runtime.eos_ids),
+         "speculative": lambda: spec.generate(prompts[0], 4, eos_ids=runtime.eos_ids)})
+    results = results[-len(prompts):]
+    accepted = [a for r in results for a in r.accepted_per_step]
+    drafted = sum(d for r in results for d in r.depths)
+    ar, sp = timed["ar"], timed["speculative"]
+    return {"tau": metrics.tau(accepted), "acceptance": sum(accepted) / drafted if drafted else None,
+            "steps": sum(r.steps for r in results), "lossless": sp["outputs"] == ar["outputs"],
+            "ar_tokens_per_s": ar["tokens_per_s"], "speculative_tokens_per_s": sp["tokens_per_s"],
+            "ar_outputs": ar["outputs"], "dtype": str(runtime.model.dtype).removeprefix("torch."),
+            "inference": runtime.inference}
+
+
+def engine_check(export_dir: str | Path, target_gguf: str | Path, draft_gguf: str | Path, prompts: str = "mtbench",
+                 num_prompts: int = 2, max_new_tokens: int = 32, n_max: int = 4, threads: int = 2,
+                 dtype: str = "auto") -> dict[str, Any]:
+    """The whole check (module docstring); raises :class:`llamacpp.LlamaCppMissing` without the build."""
+    from draftsmith.runtime.serving import load_runtime
+
+    reason = llamacpp.missing_build_reason()
+    if reason:
+        raise llamacpp.LlamaCppMissing(reason)
+    if n_max < 1:
+        raise ValueError(f"--draft-n-max must be >= 1, got {n_max}")
+    runtime = load_runtime(str(export_dir), None, dtype, proposer_options={"policy": "chain", "depth": n_max - 1},
+                           stop_policy=f"fixed:{n_max}")
+    ids = load_prompts(prompts, runtime.tokenizer, num_prompts)
+    texts = llamacpp.prompt_texts(ids, runtime.tokenizer)
+    plain = llamacpp.llamacpp_row(target_gguf, ids, max_new_tokens, threads, runtime.tokenizer)
+    spec = llamacpp_speculative(Path(target_gguf), Path(draft_gguf), texts, max_new_tokens, n_max, threads)
+    per_prompt = [texts_lossless(p, eos, s) for p, eos, s in zip(plain["texts"], plain["stopped_at_eos"],
+                                                                  spec["texts"], strict=True)]
+    ours = runtime_side(runtime, ids, max_new_tokens)
+    ours["text_equals_llamacpp_plain"] = [
+        runtime.tokenizer.decode(out, skip_special_tokens=False) == text
+        for out, text in zip(ours.pop("ar_outputs"), plain["texts"], strict=True)]
+    return {"engine": "llamacpp", "version": llamacpp.VERSION, "export": str(export_dir),
+            "target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf), "prompts": prompts,
+            "num_prompts": len(ids), "max_new_tokens": max_new_tokens, "threads": threads,
+            "prompt_ids_match": plain["prompt_ids_match"],
+            "llamacpp": {"lossless": all(per_prompt), "lossless_per_prompt": per_prompt, "plain": plain,
+                         "speculative": spec},
+            "runtime": ours}
+
+
+def _f(value: Any, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The check as a markdown table: one row per engine and mode."""
+    lc, ours = result["llamacpp"], result["runtime"]
+    plain, spec = lc["plain"], lc["speculative"]
+    rows = [
+        ("llama.cpp plain (llama-completion)", "", "", _f(plain["decode_tokens_per_s"]),
+         _f(plain["tokens_per_s_incl_prompt"]), "reference"),
+        (f"llama.cpp EAGLE-3 (n_max {spec['n_draft_max']})", _f(spec["tau"]), _f(spec["acceptance"]),
+         _f(spec["decode_tokens_per_s"]), _f(spec["tokens_per_s_incl_prompt"]),
+         "equal to plain" if lc["lossless"] else f"DIFFERS: {lc['lossless_per_prompt']}"),
+        (f"draftsmith runtime AR ({ours['dtype']})", "", "", "", _f(ours["ar_tokens_per_s"]),
+         f"text = llama.cpp plain: {ours['text_equals_llamacpp_plain']}"),
+        (f"draftsmith runtime EAGLE-3 chain {spec['n_draft_max']}", _f(ours["tau"]), _f(ours["acceptance"]), "",
+         _f(ours["speculative_tokens_per_s"]), "equal to runtime AR" if ours["lossless"] else "DIFFERS from AR"),
+    ]
+    head = (f"{result['num_prompts']} {result['prompts']} prompts x {result['max_new_tokens']} new tokens, "
+            f"{result['threads']} threads, greedy; prompt ids match: {result['prompt_ids_match']}\n\n"
+            "| engine / mode | tau | accepted / drafted | decode tok/s | tok/s incl. prompt | tokens |\n"
+            "|---|---|---|---|---|---|\n")
+    return head + "\n".join("| " + " | ".join(r) + " |" for r in rows)

@@ -1,0 +1,156 @@
+"""Convert a draftsmith EAGLE-3 export into llama.cpp GGUF files: the target (BF16, optionally quantised) and the
+drafter, through llama.cpp's own ``convert_hf_to_gguf.py`` (never a re-implementation of its writer).
+
+Serve with ``llama-server -m OUT/target-bf16.gguf -md OUT/draft.gguf --spec-type draft-eagle3`` (or
+``llama-speculative-simple`` with the same flags; ``draftsmith engine-check`` runs that and checks it).
+
+Which layout the converter is given: the speculators one (``Eagle3Speculator``: top-level
+``eagle_aux_hidden_state_layer_ids``, ``transformer_layer_config``, ``layers.0.*`` names). The converter reads
+``eagle_aux_hidden_state_layer_ids`` from the top level of config.json only; llama.cpp then captures the *input* of
+target layer ``id`` (``llama_set_embeddings_layer_inp``), i.e. HF ``hidden_states[id]``, draftsmith's
+``target_layers`` convention, so the ids are written unchanged. The SGLang layout is accepted by the converter too,
+but its ids sit under ``eagle_config`` (and are shifted by one): the converter ignores them and falls back to
+``[2, n//2, n-3]``, which is right only for exports trained on exactly those layers. The embedding is left out
+(llama.cpp's EAGLE-3 decoder then takes the target's), and ``d2t`` is written when the draft vocabulary is smaller
+than the target's (the converter turns it into absolute target ids).
+
+This module runs llama.cpp's tools as subprocesses; where they live (``root``: the ``make llamacpp`` cache with
+``convert_hf_to_gguf.py``, ``pydeps/`` and ``bin/``) is the caller's to say (``bench/llamacpp.py`` finds it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+
+from draftsmith.export.format import ExportError, atomic_folder_write, read_export
+from draftsmith.export.speculators import speculators_config, speculators_tensors, verifier_architectures
+
+log = logging.getLogger(__name__)
+
+GGUF_METHODS = ("eagle3",)  # drafters llama.cpp's --spec-type runs from a converted draftsmith export
+DRAFT_FILE = "draft.gguf"
+MANIFEST = "gguf.json"
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K")
+
+
+def converter_input(export_dir: str | Path, out_dir: Path, target_dir: str | Path) -> dict[str, Any]:
+    """Write the folder ``convert_hf_to_gguf.py`` converts (speculators layout, no embedding) into ``out_dir``;
+    returns the export's config."""
+    config, state = read_export(export_dir)
+    if config["method"] not in GGUF_METHODS:
+        raise ExportError(f"llama.cpp runs EAGLE-3 drafters only; {export_dir} is a {config['method']!r} export")
+    arch = config["architecture"]
+    if len(arch["target_layers"]) != 3:
+        raise ExportError(f"llama.cpp's EAGLE-3 reads exactly 3 target layers; {export_dir} taps "
+                          f"{arch['target_layers']}")
+    tensors = speculators_tensors(state, full_vocab=int(arch["draft_vocab_size"]) == int(arch["vocab_size"]))
+    dtype = str(tensors["fc.weight"].dtype).removeprefix("torch.")
+    archs = verifier_architectures(str(target_dir), str(config["target"].get("model_type")))
+    out_config = speculators_config(config, str(target_dir), int((config.get("inference") or {}).get("depth", 4)) + 1,
+                                    archs, dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
+    return config
+
+
+def _env(root: Path) -> dict[str, str]:
+    """The environment the cached converter runs in: the build's ``pydeps/`` (sentencepiece, gguf) first."""
+    path = os.pathsep.join(filter(None, [str(root / "pydeps"), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def refusal_line(stderr: str) -> str:
+    """The one line that says why llama.cpp's converter refused: its last error line, else its last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() or ln.startswith(("ValueError", "KeyError", "NotImpl"))]
+    line = (errors or lines or ["(no output)"])[-1]
+    return line.removeprefix("ERROR:hf-to-gguf:").strip()
+
+
+def run_converter(root: Path, model_dir: Path, outfile: Path, target_dir: Path | None = None,
+                  python: str = sys.executable, timeout_s: float = 1800.0) -> Path:
+    """``convert_hf_to_gguf.py MODEL_DIR --outtype bf16 --outfile OUTFILE [--target-model-dir TARGET]``; a refusal
+    raises :class:`ExportError` with the converter's own one-line reason."""
+    argv = [python, str(root / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "bf16", "--outfile",
+            str(outfile)]
+    if target_dir is not None:
+        argv += ["--target-model-dir", str(target_dir)]
+    proc = subprocess.run(argv, capture_output=True, text=True, errors="replace", env=_env(root), timeout=timeout_s,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode != 0 or not outfile.is_file():
+        raise ExportError(f"llama.cpp's convert_hf_to_gguf.py refused {model_dir}: {refusal_line(proc.stderr)}")
+    return outfile
+
+
+def quantize(root: Path, src: Path, out: Path, qtype: str, threads: int = 2) -> Path:
+    """``llama-quantize SRC OUT QTYPE`` (the target; the drafter stays BF16)."""
+    if qtype.upper() not in QUANT_TYPES:
+        raise ValueError(f"--quantize {qtype!r}; valid: {', '.join(QUANT_TYPES)}")
+    proc = subprocess.run([str(root / "bin" / "llama-quantize"), str(src), str(out), qtype.upper(), str(threads)],
+                          capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
+    if proc.returncode != 0 or not out.is_file():
+        raise ExportError(f"llama-quantize {qtype} failed: {refusal_line(proc.stderr)}")
+    return out
+
+
+def _place(src: Path, dst: Path) -> None:
+    """A hard link to ``src`` when the file system allows it (GGUF files are read-only inputs), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def to_gguf(export_dir: str | Path, out_dir: str | Path, target_dir: str | Path, root: str | Path,
+            target_gguf: str | Path | None = None, quant: str | None = None, python: str = sys.executable,
+            source: str | Path | None = None) -> Path:
+    """Write ``OUT/draft.gguf`` (the drafter, BF16), ``OUT/target-bf16.gguf`` (``target_gguf`` when given, a cached
+    conversion of ``target_dir``, else converted here), ``OUT/target-<QUANT>.gguf`` with ``quant`` and
+    ``OUT/gguf.json`` (what each file is and the command that serves them), atomically."""
+    root, target_dir, source = Path(root), Path(target_dir), Path(source or export_dir)
+
+    def fill(tmp: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix=".converter-input-", dir=tmp) as spec_dir:
+            config = converter_input(export_dir, Path(spec_dir), target_dir)
+            run_converter(root, Path(spec_dir), tmp / DRAFT_FILE, target_dir, python)
+        target = tmp / "target-bf16.gguf"
+        if target_gguf is not None:
+            _place(Path(target_gguf), target)
+        else:
+            run_converter(root, target_dir, target, python=python)
+        files = {"draft": DRAFT_FILE, "target": target.name}
+        if quant:
+            files["target"] = quantize(root, target, tmp / f"target-{quant.upper()}.gguf", quant).name
+            files["target_bf16"] = target.name
+        manifest = {"method": config["method"], "converted_from": str(source.resolve()), "files": files,
+                    "target": {"folder": str(target_dir), **config["target"]},
+                    "target_layers": config["architecture"]["target_layers"],
+                    "serve": f"llama-server -m {files['target']} -md {DRAFT_FILE} --spec-type draft-eagle3"}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+    out = atomic_folder_write(out_dir, fill)
+    log.info("wrote llama.cpp GGUF folder %s", out)
+    return out
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    """``gguf.json`` of a :func:`to_gguf` folder, with its files as absolute paths."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise ExportError(f"{folder} has no {MANIFEST}: convert the export first with "
+                          f"`draftsmith export EXPORT --format gguf --out {folder}`")
+    manifest = json.loads(path.read_text())
+    manifest["paths"] = {k: str((Path(folder) / v).resolve()) for k, v in manifest["files"].items()}
+    return manifest
