@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from test_eagle_runtime import lean_from_hf
+from test_speculative_sampling import chi2_pvalue  # one chi-square test for every sampling check
 
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
@@ -15,22 +16,6 @@ from draftsmith.drafters.vocab import vocab_maps
 from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier, target_probs
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, Eagle3DraftModel, EagleProposer
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value of ``counts`` against ``probs`` (cells with expected < 5 pooled into one)."""
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    expected = probs / probs.sum() * counts.sum()
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    keep = exp > 0
-    if bool(((obs > 0) & ~keep).any()):
-        return 0.0
-    obs, exp = obs[keep], exp[keep]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((obs.numel() - 1) / 2, dtype=torch.float64), stat / 2))
-
 
 ALPHA = 1e-4  # strict: the exact sampler must not be flagged by chance (seeds are fixed anyway)
 SMALL_V = 8

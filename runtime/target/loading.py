@@ -95,9 +95,7 @@ def choose_decoder(
 
 
 def _lean_missing(folder: str | Path) -> str | None:
-    """What the lean decoder lacks for this folder's model, via ``model_config.lean_support`` where it exists (None =
-    supported, or no such check: then loading it decides)."""
-    from draftsmith.runtime.target import model_config
+    """What the lean decoder lacks for this folder's model (``model_config.lean_support``; None = supported)."""
+    from draftsmith.runtime.target.model_config import lean_support
 
-    check = getattr(model_config, "lean_support", None)
-    return None if check is None else check(load_hf_config(folder))
+    return lean_support(load_hf_config(folder))
