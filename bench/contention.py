@@ -11,8 +11,9 @@ import os
 import resource
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from draftsmith.runtime.decoding.threads import busy_all_seconds
 
 OTHERS_SHARE_LIMIT = 0.10  # other processes using over 10% of all CPUs during timing: the figure is contended
 
@@ -26,20 +27,11 @@ class CpuSnapshot:
     busy_all_s: float | None  # busy seconds of all CPUs (None where /proc/stat is unreadable)
 
 
-def _busy_all_seconds(stat: Path = Path("/proc/stat")) -> float | None:
-    """Busy time of all CPUs since boot: user+nice+system+irq+softirq+steal (idle and iowait left out)."""
-    try:
-        fields = [int(x) for x in stat.read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None
-    busy = sum(fields[:3]) + sum(fields[5:8])  # user nice system | (idle iowait) | irq softirq steal
-    return busy / os.sysconf("SC_CLK_TCK")
-
 
 def snapshot() -> CpuSnapshot:
     """The counters now."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return CpuSnapshot(time.perf_counter(), usage.ru_utime + usage.ru_stime, _busy_all_seconds())
+    return CpuSnapshot(time.perf_counter(), usage.ru_utime + usage.ru_stime, busy_all_seconds())
 
 
 def verdict(start: CpuSnapshot, end: CpuSnapshot, cpus: int | None = None,

@@ -37,7 +37,7 @@ def test_own_work_is_not_counted_as_contention():
 
 
 def test_without_proc_stat_the_verdict_is_not_contended_and_says_so(tmp_path):
-    assert contention._busy_all_seconds(tmp_path / "missing") is None
+    assert contention.busy_all_seconds(tmp_path / "missing") is None
     start = contention.CpuSnapshot(0.0, 0.0, None)
     verdict = contention.verdict(start, contention.CpuSnapshot(1.0, 0.5, None), cpus=2)
     assert verdict["others_cpu_share"] is None and verdict["contended"] is False

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from test_runtime_model import path_to, tree_case  # the same 7-node tree for every family
 
 from draftsmith.kernels import cpu_caps
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
@@ -73,27 +74,6 @@ def family(request, tmp_path_factory):
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]  # [T, V]
-
-
-def tree_case() -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """A 7-node tree: parents, ancestor mask [7, 7] and depths."""
-    parents = [-1, 0, 0, 1, 1, 2, 5]
-    mask = torch.zeros(7, 7, dtype=torch.bool)
-    depth = torch.zeros(7, dtype=torch.long)
-    for i, par in enumerate(parents):
-        mask[i, i] = True
-        if par >= 0:
-            mask[i] |= mask[par]
-            depth[i] = depth[par] + 1
-    return parents, mask, depth
-
-
-def path_to(parents: list[int], node: int) -> list[int]:
-    out = []
-    while node >= 0:
-        out.append(node)
-        node = parents[node]
-    return out[::-1]
 
 
 def test_prefill_decode_and_tree_match_hf_past_the_window(family):

@@ -178,18 +178,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DRAFTSMITH_COST_CACHE", Path.home() / ".cache" / "draftsmith" / "costs"))
 
 
-def save_choice(key: str, costs: MachineCosts, cum_acceptance: Sequence[float], choice: DepthChoice,
-                identity: dict[str, Any]) -> Path:
-    """Write the measurement and the decision atomically (``generate`` reuses them)."""
-    path = cache_dir() / f"{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"identity": identity, "costs": asdict(costs), "acceptance": list(cum_acceptance),
-                               "depth": choice.depth, "predicted_speedup": choice.predicted_speedup,
-                               "table": choice.table}, indent=1))
-    tmp.replace(path)
-    return path
-
 
 def save_shape_choice(key: str, costs: MachineCosts, choice: ShapeChoice, identity: dict[str, Any]) -> Path:
     """Write the measured costs and the shape decision atomically (``generate`` reapplies the shape)."""

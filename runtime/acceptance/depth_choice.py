@@ -56,13 +56,6 @@ def profiled_run(spec: SpeculativeDecoder, prompts: Sequence[list[int]], max_new
     return prof.report(), results, prof
 
 
-def costs_from_profile(report: dict[str, Any], mean_depth: float, ar_step_ms: float,
-                       verify_ms: dict[int, float]) -> MachineCosts:
-    """Machine costs from a profiled run: drafting per depth level, the per-step rest besides the verify forward."""
-    overhead = report["verification_ms"] + report["kv_compaction_ms"] + report["proposer_update_ms"] + \
-        max(0.0, report["unattributed_ms"])
-    return MachineCosts(ar_step_ms, verify_ms, report["draft_ms"] / max(mean_depth, 1e-9), overhead)
-
 
 def machine_identity(runtime: Any) -> dict[str, Any]:
     """What the measured costs depend on: CPU, threads, target, dtype, linear backend, the drafter export."""

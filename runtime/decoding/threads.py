@@ -17,17 +17,19 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 OTHERS_BUSY = 0.25  # a core counts as taken when other processes used over a quarter of it since the last look
 
 
-def _busy_all_seconds() -> float | None:
-    """Busy seconds of all CPUs since boot (user+nice+system+irq+softirq+steal), None where unreadable."""
+def busy_all_seconds(stat: str | Path = "/proc/stat") -> float | None:
+    """Busy seconds of all CPUs since boot (user+nice+system+irq+softirq+steal; idle and iowait left out), None
+    where unreadable. The bench's contention verdict reads the same counter."""
     try:
-        with open("/proc/stat") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:]]
+        with open(stat) as handle:
+            fields = [int(x) for x in handle.readline().split()[1:]]
     except (OSError, ValueError):
         return None
     return (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")
@@ -37,7 +39,7 @@ class ThreadGovernor:
     """Adapts torch's intra-op thread count to the cores other processes leave free (see the module docstring)."""
 
     def __init__(self, interval_s: float = 0.1, cpus: int | None = None,
-                 busy_reader: Callable[[], float | None] = _busy_all_seconds,
+                 busy_reader: Callable[[], float | None] = busy_all_seconds,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
                  get_threads: Callable[[], int] = torch.get_num_threads,
                  clock: Callable[[], float] = time.perf_counter,
