@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -152,6 +153,18 @@ def report_error(err: BaseException | str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def served_probe(cfg: DictConfig) -> Any:
+    """The served-tau probe ``validation.served_tau`` asks for (``draftsmith.evals.served_tau``), or None when off.
+    Built here because training (``distill/``) never imports serving code; bad values are a ConfigError."""
+    from draftsmith.distill.errors import ConfigError
+    from draftsmith.evals.served_tau import probe_from_config
+
+    try:
+        return probe_from_config(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 # An absolute config path: Hydra resolves a relative one against the calling module, which breaks when this file
 # runs as `draftsmith.train` (the `draftsmith train` command) instead of as a script.
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
@@ -174,7 +187,11 @@ def main(cfg: DictConfig) -> float | None:
 
         if (problem := unknown_added_keys(cfg, list(hydra_cfg.overrides.task))) is not None:
             raise ConfigError(problem)
-        summary = train(cfg, recipe, hydra_cfg.runtime.output_dir, run_name=run_name)
+        if cfg.data.get("features"):  # offline runs never load the target; the probe would (off there, for now)
+            summary = train(cfg, recipe, hydra_cfg.runtime.output_dir, run_name=run_name)
+        else:
+            summary = train(cfg, recipe, hydra_cfg.runtime.output_dir, run_name=run_name,
+                            served_probe=served_probe(cfg))
     except KeyboardInterrupt as err:  # Ctrl-C: where the checkpoint is and how to resume, exit 130 like a shell
         if os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("DRAFTSMITH_DEBUG") == "1":
             raise

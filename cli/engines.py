@@ -1,4 +1,4 @@
-"""Engine commands: engine-check (run an export inside llama.cpp and compare it with the runtime)."""
+"""Engine commands: engine-check (run an EAGLE-3 or DFlash export inside llama.cpp and compare it with the runtime)."""
 
 from __future__ import annotations
 
@@ -42,15 +42,16 @@ def _cmd_engine_check(args: argparse.Namespace) -> int:
 
 
 def _engine_check_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("export", help="draftsmith export folder (EAGLE-3)")
+    p.add_argument("export", help="draftsmith export folder (EAGLE-3 or DFlash)")
     p.add_argument("--engine", default="llamacpp", choices=("llamacpp",))
     p.add_argument("--gguf", default=None, help="folder of `draftsmith export --format gguf` (converted there when "
                    "empty; default: a temporary conversion)")
     p.add_argument("--prompts", default="mtbench", help="mtbench | humaneval | FILE.jsonl")
     p.add_argument("--num-prompts", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--draft-n-max", type=int, default=4, help="tokens drafted per step: llama.cpp's "
-                   "--spec-draft-n-max and the runtime's chain length")
+    p.add_argument("--draft-n-max", type=int, default=None, help="tokens drafted per step: llama.cpp's "
+                   "--spec-draft-n-max and the runtime's chain length (default: 4; DFlash: block_size - 1, the "
+                   "trained block: llama.cpp's DFlash block is n_max + 1 tokens)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", help="the draftsmith runtime's dtype (auto | bf16 | fp32)")
     p.add_argument("--out", default=None, help="write the result JSON here")

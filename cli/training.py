@@ -148,7 +148,7 @@ def _convert(export_dir, out, fmt: str, config: dict, target: str | None, source
     source = str(source or export_dir)
     method = METHODS.get(config.get("method"))
     if method is not None and fmt not in method.formats:  # the one method table says which converters apply
-        hint = " (llama.cpp's --spec-type runs EAGLE-3 drafters only)" if fmt == "gguf" else ""
+        hint = " (llama.cpp's --spec-type runs DFlash and EAGLE-3 drafters only)" if fmt == "gguf" else ""
         raise ValueError(f"{source}: --format {fmt} does not hold {method.name!r} exports{hint}; {method.label} "
                          f"exports as: {', '.join(method.formats)}")
     if fmt in ("medusa", "medusa-tgi"):
@@ -168,6 +168,10 @@ def _convert(export_dir, out, fmt: str, config: dict, target: str | None, source
         from draftsmith.export.speculators import to_speculators
 
         return to_speculators(export_dir, out, _verifier_folder(config, target), source=source)
+    if fmt == "dflash-zlab":
+        from draftsmith.export.dflash import to_zlab
+
+        return to_zlab(export_dir, out, source=source)
     if fmt == "sglang":
         from draftsmith.export.sglang import to_sglang
 

@@ -14,13 +14,17 @@ from draftsmith.export.format import MAIN_PART, ExportError, write_export
 DRAFTER_PREFIX = "drafter."
 
 
-def _compose_config(export_config: dict[str, Any], target: dict[str, Any], training: dict[str, Any]) -> dict[str, Any]:
-    """The export's config.json: the objective's blocks, the target identity, training facts, and the base export a
-    controller was trained on (``base_export``, checked when it loads)."""
+def _compose_config(export_config: dict[str, Any], target: dict[str, Any], training: dict[str, Any],
+                    validation: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The export's config.json: the objective's blocks, the target identity, training facts, the base export a
+    controller was trained on (``base_export``, checked when it loads), and the last served-tau probe of training
+    (``validation``: served_tau, prompts, max_new_tokens, step, ...; see ``DistillModule.served_probe``)."""
     config = {"method": export_config["method"], "architecture": export_config["architecture"], "target": target,
               "inference": export_config.get("inference", {}), "training": training}
     if export_config.get("base_export"):
         config["base_export"] = export_config["base_export"]
+    if validation:
+        config["validation"] = validation
     return config
 
 
@@ -61,7 +65,8 @@ def export_from_module(module: Any, out_dir: str | Path, training: dict[str, Any
     state = {k: v.detach().float() if v.is_floating_point() else v for k, v in module.drafter.state_dict().items()}
     export_config = module.objective.export_config()
     main, parts, target = split_parts(state, export_config, module.run_info["target"])
-    return write_export(out_dir, main, _compose_config(export_config, target, training), parts=parts)
+    validation = getattr(module, "served_validation", None)
+    return write_export(out_dir, main, _compose_config(export_config, target, training, validation), parts=parts)
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -100,4 +105,5 @@ def export_from_checkpoint(path: str | Path, out_dir: str | Path) -> Path:
     training = {"steps": int(ckpt.get("global_step", 0)), "tokens": int(meta.get("tokens_seen", 0)),
                 "checkpoint": str(find_checkpoint(path))}
     main, parts, target = split_parts(state, meta["export_config"], meta["target"])
-    return write_export(out_dir, main, _compose_config(meta["export_config"], target, training), parts=parts)
+    config = _compose_config(meta["export_config"], target, training, meta.get("validation"))
+    return write_export(out_dir, main, config, parts=parts)

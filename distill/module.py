@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,8 @@ from draftsmith.distill.cached_features import CachedTarget
 from draftsmith.distill.errors import ConfigError, DraftsmithError
 from draftsmith.distill.objective import Objective, optimizer_groups
 from draftsmith.distill.target import TargetModel
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(DraftsmithError, RuntimeError):
@@ -29,6 +33,10 @@ class ZeroLossError(DraftsmithError, RuntimeError):
     """The training loss was exactly zero for ``run.zero_loss_patience`` consecutive steps: nothing is learned."""
 
 
+# The seam for serving-faithful validation: export folder -> {"served_tau": float, ...}, or None when the runtime
+# serves nothing for this method. Optional attributes: ``every`` (probe every N-th validation pass) and
+# ``serves(method) -> bool`` (skip the temporary export for methods it would not serve).
+ServedProbe = Callable[[Path], "dict[str, Any] | None"]
 SCORED_CHECK_BATCHES = 4  # the first batches of a run that must score some position between them
 
 
@@ -80,10 +88,14 @@ class DistillModule(pl.LightningModule):
     The objective's hooks (:class:`~draftsmith.distill.objective.Objective`) are called directly:
     ``set_step(global_step)`` before each training step; ``on_validation_start()`` / ``on_validation_end(reduce_sum)``
     around each validation pass (``reduce_sum`` sums a tensor over processes under DDP, else None).
+
+    ``served_probe`` (optional, see :data:`ServedProbe`): at the end of every ``served_probe.every``-th validation
+    pass and of a final ``trainer.validate``, the current weights are exported to a temporary folder and served by
+    the runtime; its tau is logged as ``val/served_tau`` and kept in :attr:`served_validation` for the export.
     """
 
     def __init__(self, objective: Objective, target: TargetModel, optim: dict[str, Any], total_steps: int,
-                 zero_loss_patience: int = 5) -> None:
+                 zero_loss_patience: int = 5, served_probe: ServedProbe | None = None) -> None:
         super().__init__()
         if not isinstance(objective, Objective):
             raise TypeError(f"{type(objective).__name__} is not a draftsmith.distill.objective.Objective; "
@@ -100,6 +112,9 @@ class DistillModule(pl.LightningModule):
         self._zero_steps = 0  # consecutive training steps whose loss was exactly 0
         self._scored_batches = self._scored_positions = 0  # over this process's first SCORED_CHECK_BATCHES batches
         self.run_info: dict[str, Any] = {}  # recipe name, target identity, resolved config (set by the trainer)
+        self.served_probe = served_probe  # serving code handed in by the entry point: distill/ never imports it
+        self.served_validation: dict[str, Any] | None = None  # the last probe's record, written into the export
+        self._validations = 0  # validation passes seen, for the probe's ``every``
 
     @property
     def target(self) -> TargetModel:
@@ -202,6 +217,51 @@ class DistillModule(pl.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         self.objective.on_validation_end(self._reduce_sum if self.trainer.world_size > 1 else None)
+        self._probe_served()
+
+    def _probe_served(self) -> None:
+        """Served tau of the current weights (rank 0), every ``served_probe.every``-th validation pass and at a final
+        ``trainer.validate``; logged as ``val/served_tau`` beside the training-side accuracy."""
+        if self.served_probe is None or self.trainer.sanity_checking:
+            return
+        self._validations += 1
+        final = self.trainer.state.fn == "validate"  # the trainer's last pass on the weights that are exported
+        if not (final or self._validations % max(1, int(getattr(self.served_probe, "every", 1))) == 0):
+            return
+        if not self.trainer.is_global_zero:
+            return
+        record = self.served_record()
+        if record is not None:
+            self.served_validation = record
+        if record is not None and record["served_tau"] is not None:
+            self.log("val/served_tau", float(record["served_tau"]), rank_zero_only=True)
+
+    def served_record(self) -> dict[str, Any] | None:
+        """Export the current weights into a temporary folder and run :attr:`served_probe` on it: its record plus
+        the step, or None when the probe serves nothing for this method."""
+        import tempfile
+
+        from draftsmith.distill.exporting import export_from_module
+
+        if callable(getattr(self.objective, "write_export", None)):  # an objective that makes a target, not a drafter
+            return None
+        method = str(self.objective.export_config().get("method", ""))
+        serves = getattr(self.served_probe, "serves", None)
+        if callable(serves) and not serves(method):
+            return None
+        step = int(self.global_step)
+        rng, threads = torch.random.get_rng_state(), torch.get_num_threads()  # training resumes exactly as it was
+        try:
+            with tempfile.TemporaryDirectory(prefix="draftsmith-served-") as tmp:
+                out = export_from_module(self, Path(tmp) / "export", training={"steps": step, "served_probe": True})
+                record = self.served_probe(out)
+        except Exception as err:  # noqa: BLE001 - a failed probe is reported, it does not end a long training run
+            log.warning("served-tau probe failed at step %d (%s: %s); training goes on", step, type(err).__name__, err)
+            return {"served_tau": None, "error": f"{type(err).__name__}: {err}", "step": step}
+        finally:
+            torch.random.set_rng_state(rng)
+            torch.set_num_threads(threads)
+        return None if record is None else {**record, "step": step}
 
     def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over every process (counts gathered by objectives during validation)."""
@@ -224,6 +284,9 @@ class DistillModule(pl.LightningModule):
         # Everything `draftsmith export CHECKPOINT` needs, so exporting never has to reload the target.
         checkpoint["draftsmith"] = {"tokens_seen": self._tokens_seen, "export_config": self.objective.export_config(),
                                     **self.run_info}
+        if self.served_validation is not None:  # `draftsmith export CHECKPOINT` keeps the last served tau
+            checkpoint["draftsmith"]["validation"] = self.served_validation
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._tokens_seen = int(checkpoint.get("draftsmith", {}).get("tokens_seen", 0))
+        self.served_validation = checkpoint.get("draftsmith", {}).get("validation", self.served_validation)

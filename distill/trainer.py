@@ -257,9 +257,11 @@ def _scalars(metrics: dict) -> dict[str, float]:
     return {k: round(float(v), 5) for k, v in metrics.items() if torch.is_tensor(v) and v.numel() == 1}
 
 
-def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | None = None) -> dict[str, Any]:
+def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | None = None,
+          served_probe: Any = None) -> dict[str, Any]:
     """Train ``recipe`` as configured; returns a summary (steps, tokens, seconds, export folder, metrics).
-    ``run_name`` names the run in experiment trackers (train.py passes recipe + overrides)."""
+    ``run_name`` names the run in experiment trackers (train.py passes recipe + overrides); ``served_probe`` serves
+    the current weights at validation (``DistillModule.served_probe``; train.py builds it, distill/ cannot)."""
     from draftsmith.distill.datamodule import build_datamodule
     from draftsmith.distill.exporting import export_from_module
     from draftsmith.distill.objective import batch_kind
@@ -282,7 +284,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     data = build_datamodule(cfg, target.tokenizer, kind=batch_kind(objective))
     module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
                            total_steps=int(cfg.trainer.max_steps),
-                           zero_loss_patience=int(cfg.run.get("zero_loss_patience", 5) or 0))
+                           zero_loss_patience=int(cfg.run.get("zero_loss_patience", 5) or 0), served_probe=served_probe)
     module.run_info = {"recipe": recipe.name, "target": target.identity(),
                        "config": OmegaConf.to_container(cfg, resolve=True)}
     wrapped = apply_activation_checkpointing(module.drafter, cfg.trainer)
@@ -303,5 +305,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
         out = export_from_module(module, run_dir / "export", training=summary)
         summary["export"] = str(out)
         log.info("exported %s drafter to %s", recipe.name, out)
+    if module.served_validation is not None:  # after the export, whose config.json holds it as `validation`
+        summary["served_validation"] = module.served_validation
     finish_loggers(trainer.loggers, Path(summary["export"]) if "export" in summary else None)
     return summary

@@ -4,19 +4,23 @@ On the same chat prompts (the bench's, rendered to text for llama.cpp as ``bench
 
 - llama.cpp plain: ``llama-completion`` on the target GGUF (its own greedy tokens and decode rate);
 - llama.cpp speculative: ``llama-speculative-simple -m TARGET -md DRAFT --spec-type draft-eagle3
-  --spec-draft-n-max N``: its ``n_drafted`` / ``n_accept`` / ``n_predict`` counters give its acceptance rate and its
-  tau (``n_predict`` tokens over ``n_predict - n_accept`` verify steps), its decode time the tokens/s;
+  --spec-draft-n-max N`` (``draft-dflash`` for a DFlash export, N defaulting to ``block_size - 1``: llama.cpp's DFlash
+  block is ``N + 1`` tokens, non-causal, so only then are its drafts the trained block's): its ``n_drafted`` /
+  ``n_accept`` / ``n_predict`` counters give its acceptance rate and its tau (``n_predict`` tokens over
+  ``n_predict - n_accept`` verify steps), its decode time the tokens/s;
 - lossless inside the engine: the speculative text equals the plain text (or starts with it: the speculative tool may
   run past ``-n`` by up to ``N`` tokens; when plain stopped at the end of generation the texts must be equal).
   llama.cpp's tools print text, not ids, so the comparison is of the decoded texts;
-- the draftsmith runtime on the same export: a greedy chain of ``N`` drafted tokens per step (``policy=chain,
-  depth=N-1, fixed:N``, llama.cpp's shape), its tau, acceptance, tokens/s, its own lossless check (speculative ids
-  equal its AR ids) and whether its AR text equals llama.cpp's plain text (a cross-engine check; the two engines'
-  numerics differ, so a late divergence between near-tied tokens is possible).
+- the draftsmith runtime on the same export: a greedy chain of ``N`` drafted tokens per step (EAGLE-3: ``policy=chain,
+  depth=N-1, fixed:N``, llama.cpp's shape; DFlash: one block, cut at ``N`` by ``fixed:N``), its tau, acceptance,
+  tokens/s, its own lossless check (speculative ids equal its AR ids) and whether its AR text equals llama.cpp's
+  plain text (a cross-engine check; the two engines' numerics differ, so a late divergence between near-tied tokens
+  is possible).
 """
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,8 @@ from typing import Any
 from draftsmith.bench import llamacpp
 from draftsmith.bench.prompts import load_prompts
 from draftsmith.bench.timing import time_interleaved
+from draftsmith.export.format import read_config
+from draftsmith.export.gguf import SPEC_TYPES
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 
@@ -33,15 +39,35 @@ def texts_lossless(plain: str, plain_eos: bool, speculative: str) -> bool:
     return speculative == plain if plain_eos else speculative.startswith(plain)
 
 
+LABELS = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
+
+
+def run_speculative(target: Path, draft: Path, prompt: str, max_new_tokens: int, n_max: int, threads: int,
+                    spec_type: str, timeout_s: float = 600.0) -> dict[str, Any]:
+    """One greedy ``llama-speculative-simple --spec-type SPEC_TYPE`` run (``bench.llamacpp``'s argv with its
+    ``draft-eagle3`` swapped for ``spec_type``), parsed by ``llamacpp.parse_speculative``."""
+    if spec_type == "draft-eagle3":
+        return llamacpp.run_speculative(target, draft, prompt, max_new_tokens, n_max, threads, timeout_s)
+    ctx = max(512, len(prompt) + max_new_tokens + n_max + 64)
+    argv = llamacpp.speculative_command(target, draft, prompt, max_new_tokens, n_max, threads, ctx)
+    argv[argv.index("draft-eagle3")] = spec_type
+    proc = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=timeout_s,
+                          stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{llamacpp.SPECULATIVE} exited {proc.returncode}: {proc.stderr[-800:]}")
+    return llamacpp.parse_speculative(proc.stdout, proc.stderr, prompt)
+
+
 def llamacpp_speculative(target: Path, draft: Path, texts: Sequence[str], max_new_tokens: int, n_max: int,
-                         threads: int) -> dict[str, Any]:
+                         threads: int, spec_type: str = "draft-eagle3") -> dict[str, Any]:
     """Pooled counters and rates of ``llama-speculative-simple`` over ``texts``, with each prompt's text."""
-    runs = [llamacpp.run_speculative(target, draft, t, max_new_tokens, n_max, threads) for t in texts]
+    runs = [run_speculative(target, draft, t, max_new_tokens, n_max, threads, spec_type) for t in texts]
     drafted, accepted = sum(r["n_drafted"] for r in runs), sum(r["n_accept"] for r in runs)
     predicted, decode_s = sum(r["n_predict"] for r in runs), sum(r["decode_s"] for r in runs)
     prompt_s = sum(r["prompt_s"] for r in runs)
     steps = predicted - accepted
-    return {"n_draft_max": n_max, "n_drafted": drafted, "n_accept": accepted, "n_predict": predicted,
+    return {"spec_type": spec_type, "n_draft_max": n_max, "n_drafted": drafted, "n_accept": accepted,
+            "n_predict": predicted,
             "acceptance": accepted / drafted if drafted else None, "tau": predicted / steps if steps else None,
             "decode_tokens_per_s": predicted / decode_s if decode_s > 0 else None,
             "tokens_per_s_incl_prompt": predicted / (decode_s + prompt_s) if decode_s + prompt_s > 0 else None,
@@ -74,30 +100,52 @@ def runtime_side(runtime: Any, prompts: list[list[int]], max_new_tokens: int) ->
             "inference": runtime.inference}
 
 
+def default_n_max(config: dict[str, Any]) -> int:
+    """Tokens drafted per step when none is asked for: DFlash's trained block (``block_size - 1``), else 4."""
+    if config.get("method") == "dflash":
+        return int(config["architecture"]["block_size"]) - 1
+    return 4
+
+
+def runtime_options(export_dir: str | Path, n_max: int) -> tuple[dict[str, Any], str]:
+    """``(proposer_options, stop_policy)`` that make the runtime draft llama.cpp's shape: a chain of ``n_max`` tokens
+    (the method's own chain options: EAGLE-3 ``policy=chain, depth=n_max-1``, DFlash ``depth=n_max``)."""
+    from draftsmith.runtime.drafting.base import chain_options
+
+    return chain_options(export_dir, n_max), f"fixed:{n_max}"
+
+
 def engine_check(export_dir: str | Path, target_gguf: str | Path, draft_gguf: str | Path, prompts: str = "mtbench",
-                 num_prompts: int = 2, max_new_tokens: int = 32, n_max: int = 4, threads: int = 2,
+                 num_prompts: int = 2, max_new_tokens: int = 32, n_max: int | None = None, threads: int = 2,
                  dtype: str = "auto") -> dict[str, Any]:
-    """The whole check (module docstring); raises :class:`llamacpp.LlamaCppMissing` without the build."""
+    """The whole check (module docstring); raises :class:`llamacpp.LlamaCppMissing` without the build. ``n_max``:
+    tokens drafted per step, default :func:`default_n_max`."""
     from draftsmith.runtime.serving import load_runtime
 
     reason = llamacpp.missing_build_reason()
     if reason:
         raise llamacpp.LlamaCppMissing(reason)
+    config = read_config(export_dir)
+    if config["method"] not in SPEC_TYPES:
+        raise ValueError(f"llama.cpp runs {', '.join(LABELS.values())} drafters; {export_dir} is a "
+                         f"{config['method']!r} export")
+    n_max = default_n_max(config) if n_max is None else n_max
     if n_max < 1:
         raise ValueError(f"--draft-n-max must be >= 1, got {n_max}")
-    runtime = load_runtime(str(export_dir), None, dtype, proposer_options={"policy": "chain", "depth": n_max - 1},
-                           stop_policy=f"fixed:{n_max}")
+    options, stop = runtime_options(export_dir, n_max)
+    runtime = load_runtime(str(export_dir), None, dtype, proposer_options=options, stop_policy=stop)
     ids = load_prompts(prompts, runtime.tokenizer, num_prompts)
     texts = llamacpp.prompt_texts(ids, runtime.tokenizer)
     plain = llamacpp.llamacpp_row(target_gguf, ids, max_new_tokens, threads, runtime.tokenizer)
-    spec = llamacpp_speculative(Path(target_gguf), Path(draft_gguf), texts, max_new_tokens, n_max, threads)
+    spec = llamacpp_speculative(Path(target_gguf), Path(draft_gguf), texts, max_new_tokens, n_max, threads,
+                                SPEC_TYPES[config["method"]])
     per_prompt = [texts_lossless(p, eos, s) for p, eos, s in zip(plain["texts"], plain["stopped_at_eos"],
                                                                   spec["texts"], strict=True)]
     ours = runtime_side(runtime, ids, max_new_tokens)
     ours["text_equals_llamacpp_plain"] = [
         runtime.tokenizer.decode(out, skip_special_tokens=False) == text
         for out, text in zip(ours.pop("ar_outputs"), plain["texts"], strict=True)]
-    return {"engine": "llamacpp", "version": llamacpp.VERSION, "export": str(export_dir),
+    return {"engine": "llamacpp", "version": llamacpp.VERSION, "export": str(export_dir), "method": config["method"],
             "target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf), "prompts": prompts,
             "num_prompts": len(ids), "max_new_tokens": max_new_tokens, "threads": threads,
             "prompt_ids_match": plain["prompt_ids_match"],
@@ -114,15 +162,16 @@ def markdown(result: dict[str, Any]) -> str:
     """The check as a markdown table: one row per engine and mode."""
     lc, ours = result["llamacpp"], result["runtime"]
     plain, spec = lc["plain"], lc["speculative"]
+    label = LABELS.get(result.get("method", "eagle3"), result.get("method"))
     rows = [
         ("llama.cpp plain (llama-completion)", "", "", _f(plain["decode_tokens_per_s"]),
          _f(plain["tokens_per_s_incl_prompt"]), "reference"),
-        (f"llama.cpp EAGLE-3 (n_max {spec['n_draft_max']})", _f(spec["tau"]), _f(spec["acceptance"]),
+        (f"llama.cpp {label} (n_max {spec['n_draft_max']})", _f(spec["tau"]), _f(spec["acceptance"]),
          _f(spec["decode_tokens_per_s"]), _f(spec["tokens_per_s_incl_prompt"]),
          "equal to plain" if lc["lossless"] else f"DIFFERS: {lc['lossless_per_prompt']}"),
         (f"draftsmith runtime AR ({ours['dtype']})", "", "", "", _f(ours["ar_tokens_per_s"]),
          f"text = llama.cpp plain: {ours['text_equals_llamacpp_plain']}"),
-        (f"draftsmith runtime EAGLE-3 chain {spec['n_draft_max']}", _f(ours["tau"]), _f(ours["acceptance"]), "",
+        (f"draftsmith runtime {label} chain {spec['n_draft_max']}", _f(ours["tau"]), _f(ours["acceptance"]), "",
          _f(ours["speculative_tokens_per_s"]), "equal to runtime AR" if ours["lossless"] else "DIFFERS from AR"),
     ]
     head = (f"{result['num_prompts']} {result['prompts']} prompts x {result['max_new_tokens']} new tokens, "

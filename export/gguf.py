@@ -1,8 +1,17 @@
-"""Convert a draftsmith EAGLE-3 export into llama.cpp GGUF files: the target (BF16, optionally quantised) and the
-drafter, through llama.cpp's own ``convert_hf_to_gguf.py`` (never a re-implementation of its writer).
+"""Convert a draftsmith EAGLE-3 or DFlash export into llama.cpp GGUF files: the target (BF16, optionally quantised)
+and the drafter, through llama.cpp's own ``convert_hf_to_gguf.py`` (never a re-implementation of its writer).
 
-Serve with ``llama-server -m OUT/target-bf16.gguf -md OUT/draft.gguf --spec-type draft-eagle3`` (or
-``llama-speculative-simple`` with the same flags; ``draftsmith engine-check`` runs that and checks it).
+Serve with ``llama-server -m OUT/target-bf16.gguf -md OUT/draft.gguf --spec-type draft-eagle3`` (``draft-dflash``
+for DFlash; ``gguf.json``'s ``serve`` has the command; or ``llama-speculative-simple`` with the same flags:
+``draftsmith engine-check`` runs that and checks it).
+
+DFlash: the converter is given the z-lab layout (``export/dflash.py``: ``DFlashDraftModel``,
+``dflash_config.target_layer_ids`` = draftsmith ``target_layers - 1``; the converter writes ``target_layers`` =
+``target_layer_ids + 1`` into the GGUF and llama.cpp captures the input of those target layers, i.e. the same
+``hidden_states`` draftsmith trained on), with ``--target-model-dir`` for the vocabulary. No embedding and no LM head:
+llama.cpp's DFlash draft takes the target's. Its block is ``n_max + 1`` tokens (``--spec-draft-n-max``) and attention
+inside the block is non-causal, so drafts equal the trained ones only at ``n_max = block_size - 1``
+(``gguf.json``'s ``draft_n_max``).
 
 Which layout the converter is given: the speculators one (``Eagle3Speculator``: top-level
 ``eagle_aux_hidden_state_layer_ids``, ``transformer_layer_config``, ``layers.0.*`` names). The converter reads
@@ -32,23 +41,30 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from draftsmith.export.format import ExportError, atomic_folder_write, read_export
+from draftsmith.export.format import ExportError, atomic_folder_write, read_config, read_export
 from draftsmith.export.speculators import speculators_config, speculators_tensors, verifier_architectures
 
 log = logging.getLogger(__name__)
 
-GGUF_METHODS = ("eagle3",)  # drafters llama.cpp's --spec-type runs from a converted draftsmith export
+GGUF_METHODS = ("eagle3", "dflash")  # drafters llama.cpp's --spec-type runs from a converted draftsmith export
+SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}  # llama.cpp's --spec-type of each
 DRAFT_FILE = "draft.gguf"
 MANIFEST = "gguf.json"
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 
 
 def converter_input(export_dir: str | Path, out_dir: Path, target_dir: str | Path) -> dict[str, Any]:
-    """Write the folder ``convert_hf_to_gguf.py`` converts (speculators layout, no embedding) into ``out_dir``;
-    returns the export's config."""
+    """Write the folder ``convert_hf_to_gguf.py`` converts (EAGLE-3: speculators layout, no embedding; DFlash: the
+    z-lab layout) into ``out_dir``; returns the export's config."""
+    method = read_config(export_dir)["method"]
+    if method not in GGUF_METHODS:
+        raise ExportError(f"llama.cpp runs EAGLE-3 and DFlash drafters only; {export_dir} is a {method!r} export")
+    if method == "dflash":
+        from draftsmith.export.dflash import write_zlab
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return write_zlab(export_dir, out_dir)
     config, state = read_export(export_dir)
-    if config["method"] not in GGUF_METHODS:
-        raise ExportError(f"llama.cpp runs EAGLE-3 drafters only; {export_dir} is a {config['method']!r} export")
     arch = config["architecture"]
     if len(arch["target_layers"]) != 3:
         raise ExportError(f"llama.cpp's EAGLE-3 reads exactly 3 target layers; {export_dir} taps "
@@ -134,10 +150,14 @@ def to_gguf(export_dir: str | Path, out_dir: str | Path, target_dir: str | Path,
         if quant:
             files["target"] = quantize(root, target, tmp / f"target-{quant.upper()}.gguf", quant).name
             files["target_bf16"] = target.name
+        spec_type = SPEC_TYPES[config["method"]]
         manifest = {"method": config["method"], "converted_from": str(source.resolve()), "files": files,
                     "target": {"folder": str(target_dir), **config["target"]},
-                    "target_layers": config["architecture"]["target_layers"],
-                    "serve": f"llama-server -m {files['target']} -md {DRAFT_FILE} --spec-type draft-eagle3"}
+                    "target_layers": config["architecture"]["target_layers"], "spec_type": spec_type,
+                    "serve": f"llama-server -m {files['target']} -md {DRAFT_FILE} --spec-type {spec_type}"}
+        if config["method"] == "dflash":  # llama.cpp's block is n_max + 1 tokens: the trained block at block_size - 1
+            manifest["draft_n_max"] = int(config["architecture"]["block_size"]) - 1
+            manifest["serve"] += f" --spec-draft-n-max {manifest['draft_n_max']}"
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
     out = atomic_folder_write(out_dir, fill)

@@ -4,6 +4,8 @@ The output folder holds a self-describing ``config.json`` and ``model.safetensor
 verifier from the config, and ``speculators.SpeculatorModel.from_pretrained(OUT)`` loads it (checked in
 tests/test_speculators_export.py against the real library).
 
+DFlash exports go to speculators' ``dflash`` type: ``to_speculators`` hands them to ``export/dflash.py``.
+
 EAGLE-1 is NOT converted: speculators 0.9.0 registers the model types dflash, dflash2, dspark, eagle3, mtp,
 peagle and xpress only; its EAGLE-1/HASS support is a converter into ``eagle3`` for checkpoints that already
 have EAGLE-3's shape. EAGLE-1's layer differs in ways eagle3's config cannot express (fc over
@@ -181,13 +183,17 @@ def to_speculators(export_dir: str | Path, out_dir: str | Path, verifier_name_or
     """
     config, state = read_export(export_dir)
     method = config["method"]
+    if method == "dflash":  # speculators' dflash type: its own writer (export/dflash.py)
+        from draftsmith.export.dflash import to_speculators_dflash
+
+        return to_speculators_dflash(export_dir, out_dir, verifier_name_or_path, dtype, architectures, source)
     if method == "eagle":
         raise ExportError("speculators (0.9.0) has no model type for EAGLE-1 drafters (its types are eagle3, "
                           "peagle, dflash, dflash2, dspark, mtp, xpress); train with recipe=eagle3 to serve "
                           "through speculators/vLLM, or run the EAGLE-1 drafter in draftsmith's runtime")
     if method != "eagle3":
-        raise ExportError(f"the speculators format holds EAGLE-3 drafters; {source or export_dir} is a {method!r} "
-                          "export")
+        raise ExportError(f"the speculators format holds EAGLE-3 and DFlash drafters; {source or export_dir} is a "
+                          f"{method!r} export")
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}; valid: {', '.join(_DTYPES)}")
     arch = config["architecture"]

@@ -76,12 +76,14 @@ def test_get_recipe_refuses_a_recipe_missing_from_the_table(monkeypatch):
 
 
 def test_formats_follow_the_converters():
-    assert export_formats() == ["draftsmith", "gguf", "medusa", "medusa-tgi", "sglang", "speculators"]
+    assert export_formats() == ["dflash-zlab", "draftsmith", "gguf", "medusa", "medusa-tgi", "sglang", "speculators"]
     assert [n for n in METHODS if "medusa" in formats_of(n)] == ["medusa", "medusa2"]
     assert [n for n in METHODS if "medusa-tgi" in formats_of(n)] == ["medusa", "medusa2"]
-    assert [n for n in METHODS if "speculators" in formats_of(n)] == ["eagle3"]
+    assert [n for n in METHODS if "speculators" in formats_of(n)] == ["eagle3", "dflash"]
     assert [n for n in METHODS if "sglang" in formats_of(n)] == ["eagle3"]
-    assert [n for n in METHODS if "gguf" in formats_of(n)] == ["eagle3"]  # llama.cpp's --spec-type draft-eagle3
+    # llama.cpp's --spec-type draft-eagle3 and draft-dflash
+    assert [n for n in METHODS if "gguf" in formats_of(n)] == ["eagle3", "dflash"]
+    assert [n for n in METHODS if "dflash-zlab" in formats_of(n)] == ["dflash"]
 
 
 def test_method_table_script_reads_the_table(toy, monkeypatch):
@@ -98,7 +100,7 @@ def test_gpu_check_reads_the_table(monkeypatch):
     monkeypatch.setitem(sys.modules, spec.name, gpu_check)  # its dataclasses look their module up
     spec.loader.exec_module(gpu_check)
     assert gpu_check.NEEDS_INPUT == {n: m.needs_input for n, m in METHODS.items() if m.needs_input}
-    assert gpu_check.TINY_TRAIN_EXTRA == {"eagle3": list(METHODS["eagle3"].tiny_overrides)}
+    assert gpu_check.TINY_TRAIN_EXTRA == {n: list(m.tiny_overrides) for n, m in METHODS.items() if m.tiny_overrides}
 
 
 def test_cli_format_choices_and_refusals_come_from_the_table(tmp_path):

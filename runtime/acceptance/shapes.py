@@ -7,6 +7,7 @@ Families (a proposer says which through its ``shape_family`` attribute):
   tree ``policy=tree, total_tokens=N, top_k=b, depth=d-1``;
 - ``static_tree`` (Medusa family): the tree ``default_medusa_tree(num_heads, N - 1, b)`` (a chain: b = 1);
 - anything else: depth only (``kind="depth"``, the stop policy's ``max_depth`` capped at d).
+Chains are 1..4 deep, or up to a proposer's ``shape_max_depth`` when it declares one (DFlash: block_size - 1).
 
 Predicting a shape from recorded steps: every calibration step drafted a superset tree and the greedy verifier
 accepted one path of it. A node's rank path is its rank among its siblings (by drafter confidence) at every level,
@@ -106,7 +107,8 @@ def candidates(proposer: Any) -> list[Shape]:
     if family_of(proposer) == "depth":
         top = min(MAX_CHAIN, int(getattr(proposer, "depth", MAX_CHAIN) or MAX_CHAIN))
         return [Shape("depth", d, d + 1) for d in range(1, top + 1)]
-    shapes = [Shape.chain(d) for d in range(1, MAX_CHAIN + 1)]
+    # A block drafter (DFlash) drafts its whole block in one forward: its chains may go past MAX_CHAIN.
+    shapes = [Shape.chain(d) for d in range(1, max(MAX_CHAIN, int(getattr(proposer, "shape_max_depth", 0))) + 1)]
     for b in BRANCHINGS:
         for d in TREE_DEPTHS:
             for n in TREE_NODES:
