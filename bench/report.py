@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from draftsmith.bench import engine_parity, windows
+
 
 def _fmt(value: Any, digits: int = 2) -> str:
     return "n/a" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
@@ -88,6 +90,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         ("tau (mean accepted length, incl. bonus)", _fmt(result["tau"], 3)),
         ("acceptance by position (P(d accepted given d drafted))",
          ", ".join(f"{a:.2f}" for a in result["acceptance_by_position"])),
+        (f"tau by output window ({result.get('tau_window_tokens')} tokens; steps count where they start)",
+         windows.windows_text(result.get("tau_by_window"), "n/a (no drafts: plain decoding has no tau)")),
         ("head top-1 agreement with target greedy", ", ".join(f"{a:.2f}" for a in result["head_agreement_top1"] or [])
          or "n/a"),
         (f"HF generate tokens/s ({result.get('hf_dtype')})", _fmt(t["hf_generate"], 1)),
@@ -104,6 +108,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         ("forward ms for " + "/".join(str(t) for t in c.get("forward_ms_by_new_tokens", {})) + " new tokens",
          " / ".join(f"{v:.1f}" for v in c.get("forward_ms_by_new_tokens", {}).values()) or "n/a"),
         ("lossless (greedy spec == greedy HF generate)", _lossless_text(result)),
+        *engine_parity.markdown_rows(result.get("engine_parity")),
     ]
     cm = result.get("cost_model")
     if cm:
@@ -170,7 +175,8 @@ def _shape_rows(cm: dict[str, Any]) -> str:
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path) -> Path:
-    """Write bench.json, bench.md and acceptance.png into ``out_dir``."""
+    """Write bench.json, bench.md and acceptance.png (acceptance by position; beside it, when the run drafted, tau by
+    output window) into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -180,13 +186,18 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    by_window = result.get("tau_by_window")
+    fig, axes = plt.subplots(1, 2 if by_window else 1, figsize=(10 if by_window else 5, 3.2), squeeze=False)
+    ax = axes[0][0]
     curve = result["acceptance_by_position"]
     ax.bar(range(1, len(curve) + 1), curve, color="#3b7dd8")
     ax.set_xlabel("draft position")
     ax.set_ylabel("P(accepted | reached)")
     ax.set_ylim(0, 1)
     ax.set_title(f"{result['method']}: tau={result['tau']:.2f}, x{result['speedup']['vs_runtime_ar']:.2f} vs AR")
+    if by_window:  # one line per drafter: this bench runs one
+        windows.plot_windows(axes[0][1], {result["method"]: by_window})
+        axes[0][1].set_title(f"tau by output window ({result.get('tau_window_tokens')} tokens)")
     fig.tight_layout()
     fig.savefig(out / "acceptance.png", dpi=110)
     plt.close(fig)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench import contention, quality
+from draftsmith.bench import contention, quality, windows
 from draftsmith.bench.sweep import sweep_fixed_depths
 from draftsmith.bench.timing import (
     compare_outputs,
@@ -110,7 +110,8 @@ def lossless_check(drafter: str, target: str | None, prompts: list[list[int]], m
 def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, skip_hf: bool = False,
               temperature: float = 0.0, lossless: dict[str, Any] | None = None,
               hf_dtype: str = "same", hf_result: dict[str, Any] | None = None, cost_aware: bool = False,
-              profile: bool = False, sweep_k: list[int] | None = None) -> dict[str, Any]:
+              profile: bool = False, sweep_k: list[int] | None = None,
+              window: int = windows.DEFAULT_WINDOW) -> dict[str, Any]:
     """Time HF generate, runtime AR and speculative decoding on the same prompts.
 
     The runtime runs in its own dtype; HF ``generate`` in ``hf_dtype`` ("same": the runtime's; "auto": HF's fastest
@@ -124,6 +125,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     ``cost_aware``: before timing, calibrate and apply the fastest draft depth for this machine (plain decoding
     when speculation is predicted to lose; see :mod:`draftsmith.runtime.acceptance.depth_choice`). ``profile``: time
     each part of the speculative step in an extra pass. ``sweep_k``: also time every fixed depth K on the same prompts.
+    ``window``: output tokens per window of ``tau_by_window`` (:func:`draftsmith.bench.windows.tau_by_window`).
     """
     spec, timing_start = runtime.speculative, contention.snapshot()
     hf, hf_torch_dtype, hf_reason, lossless = _time_hf(runtime, prompts, max_new_tokens, skip_hf, hf_dtype, lossless,
@@ -135,7 +137,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     # was the machine quiet while timing, and how often the decode loops gave up or took back a core
     busy = {**contention.verdict(timing_start, contention.snapshot()), "thread_changes": governor().changes}
     ar_step = ar["seconds"] / max(1, ar["tokens"])
-    steps, tau, by_position = _pooled_acceptance(results)
+    steps, tau, by_position, by_window = _pooled_acceptance(results, window, max_new_tokens)
     same_dtype = _same_dtype_match(runtime, temperature, hf if hf_same_dtype else None, ar, sp)
     lossless = lossless if lossless is not None else same_dtype
     agreement = head_agreement(runtime, prompts, ar["outputs"])
@@ -150,9 +152,8 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
            "speculative": sp["tokens_per_s"]}
     return {
         **_run_settings(runtime, prompts, max_new_tokens, temperature, hf, hf_torch_dtype, hf_reason),
-        "tau": tau, "acceptance_by_position": by_position,
-        "head_agreement_top1": agreement,
-        "tokens_per_s": tps,
+        "tau": tau, "acceptance_by_position": by_position, "tau_by_window": by_window, "tau_window_tokens": window,
+        "head_agreement_top1": agreement, "tokens_per_s": tps,
         "speedup": _speedups(tps, ar, sp, hf),
         "lossless": None if lossless is None else lossless["all_identical"], "lossless_detail": lossless,
         "same_dtype_match": same_dtype,
@@ -161,8 +162,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "step_costs": {**costs, "ar_step_ms_in_decode": 1e3 * ar_step, "spec_step_ms_in_decode": 1e3 * spec_step,
                        "predicted_speedup_tau_x_step_over_verify":
                            tau * costs["ar_step_ms"] / costs["verify_forward_ms"]},
-        "tokens": {"hf_generate": hf["tokens"] if hf else None, "runtime_ar": ar["tokens"],
-                   "speculative": sp["tokens"]},
+        "tokens": {"hf_generate": hf and hf["tokens"], "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
         "threads": torch.get_num_threads(),
         "cost_model": cost_model, "profile": step_profile, "sweep": sweep, "target_change": target_change,
         "verify_reuse": verify_reuse, "served_plain": spec.serves_plain_ar(), "contention": busy,
@@ -224,13 +224,18 @@ def _time_ar_and_speculative(runtime: Runtime, prompts: list[list[int]],
     return timed["runtime_ar"], timed["speculative"], results[-len(prompts):]
 
 
-def _pooled_acceptance(results: list[Any]) -> tuple[int, float, list[float]]:
-    """``(verify steps, tau, acceptance by draft position)`` pooled over the speculative results of every prompt."""
+def _pooled_acceptance(results: list[Any], window: int,
+                       max_new_tokens: int) -> tuple[int, float, list[float], list[dict[str, Any]] | None]:
+    """``(verify steps, tau, acceptance by draft position, tau by output window)`` pooled over the speculative results
+    of every prompt; no windows when no step drafted anything (plain decoding served: no drafts, no tau)."""
     steps = sum(r.steps for r in results)
     pooled_accepted = [a for r in results for a in r.accepted_per_step]
     tau = metrics.tau(pooled_accepted)
-    by_position = metrics.acceptance_by_position(pooled_accepted, [d for r in results for d in r.depths])
-    return steps, tau, by_position
+    depths = [d for r in results for d in r.depths]
+    by_position = metrics.acceptance_by_position(pooled_accepted, depths)
+    accepted = [r.accepted_per_step for r in results]
+    by_window = windows.tau_by_window(accepted, window, max_new_tokens) if any(d > 0 for d in depths) else None
+    return steps, tau, by_position, by_window
 
 
 def _same_dtype_match(runtime: Runtime, temperature: float, hf_reference: dict[str, Any] | None,

@@ -90,16 +90,26 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--llamacpp", action="store_true",
                    help="also time llama.cpp greedy on the same prompts and threads (`make llamacpp` builds it once): "
                         "the shipped Q4_1 GGUF and a BF16 GGUF converted from the target (peers.llamacpp)")
+    b.add_argument("--window", type=int, default=None, metavar="TOKENS",
+                   help="output tokens per window of tau by output window (bench.json tau_by_window; default 256)")
+    b.add_argument("--long", action="store_true", help="long outputs, so acceptance decay shows: 2 prompts x 2048 "
+                   "new tokens, window 256 (each where not given); generation still stops at EOS")
+    b.add_argument("--engine-parity", action="store_true",
+                   help="also run the export in each engine in reach that runs its method (llama.cpp: EAGLE-3, DFlash) "
+                        "on the same prompts and drafted chain: tau ours vs tau in the engine; a gap over 5%% is a "
+                        "defect of the export (bench.json engine_parity)")
+    b.add_argument("--parity-chain", type=int, default=None, help="with --engine-parity: tokens drafted per step in "
+                   "both engines (default: 4; DFlash: block_size - 1)")
     _add_common(b)
-
-
+    b.set_defaults(max_new_tokens=None)  # 128, or --long's 2048 (bench.windows.apply_preset)
 
 
 # Counts that must be >= 1: (flag, argument, what leaving it out does). Checked before anything loads.
 POSITIVE_COUNTS = (("--max-new-tokens", "max_new_tokens", ""),
                    ("--num-prompts", "num_prompts", " (leave it out to use every prompt)"),
                    ("--samples-per-prompt", "samples_per_prompt", ""), ("--gen-length", "gen_length", ""),
-                   ("--steps-per-block", "steps_per_block", " (leave it out for one step per block position)"))
+                   ("--steps-per-block", "steps_per_block", " (leave it out for one step per block position)"),
+                   ("--window", "window", ""), ("--parity-chain", "parity_chain", ""))
 
 
 def refuse_bad_arguments(args: argparse.Namespace) -> None:
@@ -173,10 +183,14 @@ def is_reward_task(args: argparse.Namespace) -> bool:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write JSON/markdown/PNG with --out."""
     from draftsmith.bench.prompts import load_prompts
+    from draftsmith.bench.windows import apply_preset
     from draftsmith.runtime.decoding.prompt_limits import context_limit
     from draftsmith.runtime.serving import load_runtime, parse_options
 
+    apply_preset(args)
     refuse_bad_arguments(args)
+    if args.engine_parity and not args.drafter:
+        raise ValueError("--engine-parity compares a drafter's tau across engines: it needs --drafter EXPORT")
     if args.filter or _is_diffusion_target(args.target):
         return _bench_diffusion(args)
     if is_reward_task(args):
@@ -251,7 +265,7 @@ def _bench_drafter(args: argparse.Namespace, rt: Any, prompts: list[list[int]]) 
         raise ValueError(f"--sweep-k takes draft depths >= 0, got {args.sweep_k}")
     result = run_bench(rt, prompts, args.max_new_tokens, skip_hf=args.skip_hf, temperature=args.temperature,
                        lossless=None if check == "none" else lossless, hf_dtype=args.hf_dtype,
-                       cost_aware=args.stop_policy == "auto", profile=args.profile, sweep_k=sweep)
+                       cost_aware=args.stop_policy == "auto", profile=args.profile, sweep_k=sweep, window=args.window)
     if check == "none":
         result["lossless"] = None
     if args.llamacpp:
@@ -259,6 +273,12 @@ def _bench_drafter(args: argparse.Namespace, rt: Any, prompts: list[list[int]]) 
 
         result["peers"] = {"llamacpp": llamacpp_peers(prompts, rt.tokenizer, args.max_new_tokens, result["threads"],
                                                       rt.folder, result["tokens_per_s"]["runtime_ar"])}
+    if args.engine_parity:
+        from draftsmith.bench.engine_parity import ParityRequest, engine_parity
+
+        request = ParityRequest(args.drafter, args.prompts, args.num_prompts, args.max_new_tokens, args.parity_chain,
+                                result["threads"], args.dtype)
+        result["engine_parity"] = engine_parity(result["method"], request, {"llamacpp": _llamacpp_parity})
     print(markdown_table(result))
     if args.out:
         out = write_outputs(result, args.out)
@@ -266,6 +286,26 @@ def _bench_drafter(args: argparse.Namespace, rt: Any, prompts: list[list[int]]) 
     else:
         print(json.dumps({k: result[k] for k in ("tau", "tokens_per_s", "speedup", "lossless", "backend")}, indent=2))
     return 0
+
+
+def _llamacpp_parity(route: Any, request: Any) -> dict[str, Any]:
+    """Both taus for ``bench --engine-parity`` from ``draftsmith engine-check`` (:mod:`draftsmith.evals.engine_check`)
+    on a temporary GGUF conversion of the export: llama.cpp's speculative tool and our runtime's greedy chain."""
+    import tempfile
+
+    from draftsmith.cli.engines import _gguf_files
+    from draftsmith.evals.engine_check import engine_check
+
+    with tempfile.TemporaryDirectory(prefix="draftsmith-parity-") as tmp:
+        paths = _gguf_files(request.export, None, tmp)
+        check = engine_check(request.export, paths["target"], paths["draft"], request.prompts, request.num_prompts,
+                             request.max_new_tokens, request.chain, request.threads, request.dtype)
+    engine = check["llamacpp"]
+    return {"tau_ours": check["runtime"]["tau"], "tau_engine": engine["speculative"]["tau"],
+            "chain": engine["speculative"]["n_draft_max"],
+            "engine_lossless": engine["lossless"], "ours_lossless": check["runtime"]["lossless"],
+            "acceptance_ours": check["runtime"]["acceptance"], "acceptance_engine": engine["speculative"]["acceptance"],
+            "prompt_ids_match": check["prompt_ids_match"], "version": check["version"]}
 
 
 def _is_diffusion_target(target: str | None) -> bool:
