@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -68,6 +69,14 @@ inline vf vround_int(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEARES
 inline vf vtimes_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral in [-126, 127]
 inline vf zero_where_neg_inf(vf score, vf v) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(score, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), v);
+}
+// Running argmax per lane: y (at column indices idx) replaces best where it wins: greater, or NaN over a number
+// (torch.argmax ranks NaN highest). Only a strict win replaces, so the earlier column keeps a tie.
+inline void argmax_step(vf y, vf idx, vf& best, vf& best_idx) {
+  const __mmask16 win = _mm512_cmp_ps_mask(y, best, _CMP_GT_OQ) |
+                        (_mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(best, best, _CMP_ORD_Q));
+  best = _mm512_mask_mov_ps(best, win, y);
+  best_idx = _mm512_mask_mov_ps(best_idx, win, idx);
 }
 
 // One packed 64-byte weight vector (16 rows x one column pair, lane r = W[r,2p+1] << 16 | W[r,2p]) as two columns.
@@ -173,6 +182,17 @@ inline vf zero_where_neg_inf(vf score, vf v) {
   return {_mm256_and_ps(_mm256_cmp_ps(score.lo, ninf, _CMP_NEQ_OQ), v.lo),
           _mm256_and_ps(_mm256_cmp_ps(score.hi, ninf, _CMP_NEQ_OQ), v.hi)};
 }
+// The argmax step of the AVX-512 layer, on two halves (a win: greater, or NaN over a number).
+inline __m256 wins(__m256 y, __m256 best) {
+  const __m256 nan_over_number =
+      _mm256_and_ps(_mm256_cmp_ps(y, y, _CMP_UNORD_Q), _mm256_cmp_ps(best, best, _CMP_ORD_Q));
+  return _mm256_or_ps(_mm256_cmp_ps(y, best, _CMP_GT_OQ), nan_over_number);
+}
+inline void argmax_step(vf y, vf idx, vf& best, vf& best_idx) {
+  const __m256 lo = wins(y.lo, best.lo), hi = wins(y.hi, best.hi);
+  best = {_mm256_blendv_ps(best.lo, y.lo, lo), _mm256_blendv_ps(best.hi, y.hi, hi)};
+  best_idx = {_mm256_blendv_ps(best_idx.lo, idx.lo, lo), _mm256_blendv_ps(best_idx.hi, idx.hi, hi)};
+}
 
 // The 64-byte packed vector as two 32-byte halves: rows 0-7, then rows 8-15.
 inline void unpack(const bf16* p, vf& even, vf& odd) {
@@ -226,11 +246,18 @@ const bf16* opt_ptr(const std::optional<torch::Tensor>& t) { return t ? ptr(*t) 
 #define PREFETCH 16  // in 64-byte vectors
 #endif
 
+// Where a GEMM writes: Y [T, ld] holds output columns [col0, col0 + ld) (the whole [T, N] for a plain GEMM; a
+// small per-task window when the LM head is reduced to an argmax without materialising [T, V]).
+struct Out {
+  bf16* y;
+  int64_t ld, col0;
+};
+
 // Blocks [b0, b0+G) of 16 rows against tokens [t0, t0+NT): Y = bf16(bf16(X W^T + bias) + res), rows < N only.
-// X is the fp32 copy of the input [T, K].
+// X is the fp32 copy of the input [T, K]; res is [T, N].
 template <int G, int NT>
 inline void tile(const float* X, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t t0, const bf16* bias,
-                 const bf16* res, bf16* Y) {
+                 const bf16* res, Out Y) {
   const int64_t pairs = K / 2;
   vf acc[G][NT];
   for (int g = 0; g < G; ++g)
@@ -255,9 +282,8 @@ inline void tile(const float* X, int64_t K, const bf16* P, int64_t N, int64_t b0
     const vf b = bias ? load_bf(bias + r0, valid) : vzero();
     for (int j = 0; j < NT; ++j) {
       vf y = round_bf(vadd(acc[g][j], b));
-      const int64_t at = (t0 + j) * N + r0;
-      if (res) y = vadd(y, load_bf(res + at, valid));
-      store_bf(Y + at, y, valid);
+      if (res) y = vadd(y, load_bf(res + (t0 + j) * N + r0, valid));
+      store_bf(Y.y + (t0 + j) * Y.ld + r0 - Y.col0, y, valid);
     }
   }
 }
@@ -265,7 +291,7 @@ inline void tile(const float* X, int64_t K, const bf16* P, int64_t N, int64_t b0
 // Tokens [t0, T) in tiles of NT, the remainder (< NT tokens) as one smaller tile.
 template <int G, int NT>
 inline void token_tiles(const float* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t t0,
-                        const bf16* bias, const bf16* res, bf16* Y) {
+                        const bf16* bias, const bf16* res, Out Y) {
   for (; t0 + NT <= T; t0 += NT) tile<G, NT>(X, K, P, N, b0, t0, bias, res, Y);
   if constexpr (NT > 1)
     if (t0 < T) token_tiles<G, NT - 1>(X, T, K, P, N, b0, t0, bias, res, Y);
@@ -275,7 +301,7 @@ inline void token_tiles(const float* X, int64_t T, int64_t K, const bf16* P, int
 // several in tiles of kTileBlocks x kTileTokens (each weight vector reused across tokens, compute-bound).
 template <int G>
 inline void block_group(const float* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, const bf16* bias,
-                        const bf16* res, bf16* Y) {
+                        const bf16* res, Out Y) {
   constexpr int TB = std::min(G, kTileBlocks);
   static_assert(G % TB == 0, "a group is a whole number of tiles");
   if (T == 1) return tile<G, 1>(X, K, P, N, b0, 0, bias, res, Y);
@@ -283,19 +309,118 @@ inline void block_group(const float* X, int64_t T, int64_t K, const bf16* P, int
 }
 
 // Y [T, N] = X [T, K] @ W^T (+ bias [N]) (+ res [T, N]) with W packed as above; K even.
+// The input [T, K] in fp32 once, broadcast from there by every tile.
+std::vector<float> widen(const bf16* X, int64_t n) {
+  std::vector<float> xf(n);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) vstore(xf.data() + i, load_bf(X + i));
+  for (; i < n; ++i) xf[i] = to_f(X[i]);
+  return xf;
+}
+
+// Groups of kGroupBlocks blocks per task: a task should stream >= ~64 KiB of weights, or waking the second thread
+// costs more than it saves.
+int64_t group_grain(int64_t K) { return std::max<int64_t>(1, (64 * 1024) / (kGroupBlocks * 16 * K * 2)); }
+
 void gemm(const bf16* X, int64_t T, int64_t K, const bf16* P, int64_t N, const bf16* bias, const bf16* res, bf16* Y) {
   constexpr int G = kGroupBlocks;
-  std::vector<float> xf(T * K);  // [T, K]: the input in fp32 once, broadcast from here
-  int64_t i = 0;
-  for (; i + 16 <= T * K; i += 16) vstore(xf.data() + i, load_bf(X + i));
-  for (; i < T * K; ++i) xf[i] = to_f(X[i]);
+  const std::vector<float> xf = widen(X, T * K);  // [T, K]
   const int64_t blocks = (N + 15) / 16, groups = blocks / G;
-  // A task should stream >= ~64 KiB of weights, or waking the second thread costs more than it saves.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (G * 16 * K * 2));
-  at::parallel_for(0, groups, grain, [&](int64_t a, int64_t b) {
-    for (int64_t q = a; q < b; ++q) block_group<G>(xf.data(), T, K, P, N, G * q, bias, res, Y);
+  const Out out{Y, N, 0};
+  at::parallel_for(0, groups, group_grain(K), [&](int64_t a, int64_t b) {
+    for (int64_t q = a; q < b; ++q) block_group<G>(xf.data(), T, K, P, N, G * q, bias, res, out);
   });
-  for (int64_t b = G * groups; b < blocks; ++b) block_group<1>(xf.data(), T, K, P, N, b, bias, res, Y);
+  for (int64_t b = G * groups; b < blocks; ++b) block_group<1>(xf.data(), T, K, P, N, b, bias, res, out);
+}
+
+// One token's argmax so far over the columns a task ran (i < 0: none yet).
+struct Winner {
+  float v;
+  int64_t i;
+};
+
+// (v, i) beats w in torch.argmax's order: the larger value, NaN above every number, the lower column among equals.
+inline bool beats(float v, int64_t i, const Winner& w) {
+  if (w.i < 0) return true;
+  const bool vn = std::isnan(v), wn = std::isnan(w.v);
+  if (vn != wn) return vn;
+  if (!vn && v != w.v) return v > w.v;
+  return i < w.i;
+}
+
+// Per-lane running maxima of each token over the output windows one task produced: lane r of chunk c holds column
+// col0 + 16c + r. Column indices ride in fp32 lanes (exact below 2^24, checked by the caller).
+struct LaneMax {
+  std::vector<vf> v, i;  // [T] x 16 lanes
+  bool started = false;
+  explicit LaneMax(int64_t T) : v(T), i(T) {}
+
+  // Fold a bf16 window [T, ld] of n (a multiple of 16) columns starting at col0; the first one initialises.
+  void fold(const bf16* win, int64_t T, int64_t ld, int64_t col0, int64_t n) {
+    alignas(64) static const float iota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t c = 0; c < n; c += 16) {
+      const vf at = vadd(vload(iota), vset1(float(col0 + c)));
+      for (int64_t t = 0; t < T; ++t) {
+        const vf y = load_bf(win + t * ld + c);
+        if (started) {
+          argmax_step(y, at, v[t], i[t]);
+        } else {
+          v[t] = y;
+          i[t] = at;
+        }
+      }
+      started = true;
+    }
+  }
+
+  void merge_into(std::vector<Winner>& out) const {
+    if (!started) return;
+    alignas(64) float lv[16], li[16];
+    for (size_t t = 0; t < out.size(); ++t) {
+      vstore(lv, v[t]);
+      vstore(li, i[t]);
+      for (int r = 0; r < 16; ++r)
+        if (beats(lv[r], int64_t(li[r]), out[t])) out[t] = {lv[r], int64_t(li[r])};
+    }
+  }
+};
+
+// idx [T] = the argmax over the N outputs of X [T, K] @ W^T (+ bias) for each token, every output rounded to bf16
+// exactly as gemm stores it, without writing the [T, N] matrix: the LM head of a greedy step. Each task runs its
+// groups into a [T, 16G] window that stays in L1 and folds it into per-lane maxima; the tasks' winners merge last.
+void gemm_argmax(const bf16* X, int64_t T, int64_t K, const bf16* P, int64_t N, const bf16* bias, int64_t* idx) {
+  constexpr int G = kGroupBlocks, W = 16 * G;
+  const std::vector<float> xf = widen(X, T * K);  // [T, K]
+  const int64_t blocks = (N + 15) / 16, groups = (N / 16) / G;  // whole groups of whole blocks run in parallel
+  std::vector<Winner> best(T, Winner{0.f, -1});
+  std::mutex merging;
+  at::parallel_for(0, groups, group_grain(K), [&](int64_t a, int64_t b) {
+    std::vector<bf16> win(T * W);  // [T, W]
+    LaneMax lanes(T);
+    for (int64_t q = a; q < b; ++q) {
+      block_group<G>(xf.data(), T, K, P, N, G * q, bias, nullptr, Out{win.data(), W, W * q});
+      lanes.fold(win.data(), T, W, W * q, W);
+    }
+    std::lock_guard<std::mutex> lock(merging);
+    lanes.merge_into(best);
+  });
+  std::vector<bf16> win(T * 16);  // [T, 16]: the blocks after the last whole group, the partial one included
+  LaneMax lanes(T);
+  for (int64_t b = G * groups; b < blocks; ++b) {
+    block_group<1>(xf.data(), T, K, P, N, b, bias, nullptr, Out{win.data(), 16, 16 * b});
+    const int64_t valid = std::min<int64_t>(16, N - 16 * b);
+    if (valid == 16) {
+      lanes.fold(win.data(), T, 16, 16 * b, 16);
+      continue;
+    }
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t r = 0; r < valid; ++r) {
+        const float v = to_f(win[t * 16 + r]);
+        if (beats(v, 16 * b + r, best[t])) best[t] = {v, 16 * b + r};
+      }
+  }
+  lanes.merge_into(best);
+  for (int64_t t = 0; t < T; ++t) idx[t] = best[t].i;
 }
 
 // out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) per row of n values (transformers' LlamaRMSNorm in bf16).
@@ -332,14 +457,17 @@ void rope(bf16* x, int64_t d, const bf16* cos, const bf16* sin) {
   }
 }
 
-// Attention of new token i, query head h, over prefix slots [0, start) and new slots start+j with mask[i, j].
+// Attention of new token i, query head h, over prefix slots [0, start) and new slots start+j with mask[i, j]; or,
+// with full [T, start+T] (a drafter's tree step, whose earlier speculative entries are not all visible), over the
+// slots s with full[i, s].
 void attend_one(const bf16* q, const bf16* kc, const bf16* vc, int64_t start, int64_t i, int64_t T, const bool* mask,
-                int64_t d, float scale, std::vector<float>& scores, bf16* out) {
+                const bool* full, int64_t d, float scale, std::vector<float>& scores, bf16* out) {
   const int64_t n = start + T;
   scores.resize(n);
   float best = -INFINITY;
   for (int64_t s = 0; s < n; ++s) {
-    const bool visible = s < start || (mask ? mask[i * T + (s - start)] : (s - start) <= i);
+    const bool visible =
+        full ? full[i * n + s] : s < start || (mask ? mask[i * T + (s - start)] : (s - start) <= i);
     if (!visible) {
       scores[s] = -INFINITY;
       continue;
@@ -368,35 +496,32 @@ void attend_one(const bf16* q, const bf16* kc, const bf16* vc, int64_t start, in
   for (int64_t c = 0; c < chunks; ++c) store_bf(out + 16 * c, vdiv(acc[c], total));
 }
 
-}  // namespace
-
-// x [T, H] -> x after one decoder layer; writes this layer's K/V for the T new tokens to slots start..start+T-1.
-torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& ln1, const torch::Tensor& wqkv,
-                            const std::optional<torch::Tensor>& bqkv, const std::optional<torch::Tensor>& qn,
-                            const std::optional<torch::Tensor>& kn, const torch::Tensor& wo,
-                            const std::optional<torch::Tensor>& bo, const torch::Tensor& ln2, const torch::Tensor& wgu,
-                            const std::optional<torch::Tensor>& bgu, const torch::Tensor& wdown,
-                            const std::optional<torch::Tensor>& bdown, const torch::Tensor& kc, const torch::Tensor& vc,
-                            int64_t start, const torch::Tensor& cos, const torch::Tensor& sin,
-                            const std::optional<torch::Tensor>& tree_mask, int64_t hq, int64_t hkv, double eps,
-                            double scale) {
-  const int64_t T = x.size(0), H = x.size(1), d = kc.size(2), S = kc.size(1), inter = 2 * wdown.size(1);
+// The layer after its input norm: xin [T, kin] (normed) feeds q/k/v, res [T, H] is the residual stream; writes the
+// K/V of the T new tokens to slots start..start+T-1 and returns the layer's output [T, H].
+torch::Tensor layer_body(const bf16* xin, int64_t kin, const torch::Tensor& res, const torch::Tensor& wqkv,
+                         const std::optional<torch::Tensor>& bqkv, const std::optional<torch::Tensor>& qn,
+                         const std::optional<torch::Tensor>& kn, const torch::Tensor& wo,
+                         const std::optional<torch::Tensor>& bo, const torch::Tensor& ln2, const torch::Tensor& wgu,
+                         const std::optional<torch::Tensor>& bgu, const torch::Tensor& wdown,
+                         const std::optional<torch::Tensor>& bdown, const torch::Tensor& kc, const torch::Tensor& vc,
+                         int64_t start, const torch::Tensor& cos, const torch::Tensor& sin, const bool* mask,
+                         const bool* full, int64_t hq, int64_t hkv, double eps, double scale) {
+  const int64_t T = res.size(0), H = res.size(1), d = kc.size(2), S = kc.size(1), inter = 2 * wdown.size(1);
   const int64_t nq = hq * d, nqkv = (hq + 2 * hkv) * d, group = hq / hkv;
-  for (const torch::Tensor* t : {&x, &kc, &vc, &cos, &sin, &wqkv, &wo, &wgu, &wdown})
+  for (const torch::Tensor* t : {&res, &kc, &vc, &cos, &sin, &wqkv, &wo, &wgu, &wdown})
     TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->device().is_cpu(),
                 "the fused CPU layer takes contiguous bf16 CPU tensors");
-  TORCH_CHECK(!tree_mask || (tree_mask->scalar_type() == torch::kBool && tree_mask->is_contiguous()),
-              "tree_mask must be a contiguous bool tensor");
   TORCH_CHECK(d % 16 == 0 && d <= 128, "head_dim must be a multiple of 16 and <= 128");
   TORCH_CHECK(start + T <= S, "the new tokens do not fit in the cache");
-  TORCH_CHECK(2 * wqkv.size(1) == H && 2 * wo.size(1) == hq * d && 2 * wgu.size(1) == H && wgu.size(0) * 16 >= 2 * inter,
+  TORCH_CHECK(cos.numel() >= T * d && sin.numel() >= T * d, "cos/sin need a row of head_dim values per new token");
+  TORCH_CHECK(2 * wqkv.size(1) == kin && 2 * wo.size(1) == hq * d && 2 * wgu.size(1) == H &&
+                  wgu.size(0) * 16 >= 2 * inter,
               "packed weights do not match the hidden size / heads");
   std::vector<bf16> xn(T * H), qkv(T * nqkv), attn(T * nq), gu(T * 2 * inter), act(T * inter);
-  auto mid = torch::empty_like(x), out = torch::empty_like(x);
+  auto mid = torch::empty_like(res), out = torch::empty_like(res);
   const float feps = float(eps);
 
-  rms_norm(ptr(x), T, H, ptr(ln1), feps, xn.data());
-  gemm(xn.data(), T, H, ptr(wqkv), nqkv, opt_ptr(bqkv), nullptr, qkv.data());  // [T, (Hq+2Hkv)d]
+  gemm(xin, T, kin, ptr(wqkv), nqkv, opt_ptr(bqkv), nullptr, qkv.data());  // [T, (Hq+2Hkv)d]
   bf16* kcache = reinterpret_cast<bf16*>(kc.data_ptr());
   bf16* vcache = reinterpret_cast<bf16*>(vc.data_ptr());
   for (int64_t t = 0; t < T; ++t) {
@@ -411,18 +536,17 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& ln1, co
       std::memcpy(vcache + (g * S + start + t) * d, row + (hq + hkv + g) * d, d * sizeof(bf16));
     }
   }
-  const bool* mask = tree_mask ? tree_mask->data_ptr<bool>() : nullptr;
   const int64_t work = T * hq * (start + T) * d;
   at::parallel_for(0, T * hq, work > (1 << 15) ? 1 : T * hq, [&](int64_t a, int64_t b) {
     std::vector<float> scores;
     for (int64_t job = a; job < b; ++job) {
       const int64_t i = job / hq, h = job % hq, g = h / group;
-      attend_one(qkv.data() + i * nqkv + h * d, kcache + g * S * d, vcache + g * S * d, start, i, T, mask, d,
+      attend_one(qkv.data() + i * nqkv + h * d, kcache + g * S * d, vcache + g * S * d, start, i, T, mask, full, d,
                  float(scale), scores, attn.data() + i * nq + h * d);
     }
   });
   bf16* m = reinterpret_cast<bf16*>(mid.data_ptr());
-  gemm(attn.data(), T, nq, ptr(wo), H, opt_ptr(bo), ptr(x), m);  // x + o_proj(attn)
+  gemm(attn.data(), T, nq, ptr(wo), H, opt_ptr(bo), ptr(res), m);  // res + o_proj(attn)
   rms_norm(m, T, H, ptr(ln2), feps, xn.data());
   gemm(xn.data(), T, H, ptr(wgu), 2 * inter, opt_ptr(bgu), nullptr, gu.data());  // [T, 2I]: gate | up
   for (int64_t t = 0; t < T; ++t) {  // act [T, I] = bf16(bf16(silu(gate)) * up), 16 at a time
@@ -439,6 +563,61 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& ln1, co
   return out;
 }
 
+const bool* mask_ptr(const std::optional<torch::Tensor>& mask, int64_t rows, int64_t cols, const char* what) {
+  if (!mask) return nullptr;
+  TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() && mask->numel() == rows * cols, what,
+              " must be a contiguous bool tensor [", rows, ", ", cols, "]");
+  return mask->data_ptr<bool>();
+}
+
+}  // namespace
+
+// x [T, H] -> x after one decoder layer; writes this layer's K/V for the T new tokens to slots start..start+T-1.
+torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& ln1, const torch::Tensor& wqkv,
+                            const std::optional<torch::Tensor>& bqkv, const std::optional<torch::Tensor>& qn,
+                            const std::optional<torch::Tensor>& kn, const torch::Tensor& wo,
+                            const std::optional<torch::Tensor>& bo, const torch::Tensor& ln2, const torch::Tensor& wgu,
+                            const std::optional<torch::Tensor>& bgu, const torch::Tensor& wdown,
+                            const std::optional<torch::Tensor>& bdown, const torch::Tensor& kc, const torch::Tensor& vc,
+                            int64_t start, const torch::Tensor& cos, const torch::Tensor& sin,
+                            const std::optional<torch::Tensor>& tree_mask, int64_t hq, int64_t hkv, double eps,
+                            double scale) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.device().is_cpu() && x.dim() == 2,
+              "the fused CPU layer takes contiguous bf16 CPU tensors");
+  const int64_t T = x.size(0), H = x.size(1);
+  const bool* mask = mask_ptr(tree_mask, T, T, "tree_mask");
+  std::vector<bf16> xn(T * H);
+  rms_norm(ptr(x), T, H, ptr(ln1), float(eps), xn.data());
+  return layer_body(xn.data(), H, x, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wdown, bdown, kc, vc, start, cos, sin,
+                    mask, nullptr, hq, hkv, eps, scale);
+}
+
+// EAGLE-3's draft layer (drafters/eagle3.py, Eagle3Layer): q/k/v read concat(norm(emb), hidden_norm(hidden)) [T, 2H],
+// the residual is hidden [T, H]; the rest is the Llama layer above. full_mask [T, start+T] (a tree step) or
+// tree_mask [T, T] (the new tokens among themselves, every earlier slot visible) or neither (causal).
+torch::Tensor eagle3_layer(const torch::Tensor& emb, const torch::Tensor& hidden, const torch::Tensor& ln_emb,
+                           const torch::Tensor& ln_hidden, const torch::Tensor& wqkv, const torch::Tensor& wo,
+                           const torch::Tensor& ln2, const torch::Tensor& wgu, const torch::Tensor& wdown,
+                           const torch::Tensor& kc, const torch::Tensor& vc, int64_t start, const torch::Tensor& cos,
+                           const torch::Tensor& sin, const std::optional<torch::Tensor>& tree_mask,
+                           const std::optional<torch::Tensor>& full_mask, int64_t hq, int64_t hkv, double eps,
+                           double scale) {
+  for (const torch::Tensor* t : {&emb, &hidden, &ln_emb, &ln_hidden})
+    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->device().is_cpu(),
+                "the fused CPU layer takes contiguous bf16 CPU tensors");
+  TORCH_CHECK(emb.dim() == 2 && emb.sizes() == hidden.sizes(), "emb and hidden must both be [T, H]");
+  const int64_t T = hidden.size(0), H = hidden.size(1);
+  const bool* mask = mask_ptr(tree_mask, T, T, "tree_mask");
+  const bool* full = mask_ptr(full_mask, T, start + T, "full_mask");
+  std::vector<bf16> xin(T * 2 * H);  // [T, 2H]: norm(emb) | hidden_norm(hidden)
+  for (int64_t t = 0; t < T; ++t) {
+    rms_norm(ptr(emb) + t * H, 1, H, ptr(ln_emb), float(eps), xin.data() + t * 2 * H);
+    rms_norm(ptr(hidden) + t * H, 1, H, ptr(ln_hidden), float(eps), xin.data() + t * 2 * H + H);
+  }
+  return layer_body(xin.data(), 2 * H, hidden, wqkv, std::nullopt, std::nullopt, std::nullopt, wo, std::nullopt, ln2,
+                    wgu, std::nullopt, wdown, std::nullopt, kc, vc, start, cos, sin, mask, full, hq, hkv, eps, scale);
+}
+
 // y [T, N] = x [T, K] @ w^T (+ bias) with w packed ([ceil(N/16), K/2, 32]): the LM head and any other bf16 linear.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
                      int64_t n) {
@@ -451,7 +630,23 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const std::
   return y;
 }
 
+// idx [T] long = argmax over n of bf16(x [T, K] @ w^T (+ bias)), the first maximum on ties, NaN ranked highest
+// (torch.argmax of what `linear` returns), without materialising the [T, n] logits.
+torch::Tensor linear_argmax(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias,
+                            int64_t n) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.is_contiguous() &&
+                  w.is_contiguous() && x.dim() == 2 && w.dim() == 3,
+              "linear_argmax takes a contiguous bf16 x [T, K] and a packed bf16 weight [ceil(N/16), K/2, 32]");
+  TORCH_CHECK(x.size(1) == 2 * w.size(1) && (n + 15) / 16 == w.size(0), "x / packed weight / n do not match");
+  TORCH_CHECK(n > 0 && n < (int64_t(1) << 24), "linear_argmax needs 0 < n < 2^24 (column indices ride in fp32)");
+  auto idx = torch::empty({x.size(0)}, x.options().dtype(torch::kLong));
+  gemm_argmax(ptr(x), x.size(0), x.size(1), ptr(w), n, opt_ptr(bias), idx.data_ptr<int64_t>());
+  return idx;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_argmax", &linear_argmax, "argmax per row of a bf16 linear over a packed weight, without the logits");
   m.def("decoder_layer", &decoder_layer, "one bf16 Llama-family decoder layer over a static KV cache");
+  m.def("eagle3_layer", &eagle3_layer, "EAGLE-3's bf16 draft layer over a static draft KV cache");
   m.def("linear", &linear, "bf16 linear y = x @ w.T (+ bias) over a packed weight, fp32 accumulation");
 }

@@ -30,6 +30,34 @@ def target_argmax(logits: torch.Tensor) -> torch.Tensor:
     return (logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits).argmax(-1)
 
 
+HEAD_CHUNK = 8192  # LM-head rows per chunk of linear_argmax: [T, 8192] fp32 logits stay in L2 on a CPU
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, chunk: int = HEAD_CHUNK) -> torch.Tensor:
+    """``target_argmax(F.linear(x, weight))`` for x [T, K] and weight [V, K] without the [T, V] logits: the LM head
+    runs ``chunk`` rows of ``weight`` at a time, keeping each row's running maximum and its index.
+
+    Bit-exact with the full path where the GEMM gives each output the same value whatever the number of weight rows
+    (MKL and oneDNN on a CPU do; checked in tests/test_verify_floor.py): a later chunk replaces the running winner
+    only when strictly greater, or NaN over a number (torch.argmax ranks NaN highest), so ties keep the lowest index.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or chunk < 1:
+        raise ValueError(f"linear_argmax expects x [T, K], weight [V, K] and chunk >= 1; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}, chunk={chunk}")
+    best_v: torch.Tensor | None = None
+    best_i = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)  # [T]
+    for v0 in range(0, weight.shape[0], chunk):
+        logits = torch.nn.functional.linear(x, weight[v0 : v0 + chunk])  # [T, c]: a row slice is a view
+        i = target_argmax(logits)  # [T]
+        v = logits.gather(1, i[:, None]).squeeze(1).float()  # [T]
+        if best_v is None:
+            best_v, best_i = v, i
+            continue
+        wins = (v > best_v) | (v.isnan() & ~best_v.isnan())  # strict: an equal later column loses
+        best_v, best_i = torch.where(wins, v, best_v), torch.where(wins, i + v0, best_i)
+    return best_i
+
+
 def greedy_accept_lengths_torch(
     paths: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -90,6 +90,8 @@ TIERS = {
     "test_thread_governor.py": "unit",
     "test_data.py": "unit",  # its real SmolLM2 template tests are marked integration
     "test_diffusion_adapt.py": "unit",
+    "test_dflash.py": "unit",
+    "test_dflash_runtime.py": "unit",  # its train.py run is marked e2e
     "test_diffusion_decode.py": "unit",
     "test_diffusion_learn2pd.py": "unit",
     "test_diffusion_mask.py": "unit",
@@ -99,6 +101,8 @@ TIERS = {
     "test_eagle3.py": "unit",  # its train.py run is marked e2e
     "test_eagle_runtime.py": "unit",
     "test_eagle_sampling.py": "unit",  # its slow test(s) are marked e2e
+    "test_dflash_engines.py": "unit",  # real speculators library: e2e; llama.cpp conversion + engine-check: integration
+    "test_dflash_export.py": "unit",
     "test_engine_layouts.py": "unit",
     "test_export_v2.py": "unit",
     "test_exportable.py": "unit",
@@ -120,6 +124,8 @@ TIERS = {
     "test_layer_range.py": "unit",
     "test_linear_cross_entropy.py": "unit",
     "test_llamacpp.py": "unit",  # its run of the real cached llama.cpp build is marked integration
+    "test_long_outputs.py": "unit",
+    "test_engine_parity.py": "unit",  # its real llama.cpp parity run on the embedded target is marked integration
     "test_lpo_controller.py": "unit",
     "test_lpo_loss.py": "unit",
     "test_lpo_rollouts.py": "unit",  # its slow test(s) are marked e2e
@@ -136,7 +142,9 @@ TIERS = {
     "test_rooms.py": "unit",
     "test_runtime_guards.py": "unit",
     "test_runtime_model.py": "unit",
-    "test_seams_runtime.py": "unit",  # its slow test(s) are marked e2e
+    "test_seams_runtime.py": "unit",
+    "test_served_tau.py": "unit",  # its train.py run is marked e2e
+    "test_medusa_trained_floor.py": "unit",  # its slow test(s) are marked e2e
     "test_specdecpp.py": "unit",
     "test_specdecpp_stop_rule.py": "unit",
     "test_speculative.py": "unit",
@@ -150,6 +158,7 @@ TIERS = {
     "test_training_refusals.py": "unit",  # its train.py run is marked e2e
     "test_training_scores_nothing.py": "unit",
     "test_tree_verify.py": "unit",
+    "test_verify_floor.py": "unit",
 }
 TIER_MARKERS = ("unit", "integration", "e2e")
 pytest_plugins = ("pytester",)  # tests/test_tiers.py runs the hooks below on a small suite

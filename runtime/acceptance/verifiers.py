@@ -104,17 +104,24 @@ class GreedyVerifier:
         if (logits.device.type == "cpu" and self.kernels_backend in ("auto", "torch") and logits.dim() == 2
                 and logits.shape[0] == tree.num_nodes):  # anything else: greedy_verify checks it and says why
             # Host fast path: one argmax, then the walk over Python lists (kernels.verify.greedy_walk).
-            amax = target_argmax(logits)  # [N]
-            paths_list = tree.retrieve_indices.tolist()
-            tokens_list = tree.tokens.tolist()
-            best, accept_len, bonus = greedy_walk(paths_list, tokens_list, amax.tolist())
-            nodes = paths_list[best][: accept_len + 1]
-            return Acceptance(nodes, [tokens_list[i] for i in nodes[1:]], bonus, accept_len)
+            return self.verify_argmax(tree, target_argmax(logits))
         paths = tree.retrieve_indices.to(logits.device)
         res = greedy_verify(paths, tree.tokens.to(logits.device), logits, backend=self.kernels_backend)
         nodes = [int(i) for i in paths[res.best_path, : res.accept_len + 1]]
         toks = [int(tree.tokens[i]) for i in nodes[1:]]
         return Acceptance(nodes, toks, res.bonus_token, res.accept_len)
+
+    def verify_argmax(self, tree: DraftTree, argmax: torch.Tensor) -> Acceptance:
+        """The same decision from the target's argmax at every node [N] alone (a target forward with
+        ``head="argmax"`` gives it without any [N, V] logits): :func:`~draftsmith.kernels.verify.greedy_walk` over host
+        lists."""
+        if argmax.shape != (tree.num_nodes,):
+            raise ValueError(f"need the target argmax at each of the {tree.num_nodes} nodes, got {tuple(argmax.shape)}")
+        paths_list = tree.retrieve_indices.tolist()
+        tokens_list = tree.tokens.tolist()
+        best, accept_len, bonus = greedy_walk(paths_list, tokens_list, argmax.tolist())
+        nodes = paths_list[best][: accept_len + 1]
+        return Acceptance(nodes, [tokens_list[i] for i in nodes[1:]], bonus, accept_len)
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None,
                temperature: torch.Tensor | None = None) -> int:

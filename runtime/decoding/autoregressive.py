@@ -62,15 +62,20 @@ def generate_ar(
     cache.commit(len(prompt_ids))
     out: list[int] = []
     step = torch.empty(1, dtype=torch.long, device=device)  # reused input buffer
+    # Greedy steps need only the argmax: a model that can reduce its LM head to it skips the [1, V] logits.
+    greedy = temperature <= 0.0 and getattr(model, "argmax_head", False)
     threads = governor()  # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
+    tok = sample_token(logits[-1], temperature, top_p, generator)
     while True:
         threads.tick()
-        tok = sample_token(logits[-1], temperature, top_p, generator)
         out.append(tok)
         if stream is not None:
             stream(tok)
         if tok in eos or len(out) >= max_new_tokens:
             return out
         step.fill_(tok)
-        logits = model.forward(step, cache, logits_for="last").logits
+        if greedy:
+            tok = int(model.forward(step, cache, logits_for="last", head="argmax").argmax[0])
+        else:
+            tok = sample_token(model.forward(step, cache, logits_for="last").logits[-1], temperature, top_p, generator)
         cache.commit(1)

@@ -25,6 +25,7 @@ from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.profile import StepProfiler
 from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.drafting.base import NullProposer, Proposer, StepContext
+from draftsmith.runtime.target.cache import TokenBuffer
 
 
 @dataclass
@@ -126,6 +127,9 @@ class SpeculativeDecoder:
         policy = self.stop_policy
         out: list[int] = []
         done = self._emit(out, [root], max_new_tokens, eos, stream)
+        context = TokenBuffer(prompt, prompt.numel() + max_new_tokens)  # prompt + out, appended in place
+        context.append(out)
+        greedy_head = self._greedy_head()
         accepted, sizes, depth_hist = [], [], []
         prof = self.profiler
         part = prof.part if prof is not None else _no_part
@@ -134,17 +138,11 @@ class SpeculativeDecoder:
             threads.tick()
             with prof.step() if prof is not None else nullcontext():
                 with part("draft"):
-                    tokens = torch.tensor([*prompt.tolist(), *out])
+                    tokens = context.view()  # [L+1]: a view; later appends do not change it
                     tree = self.proposer.propose(StepContext(tokens, root, hidden_prev, policy, generator))
                 self._check_tree(tree, root)
-                with part("verify_forward"):
-                    prefix = cache.length
-                    positions = (prefix + tree.depths).to(device)  # siblings share a position
-                    mask = tree.tree_mask.to(device) if tree.num_nodes > 1 else None
-                    res = self.model.forward(tree.tokens.to(device), cache, tree_mask=mask, positions=positions,
-                                             taps=taps)
-                with part("verification"):
-                    acc = self.verifier.verify(tree, res.logits, generator, **self._temperatures(res.hidden))
+                prefix = cache.length
+                res, acc = self._verify(tree, cache, device, taps, greedy_head, generator, part)
                 nodes = acc.path_nodes
                 with part("kv_compaction"):
                     if nodes == list(range(len(nodes))):  # accepted nodes already sit right after the prefix
@@ -157,7 +155,9 @@ class SpeculativeDecoder:
                 accepted.append(acc.num_accepted)
                 sizes.append(tree.num_nodes)
                 depth_hist.append(int(tree.depths.max()))
+                emitted = len(out)
                 done = self._emit(out, [*acc.accepted_tokens, root], max_new_tokens, eos, stream)
+                context.append(out[emitted:])
         return SpecResult(out, len(accepted), accepted, metrics.acceptance_by_position(accepted, depth_hist), lossless,
                           sizes, depth_hist)
 
@@ -171,6 +171,28 @@ class SpeculativeDecoder:
         cache = self._cache_for(prompt.numel() + max_new_tokens + self.proposer.max_tree_nodes)
         device = getattr(self.model, "device", torch.device("cpu"))
         return taps, cache, device
+
+    def _verify(self, tree: Any, cache: Any, device: Any, taps: tuple[int, ...], greedy_head: bool,
+                generator: torch.Generator | None, part: Callable[[str], Any]) -> tuple[Any, Any]:
+        """One target forward over ``tree`` after the cache's prefix, then the verifier's decision: (output,
+        acceptance). ``greedy_head``: the forward reduces its LM head to each node's argmax (no [N, V] logits)."""
+        with part("verify_forward"):
+            positions = (cache.length + tree.depths).to(device)  # siblings share a position
+            mask = tree.tree_mask.to(device) if tree.num_nodes > 1 else None
+            head = {"head": "argmax"} if greedy_head else {}
+            res = self.model.forward(tree.tokens.to(device), cache, tree_mask=mask, positions=positions, taps=taps,
+                                     **head)
+        with part("verification"):
+            if greedy_head:
+                return res, self.verifier.verify_argmax(tree, res.argmax)
+            return res, self.verifier.verify(tree, res.logits, generator, **self._temperatures(res.hidden))
+
+    def _greedy_head(self) -> bool:
+        """Whether verification needs only the target's argmax per node: a greedy verifier that decides from it, a
+        model whose forward can reduce its LM head to it (``argmax_head``), no temperature policy, and a proposer
+        that declares ``reads_logits = False`` (its ``accept`` never reads the accepted nodes' logits)."""
+        return (getattr(self.model, "argmax_head", False) and callable(getattr(self.verifier, "verify_argmax", None))
+                and self.temperature_policy is None and not getattr(self.proposer, "reads_logits", True))
 
     def _prefill(self, prompt: torch.Tensor, cache: Any, device: Any, taps: tuple[int, ...],
                  generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
@@ -194,14 +216,18 @@ class SpeculativeDecoder:
     def _accept_path(self, res: Any, acc: Any, nodes: list[int], tokens: torch.Tensor, root: int, policy: Any,
                      taps: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
         """Tell the proposer which path (``nodes``, the root first) the verifier accepted: hidden states, taps and
-        logits at its nodes; returns the hidden state [H] of the last accepted node, whose logits produced the bonus
-        token."""
+        logits at its nodes (no logits for a proposer that declares ``reads_logits = False``: copying [a+1, V] rows
+        every step for nobody cost ~0.1 ms a step); returns the hidden state [H] of the last accepted node, whose
+        logits produced the bonus token."""
         rows = torch.tensor(nodes, device=res.hidden.device)
         path_taps = res.tap_features(taps)
+        logits = None
+        if getattr(self.proposer, "reads_logits", True):
+            logits = res.logits[rows.to(res.logits.device)]  # [a+1, V]
         self.proposer.accept(StepContext(
             tokens, root, res.hidden[rows], policy, generator,  # hidden [a+1, H] at the accepted nodes
             None if path_taps is None else path_taps[rows.to(path_taps.device)],  # [a+1, k*H]
-            res.logits[rows.to(res.logits.device)], acc))  # [a+1, V]
+            logits, acc))
         return res.hidden[rows[-1]]
 
     def _plain_greedy(self, prompt: torch.Tensor, max_new_tokens: int, eos_ids: Sequence[int],

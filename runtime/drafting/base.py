@@ -26,7 +26,9 @@ class StepContext:
     Rows of the target forward that just ran, by event (P = prompt length, a = accepted drafted tokens):
     - begin: ``hidden`` [P, H] and ``taps`` [P, k*H] of the prompt, ``logits`` [1, V] at its last position;
     - propose: ``hidden`` [H], the row whose logits gave ``root_token``;
-    - accept: ``hidden`` [a+1, H], ``taps`` [a+1, k*H] and ``logits`` [a+1, V] at the accepted nodes (root first),
+    - accept: ``hidden`` [a+1, H], ``taps`` [a+1, k*H] and ``logits`` [a+1, V] at the accepted nodes (root first;
+      ``logits`` is None for a proposer that declares ``reads_logits = False``, which lets greedy verification
+      reduce the LM head to an argmax per node),
       and ``acceptance``.
     ``taps`` holds the target layers the proposer declares in ``feature_taps`` (concatenated in that order); None for
     a proposer that declares none.

@@ -21,6 +21,8 @@ class ChainProposer:
     softmax(logits / temperature) within ``top_p`` and records q for the rejection sampler.
     """
 
+    reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only
+
     def __init__(self, drafter: Callable[[torch.Tensor], torch.Tensor], depth: int = 4, temperature: float = 0.0,
                  top_p: float = 1.0) -> None:
         if depth < 1:
@@ -77,6 +79,8 @@ class SampledTreeProposer:
     tokens. ``temperature == 0``: the top-``branching[d]`` tokens (point masses, EAGLE-2-style top-k).
     A stop policy can leave a node unexpanded.
     """
+
+    reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only
 
     def __init__(self, drafter: Callable[[torch.Tensor], torch.Tensor], branching: tuple[int, ...] = (2, 2),
                  temperature: float = 1.0, top_p: float = 1.0, replacement: bool = True) -> None:

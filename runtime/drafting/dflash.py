@@ -50,6 +50,8 @@ from draftsmith.runtime.target.fast_linear import accelerate_linears
 class DFlashProposer:
     """Drafts ``depth`` (<= block_size - 1) tokens per step with a DFlash drafter (see the module docstring)."""
 
+    reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only
+
     shape_family = "static_tree"  # runtime/acceptance/shapes.py: one "head" per block slot, trees through reshape()
 
     def __init__(self, drafter: DFlashDrafter, head: Any = None, depth: int | None = None, temperature: float = 0.0,

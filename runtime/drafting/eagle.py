@@ -59,6 +59,9 @@ class EagleProposer:
     """Drafts with an EAGLE drafter (see the module docstring for the policies and how features are fed)."""
 
     shape_family = "dynamic_tree"  # runtime/acceptance/shapes.py: chains and trees through reshape()
+    # accept() reads hidden states and taps, never logits: greedy verification may then skip the [N, V] logits
+    # (SpeculativeDecoder._greedy_head) and the loop copies none for it.
+    reads_logits = False
 
     def __init__(self, model: DraftModel, policy: str = "tree", total_tokens: int = 16, depth: int = 4,
                  top_k: int = 4, temperature: float = 0.0, top_p: float = 1.0) -> None:

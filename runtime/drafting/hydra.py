@@ -30,6 +30,8 @@ class HydraProposer:
     prefix [N, d]) -> logits [N, V]`` (head d-1), as :class:`draftsmith.heads.hydra.HydraHeads` does.
     """
 
+    reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only
+
     def __init__(self, heads: Any, tree: StaticTree | list[list[int]], top_k: int | None = None) -> None:
         if not isinstance(tree, StaticTree):
             tree = StaticTree.from_paths(tree, top_k or 1 + max(c for p in tree for c in p))

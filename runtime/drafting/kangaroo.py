@@ -50,6 +50,8 @@ class ShallowDraft:
 class KangarooProposer:
     """Self-speculative chain drafting (see the module docstring). ``target`` must offer the layer-range API."""
 
+    reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only
+
     def __init__(self, target: Any, drafter: KangarooDrafter, threshold: float = 0.6, max_depth: int = 6,
                  temperature: float = 0.0, top_p: float = 1.0) -> None:
         if not callable(getattr(target, "forward_layers", None)):

@@ -22,6 +22,8 @@ class MedusaProposer:
     the policy says so for the node's :class:`StopContext` (its depth, its head probability, the target hidden).
     """
 
+    reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only
+
     shape_family = "static_tree"  # runtime/acceptance/shapes.py: node budgets through reshape()
 
     def __init__(self, heads: nn.Module, tree: StaticTree | list[list[int]], top_k: int | None = None) -> None:

@@ -38,6 +38,7 @@ class LearnedStopProposer:
         self.base, self.head, self.default_policy = base, head, default_policy
         self.max_tree_nodes = base.max_tree_nodes
         self.feature_taps = tuple(getattr(base, "feature_taps", ()) or ())
+        self.reads_logits = getattr(base, "reads_logits", True)  # accept() passes the base's needs on
 
     def wrap_target(self, model: Any) -> Any:
         """The base's target wrapper (a proposer that drafts on the target's own layers), else the model itself."""

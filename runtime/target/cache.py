@@ -7,6 +7,8 @@ tokens) or :meth:`KVCache.compact` (an arbitrary ascending subset, e.g. the acce
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from draftsmith.kernels.kv_compact import compact_kv
@@ -92,3 +94,45 @@ class KVCache(CommitMixin):
     def reset(self) -> None:
         """Forget every token (the storage is reused, not cleared)."""
         self.length = 0
+
+
+class TokenBuffer:
+    """The token context of one generation (prompt + emitted tokens) in one preallocated tensor, batch 1.
+
+    The decoding loop hands its proposer the whole context every step; rebuilding it from Python lists cost O(length)
+    per step. Here :meth:`append` writes a step's tokens after the others and :meth:`view` is the first ``length``
+    entries, a view (no copy) that stays valid while the buffer only grows; :meth:`crop` rolls back.
+    """
+
+    def __init__(self, tokens: Sequence[int] | torch.Tensor, capacity: int) -> None:
+        first = torch.as_tensor(tokens, dtype=torch.long).flatten().cpu()  # [P]
+        if capacity < first.numel():
+            raise ValueError(f"a token buffer of capacity {capacity} cannot hold the {first.numel()} initial tokens")
+        self.data = torch.empty(capacity, dtype=torch.long)  # [capacity]
+        self._host = self.data.numpy()  # the same memory: a slice assignment from a list is one cheap call
+        self.data[: first.numel()] = first
+        self.length = first.numel()
+
+    @property
+    def capacity(self) -> int:
+        """How many tokens fit in all."""
+        return self.data.numel()
+
+    def append(self, tokens: Sequence[int]) -> None:
+        """Add ``tokens`` after the current ones; CacheFullError when they do not fit."""
+        n = len(tokens)
+        if self.length + n > self.capacity:
+            raise CacheFullError(f"{n} more tokens do not fit in a token buffer holding {self.length} of "
+                                 f"{self.capacity}")
+        self._host[self.length : self.length + n] = tokens
+        self.length += n
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens (views taken earlier see later appends past ``length``)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop length must be in 0..{self.length}, got {length}")
+        self.length = length
+
+    def view(self) -> torch.Tensor:
+        """The tokens so far [length] (a view of the buffer, not a copy)."""
+        return self.data[: self.length]

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.kernels.attention import window_mask
+from draftsmith.kernels.verify import target_argmax
 from draftsmith.runtime.target.cache import KVCache
 from draftsmith.runtime.target.linear_ops import choose_linear_ops
 from draftsmith.runtime.target.model import LeanDecoder
@@ -66,7 +67,7 @@ class FamilyDecoder(LeanDecoder):
         self._ensure_rope(max_len)
         return KVCache(c.num_layers, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device, self.kernel_backend)
 
-    def _run(self, input_ids, kv_layers, start, tree_mask, positions, logits_for, taps):
+    def _run(self, input_ids, kv_layers, start, tree_mask, positions, logits_for, taps, head="logits"):
         """The forward math (see :meth:`LeanDecoder.forward`); inputs are already validated."""
         c = self.config
         found: dict[int, torch.Tensor] = {}
@@ -75,11 +76,12 @@ class FamilyDecoder(LeanDecoder):
         if c.num_layers in taps:
             found[c.num_layers] = x
         hidden = self.final_hidden(x)  # [T, H]
-        if isinstance(logits_for, str):
-            sel = hidden if logits_for == "all" else hidden[-1:]
-        else:
-            sel = hidden.index_select(0, logits_for.to(hidden.device))
-        return self._softcap(self._ops.linear(sel, self._head, None)), hidden, found
+        if self.config.final_softcap is None:
+            logits, argmax = self._head_rows(hidden, logits_for, head)
+            return logits, hidden, found, argmax
+        # A softcap can round distinct logits to equal ones: the argmax is taken after it, on the whole rows.
+        logits = self._softcap(self._head_rows(hidden, logits_for, "logits")[0])  # [T', V]
+        return (None, hidden, found, target_argmax(logits)) if head == "argmax" else (logits, hidden, found, None)
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_softcap

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.kernels import cpu_caps
+from draftsmith.kernels.verify import linear_argmax, target_argmax
 
 LINEAR_BACKENDS = ("auto", "dense", "mkldnn", "cpp")
 
@@ -45,6 +46,13 @@ class DenseOps:
     linear = staticmethod(F.linear)
 
     @staticmethod
+    def argmax(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """Argmax per row of ``x @ w.T`` [T]: chunked over w's rows on a CPU (no [T, V] logits), whole on CUDA."""
+        if b is not None or x.device.type != "cpu":
+            return target_argmax(F.linear(x, w, b))
+        return linear_argmax(x, w)
+
+    @staticmethod
     def linear_add(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None, res: torch.Tensor) -> torch.Tensor:
         """res + x @ w_t (+ b), the residual add fused into the GEMM when there is no bias."""
         return torch.addmm(res, x, w_t) if b is None else res + torch.addmm(b, x, w_t)
@@ -66,6 +74,11 @@ class MkldnnOps:
     def linear_add(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, res: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise.binary(x, res, w, b, "add")
 
+    @classmethod
+    def argmax(cls, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """Argmax per row [T] of the whole logits (a prepacked weight cannot be sliced into chunks)."""
+        return target_argmax(cls.linear(x, w, b))
+
 
 class PackedLinear(NamedTuple):
     """A weight in the fused kernel's packed order plus its true output size (packing pads rows to 16)."""
@@ -84,6 +97,8 @@ def cpp_ops(module: ModuleType) -> type:
         pack_res = pack
         pack_head = staticmethod(lambda w: PackedLinear(pack_weight(w), w.shape[0]))
         linear = staticmethod(lambda x, w, b: module.linear(x.contiguous(), w.packed, b, w.out_features))
+        # The LM head reduced to its argmax per row inside the GEMM: no [T, V] logits are written.
+        argmax = staticmethod(lambda x, w, b: module.linear_argmax(x.contiguous(), w.packed, b, w.out_features))
         linear_add = None  # residual adds happen inside the fused layer
         layer = staticmethod(module.decoder_layer)
 

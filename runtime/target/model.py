@@ -47,6 +47,8 @@ _Layer = FusedLayerWeights  # the per-layer buffers (kept under its old name)
 class LeanDecoder(nn.Module):
     """Llama-family decoder for batch-1 inference over a :class:`KVCache`, with tree-masked multi-token forwards."""
 
+    argmax_head = True  # forward(head="argmax") returns each row's argmax without the [T, V] logits
+
     def __new__(cls, config: ModelConfig | None = None, *args, **kwargs) -> LeanDecoder:
         # A config the plain Llama layer cannot run builds the general-layer subclass: decided once, here.
         if cls is LeanDecoder and config is not None and config.llama_layer_gap is not None:
@@ -202,6 +204,7 @@ class LeanDecoder(nn.Module):
         positions: torch.Tensor | None = None,
         logits_for: str | torch.Tensor = "all",
         taps: Sequence[int] = (),
+        head: str = "logits",
     ) -> TargetOutput:
         """Run T new tokens after the cache's committed prefix.
 
@@ -210,7 +213,10 @@ class LeanDecoder(nn.Module):
         ``tree_mask[i, j]`` ([T, T] bool; None = causal). ``positions`` [T] default to ``cache.length + arange(T)``
         (tree nodes pass ``prefix_len + depth``). ``logits_for``: "all", "last" or a LongTensor of row indices.
         ``taps``: decoder layers whose input (residual stream, pre-norm) to return as well.
-        Returns a :class:`TargetOutput`: logits [T', V] (model dtype), post-final-norm hidden [T, H], taps.
+        ``head``: "logits", or "argmax" for greedy decoding: the LM head reduced to each row's argmax on the fly
+        (the first maximum, as ``torch.argmax`` of the logits), without materialising [T', V].
+        Returns a :class:`TargetOutput`: logits [T', V] (model dtype) or argmax [T'], post-final-norm hidden [T, H],
+        taps.
         """
         # Validate everything before any slot is written.
         if input_ids.dim() != 1 or input_ids.numel() == 0:
@@ -222,6 +228,8 @@ class LeanDecoder(nn.Module):
             raise ValueError(f"positions must have shape [{t}], got {tuple(positions.shape)}")
         if isinstance(logits_for, str) and logits_for not in ("all", "last"):
             raise ValueError(f"logits_for must be 'all', 'last' or a LongTensor of rows, got {logits_for!r}")
+        if head not in ("logits", "argmax"):
+            raise ValueError(f"head must be 'logits' or 'argmax', got {head!r}")
         taps = tuple(int(i) for i in taps)
         bad = [i for i in taps if not 0 <= i <= self.config.num_layers]
         if bad:
@@ -230,11 +238,11 @@ class LeanDecoder(nn.Module):
         if self._compiled is None:
             with torch.inference_mode():
                 return TargetOutput(*self._run(input_ids, cache.layers, cache.length, tree_mask, positions,
-                                               logits_for, taps))
+                                               logits_for, taps, head))
         # inductor cannot trace inference tensors: compiled forwards run as ordinary no-grad code
         with torch.inference_mode(False), torch.no_grad():
             return TargetOutput(*self._compiled(input_ids, cache.layers, cache.length, tree_mask, positions,
-                                                logits_for, taps))
+                                                logits_for, taps, head))
 
     def _run(
         self,
@@ -245,7 +253,8 @@ class LeanDecoder(nn.Module):
         positions: torch.Tensor | None,
         logits_for: str | torch.Tensor,
         taps: tuple[int, ...],
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        head: str = "logits",
+    ) -> tuple[torch.Tensor | None, torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
         """The forward math (see :meth:`forward`); inputs are already validated."""
         c = self.config
         found: dict[int, torch.Tensor] = {}
@@ -255,11 +264,20 @@ class LeanDecoder(nn.Module):
             found[c.num_layers] = x
         eps = c.rms_norm_eps
         hidden = F.rms_norm(x, (c.hidden_size,), self.norm_w, eps)  # [T, H]
+        logits, argmax = self._head_rows(hidden, logits_for, head)
+        return logits, hidden, found, argmax
+
+    def _head_rows(self, hidden: torch.Tensor, logits_for: str | torch.Tensor,
+                   head: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits [T', V], None) or, for ``head="argmax"``, (None, argmax [T']) of the rows ``logits_for`` selects
+        from hidden [T, H]."""
         if isinstance(logits_for, str):
             sel = hidden if logits_for == "all" else hidden[-1:]
         else:
-            sel = hidden.index_select(0, logits_for.to(hidden.device))
-        return self._ops.linear(sel, self._head, None), hidden, found  # logits [T', V]
+            sel = hidden.index_select(0, logits_for.to(hidden.device))  # [T', H]
+        if head == "argmax":
+            return None, self._ops.argmax(sel, self._head, None)  # [T']: no [T', V] logits written
+        return self._ops.linear(sel, self._head, None), None  # logits [T', V]
 
     def _layers(
         self, x: torch.Tensor, first: int, last: int, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], start: int,

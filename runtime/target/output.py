@@ -12,15 +12,17 @@ import torch
 class TargetOutput:
     """What a target forward over T new tokens returns.
 
-    ``logits`` [T', V]: rows chosen by ``logits_for`` ("all": T' = T, "last": 1, or the given row indices).
+    ``logits`` [T', V]: rows chosen by ``logits_for`` ("all": T' = T, "last": 1, or the given row indices); None
+    when the forward was asked for ``head="argmax"``, which returns ``argmax`` [T'] (long) instead.
     ``hidden`` [T, H]: post-final-norm hidden states (row i produced logits row i when ``logits_for="all"``).
     ``taps``: residual-stream taps requested with ``taps=(...)``: layer i -> the input of decoder layer i [T, H]
     (0 = the embeddings, ``num_layers`` = the last layer's output before the final norm).
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     hidden: torch.Tensor
     taps: dict[int, torch.Tensor] = field(default_factory=dict)
+    argmax: torch.Tensor | None = None  # [T'] the first maximum of each logits row, for head="argmax"
 
     def tap_features(self, layers: Sequence[int]) -> torch.Tensor | None:
         """The taps of ``layers`` concatenated in that order, [T, len(layers)*H]; None when ``layers`` is empty."""

@@ -1,0 +1,346 @@
+"""The verify step near its floor: the LM head reduced to an argmax without [N, V] logits (torch chunks and the fused
+C++ kernel), bit-exact with the argmax of the full logits; the preallocated token context; tree templates cached by
+shape; no logits copied for a proposer that does not read them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_speculative import plain_greedy, tiny_llama
+
+from draftsmith.common.layers import KVCache
+from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.kernels import cpu_layer
+from draftsmith.kernels.verify import linear_argmax, target_argmax
+from draftsmith.runtime.acceptance.verifiers import GreedyVerifier
+from draftsmith.runtime.decoding.autoregressive import generate_ar
+from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.drafting import eagle_models
+from draftsmith.runtime.drafting.chain import ChainProposer, DecoderDrafter, SampledTreeProposer
+from draftsmith.runtime.drafting.eagle import EagleProposer
+from draftsmith.runtime.drafting.eagle_models import Eagle3DraftModel, StaticDraftKV, grouped_attention
+from draftsmith.runtime.drafting.tree import DraftTree, tree_template
+from draftsmith.runtime.target.cache import CacheFullError, TokenBuffer
+from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
+
+RUNNABLE = [isa for isa in cpu_layer.ISAS if cpu_layer.why_unavailable(isa) is None]
+needs_cpp = pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))
+
+
+def tie_weights(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """[n, k] random rows, with the row that wins for a positive input copied to later rows (in the same 16-row
+    block, another block of the same task, another chunk) so that the maximum is tied across all of them."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w[3] = w[3].abs() * 4  # the winner for x > 0
+    for j in [j for j in (9, 40, n - 1, n // 2 + 1) if j < n]:  # ties after it: the first (row 3) must win
+        w[j] = w[3]
+    return w.to(dtype)
+
+
+# ---- chunked argmax in torch ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 10_000])
+def test_torch_linear_argmax_is_the_argmax_of_the_logits(dtype, chunk):
+    g = torch.Generator().manual_seed(1)
+    n, k = 1003, 48
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(9, k, generator=g).to(dtype)
+    assert torch.equal(linear_argmax(x, w, chunk), target_argmax(F.linear(x, w)))
+    tied = tie_weights(n, k, dtype)
+    pos = torch.rand(5, k, generator=g).to(dtype) + 0.1  # x > 0: row 3 and its copies give the maximum
+    got = linear_argmax(pos, tied, chunk)
+    assert torch.equal(got, target_argmax(F.linear(pos, tied))) and got.tolist() == [3] * 5
+
+
+def test_torch_linear_argmax_ranks_nan_first_and_refuses_bad_shapes():
+    w, x = torch.randn(50, 8), torch.randn(2, 8)
+    w[30] = float("nan")  # logits row 30 is NaN for any input: torch.argmax ranks NaN highest
+    assert linear_argmax(x, w, chunk=16).tolist() == [30, 30] == target_argmax(F.linear(x, w)).tolist()
+    with pytest.raises(ValueError, match=r"x \[T, K\], weight \[V, K\]"):
+        linear_argmax(torch.randn(2, 8), torch.randn(10, 9))
+    with pytest.raises(ValueError, match="chunk >= 1"):
+        linear_argmax(x, w, chunk=0)
+
+
+# ---- the fused C++ head --------------------------------------------------------------------------------------------
+@needs_cpp
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("n", [37, 64, 16 * 9 + 5, 1003, 4096])  # partial blocks, whole groups, leftovers
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_cpp_linear_argmax_is_the_argmax_of_its_logits(isa, n, tokens):
+    ext = cpu_layer.load_cpu_layer(isa)
+    g = torch.Generator().manual_seed(n + tokens)
+    k = 64
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(tokens, k, generator=g).bfloat16()
+    packed = cpu_layer.pack_weight(w)
+    assert torch.equal(ext.linear_argmax(x, packed, None, n), target_argmax(ext.linear(x, packed, None, n)))
+    tied = tie_weights(n, k, torch.bfloat16)
+    pos = (torch.rand(tokens, k, generator=g) + 0.1).bfloat16()
+    packed = cpu_layer.pack_weight(tied)
+    got = ext.linear_argmax(pos, packed, None, n)
+    assert torch.equal(got, target_argmax(ext.linear(pos, packed, None, n))) and got.tolist() == [3] * tokens
+
+
+@needs_cpp
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_cpp_linear_argmax_nan_bias_and_bad_input(isa):
+    ext = cpu_layer.load_cpu_layer(isa)
+    n, k = 200, 32
+    w = torch.randn(n, k).bfloat16()
+    w[130] = float("nan")
+    x = torch.randn(4, k).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    packed = cpu_layer.pack_weight(w)
+    assert ext.linear_argmax(x, packed, bias, n).tolist() == [130] * 4
+    w[130] = 0.0
+    packed = cpu_layer.pack_weight(w)
+    assert torch.equal(ext.linear_argmax(x, packed, bias, n), target_argmax(ext.linear(x, packed, bias, n)))
+    with pytest.raises(RuntimeError, match="do not match"):
+        ext.linear_argmax(x, packed, None, n + 16)
+
+
+# ---- the decoder's argmax head and the loop ----------------------------------------------------------------------
+def bf16_decoder(hf, linear_backend: str) -> LeanDecoder:
+    weights = {k: v.detach().to(torch.bfloat16) for k, v in hf.state_dict().items()}
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    return LeanDecoder(config, weights, kernel_backend="torch", linear_backend=linear_backend).eval()
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16-cpp"])
+def pair(request):
+    """(name, model, drafter): fp32 dense, or bf16 through the fused C++ layer where it runs."""
+    hf, model = tiny_llama(0, vocab=1003, head_scale=8.0)
+    hf_d, drafter = tiny_llama(1, vocab=1003, head_scale=8.0)
+    if request.param == "fp32":
+        return "fp32", model, drafter
+    if not RUNNABLE:
+        pytest.skip("the fused C++ layer cannot run here")
+    return "cpp", bf16_decoder(hf, "cpp"), bf16_decoder(hf_d, "cpp")
+
+
+def test_forward_argmax_head_matches_logits(pair):
+    name, model, _ = pair
+    assert name != "cpp" or model.linear_plan.kind == "cpp"
+    ids = torch.tensor([5, 9, 11, 400, 2, 7])
+    full = model.forward(ids, model.allocate_cache(8))
+    fused = model.forward(ids, model.allocate_cache(8), head="argmax")
+    assert fused.logits is None and torch.equal(fused.argmax, target_argmax(full.logits))
+    assert torch.equal(fused.hidden, full.hidden)
+    last = model.forward(ids, model.allocate_cache(8), logits_for="last", head="argmax")
+    assert last.argmax.tolist() == [int(full.logits[-1].float().argmax())]
+    with pytest.raises(ValueError, match="head must be 'logits' or 'argmax'"):
+        model.forward(ids, model.allocate_cache(8), head="probs")
+
+
+class ForwardSpy:
+    """Delegates to a decoder (and its ``argmax_head``), recording the ``head`` each verify forward asked for."""
+
+    def __init__(self, model):
+        self.model, self.heads = model, []
+        self.config, self.device, self.argmax_head = model.config, model.device, model.argmax_head
+
+    def allocate_cache(self, max_len):
+        return self.model.allocate_cache(max_len)
+
+    def forward(self, *args, **kwargs):
+        self.heads.append(kwargs.get("head", "logits"))
+        return self.model.forward(*args, **kwargs)
+
+
+def test_greedy_speculation_with_the_argmax_head_is_lossless(pair):
+    """Chains and trees verified through the argmax head give plain greedy's tokens (full logits each step)."""
+    _, model, drafter = pair
+    prompt, new = [1, 5, 9, 300], 40
+    reference = plain_greedy(model, prompt, new)
+    assert generate_ar(model, prompt, new) == reference  # plain AR takes the argmax head too
+    inner = DecoderDrafter(drafter, 256)
+    spy = ForwardSpy(model)
+    for proposer in (ChainProposer(inner, depth=3), SampledTreeProposer(inner, (2, 2, 1), temperature=0.0)):
+        proposer.reads_logits = False  # what a proposer declares when its accept() never reads logits (EAGLE)
+        spy.heads.clear()
+        assert SpeculativeDecoder(spy, proposer).generate(prompt, new).tokens == reference
+        assert spy.heads[0] == "logits" and set(spy.heads[1:]) == {"argmax"}  # the prefill keeps its logits row
+
+
+def test_accepted_logits_go_only_to_a_proposer_that_reads_them():
+    _, model = tiny_llama(0, vocab=96, head_scale=8.0)
+    ref = plain_greedy(model, [1, 2, 3], 20)
+    # a proposer that declares nothing gets the logits (the documented default; tests/test_seams_runtime.py)
+    for declares in (True, False):
+        proposer, seen, spy = ChainProposer(DecoderDrafter(model, 256), depth=2), [], ForwardSpy(model)
+        proposer.reads_logits = declares
+        accept = proposer.accept
+        proposer.accept = lambda ctx, accept=accept, seen=seen: (seen.append(ctx.logits), accept(ctx))
+        assert SpeculativeDecoder(spy, proposer).generate([1, 2, 3], 20).tokens == ref
+        if declares:  # it needs logits: the full head runs and [a+1, V] rows arrive
+            assert "argmax" not in spy.heads and all(x is not None and x.shape[1] == 96 for x in seen)
+        else:
+            assert "argmax" in spy.heads and all(x is None for x in seen)
+        assert seen
+
+
+def test_verify_argmax_matches_verify_on_logits():
+    g = torch.Generator().manual_seed(0)
+    verifier = GreedyVerifier()
+    for trial in range(20):
+        tree = DraftTree.from_parents(torch.randint(0, 5, (7,), generator=g), [-1, 0, 0, 1, 1, 2, 3])
+        logits = torch.randn(7, 5, generator=g)
+        if trial % 2:  # make the drafted tokens match often, so long paths are accepted too
+            logits[torch.arange(7), tree.tokens.roll(-1)] += 5
+        assert verifier.verify_argmax(tree, target_argmax(logits)) == verifier.verify(tree, logits)
+    with pytest.raises(ValueError, match="argmax at each of the 7 nodes"):
+        verifier.verify_argmax(tree, torch.zeros(6, dtype=torch.long))
+
+
+# ---- the token context and the tree templates ----------------------------------------------------------------------
+def test_token_buffer_grows_across_many_steps_and_crops():
+    buf, ref, views = TokenBuffer([7, 8, 9], capacity=3 + 500), [7, 8, 9], []
+    g = torch.Generator().manual_seed(0)
+    while True:
+        chunk = torch.randint(0, 1000, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
+        if len(ref) + len(chunk) > buf.capacity:
+            break
+        views.append((buf.view(), list(ref)))
+        buf.append(chunk)
+        ref += chunk
+        assert buf.view().tolist() == ref and buf.length == len(ref)
+    assert len(views) > 150 and all(v.tolist() == r for v, r in views)  # earlier views never change
+    buf.crop(10)
+    buf.append([1, 2])
+    assert buf.view().tolist() == ref[:10] + [1, 2]
+    with pytest.raises(CacheFullError, match="do not fit"):
+        buf.append([0] * buf.capacity)
+    with pytest.raises(ValueError, match="crop length"):
+        buf.crop(buf.length + 1)
+    with pytest.raises(ValueError, match="cannot hold"):
+        TokenBuffer([1, 2, 3], capacity=2)
+
+
+def test_tree_templates_are_built_once_per_shape():
+    a = DraftTree.chain([5, 6, 7, 8])
+    b = DraftTree.chain([1, 2, 3, 4])
+    assert a.tree_mask is b.tree_mask and a.depths is b.depths and a.retrieve_indices is b.retrieve_indices
+    assert torch.equal(a.tree_mask, torch.ones(4, 4, dtype=torch.bool).tril())
+    assert a.depths.tolist() == [0, 1, 2, 3] and a.retrieve_indices.tolist() == [[0, 1, 2, 3]]
+    t = DraftTree.from_parents([1, 2, 3, 4], [-1, 0, 0, 1])
+    assert t.tree_mask is not a.tree_mask and t.depths.tolist() == [0, 1, 1, 2]
+    assert t.retrieve_indices.tolist() == [[0, 2, -1], [0, 1, 3]]  # leaves in node order
+    assert tree_template((-1, 0, 0, 1))[1] is t.tree_mask
+    with pytest.raises(ValueError, match="parents must precede"):
+        DraftTree.from_parents([1, 2], [-1, 1])
+
+
+# ---- the EAGLE-3 draft step: static draft KV with a length counter --------------------------------------------------
+def test_static_draft_kv_length_counter_matches_the_cat_version():
+    g = torch.Generator().manual_seed(0)
+    entries = [torch.randn(1, 2, s, 8, generator=g) for s in (5, 1, 3, 1, 1, 4)]
+    static = StaticDraftKV(entries[0][:, :, :0], capacity=4)  # small: it has to grow twice
+    immutable = None
+    for i, e in enumerate(entries):
+        static = static.append(e, -e)
+        immutable = KVCache(e, -e) if immutable is None else immutable.append(e, -e)
+        assert static.length == immutable.length
+        assert torch.equal(static.key, immutable.key) and torch.equal(static.value, immutable.value)
+        if i == 2:  # a crop drops the speculative entries; the next append overwrites them
+            static, immutable = static.crop(5), immutable.crop(5)
+    assert static.capacity >= static.length > 4
+    with pytest.raises(ValueError, match="cannot crop"):
+        static.crop(static.length + 1)
+
+
+def compare_steps(step, ref_step, hidden: int, dtype: torch.dtype, tol: dict, features) -> None:
+    """Run ``step`` and ``ref_step`` (both ``(hidden, ids, cache, positions, mask) -> (out, logits, cache)``) over a
+    root step, a chain step, a crop and a tree step whose frontier nodes see neither each other nor one earlier
+    entry; outputs, logits and caches must agree within ``tol``."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (1, 6), generator=g)
+    tree = torch.ones(3, 9, dtype=torch.bool)
+    tree[0, 7:] = tree[1, 6] = tree[2, 6:8] = False
+    calls = [(features(torch.randn(6, 2 * hidden, generator=g).to(dtype)), ids, None, None),
+             (torch.randn(1, 1, hidden, generator=g).to(dtype), ids[:, :1], None, None), "crop",
+             (torch.randn(1, 3, hidden, generator=g).to(dtype), ids[:, :3], torch.full((1, 3), 6), tree)]
+    mine = ref = None
+    with torch.no_grad():
+        for call in calls:
+            if call == "crop":
+                mine, ref = mine.crop(6), ref.crop(6)
+                continue
+            got, want = step(*call[:2], mine, *call[2:]), ref_step(*call[:2], ref, *call[2:])
+            mine, ref = got[2], want[2]
+            for a, b in ((got[0], want[0]), (got[1], want[1]), (mine.key, ref.key), (mine.value, ref.value)):
+                torch.testing.assert_close(a.float(), b.float(), **tol)
+    assert isinstance(mine, StaticDraftKV) and mine.length == ref.length == 9
+
+
+def test_eagle3_serving_step_equals_the_drafters_own_draft_step():
+    """The runtime step (fused q/k/v and gate/up, RoPE tables, static KV) gives the drafter's draft_step outputs."""
+    torch.manual_seed(0)
+    cfg = Eagle3Config(hidden_size=32, vocab_size=50, intermediate_size=48, num_attention_heads=4,
+                       num_key_value_heads=2, draft_vocab_size=50, target_layers=(0, 1))
+    drafter = Eagle3Drafter(cfg, torch.randn(50, 32)).eval()
+    model = Eagle3DraftModel(drafter)
+    compare_steps(lambda h, i, c, p, m: model.step(h, i, c, p, m, last_only=False),
+                  lambda h, i, c, p, m: drafter.draft_step(h, i, c, p, tree_mask=m), 32, torch.float32,
+                  {"atol": 1e-5, "rtol": 1e-5}, model.features)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq", [1, 4])
+def test_grouped_attention_equals_sdpa_with_gqa(dtype, seq):
+    g = torch.Generator().manual_seed(seq)
+    store = torch.randn(1, 2, 64, 16, generator=g).to(dtype)  # a static cache's storage: the keys are a strided view
+    key, value = store[:, :, :40], store[:, :, 10:50]
+    q = torch.randn(1, 6, seq, 16, generator=g).to(dtype)
+    mask = None if seq == 1 else (torch.rand(1, 1, seq, 40, generator=g) > 0.4) | (torch.arange(40) == 39)
+    got = grouped_attention(q, key, value, mask)  # every query sees at least its last key
+    want = F.scaled_dot_product_attention(q.float(), key.float(), value.float(), attn_mask=mask, enable_gqa=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and got.shape == (1, 6, seq, 16)
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=tol, rtol=tol)
+
+
+def bf16_eagle3(hidden: int = 64, vocab: int = 1003, seed: int = 0) -> Eagle3Drafter:
+    """A random EAGLE-3 drafter in bf16 with shapes the fused layer takes (head_dim 16)."""
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(hidden_size=hidden, vocab_size=vocab, intermediate_size=96, num_attention_heads=4,
+                       num_key_value_heads=2, draft_vocab_size=vocab, target_layers=(0, 1))
+    drafter = Eagle3Drafter(cfg, torch.randn(vocab, hidden))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)  # not all ones: a wiring mistake must show
+    return drafter.to(torch.bfloat16).eval()
+
+
+@needs_cpp
+def test_native_eagle3_layer_matches_the_torch_step(monkeypatch):
+    """The fused C++ draft layer against the torch step, to bf16 rounding."""
+    drafter = bf16_eagle3()
+    native = Eagle3DraftModel(drafter)
+    assert native.fused_reason is None and native._kernel is not None
+    monkeypatch.setattr(eagle_models, "_draft_kernel", lambda d: (None, "forced off"))
+    torch_path = Eagle3DraftModel(drafter)
+    assert torch_path.fused_reason == "forced off"
+    compare_steps(lambda h, i, c, p, m: native.step(h, i, c, p, m, last_only=False),
+                  lambda h, i, c, p, m: torch_path.step(h, i, c, p, m, last_only=False), 64, torch.bfloat16,
+                  {"atol": 0.1, "rtol": 0.05}, native.features)
+
+
+@needs_cpp
+def test_greedy_eagle3_with_the_native_draft_layer_is_lossless():
+    """bf16 target through the fused layer, EAGLE-3 drafting through the native draft layer, greedy verification
+    through the argmax head: the tokens are plain greedy's, for chains and dynamic trees."""
+    hf, _ = tiny_llama(0, vocab=1003, head_scale=8.0)
+    target = bf16_decoder(hf, "cpp")
+    prompt, new = [1, 5, 9, 300, 7], 32
+    reference = plain_greedy(target, prompt, new)
+    drafter = bf16_eagle3()
+    drafter.embed_weight.copy_(target.embed_weight)
+    for options in ({"policy": "chain", "depth": 3}, {"policy": "tree", "total_tokens": 8, "depth": 3, "top_k": 2}):
+        proposer = EagleProposer(Eagle3DraftModel(drafter), **options)
+        assert proposer.model.fused_reason is None
+        res = SpeculativeDecoder(target, proposer).generate(prompt, new)
+        assert res.tokens == reference
