@@ -54,6 +54,14 @@ def default_target_layers(num_layers: int, num_taps: int = 3) -> tuple[int, ...]
     return taps
 
 
+def initial_output_gain(lm_head_weight: torch.Tensor) -> float:
+    """The output norm's initial gain: min(1, 1 / mean row norm of the LM head [V, H]), so a random unit-RMS state's
+    logits have std <= ~1 (initial cross-entropy ~ ln V instead of far above it). Never above 1: a head with short
+    rows (a flat teacher, e.g. a random tiny target) keeps the plain gain rather than starting sharper than it."""
+    rows = torch.linalg.vector_norm(lm_head_weight.detach(), dim=-1, dtype=torch.float32)  # [V]
+    return min(1.0, 1.0 / float(rows.mean().clamp_min(1e-6)))
+
+
 @dataclass
 class DFlashConfig:
     """Architecture of a DFlash drafter. ``target_layers``: HF ``hidden_states`` indices (0 = embeddings)."""
@@ -186,6 +194,10 @@ class DFlashDrafter(Exportable, nn.Module):
                 raise ValueError(f"{name} has shape {tuple(weight.shape)}, expected {(c.vocab_size, c.hidden_size)}: "
                                  "pass the weight of the target this drafter was built for")
             self.register_buffer(name, weight.detach(), persistent=False)
+        with torch.no_grad():  # why: the shared LM head's rows are long (SmolLM2: |w_v| ~ 3.2), so a gain of 1 on a
+            # random unit-RMS state gives logits of std ~|w_v|: initial CE ~20 > ln V = 10.8, and early training only
+            # un-learns that confidence. Gain 1/mean|w_v| (<= 1) gives logit std ~1, initial CE ~ ln V.
+            self.norm.weight.fill_(initial_output_gain(lm_head_weight))
 
     @property
     def tapped_layers(self) -> tuple[int, ...]:
@@ -276,4 +288,4 @@ class DFlashDrafter(Exportable, nn.Module):
         return arch
 
 
-__all__ = ["ContextKV", "DFlashConfig", "DFlashDrafter", "default_target_layers"]
+__all__ = ["ContextKV", "DFlashConfig", "DFlashDrafter", "default_target_layers", "initial_output_gain"]

@@ -153,6 +153,8 @@ def validate(cfg: Any) -> None:
               (int(d.num_layers) < 1, f"drafter.num_layers must be >= 1, got {d.num_layers}"),
               (not 0 < float(d.position_decay) <= 1, f"drafter.position_decay must be in (0, 1], got "
                                                      f"{d.position_decay}"),
+              (d.get("output_norm_init") is not None and not float(d.output_norm_init) > 0,
+               f"drafter.output_norm_init must be > 0 (null = the default gain), got {d.output_norm_init}"),
               (float(d.confidence_weight) < 0, f"drafter.confidence_weight must be >= 0, got {d.confidence_weight}"),
               (not 0 <= float(cfg.inference.cut) < 1, f"inference.cut must be in [0, 1), got {cfg.inference.cut}"),
               (d.get("target_layers") is not None and len(d.target_layers) == 0,
@@ -225,6 +227,9 @@ def build_objective(cfg: Any, target: Target, token_batches: Any = None) -> DFla
                         rope_theta=dims["rope_theta"], confidence_head=bool(d.confidence_head),
                         markov_head=bool(d.markov_head), markov_rank=int(d.markov_rank))
     drafter = DFlashDrafter(arch, target.embed_weight.float(), target.lm_head_weight.float())
+    if d.get("output_norm_init") is not None:  # a fixed gain, not the drafter's min(1, 1/mean|w_v|) (1.0 = old init)
+        with torch.no_grad():
+            drafter.norm.weight.fill_(float(d.output_norm_init))
     inference = {"proposer": "dflash", "block_size": block, "depth": block - 1, "cut": float(cfg.inference.cut),
                  "verifier": str(cfg.inference.verifier), "stop_policy": {"kind": STOP_FIXED}}
     log.info("DFlash: block %d, %d layers, taps %s, mask token %d", block, arch.num_layers, list(layers), mask_id)

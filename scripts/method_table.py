@@ -66,6 +66,7 @@ def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str], default_
         _run([DRAFTSMITH, "bench", "--drafter", str(export), "--out", str(default_dir), *DEFAULT_BENCH_ARGS],
              run_dir / "bench_default.log")
     default = json.loads((default_dir / "bench.json").read_text()) if (default_dir / "bench.json").is_file() else {}
+    served = served_check(export, run_dir)
     training = json.loads((export / "config.json").read_text()).get("training") or {}
     ratio = json.loads(ratio_file.read_text())
     bench = json.loads((bench_dir / "bench.json").read_text())
@@ -80,25 +81,50 @@ def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str], default_
             "target_change": bench.get("target_change"),
             "stop_policy": (bench.get("inference") or {}).get("stop_policy"),
             "default_speedup_vs_ar": (default.get("speedup") or {}).get("vs_runtime_ar"),
-            "default_choice": (default.get("cost_model") or {}).get("summary")}
+            "default_choice": (default.get("cost_model") or {}).get("summary"), **served}
+
+
+def served_check(export: Path, run_dir: Path) -> dict[str, Any]:
+    """The served tau validation recorded in the export (``validation.served_tau``) next to ``draftsmith bench``'s tau
+    on the same prompts and settings (the validation's prompt set, count, token budget and dtype; the export's own
+    inference block), and their relative gap: the check that what validation promised is what serving gets."""
+    validation = json.loads((export / "config.json").read_text()).get("validation") or {}
+    if validation.get("served_tau") is None:
+        return {"served_tau_validation": None, "served_tau_bench": None}
+    out = run_dir / "bench_served"
+    if not (out / "bench.json").is_file():
+        _run([DRAFTSMITH, "bench", "--drafter", str(export), "--out", str(out), "--prompts",
+              str(validation.get("prompt_set", "mtbench")), "--num-prompts", str(validation["prompts"]),
+              "--max-new-tokens", str(validation["max_new_tokens"]), "--dtype", str(validation.get("dtype", "auto")),
+              "--stop-policy", "export", "--skip-hf", "--lossless-dtype", "none"], run_dir / "bench_served.log")
+    bench_tau = json.loads((out / "bench.json").read_text())["tau"]
+    return {"served_tau_validation": validation["served_tau"], "served_tau_bench": bench_tau}
 
 
 def _x(ratio: float | None) -> str:
     return "not run" if ratio is None else f"{ratio:.2f}x"
 
 
+def _served(row: dict[str, Any]) -> str:
+    val, bench = row.get("served_tau_validation"), row.get("served_tau_bench")
+    if val is None or bench is None:
+        return "not recorded"
+    gap = val / bench - 1
+    return f"{val:.3f} / {bench:.3f} ({gap:+.1%}{'' if abs(gap) <= 0.05 else ', OVER 5%'})"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The README table."""
     head = ("| method | tau | acceptance by position | tok/s | speedup vs AR | lossless (fp32) | extra params | "
-            "training ratio | fit wall time | tokens | default settings vs AR |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "training ratio | fit wall time | tokens | default settings vs AR | served tau: validation / bench |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = ""
     for r in rows:
         acc = ", ".join(f"{a:.2f}" for a in r["acceptance_by_position"][:5])
         lossless = "lossy (by design)" if r["target_change"] else ("yes" if r["lossless_fp32"] else "NO")
         body += (f"| {r['method']} | {r['tau']:.3f} | {acc} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | "
                  f"{lossless} | {r['extra_params'] / 1e6:.1f}M | {r['training_ratio']:.2f} | "
-                 f"{r['fit_seconds']:.0f} s | {r['tokens']:,} | {_x(r['default_speedup_vs_ar'])} |\n")
+                 f"{r['fit_seconds']:.0f} s | {r['tokens']:,} | {_x(r['default_speedup_vs_ar'])} | {_served(r)} |\n")
     return head + body
 
 

@@ -3,6 +3,7 @@ export round trip, the heads, and every bad input of the recipe (runtime: test_d
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,26 @@ def test_loss_goes_down_on_a_fixed_batch(target, heads):
     assert metrics["slot1/top1"] > 0.3 and ("confidence_bce" in metrics) == bool(heads)
 
 
+def test_initial_logits_are_not_overconfident(target):
+    # Long LM-head rows (randn: |w_v| ~ 5.7, SmolLM2's ~3.2) made a gain-1 output norm start far above ln V (CE ~20 on
+    # SmolLM2), which slowed early training; the default gain 1/mean|w_v| starts at about ln V.
+    vocab = 500
+    d = tiny_drafter(vocab).eval()
+    taps, root = torch.randn(4, 6, 64), torch.randint(5, vocab, (4,))
+    labels = torch.randint(0, vocab, (4 * 3,), generator=torch.Generator().manual_seed(0))
+
+    def initial_ce() -> float:
+        logits = d.draft_greedy(taps, root)[1]  # [4, 3, V]
+        return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels))
+
+    assert initial_ce() < math.log(vocab) + 1.0
+    with torch.no_grad():
+        d.norm.weight.fill_(1.0)  # the old init
+    assert initial_ce() > math.log(vocab) + 5.0
+    batch = batch_of(target.vocab_size)
+    assert torch.all(make_objective(target, batch, output_norm_init=1.0).module.norm.weight == 1.0)
+
+
 def test_markov_head_starts_neutral_and_conditions_on_the_previous_token():
     d = tiny_drafter(markov_head=True, markov_rank=4).eval()
     hidden = torch.randn(3, 32)
@@ -165,6 +186,7 @@ def test_export_round_trip_is_exact(tmp_path):
     ({"block_size": 48}, "block_size=48 is larger than the context: data.max_length=48"),
     ({"anchors_per_seq": 0}, "anchors_per_seq must be >= 1"),
     ({"position_decay": 0.0}, "position_decay must be in"),
+    ({"output_norm_init": 0.0}, "output_norm_init must be > 0"),
 ])
 def test_validate_refuses_bad_config(bad, message):
     cfg = OmegaConf.merge(recipe_cfg(**bad), {"data": {"max_length": 48}})
