@@ -157,6 +157,10 @@ def served_probe(cfg: DictConfig) -> Any:
     """The served-tau probe ``validation.served_tau`` asks for (``draftsmith.evals.served_tau``), or None when off.
     Built here because training (``distill/``) never imports serving code; bad values are a ConfigError."""
     from draftsmith.distill.errors import ConfigError
+
+    block = (cfg.get("validation") or {}).get("served_tau")
+    if not block or not block.get("every"):
+        return None  # off: the serving code is not even imported (docs/ARCHITECTURE.md, the walks)
     from draftsmith.evals.served_tau import probe_from_config
 
     try:

@@ -6,11 +6,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftsmith.bench import engine_parity, windows
+from draftsmith.bench import windows
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
     return "n/a" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
+
+
+def _parity_rows(section: list[dict[str, Any]] | None) -> list[tuple[str, str]]:
+    """The engine-parity rows, importing the engine routes only when a bench ran them (the serving walk stays short)."""
+    if not section:
+        return []
+    from draftsmith.bench import engine_parity
+
+    return engine_parity.markdown_rows(section)
 
 
 def _lossless_text(result: dict[str, Any]) -> str:
@@ -108,7 +117,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         ("forward ms for " + "/".join(str(t) for t in c.get("forward_ms_by_new_tokens", {})) + " new tokens",
          " / ".join(f"{v:.1f}" for v in c.get("forward_ms_by_new_tokens", {}).values()) or "n/a"),
         ("lossless (greedy spec == greedy HF generate)", _lossless_text(result)),
-        *engine_parity.markdown_rows(result.get("engine_parity")),
+        *_parity_rows(result.get("engine_parity")),
     ]
     cm = result.get("cost_model")
     if cm:

@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from draftsmith.runtime.decoding import metrics
-
 DEFAULT_WINDOW = 256  # output tokens per window
 LONG_PRESET = {"num_prompts": 2, "max_new_tokens": 2048, "window": 256}  # ``bench --long``
 
@@ -46,6 +44,8 @@ def tau_by_window(accepted_per_prompt: Sequence[Sequence[int]], window: int,
             seen.add(index)
         for index in seen:
             reached[index] = reached.get(index, 0) + 1
+    from draftsmith.runtime.decoding import metrics  # lazy: `bench --long` reads the preset before serving starts
+
     # a window ends at max_new_tokens when that cuts it (the max() only keeps end > start on inconsistent input)
     return [{"start": i * window, "end": min((i + 1) * window, max(max_new_tokens, i * window + 1)),
              "tau": metrics.tau(by_window[i]), "forwards": len(by_window[i]), "prompts": reached[i]}

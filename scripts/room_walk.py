@@ -66,7 +66,8 @@ def argv_of(walk: str, work: Path) -> list[str]:
                 f"data.spec={work / 'chat.jsonl'}", "data.limit=null", "data.max_length=48", "data.batch_size=4",
                 "data.val_fraction=0.1", "trainer.max_steps=2", "run.checkpoint_every=2", "run.final_eval_batches=1",
                 "drafter.target_layers=[1,2,3]", "drafter.draft_vocab_size=40", "drafter.ttt_steps=2",
-                f"hydra.run.dir={work / 'run'}"]
+                # the served-tau probe serves the export on purpose (the serving walk covers that code)
+                "validation.served_tau.every=0", f"hydra.run.dir={work / 'run'}"]
     return ["bench", "--drafter", str(work / "run" / "export"), "--target", str(work / "target"),
             "--prompts", str(work / "prompts.jsonl"), "--num-prompts", "1", "--max-new-tokens", "4", "--skip-hf",
             "--lossless-dtype", "none", "--dtype", "fp32"]
