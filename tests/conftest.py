@@ -200,6 +200,29 @@ def tiny_target_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def medusa_export(tmp_path_factory, tiny_target_dir, tiny_tokenizer) -> Path:
+    """A 2-head Medusa export (random heads, greedy tree of 6 nodes) for the tiny target, one per test module."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.distill.exporting import export_from_module
+    from draftsmith.distill.target import Target
+    from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+    from draftsmith.recipes.medusa import MedusaObjective, default_tree
+
+    target = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=2),
+                        target.lm_head_weight.float())
+    objective = MedusaObjective(heads, 0.8, "dataset", 5, default_tree(2, 6, 4), {"top_k": 4, "verifier": "greedy"})
+
+    class Live:
+        drafter, run_info = heads, {"target": target.identity()}
+
+    Live.objective = objective
+    return export_from_module(Live, tmp_path_factory.mktemp("medusa") / "export", training={})
+
+
 def make_conversations(n: int, seed: int = 0) -> list[dict]:
     """Deterministic synthetic ShareGPT-style conversations over the tiny vocabulary."""
     g = torch.Generator().manual_seed(seed)

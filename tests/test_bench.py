@@ -14,29 +14,8 @@ from draftsmith.bench.prompts import load_prompts
 from draftsmith.bench.report import write_outputs
 from draftsmith.bench.run import run_bench
 from draftsmith.common.chat import encode_chat
-from draftsmith.distill.exporting import export_from_module
-from draftsmith.distill.target import Target
 from draftsmith.export.format import ExportError, TargetMismatchError
-from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.recipes.medusa import MedusaObjective, default_tree
 from draftsmith.runtime.serving import load_runtime
-
-
-@pytest.fixture(scope="module")
-def medusa_export(tmp_path_factory, tiny_target_dir, tiny_tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    target = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
-    torch.manual_seed(0)
-    heads = MedusaHeads(MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=2),
-                        target.lm_head_weight.float())
-    objective = MedusaObjective(heads, 0.8, "dataset", 5, default_tree(2, 6, 4), {"top_k": 4, "verifier": "greedy"})
-
-    class Live:
-        drafter, run_info = heads, {"target": target.identity()}
-
-    Live.objective = objective
-    return export_from_module(Live, tmp_path_factory.mktemp("bench") / "export", training={})
 
 
 @pytest.fixture(scope="module")

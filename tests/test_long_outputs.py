@@ -11,17 +11,12 @@ import struct
 from argparse import Namespace
 
 import pytest
-import torch
 
 from draftsmith.bench import windows
 from draftsmith.bench.report import write_outputs
 from draftsmith.bench.run import run_bench
 from draftsmith.cli import build_parser
 from draftsmith.common.chat import encode_chat
-from draftsmith.distill.exporting import export_from_module
-from draftsmith.distill.target import Target
-from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.recipes.medusa import MedusaObjective, default_tree
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.serving import load_runtime
 
@@ -93,23 +88,6 @@ def test_the_plot_draws_one_line_per_drafter_at_window_middles():
     assert [ln.get_label() for ln in lines] == ["eagle3", "dflash"]
     assert list(lines[0].get_xdata()) == [8.0, 24.0] and list(lines[0].get_ydata()) == [2.0, 1.5]
     plt.close(fig)
-
-
-@pytest.fixture(scope="module")
-def medusa_export(tmp_path_factory, tiny_target_dir, tiny_tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    target = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
-    torch.manual_seed(0)
-    heads = MedusaHeads(MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=2),
-                        target.lm_head_weight.float())
-    objective = MedusaObjective(heads, 0.8, "dataset", 5, default_tree(2, 6, 4), {"top_k": 4, "verifier": "greedy"})
-
-    class Live:
-        drafter, run_info = heads, {"target": target.identity()}
-
-    Live.objective = objective
-    return export_from_module(Live, tmp_path_factory.mktemp("long") / "export", training={})
 
 
 def test_bench_writes_the_windows_and_the_png_panel(medusa_export, tmp_path):

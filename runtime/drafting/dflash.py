@@ -196,12 +196,7 @@ class DFlashProposer:
             stop = stop.child(k, confs[-1], state)
             if policy is not None and policy.should_stop(stop):
                 break
-        if qs:  # row i: the law node i's child was drawn from; the leaf has none
-            tree = DraftTree.chain(tokens, torch.stack(qs + [torch.zeros_like(qs[0])]), "with_replacement")
-        else:
-            tree = DraftTree.chain(tokens)
-        tree.draft_confidence = torch.tensor(confs)
-        return tree
+        return DraftTree.drawn_chain(tokens, qs, confs)
 
 
     @staticmethod

@@ -177,12 +177,7 @@ class KangarooProposer:
                 qs.append(q)
         self._spec = (acache, made)
         self.pending = ShallowDraft(torch.tensor(tokens), torch.cat(states), prefix)
-        if qs:  # row i: the law node i's child was drawn from; the leaf has none
-            tree = DraftTree.chain(tokens, torch.stack(qs + [torch.zeros_like(qs[0])]), "with_replacement")
-        else:
-            tree = DraftTree.chain(tokens)
-        tree.draft_confidence = torch.tensor(confs)
-        return tree
+        return DraftTree.drawn_chain(tokens, qs, confs)
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> tuple[int, float, torch.Tensor | None]:
         """(token, its draft probability, q over the vocabulary when sampled)."""

@@ -108,6 +108,17 @@ class DraftTree:
         n = len(tokens)
         return cls.from_parents(tokens, [i - 1 for i in range(n)], draft_q, draft_mode)
 
+    @classmethod
+    def drawn_chain(cls, tokens: list[int], qs: list[torch.Tensor], confidences: list[float]) -> DraftTree:
+        """A chain a drafter drew node by node: ``qs[i]`` [V] is the law node i's child was drawn from (none for
+        greedy drafts: point masses), the leaf has none; ``confidences`` are the draft probabilities of the nodes."""
+        if qs:
+            tree = cls.chain(tokens, torch.stack(qs + [torch.zeros_like(qs[0])]), "with_replacement")  # [N, V]
+        else:
+            tree = cls.chain(tokens)
+        tree.draft_confidence = torch.tensor(confidences)
+        return tree
+
 
 @dataclass
 class StaticTree:
