@@ -20,9 +20,10 @@ from test_speculative_sampling import chi2_pvalue
 
 from draftsmith.distill.target import Target
 from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter
-from draftsmith.export.format import TargetMismatchError, write_export
+from draftsmith.export.format import TargetMismatchError, read_config, write_export
 from draftsmith.recipes import dflash as dflash_recipe
 from draftsmith.runtime.acceptance import shapes
+from draftsmith.runtime.acceptance.choice import choose_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
 from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
@@ -108,6 +109,23 @@ def test_confidence_cut_shortens_blocks(target, exports):
     assert full.tokens == cut.tokens
     assert max(cut.tree_sizes) <= max(full.tree_sizes) and sum(cut.tree_sizes) / len(cut.tree_sizes) < \
         sum(full.tree_sizes) / len(full.tree_sizes)
+
+
+def test_learned_stop_policy_reads_the_confidence_head(target, reference, exports):
+    """`--stop-policy learned:H` on a DFlash export binds its confidence head (a rejection head); lossless, and a
+    strict threshold drafts shorter chains. An export without the head is refused naming the option."""
+    prompt = PROMPTS[2]
+    config = read_config(exports["trained"])
+    loose, _ = choose_stop_policy("learned:0.99", config, exports["trained"])
+    strict, source = choose_stop_policy("learned:0.01", config, exports["trained"])
+    assert source == {"spec": "learned:0.01", "source": "flag"}
+    runs = [SpeculativeDecoder(target[1], build_proposer(exports["trained"], target[1]), stop_policy=policy)
+            .generate(prompt, NEW) for policy in (loose, strict)]
+    assert all(run.tokens == reference[tuple(prompt)] for run in runs)
+    mean = [sum(run.tree_sizes) / len(run.tree_sizes) for run in runs]
+    assert mean[1] < mean[0], mean
+    with pytest.raises(ValueError, match="drafter.confidence_head=true"):
+        choose_stop_policy("learned:0.5", read_config(exports["random"]), exports["random"])
 
 
 def test_incremental_context_equals_a_full_recompute(target, exports):

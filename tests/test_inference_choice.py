@@ -47,7 +47,7 @@ def test_stop_policies_parse_from_flags_and_exports():
     for bad in ("fixed:two", "confidence", "sometimes:3"):
         with pytest.raises(ValueError, match="use fixed:K, confidence:THRESHOLD"):
             parse_stop_policy(bad)
-    with pytest.raises(ValueError, match="acceptance-head export"):
+    with pytest.raises(ValueError, match="needs an acceptance head"):
         parse_stop_policy("learned:0.3")
 
 

@@ -235,7 +235,7 @@ def test_bad_stop_policies_and_recipe_config_are_named(drafters, tmp_path):
         parse_stop_policy("confidence:0")
     with pytest.raises(ValueError, match="use fixed:K, confidence:THRESHOLD.*learned:H"):
         parse_stop_policy("sometimes:3")
-    with pytest.raises(ValueError, match="acceptance-head export"):
+    with pytest.raises(ValueError, match="needs an acceptance head"):
         choose_stop_policy("learned:0.3", {"method": "eagle"})
     with pytest.raises(ConfigError, match="pass drafter=EXPORT_DIR"):
         specdecpp.validate(OmegaConf.load(ROOT / "conf/recipe/specdecpp.yaml"))

@@ -118,9 +118,10 @@ def parse_stop_policy(spec: str | dict | None, head: torch.nn.Module | None = No
                 raise ValueError(f"learned stop policy {spec!r}: need 1 <= MIN_DEPTH <= MAX_DEPTH")
             return LearnedStop(head, threshold, *(depths[::-1]))  # (threshold, max_depth, min_depth)
     except LookupError:
-        raise ValueError("a learned stop policy needs an acceptance-head export (SpecDec++, method 'specdecpp'), "
-                         "which this export is not; train one with `python train.py recipe=specdecpp "
-                         "drafter=EXPORT_DIR`, or use fixed:K / confidence:THRESHOLD") from None
+        raise ValueError("a learned stop policy needs an acceptance head (a SpecDec++ export, method 'specdecpp', "
+                         "or a DFlash export with a confidence head), which this export is not; train one with "
+                         "`python train.py recipe=specdecpp drafter=EXPORT_DIR`, or use fixed:K / "
+                         "confidence:THRESHOLD") from None
     except ValueError as err:
         if "outside (0, 1)" in str(err) or "MIN_DEPTH" in str(err):
             raise
@@ -134,6 +135,21 @@ def learned_head(export_dir: str | Path | None, export_config: dict | None) -> t
     from draftsmith.controllers.acceptance import AcceptanceHead
 
     return AcceptanceHead.from_export(export_dir)[0]
+
+
+def _proposer_carries_head(export_config: dict | None) -> bool:
+    """Whether the export's proposer binds an acceptance head itself: SpecDec++'s, or DFlash's confidence head
+    (seen as a rejection head). A DFlash export trained without one gets a clear error naming the option."""
+    config = export_config or {}
+    if config.get("method") == "specdecpp":
+        return True
+    if config.get("method") != "dflash":
+        return False
+    if not (config.get("architecture") or {}).get("confidence_head"):
+        raise ValueError("a learned stop policy on a DFlash export reads its confidence head, and this export was "
+                         "trained without one: retrain with drafter.confidence_head=true, or use fixed:K / "
+                         "confidence:THRESHOLD")
+    return True
 
 
 def _spec_string(exported: str | dict) -> str:
@@ -150,8 +166,8 @@ def choose_stop_policy(flag: str | None, export_config: dict | None,
     needs_head = any(str(s).startswith("learned") or (isinstance(s, dict) and s.get("kind") == STOP_LEARNED)
                      for s in (flag, _inference(export_config).get("stop_policy")))
     head = learned_head(export_dir, export_config) if needs_head else None
-    if needs_head and head is None and (export_config or {}).get("method") == "specdecpp":
-        head = ProposerHead()  # the SpecDec++ proposer carries the head and binds it before drafting
+    if needs_head and head is None and _proposer_carries_head(export_config):
+        head = ProposerHead()  # the proposer carries the head and binds it before drafting
     if flag not in (None, "auto"):
         return parse_stop_policy(flag, head), {"spec": flag, "source": "flag"}
     exported = _inference(export_config).get("stop_policy")
