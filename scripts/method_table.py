@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -43,8 +44,10 @@ def _run(cmd: list[str], log: Path) -> float:
     return time.perf_counter() - start
 
 
-def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str], default_bench: bool = True) -> dict[str, Any]:
-    """Train (or resume) ``spec`` (``recipe[@override@...]``), measure its training ratio, bench its export;
+def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str], default_bench: bool = True,
+               training_ratio: bool = True) -> dict[str, Any]:
+    """Train (or resume) ``spec`` (``recipe[@override@...]``), measure its training ratio (unless
+    ``training_ratio`` is False: then the extra parameters are counted in the export), bench its export;
     returns the table row."""
     recipe, *overrides = spec.split("@")
     run_dir = out / "runs" / "_".join([recipe, *("".join(c if c.isalnum() else "-" for c in o) for o in overrides)])
@@ -54,7 +57,7 @@ def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str], default_
         _run([sys.executable, "train.py", f"recipe={recipe}", f"trainer.max_steps={steps}", *overrides,
               f"hydra.run.dir={run_dir}"], run_dir / "train.log")
     ratio_file = run_dir / "bench_train.json"
-    if not ratio_file.is_file():
+    if training_ratio and not ratio_file.is_file():
         _run([DRAFTSMITH, "bench-train", f"recipe={recipe}", *overrides, "--out", str(ratio_file)],
              run_dir / "bench_train.log")
     bench_dir = run_dir / "bench"
@@ -68,7 +71,8 @@ def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str], default_
     default = json.loads((default_dir / "bench.json").read_text()) if (default_dir / "bench.json").is_file() else {}
     served = served_check(export, run_dir)
     training = json.loads((export / "config.json").read_text()).get("training") or {}
-    ratio = json.loads(ratio_file.read_text())
+    ratio = json.loads(ratio_file.read_text()) if ratio_file.is_file() else {
+        "trainable_params_m": export_params(export) / 1e6, "ratio": None}
     bench = json.loads((bench_dir / "bench.json").read_text())
     label = LABELS.get(recipe, recipe) + (f" ({', '.join(overrides)})" if overrides else "")
     return {"recipe": spec, "method": label, "steps": training.get("steps"),
@@ -82,6 +86,17 @@ def one_recipe(spec: str, out: Path, steps: int, bench_args: list[str], default_
             "stop_policy": (bench.get("inference") or {}).get("stop_policy"),
             "default_speedup_vs_ar": (default.get("speedup") or {}).get("vs_runtime_ar"),
             "default_choice": (default.get("cost_model") or {}).get("summary"), **served}
+
+
+def export_params(export: Path) -> int:
+    """Parameters stored in an export's safetensors files (the drafter's own: shared target weights are not saved)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in export.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return total
 
 
 def served_check(export: Path, run_dir: Path) -> dict[str, Any]:
@@ -99,6 +114,10 @@ def served_check(export: Path, run_dir: Path) -> dict[str, Any]:
               "--stop-policy", "export", "--skip-hf", "--lossless-dtype", "none"], run_dir / "bench_served.log")
     bench_tau = json.loads((out / "bench.json").read_text())["tau"]
     return {"served_tau_validation": validation["served_tau"], "served_tau_bench": bench_tau}
+
+
+def _ratio(ratio: float | None) -> str:
+    return "not measured" if ratio is None else f"{ratio:.2f}"
 
 
 def _x(ratio: float | None) -> str:
@@ -123,7 +142,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         acc = ", ".join(f"{a:.2f}" for a in r["acceptance_by_position"][:5])
         lossless = "lossy (by design)" if r["target_change"] else ("yes" if r["lossless_fp32"] else "NO")
         body += (f"| {r['method']} | {r['tau']:.3f} | {acc} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | "
-                 f"{lossless} | {r['extra_params'] / 1e6:.1f}M | {r['training_ratio']:.2f} | "
+                 f"{lossless} | {r['extra_params'] / 1e6:.1f}M | {_ratio(r['training_ratio'])} | "
                  f"{r['fit_seconds']:.0f} s | {r['tokens']:,} | {_x(r['default_speedup_vs_ar'])} | {_served(r)} |\n")
     return head + body
 
@@ -160,6 +179,8 @@ def main() -> int:
                         help="arguments for `draftsmith bench` (export = each method's own tree/depth, no tuning)")
     parser.add_argument("--default-bench", default="all",
                         help="specs also benched with default settings (cost-aware policy): all, none or a list")
+    parser.add_argument("--skip-training-ratio", action="store_true",
+                        help="skip `draftsmith bench-train` per recipe (extra parameters are counted in the export)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -167,7 +188,8 @@ def main() -> int:
     for recipe in args.recipes.split(","):
         print(f"[method-table] {recipe} ...", flush=True)
         default_bench = args.default_bench == "all" or recipe in args.default_bench.split(",")
-        rows.append(one_recipe(recipe, out, args.steps, args.bench_args.split(), default_bench))
+        rows.append(one_recipe(recipe, out, args.steps, args.bench_args.split(), default_bench,
+                               not args.skip_training_ratio))
         (out / "table.json").write_text(json.dumps(rows, indent=2) + "\n")
         print(markdown(rows[-1:]), flush=True)
     (out / "table.md").write_text(markdown(rows))
