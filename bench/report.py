@@ -85,6 +85,23 @@ def _peer_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def _cost_model_rows(cm: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The cost-aware shape choice and, for SpecDec++, the threshold it derived from the machine's costs."""
+    if not cm:
+        return []
+    rows = [("cost-aware shape (calibrated on this machine)", cm["summary"])]
+    if cm.get("learned_threshold"):
+        lt = cm["learned_threshold"]
+        rows.append(("SpecDec++ threshold h (from costs)", f"{lt['h']:.2f} (export: {lt['was']}): {lt['why']}"))
+    return rows
+
+
+def _draft_plan_rows(backend: dict[str, Any]) -> list[tuple[str, str]]:
+    """What of the draft step runs natively and why not the rest (EAGLE proposers' ``draft_plan``)."""
+    plan = backend.get("draft_plan")
+    return [("draft step (what runs natively)", "; ".join(f"{k}: {v}" for k, v in plan.items()))] if plan else []
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     """The human-readable summary printed by ``draftsmith bench`` and written to ``bench.md``."""
     t, s, c = result["tokens_per_s"], result["speedup"], result["step_costs"]
@@ -95,6 +112,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         ("dtype / verifier / linears", f"{result['dtype']} / {result['verifier']} / {result.get('linear_backend')}"),
         ("why these linears", b.get("linear_reason", "n/a")),
         ("decoder (why)", f"{b.get('decoder_backend') or 'n/a'} ({b.get('decoder_reason') or 'n/a'})"),
+        *_draft_plan_rows(b),
         ("verifier / stop policy (source)", _inference_text(result.get("inference"))),
         ("tau (mean accepted length, incl. bonus)", _fmt(result["tau"], 3)),
         ("acceptance by position (P(d accepted given d drafted))",
@@ -119,12 +137,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         ("lossless (greedy spec == greedy HF generate)", _lossless_text(result)),
         *_parity_rows(result.get("engine_parity")),
     ]
-    cm = result.get("cost_model")
-    if cm:
-        rows.append(("cost-aware shape (calibrated on this machine)", cm["summary"]))
-        if cm.get("learned_threshold"):
-            lt = cm["learned_threshold"]
-            rows.append(("SpecDec++ threshold h (from costs)", f"{lt['h']:.2f} (export: {lt['was']}): {lt['why']}"))
+    rows += _cost_model_rows(result.get("cost_model"))
     busy = result.get("contention")
     if busy:
         rows.append(("machine while timing", _contention_text(busy)))
@@ -165,7 +178,28 @@ def _sections(result: dict[str, Any]) -> str:
         out += "|---" * (len(parts) + 2) + "|\n"
         out += f"| mean over {prof['steps']} steps | " + " | ".join(f"{prof[k]:.2f}" for k in parts) + \
             f" | {prof['step_ms']:.2f} |\n"
+        out += _floor_rows(prof.get("floors"), prof.get("verdicts") or [])
     return out
+
+
+def _floor_rows(floors: dict[str, Any] | None, verdicts: list[str]) -> str:
+    """``bench --profile``: the AR step, the verify forward and drafting against their bandwidth floors, then one
+    verdict line per target."""
+    if not floors:
+        return ""
+    out = (f"\n| vs bandwidth floor ({floors['bandwidth_gbs']:.1f} GB/s read, {floors['threads']} threads, "
+           f"{floors['cpu']}) | measured ms | floor ms | ratio | target |\n|---|---|---|---|---|\n")
+    labels = {"ar_step": f"AR step (decode only, {floors['ar_step_bytes']['total'] / 1e6:.1f} MB)",
+              "verify_forward": f"verify forward ({floors['verify_forward']['new_tokens']} tokens)",
+              "draft_per_call": f"draft call ({_fmt(floors['draft_calls_per_step'])} per step, "
+                                f"{floors['draft_call_bytes']['total'] / 1e6:.2f} MB)",
+              "draft_per_token": f"drafted token ({_fmt(floors['drafted_tokens_per_step'])} per step)"}
+    for key, label in labels.items():
+        row = floors[key]
+        ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        target = "" if row.get("target") is None else f"<= {row['target']}x"
+        out += f"| {label} | {_fmt(row['measured_ms'], 3)} | {_fmt(row['floor_ms'], 3)} | {ratio} | {target} |\n"
+    return out + ("\n" if verdicts else "") + "".join(f"- {line}\n" for line in verdicts)
 
 
 def _shape_rows(cm: dict[str, Any]) -> str:

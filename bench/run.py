@@ -8,13 +8,11 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench import contention, quality, windows
+from draftsmith.bench import contention, floors, quality, windows
 from draftsmith.bench.sweep import sweep_fixed_depths
 from draftsmith.bench.timing import (
     compare_outputs,
-    read_bandwidth_gbs,
     speedup_ci,
-    step_weight_bytes,
     time_hf_generate,
     time_interleaved,
     time_runtime_ar,
@@ -50,8 +48,8 @@ def _step_costs(runtime: Runtime, prompt: list[int], repeats: int = 5) -> dict[s
 
         one(1)
         ms = {t: 1e3 * statistics.median(one(t) for _ in range(repeats)) for t in sorted({1, nodes, *FORWARD_SIZES})}
-    weights = step_weight_bytes(model)
-    bandwidth = read_bandwidth_gbs()
+    weights = floors.decoder_step_bytes(model, len(prompt))["total"]  # weights + one embedding row + the prompt's KV
+    bandwidth = floors.read_bandwidth_gbs(governor().max_threads)  # the probe --profile's floors use (cached)
     floor_ms = weights / (bandwidth * 1e9) * 1e3
     return {"tree_nodes": nodes, "ar_step_ms": ms[1], "verify_forward_ms": ms[nodes],
             "forward_ms_by_new_tokens": {t: ms[t] for t in FORWARD_SIZES},
@@ -143,7 +141,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     agreement = head_agreement(runtime, prompts, ar["outputs"])
     target_change = _adapted_target_change(runtime, prompts, max_new_tokens, temperature, sp)
     spec_step = sp["seconds"] / max(1, steps)
-    step_profile = depth_choice.profiled_run(spec, prompts, max_new_tokens, runtime.eos_ids)[0] if profile else None
+    step_profile = _profile(runtime, prompts, max_new_tokens) if profile else None
     # its own interleaved pass: plain AR, each fixed K and the policy in force, comparable row to row
     sweep = _fixed_depth_sweep(runtime, prompts, max_new_tokens, sweep_k, export_proposer) if sweep_k else None
     # a verify model that reuses drafted states (verify forwards that skipped the shallow layers)
@@ -167,6 +165,30 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "cost_model": cost_model, "profile": step_profile, "sweep": sweep, "target_change": target_change,
         "verify_reuse": verify_reuse, "served_plain": spec.serves_plain_ar(), "contention": busy,
     }
+
+
+def _profile(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    """``bench --profile``: the mean ms of each part of a speculative step, and each against its bandwidth floor
+    (:mod:`draftsmith.bench.floors`): the AR step (decode only, without the prefill), the verify
+    forward of the mean tree, drafting per call and per drafted token, with one verdict line per target."""
+    spec = runtime.speculative
+    with floors.counting_draft_calls(spec.proposer, runtime.model) as counted:
+        report, results, _ = depth_choice.profiled_run(spec, prompts, max_new_tokens, runtime.eos_ids)
+    steps = max(1, report["steps"])
+    sizes = [n for r in results for n in r.tree_sizes]
+    steps_info = {"context_tokens": statistics.mean(len(p) + len(r.tokens) / 2 for p, r in zip(prompts, results)),
+                  "tree_nodes": statistics.mean(sizes) if sizes else 1.0,
+                  "draft_calls": counted["calls"] / steps if counted["calls"] else 1.0,
+                  "draft_calls_source": "counted" if counted["calls"] else "assumed one per step (none counted)"}
+    # the plain loop without its prefill, on the same prompts (the cost model's calibration prompts may differ)
+    ar_tokens = min(max_new_tokens, 32)
+    ar_ms = depth_choice.decode_step_ms(runtime.model, prompts, ar_tokens)[0]
+    steps_info["ar_context_tokens"] = statistics.mean(len(p) for p in prompts) + ar_tokens / 2
+    # the threads the runtime decodes with on a quiet machine (the governor lends fewer while others hold cores)
+    threads = governor().max_threads
+    found = floors.step_floors(runtime.model, spec.proposer, report, steps_info, ar_ms,
+                               floors.read_bandwidth_gbs(threads), threads)
+    return {**report, "floors": found, "verdicts": floors.verdicts(found)}
 
 
 def _time_hf(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, skip_hf: bool, hf_dtype: str,

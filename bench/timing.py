@@ -149,33 +149,6 @@ def time_runtime_ar(
     return result
 
 
-def read_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
-    """Memory read bandwidth this process reaches (GB/s): best of ``repeats`` fp32 sums over a ``mib`` MiB buffer
-    with torch's current thread count (far larger than any cache). A decoding step cannot beat weights / this."""
-    buf = torch.ones(mib * 2**20 // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - start)
-    return buf.numel() * 4 / best / 1e9
-
-
-def step_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decoding step reads: every decoder-layer weight plus the LM head (the embedding
-    gathers one row, which is negligible; a tied head counts once)."""
-    layers = getattr(model, "layers", None)
-    head = getattr(model, "lm_head_weight", None)
-    if layers is None:  # HF fallback: every parameter except the input embedding
-        embed = getattr(model, "embed_weight", None)
-        params = {id(p): p for p in model.parameters() if embed is None or p.data_ptr() != embed.data_ptr()}
-        total = sum(p.numel() * p.element_size() for p in params.values())
-        return total + (head.numel() * head.element_size() if head is not None and embed is not None
-                        and head.data_ptr() == embed.data_ptr() else 0)  # fmt: skip
-    total = sum(b.numel() * b.element_size() for b in layers.buffers())
-    return total + (head.numel() * head.element_size() if head is not None else 0)
-
-
 def compare_outputs(reference: Sequence[list[int]], candidate: Sequence[list[int]]) -> dict[str, Any]:
     """Lossless check: how many outputs are token-identical, and where the first differing one diverges."""
     if len(reference) != len(candidate):

@@ -21,6 +21,9 @@ def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--dtype", default="bf16", help="bf16 (faster on CPU) or fp32")
     r.add_argument("--kernels", default="auto", help="auto | torch | triton")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--batch-size", type=int, default=8,
+                   help="greedy first turns decoded at once (default 8; 1 = one at a time). --turns all and "
+                        "--temperature > 0 decode one conversation at a time (logged); a resume needs the same value")
 
 
 def _calibrate_arguments(c: argparse.ArgumentParser) -> None:
@@ -71,7 +74,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
     report = regenerate(args.data, args.out, target=args.target, limit=args.limit, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, turns=args.turns, dtype=args.dtype,
-                        seed=args.seed, kernels=args.kernels)
+                        seed=args.seed, kernels=args.kernels, batch_size=args.batch_size)
     print(summary(report, args.out))
     return 0
 

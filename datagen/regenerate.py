@@ -6,10 +6,17 @@ or all of them with the target's own earlier replies in context) is replaced by 
 chat template with the generation prompt. The output is JSON lines ``{"messages": [...], "source_index": i}``
 that ``data.spec=OUT.jsonl`` reads.
 
-Crash safety: lines are appended and flushed to ``OUT.jsonl.partial`` (settings in ``OUT.jsonl.partial.json``);
-a rerun with the same settings continues after the last complete line, and the finished file is renamed onto
-``OUT.jsonl`` with ``os.replace``. Sampling uses one generator per conversation seeded from ``seed`` and the
-source index, so a resumed run writes the same bytes as an uninterrupted one.
+Batches: greedy first turns decode ``batch_size`` conversations at once (default 8;
+:mod:`draftsmith.datagen.batched_generation`), a 135M target being memory-bound at batch 1. Conversations go in
+chunks of ``CHUNK_ROWS * batch_size`` formed from the source order alone, and each reply is written once the
+replies before it are. ``--turns all``, sampling and decoders without a batched step decode one conversation at a
+time, with a log line saying why.
+
+Crash safety (:mod:`draftsmith.datagen.resumable_jsonl`): lines are appended and flushed to ``OUT.jsonl.partial``
+(settings, batch size included, in ``OUT.jsonl.partial.json``); a rerun with the same settings continues after the
+last complete line (redoing the chunk it stopped in), and the finished file is renamed onto ``OUT.jsonl`` with
+``os.replace``. Sampling uses one generator per conversation seeded from ``seed`` and the source index, so a
+resumed run writes the same bytes as an uninterrupted one.
 
 Over-long conversations: a conversation whose prompt does not fit in the target's context
 (``max_position_embeddings``) is skipped before any model work, with a log line naming its source index, its token
@@ -21,7 +28,6 @@ user and, on resume, stop at the same record again.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 import time
@@ -32,15 +38,16 @@ from typing import Any
 
 import torch
 
-from draftsmith import assets
 from draftsmith.common.chat import encode_chat
-from draftsmith.common.durations import eta_seconds, format_duration
+from draftsmith.datagen.batched_generation import batch_support, generate_greedy_batch
+from draftsmith.datagen.chat_source import iter_conversations, normalize_messages
+from draftsmith.datagen.resumable_jsonl import Progress, append_line, resume_or_start
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
 
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-         "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
 TURNS = ("first", "all")
+DEFAULT_BATCH_SIZE = 8  # greedy first turns decoded at once: the weights are read once per step for 8 tokens
+CHUNK_ROWS = 16  # conversations per batch row in one chunk: a resume redoes at most one chunk
 
 
 @dataclass
@@ -62,44 +69,6 @@ class RegenerateReport:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
 
-def normalize_messages(record: Any) -> list[dict[str, str]]:
-    """ShareGPT ``conversations: [{from, value}]`` or OpenAI ``messages: [{role, content}]`` -> role/content dicts."""
-    turns = None
-    if isinstance(record, dict):
-        turns = record.get("conversations", record.get("messages"))
-    if not isinstance(turns, list):
-        raise ValueError("expected a 'conversations' (ShareGPT) or 'messages' (OpenAI) list")
-    out = []
-    for i, turn in enumerate(turns):
-        role = ROLES.get(str(turn.get("role", turn.get("from"))).lower()) if isinstance(turn, dict) else None
-        content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
-        if role is None or not isinstance(content, str | None):
-            raise ValueError(f"message {i} needs a known role ({', '.join(sorted(ROLES))}) and string content")
-        out.append({"role": role, "content": content or ""})
-    return out
-
-
-def iter_conversations(spec: str, report: RegenerateReport | None = None) -> Iterator[tuple[int, list[dict]]]:
-    """Yield ``(source_index, messages)`` from ``"sharegpt"`` (embedded) or a local .jsonl/.json file.
-
-    ``source_index`` is the 0-based record position in the file. Malformed records fail with file:line in a user
-    file and are skipped (counted in ``report``) in the embedded dump.
-    """
-    embedded = spec.strip().lower() == "sharegpt"
-    path = assets.sharegpt_path() if embedded else Path(spec).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist; pass --data sharegpt or a .jsonl/.json of "
-                                "conversations")
-    for index, (line, record) in enumerate(assets.iter_json_records(path)):
-        try:
-            yield index, normalize_messages(record)
-        except ValueError as err:
-            if not embedded:
-                raise ValueError(f"{path}:{line}: {err}. Fix the record or remove it.") from None
-            if report is not None:
-                report.skip("malformed record")
-
-
 def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
     """Token ids of ``messages`` in the target's chat template followed by the assistant generation prompt (the
     encoding training and bench use: :func:`draftsmith.common.chat.encode_chat`)."""
@@ -112,6 +81,47 @@ def stop_ids(tokenizer: Any, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
     ends = [t for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>") if t in vocab]
     extra = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     return tuple(dict.fromkeys([*eos_ids, *extra, *(vocab[t] for t in ends)]))
+
+
+def _reply_slots(messages: list[dict]) -> list[int]:
+    """Where replies go: assistant turns preceded by a user turn, plus one after a trailing user turn."""
+    slots = [i for i, m in enumerate(messages)
+             if m["role"] == "assistant" and any(p["role"] == "user" for p in messages[:i])]
+    if messages and messages[-1]["role"] == "user":
+        slots.append(len(messages))
+    return slots
+
+
+def _turn_prompt(tokenizer: Any, history: list[dict], messages: list[dict], cursor: int, slot: int,
+                 max_new_tokens: int, context: int | None) -> tuple[list[dict], list[int], int]:
+    """The context of the reply at ``slot`` (``history`` plus the non-assistant turns since ``cursor``: the original
+    replies are dropped), its prompt ids and its token budget (<= 0 when the context is full)."""
+    context_msgs = history + [m for m in messages[cursor:slot] if m["role"] != "assistant"]
+    prompt = render_prompt(tokenizer, context_msgs)
+    room = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt))
+    return context_msgs, prompt, room
+
+
+def _too_long(prompt: list[int], context: int | None, what: str, log: Callable[[str], None] | None) -> str:
+    """Log why a first prompt gets no reply (its token count and the limit); returns the skip reason."""
+    try:
+        check_prompt_fits(len(prompt), context, what)
+    except ValueError as err:
+        if log is not None:
+            log(f"{err}; skipped")
+    return "prompt longer than the context"
+
+
+def first_turn_prompt(tokenizer: Any, messages: list[dict], max_new_tokens: int, context: int | None,
+                      what: str = "the conversation", log: Callable[[str], None] | None = None,
+                      ) -> tuple[list[dict], list[int], int] | str:
+    """``(context messages, prompt ids, token budget)`` of the first reply, or why there is none (the reason
+    :func:`regenerate_conversation` gives); the batched path plans every row with it."""
+    slots = _reply_slots(messages)
+    if not slots:
+        return "no user turn"
+    context_msgs, prompt, room = _turn_prompt(tokenizer, [], messages, 0, slots[0], max_new_tokens, context)
+    return (context_msgs, prompt, room) if room > 0 else _too_long(prompt, context, what, log)
 
 
 def regenerate_conversation(
@@ -131,71 +141,44 @@ def regenerate_conversation(
     """
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
-    # reply slots: assistant turns preceded by a user turn; a conversation ending in a user turn gets one more
-    slots = [i for i, m in enumerate(messages)
-             if m["role"] == "assistant" and any(p["role"] == "user" for p in messages[:i])]
-    if messages and messages[-1]["role"] == "user":
-        slots.append(len(messages))
+    slots = _reply_slots(messages)
     slots = slots[:1] if turns == "first" else slots
     if not slots:
         return None, 0, "no user turn"
     out: list[dict] = []
     total, done, cursor = 0, 0, 0
     for slot in slots:
-        # the original replies are dropped: only system/user turns are carried over (leading assistant turns too)
-        context_msgs = out + [m for m in messages[cursor:slot] if m["role"] != "assistant"]
-        prompt = render_prompt(tokenizer, context_msgs)
-        room = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt))
+        context_msgs, prompt, room = _turn_prompt(tokenizer, out, messages, cursor, slot, max_new_tokens, context)
         if room <= 0:
             if done == 0:
-                try:
-                    check_prompt_fits(len(prompt), context, what)
-                except ValueError as err:
-                    if log is not None:
-                        log(f"{err}; skipped")
-                return None, total, "prompt longer than the context"
+                return None, total, _too_long(prompt, context, what, log)
             return out, total, "truncated"
         tokens = generate_ar(model, prompt, room, temperature=temperature, top_p=top_p, eos_ids=eos_ids,
                              generator=generator)
         total += len(tokens)
-        out = context_msgs + [{"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)
-                               .strip()}]
+        out = context_msgs + [_reply(tokenizer, tokens)]
         cursor, done = slot + 1, done + 1
     if not any(m["role"] == "assistant" and m["content"] for m in out):
         return None, total, "empty reply"
     return out, total, None
 
 
-def _read_partial(partial: Path) -> tuple[int, int]:
-    """Keep the complete lines of an interrupted run: returns ``(lines, last source_index)``; cuts a torn tail."""
-    data = partial.read_bytes()
-    good, lines, last = 0, 0, -1
-    for raw in data.splitlines(keepends=True):
-        try:
-            if not raw.endswith(b"\n"):
-                raise ValueError
-            last = int(json.loads(raw)["source_index"])
-        except (ValueError, KeyError, TypeError):
-            if good + len(raw) < len(data):  # a bad line in the middle is corruption, not an interruption
-                raise ValueError(f"{partial} has a corrupt line after {lines} good ones; "
-                                 "delete it to start over") from None
-            break
-        good, lines = good + len(raw), lines + 1
-    if good < len(data):
-        with open(partial, "r+b") as handle:
-            handle.truncate(good)
-    return lines, last
+def _reply(tokenizer: Any, tokens: list[int]) -> dict[str, str]:
+    return {"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True).strip()}
 
 
 def regenerate(
     data: str, out: str | Path, target: str | None = None, limit: int | None = None, max_new_tokens: int = 256,
     temperature: float = 0.0, top_p: float = 1.0, turns: str = "first", dtype: str = "bf16", seed: int = 0,
-    kernels: str = "auto", log: Callable[[str], None] | None = None,
+    kernels: str = "auto", log: Callable[[str], None] | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
 ) -> RegenerateReport:
-    """Regenerate ``data`` with the target and write ``out`` (jsonl), resuming an interrupted ``out.partial``."""
+    """Regenerate ``data`` with the target and write ``out`` (jsonl), resuming an interrupted ``out.partial``.
+
+    ``batch_size`` > 1 decodes that many greedy first turns at once (:mod:`draftsmith.datagen.batched_generation`);
+    ``turns="all"``, sampling and decoders without a batched step decode one conversation at a time (logged)."""
     from draftsmith.runtime.serving import load_runtime
 
-    _check_arguments(turns, max_new_tokens, limit)
+    _check_arguments(turns, max_new_tokens, limit, batch_size)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(out)
     partial, meta_path = Path(f"{out}.partial"), Path(f"{out}.partial.json")
@@ -205,40 +188,20 @@ def regenerate(
     if first is None:
         raise ValueError(f"no conversations in {data}: expected records with 'conversations' or 'messages'")
     settings = {"data": data, "target": target, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                "top_p": top_p, "turns": turns, "dtype": dtype, "seed": seed}
-    last_done = _resume_or_start(out, partial, meta_path, settings, report, log)
+                "top_p": top_p, "turns": turns, "dtype": dtype, "seed": seed, "batch_size": batch_size}
+    report.resumed, last_done = resume_or_start(out, partial, meta_path, settings, log)
     # The ETA needs the total: one counting pass over the data (up to the limit), seconds against hours.
     total = sum(1 for _ in itertools.islice(iter_conversations(data), limit))
     rt = load_runtime(None, target, dtype, kernels)
-    eos = stop_ids(rt.tokenizer, rt.eos_ids)
-    context = context_limit(rt.model)
-    seen, start, last_log = 0, time.perf_counter(), 0.0
-    resumed_before = None  # conversations the resumed file already held (the ETA counts this run's pace only)
+    items = enumerate(itertools.islice(itertools.chain([first], conversations), limit), 1)  # (seen, (index, msgs))
     with open(partial, "a", encoding="utf-8") as handle:
-        for index, messages in _chain(first, conversations):
-            if limit is not None and seen >= limit:
-                break
-            seen += 1
-            if index <= last_done:
-                continue
-            if resumed_before is None:
-                resumed_before = seen - 1
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + index)  # per conversation: resumable
-            new, tokens, note = regenerate_conversation(rt.model, rt.tokenizer, messages, turns, max_new_tokens,
-                                                        temperature, top_p, eos, generator, context,
-                                                        f"conversation {index}", log)
-            report.tokens += tokens
-            if new is None:
-                report.skip(note or "skipped")
-                continue
-            report.truncated += note == "truncated"
-            _append_line(handle, {"messages": new, "source_index": index})
-            report.written += 1
-            now = time.perf_counter() - start
-            if now - last_log >= 5.0 or report.written == 1:
-                last_log = now
-                _log_progress(log, report, seen, total, resumed_before, now)
-    report.seconds = time.perf_counter() - start
+        run = _Run(rt.model, rt.tokenizer, stop_ids(rt.tokenizer, rt.eos_ids), context_limit(rt.model),
+                   max_new_tokens, report, Progress(total, log), handle, last_done, log)
+        if _batched(batch_size, turns, temperature, rt.model, log):
+            run.batched(items, batch_size)
+        else:
+            run.one_by_one(items, turns, temperature, top_p, seed)
+    report.seconds = time.perf_counter() - run.progress.start
     if report.written + report.resumed == 0:
         raise ValueError(f"no conversation of {data} could be regenerated (skipped: {report.skipped}); "
                          f"{partial} is left in place")
@@ -247,52 +210,108 @@ def regenerate(
     return report
 
 
-def _check_arguments(turns: str, max_new_tokens: int, limit: int | None) -> None:
-    """Refuse an unknown ``--turns`` mode and a non-positive ``--max-new-tokens`` or ``--limit``."""
+def _check_arguments(turns: str, max_new_tokens: int, limit: int | None, batch_size: int = 1) -> None:
+    """Refuse an unknown ``--turns`` mode and a non-positive ``--max-new-tokens``, ``--limit`` or ``--batch-size``."""
     if turns not in TURNS:
         raise ValueError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")
     if max_new_tokens < 1 or (limit is not None and limit < 1):
         raise ValueError("--max-new-tokens and --limit must be >= 1")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1 (1 decodes one conversation at a time), got {batch_size}")
 
 
-def _resume_or_start(out: Path, partial: Path, meta_path: Path, settings: dict[str, Any], report: RegenerateReport,
-                     log: Callable[[str], None]) -> int:
-    """Continue an interrupted ``partial`` written with the same ``settings`` (its complete lines counted in
-    ``report.resumed``), or start a new one (its settings written to ``meta_path``); returns the last source index
-    already done (-1 when starting)."""
-    last_done = -1
-    if partial.exists():
-        saved = json.loads(meta_path.read_text()) if meta_path.is_file() else None
-        if saved != settings:
-            raise ValueError(f"{partial} was written with other settings ({saved}); rerun with those or delete "
-                             f"{partial} and {meta_path} to start over")
-        report.resumed, last_done = _read_partial(partial)
-        log(f"resuming {partial}: {report.resumed} conversations already done (up to source index {last_done})")
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        meta_path.write_text(json.dumps(settings))
-    return last_done
+def _batched(batch_size: int, turns: str, temperature: float, model: Any, log: Callable[[str], None]) -> bool:
+    """Whether to decode in batches; when ``batch_size`` > 1 cannot be honoured, one log line says why."""
+    if batch_size == 1:
+        return False
+    why = ("--turns all needs each reply before the next turn's prompt" if turns == "all" else
+           "sampling draws from one generator per conversation (that keeps it resumable)" if temperature > 0 else
+           batch_support(model))
+    if why is not None:
+        log(f"--batch-size {batch_size}: {why}; decoding one conversation at a time")
+    return why is None
 
 
-def _append_line(handle: Any, record: dict[str, Any]) -> None:
-    """Append one JSON line and force it to disk (a crash keeps every complete line)."""
-    handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    handle.flush()
-    os.fsync(handle.fileno())
+@dataclass
+class _Run:
+    """One regeneration pass writing ``handle`` (the .partial file) in source order after ``last_done``."""
 
+    model: Any
+    tokenizer: Any
+    eos: tuple[int, ...]
+    context: int | None
+    max_new_tokens: int
+    report: RegenerateReport
+    progress: Progress
+    handle: Any
+    last_done: int
+    log: Callable[[str], None]
 
-def _log_progress(log: Callable[[str], None], report: RegenerateReport, seen: int, total: int, resumed_before: int,
-                  now: float) -> None:
-    """The progress line: conversations seen and written, tokens, pace and (this run's pace only) the ETA."""
-    left = eta_seconds(seen - resumed_before, total - resumed_before, now)
-    log(f"[{seen}/{total}] wrote {report.written + report.resumed}, "
-        f"{report.tokens} tokens, {report.tokens / max(now, 1e-9):.1f} tokens/s"
-        + (f", eta {format_duration(left)}" if left is not None else ""))
+    def _note(self, seen: int, index: int) -> bool:
+        """True when source conversation ``index`` is still to do (earlier ones were written before a resume)."""
+        if index <= self.last_done:
+            self.progress.resumed_before = seen
+        return index > self.last_done
 
+    def _emit(self, seen: int, index: int, messages: list[dict] | None, note: str | None) -> None:
+        if messages is None:
+            self.report.skip(note or "skipped")
+            return
+        append_line(self.handle, {"messages": messages, "source_index": index})
+        self.report.written += 1
+        self.progress.tick(seen, self.report.written + self.report.resumed, self.report.tokens)
 
-def _chain(first: tuple[int, list[dict]], rest: Iterator[tuple[int, list[dict]]]) -> Iterator[tuple[int, list[dict]]]:
-    yield first
-    yield from rest
+    def one_by_one(self, items: Iterator, turns: str, temperature: float, top_p: float, seed: int) -> None:
+        """Batch 1: each conversation through :func:`regenerate_conversation` (every mode, sampling included)."""
+        for seen, (index, messages) in items:
+            if not self._note(seen, index):
+                continue
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + index)  # per conversation: resumable
+            new, tokens, note = regenerate_conversation(self.model, self.tokenizer, messages, turns,
+                                                        self.max_new_tokens, temperature, top_p, self.eos, generator,
+                                                        self.context, f"conversation {index}", self.log)
+            self.report.tokens += tokens
+            self.report.truncated += note == "truncated"
+            self._emit(seen, index, new, note)
+
+    def batched(self, items: Iterator, batch_size: int) -> None:
+        """Greedy first turns, ``batch_size`` rows at once, in chunks of ``CHUNK_ROWS * batch_size`` conversations
+        formed from the source order alone: a resumed run redoes the chunk it stopped in the same way, so it writes
+        the same bytes as an uninterrupted one."""
+        chunk: list[tuple[int, int, list[dict], list[int], int]] = []  # (seen, index, context, prompt, budget)
+        for seen, (index, messages) in items:
+            todo = self._note(seen, index)
+            plan = first_turn_prompt(self.tokenizer, messages, self.max_new_tokens, self.context,
+                                     f"conversation {index}", self.log if todo else None)
+            if isinstance(plan, str):
+                if todo:
+                    self.report.skip(plan)
+                continue
+            chunk.append((seen, index, *plan))
+            if len(chunk) == CHUNK_ROWS * batch_size:
+                self._chunk(chunk, batch_size)
+                chunk = []
+        if chunk:
+            self._chunk(chunk, batch_size)
+
+    def _chunk(self, chunk: list[tuple[int, int, list[dict], list[int], int]], batch_size: int) -> None:
+        """Decode one chunk; each reply is written as soon as every earlier one of the chunk is (source order)."""
+        if chunk[-1][1] <= self.last_done:
+            return  # written before the interruption
+        replies: dict[int, list[int]] = {}
+        first_unwritten = [0]  # position in the chunk
+
+        def done(i: int, tokens: list[int]) -> None:
+            replies[i] = tokens
+            self.report.tokens += len(tokens)
+            while first_unwritten[0] in replies:
+                seen, index, context_msgs, _, _ = chunk[first_unwritten[0]]
+                reply = _reply(self.tokenizer, replies.pop(first_unwritten[0]))
+                if index > self.last_done:
+                    self._emit(seen, index, context_msgs + [reply] if reply["content"] else None, "empty reply")
+                first_unwritten[0] += 1
+
+        generate_greedy_batch(self.model, [c[3] for c in chunk], [c[4] for c in chunk], self.eos, batch_size, done)
 
 
 def summary(report: RegenerateReport, out: str | Path) -> str:
@@ -303,5 +322,5 @@ def summary(report: RegenerateReport, out: str | Path) -> str:
             f"in {report.seconds:.1f} s ({report.tokens_per_s:.1f} tokens/s)")
 
 
-__all__ = ["RegenerateReport", "iter_conversations", "normalize_messages", "regenerate", "regenerate_conversation",
-           "render_prompt", "stop_ids", "summary"]
+__all__ = ["RegenerateReport", "first_turn_prompt", "iter_conversations", "normalize_messages", "regenerate",
+           "regenerate_conversation", "render_prompt", "stop_ids", "summary"]

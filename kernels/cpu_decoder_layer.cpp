@@ -19,6 +19,7 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -67,6 +68,7 @@ inline vf round_bf(vf v) {  // to bf16 precision (nearest even) and back
 inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf vround_int(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT); }
 inline vf vtimes_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral in [-126, 127]
+inline bool any_gt(vf v, vf t) { return _mm512_cmp_ps_mask(v, t, _CMP_GT_OQ) != 0; }
 inline vf zero_where_neg_inf(vf score, vf v) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(score, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), v);
 }
@@ -177,6 +179,9 @@ inline __m256 times_pow2(__m256 p, __m256 n) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 inline vf vtimes_pow2(vf p, vf n) { return {times_pow2(p.lo, n.lo), times_pow2(p.hi, n.hi)}; }
+inline bool any_gt(vf v, vf t) {
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v.lo, t.lo, _CMP_GT_OQ), _mm256_cmp_ps(v.hi, t.hi, _CMP_GT_OQ)));
+}
 inline vf zero_where_neg_inf(vf score, vf v) {
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
   return {_mm256_and_ps(_mm256_cmp_ps(score.lo, ninf, _CMP_NEQ_OQ), v.lo),
@@ -318,19 +323,35 @@ std::vector<float> widen(const bf16* X, int64_t n) {
   return xf;
 }
 
-// Groups of kGroupBlocks blocks per task: a task should stream >= ~64 KiB of weights, or waking the second thread
-// costs more than it saves.
+// A task should stream >= ~64 KiB of weights, or waking the second thread costs more than it saves: the grain in
+// blocks of 16 rows (whole groups of kGroupBlocks).
 int64_t group_grain(int64_t K) { return std::max<int64_t>(1, (64 * 1024) / (kGroupBlocks * 16 * K * 2)); }
 
-void gemm(const bf16* X, int64_t T, int64_t K, const bf16* P, int64_t N, const bf16* bias, const bf16* res, bf16* Y) {
+// Blocks [b0, b1) in groups of kGroupBlocks, the 1-3 left over as one narrower group (still several weight streams).
+void block_range(const float* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t b1,
+                 const bf16* bias, const bf16* res, Out Y) {
   constexpr int G = kGroupBlocks;
+  static_assert(G == 4, "the remainder switch below covers 1-3 blocks");
+  for (; b0 + G <= b1; b0 += G) block_group<G>(X, T, K, P, N, b0, bias, res, Y);
+  switch (b1 - b0) {
+    case 3: return block_group<3>(X, T, K, P, N, b0, bias, res, Y);
+    case 2: return block_group<2>(X, T, K, P, N, b0, bias, res, Y);
+    case 1: return block_group<1>(X, T, K, P, N, b0, bias, res, Y);
+    default: return;
+  }
+}
+
+// Threads split whole blocks, not groups of 4: a 576-row output (36 blocks, 9 groups) split 5/4 groups (20/16
+// blocks, the slower thread 11% over an even split) and now splits 18/18; the leftover blocks after the last whole
+// group, which ran on one thread after the parallel region, are shared too. Per output the FMA order is the same
+// whatever the split, so results do not depend on the thread count.
+void gemm(const bf16* X, int64_t T, int64_t K, const bf16* P, int64_t N, const bf16* bias, const bf16* res, bf16* Y) {
   const std::vector<float> xf = widen(X, T * K);  // [T, K]
-  const int64_t blocks = (N + 15) / 16, groups = blocks / G;
+  const int64_t blocks = (N + 15) / 16;
   const Out out{Y, N, 0};
-  at::parallel_for(0, groups, group_grain(K), [&](int64_t a, int64_t b) {
-    for (int64_t q = a; q < b; ++q) block_group<G>(xf.data(), T, K, P, N, G * q, bias, res, out);
+  at::parallel_for(0, blocks, kGroupBlocks * group_grain(K), [&](int64_t a, int64_t b) {
+    block_range(xf.data(), T, K, P, N, a, b, bias, res, out);
   });
-  for (int64_t b = G * groups; b < blocks; ++b) block_group<1>(xf.data(), T, K, P, N, b, bias, res, out);
 }
 
 // One token's argmax so far over the columns a task ran (i < 0: none yet).
@@ -573,8 +594,9 @@ const bool* mask_ptr(const std::optional<torch::Tensor>& mask, int64_t rows, int
 }  // namespace
 
 // x [T, H] -> x after one decoder layer; writes this layer's K/V for the T new tokens to slots start..start+T-1.
-torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& ln1, const torch::Tensor& wqkv,
-                            const std::optional<torch::Tensor>& bqkv, const std::optional<torch::Tensor>& qn,
+// ln1 None: no input norm (EAGLE-1's draft layer, fed by fc(concat(emb, hidden)), has none).
+torch::Tensor decoder_layer(const torch::Tensor& x, const std::optional<torch::Tensor>& ln1,
+                            const torch::Tensor& wqkv, const std::optional<torch::Tensor>& bqkv, const std::optional<torch::Tensor>& qn,
                             const std::optional<torch::Tensor>& kn, const torch::Tensor& wo,
                             const std::optional<torch::Tensor>& bo, const torch::Tensor& ln2, const torch::Tensor& wgu,
                             const std::optional<torch::Tensor>& bgu, const torch::Tensor& wdown,
@@ -586,9 +608,14 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& ln1, co
               "the fused CPU layer takes contiguous bf16 CPU tensors");
   const int64_t T = x.size(0), H = x.size(1);
   const bool* mask = mask_ptr(tree_mask, T, T, "tree_mask");
-  std::vector<bf16> xn(T * H);
-  rms_norm(ptr(x), T, H, ptr(ln1), float(eps), xn.data());
-  return layer_body(xn.data(), H, x, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wdown, bdown, kc, vc, start, cos, sin,
+  std::vector<bf16> xn;
+  if (ln1) {
+    TORCH_CHECK(ln1->scalar_type() == torch::kBFloat16 && ln1->is_contiguous() && ln1->numel() == H,
+                "ln1 must be a contiguous bf16 [H] weight or None");
+    xn.resize(T * H);
+    rms_norm(ptr(x), T, H, ptr(*ln1), float(eps), xn.data());
+  }
+  return layer_body(ln1 ? xn.data() : ptr(x), H, x, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wdown, bdown, kc, vc, start, cos, sin,
                     mask, nullptr, hq, hkv, eps, scale);
 }
 
@@ -644,7 +671,174 @@ torch::Tensor linear_argmax(const torch::Tensor& x, const torch::Tensor& w, cons
   return idx;
 }
 
+// The top k of one row of n bf16 logits as softmax probabilities: probs [k] fp32 (over all n columns), ids [k],
+// descending, the lower column first among equal logits (NaN logits are not ranked: the drafter's head has none).
+static void row_topk(const bf16* logits, int64_t n, int64_t k, float* probs, int64_t* ids) {
+  std::vector<float> row((n + 15) / 16 * 16, -INFINITY);  // [n rounded up to 16]: -inf pads the tail
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j);
+    if (m == 16) {
+      vstore(row.data() + j, load_bf(logits + j));
+    } else {
+      for (int64_t r = 0; r < m; ++r) row[j + r] = to_f(logits[j + r]);
+    }
+  }
+  vf mx = vset1(-INFINITY);
+  for (size_t j = 0; j < row.size(); j += 16) mx = vmax(mx, vload(row.data() + j));
+  alignas(64) float lanes_max[16];
+  vstore(lanes_max, mx);
+  const float best = *std::max_element(lanes_max, lanes_max + 16);
+  vf sum = vzero();  // the softmax denominator: exp(l - max) over every column (the -inf pads add exactly 0)
+  for (size_t j = 0; j < row.size(); j += 16) {
+    const vf v = vload(row.data() + j);
+    sum = vadd(sum, zero_where_neg_inf(v, vexp(vsub(v, vset1(best)))));
+  }
+  const float total = hsum(sum);
+  // Insertion into a sorted list of k: a column enters only by beating the k-th strictly, and goes after the
+  // equal values already there, so among equals the lower column stays first. Once k are held, a chunk of 16 with
+  // nothing above the k-th is skipped in one compare (almost all of them).
+  int64_t count = 0;
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    if (count == k && !any_gt(vload(row.data() + j0), vset1(probs[k - 1]))) continue;
+    for (int64_t j = j0; j < std::min(n, j0 + 16); ++j) {
+      const float v = row[j];
+      if (count == k && !(v > probs[k - 1])) continue;
+      int64_t pos = count < k ? count++ : k - 1;
+      for (; pos > 0 && probs[pos - 1] < v; --pos) {
+        probs[pos] = probs[pos - 1];
+        ids[pos] = ids[pos - 1];
+      }
+      probs[pos] = v;
+      ids[pos] = j;
+    }
+  }
+  for (int64_t i = 0; i < k; ++i) probs[i] = std::exp(probs[i] - best) / total;
+}
+
+// (probs [T, k] fp32, ids [T, k] long) = the top k of softmax(bf16(norm(x) @ w^T)) over all n columns, x [T, K],
+// norm_w [K] (None: no norm), w packed: a draft head's norm, GEMM, softmax and top-k in one call. The [T, n] logits
+// stay in an internal buffer.
+std::tuple<torch::Tensor, torch::Tensor> norm_linear_topk(const torch::Tensor& x,
+                                                          const std::optional<torch::Tensor>& norm_w, double eps,
+                                                          const torch::Tensor& w, int64_t n, int64_t k) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.is_contiguous() &&
+                  w.is_contiguous() && x.dim() == 2 && w.dim() == 3,
+              "norm_linear_topk takes a contiguous bf16 x [T, K] and a packed bf16 weight [ceil(N/16), K/2, 32]");
+  const int64_t T = x.size(0), K = x.size(1);
+  TORCH_CHECK(K == 2 * w.size(1) && (n + 15) / 16 == w.size(0), "x / packed weight / n do not match");
+  TORCH_CHECK(k >= 1 && k <= n, "norm_linear_topk needs 1 <= k <= n, got k=", k, " for n=", n);
+  std::vector<bf16> xn;
+  if (norm_w) {
+    TORCH_CHECK(norm_w->scalar_type() == torch::kBFloat16 && norm_w->is_contiguous() && norm_w->numel() == K,
+                "norm_w must be a contiguous bf16 [K] weight or None");
+    xn.resize(T * K);
+    rms_norm(ptr(x), T, K, ptr(*norm_w), float(eps), xn.data());
+  }
+  std::vector<bf16> logits(T * n);  // [T, n]
+  gemm(norm_w ? xn.data() : ptr(x), T, K, ptr(w), n, nullptr, nullptr, logits.data());
+  auto probs = torch::empty({T, k}, x.options().dtype(torch::kFloat));
+  auto ids = torch::empty({T, k}, x.options().dtype(torch::kLong));
+  float* p = probs.data_ptr<float>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  // One thread: a row takes ~10-30 us, and a parallel region over rows measured 1.6x slower than this loop on a busy
+  // 2-core machine (a preempted thread holds the region's barrier far longer than the rows take).
+  for (int64_t t = 0; t < T; ++t) row_topk(logits.data() + t * n, n, k, p + t * k, id + t * k);
+  return {probs, ids};
+}
+
+// ---- one target forward in one call ----------------------------------------------------------------------------
+// LeanDecoder's forward as one native call: every layer, the final norm and the LM head (logits or argmax), instead
+// of a Python loop of decoder_layer calls (30 calls of 24 pybind arguments a step for a 135M model). The weights are
+// held from construction (when the decoder builds its exec plan), the KV cache from bind_cache (once per cache).
+// Each step runs the same kernels as the per-layer path, in the same order, so the results are bit-identical.
+class TargetStack {
+ public:
+  // layers: per layer (ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wdown, bdown), decoder_layer's order; None
+  // where the model has no such tensor (ln1, wqkv, wo, ln2, wgu and wdown are required).
+  TargetStack(const std::vector<std::vector<std::optional<torch::Tensor>>>& layers, torch::Tensor norm_w,
+              torch::Tensor head, int64_t vocab, int64_t hq, int64_t hkv, double eps, double scale)
+      : layers_(layers), norm_w_(std::move(norm_w)), head_(std::move(head)), vocab_(vocab), hq_(hq), hkv_(hkv),
+        eps_(eps), scale_(scale) {
+    for (const auto& l : layers_) {
+      TORCH_CHECK(l.size() == 12, "TargetStack: each layer is decoder_layer's 12 weights, got ", l.size());
+      for (int j : {0, 1, 5, 7, 8, 10}) TORCH_CHECK(l[j].has_value(), "TargetStack: layer weight ", j, " is None");
+    }
+    TORCH_CHECK(head_.dim() == 3 && (vocab_ + 15) / 16 == head_.size(0) && norm_w_.numel() == 2 * head_.size(1),
+                "TargetStack: the packed head / final norm do not match the vocabulary and hidden size");
+  }
+
+  // The per-layer K and V caches [Hkv, S, d] (a KVCache's views); held until the next bind.
+  void bind_cache(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "bind_cache needs one K and V per layer");
+    k_ = std::move(k);
+    v_ = std::move(v);
+  }
+
+  // x [T, H] (embeddings) -> (logits [T', V] or argmax [T'] long, post-norm hidden [T, H], the inputs of the layers
+  // in taps, num_layers meaning the last output). Rows: `rows` [T'] if given, else the last row if `last`, else all.
+  std::tuple<torch::Tensor, torch::Tensor, std::vector<torch::Tensor>> forward(
+      const torch::Tensor& x, int64_t start, const torch::Tensor& cos, const torch::Tensor& sin,
+      const std::optional<torch::Tensor>& tree_mask, const std::vector<int64_t>& taps, bool argmax,
+      const std::optional<torch::Tensor>& rows, bool last) const {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2 &&
+                    x.size(1) == norm_w_.numel(),
+                "TargetStack.forward takes contiguous bf16 embeddings [T, H]");
+    TORCH_CHECK(k_.size() == layers_.size(), "TargetStack.forward before bind_cache");
+    const int64_t T = x.size(0), H = x.size(1), L = int64_t(layers_.size());
+    const bool* mask = mask_ptr(tree_mask, T, T, "tree_mask");
+    std::vector<torch::Tensor> found(taps.size());
+    std::vector<bf16> xn(T * H);
+    torch::Tensor h = x;
+    for (int64_t i = 0; i <= L; ++i) {
+      for (size_t j = 0; j < taps.size(); ++j)
+        if (taps[j] == i) found[j] = h;
+      if (i == L) break;
+      const auto& w = layers_[i];
+      rms_norm(ptr(h), T, H, ptr(*w[0]), float(eps_), xn.data());
+      h = layer_body(xn.data(), H, h, *w[1], w[2], w[3], w[4], *w[5], w[6], *w[7], *w[8], w[9], *w[10], w[11],
+                     k_[i], v_[i], start, cos, sin, mask, nullptr, hq_, hkv_, eps_, scale_);  // [T, H]
+    }
+    auto hidden = torch::empty_like(h);  // [T, H]
+    rms_norm(ptr(h), T, H, ptr(norm_w_), float(eps_), reinterpret_cast<bf16*>(hidden.data_ptr()));
+    torch::Tensor sel = hidden;  // [T', H]
+    if (rows) {
+      sel = hidden.index_select(0, *rows);
+    } else if (last) {
+      sel = hidden.slice(0, T - 1, T);  // the last row of a contiguous [T, H] is contiguous
+    }
+    return {argmax ? linear_argmax(sel, head_, std::nullopt, vocab_) : linear(sel, head_, std::nullopt, vocab_),
+            hidden, found};
+  }
+
+ private:
+  std::vector<std::vector<std::optional<torch::Tensor>>> layers_;
+  torch::Tensor norm_w_, head_;
+  int64_t vocab_, hq_, hkv_;
+  double eps_, scale_;
+  std::vector<torch::Tensor> k_, v_;
+};
+
+// out [T, H] = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))): the final norm of the per-layer path, the stack's twin.
+torch::Tensor rms_norm_op(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.is_contiguous() &&
+                  w.is_contiguous() && x.dim() == 2 && w.numel() == x.size(1),
+              "rms_norm takes a contiguous bf16 x [T, H] and weight [H]");
+  auto out = torch::empty_like(x);
+  rms_norm(ptr(x), x.size(0), x.size(1), ptr(w), float(eps), reinterpret_cast<bf16*>(out.data_ptr()));
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // module_local: both ISA builds define TargetStack, and a process (the tests) may load both.
+  pybind11::class_<TargetStack>(m, "TargetStack", pybind11::module_local(),
+                                "a whole target forward (all layers, final norm, head) in one call")
+      .def(pybind11::init<const std::vector<std::vector<std::optional<torch::Tensor>>>&, torch::Tensor,
+                          torch::Tensor, int64_t, int64_t, int64_t, double, double>())
+      .def("bind_cache", &TargetStack::bind_cache)
+      // Without the GIL: a prefill runs for seconds, and other Python threads may run meanwhile.
+      .def("forward", &TargetStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm_op, "bf16 RMSNorm over the last dimension (transformers' LlamaRMSNorm rounding)");
+  m.def("norm_linear_topk", &norm_linear_topk, "a draft head: RMSNorm, packed bf16 GEMM, softmax and top-k");
   m.def("linear_argmax", &linear_argmax, "argmax per row of a bf16 linear over a packed weight, without the logits");
   m.def("decoder_layer", &decoder_layer, "one bf16 Llama-family decoder layer over a static KV cache");
   m.def("eagle3_layer", &eagle3_layer, "EAGLE-3's bf16 draft layer over a static draft KV cache");

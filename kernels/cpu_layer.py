@@ -5,9 +5,12 @@ one call so that a batch-1 decoding step is bound by reading the weights rather 
 with ``torch.utils.cpp_extension`` (g++ and ninja needed) into ``~/.cache/draftsmith/extensions`` the first time a bf16
 model asks for it (about 30 s), and loaded from there afterwards. Two variants share the source: ``avx512_bf16``
 (AVX-512 vectors of 16 fp32 lanes) and ``avx2`` (two AVX2 vectors of 8 lanes, for CPUs without AVX-512); both read
-bf16 weights and accumulate in fp32, the bf16 -> fp32 widening being a 16-bit shift. Besides the layer it offers
-``linear`` (any packed bf16 linear) and ``linear_argmax`` (a greedy step's LM head reduced to each row's argmax inside
-the GEMM, never writing the [T, V] logits). Everything here is imported lazily; when the CPU, the compiler or the
+bf16 weights and accumulate in fp32, the bf16 -> fp32 widening being a 16-bit shift. Besides the layer
+(``decoder_layer``; ``ln1=None`` runs it without its input norm, as EAGLE-1's draft layer) it offers ``TargetStack``
+(a whole target forward: every layer, the final norm and the LM head in one call), ``linear`` (any packed bf16
+linear), ``linear_argmax`` (a greedy step's LM head reduced to each row's argmax inside the GEMM, never writing the
+[T, V] logits), ``norm_linear_topk`` (a draft head: norm, GEMM, softmax and top-k in one call) and ``rms_norm``.
+Everything here is imported lazily; when the CPU, the compiler or the
 shapes do not allow it, :func:`load_cpu_layer` explains why and the caller falls back to torch.
 """
 

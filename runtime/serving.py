@@ -60,7 +60,8 @@ class Runtime:
                 "linear_backend": plan.label if plan else "hf (transformers fallback)",
                 "linear_reason": plan.reason if plan else self.decoder_reason,
                 "decoder_backend": self.decoder_backend, "decoder_reason": self.decoder_reason,
-                "kernels": getattr(self.model, "kernel_backend", "n/a"), "device": str(self.model.device)}
+                "kernels": getattr(self.model, "kernel_backend", "n/a"), "device": str(self.model.device),
+                "draft_plan": getattr(getattr(self.speculative, "proposer", None), "draft_plan", {})}
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, Any]:

@@ -70,6 +70,7 @@ TIERS = {
     "test_assets.py": "unit",  # its embedded-package tests are marked integration
     "test_backend_choice.py": "unit",  # its simulated-AVX2 `draftsmith generate` run is marked e2e
     "test_bench.py": "unit",  # its `draftsmith generate` / `bench` CLI run is marked e2e
+    "test_bench_floors.py": "unit",
     "test_calibrated_tree.py": "unit",
     "test_chat_encoding.py": "unit",
     "test_clover.py": "unit",
@@ -85,6 +86,7 @@ TIERS = {
     "test_cost_model.py": "unit",
     "test_shape_choice.py": "unit",
     "test_cpu_layer.py": "unit",
+    "test_cpu_stack.py": "unit",
     "test_contention.py": "unit",
     "test_docs.py": "unit",
     "test_thread_governor.py": "unit",
@@ -99,6 +101,7 @@ TIERS = {
     "test_draft_attention.py": "unit",
     "test_eagle.py": "unit",  # its train.py run is marked e2e
     "test_eagle3.py": "unit",  # its train.py run is marked e2e
+    "test_eagle_native.py": "unit",
     "test_eagle_runtime.py": "unit",
     "test_eagle_sampling.py": "unit",  # its slow test(s) are marked e2e
     "test_dflash_engines.py": "unit",  # real speculators library: e2e; llama.cpp conversion + engine-check: integration
@@ -137,6 +140,7 @@ TIERS = {
     "test_metrics.py": "unit",
     "test_objective_seams.py": "unit",
     "test_regenerate.py": "unit",
+    "test_batched_regenerate.py": "unit",
     "test_reward_eval.py": "unit",
     "test_room_walk.py": "e2e",
     "test_rooms.py": "unit",

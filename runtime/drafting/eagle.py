@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from draftsmith.common.constants import EAGLE_CHAIN_PROPOSER, EAGLE_TREE_PROPOSER
 from draftsmith.common.layers import KVCache
@@ -48,7 +47,7 @@ from draftsmith.export.format import TargetMismatchError
 from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
 from draftsmith.runtime.drafting.base import StepContext, register_chain, register_proposer
-from draftsmith.runtime.drafting.eagle_models import DraftModel, Eagle1DraftModel, Eagle3DraftModel
+from draftsmith.runtime.drafting.eagle_models import DraftModel, Eagle1DraftModel, Eagle3DraftModel, torch_topk
 from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
@@ -117,8 +116,9 @@ class EagleProposer:
         self.pending_ids = next_ids.reshape(-1).cpu()  # [m-1]: the token after each feature but the last
 
     @torch.no_grad()
-    def _root_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        """Run the pending pairs (the last one with the root token): -> (out [1, 1, H], logits [N], cache)."""
+    def _root_step(self, ctx: StepContext, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, KVCache]:
+        """Run the pending pairs (the last one with the root token): -> (out [1, 1, H], head, ids, cache), the head
+        as in :meth:`_draft` (top-``k`` log-probs [k] and draft ids [k], or logits [N] and None when k = 0)."""
         feats = self.pending_feats
         m = 0 if feats is None else feats.shape[0]
         if m == 0 or self.pending_ids.numel() != m - 1:
@@ -129,10 +129,27 @@ class EagleProposer:
                                f"tokens fed for a context of {ctx.tokens.numel() - 1}; call begin() per generation")
         ids = torch.cat([self.pending_ids, torch.tensor([ctx.root_token])]).to(feats.device)[None]  # [1, m]
         cache = None if self.cache is None else self.cache.crop(self.num_committed)
-        out, logits, cache = self.model.step(self.model.features(feats), ids, cache, None, None, last_only=True)
+        out, head, top, cache = self._draft(self.model.features(feats), ids, cache, None, None, True, k)
         self.cache, self.num_committed = cache, self.num_committed + m  # committed: pairs from target features only
         self.pending_feats, self.pending_ids = feats[:0], self.pending_ids[:0]
-        return out[:, -1:], logits[0, -1], cache
+        return out[:, -1:], head[-1], None if top is None else top[-1], cache
+
+    def _draft(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
+               mask: torch.Tensor | None, last_only: bool,
+               k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, KVCache]:
+        """One drafter forward -> (out [1, S, H], log-probs [S', k] fp32, draft ids [S', k], cache), descending;
+        k = 0: (out, logits [S', N], None, cache) for sampling. The model's ``step_topk`` (the fused head: no
+        [S', N] logits) when it has one, else its logits through log_softmax + top-k."""
+        step_topk = getattr(self.model, "step_topk", None)
+        if k and step_topk is not None:
+            return step_topk(hidden, ids, cache, positions, mask, last_only, k)
+        out, logits, cache = self.model.step(hidden, ids, cache, positions, mask, last_only)
+        return (out, logits[0], None, cache) if k == 0 else (out, *torch_topk(logits[0], k), cache)
+
+    @property
+    def draft_plan(self) -> dict[str, str]:
+        """Which parts of a draft call run natively, and why the others do not (for the runtime's report)."""
+        return dict(getattr(self.model, "native_plan", {}))
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         ids = self.model.draft_ids
@@ -142,34 +159,39 @@ class EagleProposer:
     @torch.no_grad()
     def propose(self, ctx: StepContext) -> DraftTree:
         """Draft a chain or a dynamic tree rooted at ``ctx.root_token``."""
-        out, logits, cache = self._root_step(ctx)
+        k = (0 if self.temperature > 0 else 1) if self.policy == "chain" else self.top_k
+        out, head, top, cache = self._root_step(ctx, k)
         policy = ctx.stop_policy
         levels = self.depth + 1 if policy is None else min(self.depth + 1, policy.max_depth)
         if self.policy == "chain":
-            return self._chain(ctx, out, logits, cache, levels) if levels >= 1 else DraftTree.chain([ctx.root_token])
+            return self._chain(ctx, out, (head, top), cache, levels) if levels >= 1 else \
+                DraftTree.chain([ctx.root_token])
         if levels < 1 or self.total_tokens < 2:
             return DraftTree.chain([ctx.root_token])
-        return self._tree(ctx, out, logits, cache, levels)
+        return self._tree(ctx, out, (head, top), cache, levels)
 
-    def _chain(self, ctx: StepContext, out: torch.Tensor, logits: torch.Tensor, cache: KVCache,
-               levels: int) -> DraftTree:
+    def _chain(self, ctx: StepContext, out: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor | None],
+               cache: KVCache, levels: int) -> DraftTree:
+        """``head``: the root step's (logits [N], None) when sampling, else (log-prob [1], draft id [1]) of its top."""
         tokens, confs, qs, stop = [ctx.root_token], [1.0], [], StopContext(0, 1.0)
+        sampling = self.temperature > 0
         for d in range(1, levels + 1):
-            if self.temperature > 0:
+            if sampling:
+                logits = head[0]  # [N]
                 q = on_generator_device(target_probs(logits.float(), self.temperature, self.top_p), ctx.generator)
                 x = torch.multinomial(q, 1, generator=ctx.generator)  # [1] draft id
                 qs.append(self._on_target_vocab(q))
-            else:
-                q = torch.softmax(logits.float(), -1)  # [N] only for the confidence
-                x = q.argmax().reshape(1)
-            confs.append(float(q[x]))
-            token = self._to_target(x.to(logits.device))  # [1] target id
+                confs.append(float(q[x]))
+            else:  # greedy: the head's top-1 (its probability is only the confidence)
+                x = head[1].reshape(1)  # [1] draft id
+                confs.append(float(head[0].reshape(-1)[0].exp()))
+            token = self._to_target(x.to(out.device))  # [1] target id
             tokens.append(int(token))
             if d == levels:
                 break
             # The new node pairs its parent's drafter output with its token, at the next position.
-            out, step_logits, cache = self.model.step(out, token[None], cache, None, None, last_only=True)
-            logits = step_logits[0, -1]
+            out, step_head, step_top, cache = self._draft(out, token[None], cache, None, None, True, int(not sampling))
+            head = (step_head[-1], None if step_top is None else step_top[-1])
             # As in trees, the stop policy sees the node's own drafter output (the state its child is drafted from).
             stop = stop.child(d, confs[-1], out[0, -1])
             if ctx.stop_policy is not None and ctx.stop_policy.should_stop(stop):
@@ -189,11 +211,11 @@ class EagleProposer:
             return q
         return torch.zeros(self.model.vocab_size, dtype=torch.float64).index_copy_(0, self.model.draft_ids.cpu(), q)
 
-    def _tree(self, ctx: StepContext, out: torch.Tensor, logits: torch.Tensor, cache: KVCache,
+    def _tree(self, ctx: StepContext, out: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
               levels: int) -> DraftTree:
         k, device, policy = self.top_k, out.device, ctx.stop_policy
         committed = self.num_committed
-        logp, idx = F.log_softmax(logits.float(), -1).topk(k)  # [k]: depth-1 nodes, score = log p
+        logp, idx = head  # [k]: depth-1 nodes (the root step's top k), score = log p
         # Generated nodes, in generation order (parents before children); parent -1 = the root.
         tokens, scores, local, parents = [self._to_target(idx)], [logp], [logp], [torch.full((k,), -1, device=device)]
         frontier = torch.arange(k, device=device)  # generation indices of the frontier
@@ -206,8 +228,8 @@ class EagleProposer:
         for level in range(1, levels):
             mask = torch.cat([seen, ancestors, eye], dim=1)  # [k, committed + (level-1)*k + k]
             positions = torch.full((1, k), committed - 1 + level, device=device)  # depth-`level` nodes share one
-            out, step_logits, cache = self.model.step(f_hidden[None], f_tokens[None], cache, positions, mask, False)
-            child_logp, child = F.log_softmax(step_logits[0].float(), -1).topk(k, dim=-1)  # [k, k]
+            out, child_logp, child, cache = self._draft(f_hidden[None], f_tokens[None], cache, positions, mask, False,
+                                                        k)  # [k, k] each: every frontier node's top-k children
             cum = f_scores[:, None] + child_logp  # [k, k]: log of the product of confidences along the path
             if policy is not None:  # a stopped node keeps no children
                 own_logp = torch.cat(local)[frontier]  # [k] each frontier node's log p under its parent
@@ -294,7 +316,9 @@ def _build_eagle(export_dir: str | Path, config: dict, target_model: Any, **opti
     drafter, _ = EagleDrafter.from_export(export_dir, embed_weight=target_model.embed_weight,
                                          lm_head_weight=target_model.lm_head_weight)
     head = getattr(target_model, "lm_head_logits", None)  # the same weights, through the target's fast linears
-    return _proposer(config, Eagle1DraftModel(_place(drafter, target_model), head), options)
+    packed = getattr(target_model, "_head", None)  # the target's packed head (C++ ops), shared by the native top-k
+    packed = packed if getattr(packed, "packed", None) is not None else None
+    return _proposer(config, Eagle1DraftModel(_place(drafter, target_model), head, packed), options)
 
 
 @register_proposer("eagle3")

@@ -12,67 +12,20 @@ from torch import nn
 from draftsmith.common.layers import KVCache, apply_rope, build_attention_mask, rope_cos_sin
 from draftsmith.drafters.eagle import EagleDrafter
 from draftsmith.drafters.eagle3 import Eagle3Drafter
+from draftsmith.runtime.drafting.eagle_ops import (  # noqa: F401  (StaticDraftKV, grouped_attention: re-exported)
+    StaticDraftKV,
+    grouped_attention,
+    norm_linear_topk_reference,
+    rms_norm,
+    torch_topk,
+)
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
 
-class StaticDraftKV:
-    """The draft layer's keys and values in preallocated storage ``[1, n_kv, capacity, d]`` with a length counter.
-
-    Drop-in for :class:`draftsmith.common.layers.KVCache` in the runtime (``length``, ``key``, ``value``,
-    ``append``, ``crop``), but mutable: ``append`` writes after ``length`` in place (the storage doubles when full)
-    and ``crop`` only resets ``length``, where the immutable cache copied its whole history with ``torch.cat`` on
-    every drafter call (quadratic over a generation). Both return the cache itself, so the proposer's
-    ``cache = cache.crop(n)`` / ``cache.append(k, v)`` pattern reads the same.
-    """
-
-    def __init__(self, like: torch.Tensor, capacity: int = 256) -> None:
-        shape = (1, like.shape[1], max(1, capacity), like.shape[3])  # [1, n_kv, capacity, d]
-        self._k = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self._v = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        """Entries that fit before the storage grows."""
-        return self._k.shape[2]
-
-    @property
-    def key(self) -> torch.Tensor:
-        """The keys so far [1, n_kv, length, d] (a view)."""
-        return self._k[:, :, : self.length]
-
-    @property
-    def value(self) -> torch.Tensor:
-        """The values so far [1, n_kv, length, d] (a view)."""
-        return self._v[:, :, : self.length]
-
-    def reserve(self, size: int) -> None:
-        """Make room for ``size`` entries in all, keeping the current ones (doubling: amortised O(1) per entry)."""
-        if size > self.capacity:
-            grown = StaticDraftKV(self._k, max(size, 2 * self.capacity))
-            grown._k[:, :, : self.length] = self.key
-            grown._v[:, :, : self.length] = self.value
-            self._k, self._v = grown._k, grown._v
-
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> StaticDraftKV:
-        """Write ``key``/``value`` [1, n_kv, S, d] after the current entries."""
-        end = self.length + key.shape[2]
-        self.reserve(end)
-        self._k[:, :, self.length : end] = key
-        self._v[:, :, self.length : end] = value
-        self.length = end
-        return self
-
-    def crop(self, length: int) -> StaticDraftKV:
-        """Keep the first ``length`` entries (drop this step's speculative ones): only the counter moves."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a draft KV cache of length {self.length} to {length}")
-        self.length = length
-        return self
-
-
 class DraftModel(Protocol):
-    """What the proposer needs from a drafter (adapters below; tests use stubs)."""
+    """What the proposer needs from a drafter (adapters below; tests use stubs). An adapter may also offer
+    ``step_topk(hidden, ids, cache, positions, tree_mask, last_only, k) -> (out, log-probs [S', k], draft ids [S', k],
+    cache)``, the head reduced to its top k without the [S', N] logits; the proposer uses it when it is there."""
 
     feature_taps: tuple[int, ...]  # target layer taps to feed; () = the post-norm final hidden
     vocab_size: int  # target vocabulary
@@ -88,162 +41,237 @@ class DraftModel(Protocol):
         ...
 
 
-class Eagle1DraftModel:
-    """EAGLE-1 adapter: features are the target's post-norm hidden; logits through the target's LM head."""
+class _ServingDraftModel:
+    """The serving form of a one-layer EAGLE drafter (subclasses: EAGLE-1 and EAGLE-3).
 
-    feature_taps: tuple[int, ...] = ()
-    draft_ids = None
-
-    def __init__(self, drafter: EagleDrafter, head: Any = None) -> None:
-        self.drafter = drafter.eval()
-        self.vocab_size = drafter.config.vocab_size
-        self.head = head or drafter.logits  # the target's own (packed, faster) head when it offers one
-
-    def features(self, feats: torch.Tensor) -> torch.Tensor:
-        return feats[None]  # [1, S, H]
-
-    def step(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
-             tree_mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        out, cache = self.drafter(ids, hidden, past_kv=cache, positions=positions, tree_mask=tree_mask)  # [1, S, H]
-        return out, self.head(out[:, -1:] if last_only else out), cache  # the V-wide head on needed rows
-
-
-class Eagle3DraftModel:
-    """EAGLE-3 adapter: features are the fused layer taps; own LM head over the draft vocabulary.
-
-    Its ``step`` is the drafter layer's math (``Eagle3Layer``) arranged for serving: keys/values in a
-    :class:`StaticDraftKV` and RoPE rows read from tables built once (grown on demand). In bf16 on a CPU that builds
-    the fused kernel (``kernels/cpu_decoder_layer.cpp``) the whole layer is one native call (``eagle3_layer``: both
-    input norms, q/k/v, RoPE, the cache write, attention, o-proj, the MLP); elsewhere it runs in torch with q/k/v in
-    one linear and gate/up in another. ``fused_reason`` says why the native layer does not run (None when it does).
+    Keys/values live in a :class:`StaticDraftKV`, RoPE rows come from tables built once (grown on demand). In bf16 on
+    a CPU that builds the fused kernel (``kernels/cpu_decoder_layer.cpp``) a draft call is: the fc (``linear``), the
+    layer (one native call), and the head as ``norm_linear_topk`` (norm, head GEMM, softmax, top-k: no [S, N]
+    logits). Elsewhere the same math runs in torch with q/k/v in one linear and gate/up in another.
+    ``native_plan`` says which parts run natively and, for each part that does not, why (nothing falls back
+    silently); ``fused_reason`` is None when the layer runs natively.
     """
 
-    def __init__(self, drafter: Eagle3Drafter) -> None:
+    draft_ids: torch.Tensor | None = None
+
+    def __init__(self, drafter: nn.Module, head_norm: nn.Module | None, head: nn.Module | Any, head_n: int) -> None:
         self.drafter = drafter.eval()
-        self.feature_taps = tuple(drafter.config.target_layers)
         self.vocab_size = drafter.config.vocab_size
-        full = drafter.config.draft_vocab_size == drafter.config.vocab_size
-        self.draft_ids = None if full else drafter.draft_ids_in_target()  # [N]
-        layer = drafter.layer
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = drafter.layer.self_attn, drafter.layer.mlp
         self._kernel, self.fused_reason = _draft_kernel(drafter)
-        if self._kernel is not None:
-            from draftsmith.kernels.cpu_layer import pack_weight
-
-            def norm(m: nn.Module) -> torch.Tensor:
-                return m.weight.detach().contiguous()
-
-            def packed(*parts: nn.Module) -> torch.Tensor:
-                return pack_weight(torch.cat([p.weight.detach() for p in parts]))  # [blocks, in/2, 32]
-
-            self._native = (norm(layer.input_layernorm), norm(layer.hidden_norm),
-                            packed(attn.q_proj, attn.k_proj, attn.v_proj), packed(attn.o_proj),
-                            norm(layer.post_attention_layernorm), packed(mlp.gate_proj, mlp.up_proj),
-                            packed(mlp.down_proj))  # fmt: skip
-        else:
-            self._qkv = _fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)  # 2H -> (nh + 2 nkv) d
-            self._gate_up = _fused_linear(mlp.gate_proj, mlp.up_proj)  # H -> 2I
         self._cos = self._sin = self._signed_sin = None  # [P, d] RoPE rows of positions 0..P-1, the drafter's dtype
+        self.native_plan = {"draft_layer": "native" if self._kernel else f"torch: {self.fused_reason}"}
+        self._qkv = self._gate_up = None  # the torch layer's fused linears, built on its first use
+        if self._kernel is None:
+            self.native_plan["draft_head"] = f"torch: {self.fused_reason}"
+            return
+        self._layer_w = (_packed(attn.q_proj, attn.k_proj, attn.v_proj)[0], _packed(attn.o_proj)[0],
+                         _weight(drafter.layer.post_attention_layernorm), _packed(mlp.gate_proj, mlp.up_proj)[0],
+                         _packed(mlp.down_proj)[0])  # fmt: skip
+        self._head_args = (None if head_norm is None else _weight(head_norm), drafter.config.rms_norm_eps,
+                           _packed(head)[0], head_n)  # norm_linear_topk's (norm_w, eps, packed_w, n)
+        self._topk = getattr(self._kernel, "norm_linear_topk", None)
+        self.native_plan["draft_head"] = "native (norm_linear_topk)" if self._topk else \
+            "linear in C++, softmax + top-k in torch: this build of the kernel has no norm_linear_topk"
+        if self._topk is None:
+            kernel = self._kernel
+            self._topk = lambda *a: norm_linear_topk_reference(*a, linear=kernel.linear)
 
-    def _rope(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows [1, S, d] of ``positions`` [1, S] (all < ``needed``), from tables grown by doubling."""
+    def _grow_rope(self, needed: int, device: torch.device) -> None:
+        """RoPE tables [P, d] for positions 0..P-1 with P >= ``needed``, grown by doubling."""
         if self._cos is None or self._cos.shape[0] < needed:
-            c, dtype = self.drafter.config, self.drafter.fc.weight.dtype
+            c, dtype = self.drafter.config, self._dtype
             size = max(needed, 256, 2 * (0 if self._cos is None else self._cos.shape[0]))
-            table = torch.arange(size, device=positions.device)[None]  # [1, P]
+            table = torch.arange(size, device=device)[None]  # [1, P]
             cos, sin = rope_cos_sin(table, c.head_dim, c.rope_theta, dtype)  # [1, P, d] each
             self._cos, self._sin = cos[0], sin[0]
             half = c.head_dim // 2  # the native layer folds rotate_half's sign into its sin table
             self._signed_sin = torch.cat([-self._sin[:, :half], self._sin[:, half:]], dim=-1)  # [P, d]
+
+    def _rope(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [1, S, d] of ``positions`` [1, S] (all < ``needed``)."""
+        self._grow_rope(needed, positions.device)
         return self._cos[positions], self._sin[positions]  # [1, S, d]
 
-    def _native_layer(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, needed: int,
-                      tree_mask: torch.Tensor | None, cache: StaticDraftKV) -> torch.Tensor:
-        """The same layer as :meth:`_layer` in one call of the fused kernel: emb, hidden [1, S, H] -> [1, S, H]."""
-        c, seq, past = self.drafter.config, emb.shape[1], cache.length
-        cache.reserve(past + seq)  # the kernel writes the new keys/values at slots past .. past+S-1
-        # No mask: causal among the new rows, every cached one visible; a tree step's mask covers every slot.
-        full = None if tree_mask is None else build_attention_mask(seq, past, emb.device, tree_mask)[0, 0]  # [S, P+S]
-        self._rope(positions, needed)
-        rows = positions[0]
-        out = self._kernel.eagle3_layer(
-            emb[0].contiguous(), hidden[0].contiguous(), *self._native, cache._k[0], cache._v[0], past,
-            self._cos.index_select(0, rows), self._signed_sin.index_select(0, rows),  # [S, d] each
-            None, None if full is None else full.contiguous(), c.num_attention_heads, c.num_key_value_heads,
-            c.rms_norm_eps, c.head_dim**-0.5)  # [S, H]
-        cache.length = past + seq
-        return out[None]
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.drafter.fc.weight.dtype
 
-    def _layer(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, needed: int,
+    def _layer(self, x: torch.Tensor, res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor | None, cache: StaticDraftKV) -> torch.Tensor:
-        """Eagle3Layer.forward over ``cache`` (see the class docstring): emb, hidden [1, S, H] -> out [1, S, H]."""
+        """The torch layer: q/k/v over x [1, S, in], residual res [1, S, H], over ``cache`` -> out [1, S, H]."""
         layer, c = self.drafter.layer, self.drafter.config
-        seq, nh, nkv, hd = emb.shape[1], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = torch.cat((_rms_norm(layer.input_layernorm, emb), _rms_norm(layer.hidden_norm, hidden)), -1)  # [1, S, 2H]
+        seq, nh, nkv, hd = x.shape[1], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        if self._qkv is None:
+            attn, mlp = layer.self_attn, layer.mlp
+            self._qkv = _fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)  # in -> (nh + 2 nkv) d
+            self._gate_up = _fused_linear(mlp.gate_proj, mlp.up_proj)  # H -> 2I
         q, k, v = self._qkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)  # [1, S, nh*d], [1, S, nkv*d] x2
-        cos, sin = self._rope(positions, needed)  # [1, S, d]
         q = apply_rope(q.view(1, seq, nh, hd).transpose(1, 2), cos, sin)  # [1, nh, S, d]
         k = apply_rope(k.view(1, seq, nkv, hd).transpose(1, 2), cos, sin)  # [1, nkv, S, d]
         cache.append(k, v.view(1, seq, nkv, hd).transpose(1, 2))
         out = grouped_attention(q, cache.key, cache.value, mask)  # [1, nh, S, d]
-        hidden = hidden + layer.self_attn.o_proj(out.transpose(1, 2).reshape(1, seq, nh * hd))  # [1, S, H]
-        gate, up = self._gate_up(_rms_norm(layer.post_attention_layernorm, hidden)).chunk(2, dim=-1)  # [1, S, I] x2
-        return hidden + layer.mlp.down_proj(F.silu(gate) * up)
+        res = res + layer.self_attn.o_proj(out.transpose(1, 2).reshape(1, seq, nh * hd))  # [1, S, H]
+        gate, up = self._gate_up(rms_norm(layer.post_attention_layernorm, res)).chunk(2, dim=-1)  # [1, S, I] x2
+        return res + layer.mlp.down_proj(F.silu(gate) * up)
 
-    def features(self, feats: torch.Tensor) -> torch.Tensor:
-        return self.drafter.fuse(feats[None])  # [1, S, k*H] -> [1, S, H]
+    def _run(self, hidden: torch.Tensor, ids: torch.Tensor, cache: StaticDraftKV | None,
+             positions: torch.Tensor | None, tree_mask: torch.Tensor | None) -> tuple[torch.Tensor, StaticDraftKV]:
+        """The layer over ``cache`` (a new one when None): hidden [1, S, H], ids [1, S] -> (out [1, S, H], cache)."""
+        c, seq = self.drafter.config, ids.shape[1]
+        if cache is None:  # a new generation: storage for the prompt's pairs and room to grow
+            like = torch.empty(1, c.num_key_value_heads, 0, c.head_dim, dtype=self._dtype, device=ids.device)
+            cache = StaticDraftKV(like, 2 * seq + 64)
+        past = cache.length
+        needed = past + seq if positions is None else int(positions.max()) + 1
+        if self._kernel is not None and self._native_ok(tree_mask):
+            self._grow_rope(needed, ids.device)
+            if positions is None:  # consecutive positions: the table rows are a view, no gather
+                cos, sin = self._cos[past:needed], self._signed_sin[past:needed]  # [S, d] each
+            else:  # the kernel reads sin with rotate_half's sign folded in
+                cos, sin = self._cos.index_select(0, positions[0]), self._signed_sin.index_select(0, positions[0])
+            cache.reserve(past + seq)  # the kernel writes the new keys/values at slots past .. past+S-1
+            # No mask: causal among the new rows, every cached one visible; a tree step's mask covers every slot.
+            full = None if tree_mask is None else _full_mask(tree_mask, seq, past)  # [S, P+S]
+            emb = F.embedding(ids[0], self.drafter.embed_weight).to(self._dtype)  # [S, H]
+            out = self._native_layer(emb, hidden[0].contiguous(), cache, past, cos, sin, full)  # [S, H]
+            cache.length = past + seq
+            return out[None], cache
+        if positions is None:
+            positions = torch.arange(past, needed, device=ids.device)[None]  # [1, S]
+        emb = F.embedding(ids, self.drafter.embed_weight).to(self._dtype)  # [1, S, H]
+        one_query = seq == 1 and tree_mask is None  # one new query sees every key: no mask to build
+        mask = None if one_query else build_attention_mask(seq, past, ids.device, tree_mask)  # [1, 1, S, P+S]
+        x, res = self._layer_input(emb, hidden)
+        return self._layer(x, res, *self._rope(positions, needed), mask, cache), cache
+
+    def _native_ok(self, tree_mask: torch.Tensor | None) -> bool:
+        return True
 
     def step(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
              tree_mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        # Eagle3Drafter.draft_step without its head: the root step feeds every pending prompt row, but only the
-        # last one drafts, so only that row (or the frontier rows of a tree step) goes through norm + lm_head.
-        d, seq = self.drafter, ids.shape[1]
-        if cache is None:  # a new generation: storage for the prompt's pairs and room to grow
-            c = d.config
-            like = torch.empty(1, c.num_key_value_heads, 0, c.head_dim, dtype=d.fc.weight.dtype, device=ids.device)
-            cache = StaticDraftKV(like, 2 * seq + 64)
-        past = cache.length
-        if positions is None:
-            positions, needed = torch.arange(past, past + seq, device=ids.device)[None], past + seq  # [1, S]
-        else:
-            needed = int(positions.max()) + 1
-        emb = F.embedding(ids, d.embed_weight).to(d.fc.weight.dtype)  # [1, S, H]
+        """hidden [1, S, H], target ids [1, S] -> (out [1, S, H], logits [1, S or 1, N], cache). Only the rows
+        that draft (the last one of a root step, every frontier node of a tree step) go through the head."""
+        out, cache = self._run(hidden, ids, cache, positions, tree_mask)
+        return out, self._logits(out[:, -1:] if last_only else out), cache  # [1, 1 or S, N]
+
+    def step_topk(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None,
+                  positions: torch.Tensor | None, tree_mask: torch.Tensor | None, last_only: bool,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVCache]:
+        """:meth:`step` with the head reduced to its top ``k``: (out [1, S, H], log-probs [S', k] fp32 descending,
+        draft ids [S', k], cache), S' = 1 or S. Natively no [S', N] logits are made."""
+        if self._kernel is None:  # the torch head on the logits (through self.step, which tests may override)
+            out, logits, cache = self.step(hidden, ids, cache, positions, tree_mask, last_only)
+            return (out, *torch_topk(logits[0], k), cache)
+        out, cache = self._run(hidden, ids, cache, positions, tree_mask)
+        rows = (out[0, -1:] if last_only else out[0]).contiguous()  # [S', H]
+        probs, top = self._topk(rows, *self._head_args, k)  # [S', k] fp32, [S', k] long
+        return out, probs.log(), top, cache
+
+
+class Eagle1DraftModel(_ServingDraftModel):
+    """EAGLE-1 adapter: features are the target's post-norm hidden; logits through the target's LM head.
+
+    Natively: ``linear`` (fc over concat(emb, feature), with its bias) then ``decoder_layer`` with ``ln1=None`` (the
+    layer has no input norm), the head ``norm_linear_topk`` without a norm over the target's packed LM head
+    (``packed_head``, shared with the target; packed here when not given). The kernel's ``decoder_layer`` takes no
+    mask over cached entries, so a tree step (whose nodes see only their own ancestors) runs in torch.
+    """
+
+    feature_taps: tuple[int, ...] = ()
+
+    def __init__(self, drafter: EagleDrafter, head: Any = None, packed_head: Any = None) -> None:
+        self.head = head or drafter.logits  # the target's own (packed, faster) head when it offers one
+        source = packed_head if packed_head is not None else _HeadWeight(drafter.lm_head_weight)
+        super().__init__(drafter, None, source, drafter.config.vocab_size)
+        why = None if self._kernel is None else _optional_ln1(self._kernel)
+        self._layer_native = self._kernel is not None and why is None
+        if self._layer_native:
+            self._fc = _packed(drafter.fc) + (drafter.config.hidden_size,)  # (packed [.., 2H/2, 32], bias, H)
+            self.native_plan["draft_layer"] = "native for chains and root steps; tree steps in torch: the kernel's " \
+                "decoder_layer takes no mask over cached entries"
+        elif why is not None:  # an older build of the kernel: the layer runs in torch, the head natively
+            self.native_plan["draft_layer"], self.fused_reason = f"torch: {why}", why
+
+    def features(self, feats: torch.Tensor) -> torch.Tensor:
+        return feats[None]  # [1, S, H]
+
+    def _native_ok(self, tree_mask: torch.Tensor | None) -> bool:
+        return self._layer_native and tree_mask is None
+
+    def _layer_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.drafter.fc(torch.cat((emb, hidden.to(self._dtype)), dim=-1))  # [1, S, 2H] -> [1, S, H]
+        return z, z  # no input norm: q/k/v read z and the residual is z
+
+    def _native_layer(self, emb: torch.Tensor, hidden: torch.Tensor, cache: StaticDraftKV, past: int,
+                      cos: torch.Tensor, sin: torch.Tensor, full: torch.Tensor | None) -> torch.Tensor:
+        c, kern = self.drafter.config, self._kernel
+        packed, bias, h = self._fc
+        z = kern.linear(torch.cat((emb, hidden.to(self._dtype)), dim=-1), packed, bias, h)  # [S, 2H] -> [S, H]
+        wqkv, wo, ln2, wgu, wdown = self._layer_w
+        return kern.decoder_layer(z, None, wqkv, None, None, None, wo, None, ln2, wgu, None, wdown, None,
+                                  cache._k[0], cache._v[0], past, cos, sin, None, c.num_attention_heads,
+                                  c.num_key_value_heads, c.rms_norm_eps, c.head_dim**-0.5)  # [S, H]
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.head(rows)  # the V-wide head on the needed rows
+
+
+class Eagle3DraftModel(_ServingDraftModel):
+    """EAGLE-3 adapter: features are the fused layer taps; own LM head over the draft vocabulary.
+
+    Natively a draft call is ``linear`` (fc over the taps, once per accepted segment, in :meth:`features`),
+    ``eagle3_layer`` (both input norms, q/k/v, RoPE, the cache write, attention, o-proj, the MLP) and
+    ``norm_linear_topk`` (final norm, draft-vocabulary head, softmax, top-k); the proposer maps draft ids to target
+    ids (d2t, one gather).
+    """
+
+    def __init__(self, drafter: Eagle3Drafter) -> None:
+        super().__init__(drafter, drafter.norm, drafter.lm_head, drafter.config.draft_vocab_size)
+        self.feature_taps = tuple(drafter.config.target_layers)
+        full = drafter.config.draft_vocab_size == drafter.config.vocab_size
+        self.draft_ids = None if full else drafter.draft_ids_in_target()  # [N]
         if self._kernel is not None:
-            out = self._native_layer(emb, hidden, positions, needed, tree_mask, cache)  # [1, S, H]
-        else:
-            # One new query sees every key: no mask to build.
-            one_query = seq == 1 and tree_mask is None
-            mask = None if one_query else build_attention_mask(seq, past, ids.device, tree_mask)  # [1, 1, S, P+S]
-            out = self._layer(emb, hidden, positions, needed, mask, cache)  # [1, S, H]
-        rows = out[:, -1:] if last_only else out  # [1, 1 or S, H]
-        return out, d.lm_head(_rms_norm(d.norm, rows)), cache  # [1, 1 or S, N]
+            layer = drafter.layer
+            self._norms = (_weight(layer.input_layernorm), _weight(layer.hidden_norm))
+            self._fc = _packed(drafter.fc) + (drafter.config.hidden_size,)  # (packed [.., kH/2, 32], None, H)
+
+    def features(self, feats: torch.Tensor) -> torch.Tensor:
+        if self._kernel is None:
+            return self.drafter.fuse(feats[None])  # [1, S, k*H] -> [1, S, H]
+        packed, bias, h = self._fc
+        return self._kernel.linear(feats.to(self._dtype).contiguous(), packed, bias, h)[None]  # [1, S, H]
+
+    def _layer_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.drafter.layer
+        x = torch.cat((rms_norm(layer.input_layernorm, emb), rms_norm(layer.hidden_norm, hidden)), -1)  # [1, S, 2H]
+        return x, hidden  # the residual is the hidden input
+
+    def _native_layer(self, emb: torch.Tensor, hidden: torch.Tensor, cache: StaticDraftKV, past: int,
+                      cos: torch.Tensor, sin: torch.Tensor, full: torch.Tensor | None) -> torch.Tensor:
+        c = self.drafter.config
+        wqkv, wo, ln2, wgu, wdown = self._layer_w
+        return self._kernel.eagle3_layer(
+            emb, hidden, *self._norms, wqkv, wo, ln2, wgu, wdown, cache._k[0], cache._v[0], past, cos, sin, None,
+            None if full is None else full.contiguous(), c.num_attention_heads, c.num_key_value_heads,
+            c.rms_norm_eps, c.head_dim**-0.5)  # [S, H]
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        d = self.drafter
+        return d.lm_head(rms_norm(d.norm, rows))  # [1, S', N]
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``common.layers.RMSNorm`` (normalise in fp32, round to x's dtype, scale) in 3 ops instead of 7."""
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, norm.eps).to(x.dtype)
+class _HeadWeight:
+    """A bare [N, K] weight in the shape :func:`_packed` reads (``.weight``, no bias)."""
+
+    bias = None
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
 
 
-def grouped_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      mask: torch.Tensor | None) -> torch.Tensor:
-    """Softmax attention of q [1, nh, S, d] over key/value [1, nkv, L, d] (query head h reads kv head h // (nh/nkv),
-    as SDPA's ``enable_gqa``), mask [1, 1, S, L] bool (True = attend) or None, in fp32 -> [1, nh, S, d].
-
-    A drafting step has 1-16 queries: each kv head's group of query heads becomes the rows of one batched matmul.
-    bf16 SDPA with GQA took a slow path on CPU (~0.18 ms against ~0.05 ms for one query over 200 keys, 2-core Zen 4
-    under load)."""
-    nh, seq, hd = q.shape[1:]
-    nkv, length = key.shape[1], key.shape[2]
-    rows = q[0].reshape(nkv, nh // nkv * seq, hd).float()  # [nkv, g*S, d]: heads kv*g .. kv*g+g-1 share kv head kv
-    scores = torch.bmm(rows, key[0].float().transpose(1, 2)).mul_(hd**-0.5)  # [nkv, g*S, L]
-    if mask is not None:
-        scores.view(nkv, -1, seq, length).masked_fill_(~mask[0, 0], float("-inf"))  # [nkv, g, S, L]
-    out = torch.bmm(torch.softmax(scores, dim=-1), value[0].float())  # [nkv, g*S, d]
-    return out.view(1, nh, seq, hd).to(q.dtype)
-
-
-def _draft_kernel(drafter: Eagle3Drafter) -> tuple[ModuleType | None, str | None]:
-    """(the fused CPU kernel, None) when the draft layer can run natively (bf16 on a CPU that builds it, shapes it
+def _draft_kernel(drafter: nn.Module) -> tuple[ModuleType | None, str | None]:
+    """(the fused CPU kernel, None) when an EAGLE draft layer can run natively (bf16 on a CPU that builds it, shapes it
     takes), else (None, why)."""
     from draftsmith.kernels import cpu_layer
 
@@ -259,6 +287,42 @@ def _draft_kernel(drafter: Eagle3Drafter) -> tuple[ModuleType | None, str | None
     return None, why
 
 
+def _full_mask(tree_mask: torch.Tensor, seq: int, past: int) -> torch.Tensor:
+    """The [S, P+S] bool mask of a tree step (build_attention_mask's, every node seeing itself), in 3 ops when the
+    caller already gives one over every slot (the proposer does) instead of about 10."""
+    if tuple(tree_mask.shape) != (seq, past + seq) or tree_mask.dtype != torch.bool:
+        return build_attention_mask(seq, past, tree_mask.device, tree_mask)[0, 0].contiguous()
+    full = tree_mask.clone(memory_format=torch.contiguous_format)  # never write into the caller's mask
+    full[:, past:].diagonal().fill_(True)
+    return full
+
+
+def _optional_ln1(kernel: ModuleType) -> str | None:
+    """None when the kernel's ``decoder_layer`` takes ``ln1=None`` (a layer without an input norm), else why not.
+    pybind lists the arguments positionally: ``ln1`` is the second."""
+    sig = (kernel.decoder_layer.__doc__ or "").split("\n")[0]
+    ln1 = sig.split(", ")[1] if sig.count(", ") else ""
+    if "None" in ln1 or "Optional" in ln1:
+        return None
+    return "this build of the fused kernel's decoder_layer needs an input norm (ln1); EAGLE-1's layer has none"
+
+
+def _weight(norm: nn.Module) -> torch.Tensor:
+    return norm.weight.detach().contiguous()
+
+
+def _packed(*parts: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(packed weight [blocks, in/2, 32], bias or None) of one linear (its packing reused when it has one: a
+    fast_linear.PackedLinear or the target's packed head), or of several side by side (bias-free)."""
+    from draftsmith.kernels.cpu_layer import pack_weight
+
+    bias = getattr(parts[0], "bias", None) if len(parts) == 1 else None
+    bias = None if bias is None else bias.detach().contiguous()
+    if len(parts) == 1 and getattr(parts[0], "packed", None) is not None:
+        return parts[0].packed, bias
+    return pack_weight(torch.cat([p.weight.detach() for p in parts])), bias  # [sum of outputs, in] packed
+
+
 def _fused_linear(*parts: nn.Module) -> nn.Module:
     """One bias-free linear whose output is the parts' outputs side by side (one GEMM call instead of several),
     packed for the CPU kernel when it runs here. Reads each part's ``weight`` (a packed linear keeps it)."""
@@ -270,4 +334,4 @@ def _fused_linear(*parts: nn.Module) -> nn.Module:
     return holder[0]
 
 
-__all__ = ["DraftModel", "Eagle1DraftModel", "Eagle3DraftModel", "StaticDraftKV"]
+__all__ = ["DraftModel", "Eagle1DraftModel", "Eagle3DraftModel", "StaticDraftKV", "grouped_attention", "torch_topk"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 from typing import NamedTuple
 
@@ -87,6 +88,33 @@ class PackedLinear(NamedTuple):
     out_features: int
 
 
+class StackRunner:
+    """The fused C++ ``TargetStack`` of one decoder: its whole forward (every layer, the final norm, the LM head) in
+    one native call, and the KV cache it is bound to (rebound when a forward comes with another cache's layers)."""
+
+    def __init__(self, module: ModuleType, layers: list[tuple], norm_w: torch.Tensor, head: PackedLinear,
+                 hq: int, hkv: int, eps: float, scale: float) -> None:
+        """``layers``: decoder_layer's 12 weights per layer (the decoder's exec plan, shared, not copied)."""
+        self.stack = module.TargetStack([list(w) for w in layers], norm_w, head.packed, head.out_features, hq, hkv,
+                                        eps, scale)  # fmt: skip
+        self.kv_layers: list | None = None  # the cache's per-layer (K, V) list the stack holds, compared by identity
+
+    def __call__(self, x: torch.Tensor, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], start: int,
+                 cos: torch.Tensor, sin: torch.Tensor, tree_mask: torch.Tensor | None, logits_for: str | torch.Tensor,
+                 taps: tuple[int, ...], head: str) -> tuple:
+        """x [T, H] embeddings -> ``LeanDecoder._run``'s (logits [T', V] | None, hidden [T, H], taps, argmax | None)."""
+        if kv_layers is not self.kv_layers:
+            self.stack.bind_cache([k for k, _ in kv_layers], [v for _, v in kv_layers])
+            self.kv_layers = kv_layers
+        rows = None if isinstance(logits_for, str) else logits_for.to(torch.long)
+        mask = None if tree_mask is None else tree_mask.contiguous()
+        out, hidden, found = self.stack.forward(x, start, cos.contiguous(), sin.contiguous(), mask, list(taps),
+                                                head == "argmax", rows, isinstance(logits_for, str)
+                                                and logits_for == "last")  # fmt: skip
+        found = dict(zip(taps, found))
+        return (None, hidden, found, out) if head == "argmax" else (out, hidden, found, None)
+
+
 def cpp_ops(module: ModuleType) -> type:
     """Op set over the fused C++ extension (either ISA variant): packed bf16 weights; layers run whole in C++."""
     from draftsmith.kernels.cpu_layer import pack_weight
@@ -101,6 +129,8 @@ def cpp_ops(module: ModuleType) -> type:
         argmax = staticmethod(lambda x, w, b: module.linear_argmax(x.contiguous(), w.packed, b, w.out_features))
         linear_add = None  # residual adds happen inside the fused layer
         layer = staticmethod(module.decoder_layer)
+        norm = staticmethod(lambda x, w, eps: module.rms_norm(x.contiguous(), w, eps))  # the stack's final norm
+        stack = staticmethod(partial(StackRunner, module))  # the whole forward in one call (LeanDecoder._run)
 
     return CppOps
 

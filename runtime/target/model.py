@@ -1,11 +1,10 @@
 """Lean Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3; Gemma-2/3) over a static KV cache, batch 1.
 
-Loads a Hugging Face folder's safetensors directly. At load time q/k/v are fused into one matrix and gate/up into
-another, and RoPE cos/sin tables are precomputed, so a decoding step is a short, fixed sequence of tensor ops. Attention
-goes through ``draftsmith.kernels.attention.tree_attention`` so a draft tree is verified in the same forward as plain
-decoding. In bf16 on x86 CPUs with AVX512-BF16 or AVX2+FMA each layer instead runs as one call of the fused C++ layer
-(``draftsmith.kernels.cpu_layer``; this module's torch path is its reference), which takes a 135M model's step from
-~22 ms to ~10 ms on 2 AVX512-BF16 cores, close to the time it takes to read the weights.
+Loads a Hugging Face folder's safetensors directly; q/k/v and gate/up are fused and RoPE tables precomputed at load.
+Attention goes through ``draftsmith.kernels.attention.tree_attention`` so a draft tree is verified in the same forward
+as plain decoding. In bf16 on x86 CPUs with AVX512-BF16 or AVX2+FMA the whole forward (every layer, the final norm and
+the head) is one call of the fused C++ kernel (``draftsmith.kernels.cpu_layer``'s ``TargetStack``; this module's torch
+path is its reference; ``forward_layers`` runs its layer ranges one ``decoder_layer`` call per layer).
 
 Numerics follow transformers (RMSNorm in fp32, RoPE in the model dtype, scale ``head_dim**-0.5``); in fp32 the logits
 match HF to ~1e-5. Batch size is 1 by design: speculative decoding of one request.
@@ -163,8 +162,8 @@ class LeanDecoder(nn.Module):
         return out
 
     def _build_exec(self) -> None:
-        """Per-layer tuples of the weights in the form the chosen linear backend runs (a tuple beats attribute
-        lookups in the hot loop)."""
+        """Per-layer weight tuples in the chosen backend's form (a tuple beats attribute lookups), the head, and
+        on the cpp backend the one-call forward (``TargetStack``) holding them."""
         c = self.config
         ops, self.linear_plan = choose_linear_ops(self.linear_backend, self.dtype, self.device,
                                                   (c.head_dim, c.hidden_size, c.intermediate_size),
@@ -177,6 +176,10 @@ class LeanDecoder(nn.Module):
             for w in self.layers
         ]  # fmt: skip
         self._head = ops.pack_head(self.lm_head)
+        self._final_norm = getattr(ops, "norm", None) or partial(_rms_norm, F.rms_norm)
+        stack = getattr(ops, "stack", None)  # cpp: the whole forward as one native call
+        self._stack = stack and stack(self._exec, self.norm_w, self._head, c.num_heads, c.num_kv_heads, c.rms_norm_eps,
+                                      c.head_dim**-0.5)  # fmt: skip
 
     def _ensure_rope(self, n: int) -> None:
         """Precompute cos / signed-sin tables [n, 1, d] for positions 0..n-1 (fp32 math, stored in model dtype)."""
@@ -245,25 +248,21 @@ class LeanDecoder(nn.Module):
                                                 logits_for, taps, head))
 
     def _run(
-        self,
-        input_ids: torch.Tensor,
-        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
-        start: int,
-        tree_mask: torch.Tensor | None,
-        positions: torch.Tensor | None,
-        logits_for: str | torch.Tensor,
-        taps: tuple[int, ...],
-        head: str = "logits",
+        self, input_ids: torch.Tensor, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], start: int,
+        tree_mask: torch.Tensor | None, positions: torch.Tensor | None, logits_for: str | torch.Tensor,
+        taps: tuple[int, ...], head: str = "logits",
     ) -> tuple[torch.Tensor | None, torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
         """The forward math (see :meth:`forward`); inputs are already validated."""
         c = self.config
         found: dict[int, torch.Tensor] = {}
         x = F.embedding(input_ids, self.embed)  # [T, H]
+        if self._stack is not None:  # one native call: layers, final norm, head (the kernels below, bit for bit)
+            cos, sin = self._rope_rows(start, x.shape[0], positions)  # [T, 1, d]
+            return self._stack(x, kv_layers, start, cos, sin, tree_mask, logits_for, taps, head)
         x = self._layers(x, 0, c.num_layers, kv_layers, start, tree_mask, positions, taps, found)  # [T, H]
         if c.num_layers in taps:
             found[c.num_layers] = x
-        eps = c.rms_norm_eps
-        hidden = F.rms_norm(x, (c.hidden_size,), self.norm_w, eps)  # [T, H]
+        hidden = self.final_hidden(x)  # [T, H]
         logits, argmax = self._head_rows(hidden, logits_for, head)
         return logits, hidden, found, argmax
 
@@ -286,11 +285,8 @@ class LeanDecoder(nn.Module):
     ) -> torch.Tensor:
         """Decoder layers ``first..last-1`` on the residual stream x [T, H]; ``kv_layers[i]`` is layer i's cache;
         the input of each layer in ``taps`` is stored in ``found``."""
-        c, t = self.config, x.shape[0]
-        if positions is None:
-            cos, sin = self._cos[start : start + t], self._sin[start : start + t]  # [T, 1, d]
-        else:
-            cos, sin = self._cos[positions], self._sin[positions]  # [T, 1, d]
+        c = self.config
+        cos, sin = self._rope_rows(start, x.shape[0], positions)  # [T, 1, d]
         hq, hkv, eps, scale = c.num_heads, c.num_kv_heads, c.rms_norm_eps, c.head_dim**-0.5
         # The fused C++ layer and _torch_layer (its reference) share one signature.
         fused = getattr(self._ops, "layer", None)
@@ -304,6 +300,12 @@ class LeanDecoder(nn.Module):
             kc, vc = kv_layers[i]
             x = layer(x, *self._exec[i], kc, vc, start, cos, sin, tree_mask, hq, hkv, eps, scale)  # [T, H]
         return x
+
+    def _rope_rows(self, start: int, t: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, d] of T new tokens: positions start.. or ``positions``."""
+        if positions is None:
+            return self._cos[start : start + t], self._sin[start : start + t]
+        return self._cos[positions], self._sin[positions]
 
     def forward_layers(
         self,
@@ -335,5 +337,11 @@ class LeanDecoder(nn.Module):
         return F.embedding(input_ids, self.embed)
 
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """The final RMSNorm on a residual stream [T, H] (what :meth:`forward` returns as hidden)."""
-        return F.rms_norm(x, (self.config.hidden_size,), self.norm_w, self.config.rms_norm_eps)
+        """The final RMSNorm on a residual stream [T, H] (what :meth:`forward` returns as hidden; the C++ norm on the
+        cpp backend, as its one-call forward computes it)."""
+        return self._final_norm(x, self.norm_w, self.config.rms_norm_eps)
+
+
+def _rms_norm(norm: Callable, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm`` over the last dimension in the (x, w, eps) form of the C++ kernel's ``rms_norm``."""
+    return norm(x, (x.shape[-1],), w, eps)

@@ -1,0 +1,55 @@
+"""The conversations ``draftsmith regenerate`` reads: the embedded ShareGPT dump or a local .jsonl/.json file of
+ShareGPT (``conversations: [{from, value}]``) or OpenAI (``messages: [{role, content}]``) records, normalised to
+role/content dicts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from draftsmith import assets
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+         "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+
+
+def normalize_messages(record: Any) -> list[dict[str, str]]:
+    """ShareGPT ``conversations: [{from, value}]`` or OpenAI ``messages: [{role, content}]`` -> role/content dicts."""
+    turns = None
+    if isinstance(record, dict):
+        turns = record.get("conversations", record.get("messages"))
+    if not isinstance(turns, list):
+        raise ValueError("expected a 'conversations' (ShareGPT) or 'messages' (OpenAI) list")
+    out = []
+    for i, turn in enumerate(turns):
+        role = ROLES.get(str(turn.get("role", turn.get("from"))).lower()) if isinstance(turn, dict) else None
+        content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
+        if role is None or not isinstance(content, str | None):
+            raise ValueError(f"message {i} needs a known role ({', '.join(sorted(ROLES))}) and string content")
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def iter_conversations(spec: str, report: Any = None) -> Iterator[tuple[int, list[dict]]]:
+    """Yield ``(source_index, messages)`` from ``"sharegpt"`` (embedded) or a local .jsonl/.json file.
+
+    ``source_index`` is the 0-based record position in the file. Malformed records fail with file:line in a user
+    file and are skipped (counted in ``report``) in the embedded dump.
+    """
+    embedded = spec.strip().lower() == "sharegpt"
+    path = assets.sharegpt_path() if embedded else Path(spec).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist; pass --data sharegpt or a .jsonl/.json of "
+                                "conversations")
+    for index, (line, record) in enumerate(assets.iter_json_records(path)):
+        try:
+            yield index, normalize_messages(record)
+        except ValueError as err:
+            if not embedded:
+                raise ValueError(f"{path}:{line}: {err}. Fix the record or remove it.") from None
+            if report is not None:
+                report.skip("malformed record")
+
+
+__all__ = ["ROLES", "iter_conversations", "normalize_messages"]
