@@ -20,6 +20,7 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -595,6 +596,8 @@ const bool* mask_ptr(const std::optional<torch::Tensor>& mask, int64_t rows, int
 
 // x [T, H] -> x after one decoder layer; writes this layer's K/V for the T new tokens to slots start..start+T-1.
 // ln1 None: no input norm (EAGLE-1's draft layer, fed by fc(concat(emb, hidden)), has none).
+// full_mask [T, start+T] (EAGLE-1's tree step: its earlier speculative slots are not all visible) overrides tree_mask
+// [T, T]; trailing and defaulting to None so that positional callers without it keep working.
 torch::Tensor decoder_layer(const torch::Tensor& x, const std::optional<torch::Tensor>& ln1,
                             const torch::Tensor& wqkv, const std::optional<torch::Tensor>& bqkv, const std::optional<torch::Tensor>& qn,
                             const std::optional<torch::Tensor>& kn, const torch::Tensor& wo,
@@ -603,11 +606,12 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const std::optional<torch::T
                             const std::optional<torch::Tensor>& bdown, const torch::Tensor& kc, const torch::Tensor& vc,
                             int64_t start, const torch::Tensor& cos, const torch::Tensor& sin,
                             const std::optional<torch::Tensor>& tree_mask, int64_t hq, int64_t hkv, double eps,
-                            double scale) {
+                            double scale, const std::optional<torch::Tensor>& full_mask) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.device().is_cpu() && x.dim() == 2,
               "the fused CPU layer takes contiguous bf16 CPU tensors");
   const int64_t T = x.size(0), H = x.size(1);
   const bool* mask = mask_ptr(tree_mask, T, T, "tree_mask");
+  const bool* full = mask_ptr(full_mask, T, start + T, "full_mask");
   std::vector<bf16> xn;
   if (ln1) {
     TORCH_CHECK(ln1->scalar_type() == torch::kBFloat16 && ln1->is_contiguous() && ln1->numel() == H,
@@ -616,7 +620,7 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const std::optional<torch::T
     rms_norm(ptr(x), T, H, ptr(*ln1), float(eps), xn.data());
   }
   return layer_body(ln1 ? xn.data() : ptr(x), H, x, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wdown, bdown, kc, vc, start, cos, sin,
-                    mask, nullptr, hq, hkv, eps, scale);
+                    mask, full, hq, hkv, eps, scale);
 }
 
 // EAGLE-3's draft layer (drafters/eagle3.py, Eagle3Layer): q/k/v read concat(norm(emb), hidden_norm(hidden)) [T, 2H],
@@ -671,48 +675,86 @@ torch::Tensor linear_argmax(const torch::Tensor& x, const torch::Tensor& w, cons
   return idx;
 }
 
-// The top k of one row of n bf16 logits as softmax probabilities: probs [k] fp32 (over all n columns), ids [k],
-// descending, the lower column first among equal logits (NaN logits are not ranked: the drafter's head has none).
-static void row_topk(const bf16* logits, int64_t n, int64_t k, float* probs, int64_t* ids) {
+// One row's softmax statistics and top k over the columns [j0, j1) one task ran: the largest logit mx, the sum of
+// exp(l - mx) over those columns, and up to k (logit, id) pairs, descending, the lower id first among equal logits.
+struct RowPart {
+  int64_t j0 = 0;
+  float mx = -INFINITY, sum = 0.f;
+  std::vector<float> v;
+  std::vector<int64_t> id;
+};
+
+// NaN logits are not ranked (the drafter's head has none).
+static RowPart row_part(const bf16* logits, int64_t j0, int64_t j1, int64_t k) {
+  RowPart part;
+  part.j0 = j0;
+  const int64_t n = j1 - j0;
   std::vector<float> row((n + 15) / 16 * 16, -INFINITY);  // [n rounded up to 16]: -inf pads the tail
   for (int64_t j = 0; j < n; j += 16) {
     const int64_t m = std::min<int64_t>(16, n - j);
     if (m == 16) {
-      vstore(row.data() + j, load_bf(logits + j));
+      vstore(row.data() + j, load_bf(logits + j0 + j));
     } else {
-      for (int64_t r = 0; r < m; ++r) row[j + r] = to_f(logits[j + r]);
+      for (int64_t r = 0; r < m; ++r) row[j + r] = to_f(logits[j0 + j + r]);
     }
   }
   vf mx = vset1(-INFINITY);
   for (size_t j = 0; j < row.size(); j += 16) mx = vmax(mx, vload(row.data() + j));
   alignas(64) float lanes_max[16];
   vstore(lanes_max, mx);
-  const float best = *std::max_element(lanes_max, lanes_max + 16);
-  vf sum = vzero();  // the softmax denominator: exp(l - max) over every column (the -inf pads add exactly 0)
+  part.mx = *std::max_element(lanes_max, lanes_max + 16);
+  vf sum = vzero();  // exp(l - mx) over these columns (the -inf pads add exactly 0)
   for (size_t j = 0; j < row.size(); j += 16) {
-    const vf v = vload(row.data() + j);
-    sum = vadd(sum, zero_where_neg_inf(v, vexp(vsub(v, vset1(best)))));
+    const vf x = vload(row.data() + j);
+    sum = vadd(sum, zero_where_neg_inf(x, vexp(vsub(x, vset1(part.mx)))));
   }
-  const float total = hsum(sum);
+  part.sum = hsum(sum);
   // Insertion into a sorted list of k: a column enters only by beating the k-th strictly, and goes after the
   // equal values already there, so among equals the lower column stays first. Once k are held, a chunk of 16 with
   // nothing above the k-th is skipped in one compare (almost all of them).
+  std::vector<float>& v = part.v;
+  std::vector<int64_t>& id = part.id;
+  v.assign(k, 0.f);
+  id.assign(k, 0);
   int64_t count = 0;
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    if (count == k && !any_gt(vload(row.data() + j0), vset1(probs[k - 1]))) continue;
-    for (int64_t j = j0; j < std::min(n, j0 + 16); ++j) {
-      const float v = row[j];
-      if (count == k && !(v > probs[k - 1])) continue;
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {
+    if (count == k && !any_gt(vload(row.data() + c0), vset1(v[k - 1]))) continue;
+    for (int64_t j = c0; j < std::min(n, c0 + 16); ++j) {
+      const float x = row[j];
+      if (count == k && !(x > v[k - 1])) continue;
       int64_t pos = count < k ? count++ : k - 1;
-      for (; pos > 0 && probs[pos - 1] < v; --pos) {
-        probs[pos] = probs[pos - 1];
-        ids[pos] = ids[pos - 1];
+      for (; pos > 0 && v[pos - 1] < x; --pos) {
+        v[pos] = v[pos - 1];
+        id[pos] = id[pos - 1];
       }
-      probs[pos] = v;
-      ids[pos] = j;
+      v[pos] = x;
+      id[pos] = j0 + j;
     }
   }
-  for (int64_t i = 0; i < k; ++i) probs[i] = std::exp(probs[i] - best) / total;
+  v.resize(count);
+  id.resize(count);
+  return part;
+}
+
+// The top k of one row over all its columns from the tasks' parts (sorted by j0, so the sum's order does not depend
+// on which task finished first): the global max, each part's sum rescaled to it, and the k best of the union in the
+// same order (descending logit, the lower id first on ties) as softmax probabilities.
+static void merge_parts(const std::vector<RowPart>& parts, int64_t k, float* probs, int64_t* ids) {
+  float best = -INFINITY;
+  for (const RowPart& p : parts) best = std::max(best, p.mx);
+  float total = 0.f;
+  std::vector<std::pair<float, int64_t>> cand;
+  for (const RowPart& p : parts) {
+    if (p.mx != -INFINITY) total += p.sum * std::exp(p.mx - best);
+    for (size_t i = 0; i < p.v.size(); ++i) cand.emplace_back(p.v[i], p.id[i]);
+  }
+  std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  for (int64_t i = 0; i < k; ++i) {
+    probs[i] = std::exp(cand[i].first - best) / total;
+    ids[i] = cand[i].second;
+  }
 }
 
 // (probs [T, k] fp32, ids [T, k] long) = the top k of softmax(bf16(norm(x) @ w^T)) over all n columns, x [T, K],
@@ -734,15 +776,28 @@ std::tuple<torch::Tensor, torch::Tensor> norm_linear_topk(const torch::Tensor& x
     xn.resize(T * K);
     rms_norm(ptr(x), T, K, ptr(*norm_w), float(eps), xn.data());
   }
+  const std::vector<float> xf = widen(norm_w ? xn.data() : ptr(x), T * K);  // [T, K]
   std::vector<bf16> logits(T * n);  // [T, n]
-  gemm(norm_w ? xn.data() : ptr(x), T, K, ptr(w), n, nullptr, nullptr, logits.data());
+  const int64_t blocks = (n + 15) / 16;
+  std::vector<std::vector<RowPart>> parts(T);  // [T][task]
+  std::mutex merging;
+  // The columns split over threads as gemm splits them (whole 16-row blocks), each task ranking the columns it ran
+  // while they are in cache: one thread left half the bandwidth of 2 cores unused on a T=1 draft head.
+  at::parallel_for(0, blocks, kGroupBlocks * group_grain(K), [&](int64_t a, int64_t b) {
+    block_range(xf.data(), T, K, ptr(w), n, a, b, nullptr, nullptr, Out{logits.data(), n, 0});
+    std::vector<RowPart> mine(T);
+    for (int64_t t = 0; t < T; ++t) mine[t] = row_part(logits.data() + t * n, 16 * a, std::min(n, 16 * b), k);
+    std::lock_guard<std::mutex> lock(merging);
+    for (int64_t t = 0; t < T; ++t) parts[t].push_back(std::move(mine[t]));
+  });
   auto probs = torch::empty({T, k}, x.options().dtype(torch::kFloat));
   auto ids = torch::empty({T, k}, x.options().dtype(torch::kLong));
   float* p = probs.data_ptr<float>();
   int64_t* id = ids.data_ptr<int64_t>();
-  // One thread: a row takes ~10-30 us, and a parallel region over rows measured 1.6x slower than this loop on a busy
-  // 2-core machine (a preempted thread holds the region's barrier far longer than the rows take).
-  for (int64_t t = 0; t < T; ++t) row_topk(logits.data() + t * n, n, k, p + t * k, id + t * k);
+  for (int64_t t = 0; t < T; ++t) {
+    std::sort(parts[t].begin(), parts[t].end(), [](const RowPart& l, const RowPart& r) { return l.j0 < r.j0; });
+    merge_parts(parts[t], k, p + t * k, id + t * k);
+  }
   return {probs, ids};
 }
 
@@ -840,7 +895,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm_op, "bf16 RMSNorm over the last dimension (transformers' LlamaRMSNorm rounding)");
   m.def("norm_linear_topk", &norm_linear_topk, "a draft head: RMSNorm, packed bf16 GEMM, softmax and top-k");
   m.def("linear_argmax", &linear_argmax, "argmax per row of a bf16 linear over a packed weight, without the logits");
-  m.def("decoder_layer", &decoder_layer, "one bf16 Llama-family decoder layer over a static KV cache");
+  using pybind11::arg;
+  m.def("decoder_layer", &decoder_layer, "one bf16 Llama-family decoder layer over a static KV cache", arg("x"),
+        arg("ln1"), arg("wqkv"), arg("bqkv"), arg("qn"), arg("kn"), arg("wo"), arg("bo"), arg("ln2"), arg("wgu"),
+        arg("bgu"), arg("wdown"), arg("bdown"), arg("kc"), arg("vc"), arg("start"), arg("cos"), arg("sin"),
+        arg("tree_mask"), arg("hq"), arg("hkv"), arg("eps"), arg("scale"), arg("full_mask") = pybind11::none());
   m.def("eagle3_layer", &eagle3_layer, "EAGLE-3's bf16 draft layer over a static draft KV cache");
   m.def("linear", &linear, "bf16 linear y = x @ w.T (+ bias) over a packed weight, fp32 accumulation");
 }

@@ -65,6 +65,28 @@ def test_norm_linear_topk_matches_torch(ext, n, with_norm):
             assert row.index(10) == row.index(40) - 1
 
 
+def test_norm_linear_topk_split_over_threads_keeps_ids_and_ties(ext):
+    """Columns split over threads (101 blocks of 16, several tasks): every thread count gives the reference ids, and a
+    tie between columns that different threads rank (5 and 1600) still puts the lower id first."""
+    torch.manual_seed(7)
+    n, kin, k = 16 * 100 + 7, 48, 10
+    x = torch.randn(3, kin).bfloat16()
+    w = torch.randn(n, kin).bfloat16()
+    w[5] = w[1600] = x[0]  # row 0's two largest logits, equal, in far-apart blocks
+    packed = cpu_layer.pack_weight(w)
+    want_p, want_ids = topk_reference(ext, x, None, 1e-6, w, k)
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            probs, ids = ext.norm_linear_topk(x, None, 1e-6, packed, n, k)
+            assert torch.equal(ids, want_ids), f"threads={nt}"
+            torch.testing.assert_close(probs, want_p, rtol=1e-6, atol=1e-9)
+            assert ids[0, :2].tolist() == [5, 1600]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_norm_linear_topk_bad_inputs(ext):
     w = cpu_layer.pack_weight(torch.randn(20, 8).bfloat16())
     x = torch.randn(2, 8).bfloat16()
@@ -114,10 +136,10 @@ def test_decoder_layer_without_input_norm(ext):
     prefix = torch.randn(2, hkv, 16, d).bfloat16()  # K and V [Hkv, S, d], slots 0..start-1 in use
     p = cpu_layer.pack_weight
 
-    def fused(ln1):
+    def fused(ln1, *full):
         kc, vc = prefix[0].clone(), prefix[1].clone()
         out = ext.decoder_layer(x, ln1, p(w["wqkv"]), None, None, None, p(w["wo"]), None, w["ln2"], p(w["wgu"]), None,
-                                p(w["wdown"]), None, kc, vc, start, cos, sin, None, hq, hkv, eps, d**-0.5)
+                                p(w["wdown"]), None, kc, vc, start, cos, sin, None, hq, hkv, eps, d**-0.5, *full)
         return out, kc, vc
 
     got, kc, vc = fused(None)
@@ -131,6 +153,14 @@ def test_decoder_layer_without_input_norm(ext):
     assert (normed.float() - want).abs().max().item() > 10 * err  # the norm really is skipped
     with pytest.raises(RuntimeError, match="ln1 must be"):
         fused(torch.ones(hid - 1).bfloat16())
+    # full_mask [T, start+T] (EAGLE-1's tree step): the causal one is the default bit for bit; hiding slots matters
+    causal = torch.ones(t, start + t, dtype=torch.bool).tril(start)
+    assert torch.equal(fused(None, causal)[0], got) and torch.equal(fused(None, None)[0], got)
+    hidden = causal.clone()
+    hidden[1:, 1:start] = False  # rows 1.. see only slot 0 of the prefix
+    assert not torch.equal(fused(None, hidden)[0][1:], got[1:]) and torch.equal(fused(None, hidden)[0][0], got[0])
+    with pytest.raises(RuntimeError, match="full_mask"):
+        fused(None, torch.ones(t, t, dtype=torch.bool))  # [T, T]: not over every slot
 
 
 # ---- TargetStack: a whole target forward in one call ----------------------------------------------------------------

@@ -151,6 +151,59 @@ def test_native_eagle1_layer_matches_the_torch_step(target, monkeypatch):
                   {"atol": 0.1, "rtol": 0.05}, lambda f: f[None, :, :64])
 
 
+class LayerSpy:
+    """The kernel with ``decoder_layer`` counted: how many calls passed a full_mask [S, P+S] (a native tree step)."""
+
+    def __init__(self, ext) -> None:
+        self.ext, self.tree_calls, self.calls = ext, 0, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.ext, name)
+
+    def decoder_layer(self, *args):
+        self.calls += 1
+        self.tree_calls += len(args) == 24 and args[-1] is not None
+        return self.ext.decoder_layer(*args)
+
+
+@needs_cpp
+@needs_ln1
+def test_eagle1_tree_steps_run_natively_and_match_torch(target, monkeypatch):
+    """A tree step (nodes seeing only their ancestors among the cached slots) goes through ``decoder_layer`` with a
+    full_mask, and picks the torch path's tokens (ties aside); speculative greedy with such trees is plain greedy."""
+    native, slow = models("eagle1", target, monkeypatch)
+    assert native.native_plan["draft_layer"] == "native (chains, root and tree steps)"
+    spy = LayerSpy(EXT)
+    monkeypatch.setattr(native, "_kernel", spy)
+    calls = list(zip(draft_calls(native, 64, 5), draft_calls(slow, 64, 5), strict=True))
+    assert spy.calls == 3 and spy.tree_calls == 1  # root, chain, tree: all three native
+    (o1, lp1, id1), (o2, lp2, id2) = calls[-1]  # the tree step
+    torch.testing.assert_close(o1.float(), o2.float(), atol=0.1, rtol=0.05)
+    assert assert_same_topk(lp1, id1, lp2, id2, atol=0.05) >= 6
+    prompt, new = [1, 5, 9, 300, 7], 24
+    proposer = EagleProposer(native, policy="tree", total_tokens=8, depth=3, top_k=3)
+    res = SpeculativeDecoder(target, proposer).generate(prompt, new)
+    assert res.tokens == generate_ar(target, prompt, new) and spy.tree_calls > 1
+
+
+@needs_cpp
+@needs_ln1
+def test_a_kernel_without_full_mask_runs_eagle1_tree_steps_in_torch(target, monkeypatch):
+    """A build whose decoder_layer takes ln1=None but no full_mask: chains native, tree steps in torch, same tokens."""
+    native, _ = models("eagle1", target, monkeypatch)
+    spy = LayerSpy(EXT)
+    older = types.SimpleNamespace(linear=EXT.linear, norm_linear_topk=getattr(EXT, "norm_linear_topk", None),
+                                  decoder_layer=lambda *a: spy.decoder_layer(*a))
+    older.decoder_layer.__doc__ = "decoder_layer(arg0: torch.Tensor, arg1: Optional[torch.Tensor], arg2: int) -> Tensor"
+    monkeypatch.setattr(eagle_models, "_draft_kernel", lambda d: (older, None))
+    old = Eagle1DraftModel(native.drafter, target.lm_head_logits, target._head)
+    assert old._layer_native and not old._tree_native and "no full_mask" in old.native_plan["draft_layer"]
+    compared = 0
+    for (_, lp1, id1), (_, lp2, id2) in zip(draft_calls(old, 64, 5), draft_calls(native, 64, 5), strict=True):
+        compared += assert_same_topk(lp1, id1, lp2, id2, atol=0.05)
+    assert compared >= 10 and spy.calls == 2 and spy.tree_calls == 0  # root and chain natively, the tree in torch
+
+
 def test_eagle1_serving_step_equals_the_drafters_own_forward():
     """The EAGLE-1 runtime step (fused q/k/v and gate/up, RoPE tables, static KV) gives the drafter's own
     forward and logits (fp32)."""

@@ -174,8 +174,8 @@ class Eagle1DraftModel(_ServingDraftModel):
 
     Natively: ``linear`` (fc over concat(emb, feature), with its bias) then ``decoder_layer`` with ``ln1=None`` (the
     layer has no input norm), the head ``norm_linear_topk`` without a norm over the target's packed LM head
-    (``packed_head``, shared with the target; packed here when not given). The kernel's ``decoder_layer`` takes no
-    mask over cached entries, so a tree step (whose nodes see only their own ancestors) runs in torch.
+    (``packed_head``, shared with the target; packed here when not given). A tree step (whose nodes see only their own
+    ancestors) passes ``decoder_layer`` a mask over every cached slot (``full_mask``), as EAGLE-3's native path does.
     """
 
     feature_taps: tuple[int, ...] = ()
@@ -186,10 +186,14 @@ class Eagle1DraftModel(_ServingDraftModel):
         super().__init__(drafter, None, source, drafter.config.vocab_size)
         why = None if self._kernel is None else _optional_ln1(self._kernel)
         self._layer_native = self._kernel is not None and why is None
+        self._tree_native = False
         if self._layer_native:
             self._fc = _packed(drafter.fc) + (drafter.config.hidden_size,)  # (packed [.., 2H/2, 32], bias, H)
-            self.native_plan["draft_layer"] = "native for chains and root steps; tree steps in torch: the kernel's " \
-                "decoder_layer takes no mask over cached entries"
+            # A build from before decoder_layer took full_mask runs tree steps in torch (its nodes' masks cover
+            # cached slots); the signature line names the argument.
+            self._tree_native = "full_mask" in (self._kernel.decoder_layer.__doc__ or "").split("\n")[0]
+            self.native_plan["draft_layer"] = "native (chains, root and tree steps)" if self._tree_native else \
+                "native for chains and root steps; tree steps in torch: this build's decoder_layer takes no full_mask"
         elif why is not None:  # an older build of the kernel: the layer runs in torch, the head natively
             self.native_plan["draft_layer"], self.fused_reason = f"torch: {why}", why
 
@@ -197,7 +201,7 @@ class Eagle1DraftModel(_ServingDraftModel):
         return feats[None]  # [1, S, H]
 
     def _native_ok(self, tree_mask: torch.Tensor | None) -> bool:
-        return self._layer_native and tree_mask is None
+        return self._layer_native and (tree_mask is None or self._tree_native)
 
     def _layer_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = self.drafter.fc(torch.cat((emb, hidden.to(self._dtype)), dim=-1))  # [1, S, 2H] -> [1, S, H]
@@ -211,7 +215,8 @@ class Eagle1DraftModel(_ServingDraftModel):
         wqkv, wo, ln2, wgu, wdown = self._layer_w
         return kern.decoder_layer(z, None, wqkv, None, None, None, wo, None, ln2, wgu, None, wdown, None,
                                   cache._k[0], cache._v[0], past, cos, sin, None, c.num_attention_heads,
-                                  c.num_key_value_heads, c.rms_norm_eps, c.head_dim**-0.5)  # [S, H]
+                                  c.num_key_value_heads, c.rms_norm_eps, c.head_dim**-0.5,
+                                  *(() if full is None else (full.contiguous(),)))  # [S, H]; full [S, P+S]
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         return self.head(rows)  # the V-wide head on the needed rows
