@@ -32,6 +32,7 @@ from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.target.cache import CacheFullError
 from draftsmith.runtime.target.linear_ops import PackedLinear
 from draftsmith.runtime.target.model import LeanDecoder
+from draftsmith.runtime.target.torch_layers import qk_rope_v
 
 Tensor = torch.Tensor
 _LAYER_OPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> (ops, weights) of the batched step
@@ -77,17 +78,10 @@ def _batched_layer(ops: type, weights: tuple, x: Tensor, kc: Tensor, vc: Tensor,
     """
     ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wdown, bdown = weights
     n, d = x.shape[0], kc.shape[-1]
-    nq, nqk, hshape = hq * d, (hq + hkv) * d, x.shape[1:]
-    qkv = ops.linear(F.rms_norm(x, hshape, ln1, eps), wqkv, bqkv)  # [b, (Hq+2Hkv)d]
-    if qn is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
-        q = F.rms_norm(qkv[:, :nq].view(n, hq, d), (d,), qn, eps)
-        k = F.rms_norm(qkv[:, nq:nqk].view(n, hkv, d), (d,), kn, eps)
-        qk = torch.cat((q, k), 1)  # [b, Hq+Hkv, d]
-    else:
-        qk = qkv[:, :nqk].view(n, hq + hkv, d)  # [b, Hq+Hkv, d]
-    qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # RoPE on q and k at once
+    nq, hshape = hq * d, x.shape[1:]
+    qk, v = qk_rope_v(ops.linear, x, ln1, wqkv, bqkv, qn, kn, cos, sin, hq, hkv, d, eps)  # [b, Hq+Hkv, d], [b, Hkv, d]
     kc[rows, :, slots] = qk[:, hq:]  # [b, Hkv, d] into each row's next slot
-    vc[rows, :, slots] = qkv[:, nqk:].view(n, hkv, d)
+    vc[rows, :, slots] = v
     # GQA without repeating K/V: the query heads of one kv head are its G query rows (as tree_attention does)
     qg = qk[:, :hq].reshape(n, hkv, hq // hkv, d)  # [b, Hkv, G, d]
     attn = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=scale)  # [b, Hkv, G, d]

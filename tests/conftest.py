@@ -264,3 +264,28 @@ def train_on_fixed_batch(objective, batch, feats, steps: int = 15, lr: float = 3
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+# ---- the fused C++ kernel, once per ISA variant this CPU runs (test_cpu_layer.py, test_cpu_stack.py) --------------
+def runnable_isas() -> list[str]:
+    """The kernel variants this CPU can build and run (an AVX512-BF16 CPU runs the avx2 one as well)."""
+    from draftsmith.kernels import cpu_layer
+
+    return [isa for isa in cpu_layer.ISAS if cpu_layer.why_unavailable(isa) is None]
+
+
+@pytest.fixture(scope="module", params=runnable_isas() or [None])
+def ext(request):
+    """The fused kernel built for one ISA variant (each test using it runs once per runnable variant)."""
+    from draftsmith.kernels import cpu_layer
+
+    return cpu_layer.load_cpu_layer(request.param)
+
+
+@pytest.fixture
+def use_variant(ext, monkeypatch):
+    """Make ``linear_backend="cpp"`` models (which load the default variant) run ``ext`` instead."""
+    from draftsmith.kernels import cpu_layer
+
+    monkeypatch.setattr(cpu_layer, "load_cpu_layer", lambda isa=None: ext)
+    return ext

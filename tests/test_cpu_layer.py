@@ -5,28 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import runnable_isas
 from test_runtime_model import tiny_model
 
 from draftsmith.kernels import cpu_layer
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.target.model import LeanDecoder
 
-# The variants this CPU can run (an AVX512-BF16 CPU runs both; the avx2 one is then tested for real here too).
-RUNNABLE = [isa for isa in cpu_layer.ISAS if cpu_layer.why_unavailable(isa) is None]
+RUNNABLE = runnable_isas()  # the variants this CPU can run; fixtures `ext` / `use_variant` in conftest.py
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))
-
-
-@pytest.fixture(scope="module", params=RUNNABLE or [None])
-def ext(request):
-    """The fused layer built for one ISA variant (each test using it runs once per runnable variant)."""
-    return cpu_layer.load_cpu_layer(request.param)
-
-
-@pytest.fixture
-def use_variant(ext, monkeypatch):
-    """Make ``linear_backend="cpp"`` models (which load the default variant) run ``ext`` instead."""
-    monkeypatch.setattr(cpu_layer, "load_cpu_layer", lambda isa=None: ext)
-    return ext
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:

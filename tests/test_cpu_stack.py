@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import runnable_isas
 from test_runtime_model import tiny_model
 
 from draftsmith.kernels import cpu_layer
@@ -14,21 +15,8 @@ from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.target.model import LeanDecoder
 from draftsmith.runtime.target.model_config import rope_tables
 
-RUNNABLE = [isa for isa in cpu_layer.ISAS if cpu_layer.why_unavailable(isa) is None]
+RUNNABLE = runnable_isas()  # fixtures `ext` / `use_variant` in conftest.py
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))
-
-
-@pytest.fixture(scope="module", params=RUNNABLE or [None])
-def ext(request):
-    """The kernel built for one ISA variant (each test using it runs once per runnable variant)."""
-    return cpu_layer.load_cpu_layer(request.param)
-
-
-@pytest.fixture
-def use_variant(ext, monkeypatch):
-    """Make ``linear_backend="cpp"`` models (which load the default variant) run ``ext`` instead."""
-    monkeypatch.setattr(cpu_layer, "load_cpu_layer", lambda isa=None: ext)
-    return ext
 
 
 # ---- norm_linear_topk ------------------------------------------------------------------------------------------------

@@ -14,6 +14,23 @@ from draftsmith.kernels.attention import masked_attention, tree_attention
 Tensor = torch.Tensor
 
 
+def qk_rope_v(linear: Callable, x: Tensor, ln1: Tensor, wqkv: Tensor, bqkv: Tensor | None, qn: Tensor | None,
+              kn: Tensor | None, cos: Tensor, sin: Tensor, hq: int, hkv: int, d: int,
+              eps: float) -> tuple[Tensor, Tensor]:
+    """A Llama layer's attention inputs for T rows x [T, H]: (q and k after the optional Qwen3 q/k norm and RoPE
+    [T, Hq+Hkv, d], v [T, Hkv, d]). Shared by the layer below and batched generation (one token per row)."""
+    t, nq, nqk = x.shape[0], hq * d, (hq + hkv) * d
+    qkv = linear(F.rms_norm(x, x.shape[1:], ln1, eps), wqkv, bqkv)  # [T, (Hq+2Hkv)d]
+    if qn is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+        q = F.rms_norm(qkv[:, :nq].view(t, hq, d), (d,), qn, eps)
+        k = F.rms_norm(qkv[:, nq:nqk].view(t, hkv, d), (d,), kn, eps)
+        qk = torch.cat((q, k), 1)  # [T, Hq+Hkv, d]
+    else:
+        qk = qkv[:, :nqk].view(t, hq + hkv, d)  # [T, Hq+Hkv, d]
+    qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # RoPE on q and k at once
+    return qk, qkv[:, nqk:].view(t, hkv, d)
+
+
 def llama_layer(
     linear: Callable, linear_add: Callable, kernel_backend: str, x: Tensor, ln1: Tensor, wqkv: Tensor,
     bqkv: Tensor | None, qn: Tensor | None, kn: Tensor | None, wo: Tensor, bo: Tensor | None, ln2: Tensor,
@@ -23,17 +40,10 @@ def llama_layer(
     """One Llama decoder layer: x [T, H] -> [T, H]; writes K/V at slots start..start+T-1. After its first three
     arguments (bound once at load), the reference of the fused C++ layer (same arguments)."""
     t, d = x.shape[0], kc.shape[-1]
-    nq, nqk, hshape = hq * d, (hq + hkv) * d, x.shape[1:]
-    qkv = linear(F.rms_norm(x, hshape, ln1, eps), wqkv, bqkv)  # [T, (Hq+2Hkv)d]
-    if qn is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
-        q = F.rms_norm(qkv[:, :nq].view(t, hq, d), (d,), qn, eps)
-        k = F.rms_norm(qkv[:, nq:nqk].view(t, hkv, d), (d,), kn, eps)
-        qk = torch.cat((q, k), 1)  # [T, Hq+Hkv, d]
-    else:
-        qk = qkv[:, :nqk].view(t, hq + hkv, d)  # [T, Hq+Hkv, d]
-    qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # RoPE on q and k at once
+    nq, hshape = hq * d, x.shape[1:]
+    qk, v = qk_rope_v(linear, x, ln1, wqkv, bqkv, qn, kn, cos, sin, hq, hkv, d, eps)  # [T, Hq+Hkv, d], [T, Hkv, d]
     kc[:, start : start + t] = qk[:, hq:].transpose(0, 1)  # [Hkv, T, d]
-    vc[:, start : start + t] = qkv[:, nqk:].view(t, hkv, d).transpose(0, 1)
+    vc[:, start : start + t] = v.transpose(0, 1)
     attn = tree_attention(qk[:, :hq].transpose(0, 1), kc, vc, start, tree_mask, scale, kernel_backend)
     x = linear_add(attn.transpose(0, 1).reshape(t, nq), wo, bo, x)  # [Hq, T, d] -> [T, H]
     gu = linear(F.rms_norm(x, hshape, ln2, eps), wgu, bgu)  # [T, 2I]
