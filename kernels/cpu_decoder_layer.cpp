@@ -585,6 +585,17 @@ torch::Tensor layer_body(const bf16* xin, int64_t kin, const torch::Tensor& res,
   return out;
 }
 
+// x [rows, n] RMS-normed by w into scratch, or x itself when w is None (EAGLE-1's layer, a head without a norm).
+const bf16* normed_or_same(const torch::Tensor& x, int64_t rows, int64_t n, const std::optional<torch::Tensor>& w,
+                           double eps, std::vector<bf16>& scratch, const char* what) {
+  if (!w) return ptr(x);
+  TORCH_CHECK(w->scalar_type() == torch::kBFloat16 && w->is_contiguous() && w->numel() == n, what,
+              " must be a contiguous bf16 [", n, "] weight or None");
+  scratch.resize(rows * n);
+  rms_norm(ptr(x), rows, n, ptr(*w), float(eps), scratch.data());
+  return scratch.data();
+}
+
 const bool* mask_ptr(const std::optional<torch::Tensor>& mask, int64_t rows, int64_t cols, const char* what) {
   if (!mask) return nullptr;
   TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() && mask->numel() == rows * cols, what,
@@ -613,13 +624,7 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const std::optional<torch::T
   const bool* mask = mask_ptr(tree_mask, T, T, "tree_mask");
   const bool* full = mask_ptr(full_mask, T, start + T, "full_mask");
   std::vector<bf16> xn;
-  if (ln1) {
-    TORCH_CHECK(ln1->scalar_type() == torch::kBFloat16 && ln1->is_contiguous() && ln1->numel() == H,
-                "ln1 must be a contiguous bf16 [H] weight or None");
-    xn.resize(T * H);
-    rms_norm(ptr(x), T, H, ptr(*ln1), float(eps), xn.data());
-  }
-  return layer_body(ln1 ? xn.data() : ptr(x), H, x, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wdown, bdown, kc, vc, start, cos, sin,
+  return layer_body(normed_or_same(x, T, H, ln1, eps, xn, "ln1"), H, x, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wdown, bdown, kc, vc, start, cos, sin,
                     mask, full, hq, hkv, eps, scale);
 }
 
@@ -770,13 +775,7 @@ std::tuple<torch::Tensor, torch::Tensor> norm_linear_topk(const torch::Tensor& x
   TORCH_CHECK(K == 2 * w.size(1) && (n + 15) / 16 == w.size(0), "x / packed weight / n do not match");
   TORCH_CHECK(k >= 1 && k <= n, "norm_linear_topk needs 1 <= k <= n, got k=", k, " for n=", n);
   std::vector<bf16> xn;
-  if (norm_w) {
-    TORCH_CHECK(norm_w->scalar_type() == torch::kBFloat16 && norm_w->is_contiguous() && norm_w->numel() == K,
-                "norm_w must be a contiguous bf16 [K] weight or None");
-    xn.resize(T * K);
-    rms_norm(ptr(x), T, K, ptr(*norm_w), float(eps), xn.data());
-  }
-  const std::vector<float> xf = widen(norm_w ? xn.data() : ptr(x), T * K);  // [T, K]
+  const std::vector<float> xf = widen(normed_or_same(x, T, K, norm_w, eps, xn, "norm_w"), T * K);  // [T, K]
   std::vector<bf16> logits(T * n);  // [T, n]
   const int64_t blocks = (n + 15) / 16;
   std::vector<std::vector<RowPart>> parts(T);  // [T][task]
