@@ -115,10 +115,20 @@ class DistillModule(pl.LightningModule):
         self.served_probe = served_probe  # serving code handed in by the entry point: distill/ never imports it
         self.served_validation: dict[str, Any] | None = None  # the last probe's record, written into the export
         self._validations = 0  # validation passes seen, for the probe's ``every``
+        self.sharded_clip_norm: float | None = None  # FSDP: clip the global norm here (set by the trainer)
 
     @property
     def target(self) -> TargetModel:
         return self._target
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's clipping, except under FSDP with norm clipping: the wrapped root's ``clip_grad_norm_``
+        computes the norm over every shard (Lightning's FSDP precision plugin refuses ``norm``)."""
+        if self.sharded_clip_norm:
+            self.trainer.strategy.model.clip_grad_norm_(self.sharded_clip_norm)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     @property
     def tokens_seen(self) -> int:
@@ -211,6 +221,16 @@ class DistillModule(pl.LightningModule):
         size = batch["input_ids"].shape[0]
         self.log("val/loss", loss, prog_bar=True, batch_size=size, sync_dist=True)
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, batch_size=size, sync_dist=True)
+
+    def on_validation_start(self) -> None:
+        """A ``trainer.validate`` after ``fit`` under DeepSpeed ZeRO-3 (seen on an H100) gets the drafter back with
+        its buffers (the frozen target embedding) still on the CPU, where fit's teardown left them: ZeRO-3 places
+        parameters itself and no strategy step moves buffers back. Put them on the device the batches are on."""
+        device = self.trainer.strategy.root_device
+        for module in self.drafter.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.device != device:
+                    setattr(module, name, buffer.to(device))
 
     def on_validation_epoch_start(self) -> None:
         self.objective.on_validation_start()  # e.g. reset the per-head accuracy counts a calibrated tree is built from

@@ -35,6 +35,7 @@ from draftsmith.distill.strategies import (
     build_precision,
     build_strategy,
     check_devices,
+    strategy_family,
 )
 from draftsmith.distill.target import Target
 from draftsmith.distill.target_shard import TargetSharding, check_target_shard
@@ -184,13 +185,23 @@ def run_device(trainer_cfg: DictConfig) -> str:
     return "cpu"
 
 
-def grad_clipping(optim_cfg: DictConfig) -> dict[str, Any]:
+def grad_clipping(optim_cfg: DictConfig, trainer_cfg: DictConfig | None = None) -> dict[str, Any]:
     """Lightning's ``gradient_clip_val`` / ``gradient_clip_algorithm`` from ``optim.grad_clip`` (0 = off) and
-    ``optim.grad_clip_algorithm`` (``norm``: rescale the global gradient norm; ``value``: clamp each element)."""
+    ``optim.grad_clip_algorithm`` (``norm``: rescale the global gradient norm; ``value``: clamp each element).
+    Under FSDP, norm clipping is left to the module (:func:`sharded_clip_norm`): Lightning's FSDP precision
+    refuses it."""
     value = float(optim_cfg.grad_clip or 0.0)
-    if not value:
+    if not value or (trainer_cfg is not None and sharded_clip_norm(optim_cfg, trainer_cfg)):
         return {"gradient_clip_val": None, "gradient_clip_algorithm": None}
     return {"gradient_clip_val": value, "gradient_clip_algorithm": str(optim_cfg.get("grad_clip_algorithm", "norm"))}
+
+
+def sharded_clip_norm(optim_cfg: DictConfig, trainer_cfg: DictConfig) -> float | None:
+    """The global-norm clip the module applies itself under FSDP (FSDP's ``clip_grad_norm_`` reduces the norm over
+    the shards), or None where Lightning's own clipping runs."""
+    value = float(optim_cfg.grad_clip or 0.0)
+    norm = str(optim_cfg.get("grad_clip_algorithm", "norm")) == "norm"
+    return value if value and norm and strategy_family(trainer_cfg) == "fsdp" else None
 
 
 def slurm_environment(cfg: DictConfig) -> list:
@@ -231,7 +242,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
         strategy=build_strategy(t, drafter), precision=None if precision is not None else t.precision,
         max_steps=int(t.max_steps), max_time=t.get("max_time") or None,
         accumulate_grad_batches=int(t.accumulate_grad_batches),
-        **grad_clipping(cfg.optim), log_every_n_steps=int(t.log_every_n_steps),
+        **grad_clipping(cfg.optim, t), log_every_n_steps=int(t.log_every_n_steps),
         val_check_interval=val_every if val_every > 0 else None, check_val_every_n_epoch=None if val_every else 1,
         limit_val_batches=int(cfg.run.final_eval_batches), num_sanity_val_steps=0,
         logger=build_loggers(cfg, run_dir, run_name),
@@ -285,6 +296,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
                            total_steps=int(cfg.trainer.max_steps),
                            zero_loss_patience=int(cfg.run.get("zero_loss_patience", 5) or 0), served_probe=served_probe)
+    module.sharded_clip_norm = sharded_clip_norm(cfg.optim, cfg.trainer)
     module.run_info = {"recipe": recipe.name, "target": target.identity(),
                        "config": OmegaConf.to_container(cfg, resolve=True)}
     wrapped = apply_activation_checkpointing(module.drafter, cfg.trainer)

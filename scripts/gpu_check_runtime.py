@@ -29,14 +29,26 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decoder(ctx: Context, dtype: str, kernels: str) -> Any:
-    """The lean decoder of the target on the check's device (cached per dtype and kernel backend)."""
+def export_adapter(ctx: Context, recipe: str | None) -> tuple[Any, dict] | None:
+    """The target adapter an export ships (Medusa-2's LoRA): (weight transform, identity block), or None."""
+    if recipe is None:
+        return None
+    from draftsmith.export.format import read_config
+    from draftsmith.runtime.target.adapters import target_adapter
+
+    return target_adapter(ctx.exports[recipe], read_config(ctx.exports[recipe]))
+
+
+def decoder(ctx: Context, dtype: str, kernels: str, recipe: str | None = None) -> Any:
+    """The lean decoder of the target on the check's device (cached per dtype and kernel backend); with ``recipe``,
+    the target that recipe's export serves (its adapter merged, if it ships one)."""
     from draftsmith.runtime.target.loading import load_decoder
 
-    key = f"decoder/{dtype}/{kernels}"
+    adapter = export_adapter(ctx, recipe)
+    key = f"decoder/{dtype}/{kernels}" + (f"/{recipe}" if adapter else "")
     if key not in ctx.cache:
         ctx.cache[key] = load_decoder(ctx.target, dtype=torch_dtype(dtype), device=ctx.plan.device, backend="lean",
-                                      kernel_backend=kernels)
+                                      kernel_backend=kernels, transform_weights=adapter[0] if adapter else None)
     return ctx.cache[key]
 
 
@@ -151,13 +163,14 @@ def hf_reference(ctx: Context, dtype: str) -> dict:
     return ctx.cache[key]
 
 
-def runtime_ar(ctx: Context, dtype: str) -> dict:
-    """Runtime AR greedy decoding (auto kernels), timed once per dtype."""
+def runtime_ar(ctx: Context, dtype: str, recipe: str | None = None) -> dict:
+    """Runtime AR greedy decoding (auto kernels), timed once per dtype (and per adapter-carrying export: its
+    speculative output must equal AR on the target it serves, adapter merged)."""
     from draftsmith.bench.timing import eos_ids_from_folder, time_runtime_ar
 
-    key = f"ar/{dtype}"
+    key = f"ar/{dtype}" + (f"/{recipe}" if export_adapter(ctx, recipe) else "")
     if key not in ctx.cache:
-        ctx.cache[key] = time_runtime_ar(decoder(ctx, dtype, "auto"), ctx.prompts, ctx.plan.new_tokens,
+        ctx.cache[key] = time_runtime_ar(decoder(ctx, dtype, "auto", recipe), ctx.prompts, ctx.plan.new_tokens,
                                          eos_ids=eos_ids_from_folder(ctx.target))
     return ctx.cache[key]
 
@@ -169,9 +182,10 @@ def speculative(ctx: Context, recipe: str, dtype: str) -> tuple[dict, list]:
     from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
     from draftsmith.runtime.drafting.base import build_proposer
 
-    model = decoder(ctx, dtype, "auto")
-    spec = SpeculativeDecoder(model, build_proposer(ctx.exports[recipe], model), GreedyVerifier("auto"),
-                              kernels_backend="auto")
+    model, adapter = decoder(ctx, dtype, "auto", recipe), export_adapter(ctx, recipe)
+    identity = {"adapter": adapter[1]} if adapter else None
+    proposer = build_proposer(ctx.exports[recipe], model, identity=identity)
+    spec = SpeculativeDecoder(model, proposer, GreedyVerifier("auto"), kernels_backend="auto")
     eos, n, results = eos_ids_from_folder(ctx.target), ctx.plan.new_tokens, []
 
     def decode(prompt: list[int]) -> list[int]:
@@ -189,19 +203,21 @@ def stage_bench(ctx: Context, recipe: str) -> dict:
     if recipe not in ctx.exports:
         raise RuntimeError(f"no export: train:{recipe} did not produce one")
     dtype = ctx.plan.speed_dtype
-    hf, ar = hf_reference(ctx, dtype), runtime_ar(ctx, dtype)
+    hf, ar = hf_reference(ctx, dtype), runtime_ar(ctx, dtype, recipe)
     sp, results = speculative(ctx, recipe, dtype)
     steps = sum(r.steps for r in results)
     tau = sum(sum(a + 1 for a in r.accepted_per_step) for r in results) / max(1, steps)
     spec32 = sp if dtype == "fp32" else speculative(ctx, recipe, "fp32")[0]
-    lossless = compare_outputs(runtime_ar(ctx, "fp32")["outputs"], spec32["outputs"])
-    vs_hf = compare_outputs(hf_reference(ctx, "fp32")["outputs"], spec32["outputs"])
+    lossless = compare_outputs(runtime_ar(ctx, "fp32", recipe)["outputs"], spec32["outputs"])
+    # HF generate runs the bare target: an adapter-carrying export serves another model, so that row is skipped.
+    vs_hf = None if export_adapter(ctx, recipe) else compare_outputs(hf_reference(ctx, "fp32")["outputs"],
+                                                                     spec32["outputs"])
     numbers = {"hf_tok_per_s": round(hf["tokens_per_s"], 1), "ar_tok_per_s": round(ar["tokens_per_s"], 1),
                "spec_tok_per_s": round(sp["tokens_per_s"], 1), "tau": round(tau, 3),
                "spec_vs_ar": round(sp["tokens_per_s"] / ar["tokens_per_s"], 2),
                "ar_vs_hf": round(ar["tokens_per_s"] / hf["tokens_per_s"], 2),
                "lossless_fp32_vs_ar": f"{lossless['identical']}/{lossless['total']}",
-               "fp32_vs_hf_generate": f"{vs_hf['identical']}/{vs_hf['total']}"}
+               "fp32_vs_hf_generate": f"{vs_hf['identical']}/{vs_hf['total']}" if vs_hf else "n/a (adapter)"}
     for key in [k for k in ctx.cache if "/fp32" in k and k.startswith("decoder/")]:
         del ctx.cache[key]
     ok = lossless["all_identical"]

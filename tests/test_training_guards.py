@@ -278,3 +278,53 @@ def test_progress_bar_shows_steps_tokens_per_second_and_eta(tmp_path):
     assert text.startswith("step 12/200") and "6%" in text, text
     assert re.search(r"tok/s=[\d,]+", text) and re.search(r"eta=\d+(s|m\d\ds|h\d\dm)", text), text
     assert "train/loss=3.25" in text and "Epoch" not in text and "60/60" not in text, text
+
+
+def test_fsdp_norm_clipping_moves_into_the_module(tmp_path):
+    """Lightning's FSDP precision refuses ``gradient_clip_algorithm='norm'`` (seen on an H100): the Trainer gets no
+    clip and the module clips the global norm through the FSDP root instead; value clipping stays Lightning's."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.distill.trainer import grad_clipping, sharded_clip_norm
+
+    medusa = compose_config(["recipe=medusa"])
+    fsdp = OmegaConf.create({"strategy": "fsdp", "accelerator": "gpu"})
+    assert grad_clipping(medusa.optim, fsdp) == {"gradient_clip_val": None, "gradient_clip_algorithm": None}
+    assert sharded_clip_norm(medusa.optim, fsdp) == 1.0
+    assert sharded_clip_norm(medusa.optim, medusa.trainer) is None
+    assert grad_clipping(medusa.optim, medusa.trainer)["gradient_clip_val"] == 1.0
+    eagle = compose_config(["recipe=eagle"])
+    assert sharded_clip_norm(eagle.optim, fsdp) is None
+    assert grad_clipping(eagle.optim, fsdp)["gradient_clip_algorithm"] == "value"
+
+
+def test_the_module_clips_the_global_norm_itself_when_told():
+    """``configure_gradient_clipping`` with ``sharded_clip_norm`` calls the strategy root's ``clip_grad_norm_``."""
+    from types import SimpleNamespace
+
+    from draftsmith.distill.module import DistillModule
+
+    calls = []
+    fake = SimpleNamespace(sharded_clip_norm=0.7,
+                           trainer=SimpleNamespace(strategy=SimpleNamespace(
+                               model=SimpleNamespace(clip_grad_norm_=calls.append))))
+    DistillModule.configure_gradient_clipping(fake, optimizer=None, gradient_clip_val=None)
+    assert calls == [0.7]
+
+
+def test_validation_puts_the_drafter_buffers_on_the_batch_device():
+    """ZeRO-3's validate-after-fit left the frozen embedding buffer on the CPU (H100 run): the hook moves every
+    drafter buffer to the strategy's root device (here "meta", so the move is visible on a CPU machine)."""
+    from types import SimpleNamespace
+
+    from draftsmith.distill.module import DistillModule
+
+    drafter = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    drafter.register_buffer("embed_weight", torch.ones(3, 2), persistent=False)
+    drafter[0].register_buffer("d2t", torch.arange(3))
+    fake = SimpleNamespace(drafter=drafter, trainer=SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("meta"))))
+    DistillModule.on_validation_start(fake)
+    assert drafter.embed_weight.device.type == "meta" and drafter[0].d2t.device.type == "meta"
+    assert "embed_weight" not in drafter.state_dict()  # still non-persistent
+    assert drafter[0].weight.device.type == "cpu"  # parameters are the strategy's business
