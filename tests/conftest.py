@@ -128,6 +128,7 @@ TIERS = {
     "test_linear_cross_entropy.py": "unit",
     "test_llamacpp.py": "unit",  # its run of the real cached llama.cpp build is marked integration
     "test_long_outputs.py": "unit",
+    "test_loop_overheads.py": "unit",
     "test_engine_parity.py": "unit",  # its real llama.cpp parity run on the embedded target is marked integration
     "test_lpo_controller.py": "unit",
     "test_lpo_loss.py": "unit",

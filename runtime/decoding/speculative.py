@@ -144,13 +144,15 @@ class SpeculativeDecoder:
                 prefix = cache.length
                 res, acc = self._verify(tree, cache, device, taps, greedy_head, generator, part)
                 nodes = acc.path_nodes
+                in_place = nodes == list(range(len(nodes)))  # accepted nodes already sit right after the prefix
                 with part("kv_compaction"):
-                    if nodes == list(range(len(nodes))):  # accepted nodes already sit right after the prefix
+                    if in_place:
                         cache.commit(len(nodes))
                     else:
                         cache.compact(prefix + torch.tensor(nodes, dtype=torch.long), prefix)
                 with part("proposer_update"):
-                    hidden_prev = self._accept_path(res, acc, nodes, tokens, root, policy, taps, generator)
+                    rows = slice(0, len(nodes)) if in_place else torch.tensor(nodes, device=res.hidden.device)
+                    hidden_prev = self._accept_path(res, acc, rows, tokens, root, policy, taps, generator)
                 root = acc.bonus_token
                 accepted.append(acc.num_accepted)
                 sizes.append(tree.num_nodes)
@@ -213,22 +215,24 @@ class SpeculativeDecoder:
             raise ValueError(f"the proposer drafted {tree.num_nodes} nodes but declared max_tree_nodes="
                              f"{self.proposer.max_tree_nodes}; the KV cache is sized from the latter")
 
-    def _accept_path(self, res: Any, acc: Any, nodes: list[int], tokens: torch.Tensor, root: int, policy: Any,
-                     taps: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
-        """Tell the proposer which path (``nodes``, the root first) the verifier accepted: hidden states, taps and
-        logits at its nodes (no logits for a proposer that declares ``reads_logits = False``: copying [a+1, V] rows
-        every step for nobody cost ~0.1 ms a step); returns the hidden state [H] of the last accepted node, whose
-        logits produced the bonus token."""
-        rows = torch.tensor(nodes, device=res.hidden.device)
-        path_taps = res.tap_features(taps)
-        logits = None
-        if getattr(self.proposer, "reads_logits", True):
-            logits = res.logits[rows.to(res.logits.device)]  # [a+1, V]
-        self.proposer.accept(StepContext(
-            tokens, root, res.hidden[rows], policy, generator,  # hidden [a+1, H] at the accepted nodes
-            None if path_taps is None else path_taps[rows.to(path_taps.device)],  # [a+1, k*H]
-            logits, acc))
-        return res.hidden[rows[-1]]
+    def _accept_path(self, res: Any, acc: Any, rows: slice | torch.Tensor, tokens: torch.Tensor, root: int,
+                     policy: Any, taps: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
+        """Tell the proposer which path the verifier accepted (``rows``: its nodes, the root first; a slice when they
+        are the first nodes, the usual case, so that every row set below is a view): hidden states, taps and logits
+        at its nodes (no logits for a proposer that declares ``reads_logits = False``: copying [a+1, V] rows every
+        step for nobody cost ~0.1 ms a step); returns the hidden state [H] of the last accepted node, whose logits
+        produced the bonus token."""
+        def pick(t: torch.Tensor) -> torch.Tensor:  # the accepted rows of t
+            return t[rows] if isinstance(rows, slice) else t[rows.to(t.device)]
+
+        path_taps = None
+        if taps:  # only the accepted rows of each tap are copied, once
+            missing = [i for i in taps if i not in res.taps]
+            path_taps = torch.cat([pick(res.taps[i]) for i in taps], -1) if not missing else res.tap_features(taps)
+        logits = pick(res.logits) if getattr(self.proposer, "reads_logits", True) else None  # [a+1, V]
+        self.proposer.accept(StepContext(tokens, root, pick(res.hidden), policy, generator,  # hidden [a+1, H]
+                                         path_taps, logits, acc))  # taps [a+1, k*H]; tap_features raises if missing
+        return res.hidden[acc.path_nodes[-1]]
 
     def _plain_greedy(self, prompt: torch.Tensor, max_new_tokens: int, eos_ids: Sequence[int],
                       stream: Callable[[list[int]], None] | None) -> SpecResult:

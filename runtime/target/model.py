@@ -305,7 +305,8 @@ class LeanDecoder(nn.Module):
         """cos, sin [T, 1, d] of T new tokens: positions start.. or ``positions``."""
         if positions is None:
             return self._cos[start : start + t], self._sin[start : start + t]
-        return self._cos[positions], self._sin[positions]
+        # index_select: one plain gather per table (advanced indexing went through aten::index's general path)
+        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
     def forward_layers(
         self,
