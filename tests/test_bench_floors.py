@@ -178,3 +178,29 @@ def test_bench_profile_writes_the_floor_keys_and_verdicts(medusa_export, tmp_pat
     assert "vs bandwidth floor" in table and result["profile"]["verdicts"][0] in table
     written = json.loads((write_outputs(result, tmp_path / "out") / "bench.json").read_text())
     assert written["profile"]["floors"]["ar_step"]["target"] == 1.3
+
+
+def test_step_costs_run_after_the_loops_mean_context(tiny_decoder, monkeypatch):
+    """The cost curve is timed after ``context`` cached tokens (the prompt repeated), as the decode loop runs at prompt
+    + half the new tokens: the prefill the model sees has that length, and the floor counts that much KV."""
+    from types import SimpleNamespace
+
+    from draftsmith.bench import floors
+    from draftsmith.bench.run import _step_costs
+
+    monkeypatch.setattr(floors, "read_bandwidth_gbs", lambda *a, **k: 10.0)
+    seen: list[int] = []
+    forward = tiny_decoder.forward
+
+    def recording(ids, cache, **kw):
+        seen.append(int(ids.shape[0]))
+        return forward(ids, cache, **kw)
+
+    monkeypatch.setattr(tiny_decoder, "forward", recording)
+    runtime = SimpleNamespace(model=tiny_decoder, speculative=None)
+    short = _step_costs(runtime, [5, 6, 7], repeats=1)
+    assert seen[0] == 3
+    seen.clear()
+    long = _step_costs(runtime, [5, 6, 7], repeats=1, context=40)
+    assert seen[0] == 40
+    assert long["weight_bytes_per_step"] > short["weight_bytes_per_step"]  # 37 more tokens of KV read per step
