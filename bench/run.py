@@ -29,6 +29,11 @@ from draftsmith.runtime.target.loading import load_decoder
 FORWARD_SIZES = tuple(range(1, 17))  # new tokens per forward: every verify size a candidate shape can have
 
 
+def _loop_context(prompts: list[list[int]], max_new_tokens: int) -> int:
+    """The decode loop's mean context: the mean prompt length + half the new tokens."""
+    return round(sum(map(len, prompts)) / len(prompts) + max_new_tokens / 2)
+
+
 def _step_costs(runtime: Runtime, prompt: list[int], repeats: int = 5, context: int | None = None) -> dict[str, Any]:
     """Median wall time of one plain decode step, of one verify forward of the export's tree, and of forwards of
     ``FORWARD_SIZES`` new tokens (to size trees for the machine), after ``context`` tokens of cache (the prompt
@@ -132,8 +137,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     hf, hf_torch_dtype, hf_reason, lossless = _time_hf(runtime, prompts, max_new_tokens, skip_hf, hf_dtype, lossless,
                                                        hf_result)
     hf_same_dtype = hf is not None and hf_torch_dtype == runtime.model.dtype
-    loop_context = round(sum(map(len, prompts)) / len(prompts) + max_new_tokens / 2)  # the decode loop's mean
-    costs, export_proposer = _step_costs(runtime, prompts[0], context=loop_context), spec.proposer
+    costs, export_proposer = _step_costs(runtime, prompts[0], 5, _loop_context(prompts, max_new_tokens)), spec.proposer
     cost_model = _apply_cost_aware_depth(runtime, prompts, costs) if cost_aware else None
     ar, sp, results = _time_ar_and_speculative(runtime, prompts, max_new_tokens)
     # was the machine quiet while timing, and how often the decode loops gave up or took back a core

@@ -2,7 +2,7 @@
 //
 // Why C++: a 135M model's decoding step is ~120 small GEMVs plus ~20 elementwise ops per layer. Through PyTorch
 // each op pays dispatch and thread wake-up costs and the bf16 GEMVs reach ~2/3 of the memory bandwidth; here one
-// call runs a whole layer and the GEMV streams the weights once, widening bf16 to fp32 for the FMAs.
+// call runs a whole layer and the GEMV streams the weights once, accumulating bf16 products in fp32.
 //
 // One source, two builds (kernels/cpu_layer.py passes the macro): DRAFTSMITH_ISA_AVX512_BF16 for AVX512-BF16 CPUs
 // and DRAFTSMITH_ISA_AVX2 for AVX2+FMA ones without AVX-512 (e.g. AMD Zen 3). Only the small vector layer below
@@ -82,12 +82,26 @@ inline void argmax_step(vf y, vf idx, vf& best, vf& best_idx) {
   best_idx = _mm512_mask_mov_ps(best_idx, win, idx);
 }
 
-// One packed 64-byte weight vector (16 rows x one column pair, lane r = W[r,2p+1] << 16 | W[r,2p]) as two columns.
-inline void unpack(const bf16* p, vf& even, vf& odd) {
-  const __m512i raw = _mm512_loadu_si512(p);
-  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));                                 // column 2p of the 16 rows
-  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int(0xFFFF0000u))));  // column 2p+1
+// GEMM operands (see "Packed weights" below): one packed 64-byte weight vector (16 rows x one column pair, lane r =
+// W[r,2p+1] << 16 | W[r,2p]) and one token's input pair (x[2p+1] << 16 | x[2p]) broadcast to every lane, both fed to
+// vdpbf16ps as they are: the input stays bf16 (xelem), nothing is widened.
+using xelem = bf16;
+using wpair = __m512bh;
+inline wpair load_w(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh load_x(const bf16* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, 4);
+  return (__m512bh)_mm512_set1_epi32(pair);
 }
+// acc + W[r,2p+1] x[2p+1] + W[r,2p] x[2p] per lane r: vdpbf16ps adds the odd product first, then the even one, each
+// an fp32 FMA rounded to nearest even (the products of two bf16 are exact), with subnormal inputs read as zero and
+// subnormal results flushed to zero. Checked bit for bit against that FMA sequence on Zen 4, subnormals included.
+inline vf madd_pair(vf acc, wpair w, __m512bh x) { return _mm512_dpbf16_ps(acc, w, x); }
+// Nothing to set: vdpbf16ps flushes subnormals by itself, whatever MXCSR says, and so does vcvtneps2bf16 (store_bf,
+// round_bf) with a subnormal sum in the epilogue (checked on Zen 4).
+struct FlushSubnormals {
+  FlushSubnormals() {}
+};
 
 // q.k over d (a multiple of 16) bf16 values: vdpbf16ps multiplies bf16 pairs exactly and accumulates in fp32.
 inline float dot_bf16(const bf16* a, const bf16* b, int64_t d) {
@@ -101,8 +115,10 @@ inline float dot_bf16(const bf16* a, const bf16* b, int64_t d) {
 }
 
 // GEMM tiles (blocks of 16 rows x tokens, one fp32 accumulator each): a task takes kGroupBlocks blocks, as one tile
-// per kTileTokens tokens. 4 x 4 accumulators = 16 of the 32 zmm registers.
-constexpr int kGroupBlocks = 4, kTileBlocks = 4, kTileTokens = 4;
+// per kTileTokens tokens. 4 x 6 accumulators + 4 weight vectors + broadcast inputs fit the 32 zmm registers
+// without spills (4 x 7 spills). Against 4 x 4 on Zen 4, one thread, the 135M model's linears: T = 5 0.85x the time
+// (one pass over the weights instead of a 4-token tile and a latency-bound 1-token one), T = 8 0.86x, T = 16 0.93x.
+constexpr int kGroupBlocks = 4, kTileBlocks = 4, kTileTokens = 6;
 
 #elif defined(DRAFTSMITH_ISA_AVX2)
 
@@ -200,14 +216,38 @@ inline void argmax_step(vf y, vf idx, vf& best, vf& best_idx) {
   best_idx = {_mm256_blendv_ps(best_idx.lo, idx.lo, lo), _mm256_blendv_ps(best_idx.hi, idx.hi, hi)};
 }
 
-// The 64-byte packed vector as two 32-byte halves: rows 0-7, then rows 8-15.
-inline void unpack(const bf16* p, vf& even, vf& odd) {
+// GEMM operands without a bf16 dot product: the input is widened to fp32 once (xelem), and the 64-byte packed
+// weight vector is split as two 32-byte halves (rows 0-7, then rows 8-15) into its two columns in fp32.
+using xelem = float;
+struct wpair {
+  vf even, odd;  // columns 2p and 2p+1 of the 16 rows
+};
+inline wpair load_w(const bf16* p) {
   const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
   const __m256i top = _mm256_set1_epi32(int(0xFFFF0000u));
-  even = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
-  odd = {_mm256_castsi256_ps(_mm256_and_si256(lo, top)), _mm256_castsi256_ps(_mm256_and_si256(hi, top))};
+  return {{_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))},
+          {_mm256_castsi256_ps(_mm256_and_si256(lo, top)), _mm256_castsi256_ps(_mm256_and_si256(hi, top))}};
 }
+inline const float* load_x(const float* x) { return x; }  // broadcast at each use: 16 ymm leave no room to hold them
+// vdpbf16ps's arithmetic, so that both builds give the same bits: the odd product first, then the even one, each an
+// fp32 FMA (exact products of bf16), under FlushSubnormals.
+inline vf madd_pair(vf acc, const wpair& w, const float* x) {
+  return vfmadd(w.even, vset1(x[0]), vfmadd(w.odd, vset1(x[1]), acc));
+}
+// MXCSR DAZ | FTZ for the duration of one GEMM task (a thread's share of the blocks): subnormal inputs read as
+// zero and subnormal results flush to zero, as in vdpbf16ps, so subnormal weights, inputs or partial sums give the
+// AVX-512 build's bits too; and a subnormal bias + sum flushes as vcvtneps2bf16 flushes it there. The one case left
+// apart: a bias or residual that is itself a subnormal bf16 (AVX-512 adds it, here it reads as zero), which changes
+// an output only when that output is below ~2^-117. Per task, not per tile: MXCSR writes drain the FP pipeline, and
+// around every tile they made a 16-token verify 1.5x slower.
+struct FlushSubnormals {
+  const unsigned saved = _mm_getcsr();
+  FlushSubnormals() { _mm_setcsr(saved | 0x8040u); }  // FTZ (bit 15) | DAZ (bit 6)
+  ~FlushSubnormals() { _mm_setcsr(saved); }
+  FlushSubnormals(const FlushSubnormals&) = delete;
+  FlushSubnormals& operator=(const FlushSubnormals&) = delete;
+};
 
 // q.k in fp32 FMAs on widened bf16 (products of two bf16 are exact in fp32, as with vdpbf16ps).
 inline float dot_bf16(const bf16* a, const bf16* b, int64_t d) {
@@ -241,12 +281,15 @@ const bf16* ptr(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t
 const bf16* opt_ptr(const std::optional<torch::Tensor>& t) { return t ? ptr(*t) : nullptr; }
 
 // Packed weights: W [N, K] is stored as [ceil(N/16), K/2, 16, 2], zero-padded to whole blocks of 16 rows, so one
-// 64-byte load holds 16 rows x 2 columns. As 16 x 32-bit lanes, lane r = W[r, 2p+1] << 16 | W[r, 2p]: a shift and a
-// mask turn it into the two columns in fp32 (unpack), each multiplied by one broadcast x value with fp32 FMAs. (On
-// the AVX512-BF16 CPU this was tuned on, vdpbf16ps retires ~1 per 2-4 cycles against 2 FMAs per cycle, so the FMA
-// form is ~2x faster once a multi-token verify makes the GEMM compute-bound; a single token is bandwidth-bound either
-// way. The same layout serves the AVX2 build, which has no bf16 dot product at all.)
-// Each weight byte is read once per forward, whatever T is.
+// 64-byte load holds 16 rows x 2 columns. As 16 x 32-bit lanes, lane r = W[r, 2p+1] << 16 | W[r, 2p]: the operand
+// vdpbf16ps takes, against one token's pair of x broadcast to every lane, one instruction per 16 rows x 2 columns x
+// token. (On Zen 4 a zmm vdpbf16ps issues at one per cycle, as a zmm FMA does, and does the work of the 2 FMAs the
+// fp32 form needed per pair, with no unpacking. A 135M target's whole forward, one thread, against that fp32 form:
+// T = 1 0.94x the time, T = 2-4 about the same (bandwidth-bound), T = 5 0.85x, T = 8 0.74x, T = 16 0.66x.)
+// The AVX2 build, with no bf16 dot product, splits the vector into its two columns in fp32 and runs vdpbf16ps's
+// arithmetic as 2 FMAs (madd_pair), so both builds produce the same bits.
+// Each weight byte is read once per forward, whatever T is, and every output is one chain of madd_pair over the
+// pairs in order, whatever the tile: a token's row does not depend on T, the tiling or the thread split.
 
 #ifndef PREFETCH
 #define PREFETCH 16  // in 64-byte vectors
@@ -260,9 +303,9 @@ struct Out {
 };
 
 // Blocks [b0, b0+G) of 16 rows against tokens [t0, t0+NT): Y = bf16(bf16(X W^T + bias) + res), rows < N only.
-// X is the fp32 copy of the input [T, K]; res is [T, N].
+// X is the input [T, K] as the GEMM reads it (xelem: bf16, or its fp32 copy in the AVX2 build); res is [T, N].
 template <int G, int NT>
-inline void tile(const float* X, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t t0, const bf16* bias,
+inline void tile(const xelem* X, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t t0, const bf16* bias,
                  const bf16* res, Out Y) {
   const int64_t pairs = K / 2;
   vf acc[G][NT];
@@ -274,13 +317,8 @@ inline void tile(const float* X, int64_t K, const bf16* P, int64_t N, int64_t b0
       // Software prefetch 1 KiB ahead: the hardware streamer stops at each 4 KiB page, and a 576-wide layer's
       // stream per block is only 18 KiB long.
       _mm_prefetch(reinterpret_cast<const char*>(base + (g * pairs + p + PREFETCH) * 32), _MM_HINT_T0);
-      vf even, odd;  // columns 2p and 2p+1 of the 16 rows
-      unpack(base + (g * pairs + p) * 32, even, odd);
-      for (int j = 0; j < NT; ++j) {
-        const float* x = X + (t0 + j) * K + 2 * p;
-        acc[g][j] = vfmadd(even, vset1(x[0]), acc[g][j]);
-        acc[g][j] = vfmadd(odd, vset1(x[1]), acc[g][j]);
-      }
+      const wpair w = load_w(base + (g * pairs + p) * 32);  // columns 2p and 2p+1 of the 16 rows
+      for (int j = 0; j < NT; ++j) acc[g][j] = madd_pair(acc[g][j], w, load_x(X + (t0 + j) * K + 2 * p));
     }
   }
   for (int g = 0; g < G; ++g) {
@@ -296,7 +334,7 @@ inline void tile(const float* X, int64_t K, const bf16* P, int64_t N, int64_t b0
 
 // Tokens [t0, T) in tiles of NT, the remainder (< NT tokens) as one smaller tile.
 template <int G, int NT>
-inline void token_tiles(const float* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t t0,
+inline void token_tiles(const xelem* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t t0,
                         const bf16* bias, const bf16* res, Out Y) {
   for (; t0 + NT <= T; t0 += NT) tile<G, NT>(X, K, P, N, b0, t0, bias, res, Y);
   if constexpr (NT > 1)
@@ -306,7 +344,7 @@ inline void token_tiles(const float* X, int64_t T, int64_t K, const bf16* P, int
 // Blocks [b0, b0+G) against all T tokens: one token as a G-block tile (G weight streams at once, bandwidth-bound);
 // several in tiles of kTileBlocks x kTileTokens (each weight vector reused across tokens, compute-bound).
 template <int G>
-inline void block_group(const float* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, const bf16* bias,
+inline void block_group(const xelem* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, const bf16* bias,
                         const bf16* res, Out Y) {
   constexpr int TB = std::min(G, kTileBlocks);
   static_assert(G % TB == 0, "a group is a whole number of tiles");
@@ -314,23 +352,37 @@ inline void block_group(const float* X, int64_t T, int64_t K, const bf16* P, int
   for (int g = 0; g < G; g += TB) token_tiles<TB, kTileTokens>(X, T, K, P, N, b0 + g, 0, bias, res, Y);
 }
 
-// Y [T, N] = X [T, K] @ W^T (+ bias [N]) (+ res [T, N]) with W packed as above; K even.
-// The input [T, K] in fp32 once, broadcast from there by every tile.
-std::vector<float> widen(const bf16* X, int64_t n) {
-  std::vector<float> xf(n);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) vstore(xf.data() + i, load_bf(X + i));
-  for (; i < n; ++i) xf[i] = to_f(X[i]);
-  return xf;
-}
+// The input X [T, K] as the tiles read it: as it is for vdpbf16ps; in fp32 once for the AVX2 build's FMAs.
+class GemmInput {
+ public:
+  GemmInput(const bf16* X, int64_t n) {
+#if defined(DRAFTSMITH_ISA_AVX512_BF16)
+    (void)n;
+    data_ = X;
+#else
+    widened_.resize(n);  // [T * K]
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) vstore(widened_.data() + i, load_bf(X + i));
+    for (; i < n; ++i) widened_[i] = to_f(X[i]);
+    data_ = widened_.data();
+#endif
+  }
+  const xelem* data() const { return data_; }
+
+ private:
+  std::vector<float> widened_;
+  const xelem* data_;
+};
 
 // A task should stream >= ~64 KiB of weights, or waking the second thread costs more than it saves: the grain in
 // blocks of 16 rows (whole groups of kGroupBlocks).
 int64_t group_grain(int64_t K) { return std::max<int64_t>(1, (64 * 1024) / (kGroupBlocks * 16 * K * 2)); }
 
 // Blocks [b0, b1) in groups of kGroupBlocks, the 1-3 left over as one narrower group (still several weight streams).
-void block_range(const float* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t b1,
+// One GEMM task: subnormals flush as vdpbf16ps flushes them, in both builds.
+void block_range(const xelem* X, int64_t T, int64_t K, const bf16* P, int64_t N, int64_t b0, int64_t b1,
                  const bf16* bias, const bf16* res, Out Y) {
+  const FlushSubnormals flush;
   constexpr int G = kGroupBlocks;
   static_assert(G == 4, "the remainder switch below covers 1-3 blocks");
   for (; b0 + G <= b1; b0 += G) block_group<G>(X, T, K, P, N, b0, bias, res, Y);
@@ -344,10 +396,11 @@ void block_range(const float* X, int64_t T, int64_t K, const bf16* P, int64_t N,
 
 // Threads split whole blocks, not groups of 4: a 576-row output (36 blocks, 9 groups) split 5/4 groups (20/16
 // blocks, the slower thread 11% over an even split) and now splits 18/18; the leftover blocks after the last whole
-// group, which ran on one thread after the parallel region, are shared too. Per output the FMA order is the same
-// whatever the split, so results do not depend on the thread count.
+// group, which ran on one thread after the parallel region, are shared too. Per output the accumulation order is
+// the same whatever the split, so results do not depend on the thread count.
+// Y [T, N] = X [T, K] @ W^T (+ bias [N]) (+ res [T, N]) with W packed as above; K even.
 void gemm(const bf16* X, int64_t T, int64_t K, const bf16* P, int64_t N, const bf16* bias, const bf16* res, bf16* Y) {
-  const std::vector<float> xf = widen(X, T * K);  // [T, K]
+  const GemmInput xf(X, T * K);  // [T, K]
   const int64_t blocks = (N + 15) / 16;
   const Out out{Y, N, 0};
   at::parallel_for(0, blocks, kGroupBlocks * group_grain(K), [&](int64_t a, int64_t b) {
@@ -412,11 +465,12 @@ struct LaneMax {
 // groups into a [T, 16G] window that stays in L1 and folds it into per-lane maxima; the tasks' winners merge last.
 void gemm_argmax(const bf16* X, int64_t T, int64_t K, const bf16* P, int64_t N, const bf16* bias, int64_t* idx) {
   constexpr int G = kGroupBlocks, W = 16 * G;
-  const std::vector<float> xf = widen(X, T * K);  // [T, K]
+  const GemmInput xf(X, T * K);  // [T, K]
   const int64_t blocks = (N + 15) / 16, groups = (N / 16) / G;  // whole groups of whole blocks run in parallel
   std::vector<Winner> best(T, Winner{0.f, -1});
   std::mutex merging;
   at::parallel_for(0, groups, group_grain(K), [&](int64_t a, int64_t b) {
+    const FlushSubnormals flush;  // as block_range (fold only compares outputs, which FTZ leaves never subnormal)
     std::vector<bf16> win(T * W);  // [T, W]
     LaneMax lanes(T);
     for (int64_t q = a; q < b; ++q) {
@@ -428,6 +482,7 @@ void gemm_argmax(const bf16* X, int64_t T, int64_t K, const bf16* P, int64_t N, 
   });
   std::vector<bf16> win(T * 16);  // [T, 16]: the blocks after the last whole group, the partial one included
   LaneMax lanes(T);
+  const FlushSubnormals flush;
   for (int64_t b = G * groups; b < blocks; ++b) {
     block_group<1>(xf.data(), T, K, P, N, b, bias, nullptr, Out{win.data(), 16, 16 * b});
     const int64_t valid = std::min<int64_t>(16, N - 16 * b);
@@ -775,7 +830,7 @@ std::tuple<torch::Tensor, torch::Tensor> norm_linear_topk(const torch::Tensor& x
   TORCH_CHECK(K == 2 * w.size(1) && (n + 15) / 16 == w.size(0), "x / packed weight / n do not match");
   TORCH_CHECK(k >= 1 && k <= n, "norm_linear_topk needs 1 <= k <= n, got k=", k, " for n=", n);
   std::vector<bf16> xn;
-  const std::vector<float> xf = widen(normed_or_same(x, T, K, norm_w, eps, xn, "norm_w"), T * K);  // [T, K]
+  const GemmInput xf(normed_or_same(x, T, K, norm_w, eps, xn, "norm_w"), T * K);  // [T, K]
   std::vector<bf16> logits(T * n);  // [T, n]
   const int64_t blocks = (n + 15) / 16;
   std::vector<std::vector<RowPart>> parts(T);  // [T][task]

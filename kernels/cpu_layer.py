@@ -5,7 +5,8 @@ one call so that a batch-1 decoding step is bound by reading the weights rather 
 with ``torch.utils.cpp_extension`` (g++ and ninja needed) into ``~/.cache/draftsmith/extensions`` the first time a bf16
 model asks for it (about 30 s), and loaded from there afterwards. Two variants share the source: ``avx512_bf16``
 (AVX-512 vectors of 16 fp32 lanes) and ``avx2`` (two AVX2 vectors of 8 lanes, for CPUs without AVX-512); both read
-bf16 weights and accumulate in fp32, the bf16 -> fp32 widening being a 16-bit shift. Besides the layer
+bf16 weights and accumulate in fp32 with the same bits: ``vdpbf16ps`` (odd column of each pair, then the even one,
+subnormals flushed) in the first, the same order of fp32 FMAs under FTZ/DAZ in the second. Besides the layer
 (``decoder_layer``; ``ln1=None`` runs it without its input norm, as EAGLE-1's draft layer) it offers ``TargetStack``
 (a whole target forward: every layer, the final norm and the LM head in one call), ``linear`` (any packed bf16
 linear), ``linear_argmax`` (a greedy step's LM head reduced to each row's argmax inside the GEMM, never writing the

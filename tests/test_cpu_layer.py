@@ -63,6 +63,69 @@ def test_linear_rounds_to_nearest_even_like_torch(ext):
     assert torch.equal(got[~want.isnan()], want[~want.isnan()])
 
 
+def pairwise_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, odd_first: bool = True) -> torch.Tensor:
+    """bf16(acc + bias) with acc the fp32 chain, over the column pairs in order, of acc += w[:, 2p+1] x[2p+1] then
+    acc += w[:, 2p] x[2p] (vdpbf16ps's order; ``odd_first=False`` swaps it): each product of two bf16 is exact in
+    fp32, so each step is one fp32 rounding, as an FMA's."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])  # [T, N] fp32
+    for p in range(x.shape[1] // 2):
+        for c in ((2 * p + 1, 2 * p) if odd_first else (2 * p, 2 * p + 1)):
+            acc = acc + xf[:, c : c + 1] * wf[:, c][None, :]  # exact product, one rounding per add
+    return (acc + bias.float()).bfloat16()
+
+
+def order_sensitive(n: int, k: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [t, k], w [n, k]) bf16 whose products in odd columns are +-2^24, alternating pair by pair so that they
+    cancel: whether an even product (~16) is added while the sum is near 2^24 (fp32 steps of 2) or near 0 shows in
+    the result (~100, bf16 steps of 0.5), so any change in the accumulation order changes the bf16 output."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 4
+    w[:, 1::2] = 2.0**12 * (-1.0) ** torch.arange(k // 2) * torch.randn(n, 1, generator=g).sign()
+    x = torch.randn(t, k, generator=g) * 4
+    x[:, 1::2] = 2.0**12 * torch.randn(t, 1, generator=g).sign()
+    return x.bfloat16(), w.bfloat16()
+
+
+def test_linear_accumulates_pairs_odd_then_even(ext):
+    """The GEMM's accumulation order is pinned: bit-equal to the odd-then-even fp32 chain, which the other order and
+    a float64 sum both miss."""
+    n = 16 * 5 + 3  # a whole group of 4 blocks, one more, and a partial block
+    x, w = order_sensitive(n, 64, 9, seed=5)
+    bias = torch.randn(n).bfloat16()
+    got = ext.linear(x, cpu_layer.pack_weight(w), bias, n)  # [9, n]
+    assert torch.equal(got, pairwise_reference(x, w, bias))
+    assert not torch.equal(got, pairwise_reference(x, w, bias, odd_first=False))
+    assert not torch.equal(got, (x.double() @ w.double().t() + bias.double()).float().bfloat16())
+
+
+def test_linear_flushes_subnormals_like_vdpbf16ps(ext):
+    """Subnormal inputs read as zero and subnormal partial sums flush to zero, in both builds (vdpbf16ps does so by
+    itself, the AVX2 build under MXCSR DAZ/FTZ), where torch keeps them; normal values are untouched."""
+    w = torch.tensor([[2.0**10, 2.0**-70]] * 16).bfloat16()  # [16, 2]: columns (even, odd)
+    x = torch.tensor([[2.0**-130, 0.0], [0.0, 2.0**-58], [1.0, 2.0**-40]]).bfloat16()  # [3, 2]
+    want = (x.float() @ w.float().t()).bfloat16()  # torch: 2^-120 (from a subnormal x), 2^-128 (a subnormal sum)
+    assert want[:2].ne(0).all()
+    got = ext.linear(x, cpu_layer.pack_weight(w), None, 16)  # [3, 16]
+    assert got[:2].eq(0).all()
+    assert torch.equal(got[2], want[2]) and got[2].eq(2.0**10).all()  # 2^10 + 2^-110: normal, rounded as torch does
+
+
+@pytest.mark.parametrize("n", [16 * 9 + 5, 1536])  # groups plus leftover blocks; an MLP-sized output
+def test_a_rows_output_does_not_depend_on_how_many_tokens_share_the_call(ext, n):
+    """Lossless verification needs verify == autoregressive: each row of linear / linear_argmax over T = 5, 9, 16
+    tokens (every token-tile remainder) is bit-identical to that row computed alone (T = 1), on inputs where any
+    other accumulation order would show (order_sensitive)."""
+    x, w = order_sensitive(n, 96, 16, seed=n)
+    bias = torch.randn(n).bfloat16()
+    packed = cpu_layer.pack_weight(w)
+    alone = torch.cat([ext.linear(x[i : i + 1], packed, bias, n) for i in range(16)])  # [16, n], one call per row
+    assert torch.equal(alone, pairwise_reference(x, w, bias))
+    for t in (5, 9, 16):
+        assert torch.equal(ext.linear(x[:t], packed, bias, n), alone[:t]), f"T={t}"
+        assert torch.equal(ext.linear_argmax(x[:t], packed, bias, n), alone[:t].float().argmax(-1)), f"T={t}"
+
+
 def close_as_bf16_reference(got: torch.Tensor, ref_bf16: torch.Tensor, ref_f32: torch.Tensor, what: str) -> None:
     """``got`` is at most three times as far from the fp32 result as the torch path's bf16 result is (plus 1e-3)."""
     budget = 3 * (ref_bf16.float() - ref_f32).abs().max().item() + 1e-3
@@ -153,11 +216,10 @@ def test_variants_agree(tmp_path):
         torch.testing.assert_close(out.float(), outs[0].float(), atol=0.02, rtol=0.02)
     for kc, vc in caches[1:]:
         assert torch.equal(kc, caches[0][0]) and torch.equal(vc, caches[0][1])  # K/V precede attention: bit-identical
-    w = torch.randn(37, 64).bfloat16()
-    x = torch.randn(5, 64).bfloat16()
-    ys = [mod.linear(x, cpu_layer.pack_weight(w), None, 37) for mod in mods]
-    for y in ys[1:]:
-        assert torch.equal(y, ys[0])  # same fp32 FMA order, same rounding
+    for x, w in (order_sensitive(37, 64, 5, seed=2), (torch.randn(5, 64).bfloat16(), torch.randn(37, 64).bfloat16())):
+        ys = [mod.linear(x, cpu_layer.pack_weight(w), None, 37) for mod in mods]
+        for y in ys[1:]:
+            assert torch.equal(y, ys[0])  # vdpbf16ps's order (odd, then even) in both, the same rounding
 
 
 def test_accelerate_linears_swaps_bf16_cpu_linears_only():

@@ -209,6 +209,31 @@ def test_stack_equals_per_layer_path_bit_for_bit(tmp_path, use_variant, kind):
     assert rows.shape == (1, 203)
 
 
+def test_stack_rows_do_not_depend_on_how_many_tokens_are_verified(tmp_path, use_variant):
+    """verify == autoregressive, bit for bit: the logits, greedy argmax and K/V of T = 5, 9, 16 new tokens in one
+    causal forward equal those of the same tokens fed one at a time (T = 1 each), through every layer, the final norm
+    and the head. (A tiny model's bf16 outputs rarely show a change of fp32 summation order; the GEMM's order is
+    pinned with order-sensitive inputs in test_cpu_layer.py.)"""
+    tiny_model("Qwen2", tmp_path, vocab_size=203)  # biases; a vocabulary ending in a partial block of 16 rows
+    model = LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend="cpp")
+    assert model._ops.layer is use_variant.decoder_layer and model._stack is not None
+    prompt, new = torch.tensor([5, 9, 2]), torch.randint(0, 203, (16,), generator=torch.Generator().manual_seed(4))
+    one, batch = model.allocate_cache(32), model.allocate_cache(32)
+    for cache in (one, batch):
+        model(prompt, cache)
+        cache.commit(3)
+    rows = []
+    for token in new:  # autoregressive: one token per forward
+        rows.append(model(token[None], one).logits)  # [1, V]
+        one.commit(1)
+    alone = torch.cat(rows)  # [16, V]
+    for t in (5, 9, 16):
+        assert torch.equal(model(new[:t], batch).logits, alone[:t]), f"T={t}"  # not committed: the next T overwrites
+        assert torch.equal(model(new[:t], batch, head="argmax").argmax, alone[:t].float().argmax(-1)), f"T={t}"
+        assert torch.equal(batch.k[:, :, : 3 + t], one.k[:, :, : 3 + t]), f"T={t}"
+        assert torch.equal(batch.v[:, :, : 3 + t], one.v[:, :, : 3 + t]), f"T={t}"
+
+
 def test_stack_greedy_decoding_matches_reference_tokens(tmp_path, use_variant):
     """generate_ar through the one-call forward (a new cache each generation, so the stack rebinds) gives the tokens
     of the per-layer path and of the torch bf16 reference."""
