@@ -114,6 +114,36 @@ inline float dot_bf16(const bf16* a, const bf16* b, int64_t d) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// out[j] = dot_bf16(q, k + j * d, d) for 16 consecutive K rows, bit for bit: the same vdpbf16ps chain per row, then
+// the 16 sums reduced together in GCC's _mm512_reduce_add_ps pairing (lane i+8 onto i, then i+4, i+2, i+1) by
+// transposing shuffles, where 16 separate horizontal sums cost ~4 dependent shuffle-adds each.
+inline void dot16_bf16(const bf16* q, const bf16* k, int64_t d, float* out) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 32) {
+    const __mmask32 m = d - c >= 32 ? ~__mmask32(0) : (__mmask32)((1ull << (d - c)) - 1);
+    const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(m, q + c);
+    for (int j = 0; j < 16; ++j)
+      acc[j] = _mm512_dpbf16_ps(acc[j], x, (__m512bh)_mm512_maskz_loadu_epi16(m, k + j * d + c));
+  }
+  __m512 r1[8], r2[4], r3[2];
+  for (int p = 0; p < 8; ++p)  // [row 2p's lane i + lane i+8 (i < 8) | row 2p+1's]
+    r1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int u = 0; u < 4; ++u)  // 128-bit block b: row 4u+b's lane j + lane j+4 (j < 4)
+    r2[u] = _mm512_add_ps(_mm512_shuffle_f32x4(r1[2 * u], r1[2 * u + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(r1[2 * u], r1[2 * u + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int w = 0; w < 2; ++w) {  // block b: [lane 0+2, 1+3 of row 8w+b, the same of row 8w+4+b]
+    const __m512d a = _mm512_castps_pd(r2[2 * w]), b = _mm512_castps_pd(r2[2 * w + 1]);
+    r3[w] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // block b: the sums of rows b, 4+b, 8+b, 12+b; a 4 x 4 transpose puts row j at lane j
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, sums));
+}
+
 // GEMM tiles (blocks of 16 rows x tokens, one fp32 accumulator each): a task takes kGroupBlocks blocks, as one tile
 // per kTileTokens tokens. 4 x 6 accumulators + 4 weight vectors + broadcast inputs fit the 32 zmm registers
 // without spills (4 x 7 spills). Against 4 x 4 on Zen 4, one thread, the 135M model's linears: T = 5 0.85x the time
@@ -254,6 +284,11 @@ inline float dot_bf16(const bf16* a, const bf16* b, int64_t d) {
   vf acc = vzero();
   for (int64_t k = 0; k < d; k += 16) acc = vfmadd(load_bf(a + k), load_bf(b + k), acc);
   return hsum(acc);
+}
+
+// out[j] = dot_bf16(q, k + j * d, d) for 16 consecutive K rows (the AVX-512 build batches the horizontal sums).
+inline void dot16_bf16(const bf16* q, const bf16* k, int64_t d, float* out) {
+  for (int j = 0; j < 16; ++j) out[j] = dot_bf16(q, k + j * d, d);
 }
 
 // GEMM tiles with 16 ymm registers, each vf taking two: a single token runs the task's 4 blocks at once (8 ymm of
@@ -534,55 +569,107 @@ void rope(bf16* x, int64_t d, const bf16* cos, const bf16* sin) {
   }
 }
 
-// Attention of new token i, query head h, over prefix slots [0, start) and new slots start+j with mask[i, j]; or,
-// with full [T, start+T] (a drafter's tree step, whose earlier speculative entries are not all visible), over the
-// slots s with full[i, s].
-void attend_one(const bf16* q, const bf16* kc, const bf16* vc, int64_t start, int64_t i, int64_t T, const bool* mask,
-                const bool* full, int64_t d, float scale, std::vector<float>& scores, bf16* out) {
+// Whether new token i sees slot s of n = start + T: every prefix slot and the new slots start+j with mask[i, j]
+// (causal without a mask); or, with full [T, n] (a drafter's tree step, whose earlier speculative entries are not all
+// visible), the slots s with full[i, s].
+inline bool visible(int64_t s, int64_t i, int64_t start, int64_t T, const bool* mask, const bool* full) {
   const int64_t n = start + T;
-  scores.resize(n);
-  float best = -INFINITY;
-  for (int64_t s = 0; s < n; ++s) {
-    const bool visible =
-        full ? full[i * n + s] : s < start || (mask ? mask[i * T + (s - start)] : (s - start) <= i);
-    if (!visible) {
-      scores[s] = -INFINITY;
-      continue;
-    }
-    scores[s] = dot_bf16(q, kc + s * d, d) * scale;
-    best = std::max(best, scores[s]);
-  }
-  // Softmax numerators 16 at a time; masked slots (-inf) become exactly 0 and are skipped below.
-  scores.resize((n + 15) / 16 * 16, -INFINITY);
-  vf sum = vzero();
-  for (int64_t s = 0; s < n; s += 16) {
-    const vf v = vload(scores.data() + s);
-    const vf e = zero_where_neg_inf(v, vexp(vsub(v, vset1(best))));
-    vstore(scores.data() + s, e);
-    sum = vadd(sum, e);
-  }
-  const vf total = vset1(hsum(sum));
-  vf acc[8];  // [d / 16] lanes of the output, d <= 128, d % 16 == 0
-  const int64_t chunks = d / 16;
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = vzero();
-  for (int64_t s = 0; s < n; ++s) {
-    if (scores[s] == 0.f) continue;
-    const vf p = vset1(scores[s]);
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = vfmadd(p, load_bf(vc + s * d + 16 * c), acc[c]);
-  }
-  for (int64_t c = 0; c < chunks; ++c) store_bf(out + 16 * c, vdiv(acc[c], total));
+  return full ? full[i * n + s] : s < start || (mask ? mask[i * T + (s - start)] : (s - start) <= i);
 }
 
+// Attention of the query rows of new tokens [t0, t1) that read kv head g (heads g*group .. g*group+group-1 of each
+// token) over its cache. Per row the arithmetic is the single-row softmax attention's: the same dot_bf16 per slot,
+// the softmax numerators 16 slots at a time, the V rows accumulated in slot order. Slots run outermost so each K and
+// V row is read from memory once for all the rows (GQA group x tokens) instead of once per row.
+// q: qkv rows [T, nqkv]; out: attn rows [T, nq]; kc/vc: this kv head's [S, d] cache.
+void attend_kv_head(const bf16* qkv, int64_t nqkv, const bf16* kc, const bf16* vc, int64_t g, int64_t group,
+                    int64_t t0, int64_t t1, int64_t start, int64_t T, const bool* mask, const bool* full, int64_t d,
+                    float scale, bf16* out, int64_t nq) {
+  const int64_t n = start + T, npad = (n + 15) / 16 * 16, rows = (t1 - t0) * group, chunks = d / 16;
+  // Reused by this thread across layers and steps: a scratch of rows x (npad scores + d accumulators + best).
+  thread_local std::vector<float> buf;
+  buf.resize(rows * (npad + d + 1));
+  float* scores = buf.data();              // [rows, npad]
+  float* acc = scores + rows * npad;       // [rows, d]
+  float* best = acc + rows * d;            // [rows]
+  auto q_of = [&](int64_t r) { return qkv + (t0 + r / group) * nqkv + (g * group + r % group) * d; };
+  auto score = [&](int64_t r, int64_t s) {  // one slot of one row
+    float& sc = scores[r * npad + s];
+    if (!visible(s, t0 + r / group, start, T, mask, full)) {
+      sc = -INFINITY;
+      return;
+    }
+    sc = dot_bf16(q_of(r), kc + s * d, d) * scale;
+    best[r] = std::max(best[r], sc);
+  };
+  for (int64_t r = 0; r < rows; ++r) best[r] = -INFINITY;
+  int64_t s = 0;
+  for (; s + 16 <= n; s += 16) {  // K rows s..s+15 stay in L1 for all the rows
+    for (int64_t r = 0; r < rows; ++r) {
+      bool all = true;
+      for (int64_t j = 0; j < 16 && all; ++j) all = visible(s + j, t0 + r / group, start, T, mask, full);
+      if (!all) {
+        for (int64_t j = 0; j < 16; ++j) score(r, s + j);
+        continue;
+      }
+      float* sc = scores + r * npad + s;
+      dot16_bf16(q_of(r), kc + s * d, d, sc);  // the same values as score()'s dot_bf16
+      for (int64_t j = 0; j < 16; ++j) {
+        sc[j] *= scale;
+        best[r] = std::max(best[r], sc[j]);
+      }
+    }
+  }
+  for (; s < n; ++s)
+    for (int64_t r = 0; r < rows; ++r) score(r, s);
+  for (int64_t r = 0; r < rows; ++r) {  // softmax numerators 16 at a time; masked slots (-inf) become exactly 0
+    float* row = scores + r * npad;
+    for (int64_t s = n; s < npad; ++s) row[s] = -INFINITY;
+    vf sum = vzero();
+    for (int64_t s = 0; s < n; s += 16) {
+      const vf v = vload(row + s);
+      const vf e = zero_where_neg_inf(v, vexp(vsub(v, vset1(best[r]))));
+      vstore(row + s, e);
+      sum = vadd(sum, e);
+    }
+    best[r] = hsum(sum);  // now the row's softmax denominator
+    for (int64_t c = 0; c < chunks; ++c) vstore(acc + r * d + 16 * c, vzero());
+  }
+  for (int64_t s = 0; s < n; ++s) {  // one pass over V for all the rows; zero weights (masked slots) skipped
+    vf v[8];  // [d / 16] lanes of V row s, d <= 128
+    for (int64_t c = 0; c < chunks; ++c) v[c] = load_bf(vc + s * d + 16 * c);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float w = scores[r * npad + s];
+      if (w == 0.f) continue;
+      const vf p = vset1(w);
+      float* a = acc + r * d;
+      for (int64_t c = 0; c < chunks; ++c) vstore(a + 16 * c, vfmadd(p, v[c], vload(a + 16 * c)));
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    bf16* o = out + (t0 + r / group) * nq + (g * group + r % group) * d;
+    const vf total = vset1(best[r]);
+    for (int64_t c = 0; c < chunks; ++c) store_bf(o + 16 * c, vdiv(vload(acc + r * d + 16 * c), total));
+  }
+}
+
+// A layer's scratch, reused across the layers of one TargetStack step (sized by the first layer, which all match).
+struct LayerScratch {
+  std::vector<bf16> qkv, attn, mid, xn, gu, act;
+};
+
 // The layer after its input norm: xin [T, kin] (normed) feeds q/k/v, res [T, H] is the residual stream; writes the
-// K/V of the T new tokens to slots start..start+T-1 and returns the layer's output [T, H].
-torch::Tensor layer_body(const bf16* xin, int64_t kin, const torch::Tensor& res, const torch::Tensor& wqkv,
+// K/V of the T new tokens to slots start..start+T-1 and the layer's output [T, H] to out, which may be res itself
+// (res is last read by the o_proj GEMM, which writes sc.mid). sc's vectors grow to this layer's sizes.
+void layer_body(const bf16* xin, int64_t kin, const torch::Tensor& res, const torch::Tensor& wqkv,
                          const std::optional<torch::Tensor>& bqkv, const std::optional<torch::Tensor>& qn,
                          const std::optional<torch::Tensor>& kn, const torch::Tensor& wo,
                          const std::optional<torch::Tensor>& bo, const torch::Tensor& ln2, const torch::Tensor& wgu,
                          const std::optional<torch::Tensor>& bgu, const torch::Tensor& wdown,
                          const std::optional<torch::Tensor>& bdown, const torch::Tensor& kc, const torch::Tensor& vc,
                          int64_t start, const torch::Tensor& cos, const torch::Tensor& sin, const bool* mask,
-                         const bool* full, int64_t hq, int64_t hkv, double eps, double scale) {
+                         const bool* full, int64_t hq, int64_t hkv, double eps, double scale, LayerScratch& sc,
+                         bf16* out) {
   const int64_t T = res.size(0), H = res.size(1), d = kc.size(2), S = kc.size(1), inter = 2 * wdown.size(1);
   const int64_t nq = hq * d, nqkv = (hq + 2 * hkv) * d, group = hq / hkv;
   for (const torch::Tensor* t : {&res, &kc, &vc, &cos, &sin, &wqkv, &wo, &wgu, &wdown})
@@ -594,15 +681,21 @@ torch::Tensor layer_body(const bf16* xin, int64_t kin, const torch::Tensor& res,
   TORCH_CHECK(2 * wqkv.size(1) == kin && 2 * wo.size(1) == hq * d && 2 * wgu.size(1) == H &&
                   wgu.size(0) * 16 >= 2 * inter,
               "packed weights do not match the hidden size / heads");
-  std::vector<bf16> xn(T * H), qkv(T * nqkv), attn(T * nq), gu(T * 2 * inter), act(T * inter);
-  auto mid = torch::empty_like(res), out = torch::empty_like(res);
+  // resize keeps the capacity: after the first layer of a step these allocate nothing
+  sc.xn.resize(T * H);
+  sc.qkv.resize(T * nqkv);
+  sc.attn.resize(T * nq);
+  sc.mid.resize(T * H);
+  sc.gu.resize(T * 2 * inter);
+  sc.act.resize(T * inter);
+  bf16 *xn = sc.xn.data(), *qkv = sc.qkv.data(), *attn = sc.attn.data(), *gu = sc.gu.data(), *act = sc.act.data();
   const float feps = float(eps);
 
-  gemm(xin, T, kin, ptr(wqkv), nqkv, opt_ptr(bqkv), nullptr, qkv.data());  // [T, (Hq+2Hkv)d]
+  gemm(xin, T, kin, ptr(wqkv), nqkv, opt_ptr(bqkv), nullptr, qkv);  // [T, (Hq+2Hkv)d]
   bf16* kcache = reinterpret_cast<bf16*>(kc.data_ptr());
   bf16* vcache = reinterpret_cast<bf16*>(vc.data_ptr());
   for (int64_t t = 0; t < T; ++t) {
-    bf16* row = qkv.data() + t * nqkv;
+    bf16* row = qkv + t * nqkv;
     for (int64_t h = 0; h < hq + hkv; ++h) {
       bf16* head = row + h * d;
       if (qn) rms_norm(head, 1, d, ptr(h < hq ? *qn : *kn), feps, head);  // Qwen3 q/k norm (in place is safe)
@@ -613,31 +706,32 @@ torch::Tensor layer_body(const bf16* xin, int64_t kin, const torch::Tensor& res,
       std::memcpy(vcache + (g * S + start + t) * d, row + (hq + hkv + g) * d, d * sizeof(bf16));
     }
   }
+  // Jobs: (kv head, block of up to kAttnTokens tokens), every query row of the block that reads that kv head.
+  constexpr int64_t kAttnTokens = 8;
+  const int64_t blocks = (T + kAttnTokens - 1) / kAttnTokens, jobs = hkv * blocks;
   const int64_t work = T * hq * (start + T) * d;
-  at::parallel_for(0, T * hq, work > (1 << 15) ? 1 : T * hq, [&](int64_t a, int64_t b) {
-    std::vector<float> scores;
+  at::parallel_for(0, jobs, work > (1 << 15) ? 1 : jobs, [&](int64_t a, int64_t b) {
     for (int64_t job = a; job < b; ++job) {
-      const int64_t i = job / hq, h = job % hq, g = h / group;
-      attend_one(qkv.data() + i * nqkv + h * d, kcache + g * S * d, vcache + g * S * d, start, i, T, mask, full, d,
-                 float(scale), scores, attn.data() + i * nq + h * d);
+      const int64_t g = job % hkv, t0 = (job / hkv) * kAttnTokens, t1 = std::min(T, t0 + kAttnTokens);
+      attend_kv_head(qkv, nqkv, kcache + g * S * d, vcache + g * S * d, g, group, t0, t1, start, T, mask, full, d,
+                     float(scale), attn, nq);
     }
   });
-  bf16* m = reinterpret_cast<bf16*>(mid.data_ptr());
-  gemm(attn.data(), T, nq, ptr(wo), H, opt_ptr(bo), ptr(res), m);  // res + o_proj(attn)
-  rms_norm(m, T, H, ptr(ln2), feps, xn.data());
-  gemm(xn.data(), T, H, ptr(wgu), 2 * inter, opt_ptr(bgu), nullptr, gu.data());  // [T, 2I]: gate | up
+  bf16* m = sc.mid.data();
+  gemm(attn, T, nq, ptr(wo), H, opt_ptr(bo), ptr(res), m);  // res + o_proj(attn)
+  rms_norm(m, T, H, ptr(ln2), feps, xn);
+  gemm(xn, T, H, ptr(wgu), 2 * inter, opt_ptr(bgu), nullptr, gu);  // [T, 2I]: gate | up
   for (int64_t t = 0; t < T; ++t) {  // act [T, I] = bf16(bf16(silu(gate)) * up), 16 at a time
-    const bf16* gate = gu.data() + t * 2 * inter;
+    const bf16* gate = gu + t * 2 * inter;
     const bf16* up = gate + inter;
     for (int64_t j = 0; j < inter; j += 16) {
       const int64_t m = std::min<int64_t>(16, inter - j);
       const vf g = load_bf(gate + j, m);
       const vf silu = vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g))));
-      store_bf(act.data() + t * inter + j, vmul(round_bf(silu), load_bf(up + j, m)), m);
+      store_bf(act + t * inter + j, vmul(round_bf(silu), load_bf(up + j, m)), m);
     }
   }
-  gemm(act.data(), T, inter, ptr(wdown), H, opt_ptr(bdown), m, reinterpret_cast<bf16*>(out.data_ptr()));
-  return out;
+  gemm(act, T, inter, ptr(wdown), H, opt_ptr(bdown), m, out);
 }
 
 // x [rows, n] RMS-normed by w into scratch, or x itself when w is None (EAGLE-1's layer, a head without a norm).
@@ -679,8 +773,12 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const std::optional<torch::T
   const bool* mask = mask_ptr(tree_mask, T, T, "tree_mask");
   const bool* full = mask_ptr(full_mask, T, start + T, "full_mask");
   std::vector<bf16> xn;
-  return layer_body(normed_or_same(x, T, H, ln1, eps, xn, "ln1"), H, x, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wdown, bdown, kc, vc, start, cos, sin,
-                    mask, full, hq, hkv, eps, scale);
+  LayerScratch sc;
+  auto out = torch::empty_like(x);  // [T, H]
+  layer_body(normed_or_same(x, T, H, ln1, eps, xn, "ln1"), H, x, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wdown,
+             bdown, kc, vc, start, cos, sin, mask, full, hq, hkv, eps, scale, sc,
+             reinterpret_cast<bf16*>(out.data_ptr()));
+  return out;
 }
 
 // EAGLE-3's draft layer (drafters/eagle3.py, Eagle3Layer): q/k/v read concat(norm(emb), hidden_norm(hidden)) [T, 2H],
@@ -705,8 +803,12 @@ torch::Tensor eagle3_layer(const torch::Tensor& emb, const torch::Tensor& hidden
     rms_norm(ptr(emb) + t * H, 1, H, ptr(ln_emb), float(eps), xin.data() + t * 2 * H);
     rms_norm(ptr(hidden) + t * H, 1, H, ptr(ln_hidden), float(eps), xin.data() + t * 2 * H + H);
   }
-  return layer_body(xin.data(), 2 * H, hidden, wqkv, std::nullopt, std::nullopt, std::nullopt, wo, std::nullopt, ln2,
-                    wgu, std::nullopt, wdown, std::nullopt, kc, vc, start, cos, sin, mask, full, hq, hkv, eps, scale);
+  LayerScratch sc;
+  auto out = torch::empty_like(hidden);  // [T, H]
+  layer_body(xin.data(), 2 * H, hidden, wqkv, std::nullopt, std::nullopt, std::nullopt, wo, std::nullopt, ln2, wgu,
+             std::nullopt, wdown, std::nullopt, kc, vc, start, cos, sin, mask, full, hq, hkv, eps, scale, sc,
+             reinterpret_cast<bf16*>(out.data_ptr()));
+  return out;
 }
 
 // y [T, N] = x [T, K] @ w^T (+ bias) with w packed ([ceil(N/16), K/2, 32]): the LM head and any other bf16 linear.
@@ -897,15 +999,21 @@ class TargetStack {
     const bool* mask = mask_ptr(tree_mask, T, T, "tree_mask");
     std::vector<torch::Tensor> found(taps.size());
     std::vector<bf16> xn(T * H);
+    LayerScratch sc;
+    // One residual stream [T, H] for every layer, each writing its output over its input (layer_body allows it);
+    // a tapped layer input is copied out before the next layer overwrites it, x itself (layer 0's) is never written.
+    const auto stream = torch::empty_like(x);
+    bf16* out = reinterpret_cast<bf16*>(stream.data_ptr());
     torch::Tensor h = x;
     for (int64_t i = 0; i <= L; ++i) {
       for (size_t j = 0; j < taps.size(); ++j)
-        if (taps[j] == i) found[j] = h;
+        if (taps[j] == i) found[j] = i == 0 || i == L ? h : h.clone();
       if (i == L) break;
       const auto& w = layers_[i];
       rms_norm(ptr(h), T, H, ptr(*w[0]), float(eps_), xn.data());
-      h = layer_body(xn.data(), H, h, *w[1], w[2], w[3], w[4], *w[5], w[6], *w[7], *w[8], w[9], *w[10], w[11],
-                     k_[i], v_[i], start, cos, sin, mask, nullptr, hq_, hkv_, eps_, scale_);  // [T, H]
+      layer_body(xn.data(), H, h, *w[1], w[2], w[3], w[4], *w[5], w[6], *w[7], *w[8], w[9], *w[10], w[11], k_[i],
+                 v_[i], start, cos, sin, mask, nullptr, hq_, hkv_, eps_, scale_, sc, out);  // [T, H]
+      h = stream;
     }
     auto hidden = torch::empty_like(h);  // [T, H]
     rms_norm(ptr(h), T, H, ptr(norm_w_), float(eps_), reinterpret_cast<bf16*>(hidden.data_ptr()));

@@ -163,6 +163,28 @@ def test_fused_layer_matches_torch_path(tmp_path, use_variant, kind):
             cache.commit(end - start)
 
 
+def test_fused_attention_over_a_long_context_matches_torch_path(tmp_path, use_variant):
+    """Past 16 cached slots the attention scores whole blocks of 16 K rows per query row at once (one reduction for
+    all 16 sums): a 40-token prefill, a 5-token causal step and a 4-token tree step at 45-53 slots (rows with whole
+    visible blocks, rows with partly masked ones, a tail) stay as close to fp32 as the torch path's bf16 results."""
+    tiny_model("Llama", tmp_path)
+    models = [LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend=b) for b in ("dense", "cpp")]
+    models.append(LeanDecoder.from_pretrained(tmp_path, dtype=torch.float32))
+    assert models[1]._ops.layer is use_variant.decoder_layer
+    caches = [m.allocate_cache(64) for m in models]
+    ids = torch.randint(0, 100, (49,), generator=torch.Generator().manual_seed(1))
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    steps = [dict(input_ids=ids[:40]), dict(input_ids=ids[40:45]),
+             dict(input_ids=ids[45:49], tree_mask=tree, positions=torch.tensor([45, 46, 46, 47]))]
+    for step in steps:
+        (ref, ref_h), (got, got_h), (f32, f32_h) = ((o.logits, o.hidden) for o in
+                                                    (m(cache=c, **step) for m, c in zip(models, caches)))
+        close_as_bf16_reference(got, ref, f32, "logits")
+        close_as_bf16_reference(got_h, ref_h, f32_h, "hidden")
+        for cache in caches:
+            cache.commit(step["input_ids"].numel())
+
+
 def test_fused_layer_greedy_decoding_and_taps(tmp_path, use_variant):
     """Greedy decoding through the fused layer follows the torch path's tokens; layer taps are the layer inputs."""
     tiny_model("Llama", tmp_path)
