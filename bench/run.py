@@ -34,14 +34,15 @@ def _loop_context(prompts: list[list[int]], max_new_tokens: int) -> int:
     return round(sum(map(len, prompts)) / len(prompts) + max_new_tokens / 2)
 
 
-def _step_costs(runtime: Runtime, prompt: list[int], repeats: int = 5, context: int | None = None) -> dict[str, Any]:
+def _step_costs(runtime: Runtime, prompt: list[int], context: int | None = None, repeats: int = 5) -> dict[str, Any]:
     """Median wall time of one plain decode step, of one verify forward of the export's tree, and of forwards of
     ``FORWARD_SIZES`` new tokens (to size trees for the machine), after ``context`` tokens of cache (the prompt
     repeated; default its length). The decode loop runs at prompt + half the new tokens on average: attention grows
     with the context (a 5-token forward after 53 tokens took 0.95x one after ~134 in the loop, 2-core Zen 4)."""
     model, spec = runtime.model, runtime.speculative
     nodes = spec.proposer.max_tree_nodes if spec else 1
-    prompt = (prompt * -(-max(context or 0, 1) // max(1, len(prompt))))[: max(context or 0, len(prompt))]
+    length = max(context or 0, len(prompt))
+    prompt = (prompt * (length // len(prompt) + 1))[:length]  # the prompt repeated up to ``context`` tokens
     cache = model.allocate_cache(len(prompt) + max(nodes, *FORWARD_SIZES) + 1)
     with torch.inference_mode():
         model.forward(torch.tensor(prompt), cache, logits_for="last")
@@ -137,7 +138,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     hf, hf_torch_dtype, hf_reason, lossless = _time_hf(runtime, prompts, max_new_tokens, skip_hf, hf_dtype, lossless,
                                                        hf_result)
     hf_same_dtype = hf is not None and hf_torch_dtype == runtime.model.dtype
-    costs, export_proposer = _step_costs(runtime, prompts[0], 5, _loop_context(prompts, max_new_tokens)), spec.proposer
+    costs, export_proposer = _step_costs(runtime, prompts[0], _loop_context(prompts, max_new_tokens)), spec.proposer
     cost_model = _apply_cost_aware_depth(runtime, prompts, costs) if cost_aware else None
     ar, sp, results = _time_ar_and_speculative(runtime, prompts, max_new_tokens)
     # was the machine quiet while timing, and how often the decode loops gave up or took back a core

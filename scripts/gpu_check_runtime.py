@@ -36,7 +36,10 @@ def export_adapter(ctx: Context, recipe: str | None) -> tuple[Any, dict] | None:
     from draftsmith.export.format import read_config
     from draftsmith.runtime.target.adapters import target_adapter
 
-    return target_adapter(ctx.exports[recipe], read_config(ctx.exports[recipe]))
+    key = f"adapter/{recipe}"  # read (and fingerprinted) once per export, not per decoder / AR lookup
+    if key not in ctx.cache:
+        ctx.cache[key] = target_adapter(ctx.exports[recipe], read_config(ctx.exports[recipe]))
+    return ctx.cache[key]
 
 
 def decoder(ctx: Context, dtype: str, kernels: str, recipe: str | None = None) -> Any:

@@ -225,13 +225,9 @@ class SpeculativeDecoder:
         def pick(t: torch.Tensor) -> torch.Tensor:  # the accepted rows of t
             return t[rows] if isinstance(rows, slice) else t[rows.to(t.device)]
 
-        path_taps = None
-        if taps:  # only the accepted rows of each tap are copied, once
-            missing = [i for i in taps if i not in res.taps]
-            path_taps = torch.cat([pick(res.taps[i]) for i in taps], -1) if not missing else res.tap_features(taps)
         logits = pick(res.logits) if getattr(self.proposer, "reads_logits", True) else None  # [a+1, V]
         self.proposer.accept(StepContext(tokens, root, pick(res.hidden), policy, generator,  # hidden [a+1, H]
-                                         path_taps, logits, acc))  # taps [a+1, k*H]; tap_features raises if missing
+                                         res.tap_features(taps, rows), logits, acc))  # taps [a+1, k*H]
         return res.hidden[acc.path_nodes[-1]]
 
     def _plain_greedy(self, prompt: torch.Tensor, max_new_tokens: int, eos_ids: Sequence[int],

@@ -24,8 +24,10 @@ class TargetOutput:
     taps: dict[int, torch.Tensor] = field(default_factory=dict)
     argmax: torch.Tensor | None = None  # [T'] the first maximum of each logits row, for head="argmax"
 
-    def tap_features(self, layers: Sequence[int]) -> torch.Tensor | None:
-        """The taps of ``layers`` concatenated in that order, [T, len(layers)*H]; None when ``layers`` is empty."""
+    def tap_features(self, layers: Sequence[int], rows: slice | torch.Tensor | None = None) -> torch.Tensor | None:
+        """The taps of ``layers`` concatenated in that order, [T, len(layers)*H], or only at ``rows`` (a slice or an
+        index tensor: the accepted nodes; picked before the concatenation, so only those rows are copied); None when
+        ``layers`` is empty."""
         if not layers:
             return None
         missing = [i for i in layers if i not in self.taps]
@@ -33,4 +35,7 @@ class TargetOutput:
             raise ValueError(f"the target forward returned no taps for layers {missing} "
                              f"(it returned {sorted(self.taps)}); "
                              "its forward must honour taps=(...) (the lean decoder and the HF fallback do)")
-        return torch.cat([self.taps[i] for i in layers], dim=-1)  # [T, k*H]
+        if rows is None:
+            return torch.cat([self.taps[i] for i in layers], dim=-1)  # [T, k*H]
+        pick = (lambda t: t[rows]) if isinstance(rows, slice) else (lambda t: t[rows.to(t.device)])
+        return torch.cat([pick(self.taps[i]) for i in layers], dim=-1)  # [rows, k*H]
