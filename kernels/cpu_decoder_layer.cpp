@@ -669,14 +669,20 @@ void layer_body(const bf16* xin, int64_t kin, const torch::Tensor& res, const to
                          const std::optional<torch::Tensor>& bdown, const torch::Tensor& kc, const torch::Tensor& vc,
                          int64_t start, const torch::Tensor& cos, const torch::Tensor& sin, const bool* mask,
                          const bool* full, int64_t hq, int64_t hkv, double eps, double scale, LayerScratch& sc,
-                         bf16* out) {
-  const int64_t T = res.size(0), H = res.size(1), d = kc.size(2), S = kc.size(1), inter = 2 * wdown.size(1);
+                         bf16* out, const int64_t* row_pos = nullptr) {
+  // row_pos [T] (batched decoding, TargetStack.forward_rows): token t is the next token of its own sequence, kc/vc
+  // are [T, Hkv, S, d] (one cache per token), its K/V go to slot row_pos[t] and it attends over slots 0..row_pos[t].
+  const int64_t T = res.size(0), H = res.size(1), d = kc.size(-1), S = kc.size(-2), inter = 2 * wdown.size(1);
+  const int64_t row_stride = row_pos ? hkv * S * d : 0;  // elements between two tokens' caches
   const int64_t nq = hq * d, nqkv = (hq + 2 * hkv) * d, group = hq / hkv;
   for (const torch::Tensor* t : {&res, &kc, &vc, &cos, &sin, &wqkv, &wo, &wgu, &wdown})
     TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->device().is_cpu(),
                 "the fused CPU layer takes contiguous bf16 CPU tensors");
   TORCH_CHECK(d % 16 == 0 && d <= 128, "head_dim must be a multiple of 16 and <= 128");
-  TORCH_CHECK(start + T <= S, "the new tokens do not fit in the cache");
+  TORCH_CHECK(row_pos ? kc.dim() == 4 && kc.size(0) == T && kc.size(1) == hkv : start + T <= S,
+              row_pos ? "forward_rows needs one [Hkv, S, d] cache per row" : "the new tokens do not fit in the cache");
+  for (int64_t t = 0; row_pos && t < T; ++t)
+    TORCH_CHECK(row_pos[t] >= 0 && row_pos[t] < S, "row ", t, "'s position ", row_pos[t], " is outside its cache");
   TORCH_CHECK(cos.numel() >= T * d && sin.numel() >= T * d, "cos/sin need a row of head_dim values per new token");
   TORCH_CHECK(2 * wqkv.size(1) == kin && 2 * wo.size(1) == hq * d && 2 * wgu.size(1) == H &&
                   wgu.size(0) * 16 >= 2 * inter,
@@ -701,11 +707,22 @@ void layer_body(const bf16* xin, int64_t kin, const torch::Tensor& res, const to
       if (qn) rms_norm(head, 1, d, ptr(h < hq ? *qn : *kn), feps, head);  // Qwen3 q/k norm (in place is safe)
       rope(head, d, ptr(cos) + t * d, ptr(sin) + t * d);
     }
+    const int64_t slot = row_pos ? row_pos[t] : start + t;
     for (int64_t g = 0; g < hkv; ++g) {
-      std::memcpy(kcache + (g * S + start + t) * d, row + (hq + g) * d, d * sizeof(bf16));
-      std::memcpy(vcache + (g * S + start + t) * d, row + (hq + hkv + g) * d, d * sizeof(bf16));
+      std::memcpy(kcache + t * row_stride + (g * S + slot) * d, row + (hq + g) * d, d * sizeof(bf16));
+      std::memcpy(vcache + t * row_stride + (g * S + slot) * d, row + (hq + hkv + g) * d, d * sizeof(bf16));
     }
   }
+  if (row_pos) {  // jobs (row, kv head): each row is one causal token over its own cache
+    const int64_t work = hq * (row_pos[0] + 1) * d * T;
+    at::parallel_for(0, T * hkv, work > (1 << 15) ? 1 : T * hkv, [&](int64_t a, int64_t b) {
+      for (int64_t job = a; job < b; ++job) {
+        const int64_t t = job / hkv, g = job % hkv, off = t * row_stride + g * S * d;
+        attend_kv_head(qkv + t * nqkv, nqkv, kcache + off, vcache + off, g, group, 0, 1, row_pos[t], 1, nullptr,
+                       nullptr, d, float(scale), attn + t * nq, nq);
+      }
+    });
+  } else {
   // Jobs: (kv head, block of up to kAttnTokens tokens), every query row of the block that reads that kv head.
   constexpr int64_t kAttnTokens = 8;
   const int64_t blocks = (T + kAttnTokens - 1) / kAttnTokens, jobs = hkv * blocks;
@@ -717,6 +734,7 @@ void layer_body(const bf16* xin, int64_t kin, const torch::Tensor& res, const to
                      float(scale), attn, nq);
     }
   });
+  }
   bf16* m = sc.mid.data();
   gemm(attn, T, nq, ptr(wo), H, opt_ptr(bo), ptr(res), m);  // res + o_proj(attn)
   rms_norm(m, T, H, ptr(ln2), feps, xn);
@@ -1027,6 +1045,38 @@ class TargetStack {
             hidden, found};
   }
 
+  // Batched greedy decoding (datagen/batched_generation.py): x [b, H] holds the next token of b independent
+  // sequences, rows row0..row0+b-1 of the batch's caches k/v [L, B, Hkv, S, d] theirs, pos [b] each row's slot (its
+  // position), cos/sin [b, d] at those positions. Writes each row's K/V at its slot and returns the argmax [b] of the
+  // head after the final norm: the per-layer kernels of forward, with one causal token per cache.
+  torch::Tensor forward_rows(const torch::Tensor& x, const torch::Tensor& k, const torch::Tensor& v,
+                             int64_t row0, const torch::Tensor& pos, const torch::Tensor& cos,
+                             const torch::Tensor& sin) const {
+    const int64_t b = x.size(0), H = x.size(1), L = int64_t(layers_.size());
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2 && H == norm_w_.numel(),
+                "TargetStack.forward_rows takes contiguous bf16 embeddings [b, H]");
+    TORCH_CHECK(k.dim() == 5 && k.size(0) == L && row0 >= 0 && row0 + b <= k.size(1) && k.sizes() == v.sizes() &&
+                    k.is_contiguous() &&
+                    v.is_contiguous() && k.scalar_type() == torch::kBFloat16 && v.scalar_type() == torch::kBFloat16,
+                "forward_rows needs contiguous bf16 caches k, v [L, B, Hkv, S, d] holding rows row0..row0+b-1");
+    TORCH_CHECK(pos.scalar_type() == torch::kLong && pos.is_contiguous() && pos.numel() == b,
+                "forward_rows needs pos [b] int64");
+    std::vector<bf16> xn(b * H);
+    LayerScratch sc;
+    const auto stream = x.clone();  // [b, H], each layer writing over its input
+    bf16* out = reinterpret_cast<bf16*>(stream.data_ptr());
+    for (int64_t i = 0; i < L; ++i) {
+      const auto& w = layers_[i];
+      rms_norm(out, b, H, ptr(*w[0]), float(eps_), xn.data());
+      layer_body(xn.data(), H, stream, *w[1], w[2], w[3], w[4], *w[5], w[6], *w[7], *w[8], w[9], *w[10], w[11],
+                 k[i].narrow(0, row0, b), v[i].narrow(0, row0, b), 0, cos, sin, nullptr, nullptr, hq_, hkv_, eps_,
+                 scale_, sc, out, pos.data_ptr<int64_t>());  // [b, H]
+    }
+    auto hidden = torch::empty_like(stream);  // [b, H]
+    rms_norm(out, b, H, ptr(norm_w_), float(eps_), reinterpret_cast<bf16*>(hidden.data_ptr()));
+    return linear_argmax(hidden, head_, std::nullopt, vocab_);
+  }
+
  private:
   std::vector<std::vector<std::optional<torch::Tensor>>> layers_;
   torch::Tensor norm_w_, head_;
@@ -1053,7 +1103,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           torch::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("bind_cache", &TargetStack::bind_cache)
       // Without the GIL: a prefill runs for seconds, and other Python threads may run meanwhile.
-      .def("forward", &TargetStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &TargetStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward_rows", &TargetStack::forward_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &rms_norm_op, "bf16 RMSNorm over the last dimension (transformers' LlamaRMSNorm rounding)");
   m.def("norm_linear_topk", &norm_linear_topk, "a draft head: RMSNorm, packed bf16 GEMM, softmax and top-k");
   m.def("linear_argmax", &linear_argmax, "argmax per row of a bf16 linear over a packed weight, without the logits");
