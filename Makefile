@@ -15,8 +15,8 @@ BENCH_TOKENS ?= 128
 # `make train-best`: the strongest EAGLE-3 export this machine can make in a few hours, on self-distilled data.
 # Every stage resumes where it stopped (regenerate keeps OUT.partial, training its last checkpoint), so re-run the
 # same command after an interruption. Run it in the background: nohup make train-best > train-best.log 2>&1 &
-# Wall time, an estimate for the 2-core Zen 4: regenerating 8,000 first turns took about 6.5 h at batch 1 (66-74
-# tokens/s); --batch-size 8 measured 1.4-1.9x batch 1's tokens/s under load, so about 3.5-4.5 h, then training
+# Wall time on the 2-core Zen 4, alone: regeneration at batch 8 (one native call a step, TargetStack.forward_rows)
+# ran at ~330 tokens/s, about 1.5 h for 8,000 first turns (batch 1: 66-74 tokens/s, 6.5 h), then training
 # (BEST_TIME, 4 h) and the two benches (minutes).
 BEST_DIR ?= outputs/best/eagle3
 BEST_CONVERSATIONS ?= 8000
@@ -115,7 +115,7 @@ train-best: $(BEST_DATA)
 	$(VENV)/bin/draftsmith bench --drafter $(BEST_DIR)/export --prompts mtbench --num-prompts 8 --max-new-tokens 128 \
 		--lossless-dtype fp32 --sweep-k 1,2,3,4 --profile --out $(BEST_DIR)/bench
 	$(VENV)/bin/draftsmith bench --drafter $(BEST_DIR)/export --prompts humaneval --num-prompts 8 --max-new-tokens 128 \
-		--skip-hf --lossless-dtype none --sweep-k 1,2,3,4 --out $(BEST_DIR)/bench-humaneval
+		--skip-hf --lossless-dtype fp32 --sweep-k 1,2,3,4 --out $(BEST_DIR)/bench-humaneval
 
 # The README's method table: every head-family recipe and EAGLE-1/3 trained for the same steps on the same batches.
 METHOD_STEPS ?= 80
