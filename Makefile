@@ -110,7 +110,7 @@ $(BEST_DATA): | assets
 		--batch-size 8
 
 train-best: $(BEST_DATA)
-	$(PY) train.py recipe=eagle3 data=$(BEST_DATA) trainer.max_steps=$(BEST_STEPS) trainer.max_time=$(BEST_TIME) \
+	$(PY) train.py recipe=eagle3 data=$(BEST_DATA) data.limit=null trainer.max_steps=$(BEST_STEPS) trainer.max_time=$(BEST_TIME) \
 		trainer.precision=$(BEST_PRECISION) hydra.run.dir=$(BEST_DIR)
 	$(VENV)/bin/draftsmith bench --drafter $(BEST_DIR)/export --prompts mtbench --num-prompts 8 --max-new-tokens 128 \
 		--lossless-dtype fp32 --sweep-k 1,2,3,4 --profile --out $(BEST_DIR)/bench

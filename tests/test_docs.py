@@ -33,3 +33,19 @@ def test_no_doc_points_outside_the_repository():
 def test_readme_stays_short():
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= 300, f"README.md has {lines} lines; measurement logs belong in docs/MEASUREMENTS.md"
+
+
+def test_train_best_trains_on_every_regenerated_conversation():
+    """`make train-best` regenerates BEST_CONVERSATIONS and must train on all of them: the data config's default
+    `limit: 2000` silently cut an 8,000-conversation run to its first 2,000 (found on 2026-11-26)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        import pytest
+
+        pytest.skip("no make on this machine")
+    dry = subprocess.run(["make", "-n", "train-best", "BEST_PRECISION=32-true", "BEST_CONVERSATIONS=123"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    train = next(line for line in dry.splitlines() if "train.py recipe=eagle3" in line)
+    assert "data=outputs/best/regen123.jsonl" in train and "data.limit=null" in train, train
