@@ -714,7 +714,9 @@ void layer_body(const bf16* xin, int64_t kin, const torch::Tensor& res, const to
     }
   }
   if (row_pos) {  // jobs (row, kv head): each row is one causal token over its own cache
-    const int64_t work = hq * (row_pos[0] + 1) * d * T;
+    int64_t visible = 0;  // cache slots read, summed over the rows (rows sit at different positions)
+    for (int64_t t = 0; t < T; ++t) visible += row_pos[t] + 1;
+    const int64_t work = hq * visible * d;
     at::parallel_for(0, T * hkv, work > (1 << 15) ? 1 : T * hkv, [&](int64_t a, int64_t b) {
       for (int64_t job = a; job < b; ++job) {
         const int64_t t = job / hkv, g = job % hkv, off = t * row_stride + g * S * d;
@@ -723,17 +725,17 @@ void layer_body(const bf16* xin, int64_t kin, const torch::Tensor& res, const to
       }
     });
   } else {
-  // Jobs: (kv head, block of up to kAttnTokens tokens), every query row of the block that reads that kv head.
-  constexpr int64_t kAttnTokens = 8;
-  const int64_t blocks = (T + kAttnTokens - 1) / kAttnTokens, jobs = hkv * blocks;
-  const int64_t work = T * hq * (start + T) * d;
-  at::parallel_for(0, jobs, work > (1 << 15) ? 1 : jobs, [&](int64_t a, int64_t b) {
-    for (int64_t job = a; job < b; ++job) {
-      const int64_t g = job % hkv, t0 = (job / hkv) * kAttnTokens, t1 = std::min(T, t0 + kAttnTokens);
-      attend_kv_head(qkv, nqkv, kcache + g * S * d, vcache + g * S * d, g, group, t0, t1, start, T, mask, full, d,
-                     float(scale), attn, nq);
-    }
-  });
+    // Jobs: (kv head, block of up to kAttnTokens tokens), every query row of the block that reads that kv head.
+    constexpr int64_t kAttnTokens = 8;
+    const int64_t blocks = (T + kAttnTokens - 1) / kAttnTokens, jobs = hkv * blocks;
+    const int64_t work = T * hq * (start + T) * d;
+    at::parallel_for(0, jobs, work > (1 << 15) ? 1 : jobs, [&](int64_t a, int64_t b) {
+      for (int64_t job = a; job < b; ++job) {
+        const int64_t g = job % hkv, t0 = (job / hkv) * kAttnTokens, t1 = std::min(T, t0 + kAttnTokens);
+        attend_kv_head(qkv, nqkv, kcache + g * S * d, vcache + g * S * d, g, group, t0, t1, start, T, mask, full, d,
+                       float(scale), attn, nq);
+      }
+    });
   }
   bf16* m = sc.mid.data();
   gemm(attn, T, nq, ptr(wo), H, opt_ptr(bo), ptr(res), m);  // res + o_proj(attn)
