@@ -1,9 +1,14 @@
-"""The docs match the code: ARCHITECTURE.md lists every module, and no doc points outside the repository."""
+"""The docs match the code: ARCHITECTURE.md lists every module, no doc points outside the repository, and the
+Makefile's train-best trains on what it regenerates."""
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,12 +43,7 @@ def test_readme_stays_short():
 def test_train_best_trains_on_every_regenerated_conversation():
     """`make train-best` regenerates BEST_CONVERSATIONS and must train on all of them: the data config's default
     `limit: 2000` silently cut an 8,000-conversation run to its first 2,000 (found on 2026-11-26)."""
-    import shutil
-    import subprocess
-
     if shutil.which("make") is None:
-        import pytest
-
         pytest.skip("no make on this machine")
     dry = subprocess.run(["make", "-n", "train-best", "BEST_PRECISION=32-true", "BEST_CONVERSATIONS=123"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
