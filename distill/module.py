@@ -77,6 +77,19 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_ratio: flo
     return fn
 
 
+
+def move_parameter(param: torch.nn.Parameter, device: torch.device) -> None:
+    """Move ``param`` to ``device`` in place, keeping its identity and attributes (the optimizer and DeepSpeed's
+    ``ds_*`` bookkeeping refer to the object). ``param.data = ...`` is how ``Module.to`` moves parameters between
+    CPU and CUDA; where the tensor types differ (e.g. to "meta") the contents are swapped and the attributes kept."""
+    moved = param.data.to(device)
+    if torch._has_compatible_shallow_copy_type(param.data, moved):
+        param.data = moved
+        return
+    attributes = dict(param.__dict__)
+    torch.utils.swap_tensors(param, torch.nn.Parameter(moved, requires_grad=param.requires_grad))
+    param.__dict__.update(attributes)  # swap_tensors swaps __dict__ too
+
 class DistillModule(pl.LightningModule):
     """Online distillation of ``objective.module`` from a frozen ``target``.
 
@@ -224,13 +237,19 @@ class DistillModule(pl.LightningModule):
 
     def on_validation_start(self) -> None:
         """A ``trainer.validate`` after ``fit`` under DeepSpeed ZeRO-3 (seen on an H100) gets the drafter back with
-        its buffers (the frozen target embedding) still on the CPU, where fit's teardown left them: ZeRO-3 places
-        parameters itself and no strategy step moves buffers back. Put them on the device the batches are on."""
+        its buffers (the frozen target embedding) and its unpartitioned parameters still on the CPU, where fit's
+        teardown (``lightning_module.cpu()``) left them. ZeRO-3 gathers partitioned parameters onto the GPU itself,
+        but the small ones it keeps whole (``ds_persist``: norm weights, below its persistence threshold) and the
+        buffers nothing moves back. Put those on the device the batches are on."""
         device = self.trainer.strategy.root_device
         for module in self.drafter.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer.device != device:
                     setattr(module, name, buffer.to(device))
+            for param in module.parameters(recurse=False):
+                partitioned = hasattr(param, "ds_id") and not getattr(param, "ds_persist", False)
+                if param.device != device and not partitioned:  # a partitioned one holds only a placeholder
+                    move_parameter(param, device)
 
     def on_validation_epoch_start(self) -> None:
         self.objective.on_validation_start()  # e.g. reset the per-head accuracy counts a calibrated tree is built from

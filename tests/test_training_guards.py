@@ -312,19 +312,25 @@ def test_the_module_clips_the_global_norm_itself_when_told():
     assert calls == [0.7]
 
 
-def test_validation_puts_the_drafter_buffers_on_the_batch_device():
-    """ZeRO-3's validate-after-fit left the frozen embedding buffer on the CPU (H100 run): the hook moves every
-    drafter buffer to the strategy's root device (here "meta", so the move is visible on a CPU machine)."""
+def test_validation_puts_the_drafter_buffers_and_whole_parameters_on_the_batch_device():
+    """ZeRO-3's validate-after-fit left the frozen embedding buffer and then a norm weight (a parameter ZeRO-3 keeps
+    whole, ``ds_persist``) on the CPU (H100 runs): the hook moves every drafter buffer and every unpartitioned
+    parameter to the strategy's root device (here "meta", so the move is visible on a CPU machine), and leaves a
+    partitioned parameter's placeholder alone (ZeRO-3 gathers it itself)."""
     from types import SimpleNamespace
 
     from draftsmith.distill.module import DistillModule
 
-    drafter = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    drafter = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     drafter.register_buffer("embed_weight", torch.ones(3, 2), persistent=False)
     drafter[0].register_buffer("d2t", torch.arange(3))
+    drafter[1].weight.ds_id, drafter[1].weight.ds_persist = 7, True  # kept whole by ZeRO-3
+    drafter[2].weight.ds_id, drafter[2].weight.ds_persist = 8, False  # partitioned: a placeholder
     fake = SimpleNamespace(drafter=drafter, trainer=SimpleNamespace(
         strategy=SimpleNamespace(root_device=torch.device("meta"))))
     DistillModule.on_validation_start(fake)
     assert drafter.embed_weight.device.type == "meta" and drafter[0].d2t.device.type == "meta"
     assert "embed_weight" not in drafter.state_dict()  # still non-persistent
-    assert drafter[0].weight.device.type == "cpu"  # parameters are the strategy's business
+    assert drafter[0].weight.device.type == "meta" and drafter[1].weight.device.type == "meta"
+    assert drafter[2].weight.device.type == "cpu"  # partitioned: left to ZeRO-3
+    assert drafter[1].weight.ds_id == 7 and drafter[1].weight.ds_persist  # same object, DeepSpeed attributes kept
