@@ -178,6 +178,8 @@ def _sections(result: dict[str, Any]) -> str:
         out += "|---" * (len(parts) + 2) + "|\n"
         out += f"| mean over {prof['steps']} steps | " + " | ".join(f"{prof[k]:.2f}" for k in parts) + \
             f" | {prof['step_ms']:.2f} |\n"
+        if prof.get("profiled"):
+            out += f"\nProfiled: {prof['profiled']}.\n"
         out += _floor_rows(prof.get("floors"), prof.get("verdicts") or [])
     return out
 
@@ -203,17 +205,31 @@ def _floor_rows(floors: dict[str, Any] | None, verdicts: list[str]) -> str:
 
 
 def _shape_rows(cm: dict[str, Any]) -> str:
-    """The cost model's table: plain, every timed shape and the best predicted ones, predicted next to measured."""
+    """The cost model's table: plain, every timed shape and the best predicted ones, predicted next to measured (the
+    calibration's prediction, then the one refitted on the timed steps), and how the overhead was refitted."""
     rows = [r for i, r in enumerate(cm["table"]) if i < 9 or r.get("measured_speedup") is not None]
-    out = ("\n| draft shape | nodes | predicted tokens/step | predicted step ms | predicted speedup "
-           "| measured speedup |\n|---|---|---|---|---|---|\n")
+    out = ("\n| draft shape | nodes | tokens/step predicted (measured) | step ms predicted (measured) "
+           "| predicted speedup (calibration -> refit) | measured speedup |\n|---|---|---|---|---|---|\n")
     for r in rows:
         chosen = " <- chosen" if r["shape"] == cm.get("shape_label") else ""
         measured = r.get("measured_speedup")
-        out += (f"| {r['shape']}{chosen} | {r['nodes']:.1f} | {r['tokens']:.2f} | {r['step_ms']:.1f} | "
-                f"{r['predicted_speedup']:.2f} | {'not timed' if measured is None else f'{measured:.2f}'} |\n")
+        first = r.get("predicted_speedup_calibration")
+        predicted = f"{r['predicted_speedup']:.2f}" if first is None or r["shape"] == "plain" else \
+            f"{first:.2f} -> {r['predicted_speedup']:.2f}"
+        tokens, step = f"{r['tokens']:.2f}", f"{r['step_ms']:.2f}"
+        if r.get("measured_step_ms") is not None:
+            tokens, step = f"{tokens} ({r['measured_tokens']:.2f})", f"{step} ({r['measured_step_ms']:.2f})"
+        out += (f"| {r['shape']}{chosen} | {r['nodes']:.1f} | {tokens} | {step} | {predicted} | "
+                f"{'not timed' if measured is None else f'{measured:.2f}'} |\n")
     if len(cm["table"]) > len(rows):
         out += f"| ({len(cm['table']) - len(rows)} more candidates predicted, see bench.json) | | | | | |\n"
+    refit, costs = cm.get("refit"), cm.get("costs")
+    if refit and costs:
+        was = refit["calibration_costs"]["overhead_ms"]
+        out += (f"\nOverhead refitted on the timed steps: {costs['overhead_ms']:.2f} ms + "
+                f"{costs['overhead_per_node_ms']:.3f} ms per node (the calibration's {was:.2f} ms a step); verify "
+                f"curve scaled x{refit['curve_scale']:.3f} to the loop's plain step; {refit['rounds']} timing "
+                f"round(s).\n")
     return out
 
 

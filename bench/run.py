@@ -18,7 +18,7 @@ from draftsmith.bench.timing import (
     time_runtime_ar,
 )
 from draftsmith.kernels import cpu_caps
-from draftsmith.runtime.acceptance import depth_choice
+from draftsmith.runtime.acceptance import depth_choice, shapes
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.threads import governor
@@ -150,7 +150,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     agreement = head_agreement(runtime, prompts, ar["outputs"])
     target_change = _adapted_target_change(runtime, prompts, max_new_tokens, temperature, sp)
     spec_step = sp["seconds"] / max(1, steps)
-    step_profile = _profile(runtime, prompts, max_new_tokens) if profile else None
+    step_profile = _profile(runtime, prompts, max_new_tokens, export_proposer, cost_model) if profile else None
     # its own interleaved pass: plain AR, each fixed K and the policy in force, comparable row to row
     sweep = _fixed_depth_sweep(runtime, prompts, max_new_tokens, sweep_k, export_proposer) if sweep_k else None
     # a verify model that reuses drafted states (verify forwards that skipped the shallow layers)
@@ -176,13 +176,24 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     }
 
 
-def _profile(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+def _profile(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, export_proposer: Any = None,
+             cost_model: dict[str, Any] | None = None) -> dict[str, Any]:
     """``bench --profile``: the mean ms of each part of a speculative step, and each against its bandwidth floor
     (:mod:`draftsmith.bench.floors`): the AR step (decode only, without the prefill), the verify
-    forward of the mean tree, drafting per call and per drafted token, with one verdict line per target."""
+    forward of the mean tree, drafting per call and per drafted token, with one verdict line per target. Where the
+    served policy drafts nothing (the cost-aware choice served plain decoding), the best measured draft shape (else
+    the export's own proposer) is profiled instead, so drafting is still measured against its floor."""
     spec = runtime.speculative
-    with floors.counting_draft_calls(spec.proposer, runtime.model) as counted:
-        report, results, _ = depth_choice.profiled_run(spec, prompts, max_new_tokens, runtime.eos_ids)
+    saved, profiled = (spec.proposer, spec.stop_policy), "the served policy"
+    try:
+        if spec.serves_plain_ar() and export_proposer is not None:
+            profiled = _apply_profiled_shape(spec, export_proposer, cost_model)
+        drafting = spec.proposer
+        with floors.counting_draft_calls(spec.proposer, runtime.model) as counted:
+            report, results, _ = depth_choice.profiled_run(spec, prompts, max_new_tokens, runtime.eos_ids)
+    finally:
+        spec.proposer, spec.stop_policy = saved
+    report["profiled"] = profiled
     steps = max(1, report["steps"])
     sizes = [n for r in results for n in r.tree_sizes]
     steps_info = {"context_tokens": statistics.mean(len(p) + len(r.tokens) / 2 for p, r in zip(prompts, results)),
@@ -195,9 +206,22 @@ def _profile(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int) ->
     steps_info["ar_context_tokens"] = statistics.mean(len(p) for p in prompts) + ar_tokens / 2
     # the threads the runtime decodes with on a quiet machine (the governor lends fewer while others hold cores)
     threads = governor().max_threads
-    found = floors.step_floors(runtime.model, spec.proposer, report, steps_info, ar_ms,
+    found = floors.step_floors(runtime.model, drafting, report, steps_info, ar_ms,
                                floors.read_bandwidth_gbs(threads), threads)
     return {**report, "floors": found, "verdicts": floors.verdicts(found)}
+
+
+def _apply_profiled_shape(spec: Any, export_proposer: Any, cost_model: dict[str, Any] | None) -> str:
+    """Put on ``spec`` the draft shape ``bench --profile`` profiles when plain decoding is served: the best measured
+    shape of the cost model, else the export's proposer. Returns what was profiled, for the report."""
+    timed = [r for r in (cost_model or {}).get("table", []) if r["shape"] != shapes.PLAIN.label
+             and r.get("measured_speedup") is not None]
+    if timed:
+        best = max(timed, key=lambda r: r["measured_speedup"])
+        shapes.apply_shape(spec, shapes.Shape.from_dict(best["spec"]), export_proposer)
+        return f"{best['shape']} (the best measured shape; plain decoding is served)"
+    spec.proposer = export_proposer
+    return "the export's proposer (plain decoding is served)"
 
 
 def _time_hf(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, skip_hf: bool, hf_dtype: str,

@@ -204,3 +204,29 @@ def test_step_costs_run_after_the_loops_mean_context(tiny_decoder, monkeypatch):
     long = _step_costs(runtime, [5, 6, 7], repeats=1, context=40)
     assert seen[0] == 40
     assert long["weight_bytes_per_step"] > short["weight_bytes_per_step"]  # 37 more tokens of KV read per step
+
+
+def test_profile_measures_drafting_even_when_plain_decoding_is_served(medusa_export, tmp_path):
+    """The cost-aware default served plain decoding on the best export, and ``--profile`` then measured no drafting
+    ("drafted token: not measured"): it now profiles the best measured shape (else the export's proposer) and puts
+    plain decoding back."""
+    from dataclasses import asdict
+
+    from draftsmith.bench.run import _profile
+    from draftsmith.runtime.acceptance import shapes
+    from draftsmith.runtime.drafting.base import NullProposer
+
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text(json.dumps({"prompt": "hello world what is the answer ?"}) + "\n")
+    rt = load_runtime(str(medusa_export), None, "fp32")
+    prompts = load_prompts(str(prompts_file), rt.tokenizer, None)
+    export_proposer = rt.speculative.proposer
+    best = shapes.candidates(export_proposer)[0]
+    shapes.apply_shape(rt.speculative, shapes.PLAIN)
+    cost_model = {"table": [{"shape": "plain", "spec": asdict(shapes.PLAIN), "measured_speedup": 1.0},
+                            {"shape": best.label, "spec": asdict(best), "measured_speedup": 0.9}]}
+    for model, expect in ((cost_model, best.label), (None, "the export's proposer")):
+        report = _profile(rt, prompts, 8, export_proposer, model)
+        assert report["profiled"].startswith(expect) and "plain decoding is served" in report["profiled"]
+        assert report["draft_ms"] > 0 and report["floors"]["draft_per_token"]["ratio"] > 0
+        assert isinstance(rt.speculative.proposer, NullProposer)  # plain decoding is still what is served

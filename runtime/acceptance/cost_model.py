@@ -3,10 +3,12 @@ speed of every draft shape (:func:`predict_shapes`; depths alone: :func:`choose_
 (:func:`decide_shape`: plain decoding unless a shape beats it by more than the noise), or derive SpecDec++'s h.
 
 Model of one speculative step drafting to depth K (``nodes(K)`` tree nodes, root included):
-    time(K)   = draft_ms_per_depth * K + verify_ms(nodes(K)) + overhead_ms
+    time(K)   = draft_ms_per_depth * K + verify_ms(nodes(K)) + overhead_ms + overhead_per_node_ms * nodes(K)
     tokens(K) = 1 + sum_{d<=K} acc[d]      (acc[d]: cumulative acceptance at draft position d, the bench's curve)
 and plain decoding emits one token per ``ar_step_ms``. Predicted speedup(K) = tokens(K) / time(K) * ar_step_ms.
 K = 0 means plain decoding (speedup 1 by definition), so a drafter that cannot pay here is never chosen.
+The verify curve is anchored to the loop's plain step (:func:`anchor_curve`) and the per-step overhead is refitted
+on the timed shapes' measured steps (:func:`refit_overhead`), so the prediction describes the loop it is checked on.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,12 @@ class MachineCosts:
     draft_ms_per_depth: float = 0.0  # drafting one more depth level in a step
     overhead_ms: float = 0.0  # per speculative step, besides drafting and the verify forward
     draft_fixed_ms: float = 0.0  # drafting cost per step whatever the depth (Medusa-family heads run once)
+    overhead_per_node_ms: float = 0.0  # per verified node, besides the verify forward (fit on timed steps)
+
+    def rest_ms(self, depth: int, nodes: float) -> float:
+        """Per-step ms besides the verify forward: drafting ``depth`` levels and the overhead of ``nodes`` nodes."""
+        return self.draft_fixed_ms + self.draft_ms_per_depth * depth + self.overhead_ms + \
+            self.overhead_per_node_ms * nodes
 
     def verify_at(self, nodes: int) -> float:
         """Verify-forward ms for ``nodes`` new tokens, linear between measured sizes (extrapolated past them)."""
@@ -80,7 +88,7 @@ def choose_depth(cum_acceptance: Sequence[float], costs: MachineCosts,
     tokens = 1.0
     for k, acc in enumerate(cum_acceptance, start=1):
         tokens += float(acc)
-        step = costs.draft_ms_per_depth * k + costs.verify_at(nodes_for_depth(k)) + costs.overhead_ms
+        step = costs.verify_at(nodes_for_depth(k)) + costs.rest_ms(k, nodes_for_depth(k))
         table.append({"depth": k, "tokens": tokens, "step_ms": step, "speedup": tokens / step * costs.ar_step_ms})
     best = max(table, key=lambda r: (r["speedup"], -r["depth"]))
     if best["speedup"] < 1.0 + min_gain:
@@ -120,7 +128,7 @@ def predict_shapes(steps: Sequence[RecordedStep], shapes: Sequence[Shape], costs
                    ) -> list[dict[str, Any]]:
     """Predicted tokens per step, step ms and speedup over plain decoding of every shape, from the recorded
     calibration steps (:func:`~draftsmith.runtime.acceptance.shapes.accepted_length`) and this machine's costs:
-    ``step = draft_fixed + draft_per_depth * depth + mean verify_at(nodes) + overhead``. Best first, plain included."""
+    ``step = mean verify_at(nodes) + costs.rest_ms(depth, mean nodes)``. Best first, plain included."""
     if not steps:
         raise ValueError("no calibration steps to predict shapes from")
     rows = [{"shape": PLAIN.label, "spec": asdict(PLAIN), "tokens": 1.0, "nodes": 1.0, "step_ms": costs.ar_step_ms,
@@ -130,10 +138,10 @@ def predict_shapes(steps: Sequence[RecordedStep], shapes: Sequence[Shape], costs
         got = [accepted_length(step, shape, paths) for step in steps]
         tokens = 1.0 + sum(a for a, _ in got) / len(got)
         verify = sum(costs.verify_at(n) for _, n in got) / len(got)
-        step_ms = costs.draft_fixed_ms + costs.draft_ms_per_depth * shape.depth + verify + costs.overhead_ms
-        rows.append({"shape": shape.label, "spec": asdict(shape), "tokens": tokens,
-                     "nodes": sum(n for _, n in got) / len(got), "step_ms": step_ms,
-                     "predicted_speedup": tokens / step_ms * costs.ar_step_ms})
+        nodes = sum(n for _, n in got) / len(got)
+        step_ms = verify + costs.rest_ms(shape.depth, nodes)
+        rows.append({"shape": shape.label, "spec": asdict(shape), "tokens": tokens, "nodes": nodes,
+                     "verify_ms": verify, "step_ms": step_ms, "predicted_speedup": tokens / step_ms * costs.ar_step_ms})
     return sorted(rows, key=lambda r: (-r["predicted_speedup"], r["nodes"]))
 
 
@@ -157,6 +165,41 @@ def decide_shape(table: list[dict[str, Any]], measured: dict[str, float], noise:
                            best["measured_speedup"], noise, table)
     return ShapeChoice(PLAIN, f"best measured shape {said} does not beat runtime AR by more than the noise: "
                               "serving plain decoding", 1.0, best["measured_speedup"], noise, table)
+
+
+def anchor_curve(curve: dict[int, float], ar_step_ms: float) -> tuple[dict[int, float], float]:
+    """The verify curve scaled so that its 1-token forward equals the loop's plain step: ``(curve, scale)``. A curve
+    timed at another moment (the bench reuses its own) sat 15% above the loop's step on one run; its shape is kept,
+    its level is the loop's (a 1-token forward *is* a plain step)."""
+    if 1 not in curve or curve[1] <= 0 or ar_step_ms <= 0:
+        return dict(curve), 1.0
+    scale = ar_step_ms / curve[1]
+    return {int(n): float(v) * scale for n, v in curve.items()}, scale
+
+
+def refit_overhead(costs: MachineCosts, calibration_nodes: float, timed: Sequence[dict[str, Any]],
+                   ) -> tuple[MachineCosts, list[dict[str, float]]]:
+    """Refit the per-step overhead as ``a + b * nodes`` (least squares, ``a, b >= 0``) on what the loop measured:
+    the profiled calibration step (``costs.overhead_ms`` at ``calibration_nodes``, the superset tree) and every timed
+    shape's measured decode step minus its drafting and verify forward. ``timed`` rows: ``nodes``, ``verify_ms``,
+    ``depth``, ``measured_step_ms``. The calibration charged its 16-node step's overhead to every candidate, which
+    under-predicted small shapes by 11-15% on the Zen 4 (docs/MEASUREMENTS.md section 14). Returns the refitted
+    costs and the points. Fewer than two distinct node counts: the overhead becomes their mean, per node 0."""
+    points = [{"nodes": float(calibration_nodes), "overhead_ms": float(costs.overhead_ms), "source": "calibration"}]
+    bare = replace(costs, overhead_ms=0.0, overhead_per_node_ms=0.0)
+    for row in timed:
+        rest = row["measured_step_ms"] - row["verify_ms"] - bare.rest_ms(int(row["depth"]), row["nodes"])
+        points.append({"nodes": float(row["nodes"]), "overhead_ms": float(rest), "source": str(row["shape"])})
+    xs, ys = [p["nodes"] for p in points], [p["overhead_ms"] for p in points]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread > 1e-9 else 0.0
+    slope = max(0.0, slope)
+    intercept = mean_y - slope * mean_x
+    if intercept < 0.0:  # through the origin instead: the overhead cannot be negative
+        slope = max(0.0, sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-9))
+        intercept = 0.0
+    return replace(costs, overhead_ms=intercept, overhead_per_node_ms=slope), points
 
 
 def threshold_from_costs(costs: MachineCosts, nodes: int = 2) -> float:

@@ -19,16 +19,24 @@ from draftsmith.runtime.acceptance import shapes
 from draftsmith.runtime.acceptance.cost_model import (
     MachineCosts,
     ShapeChoice,
+    anchor_curve,
     cache_key,
     decide_shape,
     load_choice,
     predict_shapes,
+    refit_overhead,
     save_shape_choice,
     threshold_from_costs,
 )
+from draftsmith.runtime.acceptance.shape_timing import (  # noqa: F401  (CHECK_TOKENS, MIN_NOISE: importable here)
+    CHECK_TOKENS,
+    MIN_NOISE,
+    ShapeTimings,
+    check_shapes,
+    interleaved,
+)
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth, LearnedStop
 from draftsmith.runtime.decoding import metrics
-from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.profile import StepProfiler
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import NullProposer
@@ -38,8 +46,6 @@ CALIBRATION_TOKENS = 64  # new tokens per calibration prompt: up to 256 target t
 MIN_CALIBRATION_TOKENS = 64  # fewer generated tokens than this (short outputs, early EOS): no calibration
 VERIFY_SIZES = tuple(range(1, shapes.MAX_NODES + 1))  # every forward size a candidate can verify
 CHECK_TOP = 3  # predicted-best shapes timed against plain decoding
-CHECK_TOKENS = 32  # new tokens per prompt when timing them
-MIN_NOISE = 0.03  # the noise floor when two identical plain passes happened to agree closely
 Clock = Callable[[], float]
 
 
@@ -151,61 +157,6 @@ def _calibrate(spec: SpeculativeDecoder, base: Any, prompts: Sequence[list[int]]
     return recorder, report, results
 
 
-def interleaved(decoders: dict[str, Callable[[list[int]], int]], prompts: Sequence[list[int]],
-                clock: Clock = time.perf_counter) -> dict[str, list[tuple[int, float]]]:
-    """(tokens, seconds) of every decoder on every prompt, prompt i running them in an order rotated by i so that the
-    machine's drift is shared (the runtime's own copy of the bench's interleaved timer; runtime/ never imports
-    bench/). Each decoder returns how many tokens it emitted."""
-    names = list(decoders)
-    out: dict[str, list[tuple[int, float]]] = {n: [] for n in names}
-    for i, prompt in enumerate(prompts):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
-            start = clock()
-            emitted = decoders[name](list(prompt))
-            out[name].append((emitted, clock() - start))
-    return out
-
-
-def _rate(rows: list[tuple[int, float]]) -> float:
-    return sum(t for t, _ in rows) / max(sum(s for _, s in rows), 1e-12)
-
-
-def check_shapes(spec: SpeculativeDecoder, base: Any, candidates: Sequence[shapes.Shape], prompts: Sequence[list[int]],
-                 eos_ids: Sequence[int], clock: Clock = time.perf_counter) -> tuple[dict[str, float], float]:
-    """Time each candidate (a few real steps: ``CHECK_TOKENS`` per prompt) interleaved with two identical plain
-    passes: ({label: measured speedup over plain}, noise). The noise is the largest per-prompt disagreement of the two
-    plain passes (at least ``MIN_NOISE``)."""
-    saved = spec.proposer, spec.stop_policy
-    runs: dict[str, tuple[Any, Any]] = {}
-    for shape in candidates:
-        shapes.apply_shape(spec, shape, base)
-        runs[shape.label] = (spec.proposer, spec.stop_policy)
-        spec.proposer, spec.stop_policy = saved
-
-    def spec_run(label: str) -> Callable[[list[int]], int]:
-        def run(prompt: list[int]) -> int:
-            spec.proposer, spec.stop_policy = runs[label]
-            return len(spec.generate(prompt, CHECK_TOKENS, eos_ids=eos_ids,
-                                     generator=torch.Generator().manual_seed(0)).tokens)
-        return run
-
-    def plain(prompt: list[int]) -> int:
-        return len(generate_ar(spec.model, prompt, CHECK_TOKENS, eos_ids=eos_ids))
-
-    decoders = {"plain": plain, "plain (again)": plain, **{label: spec_run(label) for label in runs}}
-    try:
-        for run in decoders.values():  # warm-up, untimed
-            run(list(prompts[0])[:])
-        timed = interleaved(decoders, prompts, clock)
-    finally:
-        spec.proposer, spec.stop_policy = saved
-    ar = _rate(timed["plain"] + timed["plain (again)"])
-    pairs = zip(timed["plain"], timed["plain (again)"])
-    noise = max([MIN_NOISE] + [abs(_rate([a]) / max(_rate([b]), 1e-12) - 1.0) for a, b in pairs])
-    return {label: _rate(timed[label]) / ar for label in runs}, noise
-
-
 def _machine_costs(recorder: _Recorder, report: dict[str, Any], base: Any, ar_ms: float,
                    curve: dict[int, float]) -> MachineCosts:
     """Costs from the calibration: drafting per step (per depth level, or fixed for static trees), the per-step rest
@@ -218,6 +169,18 @@ def _machine_costs(recorder: _Recorder, report: dict[str, Any], base: Any, ar_ms
         return MachineCosts(ar_ms, curve, 0.0, overhead, draft_ms)
     mean_depth = sum(max(s.depths) for s in recorder.steps) / steps
     return MachineCosts(ar_ms, curve, draft_ms / max(mean_depth, 1.0), overhead)
+
+
+def _top(table: list[dict[str, Any]], skip: set[str]) -> list[shapes.Shape]:
+    """The ``CHECK_TOP`` best predicted shapes of ``table`` not in ``skip`` (plain decoding never)."""
+    rows = [r for r in table if r["shape"] != shapes.PLAIN.label]
+    return [shapes.Shape.from_dict(r["spec"]) for r in rows[:CHECK_TOP] if r["shape"] not in skip]
+
+
+def _timed_rows(table: list[dict[str, Any]], timings: ShapeTimings) -> list[dict[str, Any]]:
+    """The predicted rows of the timed shapes with their measured decode step (for the overhead refit)."""
+    return [{**r, "depth": r["spec"]["depth"], "measured_step_ms": timings.step_ms[r["shape"]]} for r in table
+            if r["shape"] in timings.step_ms]
 
 
 def _serve_plain(runtime: Any, why: str, record: dict[str, Any]) -> tuple[ShapeChoice, dict[str, Any]]:
@@ -256,18 +219,38 @@ def choose_cost_aware_shape(runtime: Any, prompts: Sequence[list[int]], verify_m
         return _serve_plain(runtime, f"cannot calibrate: {len(calib)} prompt(s) gave {generated} new tokens, fewer "
                                      f"than the {MIN_CALIBRATION_TOKENS} needed to measure acceptance (outputs too "
                                      "short)", record)
-    curve = verify_ms if verify_ms and all(n in verify_ms for n in VERIFY_SIZES) else \
+    raw_curve = verify_ms if verify_ms and all(n in verify_ms for n in VERIFY_SIZES) else \
         forward_curve(spec.model, calib[0], clock=clock)
     ar_ms, ar_per_prompt = decode_step_ms(spec.model, calib, CHECK_TOKENS, clock)
-    costs = _machine_costs(recorder, report, base, ar_ms, {int(n): float(v) for n, v in curve.items()})
-    table = predict_shapes(recorder.steps, shapes.candidates(base), costs, lambda s: shapes.static_paths_of(base, s))
-    top = [shapes.Shape.from_dict(r["spec"]) for r in table if r["shape"] != shapes.PLAIN.label][:CHECK_TOP]
-    measured, noise = check_shapes(spec, base, top, calib, runtime.eos_ids, clock)
-    choice = decide_shape(table, measured, noise)
+    curve, scale = anchor_curve({int(n): float(v) for n, v in raw_curve.items()}, ar_ms)
+    calibrated = _machine_costs(recorder, report, base, ar_ms, curve)
+    candidates = shapes.candidates(base)
+
+    def predict(costs: MachineCosts) -> list[dict[str, Any]]:
+        return predict_shapes(recorder.steps, candidates, costs, lambda s: shapes.static_paths_of(base, s))
+
+    first = predict(calibrated)
+    timings = check_shapes(spec, base, _top(first, set()), calib, runtime.eos_ids, clock)
+    # Round 2: refit the overhead on the steps just measured; time the shapes that now rank best and were not timed.
+    costs, points = refit_overhead(calibrated, sum(len(s.parents) for s in recorder.steps) / len(recorder.steps),
+                                   _timed_rows(first, timings))
+    table = predict(costs)
+    fresh = _top(table, set(timings.speedup))
+    if fresh:
+        timings = timings.merge(check_shapes(spec, base, fresh, calib, runtime.eos_ids, clock))
+    calibration_prediction = {r["shape"]: r["predicted_speedup"] for r in first}
+    for row in table:
+        row["predicted_speedup_calibration"] = calibration_prediction[row["shape"]]
+        row["measured_step_ms"] = timings.step_ms.get(row["shape"])
+        row["measured_tokens"] = timings.tokens_per_step.get(row["shape"])
+    choice = decide_shape(table, timings.speedup, timings.noise)
     choice.table = [r for r in table if r["shape"] == shapes.PLAIN.label] + \
         [r for r in table if r["shape"] != shapes.PLAIN.label]
     for row in choice.table:
         row["depth"] = row["spec"]["depth"]
+    record["refit"] = {"curve_scale": scale, "raw_curve_1_token_ms": raw_curve.get(1), "points": points,
+                       "calibration_costs": dataclasses.asdict(calibrated), "rounds": 2 if fresh else 1,
+                       "timed_in_round_2": [s.label for s in fresh]}
     if isinstance(spec.stop_policy, LearnedStop):  # SpecDec++: its h from this machine's costs (the MDP threshold)
         record["learned_threshold"] = _learned_threshold(spec, costs)
     shapes.apply_shape(spec, choice.shape, base)
