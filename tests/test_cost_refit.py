@@ -64,6 +64,8 @@ def test_timed_shapes_report_their_decode_step_without_the_prefill():
     assert timings.step_ms["depth:2"] == pytest.approx(11.5)
     assert timings.speedup["depth:2"] > 1.0 and timings.noise == shape_timing.MIN_NOISE
     assert 2.8 < timings.tokens_per_step["depth:2"] <= 3.0  # the oracle's 2 drafts + the bonus (the last step cut)
+    steps = 32 / timings.tokens_per_step["depth:2"]  # the prefill gives each side its first token
+    assert timings.decode_speedup["depth:2"] == pytest.approx(31 * 10.5 / (steps * 11.5))  # prefills out of both
 
 
 def test_the_refitted_prediction_matches_the_loop_and_a_drifted_curve_is_anchored(tmp_path, monkeypatch):

@@ -243,6 +243,7 @@ def choose_cost_aware_shape(runtime: Any, prompts: Sequence[list[int]], verify_m
         row["predicted_speedup_calibration"] = calibration_prediction[row["shape"]]
         row["measured_step_ms"] = timings.step_ms.get(row["shape"])
         row["measured_tokens"] = timings.tokens_per_step.get(row["shape"])
+        row["measured_decode_speedup"] = timings.decode_speedup.get(row["shape"])
     choice = decide_shape(table, timings.speedup, timings.noise)
     choice.table = [r for r in table if r["shape"] == shapes.PLAIN.label] + \
         [r for r in table if r["shape"] != shapes.PLAIN.label]

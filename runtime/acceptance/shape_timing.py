@@ -29,11 +29,13 @@ class ShapeTimings:
     noise: float  # largest per-prompt disagreement of the two identical plain passes (at least MIN_NOISE)
     step_ms: dict[str, float] = field(default_factory=dict)  # label -> ms per verified step, prefill excluded
     tokens_per_step: dict[str, float] = field(default_factory=dict)  # label -> emitted tokens per verified step
+    decode_speedup: dict[str, float] = field(default_factory=dict)  # label -> speedup with prefills taken out
 
     def merge(self, other: ShapeTimings) -> ShapeTimings:
         """Both rounds' shapes; the larger noise."""
         return ShapeTimings({**self.speedup, **other.speedup}, max(self.noise, other.noise),
-                            {**self.step_ms, **other.step_ms}, {**self.tokens_per_step, **other.tokens_per_step})
+                            {**self.step_ms, **other.step_ms}, {**self.tokens_per_step, **other.tokens_per_step},
+                            {**self.decode_speedup, **other.decode_speedup})
 
 
 def interleaved(decoders: dict[str, Callable[[list[int]], int]], prompts: Sequence[list[int]],
@@ -113,4 +115,9 @@ def check_shapes(spec: SpeculativeDecoder, base: Any, candidates: Sequence[shape
     step_ms = {label: 1e3 * max(0.0, sum(s for _, s in timed[label]) - sum(prefill)) / max(1, sum(steps[label]))
                for label in runs}
     tokens = {label: sum(t for t, _ in timed[label]) / max(1, sum(steps[label])) for label in runs}
-    return ShapeTimings({label: rate(timed[label]) / ar for label in runs}, noise, step_ms, tokens)
+    def decode_rate(rows: list[tuple[int, float]], passes: int) -> float:  # tokens/s with the prefills taken out
+        return sum(t for t, _ in rows) / max(1e-12, sum(s for _, s in rows) - passes * sum(prefill))
+
+    plain_rate = decode_rate(timed["plain"] + timed["plain (again)"], 2)
+    decode = {label: decode_rate(timed[label], 1) / plain_rate for label in runs}
+    return ShapeTimings({label: rate(timed[label]) / ar for label in runs}, noise, step_ms, tokens, decode)

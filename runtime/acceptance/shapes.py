@@ -30,7 +30,7 @@ MAX_NODES = 16  # the largest tree a candidate may verify (root included)
 MAX_CHAIN = 4  # chains of depth 1..MAX_CHAIN
 BRANCHINGS = (2, 3, 4)  # tree branching per level (1 is a chain)
 TREE_NODES = (3, 4, 5, 6, 8, 10, 12, 16)  # tree node budgets (root included)
-TREE_DEPTHS = (2, 3, 4)
+TREE_DEPTHS = (1, 2, 3, 4)  # depth 1: the root and its top-b children (fixed:1 of an EAGLE export is tree:5/b4/d1)
 
 
 class ShapeError(ValueError):
