@@ -66,6 +66,10 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
         # Lightning resets the bar to the epoch's batch count; a step-bounded run wants max_steps and the step reached.
+        self._count_steps(trainer)
+
+    def _count_steps(self, trainer: pl.Trainer) -> None:
+        """Make the bar count optimizer steps out of ``max_steps``, at the step reached."""
         bar = self.train_progress_bar
         bar.reset(total=int(trainer.max_steps))
         bar.initial = 0
@@ -88,6 +92,8 @@ class StepProgressBar(TQDMProgressBar):
         step = int(trainer.global_step)
         if bar is None or not self._should_update(step, int(trainer.max_steps)):
             return
+        if bar.total != int(trainer.max_steps):  # a run resumed mid-epoch gets no epoch start: its bar read 0%
+            self._count_steps(trainer)
         description, postfix = self.describe(trainer, pl_module)
         bar.n = step
         bar.set_description(description, refresh=False)

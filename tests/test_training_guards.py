@@ -278,6 +278,14 @@ def test_progress_bar_shows_steps_tokens_per_second_and_eta(tmp_path):
     assert text.startswith("step 12/200") and "6%" in text, text
     assert re.search(r"tok/s=[\d,]+", text) and re.search(r"eta=\d+(s|m\d\ds|h\d\dm)", text), text
     assert "train/loss=3.25" in text and "Epoch" not in text and "60/60" not in text, text
+    resumed = StepProgressBar()  # resumed mid-epoch: Lightning calls no epoch start (the bar read "0%" at 2537/4400)
+    fake.global_step, fake.max_steps, module.tokens_seen = 2500, 4400, 0
+    resumed.on_train_start(fake, module)
+    fake.global_step, module.tokens_seen = 2537, 4_000
+    resumed.on_train_batch_end(fake, module, None, None, 37)
+    text = str(resumed.train_progress_bar)
+    resumed.train_progress_bar.close()
+    assert text.startswith("step 2537/4400") and "58%" in text, text
 
 
 def test_fsdp_norm_clipping_moves_into_the_module(tmp_path):
