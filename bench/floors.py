@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from draftsmith.kernels import cpu_caps
+from draftsmith.runtime.acceptance import shapes
 
 AR_TARGET = 1.3  # one AR step at most this many times its floor (issue 25, item 5)
 DRAFT_TARGET = 2.0  # one drafted token at most this many times its drafter's floor (issue 25, item 4)
@@ -233,3 +234,16 @@ def verdicts(floors: dict[str, Any]) -> list[str]:
             lines.append(f"{label} {row['ratio']:.2f}x floor (target {row['target']}x): "
                          f"{'met' if row['met'] else 'missed'}")
     return lines
+
+
+def apply_profiled_shape(spec: Any, export_proposer: Any, cost_model: dict[str, Any] | None) -> str:
+    """Put on ``spec`` the draft shape ``bench --profile`` profiles when plain decoding is served: the best measured
+    shape of the cost model, else the export's proposer. Returns what was profiled, for the report."""
+    timed = [r for r in (cost_model or {}).get("table", []) if r["shape"] != shapes.PLAIN.label
+             and r.get("measured_speedup") is not None]
+    if timed:
+        best = max(timed, key=lambda r: r["measured_speedup"])
+        shapes.apply_shape(spec, shapes.Shape.from_dict(best["spec"]), export_proposer)
+        return f"{best['shape']} (the best measured shape; plain decoding is served)"
+    spec.proposer = export_proposer
+    return "the export's proposer (plain decoding is served)"

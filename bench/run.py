@@ -18,7 +18,7 @@ from draftsmith.bench.timing import (
     time_runtime_ar,
 )
 from draftsmith.kernels import cpu_caps
-from draftsmith.runtime.acceptance import depth_choice, shapes
+from draftsmith.runtime.acceptance import depth_choice
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.threads import governor
@@ -187,7 +187,7 @@ def _profile(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, ex
     saved, profiled = (spec.proposer, spec.stop_policy), "the served policy"
     try:
         if spec.serves_plain_ar() and export_proposer is not None:
-            profiled = _apply_profiled_shape(spec, export_proposer, cost_model)
+            profiled = floors.apply_profiled_shape(spec, export_proposer, cost_model)
         drafting = spec.proposer
         with floors.counting_draft_calls(spec.proposer, runtime.model) as counted:
             report, results, _ = depth_choice.profiled_run(spec, prompts, max_new_tokens, runtime.eos_ids)
@@ -209,19 +209,6 @@ def _profile(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, ex
     found = floors.step_floors(runtime.model, drafting, report, steps_info, ar_ms,
                                floors.read_bandwidth_gbs(threads), threads)
     return {**report, "floors": found, "verdicts": floors.verdicts(found)}
-
-
-def _apply_profiled_shape(spec: Any, export_proposer: Any, cost_model: dict[str, Any] | None) -> str:
-    """Put on ``spec`` the draft shape ``bench --profile`` profiles when plain decoding is served: the best measured
-    shape of the cost model, else the export's proposer. Returns what was profiled, for the report."""
-    timed = [r for r in (cost_model or {}).get("table", []) if r["shape"] != shapes.PLAIN.label
-             and r.get("measured_speedup") is not None]
-    if timed:
-        best = max(timed, key=lambda r: r["measured_speedup"])
-        shapes.apply_shape(spec, shapes.Shape.from_dict(best["spec"]), export_proposer)
-        return f"{best['shape']} (the best measured shape; plain decoding is served)"
-    spec.proposer = export_proposer
-    return "the export's proposer (plain decoding is served)"
 
 
 def _time_hf(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, skip_hf: bool, hf_dtype: str,

@@ -240,15 +240,16 @@ class DistillModule(pl.LightningModule):
         its buffers (the frozen target embedding) and its unpartitioned parameters still on the CPU, where fit's
         teardown (``lightning_module.cpu()``) left them. ZeRO-3 gathers partitioned parameters onto the GPU itself,
         but the small ones it keeps whole (``ds_persist``: norm weights, below its persistence threshold) and the
-        buffers nothing moves back. Put those on the device the batches are on."""
+        buffers nothing moves back. Put those on the device the batches are on (other parameters are the strategy's)."""
         device = self.trainer.strategy.root_device
         for module in self.drafter.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer.device != device:
                     setattr(module, name, buffer.to(device))
             for param in module.parameters(recurse=False):
-                partitioned = hasattr(param, "ds_id") and not getattr(param, "ds_persist", False)
-                if param.device != device and not partitioned:  # a partitioned one holds only a placeholder
+                # Only ZeRO-3's whole parameters: a partitioned one holds a placeholder ZeRO-3 fills, and a parameter
+                # on the CPU under another strategy (FSDP's cpu_offload) is there on purpose.
+                if getattr(param, "ds_persist", False) and param.device != device:
                     move_parameter(param, device)
 
     def on_validation_epoch_start(self) -> None:

@@ -64,7 +64,8 @@ def test_timed_shapes_report_their_decode_step_without_the_prefill():
     assert timings.step_ms["depth:2"] == pytest.approx(11.5)
     assert timings.speedup["depth:2"] > 1.0 and timings.noise == shape_timing.MIN_NOISE
     assert 2.8 < timings.tokens_per_step["depth:2"] <= 3.0  # the oracle's 2 drafts + the bonus (the last step cut)
-    steps = 32 / timings.tokens_per_step["depth:2"]  # the prefill gives each side its first token
+    assert timings.tokens_per_step["depth:2"] == pytest.approx(31 / 11)  # 31 tokens after the prefill's, 11 steps
+    steps = 31 / timings.tokens_per_step["depth:2"]  # the prefill gives each side its first token
     assert timings.decode_speedup["depth:2"] == pytest.approx(31 * 10.5 / (steps * 11.5))  # prefills out of both
 
 
@@ -106,3 +107,29 @@ def test_the_bench_table_shows_prediction_and_measurement_side_by_side(tmp_path,
     row = next(line for line in text.splitlines() if line.startswith(f"| {timed[0]['shape']}"))
     assert f"({timed[0]['measured_step_ms']:.2f})" in row and " -> " in row
     assert "Overhead refitted on the timed steps" in text and "per node" in text
+
+
+def test_round_two_times_only_new_shapes_with_a_prediction_of_their_own():
+    rows = [{"shape": "plain", "spec": {"kind": "plain", "depth": 0, "nodes": 1, "branching": 1}, "tokens": 1.0,
+             "nodes": 1.0, "step_ms": 7.0}]
+    for label, b, n, tokens in (("tree:3/b2/d1", 2, 3, 1.43), ("tree:3/b4/d1", 4, 3, 1.43),
+                                ("tree:4/b3/d1", 3, 4, 1.49), ("tree:5/b4/d1", 4, 5, 1.54)):
+        rows.append({"shape": label, "spec": {"kind": "tree", "depth": 1, "nodes": n, "branching": b},
+                     "tokens": tokens, "nodes": float(n), "step_ms": 9.0 + n / 4})
+    # tree:3/b4/d1 predicts exactly as tree:3/b2/d1 (the cap never binds): it is not timed twice
+    assert [s.label for s in depth_choice._top(rows, set())] == ["tree:3/b2/d1", "tree:4/b3/d1", "tree:5/b4/d1"]
+    assert [s.label for s in depth_choice._top(rows, {"tree:3/b2/d1", "tree:5/b4/d1"})] == ["tree:4/b3/d1"]
+    assert depth_choice._top(rows, {"tree:3/b2/d1", "tree:4/b3/d1", "tree:5/b4/d1"}) == []  # nothing new: one round
+    first = shape_timing.ShapeTimings({"a": 1.1}, 0.04, {"a": 9.0}, {"a": 1.5}, {"a": 1.2})
+    both = first.merge(shape_timing.ShapeTimings({"b": 0.9}, 0.07, {"b": 11.0}, {"b": 1.6}, {"b": 0.95}))
+    assert both.speedup == {"a": 1.1, "b": 0.9} and both.noise == 0.07 and both.step_ms == {"a": 9.0, "b": 11.0}
+    assert both.tokens_per_step == {"a": 1.5, "b": 1.6} and both.decode_speedup == {"a": 1.2, "b": 0.95}
+
+
+def test_one_more_node_costs_its_overhead_in_specdec_threshold():
+    from draftsmith.runtime.acceptance.cost_model import threshold_from_costs
+
+    flat = MachineCosts(10.0, {1: 10.0, 2: 10.5, 3: 11.0}, draft_ms_per_depth=1.0)
+    per_node = MachineCosts(10.0, {1: 10.0, 2: 10.5, 3: 11.0}, draft_ms_per_depth=1.0, overhead_per_node_ms=0.5)
+    assert threshold_from_costs(flat) == pytest.approx(1.0 - 1.5 / 10.0)
+    assert threshold_from_costs(per_node) == pytest.approx(1.0 - 2.0 / 10.0)

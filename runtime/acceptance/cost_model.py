@@ -3,7 +3,8 @@ speed of every draft shape (:func:`predict_shapes`; depths alone: :func:`choose_
 (:func:`decide_shape`: plain decoding unless a shape beats it by more than the noise), or derive SpecDec++'s h.
 
 Model of one speculative step drafting to depth K (``nodes(K)`` tree nodes, root included):
-    time(K)   = draft_ms_per_depth * K + verify_ms(nodes(K)) + overhead_ms + overhead_per_node_ms * nodes(K)
+    time(K)   = draft_fixed_ms + draft_ms_per_depth * K + verify_ms(nodes(K)) + overhead_ms
+                + overhead_per_node_ms * nodes(K)
     tokens(K) = 1 + sum_{d<=K} acc[d]      (acc[d]: cumulative acceptance at draft position d, the bench's curve)
 and plain decoding emits one token per ``ar_step_ms``. Predicted speedup(K) = tokens(K) / time(K) * ar_step_ms.
 K = 0 means plain decoding (speedup 1 by definition), so a drafter that cannot pay here is never chosen.
@@ -206,7 +207,7 @@ def threshold_from_costs(costs: MachineCosts, nodes: int = 2) -> float:
     """SpecDec++'s h for this machine: drafting one more token pays only if the chance that it is emitted (every
     token so far accepted, it too) exceeds its cost relative to a plain step, ``c = (draft_ms_per_depth + marginal
     verify ms) / ar_step_ms``; so stop once P(some rejection) > h = 1 - c (clamped to [0.05, 0.95])."""
-    marginal = max(0.0, costs.verify_at(nodes + 1) - costs.verify_at(nodes))
+    marginal = max(0.0, costs.verify_at(nodes + 1) - costs.verify_at(nodes)) + costs.overhead_per_node_ms
     c = (costs.draft_ms_per_depth + marginal) / costs.ar_step_ms
     return min(0.95, max(0.05, 1.0 - c))
 

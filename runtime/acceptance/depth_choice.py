@@ -50,9 +50,10 @@ Clock = Callable[[], float]
 
 
 def profiled_run(spec: SpeculativeDecoder, prompts: Sequence[list[int]], max_new_tokens: int,
-                 eos_ids: Sequence[int]) -> tuple[dict[str, Any], list[Any], StepProfiler]:
+                 eos_ids: Sequence[int], clock: Clock = time.perf_counter,
+                 ) -> tuple[dict[str, Any], list[Any], StepProfiler]:
     """Greedy-seeded generations of ``prompts`` with a profiler attached: (profile report, results, profiler)."""
-    prof = StepProfiler(getattr(spec.model, "device", "cpu"))
+    prof = StepProfiler(getattr(spec.model, "device", "cpu"), clock)
     spec.profiler = prof
     try:
         results = [spec.generate(p, max_new_tokens, eos_ids=eos_ids, generator=torch.Generator().manual_seed(i))
@@ -151,7 +152,7 @@ def _calibrate(spec: SpeculativeDecoder, base: Any, prompts: Sequence[list[int]]
     if isinstance(spec.stop_policy, FixedDepth):
         spec.stop_policy = None
     try:
-        report, results, _ = profiled_run(spec, prompts, CALIBRATION_TOKENS, eos_ids)
+        report, results, _ = profiled_run(spec, prompts, CALIBRATION_TOKENS, eos_ids, clock)
     finally:
         spec.proposer, spec.stop_policy = saved
     return recorder, report, results
@@ -172,15 +173,36 @@ def _machine_costs(recorder: _Recorder, report: dict[str, Any], base: Any, ar_ms
 
 
 def _top(table: list[dict[str, Any]], skip: set[str]) -> list[shapes.Shape]:
-    """The ``CHECK_TOP`` best predicted shapes of ``table`` not in ``skip`` (plain decoding never)."""
-    rows = [r for r in table if r["shape"] != shapes.PLAIN.label]
-    return [shapes.Shape.from_dict(r["spec"]) for r in rows[:CHECK_TOP] if r["shape"] not in skip]
+    """Up to ``CHECK_TOP`` shapes to time: the best predicted ones, going down ``table``, each with a prediction of
+    its own (shapes whose caps never bind, e.g. tree:3/b2/d1 and tree:3/b4/d1, predict alike: the first stands for
+    them); those among them already timed (``skip``) are left out, so round 2 may time none. Never plain decoding."""
+    picked, seen = [], set()
+    for row in table:
+        signature = (round(row["tokens"], 6), round(row["nodes"], 6), round(row["step_ms"], 6))
+        if row["shape"] == shapes.PLAIN.label or signature in seen:
+            continue
+        seen.add(signature)
+        picked.append(row)
+        if len(picked) == CHECK_TOP:
+            break
+    return [shapes.Shape.from_dict(r["spec"]) for r in picked if r["shape"] not in skip]
+
+
+def _annotate(table: list[dict[str, Any]], first: list[dict[str, Any]], timings: ShapeTimings) -> None:
+    """Put on every row of the refitted ``table`` the calibration's prediction and what timing measured."""
+    calibration_prediction = {r["shape"]: r["predicted_speedup"] for r in first}
+    for row in table:
+        row["predicted_speedup_calibration"] = calibration_prediction[row["shape"]]
+        row["measured_step_ms"] = timings.step_ms.get(row["shape"])
+        row["measured_tokens"] = timings.tokens_per_step.get(row["shape"])
+        row["measured_decode_speedup"] = timings.decode_speedup.get(row["shape"])
 
 
 def _timed_rows(table: list[dict[str, Any]], timings: ShapeTimings) -> list[dict[str, Any]]:
-    """The predicted rows of the timed shapes with their measured decode step (for the overhead refit)."""
+    """The predicted rows of the timed shapes with their measured decode step (for the overhead refit); a shape whose
+    prefill estimate swallowed its whole time (step 0) says nothing and is left out."""
     return [{**r, "depth": r["spec"]["depth"], "measured_step_ms": timings.step_ms[r["shape"]]} for r in table
-            if r["shape"] in timings.step_ms]
+            if timings.step_ms.get(r["shape"], 0.0) > 0.0]
 
 
 def _serve_plain(runtime: Any, why: str, record: dict[str, Any]) -> tuple[ShapeChoice, dict[str, Any]]:
@@ -202,10 +224,11 @@ def _decision(choice: ShapeChoice) -> dict[str, Any]:
 
 def choose_cost_aware_shape(runtime: Any, prompts: Sequence[list[int]], verify_ms: dict[int, float] | None = None,
                             clock: Clock = time.perf_counter) -> tuple[ShapeChoice, dict[str, Any]]:
-    """Calibrate, predict every candidate shape, time the best ``CHECK_TOP`` against plain decoding, apply the best
+    """Calibrate, predict every candidate shape, time the best ``CHECK_TOP`` against plain decoding, refit the
+    per-step overhead on their measured steps, time the shapes the refit now ranks best (round 2), apply the best
     measured one (or plain decoding) to ``runtime.speculative`` and cache the decision for this machine and export.
-    ``verify_ms``: a measured forward-cost curve to reuse when it covers every size 1..16. Returns the choice and a
-    record for bench.json."""
+    ``verify_ms``: a measured forward-cost curve to reuse when it covers every size 1..16 (anchored to the plain
+    step measured here). Returns the choice and a record for bench.json."""
     spec, base = runtime.speculative, runtime.speculative.proposer
     calib = [list(p) for p in prompts[:CALIBRATION_PROMPTS]]
     record: dict[str, Any] = {"calibration_prompts": len(calib), "calibration_tokens": CALIBRATION_TOKENS,
@@ -238,12 +261,7 @@ def choose_cost_aware_shape(runtime: Any, prompts: Sequence[list[int]], verify_m
     fresh = _top(table, set(timings.speedup))
     if fresh:
         timings = timings.merge(check_shapes(spec, base, fresh, calib, runtime.eos_ids, clock))
-    calibration_prediction = {r["shape"]: r["predicted_speedup"] for r in first}
-    for row in table:
-        row["predicted_speedup_calibration"] = calibration_prediction[row["shape"]]
-        row["measured_step_ms"] = timings.step_ms.get(row["shape"])
-        row["measured_tokens"] = timings.tokens_per_step.get(row["shape"])
-        row["measured_decode_speedup"] = timings.decode_speedup.get(row["shape"])
+    _annotate(table, first, timings)
     choice = decide_shape(table, timings.speedup, timings.noise)
     choice.table = [r for r in table if r["shape"] == shapes.PLAIN.label] + \
         [r for r in table if r["shape"] != shapes.PLAIN.label]

@@ -79,7 +79,8 @@ def check_shapes(spec: SpeculativeDecoder, base: Any, candidates: Sequence[shape
                  eos_ids: Sequence[int], clock: Clock = time.perf_counter) -> ShapeTimings:
     """Time each candidate (a few real steps: ``CHECK_TOKENS`` per prompt) interleaved with two identical plain
     passes. The noise is the largest per-prompt disagreement of the two plain passes (at least ``MIN_NOISE``); a
-    shape's decode step is its time less each prompt's prefill (:func:`prefill_seconds`) over its verified steps."""
+    shape's decode step is its time less each prompt's prefill (:func:`prefill_seconds`: the target's forward only,
+    so the drafter's first pass over the prompt stays in the steps) over its verified steps."""
     saved = spec.proposer, spec.stop_policy
     runs: dict[str, tuple[Any, Any]] = {}
     for shape in candidates:
@@ -114,7 +115,8 @@ def check_shapes(spec: SpeculativeDecoder, base: Any, candidates: Sequence[shape
     prefill = prefill_seconds(spec.model, prompts, clock)
     step_ms = {label: 1e3 * max(0.0, sum(s for _, s in timed[label]) - sum(prefill)) / max(1, sum(steps[label]))
                for label in runs}
-    tokens = {label: sum(t for t, _ in timed[label]) / max(1, sum(steps[label])) for label in runs}
+    # the prefill emits each prompt's first token; the verified steps emit the rest
+    tokens = {label: (sum(t for t, _ in timed[label]) - len(prompts)) / max(1, sum(steps[label])) for label in runs}
     def decode_rate(rows: list[tuple[int, float]], passes: int) -> float:  # tokens/s with the prefills taken out
         return sum(t for t, _ in rows) / max(1e-12, sum(s for _, s in rows) - passes * sum(prefill))
 

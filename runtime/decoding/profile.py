@@ -4,7 +4,7 @@ update, and what none of those account for (the loop's own Python)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -20,8 +20,9 @@ class StepProfiler:
     ``unattributed_ms`` (the step minus its parts) is the loop overhead no part names.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", clock: Callable[[], float] = time.perf_counter) -> None:
         self.cuda = torch.device(device).type == "cuda"
+        self.clock = clock  # seconds; injectable so a test's fake clock times the parts too
         self.totals = dict.fromkeys(PARTS, 0.0)  # seconds
         self.step_seconds = 0.0
         self.steps = 0
@@ -29,7 +30,7 @@ class StepProfiler:
     def _now(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return self.clock()
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
