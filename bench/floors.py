@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from draftsmith.kernels import cpu_caps
-from draftsmith.runtime.acceptance import shapes
 
 AR_TARGET = 1.3  # one AR step at most this many times its floor (issue 25, item 5)
 DRAFT_TARGET = 2.0  # one drafted token at most this many times its drafter's floor (issue 25, item 4)
@@ -239,6 +238,8 @@ def verdicts(floors: dict[str, Any]) -> list[str]:
 def apply_profiled_shape(spec: Any, export_proposer: Any, cost_model: dict[str, Any] | None) -> str:
     """Put on ``spec`` the draft shape ``bench --profile`` profiles when plain decoding is served: the best measured
     shape of the cost model, else the export's proposer. Returns what was profiled, for the report."""
+    from draftsmith.runtime.acceptance import shapes  # only --profile needs it (the serving walk stays short)
+
     timed = [r for r in (cost_model or {}).get("table", []) if r["shape"] != shapes.PLAIN.label
              and r.get("measured_speedup") is not None]
     if timed:

@@ -84,6 +84,7 @@ TIERS = {
     "test_cluster_slurm.py": "e2e",
     "test_cluster_wandb.py": "unit",
     "test_cost_model.py": "unit",
+    "test_cost_refit.py": "unit",
     "test_shape_choice.py": "unit",
     "test_cpu_layer.py": "unit",
     "test_cpu_stack.py": "unit",
