@@ -69,16 +69,23 @@ def test_timed_shapes_report_their_decode_step_without_the_prefill():
     assert timings.decode_speedup["depth:2"] == pytest.approx(31 * 10.5 / (steps * 11.5))  # prefills out of both
 
 
-def test_the_refitted_prediction_matches_the_loop_and_a_drifted_curve_is_anchored(tmp_path, monkeypatch):
-    monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path))
-    _, lean = tiny_llama(0, layers=4, head_scale=8.0)
+def _oracle_runtime(layers: int) -> tuple[SimpleNamespace, list[int], FakeClock]:
+    """A tiny target charging a fake clock 10 ms + 0.25 ms per new token (a 50 ms prefill), drafted for by a free
+    oracle chain: (runtime, prompt, clock)."""
+    _, lean = tiny_llama(0, layers=layers, head_scale=8.0)
     prompt = [1, 5, 9]
     sequence = prompt + generate_ar(lean, prompt, 120)
     clock = FakeClock()
-    costed = CostedModel(lean, clock, lambda n: 10.0 + 0.25 * n, prefill_ms=50.0)
-    spec = SpeculativeDecoder(costed, ChainProposer(OracleDrafter(sequence, 96, 0), depth=4),
+    spec = SpeculativeDecoder(CostedModel(lean, clock, lambda n: 10.0 + 0.25 * n, prefill_ms=50.0),
+                              ChainProposer(OracleDrafter(sequence, 96, 0), depth=4),
                               stop_policy=ConfidenceStop(0.1, max_depth=4))
     runtime = SimpleNamespace(speculative=spec, model=lean, eos_ids=(), folder="tiny", export_config={"method": "t"})
+    return runtime, prompt, clock
+
+
+def test_the_refitted_prediction_matches_the_loop_and_a_drifted_curve_is_anchored(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path))
+    runtime, prompt, clock = _oracle_runtime(layers=4)
     drifted = {n: 1.3 * (10.0 + 0.25 * n) for n in range(1, 17)}  # a curve timed while the machine ran slower
     _, record = depth_choice.choose_cost_aware_shape(runtime, [prompt, prompt], drifted, clock=clock)
     assert record["refit"]["curve_scale"] == pytest.approx(10.25 / 13.325)
@@ -93,14 +100,7 @@ def test_the_bench_table_shows_prediction_and_measurement_side_by_side(tmp_path,
     from draftsmith.bench.report import _shape_rows
 
     monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path))
-    _, lean = tiny_llama(0, layers=2, head_scale=8.0)
-    prompt = [1, 5, 9]
-    sequence = prompt + generate_ar(lean, prompt, 120)
-    clock = FakeClock()
-    spec = SpeculativeDecoder(CostedModel(lean, clock, lambda n: 10.0 + 0.25 * n, prefill_ms=50.0),
-                              ChainProposer(OracleDrafter(sequence, 96, 0), depth=4),
-                              stop_policy=ConfidenceStop(0.1, max_depth=4))
-    runtime = SimpleNamespace(speculative=spec, model=lean, eos_ids=(), folder="tiny", export_config={"method": "t"})
+    runtime, prompt, clock = _oracle_runtime(layers=2)
     _, record = depth_choice.choose_cost_aware_shape(runtime, [prompt, prompt], clock=clock)
     text = _shape_rows(record)
     timed = [r for r in record["table"] if r["measured_step_ms"] is not None and r["shape"] != "plain"]

@@ -265,26 +265,26 @@ def test_progress_bar_shows_steps_tokens_per_second_and_eta(tmp_path):
     trainer = build_trainer(compose_config(["recipe=medusa"]), tmp_path)
     assert isinstance(trainer.progress_bar_callback, StepProgressBar)
 
-    bar = StepProgressBar()
-    fake = SimpleNamespace(global_step=0, max_steps=200, world_size=1, loggers=[], callbacks=[],
-                           progress_bar_metrics={"train/loss": 3.25})
-    module = SimpleNamespace(tokens_seen=0)
-    bar.on_train_start(fake, module)
-    bar.on_train_epoch_start(fake, module)
-    fake.global_step, module.tokens_seen = 12, 4_800
-    bar.on_train_batch_end(fake, module, None, None, 59)
-    text = str(bar.train_progress_bar)
-    bar.train_progress_bar.close()
+    def bar_text(start: int, max_steps: int, reached: int, epoch_start: bool) -> str:
+        bar = StepProgressBar()
+        fake = SimpleNamespace(global_step=start, max_steps=max_steps, world_size=1, loggers=[], callbacks=[],
+                               progress_bar_metrics={"train/loss": 3.25})
+        module = SimpleNamespace(tokens_seen=0)
+        bar.on_train_start(fake, module)
+        if epoch_start:
+            bar.on_train_epoch_start(fake, module)
+        fake.global_step, module.tokens_seen = reached, 4_800
+        bar.on_train_batch_end(fake, module, None, None, 59)
+        text = str(bar.train_progress_bar)
+        bar.train_progress_bar.close()
+        return text
+
+    text = bar_text(0, 200, 12, epoch_start=True)
     assert text.startswith("step 12/200") and "6%" in text, text
     assert re.search(r"tok/s=[\d,]+", text) and re.search(r"eta=\d+(s|m\d\ds|h\d\dm)", text), text
     assert "train/loss=3.25" in text and "Epoch" not in text and "60/60" not in text, text
-    resumed = StepProgressBar()  # resumed mid-epoch: Lightning calls no epoch start (the bar read "0%" at 2537/4400)
-    fake.global_step, fake.max_steps, module.tokens_seen = 2500, 4400, 0
-    resumed.on_train_start(fake, module)
-    fake.global_step, module.tokens_seen = 2537, 4_000
-    resumed.on_train_batch_end(fake, module, None, None, 37)
-    text = str(resumed.train_progress_bar)
-    resumed.train_progress_bar.close()
+    # resumed mid-epoch: Lightning calls no epoch start (the bar read "0%" at 2537/4400)
+    text = bar_text(2500, 4400, 2537, epoch_start=False)
     assert text.startswith("step 2537/4400") and "58%" in text, text
 
 
