@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,13 +28,7 @@ from draftsmith.runtime.acceptance.cost_model import (
     save_shape_choice,
     threshold_from_costs,
 )
-from draftsmith.runtime.acceptance.shape_timing import (  # noqa: F401  (CHECK_TOKENS, MIN_NOISE: importable here)
-    CHECK_TOKENS,
-    MIN_NOISE,
-    ShapeTimings,
-    check_shapes,
-    interleaved,
-)
+from draftsmith.runtime.acceptance.shape_timing import CHECK_TOKENS, Clock, ShapeTimings, check_shapes
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth, LearnedStop
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.profile import StepProfiler
@@ -46,7 +40,6 @@ CALIBRATION_TOKENS = 64  # new tokens per calibration prompt: up to 256 target t
 MIN_CALIBRATION_TOKENS = 64  # fewer generated tokens than this (short outputs, early EOS): no calibration
 VERIFY_SIZES = tuple(range(1, shapes.MAX_NODES + 1))  # every forward size a candidate can verify
 CHECK_TOP = 3  # predicted-best shapes timed against plain decoding
-Clock = Callable[[], float]
 
 
 def profiled_run(spec: SpeculativeDecoder, prompts: Sequence[list[int]], max_new_tokens: int,

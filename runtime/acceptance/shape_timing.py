@@ -54,9 +54,9 @@ def interleaved(decoders: dict[str, Callable[[list[int]], int]], prompts: Sequen
     return out
 
 
-def rate(rows: list[tuple[int, float]]) -> float:
-    """Tokens per second over (tokens, seconds) rows."""
-    return sum(t for t, _ in rows) / max(sum(s for _, s in rows), 1e-12)
+def rate(rows: list[tuple[int, float]], less_seconds: float = 0.0) -> float:
+    """Tokens per second over (tokens, seconds) rows, with ``less_seconds`` (e.g. the prefills) taken out."""
+    return sum(t for t, _ in rows) / max(sum(s for _, s in rows) - less_seconds, 1e-12)
 
 
 def prefill_seconds(model: Any, prompts: Sequence[list[int]], clock: Clock = time.perf_counter) -> list[float]:
@@ -117,9 +117,6 @@ def check_shapes(spec: SpeculativeDecoder, base: Any, candidates: Sequence[shape
                for label in runs}
     # the prefill emits each prompt's first token; the verified steps emit the rest
     tokens = {label: (sum(t for t, _ in timed[label]) - len(prompts)) / max(1, sum(steps[label])) for label in runs}
-    def decode_rate(rows: list[tuple[int, float]], passes: int) -> float:  # tokens/s with the prefills taken out
-        return sum(t for t, _ in rows) / max(1e-12, sum(s for _, s in rows) - passes * sum(prefill))
-
-    plain_rate = decode_rate(timed["plain"] + timed["plain (again)"], 2)
-    decode = {label: decode_rate(timed[label], 1) / plain_rate for label in runs}
+    plain_rate = rate(timed["plain"] + timed["plain (again)"], 2 * sum(prefill))  # prefills out of both passes
+    decode = {label: rate(timed[label], sum(prefill)) / plain_rate for label in runs}
     return ShapeTimings({label: rate(timed[label]) / ar for label in runs}, noise, step_ms, tokens, decode)
