@@ -149,6 +149,8 @@ inline void dot16_bf16(const bf16* q, const bf16* k, int64_t d, float* out) {
 // without spills (4 x 7 spills). Against 4 x 4 on Zen 4, one thread, the 135M model's linears: T = 5 0.85x the time
 // (one pass over the weights instead of a 4-token tile and a latency-bound 1-token one), T = 8 0.86x, T = 16 0.93x.
 constexpr int kGroupBlocks = 4, kTileBlocks = 4, kTileTokens = 6;
+// Attention's V pass holds rows x (head_dim / 16) accumulators: 16 zmm, beside head_dim / 16 V vectors.
+constexpr int kAccRegs = 16;
 
 #elif defined(DRAFTSMITH_ISA_AVX2)
 
@@ -296,6 +298,7 @@ inline void dot16_bf16(const bf16* q, const bf16* k, int64_t d, float* out) {
 // broadcast inputs), which reuses each unpacked weight vector 4 times without spilling. On Zen 4, 8 tokens: 1 x 4
 // took 3.3 ms per 28 MB of weights, 4 x 2 (spills) 3.5, 2 x 2 5.1, the single-token 4 x 1 tile 5.7.
 constexpr int kGroupBlocks = 4, kTileBlocks = 1, kTileTokens = 4;
+constexpr int kAccRegs = 4;  // attention's V accumulators (8 ymm), as kAccRegs above
 
 #else
 #error "define DRAFTSMITH_ISA_AVX512_BF16 or DRAFTSMITH_ISA_AVX2 (kernels/cpu_layer.py does)"
@@ -577,49 +580,85 @@ inline bool visible(int64_t s, int64_t i, int64_t start, int64_t T, const bool* 
   return full ? full[i * n + s] : s < start || (mask ? mask[i * T + (s - start)] : (s - start) <= i);
 }
 
-// Attention of the query rows of new tokens [t0, t1) that read kv head g (heads g*group .. g*group+group-1 of each
-// token) over its cache. Per row the arithmetic is the single-row softmax attention's: the same dot_bf16 per slot,
-// the softmax numerators 16 slots at a time, the V rows accumulated in slot order. Slots run outermost so each K and
-// V row is read from memory once for all the rows (GQA group x tokens) instead of once per row.
+// V [S, C*16] weighted by each row's softmax numerators, slots in order: acc[row] += p[row, s] * V[s], M rows at a
+// time with their M x C accumulators in registers (each V row loaded once for the M rows). A zero weight (a masked
+// slot, or an exp that underflowed) adds exactly nothing, fma(0, v, a) == a for finite v, so every row's sums are
+// those of a loop that skips such slots. store(r, m, acc [m, C]) takes the finished rows r..r+m-1.
+template <int C, int M, typename Store>
+inline void attend_value_rows(const bf16* vc, const float* scores, int64_t npad, int64_t n, int64_t r, Store& store) {
+  vf acc[M * C];
+  for (auto& a : acc) a = vzero();
+  for (int64_t s = 0; s < n; ++s) {
+    vf v[C];
+    for (int c = 0; c < C; ++c) v[c] = load_bf(vc + s * C * 16 + 16 * c);
+    for (int i = 0; i < M; ++i) {
+      const vf p = vset1(scores[(r + i) * npad + s]);
+      for (int c = 0; c < C; ++c) acc[i * C + c] = vfmadd(p, v[c], acc[i * C + c]);
+    }
+  }
+  store(r, M, acc);
+}
+
+template <int C, typename Store>
+void attend_values(const bf16* vc, const float* scores, int64_t npad, int64_t n, int64_t rows, Store& store) {
+  constexpr int M = std::max(1, kAccRegs / C);
+  int64_t r = 0;
+  for (; r + M <= rows; r += M) attend_value_rows<C, M>(vc, scores, npad, n, r, store);
+  for (; r < rows; ++r) attend_value_rows<C, 1>(vc, scores, npad, n, r, store);
+}
+
+// Attention of query rows [r0, r1) of kv head g, where row r is head g*group + r % group of new token r / group, over
+// its cache. Per row the arithmetic is the single-row softmax attention's, whatever rows share the call: the same
+// dot_bf16 per slot, the softmax numerators 16 slots at a time, the V rows accumulated in slot order. Slots run
+// outermost so each K and V row is read once for all the call's rows (GQA group x tokens) instead of once per row.
 // q: qkv rows [T, nqkv]; out: attn rows [T, nq]; kc/vc: this kv head's [S, d] cache.
 void attend_kv_head(const bf16* qkv, int64_t nqkv, const bf16* kc, const bf16* vc, int64_t g, int64_t group,
-                    int64_t t0, int64_t t1, int64_t start, int64_t T, const bool* mask, const bool* full, int64_t d,
+                    int64_t r0, int64_t r1, int64_t start, int64_t T, const bool* mask, const bool* full, int64_t d,
                     float scale, bf16* out, int64_t nq) {
-  const int64_t n = start + T, npad = (n + 15) / 16 * 16, rows = (t1 - t0) * group, chunks = d / 16;
-  // Reused by this thread across layers and steps: a scratch of rows x (npad scores + d accumulators + best).
+  const int64_t n = start + T, npad = (n + 15) / 16 * 16, rows = r1 - r0, chunks = d / 16;
+  // Reused by this thread across layers and steps: a scratch of rows x (npad scores + best + 16 lanes of maxima).
   thread_local std::vector<float> buf;
-  buf.resize(rows * (npad + d + 1));
+  buf.resize(rows * (npad + 17));
   float* scores = buf.data();              // [rows, npad]
-  float* acc = scores + rows * npad;       // [rows, d]
-  float* best = acc + rows * d;            // [rows]
-  auto q_of = [&](int64_t r) { return qkv + (t0 + r / group) * nqkv + (g * group + r % group) * d; };
+  float* best = scores + rows * npad;      // [rows]
+  float* lane_best = best + rows;          // [rows, 16]: whole blocks' maxima per lane, folded into best below
+  auto token_of = [&](int64_t r) { return (r0 + r) / group; };
+  auto q_of = [&](int64_t r) { return qkv + token_of(r) * nqkv + (g * group + (r0 + r) % group) * d; };
   auto score = [&](int64_t r, int64_t s) {  // one slot of one row
     float& sc = scores[r * npad + s];
-    if (!visible(s, t0 + r / group, start, T, mask, full)) {
+    if (!visible(s, token_of(r), start, T, mask, full)) {
       sc = -INFINITY;
       return;
     }
     sc = dot_bf16(q_of(r), kc + s * d, d) * scale;
     best[r] = std::max(best[r], sc);
   };
-  for (int64_t r = 0; r < rows; ++r) best[r] = -INFINITY;
+  for (int64_t r = 0; r < rows; ++r) {
+    best[r] = -INFINITY;
+    vstore(lane_best + 16 * r, vset1(-INFINITY));
+  }
   int64_t s = 0;
   for (; s + 16 <= n; s += 16) {  // K rows s..s+15 stay in L1 for all the rows
     for (int64_t r = 0; r < rows; ++r) {
-      bool all = true;
-      for (int64_t j = 0; j < 16 && all; ++j) all = visible(s + j, t0 + r / group, start, T, mask, full);
+      bool all = full == nullptr && s + 16 <= start;  // the prefix is visible to every row without a full mask
+      if (!all) {
+        all = true;
+        for (int64_t j = 0; j < 16 && all; ++j) all = visible(s + j, token_of(r), start, T, mask, full);
+      }
       if (!all) {
         for (int64_t j = 0; j < 16; ++j) score(r, s + j);
         continue;
       }
       float* sc = scores + r * npad + s;
       dot16_bf16(q_of(r), kc + s * d, d, sc);  // the same values as score()'s dot_bf16
-      for (int64_t j = 0; j < 16; ++j) {
-        sc[j] *= scale;
-        best[r] = std::max(best[r], sc[j]);
-      }
+      const vf scaled = vmul(vload(sc), vset1(scale));
+      vstore(sc, scaled);
+      // a vector max, not a scalar chain of 16 dependent max per block; a NaN score is skipped, as std::max skips it
+      vstore(lane_best + 16 * r, vmax(scaled, vload(lane_best + 16 * r)));
     }
   }
+  for (int64_t r = 0; r < rows; ++r)  // max is exact: the same best whatever order the slots are compared in
+    for (int64_t j = 0; j < 16; ++j) best[r] = std::max(best[r], lane_best[16 * r + j]);
   for (; s < n; ++s)
     for (int64_t r = 0; r < rows; ++r) score(r, s);
   for (int64_t r = 0; r < rows; ++r) {  // softmax numerators 16 at a time; masked slots (-inf) become exactly 0
@@ -633,23 +672,23 @@ void attend_kv_head(const bf16* qkv, int64_t nqkv, const bf16* kc, const bf16* v
       sum = vadd(sum, e);
     }
     best[r] = hsum(sum);  // now the row's softmax denominator
-    for (int64_t c = 0; c < chunks; ++c) vstore(acc + r * d + 16 * c, vzero());
   }
-  for (int64_t s = 0; s < n; ++s) {  // one pass over V for all the rows; zero weights (masked slots) skipped
-    vf v[8];  // [d / 16] lanes of V row s, d <= 128
-    for (int64_t c = 0; c < chunks; ++c) v[c] = load_bf(vc + s * d + 16 * c);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float w = scores[r * npad + s];
-      if (w == 0.f) continue;
-      const vf p = vset1(w);
-      float* a = acc + r * d;
-      for (int64_t c = 0; c < chunks; ++c) vstore(a + 16 * c, vfmadd(p, v[c], vload(a + 16 * c)));
+  auto store_rows = [&](int64_t r, int64_t m, const vf* acc) {  // acc [m, chunks]
+    for (int64_t i = 0; i < m; ++i) {
+      bf16* o = out + token_of(r + i) * nq + (g * group + (r0 + r + i) % group) * d;
+      const vf total = vset1(best[r + i]);
+      for (int64_t c = 0; c < chunks; ++c) store_bf(o + 16 * c, vdiv(acc[i * chunks + c], total));
     }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    bf16* o = out + (t0 + r / group) * nq + (g * group + r % group) * d;
-    const vf total = vset1(best[r]);
-    for (int64_t c = 0; c < chunks; ++c) store_bf(o + 16 * c, vdiv(vload(acc + r * d + 16 * c), total));
+  };
+  switch (chunks) {  // one pass over V per kAccRegs / chunks rows, their accumulators held in registers
+    case 1: return attend_values<1>(vc, scores, npad, n, rows, store_rows);
+    case 2: return attend_values<2>(vc, scores, npad, n, rows, store_rows);
+    case 3: return attend_values<3>(vc, scores, npad, n, rows, store_rows);
+    case 4: return attend_values<4>(vc, scores, npad, n, rows, store_rows);
+    case 5: return attend_values<5>(vc, scores, npad, n, rows, store_rows);
+    case 6: return attend_values<6>(vc, scores, npad, n, rows, store_rows);
+    case 7: return attend_values<7>(vc, scores, npad, n, rows, store_rows);
+    default: return attend_values<8>(vc, scores, npad, n, rows, store_rows);
   }
 }
 
@@ -720,20 +759,24 @@ void layer_body(const bf16* xin, int64_t kin, const torch::Tensor& res, const to
     at::parallel_for(0, T * hkv, work > (1 << 15) ? 1 : T * hkv, [&](int64_t a, int64_t b) {
       for (int64_t job = a; job < b; ++job) {
         const int64_t t = job / hkv, g = job % hkv, off = t * row_stride + g * S * d;
-        attend_kv_head(qkv + t * nqkv, nqkv, kcache + off, vcache + off, g, group, 0, 1, row_pos[t], 1, nullptr,
+        attend_kv_head(qkv + t * nqkv, nqkv, kcache + off, vcache + off, g, group, 0, group, row_pos[t], 1, nullptr,
                        nullptr, d, float(scale), attn + t * nq, nq);
       }
     });
   } else {
-    // Jobs: (kv head, block of up to kAttnTokens tokens), every query row of the block that reads that kv head.
-    constexpr int64_t kAttnTokens = 8;
-    const int64_t blocks = (T + kAttnTokens - 1) / kAttnTokens, jobs = hkv * blocks;
-    const int64_t work = T * hq * (start + T) * d;
-    at::parallel_for(0, jobs, work > (1 << 15) ? 1 : jobs, [&](int64_t a, int64_t b) {
-      for (int64_t job = a; job < b; ++job) {
-        const int64_t g = job % hkv, t0 = (job / hkv) * kAttnTokens, t1 = std::min(T, t0 + kAttnTokens);
-        attend_kv_head(qkv, nqkv, kcache + g * S * d, vcache + g * S * d, g, group, t0, t1, start, T, mask, full, d,
-                       float(scale), attn, nq);
+    // Each thread takes an equal share of the hkv x T x group query rows, in runs of whole kv heads where it can
+    // (a run reads its head's K and V once). By kv head and token block, 3 kv heads split 2:1 over 2 threads.
+    const int64_t per_kv = T * group, total = hkv * per_kv, work = T * hq * (start + T) * d;
+    const int64_t parts = work > (1 << 15) ? std::min<int64_t>(at::get_num_threads(), total) : 1;
+    at::parallel_for(0, parts, 1, [&](int64_t a, int64_t b) {
+      for (int64_t part = a; part < b; ++part) {
+        const int64_t hi = total * (part + 1) / parts;  // this share: flattened rows [total * part / parts, hi)
+        for (int64_t x = total * part / parts; x < hi;) {
+          const int64_t g = x / per_kv, r0 = x % per_kv, r1 = std::min(per_kv, r0 + hi - x);
+          attend_kv_head(qkv, nqkv, kcache + g * S * d, vcache + g * S * d, g, group, r0, r1, start, T, mask, full,
+                         d, float(scale), attn, nq);
+          x += r1 - r0;
+        }
       }
     });
   }
