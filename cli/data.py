@@ -12,7 +12,12 @@ def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--out", required=True, help="output .jsonl ({messages, source_index} per line); resumes "
                                                 "OUT.partial")
     r.add_argument("--target", default=None, help="target folder (default: the embedded smollm2-135m)")
-    r.add_argument("--limit", type=int, default=None, help="use the first N conversations")
+    r.add_argument("--limit", type=int, default=None, help="use the first N conversations (of those selected)")
+    r.add_argument("--topic", default="all", choices=["all", "code"],
+                   help="only conversations whose first user message is on this topic (code: names a language, shows "
+                        "code or asks for a function)")
+    r.add_argument("--skip", type=int, default=0,
+                   help="start at this source index (a second set past the records a first one used)")
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-p", type=float, default=1.0)
@@ -74,7 +79,8 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
     report = regenerate(args.data, args.out, target=args.target, limit=args.limit, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, turns=args.turns, dtype=args.dtype,
-                        seed=args.seed, kernels=args.kernels, batch_size=args.batch_size)
+                        seed=args.seed, kernels=args.kernels, batch_size=args.batch_size,
+                        topic=args.topic, skip=args.skip)
     print(summary(report, args.out))
     return 0
 

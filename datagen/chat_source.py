@@ -4,7 +4,8 @@ role/content dicts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,16 @@ from draftsmith import assets
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+
+
+# Topics a regenerated set can be narrowed to, by its first user message. "code": a request that names a language,
+# shows code or asks for a function/script (a drafter trained on general chat accepted 0.36 of HumanEval's greedy
+# tokens at depth 1 against 0.56 on held-out chat: coding replies were what it lacked).
+TOPICS: dict[str, re.Pattern | None] = {
+    "all": None,
+    "code": re.compile(r"```|\bdef |\bpython\b|\bjavascript\b|\btypescript\b|\bfunction\b|\bcode\b|\bSQL\b|"
+                       r"\bjava\b|C\+\+|\breact\b|\bscript\b|\bimport |\bclass ", re.IGNORECASE),
+}
 
 
 def normalize_messages(record: Any) -> list[dict[str, str]]:
@@ -52,4 +63,23 @@ def iter_conversations(spec: str, report: Any = None) -> Iterator[tuple[int, lis
                 report.skip("malformed record")
 
 
-__all__ = ["ROLES", "iter_conversations", "normalize_messages"]
+def select_conversations(conversations: Iterable[tuple[int, list[dict]]], topic: str = "all",
+                         skip: int = 0) -> Iterator[tuple[int, list[dict]]]:
+    """The ``(source_index, messages)`` of ``conversations`` at index ``skip`` or later whose first user message is on
+    ``topic`` (a key of :data:`TOPICS`); ``skip`` lets a second set start past the records a first one used."""
+    if topic not in TOPICS:
+        raise ValueError(f"unknown topic {topic!r}; choose one of {', '.join(TOPICS)}")
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
+    pattern = TOPICS[topic]
+    for index, messages in conversations:
+        if index < skip:
+            continue
+        if pattern is not None:
+            user = next((m["content"] for m in messages if m["role"] == "user"), "")
+            if not pattern.search(user):
+                continue
+        yield index, messages
+
+
+__all__ = ["ROLES", "TOPICS", "iter_conversations", "normalize_messages", "select_conversations"]

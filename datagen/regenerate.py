@@ -40,7 +40,7 @@ import torch
 
 from draftsmith.common.chat import encode_chat
 from draftsmith.datagen.batched_generation import batch_support, generate_greedy_batch
-from draftsmith.datagen.chat_source import iter_conversations, normalize_messages
+from draftsmith.datagen.chat_source import iter_conversations, normalize_messages, select_conversations
 from draftsmith.datagen.resumable_jsonl import Progress, append_line, resume_or_start
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
@@ -171,11 +171,14 @@ def regenerate(
     data: str, out: str | Path, target: str | None = None, limit: int | None = None, max_new_tokens: int = 256,
     temperature: float = 0.0, top_p: float = 1.0, turns: str = "first", dtype: str = "bf16", seed: int = 0,
     kernels: str = "auto", log: Callable[[str], None] | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
+    topic: str = "all", skip: int = 0,
 ) -> RegenerateReport:
     """Regenerate ``data`` with the target and write ``out`` (jsonl), resuming an interrupted ``out.partial``.
 
     ``batch_size`` > 1 decodes that many greedy first turns at once (:mod:`draftsmith.datagen.batched_generation`);
-    ``turns="all"``, sampling and decoders without a batched step decode one conversation at a time (logged)."""
+    ``turns="all"``, sampling and decoders without a batched step decode one conversation at a time (logged).
+    ``topic`` / ``skip``: only conversations on that topic, from source index ``skip`` on (``select_conversations``);
+    ``limit`` counts the selected ones."""
     from draftsmith.runtime.serving import load_runtime
 
     _check_arguments(turns, max_new_tokens, limit, batch_size)
@@ -183,15 +186,18 @@ def regenerate(
     out = Path(out)
     partial, meta_path = Path(f"{out}.partial"), Path(f"{out}.partial.json")
     report = RegenerateReport()
-    conversations = iter_conversations(data, report)
+    conversations = select_conversations(iter_conversations(data, report), topic, skip)
     first = next(conversations, None)  # fail on empty data before the (slow) model load
     if first is None:
-        raise ValueError(f"no conversations in {data}: expected records with 'conversations' or 'messages'")
+        where = "" if topic == "all" and not skip else f" on topic {topic!r} from source index {skip} on"
+        raise ValueError(f"no conversations in {data}{where}: expected records with 'conversations' or 'messages'")
     settings = {"data": data, "target": target, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "turns": turns, "dtype": dtype, "seed": seed, "batch_size": batch_size}
+    if topic != "all" or skip:  # recorded only when used: a partial file of an older version still resumes
+        settings.update(topic=topic, skip=skip)
     report.resumed, last_done = resume_or_start(out, partial, meta_path, settings, log)
     # The ETA needs the total: one counting pass over the data (up to the limit), seconds against hours.
-    total = sum(1 for _ in itertools.islice(iter_conversations(data), limit))
+    total = sum(1 for _ in itertools.islice(select_conversations(iter_conversations(data), topic, skip), limit))
     rt = load_runtime(None, target, dtype, kernels)
     items = enumerate(itertools.islice(itertools.chain([first], conversations), limit), 1)  # (seen, (index, msgs))
     with open(partial, "a", encoding="utf-8") as handle:

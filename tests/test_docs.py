@@ -48,4 +48,9 @@ def test_train_best_trains_on_every_regenerated_conversation():
     dry = subprocess.run(["make", "-n", "train-best", "BEST_PRECISION=32-true", "BEST_CONVERSATIONS=123"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     train = next(line for line in dry.splitlines() if "train.py recipe=eagle3" in line)
-    assert "data=outputs/best/regen123.jsonl" in train and "data.limit=null" in train, train
+    assert "data=outputs/best/regen123_code1300.jsonl" in train and "data.limit=null" in train, train
+    # the chat set (the first 123 conversations) and the coding set past them are regenerated, then joined
+    regen = [line for line in dry.splitlines() if "draftsmith regenerate" in line]
+    assert any("--out outputs/best/regen123.jsonl --limit 123 " in line for line in regen), regen
+    assert any("--topic code --skip 123 --limit 1300" in line for line in regen), regen
+    assert "cat outputs/best/regen123.jsonl outputs/best/regen_code1300.jsonl > " in dry, dry

@@ -144,3 +144,24 @@ def test_without_a_limit_the_progress_counts_the_whole_file_and_gives_an_eta(tin
     regen.regenerate(str(tiny_data_file), tmp_path / "over.jsonl", target=str(tiny_target_dir), limit=10 * records,
                      log=logs.append, **SMALL)
     assert [m for m in logs if m.startswith("[")][0].startswith(f"[1/{records}]")
+
+
+def test_topic_and_skip_select_the_conversations_regenerated(tiny_target_dir, tmp_path):
+    """--topic code keeps conversations whose first user message asks for code, --skip starts at a source index;
+    the output's source_index points back at the records kept, and a topic nothing matches is a clear error."""
+    chat = [("Tell me about Paris.", "It is a city."), ("Write a python function that adds two numbers.", "ok"),
+            ("What is love?", "A feeling."), ("Fix this: ```x = 1 +```", "x = 1"),
+            ("Explain the SQL JOIN clause.", "It joins.")]
+    data = _write(tmp_path / "mixed.jsonl", [{"messages": [{"role": "user", "content": q},
+                                                           {"role": "assistant", "content": a}]} for q, a in chat])
+    out = tmp_path / "code.jsonl"
+    report = regen.regenerate(str(data), out, target=str(tiny_target_dir), topic="code", skip=2, **SMALL)
+    assert report.written == 2
+    assert [json.loads(line)["source_index"] for line in out.read_text().splitlines()] == [3, 4]
+    out_all = tmp_path / "all.jsonl"
+    regen.regenerate(str(data), out_all, target=str(tiny_target_dir), topic="code", **SMALL)
+    assert [json.loads(line)["source_index"] for line in out_all.read_text().splitlines()] == [1, 3, 4]
+    with pytest.raises(ValueError, match="no conversations in .* on topic 'code' from source index 5 on"):
+        regen.regenerate(str(data), tmp_path / "none.jsonl", target=str(tiny_target_dir), topic="code", skip=5)
+    with pytest.raises(ValueError, match="unknown topic 'poetry'; choose one of all, code"):
+        regen.regenerate(str(data), tmp_path / "none.jsonl", target=str(tiny_target_dir), topic="poetry")
