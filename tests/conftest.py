@@ -88,6 +88,7 @@ TIERS = {
     "test_shape_choice.py": "unit",
     "test_cpu_layer.py": "unit",
     "test_cpu_stack.py": "unit",
+    "test_cpu_attention_split.py": "unit",
     "test_contention.py": "unit",
     "test_docs.py": "unit",
     "test_thread_governor.py": "unit",
