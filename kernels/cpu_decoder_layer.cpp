@@ -661,6 +661,9 @@ void attend_kv_head(const bf16* qkv, int64_t nqkv, const bf16* kc, const bf16* v
     for (int64_t j = 0; j < 16; ++j) best[r] = std::max(best[r], lane_best[16 * r + j]);
   for (; s < n; ++s)
     for (int64_t r = 0; r < rows; ++r) score(r, s);
+  // Slots [0, open) are visible to every row; past it a tree node skips its siblings' slots (or, with a full mask,
+  // any slot may be hidden).
+  const int64_t open = full ? 0 : start, whole = open / 16 * 16;
   for (int64_t r = 0; r < rows; ++r) {  // softmax numerators 16 at a time; masked slots (-inf) become exactly 0
     float* row = scores + r * npad;
     for (int64_t s = n; s < npad; ++s) row[s] = -INFINITY;
@@ -669,7 +672,26 @@ void attend_kv_head(const bf16* qkv, int64_t nqkv, const bf16* kc, const bf16* v
       const vf v = vload(row + s);
       const vf e = zero_where_neg_inf(v, vexp(vsub(v, vset1(best[r]))));
       vstore(row + s, e);
-      sum = vadd(sum, e);
+      if (s + 16 <= whole || (mask == nullptr && full == nullptr)) sum = vadd(sum, e);
+    }
+    if (mask != nullptr || full != nullptr) {
+      // The rest of the denominator over the visible slots packed in slot order: lane k of the sum then holds the
+      // same terms as the one-token step of this row's path (where those tokens sit at consecutive slots), so a
+      // tree node off its plain-decoding slot gets that step's denominator bit for bit. Lanes keyed by slot would
+      // group the terms differently, and bf16 speculative decoding would drift from bf16 plain decoding.
+      float* packed = lane_best + 16 * r;  // free now: the maxima were folded into best above
+      int64_t m = 0;
+      auto flush = [&]() {
+        for (int64_t j = m; j < 16; ++j) packed[j] = 0.f;
+        sum = vadd(sum, vload(packed));
+        m = 0;
+      };
+      for (int64_t s = whole; s < n; ++s) {
+        if (!visible(s, token_of(r), start, T, mask, full)) continue;
+        packed[m++] = row[s];
+        if (m == 16) flush();
+      }
+      if (m > 0) flush();
     }
     best[r] = hsum(sum);  // now the row's softmax denominator
   }

@@ -89,6 +89,7 @@ TIERS = {
     "test_cpu_layer.py": "unit",
     "test_cpu_stack.py": "unit",
     "test_cpu_attention_split.py": "unit",
+    "test_cpu_tree_sum.py": "unit",
     "test_contention.py": "unit",
     "test_docs.py": "unit",
     "test_thread_governor.py": "unit",
