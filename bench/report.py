@@ -127,7 +127,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         ("speedup vs HF generate", _fmt(s["vs_hf_generate"])), ("speedup vs runtime AR", _speedup_text(result)),
         ("runtime AR vs HF generate", _fmt(s["runtime_ar_vs_hf_generate"])),
         ("one AR step / one verify forward (ms)", f"{c['ar_step_ms']:.1f} / {c['verify_forward_ms']:.1f} "
-                                                  f"({c['tree_nodes']} nodes)"),
+                                                  f"({c['tree_nodes']} nodes; LM head: {c.get('lm_head', 'logits')})"),
         ("one AR step vs bandwidth floor", f"{c['ar_step_ms']:.1f} ms vs {c['bandwidth_floor_ms']:.1f} ms "
          f"({c['weight_bytes_per_step'] / 1e6:.0f} MB at {c['read_bandwidth_gbs']:.1f} GB/s): "
          f"{c['ar_step_over_floor']:.2f}x" if "bandwidth_floor_ms" in c else "n/a"),

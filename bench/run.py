@@ -44,6 +44,7 @@ def _step_costs(runtime: Runtime, prompt: list[int], context: int | None = None,
     length = max(context or 0, len(prompt))
     prompt = (prompt * (length // len(prompt) + 1))[:length]  # the prompt repeated up to ``context`` tokens
     cache = model.allocate_cache(len(prompt) + max(nodes, *FORWARD_SIZES) + 1)
+    head = depth_choice.loop_head(spec)  # the LM head the loops run (argmax for greedy verification)
     with torch.inference_mode():
         model.forward(torch.tensor(prompt), cache, logits_for="last")
         cache.commit(len(prompt))
@@ -52,7 +53,7 @@ def _step_costs(runtime: Runtime, prompt: list[int], context: int | None = None,
             ids = torch.full((tokens,), int(prompt[-1]))
             mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
             start = time.perf_counter()
-            model.forward(ids, cache, tree_mask=mask if tokens > 1 else None, logits_for="all")
+            model.forward(ids, cache, tree_mask=mask if tokens > 1 else None, logits_for="all", head=head)
             return time.perf_counter() - start
 
         one(1)
@@ -60,7 +61,7 @@ def _step_costs(runtime: Runtime, prompt: list[int], context: int | None = None,
     weights = floors.decoder_step_bytes(model, len(prompt))["total"]  # weights + one embedding row + the prompt's KV
     bandwidth = floors.read_bandwidth_gbs(governor().max_threads)  # the probe --profile's floors use (cached)
     floor_ms = weights / (bandwidth * 1e9) * 1e3
-    return {"tree_nodes": nodes, "ar_step_ms": ms[1], "verify_forward_ms": ms[nodes],
+    return {"tree_nodes": nodes, "lm_head": head, "ar_step_ms": ms[1], "verify_forward_ms": ms[nodes],
             "forward_ms_by_new_tokens": {t: ms[t] for t in FORWARD_SIZES},
             "weight_bytes_per_step": weights, "read_bandwidth_gbs": bandwidth, "bandwidth_floor_ms": floor_ms,
             "ar_step_over_floor": ms[1] / floor_ms}
@@ -202,7 +203,8 @@ def _profile(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, ex
                   "draft_calls_source": "counted" if counted["calls"] else "assumed one per step (none counted)"}
     # the plain loop without its prefill, on the same prompts (the cost model's calibration prompts may differ)
     ar_tokens = min(max_new_tokens, 32)
-    ar_ms = depth_choice.decode_step_ms(runtime.model, prompts, ar_tokens)[0]
+    ar_ms = depth_choice.decode_step_ms(runtime.model, prompts, ar_tokens,
+                                        head=depth_choice.loop_head(runtime.speculative))[0]
     steps_info["ar_context_tokens"] = statistics.mean(len(p) for p in prompts) + ar_tokens / 2
     # the threads the runtime decodes with on a quiet machine (the governor lends fewer while others hold cores)
     threads = governor().max_threads

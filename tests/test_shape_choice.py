@@ -63,6 +63,40 @@ def test_verify_curve_covers_every_size_and_the_ar_step_excludes_the_prefill():
     assert step == pytest.approx(5.5) and per_prompt == pytest.approx([5.5, 5.5])  # the 900 ms prefill is not in it
 
 
+class HeadRecorder(CostedModel):
+    """A costed model that also records the LM head and the first input token of each forward."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.heads: list[str] = []
+        self.fed: list[int] = []
+
+    def forward(self, ids, cache, *args, **kwargs):
+        self.heads.append(kwargs.get("head", "logits"))
+        self.fed.append(int(ids[0]))
+        return super().forward(ids, cache, *args, **kwargs)
+
+
+def test_costs_are_timed_with_the_lm_head_the_loop_runs():
+    """Greedy verification reduces the LM head to an argmax per row, and so does greedy plain decoding: the plain
+    step and the verify curve are timed with that head (the logits head cost 14% more a step on a 135M target), and
+    the argmax-head steps decode the same tokens as the logits-head steps."""
+    _, lean = tiny_llama(0, layers=2)
+    assert depth_choice.loop_head(SimpleNamespace(uses_argmax_head=lambda: True)) == "argmax"
+    assert depth_choice.loop_head(SimpleNamespace(uses_argmax_head=lambda: False)) == "logits"
+    assert depth_choice.loop_head(None) == "logits"  # no speculative decoder: the logits head, as before
+    model = HeadRecorder(lean, FakeClock(), lambda n: 5.0)
+    depth_choice.forward_curve(model, [1, 5, 9], sizes=(1, 4), repeats=1, head="argmax")
+    assert model.heads == ["logits"] + ["argmax"] * 3  # the untimed prefill, the warm-up, then sizes 1 and 4
+    fed = {}
+    for head in ("argmax", "logits"):
+        model = HeadRecorder(lean, FakeClock(), lambda n: 5.0)
+        depth_choice.decode_step_ms(model, [[2, 4, 6, 8]], 6, head=head)
+        assert model.heads == ["logits"] + [head] * 6  # the untimed prefill, then each timed step
+        fed[head] = model.fed[1:]
+    assert fed["argmax"] == fed["logits"]  # the same greedy tokens either way
+
+
 def _eagle_like_tree() -> tuple[list[int], list[int], list[float]]:
     """A 16-node tree 4 levels deep: the best node of each level has 4 children (3 at depth 4), ranked 0..3 with
     confidences 0.6, 0.2, 0.1, 0.05."""

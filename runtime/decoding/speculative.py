@@ -189,6 +189,10 @@ class SpeculativeDecoder:
                 return res, self.verifier.verify_argmax(tree, res.argmax)
             return res, self.verifier.verify(tree, res.logits, generator, **self._temperatures(res.hidden))
 
+    def uses_argmax_head(self) -> bool:
+        """Whether greedy verification runs the target's LM head reduced to an argmax per row (see _greedy_head)."""
+        return bool(self._greedy_head())
+
     def _greedy_head(self) -> bool:
         """Whether verification needs only the target's argmax per node: a greedy verifier that decides from it, a
         model whose forward can reduce its LM head to it (``argmax_head``), no temperature policy, and a proposer
