@@ -664,6 +664,7 @@ void attend_kv_head(const bf16* qkv, int64_t nqkv, const bf16* kc, const bf16* v
   // Slots [0, open) are visible to every row; past it a tree node skips its siblings' slots (or, with a full mask,
   // any slot may be hidden).
   const int64_t open = full ? 0 : start, whole = open / 16 * 16;
+  const bool packs = mask != nullptr || full != nullptr;  // causal rows see contiguous slots: no packing needed
   for (int64_t r = 0; r < rows; ++r) {  // softmax numerators 16 at a time; masked slots (-inf) become exactly 0
     float* row = scores + r * npad;
     for (int64_t s = n; s < npad; ++s) row[s] = -INFINITY;
@@ -672,9 +673,9 @@ void attend_kv_head(const bf16* qkv, int64_t nqkv, const bf16* kc, const bf16* v
       const vf v = vload(row + s);
       const vf e = zero_where_neg_inf(v, vexp(vsub(v, vset1(best[r]))));
       vstore(row + s, e);
-      if (s + 16 <= whole || (mask == nullptr && full == nullptr)) sum = vadd(sum, e);
+      if (!packs || s + 16 <= whole) sum = vadd(sum, e);
     }
-    if (mask != nullptr || full != nullptr) {
+    if (packs) {
       // The rest of the denominator over the visible slots packed in slot order: lane k of the sum then holds the
       // same terms as the one-token step of this row's path (where those tokens sit at consecutive slots), so a
       // tree node off its plain-decoding slot gets that step's denominator bit for bit. Lanes keyed by slot would

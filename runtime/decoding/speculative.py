@@ -129,7 +129,7 @@ class SpeculativeDecoder:
         done = self._emit(out, [root], max_new_tokens, eos, stream)
         context = TokenBuffer(prompt, prompt.numel() + max_new_tokens)  # prompt + out, appended in place
         context.append(out)
-        greedy_head = self._greedy_head()
+        greedy_head = self.uses_argmax_head()
         accepted, sizes, depth_hist = [], [], []
         prof = self.profiler
         part = prof.part if prof is not None else _no_part
@@ -190,15 +190,12 @@ class SpeculativeDecoder:
             return res, self.verifier.verify(tree, res.logits, generator, **self._temperatures(res.hidden))
 
     def uses_argmax_head(self) -> bool:
-        """Whether greedy verification runs the target's LM head reduced to an argmax per row (see _greedy_head)."""
-        return bool(self._greedy_head())
-
-    def _greedy_head(self) -> bool:
         """Whether verification needs only the target's argmax per node: a greedy verifier that decides from it, a
         model whose forward can reduce its LM head to it (``argmax_head``), no temperature policy, and a proposer
         that declares ``reads_logits = False`` (its ``accept`` never reads the accepted nodes' logits)."""
-        return (getattr(self.model, "argmax_head", False) and callable(getattr(self.verifier, "verify_argmax", None))
-                and self.temperature_policy is None and not getattr(self.proposer, "reads_logits", True))
+        return bool(getattr(self.model, "argmax_head", False)
+                    and callable(getattr(self.verifier, "verify_argmax", None))
+                    and self.temperature_policy is None and not getattr(self.proposer, "reads_logits", True))
 
     def _prefill(self, prompt: torch.Tensor, cache: Any, device: Any, taps: tuple[int, ...],
                  generator: torch.Generator | None) -> tuple[int, torch.Tensor]:

@@ -60,7 +60,7 @@ class EagleProposer:
 
     shape_family = "dynamic_tree"  # runtime/acceptance/shapes.py: chains and trees through reshape()
     # accept() reads hidden states and taps, never logits: greedy verification may then skip the [N, V] logits
-    # (SpeculativeDecoder._greedy_head) and the loop copies none for it.
+    # (SpeculativeDecoder.uses_argmax_head) and the loop copies none for it.
     reads_logits = False
 
     def __init__(self, model: DraftModel, policy: str = "tree", total_tokens: int = 16, depth: int = 4,
