@@ -58,131 +58,52 @@ def build_tiny_llama(vocab_size: int, seed: int = 0, **overrides):
 
 
 # ----------------------------------------------------------------------------------------------------- test tiers
-# Every test file has one tier; `make test-fast` runs `-m unit`, `make test-integration` `-m integration`, `make
-# test-e2e` `-m e2e`, and `make test` all three. tests/test_tiers.py fails when a file is missing here.
+# Every test file declares its tier once, right after its imports: `pytestmark = pytest.mark.unit` (or `integration`,
+# `e2e`; a list when the file has other marks too), or lives in a folder named after its tier (tests/e2e/...).
+# `make test-fast` runs `-m unit`, `make test-integration` `-m integration`, `make test-e2e` `-m e2e`, and `make test`
+# all three; tests/test_tiers.py fails when a file declares no tier or several.
 #   unit:        tiny in-process models and configs; each test takes seconds at most.
 #   integration: the embedded SmolLM2-135M target (its assets, its conversion, real chat data).
 #   e2e:         whole runs: `train.py` / `draftsmith` subprocesses, training runs end to end, and the chi-square
 #                tests that sample thousands of whole decodes (over 5 s each).
-# A test marked `integration` or `e2e` itself keeps that tier whatever its file's (a unit file's subprocess run or slow
-# statistical test is marked `@pytest.mark.e2e` on the function); `slow` and `gpu` are orthogonal and stay as they are.
-TIERS = {
-    "test_assets.py": "unit",  # its embedded-package tests are marked integration
-    "test_backend_choice.py": "unit",  # its simulated-AVX2 `draftsmith generate` run is marked e2e
-    "test_bench.py": "unit",  # its `draftsmith generate` / `bench` CLI run is marked e2e
-    "test_bench_floors.py": "unit",
-    "test_calibrated_tree.py": "unit",
-    "test_chat_encoding.py": "unit",
-    "test_clover.py": "unit",
-    "test_cli_bad_inputs.py": "unit",
-    "test_cli_table.py": "unit",  # its `draftsmith train` run is marked e2e
-    "test_clover_runtime.py": "unit",
-    "test_cluster_elastic.py": "e2e",
-    "test_cluster_memory.py": "unit",
-    "test_cluster_preempt.py": "e2e",
-    "test_cluster_shard.py": "unit",
-    "test_cluster_slurm.py": "e2e",
-    "test_cluster_wandb.py": "unit",
-    "test_cost_model.py": "unit",
-    "test_cost_refit.py": "unit",
-    "test_shape_choice.py": "unit",
-    "test_cpu_layer.py": "unit",
-    "test_cpu_stack.py": "unit",
-    "test_cpu_attention_split.py": "unit",
-    "test_cpu_tree_sum.py": "unit",
-    "test_contention.py": "unit",
-    "test_docs.py": "unit",
-    "test_thread_governor.py": "unit",
-    "test_data.py": "unit",  # its real SmolLM2 template tests are marked integration
-    "test_diffusion_adapt.py": "unit",
-    "test_dflash.py": "unit",
-    "test_dflash_runtime.py": "unit",  # its train.py run is marked e2e
-    "test_diffusion_decode.py": "unit",
-    "test_diffusion_learn2pd.py": "unit",
-    "test_diffusion_mask.py": "unit",
-    "test_diffusion_remote.py": "unit",
-    "test_draft_attention.py": "unit",
-    "test_eagle.py": "unit",  # its train.py run is marked e2e
-    "test_eagle3.py": "unit",  # its train.py run is marked e2e
-    "test_eagle_native.py": "unit",
-    "test_eagle_runtime.py": "unit",
-    "test_eagle_sampling.py": "unit",  # its slow test(s) are marked e2e
-    "test_dflash_engines.py": "unit",  # real speculators library: e2e; llama.cpp conversion + engine-check: integration
-    "test_dflash_export.py": "unit",
-    "test_engine_layouts.py": "unit",
-    "test_export_v2.py": "unit",
-    "test_exportable.py": "unit",
-    "test_feature_cache.py": "unit",
-    "test_gpu.py": "e2e",  # CUDA only (skipped elsewhere); ends with a train.py run on the GPU
-    "test_gpu_check_script.py": "e2e",
-    "test_gguf_export.py": "unit",  # its real llama.cpp conversion + engine-check on the embedded target is integration
-    "test_head_family_train.py": "e2e",
-    "test_hf_fallback.py": "unit",
-    "test_house_rules.py": "unit",
-    "test_hydra.py": "unit",
-    "test_hydra_runtime.py": "unit",
-    "test_inference_choice.py": "unit",
-    "test_integration_medusa.py": "integration",
-    "test_integration_runtime.py": "integration",
-    "test_kangaroo.py": "unit",  # its slow test(s) are marked e2e
-    "test_kernels.py": "unit",
-    "test_model_families.py": "unit",
-    "test_layer_range.py": "unit",
-    "test_linear_cross_entropy.py": "unit",
-    "test_llamacpp.py": "unit",  # its run of the real cached llama.cpp build is marked integration
-    "test_long_outputs.py": "unit",
-    "test_loop_overheads.py": "unit",
-    "test_engine_parity.py": "unit",  # its real llama.cpp parity run on the embedded target is marked integration
-    "test_lpo_controller.py": "unit",
-    "test_lpo_loss.py": "unit",
-    "test_lpo_rollouts.py": "unit",  # its slow test(s) are marked e2e
-    "test_medusa.py": "unit",
-    "test_medusa2.py": "unit",
-    "test_medusa2_runtime.py": "unit",
-    "test_medusa_draft_vocab.py": "unit",
-    "test_method_table.py": "unit",
-    "test_metrics.py": "unit",
-    "test_objective_seams.py": "unit",
-    "test_regenerate.py": "unit",
-    "test_batched_regenerate.py": "unit",
-    "test_reward_eval.py": "unit",
-    "test_room_walk.py": "e2e",
-    "test_rooms.py": "unit",
-    "test_runtime_guards.py": "unit",
-    "test_runtime_model.py": "unit",
-    "test_seams_runtime.py": "unit",
-    "test_served_tau.py": "unit",  # its train.py run is marked e2e
-    "test_medusa_trained_floor.py": "unit",  # its slow test(s) are marked e2e
-    "test_specdecpp.py": "unit",
-    "test_specdecpp_stop_rule.py": "unit",
-    "test_speculative.py": "unit",
-    "test_speculative_sampling.py": "unit",  # its slow test(s) are marked e2e
-    "test_speculators_export.py": "unit",  # its run of the real speculators library is marked e2e
-    "test_strategies.py": "unit",  # its `train.py --cfg job` runs are marked e2e
-    "test_tiers.py": "unit",
-    "test_train.py": "e2e",
-    "test_train_errors.py": "unit",  # its train.py run is marked e2e
-    "test_training_guards.py": "unit",  # its train.py run is marked e2e
-    "test_training_refusals.py": "unit",  # its train.py run is marked e2e
-    "test_training_scores_nothing.py": "unit",
-    "test_tree_verify.py": "unit",
-    "test_verify_floor.py": "unit",
-}
+# A test (or class) marked `integration` or `e2e` itself keeps that tier whatever its file's (a unit file's subprocess
+# run or slow statistical test is marked `@pytest.mark.e2e` on the function); `slow` and `gpu` are orthogonal.
 TIER_MARKERS = ("unit", "integration", "e2e")
 pytest_plugins = ("pytester",)  # tests/test_tiers.py runs the hooks below on a small suite
 DESELECTED: list[pytest.Item] = []  # items `-m` / `-k` left out of this run (tests/test_tiers.py checks them too)
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers added here
+def folder_tier(path: Path) -> str | None:
+    """The tier a test file gets from living under a folder named after one (tests/e2e/test_x.py: e2e)."""
+    found = [part for part in path.parent.parts if part in TIER_MARKERS]
+    return found[-1] if found else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers settled here
 def pytest_collection_modifyitems(config, items):
-    """Mark each item with its file's tier unless the test already carries a tier marker of its own."""
+    """Give each item exactly its own tier marker if it (or its class) has one, else its file's tier.
+
+    The file's marker (its module ``pytestmark``) is moved from the module onto the items that have no tier of their
+    own, so that a unit file's ``@pytest.mark.e2e`` test is e2e only, not unit and e2e."""
+    modules = {}
     for item in items:
-        if not any(item.get_closest_marker(tier) for tier in TIER_MARKERS) and item.path.name in TIERS:
-            item.add_marker(TIERS[item.path.name])
+        chain = item.listchain()
+        module = item.getparent(pytest.Module)
+        below_file = chain[chain.index(module) + 1:] if module in chain else chain  # class, function
+        own = {mark.name for node in below_file for mark in node.own_markers if mark.name in TIER_MARKERS}
+        file_tiers = {mark.name for mark in module.own_markers if mark.name in TIER_MARKERS} if module else set()
+        if module is not None and len(file_tiers) == 1:
+            modules[module.nodeid] = module
+        tier = next(iter(file_tiers)) if len(file_tiers) == 1 else None if file_tiers else folder_tier(item.path)
+        if not own and tier is not None:
+            item.add_marker(tier)
+    for module in modules.values():  # its items now carry the tier themselves
+        module.own_markers[:] = [mark for mark in module.own_markers if mark.name not in TIER_MARKERS]
 
 
 def pytest_deselected(items):
     DESELECTED.extend(items)
+# ------------------------------------------------------------------------------------------------ end of test tiers
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -19,6 +19,8 @@ from draftsmith.assets import (
 )
 from draftsmith.common import json_records
 
+pytestmark = pytest.mark.unit
+
 
 def _record(i: int, turns: int = 2) -> dict:
     convs = [{"from": "human" if t % 2 == 0 else "gpt", "value": f"turn {t} of {i}\nline"} for t in range(turns)]

@@ -15,6 +15,8 @@ from draftsmith.runtime.target.linear_ops import (
     plan_linear_backend,
 )
 
+pytestmark = pytest.mark.unit
+
 SIZES = (64, 576, 1536)  # head_dim, hidden, intermediate of the embedded target
 ZEN4 = cpu_caps.CpuCaps("x86_64", frozenset("avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16".split()),
                         "AMD EPYC 9004")  # fmt: skip

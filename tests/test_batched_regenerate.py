@@ -15,6 +15,8 @@ from draftsmith.datagen.batched_generation import batch_support, generate_greedy
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.target.loading import load_decoder
 
+pytestmark = pytest.mark.unit
+
 SMALL = dict(max_new_tokens=12, dtype="fp32")
 
 

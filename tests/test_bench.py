@@ -17,6 +17,8 @@ from draftsmith.common.chat import encode_chat
 from draftsmith.export.format import ExportError, TargetMismatchError
 from draftsmith.runtime.serving import load_runtime
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):

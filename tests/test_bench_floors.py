@@ -17,6 +17,8 @@ from draftsmith.bench.run import run_bench
 from draftsmith.runtime.serving import load_runtime
 from draftsmith.runtime.target.loading import load_decoder
 
+pytestmark = pytest.mark.unit
+
 H, INTER, HEADS, KV, LAYERS = 64, 128, 4, 2, 4  # conftest.build_tiny_llama
 HD = H // HEADS
 

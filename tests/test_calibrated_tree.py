@@ -5,6 +5,8 @@ import torch
 
 from draftsmith.common.trees import HeadRankStats, calibrated_tree, expected_accept_length
 
+pytestmark = pytest.mark.unit
+
 # Head 0: top-1 right 60%, top-2 20%; head 1: 50% / 10%. Path values: (0) .6, (0,0) .3, (1) .2, (1,0) .1,
 # (0,1) .06, (1,1) .02.
 TABLE = [[0.6, 0.2], [0.5, 0.1]]

@@ -8,6 +8,8 @@ from draftsmith.bench.prompts import load_prompts
 from draftsmith.common.chat import encode_chat, render_chat
 from draftsmith.distill.data import tokenize_conversation
 
+pytestmark = pytest.mark.unit
+
 
 def test_training_and_bench_produce_the_same_prompt_ids(tiny_tokenizer, tmp_path):
     user, reply = "please explain the code", "the answer is python ."

@@ -22,6 +22,8 @@ from draftsmith.distill.target import Target
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.medusa import MedusaObjective, default_tree
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--dtype", "fp32", "--max-new-tokens", "2"]
 

@@ -9,6 +9,8 @@ import pytest
 
 from draftsmith import cli
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("name", sorted(cli.COMMANDS))
 def test_every_command_has_a_handler(name):

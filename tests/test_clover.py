@@ -8,6 +8,8 @@ from head_family_utils import fit_steps, fixed_batch, recipe_cfg
 from draftsmith.distill.errors import ConfigError
 from draftsmith.heads.clover import CloverConfig, CloverHeads
 
+pytestmark = pytest.mark.unit
+
 tiny_target = head_family_utils.tiny_target  # the shared module-scoped fixture
 
 

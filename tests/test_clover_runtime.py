@@ -13,6 +13,8 @@ from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.clover import CloverProposer
 
+pytestmark = pytest.mark.unit
+
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
 
 

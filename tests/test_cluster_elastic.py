@@ -22,6 +22,8 @@ from draftsmith.distill.exporting import load_checkpoint
 from draftsmith.distill.trainer import train
 from draftsmith.recipes import get_recipe
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

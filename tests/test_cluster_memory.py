@@ -20,6 +20,8 @@ from draftsmith.distill.memory_model import (
 )
 from draftsmith.distill.target import Target
 
+pytestmark = pytest.mark.unit
+
 TTT = 3
 
 

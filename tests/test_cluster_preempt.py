@@ -27,6 +27,8 @@ from draftsmith.distill.cluster import keep_global_batch, rescale_loop_state, wr
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.exporting import load_checkpoint
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

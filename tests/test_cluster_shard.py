@@ -8,6 +8,7 @@ import os
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -17,6 +18,8 @@ from transformers import LlamaForCausalLM  # noqa: F401 - imported before fork: 
 
 from draftsmith.distill.target import FeatureTaps, Target
 from draftsmith.distill.target_shard import shard_with_fsdp
+
+pytestmark = pytest.mark.unit
 
 
 def _free_port() -> int:

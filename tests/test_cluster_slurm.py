@@ -19,8 +19,9 @@ import pytest
 from draftsmith.train import check_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
-                                reason="hydra-submitit-launcher not installed (dev extra)")
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
+                                 reason="hydra-submitit-launcher not installed (dev extra)")]
 
 
 def _executable(path: Path, body: str) -> None:

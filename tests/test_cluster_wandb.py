@@ -12,7 +12,8 @@ from draftsmith.cli.training import compose_config
 from draftsmith.distill.trainer import train
 from draftsmith.recipes import get_recipe
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb not installed (extra: wandb)")
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
+                                                   reason="wandb not installed (extra: wandb)")]
 
 
 def test_offline_wandb_run_has_name_config_and_export_config(tmp_path, tiny_target_dir, tiny_data_file, monkeypatch):

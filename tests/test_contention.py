@@ -6,8 +6,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from draftsmith.bench import contention
 from draftsmith.bench.report import _contention_text
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_busy_neighbour_is_reported_and_a_quiet_interval_is_not():

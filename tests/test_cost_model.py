@@ -16,6 +16,8 @@ from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import NullProposer
 from draftsmith.runtime.drafting.chain import ChainProposer
 
+pytestmark = pytest.mark.unit
+
 COSTS = MachineCosts(ar_step_ms=10.0, verify_ms={1: 10.0, 2: 10.5, 4: 11.5, 8: 14.0}, draft_ms_per_depth=1.0,
                      overhead_ms=0.5)
 

@@ -19,6 +19,8 @@ from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.chain import ChainProposer
 
+pytestmark = pytest.mark.unit
+
 
 def test_anchor_curve_keeps_the_shape_and_takes_the_loops_level():
     curve, scale = anchor_curve({1: 8.0, 2: 9.0, 16: 16.0}, ar_step_ms=6.0)

@@ -13,7 +13,7 @@ from draftsmith.kernels import cpu_layer
 from draftsmith.runtime.target.model import LeanDecoder
 
 RUNNABLE = runnable_isas()  # fixture `use_variant` in conftest.py
-pytestmark = pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))]
 
 
 @pytest.mark.parametrize("head_dim", [16, 48])  # V accumulators held 16 rows x 1 vector, 5 rows x 3 vectors

@@ -13,7 +13,7 @@ from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.target.model import LeanDecoder
 
 RUNNABLE = runnable_isas()  # the variants this CPU can run; fixtures `ext` / `use_variant` in conftest.py
-pytestmark = pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))]
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:

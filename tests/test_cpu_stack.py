@@ -16,7 +16,7 @@ from draftsmith.runtime.target.model import LeanDecoder
 from draftsmith.runtime.target.model_config import rope_tables
 
 RUNNABLE = runnable_isas()  # fixtures `ext` / `use_variant` in conftest.py
-pytestmark = pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))]
 
 
 # ---- norm_linear_topk ------------------------------------------------------------------------------------------------

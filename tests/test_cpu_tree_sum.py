@@ -15,7 +15,7 @@ from draftsmith.kernels import cpu_layer
 from draftsmith.runtime.target.model import LeanDecoder
 
 RUNNABLE = runnable_isas()  # fixture `use_variant` in conftest.py
-pytestmark = pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))]
 
 VOCAB = 203
 

@@ -22,6 +22,8 @@ from draftsmith.distill.data import (
 )
 from draftsmith.distill.datamodule import ChatDataModule, load_samples, save_samples
 
+pytestmark = pytest.mark.unit
+
 CONV = [
     {"role": "system", "content": "you are a hot python"},
     {"role": "user", "content": "hello world"},

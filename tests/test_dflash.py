@@ -18,6 +18,8 @@ from draftsmith.export.format import write_export
 from draftsmith.recipes import dflash as dflash_recipe
 from draftsmith.recipes.dflash_blocks import build_blocks, sample_anchors
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (1, 2, 3)  # the tiny target has 4 layers
 MASK = 1  # the tiny tokenizer's <pad>, never in the synthetic batches below (ids >= 5)

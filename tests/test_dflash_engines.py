@@ -34,6 +34,8 @@ from draftsmith.distill.target import Target
 from draftsmith.export.dflash import to_zlab
 from draftsmith.export.speculators import to_speculators
 
+pytestmark = pytest.mark.unit
+
 # ---- the real speculators library (its own venv, a subprocess) -----------------------------------------------------
 SPECULATORS_SCRIPT = r"""
 import sys, torch

@@ -47,6 +47,8 @@ from draftsmith.export.gguf import converter_input
 from draftsmith.export.speculators import to_speculators
 from draftsmith.recipes import dflash as dflash_recipe
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 TAPS = [1, 2, 3]  # hidden_states indices of the 4-layer tiny target
 

@@ -11,6 +11,8 @@ from draftsmith.distill.target import Target
 from draftsmith.recipes.diffusion_adapt import build, pad_with_eot, two_stream_mask
 from draftsmith.runtime.target.diffusion_lm import load_diffusion_lm
 
+pytestmark = pytest.mark.unit
+
 CFG = OmegaConf.create({"diffusion": {"block_length": 4, "eps": 1e-3, "eot_pad": 4, "random_offset": True}})
 
 

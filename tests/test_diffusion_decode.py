@@ -18,6 +18,8 @@ from draftsmith.runtime.decoding.diffusion import (
 )
 from draftsmith.runtime.target.diffusion_lm import DiffusionLM, DiffusionSpec
 
+pytestmark = pytest.mark.unit
+
 V, MASK, EOS = 12, 11, 2
 
 

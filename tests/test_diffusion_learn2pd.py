@@ -18,6 +18,8 @@ from draftsmith.export.format import write_export
 from draftsmith.runtime.decoding.diffusion import DiffusionDecodeConfig
 from draftsmith.runtime.target.diffusion_lm import DiffusionLM, DiffusionSpec
 
+pytestmark = pytest.mark.unit
+
 CFG = DiffusionDecodeConfig(gen_length=16, steps_per_block=8)
 
 

@@ -14,6 +14,8 @@ from draftsmith.runtime.target.diffusion_lm import (
     spec_of,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_future_token_changes_earlier_position_inside_block_only(attn):

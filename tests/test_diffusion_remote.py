@@ -13,6 +13,8 @@ import torch
 from draftsmith.runtime.decoding.diffusion import DiffusionDecodeConfig, diffusion_decode
 from draftsmith.runtime.target.diffusion_lm import DiffusionTargetError, load_diffusion_lm
 
+pytestmark = pytest.mark.unit
+
 CONFIG_CODE = '''
 from transformers import PretrainedConfig
 

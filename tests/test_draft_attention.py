@@ -10,6 +10,8 @@ import torch
 
 from draftsmith.common.layers import DraftAttention, KVCache, build_attention_mask, rope_cos_sin
 
+pytestmark = pytest.mark.unit
+
 
 def _attention(kv_heads: int) -> DraftAttention:
     config = SimpleNamespace(hidden_size=48, num_attention_heads=6, num_key_value_heads=kv_heads, head_dim=8,

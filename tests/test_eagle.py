@@ -20,6 +20,8 @@ from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, KVCache
 from draftsmith.export.format import ExportError, read_export
 from draftsmith.recipes import eagle as eagle_recipe
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 

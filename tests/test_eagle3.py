@@ -27,6 +27,8 @@ from draftsmith.drafters.vocab import (
 from draftsmith.export.format import read_export
 from draftsmith.recipes import eagle3 as eagle3_recipe
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (1, 2, 3)  # the tiny target has 4 layers: the default (2, L//2, L-3) needs L >= 7
 

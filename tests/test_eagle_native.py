@@ -23,6 +23,8 @@ from draftsmith.runtime.drafting.eagle_models import Eagle1DraftModel, Eagle3Dra
 from draftsmith.runtime.drafting.eagle_ops import norm_linear_topk_reference, torch_topk
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
+pytestmark = pytest.mark.unit
+
 WHY = cpu_layer.why_unavailable()
 EXT = None if WHY else cpu_layer.load_cpu_layer()
 needs_cpp = pytest.mark.skipif(EXT is None, reason=str(WHY))

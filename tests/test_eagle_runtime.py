@@ -27,6 +27,8 @@ from draftsmith.runtime.target.hf import HFModelAdapter
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 from draftsmith.runtime.target.output import TargetOutput
 
+pytestmark = pytest.mark.unit
+
 PROMPTS = [[5, 9, 13, 40], [7, 60, 61], [30, 31, 32, 33, 34, 35, 100, 101, 8]]
 NEW = 48
 LAYERS = (1, 2, 3)  # EAGLE-3 taps of the 4-layer tiny target

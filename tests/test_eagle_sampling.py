@@ -17,6 +17,8 @@ from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier, t
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, Eagle3DraftModel, EagleProposer
 
+pytestmark = pytest.mark.unit
+
 ALPHA = 1e-4  # strict: the exact sampler must not be flagged by chance (seeds are fixed anyway)
 SMALL_V = 8
 SMALL_PROMPT = [1, 2, 3]

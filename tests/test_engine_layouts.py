@@ -46,6 +46,8 @@ from draftsmith.export.speculators import to_speculators
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.medusa import MedusaObjective, default_tree
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture()
 def target(tiny_tokenizer) -> Target:

@@ -22,6 +22,8 @@ from draftsmith.cli import main
 from draftsmith.distill.exporting import export_from_module
 from draftsmith.distill.target import Target
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUEST = ep.ParityRequest("EXPORT", "mtbench", 2, 32, 4, 2)
 BUILT = {"eagle3": (ep.EngineRoute("llamacpp", "gguf", lambda: None),)}

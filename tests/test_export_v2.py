@@ -16,6 +16,8 @@ from draftsmith.export.format import (
     write_export,
 )
 
+pytestmark = pytest.mark.unit
+
 TARGET = {"name_or_path": "t", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 2, "fingerprint": "sha256:ab"}
 
 

@@ -21,6 +21,8 @@ from draftsmith.heads.clover import CloverHeads
 from draftsmith.heads.hydra import HydraHeads
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 
+pytestmark = pytest.mark.unit
+
 EXPORTED = (MedusaHeads, HydraHeads, CloverHeads, EagleDrafter, Eagle3Drafter, KangarooDrafter, Learn2PDFilter,
             AdaptiveTemperatureHead, AcceptanceHead)
 TARGET = {"name_or_path": "tiny", "vocab_size": 32, "hidden_size": 8, "num_hidden_layers": 2}

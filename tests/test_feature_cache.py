@@ -19,6 +19,8 @@ from draftsmith.distill.trainer import train
 from draftsmith.export.format import read_export
 from draftsmith.recipes import get_recipe
 
+pytestmark = pytest.mark.unit
+
 SHARD_BYTES = 60_000  # a few shards for 64 tiny conversations (fp32: 4 x 64 x 4 + 6 = 1030 bytes/token)
 
 

@@ -29,6 +29,8 @@ from draftsmith.export.format import ExportError
 from draftsmith.export.gguf import converter_input, refusal_line, run_converter
 from draftsmith.recipes import eagle3 as eagle3_recipe
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -27,7 +27,8 @@ from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, EagleProposer
 from draftsmith.runtime.drafting.medusa import MedusaProposer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.e2e, pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.device("cuda")

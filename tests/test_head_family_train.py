@@ -9,6 +9,8 @@ from hydra import compose, initialize_config_dir
 
 from draftsmith.export.format import read_export_parts
 
+pytestmark = pytest.mark.e2e
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 RECIPES = {
     "hydra": ["heads.num_heads=2"],

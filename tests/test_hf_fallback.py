@@ -16,6 +16,8 @@ from draftsmith.runtime.target.hf import HFModelAdapter, probe_trees
 from draftsmith.runtime.target.loading import choose_decoder
 from draftsmith.runtime.target.model_config import UnsupportedArchitecture
 
+pytestmark = pytest.mark.unit
+
 VOCAB, WINDOW = 96, 6
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)

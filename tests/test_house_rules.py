@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODULE_LINES = 350
 MAX_FUNCTION_LINES = 60

@@ -11,6 +11,8 @@ from draftsmith.runtime.acceptance.choice import (
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth
 from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, RejectionSamplingVerifier, TypicalVerifier
 
+pytestmark = pytest.mark.unit
+
 TYPICAL_EXPORT = {"inference": {"verifier": "typical", "typical": {"posterior_threshold": 0.2, "posterior_alpha": 0.5},
                                 "stop_policy": {"kind": "confidence", "threshold": 0.4, "max_depth": 5},
                                 "tree": [[0], [0, 0]], "top_k": 10}}  # fmt: skip

@@ -20,6 +20,8 @@ import torch
 from draftsmith.kernels import KernelBackendError, compact_kv, greedy_verify, tree_attention
 from draftsmith.kernels.attention import tree_attention_torch
 
+pytestmark = pytest.mark.unit
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 

@@ -6,6 +6,8 @@ from test_runtime_model import tiny_model
 
 from draftsmith.runtime.target.model import LeanDecoder
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture()
 def model(tmp_path):

@@ -21,6 +21,8 @@ from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.kernels.linear_cross_entropy import linear_cross_entropy
 from draftsmith.recipes.medusa import MedusaObjective, default_tree
 
+pytestmark = pytest.mark.unit
+
 N, H, V = 37, 16, 50
 
 

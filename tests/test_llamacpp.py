@@ -12,6 +12,8 @@ import pytest
 from draftsmith.bench import llamacpp
 from draftsmith.bench.report import _peer_rows
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # stderr of a real `llama-completion --verbose-prompt` run (llama-cpp-python 0.3.36's llama.cpp, SmolLM2-135M Q4_1,

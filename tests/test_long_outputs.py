@@ -20,6 +20,8 @@ from draftsmith.common.chat import encode_chat
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.serving import load_runtime
 
+pytestmark = pytest.mark.unit
+
 
 def png_width(path) -> int:
     """Pixel width from a PNG's IHDR chunk (bytes 16-20, big-endian)."""

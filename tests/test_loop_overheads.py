@@ -21,6 +21,8 @@ from draftsmith.runtime.drafting.eagle import EagleProposer
 from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.output import TargetOutput
 
+pytestmark = pytest.mark.unit
+
 
 def torch_rerank(total: int, root: int, tokens: list, scores: list, local: list, parents: list) -> DraftTree:
     """The rerank as it was written in torch ops (stable sort of -score, finite ones kept): the oracle."""

@@ -19,6 +19,8 @@ from draftsmith.controllers.adaptive_temperature import (
 from draftsmith.export.format import write_export
 from draftsmith.recipes.adaptive_temperature import AdaptiveTemperatureObjective
 
+pytestmark = pytest.mark.unit
+
 H = 16
 
 

@@ -14,6 +14,8 @@ from draftsmith.distill.lpo_loss import (
     tempered_token_log_probs,
 )
 
+pytestmark = pytest.mark.unit
+
 GRID = (0.5, 1.0)
 
 

@@ -19,6 +19,8 @@ from draftsmith.datagen.rollouts import RolloutError, sample_group, settings, wr
 from draftsmith.distill.errors import DataError
 from draftsmith.distill.preference_data import collate_pairs, read_pairs
 
+pytestmark = pytest.mark.unit
+
 REWARD = "test_lpo_rollouts:length_reward"
 TEXTS = ["hello world", "what is the answer", "please explain why", "write some code", "how do you call them"]
 

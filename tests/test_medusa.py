@@ -17,6 +17,8 @@ from draftsmith.export.medusa_layout import to_medusa_layout
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.medusa import MedusaObjective, default_tree
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture()
 def target(tiny_tokenizer) -> Target:

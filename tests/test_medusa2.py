@@ -11,6 +11,8 @@ from draftsmith.distill.lora import LoraSpec
 from draftsmith.distill.target import Target
 from draftsmith.export.format import TargetMismatchError, check_target, read_export_parts
 
+pytestmark = pytest.mark.unit
+
 pytest.importorskip("peft")
 
 

@@ -15,6 +15,8 @@ from draftsmith.runtime.drafting.base import build_proposer
 from draftsmith.runtime.serving import load_runtime
 from draftsmith.runtime.target.loading import load_decoder
 
+pytestmark = pytest.mark.unit
+
 pytest.importorskip("peft")
 
 

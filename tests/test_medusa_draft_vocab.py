@@ -27,6 +27,8 @@ from draftsmith.recipes.medusa import MedusaObjective, default_tree, medusa_head
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import build_proposer
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

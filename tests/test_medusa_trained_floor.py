@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from pattern_target import train_pattern_target, write_heldout_prompts
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.unit
+
 FLOOR = 2.5  # tau in our runtime, 3 heads (at most 4.0); measured here: trained 4.0, random weights 1.10
 TINY = ["target.dtype=fp32", "data.limit=null", "data.max_length=48", "data.batch_size=4", "data.val_fraction=0.1",
         "run.final_eval_batches=1", "run.checkpoint_every=1000", "optim.warmup_steps=0",

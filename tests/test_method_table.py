@@ -27,6 +27,8 @@ from draftsmith.common.methods import (
 from draftsmith.recipes import RECIPES, get_recipe
 from draftsmith.runtime.drafting.base import registered_methods
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 tiny_target = head_family_utils.tiny_target  # the shared module-scoped fixture
 

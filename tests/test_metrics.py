@@ -4,6 +4,8 @@ import pytest
 
 from draftsmith.runtime.decoding import metrics
 
+pytestmark = pytest.mark.unit
+
 
 def test_tau_counts_the_bonus_token():
     assert metrics.tau([0, 0, 0]) == 1.0 and metrics.tau([2, 0, 1]) == 2.0 and metrics.tau([]) == 0.0

@@ -18,6 +18,8 @@ from draftsmith.runtime.target.loading import load_decoder
 from draftsmith.runtime.target.model import LeanDecoder, UnsupportedArchitecture
 from draftsmith.runtime.target.model_config import ModelConfig, lean_support
 
+pytestmark = pytest.mark.unit
+
 VOCAB, WINDOW = 96, 6
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}  # fmt: skip

@@ -11,6 +11,8 @@ from draftsmith.distill.module import DistillModule
 from draftsmith.distill.objective import Objective, batch_kind, frozen_models, optimizer_groups
 from draftsmith.distill.target import FeatureTaps
 
+pytestmark = pytest.mark.unit
+
 
 class TwoPartObjective(Objective):
     """Heads and an 'adapter' trained at different learning rates, a frozen reference model, own features."""

@@ -15,6 +15,8 @@ from draftsmith.distill.conversations import load_conversations
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.target.loading import load_decoder
 
+pytestmark = pytest.mark.unit
+
 SMALL = dict(max_new_tokens=6, dtype="fp32")
 
 

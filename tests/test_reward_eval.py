@@ -12,6 +12,8 @@ from draftsmith.controllers.adaptive_temperature import AdaptiveTemperatureConfi
 from draftsmith.evals import reward_eval
 from draftsmith.evals.reward_eval import bootstrap_ci, evaluate, reward_table, summarize
 
+pytestmark = pytest.mark.unit
+
 GRID = [0.0, 1.0]
 TEXTS = ["hello world", "what is the answer", "please explain why", "write some code"]
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_BOUNDARIES = 12  # room boundaries one walk should cross (consecutive first-entered files in different rooms)
 # The walks still cross more than the target (27 and 30 when measured, from 45 and 42 before the rooms were made

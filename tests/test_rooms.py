@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = ("pytorch_lightning", "lightning", "hydra", "omegaconf")
 

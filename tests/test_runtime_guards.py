@@ -28,6 +28,8 @@ from draftsmith.runtime.drafting.chain import SampledTreeProposer
 from draftsmith.runtime.drafting.eagle import Eagle3DraftModel, EagleProposer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [1, 2, 3]
 

@@ -17,6 +17,8 @@ from draftsmith.runtime.target.loading import load_decoder
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig, UnsupportedArchitecture
 from draftsmith.runtime.target.weights import WeightsError
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 128
 LLAMA3_ROPE = {
     "rope_type": "llama3",

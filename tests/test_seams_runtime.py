@@ -13,6 +13,8 @@ from draftsmith.runtime.drafting.base import NullProposer, StepContext
 from draftsmith.runtime.drafting.chain import ChainProposer, SampledTreeProposer
 from draftsmith.runtime.target.output import TargetOutput
 
+pytestmark = pytest.mark.unit
+
 
 def test_one_forward_result_carries_logits_hidden_and_requested_taps():
     _, lean = tiny_llama(0, layers=3)

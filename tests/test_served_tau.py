@@ -16,6 +16,8 @@ import pytest
 import torch
 from pattern_target import train_pattern_target, write_heldout_prompts
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["target.dtype=fp32", "data.limit=null", "data.max_length=48", "data.batch_size=4", "data.val_fraction=0.1",
         "run.final_eval_batches=1", "heads.draft_vocab_size=null", "validation.served_tau.dtype=fp32"]

@@ -22,6 +22,8 @@ from draftsmith.runtime.acceptance.shapes import RecordedStep, Shape, ShapeError
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
 from draftsmith.runtime.drafting.medusa import MedusaProposer
 
+pytestmark = pytest.mark.unit
+
 CPU_CURVE = {1: 5.6, 2: 5.6, 4: 6.4, 8: 9.3, 16: 15.0}  # the forward ms of 1/2/4/8/16 new tokens
 
 

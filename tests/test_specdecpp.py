@@ -33,6 +33,8 @@ from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import build_proposer
 from draftsmith.runtime.drafting.specdecpp import LearnedStopProposer
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 9, 13, 40], [7, 60, 61]]
 NEW = 24

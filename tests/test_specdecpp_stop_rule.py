@@ -15,6 +15,8 @@ from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, EagleProposer
 from draftsmith.runtime.drafting.specdecpp import LearnedStopProposer
 
+pytestmark = pytest.mark.unit
+
 
 class ScriptedHead(torch.nn.Module):
     """Returns the rejection logit of a scripted P(reject) per call, recording the states it reads."""

@@ -23,6 +23,8 @@ from draftsmith.runtime.drafting.chain import ChainProposer, DecoderDrafter, Sam
 from draftsmith.runtime.drafting.medusa import MedusaProposer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 96
 PROMPTS = [[1, 5, 9], [7], [3, 3, 3, 3, 40, 41, 42, 17, 88, 2, 60]]
 NEW = 48

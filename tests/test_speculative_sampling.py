@@ -17,6 +17,8 @@ from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.chain import SampledTreeProposer
 from draftsmith.runtime.drafting.medusa import MedusaProposer
 
+pytestmark = pytest.mark.unit
+
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson chi-square p-value of ``counts`` against ``probs`` (cells with expected < 5 pooled into one)."""

@@ -26,6 +26,8 @@ from draftsmith.export.speculators import to_speculators
 from draftsmith.recipes import eagle as eagle_recipe
 from draftsmith.recipes import eagle3 as eagle3_recipe
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_VENV = ROOT / ".cache" / "venv-speculators"  # made by `make speculators-venv` (part of `make test`)
 SPECULATORS_PYTHON = Path(os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON", SPEC_VENV / "bin" / "python"))

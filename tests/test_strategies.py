@@ -28,6 +28,8 @@ from draftsmith.distill.strategies import (
 from draftsmith.distill.target_shard import check_target_shard
 from draftsmith.distill.trainer import build_trainer
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ["cpu", "gpu", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"]
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,

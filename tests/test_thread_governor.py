@@ -6,6 +6,8 @@ import pytest
 
 from draftsmith.runtime.decoding.threads import ThreadGovernor
 
+pytestmark = pytest.mark.unit
+
 
 class FakeMachine:
     """A 2-core machine whose other processes use ``others`` cores' worth of CPU while we use ``ours``."""

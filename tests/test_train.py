@@ -10,11 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from draftsmith.distill.exporting import export_from_checkpoint, load_checkpoint
 from draftsmith.export.format import read_export
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 

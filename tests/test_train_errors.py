@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from test_training_guards import run_train
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

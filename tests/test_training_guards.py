@@ -22,6 +22,8 @@ from draftsmith.cli.training import compose_config
 from draftsmith.distill.target import FeatureTaps, Target
 from draftsmith.kernels import cpu_caps
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 AVX2 = cpu_caps.CpuCaps("x86_64", frozenset({"avx", "avx2", "fma", "f16c"}), "AMD EPYC (test)", "injected")
 AVX512_BF16 = cpu_caps.CpuCaps("x86_64", frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq",

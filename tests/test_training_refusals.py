@@ -21,6 +21,8 @@ from draftsmith.cli.training import compose_config
 from draftsmith.distill.errors import ConfigError, DataError, DataFileNotFoundError, TrainingInterrupted
 from draftsmith.distill.target import Target
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -17,6 +17,8 @@ from draftsmith.cli.training import compose_config
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.target import FeatureTaps, Target
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -23,6 +23,8 @@ from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.medusa import MedusaProposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 
+pytestmark = pytest.mark.unit
+
 PATHS = [[1], [0], [0, 0], [0, 1], [1, 0], [0, 0, 0]]  # deliberately unsorted
 
 

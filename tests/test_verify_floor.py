@@ -24,6 +24,8 @@ from draftsmith.runtime.drafting.tree import DraftTree, tree_template
 from draftsmith.runtime.target.cache import CacheFullError, TokenBuffer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
+pytestmark = pytest.mark.unit
+
 RUNNABLE = [isa for isa in cpu_layer.ISAS if cpu_layer.why_unavailable(isa) is None]
 needs_cpp = pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))
 
