@@ -1,6 +1,12 @@
 """Checkpoints that fit a cluster's disk quota: the newest ``run.keep_checkpoints`` step files, ``last.ckpt`` a link
 to the newest, the size of each in the log, every write atomic.
 
+A full disk (or quota) during a save is a clean stop: the save's own temporary file is removed, ``last.ckpt`` keeps
+naming the last complete checkpoint, and :class:`CheckpointDiskFull` says in one line which file, how much space it
+needs and how much is free; a re-run after space is freed resumes from ``last.ckpt``. Temporaries an earlier process
+left (``.step40.ckpt.tmp-<pid>``, killed or stopped by a full disk) are removed when the next run starts, with a
+warning.
+
 ``last.ckpt`` is a relative symlink replaced atomically (a new link renamed over the old one). Where the file system
 refuses symlinks, a small pointer file ``checkpoints/last`` holds the newest checkpoint's file name instead of a
 second full copy; :func:`find_resume_checkpoint` reads either.
@@ -8,6 +14,7 @@ second full copy; :func:`find_resume_checkpoint` reads either.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -18,6 +25,9 @@ from pathlib import Path
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 
+from draftsmith.common.atomic_folder import disk_full_message, human_bytes, is_disk_full, remove_stale_temporaries
+from draftsmith.distill.errors import DraftsmithError
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
@@ -26,13 +36,32 @@ LAST_POINTER = "last"  # text file naming the newest checkpoint, where symlinks 
 _STEP_FILE = re.compile(r"step(\d+)\.ckpt$")
 
 
-def human_bytes(n: float) -> str:
-    """``1234567`` -> ``1.2 MB`` (decimal units, as ``df -H`` and quota tools print)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
+class CheckpointDiskFull(DraftsmithError, OSError):
+    """The disk filled while a checkpoint was written: its temporary was removed, ``last.ckpt`` still names the last
+    complete checkpoint (a re-run resumes there)."""
+
+    def __str__(self) -> str:  # the one line alone, without OSError's "[Errno 28]" prefix
+        return str(self.strerror)
+
+
+def temporary_of(path: str | Path, pid: int | None = None) -> Path:
+    """The temporary a checkpoint save writes before its rename (``AtomicCheckpointIO``): ``.<name>.tmp-<pid>``."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid() if pid is None else pid}")
+
+
+def disk_full_stop(filepath: str | Path, err: BaseException) -> CheckpointDiskFull:
+    """The one-line stop for a checkpoint save that filled the disk: the file, the space it needs (about the size of
+    the newest complete checkpoint beside it, else more than it had written), the space free, where a re-run resumes."""
+    filepath = Path(filepath)
+    tmp = temporary_of(filepath)
+    written = tmp.stat().st_size if tmp.exists() else 0
+    done = [p for p in filepath.parent.glob("step*.ckpt") if p.name != filepath.name]
+    previous = max(done, key=step_of) if done else None
+    kept = (f"last.ckpt still names {previous.name}, where a re-run resumes" if previous is not None
+            else "no checkpoint of this run was complete yet")
+    needed = checkpoint_bytes(previous) if previous is not None else None
+    return CheckpointDiskFull(errno.ENOSPC, disk_full_message(filepath, needed, written, kept))
 
 
 def checkpoint_bytes(path: str | Path) -> int:
@@ -123,9 +152,21 @@ class QuotaCheckpoint(ModelCheckpoint):
                          monitor="step", mode="max", enable_version_counter=False)
         self.link_kind = ""
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if trainer.is_global_zero and Path(self.dirpath).is_dir():  # what an earlier attempt's failed save left
+            remove_stale_temporaries(Path(self.dirpath))
+
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         start = time.perf_counter()
-        super()._save_checkpoint(trainer, filepath)
+        try:
+            super()._save_checkpoint(trainer, filepath)
+        except BaseException as err:
+            stop = disk_full_stop(filepath, err) if is_disk_full(err) else None
+            temporary_of(filepath).unlink(missing_ok=True)  # a partial checkpoint is never resumed: never keep it
+            if stop is not None:
+                raise stop from err
+            raise
         if trainer.is_global_zero:
             log.info("checkpoint %s: %s in %.1fs (keeping the newest %d)", Path(filepath).name,
                      human_bytes(checkpoint_bytes(filepath)), time.perf_counter() - start, self.save_top_k)

@@ -40,6 +40,7 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith.common.dtypes import dtype_from_name
+from draftsmith.export.converters import ConvertRequest, ExportFormat, register_format
 from draftsmith.export.format import ExportError, atomic_folder_write, read_export
 from draftsmith.export.speculators import SPECULATORS_SCHEMA_VERSION, verifier_architectures
 
@@ -216,7 +217,8 @@ def to_zlab(export_dir: str | Path, out_dir: str | Path, source: str | Path | No
             dtype: str | None = None) -> Path:
     """Write the z-lab layout (``config.json`` + ``model.safetensors``) of a DFlash export into ``out_dir``,
     atomically; load it with z-lab's ``DFlashDraftModel.from_pretrained(out_dir)``."""
-    out = atomic_folder_write(out_dir, lambda tmp: write_zlab(export_dir, tmp, source, dtype))
+    out = atomic_folder_write(out_dir, lambda tmp: write_zlab(export_dir, tmp, source, dtype),
+                              sources=(export_dir, source))
     log.info("wrote z-lab DFlash folder %s", out)
     return out
 
@@ -236,6 +238,14 @@ def to_speculators_dflash(export_dir: str | Path, out_dir: str | Path, verifier_
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
 
-    out = atomic_folder_write(out_dir, fill)
+    out = atomic_folder_write(out_dir, fill, sources=(export_dir, source))
     log.info("wrote speculators dflash folder %s (verifier %s)", out, verifier_name_or_path)
     return out
+
+
+def _convert_request(request: ConvertRequest) -> Path:
+    return to_zlab(request.export_dir, request.out, source=request.source)
+
+
+register_format(ExportFormat("dflash-zlab", ("dflash",), _convert_request,
+                             help="z-lab's DFlashDraftModel layout"))

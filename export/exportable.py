@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from draftsmith.export.format import ExportError, read_export
+from draftsmith.export.format import ExportError, read_export, verify_identity
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -60,12 +60,17 @@ class Exportable:
 
         ``shared_weights`` are the target tensors (or layers, or target facts to check) the constructor takes and the
         export does not store. Raises ExportError when the folder holds another method, an architecture this
-        ``config_class`` does not know, or weights with missing or unexpected keys.
+        ``config_class`` does not know, an identity that no longer matches (``verify_identity``: method, architecture
+        and weight shapes checked as one), or weights with missing or unexpected keys.
         """
-        config, state = read_export(export_dir)
+        config, state = read_export(export_dir, verify=False)
         export = ExportContents(Path(export_dir), config, state)
         cls._check_method(export)
-        module = cls._build(cls._architecture_of(export), export, **shared_weights)
+        architecture = cls._architecture_of(export)
+        # After the two checks above, whose messages name the module class: what they let through (a method edited to
+        # another whose layout fits) the identity recorded at export refuses.
+        verify_identity(export_dir, config)
+        module = cls._build(architecture, export, **shared_weights)
         load_exported_state(module, export, cls.unexported_keys)
         return module.eval(), export.config
 

@@ -11,11 +11,10 @@ Format v2 (v1 exports keep loading):
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
-import os
-import shutil
-import tempfile
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import draftsmith
+from draftsmith.common.atomic_folder import DiskFullError, OutputKind, OutputRefused, write_folder
+from draftsmith.common.diffusion_format import DIFFUSION_KEY
+from draftsmith.export.identity import export_digest
 
 FORMAT_NAME = "draftsmith"
 FORMAT_VERSION = 2
@@ -43,31 +45,54 @@ class TargetMismatchError(ExportError):
     """An export is being used with a target other than the one it was trained for."""
 
 
-def atomic_folder_write(out_dir: str | Path, fill: Any) -> Path:
-    """Create ``out_dir`` atomically: ``fill(tmp_dir)`` writes into a sibling temp folder that is renamed into place.
-
-    An interrupted write leaves the previous ``out_dir`` (if any) untouched and no half-written folder under
-    its name.
-    """
-    out = Path(out_dir).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+def is_export_output(folder: Path) -> bool:
+    """True for a folder draftsmith's exporters write: a draftsmith export, a converted engine layout (its config.json
+    carries a ``draftsmith`` block), a GGUF folder (``gguf.json``) or a block-diffusion model folder."""
+    if (folder / "gguf.json").is_file():
+        return True
     try:
-        fill(tmp)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and (config.get("format") == FORMAT_NAME or isinstance(config.get("draftsmith"),
+                                                                                          dict)
+                                         or DIFFUSION_KEY in config)
+
+
+# Every file an exporter writes (draftsmith exports, engine layouts, GGUF folders, HF model folders with tokenizer).
+EXPORT_OUTPUT = OutputKind("export", is_export_output, (
+    CONFIG_FILE, "*.safetensors", "*.safetensors.index.json", "gguf.json", "*.gguf", "lora/*", "generation_config.json",
+    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt"))
+
+
+class ExportDiskFullError(DiskFullError, ExportError):
+    """The disk filled while an export folder was written: nothing replaced, the temporary folder removed."""
+
+
+class ExportRefusedError(OutputRefused, ExportError):
+    """``--out`` holds something draftsmith did not write, or the export being converted: nothing written."""
+
+
+def atomic_folder_write(out_dir: str | Path, fill: Any, sources: tuple[Any, ...] = (),
+                        size_hint: int | None = None) -> Path:
+    """Create or replace the export folder ``out_dir`` atomically (:func:`draftsmith.common.atomic_folder.write_folder`
+    with the ``export`` kind): ``fill(tmp_dir)`` writes a sibling temporary folder renamed into place when complete.
+
+    Refused in one line (:class:`ExportRefusedError`): an ``out_dir`` that is not an export (the user's folder), an
+    export holding files exporters never write, or one of ``sources`` (the export being converted). A full disk is
+    :class:`ExportDiskFullError` (``size_hint``: bytes the folder needs). Either way the previous ``out_dir`` stays.
+    """
+    try:
+        return write_folder(out_dir, fill, EXPORT_OUTPUT, sources=sources, size_hint=size_hint)
+    except DiskFullError as err:
+        raise ExportDiskFullError(errno.ENOSPC, str(err)) from err.__cause__
+    except OutputRefused as err:
+        raise ExportRefusedError(str(err)) from None
+
+
+def tensor_bytes(parts: dict[str, dict[str, torch.Tensor]] | dict[str, torch.Tensor]) -> int:
+    """Bytes of the tensors in a state dict, or in a dict of state dicts (a folder's size before it is written)."""
+    return sum(tensor_bytes(v) if isinstance(v, dict) else v.numel() * v.element_size() for v in parts.values())
 
 
 def _part_file(name: str) -> str:
@@ -86,8 +111,11 @@ def write_export(out_dir: str | Path, state_dict: dict[str, torch.Tensor], confi
     if bad:
         raise ValueError(f"weight part names must be lower-case letters, digits and '_': {bad}")
     tensors = {n: {k: v.detach().to("cpu").contiguous() for k, v in sd.items()} for n, sd in all_parts.items()}
+    shapes = {n: {k: list(v.shape) for k, v in t.items()} for n, t in tensors.items()}
     full = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "draftsmith_version": draftsmith.__version__,
-            **config, "parts": {n: {"file": _part_file(n), "tensors": len(t)} for n, t in tensors.items()}}
+            **config, "parts": {n: {"file": _part_file(n), "tensors": len(t)} for n, t in tensors.items()},
+            "identity": {"method": str(config["method"]),
+                         "digest": export_digest(config["method"], config["architecture"], shapes)}}
 
     def fill(tmp: Path) -> None:
         for name, part in tensors.items():
@@ -95,7 +123,7 @@ def write_export(out_dir: str | Path, state_dict: dict[str, torch.Tensor], confi
                                                                    "part": name})
         (tmp / CONFIG_FILE).write_text(json.dumps(full, indent=2, sort_keys=False) + "\n")
 
-    return atomic_folder_write(out_dir, fill)
+    return atomic_folder_write(out_dir, fill, size_hint=tensor_bytes(tensors))
 
 
 def read_config(export_dir: str | Path) -> dict[str, Any]:
@@ -124,7 +152,41 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
     for key in ("method", "architecture", "target"):
         if key not in config:
             raise ExportError(f"{cfg_path} lacks the {key!r} field; re-export the drafter")
+    if isinstance(config["architecture"], dict):
+        config["architecture"] = ArchitectureFields(config["architecture"], path, config)
     return config
+
+
+class MissingArchitectureKey(ExportError, KeyError):
+    """An architecture key the method needs is not in the export (an edited ``method``, another draftsmith's export).
+    A KeyError too, so ``except KeyError`` keeps working; its text is the one line, not the bare key."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ArchitectureFields(dict):
+    """An export's ``architecture`` block: a dict whose missing key is one line naming the export, the key and the
+    fix (:class:`MissingArchitectureKey`), instead of ``KeyError: 'exit_layer'`` from whichever reader asked."""
+
+    def __init__(self, fields: dict[str, Any], export_dir: Path | None = None, config: dict | None = None) -> None:
+        super().__init__(fields)
+        self.export_dir = export_dir
+        self.method = (config or {}).get("method")
+        self.written_as = ((config or {}).get("identity") or {}).get("method")
+
+    def __missing__(self, key: str) -> Any:
+        if self.written_as and self.written_as != self.method:
+            why = (f"it was written as a {self.written_as!r} export and config.json's 'method' now says "
+                   f"{self.method!r}: restore \"method\": \"{self.written_as}\"")
+        else:
+            why = ("if config.json's 'method' was edited, restore the method the export was written with; else "
+                   "re-export the drafter with this draftsmith")
+        raise MissingArchitectureKey(f"{self.export_dir}: a {self.method!r} export needs the architecture key "
+                                     f"{key!r}, which its config.json lacks; {why}")
+
+    def __reduce__(self) -> tuple:  # copies and pickles are plain dicts: the export path stays out of them
+        return dict, (dict(self),)
 
 
 def _load_part(path: Path) -> dict[str, torch.Tensor]:
@@ -136,17 +198,62 @@ def _load_part(path: Path) -> dict[str, torch.Tensor]:
         raise ExportError(f"{path} is corrupt or truncated ({err}); re-export the drafter") from err
 
 
-def read_export(export_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Return ``(config, state_dict)`` of an export folder's main part, with actionable errors for broken folders."""
+def read_export(export_dir: str | Path, verify: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Return ``(config, state_dict)`` of an export folder's main part, with actionable errors for broken folders;
+    ``verify``: check the recorded identity first (:func:`verify_identity`)."""
     config = read_config(export_dir)
+    if verify:
+        verify_identity(export_dir, config)
     return config, _load_part(Path(export_dir) / WEIGHTS_FILE)
 
 
 def read_export_parts(export_dir: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-    """``(config, {part name: state_dict})``; a v1 export has the one part ``model``."""
+    """``(config, {part name: state_dict})``, identity checked; a v1 export has the one part ``model``."""
     config = read_config(export_dir)
+    verify_identity(export_dir, config)
     names = list((config.get("parts") or {MAIN_PART: {}}).keys())
     return config, {n: _load_part(Path(export_dir) / _part_file(n)) for n in names}
+
+
+class ExportIdentityError(ExportError):
+    """An export's method, architecture and weight names/shapes no longer make the unit recorded at export."""
+
+
+def _header_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from a safetensors file's header alone (8-byte length + JSON; no tensor is read)."""
+    if not path.is_file():
+        raise ExportError(f"{path} is missing; re-export the drafter")
+    try:
+        with open(path, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            if length > 1 << 28:  # no header of ours comes near 256 MB: the length field is garbage
+                raise ValueError(f"header length {length}")
+            header = json.loads(fh.read(length))
+        return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
+        raise ExportError(f"{path} is corrupt or truncated ({err}); re-export the drafter") from err
+
+
+def verify_identity(export_dir: str | Path, config: dict[str, Any]) -> None:
+    """Refuse (:class:`ExportIdentityError`, one line) an export whose method, architecture keys and weight names and
+    shapes no longer hash to the ``identity.digest`` recorded when it was written (:func:`export_digest`): e.g.
+    ``method`` edited to another method with the same weights layout. Exports written before the field existed are not
+    checked."""
+    recorded = config.get("identity") or {}
+    if not recorded.get("digest"):
+        return
+    shapes = {n: _header_shapes(Path(export_dir) / _part_file(n)) for n in (config.get("parts") or {MAIN_PART: {}})}
+    if export_digest(config["method"], dict(config["architecture"]), shapes) == recorded["digest"]:
+        return
+    written_as = recorded.get("method")
+    if written_as and written_as != config["method"]:
+        raise ExportIdentityError(
+            f"{export_dir} was written as a {written_as!r} export, but its config.json now says method "
+            f"{config['method']!r} (method, architecture and weights are checked as one): restore "
+            f"\"method\": \"{written_as}\" in config.json, or re-export the drafter")
+    raise ExportIdentityError(
+        f"{export_dir}: its architecture keys or weight names and shapes changed after export (they no longer match "
+        "the identity recorded at export): restore the original config.json and weights, or re-export the drafter")
 
 
 def export_fingerprint(export_dir: str | Path) -> str:

@@ -1,9 +1,14 @@
 """Convert a draftsmith EAGLE-3 or DFlash export into llama.cpp GGUF files: the target (BF16, optionally quantised)
 and the drafter, through llama.cpp's own ``convert_hf_to_gguf.py`` (never a re-implementation of its writer).
 
-Serve with ``llama-server -m OUT/target-bf16.gguf -md OUT/draft.gguf --spec-type draft-eagle3`` (``draft-dflash``
-for DFlash; ``gguf.json``'s ``serve`` has the command; or ``llama-speculative-simple`` with the same flags:
-``draftsmith engine-check`` runs that and checks it).
+Run with the tool ``make llamacpp`` builds: ``bin/llama-speculative-simple -m OUT/target-bf16.gguf -md
+OUT/draft.gguf --spec-type draft-eagle3 -p PROMPT`` (``draft-dflash`` for DFlash; ``gguf.json``'s ``run`` has the
+command; ``draftsmith engine-check`` runs it and checks it). ``make llamacpp`` builds no ``llama-server``
+(scripts/build_llamacpp.sh configures with ``LLAMA_BUILD_SERVER=OFF``): to serve over HTTP, give a llama.cpp build
+that has ``llama-server`` the same ``-m``/``-md``/``--spec-type`` flags (``gguf.json``'s ``serve``).
+
+``draft.gguf``'s ``general.name`` comes from the folder the converter reads (the draft has no ``_name_or_path``): it
+is named ``draftsmith-<method>-drafter``, never after a temporary folder.
 
 DFlash: the converter is given the z-lab layout (``export/dflash.py``: ``DFlashDraftModel``,
 ``dflash_config.target_layer_ids`` = draftsmith ``target_layers - 1``; the converter writes ``target_layers`` =
@@ -35,12 +40,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_file
 
+from draftsmith.export.converters import ConvertRequest, ExportFormat, register_format
 from draftsmith.export.format import ExportError, atomic_folder_write, read_config, read_export
 from draftsmith.export.speculators import speculators_config, speculators_tensors, verifier_architectures
 
@@ -138,9 +143,12 @@ def to_gguf(export_dir: str | Path, out_dir: str | Path, target_dir: str | Path,
     root, target_dir, source = Path(root), Path(target_dir), Path(source or export_dir)
 
     def fill(tmp: Path) -> None:
-        with tempfile.TemporaryDirectory(prefix=".converter-input-", dir=tmp) as spec_dir:
-            config = converter_input(export_dir, Path(spec_dir), target_dir)
-            run_converter(root, Path(spec_dir), tmp / DRAFT_FILE, target_dir, python)
+        spec_dir = tmp / drafter_folder_name(read_config(export_dir)["method"])  # general.name (module docstring)
+        try:
+            config = converter_input(export_dir, spec_dir, target_dir)
+            run_converter(root, spec_dir, tmp / DRAFT_FILE, target_dir, python)
+        finally:
+            shutil.rmtree(spec_dir, ignore_errors=True)
         target = tmp / "target-bf16.gguf"
         if target_gguf is not None:
             _place(Path(target_gguf), target)
@@ -150,19 +158,46 @@ def to_gguf(export_dir: str | Path, out_dir: str | Path, target_dir: str | Path,
         if quant:
             files["target"] = quantize(root, target, tmp / f"target-{quant.upper()}.gguf", quant).name
             files["target_bf16"] = target.name
-        spec_type = SPEC_TYPES[config["method"]]
-        manifest = {"method": config["method"], "converted_from": str(source.resolve()), "files": files,
-                    "target": {"folder": str(target_dir), **config["target"]},
-                    "target_layers": config["architecture"]["target_layers"], "spec_type": spec_type,
-                    "serve": f"llama-server -m {files['target']} -md {DRAFT_FILE} --spec-type {spec_type}"}
-        if config["method"] == "dflash":  # llama.cpp's block is n_max + 1 tokens: the trained block at block_size - 1
-            manifest["draft_n_max"] = int(config["architecture"]["block_size"]) - 1
-            manifest["serve"] += f" --spec-draft-n-max {manifest['draft_n_max']}"
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / MANIFEST).write_text(json.dumps(gguf_manifest(config, files, source, target_dir), indent=2) + "\n")
 
-    out = atomic_folder_write(out_dir, fill)
+    out = atomic_folder_write(out_dir, fill, sources=(export_dir, source))
     log.info("wrote llama.cpp GGUF folder %s", out)
     return out
+
+
+def drafter_folder_name(method: str) -> str:
+    """The name of the folder the converter reads the drafter from: llama.cpp takes ``general.name`` from it."""
+    return f"draftsmith-{method}-drafter"
+
+
+def gguf_manifest(config: dict[str, Any], files: dict[str, str], source: Path, target_dir: Path) -> dict[str, Any]:
+    """``gguf.json``: the files, the target, and the commands that run them: ``run`` with the tool ``make llamacpp``
+    builds (``llama-speculative-simple``), ``serve`` for a llama.cpp build with ``llama-server`` (not built here)."""
+    spec_type = SPEC_TYPES[config["method"]]
+    flags = f"-m {files['target']} -md {DRAFT_FILE} --spec-type {spec_type}"
+    manifest = {"method": config["method"], "converted_from": str(source.resolve()), "files": files,
+                "target": {"folder": str(target_dir), **config["target"]},
+                "target_layers": config["architecture"]["target_layers"], "spec_type": spec_type}
+    if config["method"] == "dflash":  # llama.cpp's block is n_max + 1 tokens: the trained block at block_size - 1
+        manifest["draft_n_max"] = int(config["architecture"]["block_size"]) - 1
+        flags += f" --spec-draft-n-max {manifest['draft_n_max']}"
+    manifest["run"] = f"llama-speculative-simple {flags} -p PROMPT  (bin/ of the `make llamacpp` build)"
+    manifest["serve"] = (f"llama-server {flags}  (needs a llama.cpp build with llama-server: `make llamacpp` "
+                         "builds none)")
+    return manifest
+
+
+def _convert_request(request: ConvertRequest) -> Path:
+    """``--format gguf``: the cached llama.cpp build converts the drafter (and the target, cached once as BF16)."""
+    verifier = request.verifier_folder()
+    root, target_gguf = request.host.llamacpp(verifier)
+    return to_gguf(request.export_dir, request.out, verifier, root, target_gguf, quant=request.options.get("quantize"),
+                   source=request.source)
+
+
+def _gguf_arguments(parser: Any) -> None:
+    parser.add_argument("--quantize", default=None, metavar="QTYPE", help="--format gguf: also write the target "
+                        "quantised with llama-quantize (Q4_1, Q8_0, ...); the drafter stays BF16")
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any]:
@@ -174,3 +209,8 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     manifest = json.loads(path.read_text())
     manifest["paths"] = {k: str((Path(folder) / v).resolve()) for k, v in manifest["files"].items()}
     return manifest
+
+
+register_format(ExportFormat("gguf", GGUF_METHODS, _convert_request, help="llama.cpp GGUF files (draft + target)",
+                             add_arguments=_gguf_arguments,
+                             refusal_hint=" (llama.cpp's --spec-type runs DFlash and EAGLE-3 drafters only)"))

@@ -63,3 +63,15 @@ def decoder_identity(name_or_path: str, hidden_size: int | None, num_hidden_laye
     if num_hidden_layers is not None:
         identity["num_hidden_layers"] = int(num_hidden_layers)
     return identity
+
+
+def export_digest(method: str, architecture: dict[str, Any], shapes: dict[str, dict[str, list[int]]]) -> str:
+    """sha256 over what makes an export one module: its ``method``, the keys of its ``architecture`` block and every
+    weight part's tensor names and shapes (``shapes``: part name -> tensor name -> shape). Editing ``method`` (even to
+    a method with the same weights layout), adding or dropping an architecture key, or changing a tensor's name or
+    shape changes it. Architecture values, dtypes and weight values do not count: values are the converters' and
+    loaders' to check (e.g. a tap index an engine cannot capture), and a tuned export may change them."""
+    payload = {"method": str(method), "architecture_keys": sorted(str(k) for k in architecture),
+               "weights": {part: sorted([name, [int(d) for d in shape]] for name, shape in names.items())
+                           for part, names in sorted(shapes.items())}}
+    return "sha256:" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

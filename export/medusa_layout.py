@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.export.format import ExportError, atomic_folder_write, read_export_parts
+from draftsmith.export.converters import ConvertRequest, ExportFormat, register_format
+from draftsmith.export.format import ExportError, atomic_folder_write, read_export_parts, tensor_bytes
 
 
 def read_medusa_export(export_dir: str | Path, fmt: str, source: str | Path | None = None
@@ -113,7 +114,7 @@ def to_medusa_layout(export_dir: str | Path, out_dir: str | Path, lm_head_weight
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         write_adapter(tmp, config, parts)
 
-    return atomic_folder_write(out_dir, fill)
+    return atomic_folder_write(out_dir, fill, sources=(export_dir, source), size_hint=tensor_bytes(parts))
 
 
 def write_adapter(folder: Path, config: dict[str, Any], parts: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -134,3 +135,16 @@ def write_peft_lora(out: Path, part: dict[str, torch.Tensor], block: dict, base:
                    "lora_alpha": float(block["alpha"]), "target_modules": list(block.get("target_modules", [])),
                    "lora_dropout": 0.0, "bias": "none", "base_model_name_or_path": base}
     (out / "adapter_config.json").write_text(json.dumps(peft_config, indent=2) + "\n")
+
+
+MEDUSA_METHODS = ("medusa", "medusa2")
+
+
+def _convert_request(request: ConvertRequest) -> Path:
+    """``--format medusa``: heads sharing the target's LM head get it from the recorded target (or ``--target``)."""
+    shared = bool(request.config["architecture"].get("share_lm_head", False))
+    lm_head = request.host.lm_head(request.verifier_folder()) if request.target or shared else None
+    return to_medusa_layout(request.export_dir, request.out, lm_head, source=request.source)
+
+
+register_format(ExportFormat("medusa", MEDUSA_METHODS, _convert_request, help="vLLM's Medusa layout"))

@@ -25,8 +25,15 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.export.format import ExportError, atomic_folder_write
-from draftsmith.export.medusa_layout import block_tensors, head_lm_weights, read_medusa_export, write_adapter
+from draftsmith.export.converters import ConvertRequest, ExportFormat, register_format
+from draftsmith.export.format import ExportError, atomic_folder_write, tensor_bytes
+from draftsmith.export.medusa_layout import (
+    MEDUSA_METHODS,
+    block_tensors,
+    head_lm_weights,
+    read_medusa_export,
+    write_adapter,
+)
 
 TGI_WEIGHTS_FILE = "medusa_lm_head.safetensors"
 
@@ -70,4 +77,16 @@ def to_medusa_tgi(export_dir: str | Path, out_dir: str | Path, base_model_name_o
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         write_adapter(tmp, config, parts)
 
-    return atomic_folder_write(out_dir, fill)
+    return atomic_folder_write(out_dir, fill, sources=(export_dir, source), size_hint=tensor_bytes(parts))
+
+
+def _convert_request(request: ConvertRequest) -> Path:
+    """``--format medusa-tgi``: TGI loads the base model the config names, the target, always."""
+    base = request.verifier_folder()
+    shared = bool(request.config["architecture"].get("share_lm_head", False))
+    lm_head = request.host.lm_head(base) if request.target or shared else None
+    return to_medusa_tgi(request.export_dir, request.out, base, lm_head, source=request.source)
+
+
+register_format(ExportFormat("medusa-tgi", MEDUSA_METHODS, _convert_request,
+                             help="the FasterDecoding/TGI Medusa layout"))

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.export.format import ExportError, atomic_folder_write, read_export
+from draftsmith.export.converters import ConvertRequest, ExportFormat, register_format
+from draftsmith.export.format import ExportError, atomic_folder_write, read_export, tensor_bytes
 from draftsmith.export.speculators import speculators_tensors
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,14 @@ def to_sglang(export_dir: str | Path, out_dir: str | Path, source: str | Path | 
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
 
-    out = atomic_folder_write(out_dir, fill)
+    out = atomic_folder_write(out_dir, fill, sources=(export_dir, source), size_hint=tensor_bytes(tensors))
     log.info("wrote SGLang %s folder %s", SGLANG_ARCHITECTURE, out)
     return out
+
+
+def _convert_request(request: ConvertRequest) -> Path:
+    return to_sglang(request.export_dir, request.out, source=request.source)
+
+
+register_format(ExportFormat("sglang", ("eagle3",), _convert_request,
+                             help="SGLang's LlamaForCausalLMEagle3 layout (--speculative-draft-model-path OUT)"))

@@ -69,7 +69,8 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith.common.dtypes import dtype_from_name
-from draftsmith.export.format import ExportError, atomic_folder_write, read_export
+from draftsmith.export.converters import ConvertRequest, ExportFormat, register_format
+from draftsmith.export.format import ExportError, atomic_folder_write, read_export, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,15 @@ def to_speculators(export_dir: str | Path, out_dir: str | Path, verifier_name_or
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
 
-    out = atomic_folder_write(out_dir, fill)
+    out = atomic_folder_write(out_dir, fill, sources=(export_dir, source), size_hint=tensor_bytes(tensors))
     log.info("wrote speculators eagle3 folder %s (verifier %s)", out, verifier_name_or_path)
     return out
+
+
+def _convert_request(request: ConvertRequest) -> Path:
+    """``--format speculators``: the verifier is ``--target`` or the recorded target, as an absolute folder."""
+    return to_speculators(request.export_dir, request.out, request.verifier_folder(), source=request.source)
+
+
+register_format(ExportFormat("speculators", ("eagle3", "dflash"), _convert_request,
+                             help="vLLM's speculators format (vllm serve OUT)"))
