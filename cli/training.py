@@ -81,29 +81,56 @@ def _cmd_cache_features(argv: list[str]) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    """``draftsmith export SOURCE --out DIR [--format F]``: a run folder or checkpoint -> a draftsmith export, or (any
+    other format) -> that format's layout. ``--out`` is checked before any work: never the user's folder, never the
+    source (:mod:`draftsmith.common.atomic_folder`); a run folder is exported into a temporary beside ``--out``."""
     from pathlib import Path
 
+    from draftsmith.common.atomic_folder import scratch_folder
     from draftsmith.distill.exporting import export_from_checkpoint
     from draftsmith.export.format import CONFIG_FILE, read_config
 
-    src = args.source
+    src, is_export = args.source, (Path(args.source) / CONFIG_FILE).is_file()
+    _check_out(args.out, src)
+    options = {name: getattr(args, name) for name in _format_option_names()}
     if args.format == "draftsmith":
-        if (Path(src) / CONFIG_FILE).is_file():
+        if is_export:
             raise ValueError(f"{src} is already a draftsmith export; export takes a run folder or .ckpt file, or "
-                             "converts an export with --format medusa|speculators")
+                             "converts an export with --format medusa|speculators|...")
         out = export_from_checkpoint(src, args.out)
-    elif (Path(src) / CONFIG_FILE).is_file():
-        out = _convert(src, args.out, args.format, read_config(src), args.target, source=src, quant=args.quantize)
-    else:  # a run folder or checkpoint: export it into a temporary folder, removed whatever happens
-        import tempfile
-
-        parent = Path(args.out).resolve().parent
-        with tempfile.TemporaryDirectory(prefix=".draftsmith-export-", dir=parent if parent.is_dir() else None) as tmp:
-            export_dir = export_from_checkpoint(src, Path(tmp) / "export")
+    elif is_export:
+        out = _convert(src, args.out, args.format, read_config(src), args.target, source=src, **options)
+    else:  # a run folder or checkpoint: exported into a temporary folder beside --out, removed whatever happens
+        with scratch_folder(args.out) as tmp:
+            export_dir = export_from_checkpoint(src, tmp / "export")
             out = _convert(export_dir, args.out, args.format, read_config(export_dir), args.target, source=src,
-                           quant=args.quantize)
+                           **options)
     print(f"wrote {out}")
     return 0
+
+
+def _check_out(out: str, source: str) -> None:
+    """Refuse, before any work, an ``--out`` that is the source or a folder draftsmith did not write."""
+    from draftsmith.common.atomic_folder import OutputRefused, check_folder_target
+    from draftsmith.export.format import EXPORT_OUTPUT, ExportRefusedError
+
+    try:
+        check_folder_target(out, EXPORT_OUTPUT, sources=(source,))
+    except OutputRefused as err:
+        raise ExportRefusedError(str(err)) from None
+
+
+def _format_option_names() -> list[str]:
+    """The argparse dests the formats' own flags add (gguf's ``quantize``), read from the converters."""
+    import argparse
+
+    from draftsmith.export.converters import converters
+
+    probe = argparse.ArgumentParser(add_help=False)
+    for fmt in converters().values():
+        if fmt.add_arguments is not None:
+            fmt.add_arguments(probe)
+    return [action.dest for action in probe._actions]
 
 
 def _verifier_folder(config: dict, target: str | None) -> str:
@@ -140,57 +167,60 @@ def _verifier_folder(config: dict, target: str | None) -> str:
     return str(folder.resolve())
 
 
-def _convert(export_dir, out, fmt: str, config: dict, target: str | None, source: str | None = None,
-             quant: str | None = None):
-    """Convert ``export_dir`` to ``fmt``; errors and the converted folder name ``source`` (what the user passed)."""
-    from draftsmith.common.methods import METHODS, export_formats
+def _refuse_format(fmt: str, method: str | None, source: str) -> None:
+    """One line when ``fmt`` does not hold ``method``'s exports, naming the formats that do (the converters say)."""
+    from draftsmith.common.methods import METHODS
+    from draftsmith.export.converters import formats_for, get_format
 
-    source = str(source or export_dir)
-    method = METHODS.get(config.get("method"))
-    if method is not None and fmt not in method.formats:  # the one method table says which converters apply
-        hint = " (llama.cpp's --spec-type runs DFlash and EAGLE-3 drafters only)" if fmt == "gguf" else ""
-        raise ValueError(f"{source}: --format {fmt} does not hold {method.name!r} exports{hint}; {method.label} "
-                         f"exports as: {', '.join(method.formats)}")
-    if fmt in ("medusa", "medusa-tgi"):
-        from draftsmith.export.medusa_layout import to_medusa_layout
-        from draftsmith.export.medusa_tgi import to_medusa_tgi
+    holder = get_format(fmt)
+    if method is None or holder.holds(method):
+        return
+    entry = METHODS.get(method)
+    # the method table's order first (its row lists the formats the method is known by), then any converter it lacks
+    listed = dict.fromkeys([*(entry.formats if entry else ()), *formats_for(method)])
+    raise ValueError(f"{source}: --format {fmt} does not hold {method!r} exports{holder.refusal_hint}; "
+                     f"{entry.label if entry else method} exports as: {', '.join(listed)}")
+
+
+class _CliHost:
+    """What converters ask of the command line (:class:`draftsmith.export.converters.ConverterHost`)."""
+
+    def verifier_folder(self, config: dict, target: str | None) -> str:
+        return _verifier_folder(config, target)
+
+    def lm_head(self, folder: str):
         from draftsmith.runtime.target.weights import load_lm_head
 
-        # Heads sharing the target's LM head need it: default to the recorded target like speculators does.
-        # TGI loads the base model the config names: the target, always.
-        shared = bool(config["architecture"].get("share_lm_head", False))
-        base = _verifier_folder(config, target) if target or shared or fmt == "medusa-tgi" else None
-        lm_head = load_lm_head(base) if target or shared else None
-        if fmt == "medusa-tgi":
-            return to_medusa_tgi(export_dir, out, base, lm_head, source=source)
-        return to_medusa_layout(export_dir, out, lm_head, source=source)
-    if fmt == "speculators":
-        from draftsmith.export.speculators import to_speculators
+        return load_lm_head(folder)
 
-        return to_speculators(export_dir, out, _verifier_folder(config, target), source=source)
-    if fmt == "dflash-zlab":
-        from draftsmith.export.dflash import to_zlab
+    def llamacpp(self, target_folder: str):
+        from draftsmith.bench import llamacpp
 
-        return to_zlab(export_dir, out, source=source)
-    if fmt == "sglang":
-        from draftsmith.export.sglang import to_sglang
-
-        return to_sglang(export_dir, out, source=source)
-    if fmt == "gguf":
-        return _to_gguf(export_dir, out, _verifier_folder(config, target), quant, source)
-    raise ValueError(f"unknown --format {fmt!r}; valid: {', '.join(export_formats())}")
+        reason = llamacpp.missing_build_reason()
+        if reason:
+            raise ValueError(f"--format gguf runs llama.cpp's own converter, which is {reason}")
+        return llamacpp.llamacpp_dir(), llamacpp.bf16_gguf(target_folder)
 
 
 def _to_gguf(export_dir, out, target_folder: str, quant: str | None, source: str):
-    """``--format gguf``: the cached llama.cpp build converts the drafter (and the target, cached once as BF16)."""
-    from draftsmith.bench import llamacpp
+    """``--format gguf`` without the format check: the cached llama.cpp build converts drafter and target."""
     from draftsmith.export.gguf import to_gguf
 
-    reason = llamacpp.missing_build_reason()
-    if reason:
-        raise ValueError(f"--format gguf runs llama.cpp's own converter, which is {reason}")
-    return to_gguf(export_dir, out, target_folder, llamacpp.llamacpp_dir(), llamacpp.bf16_gguf(target_folder),
-                   quant=quant, source=source)
+    root, target_gguf = _CliHost().llamacpp(target_folder)
+    return to_gguf(export_dir, out, target_folder, root, target_gguf, quant=quant, source=source)
+
+
+def _convert(export_dir, out, fmt: str, config: dict, target: str | None, source: str | None = None, **options):
+    """Convert ``export_dir`` to ``fmt`` through the converter that declares it (:mod:`draftsmith.export.converters`);
+    errors and the converted folder name ``source`` (what the user passed); ``options``: the format's own flags."""
+    from pathlib import Path
+
+    from draftsmith.export.converters import ConvertRequest, get_format
+
+    source = str(source or export_dir)
+    _refuse_format(fmt, config.get("method"), source)
+    request = ConvertRequest(Path(export_dir), Path(out), config, source, target, _CliHost(), options)
+    return get_format(fmt).convert(request)
 
 
 def _cmd_assets(args: argparse.Namespace) -> int:
@@ -207,14 +237,17 @@ def _cmd_assets(args: argparse.Namespace) -> int:
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="run folder (holding checkpoints/last.ckpt), .ckpt file, or export folder")
-    p.add_argument("--out", required=True, help="output folder")
-    from draftsmith.common.methods import export_formats
+    p.add_argument("--out", required=True, help="output folder (new, or one draftsmith wrote; never the source)")
+    from draftsmith.export.converters import converters, export_formats
 
-    p.add_argument("--format", default="draftsmith", choices=export_formats())
+    formats = converters()
+    p.add_argument("--format", default="draftsmith", choices=export_formats(), help="draftsmith (the export) or: "
+                   + "; ".join(f"{name}: {fmt.help}" for name, fmt in formats.items()))
     p.add_argument("--target", default=None, help="target folder or alias for converters (default: the target the "
                    "export records); speculators writes its absolute folder path as the verifier")
-    p.add_argument("--quantize", default=None, metavar="QTYPE", help="--format gguf: also write the target "
-                   "quantised with llama-quantize (Q4_1, Q8_0, ...); the drafter stays BF16")
+    for fmt in formats.values():  # flags a format declares for itself (gguf: --quantize)
+        if fmt.add_arguments is not None:
+            fmt.add_arguments(p)
 
 
 ARGUMENTS = {"export": _export_arguments}
