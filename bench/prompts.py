@@ -11,6 +11,17 @@ from draftsmith.common.chat import encode_chat
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits
 
 
+def _text_of(path: Path) -> str:
+    """The file's text; a file that is not UTF-8 text (a binary, an image, a checkpoint) is named with the fix."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"prompts file {path} is not UTF-8 text (byte {err.start} is {data[err.start]:#04x}; a "
+                         "binary file?): pass a .jsonl with one {\"prompt\": \"...\"} per line, or mtbench / "
+                         "humaneval") from None
+
+
 def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | None = None) -> list[list[int]]:
     """``mtbench`` (first turns of the 80 questions), ``humaneval`` (the 164 problems as chat prompts) or a jsonl
     with ``prompt`` or MT-Bench ``turns``. With
@@ -26,13 +37,16 @@ def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | No
         if not path.is_file():
             raise FileNotFoundError(f"prompts file {path} not found (use 'mtbench' or a .jsonl with a 'prompt' field)")
         texts = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for n, line in enumerate(_text_of(path).splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{n}: not valid JSON ({err})") from err
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{n}: a JSON {type(record).__name__}, not an object: each line needs "
+                                 "{\"prompt\": \"...\"} (or MT-Bench's {\"turns\": [...]})")
             text = record.get("prompt") or (record.get("turns") or [None])[0]
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f"{path}:{n}: needs a non-empty 'prompt' string or a 'turns' list")

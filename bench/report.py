@@ -157,7 +157,16 @@ def markdown_table(result: dict[str, Any]) -> str:
                          f"{change['greedy_token_agreement_with_original']:.3f}"
                          f" of tokens, {change['identical_outputs']} outputs identical"))
     text = "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
-    return text + _sections(result)
+    return text + _sections(result) + _oracle_section(result)
+
+
+def _oracle_section(result: dict[str, Any]) -> str:
+    """``bench --oracle-acceptance``: the drafter's row beside the oracle's (imported only when a bench ran one)."""
+    if not result.get("oracle"):
+        return ""
+    from draftsmith.bench.oracle import markdown_section
+
+    return markdown_section(result)
 
 
 def _sections(result: dict[str, Any]) -> str:
@@ -242,10 +251,13 @@ def _decode_only(row: dict[str, Any]) -> str:
 def write_outputs(result: dict[str, Any], out_dir: str | Path) -> Path:
     """Write bench.json, bench.md and acceptance.png (acceptance by position; beside it, when the run drafted, tau by
     output window) into ``out_dir``."""
+    from draftsmith.common.atomic_folder import write_file
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "bench.md").write_text(markdown_table(result))
+    # each file written beside and renamed in: a full disk leaves the old file (or none), never a 0-byte one
+    write_file(out / "bench.json", json.dumps(result, indent=2) + "\n")
+    write_file(out / "bench.md", markdown_table(result))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -264,6 +276,6 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> Path:
         windows.plot_windows(axes[0][1], {result["method"]: by_window})
         axes[0][1].set_title(f"tau by output window ({result.get('tau_window_tokens')} tokens)")
     fig.tight_layout()
-    fig.savefig(out / "acceptance.png", dpi=110)
+    write_file(out / "acceptance.png", lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return out

@@ -32,8 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                 "engine, its acceptance and tokens/s beside the runtime's"),
     "calibrate": ("data", "reliability plot + expected calibration error of a SpecDec++ acceptance head on "
                           "held-out drafts"),
+    "curve": ("curve", "learning curve: train in segments, held-out acceptance against training tokens and "
+                       "CPU-hours, with a fit: draftsmith curve --out DIR recipe=eagle3 [overrides]"),
 }
-RAW_ARGV = ("train", "bench-train", "cache-features")
+RAW_ARGV = ("train", "bench-train", "cache-features", "curve")
 
 
 def command_module(name: str):
@@ -44,8 +46,11 @@ def command_module(name: str):
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The argument parser of :data:`COMMANDS`. With ``command``, only that command's arguments are added (the
-    others keep their name and help), so a command line imports its own module alone."""
-    parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
+    others keep their name and help), so a command line imports its own module alone. Refusals are one line
+    (:class:`~draftsmith.cli.arguments.OneLineParser`): a value out of its declared range names the flag."""
+    from draftsmith.cli.arguments import OneLineParser
+
+    parser = OneLineParser(prog="draftsmith", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, helptext) in COMMANDS.items():
         p = sub.add_parser(name, help=helptext)
@@ -57,19 +62,41 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def interrupted_line(command: str, argv: Sequence[str], args: argparse.Namespace | None) -> str:
+    """The one line a Ctrl-C prints: what the command kept (its module's ``KEPT[command](args)``, else that nothing
+    was written) and the command line that resumes (or reruns) it."""
+    import shlex
+
+    kept = None
+    if args is not None and command in COMMANDS:
+        describe = getattr(command_module(command), "KEPT", {}).get(command)
+        kept = describe(args) if describe is not None else None
+    rerun = "draftsmith " + shlex.join(argv)
+    return (f"draftsmith {command}: interrupted (Ctrl-C): {kept or 'nothing was written'}; "
+            f"{'resume' if kept and 'resum' in kept else 'rerun'} with: {rerun}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``draftsmith`` console script."""
+    """Entry point of the ``draftsmith`` console script: exit 0, 2 with one ``error:`` line for a user error, 130
+    with one line saying what was kept and how to resume on Ctrl-C (no traceback in either)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if argv and argv[0] in RAW_ARGV:  # everything after the name is Hydra's
-        return command_module(argv[0]).RAW_HANDLERS[argv[0]](argv[1:])
-    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
+    command, args = (argv[0] if argv else "draftsmith"), None
     try:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        if argv and argv[0] in RAW_ARGV:  # everything after the name is Hydra's
+            return command_module(argv[0]).RAW_HANDLERS[argv[0]](argv[1:])
+        try:
+            args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
+        except SystemExit as done:  # --help (0) or a refusal already printed as one line (2)
+            return int(done.code or 0)
         return command_module(args.command).HANDLERS[args.command](args)
+    except KeyboardInterrupt:
+        print(interrupted_line(command, argv, args), file=sys.stderr)
+        return 130
     except Exception as err:  # noqa: BLE001 - one clear line for user errors, full trace with DRAFTSMITH_DEBUG
-        if os.environ.get("DRAFTSMITH_DEBUG"):
+        if os.environ.get("DRAFTSMITH_DEBUG") or command in RAW_ARGV:  # Hydra commands report their own errors
             raise
         # An exception without a message (StopIteration, a bare assert) is a bug: name it and how to see where.
         text = str(err) or f"{type(err).__name__} (a bug; rerun with DRAFTSMITH_DEBUG=1 for the traceback)"
-        print(f"draftsmith {args.command}: error: {text}", file=sys.stderr)
+        print(f"draftsmith {command}: error: {text}", file=sys.stderr)
         return 2

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+
+from draftsmith.cli.arguments import COUNT, SEED, TEMPERATURE, TOP_P, Range, counts, served_dtype
 
 
 def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
@@ -12,21 +15,22 @@ def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--out", required=True, help="output .jsonl ({messages, source_index} per line); resumes "
                                                 "OUT.partial")
     r.add_argument("--target", default=None, help="target folder (default: the embedded smollm2-135m)")
-    r.add_argument("--limit", type=int, default=None, help="use the first N conversations (of those selected)")
+    r.add_argument("--limit", type=counts("leave it out to use every conversation"), default=None,
+                   help="use the first N conversations (of those selected)")
     r.add_argument("--topic", default="all", choices=["all", "code"],
                    help="only conversations whose first user message is on this topic (code: names a language, shows "
                         "code or asks for a function)")
-    r.add_argument("--skip", type=int, default=0,
+    r.add_argument("--skip", type=Range(int, low=0, hint="a source index"), default=0,
                    help="start at this source index (a second set past the records a first one used)")
-    r.add_argument("--max-new-tokens", type=int, default=256)
-    r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--max-new-tokens", type=COUNT, default=256)
+    r.add_argument("--temperature", type=TEMPERATURE, default=0.0)
+    r.add_argument("--top-p", type=TOP_P, default=1.0)
     r.add_argument("--turns", default="first", choices=["first", "all"],
                    help="regenerate the first assistant turn only, or all with the target's own replies in context")
-    r.add_argument("--dtype", default="bf16", help="bf16 (faster on CPU) or fp32")
-    r.add_argument("--kernels", default="auto", help="auto | torch | triton")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--batch-size", type=int, default=8,
+    r.add_argument("--dtype", default="bf16", type=served_dtype, help="bf16 (faster on CPU) or fp32")
+    r.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    r.add_argument("--seed", type=SEED, default=0)
+    r.add_argument("--batch-size", type=counts("1 decodes one conversation at a time"), default=8,
                    help="greedy first turns decoded at once (default 8; 1 = one at a time). --turns all and "
                         "--temperature > 0 decode one conversation at a time (logged); a resume needs the same value")
 
@@ -36,13 +40,13 @@ def _calibrate_arguments(c: argparse.ArgumentParser) -> None:
     c.add_argument("--prompts", default="mtbench", help="mtbench or a .jsonl with 'prompt' (or 'turns')")
     c.add_argument("--out", required=True, help="folder for calibration.json and reliability.png")
     c.add_argument("--target", default=None, help="target folder (default: the one recorded in the export)")
-    c.add_argument("--num-prompts", type=int, default=None)
-    c.add_argument("--max-new-tokens", type=int, default=128)
-    c.add_argument("--depth", type=int, default=None, help="fixed draft depth scored (default: the export's max)")
-    c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--bins", type=int, default=10)
-    c.add_argument("--dtype", default="fp32")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--num-prompts", type=counts("leave it out to use every prompt"), default=None)
+    c.add_argument("--max-new-tokens", type=COUNT, default=128)
+    c.add_argument("--depth", type=COUNT, default=None, help="fixed draft depth scored (default: the export's max)")
+    c.add_argument("--temperature", type=TEMPERATURE, default=0.0)
+    c.add_argument("--bins", type=COUNT, default=10)
+    c.add_argument("--dtype", default="fp32", type=served_dtype)
+    c.add_argument("--seed", type=SEED, default=0)
 
 
 def _rollouts_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,15 +64,15 @@ def _trajectories_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True,
                    help="block-diffusion target folder (recipe=diffusion_adapt's <run dir>/export)")
     p.add_argument("--prompts", default="mtbench", help="mtbench | sharegpt | a .txt/.jsonl file")
-    p.add_argument("--limit", type=int, default=None, help="first N prompts")
-    p.add_argument("--gen-length", type=int, default=256)
-    p.add_argument("--steps-per-block", type=int, default=None, help="default: the block length (1 token/step)")
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--limit", type=COUNT, default=None, help="first N prompts")
+    p.add_argument("--gen-length", type=COUNT, default=256)
+    p.add_argument("--steps-per-block", type=COUNT, default=None, help="default: the block length (1 token/step)")
+    p.add_argument("--dtype", default="fp32", type=served_dtype, help="fp32 | bf16")
+    p.add_argument("--threads", type=COUNT, default=None, help="torch CPU threads")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a target whose modelling code ships with its weights (LLaDA, Dream) to run it")
     p.add_argument("--out", required=True, help="trajectory folder (resumable)")
-    p.add_argument("--shard-size", type=int, default=8, help="prompts per safetensors shard")
+    p.add_argument("--shard-size", type=COUNT, default=8, help="prompts per safetensors shard")
     p.add_argument("--full", action="store_true", help="decode all gen-length slots (default: stop after "
                    "the block holding the reference's EoT)")
 
@@ -123,3 +127,24 @@ ARGUMENTS = {"regenerate": _regenerate_arguments, "rollouts": _rollouts_argument
              "diffusion-export": _diffusion_export_arguments, "trajectories": _trajectories_arguments}
 HANDLERS = {"regenerate": cmd_regenerate, "rollouts": cmd_rollouts, "calibrate": cmd_calibrate,
             "diffusion-export": cmd_diffusion_export, "trajectories": cmd_trajectories}
+
+
+def _regenerate_kept(args: argparse.Namespace) -> str:
+    """What an interrupted ``regenerate`` kept: the complete lines of ``OUT.partial`` (the same command resumes)."""
+    partial = Path(f"{args.out}.partial")
+    if not partial.is_file():
+        return "nothing was written yet"
+    lines = sum(1 for line in partial.read_bytes().splitlines(keepends=True) if line.endswith(b"\n"))
+    return f"kept {lines} complete conversations in {partial} (the same command resumes after the last one)"
+
+
+def _folder_kept(args: argparse.Namespace) -> str:
+    """What an interrupted resumable folder writer kept (``rollouts``, ``trajectories``)."""
+    out = Path(args.out)
+    return (f"kept what was finished in {out} (the same command resumes there)" if out.exists()
+            else "nothing was written yet")
+
+
+# command -> what a Ctrl-C kept, for the one line :func:`draftsmith.cli.main` prints
+KEPT = {"regenerate": _regenerate_kept, "rollouts": _folder_kept, "trajectories": _folder_kept,
+        "calibrate": lambda args: f"nothing was written to {args.out} (it is written at the end)"}

@@ -7,6 +7,8 @@ import json
 import tempfile
 from pathlib import Path
 
+from draftsmith.cli.arguments import COUNT, counts, served_dtype
+
 
 def _gguf_files(export: str, gguf_dir: str | None, tmp: str) -> dict[str, str]:
     """The target and draft GGUF files of ``export``: ``gguf_dir``'s when it holds a conversion, else converted into
@@ -35,8 +37,9 @@ def _cmd_engine_check(args: argparse.Namespace) -> int:
     if args.gguf is None:  # the temporary files are gone
         result["target_gguf"] = result["draft_gguf"] = "(temporary)"
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        from draftsmith.common.atomic_folder import write_file
+
+        write_file(args.out, json.dumps(result, indent=2) + "\n")
     print(markdown(result))
     return 0
 
@@ -47,15 +50,27 @@ def _engine_check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", default=None, help="folder of `draftsmith export --format gguf` (converted there when "
                    "empty; default: a temporary conversion)")
     p.add_argument("--prompts", default="mtbench", help="mtbench | humaneval | FILE.jsonl")
-    p.add_argument("--num-prompts", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--draft-n-max", type=int, default=None, help="tokens drafted per step: llama.cpp's "
+    p.add_argument("--num-prompts", type=COUNT, default=2)
+    p.add_argument("--max-new-tokens", type=COUNT, default=32)
+    p.add_argument("--draft-n-max", type=counts("tokens drafted per step"), default=None,
+                   help="tokens drafted per step: llama.cpp's "
                    "--spec-draft-n-max and the runtime's chain length (default: 4; DFlash: block_size - 1, the "
                    "trained block: llama.cpp's DFlash block is n_max + 1 tokens)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dtype", default="auto", help="the draftsmith runtime's dtype (auto | bf16 | fp32)")
+    p.add_argument("--threads", type=COUNT, default=2)
+    p.add_argument("--dtype", default="auto", type=served_dtype,
+                   help="the draftsmith runtime's dtype (auto | bf16 | fp32)")
     p.add_argument("--out", default=None, help="write the result JSON here")
 
 
+def _engine_check_kept(args: argparse.Namespace) -> str:
+    """What an interrupted ``engine-check`` kept: a conversion into ``--gguf`` (reused by the next run)."""
+    from draftsmith.export.gguf import MANIFEST
+
+    if args.gguf and (Path(args.gguf) / MANIFEST).is_file():
+        return f"kept the GGUF conversion in {args.gguf} (the next run reuses it); no result was written"
+    return "nothing was written (the result is written at the end)"
+
+
+KEPT = {"engine-check": _engine_check_kept}
 ARGUMENTS = {"engine-check": _engine_check_arguments}
 HANDLERS = {"engine-check": _cmd_engine_check}

@@ -9,23 +9,37 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from draftsmith.cli.arguments import (
+    COUNT,
+    PROBABILITY,
+    SEED,
+    TEMPERATURE,
+    Range,
+    counts,
+    number_list,
+    served_dtype,
+    stop_policy,
+)
+from draftsmith.cli.preflight import check_writable_folder, refuse_bad_exports
+
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target folder (default: the one recorded in the export)")
-    p.add_argument("--dtype", default="auto",
+    p.add_argument("--dtype", default="auto", type=served_dtype,
                    help="auto (bf16 where this machine runs it fast: AVX512-BF16, or the fused layer's AVX2 variant; "
                         "else fp32) | fp32 (exact) | bf16")
-    p.add_argument("--kernels", default="auto", help="auto | torch | triton")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"],
                    help="target decoder: auto (the lean decoder where it supports the model, else the transformers "
                         "fallback; --verbose and bench say which and why) | lean | hf")
-    p.add_argument("--linear-backend", default="auto",
+    p.add_argument("--linear-backend", default="auto", choices=["auto", "cpp", "mkldnn", "dense"],
                    help="auto (the fastest this CPU can run) | cpp (fused C++ bf16 layer: AVX512-BF16 or AVX2+FMA) | "
                         "mkldnn (oneDNN bf16: AVX512 BW/VL/DQ or AVX-NE-CONVERT) | dense")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--verifier", default="auto", help="auto | greedy | rejection | typical (lossy)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--stop-policy", default="auto",
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.0)
+    p.add_argument("--verifier", default="auto", choices=["auto", "greedy", "rejection", "typical"],
+                   help="auto | greedy | rejection | typical (lossy)")
+    p.add_argument("--max-new-tokens", type=COUNT, default=128)
+    p.add_argument("--stop-policy", default="auto", type=stop_policy,
                    help="auto (the export's policy, its depth chosen for this machine's measured costs: plain decoding "
                         "when speculation is predicted to lose) | export (exactly the export's inference.stop_policy) "
                         "| fixed:K | confidence:THRESHOLD[:MAX_DEPTH] | learned:H[:MIN_DEPTH:MAX_DEPTH] (SpecDec++ "
@@ -41,7 +55,7 @@ def _generate_arguments(g: argparse.ArgumentParser) -> None:
                    help="adaptive-temperature export: sample each position at the layer's temperature (with "
                         "--drafter, speculative sampling verifies against that tempered target exactly)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=SEED, default=0)
     g.add_argument("--verbose", action="store_true", help="say on stderr which CPU, dtype and backends run, and why")
     _add_common(g)
 
@@ -57,40 +71,43 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
                         "embedded[:train|heldout|all] (the mixed reward task) or a .jsonl of {text, kind?, answer?}")
     b.add_argument("--reward", default=None, help="with --controller: score rewards with this reward (embedded, "
                    "exact_match, open_ended or pkg.module:function; default embedded on the embedded task)")
-    b.add_argument("--samples-per-prompt", type=int, default=4, help="with a reward: responses sampled per prompt")
-    b.add_argument("--grid", default=None, help="with a reward: the fixed temperatures compared (default: the "
+    b.add_argument("--samples-per-prompt", type=COUNT, default=4, help="with a reward: responses sampled per prompt")
+    b.add_argument("--grid", default=None, type=number_list(TEMPERATURE, "temperatures"),
+                   help="with a reward: the fixed temperatures compared (default: the "
                    "controllers' grid, else 0,0.2,...,1)")
-    b.add_argument("--overhead-prompts", type=int, default=8, help="with a reward: prompts timed for the overhead")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--overhead-prompts", type=COUNT, default=8, help="with a reward: prompts timed for the overhead")
+    b.add_argument("--seed", type=SEED, default=0)
     b.add_argument("--filter", default=None, help="Learn2PD export: with a block-diffusion --target, bench baseline, "
                    "Learn2PD, EoTP and both (the one block-diffusion bench)")
     b.add_argument("--cache", default="off", choices=["off", "on", "both"],
                    help="block-diffusion bench: prefix KV cache across finished blocks off, on, or every mode both "
                         "ways")
-    b.add_argument("--gen-length", type=int, default=256, help="block-diffusion bench: answer slots per prompt")
-    b.add_argument("--steps-per-block", type=int, default=None,
+    b.add_argument("--gen-length", type=COUNT, default=256, help="block-diffusion bench: answer slots per prompt")
+    b.add_argument("--steps-per-block", type=counts("leave it out for one step per block position"), default=None,
                    help="block-diffusion bench: denoising steps per block (default: the block length)")
-    b.add_argument("--threshold", type=float, default=None,
+    b.add_argument("--threshold", type=PROBABILITY, default=None,
                    help="block-diffusion bench: the Learn2PD filter's acceptance threshold (default: the exported one)")
     b.add_argument("--trust-remote-code", action="store_true",
                    help="block-diffusion bench: allow a target whose modelling code ships with it (LLaDA, Dream)")
-    b.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    b.add_argument("--num-prompts", type=counts("leave it out to use every prompt"), default=None,
+                   help="use the first N prompts")
     b.add_argument("--out", default=None, help="folder for bench.json, bench.md, acceptance.png")
     b.add_argument("--skip-hf", action="store_true", help="do not time HF generate")
     b.add_argument("--profile", action="store_true",
                    help="time each part of a speculative step (drafting, verify forward, verification, KV, update)")
-    b.add_argument("--sweep-k", default=None, metavar="K1,K2,...",
+    b.add_argument("--sweep-k", default=None, type=number_list(Range(int, low=0), "draft depths"),
+                   metavar="K1,K2,...",
                    help="also time fixed draft depths K on the same prompts, next to the policy in force")
-    b.add_argument("--hf-dtype", default="auto",
+    b.add_argument("--hf-dtype", default="auto", choices=["auto", "same", "fp32", "bf16"],
                    help="dtype HF generate is timed in: auto (its fastest here: bf16 where native, else fp32) | same "
                         "(the runtime's) | fp32 | bf16")
-    b.add_argument("--lossless-dtype", default="fp32",
+    b.add_argument("--lossless-dtype", default="fp32", choices=["fp32", "bf16", "same", "none"],
                    help="dtype of the lossless check (greedy spec vs HF generate); 'same' = the timing dtype, "
                         "'none' = skip")
     b.add_argument("--llamacpp", action="store_true",
                    help="also time llama.cpp greedy on the same prompts and threads (`make llamacpp` builds it once): "
                         "the shipped Q4_1 GGUF and a BF16 GGUF converted from the target (peers.llamacpp)")
-    b.add_argument("--window", type=int, default=None, metavar="TOKENS",
+    b.add_argument("--window", type=COUNT, default=None, metavar="TOKENS",
                    help="output tokens per window of tau by output window (bench.json tau_by_window; default 256)")
     b.add_argument("--long", action="store_true", help="long outputs, so acceptance decay shows: 2 prompts x 2048 "
                    "new tokens, window 256 (each where not given); generation still stops at EOS")
@@ -98,32 +115,17 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
                    help="also run the export in each engine in reach that runs its method (llama.cpp: EAGLE-3, DFlash) "
                         "on the same prompts and drafted chain: tau ours vs tau in the engine; a gap over 5%% is a "
                         "defect of the export (bench.json engine_parity)")
-    b.add_argument("--parity-chain", type=int, default=None, help="with --engine-parity: tokens drafted per step in "
+    b.add_argument("--parity-chain", type=COUNT, default=None,
+                   help="with --engine-parity: tokens drafted per step in "
                    "both engines (default: 4; DFlash: block_size - 1)")
+    b.add_argument("--oracle-acceptance", type=PROBABILITY, default=None, metavar="P", help="also bench an oracle "
+                   "chain drafting the greedy continuation, each position right with probability P given the last was "
+                   "(the loop's ceiling; alone on the target without --drafter; bench.json oracle)")
+    b.add_argument("--oracle-chain", type=COUNT, default=None, metavar="K", help="the oracle's chain (default 3)")
+    b.add_argument("--oracle-draft-ms", type=Range(float, low=0), default=0.0, metavar="MS",
+                   help="the oracle's drafting cost per call, spin-waited")
     _add_common(b)
     b.set_defaults(max_new_tokens=None)  # 128, or --long's 2048 (bench.windows.apply_preset)
-
-
-# Counts that must be >= 1: (flag, argument, what leaving it out does). Checked before anything loads.
-POSITIVE_COUNTS = (("--max-new-tokens", "max_new_tokens", ""),
-                   ("--num-prompts", "num_prompts", " (leave it out to use every prompt)"),
-                   ("--samples-per-prompt", "samples_per_prompt", ""), ("--gen-length", "gen_length", ""),
-                   ("--steps-per-block", "steps_per_block", " (leave it out for one step per block position)"),
-                   ("--window", "window", ""), ("--parity-chain", "parity_chain", ""))
-
-
-def refuse_bad_arguments(args: argparse.Namespace) -> None:
-    """Refuse, before any model loads, what cannot run: a count below 1, or a file where an export folder goes."""
-    for flag, name, hint in POSITIVE_COUNTS:
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}{hint}")
-    for flag in ("--drafter", "--controller"):
-        for given in filter(None, str(getattr(args, flag[2:], None) or "").split(",")):
-            if Path(given).is_file():
-                hint = f" ({Path(given).parent})" if Path(given).name == "config.json" else ""
-                raise ValueError(f"{flag} {given} is a file, not an export folder: pass the folder that holds "
-                                 f"config.json{hint}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -135,7 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
     from draftsmith.runtime.serving import load_runtime, parse_options
 
-    refuse_bad_arguments(args)
+    refuse_bad_exports(args)
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
                       stop_policy=args.stop_policy, controller=args.controller, backend=args.backend)
@@ -182,13 +184,18 @@ def is_reward_task(args: argparse.Namespace) -> bool:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write JSON/markdown/PNG with --out."""
+    from draftsmith.bench.oracle import bench_oracle_alone, oracle_request
     from draftsmith.bench.prompts import load_prompts
     from draftsmith.bench.windows import apply_preset
     from draftsmith.runtime.decoding.prompt_limits import context_limit
     from draftsmith.runtime.serving import load_runtime, parse_options
 
     apply_preset(args)
-    refuse_bad_arguments(args)
+    refuse_bad_exports(args)
+    if args.out:
+        check_writable_folder(args.out)  # before the bench, not after it
+    if (oracle := oracle_request(args)) and not args.drafter:  # the --oracle-* flags checked together
+        return bench_oracle_alone(args, oracle)
     if args.engine_parity and not args.drafter:
         raise ValueError("--engine-parity compares a drafter's tau across engines: it needs --drafter EXPORT")
     if args.filter or _is_diffusion_target(args.target):
@@ -244,8 +251,9 @@ def _bench_controller_layer(args: argparse.Namespace, rt: Any, prompts: list[lis
     result = bench_controller(rt, prompts, args.max_new_tokens)
     print(controller_table(result))
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "controller.json").write_text(json.dumps(result, indent=2) + "\n")
+        from draftsmith.common.atomic_folder import write_file
+
+        write_file(Path(args.out) / "controller.json", json.dumps(result, indent=2) + "\n")
     return 0
 
 
@@ -260,9 +268,7 @@ def _bench_drafter(args: argparse.Namespace, rt: Any, prompts: list[list[int]]) 
     if args.temperature == 0 and check not in ("none", "same") and resolve_dtype(check) != rt.model.dtype:
         lossless = lossless_check(args.drafter, args.target, prompts, args.max_new_tokens, check, args.kernels,
                                   proposer_options=parse_options(args.proposer_option), backend=args.backend)
-    sweep = [int(k) for k in args.sweep_k.split(",")] if args.sweep_k else None
-    if sweep and any(k < 0 for k in sweep):
-        raise ValueError(f"--sweep-k takes draft depths >= 0, got {args.sweep_k}")
+    sweep = [int(k) for k in args.sweep_k.split(",") if k.strip()] if args.sweep_k else None  # checked >= 0
     result = run_bench(rt, prompts, args.max_new_tokens, skip_hf=args.skip_hf, temperature=args.temperature,
                        lossless=None if check == "none" else lossless, hf_dtype=args.hf_dtype,
                        cost_aware=args.stop_policy == "auto", profile=args.profile, sweep_k=sweep, window=args.window)
@@ -279,6 +285,10 @@ def _bench_drafter(args: argparse.Namespace, rt: Any, prompts: list[list[int]]) 
         request = ParityRequest(args.drafter, args.prompts, args.num_prompts, args.max_new_tokens, args.parity_chain,
                                 result["threads"], args.dtype)
         result["engine_parity"] = engine_parity(result["method"], request, {"llamacpp": _llamacpp_parity})
+    if args.oracle_acceptance is not None:  # the loop's ceiling at a chosen acceptance, beside this drafter
+        from draftsmith.bench.oracle import oracle_beside
+
+        result["oracle"] = oracle_beside(args, rt, prompts)
     print(markdown_table(result))
     if args.out:
         out = write_outputs(result, args.out)
@@ -321,5 +331,13 @@ def _is_diffusion_target(target: str | None) -> bool:
     return DIFFUSION_KEY in raw or str(raw.get("model_type", "")).lower() in REMOTE_FAMILIES
 
 
+def _bench_kept(args: argparse.Namespace) -> str:
+    """What an interrupted ``bench`` kept: nothing (its outputs are written at the end, each file atomically)."""
+    where = f" to {args.out}" if args.out else ""
+    return f"nothing was written{where} (a bench writes its results at the end; files there before are unchanged)"
+
+
+# command -> what a Ctrl-C kept, for the one line :func:`draftsmith.cli.main` prints
+KEPT = {"generate": lambda args: "the text printed so far; nothing was written to disk", "bench": _bench_kept}
 ARGUMENTS = {"generate": _generate_arguments, "bench": _bench_arguments}
 HANDLERS = {"generate": cmd_generate, "bench": cmd_bench}

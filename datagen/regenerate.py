@@ -187,7 +187,11 @@ def regenerate(
     partial, meta_path = Path(f"{out}.partial"), Path(f"{out}.partial.json")
     report = RegenerateReport()
     conversations = select_conversations(iter_conversations(data, report), topic, skip)
-    first = next(conversations, None)  # fail on empty data before the (slow) model load
+    try:
+        first = next(conversations, None)  # fail on empty data before the (slow) model load
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--data {data} is not UTF-8 text ({err.reason}: a binary file?): pass a .jsonl/.json of "
+                         "conversations, or sharegpt") from None
     if first is None:
         where = "" if topic == "all" and not skip else f" on topic {topic!r} from source index {skip} on"
         raise ValueError(f"no conversations in {data}{where}: expected records with 'conversations' or 'messages'")

@@ -153,7 +153,7 @@ def test_read_config_says_a_file_is_not_an_export_folder(medusa_export):
 def test_num_prompts_below_one_is_refused_before_loading(capsys, value):
     line = run(capsys, ["bench", "--drafter", "/nonexistent/export", "--num-prompts", value])
     assert line == (f"draftsmith bench: error: --num-prompts must be >= 1, got {value} (leave it out to use every "
-                    "prompt)")
+                    "prompt) (see draftsmith bench --help)")
 
 
 def test_load_prompts_refuses_a_limit_below_one(tiny_tokenizer):
@@ -167,7 +167,8 @@ def test_load_prompts_refuses_a_limit_below_one(tiny_tokenizer):
 def test_max_new_tokens_below_one_is_refused_before_loading(capsys, command, value):
     extra = ["--prompt", "hi"] if command == "generate" else ["--drafter", "/nonexistent/export"]
     line = run(capsys, [command, *extra, "--target", "/nonexistent/target", "--max-new-tokens", value])
-    assert line == f"draftsmith {command}: error: --max-new-tokens must be >= 1, got {value}"
+    assert line == (f"draftsmith {command}: error: --max-new-tokens must be >= 1, got {value} (see draftsmith {command} "
+                    "--help)")
 
 
 # ---- 6. export --format of a run folder ------------------------------------------------------------------------------
