@@ -13,6 +13,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+import draftsmith.recipes.schemas  # noqa: F401  (stores the config schemas conf/train.yaml names)
+
 log = logging.getLogger("draftsmith.train")
 
 
@@ -55,59 +57,6 @@ def purposeful_errors() -> tuple[type[BaseException], ...]:
 
 PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a shell reports for a job ended by SIGTERM
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a job ended by Ctrl-C
-# Keys the code reads with a default although no config file sets them (`+key=value` may add these).
-OPTIONAL_KEYS = frozenset({"drafter.noise_std", "drafter.noise_ref_len"})
-
-
-def flat_keys(node, prefix: str = "") -> list[str]:
-    """Every dotted key of a config (inner nodes too), e.g. ``heads``, ``heads.num_heads``."""
-    out = []
-    if isinstance(node, DictConfig):
-        for key in node.keys():
-            path = f"{prefix}{key}"
-            out.append(path)
-            child = node._get_node(key)
-            if isinstance(child, DictConfig):
-                out.extend(flat_keys(child, f"{path}."))
-    return out
-
-
-def unknown_added_keys(cfg: DictConfig, overrides: list[str]) -> str | None:
-    """The error for ``+key=value`` overrides that add a key no config of this recipe has (a typo such as
-    ``+heads.num_head=4`` would otherwise train with the default silently), with close matches; else None.
-    Hydra accepts ``+key`` only for a key its config lacks, so every such key is new; group additions
-    (``+hydra/launcher=x``), ``hydra.*`` keys and :data:`OPTIONAL_KEYS` pass."""
-    import difflib
-
-    added = []
-    for override in overrides:
-        if not override.startswith("+") or override.startswith("++"):
-            continue
-        key, _, value = override[1:].partition("=")
-        key = key.strip()
-        if "/" in key or key.startswith("hydra.") or key in OPTIONAL_KEYS or (CONF_DIR / key).is_dir():
-            continue
-        added.append((key, value))
-    if not added:
-        return None
-    new = {key for key, _ in added}
-    known = [k for k in flat_keys(cfg) if k not in new and not any(k.startswith(f"{n}.") for n in new)]
-    problems = []
-    for key, value in added:
-        close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
-        if not close:  # the same leaf under another parent (heads.draft_vocab_size vs drafter.draft_vocab_size)
-            leaf = leaf_of(key)
-            close = [k for k in known if difflib.SequenceMatcher(None, leaf, leaf_of(k)).ratio() >= 0.85][:3]
-        hint = (f"; did you mean {' or '.join(close)}? (set an existing key without '+', e.g. {close[0]}={value})"
-                if close else "; drop it, or see conf/ for the keys this recipe reads")
-        problems.append(f"+{key}={value} adds a key that no config of recipe={cfg.recipe.name} reads{hint}")
-    return " | ".join(problems)
-
-
-def leaf_of(key: str) -> str:
-    return key.rsplit(".", 1)[-1]
-
-
 def resume_command(argv: list[str]) -> str:
     """The command line that resumes this run: the same one (``run.resume=auto`` finds the run folder's newest
     checkpoint), without a ``run.resume=false`` that would start over."""
@@ -184,14 +133,10 @@ def main(cfg: DictConfig) -> float | None:
     recipe = recipes.get_recipe(cfg.recipe.name)
     hydra_cfg = HydraConfig.get()
     run_name = f"{cfg.recipe.name}-{slug(hydra_cfg.job.override_dirname)}"
-    if cfg.data.get("features"):  # offline: batches and target features from a cache, the target never loaded
+    if cfg.data.features:  # offline: batches and target features from a cache, the target never loaded
         from draftsmith.distill.cached_features import train_offline as train
     try:
-        from draftsmith.distill.errors import ConfigError
-
-        if (problem := unknown_added_keys(cfg, list(hydra_cfg.overrides.task))) is not None:
-            raise ConfigError(problem)
-        if cfg.data.get("features"):  # offline runs never load the target; the probe would (off there, for now)
+        if cfg.data.features:  # offline runs never load the target; the probe would (off there, for now)
             summary = train(cfg, recipe, hydra_cfg.runtime.output_dir, run_name=run_name)
         else:
             summary = train(cfg, recipe, hydra_cfg.runtime.output_dir, run_name=run_name,
@@ -228,9 +173,130 @@ def check_launcher(argv: list[str]) -> str | None:
     return None
 
 
-if __name__ == "__main__":
-    sys.argv = [sys.argv[0], *expand_shorthands(sys.argv[1:])]
-    if (problem := check_launcher(sys.argv[1:])) is not None:
+def recipe_names() -> list[str]:
+    """Every recipe conf/recipe/ holds."""
+    return sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+
+
+def chosen_recipe(overrides: list[str]) -> str | None:
+    """The value of ``recipe=NAME`` on the command line, or None."""
+    return next((a.split("=", 1)[1] for a in overrides if a.split("=", 1)[0].lstrip("+") == "recipe"), None)
+
+
+def plain_overrides(argv: list[str]) -> list[str] | None:
+    """The overrides of a single run (``--cfg job`` / ``--resolve`` dropped); None for a sweep (``-m``) or another
+    Hydra flag, which Hydra handles itself."""
+    out, skip = [], False
+    for arg in argv:
+        if skip or arg == "--resolve":
+            skip = False
+            continue
+        if arg in ("--cfg", "-c"):
+            skip = True
+        elif arg.startswith("-"):
+            return None
+        else:
+            out.append(arg)
+    return out
+
+
+def compose_overrides(overrides: list[str]) -> DictConfig:
+    """Compose conf/train.yaml with ``overrides`` outside a Hydra app (the schemas are stored at import)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def composition_message(err: BaseException, overrides: list[str]) -> str:
+    """One line for a config that does not compose: no or an unknown recipe, a key the recipe's schema lacks (with
+    the close match), a value of the wrong type; Hydra's own message flattened otherwise."""
+    import re
+
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    from draftsmith.distill.config_checks import unknown_key_message
+    from draftsmith.recipes.schemas import SCHEMAS
+
+    recipe, text, cause = chosen_recipe(overrides), str(err), err.__cause__
+    if "You must specify 'recipe'" in text:
+        return f"no recipe: pick one with recipe=NAME ({', '.join(recipe_names())}); python train.py --help says more"
+    missing = re.search(r"Could not find '(recipe|schema)/([^']*)'", text)
+    if missing and missing.group(2) not in SCHEMAS:
+        return f"unknown recipe {missing.group(2)!r}; valid recipes: {', '.join(recipe_names())}"
+    full_key = getattr(cause, "full_key", None)
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and full_key and recipe in SCHEMAS:
+        return unknown_key_message(str(full_key), recipe, SCHEMAS[recipe])
+    if isinstance(cause, ValidationError) and full_key:
+        given = next((a.split("=", 1)[1] for a in overrides if a.split("=", 1)[0].lstrip("+") == full_key), "")
+        return f"{full_key}={given}: {str(cause).splitlines()[0]}"
+    detail = f" ({str(cause).splitlines()[0]})" if cause is not None and str(cause) else ""
+    return " ".join(text.split()) + detail
+
+
+def preflight(argv: list[str]) -> str | None:
+    """The one-line error for a command line whose config does not compose, names a key its recipe's schema lacks
+    or a value outside its declared range; None when it is fine (or a sweep, which Hydra composes per job)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from draftsmith.distill.config_checks import schema_problems
+
+    overrides = plain_overrides(argv)
+    if overrides is None:
+        return None
+    try:
+        cfg = compose_overrides(overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        return composition_message(err, overrides)
+    return "; ".join(schema_problems(cfg)) or None
+
+
+def help_text(argv: list[str], prog: str) -> str:
+    """``--help``: the usage and the recipes; with ``recipe=NAME``, that recipe's keys (type, default, doc, range)."""
+    from draftsmith.distill.config_checks import describe_keys
+
+    head = prog if not prog.endswith(".py") else f"python {Path(prog).name}"
+    overrides = [a for a in (plain_overrides([a for a in argv if a not in ("--help", "-h")]) or [])]
+    recipe = chosen_recipe(overrides)
+    if recipe is not None:
+        if (problem := preflight(overrides)) is not None:
+            return f"error: {problem}"
+        lines = describe_keys(compose_overrides(overrides))
+        return "\n".join([f"{head} recipe={recipe}: keys (set any with key=value; values shown with these "
+                          "overrides applied)", *lines])
+    presets = {g: ", ".join(sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml"))) for g in ("trainer", "logger")}
+    return "\n".join([
+        f"usage: {head} recipe=NAME [key=value ...]",
+        "",
+        "Trains a drafter (or controller) against a frozen target and exports it into the run folder",
+        "(outputs/<recipe>/<overrides>; re-running the same command there resumes from its last checkpoint).",
+        "",
+        f"recipes: {', '.join(recipe_names())}",
+        "",
+        f"  {head} recipe=NAME --help   list NAME's keys: type, default, meaning and allowed range",
+        "  target=PATH  data=PATH     the target model folder and the chat data (target.name_or_path, data.spec)",
+        f"  trainer=PRESET             {presets['trainer']}",
+        f"  logger=KIND                {presets['logger']}",
+        "  hydra.run.dir=DIR          the run folder; run.resume=false starts over in an existing one",
+        "  --cfg job                  print the composed config and exit; -m KEY=a,b runs a sweep",
+    ])
+
+
+def run_command_line(argv: list[str], prog: str) -> None:
+    """``python train.py ARGS`` / ``draftsmith train ARGS``: ``--help`` prints the usage (or, with ``recipe=NAME``,
+    that recipe's keys); a config that does not compose or check is one ``error:`` line and exit 1, before Hydra
+    makes a run folder; otherwise Hydra runs :func:`main`."""
+    argv = expand_shorthands(argv)
+    if "--help" in argv or "-h" in argv:
+        print(help_text(argv, prog))
+        sys.exit(0)
+    if (problem := check_launcher(argv) or preflight(argv)) is not None:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         sys.exit(1)
+    sys.argv = [prog, *argv]
     main()
+
+
+if __name__ == "__main__":
+    run_command_line(sys.argv[1:], sys.argv[0])

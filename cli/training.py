@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from collections.abc import Sequence
 
 
 def _cmd_train(argv: Sequence[str]) -> int:
-    from draftsmith.train import expand_shorthands
-    from draftsmith.train import main as hydra_main
+    """``draftsmith train [--help] recipe=NAME [overrides]``: as ``python train.py`` (train.run_command_line)."""
+    from draftsmith.train import run_command_line
 
-    sys.argv = ["draftsmith train", *expand_shorthands(list(argv))]
-    hydra_main()
+    run_command_line(list(argv), "draftsmith train")
     return 0
 
 
@@ -23,6 +21,8 @@ def compose_config(overrides: Sequence[str]):
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
+
+    import draftsmith.recipes.schemas  # noqa: F401  (stores the config schemas conf/ names in Hydra's ConfigStore)
 
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         return compose("train", overrides=list(overrides))

@@ -27,6 +27,7 @@ from draftsmith.distill.cluster import (
     planned_world_size,
     read_global_batch,
 )
+from draftsmith.distill.config_checks import check_schema
 from draftsmith.distill.errors import ConfigError, TrainingInterrupted
 from draftsmith.distill.module import DistillModule
 from draftsmith.distill.progress import StepProgressBar
@@ -43,7 +44,6 @@ from draftsmith.distill.target_shard import TargetSharding, check_target_shard
 log = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINT_DIR", "LAST_CHECKPOINT", "build_strategy", "build_trainer", "check_devices", "train"]
-CLIP_ALGORITHMS = ("norm", "value")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -92,7 +92,9 @@ def fit_or_interrupted(trainer: pl.Trainer, module: pl.LightningModule, data: An
 
 
 def check_config(cfg: DictConfig, recipe: Any) -> None:
-    """Fail fast, before the target loads: missing required fields, bad values, devices, recipe-specific checks."""
+    """Fail fast, before the target loads: keys the schema lacks and values outside their declared ranges
+    (:mod:`draftsmith.distill.config_checks`), missing required fields, devices, recipe-specific checks."""
+    check_schema(cfg)
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"missing required config fields: {', '.join(missing)} (set them on the command line, "
@@ -100,44 +102,11 @@ def check_config(cfg: DictConfig, recipe: Any) -> None:
     if cfg.target.name_or_path in (None, ""):
         raise ConfigError("target.name_or_path is empty: point it at a HF causal-LM folder, or use the default "
                           "`smollm2-135m`")
-    if int(cfg.trainer.max_steps) < 1:
-        raise ConfigError(f"trainer.max_steps must be >= 1, got {cfg.trainer.max_steps}")
-    if int(cfg.run.get("zero_loss_patience", 5) or 0) < 0:
-        raise ConfigError(f"run.zero_loss_patience must be >= 0 (0 = off), got {cfg.run.zero_loss_patience}")
-    if int(cfg.data.max_length) < 8:
-        raise ConfigError(f"data.max_length must be >= 8, got {cfg.data.max_length}")
-    check_optim(cfg.optim)
-    algorithm = str(cfg.optim.get("grad_clip_algorithm", "norm"))
-    if algorithm not in CLIP_ALGORITHMS:
-        raise ConfigError(f"optim.grad_clip_algorithm={algorithm!r}; valid: {', '.join(CLIP_ALGORITHMS)}")
+    if float(cfg.optim.lr) == 0:  # allowed: runs the pipeline without moving a weight (checking an init or an export)
+        log.warning("optim.lr=0: the weights will not change")
     check_devices(cfg.trainer)
     if recipe.validate is not None:
         recipe.validate(cfg)
-
-
-def check_optim(optim: DictConfig) -> None:
-    """``optim.*`` values that would diverge or make no sense: a negative or non-finite learning rate, negative decay,
-    betas outside [0, 1), a negative warmup."""
-    def number(key: str) -> float:
-        try:
-            return float(optim.get(key))
-        except (TypeError, ValueError):
-            raise ConfigError(f"optim.{key}={optim.get(key)!r} is not a number") from None
-
-    lr = number("lr")
-    if not lr >= 0 or lr == float("inf"):  # NaN fails >= too
-        raise ConfigError(f"optim.lr={optim.lr} must be a positive number (e.g. optim.lr=1e-3)")
-    if lr == 0:  # allowed: runs the pipeline without moving a weight (checking an init or an export)
-        log.warning("optim.lr=0: the weights will not change")
-    if optim.get("weight_decay") is not None and number("weight_decay") < 0:
-        raise ConfigError(f"optim.weight_decay={optim.weight_decay} must be >= 0")
-    if optim.get("eps") is not None and not number("eps") > 0:
-        raise ConfigError(f"optim.eps={optim.eps} must be > 0")
-    if optim.get("warmup_steps") is not None and number("warmup_steps") < 0:
-        raise ConfigError(f"optim.warmup_steps={optim.warmup_steps} must be >= 0")
-    betas = optim.get("betas")
-    if betas is not None and (len(betas) != 2 or not all(0 <= float(b) < 1 for b in betas)):
-        raise ConfigError(f"optim.betas={list(betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str | None = None) -> list:
@@ -146,21 +115,17 @@ def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str | None = None) -
     from pytorch_lightning.loggers import CSVLogger
 
     loggers: list = [CSVLogger(save_dir=str(run_dir), name="logs", version="")]
-    kind = cfg.logger.get("kind", "csv")
+    kind = cfg.logger.kind
     if kind == "wandb":
         from pytorch_lightning.loggers import WandbLogger
 
-        mode = str(cfg.logger.get("mode", "offline"))
-        if mode not in ("offline", "online", "disabled"):
-            raise ConfigError(f"logger.mode={mode!r}; valid: offline, online, disabled")
+        mode = str(cfg.logger.mode or "offline")
         os.environ.setdefault("WANDB_MODE", mode)
-        name = cfg.logger.get("name") or run_name or str(cfg.recipe.name)
-        loggers.append(WandbLogger(project=cfg.logger.project, entity=cfg.logger.get("entity"), name=name,
+        name = cfg.logger.name or run_name or str(cfg.recipe.name)
+        loggers.append(WandbLogger(project=cfg.logger.project, entity=cfg.logger.entity, name=name,
                                    save_dir=str(run_dir), offline=mode == "offline", mode=mode,
-                                   group=cfg.logger.get("group") or str(cfg.recipe.name),
+                                   group=cfg.logger.group or str(cfg.recipe.name),
                                    config=OmegaConf.to_container(cfg, resolve=True)))
-    elif kind != "csv":
-        raise ConfigError(f"logger.kind={kind!r}; valid: csv, wandb")
     return loggers
 
 
@@ -193,14 +158,14 @@ def grad_clipping(optim_cfg: DictConfig, trainer_cfg: DictConfig | None = None) 
     value = float(optim_cfg.grad_clip or 0.0)
     if not value or (trainer_cfg is not None and sharded_clip_norm(optim_cfg, trainer_cfg)):
         return {"gradient_clip_val": None, "gradient_clip_algorithm": None}
-    return {"gradient_clip_val": value, "gradient_clip_algorithm": str(optim_cfg.get("grad_clip_algorithm", "norm"))}
+    return {"gradient_clip_val": value, "gradient_clip_algorithm": str(optim_cfg.grad_clip_algorithm)}
 
 
 def sharded_clip_norm(optim_cfg: DictConfig, trainer_cfg: DictConfig) -> float | None:
     """The global-norm clip the module applies itself under FSDP (FSDP's ``clip_grad_norm_`` reduces the norm over
     the shards), or None where Lightning's own clipping runs."""
     value = float(optim_cfg.grad_clip or 0.0)
-    norm = str(optim_cfg.get("grad_clip_algorithm", "norm")) == "norm"
+    norm = str(optim_cfg.grad_clip_algorithm) == "norm"
     return value if value and norm and strategy_family(trainer_cfg) == "fsdp" else None
 
 
@@ -210,7 +175,7 @@ def slurm_environment(cfg: DictConfig) -> list:
 
     if not SLURMEnvironment.detect():
         return []
-    return [SLURMEnvironment(auto_requeue=bool(cfg.run.get("requeue", True)), requeue_signal=signal.SIGUSR1)]
+    return [SLURMEnvironment(auto_requeue=bool(cfg.run.requeue), requeue_signal=signal.SIGUSR1)]
 
 
 def node_count(trainer_cfg: DictConfig) -> int:
@@ -233,14 +198,14 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
     check_devices(t)
     run_dir = Path(run_dir)
     checkpoint = QuotaCheckpoint(run_dir / CHECKPOINT_DIR, every_n_train_steps=int(cfg.run.checkpoint_every),
-                                 keep=int(cfg.run.get("keep_checkpoints", 2)))
+                                 keep=int(cfg.run.keep_checkpoints))
     precision = build_precision(t)
     plugins = [AtomicCheckpointIO(), *slurm_environment(cfg), *([precision] if precision is not None else [])]
     val_every = int(cfg.run.val_every)
     return pl.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=node_count(t),
         strategy=build_strategy(t, drafter), precision=None if precision is not None else t.precision,
-        max_steps=int(t.max_steps), max_time=t.get("max_time") or None,
+        max_steps=int(t.max_steps), max_time=t.max_time or None,
         accumulate_grad_batches=int(t.accumulate_grad_batches),
         **grad_clipping(cfg.optim, t), log_every_n_steps=int(t.log_every_n_steps),
         val_check_interval=val_every if val_every > 0 else None, check_val_every_n_epoch=None if val_every else 1,
@@ -284,7 +249,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     if ckpt_path is not None:  # another attempt, maybe on another device count: keep the global batch
         keep_global_batch(cfg, read_global_batch(run_dir), planned_world_size(cfg.trainer))
     pl.seed_everything(int(cfg.run.seed), workers=True)
-    if cfg.data.get("features"):  # offline: the feature cache's stand-in; the target model is never loaded
+    if cfg.data.features:  # offline: the feature cache's stand-in; the target model is never loaded
         from draftsmith.distill.cached_features import CachedTarget, open_cache
 
         target = CachedTarget(open_cache(cfg))
@@ -295,7 +260,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     data = build_datamodule(cfg, target.tokenizer, kind=batch_kind(objective))
     module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
                            total_steps=int(cfg.trainer.max_steps),
-                           zero_loss_patience=int(cfg.run.get("zero_loss_patience", 5) or 0), served_probe=served_probe)
+                           zero_loss_patience=int(cfg.run.zero_loss_patience), served_probe=served_probe)
     module.sharded_clip_norm = sharded_clip_norm(cfg.optim, cfg.trainer)
     module.run_info = {"recipe": recipe.name, "target": target.identity(),
                        "config": OmegaConf.to_container(cfg, resolve=True)}
