@@ -1,0 +1,78 @@
+"""``draftsmith curve --out DIR [--steps N --first-steps M --points P ...] recipe=NAME [overrides]``: a learning
+curve (:mod:`draftsmith.evals.curve_runner`): held-out acceptance against training tokens and CPU-hours, with a fit
+that says how many tokens a target acceptance would take. Re-running the same command resumes it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+EPILOG = """example (EAGLE-3 on regenerated data, 6 points from 100 to 3,000 steps):
+  draftsmith curve --out outputs/curve/eagle3 --first-steps 100 --steps 3000 --points 6 \\
+      recipe=eagle3 data=regen.jsonl data.limit=null
+Writes DIR/curve.json, DIR/curve.md and DIR/curve.png; Ctrl-C keeps every finished point and the training
+checkpoint, and the same command resumes."""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The curve's own flags; everything else on the line is a Hydra override for the training run."""
+    p = argparse.ArgumentParser(prog="draftsmith curve", description=__doc__, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="curve folder (a re-run with the same arguments resumes there)")
+    p.add_argument("--steps", type=int, default=2000, help="last point: optimizer steps of the whole run")
+    p.add_argument("--first-steps", type=int, default=50, help="first point's steps")
+    p.add_argument("--points", type=int, default=6, help="points, log-spaced between --first-steps and --steps")
+    p.add_argument("--prompts", default="mtbench,humaneval", help="held-out prompt sets, comma-separated")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts of each set")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--dtype", default="auto", help="runtime dtype of the evaluation (auto | fp32 | bf16)")
+    p.add_argument("--target", default=None, help="target folder to serve with (default: the export's)")
+    p.add_argument("--report-only", action="store_true", help="rewrite curve.md / curve.png from curve.json")
+    return p
+
+
+def _check(opts: argparse.Namespace) -> None:
+    for flag, value in (("--num-prompts", opts.num_prompts), ("--max-new-tokens", opts.max_new_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if opts.dtype not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"--dtype {opts.dtype!r}: valid are auto, fp32, bf16")
+
+
+def cmd_curve(argv: Sequence[str]) -> int:
+    """Run, resume or re-report a learning curve; one ``error:`` line for bad input, 130 on Ctrl-C."""
+    from pathlib import Path
+
+    from draftsmith.evals.curve_report import write_report
+    from draftsmith.evals.curve_runner import CURVE_FILE, CurveError, log_spaced_steps, run_curve
+    from draftsmith.evals.learning_curve import EvalSettings
+
+    opts, overrides = parser().parse_known_args(list(argv))
+    out = Path(opts.out)
+    try:
+        _check(opts)
+        if opts.report_only:
+            if not (out / CURVE_FILE).is_file():
+                raise CurveError(f"{out / CURVE_FILE} not found: run the curve first")
+            block = write_report(out, json.loads((out / CURVE_FILE).read_text()))
+        else:
+            settings = EvalSettings(tuple(s for s in opts.prompts.split(",") if s), opts.num_prompts,
+                                    opts.max_new_tokens, opts.dtype, opts.target)
+            plan = log_spaced_steps(opts.first_steps, opts.steps, opts.points)
+            curve = run_curve(out, overrides, plan, settings)
+            block = write_report(out, curve.data)
+    except KeyboardInterrupt:
+        print(f"draftsmith curve: interrupted; finished points are kept in {out / CURVE_FILE} and training in "
+              f"{out / 'run'}; re-run the same command to resume", file=sys.stderr)
+        return 130
+    except (CurveError, ValueError, FileNotFoundError) as err:
+        print(f"draftsmith curve: error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(block, indent=1))
+    print(f"wrote {out / CURVE_FILE}, {out / 'curve.md'}, {out / 'curve.png'}")
+    return 0
+
+
+RAW_HANDLERS = {"curve": cmd_curve}

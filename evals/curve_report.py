@@ -1,0 +1,131 @@
+"""The learning curve's outputs: ``curve.json`` gains a ``fit`` block, ``curve.md`` a table, ``curve.png`` the
+picture (acceptance against training tokens on a log axis, CPU-hours on the top axis, the fit dashed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from draftsmith.evals.curve_fit import fit_curve, forecast
+
+# The issue's held-out targets for EAGLE-3 first-position acceptance, by prompt set.
+TARGETS = {"mtbench": 0.75, "humaneval": 0.70}
+
+
+def prompt_sets(data: dict[str, Any]) -> list[str]:
+    """The prompt sets the curve evaluates on."""
+    return list(data["settings"]["prompt_sets"])
+
+
+def tokens_per_cpu_hour(points: list[dict[str, Any]]) -> float | None:
+    """Training tokens per CPU-hour over the whole run so far (the last point's totals)."""
+    last = points[-1] if points else None
+    if not last or not last.get("tokens") or not last.get("cpu_hours"):
+        return None
+    return last["tokens"] / last["cpu_hours"]
+
+
+def fits(data: dict[str, Any]) -> dict[str, Any]:
+    """Per prompt set: the first-position acceptance fit and its forecast for that set's target."""
+    points = [p for p in data["points"] if p.get("tokens")]
+    rate = tokens_per_cpu_hour(points)
+    out = {}
+    for name in prompt_sets(data):
+        xs = [p["tokens"] for p in points]
+        ys = [p["eval"][name]["first_position_acceptance"] for p in points]
+        target = {"first_position": TARGETS[name]} if name in TARGETS else {}
+        out[name] = {"metric": "first_position_acceptance", **forecast(fit_curve(xs, ys), target, rate)}
+    return out
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}" if abs(value) < 1e4 else f"{value:,.3g}"
+    return str(value)
+
+
+def markdown(data: dict[str, Any], fit_block: dict[str, Any]) -> str:
+    """The curve as a markdown table (one row per point and prompt set) plus the fit's forecast."""
+    lines = [f"# Learning curve: {' '.join(data['overrides'])}", "",
+             f"Machine: {data['machine']['cpu']}, {data['machine']['cores']} cores. Held-out prompts: "
+             f"{data['settings']['prompts']} x {data['settings']['max_new_tokens']} new tokens, greedy, the runtime's "
+             "own loop. Acceptance at depths 1-4 is per position given the earlier ones were accepted; "
+             "speedups are predicted from step costs measured once (see curve.json `costs`).", "",
+             "| steps | tokens | CPU-h | prompts | first-position | per position d1-d4 | in draft vocab "
+             "| cost-aware shape | tau | predicted speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in data["points"]:
+        for name in prompt_sets(data):
+            e = p["eval"][name]
+            aware = e.get("cost_aware") or {}
+            lines.append(f"| {p['steps']} | {_fmt(p['tokens'])} | {_fmt(p['cpu_hours'], 2)} | {name} | "
+                         f"{_fmt(e['first_position_acceptance'])} | "
+                         f"{' / '.join(f'{a:.2f}' for a in e['conditional_acceptance'])} | "
+                         f"{_fmt(e.get('draft_vocab_coverage'))} | "
+                         f"{aware.get('shape', '-')} | {_fmt(aware.get('tau'), 2)} | "
+                         f"{_fmt(aware.get('predicted_speedup'), 2)}x |")
+    lines += ["", "## Fit: first-position acceptance = ceiling - scale * tokens^(-exponent)", ""]
+    for name, block in fit_block.items():
+        fit = block.get("fit")
+        if fit is None:
+            lines.append(f"- {name}: no fit ({block.get('why')})")
+            continue
+        lines.append(f"- {name}: ceiling {fit['ceiling']:.3f}, exponent {fit['exponent']:.2f}, rmse {fit['rmse']:.3f};"
+                     f" flattens (< 0.01 a doubling) at {_fmt(block['flattens_at_tokens'])} tokens")
+        for target in block["targets"].values():
+            reach = (f"{_fmt(target['tokens'])} tokens ({_fmt(target['cpu_hours'], 1)} CPU-h)"
+                     if target["reachable"] else target["why"])
+            lines.append(f"  - {target['target']}: {reach}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(data: dict[str, Any], fit_block: dict[str, Any], path: Path) -> None:
+    """Acceptance (first position, solid; fit, dashed) against training tokens, log x, CPU-hours on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in data["points"] if p.get("tokens")]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [p["tokens"] for p in points]
+    for name in prompt_sets(data):
+        ys = [p["eval"][name]["first_position_acceptance"] for p in points]
+        line, = ax.plot(xs, ys, "o-", label=f"{name} first position")
+        deeper = [p["eval"][name]["chain_acceptance"][-1] for p in points]
+        ax.plot(xs, deeper, "s:", color=line.get_color(), alpha=0.6, label=f"{name} all of 4")
+        fit = fit_block.get(name, {}).get("fit")
+        if fit and xs:
+            grid = [min(xs) * (max(xs) * 20 / min(xs)) ** (i / 60) for i in range(61)]
+            ax.plot(grid, [fit["ceiling"] - fit["scale"] * g ** (-fit["exponent"]) for g in grid], "--",
+                    color=line.get_color(), alpha=0.7, label=f"{name} fit (ceiling {fit['ceiling']:.2f})")
+    rate = tokens_per_cpu_hour(points)
+    if rate:
+        top = ax.secondary_xaxis("top", functions=(lambda t: t / rate, lambda h: h * rate))
+        top.set_xlabel("CPU-hours of training")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("held-out acceptance")
+    ax.set_ylim(0, 1)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(curve_dir: str | Path, data: dict[str, Any]) -> dict[str, Any]:
+    """Write curve.md and curve.png beside curve.json; returns the fit block (also stored in curve.json)."""
+    from draftsmith.evals.curve_runner import CURVE_FILE, write_json
+
+    curve_dir = Path(curve_dir)
+    block = fits(data)
+    data = {**data, "fit": block}
+    write_json(curve_dir / CURVE_FILE, data)
+    (curve_dir / "curve.md").write_text(markdown(data, block))
+    if data["points"]:
+        plot(data, block, curve_dir / "curve.png")
+    return block

@@ -1,0 +1,199 @@
+"""``draftsmith curve``: train one recipe in segments and evaluate an export at log-spaced step counts, so acceptance
+can be read against training tokens and CPU-hours.
+
+Folder (``--out DIR``), every stage resumable by re-running the same command::
+
+    DIR/curve.json                 plan, evaluation settings, measured step costs, every finished point (atomic)
+    DIR/run/                       the one training run (Hydra run dir): checkpoints, CSV logs, its latest export
+    DIR/points/step<N>/export/     the export evaluated at step N (copied from run/export, then swapped in)
+    DIR/curve.md, DIR/curve.png    the table and the picture (:mod:`draftsmith.evals.curve_report`)
+
+Training runs as ``draftsmith train`` subprocesses with ``trainer.max_steps`` raised segment by segment; each resumes
+from ``run/checkpoints/last.ckpt``. The learning rate is constant after warm-up (``optim.scheduler=constant`` unless
+the overrides name one) so that a point's weights do not depend on where the curve ends. A killed segment resumes
+from its last checkpoint; a point whose export exists but was not evaluated is evaluated; a finished point is kept.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from draftsmith.evals.learning_curve import EvalSettings, evaluate_export
+from draftsmith.runtime.acceptance.cost_model import MachineCosts
+
+CURVE_FILE, RUN_DIR, POINTS_DIR = "curve.json", "run", "points"
+DEFAULT_OVERRIDES = {"optim.scheduler": "constant", "validation.served_tau.every": "0"}
+PROTECTED = ("hydra.run.dir", "trainer.max_steps", "trainer.max_time")  # the curve sets these itself
+
+
+class CurveError(ValueError):
+    """A curve that cannot run as asked (bad plan, another curve in the folder, a failed training segment)."""
+
+
+def log_spaced_steps(first: int, last: int, points: int) -> list[int]:
+    """``points`` step counts from ``first`` to ``last``, evenly spaced in log, distinct and increasing."""
+    if first < 1 or last < first or points < 1:
+        raise CurveError(f"need 1 <= --first-steps <= --steps and --points >= 1, got first={first}, last={last}, "
+                         f"points={points}")
+    if points == 1:
+        return [last]
+    ratio = (last / first) ** (1.0 / (points - 1))
+    steps = sorted({max(1, round(first * ratio ** i)) for i in range(points)} | {last})
+    return steps
+
+
+def training_overrides(user: Sequence[str]) -> list[str]:
+    """The user's overrides plus the curve's defaults for keys the user left alone; refuses keys the curve sets."""
+    keys = {o.lstrip("+~").split("=", 1)[0] for o in user}
+    clash = sorted(keys & set(PROTECTED))
+    if clash:
+        raise CurveError(f"{', '.join(clash)} is set by the curve itself (--out, --steps); leave it out")
+    if not any(k == "recipe" for k in keys):
+        raise CurveError("name a recipe, e.g. `draftsmith curve --out DIR recipe=eagle3`")
+    return [*user, *(f"{k}={v}" for k, v in DEFAULT_OVERRIDES.items() if k not in keys)]
+
+
+def tokens_seen(run_dir: Path) -> int | None:
+    """The largest ``train/tokens`` (non-padding tokens trained on) in the run's CSV logs."""
+    best = None
+    for path in run_dir.rglob("metrics.csv"):
+        with path.open(newline="") as f:
+            for row in csv.DictReader(f):
+                value = row.get("train/tokens")
+                if value:
+                    best = max(best or 0, int(float(value)))
+    return best
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed over it (never a half-written curve.json)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def copy_export(source: Path, dest: Path) -> None:
+    """Copy an export folder to ``dest`` beside-then-rename, so ``dest`` exists only complete."""
+    if not (source / "config.json").is_file():
+        raise CurveError(f"training finished without an export in {source} (run.export=false?)")
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+
+
+def train_to(out: Path, overrides: Sequence[str], steps: int, runner: Callable[[list[str]], int]) -> float:
+    """Train (or resume) ``out/run`` until ``steps``; the wall seconds it took."""
+    argv = [*overrides, f"hydra.run.dir={out / RUN_DIR}", f"trainer.max_steps={steps}"]
+    start = time.perf_counter()
+    code = runner(argv)
+    if code != 0:
+        raise CurveError(f"training segment to step {steps} failed (exit {code}); fix the error above and re-run the "
+                         "same `draftsmith curve` command: it resumes from the last checkpoint")
+    return time.perf_counter() - start
+
+
+def subprocess_train(argv: list[str]) -> int:
+    """Run ``draftsmith train ARGV`` in a child process (a fresh Hydra app per segment)."""
+    return subprocess.call([sys.executable, "-m", "draftsmith.cli", "train", *argv])
+
+
+class Curve:
+    """The state of one curve folder (``curve.json``), loaded or started, refusing a folder started otherwise."""
+
+    def __init__(self, out: str | Path, overrides: Sequence[str], plan: list[int], settings: EvalSettings) -> None:
+        self.out = Path(out)
+        self.path = self.out / CURVE_FILE
+        fresh = {"format": "draftsmith-curve", "version": 1, "overrides": list(overrides), "plan": plan,
+                 "settings": json.loads(json.dumps(asdict(settings))),  # tuples as lists, as curve.json reads back
+                 "costs": None, "machine": machine(), "points": []}
+        if self.path.is_file():
+            self.data = json.loads(self.path.read_text())
+            for key in ("overrides", "plan", "settings"):
+                if self.data.get(key) != fresh[key]:
+                    raise CurveError(f"{self.path} was started with {key} {self.data.get(key)!r}, now {fresh[key]!r}:"
+                                     " re-run with the same arguments to resume, or pick another --out")
+        else:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.data = fresh
+        self.settings = settings
+
+    def done(self, steps: int) -> dict[str, Any] | None:
+        """The finished point at ``steps``, if any."""
+        return next((p for p in self.data["points"] if p["steps"] == steps), None)
+
+    def costs(self) -> MachineCosts | None:
+        """The step costs measured at the first point (None before it)."""
+        c = self.data.get("costs")
+        return None if c is None else MachineCosts(**{**c, "verify_ms": {int(k): v for k, v in c["verify_ms"].items()}})
+
+    def add(self, point: dict[str, Any], costs: MachineCosts | None) -> None:
+        """Record a finished point (and the costs, the first time) atomically."""
+        if costs is not None and self.data.get("costs") is None:
+            self.data["costs"] = asdict(costs)
+        self.data["points"] = sorted([*self.data["points"], point], key=lambda p: p["steps"])
+        write_json(self.path, self.data)
+
+
+def machine() -> dict[str, Any]:
+    """The CPU the curve ran on (every figure is named with it)."""
+    from draftsmith.kernels import cpu_caps
+
+    return {"cpu": cpu_caps.probe().describe(), "cores": os.cpu_count()}
+
+
+def run_point(curve: Curve, overrides: Sequence[str], steps: int, runner: Callable[[list[str]], int],
+              evaluate: Callable[..., tuple[dict[str, Any], MachineCosts | None]] = evaluate_export) -> dict:
+    """Train to ``steps`` (unless its export is already kept), evaluate it and record the point."""
+    point_dir = curve.out / POINTS_DIR / f"step{steps}"
+    export = point_dir / "export"
+    meta_path = point_dir / "training.json"
+    if not (export / "config.json").is_file() or not meta_path.is_file():
+        seconds = train_to(curve.out, overrides, steps, runner)
+        point_dir.mkdir(parents=True, exist_ok=True)
+        copy_export(curve.out / RUN_DIR / "export", export)
+        before = [p for p in curve.data["points"] if p["steps"] < steps]
+        total = seconds + (before[-1]["train_seconds_total"] if before else 0.0)
+        write_json(meta_path, {"steps": steps, "segment_seconds": seconds, "train_seconds_total": total,
+                               "tokens": tokens_seen(curve.out / RUN_DIR)})
+    meta = json.loads(meta_path.read_text())
+    evaluation, costs = evaluate(str(export), curve.settings, costs=curve.costs(), measure=True)
+    cores = curve.data["machine"]["cores"] or 1
+    point = {"steps": steps, "tokens": meta["tokens"], "train_seconds_total": meta["train_seconds_total"],
+             "cpu_hours": meta["train_seconds_total"] * cores / 3600.0, "export": str(export.relative_to(curve.out)),
+             "eval": evaluation}
+    curve.add(point, costs)
+    return point
+
+
+def run_curve(out: str | Path, user_overrides: Sequence[str], plan: list[int], settings: EvalSettings,
+              runner: Callable[[list[str]], int] = subprocess_train,
+              evaluate: Callable[..., tuple[dict[str, Any], MachineCosts | None]] = evaluate_export,
+              say: Callable[[str], None] = print) -> Curve:
+    """Run (or resume) the curve in ``out``: every planned point trained, exported and evaluated, in order."""
+    overrides = training_overrides(user_overrides)
+    curve = Curve(out, overrides, plan, settings)
+    for i, steps in enumerate(plan, 1):
+        if curve.done(steps):
+            say(f"[{i}/{len(plan)}] step {steps}: kept from an earlier run")
+            continue
+        say(f"[{i}/{len(plan)}] step {steps}: training (resumes from the last checkpoint) and evaluating")
+        point = run_point(curve, overrides, steps, runner, evaluate)
+        firsts = {k: round(v["first_position_acceptance"], 3) for k, v in point["eval"].items()
+                  if isinstance(v, dict) and "first_position_acceptance" in v}
+        say(f"[{i}/{len(plan)}] step {steps}: {point['tokens']} tokens, {point['cpu_hours']:.2f} CPU-h, "
+            f"first-position acceptance {firsts}")
+    return curve
+

@@ -1,0 +1,201 @@
+"""Held-out acceptance of one export, the way the learning curve (``draftsmith curve``) records each of its points.
+
+For every prompt set (MT-Bench and HumanEval by default: prompts no training data contains, 8 x 128 new tokens,
+greedy), the export is served by the runtime's own speculative loop drafting the calibration superset of its family
+(EAGLE: a 16-node, top-4, 4-deep dynamic tree), and every verified tree is recorded with the path greedy verification
+accepted (:class:`~draftsmith.runtime.acceptance.shapes.RecordedStep`). From those steps, without decoding again:
+
+- ``chain_acceptance``: cumulative acceptance of the drafter's top-1 chain, entry d-1 = P(first d drafted tokens all
+  accepted); entry 0 is the *first-position acceptance* (how often the drafter's first guess is the target's token);
+- ``conditional_acceptance``: entry d-1 = P(position d accepted | positions 1..d-1 accepted), the per-position
+  acceptance the issue's 0.7 target is about (entry 0 equals the first-position acceptance);
+- ``shapes``: tokens per step of every candidate shape and, with the machine's step costs
+  (:func:`measure_costs`, measured once per curve), the predicted speedup over plain decoding; ``cost_aware`` is the
+  shape the runtime's cost model would serve (plain decoding when nothing beats it) with its tau.
+
+Speedups are predictions from costs measured once per curve (so the points differ by acceptance alone); the bench
+times them (``draftsmith bench``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.bench.prompts import load_prompts
+from draftsmith.runtime.acceptance import shapes
+from draftsmith.runtime.acceptance.cost_model import MachineCosts, anchor_curve, predict_shapes
+from draftsmith.runtime.acceptance.depth_choice import decode_step_ms, forward_curve, loop_head
+from draftsmith.runtime.decoding.profile import StepProfiler
+from draftsmith.runtime.decoding.prompt_limits import context_limit
+from draftsmith.runtime.serving import load_runtime
+
+CHAIN_DEPTH = 4  # per-position acceptance is reported at depths 1..4 (the calibration superset's depth)
+COST_PROMPTS = 2  # prompts the step costs are measured on (once per curve)
+COST_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What each curve point is evaluated on (recorded in curve.json so a resumed curve evaluates alike)."""
+
+    prompt_sets: tuple[str, ...] = ("mtbench", "humaneval")
+    prompts: int = 8
+    max_new_tokens: int = 128
+    dtype: str = "auto"
+    target: str | None = None
+
+
+class StepRecorder:
+    """Wraps the calibration proposer: times ``propose`` and records every verified tree with its accepted path."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.max_tree_nodes = inner.max_tree_nodes
+        self.feature_taps = getattr(inner, "feature_taps", None)
+        self.steps: list[shapes.RecordedStep] = []
+        self.draft_s = 0.0
+        self._tree: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Capabilities the loop asks of a proposer (logits, taps, draft plan) are the wrapped proposer's.
+        return getattr(self.__dict__["inner"], name)
+
+    def begin(self, ctx: Any) -> None:
+        """Start the inner proposer."""
+        self.inner.begin(ctx)
+
+    def propose(self, ctx: Any) -> Any:
+        """Draft with the inner proposer, timed."""
+        start = time.perf_counter()
+        self._tree = self.inner.propose(ctx)
+        self.draft_s += time.perf_counter() - start
+        return self._tree
+
+    def accept(self, ctx: Any) -> None:
+        """Record the verified tree and its accepted path, then tell the inner proposer."""
+        self.steps.append(shapes.record_step(self._tree, ctx.acceptance.path_nodes))
+        self.inner.accept(ctx)
+
+
+def record_steps(spec: Any, prompts: Sequence[list[int]], max_new_tokens: int, eos_ids: Sequence[int],
+                 ) -> tuple[StepRecorder, dict[str, Any], list[Any]]:
+    """Greedy speculative decoding of ``prompts`` drafting the family's calibration superset, every step recorded:
+    (recorder, step profile, results)."""
+    base = spec.proposer
+    recorder = StepRecorder(shapes.calibration_proposer(base))
+    saved = spec.proposer, spec.stop_policy
+    spec.proposer, spec.stop_policy = recorder, None  # the superset's own depth, no stop rule
+    profiler = StepProfiler(getattr(spec.model, "device", "cpu"), time.perf_counter)
+    spec.profiler = profiler
+    try:
+        results = [spec.generate(p, max_new_tokens, eos_ids=eos_ids, generator=torch.Generator().manual_seed(i))
+                   for i, p in enumerate(prompts)]
+    finally:
+        spec.proposer, spec.stop_policy = saved
+        spec.profiler = None
+    return recorder, profiler.report(), results
+
+
+def chain_acceptance(steps: Sequence[shapes.RecordedStep], depth: int = CHAIN_DEPTH) -> list[float]:
+    """Cumulative acceptance of the top-1 chain: entry d-1 = share of steps whose first d chain tokens were accepted."""
+    accepted = [shapes.accepted_length(step, shapes.Shape.chain(depth))[0] for step in steps]
+    return [sum(a >= d for a in accepted) / len(accepted) if accepted else 0.0 for d in range(1, depth + 1)]
+
+
+def conditional(cumulative: Sequence[float]) -> list[float]:
+    """Per-position acceptance given the previous positions were accepted (cumulative[d] / cumulative[d-1])."""
+    out, before = [], 1.0
+    for c in cumulative:
+        out.append(c / before if before > 0 else 0.0)
+        before = c
+    return out
+
+
+def measure_costs(runtime: Any, prompts: Sequence[list[int]]) -> MachineCosts:
+    """This machine's step costs for the export's proposer: the verify curve (1..16 nodes) anchored to the plain step,
+    drafting per depth level and the loop's per-step rest, from a short recorded run on ``prompts``."""
+    spec = runtime.speculative
+    calib = [list(p) for p in prompts[:COST_PROMPTS]]
+    recorder, report, _ = record_steps(spec, calib, COST_TOKENS, runtime.eos_ids)
+    head = loop_head(spec)
+    ar_ms, _ = decode_step_ms(spec.model, calib, COST_TOKENS, head=head)
+    curve, _ = anchor_curve({int(n): float(v) for n, v in forward_curve(spec.model, calib[0], head=head).items()},
+                            ar_ms)
+    steps = max(1, len(recorder.steps))
+    rest = report["verification_ms"] + report["kv_compaction_ms"] + report["proposer_update_ms"] + \
+        max(0.0, report["unattributed_ms"])
+    draft_ms = 1e3 * recorder.draft_s / steps
+    if shapes.family_of(spec.proposer) == "static_tree":  # heads: one draft call, whatever the shape
+        return MachineCosts(ar_ms, curve, 0.0, rest, draft_ms)
+    mean_depth = sum(max(s.depths) for s in recorder.steps) / steps
+    return MachineCosts(ar_ms, curve, draft_ms / max(mean_depth, 1.0), rest)
+
+
+def summarize(steps: Sequence[shapes.RecordedStep], base: Any, costs: MachineCosts | None) -> dict[str, Any]:
+    """The point's record for one prompt set (see the module docstring)."""
+    cumulative = chain_acceptance(steps)
+    record: dict[str, Any] = {
+        "verify_steps": len(steps), "first_position_acceptance": cumulative[0], "chain_acceptance": cumulative,
+        "conditional_acceptance": conditional(cumulative),
+        "chain_tau": {f"chain:{d}": 1.0 + sum(cumulative[:d]) for d in range(1, CHAIN_DEPTH + 1)}}
+    if costs is not None:
+        table = predict_shapes(steps, shapes.candidates(base), costs, lambda s: shapes.static_paths_of(base, s))
+        best = table[0]
+        record["cost_aware"] = {"shape": best["shape"], "tau": best["tokens"],
+                                "predicted_speedup": best["predicted_speedup"]}
+        record["shapes"] = [{k: r[k] for k in ("shape", "tokens", "nodes", "predicted_speedup")} for r in table[:12]]
+    return record
+
+
+def draft_vocabulary(export_dir: str) -> set[int] | None:
+    """Target ids the export can draft (EAGLE-3's ``d2t``: target id = i + d2t[i]; heads' ``draft_ids``), or None
+    for a drafter over the whole target vocabulary."""
+    from safetensors import safe_open
+
+    path = Path(export_dir) / "model.safetensors"
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+            if key.endswith("d2t"):
+                d2t = f.get_tensor(key).long()  # [V'] offsets
+                return set((torch.arange(d2t.numel()) + d2t).tolist())
+            if key.endswith("draft_ids"):
+                return set(f.get_tensor(key).long().tolist())
+    return None
+
+
+def coverage(results: Sequence[Any], vocabulary: set[int] | None) -> float | None:
+    """Share of the target's greedy tokens the drafter could have drafted at all (a token outside the draft
+    vocabulary is a certain miss)."""
+    if vocabulary is None:
+        return None
+    tokens = [int(t) for r in results for t in r.tokens]
+    return sum(t in vocabulary for t in tokens) / len(tokens) if tokens else None
+
+
+def evaluate_export(export_dir: str, settings: EvalSettings, costs: MachineCosts | None = None,
+                    measure: bool = False) -> tuple[dict[str, Any], MachineCosts | None]:
+    """Evaluate ``export_dir`` on every prompt set of ``settings``: ({prompt set: record}, costs). With ``measure``
+    and no ``costs``, the step costs are measured here first (on the first prompt set) and returned for reuse."""
+    start = time.perf_counter()
+    runtime = load_runtime(export_dir, settings.target, dtype=settings.dtype, verifier="greedy", temperature=0.0)
+    spec = runtime.speculative
+    out: dict[str, Any] = {"settings": asdict(settings)}
+    vocabulary = draft_vocabulary(export_dir)
+    for name in settings.prompt_sets:
+        prompts = load_prompts(name, runtime.tokenizer, int(settings.prompts), max_len=context_limit(runtime.model))
+        if costs is None and measure:
+            costs = measure_costs(runtime, prompts)
+        recorder, _, results = record_steps(spec, prompts, int(settings.max_new_tokens), runtime.eos_ids)
+        out[name] = {**summarize(recorder.steps, spec.proposer, costs),
+                     "generated_tokens": sum(len(r.tokens) for r in results),
+                     "draft_vocab_coverage": coverage(results, vocabulary)}
+    out["seconds"] = round(time.perf_counter() - start, 1)
+    return out, costs

@@ -1,0 +1,161 @@
+"""The learning curve (`draftsmith curve`): log-spaced plan, the saturating fit and its forecast, resuming after an
+interrupt without retraining or re-evaluating kept points, refusing a folder started otherwise, the per-position
+acceptance read from recorded trees, and a real evaluation of a tiny export in the runtime's own loop."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pattern_target import write_heldout_prompts
+
+from draftsmith.evals.curve_fit import fit_curve
+from draftsmith.evals.curve_report import write_report
+from draftsmith.evals.curve_runner import CurveError, log_spaced_steps, run_curve
+from draftsmith.evals.learning_curve import (
+    EvalSettings,
+    chain_acceptance,
+    conditional,
+    coverage,
+    draft_vocabulary,
+    evaluate_export,
+)
+from draftsmith.runtime.acceptance.shapes import RecordedStep
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_plan_is_log_spaced_increasing_and_ends_at_the_budget():
+    plan = log_spaced_steps(10, 1000, 5)
+    assert plan == [10, 32, 100, 316, 1000]
+    assert log_spaced_steps(1, 3, 6) == [1, 2, 3]  # rounding collapses duplicates
+    with pytest.raises(CurveError, match="first-steps"):
+        log_spaced_steps(100, 10, 3)
+
+
+def test_fit_recovers_a_known_curve_and_forecasts_the_tokens_of_a_target():
+    tokens = [1e4 * 3 ** i for i in range(7)]
+    truth = [0.8 - 2.0 * t ** -0.3 for t in tokens]
+    fit = fit_curve(tokens, truth)
+    assert fit is not None and fit.rmse < 1e-3
+    assert fit.ceiling == pytest.approx(0.8, abs=0.01) and fit.exponent == pytest.approx(0.3, abs=0.03)
+    need = fit.tokens_for(0.75)
+    assert need == pytest.approx((2.0 / 0.05) ** (1 / 0.3), rel=0.25)
+    assert fit.tokens_for(0.9) is None  # above the ceiling: unreachable with this recipe
+    flat = fit.flattens_at
+    assert flat is not None and fit.at(2 * flat) - fit.at(flat) == pytest.approx(0.01, rel=0.1)
+    assert fit_curve(tokens[:2], truth[:2]) is None
+
+
+def _step(accepted_depth: int, depth: int = 4) -> RecordedStep:
+    """A recorded chain of ``depth`` drafted nodes whose first ``accepted_depth`` were accepted."""
+    parents = [-1, *range(depth)]
+    return RecordedStep(parents, list(range(depth + 1)), [1.0] * (depth + 1), list(range(accepted_depth + 1)))
+
+
+def test_chain_acceptance_is_cumulative_and_conditional_divides_it():
+    steps = [_step(0), _step(1), _step(2), _step(4)]
+    cumulative = chain_acceptance(steps)
+    assert cumulative == [0.75, 0.5, 0.25, 0.25]
+    assert conditional(cumulative) == pytest.approx([0.75, 2 / 3, 0.5, 1.0])
+
+
+class FakeTraining:
+    """Stands in for `draftsmith train`: writes the run's export and a CSV with the tokens seen at each segment."""
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.calls: list[int] = []
+        self.stop_at = stop_at
+
+    def __call__(self, argv: list[str]) -> int:
+        run = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")))
+        steps = int(next(a.split("=", 1)[1] for a in argv if a.startswith("trainer.max_steps=")))
+        if steps == self.stop_at:
+            raise KeyboardInterrupt
+        self.calls.append(steps)
+        (run / "export").mkdir(parents=True, exist_ok=True)
+        (run / "export" / "config.json").write_text(json.dumps({"method": "fake", "steps": steps}))
+        (run / "logs").mkdir(exist_ok=True)
+        (run / "logs" / "metrics.csv").write_text("step,train/tokens\n" + f"{steps},{steps * 1000}\n")
+        return 0
+
+
+def fake_evaluate(export: str, settings, costs=None, measure=False):
+    steps = json.loads((Path(export) / "config.json").read_text())["steps"]
+    first = 0.8 - 2.0 * (steps * 1000) ** -0.3
+    chain = [first, first * 0.7, first * 0.5, first * 0.3]
+    record = {"first_position_acceptance": first, "chain_acceptance": chain, "conditional_acceptance":
+              conditional(chain), "cost_aware": {"shape": "chain:2", "tau": 1 + first, "predicted_speedup": 1.1}}
+    return {name: record for name in settings.prompt_sets}, costs
+
+
+def test_an_interrupted_curve_resumes_without_redoing_finished_points(tmp_path):
+    settings = EvalSettings(prompt_sets=("mtbench", "humaneval"))
+    plan = [10, 30, 100, 300]
+    first = FakeTraining(stop_at=100)
+    with pytest.raises(KeyboardInterrupt):
+        run_curve(tmp_path, ["recipe=eagle3"], plan, settings, runner=first, evaluate=fake_evaluate, say=lambda s: None)
+    assert first.calls == [10, 30]
+    kept = json.loads((tmp_path / "curve.json").read_text())
+    assert [p["steps"] for p in kept["points"]] == [10, 30]
+    assert "optim.scheduler=constant" in kept["overrides"]
+
+    second = FakeTraining()
+    curve = run_curve(tmp_path, ["recipe=eagle3"], plan, settings, runner=second, evaluate=fake_evaluate,
+                      say=lambda s: None)
+    assert second.calls == [100, 300]  # the kept points were neither retrained nor re-evaluated
+    assert [p["tokens"] for p in curve.data["points"]] == [10_000, 30_000, 100_000, 300_000]
+    block = write_report(tmp_path, curve.data)
+    assert block["mtbench"]["fit"]["ceiling"] == pytest.approx(0.8, abs=0.02)
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+    table = (tmp_path / "curve.md").read_text()
+    assert "| 300 | 300,000 |" in table and "first-position" in table
+
+    with pytest.raises(CurveError, match="re-run with the same arguments"):
+        run_curve(tmp_path, ["recipe=eagle3"], [10, 1000], settings, runner=second, evaluate=fake_evaluate,
+                  say=lambda s: None)
+
+
+def test_the_curve_refuses_keys_it_sets_itself_and_a_missing_recipe(tmp_path):
+    with pytest.raises(CurveError, match="trainer.max_steps is set by the curve"):
+        run_curve(tmp_path, ["recipe=eagle3", "trainer.max_steps=5"], [1], EvalSettings(), runner=FakeTraining())
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.cli", "curve", "--out", str(tmp_path / "c")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == ["draftsmith curve: error: name a recipe, e.g. `draftsmith curve "
+                                                "--out DIR recipe=eagle3`"]
+
+
+def test_evaluating_a_tiny_export_records_acceptance_by_position_and_a_cost_aware_shape(tmp_path, medusa_export):
+    prompts = write_heldout_prompts(tmp_path / "heldout.jsonl", count=2)
+    settings = EvalSettings(prompt_sets=(str(prompts),), prompts=2, max_new_tokens=24, dtype="fp32")
+    result, costs = evaluate_export(str(medusa_export), settings, measure=True)
+    record = result[str(prompts)]
+    assert costs is not None and costs.ar_step_ms > 0
+    assert record["verify_steps"] > 0 and record["generated_tokens"] > 0
+    cumulative = record["chain_acceptance"]
+    assert len(cumulative) == 4 and all(a >= b for a, b in zip(cumulative, cumulative[1:]))
+    assert record["first_position_acceptance"] == cumulative[0]
+    assert record["chain_tau"]["chain:1"] == pytest.approx(1 + cumulative[0])
+    aware = record["cost_aware"]
+    assert aware["predicted_speedup"] >= 1.0  # plain decoding (1.0) is always a candidate
+    assert math.isfinite(aware["tau"]) and aware["tau"] >= 1.0
+
+
+def test_draft_vocabulary_coverage_counts_tokens_the_drafter_cannot_draft(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from draftsmith.runtime.decoding.speculative import SpecResult
+
+    save_file({"d2t": torch.tensor([0, 4, 8])}, str(tmp_path / "model.safetensors"))  # draft ids 0,1,2 -> 0,5,10
+    vocab = draft_vocabulary(str(tmp_path))
+    assert vocab == {0, 5, 10}
+    results = [SpecResult([0, 5, 7, 10], 4, [0] * 4, []), SpecResult([3], 1, [0], [])]
+    assert coverage(results, vocab) == pytest.approx(3 / 5)
+    assert coverage(results, None) is None
