@@ -23,10 +23,24 @@ def _parity_rows(section: list[dict[str, Any]] | None) -> list[tuple[str, str]]:
 
 
 def _lossless_text(result: dict[str, Any]) -> str:
+    """The lossless cell: the verdict, its counts and dtype, and what it ran (the drafter, whatever was served)."""
     detail = result.get("lossless_detail")
     if not detail:
         return "not checked (sampling or lossy verifier)"
-    return f"{result['lossless']} ({detail['identical']}/{detail['total']} prompts identical, {detail['dtype']})"
+    text = f"{result['lossless']} ({detail['identical']}/{detail['total']} prompts identical, {detail['dtype']})"
+    if detail.get("checked"):
+        tau = detail.get("tau")
+        text += f"; checked: {detail['checked']}" + (f", tau {tau:.3f}" if tau is not None else "")
+    return text
+
+
+def _tau_text(result: dict[str, Any]) -> str:
+    """Tau of the served policy; where plain decoding was served it has none, and the drafter's checked tau is shown."""
+    if not result.get("served_plain"):
+        return _fmt(result["tau"], 3)
+    checked = (result.get("lossless_detail") or {}).get("tau")
+    return "n/a: plain decoding was served (nothing drafted)" + (
+        f"; the drafter's tau in the lossless check: {checked:.3f}" if checked is not None else "")
 
 
 def _inference_text(inference: dict | None) -> str:
@@ -114,7 +128,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         ("decoder (why)", f"{b.get('decoder_backend') or 'n/a'} ({b.get('decoder_reason') or 'n/a'})"),
         *_draft_plan_rows(b),
         ("verifier / stop policy (source)", _inference_text(result.get("inference"))),
-        ("tau (mean accepted length, incl. bonus)", _fmt(result["tau"], 3)),
+        ("served (what the timed speculative rows ran)", result.get("served", "n/a")),
+        ("tau (mean accepted length, incl. bonus)", _tau_text(result)),
         ("acceptance by position (P(d accepted given d drafted))",
          ", ".join(f"{a:.2f}" for a in result["acceptance_by_position"])),
         (f"tau by output window ({result.get('tau_window_tokens')} tokens; steps count where they start)",

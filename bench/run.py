@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench import contention, floors, quality, windows
+from draftsmith.bench import contention, floors, quality, served, windows
 from draftsmith.bench.sweep import sweep_fixed_depths
 from draftsmith.bench.timing import (
     compare_outputs,
@@ -23,7 +23,7 @@ from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.drafting.base import LookaheadHeads, ReportsVerifyReuse
-from draftsmith.runtime.serving import Runtime, hf_fastest_dtype, load_runtime
+from draftsmith.runtime.serving import Runtime, hf_fastest_dtype
 from draftsmith.runtime.target.loading import load_decoder
 
 FORWARD_SIZES = tuple(range(1, 17))  # new tokens per forward: every verify size a candidate shape can have
@@ -98,23 +98,6 @@ def head_agreement(runtime: Runtime, prompts: list[list[int]], continuations: li
     return [h / t if t else 0.0 for h, t in zip(hits, total)]
 
 
-def lossless_check(drafter: str, target: str | None, prompts: list[list[int]], max_new_tokens: int,
-                   dtype: str = "fp32", kernels: str = "auto",
-                   proposer_options: dict[str, Any] | None = None, backend: str = "auto") -> dict[str, Any]:
-    """Greedy speculative output vs greedy HF ``generate`` of the target, token for token, in ``dtype`` (the decoder
-    ``backend`` as the bench's own run: auto | lean | hf).
-
-    Exactness is checked in fp32: in bf16, verifying a block is not bit-identical to decoding token by token
-    (different reduction orders), so near-ties can legitimately flip.
-    """
-    runtime = load_runtime(drafter, target, dtype, kernels, "greedy", 0.0, proposer_options=proposer_options,
-                           backend=backend)
-    hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=runtime.model.dtype)
-    spec = [runtime.speculative.generate(p, max_new_tokens, eos_ids=runtime.eos_ids).tokens for p in prompts]
-    # "hf" lets run_bench reuse this timed HF run when HF's fastest dtype is the check's dtype (fp32 CPUs).
-    return {"dtype": dtype, **compare_outputs(hf["outputs"], spec), "hf": hf}
-
-
 def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, skip_hf: bool = False,
               temperature: float = 0.0, lossless: dict[str, Any] | None = None,
               hf_dtype: str = "same", hf_result: dict[str, Any] | None = None, cost_aware: bool = False,
@@ -146,8 +129,11 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     busy = {**contention.verdict(timing_start, contention.snapshot()), "thread_changes": governor().changes}
     ar_step = ar["seconds"] / max(1, ar["tokens"])
     steps, tau, by_position, by_window = _pooled_acceptance(results, window, max_new_tokens)
-    same_dtype = _same_dtype_match(runtime, temperature, hf if hf_same_dtype else None, ar, sp)
-    lossless = lossless if lossless is not None else same_dtype
+    same_dtype = served.same_dtype_match(runtime, temperature, hf if hf_same_dtype else None, ar, sp)
+    # served plain decoding: the check still runs the drafter (the best measured shape, else the export's)
+    lossless = lossless if lossless is not None else served.with_drafter(
+        runtime, same_dtype, prompts, max_new_tokens, export_proposer, cost_model,
+        (hf if hf_same_dtype else ar)["outputs"])
     agreement = head_agreement(runtime, prompts, ar["outputs"])
     target_change = _adapted_target_change(runtime, prompts, max_new_tokens, temperature, sp)
     spec_step = sp["seconds"] / max(1, steps)
@@ -174,6 +160,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "threads": torch.get_num_threads(),
         "cost_model": cost_model, "profile": step_profile, "sweep": sweep, "target_change": target_change,
         "verify_reuse": verify_reuse, "served_plain": spec.serves_plain_ar(), "contention": busy,
+        "served": served.served_text(runtime, cost_model),
     }
 
 
@@ -280,18 +267,6 @@ def _pooled_acceptance(results: list[Any], window: int,
     accepted = [r.accepted_per_step for r in results]
     by_window = windows.tau_by_window(accepted, window, max_new_tokens) if any(d > 0 for d in depths) else None
     return steps, tau, by_position, by_window
-
-
-def _same_dtype_match(runtime: Runtime, temperature: float, hf_reference: dict[str, Any] | None,
-                      ar: dict[str, Any], sp: dict[str, Any]) -> dict[str, Any] | None:
-    """Greedy lossless verifiers only: the speculative outputs against a same-dtype reference, HF when it ran in the
-    runtime's dtype (``hf_reference``, else None), else the runtime's own AR (itself checked against HF)."""
-    if not (temperature == 0 and getattr(runtime.speculative.verifier, "lossless", True)):
-        return None
-    reference = hf_reference["outputs"] if hf_reference is not None else ar["outputs"]
-    return {"dtype": str(runtime.model.dtype).replace("torch.", ""),
-            "reference": "hf_generate" if hf_reference is not None else "runtime_ar",
-            **compare_outputs(reference, sp["outputs"])}
 
 
 def _adapted_target_change(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, temperature: float,

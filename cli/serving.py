@@ -260,14 +260,16 @@ def _bench_controller_layer(args: argparse.Namespace, rt: Any, prompts: list[lis
 def _bench_drafter(args: argparse.Namespace, rt: Any, prompts: list[list[int]]) -> int:
     """``bench --drafter EXPORT``: speed, tau and the lossless check (printed; JSON/markdown/PNG in --out)."""
     from draftsmith.bench.report import markdown_table, write_outputs
-    from draftsmith.bench.run import lossless_check, run_bench
+    from draftsmith.bench.run import run_bench
+    from draftsmith.bench.served import lossless_check
     from draftsmith.runtime.serving import parse_options, resolve_dtype
 
     lossless = None
     check = args.lossless_dtype
     if args.temperature == 0 and check not in ("none", "same") and resolve_dtype(check) != rt.model.dtype:
         lossless = lossless_check(args.drafter, args.target, prompts, args.max_new_tokens, check, args.kernels,
-                                  proposer_options=parse_options(args.proposer_option), backend=args.backend)
+                                  proposer_options=parse_options(args.proposer_option), backend=args.backend,
+                                  stop_policy=args.stop_policy)  # auto/export: the export's (it drafts)
     sweep = [int(k) for k in args.sweep_k.split(",") if k.strip()] if args.sweep_k else None  # checked >= 0
     result = run_bench(rt, prompts, args.max_new_tokens, skip_hf=args.skip_hf, temperature=args.temperature,
                        lossless=None if check == "none" else lossless, hf_dtype=args.hf_dtype,

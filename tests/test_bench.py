@@ -86,7 +86,7 @@ def test_bench_errors_for_bad_inputs(medusa_export, tmp_path, tiny_target_dir):
     with pytest.raises(ValueError, match="linear_backend must be one of auto, dense, mkldnn, cpp"):
         load_runtime(str(medusa_export), None, "bf16", linear_backend="fast")
     long_prompt = list(range(5, 100)) * 60
-    with pytest.raises(ValueError, match="cache"):
+    with pytest.raises(ValueError, match="cache|context is 512 positions"):  # the cache is sized from the target
         rt.speculative.generate(long_prompt, 8)
 
 
@@ -209,3 +209,34 @@ def test_bench_table_shows_the_speedup_interval_and_says_when_plain_decoding_was
     assert "95% CI" in row and "runtime AR loop itself" in row
     rt.speculative.temperature_policy = lambda hidden: torch.zeros(hidden.shape[0])  # still no drafter, but the
     assert not rt.speculative.serves_plain_ar()  # speculative loop runs (a controller's tempered sampling)
+
+
+def test_when_plain_decoding_is_served_the_lossless_check_still_runs_the_drafter(medusa_export, prompts_file,
+                                                                                  monkeypatch):
+    """Issue 40: the cost-aware default served plain decoding and "lossless 6/6" compared the plain loop with HF, so it
+    said nothing about the export; the table showed the export's stop policy and tau 1.000. The check now runs the
+    drafter (the best measured shape, else the export's proposer) and both bench.json and the table say what was
+    served and what was checked."""
+    from draftsmith.bench import run as bench_run
+    from draftsmith.bench.report import markdown_table
+    from draftsmith.runtime.acceptance import shapes
+
+    def serve_plain(runtime, prompts, costs):  # what the cost-aware choice does when speculation would lose
+        shapes.apply_shape(runtime.speculative, shapes.PLAIN)
+        why = "plain decoding measured fastest (speculation loses here)"
+        return {"why": why, "summary": why, "table": [], "shape_label": "plain"}
+
+    monkeypatch.setattr(bench_run, "_apply_cost_aware_depth", serve_plain)
+    rt = load_runtime(str(medusa_export), None, "fp32")
+    result = run_bench(rt, load_prompts(str(prompts_file), rt.tokenizer, None), max_new_tokens=8, skip_hf=True,
+                       cost_aware=True)
+    assert result["served_plain"] is True and result["served"].startswith("plain decoding, no drafter (plain")
+    detail = result["lossless_detail"]
+    assert detail["checked"] == "the export's proposer (plain decoding is served)"
+    assert detail["tau"] is not None and detail["tau"] >= 1.0  # the drafter drafted in the check
+    assert result["lossless"] is True and detail["total"] == 2
+    table = markdown_table(result)
+    assert "| served (what the timed speculative rows ran) | plain decoding, no drafter" in table
+    assert "| tau (mean accepted length, incl. bonus) | n/a: plain decoding was served (nothing drafted); the " \
+           "drafter's tau in the lossless check:" in table
+    assert "checked: the export's proposer (plain decoding is served), tau " in table
