@@ -2,6 +2,12 @@
 
 The ratio ``train tokens/s / target-forward tokens/s`` says how much the drafter costs on top of the frozen
 target. Both are measured in the same process on the same batches, after warm-up steps.
+
+``drafter_only_tokens_per_s`` is the step as training from a feature cache runs it (``data.features=DIR``): the
+target's features computed beforehand (outside the timer), the teacher logits rebuilt from the cached final hidden
+state with the LM head as :class:`~draftsmith.distill.cached_features.CachedTarget` does, then the drafter's forward,
+backward and optimizer step. ``cache_speedup`` = drafter-only / online tokens/s: what every epoch and every recipe
+variant after the first gains by training from the cache.
 """
 
 from __future__ import annotations
@@ -52,6 +58,29 @@ def _timed(fn, batches: list[dict[str, torch.Tensor]], warmup: int) -> list[floa
     return times
 
 
+def _cached_features(target: Target, objective: Any, batch: dict[str, torch.Tensor]) -> Any:
+    """What a feature cache stores for ``batch``: the objective's taps without logits or top-k (rebuilt per step)."""
+    from dataclasses import replace
+
+    taps = replace(objective.taps, logits=False, topk=0, final_hidden=True)
+    return target.features(batch["input_ids"], batch["attention_mask"], taps)
+
+
+def _with_teacher(target: Target, objective: Any, feats: Any) -> Any:
+    """The cached features plus the logits / top-k the objective asks for, rebuilt with the LM head (timed: training
+    from a cache pays it every step)."""
+    from dataclasses import replace
+
+    taps = objective.taps
+    if not (taps.logits or taps.topk):
+        return feats
+    logits = torch.nn.functional.linear(feats.final_hidden, target.lm_head_weight)  # [B, T, V]
+    out = replace(feats, logits=logits if taps.logits else None)
+    if taps.topk:
+        out.topk_values, out.topk_indices = logits.topk(taps.topk, dim=-1)
+    return out
+
+
 def bench_train(cfg: Any, recipe: Any, steps: int = 6, warmup: int = 2) -> dict[str, Any]:
     """Measure target-forward and full training-step throughput for ``recipe`` under ``cfg``."""
     torch.manual_seed(int(cfg.run.seed))
@@ -76,15 +105,27 @@ def bench_train(cfg: Any, recipe: Any, steps: int = 6, warmup: int = 2) -> dict[
         loss.backward()
         optimizer.step()
 
+    cached = [_cached_features(target, objective, batch) for batch in batches]
+
+    def cached_step(item: tuple[dict[str, torch.Tensor], Any]) -> None:
+        batch, feats = item
+        with autocast:
+            loss, _ = objective.loss(batch, _with_teacher(target, objective, feats))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
     fwd = statistics.median(_timed(forward_only, batches, warmup))
     step = statistics.median(_timed(train_step, batches, warmup))
+    drafter_only = statistics.median(_timed(cached_step, list(zip(batches, cached)), warmup))
     trainable = sum(p.numel() for p in objective.module.parameters() if p.requires_grad)
     return {
         "recipe": recipe.name, "target_dtype": _DTYPE_NAMES.get(target.lm_head_weight.dtype, "other"),
         "target_dtype_config": str(cfg.target.dtype), "precision": precision,  # the resolved dtype, then as asked
         "batch": list(batches[0]["input_ids"].shape), "tokens_per_batch": tokens,
         "target_forward_tokens_per_s": round(tokens / fwd, 1), "train_tokens_per_s": round(tokens / step, 1),
-        "ratio": round(fwd / step, 3), "trainable_params_m": round(trainable / 1e6, 2),
+        "ratio": round(fwd / step, 3), "drafter_only_tokens_per_s": round(tokens / drafter_only, 1),
+        "cache_speedup": round(step / drafter_only, 2), "trainable_params_m": round(trainable / 1e6, 2),
         "peak_rss_mib": round(peak_rss_mib(), 1), "threads": torch.get_num_threads(),
         "timed_steps": steps, "warmup_steps": warmup,
     }
