@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cache-features": ("training", "run the target once and cache the features a recipe taps: "
                                    "draftsmith cache-features recipe=eagle3 --out DIR"),
     "export": ("training", "export a run folder or checkpoint (or convert an export to an engine's layout)"),
+    "import": ("importing", "import a speculators-format EAGLE-3 checkpoint: draftsmith import CKPT --out DIR"),
     "assets": ("training", "prepare the embedded target, data and prompts; print their counts"),
     "generate": ("serving", "stream a completion (speculative with --drafter, else autoregressive)"),
     "bench": ("serving", "tau, acceptance, tokens/s and lossless check of an export (with a block-diffusion "
