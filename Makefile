@@ -94,7 +94,7 @@ $(SPEC_VENV)/.done:
 llamacpp:
 	@PYTHON=$$(test -x $(PY) && echo $(PY) || echo python3) bash scripts/build_llamacpp.sh
 
-# Tests come in tiers (tests/conftest.py TIERS): `test-fast` runs the unit tier (tiny in-process models, about two
+# Tests come in tiers (a pytestmark per file): `test-fast` runs the unit tier (tiny in-process models, about two
 # minutes), `test-integration` the tests on the embedded SmolLM2-135M target, `test-e2e` whole train.py / draftsmith
 # runs; `test` runs all three (CI).
 test: setup-dev speculators-venv

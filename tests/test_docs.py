@@ -1,11 +1,15 @@
-"""The docs match the code: ARCHITECTURE.md lists every module, no doc points outside the repository, and the
-Makefile's train-best trains on what it regenerates."""
+"""The docs match the code: the generated parts of ARCHITECTURE.md are current, every path, `make` target, `draftsmith`
+command and recipe the README and docs/*.md name exists, no doc points outside the repository, adding the toy method
+of ADDING_A_METHOD.md needs its own files and one method-table row only, and the Makefile's train-best trains on what
+it regenerates."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,33 +17,207 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# `draftsmith X` where a command line starts (a code span or line, after `$ `, `&& `, `; `, `| `, `(`, a venv's bin/ or
+# environment settings), not inside a quoted message ("not a draftsmith drafter export").
+COMMAND = re.compile(r"(?:^|&&|;|\||\(|\$ |bin/)\s*(?:[A-Z_]+=\S*\s+)*draftsmith\s+([a-z][\w-]*)")
+PLACEHOLDER = re.compile(r"[<>*{}$|]|\.\.\.|[A-Z]{3,}")  # `runtime/drafting/<family>.py`, `OUT/x`, globs
 
 
-def _module_table():
-    spec = importlib.util.spec_from_file_location("module_table", ROOT / "scripts" / "module_table.py")
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_architecture_lists_every_module_and_no_other():
-    mt = _module_table()
-    on_disk = {str(p) for p in mt.modules()}
-    in_doc = set(mt.listed(mt.DOC.read_text()))
-    assert not on_disk - in_doc, f"modules missing from docs/ARCHITECTURE.md: {sorted(on_disk - in_doc)} " \
-                                 "(python scripts/module_table.py --write)"
-    assert not in_doc - on_disk, f"docs/ARCHITECTURE.md lists modules that do not exist: {sorted(in_doc - on_disk)}"
+# ------------------------------------------------------------------------------------------ what a doc claims exists
+def code_spans(text: str) -> list[str]:
+    """Inline code spans and the lines of fenced code blocks: where a doc names paths and commands."""
+    fenced = re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
+    prose = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.S | re.M)
+    return re.findall(r"`([^`\n]+)`", prose) + [line for block in fenced for line in block.splitlines()]
+
+
+def repository_roots() -> set[str]:
+    """Top-level names of the files git tracks or would track (not outputs/, .venv/: those a run makes)."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.split()
+    return {Path(p).parts[0] for p in listed}
+
+
+def named_paths(span: str, roots: set[str]) -> list[str]:
+    """Words of a code span that read as a repository path: they start with a top-level folder or file and name no
+    placeholder (``runtime/target/model.py``, ``tests/``, ``Makefile``, ``docs/ENGINES.md``)."""
+    words = [w.strip("(),;:'\"").removeprefix("./").split("::")[0] for w in span.split()]
+    return [w for w in words if w and not PLACEHOLDER.search(w) and "=" not in w and
+            Path(w).parts and Path(w).parts[0] in roots and ("/" in w or "." in w or w in roots)]
+
+
+def makefile_targets() -> set[str]:
+    text = (ROOT / "Makefile").read_text()
+    return {t for line in re.findall(r"^([A-Za-z0-9_.\- ]+):(?!=)", text, flags=re.M) for t in line.split()}
+
+
+def claims(doc: Path, roots: set[str]) -> dict[str, set[str]]:
+    """Kind -> the names ``doc`` uses: repository paths, `make` targets, `draftsmith` commands, recipes, links."""
+    text = doc.read_text()
+    found: dict[str, set[str]] = {"path": set(), "make": set(), "command": set(), "recipe": set(), "link": set()}
+    for span in code_spans(text):
+        found["path"].update(named_paths(span, roots))
+        found["make"].update(re.findall(r"(?:^|[\s;&(])make\s+(?:-\S+\s+)*([a-z][\w-]*)(?![\w=-])", span))
+        found["command"].update(re.findall(COMMAND, span))
+        found["recipe"].update(re.findall(r"\brecipe=([a-z][a-z0-9_]*)\b", span))
+    for link in re.findall(r"\]\(([^)#\s]+)", text):
+        if "://" not in link and not link.startswith("mailto:"):
+            found["link"].add(link)
+    return found
+
+
+def missing(doc: Path, roots: set[str], targets: set[str], commands: set[str], recipes: set[str]) -> list[str]:
+    """What ``doc`` names that does not exist."""
+    found = claims(doc, roots)
+    out = [f"path {p}" for p in sorted(found["path"]) if not (ROOT / p).exists()]
+    out += [f"link {link}" for link in sorted(found["link"]) if not (doc.parent / link).exists()]
+    out += [f"`make {t}` (no such Makefile target)" for t in sorted(found["make"] - targets)]
+    out += [f"`draftsmith {c}` (not in cli COMMANDS)" for c in sorted(found["command"] - commands)]
+    out += [f"recipe={r} (no conf/recipe/{r}.yaml)" for r in sorted(found["recipe"] - recipes)]
+    return out
+
+
+def the_code() -> tuple[set[str], set[str], set[str], set[str]]:
+    from draftsmith.cli import COMMANDS
+
+    recipes = {p.stem for p in (ROOT / "conf" / "recipe").glob("*.yaml")}
+    return repository_roots(), makefile_targets(), set(COMMANDS), recipes
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+def test_every_path_target_command_and_recipe_a_doc_names_exists(doc):
+    roots, targets, commands, recipes = the_code()
+    assert missing(doc, roots, targets, commands, recipes) == [], f"{doc.relative_to(ROOT)} names what does not exist"
+
+
+def test_the_doc_check_sees_what_does_not_exist(tmp_path):
+    roots, targets, commands, recipes = the_code()
+    doc = tmp_path / "STALE.md"
+    doc.write_text("`make test-fast` runs `tests/unit`; `make nope`; see `runtime/target/model.py`, `Makefile`, "
+                   "`runtime/drafting/<family>.py` and [x](nowhere.md).\n\n```bash\ndraftsmith bench --drafter X\n"
+                   "draftsmith frobnicate\npython train.py recipe=medusa\npython train.py recipe=medusa9\n```\n")
+    assert missing(doc, roots, targets, commands, recipes) == [
+        "path tests/unit", "link nowhere.md", "`make nope` (no such Makefile target)",
+        "`draftsmith frobnicate` (not in cli COMMANDS)", "recipe=medusa9 (no conf/recipe/medusa9.yaml)"]
+
+
+# ------------------------------------------------------------------------------------ generated parts of the docs
+def test_the_generated_parts_of_architecture_are_current():
+    mt = _script("module_table")
+    assert mt.stale(mt.DOC.read_text()) == [], "run `python scripts/module_table.py --write`"
+
+
+def test_a_stale_part_is_seen():
+    mt = _script("module_table")
+    doc = mt.DOC.read_text()
+    for name, text in mt.generated(doc).items():  # today's parts, whatever the page says
+        doc = mt.replace_part(doc, name, text)
+    assert mt.stale(doc) == []
+    assert mt.stale(doc.replace("| `common/chat.py` |", "| `common/chat_old.py` |")) == ["modules"]
+    without_row = "".join(line for line in doc.splitlines(keepends=True) if not line.startswith("| `common/chat.py`"))
+    assert mt.stale(without_row) == ["modules"]
+    owned = "".join(line for line in doc.splitlines(keepends=True) if not line.startswith("| `heads/hydra.py`"))
+    assert mt.stale(owned) == []  # a method's own file may wait for the next --write
+    assert mt.stale(doc.replace("| `engine-check` |", "| `engine-checks` |")) == ["commands"]
 
 
 def test_no_doc_points_outside_the_repository():
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    offenders = [str(d.relative_to(ROOT)) for d in docs if "../shared" in d.read_text() or "DESIGN.md" in d.read_text()]
+    offenders = [str(d.relative_to(ROOT)) for d in DOCS if "../shared" in d.read_text() or "DESIGN.md" in d.read_text()]
     assert not offenders, f"docs that point outside the repository: {offenders}"
 
 
 def test_readme_stays_short():
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= 300, f"README.md has {lines} lines; measurement logs belong in docs/MEASUREMENTS.md"
+
+
+def test_the_slow_marker_says_what_the_default_run_does():
+    """pyproject.toml once called `slow` opt-in while nothing deselected it: its description and addopts agree."""
+    text = (ROOT / "pyproject.toml").read_text()
+    description = re.search(r'"slow: ([^"]*)"', text).group(1)
+    deselected = "not slow" in re.search(r'^addopts = "([^"]*)"', text, flags=re.M).group(1)
+    assert ("opt-in" in description) == deselected, f"slow: {description!r}, deselected by default: {deselected}"
+    assert ("run by default" in description) == (not deselected), description
+
+
+# ------------------------------------------------------------------------------------------------ the toy's diff
+TOY = ROOT / "tests" / "toy_method"
+# The toy's file -> where a real method puts it; placed as the method `echo`, so that it does not collide with the
+# toy `toy_echo` that tests/test_method_table.py registers while it runs.
+PLACED = {
+    "toy_echo_head.py": "heads/echo.py",
+    "toy_echo_recipe.py": "recipes/echo.py",
+    "toy_echo.yaml": "conf/recipe/echo.yaml",
+    "toy_echo_proposer.py": "runtime/drafting/echo.py",
+}
+TOY_TEST = "tests/test_echo.py"
+ROW = ('    Method("echo", "Echo", "heads", module="heads/echo.py", proposer="echo",\n'
+       f'           tests=("{TOY_TEST}",)),\n')
+# The checks that read the lists a method could have to be added to: the method table, tiers, rooms, docs, house rules
+# and the proposer contract (where it exists).
+CHECKS = ["tests/test_method_table.py", "tests/test_tiers.py", "tests/test_rooms.py", "tests/test_docs.py",
+          "tests/test_house_rules.py", "tests/test_proposer_contract.py"]
+
+
+def place_the_toy(repo: Path) -> None:
+    """Add the toy to a copy of the repository as a real method: its files at their real paths, imports rewritten, a
+    test file, and one row of METHODS."""
+    for name, dest in PLACED.items():
+        text = (TOY / name).read_text().replace("from toy_method.toy_echo_head import",
+                                                "from draftsmith.heads.echo import").replace("toy_echo", "echo")
+        (repo / dest).write_text(text)
+    (repo / TOY_TEST).write_text(
+        '"""The toy method as a real one."""\n\nimport pytest\n\nfrom draftsmith.heads.echo import ToyEchoHead\n\n'
+        "pytestmark = pytest.mark.unit\n\n\ndef test_the_head_predicts_every_token():\n"
+        "    assert ToyEchoHead(4, 7).proj.out_features == 7\n")
+    methods = repo / "common" / "methods.py"
+    text = methods.read_text()
+    anchor = "METHODS: dict[str, Method] = {m.name: m for m in (\n"
+    assert anchor in text, "common/methods.py: the METHODS table moved; update PLACED/ROW here"
+    methods.write_text(text.replace(anchor, anchor + ROW))
+
+
+@pytest.mark.e2e  # a pytest subprocess over the list-reading checks in a copy of the repository
+def test_adding_the_toy_method_touches_its_own_files_and_one_row(tmp_path):
+    if shutil.which("git") is None:
+        pytest.skip("no git on this machine")
+    repo = tmp_path / "draftsmith"
+    for rel in subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.split():
+        if (ROOT / rel).is_file():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, repo / rel)
+    git = ["git", "-c", "user.name=toy", "-c", "user.email=toy@example.invalid"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
+        subprocess.run([*git, *args], cwd=repo, check=True, capture_output=True)
+    place_the_toy(repo)
+    status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=all"], cwd=repo, capture_output=True,
+                            text=True, check=True).stdout.splitlines()
+    assert sorted(line[3:] for line in status) == sorted(["common/methods.py", TOY_TEST, *PLACED.values()])
+    diff = subprocess.run([*git, "diff", "--numstat", "--", "common/methods.py"], cwd=repo, capture_output=True,
+                          text=True, check=True).stdout.split()
+    assert diff[:2] == [str(ROW.count("\n")), "0"], diff  # one row added (two lines of code), nothing removed
+    package = tmp_path / "site"  # `import draftsmith` must load the copy, not the installed checkout
+    package.mkdir()
+    (package / "draftsmith").symlink_to(repo, target_is_directory=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-m", "not e2e and not integration",
+         "-k", "not trains_exports_and_drafts and not every_collected_test",  # training; collecting all of tests/
+         *[c for c in CHECKS if (repo / c).is_file()], TOY_TEST],
+        cwd=repo, capture_output=True, text=True, timeout=900,
+        env={**__import__("os").environ, "PYTHONPATH": str(package)})
+    assert proc.returncode == 0, ("with only the toy's files and one METHODS row added, a check fails (a list that "
+                                  f"a new method must edit?):\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
+    assert "`echo`" in subprocess.run([sys.executable, "scripts/method_footprint.py"], cwd=repo, text=True,
+                                        capture_output=True, check=True).stdout
 
 
 def test_train_best_trains_on_every_regenerated_conversation():
