@@ -87,8 +87,8 @@ def test_a_wrong_reference_costs_acceptance_never_correctness(target):
 def test_the_simulated_draft_cost_is_spent_once_per_draft_call(target, monkeypatch):
     waits = []
     monkeypatch.setattr(oracle_module, "spin_wait", waits.append)
-    _, results = oracle_decode(target, PROMPTS[:1], 16, 0.5, 2, draft_ms=0.6)
-    assert waits == [0.6] * results[0].steps
+    oracle, results = oracle_decode(target, PROMPTS[:1], 16, 0.5, 2, draft_ms=0.6)
+    assert waits == [0.6] * results[0].steps and oracle.draft_calls == results[0].steps
 
 
 def test_run_oracle_reports_its_row(target):

@@ -69,7 +69,7 @@ class OracleProposer(Proposer):
         self.acceptance, self.chain, self.draft_ms, self.seed = float(acceptance), int(chain), float(draft_ms), seed
         self.max_tree_nodes = self.chain + 1
         self.draft_depth = self.chain  # one chain shape, never reshaped (shape_family stays "depth")
-        self.counts_draft_calls = True  # one simulated draft call per step, counted in propose()
+        self.counts_draft_calls, self.draft_calls = True, 0  # one simulated draft call per step, counted in propose()
         self.references: dict[tuple[int, ...], torch.Tensor] = {}
         for prompt, continuation in references.items():
             self.set_reference(prompt, continuation)
