@@ -24,6 +24,15 @@ from draftsmith.common.methods import (
     method_problems,
     method_table_recipes,
 )
+from draftsmith.export.converters import (
+    FORMATS,
+    ConvertRequest,
+    ExportFormat,
+    converters,
+    formats_for,
+    register_format,
+)
+from draftsmith.export.converters import export_formats as converter_formats
 from draftsmith.recipes import RECIPES, get_recipe
 from draftsmith.runtime.drafting.base import registered_methods
 
@@ -78,14 +87,44 @@ def test_get_recipe_refuses_a_recipe_missing_from_the_table(monkeypatch):
 
 
 def test_formats_follow_the_converters():
-    assert export_formats() == ["dflash-zlab", "draftsmith", "gguf", "medusa", "medusa-tgi", "sglang", "speculators"]
-    assert [n for n in METHODS if "medusa" in formats_of(n)] == ["medusa", "medusa2"]
-    assert [n for n in METHODS if "medusa-tgi" in formats_of(n)] == ["medusa", "medusa2"]
-    assert [n for n in METHODS if "speculators" in formats_of(n)] == ["eagle3", "dflash"]
-    assert [n for n in METHODS if "sglang" in formats_of(n)] == ["eagle3"]
-    # llama.cpp's --spec-type draft-eagle3 and draft-dflash
-    assert [n for n in METHODS if "gguf" in formats_of(n)] == ["eagle3", "dflash"]
-    assert [n for n in METHODS if "dflash-zlab" in formats_of(n)] == ["dflash"]
+    """The converters declare the formats (export/converters.py); the method table's ``formats`` agrees with them."""
+    declared = converters()
+    assert declared and export_formats() == converter_formats() == sorted({"draftsmith", *declared})
+    for name, fmt in declared.items():
+        assert [n for n in METHODS if name in formats_of(n)] == [n for n in METHODS if fmt.holds(n)], name
+    for name, method in METHODS.items():
+        assert set(method.formats) == set(formats_for(name)), name
+
+
+def test_a_format_is_one_declaration_the_cli_reads(tmp_path, medusa_export):
+    """A format registered by one module is a ``--format`` choice and is dispatched to, with no CLI edit."""
+    from draftsmith.cli import build_parser
+    from draftsmith.cli.training import _convert
+    from draftsmith.export.format import read_config
+
+    calls = []
+
+    def convert(request: ConvertRequest) -> Path:
+        calls.append((request.config["method"], request.source, request.options))
+        return request.out
+
+    register_format(ExportFormat("toy-engine", ("medusa",), convert, help="a throwaway layout"))
+    try:
+        parser = build_parser("export")
+        choices = next(a for a in parser._subparsers._group_actions[0].choices["export"]._actions
+                       if a.dest == "format").choices
+        assert "toy-engine" in choices
+        out = _convert(medusa_export, tmp_path / "x", "toy-engine", read_config(medusa_export), None, source="runs/x")
+        assert out == tmp_path / "x" and calls == [("medusa", "runs/x", {})]
+        with pytest.raises(ValueError, match=r"--format toy-engine does not hold 'eagle' exports; EAGLE-1 exports as"):
+            _convert(medusa_export, tmp_path / "y", "toy-engine", {"method": "eagle"}, None)
+    finally:
+        FORMATS.unregister("toy-engine")
+
+
+def test_the_cli_has_no_branch_on_a_format_name():
+    source = (ROOT / "cli" / "training.py").read_text()
+    assert [name for name in converters() if f'"{name}"' in source or f"'{name}'" in source] == []
 
 
 def test_method_table_script_reads_the_table(toy, monkeypatch):
@@ -111,7 +150,7 @@ def test_cli_format_choices_and_refusals_come_from_the_table(tmp_path):
 
     parser = build_parser()
     export = next(a for a in parser._subparsers._group_actions[0].choices["export"]._actions if a.dest == "format")
-    assert list(export.choices) == export_formats()
+    assert list(export.choices) == converter_formats()
     with pytest.raises(ValueError, match=r"'medusa' exports; Medusa-1 exports as: draftsmith, medusa"):
         _convert(tmp_path, tmp_path / "out", "speculators", {"method": "medusa"}, None)
 
