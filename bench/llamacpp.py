@@ -98,24 +98,47 @@ def parse_output(stdout: str) -> tuple[str, bool]:
     return (text[:-len(_END_OF_TEXT)] if eos else text), eos
 
 
-def completion_command(gguf: Path, prompt: str, max_new_tokens: int, threads: int, ctx: int) -> list[str]:
-    """The ``llama-completion`` argv of one greedy raw-prompt run (see the module docstring for each choice)."""
+def completion_command(gguf: Path, prompt: str, max_new_tokens: int, threads: int, ctx: int,
+                       log_ids: bool = False) -> list[str]:
+    """The ``llama-completion`` argv of one greedy raw-prompt run (see the module docstring for each choice);
+    ``log_ids``: also ``-v``, whose debug log lists each evaluated token's id (:func:`parse_generated_ids`)."""
     return [str(llamacpp_dir() / "bin" / COMPLETION), "-m", str(gguf), "-p", prompt, "-n", str(max_new_tokens),
             "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "--temp", "0", "--top-k", "1", "--seed", "0",
-            "-no-cnv", "--no-escape", "--no-display-prompt", "--verbose-prompt", "--simple-io"]
+            "-no-cnv", "--no-escape", "--no-display-prompt", "--verbose-prompt", "--simple-io", *(["-v"] * log_ids)]
+
+
+_EVAL_LINE = re.compile(r"\beval: \[(.*)\]\s*$", re.M)
+_EVAL_ID = re.compile(r"':(\d+)(?=, '|\s*$)")
+
+
+def parse_generated_ids(log: str, prompt_ids: Sequence[int] | None) -> list[int] | None:
+    """The ids llama.cpp generated, from ``-v``'s ``eval: [ 'piece':id, ... ]`` debug lines: the lines of the prompt
+    (its whole batch, printed once per batch) first, then one line per generated token. A token is listed when it is
+    evaluated, so the last one of a run cut at ``-n`` is not (and EOS never is). None when the log has no such lines."""
+    lines = [[int(i) for i in _EVAL_ID.findall(body.strip())] for body in _EVAL_LINE.findall(log)]
+    if not lines:
+        return None
+    prompt = list(prompt_ids) if prompt_ids is not None else lines[0]
+    while lines and (lines[0] == prompt or len(lines[0]) > 1):  # the prompt's batches
+        lines.pop(0)
+    return [ids[0] for ids in lines if len(ids) == 1]
 
 
 def run_completion(gguf: Path, prompt: str, max_new_tokens: int, threads: int = 2,
-                   timeout_s: float = 600.0) -> dict[str, Any]:
-    """One greedy ``llama-completion`` run: its perf counters, the prompt ids it used and the generated text."""
+                   timeout_s: float = 600.0, log_ids: bool = False) -> dict[str, Any]:
+    """One greedy ``llama-completion`` run: its perf counters, the prompt ids it used and the generated text (with
+    ``log_ids``, also the generated ids, :func:`parse_generated_ids`)."""
     ctx = max(512, len(prompt) + max_new_tokens + 64)  # a prompt has no more tokens than characters
-    proc = subprocess.run(completion_command(gguf, prompt, max_new_tokens, threads, ctx), capture_output=True,
-                          text=True, errors="replace", timeout=timeout_s, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(completion_command(gguf, prompt, max_new_tokens, threads, ctx, log_ids),
+                          capture_output=True, text=True, errors="replace", timeout=timeout_s,
+                          stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise RuntimeError(f"{COMPLETION} exited {proc.returncode}: {proc.stderr[-800:]}")
     text, eos = parse_output(proc.stdout)
-    return {**parse_perf(proc.stderr), "prompt_ids": parse_prompt_ids(proc.stderr), "text": text,
-            "stopped_at_eos": eos}
+    prompt_ids = parse_prompt_ids(proc.stderr)
+    generated = parse_generated_ids(proc.stderr, prompt_ids) if log_ids else None
+    return {**parse_perf(proc.stderr), "prompt_ids": prompt_ids, "text": text, "stopped_at_eos": eos,
+            "generated_ids": generated}
 
 
 def prompt_texts(prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any) -> list[str]:
@@ -129,10 +152,11 @@ def prompt_texts(prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer: An
 
 
 def llamacpp_row(gguf_path: str | Path, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int,
-                 threads: int = 2, tokenizer: Any = None) -> dict[str, Any]:
+                 threads: int = 2, tokenizer: Any = None, log_ids: bool = False) -> dict[str, Any]:
     """Greedy llama.cpp over ``prompts`` (rendered texts, or chat-encoded token ids with their ``tokenizer``) with
     ``max_new_tokens`` each on ``threads`` threads: pooled decode, prompt and like-for-like rates, per prompt
-    counters and texts. Raises :class:`LlamaCppMissing` without the build or the weight file."""
+    counters and texts (with ``log_ids``, also each prompt's ids as llama.cpp tokenized it, ``prompt_ids``, and the
+    ids it generated, ``generated_ids``). Raises :class:`LlamaCppMissing` without the build or the weight file."""
     reason = missing_build_reason()
     if reason:
         raise LlamaCppMissing(reason)
@@ -140,7 +164,7 @@ def llamacpp_row(gguf_path: str | Path, prompts: Sequence[str] | Sequence[Sequen
     if not gguf.is_file():
         raise LlamaCppMissing(f"no GGUF file at {gguf}")
     texts = prompt_texts(prompts, tokenizer)
-    runs = [run_completion(gguf, text, max_new_tokens, threads) for text in texts]
+    runs = [run_completion(gguf, text, max_new_tokens, threads, log_ids=log_ids) for text in texts]
     decode_ms, decode_runs = sum(r["decode_ms"] for r in runs), sum(r["decode_runs"] for r in runs)
     prompt_ms, prompt_tokens = sum(r["prompt_ms"] for r in runs), sum(r["prompt_tokens"] for r in runs)
     new_tokens = decode_runs + len(runs)  # the first new token comes from the prompt's forward, not an "eval run"
@@ -154,6 +178,8 @@ def llamacpp_row(gguf_path: str | Path, prompts: Sequence[str] | Sequence[Sequen
         "prompt_ids_match": None if given_ids is None else [r["prompt_ids"] for r in runs] == given_ids,
         "per_prompt": [{k: r[k] for k in ("prompt_tokens", "prompt_ms", "decode_runs", "decode_ms")} for r in runs],
         "texts": [r["text"] for r in runs], "stopped_at_eos": [r["stopped_at_eos"] for r in runs],
+        **({"prompt_ids": [r["prompt_ids"] for r in runs], "generated_ids": [r["generated_ids"] for r in runs]}
+           if log_ids else {}),
     }
 
 

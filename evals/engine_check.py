@@ -1,6 +1,9 @@
 """Run an export inside an engine people serve with and check it there: llama.cpp (``draftsmith engine-check``).
 
-On the same chat prompts (the bench's, rendered to text for llama.cpp as ``bench/llamacpp.py`` does), greedy:
+On the same chat prompts (the bench's, rendered to text for llama.cpp as ``bench/llamacpp.py`` does), greedy, from
+the same token ids in both engines: llama.cpp's tools take text, and its tokenizer splits some texts unlike the HF
+tokenizer (``"\\n    3"``), so the runtime is fed the ids llama.cpp's ``--verbose-prompt`` lists (``prompt_ids`` says
+where the HF tokenizer differs):
 
 - llama.cpp plain: ``llama-completion`` on the target GGUF (its own greedy tokens and decode rate);
 - llama.cpp speculative: ``llama-speculative-simple -m TARGET -md DRAFT --spec-type draft-eagle3
@@ -13,9 +16,9 @@ On the same chat prompts (the bench's, rendered to text for llama.cpp as ``bench
   llama.cpp's tools print text, not ids, so the comparison is of the decoded texts;
 - the draftsmith runtime on the same export: a greedy chain of ``N`` drafted tokens per step (EAGLE-3: ``policy=chain,
   depth=N-1, fixed:N``, llama.cpp's shape; DFlash: one block, cut at ``N`` by ``fixed:N``), its tau, acceptance,
-  tokens/s, its own lossless check (speculative ids equal its AR ids) and whether its AR text equals llama.cpp's
-  plain text (a cross-engine check; the two engines' numerics differ, so a late divergence between near-tied tokens
-  is possible).
+  tokens/s, its own lossless check (speculative ids equal its AR ids) and whether its AR ids equal llama.cpp's plain
+  ids (read from ``-v``'s evaluated-token log; compared as ids, since llama.cpp's text drops the EOS ours keeps; a
+  cross-engine check: the two engines' numerics differ, so a late divergence between near-tied tokens is possible).
 """
 
 from __future__ import annotations
@@ -134,24 +137,59 @@ def engine_check(export_dir: str | Path, target_gguf: str | Path, draft_gguf: st
         raise ValueError(f"--draft-n-max must be >= 1, got {n_max}")
     options, stop = runtime_options(export_dir, n_max)
     runtime = load_runtime(str(export_dir), None, dtype, proposer_options=options, stop_policy=stop)
-    ids = load_prompts(prompts, runtime.tokenizer, num_prompts)
-    texts = llamacpp.prompt_texts(ids, runtime.tokenizer)
-    plain = llamacpp.llamacpp_row(target_gguf, ids, max_new_tokens, threads, runtime.tokenizer)
+    hf_ids = load_prompts(prompts, runtime.tokenizer, num_prompts)
+    texts = llamacpp.prompt_texts(hf_ids, runtime.tokenizer)
+    plain = llamacpp.llamacpp_row(target_gguf, hf_ids, max_new_tokens, threads, runtime.tokenizer, log_ids=True)
+    ids, prompt_report = shared_prompt_ids(hf_ids, plain.pop("prompt_ids"))
     spec = llamacpp_speculative(Path(target_gguf), Path(draft_gguf), texts, max_new_tokens, n_max, threads,
                                 SPEC_TYPES[config["method"]])
     per_prompt = [texts_lossless(p, eos, s) for p, eos, s in zip(plain["texts"], plain["stopped_at_eos"],
                                                                   spec["texts"], strict=True)]
-    ours = runtime_side(runtime, ids, max_new_tokens)
-    ours["text_equals_llamacpp_plain"] = [
-        runtime.tokenizer.decode(out, skip_special_tokens=False) == text
-        for out, text in zip(ours.pop("ar_outputs"), plain["texts"], strict=True)]
+    ours = runtime_side(runtime, ids, max_new_tokens)  # the very ids llama.cpp decoded from
+    ours["ids_equal_llamacpp_plain"] = same_generated_ids(ours.pop("ar_outputs"), plain, runtime)
     return {"engine": "llamacpp", "version": llamacpp.VERSION, "export": str(export_dir), "method": config["method"],
             "target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf), "prompts": prompts,
             "num_prompts": len(ids), "max_new_tokens": max_new_tokens, "threads": threads,
-            "prompt_ids_match": plain["prompt_ids_match"],
+            "prompt_ids_match": prompt_report["same_in_both_engines"], "prompt_ids": prompt_report,
             "llamacpp": {"lossless": all(per_prompt), "lossless_per_prompt": per_prompt, "plain": plain,
                          "speculative": spec},
             "runtime": ours}
+
+
+def shared_prompt_ids(hf_ids: list[list[int]],
+                      engine_ids: list[list[int] | None]) -> tuple[list[list[int]], dict[str, Any]]:
+    """The prompt ids both engines decode from: llama.cpp's own tokenization of each rendered prompt (its tools take
+    text, not ids, and tokenize some texts, e.g. ``"\\n    3"``, unlike the HF tokenizer), so our runtime is fed
+    those; the HF tokenizer's ids where llama.cpp's could not be read. Returns ``(ids, report)``."""
+    ids = [list(e) if e is not None else list(h) for h, e in zip(hf_ids, engine_ids, strict=True)]
+    unreadable = [i for i, e in enumerate(engine_ids) if e is None]
+    return ids, {"fed_to_both": "llama.cpp's tokenization of the rendered prompt", "same_in_both_engines":
+                 not unreadable, "llamacpp_ids_unreadable": unreadable,
+                 "hf_tokenizer_differs": [i for i, (h, e) in enumerate(zip(hf_ids, engine_ids))
+                                          if e is not None and list(e) != list(h)]}
+
+
+def generated_ids_agree(ours: list[int], theirs: list[int], eos_ids: Sequence[int], engine_stopped_at_eos: bool,
+                        ) -> bool:
+    """Whether our greedy ids are llama.cpp's: ``theirs`` are the ids its log lists as evaluated, which never include
+    the EOS it stopped at nor the last token of a run cut at ``-n`` (sampled, never evaluated)."""
+    body = ours[:-1] if ours and ours[-1] in eos_ids else ours
+    if engine_stopped_at_eos:
+        return body == list(theirs) and len(body) < len(ours)  # both stopped at EOS, after the same tokens
+    return len(body) - len(theirs) in (0, 1) and body[:len(theirs)] == list(theirs)
+
+
+def same_generated_ids(ours: list[list[int]], plain: dict[str, Any], runtime: Any) -> list[bool | None]:
+    """Per prompt: our runtime's AR ids equal llama.cpp plain's (compared as ids: its text drops EOS, ours keeps
+    ``<|im_end|>``); where llama.cpp's ids are not in its log, the texts without special tokens (None if neither)."""
+    out: list[bool | None] = []
+    for mine, theirs, eos, text in zip(ours, plain["generated_ids"], plain["stopped_at_eos"], plain["texts"],
+                                       strict=True):
+        if theirs is not None:
+            out.append(generated_ids_agree(mine, theirs, runtime.eos_ids, eos))
+        else:
+            out.append(runtime.tokenizer.decode(mine, skip_special_tokens=True) == text if text is not None else None)
+    return out
 
 
 def _f(value: Any, digits: int = 2) -> str:
@@ -170,12 +208,24 @@ def markdown(result: dict[str, Any]) -> str:
          _f(spec["decode_tokens_per_s"]), _f(spec["tokens_per_s_incl_prompt"]),
          "equal to plain" if lc["lossless"] else f"DIFFERS: {lc['lossless_per_prompt']}"),
         (f"draftsmith runtime AR ({ours['dtype']})", "", "", "", _f(ours["ar_tokens_per_s"]),
-         f"text = llama.cpp plain: {ours['text_equals_llamacpp_plain']}"),
+         f"ids = llama.cpp plain: {ours['ids_equal_llamacpp_plain']}"),
         (f"draftsmith runtime {label} chain {spec['n_draft_max']}", _f(ours["tau"]), _f(ours["acceptance"]), "",
          _f(ours["speculative_tokens_per_s"]), "equal to runtime AR" if ours["lossless"] else "DIFFERS from AR"),
     ]
     head = (f"{result['num_prompts']} {result['prompts']} prompts x {result['max_new_tokens']} new tokens, "
-            f"{result['threads']} threads, greedy; prompt ids match: {result['prompt_ids_match']}\n\n"
+            f"{result['threads']} threads, greedy; {_prompt_ids_text(result)}\n\n"
             "| engine / mode | tau | accepted / drafted | decode tok/s | tok/s incl. prompt | tokens |\n"
             "|---|---|---|---|---|---|\n")
     return head + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def _prompt_ids_text(result: dict[str, Any]) -> str:
+    """Which prompt ids the engines decoded from (the same in both: llama.cpp's), and where the HF tokenizer differs."""
+    report = result.get("prompt_ids") or {}
+    if not report:
+        return f"prompt ids match: {result['prompt_ids_match']}"
+    same = ("the same prompt ids in both engines (llama.cpp's tokenization)" if report["same_in_both_engines"] else
+            f"llama.cpp's prompt ids unreadable for prompts {report['llamacpp_ids_unreadable']}: ours decoded the "
+            "HF tokenizer's there")
+    differs = report["hf_tokenizer_differs"]
+    return same + (f"; the HF tokenizer splits prompts {differs} differently" if differs else "")
