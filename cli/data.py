@@ -91,8 +91,10 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Score the acceptance head's predictions against what the target accepted; write JSON and the PNG."""
+    from draftsmith.cli.preflight import check_writable_folder
     from draftsmith.evals.calibrate import calibrate
 
+    check_writable_folder(args.out)  # before the decoding, not after it
     result = calibrate(args.drafter, args.prompts, args.out, target=args.target, num_prompts=args.num_prompts,
                        max_new_tokens=args.max_new_tokens, depth=args.depth, temperature=args.temperature,
                        bins=args.bins, dtype=args.dtype, seed=args.seed)

@@ -19,7 +19,7 @@ import torch
 
 from draftsmith.controllers.acceptance import AcceptanceHead, base_export_dir
 from draftsmith.runtime.acceptance.stop_policies import StopContext
-from draftsmith.runtime.drafting.base import StepContext
+from draftsmith.runtime.drafting.base import ProposerWrapper, StepContext
 from draftsmith.runtime.drafting.tree import DraftTree
 
 
@@ -39,13 +39,12 @@ class ScoringStop:
         return ctx.depth >= self.max_depth
 
 
-class OutcomeRecorder:
+class OutcomeRecorder(ProposerWrapper):
     """Wraps a chain proposer: pairs each step's head predictions with what the verifier accepted."""
 
     def __init__(self, base: Any, policy: ScoringStop) -> None:
+        super().__init__(base)
         self.base, self.policy = base, policy
-        self.max_tree_nodes = base.max_tree_nodes
-        self.feature_taps = tuple(getattr(base, "feature_taps", ()) or ())
         self.records: list[tuple[int, float, int]] = []  # (depth, predicted P(accept), accepted 0/1)
         self._step: list[tuple[int, float]] = []
 
@@ -104,7 +103,7 @@ def plot_reliability(report: dict[str, Any], path: Path) -> None:
     bottom.set_xlabel("predicted P(accept | earlier accepted)")
     bottom.set_ylabel("drafts")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
 
 
@@ -160,8 +159,9 @@ def calibrate(drafter: str, prompts: str, out: str, target: str | None = None, n
                                max_new_tokens, depth + 1, bins, runtime.eos_ids, torch.Generator().manual_seed(seed))
     report.update({"export": str(drafter), "base_export": str(base), "prompts": prompts, "num_prompts": len(encoded),
                    "temperature": temperature, "depth": depth})
+    from draftsmith.common.atomic_folder import write_file
+
     folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot_reliability(report, folder / "reliability.png")
+    write_file(folder / "calibration.json", json.dumps(report, indent=2) + "\n")  # beside, then renamed in
+    write_file(folder / "reliability.png", lambda tmp: plot_reliability(report, tmp))
     return report
