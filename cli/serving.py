@@ -20,6 +20,7 @@ from draftsmith.cli.arguments import (
     served_dtype,
     stop_policy,
 )
+from draftsmith.cli.oracle_flags import add_oracle_arguments
 from draftsmith.cli.preflight import check_writable_folder, refuse_bad_exports
 
 
@@ -115,15 +116,9 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
                    help="also run the export in each engine in reach that runs its method (llama.cpp: EAGLE-3, DFlash) "
                         "on the same prompts and drafted chain: tau ours vs tau in the engine; a gap over 5%% is a "
                         "defect of the export (bench.json engine_parity)")
-    b.add_argument("--parity-chain", type=COUNT, default=None,
-                   help="with --engine-parity: tokens drafted per step in "
+    b.add_argument("--parity-chain", type=COUNT, default=None, help="with --engine-parity: tokens drafted per step in "
                    "both engines (default: 4; DFlash: block_size - 1)")
-    b.add_argument("--oracle-acceptance", type=PROBABILITY, default=None, metavar="P", help="also bench an oracle "
-                   "chain drafting the greedy continuation, each position right with probability P given the last was "
-                   "(the loop's ceiling; alone on the target without --drafter; bench.json oracle)")
-    b.add_argument("--oracle-chain", type=COUNT, default=None, metavar="K", help="the oracle's chain (default 3)")
-    b.add_argument("--oracle-draft-ms", type=Range(float, low=0), default=0.0, metavar="MS",
-                   help="the oracle's drafting cost per call, spin-waited")
+    add_oracle_arguments(b)
     _add_common(b)
     b.set_defaults(max_new_tokens=None)  # 128, or --long's 2048 (bench.windows.apply_preset)
 
