@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from draftsmith.runtime.decoding.threads import busy_all_seconds
@@ -51,3 +53,29 @@ def verdict(start: CpuSnapshot, end: CpuSnapshot, cpus: int | None = None,
     return {"others_cpu_share": None if others is None else round(others, 3), "own_cpu_over_wall": round(own / wall, 2),
             "load_average_1m": None if load is None else round(load, 2), "cpus": cpus, "contended": contended,
             "why": why}
+
+
+def calibrated_if_quiet(runtime: Any, calibrate: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run the bench's cost-aware ``calibrate()`` (it returns its record, ``cache`` the decision file it wrote). When
+    other processes were busy meanwhile, its measured costs are not this machine's: the decision it cached is taken
+    back (the one cached there before, if any, is put back) while this bench still serves it. The record gets
+    ``cached``, ``calibration_contention`` and, when not cached, ``not_cached_why``."""
+    from draftsmith.common.atomic_folder import write_file
+    from draftsmith.runtime.acceptance import cost_model, depth_choice
+
+    path = Path(cost_model.cache_dir()) / f"{depth_choice.cache_key(depth_choice.machine_identity(runtime))}.json"
+    before = path.read_bytes() if path.is_file() else None
+    start = snapshot()
+    record = calibrate()
+    busy = verdict(start, snapshot())
+    record = {**record, "calibration_contention": busy, "cached": not busy["contended"]}
+    if busy["contended"]:
+        written = Path(record["cache"]) if record.get("cache") else path
+        if written == path and before is not None:
+            write_file(written, before)
+        else:
+            written.unlink(missing_ok=True)
+        record["not_cached_why"] = (f"{busy['why']}: the calibration's costs are not cached as this machine's "
+                                    f"({'the earlier calibration stays' if before else 'nothing cached'}); this bench "
+                                    "still serves its choice")
+    return record

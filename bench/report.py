@@ -104,6 +104,8 @@ def _cost_model_rows(cm: dict[str, Any] | None) -> list[tuple[str, str]]:
     if not cm:
         return []
     rows = [("cost-aware shape (calibrated on this machine)", cm["summary"])]
+    if cm.get("cached") is False:
+        rows.append(("calibration NOT CACHED", cm.get("not_cached_why", "contended")))
     if cm.get("learned_threshold"):
         lt = cm["learned_threshold"]
         rows.append(("SpecDec++ threshold h (from costs)", f"{lt['h']:.2f} (export: {lt['was']}): {lt['why']}"))

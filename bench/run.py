@@ -52,6 +52,7 @@ def _step_costs(runtime: Runtime, prompt: list[int], context: int | None = None,
         def one(tokens: int) -> float:
             ids = torch.full((tokens,), int(prompt[-1]))
             mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+            governor().tick()  # measured with the threads the loops would run with now (fewer while others are busy)
             start = time.perf_counter()
             model.forward(ids, cache, tree_mask=mask if tokens > 1 else None, logits_for="all", head=head)
             return time.perf_counter() - start
@@ -229,8 +230,9 @@ def _apply_cost_aware_depth(runtime: Runtime, prompts: list[list[int]], costs: d
     machine (:mod:`draftsmith.runtime.acceptance.depth_choice`), reusing the forward curve measured for every size
     1..16; its plain step is timed without the prefill there. Returns the cost model for bench.json."""
     verify_ms = {int(n): float(v) for n, v in costs["forward_ms_by_new_tokens"].items()}
-    _, cost_model = depth_choice.choose_cost_aware_shape(runtime, prompts, verify_ms)
-    return cost_model
+    # a calibration measured while other processes were busy serves this bench but is not cached
+    return contention.calibrated_if_quiet(
+        runtime, lambda: depth_choice.choose_cost_aware_shape(runtime, prompts, verify_ms)[1])
 
 
 def _time_ar_and_speculative(runtime: Runtime, prompts: list[list[int]],
