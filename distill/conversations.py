@@ -77,6 +77,12 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
             yield row, record
 
 
+# What `datasets` reads from a plain folder (its packaged builders), and what such a folder must hold.
+DATA_SUFFIXES = frozenset({".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt"})
+FOLDER_NEEDS = ("a data folder must contain .jsonl, .json or .parquet files of chat conversations (ShareGPT "
+                "'conversations' or OpenAI 'messages' records), or be a folder written by Dataset.save_to_disk")
+
+
 def _iter_hf_dataset(spec: str) -> Iterator[tuple[int, Any]]:
     try:
         import datasets
@@ -87,7 +93,12 @@ def _iter_hf_dataset(spec: str) -> Iterator[tuple[int, Any]]:
     if local.is_dir() and (local / "dataset_info.json").is_file() and (local / "state.json").is_file():
         ds = datasets.load_from_disk(str(local))  # a folder written by Dataset.save_to_disk
     else:
-        ds = datasets.load_dataset(spec, split="train")
+        if local.is_dir() and not any(p.suffix in DATA_SUFFIXES for p in local.rglob("*") if p.is_file()):
+            raise DataError(f"data folder {local} holds no data files: {FOLDER_NEEDS}")
+        try:
+            ds = datasets.load_dataset(spec, split="train")
+        except (datasets.exceptions.DataFilesNotFoundError, datasets.data_files.EmptyDatasetError) as err:
+            raise DataError(f"data={spec}: {' '.join(str(err).split())}; {FOLDER_NEEDS}") from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds["train"]
     yield from enumerate(ds, start=1)

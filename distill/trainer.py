@@ -31,6 +31,7 @@ from draftsmith.distill.config_checks import check_schema
 from draftsmith.distill.errors import ConfigError, TrainingInterrupted
 from draftsmith.distill.module import DistillModule
 from draftsmith.distill.progress import StepProgressBar
+from draftsmith.distill.resume_check import check_resume_recipe, check_resume_shapes, read_checkpoint
 from draftsmith.distill.strategies import (
     apply_activation_checkpointing,
     build_precision,
@@ -246,7 +247,9 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     check_config(cfg, recipe)
     shard_target = check_target_shard(cfg)
     ckpt_path = resume_path(cfg, run_dir)
-    if ckpt_path is not None:  # another attempt, maybe on another device count: keep the global batch
+    resumed = read_checkpoint(ckpt_path) if ckpt_path is not None else None
+    if resumed is not None:  # another attempt, maybe on another device count: keep the global batch
+        check_resume_recipe(resumed, ckpt_path, cfg, run_dir)
         keep_global_batch(cfg, read_global_batch(run_dir), planned_world_size(cfg.trainer))
     pl.seed_everything(int(cfg.run.seed), workers=True)
     if cfg.data.features:  # offline: the feature cache's stand-in; the target model is never loaded
@@ -261,6 +264,8 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
                            total_steps=int(cfg.trainer.max_steps),
                            zero_loss_patience=int(cfg.run.zero_loss_patience), served_probe=served_probe)
+    if resumed is not None:  # before Lightning's `Missing key(s) in state_dict`
+        check_resume_shapes(resumed, ckpt_path, cfg, module, run_dir)
     module.sharded_clip_norm = sharded_clip_norm(cfg.optim, cfg.trainer)
     module.run_info = {"recipe": recipe.name, "target": target.identity(),
                        "config": OmegaConf.to_container(cfg, resolve=True)}

@@ -37,6 +37,7 @@ from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.recipes.dflash_blocks import Blocks, build_blocks, sample_anchors
+from draftsmith.recipes.dflash_cut import CutSearch
 from draftsmith.recipes.registry import register_recipe
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class _Tally:
     weights: float = 0.0  # sum_k w_k over slots with rows
     conf_rows: int = 0
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    confidence: torch.Tensor | None = None  # [B, A, S-1]: the head's P(accept) of every slot (validation, auto cut)
 
 
 class DFlashObjective(Objective):
@@ -60,7 +62,7 @@ class DFlashObjective(Objective):
 
     def __init__(self, drafter: DFlashDrafter, anchors_per_seq: int = 4, position_decay: float = 0.8,
                  confidence_weight: float = 0.1, topk: int = 5, inference: dict[str, Any] | None = None,
-                 lm_loss: LMHeadLoss | None = None) -> None:
+                 lm_loss: LMHeadLoss | None = None, cut_search: CutSearch | None = None) -> None:
         if anchors_per_seq < 1:
             raise ConfigError(f"drafter.anchors_per_seq must be >= 1, got {anchors_per_seq}")
         self.module = drafter
@@ -70,6 +72,7 @@ class DFlashObjective(Objective):
         self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE: no [M, V] logits
         self.taps = FeatureTaps(final_hidden=False, layers=tuple(drafter.config.target_layers), logits=True)
         self.generator: torch.Generator | None = None  # anchors' randomness (None = torch's global RNG)
+        self.cut_search = cut_search  # inference.cut null + a confidence head: validation picks the served cut
 
     def loss(self, batch: dict[str, torch.Tensor],
              feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -86,6 +89,9 @@ class DFlashObjective(Objective):
         hidden = d.block_forward(blocks.block_ids, blocks.positions, ctx, blocks.mask)  # [B, A*S, H]
         hidden = hidden.view(bsz, self.anchors_per_seq, c.block_size, -1)  # [B, A, S, H]
         tally = _Tally(hidden.new_zeros(()), torch.ones_like(valid), torch.zeros_like(anchors))
+        searching = self.cut_search is not None and not d.training  # validation: record what the cut would do
+        if searching:
+            tally.confidence = hidden.new_zeros(bsz, self.anchors_per_seq, c.block_size - 1, dtype=torch.float32)
         greedy = feats.logits.argmax(-1)  # [B, T]: the target's greedy next token at every position
         prev = ids.gather(1, anchors)  # [B, A]: slot 1's previous token is x_a
         for k in range(1, c.block_size):
@@ -96,6 +102,9 @@ class DFlashObjective(Objective):
             loss = loss + self.confidence_weight * conf
             tally.metrics["confidence_bce"] = conf.detach()
         self.last_scored = int(blocks.scored.sum())
+        if searching:
+            real = valid.bool()  # [B, A]
+            self.cut_search.add(tally.confidence[real], blocks.scored.sum(-1)[real], tally.accepted[real])
         # Greedy-accepted drafts per real block: the training-time estimate of tau - 1.
         tally.metrics["accept_len"] = tally.accepted.float().sum() / valid.sum().clamp_min(1)
         return loss, tally.metrics
@@ -125,6 +134,10 @@ class DFlashObjective(Objective):
             tally.conf_loss = tally.conf_loss + F.binary_cross_entropy_with_logits(logit, hit[live].float(),
                                                                                    reduction="sum")
             tally.conf_rows += int(live.sum())
+            if tally.confidence is not None:  # every scored slot's P(accept), as the runtime's cut reads it
+                with torch.no_grad():
+                    tally.confidence[:, :, k - 1][keep] = torch.sigmoid(
+                        d.confidence_logit(head_in.detach(), out.topk[:, 0])).float()
         with torch.no_grad():
             tally.metrics[f"slot{k}/loss"] = out.loss.detach()
             tally.metrics[f"slot{k}/top1"] = topk_hits(out.topk, teacher_greedy[keep], 1)
@@ -134,6 +147,17 @@ class DFlashObjective(Objective):
             tally.matched = tally.matched & step
             tally.accepted = tally.accepted + tally.matched.long()
         return teacher_greedy
+
+    def on_validation_start(self) -> None:
+        if self.cut_search is not None:
+            self.cut_search.reset()
+
+    def on_validation_end(self, reduce_sum: Any = None) -> None:
+        """With ``inference.cut`` null, serve the head at the cut this validation pass found best."""
+        found = self.cut_search.best(reduce_sum) if self.cut_search is not None else None
+        if found is not None:
+            self.inference["cut"] = found[0]
+            log.info("DFlash: validation picked confidence cut %.2f (%.3f accepted tokens per verify cost)", *found)
 
     def export_config(self) -> dict[str, Any]:
         return {"method": "dflash", "architecture": self.module.architecture(), "inference": dict(self.inference)}
@@ -156,7 +180,8 @@ def validate(cfg: Any) -> None:
               (d.get("output_norm_init") is not None and not float(d.output_norm_init) > 0,
                f"drafter.output_norm_init must be > 0 (null = the default gain), got {d.output_norm_init}"),
               (float(d.confidence_weight) < 0, f"drafter.confidence_weight must be >= 0, got {d.confidence_weight}"),
-              (not 0 <= float(cfg.inference.cut) < 1, f"inference.cut must be in [0, 1), got {cfg.inference.cut}"),
+              (cfg.inference.cut is not None and not 0 <= float(cfg.inference.cut) < 1,
+               f"inference.cut must be in [0, 1) or null, got {cfg.inference.cut}"),
               (d.get("target_layers") is not None and len(d.target_layers) == 0,
                "drafter.target_layers is empty; use null for the default taps spread over depth")]
     for bad, message in checks:
@@ -230,11 +255,14 @@ def build_objective(cfg: Any, target: Target, token_batches: Any = None) -> DFla
     if d.get("output_norm_init") is not None:  # a fixed gain, not the drafter's min(1, 1/mean|w_v|) (1.0 = old init)
         with torch.no_grad():
             drafter.norm.weight.fill_(float(d.output_norm_init))
-    inference = {"proposer": "dflash", "block_size": block, "depth": block - 1, "cut": float(cfg.inference.cut),
-                 "verifier": str(cfg.inference.verifier), "stop_policy": {"kind": STOP_FIXED}}
+    auto_cut = cfg.inference.cut is None  # null: the cut validation finds best (0 = off until then / without a head)
+    inference = {"proposer": "dflash", "block_size": block, "depth": block - 1,
+                 "cut": 0.0 if auto_cut else float(cfg.inference.cut), "verifier": str(cfg.inference.verifier),
+                 "stop_policy": {"kind": STOP_FIXED}}
+    search = CutSearch(float(cfg.inference.cut_token_cost)) if auto_cut and arch.confidence_head else None
     log.info("DFlash: block %d, %d layers, taps %s, mask token %d", block, arch.num_layers, list(layers), mask_id)
     return DFlashObjective(drafter, int(d.anchors_per_seq), float(d.position_decay), float(d.confidence_weight),
-                           int(d.topk_metric), inference, LMHeadLoss.from_config(cfg))
+                           int(d.topk_metric), inference, LMHeadLoss.from_config(cfg), search)
 
 
 @register_recipe("dflash", validate=validate)

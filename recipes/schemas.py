@@ -182,7 +182,8 @@ class DFlashDrafter:
 class DFlashInference:
     verifier: str = key("greedy (lossless) | rejection (lossless sampling)", choices=("greedy", "rejection"))
     cut: float | None = key("confidence cut: stop after the slot whose cumulative confidence falls below it",
-                               ge=0, lt=1, null="the best cut validation measured (0 = off without a head)")
+                            ge=0, lt=1, null="the cut validation finds best with a head, off without one")
+    cut_token_cost: float = key("what one more drafted token adds to a verify step, as a share of a step", ge=0)
 
 
 @dataclass

@@ -42,10 +42,11 @@ def tiny_overrides(target: Path, data: Path, run_dir: Path, *extra: str) -> list
 
 def test_recipe_is_mandatory_and_unknown_recipes_are_listed():
     proc = run_train(check=False)
-    assert proc.returncode != 0 and "You must specify 'recipe'" in proc.stderr and "medusa" in proc.stderr
+    assert proc.returncode == 1 and proc.stderr.startswith("error: no recipe: pick one with recipe=NAME (")
+    assert "medusa" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     proc = run_train("recipe=doesnotexist", check=False)
-    assert proc.returncode != 0
-    assert "Could not find 'recipe/doesnotexist'" in proc.stderr and "medusa" in proc.stderr
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: unknown recipe 'doesnotexist'; valid recipes: ") and "medusa" in proc.stderr
 
 
 def test_unknown_option_and_missing_field_fail_before_loading_the_target(tmp_path):

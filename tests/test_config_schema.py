@@ -1,0 +1,244 @@
+"""Typed recipe configs (issue 41 item 3, issue 40's training parts): every recipe has a dataclass schema in Hydra's
+ConfigStore with a doc per key; misspelt keys (with or without `+`) and out-of-range values are one `error:` line
+naming the close match or the allowed range, before anything loads; `--help` lists the recipes and a recipe's keys;
+an empty data folder, a run folder holding another model's checkpoint and a DFlash confidence head that was never
+served each get one line or the right default."""
+
+from __future__ import annotations
+
+import dataclasses
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_llama
+from omegaconf import OmegaConf
+
+from draftsmith.cli.training import compose_config
+from draftsmith.distill.errors import ConfigError, DataError
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.stem for p in (ROOT / "conf" / "recipe").glob("*.yaml"))
+
+
+def run_train_py(argv: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int | None, str, str]:
+    """``python train.py ARGV`` in-process with training replaced by a failure: (exit status, stdout, stderr)."""
+    from draftsmith.distill import trainer
+
+    monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("training must not start"))
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv, f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null",
+                                      "hydra/job_logging=none", "hydra/hydra_logging=none"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as ended:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    out = capsys.readouterr()
+    return ended.value.code, out.out, out.err
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------- the schemas themselves
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_composes_into_its_own_schema_with_a_doc_per_key(name):
+    from draftsmith.distill.config_checks import schema_fields, schema_problems
+    from draftsmith.recipes.schemas import SCHEMAS
+
+    cfg = compose_config([f"recipe={name}"])
+    assert OmegaConf.get_type(cfg) is SCHEMAS[name]
+    assert schema_problems(cfg) == []
+    leaves = [(path, f) for path, f, group in schema_fields(SCHEMAS[name]) if group is None]
+    undocumented = [path for path, f in leaves if not f.metadata.get("doc")]
+    assert undocumented == []
+
+
+def test_a_wrong_type_and_an_unknown_key_are_refused_by_the_config_system():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):  # Hydra's struct mode: the schema has no heads.num_head
+        compose_config(["recipe=medusa", "heads.num_head=4"])
+    with pytest.raises(ConfigCompositionException):  # typed: an int key refuses text
+        compose_config(["recipe=medusa", "heads.num_heads=four"])
+
+
+@pytest.mark.parametrize("typo", ["heads.num_head=4", "+heads.num_head=4"])
+def test_a_misspelt_key_is_one_line_with_the_close_match(typo, tmp_path, monkeypatch, capsys):
+    code, _, err = run_train_py(["recipe=medusa", typo], tmp_path, monkeypatch, capsys)
+    lines = error_lines(err)
+    assert code == 1 and len(lines) == 1, err
+    assert lines[0].startswith("error: heads.num_head is not a key of recipe=medusa; did you mean heads.num_heads?")
+    assert "Traceback" not in err and "To append to your config use" not in err
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("data.limit=0", "error: data.limit=0 is out of range: allowed >= 1, or null (all)"),
+    ("data.limit=-1", "error: data.limit=-1 is out of range: allowed >= 1, or null (all)"),
+    ("data.batch_size=0", "error: data.batch_size=0 is out of range: allowed >= 1"),
+    ("optim.lr=-0.5", "error: optim.lr=-0.5 is out of range: allowed >= 0"),
+    ("optim.scheduler=step", "error: optim.scheduler=step is out of range: allowed one of constant, linear, cosine"),
+    ("heads.decay=1.5", "error: heads.decay=1.5 is out of range: allowed > 0 and <= 1"),
+])
+def test_out_of_range_values_are_one_line_before_anything_loads(override, expected, tmp_path, monkeypatch, capsys):
+    code, _, err = run_train_py(["recipe=medusa", override], tmp_path, monkeypatch, capsys)
+    lines = error_lines(err)
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(expected), err
+
+
+def test_null_limit_means_all_and_passes():
+    from draftsmith.distill.config_checks import schema_problems
+
+    assert schema_problems(compose_config(["recipe=medusa", "data.limit=null"])) == []
+
+
+def test_range_checks_run_in_check_config_too():
+    """compose_config users (bench-train, tests, sweeps) reach the same declared ranges through check_config."""
+    from draftsmith import recipes
+    from draftsmith.distill.trainer import check_config
+
+    with pytest.raises(ConfigError, match=r"^data\.limit=0 is out of range: allowed >= 1, or null \(all\)"):
+        check_config(compose_config(["recipe=medusa", "data.limit=0"]), recipes.get_recipe("medusa"))
+
+
+# ------------------------------------------------------------------------------------------------------------ --help
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_usage_and_the_recipes(flag, tmp_path, monkeypatch, capsys):
+    code, out, err = run_train_py([flag], tmp_path, monkeypatch, capsys)
+    assert code == 0 and err == ""
+    assert out.startswith("usage: python train.py recipe=NAME [key=value ...]")
+    assert all(name in out for name in RECIPES) and "recipe=NAME --help" in out
+
+
+def test_draftsmith_train_help_prints_the_usage(capsys):
+    from draftsmith.cli.training import _cmd_train
+
+    with pytest.raises(SystemExit) as ended:
+        _cmd_train(["--help"])
+    out = capsys.readouterr().out
+    assert ended.value.code == 0 and out.startswith("usage: draftsmith train recipe=NAME") and "eagle3" in out
+
+
+def test_recipe_help_lists_its_keys_with_types_defaults_and_docs(tmp_path, monkeypatch, capsys):
+    from draftsmith.recipes.schemas import Eagle3Drafter
+
+    code, out, _ = run_train_py(["recipe=eagle3", "drafter.ttt_steps=5", "--help"], tmp_path, monkeypatch, capsys)
+    assert code == 0
+    lines = out.splitlines()
+    ttt = next(line for line in lines if line.strip().startswith("drafter.ttt_steps:"))
+    doc = next(f for f in dataclasses.fields(Eagle3Drafter) if f.name == "ttt_steps").metadata["doc"]
+    assert ttt.strip().startswith("drafter.ttt_steps: int = 5") and doc in ttt and "[>= 1]" in ttt
+    assert any(line.strip().startswith("data.limit: int | None = 2000") for line in lines)
+    own = [i for i, line in enumerate(lines) if line.strip().startswith("drafter.")]
+    shared = [i for i, line in enumerate(lines) if line.strip().startswith("optim.")]
+    assert max(own) < min(shared)  # the recipe's own keys first
+
+
+# --------------------------------------------------------------------------------------------------- data, resume
+def test_an_empty_data_folder_is_one_line_naming_what_it_must_hold(tmp_path):
+    from draftsmith.distill.conversations import load_conversations
+
+    for folder in (tmp_path / "empty", tmp_path / "no_data"):
+        folder.mkdir()
+    (tmp_path / "no_data" / "README.md").write_text("notes\n")
+    for folder in (tmp_path / "empty", tmp_path / "no_data"):
+        with pytest.raises(DataError, match=rf"^data folder {folder} holds no data files: a data folder must contain "
+                                            r"\.jsonl, \.json or \.parquet files of chat conversations"):
+            load_conversations(str(folder))
+
+
+def fake_checkpoint(recipe: str, config: dict, state: dict[str, torch.Tensor]) -> dict:
+    return {"state_dict": state, "draftsmith": {"recipe": recipe, "config": config}}
+
+
+def test_a_checkpoint_of_another_recipe_is_refused_before_the_target_loads(tmp_path):
+    from draftsmith.distill.resume_check import check_resume_recipe
+
+    cfg = compose_config(["recipe=eagle3"])
+    with pytest.raises(ConfigError, match=r"holds a recipe=medusa checkpoint \(ck\.ckpt\), and this run is "
+                                          r"recipe=eagle3.*hydra\.run\.dir=NEW_DIR.*run\.resume=false"):
+        check_resume_recipe(fake_checkpoint("medusa", {}, {}), "ck.ckpt", cfg, tmp_path)
+    check_resume_recipe(fake_checkpoint("eagle3", {}, {}), "ck.ckpt", cfg, tmp_path)  # same recipe: fine
+
+
+def test_a_checkpoint_of_another_shape_names_the_changed_key(tmp_path):
+    from draftsmith.distill.resume_check import check_resume_shapes
+
+    cfg = compose_config(["recipe=medusa", "heads.num_heads=5"])
+    saved = OmegaConf.to_container(compose_config(["recipe=medusa", "heads.num_heads=3", "optim.lr=0.1"]))
+    module = torch.nn.Linear(4, 5)
+    ckpt = fake_checkpoint("medusa", saved, {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)})
+    with pytest.raises(ConfigError) as err:
+        check_resume_shapes(ckpt, "run/checkpoints/step-6.ckpt", cfg, module, tmp_path)
+    message = str(err.value)
+    assert message.startswith("cannot resume from run/checkpoints/step-6.ckpt: the model's shape changed "
+                              "(heads.num_heads 3 -> 5); 2 weight(s) differ, e.g. bias (3,) vs (5,)"), message
+    assert "optim.lr" not in message and "run.resume=false" in message and "hydra.run.dir=" in message
+    same = fake_checkpoint("medusa", saved, {k: v.detach() for k, v in module.state_dict().items()})
+    check_resume_shapes(same, "x.ckpt", cfg, module, tmp_path)  # same shapes: resumes
+
+
+@pytest.mark.e2e  # two short training runs in one run folder
+def test_rerunning_with_more_heads_in_the_same_folder_is_one_line(tmp_path, tiny_target_dir, tiny_data_file):
+    from draftsmith import recipes
+    from draftsmith.distill.trainer import train
+
+    base = ["recipe=medusa", f"target.name_or_path={tiny_target_dir}", "target.dtype=fp32",
+            f"data.spec={tiny_data_file}", "data.limit=null", "data.max_length=48", "data.batch_size=4",
+            "data.val_fraction=0.1", "trainer.max_steps=2", "run.checkpoint_every=2", "run.final_eval_batches=1",
+            "run.export=false", "validation.served_tau.every=0"]
+    train(compose_config([*base, "heads.num_heads=2"]), recipes.get_recipe("medusa"), tmp_path)
+    with pytest.raises(ConfigError, match=r"the model's shape changed \(heads\.num_heads 2 -> 3\).*run\.resume=false"):
+        train(compose_config([*base, "heads.num_heads=3"]), recipes.get_recipe("medusa"), tmp_path)
+    with pytest.raises(ConfigError, match=r"holds a recipe=medusa checkpoint"):
+        train(compose_config([*base[1:], "recipe=hydra", "heads.num_heads=2"]), recipes.get_recipe("hydra"),
+              tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- DFlash served cut
+def test_cut_search_picks_the_cut_with_the_most_accepted_tokens_per_verify_cost():
+    from draftsmith.recipes.dflash_cut import CutSearch, drafted_per_cut
+
+    confidence = torch.tensor([[0.9, 0.9, 0.1, 0.1], [0.9, 0.9, 0.9, 0.9]])  # cumulative: .9 .81 .081 .0081 / ...
+    scored = torch.tensor([4, 3])
+    assert drafted_per_cut(confidence, scored, torch.tensor([0.0, 0.5, 0.95])).tolist() == [[4, 3], [3, 3], [1, 1]]
+    search = CutSearch(token_cost=0.5)
+    search.add(confidence, scored, accepted=torch.tensor([2, 3]))  # block 1's slots 3-4 would be rejected
+    cut, speed = search.best()
+    assert cut == 0.1 and speed == pytest.approx((2 + 5) / (2 + 0.5 * 6))  # 3 then 3 slots verified, 2 + 3 kept
+    free = CutSearch(token_cost=0.0)  # verifying costs nothing: never cut
+    free.add(confidence, scored, torch.tensor([2, 3]))
+    assert free.best()[0] == 0.0 and CutSearch(0.1).best() is None
+
+
+def test_a_trained_dflash_confidence_head_serves_at_the_cut_validation_picked(tiny_tokenizer):
+    from draftsmith.distill.target import Target
+    from draftsmith.recipes import dflash as dflash_recipe
+
+    target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, target.vocab_size, (2, 20), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    shipped = OmegaConf.load(ROOT / "conf" / "recipe" / "dflash.yaml")
+    assert shipped.inference.cut is None  # the default: chosen by validation
+
+    def build(**extra):
+        cfg = OmegaConf.merge(shipped, {"drafter": {"target_layers": [1, 2, 3], "block_size": 4, "mask_token_id": 1,
+                                                    "confidence_head": True}}, extra)
+        torch.manual_seed(0)
+        return dflash_recipe.build_objective(cfg, target, [(ids, batch["loss_mask"])])
+
+    objective = build(inference={"cut_token_cost": 5.0})  # a drafted token costing 5 steps: cutting pays
+    feats = target.features(ids, batch["attention_mask"], objective.taps)
+    objective.module.eval()
+    objective.on_validation_start()
+    with torch.no_grad():
+        objective.loss(batch, feats)
+    expected = objective.cut_search.best()
+    objective.on_validation_end()
+    assert expected is not None and objective.export_config()["inference"]["cut"] == expected[0] > 0
+    fixed = build(inference={"cut": 0.0})  # an explicit cut is served as given, never searched
+    assert fixed.cut_search is None and fixed.export_config()["inference"]["cut"] == 0.0
