@@ -153,29 +153,23 @@ def drafter_call_bytes(proposer: Any, target: nn.Module) -> dict[str, int]:
 
 @contextmanager
 def counting_draft_calls(proposer: Any, target: nn.Module) -> Iterator[dict[str, int]]:
-    """Count drafter calls while the block runs: ``{"calls": n}``. An EAGLE proposer's ``_draft`` is one drafter
-    forward (its native path never enters an nn.Module's forward); otherwise a forward of any top drafter module
-    counts. Zero when the proposer drafts through methods other than a forward (then one call per step is assumed)."""
+    """Count drafter calls while the block runs: ``{"calls": n}``. A proposer that declares ``counts_draft_calls``
+    (EAGLE: one ``draft_calls`` per drafter forward, whose native path never enters an nn.Module's forward; Medusa)
+    is read from its own counter; otherwise a forward of any top drafter module counts. Zero when the proposer drafts
+    through methods other than a forward (then one call per step is assumed)."""
     counter = {"calls": 0}
 
     def bump(*_: Any) -> None:
         counter["calls"] += 1
 
-    inner = getattr(proposer, "_draft", None)
-    hooks = []
-    if callable(inner):
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            bump()
-            return inner(*args, **kwargs)
-
-        proposer._draft = counted  # an instance attribute over the method: removed again below
-    else:
-        hooks = [m.register_forward_pre_hook(bump) for m in drafter_modules(proposer, target)]
+    counts = bool(proposer.counts_draft_calls)
+    before = proposer.draft_calls if counts else 0
+    hooks = [] if counts else [m.register_forward_pre_hook(bump) for m in drafter_modules(proposer, target)]
     try:
         yield counter
     finally:
-        if callable(inner):
-            del proposer._draft
+        if counts:
+            counter["calls"] = proposer.draft_calls - before
         for hook in hooks:
             hook.remove()
 

@@ -16,7 +16,7 @@ from draftsmith.export.identity import target_identity
 from draftsmith.kernels import cpu_caps
 from draftsmith.runtime.acceptance.choice import choose_stop_policy, choose_verifier, option_sources
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import NullProposer, WrapsTarget, build_proposer
+from draftsmith.runtime.drafting.base import NullProposer, build_proposer
 from draftsmith.runtime.target.adapters import target_adapter
 from draftsmith.runtime.target.loading import choose_decoder
 from draftsmith.runtime.target.weights import load_hf_config
@@ -61,7 +61,7 @@ class Runtime:
                 "linear_reason": plan.reason if plan else self.decoder_reason,
                 "decoder_backend": self.decoder_backend, "decoder_reason": self.decoder_reason,
                 "kernels": getattr(self.model, "kernel_backend", "n/a"), "device": str(self.model.device),
-                "draft_plan": getattr(getattr(self.speculative, "proposer", None), "draft_plan", {})}
+                "draft_plan": self.speculative.proposer.draft_plan if self.speculative is not None else {}}
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -107,12 +107,13 @@ def hf_fastest_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
 
 
 def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", kernels: str = "auto",
-                 verifier: str = "auto", temperature: float = 0.0, max_cache_len: int = 4096,
+                 verifier: str = "auto", temperature: float = 0.0, max_cache_len: int | None = None,
                  proposer_options: dict[str, Any] | None = None, linear_backend: str = "auto",
                  stop_policy: str | None = None, controller: str | None = None, backend: str = "auto") -> Runtime:
     """Load the target (from ``target`` or the export's record) and the export's proposer, checking identity.
     ``backend`` picks the decoder (auto | lean | hf, see ``choose_decoder``); ``linear_backend`` how the lean decoder
-    runs its linears (see ``draftsmith.runtime.target.linear_ops``).
+    runs its linears (see ``draftsmith.runtime.target.linear_ops``); ``max_cache_len`` caps the speculative KV cache
+    (None: sized from each request, as plain decoding sizes its own).
     Verifier, stop policy and proposer options: the flags where given, else the export's ``inference`` block
     (``runtime.inference`` records each choice and its source; see ``draftsmith.runtime.acceptance.choice``)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -136,7 +137,7 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
     runtime = Runtime(str(folder), model, tokenizer, eos_ids_from_folder(folder), export_config,
                       dtype_reason=dtype_reason, decoder_backend=decoder, decoder_reason=why)
     if drafter:
-        getattr(model, "check_speculative", lambda: None)()  # the HF fallback verifies trees exactly or refuses
+        model.check_speculative()  # the HF fallback verifies trees exactly or refuses (one line), before any work
         identity = target_identity(export_config["target"]["name_or_path"], AutoConfig.from_pretrained(folder),
                                    tokenizer, model.lm_head_weight)
         if adapter:
@@ -147,7 +148,7 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
         policy, policy_info = choose_stop_policy(stop_policy, export_config, export_dir=drafter)
         runtime.inference = {"verifier": verifier_info, "stop_policy": policy_info,
                              "proposer_options": option_sources(export_config, proposer_options)}
-        verify_model = proposer.wrap_target(model) if isinstance(proposer, WrapsTarget) else model  # Kangaroo
+        verify_model = proposer.wrap_target(model)  # the target itself, or Kangaroo's cache-sharing wrapper
         runtime.speculative = SpeculativeDecoder(verify_model, proposer, chosen_verifier, stop_policy=policy,
                                                  kernels_backend=kernels, max_cache_len=max_cache_len)
     if controller:
@@ -158,7 +159,7 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
 
 
 def attach_controller(runtime: Runtime, controller: str, identity: dict, given: str, kernels: str = "auto",
-                      max_cache_len: int = 4096) -> None:
+                      max_cache_len: int | None = None) -> None:
     """Sample with an adaptive-temperature export's per-position temperatures: with a drafter, its speculative loop
     verifies by rejection sampling at each node's temperature (the adaptive decoder's law exactly); without one, the
     same loop with the null proposer is the adaptive decoder alone. The controller must be for this target."""

@@ -14,6 +14,7 @@ from draftsmith.bench import floors
 from draftsmith.bench.prompts import load_prompts
 from draftsmith.bench.report import markdown_table, write_outputs
 from draftsmith.bench.run import run_bench
+from draftsmith.runtime.drafting.base import Proposer
 from draftsmith.runtime.serving import load_runtime
 from draftsmith.runtime.target.loading import load_decoder
 
@@ -71,13 +72,17 @@ class _Serving:  # a draftsmith-style helper object between the proposer and its
         self.drafter.fc(torch.zeros(1, 2 * H))
 
 
-class _Proposer:
+class _Proposer(Proposer):
+    """An EAGLE-style proposer: it counts its own drafter forwards (the declared ``draft_calls``)."""
+
     __module__ = "draftsmith.tests_fake"
+    counts_draft_calls = True
 
     def __init__(self, model: _Serving) -> None:
         self.model = model
 
     def _draft(self) -> None:
+        self.draft_calls += 1
         self.model.run()
 
 
@@ -99,12 +104,13 @@ def test_drafter_bytes_count_own_weights_the_shared_head_and_one_embedding_row(t
 
 def test_draft_calls_are_counted_through_draft_or_module_forwards(tiny_decoder):
     proposer = _Proposer(_Serving(_Drafter(tiny_decoder.embed_weight, torch.randn(3, H)), tiny_decoder))
+    proposer._draft()  # before the block: not counted
     with floors.counting_draft_calls(proposer, tiny_decoder) as counted:
         for _ in range(3):
             proposer._draft()
-    assert counted["calls"] == 3 and "_draft" not in vars(proposer)  # the wrapper is gone again
+    assert counted["calls"] == 3 and "_draft" not in vars(proposer)  # read from the counter: nothing replaced
 
-    class Heads:  # a module proposer (Medusa-style): one forward of its heads per call
+    class Heads(Proposer):  # a proposer that counts nothing itself: one forward of its heads per call
         __module__ = "draftsmith.tests_fake"
 
         def __init__(self) -> None:

@@ -20,6 +20,7 @@ from draftsmith.runtime.acceptance.cost_model import (
 )
 from draftsmith.runtime.acceptance.shapes import RecordedStep, Shape, ShapeError
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
+from draftsmith.runtime.drafting.base import Proposer
 from draftsmith.runtime.drafting.medusa import MedusaProposer
 
 pytestmark = pytest.mark.unit
@@ -139,7 +140,7 @@ def test_accepted_length_of_a_shape_on_a_recorded_tree():
 def test_search_picks_a_short_chain_when_verify_16_is_dear_and_acceptance_decays():
     curve = {n: CPU_CURVE[n] if n in CPU_CURVE else MachineCosts(5.6, CPU_CURVE).verify_at(n) for n in range(1, 17)}
     costs = MachineCosts(5.6, curve, draft_ms_per_depth=0.3, overhead_ms=0.3)
-    proposer = SimpleNamespace(shape_family="dynamic_tree", shape_vocab=100)
+    proposer = declared(shape_family="dynamic_tree", shape_vocab=100)
     table = predict_shapes(_decaying_steps(), shapes.candidates(proposer), costs)
     assert table[0]["spec"]["kind"] == "chain" and 2 <= table[0]["spec"]["nodes"] <= 4
     full = next(r for r in table if r["shape"] == "tree:16/b4/d4")
@@ -151,7 +152,7 @@ def test_search_picks_a_short_chain_when_verify_16_is_dear_and_acceptance_decays
 
 def test_plain_decoding_when_measured_speed_disagrees_with_the_prediction_beyond_noise():
     costs = MachineCosts(5.6, {n: 5.6 + 0.1 * n for n in range(1, 17)}, 0.3, 0.3)
-    proposer = SimpleNamespace(shape_family="dynamic_tree", shape_vocab=100)
+    proposer = declared(shape_family="dynamic_tree", shape_vocab=100)
     table = predict_shapes(_decaying_steps(), shapes.candidates(proposer), costs)
     best = table[0]["shape"]
     assert table[0]["predicted_speedup"] > 1.2
@@ -171,12 +172,12 @@ def test_shapes_that_cannot_run_are_refused():
         Shape("tree", 2, 1, 2)
     with pytest.raises(ShapeError, match="do not fit"):
         Shape("tree", 2, 16, 2)  # 2 levels of branching 2 hold 7 nodes
-    tiny_vocab = SimpleNamespace(shape_family="dynamic_tree", shape_vocab=3)
+    tiny_vocab = declared(shape_family="dynamic_tree", shape_vocab=3)
     with pytest.raises(ShapeError, match="larger than the drafter's vocabulary"):
         shapes.with_shape(tiny_vocab, Shape("tree", 2, 6, 4))
     assert all(s.branching <= 3 for s in shapes.candidates(tiny_vocab))
     with pytest.raises(ShapeError, match="only its depth"):
-        shapes.with_shape(SimpleNamespace(max_tree_nodes=5), Shape.chain(2))
+        shapes.with_shape(declared(max_tree_nodes=5), Shape.chain(2))
 
 
 class Heads(torch.nn.Module):
@@ -198,7 +199,12 @@ def test_medusa_shapes_come_from_the_tree_builder():
         shapes.with_shape(medusa, Shape.chain(4))
 
 
-class StubEagle:
+def declared(**members) -> Proposer:
+    """A proposer declaring ``members`` (every other member keeps the base's default)."""
+    return type("Declared", (Proposer,), members)()
+
+
+class StubEagle(Proposer):
     """A dynamic-tree proposer that only records its options."""
 
     shape_family, shape_vocab, max_tree_nodes = "dynamic_tree", 100, 16

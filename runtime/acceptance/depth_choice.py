@@ -33,7 +33,8 @@ from draftsmith.runtime.acceptance.stop_policies import FixedDepth, LearnedStop
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.profile import StepProfiler
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import NullProposer
+from draftsmith.runtime.decoding.threads import governor
+from draftsmith.runtime.drafting.base import NullProposer, ProposerWrapper
 
 CALIBRATION_PROMPTS = 4  # prompts calibration drafts on (fewer when the bench has fewer)
 CALIBRATION_TOKENS = 64  # new tokens per calibration prompt: up to 256 target tokens, ~100 verified steps
@@ -88,6 +89,7 @@ def forward_curve(model: Any, prompt: list[int], sizes: Sequence[int] = VERIFY_S
         def one(n: int) -> float:
             ids = torch.full((n,), int(prompt[-1]), device=device)
             mask = torch.ones(n, n, dtype=torch.bool, device=device).tril() if n > 1 else None
+            governor().tick()  # the threads the loops would run with now (a busy machine lends fewer)
             start = clock()
             model.forward(ids, cache, tree_mask=mask, logits_for="all", head=head)
             return 1e3 * (clock() - start)
@@ -111,6 +113,7 @@ def decode_step_ms(model: Any, prompts: Sequence[list[int]], tokens: int, clock:
             step = logits[-1].argmax().reshape(1)  # [1]
             spent = 0.0
             for _ in range(tokens):
+                governor().tick()  # as the plain loop does
                 start = clock()
                 out = model.forward(step, cache, logits_for="last", head=head)
                 cache.commit(1)
@@ -120,20 +123,15 @@ def decode_step_ms(model: Any, prompts: Sequence[list[int]], tokens: int, clock:
     return sum(per_prompt) / len(per_prompt), per_prompt
 
 
-class _Recorder:
+class _Recorder(ProposerWrapper):
     """Wraps the calibration proposer: times ``propose`` with the clock and records every verified tree with the
     path the verifier accepted (:class:`~draftsmith.runtime.acceptance.shapes.RecordedStep`)."""
 
     def __init__(self, inner: Any, clock: Clock) -> None:
-        self.inner, self.clock = inner, clock
-        self.max_tree_nodes = inner.max_tree_nodes
-        self.feature_taps = getattr(inner, "feature_taps", None)
+        super().__init__(inner)
+        self.clock = clock
         self.steps: list[shapes.RecordedStep] = []
         self.draft_s, self._tree = 0.0, None
-
-    def begin(self, ctx: Any) -> None:
-        """Start the inner proposer."""
-        self.inner.begin(ctx)
 
     def propose(self, ctx: Any) -> Any:
         """Draft with the inner proposer, timed."""

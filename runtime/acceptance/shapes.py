@@ -2,11 +2,12 @@
 branching b per level and depth d), the candidate shapes a proposer family supports, applying one to a proposer,
 and the accepted length every candidate would have had on recorded calibration steps.
 
-Families (a proposer says which through its ``shape_family`` attribute):
+Families (a proposer declares which in its ``shape_family``, a member of
+:class:`~draftsmith.runtime.drafting.base.Proposer` like every other one read here):
 - ``dynamic_tree`` (EAGLE-1/3): chain ``policy=chain, depth=d-1`` (the proposer drafts ``depth + 1`` tokens);
   tree ``policy=tree, total_tokens=N, top_k=b, depth=d-1``;
 - ``static_tree`` (Medusa family): the tree ``default_medusa_tree(num_heads, N - 1, b)`` (a chain: b = 1);
-- anything else: depth only (``kind="depth"``, the stop policy's ``max_depth`` capped at d).
+- ``depth``: depth only (``kind="depth"``, the stop policy's ``max_depth`` capped at d, up to ``draft_depth``).
 Chains are 1..4 deep, or up to a proposer's ``shape_max_depth`` when it declares one (DFlash: block_size - 1).
 
 Predicting a shape from recorded steps: every calibration step drafted a superset tree and the greedy verifier
@@ -22,9 +23,12 @@ import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
+
+if TYPE_CHECKING:
+    from draftsmith.runtime.drafting.base import Proposer
 
 MAX_NODES = 16  # the largest tree a candidate may verify (root included)
 MAX_CHAIN = 4  # chains of depth 1..MAX_CHAIN
@@ -83,32 +87,32 @@ class Shape:
 PLAIN = Shape("plain")
 
 
-def family_of(proposer: Any) -> str:
+def family_of(proposer: Proposer) -> str:
     """``dynamic_tree`` | ``static_tree`` | ``depth`` (see the module docstring)."""
-    return getattr(proposer, "shape_family", "depth")
+    return proposer.shape_family
 
 
-def check_runnable(shape: Shape, proposer: Any) -> None:
+def check_runnable(shape: Shape, proposer: Proposer) -> None:
     """Refuse a shape this proposer cannot draft (branching beyond its vocabulary, deeper than its heads)."""
-    vocab = getattr(proposer, "shape_vocab", None)
+    vocab = proposer.shape_vocab
     if vocab is not None and shape.branching > int(vocab):
         raise ShapeError(f"shape {shape.label}: branching {shape.branching} is larger than the drafter's vocabulary "
                          f"({vocab} tokens)")
-    heads = getattr(proposer, "num_heads", None)
+    heads = proposer.num_heads
     if family_of(proposer) == "static_tree" and heads is not None and shape.depth > int(heads):
         raise ShapeError(f"shape {shape.label} is {shape.depth} deep, but the proposer has {heads} heads")
     if family_of(proposer) == "depth" and shape.kind not in ("plain", "depth"):
         raise ShapeError(f"shape {shape.label}: this proposer's shape is its export's; only its depth can change")
 
 
-def candidates(proposer: Any) -> list[Shape]:
+def candidates(proposer: Proposer) -> list[Shape]:
     """Every shape the proposer's family supports: chains of depth 1..4 and trees of at most 16 nodes with branching
     2..4 (depth only for families without shape options), each runnable on this proposer."""
     if family_of(proposer) == "depth":
-        top = min(MAX_CHAIN, int(getattr(proposer, "depth", MAX_CHAIN) or MAX_CHAIN))
+        top = min(MAX_CHAIN, int(proposer.draft_depth or MAX_CHAIN))
         return [Shape("depth", d, d + 1) for d in range(1, top + 1)]
     # A block drafter (DFlash) drafts its whole block in one forward: its chains may go past MAX_CHAIN.
-    shapes = [Shape.chain(d) for d in range(1, max(MAX_CHAIN, int(getattr(proposer, "shape_max_depth", 0))) + 1)]
+    shapes = [Shape.chain(d) for d in range(1, max(MAX_CHAIN, int(proposer.shape_max_depth)) + 1)]
     for b in BRANCHINGS:
         for d in TREE_DEPTHS:
             for n in TREE_NODES:
@@ -138,7 +142,7 @@ def medusa_paths(num_heads: int, shape: Shape) -> list[list[int]]:
     return sorted(paths, key=lambda p: (len(p), p))
 
 
-def with_shape(proposer: Any, shape: Shape) -> Any:
+def with_shape(proposer: Proposer, shape: Shape) -> Proposer:
     """A copy of ``proposer`` drafting ``shape`` (sharing its weights); the proposer itself for depth-only shapes."""
     check_runnable(shape, proposer)
     family = family_of(proposer)
@@ -228,14 +232,14 @@ def accepted_length(step: RecordedStep, shape: Shape,
     return accepted, len(kept)
 
 
-def static_paths_of(proposer: Any, shape: Shape) -> set[tuple[int, ...]] | None:
+def static_paths_of(proposer: Proposer, shape: Shape) -> set[tuple[int, ...]] | None:
     """A static family's rank paths for ``shape`` (None for the other families)."""
     if family_of(proposer) != "static_tree":
         return None
     return {tuple(p) for p in medusa_paths(int(proposer.num_heads), shape)}
 
 
-def calibration_proposer(proposer: Any) -> Any:
+def calibration_proposer(proposer: Proposer) -> Proposer:
     """The proposer calibration drafts with: a superset of every candidate (EAGLE: 16 nodes, top-4, depth 4; Medusa:
     the union of every candidate's static tree); the proposer itself for depth-only families."""
     family = family_of(proposer)

@@ -43,15 +43,19 @@ def generate_ar(
     eos_ids: Iterable[int] = (),
     generator: torch.Generator | None = None,
     stream: Callable[[int], None] | None = None,
+    head: str = "auto",
 ) -> list[int]:
     """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``, one target forward per token.
 
     Greedy when ``temperature == 0`` (token-identical to HF ``generate(do_sample=False)`` in fp32). Stops after an
     ``eos_ids`` token, which is included in the output like HF does. ``stream`` is called with each new token.
+    ``head``: "auto" (greedy steps ask a target that declares ``argmax_head`` for the argmax only) or "logits".
     Returns the new tokens only.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if head not in ("auto", "logits"):
+        raise ValueError(f"head must be 'auto' or 'logits', got {head!r}")
     _check_prompt(prompt_ids, getattr(getattr(model, "config", None), "vocab_size", None))
     eos = set(eos_ids)
     if max_new_tokens == 0:
@@ -63,7 +67,7 @@ def generate_ar(
     out: list[int] = []
     step = torch.empty(1, dtype=torch.long, device=device)  # reused input buffer
     # Greedy steps need only the argmax: a model that can reduce its LM head to it skips the [1, V] logits.
-    greedy = temperature <= 0.0 and getattr(model, "argmax_head", False)
+    greedy = temperature <= 0.0 and head == "auto" and getattr(model, "argmax_head", False)
     threads = governor()  # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
     tok = sample_token(logits[-1], temperature, top_p, generator)
     while True:

@@ -23,6 +23,7 @@ from draftsmith.runtime.acceptance.stop_policies import StopPolicy
 from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, Verifier
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.profile import StepProfiler
+from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
 from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.drafting.base import NullProposer, Proposer, StepContext
 from draftsmith.runtime.target.cache import TokenBuffer
@@ -49,11 +50,16 @@ class SpecResult:
 class SpeculativeDecoder:
     """Speculative generation with a target model (runtime interface), a proposer, a verifier and a stop policy.
 
-    ``model`` provides ``allocate_cache(max_len)`` and ``forward(input_ids [T], cache, tree_mask, positions,
-    logits_for, taps) -> TargetOutput`` (e.g. :class:`draftsmith.runtime.target.model.LeanDecoder`).
+    ``model``: a :class:`~draftsmith.runtime.target.interface.TargetDecoder` (``allocate_cache(max_len)``,
+    ``forward(input_ids [T], cache, tree_mask, positions, logits_for, taps, head) -> TargetOutput``).
+    ``proposer``: a :class:`~draftsmith.runtime.drafting.base.Proposer` (the loop reads only its declared members).
     ``temperature_policy``: ``hidden [T, H] -> temperatures [T]`` (0 = greedy at that position), needs a verifier with
     ``per_position_temperature`` (rejection sampling).
-    ``max_cache_len``: the longest sequence allowed (default: the model's ``max_position_embeddings``).
+    ``max_cache_len``: a cap on the KV cache slots (prompt + max_new_tokens + one tree); None: the cache is sized from
+    each request, as plain decoding sizes it, and a prompt is refused only by the target's context
+    (:func:`~draftsmith.runtime.decoding.prompt_limits.check_prompt_fits`, the check the CLI runs up front).
+    ``head``: "auto" (greedy verification reduces the LM head to an argmax per node where the target, verifier and
+    proposer allow it, :meth:`uses_argmax_head`) or "logits" (always the [N, V] logits).
     """
 
     def __init__(
@@ -65,6 +71,7 @@ class SpeculativeDecoder:
         kernels_backend: str = "auto",
         max_cache_len: int | None = None,
         temperature_policy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        head: str = "auto",
     ) -> None:
         if kernels_backend not in BACKENDS:
             raise ValueError(f"unknown kernel backend {kernels_backend!r}; valid backends are {', '.join(BACKENDS)}")
@@ -77,8 +84,10 @@ class SpeculativeDecoder:
         self.stop_policy = stop_policy
         self.temperature_policy = temperature_policy
         self.kernels_backend = kernels_backend
-        cfg = getattr(model, "config", None)
-        self.max_cache_len = max_cache_len or getattr(cfg, "max_position_embeddings", None)
+        if head not in ("auto", "logits"):
+            raise ValueError(f"head must be 'auto' or 'logits', got {head!r}")
+        self.head = head
+        self.max_cache_len = max_cache_len
         self._cache = None
         self.profiler: StepProfiler | None = None  # set one to time each part of every step (bench --profile)
 
@@ -88,14 +97,21 @@ class SpeculativeDecoder:
         return (type(self.proposer) is NullProposer and isinstance(self.verifier, GreedyVerifier)
                 and self.temperature_policy is None and self.profiler is None)
 
-    def _check_cache_limit(self, needed: int) -> None:
+    def _check_request(self, prompt_len: int, max_new_tokens: int) -> int:
+        """The cache slots a request needs (prompt + ``max_new_tokens`` + one tree), after the checks plain decoding
+        and the CLI make: the prompt must leave a position in the target's context, the slots fit ``max_cache_len``."""
+        limit = context_limit(self.model)
+        if limit is not None:
+            check_prompt_fits(prompt_len, limit, "the prompt")
+        needed = prompt_len + max_new_tokens + self.proposer.max_tree_nodes
         if self.max_cache_len is not None and needed > self.max_cache_len:
             raise ValueError(
                 f"prompt + max_new_tokens + draft tree need {needed} cache slots but the limit is "
-                f"{self.max_cache_len}; shorten the prompt, lower max_new_tokens or raise max_cache_len")
+                f"{self.max_cache_len} (max_cache_len); shorten the prompt, lower max_new_tokens or raise "
+                "max_cache_len")
+        return needed
 
     def _cache_for(self, needed: int) -> Any:
-        self._check_cache_limit(needed)
         if self._cache is None or self._cache.max_len < needed:
             self._cache = self.model.allocate_cache(needed)
         self._cache.length = 0
@@ -169,8 +185,8 @@ class SpeculativeDecoder:
         reset = getattr(self.temperature_policy, "reset", None)
         if callable(reset):  # a sequence-level policy decides afresh from each prompt's last hidden state
             reset()
-        taps = tuple(int(i) for i in (getattr(self.proposer, "feature_taps", None) or ()))
-        cache = self._cache_for(prompt.numel() + max_new_tokens + self.proposer.max_tree_nodes)
+        taps = tuple(int(i) for i in self.proposer.feature_taps)
+        cache = self._cache_for(self._check_request(prompt.numel(), max_new_tokens))
         device = getattr(self.model, "device", torch.device("cpu"))
         return taps, cache, device
 
@@ -192,10 +208,11 @@ class SpeculativeDecoder:
     def uses_argmax_head(self) -> bool:
         """Whether verification needs only the target's argmax per node: a greedy verifier that decides from it, a
         model whose forward can reduce its LM head to it (``argmax_head``), no temperature policy, and a proposer
-        that declares ``reads_logits = False`` (its ``accept`` never reads the accepted nodes' logits)."""
-        return bool(getattr(self.model, "argmax_head", False)
+        that declares ``reads_logits = False`` (its ``accept`` never reads the accepted nodes' logits); never with
+        ``head="logits"``."""
+        return bool(self.head == "auto" and getattr(self.model, "argmax_head", False)
                     and callable(getattr(self.verifier, "verify_argmax", None))
-                    and self.temperature_policy is None and not getattr(self.proposer, "reads_logits", True))
+                    and self.temperature_policy is None and not self.proposer.reads_logits)
 
     def _prefill(self, prompt: torch.Tensor, cache: Any, device: Any, taps: tuple[int, ...],
                  generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
@@ -226,7 +243,7 @@ class SpeculativeDecoder:
         def pick(t: torch.Tensor) -> torch.Tensor:  # the accepted rows of t
             return t[rows] if isinstance(rows, slice) else t[rows.to(t.device)]
 
-        logits = pick(res.logits) if getattr(self.proposer, "reads_logits", True) else None  # [a+1, V]
+        logits = pick(res.logits) if self.proposer.reads_logits else None  # [a+1, V]
         self.proposer.accept(StepContext(tokens, root, pick(res.hidden), policy, generator,  # hidden [a+1, H]
                                          res.tap_features(taps, rows), logits, acc))  # taps [a+1, k*H]
         return res.hidden[acc.path_nodes[-1]]
@@ -237,8 +254,8 @@ class SpeculativeDecoder:
         greedy tokens without the speculative step's bookkeeping (which cost ~7% of a 9 ms step on a 2-core CPU)."""
         from draftsmith.runtime.decoding.autoregressive import generate_ar
 
-        # The same limit check, without allocating the speculative cache that generate_ar does not use.
-        self._check_cache_limit(prompt.numel() + max_new_tokens + self.proposer.max_tree_nodes)
+        # The same request checks, without allocating the speculative cache that generate_ar does not use.
+        self._check_request(prompt.numel(), max_new_tokens)
         out = generate_ar(self.model, prompt.tolist(), max_new_tokens, eos_ids=eos_ids,
                           stream=None if stream is None else (lambda token: stream([token])))
         steps = max(0, len(out) - 1)  # one forward per token after the prefill's

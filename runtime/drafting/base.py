@@ -1,19 +1,18 @@
-"""The proposer protocol, the step context handed to it, and one registry that discovers proposer families.
+"""The proposer interface (every member the loop, the shape search and the bench may read, declared with its
+default), the step context handed to it, and the registry of families (re-exported from
+:mod:`~draftsmith.runtime.drafting.registry`).
 
-Every module of this package except ``base`` and ``tree`` is a family: importing it registers its builders
-(``@register_proposer(method)``), so adding a family adds a file and no line to any list.
+A family is a module of this package with one line ``SERVES = ("method", ...)`` naming the export methods it serves,
+builders registered with ``@register_proposer(method)``, and proposers that subclass :class:`Proposer`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from draftsmith.common.registry import Registry
 from draftsmith.runtime.acceptance.stop_policies import StopPolicy
 from draftsmith.runtime.acceptance.verifiers import Acceptance
 from draftsmith.runtime.drafting.tree import DraftTree
@@ -44,44 +43,115 @@ class StepContext:
     acceptance: Acceptance | None = None
 
 
-@runtime_checkable
-class Proposer(Protocol):
-    """A drafter seen by the speculative loop. ``feature_taps`` (optional attribute): target layers whose inputs
-    the proposer reads (EAGLE-3); the loop then requests them from every target forward."""
+class Proposer:
+    """A drafter as the speculative loop, the shape search and the bench see it: every member they may read is
+    declared here with its default, so a family overrides what it has and nothing is probed.
 
-    max_tree_nodes: int
+    Every family subclasses it (``build_proposer`` refuses a builder's result that does not). Members, by reader:
+    - the loop (``runtime/decoding/speculative.py``): ``max_tree_nodes`` (the KV cache is sized from it),
+      ``feature_taps`` (target layers whose inputs ``begin``/``accept`` read in ``ctx.taps``), ``reads_logits``
+      (False: ``accept`` never reads ``ctx.logits``, so greedy verification may reduce the LM head to an argmax);
+      ``wrap_target`` (the decoder the loop verifies with: the target itself, or Kangaroo's cache-sharing wrapper);
+    - the shape search (``runtime/acceptance/shapes.py``): ``shape_family`` ("dynamic_tree": chains and trees through
+      ``reshape``; "static_tree": trees of one head per depth, ``num_heads`` of them; "depth": only the export's own
+      shape, cut at a depth up to ``draft_depth``), ``shape_vocab`` (caps a tree's branching), ``shape_max_depth``
+      (chains beyond the search's usual 4, DFlash: block_size - 1) and ``reshape``;
+    - the bench: ``draft_plan`` (which parts of a draft call run natively), ``draft_calls`` (drafter forwards so
+      far, counted by the proposer itself when ``counts_draft_calls``; otherwise the bench counts forwards of its
+      modules) and, for heads that predict several tokens ahead, the :class:`LookaheadHeads` capability.
+    """
+
+    max_tree_nodes: int = 1
+    feature_taps: tuple[int, ...] = ()
+    reads_logits: bool = True
+    shape_family: str = "depth"
+    shape_vocab: int | None = None
+    num_heads: int | None = None
+    shape_max_depth: int = 0
+    draft_depth: int | None = None
+    counts_draft_calls: bool = False
+    draft_calls: int = 0
 
     def begin(self, ctx: StepContext) -> None:
-        """Start a generation from the prompt's target rows."""
-        ...
+        """Start a generation from the prompt's target rows (nothing to prepare by default)."""
 
     def propose(self, ctx: StepContext) -> DraftTree:
         """Draft a tree rooted at ``ctx.root_token``."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} must define propose()")
 
     def accept(self, ctx: StepContext) -> None:
-        """Learn what was accepted (``ctx.acceptance``, the target rows at the accepted nodes)."""
-        ...
+        """Learn what was accepted (``ctx.acceptance``, the target rows at the accepted nodes); nothing by default."""
+
+    def wrap_target(self, model: Any) -> Any:
+        """The decoder the speculative loop verifies with: the target itself unless the proposer drafts on the
+        target's own layers and cache (Kangaroo)."""
+        return model
+
+    def reshape(self, options: dict[str, Any]) -> None:
+        """Draft another shape from now on (families whose ``shape_family`` is not "depth" define it)."""
+        raise ValueError(f"{type(self).__name__} drafts its export's shape only (shape_family={self.shape_family!r})")
+
+    @property
+    def draft_plan(self) -> dict[str, str]:
+        """Which parts of a draft call run natively, and why the others do not (empty: nothing to report)."""
+        return {}
 
 
-@runtime_checkable
-class LookaheadHeads(Protocol):
+class ProposerWrapper(Proposer):
+    """A proposer around another (a learned stop rule, a recorder): it drafts what ``inner`` drafts and declares the
+    inner proposer's loop and bench members as its own (shapes stay the export's: ``shape_family`` "depth")."""
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner = inner
+
+    @property
+    def max_tree_nodes(self) -> int:  # type: ignore[override]
+        return self.inner.max_tree_nodes
+
+    @property
+    def feature_taps(self) -> tuple[int, ...]:  # type: ignore[override]
+        return tuple(self.inner.feature_taps)
+
+    @property
+    def reads_logits(self) -> bool:  # type: ignore[override]
+        return self.inner.reads_logits
+
+    @property
+    def counts_draft_calls(self) -> bool:  # type: ignore[override]
+        return self.inner.counts_draft_calls
+
+    @property
+    def draft_calls(self) -> int:  # type: ignore[override]
+        return self.inner.draft_calls
+
+    @property
+    def draft_plan(self) -> dict[str, str]:
+        return self.inner.draft_plan
+
+    def wrap_target(self, model: Any) -> Any:
+        """The inner proposer's target wrapper."""
+        return self.inner.wrap_target(model)
+
+    def begin(self, ctx: StepContext) -> None:
+        """Start the inner proposer."""
+        self.inner.begin(ctx)
+
+    def propose(self, ctx: StepContext) -> DraftTree:
+        """The inner proposer's tree."""
+        return self.inner.propose(ctx)
+
+    def accept(self, ctx: StepContext) -> None:
+        """Pass the verified rows on to the inner proposer."""
+        self.inner.accept(ctx)
+
+
+class LookaheadHeads(Proposer):
     """A proposer whose heads predict several tokens ahead from one target hidden state (Medusa): the bench scores
     each head's top-1 against the target's greedy continuation."""
 
     def lookahead_top1(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> top-1 target ids [K, T]: head k at position t predicts the token at t+k+2."""
-        ...
-
-
-@runtime_checkable
-class WrapsTarget(Protocol):
-    """A proposer that drafts with the target's own layers and cache (Kangaroo): the loop runs over
-    ``wrap_target(model)``, which shares the KV cache and reuses the shallow layers' states in verification."""
-
-    def wrap_target(self, model: Any) -> Any:
-        """The decoder the speculative loop should verify with."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} must define lookahead_top1()")
 
 
 @runtime_checkable
@@ -92,116 +162,6 @@ class ReportsVerifyReuse(Protocol):
     def verify_reuse(self) -> dict[str, float]:
         """``{"reused_tokens", "verified_tokens", "verify_compute_saved"}`` so far."""
         ...
-
-
-ProposerBuilder = Callable[..., Proposer]
-# chain(tokens) -> the builder options for a chain of at most ``tokens`` drafted tokens (see register_chain)
-ChainOptions = Callable[[int], dict[str, Any]]
-
-
-_REGISTRY: Registry[ProposerBuilder] = Registry("runtime proposer for method")
-
-
-# @register_proposer(method) on builder(export_dir, config, target_model, **kwargs) -> Proposer
-register_proposer = _REGISTRY.register
-_CHAINS: Registry[ChainOptions] = Registry("chain-drafting proposer for method")
-# @register_chain(method) on chain(tokens) -> options: the method's proposer can draft a plain chain, on which
-# SpecDec++ and its calibration stack a stop rule; the family says how its builder is asked for one.
-register_chain = _CHAINS.register
-
-
-def chain_options(export_dir: str | Path, tokens: int) -> dict[str, Any]:
-    """Builder options that make the proposer of ``export_dir`` draft a chain of at most ``tokens`` tokens; ValueError
-    for a method whose proposer drafts no chain."""
-    from draftsmith.export.format import read_config
-
-    method = read_config(export_dir)["method"]
-    _load_family_of(method)
-    if method not in _CHAINS:
-        raise ValueError(f"the {method!r} proposer of {export_dir} drafts no chain; chain drafters: "
-                         f"{', '.join(_CHAINS) or 'none'}")
-    return _CHAINS.get(method)(int(tokens))
-
-
-def _load_builtin_proposers() -> None:
-    """Import every family module of this package (all but ``base`` and ``tree``), which registers its proposers
-    (lazily: they import heavier drafter code). A new family's file is found by being here; no list to keep."""
-    import importlib
-    import pkgutil
-
-    import draftsmith.runtime.drafting as drafting
-
-    for info in pkgutil.iter_modules(drafting.__path__):
-        if info.name not in ("base", "tree"):
-            importlib.import_module(f"draftsmith.runtime.drafting.{info.name}")
-
-
-def _load_family_of(method: str) -> None:
-    """Import the family module that registers ``method`` (``medusa2`` -> ``medusa.py``, ``hydra_pp`` -> ``hydra.py``,
-    ``eagle3`` -> ``eagle.py``), so serving one export imports its own family alone; every family when the name
-    leads to none."""
-    import importlib
-    import importlib.util
-    import re
-
-    for name in dict.fromkeys((method, re.sub(r"(_pp|\d+)$", "", method))):
-        if method in _REGISTRY:
-            return
-        if name not in ("base", "tree") and importlib.util.find_spec(f"draftsmith.runtime.drafting.{name}"):
-            importlib.import_module(f"draftsmith.runtime.drafting.{name}")
-    if method not in _REGISTRY:
-        _load_builtin_proposers()
-
-
-def registered_methods() -> list[str]:
-    """Export methods the runtime can draft with."""
-    _load_builtin_proposers()
-    return list(_REGISTRY)
-
-
-def check_target_model(config: dict, target_model: Any, identity: dict | None = None, given: str | None = None) -> None:
-    """Raise ``TargetMismatchError`` unless ``target_model`` is the target the export ``config`` records.
-
-    Compares what the decoder itself shows (sizes, LM-head digest) with the record; ``identity`` (the full
-    :func:`~draftsmith.export.identity.target_identity` of this model, tokenizer included) is checked too when
-    given, and then its LM-head digest stands for the model's (no second hash).
-    """
-    from draftsmith.export.format import check_target
-    from draftsmith.export.identity import decoder_identity
-
-    if identity is not None:
-        check_target(config, identity, given)
-    cfg = getattr(target_model, "config", None)
-    layers = getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None))  # lean | HF config
-    recorded = config.get("target", {})
-    name = given if given is not None else recorded.get("name_or_path", "the loaded target")
-    seen = decoder_identity(name, getattr(cfg, "hidden_size", None), layers,
-                            getattr(target_model, "lm_head_weight", None),
-                            digest=identity is None or "lm_head" not in identity)
-    # Compare only what the export records: a hand-written export may record nothing but a name.
-    shown = {k: v for k, v in seen.items() if k == "name_or_path" or k in recorded}
-    if identity is not None and identity.get("adapter"):  # an adapter merged at load (checked above in full)
-        shown["adapter"] = identity["adapter"]
-    check_target(config, shown, given)
-
-
-def build_proposer(export_dir: str | Path, target_model: Any, identity: dict | None = None, given: str | None = None,
-                   **kwargs: Any) -> Proposer:
-    """Load the proposer of an export folder for ``target_model`` (its method picks the builder).
-
-    Every method is checked against the target first (:func:`check_target_model`): ``identity`` adds the tokenizer
-    fingerprint, ``given`` names the target the user passed in the error message.
-    """
-    from draftsmith.export.format import read_config
-
-    config = read_config(export_dir)
-    method = config["method"]
-    _load_family_of(method)
-    if method not in _REGISTRY:
-        raise ValueError(f"no runtime proposer for method {method!r} (export {export_dir}); available: "
-                         f"{', '.join(registered_methods()) or 'none'}")
-    check_target_model(config, target_model, identity, given)
-    return _REGISTRY.get(method)(export_dir, config, target_model, **kwargs)
 
 
 def module_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -231,17 +191,30 @@ def prune_tree(tree: DraftTree, keep: list[bool]) -> DraftTree:
     return DraftTree.from_parents(tree.tokens[idx], parents, q, tree.draft_mode, conf)
 
 
-class NullProposer:
+class NullProposer(Proposer):
     """Drafts nothing: the loop becomes plain autoregressive decoding (one target forward per token)."""
 
     max_tree_nodes = 1
-
-    def begin(self, ctx: StepContext) -> None:
-        """Nothing to prepare."""
 
     def propose(self, ctx: StepContext) -> DraftTree:
         """A root-only tree."""
         return DraftTree.chain([ctx.root_token])
 
-    def accept(self, ctx: StepContext) -> None:
-        """Nothing to learn."""
+
+# The registry, re-exported: families and callers import it from here (its module imports this one lazily).
+from draftsmith.runtime.drafting.registry import (  # noqa: E402
+    _REGISTRY,
+    ChainOptions,
+    ProposerBuilder,
+    build_proposer,
+    chain_options,
+    check_target_model,
+    register_chain,
+    register_proposer,
+    registered_methods,
+)
+
+__all__ = ["_REGISTRY", "ChainOptions", "LookaheadHeads", "NullProposer", "Proposer", "ProposerBuilder",
+           "ProposerWrapper", "ReportsVerifyReuse", "StepContext", "build_proposer", "chain_options",
+           "check_target_model", "module_dtype", "prune_tree", "register_chain", "register_proposer",
+           "registered_methods"]

@@ -9,11 +9,11 @@ import torch
 
 from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
-from draftsmith.runtime.drafting.base import StepContext
+from draftsmith.runtime.drafting.base import Proposer, StepContext
 from draftsmith.runtime.drafting.tree import DraftTree
 
 
-class ChainProposer:
+class ChainProposer(Proposer):
     """A chain of ``depth`` tokens from a next-token drafter (a tree with one path).
 
     ``drafter(token_ids [L]) -> logits [V]`` for the token after ``token_ids`` (e.g. :class:`DecoderDrafter` over a
@@ -32,6 +32,11 @@ class ChainProposer:
         self.temperature = temperature
         self.top_p = top_p
         self.max_tree_nodes = depth + 1
+
+    @property
+    def draft_depth(self) -> int:  # type: ignore[override]
+        """The chain's length: the deepest depth-only shape the shape search may cut it to."""
+        return self.depth
 
     def begin(self, ctx: StepContext) -> None:
         """Stateless: the drafter sees the full token sequence each call."""
@@ -70,7 +75,7 @@ class ChainProposer:
         """Stateless."""
 
 
-class SampledTreeProposer:
+class SampledTreeProposer(Proposer):
     """A tree from a next-token drafter: node at depth d gets ``branching[d]`` children (EAGLE-1-style sampling tree).
 
     ``temperature > 0``: children drawn from q = softmax(logits / temperature) within ``top_p``, i.i.d.

@@ -22,6 +22,8 @@ from draftsmith.runtime.drafting.base import StepContext, register_proposer
 from draftsmith.runtime.drafting.hydra import HydraProposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 
+SERVES = ("clover2",)
+
 
 class CloverProposer(HydraProposer):
     """Clover-2 over a static tree (see the module docstring); the stop policy works as for Hydra."""
@@ -83,7 +85,7 @@ class CloverProposer(HydraProposer):
 
 @register_proposer("clover2")
 def _build_clover(export_dir: str | Path, config: dict, target_model: Any, tree: list[list[int]] | None = None,
-                  top_k: int | None = None, **_: Any) -> CloverProposer:
+                  top_k: int | None = None) -> CloverProposer:
     """Clover-2 heads from an export on the target's device and dtype; tree and top_k default to the export's."""
     from draftsmith.heads.clover import CloverHeads
     from draftsmith.runtime.target.fast_linear import accelerate_linears

@@ -42,12 +42,14 @@ from draftsmith.drafters.dflash_heads import RejectLogit, confidence_input
 from draftsmith.export.format import TargetMismatchError
 from draftsmith.runtime.acceptance.stop_policies import LearnedStop, StopContext, StopPolicy, bind_learned_head
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
-from draftsmith.runtime.drafting.base import StepContext, prune_tree, register_chain, register_proposer
+from draftsmith.runtime.drafting.base import Proposer, StepContext, prune_tree, register_chain, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
+SERVES = ("dflash",)
 
-class DFlashProposer:
+
+class DFlashProposer(Proposer):
     """Drafts ``depth`` (<= block_size - 1) tokens per step with a DFlash drafter (see the module docstring)."""
 
     reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only

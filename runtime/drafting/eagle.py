@@ -28,9 +28,8 @@ output as ``state``). EAGLE-3 drafts over its reduced vocabulary; ids are mapped
 
 Why this is lossless under rejection sampling: a top-k child is a point mass, accepted with p(x) and otherwise
 zeroed out of p; that is exact for any child chosen without looking at the verifier's coins (see
-acceptance/verifiers.py). A sampled chain records the q its token was drawn from, so min(1, p/q) and the residual
-norm(max(0, p - q)) apply.
-"""
+acceptance/verifiers.py). A sampled chain records the q its token was drawn from: min(1, p/q) and norm(max(0, p - q))
+apply."""
 
 from __future__ import annotations
 
@@ -47,21 +46,21 @@ from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.export.format import TargetMismatchError
 from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
-from draftsmith.runtime.drafting.base import StepContext, register_chain, register_proposer
+from draftsmith.runtime.drafting.base import Proposer, StepContext, register_chain, register_proposer
 from draftsmith.runtime.drafting.eagle_models import DraftModel, Eagle1DraftModel, Eagle3DraftModel, torch_topk
 from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
+SERVES = ("eagle", "eagle3")
 POLICIES = {"tree": "tree", "chain": "chain", EAGLE_TREE_PROPOSER: "tree", EAGLE_CHAIN_PROPOSER: "chain"}
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     """Drafts with an EAGLE drafter (see the module docstring for the policies and how features are fed)."""
 
     shape_family = "dynamic_tree"  # runtime/acceptance/shapes.py: chains and trees through reshape()
-    # accept() reads hidden states and taps, never logits: greedy verification may then skip the [N, V] logits
-    # (SpeculativeDecoder.uses_argmax_head) and the loop copies none for it.
-    reads_logits = False
+    reads_logits = False  # accept() reads hidden states and taps: greedy verify may skip the [N, V] logits
+    counts_draft_calls = True  # every _draft() is one drafter forward (its native path enters no nn.Module)
 
     def __init__(self, model: DraftModel, policy: str = "tree", total_tokens: int = 16, depth: int = 4,
                  top_k: int = 4, temperature: float = 0.0, top_p: float = 1.0) -> None:
@@ -140,6 +139,7 @@ class EagleProposer:
         """One drafter forward -> (out [1, S, H], log-probs [S', k] fp32, draft ids [S', k], cache), descending;
         k = 0: (out, logits [S', N], None, cache) for sampling. The model's ``step_topk`` (the fused head: no
         [S', N] logits) when it has one, else its logits through log_softmax + top-k."""
+        self.draft_calls += 1
         step_topk = getattr(self.model, "step_topk", None)
         if k and step_topk is not None:
             return step_topk(hidden, ids, cache, positions, mask, last_only, k)

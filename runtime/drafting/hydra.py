@@ -19,11 +19,13 @@ import torch
 from draftsmith.common.layers import KVCache
 from draftsmith.common.trees import default_medusa_tree
 from draftsmith.runtime.acceptance.stop_policies import StopContext
-from draftsmith.runtime.drafting.base import StepContext, module_dtype, prune_tree, register_proposer
+from draftsmith.runtime.drafting.base import Proposer, StepContext, module_dtype, prune_tree, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 
+SERVES = ("hydra", "hydra_pp")
 
-class HydraProposer:
+
+class HydraProposer(Proposer):
     """Sequentially dependent heads over a static tree (see the module docstring).
 
     ``heads`` provides ``context(hidden [1, S, H], cache=...) -> (ctx [1, S, H], cache)`` and ``step(ctx [N, H],
@@ -106,7 +108,7 @@ class HydraProposer:
 
 
 def _build_hydra(export_dir: str | Path, config: dict, target_model: Any, tree: list[list[int]] | None = None,
-                 top_k: int | None = None, **_: Any) -> HydraProposer:
+                 top_k: int | None = None) -> HydraProposer:
     """Hydra heads from an export, on the target's device and dtype; tree and top_k default to the export's."""
     from draftsmith.heads.hydra import HydraHeads
     from draftsmith.runtime.target.fast_linear import accelerate_linears

@@ -30,12 +30,16 @@ from typing import Any
 import torch
 
 from draftsmith.drafters.kangaroo import KangarooDrafter, check_exit_layer
+from draftsmith.kernels.verify import target_argmax
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, StopContext
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
-from draftsmith.runtime.drafting.base import StepContext, register_chain, register_proposer
+from draftsmith.runtime.drafting.base import Proposer, StepContext, register_chain, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.cache import KVCache as RuntimeKVCache
+from draftsmith.runtime.target.interface import TargetDecoder, check_head
 from draftsmith.runtime.target.output import TargetOutput
+
+SERVES = ("kangaroo",)
 
 
 @dataclass
@@ -47,14 +51,14 @@ class ShallowDraft:
     prefix: int  # cache slot of the root
 
 
-class KangarooProposer:
+class KangarooProposer(Proposer):
     """Self-speculative chain drafting (see the module docstring). ``target`` must offer the layer-range API."""
 
     reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only
 
     def __init__(self, target: Any, drafter: KangarooDrafter, threshold: float = 0.6, max_depth: int = 6,
                  temperature: float = 0.0, top_p: float = 1.0) -> None:
-        if not callable(getattr(target, "forward_layers", None)):
+        if not (isinstance(target, TargetDecoder) and target.layer_range):
             raise ValueError(f"Kangaroo drafts with the target's own first layers on its KV cache: it needs the lean "
                              f"decoder (layer-range forward), not {type(target).__name__}; use --backend lean")
         if not 0.0 < float(threshold) < 1.0:
@@ -190,7 +194,7 @@ class KangarooProposer:
         return token, float(q[token]), q.double().cpu()
 
 
-class KangarooTarget:
+class KangarooTarget(TargetDecoder):
     """The decoder as the speculative loop sees it with a Kangaroo proposer: shares the cache, reuses shallow states.
 
     ``reused_tokens`` / ``verified_tokens`` count verified tree tokens that skipped the shallow layers; the verify
@@ -199,7 +203,7 @@ class KangarooTarget:
 
     def __init__(self, model: Any, proposer: KangarooProposer) -> None:
         self.model, self.proposer = model, proposer
-        self.config, self.device = model.config, model.device
+        self.config, self.device, self.dtype = model.config, model.device, model.dtype
         self.lm_head_weight, self.embed_weight = model.lm_head_weight, model.embed_weight
         self.reused_tokens = self.verified_tokens = 0
 
@@ -222,8 +226,9 @@ class KangarooTarget:
 
     def forward(self, input_ids: torch.Tensor, cache: Any, tree_mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, logits_for: str | torch.Tensor = "all",
-                taps: Sequence[int] = ()) -> TargetOutput:
+                taps: Sequence[int] = (), head: str = "logits") -> TargetOutput:
         """A full forward, or only the deep layers when verifying the chain just drafted on this cache."""
+        check_head(head)
         draft, self.proposer.pending = self.proposer.pending, None
         exit_layer, last = self.proposer.exit_layer, self.proposer.num_layers
         reusable = (draft is not None and cache is self.proposer.cache and cache.length == draft.prefix
@@ -231,7 +236,7 @@ class KangarooTarget:
         if draft is not None:  # a verification (the prefill has no draft)
             self.verified_tokens += input_ids.numel()
         if not reusable:
-            return self.model.forward(input_ids, cache, tree_mask, positions, logits_for, taps)
+            return self.model.forward(input_ids, cache, tree_mask, positions, logits_for, taps, head)
         self.reused_tokens += input_ids.numel()
         deep = self.model.forward_layers(draft.states, cache, exit_layer, last, tree_mask, positions)  # [T, H]
         hidden = self.model.final_hidden(deep)  # [T, H]
@@ -240,7 +245,10 @@ class KangarooTarget:
         else:
             rows = hidden.index_select(0, logits_for.to(hidden.device))
         found = {i: (draft.states if i == exit_layer else deep) for i in taps}
-        return TargetOutput(self.model.lm_head_logits(rows), hidden, found)
+        logits = self.model.lm_head_logits(rows)  # [T', V]
+        if head == "argmax":
+            return TargetOutput(None, hidden, found, target_argmax(logits))
+        return TargetOutput(logits, hidden, found)
 
 
 @register_chain("kangaroo")
@@ -257,13 +265,13 @@ def _build_kangaroo(export_dir: str | Path, config: dict, target_model: Any, **o
     unknown = sorted(set(options) - valid)
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for the kangaroo proposer; valid: {sorted(valid)}")
-    layers = getattr(target_model, "layers", None)
-    if layers is None or not callable(getattr(target_model, "forward_layers", None)):
+    if not (isinstance(target_model, TargetDecoder) and target_model.layer_range):
         raise ValueError("Kangaroo drafts with the target's own first layers on its KV cache: it needs the lean "
                          f"decoder (layer-range forward), not {type(target_model).__name__}; use --backend lean")
     exit_layer = check_exit_layer(config["architecture"]["exit_layer"], int(target_model.config.num_layers))
     w = target_model.lm_head_weight
-    drafter, _ = KangarooDrafter.from_export(export_dir, lm_head_weight=w, shallow_layers=tuple(layers[:exit_layer]))
+    shallow = tuple(target_model.layers[:exit_layer])
+    drafter, _ = KangarooDrafter.from_export(export_dir, lm_head_weight=w, shallow_layers=shallow)
     drafter = drafter.to(device=w.device, dtype=w.dtype).eval()
     inference = config.get("inference") or {}
     kw = {"threshold": inference.get("threshold", 0.6), "max_depth": inference.get("max_depth", 6)}

@@ -9,11 +9,13 @@ import torch
 from torch import nn
 
 from draftsmith.runtime.acceptance.stop_policies import StopContext
-from draftsmith.runtime.drafting.base import StepContext, prune_tree, register_proposer
+from draftsmith.runtime.drafting.base import LookaheadHeads, StepContext, prune_tree, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 
+SERVES = ("medusa", "medusa2")
 
-class MedusaProposer:
+
+class MedusaProposer(LookaheadHeads):
     """Medusa heads on the target's hidden state fill a static tree with each head's top-k tokens.
 
     ``heads``: an nn.Module mapping hidden [..., H] to logits [K, ..., V] (head k predicts the token k+2 after the
@@ -25,6 +27,7 @@ class MedusaProposer:
     reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only
 
     shape_family = "static_tree"  # runtime/acceptance/shapes.py: node budgets through reshape()
+    counts_draft_calls = True  # one forward of every head per propose()
 
     def __init__(self, heads: nn.Module, tree: StaticTree | list[list[int]], top_k: int | None = None) -> None:
         self.heads = heads
@@ -48,6 +51,7 @@ class MedusaProposer:
     def propose(self, ctx: StepContext) -> DraftTree:
         """Run the heads on ``ctx.hidden`` [H] and fill the static tree."""
         logits = self.heads(ctx.hidden)  # [K, V]
+        self.draft_calls += 1
         if logits.dim() != 2 or logits.shape[0] < self.tree.depth:
             raise ValueError(f"Medusa heads returned logits {tuple(logits.shape)}; the tree needs {self.tree.depth} "
                              "heads, each giving [V] for a hidden [H]")
@@ -87,7 +91,7 @@ class MedusaProposer:
 @register_proposer("medusa2")  # the heads of Medusa-2; load_runtime merges its adapter into the target first
 @register_proposer("medusa")
 def _build_medusa(export_dir: str | Path, config: dict, target_model: Any, tree: list[list[int]] | None = None,
-                  top_k: int | None = None, **_: Any) -> MedusaProposer:
+                  top_k: int | None = None) -> MedusaProposer:
     """Medusa heads from an export, on the target's device/dtype; tree and top_k default to the export's."""
     from draftsmith.heads.medusa import MedusaHeads
     from draftsmith.runtime.target.fast_linear import accelerate_linears

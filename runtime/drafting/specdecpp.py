@@ -22,40 +22,29 @@ from draftsmith.runtime.acceptance.choice import parse_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import StopPolicy, bind_learned_head
 from draftsmith.runtime.drafting.base import (
     Proposer,
+    ProposerWrapper,
     StepContext,
-    WrapsTarget,
     build_proposer,
     chain_options,
     register_proposer,
 )
 from draftsmith.runtime.drafting.tree import DraftTree
 
+SERVES = ("specdecpp",)
 
-class LearnedStopProposer:
-    """Delegates every event to ``base``; drafting uses ``default_policy`` unless the loop passes its own."""
+
+class LearnedStopProposer(ProposerWrapper):
+    """Delegates every event to ``base`` (its taps, logits needs and target wrapper too); drafting uses
+    ``default_policy`` unless the loop passes its own."""
 
     def __init__(self, base: Proposer, head: torch.nn.Module, default_policy: StopPolicy) -> None:
+        super().__init__(base)
         self.base, self.head, self.default_policy = base, head, default_policy
-        self.max_tree_nodes = base.max_tree_nodes
-        self.feature_taps = tuple(getattr(base, "feature_taps", ()) or ())
-        self.reads_logits = getattr(base, "reads_logits", True)  # accept() passes the base's needs on
-
-    def wrap_target(self, model: Any) -> Any:
-        """The base's target wrapper (a proposer that drafts on the target's own layers), else the model itself."""
-        return self.base.wrap_target(model) if isinstance(self.base, WrapsTarget) else model
-
-    def begin(self, ctx: StepContext) -> None:
-        """Start a generation (the base's own bookkeeping)."""
-        self.base.begin(ctx)
 
     def propose(self, ctx: StepContext) -> DraftTree:
         """The base's chain, stopped by the learned rule (or the loop's policy)."""
         policy = self.default_policy if ctx.stop_policy is None else bind_learned_head(ctx.stop_policy, self.head)
         return self.base.propose(replace(ctx, stop_policy=policy))
-
-    def accept(self, ctx: StepContext) -> None:
-        """Pass the verified rows on to the base."""
-        self.base.accept(ctx)
 
 
 @register_proposer("specdecpp")

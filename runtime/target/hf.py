@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 from draftsmith.common.hf_forward import hf_forward  # noqa: F401 - the fallback's forward
+from draftsmith.kernels.verify import target_argmax
 from draftsmith.runtime.target.cache import CacheFullError, CommitMixin
+from draftsmith.runtime.target.interface import TargetDecoder, check_head
 from draftsmith.runtime.target.model_config import UnsupportedArchitecture
 from draftsmith.runtime.target.output import TargetOutput
 from draftsmith.runtime.target.weights import find_safetensors, load_hf_config
@@ -192,12 +194,16 @@ class HFCache(CommitMixin):
         self.length = length
 
 
-class HFModelAdapter(torch.nn.Module):
-    """Any transformers causal LM behind the LeanDecoder interface (the fallback for non-Llama architectures).
+class HFModelAdapter(TargetDecoder, torch.nn.Module):
+    """Any transformers causal LM behind the :class:`~draftsmith.runtime.target.interface.TargetDecoder` interface (the
+    fallback for architectures the lean decoder lacks).
 
     Tree masks become a 4D additive mask; the hidden state returned is the base model's ``last_hidden_state``
-    (post final norm). Slower than the lean decoder, kept simple and correct.
+    (post final norm). ``head="argmax"`` is the argmax of the exact logits (the same tokens, no cheaper). Slower than
+    the lean decoder, kept simple and correct.
     """
+
+    argmax_head = True  # greedy loops may ask for head="argmax": the argmax of the logits, exactly
 
     def __init__(self, hf_model: torch.nn.Module) -> None:
         super().__init__()
@@ -281,10 +287,13 @@ class HFModelAdapter(torch.nn.Module):
         positions: torch.Tensor | None = None,
         logits_for: str | torch.Tensor = "all",
         taps: Sequence[int] = (),
+        head: str = "logits",
     ) -> TargetOutput:
         """Same contract as :meth:`LeanDecoder.forward`; taps come from transformers' ``hidden_states`` (the input
         of each decoder layer), so layer ``num_layers`` (the pre-norm last output, which HF does not expose) is
-        refused."""
+        refused. ``head="argmax"``: the first maximum of each logits row (the model's own post-processing, e.g.
+        softcaps, included), as ``torch.argmax`` of the logits."""
+        check_head(head)
         taps = self._check_inputs(input_ids, taps)
         t = input_ids.numel()
         cache.check_fits(t)
@@ -308,4 +317,6 @@ class HFModelAdapter(torch.nn.Module):
                                  attention_mask=mask, past_key_values=cache.dc, use_cache=True,
                                  output_hidden_states=bool(taps))
         found = {i: out.hidden_states[i][0] for i in taps}  # hidden_states[i] = input of layer i, [T, H]
+        if head == "argmax":
+            return TargetOutput(None, out.last_hidden_state[0], found, target_argmax(logits[0]))  # argmax [T']
         return TargetOutput(logits[0], out.last_hidden_state[0], found)  # [T', V], [T, H] post final norm

@@ -1,51 +1,27 @@
-"""The runtime decoder interface and the loader choosing the lean decoder or the HF fallback.
-
-Every runtime decoder has the interface of :class:`draftsmith.runtime.target.model.LeanDecoder`:
-``allocate_cache(max_len)``, ``forward(input_ids [T], cache, tree_mask, positions, logits_for, taps) -> TargetOutput``
-(logits, hidden, taps), a cache with ``length``, ``commit(n)``, ``compact(src_slots, dst_start)``, ``crop(length)``,
-and ``lm_head_weight`` / ``embed_weight`` / ``dtype`` / ``device``. Batch 1.
+"""The loader choosing the lean decoder or the HF fallback; both implement the one runtime target interface,
+:class:`draftsmith.runtime.target.interface.TargetDecoder` (``allocate_cache(max_len)``, ``forward(input_ids [T],
+cache, tree_mask, positions, logits_for, taps, head) -> TargetOutput``, a cache with ``length``, ``commit(n)``,
+``compact(src_slots, dst_start)``, ``crop(length)``, and ``lm_head_weight`` / ``embed_weight`` / ``dtype`` /
+``device``). Batch 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from draftsmith.runtime.target.hf import HFModelAdapter
+from draftsmith.runtime.target.interface import RuntimeCache, TargetDecoder
 from draftsmith.runtime.target.model import LeanDecoder, UnsupportedArchitecture
-from draftsmith.runtime.target.output import TargetOutput
 from draftsmith.runtime.target.weights import load_hf_config
 
 BACKENDS = ("auto", "lean", "hf")
+__all__ = ["BACKENDS", "Decoder", "RuntimeCache", "TargetDecoder", "choose_decoder", "load_decoder"]
 
 
-class RuntimeCache(Protocol):
-    """What the decoding loops need from a decoder's cache."""
-
-    length: int
-    max_len: int
-
-    def commit(self, n: int) -> None: ...
-    def compact(self, src_slots: torch.Tensor, dst_start: int | None = None) -> None: ...
-    def crop(self, length: int) -> None: ...
-
-
-class Decoder(Protocol):
-    """The decoder interface shared by LeanDecoder and HFModelAdapter."""
-
-    def allocate_cache(self, max_len: int) -> RuntimeCache: ...
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        cache: RuntimeCache,
-        tree_mask: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        logits_for: str | torch.Tensor = "all",
-        taps: Sequence[int] = (),
-    ) -> TargetOutput: ...
+Decoder = TargetDecoder  # the one runtime target interface (kept under its old name here)
 
 
 def load_decoder(

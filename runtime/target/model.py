@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.runtime.target.cache import KVCache
+from draftsmith.runtime.target.interface import TargetDecoder, check_head
 from draftsmith.runtime.target.layer_weights import (
     FusedLayerWeights,
     canonical_weights,
@@ -43,10 +44,12 @@ __all__ = ["LeanDecoder", "ModelConfig", "UnsupportedArchitecture", "rope_inv_fr
 _Layer = FusedLayerWeights  # the per-layer buffers (kept under its old name)
 
 
-class LeanDecoder(nn.Module):
-    """Llama-family decoder for batch-1 inference over a :class:`KVCache`, with tree-masked multi-token forwards."""
+class LeanDecoder(TargetDecoder, nn.Module):
+    """Llama-family decoder for batch-1 inference over a :class:`KVCache`, with tree-masked multi-token forwards
+    (the :class:`~draftsmith.runtime.target.interface.TargetDecoder` interface)."""
 
     argmax_head = True  # forward(head="argmax") returns each row's argmax without the [T, V] logits
+    layer_range = True  # forward_layers / embed_tokens / final_hidden / lm_head_logits (Kangaroo drafts with them)
 
     def __new__(cls, config: ModelConfig | None = None, *args, **kwargs) -> LeanDecoder:
         # A config the plain Llama layer cannot run builds the general-layer subclass: decided once, here.
@@ -231,8 +234,7 @@ class LeanDecoder(nn.Module):
             raise ValueError(f"positions must have shape [{t}], got {tuple(positions.shape)}")
         if isinstance(logits_for, str) and logits_for not in ("all", "last"):
             raise ValueError(f"logits_for must be 'all', 'last' or a LongTensor of rows, got {logits_for!r}")
-        if head not in ("logits", "argmax"):
-            raise ValueError(f"head must be 'logits' or 'argmax', got {head!r}")
+        check_head(head)
         taps = tuple(int(i) for i in taps)
         bad = [i for i in taps if not 0 <= i <= self.config.num_layers]
         if bad:

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from draftsmith.export.format import read_export
-from draftsmith.runtime.drafting.base import StepContext, register_proposer
+from draftsmith.runtime.drafting.base import Proposer, StepContext, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree
 from toy_method.toy_echo_head import ToyEchoHead
 
 
-class ToyEchoProposer:
+class ToyEchoProposer(Proposer):
     """The root plus the head's top-1 token."""
 
     max_tree_nodes = 2
