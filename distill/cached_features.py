@@ -25,6 +25,7 @@ from draftsmith.distill.feature_cache import (
     FeatureCacheError,
     differences,
     settings_of,
+    shard_damage,
 )
 from draftsmith.distill.resumable import ResumableLoader, ResumableSampler, batches_done_in_epoch
 from draftsmith.distill.target import FeatureTaps, TargetFeatures
@@ -46,6 +47,11 @@ class FeatureCache:
         missing = [s["file"] for s in self.manifest["shards"] if not (self.path / s["file"]).is_file()]
         if not (self.path / TARGET_DIR / HEAD_FILE).is_file():
             missing.append(f"{TARGET_DIR}/{HEAD_FILE}")
+        damaged = [] if missing else [f"{s['file']} ({why})" for s in self.manifest["shards"]
+                                      if (why := shard_damage(self.path / s["file"])) is not None]
+        if damaged:
+            raise FeatureCacheError(f"feature cache {self.path} has damaged shards: {'; '.join(damaged[:3])}"
+                                    f"{' ...' if len(damaged) > 3 else ''}; {REBUILD} (the re-run rewrites them)")
         if missing or not self.manifest.get("complete"):
             raise FeatureCacheError(f"feature cache {self.path} is incomplete ({len(missing)} of "
                                     f"{len(self.manifest['shards'])} shards missing: {', '.join(missing[:3])}"

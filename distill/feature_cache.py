@@ -14,7 +14,9 @@ Folder layout (``draftsmith cache-features recipe=NAME --out DIR``)::
 with the stored LM head, which is exact for targets whose LM head is a plain linear layer (checked on the first
 batch; a target that post-processes its logits is refused). Padded positions are stored too (whole batches), so
 ``bytes_per_token`` counts padded positions: ``n_features * H * dtype size + 4 (id) + 1 + 1 (masks)``.
-Each shard is written to a temporary name and renamed, so a re-run resumes after the last complete shard.
+Each shard is written to a temporary name and renamed, so a re-run resumes after the last complete shard; a shard
+whose size disagrees with its own header (a cut copy, a full disk) is named, removed and written again by the re-run,
+and training refuses it by name instead of reading it.
 """
 
 from __future__ import annotations
@@ -177,7 +179,7 @@ def build_cache(cfg: Any, recipe: Any, out: str | Path, dtype: str = "bf16", sha
                for split, (items, plan) in plans.items() for i, b in enumerate(plan)]
     shards = plan_shards(batches, bpt, shard_bytes)
     manifest = _new_manifest(out, cfg, taps, dtype, shard_bytes, names, target, bpt, plans, shards)
-    done = [s for s in shards if (out / s["file"]).is_file()]
+    done = intact_shards(out, shards)
     _check_disk_budget(out, manifest, done, target, dtype)
     if len(done) == len(shards) and old_complete(out):
         return json.loads((out / MANIFEST).read_text())
@@ -286,6 +288,45 @@ def _shard_tensors(target: Any, taps: FeatureTaps, names: list[str], store: torc
         meta[name] = [int(j) for j in plan[i]]
         bar.update(positions)
     return tensors, meta
+
+
+def shard_damage(path: Path) -> str | None:
+    """Why the shard at ``path`` cannot be read whole (None: intact). A safetensors file is an 8-byte header length,
+    the JSON header, then the tensors at the offsets the header names: a file shorter (or longer) than the largest
+    offset was cut, e.g. by a full disk or a copy that stopped, and must not be read (its tail would be garbage)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                return f"{size} bytes, shorter than a safetensors header"
+            length = int.from_bytes(raw, "little")
+            if length > size - 8:
+                return f"{size} bytes, its header alone claims {length}"
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as err:
+        return f"unreadable ({err})"
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + length + end != size:
+        return f"{size:,} bytes where its header needs {8 + length + end:,}"
+    return None
+
+
+def intact_shards(out: Path, shards: list[dict], warn: Any = None) -> list[dict]:
+    """The planned ``shards`` already written whole in ``out``; a damaged one is removed (and named) so that it is
+    written again."""
+    done = []
+    for shard in shards:
+        path = out / shard["file"]
+        if not path.is_file():
+            continue
+        damage = shard_damage(path)
+        if damage is None:
+            done.append(shard)
+            continue
+        (warn or log.warning)(f"feature cache shard {path} is damaged ({damage}): removing it, it is written again")
+        path.unlink()
+    return done
 
 
 def old_complete(out: Path) -> bool:
