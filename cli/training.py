@@ -40,9 +40,11 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=None)
     opts, overrides = parser.parse_known_args(argv)
+    from draftsmith.distill.config_checks import check_schema
     from draftsmith.train import expand_shorthands
 
     cfg = compose_config(expand_shorthands(overrides))
+    check_schema(cfg)  # unknown keys and out-of-range values, before the target loads
     result = bench_train(cfg, recipes.get_recipe(cfg.recipe.name), steps=opts.steps, warmup=opts.warmup)
     text = json.dumps(result, indent=2)
     print(text)
@@ -60,6 +62,7 @@ def _cmd_cache_features(argv: list[str]) -> int:
     import argparse
 
     from draftsmith import recipes
+    from draftsmith.distill.config_checks import check_schema
     from draftsmith.distill.feature_cache import build_cache
     from draftsmith.train import expand_shorthands, purposeful_errors, report_error
 
@@ -71,6 +74,7 @@ def _cmd_cache_features(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = compose_config(expand_shorthands(overrides))
+        check_schema(cfg)  # unknown keys and out-of-range values, before the target loads
         manifest = build_cache(cfg, recipes.get_recipe(cfg.recipe.name), opts.out, dtype=opts.dtype,
                                shard_bytes=int(opts.shard_mb * 1e6))
     except purposeful_errors() as err:

@@ -177,12 +177,12 @@ def validate(cfg: Any) -> None:
               (int(d.num_layers) < 1, f"drafter.num_layers must be >= 1, got {d.num_layers}"),
               (not 0 < float(d.position_decay) <= 1, f"drafter.position_decay must be in (0, 1], got "
                                                      f"{d.position_decay}"),
-              (d.get("output_norm_init") is not None and not float(d.output_norm_init) > 0,
+              (d.output_norm_init is not None and not float(d.output_norm_init) > 0,
                f"drafter.output_norm_init must be > 0 (null = the default gain), got {d.output_norm_init}"),
               (float(d.confidence_weight) < 0, f"drafter.confidence_weight must be >= 0, got {d.confidence_weight}"),
               (cfg.inference.cut is not None and not 0 <= float(cfg.inference.cut) < 1,
                f"inference.cut must be in [0, 1) or null, got {cfg.inference.cut}"),
-              (d.get("target_layers") is not None and len(d.target_layers) == 0,
+              (d.target_layers is not None and len(d.target_layers) == 0,
                "drafter.target_layers is empty; use null for the default taps spread over depth")]
     for bad, message in checks:
         if bad:
@@ -227,7 +227,7 @@ def build_objective(cfg: Any, target: Target, token_batches: Any = None) -> DFla
 
     d, num_layers = cfg.drafter, target.num_layers
     try:
-        layers = (tuple(int(i) for i in d.target_layers) if d.get("target_layers")
+        layers = (tuple(int(i) for i in d.target_layers) if d.target_layers
                   else default_target_layers(num_layers, int(d.num_taps)))
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -240,11 +240,11 @@ def build_objective(cfg: Any, target: Target, token_batches: Any = None) -> DFla
     if block >= dims["max_position_embeddings"]:
         raise ConfigError(f"drafter.block_size={block} is larger than the target's context "
                           f"({dims['max_position_embeddings']} positions)")
-    samples = d.get("mask_scan_samples")
+    samples = d.mask_scan_samples
     batches = token_batches if token_batches is not None else training_token_batches(
         cfg, target, int(samples) if samples else None)
-    mask_id = resolve_mask_token(d.get("mask_token_id"), getattr(target, "tokenizer", None), target.vocab_size, batches)
-    arch = DFlashConfig(hidden_size=dims["hidden_size"], intermediate_size=int(d.get("intermediate_size") or
+    mask_id = resolve_mask_token(d.mask_token_id, getattr(target, "tokenizer", None), target.vocab_size, batches)
+    arch = DFlashConfig(hidden_size=dims["hidden_size"], intermediate_size=int(d.intermediate_size or
                         dims["intermediate_size"]), num_layers=int(d.num_layers), num_heads=dims["num_attention_heads"],
                         num_kv_heads=dims["num_key_value_heads"], vocab_size=target.vocab_size,
                         target_hidden_size=dims["hidden_size"], block_size=block, mask_token_id=mask_id,
@@ -252,7 +252,7 @@ def build_objective(cfg: Any, target: Target, token_batches: Any = None) -> DFla
                         rope_theta=dims["rope_theta"], confidence_head=bool(d.confidence_head),
                         markov_head=bool(d.markov_head), markov_rank=int(d.markov_rank))
     drafter = DFlashDrafter(arch, target.embed_weight.float(), target.lm_head_weight.float())
-    if d.get("output_norm_init") is not None:  # a fixed gain, not the drafter's min(1, 1/mean|w_v|) (1.0 = old init)
+    if d.output_norm_init is not None:  # a fixed gain, not the drafter's min(1, 1/mean|w_v|) (1.0 = old init)
         with torch.no_grad():
             drafter.norm.weight.fill_(float(d.output_norm_init))
     auto_cut = cfg.inference.cut is None  # null: the cut validation finds best (0 = off until then / without a head)

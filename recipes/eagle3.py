@@ -105,10 +105,10 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"drafter.ttt_steps must be >= 1, got {d.ttt_steps}")
     if not 0 < float(d.step_decay) <= 1:
         raise ConfigError(f"drafter.step_decay must be in (0, 1], got {d.step_decay}")
-    if d.get("draft_vocab_size") is not None and int(d.draft_vocab_size) < 0:
+    if d.draft_vocab_size is not None and int(d.draft_vocab_size) < 0:
         raise ConfigError(f"drafter.draft_vocab_size must be >= 0 (0 or null = full vocabulary), "
                           f"got {d.draft_vocab_size}")
-    layers = d.get("target_layers")
+    layers = d.target_layers
     if layers is not None and len(layers) == 0:
         raise ConfigError("drafter.target_layers is empty; use null for the default (2, L//2, L-3), spread over "
                           "the layers a shallow target has)")
@@ -120,7 +120,7 @@ def build_objective(cfg: Any, target: Target, vocab_batches: Any = None) -> Eagl
     d = cfg.drafter
     vocab = target.vocab_size
     try:
-        layers = (tuple(int(i) for i in d.target_layers) if d.get("target_layers")
+        layers = (tuple(int(i) for i in d.target_layers) if d.target_layers
                   else default_target_layers(target.num_layers))
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -128,15 +128,15 @@ def build_objective(cfg: Any, target: Target, vocab_batches: Any = None) -> Eagl
     if bad:
         raise ConfigError(f"drafter.target_layers {list(layers)} has {bad} outside 0..{target.num_layers - 1} (HF "
                           "hidden_states indices: i = input of decoder layer i)")
-    draft_vocab = min(int(d.get("draft_vocab_size") or vocab), vocab)
+    draft_vocab = min(int(d.draft_vocab_size or vocab), vocab)
     d2t = t2d = None
     if draft_vocab < vocab:
-        samples = d.get("vocab_samples")
+        samples = d.vocab_samples
         d2t, t2d = count_draft_vocab(cfg, target, draft_vocab, int(samples) if samples else None, vocab_batches)
     arch = Eagle3Config(**{**Eagle3Config.dims_from_hf(target.config), "vocab_size": vocab},
                         draft_vocab_size=draft_vocab, target_layers=layers)
     drafter = Eagle3Drafter(arch, target.embed_weight.float(), d2t, t2d)
-    if bool(d.get("init_lm_head_from_target", True)):
+    if bool(d.init_lm_head_from_target):
         drafter.init_lm_head(target.lm_head_weight.float())
     return Eagle3Objective(drafter, int(d.ttt_steps), float(d.step_decay), int(d.topk_metric),
                            eagle_inference_defaults(cfg.inference), LMHeadLoss.from_config(cfg))

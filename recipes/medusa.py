@@ -118,17 +118,17 @@ def medusa_head_loss(lm_loss: LMHeadLoss, heads: MedusaHeads, rows: torch.Tensor
 
 def check_draft_vocab_size(heads: Any) -> None:
     """``heads.draft_vocab_size``: null or 0 (the full vocabulary) or a positive count."""
-    size = heads.get("draft_vocab_size")
+    size = heads.draft_vocab_size
     if size is not None and int(size) < 0:
         raise ConfigError(f"heads.draft_vocab_size must be >= 0 (0 or null = the full vocabulary), got {size}")
 
 
 def medusa_draft_ids(cfg: Any, target: Target) -> torch.Tensor | None:
     """The target ids Medusa heads score (``heads.draft_vocab_size`` most frequent assistant tokens), or None."""
-    size = cfg.heads.get("draft_vocab_size")
+    size = cfg.heads.draft_vocab_size
     if not size or int(size) >= target.vocab_size:
         return None
-    d2t, _ = count_draft_vocab(cfg, target, int(size), cfg.heads.get("vocab_samples"),
+    d2t, _ = count_draft_vocab(cfg, target, int(size), cfg.heads.vocab_samples,
                                key="heads.draft_vocab_size")
     return d2t + torch.arange(d2t.numel())  # target id = draft index + offset
 

@@ -204,7 +204,7 @@ def _head_cfg(cfg: Any) -> Any:
 
 def validate(cfg: Any) -> None:
     """Config checks before the target loads."""
-    if not cfg.get("drafter"):
+    if not cfg.drafter:
         raise ConfigError("recipe=specdecpp trains on an existing chain drafter: pass drafter=EXPORT_DIR "
                           f"(an export of {' or '.join(BASE_METHODS)})")
     try:

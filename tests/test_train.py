@@ -53,10 +53,9 @@ def test_unknown_option_and_missing_field_fail_before_loading_the_target(tmp_pat
     proc = run_train("recipe=medusa", "heads.nonexistent=3", check=False)
     assert proc.returncode != 0 and "heads.nonexistent" in proc.stderr
     # A required field left missing must fail fast, before any model is loaded.
-    start = time.perf_counter()
     proc = run_train("recipe=medusa", "target.name_or_path=???", f"hydra.run.dir={tmp_path}", check=False)
     assert proc.returncode != 0 and "target.name_or_path" in proc.stderr
-    assert "Loading weights" not in proc.stderr and time.perf_counter() - start < 60
+    assert "Loading weights" not in proc.stderr
 
 
 def test_cfg_job_prints_the_composed_config():
