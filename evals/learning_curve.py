@@ -30,7 +30,7 @@ import torch
 from draftsmith.bench.prompts import load_prompts
 from draftsmith.runtime.acceptance import shapes
 from draftsmith.runtime.acceptance.cost_model import MachineCosts, anchor_curve, predict_shapes
-from draftsmith.runtime.acceptance.depth_choice import decode_step_ms, forward_curve, loop_head
+from draftsmith.runtime.acceptance.depth_choice import StepRecorder, decode_step_ms, forward_curve, loop_head
 from draftsmith.runtime.decoding.profile import StepProfiler
 from draftsmith.runtime.decoding.prompt_limits import context_limit
 from draftsmith.runtime.serving import load_runtime
@@ -51,44 +51,12 @@ class EvalSettings:
     target: str | None = None
 
 
-class StepRecorder:
-    """Wraps the calibration proposer: times ``propose`` and records every verified tree with its accepted path."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.max_tree_nodes = inner.max_tree_nodes
-        self.feature_taps = getattr(inner, "feature_taps", None)
-        self.steps: list[shapes.RecordedStep] = []
-        self.draft_s = 0.0
-        self._tree: Any = None
-
-    def __getattr__(self, name: str) -> Any:
-        # Capabilities the loop asks of a proposer (logits, taps, draft plan) are the wrapped proposer's.
-        return getattr(self.__dict__["inner"], name)
-
-    def begin(self, ctx: Any) -> None:
-        """Start the inner proposer."""
-        self.inner.begin(ctx)
-
-    def propose(self, ctx: Any) -> Any:
-        """Draft with the inner proposer, timed."""
-        start = time.perf_counter()
-        self._tree = self.inner.propose(ctx)
-        self.draft_s += time.perf_counter() - start
-        return self._tree
-
-    def accept(self, ctx: Any) -> None:
-        """Record the verified tree and its accepted path, then tell the inner proposer."""
-        self.steps.append(shapes.record_step(self._tree, ctx.acceptance.path_nodes))
-        self.inner.accept(ctx)
-
-
 def record_steps(spec: Any, prompts: Sequence[list[int]], max_new_tokens: int, eos_ids: Sequence[int],
                  ) -> tuple[StepRecorder, dict[str, Any], list[Any]]:
     """Greedy speculative decoding of ``prompts`` drafting the family's calibration superset, every step recorded:
     (recorder, step profile, results)."""
     base = spec.proposer
-    recorder = StepRecorder(shapes.calibration_proposer(base))
+    recorder = StepRecorder(shapes.calibration_proposer(base), time.perf_counter)
     saved = spec.proposer, spec.stop_policy
     spec.proposer, spec.stop_policy = recorder, None  # the superset's own depth, no stop rule
     profiler = StepProfiler(getattr(spec.model, "device", "cpu"), time.perf_counter)

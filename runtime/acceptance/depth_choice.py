@@ -123,7 +123,7 @@ def decode_step_ms(model: Any, prompts: Sequence[list[int]], tokens: int, clock:
     return sum(per_prompt) / len(per_prompt), per_prompt
 
 
-class _Recorder(ProposerWrapper):
+class StepRecorder(ProposerWrapper):
     """Wraps the calibration proposer: times ``propose`` with the clock and records every verified tree with the
     path the verifier accepted (:class:`~draftsmith.runtime.acceptance.shapes.RecordedStep`)."""
 
@@ -147,9 +147,9 @@ class _Recorder(ProposerWrapper):
 
 
 def _calibrate(spec: SpeculativeDecoder, base: Any, prompts: Sequence[list[int]], eos_ids: Sequence[int],
-               clock: Clock) -> tuple[_Recorder, dict[str, Any], list[Any]]:
+               clock: Clock) -> tuple[StepRecorder, dict[str, Any], list[Any]]:
     """Draft the family's superset shape (no fixed depth cap) on the prompts: (recorder, profile report, results)."""
-    recorder = _Recorder(shapes.calibration_proposer(base), clock)
+    recorder = StepRecorder(shapes.calibration_proposer(base), clock)
     saved = spec.proposer, spec.stop_policy
     spec.proposer = recorder
     if isinstance(spec.stop_policy, FixedDepth):
@@ -161,7 +161,7 @@ def _calibrate(spec: SpeculativeDecoder, base: Any, prompts: Sequence[list[int]]
     return recorder, report, results
 
 
-def _machine_costs(recorder: _Recorder, report: dict[str, Any], base: Any, ar_ms: float,
+def _machine_costs(recorder: StepRecorder, report: dict[str, Any], base: Any, ar_ms: float,
                    curve: dict[int, float]) -> MachineCosts:
     """Costs from the calibration: drafting per step (per depth level, or fixed for static trees), the per-step rest
     besides the verify forward (profiled), the measured verify curve and the decode-only AR step."""
