@@ -39,7 +39,7 @@ BEST_PRECISION ?= $(shell $(PY) -c "from draftsmith.kernels.cpu_caps import nati
 	print('bf16-mixed' if native_bf16('cpu')[0] else '32-true')" 2>/dev/null || echo 32-true)
 
 .PHONY: setup setup-dev assets demo train-demo bench-demo test test-fast test-integration test-e2e lint clean \
-	gpu-check speculators-venv llamacpp train-best \
+	gpu-check speculators-venv llamacpp train-best curve \
 	method-table
 
 setup: $(VENV)/.installed
@@ -135,6 +135,15 @@ train-best: $(BEST_MIX)
 		--lossless-dtype fp32 --sweep-k 1,2,3,4 --profile --out $(BEST_DIR)/bench
 	$(VENV)/bin/draftsmith bench --drafter $(BEST_DIR)/export --prompts humaneval --num-prompts 8 --max-new-tokens 128 \
 		--skip-hf --lossless-dtype fp32 --sweep-k 1,2,3,4 --out $(BEST_DIR)/bench-humaneval
+
+# `make curve`: EAGLE-3's learning curve (draftsmith curve; README "Learning curves"), its state under
+# $(DRAFTSMITH_CACHE)/curves so a later session on this machine resumes it with the same command.
+DRAFTSMITH_CACHE ?= $(HOME)/.cache/draftsmith
+CURVE_DIR ?= $(DRAFTSMITH_CACHE)/curves/eagle3_sharegpt
+CURVE_STEPS ?= 1500
+curve: assets
+	$(VENV)/bin/draftsmith curve --out $(CURVE_DIR) --first-steps 30 --steps $(CURVE_STEPS) --points 6 \
+		recipe=eagle3 data.limit=8000 run.checkpoint_every=25
 
 # The README's method table: every head-family recipe and EAGLE-1/3 trained for the same steps on the same batches.
 METHOD_STEPS ?= 80
