@@ -1,26 +1,27 @@
-"""Measure the two walks of docs/ARCHITECTURE.md: which repository files a command enters, in order, and how often
-it crosses from one room to another.
+"""The data paths of docs/ARCHITECTURE.md, traced: the functions a training run's data and a bench's data pass through.
 
-    .venv/bin/python scripts/room_walk.py [--json] [--keep DIR]
+    .venv/bin/python scripts/room_walk.py            # print both paths
+    .venv/bin/python scripts/room_walk.py --write    # rewrite the data-path part of docs/ARCHITECTURE.md
+    .venv/bin/python scripts/room_walk.py --json
 
 Definition (what tests/test_room_walk.py keeps true):
-- each walk runs in a fresh interpreter under ``sys.setprofile`` (main thread); every ``call`` event whose code file
-  lies in the repository (not ``tests/``, ``scripts/``, ``.venv/``) is recorded -- module bodies run by an import
-  are calls too, so importing a file enters it;
-- the walk is the list of those files in the order they are FIRST entered, each with its room: the top folder
-  (``runtime/target/model.py`` is room ``runtime``), or the file itself for a top-level file (``train.py``,
-  ``assets.py``, the package's ``__init__.py``);
-- boundaries = consecutive pairs of that list whose rooms differ; re-entries = boundaries into a room the walk had
-  already left.
-Walks, on a tiny in-process Llama target (tests/conftest.py builds it):
-- training: ``python train.py recipe=eagle3 ...`` (the Hydra entry) for 2 steps; it writes ``<run>/export``;
-- serving: ``draftsmith bench --drafter <run>/export --num-prompts 1 --max-new-tokens 4 --skip-hf``.
+- each command runs in a fresh interpreter under ``sys.setprofile`` (main thread), on a tiny in-process Llama target
+  (tests/conftest.py builds it): ``python train.py recipe=eagle3 ...`` for 2 steps, which writes ``<run>/export``,
+  then ``draftsmith bench --drafter <run>/export ... --stop-policy export`` on one prompt (the export's own draft
+  shape: the cost-aware default chooses one from timings, and a path that depends on timings cannot be checked);
+- a call is kept when its function lies in the repository (not tests/, scripts/, module bodies) and is handed the
+  run's data: one of its arguments is a tensor, or a list, tuple, mapping or dataclass holding one (a batch, a draft
+  tree, a state dict) -- or it is the command's entry;
+- a kept call hangs under the nearest kept call it was made from (library frames in between, such as Lightning's
+  loop, are skipped); a call into the same file as its parent is folded into the parent; each function appears once,
+  where it is first reached, so the tree reads in the order the data first travels.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -32,31 +33,88 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EXCLUDED = {"tests", "scripts", ".venv", "docs", "conf"}
 WALKS = ("training", "serving")
+ENTRIES = {"training": ("train.py", "main"), "serving": ("cli/__init__.py", "main")}
 
 
-def room_of(path: str) -> tuple[str, str] | None:
-    """(room, repository-relative file) of a code file, or None when the file is not walked."""
+def repository_file(path: str) -> str | None:
+    """The repository-relative path of a code file, or None when the file is not traced."""
     try:
         rel = Path(path).resolve().relative_to(ROOT)
     except (ValueError, OSError):
         return None
     if not rel.parts or rel.parts[0] in EXCLUDED or rel.parts[0].startswith(".") or rel.suffix != ".py":
         return None
-    return (rel.parts[0] if len(rel.parts) > 1 else rel.name), rel.as_posix()
+    return rel.as_posix()
 
 
-def count(walk: list[tuple[str, str]]) -> dict:
-    """Boundaries crossed and re-entries of a first-entry walk, plus the rooms re-entered most."""
-    boundaries, reentries, seen, by_room = 0, 0, set(), {}
-    for i, (room, _) in enumerate(walk):
-        if i and room != walk[i - 1][0]:
-            boundaries += 1
-            if room in seen:
-                reentries += 1
-                by_room[room] = by_room.get(room, 0) + 1
-        seen.add(room)
-    return {"files": len(walk), "rooms": len(seen), "boundaries": boundaries, "reentries": reentries,
-            "reentered": dict(sorted(by_room.items(), key=lambda kv: -kv[1]))}
+def carries_data(value: object, depth: int = 2) -> bool:
+    """A tensor, or a container (list, tuple, mapping, dataclass) holding one within ``depth`` levels."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(value, (str, bytes, int, float, bool, type(None), Path)):
+        return False
+    if isinstance(value, dict):
+        items = list(value.values())[:16]
+    elif isinstance(value, (list, tuple)):
+        items = list(value[:16])
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)][:16]
+    else:
+        return False
+    return any(carries_data(item, depth - 1) for item in items)
+
+
+def handed_data(frame) -> bool:
+    """Whether a frame's arguments (``self`` aside) carry data."""
+    code = frame.f_code
+    count = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & 4) + bool(code.co_flags & 8)
+    names = [n for n in code.co_varnames[:count] if n not in ("self", "cls")]
+    return any(carries_data(frame.f_locals.get(name)) for name in names)
+
+
+class Tracer:
+    """The profile hook: the tree of repository calls (``{"name", "file", "data", "children"}``), each function once
+    (a later call of it hangs its new callees under its first node), calls into the caller's own file folded."""
+
+    def __init__(self, entry: tuple[str, str]) -> None:
+        self.entry, self.root = entry, {"name": "", "file": "", "data": False, "children": []}
+        self.stack: list[tuple[object, dict]] = []  # (frame, its node) of every traced call, folded ones included
+        self.nodes: dict[tuple[str, str], dict] = {}
+        self.files: dict[str, str | None] = {}
+
+    def __call__(self, frame, event, arg) -> None:
+        if event == "return":
+            if self.stack and self.stack[-1][0] is frame:
+                _, node = self.stack.pop()
+                node["data"] = node["data"] or carries_data(arg)  # what it hands back: a batch, a tree, weights
+            return
+        name = frame.f_code.co_filename
+        rel = self.files[name] if name in self.files else self.files.setdefault(name, repository_file(name))
+        if event != "call" or rel is None or frame.f_code.co_name.startswith("<"):  # module bodies, lambdas
+            return
+        key = (rel, frame.f_code.co_qualname)
+        parent = self.stack[-1][1] if self.stack else self.root
+        if parent is self.root and key != self.entry:
+            return  # before the entry (imports, argument parsing): not the data's path
+        if parent["file"] == rel:
+            node = parent  # folded into its caller in the same file
+        elif key in self.nodes:
+            node = self.nodes[key]
+        else:
+            node = self.nodes[key] = {"name": key[1], "file": rel, "data": False, "children": []}
+            parent["children"].append(node)
+        node["data"] = node["data"] or handed_data(frame)
+        self.stack.append((frame, node))
+
+
+def pruned(node: dict) -> dict | None:
+    """``node`` without the subtrees that never touch data (None when nothing of it does)."""
+    children = [kept for child in node["children"] if (kept := pruned(child)) is not None]
+    if not children and not node["data"]:
+        return None
+    return {"name": node["name"], "file": node["file"], "children": children}
 
 
 def argv_of(walk: str, work: Path) -> list[str]:
@@ -66,37 +124,23 @@ def argv_of(walk: str, work: Path) -> list[str]:
                 f"data.spec={work / 'chat.jsonl'}", "data.limit=null", "data.max_length=48", "data.batch_size=4",
                 "data.val_fraction=0.1", "trainer.max_steps=2", "run.checkpoint_every=2", "run.final_eval_batches=1",
                 "drafter.target_layers=[1,2,3]", "drafter.draft_vocab_size=40", "drafter.ttt_steps=2",
-                # the served-tau probe serves the export on purpose (the serving walk covers that code)
+                # the served-tau probe serves the export on purpose (the serving path covers that code)
                 "validation.served_tau.every=0", f"hydra.run.dir={work / 'run'}"]
     return ["bench", "--drafter", str(work / "run" / "export"), "--target", str(work / "target"),
             "--prompts", str(work / "prompts.jsonl"), "--num-prompts", "1", "--max-new-tokens", "4", "--skip-hf",
-            "--lossless-dtype", "none", "--dtype", "fp32"]
+            "--lossless-dtype", "none", "--dtype", "fp32",
+            # the export's own draft shape: the cost-aware default would pick one from measured timings, which vary
+            "--stop-policy", "export"]
 
 
-def run_one(walk: str, work: Path) -> dict[str, list[tuple[str, str]]]:
-    """Run one walk in this interpreter under the profiler: its first-entry (room, file) list, and the same list
-    counting function calls only (module bodies run by imports left out; informative, not what the test bounds)."""
-    import torch  # third-party imports before the profiler: they are not walked and run faster unprofiled
+def run_one(walk: str, work: Path) -> dict:
+    """Run one command in this interpreter under the tracer; its tree of kept calls."""
+    import torch  # third-party imports before the profiler: they are not traced and run faster unprofiled
     import transformers  # noqa: F401
 
     torch.set_num_threads(1)
-    first: dict[str, str] = {}  # every call, module bodies included
-    called: dict[str, str] = {}  # function calls only (what is left when imports are not counted)
-    known: dict[str, tuple[str, str] | None] = {}
-
-    def profile(frame, event, arg):
-        if event == "call":
-            name = frame.f_code.co_filename
-            hit = known.get(name, 0)
-            if hit == 0:
-                hit = known[name] = room_of(name)
-            if hit is not None:
-                first.setdefault(hit[1], hit[0])
-                if frame.f_code.co_name != "<module>":
-                    called.setdefault(hit[1], hit[0])
-
-    code = 0
-    sys.setprofile(profile)
+    tracer, code = Tracer(ENTRIES[walk]), 0
+    sys.setprofile(tracer)
     try:
         if walk == "training":  # as `python train.py ...` runs it
             import runpy
@@ -111,8 +155,7 @@ def run_one(walk: str, work: Path) -> dict[str, list[tuple[str, str]]]:
         sys.setprofile(None)
     if code not in (0, None):
         raise SystemExit(f"walk {walk} failed with status {code}")
-    return {"walk": [(room, path) for path, room in first.items()],
-            "calls_only": [(room, path) for path, room in called.items()]}
+    return pruned(tracer.root) or {"name": "", "file": "", "children": []}
 
 
 def prepare(work: Path) -> None:
@@ -128,58 +171,73 @@ def prepare(work: Path) -> None:
 
 
 def measure(work: Path) -> dict[str, dict]:
-    """Both walks, each in a fresh interpreter (so that imports are walked the same way every time)."""
-    for stale in ("run", "cache", "costs"):  # a cached depth decision or an old run would change the walk
+    """Both paths, each traced in a fresh interpreter (the training run writes the export the bench reads)."""
+    for stale in ("run", "cache", "costs"):  # a cached depth decision or an old run would change the path
         shutil.rmtree(work / stale, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     with contextlib.redirect_stdout(sys.stderr):  # library chatter on import must not mix into --json
         prepare(work)
     env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
            "DRAFTSMITH_CACHE": str(work / "cache"), "DRAFTSMITH_COST_CACHE": str(work / "costs"),
-           "HYDRA_FULL_ERROR": "1"}
+           "HYDRA_FULL_ERROR": "1", "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, whatever the machine has
     out = {}
     for walk in WALKS:
         proc = subprocess.run([sys.executable, __file__, "--run-walk", walk, "--work", str(work)], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"walk {walk} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        child = json.loads(proc.stdout.strip().splitlines()[-1])
-        files, calls = ([tuple(x) for x in child[k]] for k in ("walk", "calls_only"))
         command = ("python train.py " if walk == "training" else "draftsmith ") + " ".join(argv_of(walk, Path("WORK")))
-        out[walk] = {"command": command, "walk": files, **count(files), "calls_only": {"walk": calls, **count(calls)}}
+        out[walk] = {"command": command, "tree": json.loads(proc.stdout.strip().splitlines()[-1])}
     return out
 
 
-def table(name: str, result: dict) -> str:
-    lines = [f"## {name} walk: {result['files']} files, {result['rooms']} rooms, {result['boundaries']} room "
-             f"boundaries crossed, {result['reentries']} re-entries", "", "| # | room | file |", "|---|---|---|"]
-    lines += [f"| {i} | {room} | `{path}` |" for i, (room, path) in enumerate(result["walk"], 1)]
-    if result["reentered"]:
-        lines += ["", "re-entered: " + ", ".join(f"{r} x{n}" for r, n in result["reentered"].items())]
-    calls = result["calls_only"]
-    runs = [room for i, (room, _) in enumerate(calls["walk"]) if not i or room != calls["walk"][i - 1][0]]
-    lines += ["", f"function calls only (imports not counted): {calls['files']} files, {calls['boundaries']} "
-              f"boundaries, {calls['reentries']} re-entries: " + " -> ".join(runs)]
-    return "\n".join(lines)
+def lines_of(node: dict, depth: int = 0) -> list[str]:
+    """The tree as indented lines: ``file  function``, two spaces a level."""
+    out = []
+    for child in node["children"]:
+        out.append(f"{'  ' * depth}{child['file']}  {child['name']}")
+        out += lines_of(child, depth + 1)
+    return out
+
+
+def markdown(result: dict[str, dict]) -> str:
+    """The data-path part of docs/ARCHITECTURE.md: per walk its command and its tree."""
+    titles = {"training": "Training: `train.py recipe=eagle3` -> export", "serving": "Serving: `draftsmith bench`"}
+    parts = []
+    for walk, found in result.items():
+        lines = lines_of(found["tree"])
+        files = {line.split()[0] for line in lines}
+        rooms = {f.split("/")[0] if "/" in f else f for f in files}
+        parts.append(f"### {titles[walk]}: {len(lines)} functions in {len(files)} files, {len(rooms)} rooms\n\n"
+                     f"`{found['command']}`\n\n```\n" + "\n".join(lines) + "\n```\n")
+    return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Trace both paths; print them, or write them into docs/ARCHITECTURE.md."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="print the walks as JSON")
+    parser.add_argument("--json", action="store_true", help="print the paths as JSON")
+    parser.add_argument("--write", action="store_true", help="rewrite the data-path part of docs/ARCHITECTURE.md")
     parser.add_argument("--keep", default=None, help="work folder to use and keep (default: a temporary one)")
     parser.add_argument("--run-walk", choices=WALKS, help=argparse.SUPPRESS)
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.run_walk:  # the child: one walk, its list as the last stdout line
-        walk = run_one(args.run_walk, Path(args.work))
-        print("\n" + json.dumps(walk))
+    if args.run_walk:  # the child: one command, its tree as the last stdout line
+        tree = run_one(args.run_walk, Path(args.work))
+        print("\n" + json.dumps(tree))
         return 0
     if args.keep:
         result = measure(Path(args.keep))
     else:
-        with tempfile.TemporaryDirectory(prefix="room-walk-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="data-path-") as tmp:
             result = measure(Path(tmp))
-    print(json.dumps(result, indent=2) if args.json else "\n\n".join(table(n, r) for n, r in result.items()))
+    if args.write:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import module_table
+
+        module_table.DOC.write_text(module_table.replace_part(module_table.DOC.read_text(), "data-path",
+                                                              markdown(result)))
+    print(json.dumps(result, indent=2) if args.json else markdown(result), end="")
     return 0
 
 

@@ -1,61 +1,119 @@
-"""The two walks of docs/ARCHITECTURE.md (train -> export, export -> bench) stay short: scripts/room_walk.py runs each
-in a fresh interpreter under sys.setprofile and lists the repository files in the order they are first entered."""
+"""What docs/ARCHITECTURE.md says about how a method and its data travel stays true: the method footprint
+(scripts/method_footprint.py: the files and rooms one method spans, from the method table) stays small, and the data
+paths (scripts/room_walk.py: the functions a training run's and a bench's data pass through, traced) are current."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGET_BOUNDARIES = 12  # room boundaries one walk should cross (consecutive first-entered files in different rooms)
-# The walks still cross more than the target (27 and 30 when measured, from 45 and 42 before the rooms were made
-# lazy: a run imports only its recipe, a command line only its command module, serving only the export's proposer
-# family), so the bound in force is today's count plus one, to stop it growing. What remains is mostly the leaf
-# rooms common/ and kernels/, entered from most rooms. Lower these numbers as the walks shrink. The serving walk grew
-# from 30 to 32 with the bench's output windows and the argmax verify path (2026-11-25); the training walk stays 27
-# (the served-tau probe, which serves on purpose, is off in the walk and not imported when off).
-BOUND_IN_FORCE = {"training": 28, "serving": 33}
+# No method's code spans more than a module, a recipe, a config, a proposer family and one converter per engine
+# format (EAGLE-3 and DFlash: 7 files in 5 rooms today). A method that needs more has a list to edit somewhere.
+MOST_FILES, MOST_ROOMS = 7, 5
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("room_walk", ROOT / "scripts" / "room_walk.py")
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_rooms_and_counts_follow_the_definition():
-    walk = load_script()
-    assert walk.room_of(str(ROOT / "runtime" / "target" / "model.py")) == ("runtime", "runtime/target/model.py")
-    assert walk.room_of(str(ROOT / "train.py")) == ("train.py", "train.py")
-    assert walk.room_of(str(ROOT / "tests" / "conftest.py")) is None
-    assert walk.room_of("/usr/lib/python3/os.py") is None
-    files = [("cli", "cli/a.py"), ("cli", "cli/b.py"), ("runtime", "runtime/x.py"), ("cli", "cli/c.py"),
-             ("runtime", "runtime/y.py"), ("bench", "bench/z.py")]
-    counted = walk.count(files)
-    assert counted["boundaries"] == 4 and counted["reentries"] == 2 and counted["rooms"] == 3
-    assert counted["reentered"] == {"cli": 1, "runtime": 1}
+# ------------------------------------------------------------------------------------------------- the footprint
+def test_every_method_footprint_names_existing_files_in_few_rooms():
+    result = load_script("method_footprint").footprints()
+    assert result, "no method found in common/methods.py"
+    for name, found in result.items():
+        files = [p for part in found["parts"].values() for p in part]
+        assert all((ROOT / p).is_file() for p in files), (name, [p for p in files if not (ROOT / p).is_file()])
+        assert found["files"] <= MOST_FILES and len(found["rooms"]) <= MOST_ROOMS, (name, found)
+    eagle3 = result["eagle3"]["parts"]
+    assert eagle3["recipe"] == ["recipes/eagle3.py"] and eagle3["proposer"] == ["runtime/drafting/eagle.py"]
+    assert "export/speculators.py" in eagle3["converters"] and result["medusa"]["parts"]["converters"]
 
 
-@pytest.fixture(scope="module")
-def walks(tmp_path_factory):
-    return load_script().measure(tmp_path_factory.mktemp("room_walk"))
+def test_registrations_are_read_from_the_code(tmp_path):
+    footprint = load_script("method_footprint")
+    (tmp_path / "family.py").write_text(textwrap.dedent("""
+        SERVES = ("alpha",)
+        NAME = "beta"
+
+        @register_proposer("alpha")
+        def build(): ...
+
+        register_proposer(NAME)(build)
+        register_format(ExportFormat("gamma-layout", ("alpha", NAME), convert))
+    """))
+    calls = ("register_proposer", "register_format")
+    assert footprint.registered_names(tmp_path / "family.py", calls, ("SERVES",)) == {"alpha", "beta", "gamma-layout"}
 
 
-@pytest.mark.parametrize("name", ["training", "serving"])
-def test_each_walk_crosses_few_room_boundaries(walks, name):
-    result = walks[name]
-    rooms = [room for room, _ in result["walk"]]
-    entry = "train.py" if name == "training" else "cli"
-    assert {"__init__.py", entry} == set(rooms[:2])  # the entry point and the package come first
-    if name == "serving":
-        assert "runtime/serving.py" in [path for _, path in result["walk"]]  # every serving command starts there
-        assert "distill" not in rooms and "recipes" not in rooms  # serving never enters training code
-    assert result["boundaries"] <= BOUND_IN_FORCE[name], (
-        f"the {name} walk crosses {result['boundaries']} room boundaries (bound in force {BOUND_IN_FORCE[name]}, "
-        f"target {TARGET_BOUNDARIES}); re-entered: {result['reentered']}; run `python scripts/room_walk.py` for the "
-        "file list")
+# ------------------------------------------------------------------------------------------------- the data path
+def test_data_is_a_tensor_or_a_container_holding_one():
+    walk = load_script("room_walk")
+    assert walk.carries_data(torch.zeros(2))
+    assert walk.carries_data({"input_ids": torch.zeros(2)}) and walk.carries_data([(1, torch.zeros(1))])
+    assert not walk.carries_data({"spec": "chat.jsonl", "limit": 3}) and not walk.carries_data(ROOT)
+
+
+def test_the_tracer_keeps_data_calls_folds_same_file_calls_and_shows_each_function_once(tmp_path, monkeypatch):
+    walk = load_script("room_walk")
+    (tmp_path / "first.py").write_text(textwrap.dedent("""
+        import second
+
+        def entry(n):
+            for _ in range(n):
+                helper()
+            return second.no_data(3)
+
+        def helper():
+            import torch
+            return second.scale(torch.ones(2))
+    """))
+    (tmp_path / "second.py").write_text(textwrap.dedent("""
+        def scale(x):
+            return twice(x)
+
+        def twice(x):
+            return 2 * x
+
+        def no_data(k):
+            return k + 1
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(walk, "repository_file", lambda path: Path(path).name if Path(path).parent == tmp_path
+                        else None)
+    import first
+
+    tracer = walk.Tracer(("first.py", "entry"))
+    sys.setprofile(tracer)
+    try:
+        first.entry(2)
+    finally:
+        sys.setprofile(None)
+    # helper is folded into entry (same file), twice into scale; no_data never touches a tensor: pruned
+    assert walk.lines_of(walk.pruned(tracer.root)) == ["first.py  entry", "  second.py  scale"]
+
+
+@pytest.mark.e2e  # a training run and a bench, each traced in a subprocess (minutes)
+def test_the_data_paths_in_architecture_are_current(tmp_path):
+    walk, docs = load_script("room_walk"), load_script("module_table")
+    result = walk.measure(tmp_path / "work")
+    training = walk.lines_of(result["training"]["tree"])
+    serving = walk.lines_of(result["serving"]["tree"])
+    for needed in ("distill/module.py  DistillModule.training_step", "distill/target.py  Target.features",
+                   "export/format.py  write_export"):
+        assert any(line.strip() == needed for line in training), (needed, training)
+    for needed in ("runtime/serving.py  load_runtime", "runtime/decoding/speculative.py  SpeculativeDecoder.generate"):
+        assert any(line.strip() == needed for line in serving), (needed, serving)
+    assert not any(line.split()[0].startswith(("distill/", "recipes/")) for line in serving)  # serving never trains
+    assert docs.part(docs.DOC.read_text(), "data-path") == walk.markdown(result), (
+        "docs/ARCHITECTURE.md's data paths are stale: run `.venv/bin/python scripts/room_walk.py --write`")

@@ -13,6 +13,8 @@ from draftsmith.runtime.drafting.base import Proposer, StepContext, register_pro
 from draftsmith.runtime.drafting.tree import DraftTree
 from toy_method.toy_echo_head import ToyEchoHead
 
+SERVES = ("toy_echo",)  # the export methods this family serves: runtime/drafting/registry.py reads this line
+
 
 class ToyEchoProposer(Proposer):
     """The root plus the head's top-1 token."""
