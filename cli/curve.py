@@ -30,6 +30,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="runtime dtype of the evaluation (auto | fp32 | bf16)")
     p.add_argument("--target", default=None, help="target folder to serve with (default: the export's)")
     p.add_argument("--report-only", action="store_true", help="rewrite curve.md / curve.png from curve.json")
+    p.add_argument("--compare", default=None, metavar="DIR1,DIR2,...",
+                   help="no training: put these curves side by side at equal CPU-hours into --out "
+                        "(compare.json, compare.md, compare.png)")
     return p
 
 
@@ -53,6 +56,16 @@ def cmd_curve(argv: Sequence[str]) -> int:
     out = Path(opts.out)
     try:
         _check(opts)
+        if opts.compare:
+            from draftsmith.evals.curve_report import compare
+
+            dirs = [d for d in opts.compare.split(",") if d]
+            missing = [d for d in dirs if not (Path(d) / CURVE_FILE).is_file()]
+            if missing:
+                raise CurveError(f"not a curve folder (no {CURVE_FILE}): {', '.join(missing)}")
+            print(json.dumps(compare(dirs, out)))
+            print(f"wrote {out / 'compare.json'}, {out / 'compare.md'}, {out / 'compare.png'}")
+            return 0
         if opts.report_only:
             if not (out / CURVE_FILE).is_file():
                 raise CurveError(f"{out / CURVE_FILE} not found: run the curve first")

@@ -129,3 +129,52 @@ def write_report(curve_dir: str | Path, data: dict[str, Any]) -> dict[str, Any]:
     if data["points"]:
         plot(data, block, curve_dir / "curve.png")
     return block
+
+
+def compare(curve_dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
+    """Several curves (recipe choices: data, labels, TTT depth, vocabulary) side by side at equal CPU-hours:
+    compare.json, compare.md and compare.png (first-position acceptance against CPU-hours, log x) in ``out``."""
+    import json
+
+    from draftsmith.evals.curve_runner import CURVE_FILE, write_json
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    curves = {str(d): json.loads((Path(d) / CURVE_FILE).read_text()) for d in curve_dirs}
+    rows = []
+    for name, data in curves.items():
+        for p in data["points"]:
+            for prompt_set in prompt_sets(data):
+                rows.append({"curve": name, "overrides": " ".join(data["overrides"]), "steps": p["steps"],
+                             "tokens": p["tokens"], "cpu_hours": p["cpu_hours"], "prompts": prompt_set,
+                             "first_position": p["eval"][prompt_set]["first_position_acceptance"]})
+    write_json(out / "compare.json", {"curves": list(curves), "rows": rows})
+    lines = ["| curve | overrides | steps | tokens | CPU-h | prompts | first-position |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {Path(r['curve']).name} | {r['overrides']} | {r['steps']} | {_fmt(r['tokens'])} | "
+              f"{_fmt(r['cpu_hours'], 2)} | {r['prompts']} | {_fmt(r['first_position'])} |" for r in rows]
+    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    _plot_compare(rows, out / "compare.png")
+    return {"curves": list(curves), "rows": len(rows)}
+
+
+def _plot_compare(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in dict.fromkeys((r["curve"], r["prompts"]) for r in rows):
+        mine = [r for r in rows if (r["curve"], r["prompts"]) == key and r["cpu_hours"]]
+        ax.plot([r["cpu_hours"] for r in mine], [r["first_position"] for r in mine], "o-",
+                label=f"{Path(key[0]).name} / {key[1]}")
+    ax.set_xscale("log")
+    ax.set_xlabel("CPU-hours of training")
+    ax.set_ylabel("held-out first-position acceptance")
+    ax.set_ylim(0, 1)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -14,7 +14,7 @@ import pytest
 from pattern_target import write_heldout_prompts
 
 from draftsmith.evals.curve_fit import fit_curve
-from draftsmith.evals.curve_report import write_report
+from draftsmith.evals.curve_report import compare, write_report
 from draftsmith.evals.curve_runner import CurveError, log_spaced_steps, run_curve
 from draftsmith.evals.learning_curve import (
     EvalSettings,
@@ -115,6 +115,14 @@ def test_an_interrupted_curve_resumes_without_redoing_finished_points(tmp_path):
     assert (tmp_path / "curve.png").stat().st_size > 1000
     table = (tmp_path / "curve.md").read_text()
     assert "| 300 | 300,000 |" in table and "first-position" in table
+
+    other = tmp_path / "other"
+    run_curve(other, ["recipe=eagle3", "drafter.ttt_steps=5"], [10, 30, 100], settings, runner=FakeTraining(),
+              evaluate=fake_evaluate, say=lambda s: None)
+    side = compare([tmp_path, other], tmp_path / "compare")
+    assert side["rows"] == 2 * (4 + 3)
+    assert "drafter.ttt_steps=5" in (tmp_path / "compare" / "compare.md").read_text()
+    assert (tmp_path / "compare" / "compare.png").stat().st_size > 1000
 
     with pytest.raises(CurveError, match="re-run with the same arguments"):
         run_curve(tmp_path, ["recipe=eagle3"], [10, 1000], settings, runner=second, evaluate=fake_evaluate,
