@@ -1,4 +1,5 @@
-"""Training entry point: ``python train.py recipe=medusa [hydra overrides]``."""
+"""Training entry point: ``python train.py recipe=medusa [hydra overrides]`` (``--help``: the recipes;
+``recipe=NAME --help``: that recipe's keys, from its schema in recipes/schemas.py)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ def purposeful_errors() -> tuple[type[BaseException], ...]:
 
 PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a shell reports for a job ended by SIGTERM
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a job ended by Ctrl-C
+
+
 def resume_command(argv: list[str]) -> str:
     """The command line that resumes this run: the same one (``run.resume=auto`` finds the run folder's newest
     checkpoint), without a ``run.resume=false`` that would start over."""

@@ -21,8 +21,14 @@ SHAPE_FREE_GROUPS = ("run", "validation", "optim", "data", "trainer", "logger", 
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The checkpoint, memory-mapped on the CPU (tensors are read only where touched)."""
-    return torch.load(str(path), map_location="cpu", mmap=True, weights_only=False)
+    """The checkpoint, memory-mapped on the CPU (tensors are read only where touched); {} (nothing to compare) for
+    a DeepSpeed checkpoint folder or a file torch cannot read, whose loading Lightning reports as before."""
+    if not Path(path).is_file():
+        return {}
+    try:
+        return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+    except Exception:  # noqa: BLE001 - torch raises several types for damaged files; Lightning names them later
+        return {}
 
 
 def flat(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -59,7 +65,9 @@ def check_resume_shapes(checkpoint: dict[str, Any], ckpt_path: str, cfg: DictCon
                         run_dir: str | Path) -> None:
     """Once the model is built: refuse a checkpoint whose weights differ in names or shapes, naming the config keys
     that changed since it was written and the first differing weights."""
-    theirs = {k: tuple(v.shape) for k, v in checkpoint.get("state_dict", {}).items()}
+    if "state_dict" not in checkpoint:
+        return
+    theirs = {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items()}
     mine = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     if theirs == mine:
         return

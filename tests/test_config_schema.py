@@ -181,6 +181,15 @@ def test_a_checkpoint_of_another_shape_names_the_changed_key(tmp_path):
     check_resume_shapes(same, "x.ckpt", cfg, module, tmp_path)  # same shapes: resumes
 
 
+def test_a_checkpoint_folder_or_damaged_file_is_left_to_lightning(tmp_path):
+    from draftsmith.distill.resume_check import check_resume_shapes, read_checkpoint
+
+    damaged = tmp_path / "last.ckpt"
+    damaged.write_bytes(b"not a checkpoint")
+    assert read_checkpoint(tmp_path) == {} and read_checkpoint(damaged) == {}  # DeepSpeed folder, damaged file
+    check_resume_shapes({}, str(damaged), compose_config(["recipe=medusa"]), torch.nn.Linear(2, 2), tmp_path)
+
+
 @pytest.mark.e2e  # two short training runs in one run folder
 def test_rerunning_with_more_heads_in_the_same_folder_is_one_line(tmp_path, tiny_target_dir, tiny_data_file):
     from draftsmith import recipes
