@@ -12,13 +12,18 @@ where ``_convert_request(request: ConvertRequest) -> Path`` writes ``request.out
 user's folder or on its own source) and returns it. :func:`export_formats` imports every module of this package once,
 which registers them all: no list to edit. What only the caller can do (resolve the target folder the export names,
 read its LM head, find the llama.cpp build) comes in ``request.host`` (:class:`ConverterHost`), so converters import
-neither the runtime nor bench/. ``draftsmith`` itself (a run folder or checkpoint -> export) is not a converter.
+neither the runtime nor bench/. Import optional packages (an engine's own library) inside the convert function: a
+module that fails to import for want of one is skipped with a warning. ``draftsmith`` itself (a run folder or
+checkpoint -> export) is not a converter. The CLI reads these declarations alone; the method table's ``formats``
+(common/methods.py) may name only declared formats that hold the method (tests/test_method_table.py checks it), so a
+new converter needs no edit anywhere else.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +31,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from draftsmith.common.registry import Registry
+
+log = logging.getLogger(__name__)
 
 NATIVE_FORMAT = "draftsmith"  # the export itself: every method has it, no converter writes it
 
@@ -102,7 +109,14 @@ def _load_converters() -> None:
     import draftsmith.export as package
 
     for info in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{info.name}")
+        name = f"{package.__name__}.{info.name}"
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:  # an optional package one converter needs must not take the others down
+            if (err.name or "").startswith("draftsmith"):
+                raise
+            log.warning("export formats of %s are unavailable: it needs %s, which is not installed (import optional "
+                        "packages inside the convert function)", name, err.name)
     _loaded = True
 
 

@@ -87,13 +87,15 @@ def test_get_recipe_refuses_a_recipe_missing_from_the_table(monkeypatch):
 
 
 def test_formats_follow_the_converters():
-    """The converters declare the formats (export/converters.py); the method table's ``formats`` agrees with them."""
+    """The converters declare the formats (export/converters.py); the method table names only declared formats that
+    hold the method (a converter may add a format the table does not list yet: the CLI reads the declarations)."""
     declared = converters()
-    assert declared and export_formats() == converter_formats() == sorted({"draftsmith", *declared})
-    for name, fmt in declared.items():
-        assert [n for n in METHODS if name in formats_of(n)] == [n for n in METHODS if fmt.holds(n)], name
+    assert declared and set(export_formats()) <= set(converter_formats()) == {"draftsmith", *declared}
     for name, method in METHODS.items():
-        assert set(method.formats) == set(formats_for(name)), name
+        assert set(method.formats) <= set(formats_for(name)), name
+    for name in export_formats():  # today's table and declarations agree format by format
+        holders = [n for n in METHODS if name in formats_of(n)]
+        assert holders == [n for n in METHODS if name in formats_for(n)], name
 
 
 def test_a_format_is_one_declaration_the_cli_reads(tmp_path, medusa_export):
