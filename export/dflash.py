@@ -25,8 +25,9 @@ Both layouts hold the same tensors, no embedding and no LM head (the engines sha
 ``layers.{i}.self_attn.{q,k}_norm.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
 ``layers.{i}.{input_layernorm,post_attention_layernorm}.weight``, ``norm.weight`` (the draftsmith names already; key
 lists checked in tests/test_dflash_export.py). The optional ``confidence_head.*`` (a block cut) and ``markov_head.*``
-are draftsmith's own and have no slot in these formats: they are left out (logged, and listed under
-``draftsmith.dropped`` in config.json), so an engine drafts with the plain DFlash forward.
+make the drafter DSpark-shaped: ``--format speculators`` then writes speculators' ``dspark`` type and ``--format gguf``
+a DeepSpec-style folder for llama.cpp's ``draft-dspark`` (export/dspark.py); the z-lab layout has no slot for them and
+leaves them out (logged, and listed under ``draftsmith.dropped`` in config.json).
 """
 
 from __future__ import annotations
@@ -229,6 +230,10 @@ def to_speculators_dflash(export_dir: str | Path, out_dir: str | Path, verifier_
     """Write the speculators ``dflash`` folder of a DFlash export into ``out_dir`` (atomically): ``vllm serve OUT``
     reads the verifier from its config. No embedding and no LM head are written (speculators' own DFlash
     checkpoints leave both out; vLLM and speculators take the verifier's)."""
+    from draftsmith.export.dspark import has_dspark_heads, to_speculators_dspark
+
+    if has_dspark_heads(export_dir):  # DSpark-shaped: speculators' dspark type keeps the heads (export/dspark.py)
+        return to_speculators_dspark(export_dir, out_dir, verifier_name_or_path, dtype, architectures, source)
     config, tensors, dropped, written = _converted(export_dir, source, dtype, None)
     archs = architectures or verifier_architectures(verifier_name_or_path, str(config["target"].get("model_type")))
     out_config = speculators_dflash_config(config, verifier_name_or_path, archs, written,

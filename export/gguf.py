@@ -52,7 +52,8 @@ from draftsmith.export.speculators import speculators_config, speculators_tensor
 log = logging.getLogger(__name__)
 
 GGUF_METHODS = ("eagle3", "dflash")  # drafters llama.cpp's --spec-type runs from a converted draftsmith export
-SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}  # llama.cpp's --spec-type of each
+SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash",  # llama.cpp's --spec-type of each
+              "dspark": "draft-dspark"}  # a DFlash export with DSpark heads (converter_input: spec_method)
 DRAFT_FILE = "draft.gguf"
 MANIFEST = "gguf.json"
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K")
@@ -66,8 +67,11 @@ def converter_input(export_dir: str | Path, out_dir: Path, target_dir: str | Pat
         raise ExportError(f"llama.cpp runs EAGLE-3 and DFlash drafters only; {export_dir} is a {method!r} export")
     if method == "dflash":
         from draftsmith.export.dflash import write_zlab
+        from draftsmith.export.dspark import has_dspark_heads, write_deepspec
 
         out_dir.mkdir(parents=True, exist_ok=True)
+        if has_dspark_heads(export_dir):  # DSpark-shaped: llama.cpp's draft-dspark keeps the heads (export/dspark.py)
+            return write_deepspec(export_dir, out_dir, target_dir)
         return write_zlab(export_dir, out_dir)
     config, state = read_export(export_dir)
     arch = config["architecture"]
@@ -173,7 +177,7 @@ def drafter_folder_name(method: str) -> str:
 def gguf_manifest(config: dict[str, Any], files: dict[str, str], source: Path, target_dir: Path) -> dict[str, Any]:
     """``gguf.json``: the files, the target, and the commands that run them: ``run`` with the tool ``make llamacpp``
     builds (``llama-speculative-simple``), ``serve`` for a llama.cpp build with ``llama-server`` (not built here)."""
-    spec_type = SPEC_TYPES[config["method"]]
+    spec_type = SPEC_TYPES[config.get("spec_method", config["method"])]
     flags = f"-m {files['target']} -md {DRAFT_FILE} --spec-type {spec_type}"
     manifest = {"method": config["method"], "converted_from": str(source.resolve()), "files": files,
                 "target": {"folder": str(target_dir), **config["target"]},

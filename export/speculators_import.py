@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 # The inference block of the EAGLE-3 recipe (conf/recipe/eagle3.yaml) that the speculators format does not carry.
 RECIPE_TREE = {"total_tokens": 16, "top_k": 4, "verifier": "greedy"}
 # Flags draftsmith's plain EAGLE-3 layer cannot honour, with the trainer flag that turns each off.
-_UNSUPPORTED_FLAGS = {"norm_before_residual": "--no-norm-before-residual", "norm_before_fc": "--no-norm-before-fc",
-                      "fc_norm": "--no-fc-norm", "norm_output": "--no-norm-output"}
+_UNSUPPORTED_FLAGS = {"norm_before_residual": "train with --no-norm-before-residual",
+                      "norm_before_fc": "train with --no-norm-before-fc", "fc_norm": "train without --fc-norm",
+                      "norm_output": "train with --no-norm-output"}
 _SKIPPED = ("verifier_norm.weight", "verifier_lm_head.weight", "embed_tokens.weight")
 
 
@@ -83,7 +84,7 @@ def verifier_name(config: dict[str, Any]) -> str | None:
 def check_layer(config: dict[str, Any], source: str | Path) -> dict[str, Any]:
     """The draft layer's config, refused in one line when draftsmith's EAGLE-3 layer cannot compute it."""
     layer = config.get("transformer_layer_config") or {}
-    problems = [f"{flag}=true (train with {fix})" for flag, fix in _UNSUPPORTED_FLAGS.items() if config.get(flag)]
+    problems = [f"{flag}=true ({fix})" for flag, fix in _UNSUPPORTED_FLAGS.items() if config.get(flag)]
     if int(layer.get("num_hidden_layers", 1)) != 1:
         problems.append(f"{layer['num_hidden_layers']} draft layers (train with --num-layers 1)")
     if layer.get("model_type", "llama") != "llama":
