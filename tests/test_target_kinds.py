@@ -1,7 +1,7 @@
 """Every runtime target kind behind the one interface (runtime/target/interface.py): the lean Llama decoder, a family
 decoder (Gemma-2), and the transformers fallback on GPT-2 and GPT-NeoX, each through the plain loop and the
-speculative loop (chain and tree) with both LM heads, token-equal to HF greedy ``generate``; and a tiny GPT-2 target
-whose Medusa heads train two steps, export and bench losslessly through the fallback."""
+speculative loop (chain and tree) with both LM heads, token-equal to HF greedy ``generate``; and tiny GPT-2 and
+GPT-NeoX targets whose Medusa heads train two steps, export and bench losslessly through the fallback."""
 
 from __future__ import annotations
 
@@ -103,17 +103,19 @@ def test_plain_and_speculative_loops_equal_hf_greedy_on_every_kind(kind, head):
     assert tree.generate(PROMPT, NEW).tokens == want, name
 
 
-def test_a_gpt2_target_trains_medusa_and_benches_losslessly_through_the_fallback(tmp_path, tiny_tokenizer):
-    """GPT-2 is served by the transformers fallback: two training steps of Medusa heads on it, an export, then the
-    bench (its step-cost curve asks the target for the loop's LM head) with its lossless check against HF."""
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_gpt_neox"])
+def test_a_fallback_target_trains_medusa_and_benches_losslessly(tmp_path, tiny_tokenizer, name):
+    """GPT-2 and GPT-NeoX are served by the transformers fallback: two training steps of Medusa heads on each, an
+    export, then the bench (its step-cost curve asks the target for the loop's LM head) with its lossless check
+    against HF ``generate``."""
     from runtime_exports import medusa_export_for
 
     from draftsmith.bench.prompts import load_prompts
     from draftsmith.bench.run import run_bench
     from draftsmith.runtime.serving import load_runtime
 
-    folder = tmp_path / "gpt2"
-    _hf("hf_gpt2", vocab=len(tiny_tokenizer)).save_pretrained(folder)
+    folder = tmp_path / name
+    _hf(name, vocab=len(tiny_tokenizer)).save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     export, losses = medusa_export_for(folder, tiny_tokenizer, tmp_path / "export", steps=2)
     assert len(losses) == 2 and all(map(torch.isfinite, torch.tensor(losses)))
