@@ -239,17 +239,19 @@ def write_folder(out_dir: str | Path, fill: Callable[[Path], object], kind: Outp
 
 
 def check_file_target(path: str | Path, owned: Callable[[Path], bool] | None = None) -> Path:
-    """Refuse (:class:`OutputRefused`) a ``path`` that is a folder, or an existing file ``owned`` says draftsmith
-    did not write; create its parent folder. Returns it resolved."""
+    """Refuse (:class:`OutputRefused`) a ``path`` that is a folder, an existing file ``owned`` says draftsmith did
+    not write, or one under a folder that cannot be written (its nearest existing ancestor is a file or read-only).
+    Creates nothing, so a writer calls it before its work. Returns ``path`` resolved."""
     out = Path(path).expanduser().resolve()
     if out.is_dir():
         raise OutputRefused(f"{path} is a folder; a file was expected there: nothing was written")
     if out.exists() and owned is not None and not owned(out):
         raise OutputRefused(f"{path} exists and was not written by draftsmith: nothing was replaced; choose another "
                             "name or move it away")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(out.parent, os.W_OK):
-        raise OutputRefused(f"cannot write {path}: its folder {out.parent} is not writable")
+    ancestor = next(p for p in out.parents if p.exists())
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputRefused(f"cannot write {path}: {ancestor} is {'a file' if not ancestor.is_dir() else 'read-only'}; "
+                            "choose another place")
     return out
 
 
@@ -270,6 +272,7 @@ def write_file(path: str | Path, content: str | bytes | Callable[[Path], object]
     temporary and keeps the old file; a full disk raises :class:`DiskFullError` naming ``path``. ``owned``: see
     :func:`check_file_target`. Returns ``path`` resolved."""
     out = check_file_target(path, owned)
+    out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out.parent, f".{out.name}.tmp-*")
     handle, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent)
     os.close(handle)

@@ -201,3 +201,13 @@ def test_docs_and_the_gguf_docstring_name_only_tools_that_are_built():
     assert "llama.cpp: llama-server" not in engines and "Serve with ``llama-server" not in gguf.__doc__
     for text in (engines, gguf.__doc__):  # where llama-server is named, the text says `make llamacpp` builds none
         assert re.search(r"(builds|and) no\s+`+llama-server", " ".join(text.split())), text[:200]
+
+
+def test_an_output_under_a_file_is_refused_before_any_work(tmp_path):
+    from draftsmith.common.atomic_folder import check_file_target
+
+    (tmp_path / "blocker").write_text("a file of the user's")
+    with pytest.raises(OutputRefused, match=f"cannot write .*: {tmp_path / 'blocker'} is a file"):
+        check_file_target(tmp_path / "blocker" / "out" / "bench.json")
+    assert check_file_target(tmp_path / "new" / "bench.json") == tmp_path / "new" / "bench.json"
+    assert not (tmp_path / "new").exists()  # a check creates nothing
