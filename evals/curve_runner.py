@@ -32,7 +32,9 @@ from draftsmith.evals.learning_curve import EvalSettings, evaluate_export
 from draftsmith.runtime.acceptance.cost_model import MachineCosts
 
 CURVE_FILE, RUN_DIR, POINTS_DIR = "curve.json", "run", "points"
-DEFAULT_OVERRIDES = {"optim.scheduler": "constant", "validation.served_tau.every": "0"}
+# The curve evaluates each point itself: training's own end-of-run validation shrinks to one batch, its served-tau
+# probe is off, and the learning rate stays constant after warm-up.
+DEFAULT_OVERRIDES = {"optim.scheduler": "constant", "validation.served_tau.every": "0", "run.final_eval_batches": "1"}
 PROTECTED = ("hydra.run.dir", "trainer.max_steps", "trainer.max_time")  # the curve sets these itself
 
 
