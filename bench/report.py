@@ -112,6 +112,15 @@ def _cost_model_rows(cm: dict[str, Any] | None) -> list[tuple[str, str]]:
     return rows
 
 
+def _run_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """How the run went: its phases and their times, and whether the machine was quiet while timing."""
+    from draftsmith.bench.progress import phases_text
+
+    rows = [("phases run (time each)", phases_text(result["phases"]))] if result.get("phases") else []
+    busy = result.get("contention")
+    return rows + ([("machine while timing", _contention_text(busy))] if busy else [])
+
+
 def _draft_plan_rows(backend: dict[str, Any]) -> list[tuple[str, str]]:
     """What of the draft step runs natively and why not the rest (EAGLE proposers' ``draft_plan``)."""
     plan = backend.get("draft_plan")
@@ -155,9 +164,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         *_parity_rows(result.get("engine_parity")),
     ]
     rows += _cost_model_rows(result.get("cost_model"))
-    busy = result.get("contention")
-    if busy:
-        rows.append(("machine while timing", _contention_text(busy)))
+    rows += _run_rows(result)
     reuse = result.get("verify_reuse")
     if reuse:
         rows.append(("verify compute saved by the shallow cache (Kangaroo)",

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench import contention, floors, quality, served, windows
+from draftsmith.bench import contention, floors, progress, quality, served, windows
 from draftsmith.bench.sweep import sweep_fixed_depths
 from draftsmith.bench.timing import (
     compare_outputs,
@@ -110,59 +110,62 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     on this device, see :func:`hf_fastest_dtype`, which is what ``draftsmith bench`` uses so that "runtime AR vs HF"
     compares against a fair peer; or a dtype name).
 
-    ``lossless``: the result of :func:`lossless_check` when it was run separately (e.g. fp32 while timing bf16);
-    otherwise greedy outputs are compared here, in the timing dtype. Its timed HF run is reused when it ran in the
-    dtype HF is to be timed in (or pass ``hf_result`` from :func:`time_hf_generate` directly).
-
-    ``cost_aware``: before timing, calibrate and apply the fastest draft depth for this machine (plain decoding
-    when speculation is predicted to lose; see :mod:`draftsmith.runtime.acceptance.depth_choice`). ``profile``: time
-    each part of the speculative step in an extra pass. ``sweep_k``: also time every fixed depth K on the same prompts.
-    ``window``: output tokens per window of ``tau_by_window`` (:func:`draftsmith.bench.windows.tau_by_window`).
+    ``lossless``: :func:`lossless_check`'s result when run separately (fp32 while timing bf16; its HF run is reused
+    when in HF's dtype, as is ``hf_result``); else greedy outputs are compared here, in the timing dtype (with the
+    drafter even when plain decoding is served: :func:`draftsmith.bench.served.with_drafter`). ``cost_aware``:
+    calibrate and apply this machine's fastest draft shape first (:mod:`draftsmith.runtime.acceptance.depth_choice`).
+    ``profile``: time each part of a step; ``sweep_k``: also time fixed depths K; ``window``: tokens per window of
+    ``tau_by_window``. Each phase reports progress (:mod:`draftsmith.bench.progress`); ``phases`` holds their times.
     """
-    spec, timing_start = runtime.speculative, contention.snapshot()
-    hf, hf_torch_dtype, hf_reason, lossless = _time_hf(runtime, prompts, max_new_tokens, skip_hf, hf_dtype, lossless,
-                                                       hf_result)
-    hf_same_dtype = hf is not None and hf_torch_dtype == runtime.model.dtype
-    costs, export_proposer = _step_costs(runtime, prompts[0], _loop_context(prompts, max_new_tokens)), spec.proposer
-    cost_model = _apply_cost_aware_depth(runtime, prompts, costs) if cost_aware else None
-    ar, sp, results = _time_ar_and_speculative(runtime, prompts, max_new_tokens)
+    spec, timing_start, phases = runtime.speculative, contention.snapshot(), progress.current()
+    hf, hf_torch_dtype, hf_reason, lossless = phases.run("HF generate baseline", lambda: _time_hf(
+        runtime, prompts, max_new_tokens, skip_hf, hf_dtype, lossless, hf_result), len(prompts))
+    hf_same_dtype, export_proposer = hf is not None and hf_torch_dtype == runtime.model.dtype, spec.proposer
+    costs = phases.run("forward curve (1-16 new tokens)",
+                       lambda: _step_costs(runtime, prompts[0], _loop_context(prompts, max_new_tokens)))
+    cost_model = phases.run("calibration (cost-aware draft shape)",
+                            lambda: _apply_cost_aware_depth(runtime, prompts, costs)) if cost_aware else None
+    ar, sp, results = phases.run("timing: runtime AR vs speculative, interleaved",
+                                 lambda: _time_ar_and_speculative(runtime, prompts, max_new_tokens), len(prompts))
     # was the machine quiet while timing, and how often the decode loops gave up or took back a core
     busy = {**contention.verdict(timing_start, contention.snapshot()), "thread_changes": governor().changes}
-    ar_step = ar["seconds"] / max(1, ar["tokens"])
     steps, tau, by_position, by_window = _pooled_acceptance(results, window, max_new_tokens)
     same_dtype = served.same_dtype_match(runtime, temperature, hf if hf_same_dtype else None, ar, sp)
     # served plain decoding: the check still runs the drafter (the best measured shape, else the export's)
     lossless = lossless if lossless is not None else served.with_drafter(
         runtime, same_dtype, prompts, max_new_tokens, export_proposer, cost_model,
         (hf if hf_same_dtype else ar)["outputs"])
-    agreement = head_agreement(runtime, prompts, ar["outputs"])
-    target_change = _adapted_target_change(runtime, prompts, max_new_tokens, temperature, sp)
-    spec_step = sp["seconds"] / max(1, steps)
-    step_profile = _profile(runtime, prompts, max_new_tokens, export_proposer, cost_model) if profile else None
-    # its own interleaved pass: plain AR, each fixed K and the policy in force, comparable row to row
-    sweep = _fixed_depth_sweep(runtime, prompts, max_new_tokens, sweep_k, export_proposer) if sweep_k else None
-    # a verify model that reuses drafted states (verify forwards that skipped the shallow layers)
-    verify_reuse = spec.model.verify_reuse() if isinstance(spec.model, ReportsVerifyReuse) else None
+    step_profile = phases.run("profile (each part of a step)", lambda: _profile(
+        runtime, prompts, max_new_tokens, export_proposer, cost_model)) if profile else None
+    sweep = phases.run("fixed-depth sweep (its own interleaved pass)", lambda: _fixed_depth_sweep(
+        runtime, prompts, max_new_tokens, sweep_k, export_proposer)) if sweep_k else None
     tps = {"hf_generate": hf["tokens_per_s"] if hf else None, "runtime_ar": ar["tokens_per_s"],
            "speculative": sp["tokens_per_s"]}
     return {
         **_run_settings(runtime, prompts, max_new_tokens, temperature, hf, hf_torch_dtype, hf_reason),
         "tau": tau, "acceptance_by_position": by_position, "tau_by_window": by_window, "tau_window_tokens": window,
-        "head_agreement_top1": agreement, "tokens_per_s": tps,
+        "head_agreement_top1": head_agreement(runtime, prompts, ar["outputs"]), "tokens_per_s": tps,
         "speedup": _speedups(tps, ar, sp, hf),
         "lossless": None if lossless is None else lossless["all_identical"], "lossless_detail": lossless,
-        "same_dtype_match": same_dtype,
-        "runtime_ar_matches_hf": compare_outputs(hf["outputs"], ar["outputs"])["all_identical"] if hf_same_dtype
-        else None,
-        "step_costs": {**costs, "ar_step_ms_in_decode": 1e3 * ar_step, "spec_step_ms_in_decode": 1e3 * spec_step,
-                       "predicted_speedup_tau_x_step_over_verify":
-                           tau * costs["ar_step_ms"] / costs["verify_forward_ms"]},
+        "same_dtype_match": same_dtype, "runtime_ar_matches_hf":
+            compare_outputs(hf["outputs"], ar["outputs"])["all_identical"] if hf_same_dtype else None,
+        "step_costs": _step_cost_fields(costs, ar, sp, steps, tau),
         "tokens": {"hf_generate": hf and hf["tokens"], "runtime_ar": ar["tokens"], "speculative": sp["tokens"]},
-        "threads": torch.get_num_threads(),
-        "cost_model": cost_model, "profile": step_profile, "sweep": sweep, "target_change": target_change,
-        "verify_reuse": verify_reuse, "served_plain": spec.serves_plain_ar(), "contention": busy,
-        "served": served.served_text(runtime, cost_model),
+        "threads": torch.get_num_threads(), "cost_model": cost_model, "profile": step_profile, "sweep": sweep,
+        "target_change": _adapted_target_change(runtime, prompts, max_new_tokens, temperature, sp),
+        # a verify model that reuses drafted states (verify forwards that skipped the shallow layers)
+        "verify_reuse": spec.model.verify_reuse() if isinstance(spec.model, ReportsVerifyReuse) else None,
+        "served_plain": spec.serves_plain_ar(), "contention": busy, "served": served.served_text(runtime, cost_model),
+        "phases": dict(phases.times),
     }
+
+
+def _step_cost_fields(costs: dict[str, Any], ar: dict[str, Any], sp: dict[str, Any], steps: int,
+                      tau: float) -> dict[str, Any]:
+    """bench.json ``step_costs``: the measured forward costs with the loops' own steps and the predicted speedup."""
+    return {**costs, "ar_step_ms_in_decode": 1e3 * ar["seconds"] / max(1, ar["tokens"]),
+            "spec_step_ms_in_decode": 1e3 * sp["seconds"] / max(1, steps),
+            "predicted_speedup_tau_x_step_over_verify": tau * costs["ar_step_ms"] / costs["verify_forward_ms"]}
 
 
 def _profile(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, export_proposer: Any = None,

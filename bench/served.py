@@ -13,10 +13,15 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench import floors
+from draftsmith.bench import floors, progress
 from draftsmith.bench.timing import compare_outputs, time_hf_generate
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.serving import Runtime, load_runtime
+
+
+def _counted(result: Any) -> Any:
+    progress.step()
+    return result
 
 
 def served_text(runtime: Any, cost_model: dict[str, Any] | None) -> str:
@@ -61,8 +66,8 @@ def with_drafter(runtime: Any, same_dtype: dict[str, Any] | None, prompts: list[
     saved = (spec.proposer, spec.stop_policy)
     try:
         label = floors.apply_profiled_shape(spec, export_proposer, cost_model)
-        with torch.inference_mode():
-            results = [spec.generate(p, max_new_tokens, eos_ids=runtime.eos_ids) for p in prompts]
+        with torch.inference_mode(), progress.current().phase("lossless check of the drafter", len(prompts)):
+            results = [_counted(spec.generate(p, max_new_tokens, eos_ids=runtime.eos_ids)) for p in prompts]
     finally:
         spec.proposer, spec.stop_policy = saved
     drafted = [r.tokens for r in results]
@@ -80,10 +85,12 @@ def lossless_check(drafter: str, target: str | None, prompts: list[list[int]], m
     Exactness is checked in fp32: in bf16, verifying a block is not bit-identical to decoding token by token
     (different reduction orders), so near-ties can legitimately flip.
     """
-    runtime = load_runtime(drafter, target, dtype, kernels, "greedy", 0.0, proposer_options=proposer_options,
-                           backend=backend, stop_policy=stop_policy)
-    hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=runtime.model.dtype)
-    results = [runtime.speculative.generate(p, max_new_tokens, eos_ids=runtime.eos_ids) for p in prompts]
+    with progress.current().phase(f"lossless check ({dtype}): load, HF generate, the drafter", 2 * len(prompts)):
+        runtime = load_runtime(drafter, target, dtype, kernels, "greedy", 0.0, proposer_options=proposer_options,
+                               backend=backend, stop_policy=stop_policy)
+        hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=runtime.model.dtype)
+        results = [_counted(runtime.speculative.generate(p, max_new_tokens, eos_ids=runtime.eos_ids))
+                   for p in prompts]
     # "hf" lets run_bench reuse this timed HF run when HF's fastest dtype is the check's dtype (fp32 CPUs).
     return {"dtype": dtype, **compare_outputs(hf["outputs"], [r.tokens for r in results]), "hf": hf,
             "checked": checked_label(runtime), "tau": drafted_tau(results)}

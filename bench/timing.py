@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.bench import progress
 from draftsmith.common.chat import encode_chat
 from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.runtime.decoding.autoregressive import generate_ar
@@ -63,6 +64,7 @@ def time_interleaved(
             dt = time.perf_counter() - t0
             outputs[name].append(list(new))
             per_prompt[name].append({"tokens": len(new), "seconds": dt})
+        progress.step()  # one more prompt for the bench phase running (if any)
     report = {}
     for name in names:
         tokens = sum(p["tokens"] for p in per_prompt[name])

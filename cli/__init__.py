@@ -21,8 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import": ("importing", "import a speculators-format EAGLE-3 checkpoint: draftsmith import CKPT --out DIR"),
     "assets": ("training", "prepare the embedded target, data and prompts; print their counts"),
     "generate": ("serving", "stream a completion (speculative with --drafter, else autoregressive)"),
-    "bench": ("serving", "tau, acceptance, tokens/s and lossless check of an export (with a block-diffusion "
-                         "--target: the Learn2PD bench; with --controller: the adaptive-temperature bench)"),
+    "bench": ("bench_modes", "bench MODE: export (tau, acceptance, tokens/s and lossless check of an export; the "
+                             "default), controller, reward or diffusion; bench MODE --help lists its flags"),
     "regenerate": ("data", "rewrite a chat dataset's assistant turns with the target (self-distilled data for "
                            "data.spec=)"),
     "rollouts": ("data", "sample N responses per prompt with the adaptive-temperature decoder, score them, write "

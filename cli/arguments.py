@@ -137,6 +137,11 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         """Print one line naming the flag and the problem, then exit 2."""
+        homes = getattr(self, "flag_homes", {})  # bench modes: which mode takes a flag this one does not
+        if message.startswith("unrecognized arguments:") and homes:
+            moved = [f"{flag} belongs to `draftsmith bench {homes[flag]}`" for flag in
+                     (t.split("=", 1)[0] for t in message.split(":", 1)[1].split()) if flag in homes]
+            message += "; " + "; ".join(moved) if moved else ""
         text = _ARGUMENT.sub(lambda m: m.group(1) + (" " if message.split(": ", 1)[-1].startswith(
             ("must", "takes", "is ")) else ": "), message)
         print(f"{self.prog}: error: {text} (see {self.prog} --help)", file=sys.stderr)

@@ -42,11 +42,12 @@ def refuse_bad_exports(args: argparse.Namespace) -> None:
 
 
 def check_writable_folder(out: str | Path, flag: str = "--out") -> Path:
-    """Create ``out`` (and its parents) if needed and prove a file can be written there, so a bench that cannot
-    save its results fails before it runs, not after. Returns the folder."""
+    """Prove a file can be written in ``out`` (creating it and its parents for the probe, then removing what the
+    probe created), so a bench that cannot save its results fails before it runs, not after. Returns the folder."""
     folder = Path(out).expanduser()
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{flag} {out} is a file, not a folder: nothing was run; pass a folder (it is created)")
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # the folders the probe creates (deepest first)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         handle, probe = tempfile.mkstemp(prefix=".draftsmith-write-check-", dir=folder)
@@ -55,6 +56,10 @@ def check_writable_folder(out: str | Path, flag: str = "--out") -> Path:
     except OSError as err:
         raise ValueError(f"{flag} {out} cannot be written ({err.strerror or err}): nothing was run; pass a folder "
                          "you can write to") from None
+    finally:
+        for path in made:  # nothing left behind: a bench refused later writes no empty folder
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
     return folder
 
 

@@ -152,8 +152,8 @@ def test_read_config_says_a_file_is_not_an_export_folder(medusa_export):
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_num_prompts_below_one_is_refused_before_loading(capsys, value):
     line = run(capsys, ["bench", "--drafter", "/nonexistent/export", "--num-prompts", value])
-    assert line == (f"draftsmith bench: error: --num-prompts must be >= 1, got {value} (leave it out to use every "
-                    "prompt) (see draftsmith bench --help)")
+    assert line == (f"draftsmith bench export: error: --num-prompts must be >= 1, got {value} (leave it out to use "
+                    "every prompt) (see draftsmith bench export --help)")
 
 
 def test_load_prompts_refuses_a_limit_below_one(tiny_tokenizer):
@@ -167,7 +167,8 @@ def test_load_prompts_refuses_a_limit_below_one(tiny_tokenizer):
 def test_max_new_tokens_below_one_is_refused_before_loading(capsys, command, value):
     extra = ["--prompt", "hi"] if command == "generate" else ["--drafter", "/nonexistent/export"]
     line = run(capsys, [command, *extra, "--target", "/nonexistent/target", "--max-new-tokens", value])
-    assert line == (f"draftsmith {command}: error: --max-new-tokens must be >= 1, got {value} (see draftsmith {command} "
+    prog = "bench export" if command == "bench" else command  # the bench's default mode
+    assert line == (f"draftsmith {prog}: error: --max-new-tokens must be >= 1, got {value} (see draftsmith {prog} "
                     "--help)")
 
 

@@ -37,19 +37,24 @@ def refused(capsys, argv: list[str]) -> str:
     return err.strip()
 
 
+PROG = {"generate": "generate", "bench": "bench export", "regenerate": "regenerate", "reward": "bench reward",
+        "diffusion": "bench diffusion"}  # bench without a mode word: its default mode, export
 BASE = {"generate": ["generate", "--prompt", "hi"], "bench": ["bench", "--drafter", "/nonexistent/export"],
-        "regenerate": ["regenerate", "--out", "/nonexistent/o.jsonl"]}
-# (command, flag, a value out of its range, what the refusal says the range is): every numeric flag of the three
+        "regenerate": ["regenerate", "--out", "/nonexistent/o.jsonl"], "reward": ["bench", "reward"],
+        "diffusion": ["bench", "diffusion", "--target", "/nonexistent/dlm"]}
+# (command or bench mode, flag, a value out of its range, what the refusal says the range is): every numeric flag of
+# generate, regenerate and each bench mode
 OUT_OF_RANGE = [
-    *[(c, "--max-new-tokens", "0", ">= 1") for c in BASE],
+    *[(c, "--max-new-tokens", "0", ">= 1") for c in ("generate", "bench", "regenerate", "reward")],
     *[(c, "--temperature", "-1", ">= 0") for c in BASE],
     *[(c, "--temperature", "inf", ">= 0") for c in BASE],
-    *[(c, "--seed", "-1", ">= 0") for c in BASE],
-    ("bench", "--num-prompts", "0", ">= 1"), ("bench", "--samples-per-prompt", "0", ">= 1"),
-    ("bench", "--overhead-prompts", "-2", ">= 1"), ("bench", "--gen-length", "0", ">= 1"),
-    ("bench", "--steps-per-block", "0", ">= 1"), ("bench", "--threshold", "1.5", "in [0, 1]"),
+    *[(c, "--seed", "-1", ">= 0") for c in ("generate", "bench", "regenerate", "reward")],
+    *[(c, "--num-prompts", "0", ">= 1") for c in ("bench", "reward", "diffusion")],
+    ("reward", "--samples-per-prompt", "0", ">= 1"), ("reward", "--overhead-prompts", "-2", ">= 1"),
+    ("diffusion", "--gen-length", "0", ">= 1"), ("diffusion", "--steps-per-block", "0", ">= 1"),
+    ("diffusion", "--threshold", "1.5", "in (0, 1)"),
     ("bench", "--window", "0", ">= 1"), ("bench", "--parity-chain", "0", ">= 1"),
-    ("bench", "--sweep-k", "1,-2", ">= 0"), ("bench", "--grid", "0,-0.5", ">= 0"),
+    ("bench", "--sweep-k", "1,-2", ">= 0"), ("reward", "--grid", "0,-0.5", ">= 0"),
     ("regenerate", "--limit", "0", ">= 1"), ("regenerate", "--skip", "-1", ">= 0"),
     ("regenerate", "--top-p", "0", "in (0, 1]"), ("regenerate", "--top-p", "1.5", "in (0, 1]"),
     ("regenerate", "--batch-size", "0", ">= 1"),
@@ -60,12 +65,13 @@ OUT_OF_RANGE = [
 def test_every_numeric_flag_is_range_checked_before_anything_loads(capsys, nothing_loads, command, flag, value,
                                                                    bounds):
     line = refused(capsys, [*BASE[command], flag, value])
-    assert line.startswith(f"draftsmith {command}: error: {flag} ") and bounds in line and value in line, line
+    assert line.startswith(f"draftsmith {PROG[command]}: error: {flag} ") and bounds in line and value in line, line
 
 
 def test_a_negative_temperature_is_refused_as_a_temperature_not_by_the_verifier(capsys, nothing_loads):
     line = refused(capsys, ["bench", "--drafter", "/nonexistent/export", "--temperature", "-1"])
-    assert line.startswith("draftsmith bench: error: --temperature must be >= 0, got -1 (the sampling temperature")
+    assert line.startswith("draftsmith bench export: error: --temperature must be >= 0, got -1 (the sampling "
+                           "temperature")
     assert "verifier" not in line and "greedy verifier" not in line
 
 
@@ -78,7 +84,7 @@ def test_a_negative_temperature_is_refused_as_a_temperature_not_by_the_verifier(
 ])
 def test_stop_policies_are_checked_as_they_are_written(capsys, nothing_loads, policy, says):
     line = refused(capsys, ["bench", "--drafter", "/nonexistent/export", "--stop-policy", policy])
-    assert line.startswith("draftsmith bench: error: --stop-policy") and says in line, line
+    assert line.startswith("draftsmith bench export: error: --stop-policy") and says in line, line
 
 
 def test_valid_values_still_parse():
@@ -93,7 +99,7 @@ def test_valid_values_still_parse():
 @pytest.mark.parametrize("command", ["generate", "bench", "regenerate"])
 def test_fp16_is_refused_up_front_with_the_reason(capsys, nothing_loads, command):
     line = refused(capsys, [*BASE[command], "--dtype", "fp16"])
-    assert f"draftsmith {command}: error: --dtype: fp16 is not served: the runtime runs fp32 (exact) or bf16" in line
+    assert f"{PROG[command]}: error: --dtype: fp16 is not served: the runtime runs fp32 (exact) or bf16" in line
     assert "Use --dtype bf16 or fp32" in line and "fingerprint" in line  # why, not the fingerprint mismatch later
 
 
@@ -182,3 +188,23 @@ def test_docs_errors_table_lists_the_serving_cases():
                  "bench.json"):
         assert case in text, case
     json.dumps(text)
+
+
+def test_bench_modes_are_explicit_and_each_help_names_only_its_flags(capsys):
+    from draftsmith.cli import build_parser
+
+    parser = build_parser("bench")
+    for mode, own, foreign in (("export", "--drafter", "--filter"), ("diffusion", "--filter", "--drafter"),
+                               ("reward", "--grid", "--sweep-k"), ("controller", "--controller", "--engine-parity")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", mode, "--help"])
+        text = capsys.readouterr().out
+        assert own in text and foreign not in text, (mode, text)
+    assert parser.parse_args(["bench", "diffusion", "--target", "T"]).bench_mode == "diffusion"
+    # a line without a mode word still runs as before, its mode read off its flags (and named in a note)
+    legacy = parser.parse_args(["bench", "--target", "T", "--filter", "F"])
+    assert legacy.bench_mode == "diffusion" and "draftsmith bench diffusion" in legacy.mode_note
+    assert parser.parse_args(["bench", "--drafter", "X"]).bench_mode == "export"
+    assert parser.parse_args(["bench", "--prompts", "embedded:heldout"]).bench_mode == "reward"
+    line = refused(capsys, ["bench", "controller", "--controller", "C", "--engine-parity"])
+    assert "--engine-parity belongs to `draftsmith bench export`" in line

@@ -148,7 +148,13 @@ def test_bench_writes_the_section_and_its_row(tiny_target_dir, tiny_tokenizer, t
     assert (row["engine"], row["format"], row["chain"], row["prompts"]) == ("llamacpp", "gguf", 3, f"all {prompts}")
     assert row["skipped"].startswith("not built: run `make llamacpp`")
     assert "| engine parity: llamacpp (gguf, chain 3) | skipped: not built" in (tmp_path / "b" / "bench.md").read_text()
+    phases = json.loads((tmp_path / "b" / "bench.json").read_text())["phases"]  # what ran, and how long each took
+    assert {"load target, export and prompts", "engine parity"} <= set(phases) and all(t >= 0 for t in phases.values())
+    assert "| phases run (time each) | load target, export and prompts " in (tmp_path / "b" / "bench.md").read_text()
+    assert "[bench] engine parity..." in capsys.readouterr().err
     assert main(["bench", "--controller", str(export), "--engine-parity"]) == 2
+    assert "--engine-parity belongs to `draftsmith bench export`" in capsys.readouterr().err  # not the controller's
+    assert main(["bench", "--engine-parity"]) == 2
     assert "--engine-parity compares a drafter's tau across engines" in capsys.readouterr().err
     assert main(["bench", "--drafter", str(export), "--engine-parity", "--parity-chain", "0"]) == 2
     assert "--parity-chain must be >= 1, got 0" in capsys.readouterr().err
