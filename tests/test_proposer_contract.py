@@ -89,6 +89,8 @@ def test_unknown_options_are_refused_with_the_valid_ones(medusa_export, tiny_tar
     assert build_proposer(medusa_export, target, top_k=4).tree.top_k == 4
     for method in ("medusa", "medusa2", "hydra", "hydra_pp", "clover2"):  # fixed option lists, checked centrally
         assert registry.builder_options(registry._REGISTRY.get(method)) == ("tree", "top_k")
+    assert registry.builder_options(lambda export_dir, config, target, **_: None) == ()  # ignores all: refuses all
+    assert registry.builder_options(lambda export_dir, config, target, **options: None) is None  # checks its own
 
 
 def test_a_builder_must_return_a_declared_proposer(tmp_path, tiny_target_dir):

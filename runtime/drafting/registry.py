@@ -122,9 +122,9 @@ def chain_options(export_dir: str | Path, tokens: int) -> dict[str, Any]:
 
 def builder_options(builder: ProposerBuilder) -> tuple[str, ...] | None:
     """The option names a builder takes after ``(export_dir, config, target_model)``; None when it takes any
-    (``**options``: it checks them itself)."""
+    (``**options``: it checks them itself). A ``**_`` catch-all ignores what it is given, so it adds no valid name."""
     params = list(inspect.signature(builder).parameters.values())[3:]
-    if any(p.kind is p.VAR_KEYWORD for p in params):
+    if any(p.kind is p.VAR_KEYWORD and not p.name.startswith("_") for p in params):
         return None
     return tuple(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
 
