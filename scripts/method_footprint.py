@@ -92,8 +92,7 @@ def registrations(root: Path = ROOT) -> dict[str, dict[str, list[str]]]:
 
 def room_of(path: str) -> str:
     """A file's room: its top folder (``runtime/drafting/eagle.py`` is ``runtime``), or the file at the top level."""
-    parts = Path(path).parts
-    return parts[0] if len(parts) > 1 else parts[0]
+    return Path(path).parts[0]
 
 
 def _existing(root: Path, path: str) -> list[str]:

@@ -6,6 +6,7 @@ it regenerates."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -47,11 +48,12 @@ def repository_roots() -> set[str]:
 
 
 def named_paths(span: str, roots: set[str]) -> list[str]:
-    """Words of a code span that read as a repository path: they start with a top-level folder or file and name no
-    placeholder (``runtime/target/model.py``, ``tests/``, ``Makefile``, ``docs/ENGINES.md``)."""
+    """Words of a code span that read as a repository path: they start with a top-level folder or file, name no
+    placeholder, and end in a file suffix or a slash, or are the whole span (``runtime/target/model.py``, ``tests/``,
+    ``Makefile``, ``tests/unit``; not ``bench/generate`` in ``draftsmith bench/generate --drafter``)."""
     words = [w.strip("(),;:'\"").removeprefix("./").split("::")[0] for w in span.split()]
-    return [w for w in words if w and not PLACEHOLDER.search(w) and "=" not in w and
-            Path(w).parts and Path(w).parts[0] in roots and ("/" in w or "." in w or w in roots)]
+    return [w for w in words if w and not PLACEHOLDER.search(w) and "=" not in w and Path(w).parts
+            and Path(w).parts[0] in roots and (Path(w).suffix or w.endswith("/") or w == span.strip())]
 
 
 def makefile_targets() -> set[str]:
@@ -126,6 +128,9 @@ def test_a_stale_part_is_seen():
     assert mt.stale(without_row) == ["modules"]
     owned = "".join(line for line in doc.splitlines(keepends=True) if not line.startswith("| `heads/hydra.py`"))
     assert mt.stale(owned) == []  # a method's own file may wait for the next --write
+    new_method = "".join(line for line in doc.splitlines(keepends=True) if not line.startswith("| `hydra_pp` |"))
+    assert mt.stale(new_method) == []  # and so may a new method's footprint row
+    assert mt.stale(doc.replace("| `hydra_pp` | 4 |", "| `hydra_pp` | 5 |")) == ["footprint"]
     assert mt.stale(doc.replace("| `engine-check` |", "| `engine-checks` |")) == ["commands"]
 
 
@@ -195,6 +200,12 @@ def test_adding_the_toy_method_touches_its_own_files_and_one_row(tmp_path):
         if (ROOT / rel).is_file():
             (repo / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, repo / rel)
+    package = tmp_path / "site"  # `import draftsmith` must load the copy, not the installed checkout
+    package.mkdir()
+    (package / "draftsmith").symlink_to(repo, target_is_directory=True)
+    env = {**os.environ, "PYTHONPATH": str(package)}
+    # the copy's generated tables brought up to date first: the check is about what the toy changes
+    subprocess.run([sys.executable, "scripts/module_table.py", "--write"], cwd=repo, env=env, check=True)
     git = ["git", "-c", "user.name=toy", "-c", "user.email=toy@example.invalid"]
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
         subprocess.run([*git, *args], cwd=repo, check=True, capture_output=True)
@@ -205,15 +216,11 @@ def test_adding_the_toy_method_touches_its_own_files_and_one_row(tmp_path):
     diff = subprocess.run([*git, "diff", "--numstat", "--", "common/methods.py"], cwd=repo, capture_output=True,
                           text=True, check=True).stdout.split()
     assert diff[:2] == [str(ROW.count("\n")), "0"], diff  # one row added (two lines of code), nothing removed
-    package = tmp_path / "site"  # `import draftsmith` must load the copy, not the installed checkout
-    package.mkdir()
-    (package / "draftsmith").symlink_to(repo, target_is_directory=True)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-m", "not e2e and not integration",
          "-k", "not trains_exports_and_drafts and not every_collected_test",  # training; collecting all of tests/
          *[c for c in CHECKS if (repo / c).is_file()], TOY_TEST],
-        cwd=repo, capture_output=True, text=True, timeout=900,
-        env={**__import__("os").environ, "PYTHONPATH": str(package)})
+        cwd=repo, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, ("with only the toy's files and one METHODS row added, a check fails (a list that "
                                   f"a new method must edit?):\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
     assert "`echo`" in subprocess.run([sys.executable, "scripts/method_footprint.py"], cwd=repo, text=True,
