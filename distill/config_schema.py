@@ -106,7 +106,7 @@ class DataConfig:
     val_fraction: float = key("share of conversations held out for validation", ge=0, lt=1)
     num_workers: int = key("DataLoader worker processes", ge=0)
     features: str | None = key("a `draftsmith cache-features` folder: train from cached target features",
-                                  null="run the target")
+                               null="run the target")
 
 
 @dataclass

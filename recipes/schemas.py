@@ -42,8 +42,8 @@ class MedusaHeads:
     num_heads: int = key("draft heads (head k predicts token t+k+2)", ge=1)
     num_layers: int = key("residual blocks per head", ge=1)
     share_lm_head: bool = key("reuse the frozen target LM head instead of one copy per head")
-    draft_vocab_size: int | None = key("heads score only the N most frequent assistant tokens", ge=1,
-                                          null="the whole vocabulary")
+    draft_vocab_size: int | None = key("heads score only the N most frequent assistant tokens", ge=0,
+                                       null="0 or null: the whole vocabulary")
     vocab_samples: int | None = key("training conversations scanned for token counts", ge=1, null="all")
     decay: float = key("weight of head k: decay^(k+1)", gt=0, le=1)
     topk_metric: int = key("k of the logged top-k accuracy", ge=1)
@@ -120,7 +120,7 @@ class EagleNoise:
     kind: str = key("uniform: U(-scale, scale) per element | none", choices=("uniform", "none"))
     scale: float = key("the noise's half-width", ge=0)
     ref_len: int | None = key("scale * ref_len / T for padded width T (EAGLE's code: 512)", ge=1,
-                                 null="independent of the batch shape")
+                              null="independent of the batch shape")
 
 
 @dataclass
@@ -129,7 +129,7 @@ class EagleDrafter:
     token_weight: float = key("p_w: weight of the token loss", ge=0)
     noise: EagleNoise = group(EagleNoise)
     noise_std: float | None = key("older form of noise: (U(0,1) - 0.5) * noise_std * noise_ref_len / T", None,
-                                     ge=0, null="use drafter.noise")
+                                  ge=0, null="use drafter.noise")
     noise_ref_len: int | None = key("older form of noise: see noise_std", None, ge=1, null="no length scaling")
     topk_metric: int = key("k of the logged top-k accuracy", ge=1)
 
@@ -144,7 +144,7 @@ class Eagle(TrainConfig):
 @dataclass
 class Eagle3Drafter:
     target_layers: list[int] | None = key("HF hidden_states indices fused", null="(2, L//2, L-3)")
-    draft_vocab_size: int | None = key("reduced draft vocabulary", ge=0, null="0: the full vocabulary")
+    draft_vocab_size: int | None = key("reduced draft vocabulary", ge=0, null="0 or null: the full vocabulary")
     vocab_samples: int | None = key("training conversations scanned for token frequencies", ge=1, null="all")
     init_lm_head_from_target: bool = key("initialise the draft LM head from the target's rows")
     ttt_steps: int = key("training-time-test steps unrolled (the paper: 7)", ge=1)
