@@ -66,14 +66,19 @@ class Progress:
 
         ticker = threading.Thread(target=tick, name="bench-progress", daemon=True)
         ticker.start()
+        ended = "done"
         try:
             yield
+        except BaseException:
+            ended = "stopped"  # an error or Ctrl-C: its own line follows
+            raise
         finally:
             stop.set()
             ticker.join()
             spent = time.perf_counter() - self._start
             self.times[name] = round(self.times.get(name, 0.0) + spent, 2)
-            self.log(f"[bench] {name}: done in {format_duration(spent)}")
+            self.log(f"[bench] {name}: {ended} after {format_duration(spent)}" if ended != "done" else
+                     f"[bench] {name}: done in {format_duration(spent)}")
             with self._lock:
                 self._name, self._total = None, None
 
