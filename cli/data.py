@@ -67,7 +67,7 @@ def _trajectories_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=COUNT, default=None, help="first N prompts")
     p.add_argument("--gen-length", type=COUNT, default=256)
     p.add_argument("--steps-per-block", type=COUNT, default=None, help="default: the block length (1 token/step)")
-    p.add_argument("--dtype", default="fp32", type=served_dtype, help="fp32 | bf16")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=COUNT, default=None, help="torch CPU threads")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a target whose modelling code ships with its weights (LLaDA, Dream) to run it")
