@@ -72,10 +72,8 @@ def noise_from_config(d: Any) -> FeatureNoise:
             raise ConfigError(f"drafter.noise_std must be >= 0, got {std}")
         ref_len = d.get("noise_ref_len")
         return FeatureNoise("uniform" if std > 0 else "none", std / 2, int(ref_len) if ref_len else None)
-    noise = d.get("noise") or {}
-    ref_len = noise.get("ref_len")
-    return FeatureNoise(str(noise.get("kind", "uniform")), float(noise.get("scale", 0.1)),
-                        int(ref_len) if ref_len else None)
+    noise = d.noise
+    return FeatureNoise(str(noise.kind), float(noise.scale), int(noise.ref_len) if noise.ref_len else None)
 
 
 def eagle_inference_defaults(cfg_inference: Any) -> dict[str, Any]:
