@@ -59,9 +59,8 @@ def bench_export(args: argparse.Namespace, rt: Any, prompts: list[list[int]],
     sweep = [int(k) for k in args.sweep_k.split(",") if k.strip()] if args.sweep_k else None  # checked >= 0
     result = run_bench(rt, prompts, args.max_new_tokens, skip_hf=args.skip_hf, temperature=args.temperature,
                        lossless=lossless, hf_dtype=args.hf_dtype, cost_aware=args.stop_policy == "auto",
-                       profile=args.profile, sweep_k=sweep, window=args.window)
-    if args.lossless_dtype == "none":
-        result["lossless"] = None
+                       profile=args.profile, sweep_k=sweep, window=args.window,
+                       check_lossless=args.lossless_dtype != "none")
     _additions(args, rt, prompts, result, parity_runner)
     result["phases"] = dict(progress.current().times)  # every phase, the load and the additions included
     print(markdown_table(result))

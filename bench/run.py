@@ -102,7 +102,7 @@ def head_agreement(runtime: Runtime, prompts: list[list[int]], continuations: li
 def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, skip_hf: bool = False,
               temperature: float = 0.0, lossless: dict[str, Any] | None = None,
               hf_dtype: str = "same", hf_result: dict[str, Any] | None = None, cost_aware: bool = False,
-              profile: bool = False, sweep_k: list[int] | None = None,
+              profile: bool = False, sweep_k: list[int] | None = None, check_lossless: bool = True,
               window: int = windows.DEFAULT_WINDOW) -> dict[str, Any]:
     """Time HF generate, runtime AR and speculative decoding on the same prompts.
 
@@ -114,9 +114,8 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     when in HF's dtype, as is ``hf_result``); else greedy outputs are compared here, in the timing dtype (with the
     drafter even when plain decoding is served: :func:`draftsmith.bench.served.with_drafter`). ``cost_aware``:
     calibrate and apply this machine's fastest draft shape first (:mod:`draftsmith.runtime.acceptance.depth_choice`).
-    ``profile``: time each part of a step; ``sweep_k``: also time fixed depths K; ``window``: tokens per window of
-    ``tau_by_window``. Each phase reports progress (:mod:`draftsmith.bench.progress`); ``phases`` holds their times.
-    """
+    ``check_lossless=False``: no such check. ``profile``: time each part of a step; ``sweep_k``: also time fixed
+    depths K; ``window``: tokens per window of ``tau_by_window``. Phases report progress (:mod:`.progress`)."""
     spec, timing_start, phases = runtime.speculative, contention.snapshot(), progress.current()
     hf, hf_torch_dtype, hf_reason, lossless = phases.run("HF generate baseline", lambda: _time_hf(
         runtime, prompts, max_new_tokens, skip_hf, hf_dtype, lossless, hf_result), len(prompts))
@@ -132,7 +131,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     steps, tau, by_position, by_window = _pooled_acceptance(results, window, max_new_tokens)
     same_dtype = served.same_dtype_match(runtime, temperature, hf if hf_same_dtype else None, ar, sp)
     # served plain decoding: the check still runs the drafter (the best measured shape, else the export's)
-    lossless = lossless if lossless is not None else served.with_drafter(
+    lossless = lossless if lossless is not None or not check_lossless else served.with_drafter(
         runtime, same_dtype, prompts, max_new_tokens, export_proposer, cost_model,
         (hf if hf_same_dtype else ar)["outputs"])
     step_profile = phases.run("profile (each part of a step)", lambda: _profile(
