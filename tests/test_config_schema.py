@@ -150,6 +150,22 @@ def test_an_empty_data_folder_is_one_line_naming_what_it_must_hold(tmp_path):
             load_conversations(str(folder))
 
 
+def test_train_py_with_an_empty_data_folder_prints_one_line(tmp_path, monkeypatch, capsys, tiny_target_dir):
+    empty = tmp_path / "chats"
+    empty.mkdir()
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "argv", ["train.py", "recipe=medusa", f"target={tiny_target_dir}", f"data={empty}",
+                                      "target.dtype=fp32", f"hydra.run.dir={tmp_path / 'run'}",
+                                      "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as ended:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    needs = ("a data folder must contain .jsonl, .json or .parquet files of chat conversations (ShareGPT "
+             "'conversations' or OpenAI 'messages' records), or be a folder written by Dataset.save_to_disk")
+    assert ended.value.code == 1 and errors == [f"error: data folder {empty} holds no data files: {needs}"], errors
+
+
 def fake_checkpoint(recipe: str, config: dict, state: dict[str, torch.Tensor]) -> dict:
     return {"state_dict": state, "draftsmith": {"recipe": recipe, "config": config}}
 
