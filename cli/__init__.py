@@ -71,7 +71,10 @@ def interrupted_line(command: str, argv: Sequence[str], args: argparse.Namespace
     kept = None
     if args is not None and command in COMMANDS:
         describe = getattr(command_module(command), "KEPT", {}).get(command)
-        kept = describe(args) if describe is not None else None
+        try:
+            kept = describe(args) if describe is not None else None
+        except (OSError, AttributeError, ValueError):  # the line must come out even if what was kept cannot be read
+            kept = None
     rerun = "draftsmith " + shlex.join(argv)
     return (f"draftsmith {command}: interrupted (Ctrl-C): {kept or 'nothing was written'}; "
             f"{'resume' if kept and 'resum' in kept else 'rerun'} with: {rerun}")
