@@ -187,11 +187,11 @@ def chosen_recipe(overrides: list[str]) -> str | None:
 
 
 def plain_overrides(argv: list[str]) -> list[str] | None:
-    """The overrides of a single run (``--cfg job`` / ``--resolve`` dropped); None for a sweep (``-m``) or another
-    Hydra flag, which Hydra handles itself."""
+    """The overrides of a run or a sweep (``--cfg job``, ``--resolve``, ``-m`` dropped); None for another Hydra
+    flag, which Hydra handles itself."""
     out, skip = [], False
     for arg in argv:
-        if skip or arg == "--resolve":
+        if skip or arg in ("--resolve", "-m", "--multirun"):
             skip = False
             continue
         if arg in ("--cfg", "-c"):
@@ -201,6 +201,21 @@ def plain_overrides(argv: list[str]) -> list[str] | None:
         else:
             out.append(arg)
     return out
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]] | None:
+    """The override lists that check a sweep: every value of ``key=a,b`` once, the other keys at their first value
+    (one list for a single run); None for a sweep Hydra expands itself (``range(...)``, quotes)."""
+    keys, choices = [], []
+    for arg in overrides:
+        key, sep, value = arg.partition("=")
+        whole = value[:1] in ("[", "{") and value[-1:] in ("]", "}")  # a list or dict value, not a sweep
+        if "," in value and not whole and any(c in value for c in "()[]{}'\""):
+            return None
+        keys.append(f"{key}{sep}")
+        choices.append([value] if whole or not sep else value.split(","))
+    first = [k + c[0] for k, c in zip(keys, choices)]
+    return [first] + [first[:i] + [keys[i] + v] + first[i + 1:] for i, c in enumerate(choices) for v in c[1:]]
 
 
 def compose_overrides(overrides: list[str]) -> DictConfig:
@@ -239,20 +254,22 @@ def composition_message(err: BaseException, overrides: list[str]) -> str:
 
 def preflight(argv: list[str]) -> str | None:
     """The one-line error for a command line whose config does not compose, names a key its recipe's schema lacks
-    or a value outside its declared range; None when it is fine (or a sweep, which Hydra composes per job)."""
+    or a value outside its declared range (for a sweep, in any of its jobs); None when it is fine."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from draftsmith.distill.config_checks import schema_problems
 
     overrides = plain_overrides(argv)
-    if overrides is None:
-        return None
-    try:
-        cfg = compose_overrides(overrides)
-    except (HydraException, OmegaConfBaseException) as err:
-        return composition_message(err, overrides)
-    return "; ".join(schema_problems(cfg)) or None
+    jobs = sweep_jobs(overrides) if overrides is not None else None
+    for job in jobs or []:
+        try:
+            cfg = compose_overrides(job)
+        except (HydraException, OmegaConfBaseException) as err:
+            return composition_message(err, job)
+        if problems := schema_problems(cfg):
+            return "; ".join(problems)
+    return None
 
 
 def help_text(argv: list[str], prog: str) -> str:

@@ -89,6 +89,21 @@ def test_out_of_range_values_are_one_line_before_anything_loads(override, expect
     assert code == 1 and len(lines) == 1 and lines[0].startswith(expected), err
 
 
+def test_a_sweep_is_checked_job_by_job_before_hydra_starts(tmp_path, monkeypatch, capsys):
+    from draftsmith.train import sweep_jobs
+
+    assert sweep_jobs(["recipe=medusa,hydra", "drafter.target_layers=[1,2,3]", "optim.lr=1e-3,2e-3"]) == [
+        ["recipe=medusa", "drafter.target_layers=[1,2,3]", "optim.lr=1e-3"],
+        ["recipe=hydra", "drafter.target_layers=[1,2,3]", "optim.lr=1e-3"],
+        ["recipe=medusa", "drafter.target_layers=[1,2,3]", "optim.lr=2e-3"]]
+    assert sweep_jobs(["optim.lr=range(1,3)"]) is None  # Hydra's own sweep syntax: Hydra expands it
+    for sweep, expected in ((["heads.num_heads=2,0"], "error: heads.num_heads=0 is out of range: allowed >= 1"),
+                            (["heads.num_head=2,3"], "error: heads.num_head is not a key of recipe=medusa; did you")):
+        code, _, err = run_train_py(["-m", "recipe=medusa", *sweep], tmp_path, monkeypatch, capsys)
+        lines = error_lines(err)
+        assert code == 1 and len(lines) == 1 and lines[0].startswith(expected), err
+
+
 def test_null_limit_means_all_and_passes():
     from draftsmith.distill.config_checks import schema_problems
 
