@@ -24,7 +24,8 @@ Three stages, each into ``--out``:
    ``--on-missing raise`` (the default asks a vLLM server for missing hidden states), ``--num-workers 0``; and the
    draft layer draftsmith's runtime computes: ``--no-norm-before-residual --no-norm-before-fc --no-norm-output
    --full-attention-indices 0`` (the trainer's eagle3 defaults are the EAGLE 3.1 variant, which
-   ``draftsmith import`` refuses with the flag to change).
+   ``draftsmith import`` refuses with the flag to change). Its provenance patch file is turned off: the venv sits
+   inside draftsmith's clone, so speculators would copy the clone's uncommitted diff into the output.
 3. ``export/``: the last epoch's checkpoint imported (``export/speculators_import.py``) against ``--target``.
 
 ``peer.json`` records the sizes, the trainer command line and the seconds of each stage.
@@ -61,8 +62,13 @@ Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r[
                    "seq_len": [len(r["input_ids"]) for r in rows]}).with_format("torch").save_to_disk(str(data))
 
 import speculators.train.trainer as trainer_module
+import speculators.train.utils as train_utils
 from speculators.train.cli import main
 from speculators.train.config import TrainConfig
+
+# The venv sits inside draftsmith's clone: speculators' provenance would take it for its own repository and copy the
+# clone's uncommitted diff into the output (speculators.patch). Not its repository: no patch file.
+train_utils.find_repo_root = lambda start: None
 
 if torch.accelerator.current_accelerator() is None:
     cpu = torch.device("cpu")

@@ -66,6 +66,7 @@ def test_speculators_trainer_runs_on_cpu_and_its_checkpoint_serves(tmp_path, tin
                         "--timeout", "900"])
     assert report["data"]["tokens"] >= 600 and json.loads((tmp_path / "peer" / "peer.json").read_text()) == report
     checkpoint = Path(report["checkpoint"])
+    assert not (checkpoint.parent / "speculators.patch").exists()  # no copy of the clone's uncommitted diff
     saved = load_file(checkpoint / "model.safetensors")  # what the real trainer wrote
     config, state = read_export(report["export"])
     assert config["architecture"]["target_layers"] == [1, 2, 3] and config["architecture"]["draft_vocab_size"] == 16
