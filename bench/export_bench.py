@@ -63,6 +63,7 @@ def bench_export(args: argparse.Namespace, rt: Any, prompts: list[list[int]],
                        check_lossless=args.lossless_dtype != "none")
     _additions(args, rt, prompts, result, parity_runner)
     result["phases"] = dict(progress.current().times)  # every phase, the load and the additions included
+    progress.current().remember()  # the next bench's ETAs for the phases that count nothing
     print(markdown_table(result))
     if args.out:
         out = write_outputs(result, args.out)

@@ -1,6 +1,7 @@
 """What the bench is doing, said while it does it: a line when a phase starts, one at least every :data:`EVERY_S`
-seconds while it runs (prompts done of the total and an ETA where the phase counts them), one when it ends; the
-phase times go into bench.json (``phases``) and the table.
+seconds while it runs (prompts done of the total and an ETA where the phase counts them; for a phase that counts
+nothing, loading or calibration, the ETA is the time it took in the last bench of the same kind), one when it ends;
+the phase times go into bench.json (``phases``) and the table.
 
 One :class:`Progress` per bench (:func:`start` makes it, :func:`current` finds it); the timers in
 :mod:`draftsmith.bench.timing` call :func:`step` after each prompt, which counts for whatever phase is open (none
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from draftsmith.common.durations import eta_seconds, format_duration
@@ -34,6 +36,8 @@ class Progress:
     log: Callable[[str], None] = _stderr
     every_s: float = EVERY_S
     times: dict[str, float] = field(default_factory=dict)
+    expected: dict[str, float] = field(default_factory=dict)  # each phase's time in the last bench of the same kind
+    key: str | None = None  # what "the same kind" is (:func:`start`)
     _name: str | None = None
     _total: int | None = None
     _done: int = 0
@@ -49,7 +53,27 @@ class Progress:
                 left = eta_seconds(self._done, self._total, spent)
                 text += (f", {self._done}/{self._total} prompts done, eta "
                          f"{format_duration(left) if left is not None else 'after the first prompt'}")
+            elif self._name in self.expected:  # uncounted (loading, calibration): the last bench's time says
+                before = self.expected[self._name]
+                text += (f", eta {format_duration(before - spent)} (it took {format_duration(before)} last time)"
+                         if before > spent else f", longer than last time ({format_duration(before)})")
             return text
+
+    def remember(self) -> None:
+        """Keep this bench's phase times as the next one's estimates (beside the measured costs, per ``key``)."""
+        if self.key is None:
+            return
+        import json
+
+        from draftsmith.common.atomic_folder import write_file
+
+        path = history_file()
+        try:
+            history = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            history = {}  # a damaged history only costs the estimates
+        history[self.key] = self.times
+        write_file(path, json.dumps(history, indent=1) + "\n")
 
     @contextmanager
     def phase(self, name: str, total: int | None = None) -> Iterator[None]:
@@ -97,10 +121,26 @@ class Progress:
 _CURRENT = Progress()
 
 
-def start(log: Callable[[str], None] = _stderr, every_s: float = EVERY_S) -> Progress:
-    """A fresh :class:`Progress` for a new bench, made current."""
+def history_file() -> Path:
+    """Where phase times are kept for the next bench's ETAs: beside the measured costs (``DRAFTSMITH_COST_CACHE``)."""
+    from draftsmith.runtime.acceptance.cost_model import cache_dir
+
+    return Path(cache_dir()) / "bench_phases.json"
+
+
+def start(log: Callable[[str], None] = _stderr, every_s: float = EVERY_S, key: str | None = None) -> Progress:
+    """A fresh :class:`Progress` for a new bench, made current; with ``key`` (the bench's kind: mode, target, export)
+    the phases that count nothing get an ETA from the last bench of that key (:meth:`Progress.remember`)."""
+    import json
+
     global _CURRENT
-    _CURRENT = Progress(log=log, every_s=every_s)
+    expected: dict[str, float] = {}
+    if key is not None and history_file().is_file():
+        try:
+            expected = dict(json.loads(history_file().read_text()).get(key) or {})
+        except (OSError, ValueError, AttributeError):
+            expected = {}
+    _CURRENT = Progress(log=log, every_s=every_s, expected=expected, key=key)
     return _CURRENT
 
 

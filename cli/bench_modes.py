@@ -179,7 +179,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Run the bench mode the command line named (or :func:`legacy_mode` read off it)."""
     from draftsmith.bench import progress
 
-    progress.start()
+    progress.start(key="|".join(str(getattr(args, k, None)) for k in ("bench_mode", "target", "drafter")))
     if getattr(args, "out", None):
         check_writable_folder(args.out)  # before the bench, not after it
     code = MODES[args.bench_mode].run(args)

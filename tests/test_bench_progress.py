@@ -46,3 +46,18 @@ def test_the_table_lists_the_phases_and_their_times():
     text = progress.phases_text({"load target, export and prompts": 12.34, "calibration": 75.0})
     assert text == "load target, export and prompts 12.3s; calibration 1m15s (total 1m27s)"
     assert progress.phases_text(None) == "n/a"
+
+
+def test_a_phase_that_counts_nothing_gets_its_eta_from_the_last_bench_of_the_same_kind(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path))
+    first = progress.start(log=lambda line: None, every_s=60, key="export|T|X")
+    with first.phase("calibration (cost-aware draft shape)"):
+        assert "eta" not in first.line()  # nothing to go by yet
+    first.times["calibration (cost-aware draft shape)"] = 600.0  # as if it had taken ten minutes
+    first.remember()
+    again = progress.start(log=lambda line: None, every_s=60, key="export|T|X")
+    with again.phase("calibration (cost-aware draft shape)"):
+        assert ", eta " in again.line() and "(it took 10m00s last time)" in again.line()
+    other = progress.start(log=lambda line: None, every_s=60, key="export|T|Y")  # another export: no estimate
+    with other.phase("calibration (cost-aware draft shape)"):
+        assert "eta" not in other.line()
