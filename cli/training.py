@@ -30,22 +30,29 @@ def compose_config(overrides: Sequence[str]):
 
 def _cmd_bench_train(argv: Sequence[str]) -> int:
     """``draftsmith bench-train recipe=NAME [overrides] [--steps N] [--out FILE.json]``."""
+    import sys
     from pathlib import Path
 
     from draftsmith import recipes
     from draftsmith.distill.bench_train import bench_train
+    from draftsmith.distill.errors import ConfigError
 
     parser = argparse.ArgumentParser(prog="draftsmith bench-train")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=None)
     opts, overrides = parser.parse_known_args(argv)
-    from draftsmith.distill.config_checks import check_schema
-    from draftsmith.train import expand_shorthands
+    from draftsmith.train import expand_shorthands, preflight, purposeful_errors
 
-    cfg = compose_config(expand_shorthands(overrides))
-    check_schema(cfg)  # unknown keys and out-of-range values, before the target loads
-    result = bench_train(cfg, recipes.get_recipe(cfg.recipe.name), steps=opts.steps, warmup=opts.warmup)
+    overrides = expand_shorthands(overrides)
+    try:
+        if (problem := preflight(overrides)) is not None:  # typos, types, ranges: before the target loads
+            raise ConfigError(problem)
+        cfg = compose_config(overrides)
+        result = bench_train(cfg, recipes.get_recipe(cfg.recipe.name), steps=opts.steps, warmup=opts.warmup)
+    except purposeful_errors() as err:
+        print(f"draftsmith bench-train: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
     text = json.dumps(result, indent=2)
     print(text)
     if opts.out:
@@ -62,9 +69,9 @@ def _cmd_cache_features(argv: list[str]) -> int:
     import argparse
 
     from draftsmith import recipes
-    from draftsmith.distill.config_checks import check_schema
+    from draftsmith.distill.errors import ConfigError
     from draftsmith.distill.feature_cache import build_cache
-    from draftsmith.train import expand_shorthands, purposeful_errors, report_error
+    from draftsmith.train import expand_shorthands, preflight, purposeful_errors, report_error
 
     parser = argparse.ArgumentParser(prog="draftsmith cache-features")
     parser.add_argument("--out", required=True, help="cache folder (a re-run resumes there)")
@@ -73,8 +80,9 @@ def _cmd_cache_features(argv: list[str]) -> int:
     opts, overrides = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if (problem := preflight(expand_shorthands(overrides))) is not None:  # typos, types, ranges: before loading
+            raise ConfigError(problem)
         cfg = compose_config(expand_shorthands(overrides))
-        check_schema(cfg)  # unknown keys and out-of-range values, before the target loads
         manifest = build_cache(cfg, recipes.get_recipe(cfg.recipe.name), opts.out, dtype=opts.dtype,
                                shard_bytes=int(opts.shard_mb * 1e6))
     except purposeful_errors() as err:

@@ -104,6 +104,17 @@ def test_a_sweep_is_checked_job_by_job_before_hydra_starts(tmp_path, monkeypatch
         assert code == 1 and len(lines) == 1 and lines[0].startswith(expected), err
 
 
+def test_bench_train_refuses_a_typo_in_one_line_before_loading(capsys, monkeypatch):
+    from draftsmith.cli.training import _cmd_bench_train
+    from draftsmith.distill import bench_train
+
+    monkeypatch.setattr(bench_train, "bench_train", lambda *a, **k: pytest.fail("must not start"))
+    assert _cmd_bench_train(["recipe=medusa", "heads.num_head=2", "--steps", "1"]) == 1
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("draftsmith bench-train: error: heads.num_head is not a key of "
+                                                   "recipe=medusa; did you mean heads.num_heads?"), lines
+
+
 def test_null_limit_means_all_and_passes():
     from draftsmith.distill.config_checks import schema_problems
 
