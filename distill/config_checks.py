@@ -82,10 +82,12 @@ def value_problem(path: str, value: Any, meta: dict[str, Any]) -> str | None:
     if "choices" in meta:
         text = ("true" if value else "false") if isinstance(value, bool) else str(value).lower()
         bad = bad or text not in meta["choices"]
-    for item in values:
-        if any(name in meta for name, _, _ in _BOUNDS):
+    for item in values if any(name in meta for name, _, _ in _BOUNDS) else []:
+        try:
             number = float(item)
-            bad = bad or not math.isfinite(number) or not all(ok(number, meta[n]) for n, _, ok in _BOUNDS if n in meta)
+        except (TypeError, ValueError):  # text where a number belongs (an untyped key)
+            number = math.nan
+        bad = bad or not math.isfinite(number) or not all(ok(number, meta[n]) for n, _, ok in _BOUNDS if n in meta)
     if not bad:
         return None
     shown = list(values) if isinstance(value, (list, tuple)) else value
