@@ -25,6 +25,21 @@ def tokens_per_cpu_hour(points: list[dict[str, Any]]) -> float | None:
     return last["tokens"] / last["cpu_hours"]
 
 
+def with_cost_aware(data: dict[str, Any]) -> dict[str, Any]:
+    """Every point's ``cost_aware`` shape (tau, predicted speedup) from the curve's costs, the same costs for every
+    point (points evaluated before any costs, or recorded without a shape table, get none)."""
+    from draftsmith.evals.curve_runner import costs_of
+    from draftsmith.evals.learning_curve import cost_aware
+
+    costs = costs_of(data)
+    for p in data["points"]:
+        for name in prompt_sets(data):
+            record = p["eval"][name]
+            if costs is not None and record.get("shapes") and "node_counts" in record["shapes"][0]:
+                record["cost_aware"] = cost_aware(record["shapes"], costs)
+    return data
+
+
 def fits(data: dict[str, Any]) -> dict[str, Any]:
     """Per prompt set: the first-position acceptance fit and its forecast for that set's target."""
     points = [p for p in data["points"] if p.get("tokens")]
@@ -48,13 +63,22 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def _costs_note(data: dict[str, Any]) -> str:
+    kept = data.get("costs_contention") or {}
+    if data.get("costs") is None:
+        return "none measured yet"
+    if kept.get("contended"):
+        return f"timed while other processes used {kept.get('others_cpu_share', 0):.0%} of the CPUs: contended"
+    return "timed on a quiet machine"
+
+
 def markdown(data: dict[str, Any], fit_block: dict[str, Any]) -> str:
     """The curve as a markdown table (one row per point and prompt set) plus the fit's forecast."""
     lines = [f"# Learning curve: {' '.join(data['overrides'])}", "",
              f"Machine: {data['machine']['cpu']}, {data['machine']['cores']} cores. Held-out prompts: "
              f"{data['settings']['prompts']} x {data['settings']['max_new_tokens']} new tokens, greedy, the runtime's "
              "own loop. Acceptance at depths 1-4 is per position given the earlier ones were accepted; "
-             "speedups are predicted from step costs measured once (see curve.json `costs`).", "",
+             f"speedups are predicted from one set of step costs ({_costs_note(data)}).", "",
              "| steps | tokens | CPU-h | prompts | first-position | per position d1-d4 | in draft vocab "
              "| cost-aware shape | tau | predicted speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in data["points"]:
@@ -123,7 +147,7 @@ def write_report(curve_dir: str | Path, data: dict[str, Any]) -> dict[str, Any]:
 
     curve_dir = Path(curve_dir)
     block = fits(data)
-    data = {**data, "fit": block}
+    data = {**with_cost_aware(data), "fit": block}
     write_json(curve_dir / CURVE_FILE, data)
     (curve_dir / "curve.md").write_text(markdown(data, block))
     if data["points"]:

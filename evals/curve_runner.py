@@ -120,7 +120,7 @@ class Curve:
         self.path = self.out / CURVE_FILE
         fresh = {"format": "draftsmith-curve", "version": 1, "overrides": list(overrides), "plan": plan,
                  "settings": json.loads(json.dumps(asdict(settings))),  # tuples as lists, as curve.json reads back
-                 "costs": None, "machine": machine(), "points": []}
+                 "costs": None, "costs_contention": None, "machine": machine(), "points": []}
         if self.path.is_file():
             self.data = json.loads(self.path.read_text())
             for key in ("overrides", "plan", "settings"):
@@ -137,16 +137,27 @@ class Curve:
         return next((p for p in self.data["points"] if p["steps"] == steps), None)
 
     def costs(self) -> MachineCosts | None:
-        """The step costs measured at the first point (None before it)."""
-        c = self.data.get("costs")
-        return None if c is None else MachineCosts(**{**c, "verify_ms": {int(k): v for k, v in c["verify_ms"].items()}})
+        """The step costs the curve predicts speedups with (None before the first measurement)."""
+        return costs_of(self.data)
 
-    def add(self, point: dict[str, Any], costs: MachineCosts | None) -> None:
-        """Record a finished point (and the costs, the first time) atomically."""
-        if costs is not None and self.data.get("costs") is None:
-            self.data["costs"] = asdict(costs)
+    def wants_costs(self) -> bool:
+        """Whether the next evaluation should measure the step costs: none yet, or only contended ones."""
+        kept = self.data.get("costs_contention")
+        return self.data.get("costs") is None or bool(kept and kept.get("contended"))
+
+    def add(self, point: dict[str, Any], measured: dict[str, Any] | None) -> None:
+        """Record a finished point atomically, and measured costs when they are the first or replace contended ones
+        with quiet ones (costs timed beside other processes predict nothing about this machine)."""
+        if measured is not None and (self.data.get("costs") is None or not measured["contention"]["contended"]):
+            self.data["costs"], self.data["costs_contention"] = measured["costs"], measured["contention"]
         self.data["points"] = sorted([*self.data["points"], point], key=lambda p: p["steps"])
         write_json(self.path, self.data)
+
+
+def costs_of(data: dict[str, Any]) -> MachineCosts | None:
+    """The :class:`MachineCosts` a curve.json holds (None when none were measured)."""
+    c = data.get("costs")
+    return None if c is None else MachineCosts(**{**c, "verify_ms": {int(k): v for k, v in c["verify_ms"].items()}})
 
 
 def machine() -> dict[str, Any]:
@@ -157,7 +168,7 @@ def machine() -> dict[str, Any]:
 
 
 def run_point(curve: Curve, overrides: Sequence[str], steps: int, runner: Callable[[list[str]], int],
-              evaluate: Callable[..., tuple[dict[str, Any], MachineCosts | None]] = evaluate_export) -> dict:
+              evaluate: Callable[..., tuple[dict[str, Any], dict | None]] = evaluate_export) -> dict:
     """Train to ``steps`` (unless its export is already kept), evaluate it and record the point."""
     point_dir = curve.out / POINTS_DIR / f"step{steps}"
     export = point_dir / "export"
@@ -171,18 +182,18 @@ def run_point(curve: Curve, overrides: Sequence[str], steps: int, runner: Callab
         write_json(meta_path, {"steps": steps, "segment_seconds": seconds, "train_seconds_total": total,
                                "tokens": tokens_seen(curve.out / RUN_DIR)})
     meta = json.loads(meta_path.read_text())
-    evaluation, costs = evaluate(str(export), curve.settings, costs=curve.costs(), measure=True)
+    evaluation, measured = evaluate(str(export), curve.settings, measure=curve.wants_costs())
     cores = curve.data["machine"]["cores"] or 1
     point = {"steps": steps, "tokens": meta["tokens"], "train_seconds_total": meta["train_seconds_total"],
              "cpu_hours": meta["train_seconds_total"] * cores / 3600.0, "export": str(export.relative_to(curve.out)),
              "eval": evaluation}
-    curve.add(point, costs)
+    curve.add(point, measured)
     return point
 
 
 def run_curve(out: str | Path, user_overrides: Sequence[str], plan: list[int], settings: EvalSettings,
               runner: Callable[[list[str]], int] = subprocess_train,
-              evaluate: Callable[..., tuple[dict[str, Any], MachineCosts | None]] = evaluate_export,
+              evaluate: Callable[..., tuple[dict[str, Any], dict | None]] = evaluate_export,
               say: Callable[[str], None] = print) -> Curve:
     """Run (or resume) the curve in ``out``: every planned point trained, exported and evaluated, in order."""
     overrides = training_overrides(user_overrides)

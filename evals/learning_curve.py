@@ -9,11 +9,11 @@ accepted (:class:`~draftsmith.runtime.acceptance.shapes.RecordedStep`). From tho
   accepted); entry 0 is the *first-position acceptance* (how often the drafter's first guess is the target's token);
 - ``conditional_acceptance``: entry d-1 = P(position d accepted | positions 1..d-1 accepted), the per-position
   acceptance the issue's 0.7 target is about (entry 0 equals the first-position acceptance);
-- ``shapes``: tokens per step of every candidate shape and, with the machine's step costs
-  (:func:`measure_costs`, measured once per curve), the predicted speedup over plain decoding; ``cost_aware`` is the
-  shape the runtime's cost model would serve (plain decoding when nothing beats it) with its tau.
+- ``shapes``: tokens per step and verified nodes of every candidate shape; with the machine's step costs
+  (:func:`measure_costs`, kept once per curve and preferably quiet) :func:`cost_aware` gives the shape the runtime's
+  cost model would serve (plain decoding when nothing beats it), its tau and predicted speedup.
 
-Speedups are predictions from costs measured once per curve (so the points differ by acceptance alone); the bench
+Speedups are predictions from one set of costs for every point (so the points differ by acceptance alone); the bench
 times them (``draftsmith bench``).
 """
 
@@ -29,7 +29,7 @@ import torch
 
 from draftsmith.bench.prompts import load_prompts
 from draftsmith.runtime.acceptance import shapes
-from draftsmith.runtime.acceptance.cost_model import MachineCosts, anchor_curve, predict_shapes
+from draftsmith.runtime.acceptance.cost_model import MachineCosts, anchor_curve
 from draftsmith.runtime.acceptance.depth_choice import StepRecorder, decode_step_ms, forward_curve, loop_head
 from draftsmith.runtime.decoding.profile import StepProfiler
 from draftsmith.runtime.decoding.prompt_limits import context_limit
@@ -105,20 +105,41 @@ def measure_costs(runtime: Any, prompts: Sequence[list[int]]) -> MachineCosts:
     return MachineCosts(ar_ms, curve, draft_ms / max(mean_depth, 1.0), rest)
 
 
-def summarize(steps: Sequence[shapes.RecordedStep], base: Any, costs: MachineCosts | None) -> dict[str, Any]:
-    """The point's record for one prompt set (see the module docstring)."""
+def shape_table(steps: Sequence[shapes.RecordedStep], base: Any) -> list[dict[str, Any]]:
+    """Every candidate shape's tokens per step and verified nodes on the recorded ``steps`` (no costs needed): the
+    nodes as a histogram, so a prediction from any machine's costs is exact (:func:`cost_aware`)."""
+    rows = []
+    for shape in shapes.candidates(base):
+        got = [shapes.accepted_length(step, shape, shapes.static_paths_of(base, shape)) for step in steps]
+        nodes: dict[str, int] = {}
+        for _, n in got:
+            nodes[str(n)] = nodes.get(str(n), 0) + 1
+        rows.append({"shape": shape.label, "depth": shape.depth, "tokens": 1.0 + sum(a for a, _ in got) / len(got),
+                     "nodes": sum(n for _, n in got) / len(got), "node_counts": nodes})
+    return rows
+
+
+def cost_aware(table: Sequence[dict[str, Any]], costs: MachineCosts) -> dict[str, Any]:
+    """The shape the runtime's cost model would serve (predicted speedup over plain decoding, plain included): step =
+    mean verify of the nodes verified + drafting and overhead, as :func:`cost_model.predict_shapes` predicts it."""
+    best = {"shape": shapes.PLAIN.label, "tau": 1.0, "predicted_speedup": 1.0}
+    for row in table:
+        count = sum(row["node_counts"].values())
+        verify = sum(costs.verify_at(int(n)) * c for n, c in row["node_counts"].items()) / count
+        speedup = row["tokens"] / (verify + costs.rest_ms(int(row["depth"]), row["nodes"])) * costs.ar_step_ms
+        if speedup > best["predicted_speedup"]:
+            best = {"shape": row["shape"], "tau": row["tokens"], "predicted_speedup": speedup}
+    return best
+
+
+def summarize(steps: Sequence[shapes.RecordedStep], base: Any) -> dict[str, Any]:
+    """The point's record for one prompt set (see the module docstring); ``cost_aware`` is added from the curve's
+    costs when it is reported."""
     cumulative = chain_acceptance(steps)
-    record: dict[str, Any] = {
-        "verify_steps": len(steps), "first_position_acceptance": cumulative[0], "chain_acceptance": cumulative,
-        "conditional_acceptance": conditional(cumulative),
-        "chain_tau": {f"chain:{d}": 1.0 + sum(cumulative[:d]) for d in range(1, CHAIN_DEPTH + 1)}}
-    if costs is not None:
-        table = predict_shapes(steps, shapes.candidates(base), costs, lambda s: shapes.static_paths_of(base, s))
-        best = table[0]
-        record["cost_aware"] = {"shape": best["shape"], "tau": best["tokens"],
-                                "predicted_speedup": best["predicted_speedup"]}
-        record["shapes"] = [{k: r[k] for k in ("shape", "tokens", "nodes", "predicted_speedup")} for r in table[:12]]
-    return record
+    return {"verify_steps": len(steps), "first_position_acceptance": cumulative[0], "chain_acceptance": cumulative,
+            "conditional_acceptance": conditional(cumulative),
+            "chain_tau": {f"chain:{d}": 1.0 + sum(cumulative[:d]) for d in range(1, CHAIN_DEPTH + 1)},
+            "shapes": shape_table(steps, base)}
 
 
 def draft_vocabulary(export_dir: str) -> set[int] | None:
@@ -148,22 +169,29 @@ def coverage(results: Sequence[Any], vocabulary: set[int] | None) -> float | Non
     return sum(t in vocabulary for t in tokens) / len(tokens) if tokens else None
 
 
-def evaluate_export(export_dir: str, settings: EvalSettings, costs: MachineCosts | None = None,
-                    measure: bool = False) -> tuple[dict[str, Any], MachineCosts | None]:
-    """Evaluate ``export_dir`` on every prompt set of ``settings``: ({prompt set: record}, costs). With ``measure``
-    and no ``costs``, the step costs are measured here first (on the first prompt set) and returned for reuse."""
+def evaluate_export(export_dir: str, settings: EvalSettings, measure: bool = False,
+                    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Evaluate ``export_dir`` on every prompt set of ``settings``: ({prompt set: record}, measured costs). With
+    ``measure``, this machine's step costs are measured first (on the first prompt set) and returned with the
+    contention verdict of the interval (:func:`draftsmith.bench.contention.verdict`): costs timed while other
+    processes ran are marked, and the curve replaces them with quiet ones when it can."""
+    from draftsmith.bench.contention import snapshot, verdict
+
     start = time.perf_counter()
     runtime = load_runtime(export_dir, settings.target, dtype=settings.dtype, verifier="greedy", temperature=0.0)
     spec = runtime.speculative
     out: dict[str, Any] = {"settings": asdict(settings)}
     vocabulary = draft_vocabulary(export_dir)
+    measured = None
     for name in settings.prompt_sets:
         prompts = load_prompts(name, runtime.tokenizer, int(settings.prompts), max_len=context_limit(runtime.model))
-        if costs is None and measure:
+        if measure and measured is None:
+            before = snapshot()
             costs = measure_costs(runtime, prompts)
+            measured = {"costs": asdict(costs), "contention": verdict(before, snapshot())}
         recorder, _, results = record_steps(spec, prompts, int(settings.max_new_tokens), runtime.eos_ids)
-        out[name] = {**summarize(recorder.steps, spec.proposer, costs),
+        out[name] = {**summarize(recorder.steps, spec.proposer),
                      "generated_tokens": sum(len(r.tokens) for r in results),
                      "draft_vocab_coverage": coverage(results, vocabulary)}
     out["seconds"] = round(time.perf_counter() - start, 1)
-    return out, costs
+    return out, measured

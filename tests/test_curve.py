@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,12 @@ from draftsmith.evals.learning_curve import (
     EvalSettings,
     chain_acceptance,
     conditional,
+    cost_aware,
     coverage,
     draft_vocabulary,
     evaluate_export,
 )
+from draftsmith.runtime.acceptance.cost_model import MachineCosts
 from draftsmith.runtime.acceptance.shapes import RecordedStep
 
 pytestmark = pytest.mark.unit
@@ -85,13 +88,25 @@ class FakeTraining:
         return 0
 
 
-def fake_evaluate(export: str, settings, costs=None, measure=False):
+MEASURED: list[bool] = []
+
+
+def fake_evaluate(export: str, settings, measure=False):
+    """Acceptance rising with the step count; costs 'measured' contended at the first point, quiet later."""
     steps = json.loads((Path(export) / "config.json").read_text())["steps"]
     first = 0.8 - 2.0 * (steps * 1000) ** -0.3
     chain = [first, first * 0.7, first * 0.5, first * 0.3]
+    table = [{"shape": "chain:1", "depth": 1, "tokens": 1 + first, "nodes": 2.0, "node_counts": {"2": 10}}]
     record = {"first_position_acceptance": first, "chain_acceptance": chain, "conditional_acceptance":
-              conditional(chain), "cost_aware": {"shape": "chain:2", "tau": 1 + first, "predicted_speedup": 1.1}}
-    return {name: record for name in settings.prompt_sets}, costs
+              conditional(chain), "shapes": table}
+    measured = None
+    if measure:
+        MEASURED.append(True)
+        busy = len(MEASURED) == 1
+        verify = 50.0 if busy else 12.0  # contended costs make a 2-node verify look dearer than it is
+        measured = {"costs": asdict(MachineCosts(10.0, {1: 10.0, 2: verify}, 0.5, 0.2)),
+                    "contention": {"contended": busy, "others_cpu_share": 0.6 if busy else 0.0}}
+    return {name: record for name in settings.prompt_sets}, measured
 
 
 def test_an_interrupted_curve_resumes_without_redoing_finished_points(tmp_path):
@@ -110,8 +125,16 @@ def test_an_interrupted_curve_resumes_without_redoing_finished_points(tmp_path):
                       say=lambda s: None)
     assert second.calls == [100, 300]  # the kept points were neither retrained nor re-evaluated
     assert [p["tokens"] for p in curve.data["points"]] == [10_000, 30_000, 100_000, 300_000]
+    assert len(MEASURED) == 2  # contended costs at the first point, measured again (quiet) at the next, then kept
+    assert not curve.data["costs_contention"]["contended"]
     block = write_report(tmp_path, curve.data)
     assert block["mtbench"]["fit"]["ceiling"] == pytest.approx(0.8, abs=0.02)
+    reported = json.loads((tmp_path / "curve.json").read_text())["points"]
+    for p in reported:  # every point predicted with the same (quiet) costs: 2-node verify 12 ms + 0.5 + 0.2
+        first = p["eval"]["mtbench"]["first_position_acceptance"]
+        speedup = (1 + first) / (12.0 + 0.5 + 0.2) * 10.0
+        expected = "chain:1" if speedup > 1 else "plain"
+        assert p["eval"]["mtbench"]["cost_aware"]["shape"] == expected
     assert (tmp_path / "curve.png").stat().st_size > 1000
     table = (tmp_path / "curve.md").read_text()
     assert "| 300 | 300,000 |" in table and "first-position" in table
@@ -142,15 +165,18 @@ def test_the_curve_refuses_keys_it_sets_itself_and_a_missing_recipe(tmp_path):
 def test_evaluating_a_tiny_export_records_acceptance_by_position_and_a_cost_aware_shape(tmp_path, medusa_export):
     prompts = write_heldout_prompts(tmp_path / "heldout.jsonl", count=2)
     settings = EvalSettings(prompt_sets=(str(prompts),), prompts=2, max_new_tokens=24, dtype="fp32")
-    result, costs = evaluate_export(str(medusa_export), settings, measure=True)
+    result, measured = evaluate_export(str(medusa_export), settings, measure=True)
     record = result[str(prompts)]
-    assert costs is not None and costs.ar_step_ms > 0
+    assert measured is not None and measured["costs"]["ar_step_ms"] > 0 and "contended" in measured["contention"]
     assert record["verify_steps"] > 0 and record["generated_tokens"] > 0
     cumulative = record["chain_acceptance"]
     assert len(cumulative) == 4 and all(a >= b for a, b in zip(cumulative, cumulative[1:]))
     assert record["first_position_acceptance"] == cumulative[0]
     assert record["chain_tau"]["chain:1"] == pytest.approx(1 + cumulative[0])
-    aware = record["cost_aware"]
+    costs = MachineCosts(**{**measured["costs"]})
+    aware = cost_aware(record["shapes"], costs)
+    labels = {r["shape"] for r in record["shapes"]}
+    assert {"chain:1", "chain:2"} <= labels  # 2 heads: chains of 1 and 2 and aware["shape"] in labels | {"plain"}
     assert aware["predicted_speedup"] >= 1.0  # plain decoding (1.0) is always a candidate
     assert math.isfinite(aware["tau"]) and aware["tau"] >= 1.0
 
