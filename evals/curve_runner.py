@@ -12,6 +12,8 @@ Training runs as ``draftsmith train`` subprocesses with ``trainer.max_steps`` ra
 from ``run/checkpoints/last.ckpt``. The learning rate is constant after warm-up (``optim.scheduler=constant`` unless
 the overrides name one) so that a point's weights do not depend on where the curve ends. A killed segment resumes
 from its last checkpoint; a point whose export exists but was not evaluated is evaluated; a finished point is kept.
+CPU-hours are the CPU time the training processes used (``getrusage`` of the children), not wall time x cores, so a
+segment that shared the machine is billed for its own work only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -96,15 +99,23 @@ def copy_export(source: Path, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
-def train_to(out: Path, overrides: Sequence[str], steps: int, runner: Callable[[list[str]], int]) -> float:
-    """Train (or resume) ``out/run`` until ``steps``; the wall seconds it took."""
+def children_cpu_seconds() -> float:
+    """CPU seconds (user + system) used so far by this process's finished children (the training segments)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def train_to(out: Path, overrides: Sequence[str], steps: int, runner: Callable[[list[str]], int],
+             ) -> tuple[float, float]:
+    """Train (or resume) ``out/run`` until ``steps``: (wall seconds, CPU seconds) it took. CPU seconds are what the
+    training process itself used, so a segment that shared the machine is not billed for the others' time."""
     argv = [*overrides, f"hydra.run.dir={out / RUN_DIR}", f"trainer.max_steps={steps}"]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), children_cpu_seconds()
     code = runner(argv)
     if code != 0:
         raise CurveError(f"training segment to step {steps} failed (exit {code}); fix the error above and re-run the "
                          "same `draftsmith curve` command: it resumes from the last checkpoint")
-    return time.perf_counter() - start
+    return time.perf_counter() - start, children_cpu_seconds() - cpu
 
 
 def subprocess_train(argv: list[str]) -> int:
@@ -174,19 +185,23 @@ def run_point(curve: Curve, overrides: Sequence[str], steps: int, runner: Callab
     export = point_dir / "export"
     meta_path = point_dir / "training.json"
     if not (export / "config.json").is_file() or not meta_path.is_file():
-        seconds = train_to(curve.out, overrides, steps, runner)
+        seconds, cpu = train_to(curve.out, overrides, steps, runner)
         point_dir.mkdir(parents=True, exist_ok=True)
         copy_export(curve.out / RUN_DIR / "export", export)
         before = [p for p in curve.data["points"] if p["steps"] < steps]
-        total = seconds + (before[-1]["train_seconds_total"] if before else 0.0)
-        write_json(meta_path, {"steps": steps, "segment_seconds": seconds, "train_seconds_total": total,
+        write_json(meta_path, {"steps": steps, "segment_seconds": seconds, "segment_cpu_seconds": cpu,
+                               "train_seconds_total": seconds + (before[-1]["train_seconds_total"] if before else 0.0),
+                               "train_cpu_seconds_total": cpu + (before[-1].get("train_cpu_seconds_total") or 0.0
+                                                                 if before else 0.0),
                                "tokens": tokens_seen(curve.out / RUN_DIR)})
     meta = json.loads(meta_path.read_text())
     evaluation, measured = evaluate(str(export), curve.settings, measure=curve.wants_costs())
     cores = curve.data["machine"]["cores"] or 1
+    cpu_total = meta.get("train_cpu_seconds_total")  # absent in folders written before it was measured
     point = {"steps": steps, "tokens": meta["tokens"], "train_seconds_total": meta["train_seconds_total"],
-             "cpu_hours": meta["train_seconds_total"] * cores / 3600.0, "export": str(export.relative_to(curve.out)),
-             "eval": evaluation}
+             "train_cpu_seconds_total": cpu_total,
+             "cpu_hours": (cpu_total if cpu_total else meta["train_seconds_total"] * cores) / 3600.0,
+             "export": str(export.relative_to(curve.out)), "eval": evaluation}
     curve.add(point, measured)
     return point
 
