@@ -17,6 +17,31 @@ def prompt_sets(data: dict[str, Any]) -> list[str]:
     return list(data["settings"]["prompt_sets"])
 
 
+def settle_cpu_hours(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each point's cumulative training CPU-hours from the segments' measured CPU time (``train_cpu_seconds_total``
+    differences); a segment without a CPU measurement (folders written before it existed) is estimated at the
+    measured segments' CPU seconds per token and marked ``cpu_hours_estimated``. Points without any measured segment
+    keep their wall-clock figure."""
+    measured: dict[int, float] = {}  # steps -> that segment's CPU seconds
+    before_total = None
+    for p in points:
+        total = p.get("train_cpu_seconds_total")
+        if total:
+            measured[p["steps"]] = total - (before_total or 0.0)
+        before_total = total
+    segments = [(p["tokens"] - (points[i - 1]["tokens"] if i else 0), measured.get(p["steps"]))
+                for i, p in enumerate(points)]
+    known = [(t, c) for t, c in segments if c is not None and t and t > 0]
+    if not known:
+        return points
+    per_token = sum(c for _, c in known) / sum(t for t, _ in known)
+    running, out = 0.0, []
+    for p, (tokens, cpu) in zip(points, segments):
+        running += cpu if cpu is not None else per_token * (tokens or 0)
+        out.append({**p, "cpu_hours": running / 3600.0, "cpu_hours_estimated": cpu is None})
+    return out
+
+
 def tokens_per_cpu_hour(points: list[dict[str, Any]]) -> float | None:
     """Training tokens per CPU-hour over the whole run so far (the last point's totals)."""
     last = points[-1] if points else None
@@ -77,7 +102,8 @@ def markdown(data: dict[str, Any], fit_block: dict[str, Any]) -> str:
     lines = [f"# Learning curve: {' '.join(data['overrides'])}", "",
              f"Machine: {data['machine']['cpu']}, {data['machine']['cores']} cores. Held-out prompts: "
              f"{data['settings']['prompts']} x {data['settings']['max_new_tokens']} new tokens, greedy, the runtime's "
-             "own loop. Acceptance at depths 1-4 is per position given the earlier ones were accepted; "
+             "own loop. CPU-h: the training processes' own CPU time (~: estimated at the measured segments' rate). "
+             "Acceptance at depths 1-4 is per position given the earlier ones were accepted; "
              f"speedups are predicted from one set of step costs ({_costs_note(data)}).", "",
              "| steps | tokens | CPU-h | prompts | first-position | per position d1-d4 | in draft vocab "
              "| cost-aware shape | tau | predicted speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -85,7 +111,8 @@ def markdown(data: dict[str, Any], fit_block: dict[str, Any]) -> str:
         for name in prompt_sets(data):
             e = p["eval"][name]
             aware = e.get("cost_aware") or {}
-            lines.append(f"| {p['steps']} | {_fmt(p['tokens'])} | {_fmt(p['cpu_hours'], 2)} | {name} | "
+            hours = _fmt(p["cpu_hours"], 2) + ("~" if p.get("cpu_hours_estimated") else "")
+            lines.append(f"| {p['steps']} | {_fmt(p['tokens'])} | {hours} | {name} | "
                          f"{_fmt(e['first_position_acceptance'])} | "
                          f"{' / '.join(f'{a:.2f}' for a in e['conditional_acceptance'])} | "
                          f"{_fmt(e.get('draft_vocab_coverage'))} | "
@@ -146,6 +173,7 @@ def write_report(curve_dir: str | Path, data: dict[str, Any]) -> dict[str, Any]:
     from draftsmith.evals.curve_runner import CURVE_FILE, write_json
 
     curve_dir = Path(curve_dir)
+    data = {**data, "points": settle_cpu_hours(data["points"])}
     block = fits(data)
     data = {**with_cost_aware(data), "fit": block}
     write_json(curve_dir / CURVE_FILE, data)

@@ -15,7 +15,7 @@ import pytest
 from pattern_target import write_heldout_prompts
 
 from draftsmith.evals.curve_fit import fit_curve
-from draftsmith.evals.curve_report import compare, write_report
+from draftsmith.evals.curve_report import compare, settle_cpu_hours, write_report
 from draftsmith.evals.curve_runner import CurveError, log_spaced_steps, run_curve
 from draftsmith.evals.learning_curve import (
     EvalSettings,
@@ -193,3 +193,12 @@ def test_draft_vocabulary_coverage_counts_tokens_the_drafter_cannot_draft(tmp_pa
     results = [SpecResult([0, 5, 7, 10], 4, [0] * 4, []), SpecResult([3], 1, [0], [])]
     assert coverage(results, vocab) == pytest.approx(3 / 5)
     assert coverage(results, None) is None
+
+
+def test_cpu_hours_come_from_measured_segments_and_estimate_the_unmeasured_ones():
+    points = [{"steps": 10, "tokens": 1000, "cpu_hours": 9.0},  # wall-clock only (contended, written before)
+              {"steps": 20, "tokens": 3000, "train_cpu_seconds_total": 200.0},  # its segment alone: 2000 tokens
+              {"steps": 40, "tokens": 7000, "train_cpu_seconds_total": 600.0}]  # + 400 s for 4000 tokens
+    settled = settle_cpu_hours(points)
+    assert [p["cpu_hours_estimated"] for p in settled] == [True, False, False]
+    assert [round(p["cpu_hours"] * 3600) for p in settled] == [100, 300, 700]  # 0.1 s a token for the first
