@@ -94,9 +94,10 @@ def test_conditions_are_cached_and_resampled_when_the_layer_changes(setup, tmp_p
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["bench", "--controller", "a,b", "--prompts", "mtbench"], "compared on a reward task only"),
-    (["bench", "--controller", "a", "--drafter", "d", "--prompts", "embedded:heldout"], "not --drafter"),
-    (["bench", "--prompts", "embedded:heldout", "--grid", "0,-1"], "finite and >= 0"),
+    (["bench", "--controller", "a,b", "--prompts", "mtbench"], "are compared by the reward bench"),
+    (["bench", "--controller", "a", "--drafter", "d", "--prompts", "embedded:heldout"],
+     "--drafter belongs to `draftsmith bench controller`"),
+    (["bench", "--prompts", "embedded:heldout", "--grid", "0,-1"], "has one that must be >= 0"),
 ])
 def test_bench_refuses_mixed_modes(argv, message, capsys):
     from draftsmith.cli import main
