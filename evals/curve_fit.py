@@ -60,7 +60,8 @@ def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float
 
 
 def fit_curve(tokens: Sequence[float], acceptance: Sequence[float]) -> CurveFit | None:
-    """The best saturating power law through ``(tokens, acceptance)``; None for fewer than 3 points with t > 0."""
+    """The best saturating power law through ``(tokens, acceptance)`` whose ceiling is at most 1; None for fewer than
+    3 points with t > 0, or when every exponent puts the ceiling above 1 (points still on the steep early part)."""
     pairs = [(float(t), float(a)) for t, a in zip(tokens, acceptance) if t > 0]
     if len(pairs) < 3:
         return None
@@ -69,6 +70,8 @@ def fit_curve(tokens: Sequence[float], acceptance: Sequence[float]) -> CurveFit 
         xs = [t ** (-c) for t, _ in pairs]
         ceiling, slope, sse = _line(xs, [a for _, a in pairs])
         fit = CurveFit(ceiling, -slope, c, math.sqrt(sse / len(pairs)), len(pairs))
+        if ceiling > 1.0:  # an acceptance rate cannot rise past 1: too few points to place the ceiling
+            continue
         if best is None or fit.rmse < best.rmse - 1e-12:
             best = fit
     return best
@@ -78,7 +81,8 @@ def forecast(fit: CurveFit | None, targets: dict[str, float], tokens_per_cpu_hou
     """The fit's parameters, where it flattens and, per named target, the tokens (and CPU-hours at the measured
     training rate) it would take, or why it cannot be reached with this recipe."""
     if fit is None:
-        return {"fit": None, "why": "fewer than 3 evaluated points"}
+        return {"fit": None, "why": "fewer than 3 evaluated points, or every fit puts the ceiling above 1 (the points "
+                                    "are still on the steep early part: train longer)"}
 
     def hours(tokens: float | None) -> float | None:
         return None if tokens is None or not tokens_per_cpu_hour else tokens / tokens_per_cpu_hour

@@ -53,6 +53,8 @@ def test_fit_recovers_a_known_curve_and_forecasts_the_tokens_of_a_target():
     flat = fit.flattens_at
     assert flat is not None and fit.at(2 * flat) - fit.at(flat) == pytest.approx(0.01, rel=0.1)
     assert fit_curve(tokens[:2], truth[:2]) is None
+    steep = [0.1 * math.log(t) - 0.9 for t in tokens]  # still rising in log: the fit never places a ceiling above 1
+    assert (fit_curve(tokens, steep) or fit).ceiling <= 1.0
 
 
 def _step(accepted_depth: int, depth: int = 4) -> RecordedStep:
