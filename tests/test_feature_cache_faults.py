@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from test_feature_cache import overrides  # the same tiny EAGLE-3 cache settings
 
 from draftsmith.cli.training import compose_config
 from draftsmith.distill.cached_features import open_cache
@@ -23,12 +24,6 @@ from draftsmith.recipes import get_recipe
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_BYTES = 60_000
-
-
-def overrides(target_dir: Path, data_file: Path, *extra: str) -> list[str]:
-    return ["recipe=eagle3", f"target.name_or_path={target_dir}", "target.dtype=fp32", f"data.spec={data_file}",
-            "data.limit=null", "data.max_length=48", "data.batch_size=4", "data.val_fraction=0.1",
-            "drafter.target_layers=[1,2,3]", "drafter.draft_vocab_size=40", *extra]
 
 
 @pytest.fixture(autouse=True)

@@ -50,7 +50,7 @@ def test_peer_data_matches_speculators_format(tmp_path, tiny_tokenizer):
         torch.testing.assert_close(hs["hidden_states"][:, k], out.hidden_states[layer][0])
     last = target.model.model.norm  # HF's last hidden_states entry is after the final norm; ours is before it
     torch.testing.assert_close(last(hs["hidden_states"][:, 3]), out.hidden_states[-1][0], atol=1e-5, rtol=1e-5)
-    freq = torch.load(tmp_path / "token_freq.pt")
+    freq = torch.load(tmp_path / "token_freq.pt", weights_only=True)  # a dict of ints: no pickled code
     assert sum(freq.values()) == sizes["loss_tokens"]
 
 
