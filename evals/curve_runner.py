@@ -134,10 +134,11 @@ class Curve:
                  "costs": None, "costs_contention": None, "machine": machine(), "points": []}
         if self.path.is_file():
             self.data = json.loads(self.path.read_text())
-            for key in ("overrides", "plan", "settings"):
+            for key in ("overrides", "settings"):
                 if self.data.get(key) != fresh[key]:
                     raise CurveError(f"{self.path} was started with {key} {self.data.get(key)!r}, now {fresh[key]!r}:"
                                      " re-run with the same arguments to resume, or pick another --out")
+            self.data["plan"] = extended_plan(self.data, plan, self.path)
         else:
             self.out.mkdir(parents=True, exist_ok=True)
             self.data = fresh
@@ -163,6 +164,21 @@ class Curve:
             self.data["costs"], self.data["costs_contention"] = measured["costs"], measured["contention"]
         self.data["points"] = sorted([*self.data["points"], point], key=lambda p: p["steps"])
         write_json(self.path, self.data)
+
+
+def extended_plan(data: dict[str, Any], requested: list[int], path: Path) -> list[int]:
+    """The plan a kept curve runs under ``requested``: its own, or its own extended by the requested points beyond
+    its last one (a larger ``--steps``). Only an extension is allowed: with a constant learning rate the kept points
+    stand whatever comes after them, but a point before the run's end cannot be trained again."""
+    plan = [int(s) for s in data["plan"]]
+    asked = [list(map(int, p)) for p in data.get("requested_plans", [plan])]
+    if requested == plan or requested in asked:
+        return plan
+    if requested[-1] <= plan[-1]:
+        raise CurveError(f"{path} was started with plan {plan}, now {requested}: re-run with the same arguments to "
+                         "resume, a larger --steps to extend it, or pick another --out")
+    data["requested_plans"] = [*asked, requested]
+    return [*plan, *(s for s in requested if s > plan[-1])]
 
 
 def costs_of(data: dict[str, Any]) -> MachineCosts | None:
@@ -213,6 +229,9 @@ def run_curve(out: str | Path, user_overrides: Sequence[str], plan: list[int], s
     """Run (or resume) the curve in ``out``: every planned point trained, exported and evaluated, in order."""
     overrides = training_overrides(user_overrides)
     curve = Curve(out, overrides, plan, settings)
+    if curve.data["plan"] != plan:
+        say(f"extending the kept curve: plan {curve.data['plan']} (its finished points are kept)")
+    plan = curve.data["plan"]
     for i, steps in enumerate(plan, 1):
         if curve.done(steps):
             say(f"[{i}/{len(plan)}] step {steps}: kept from an earlier run")

@@ -150,7 +150,27 @@ def test_an_interrupted_curve_resumes_without_redoing_finished_points(tmp_path):
     assert (tmp_path / "compare" / "compare.png").stat().st_size > 1000
 
     with pytest.raises(CurveError, match="re-run with the same arguments"):
-        run_curve(tmp_path, ["recipe=eagle3"], [10, 1000], settings, runner=second, evaluate=fake_evaluate,
+        run_curve(tmp_path, ["recipe=eagle3"], [10, 200], settings, runner=second, evaluate=fake_evaluate,
+                  say=lambda s: None)
+
+
+def test_a_larger_steps_extends_a_finished_curve_keeping_its_points(tmp_path):
+    settings = EvalSettings(prompt_sets=("mtbench",))
+    first = FakeTraining()
+    run_curve(tmp_path, ["recipe=eagle3"], [10, 30, 100], settings, runner=first, evaluate=fake_evaluate,
+              say=lambda s: None)
+    longer, said = FakeTraining(), []
+    curve = run_curve(tmp_path, ["recipe=eagle3"], [10, 32, 100, 316, 1000], settings, runner=longer,
+                      evaluate=fake_evaluate, say=said.append)
+    assert longer.calls == [316, 1000]  # only the points beyond the kept run's end are trained
+    assert [p["steps"] for p in curve.data["points"]] == [10, 30, 100, 316, 1000]
+    assert "extending the kept curve" in said[0]
+    again = FakeTraining()  # the extending command re-run: nothing left to do
+    run_curve(tmp_path, ["recipe=eagle3"], [10, 32, 100, 316, 1000], settings, runner=again, evaluate=fake_evaluate,
+              say=lambda s: None)
+    assert again.calls == []
+    with pytest.raises(CurveError, match="a larger --steps to extend it"):
+        run_curve(tmp_path, ["recipe=eagle3"], [10, 500], settings, runner=again, evaluate=fake_evaluate,
                   say=lambda s: None)
 
 
