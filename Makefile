@@ -18,6 +18,7 @@ BENCH_TOKENS ?= 128
 # Wall time on the 2-core Zen 4, alone: regeneration at batch 8 (one native call a step, TargetStack.forward_rows)
 # ran at ~330 tokens/s, about 1.5 h for 8,000 first turns (batch 1: 66-74 tokens/s, 6.5 h), then training
 # (BEST_TIME, 4 h) and the two benches (minutes).
+DRAFTSMITH_CACHE ?= $(HOME)/.cache/draftsmith
 BEST_DIR ?= outputs/best/eagle3
 BEST_CONVERSATIONS ?= 8000
 # The cosine schedule decays over BEST_STEPS: 6,000 at ~2.3 s a step (Zen 4, bf16, max_length 512) fill the 4 h
@@ -127,9 +128,22 @@ $(BEST_CODE_DATA): | assets
 $(BEST_MIX): $(BEST_DATA) $(BEST_CODE_DATA)
 	cat $^ > $@.tmp && mv $@.tmp $@
 
-train-best: $(BEST_MIX)
-	$(PY) train.py recipe=eagle3 data=$(BEST_MIX) data.limit=null data.max_length=$(BEST_MAX_LENGTH) \
-		trainer.max_steps=$(BEST_STEPS) trainer.max_time=$(BEST_TIME) \
+# The recipe: the one the learning curves picked when a comparison exists (`draftsmith curve --compare A,B --out
+# $(DRAFTSMITH_CACHE)/curves/compare`: the highest held-out acceptance at equal CPU-hours), else EAGLE-3 on the
+# regenerated chat + code mix above. BEST_COMPARE= (empty) forces the mix.
+BEST_COMPARE ?= $(DRAFTSMITH_CACHE)/curves/compare/compare.json
+BEST_PICKED := $(if $(BEST_COMPARE),$(shell test -f '$(BEST_COMPARE)' && $(PY) -m draftsmith.evals.curve_pick \
+	'$(BEST_COMPARE)' --without trainer.max_steps,trainer.max_time,trainer.precision,hydra.run.dir 2>/dev/null))
+ifneq ($(strip $(BEST_PICKED)),)
+BEST_RECIPE := $(BEST_PICKED)
+BEST_INPUTS := assets
+else
+BEST_RECIPE := recipe=eagle3 data=$(BEST_MIX) data.limit=null data.max_length=$(BEST_MAX_LENGTH)
+BEST_INPUTS := $(BEST_MIX)
+endif
+
+train-best: $(BEST_INPUTS)
+	$(PY) train.py $(BEST_RECIPE) trainer.max_steps=$(BEST_STEPS) trainer.max_time=$(BEST_TIME) \
 		trainer.precision=$(BEST_PRECISION) hydra.run.dir=$(BEST_DIR)
 	$(VENV)/bin/draftsmith bench --drafter $(BEST_DIR)/export --prompts mtbench --num-prompts 8 --max-new-tokens 128 \
 		--lossless-dtype fp32 --sweep-k 1,2,3,4 --profile --out $(BEST_DIR)/bench
@@ -138,7 +152,6 @@ train-best: $(BEST_MIX)
 
 # `make curve`: EAGLE-3's learning curve (draftsmith curve; README "Learning curves"), its state under
 # $(DRAFTSMITH_CACHE)/curves so a later session on this machine resumes it with the same command.
-DRAFTSMITH_CACHE ?= $(HOME)/.cache/draftsmith
 CURVE_DIR ?= $(DRAFTSMITH_CACHE)/curves/eagle3_sharegpt
 CURVE_STEPS ?= 1500
 curve: assets

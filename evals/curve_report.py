@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.evals.curve_fit import fit_curve, forecast
+from draftsmith.evals.curve_pick import pick
 
 # The issue's held-out targets for EAGLE-3 first-position acceptance, by prompt set.
 TARGETS = {"mtbench": 0.75, "humaneval": 0.70}
@@ -193,6 +194,9 @@ def compare(curve_dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     curves = {str(d): json.loads((Path(d) / CURVE_FILE).read_text()) for d in curve_dirs}
+    for data in curves.values():
+        data["points"] = settle_cpu_hours(data["points"])
+    chosen = pick(curves)
     rows = []
     for name, data in curves.items():
         for p in data["points"]:
@@ -200,14 +204,31 @@ def compare(curve_dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
                 rows.append({"curve": name, "overrides": " ".join(data["overrides"]), "steps": p["steps"],
                              "tokens": p["tokens"], "cpu_hours": p["cpu_hours"], "prompts": prompt_set,
                              "first_position": p["eval"][prompt_set]["first_position_acceptance"]})
-    write_json(out / "compare.json", {"curves": list(curves), "rows": rows})
+    write_json(out / "compare.json", {"curves": list(curves), "rows": rows, "pick": chosen})
     lines = ["| curve | overrides | steps | tokens | CPU-h | prompts | first-position |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {Path(r['curve']).name} | {r['overrides']} | {r['steps']} | {_fmt(r['tokens'])} | "
               f"{_fmt(r['cpu_hours'], 2)} | {r['prompts']} | {_fmt(r['first_position'])} |" for r in rows]
-    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    (out / "compare.md").write_text("\n".join([*lines, "", *_pick_lines(chosen)]) + "\n")
     _plot_compare(rows, out / "compare.png")
-    return {"curves": list(curves), "rows": len(rows)}
+    return {"curves": list(curves), "rows": len(rows), "picked": (chosen["picked"] or {}).get("curve")}
+
+
+def _pick_lines(chosen: dict[str, Any]) -> list[str]:
+    """The comparison at equal budgets as markdown: one row per curve, and the curve picked."""
+    lines = []
+    for key, label in (("equal_cpu_hours", "CPU-hours"), ("equal_tokens", "tokens")):
+        block = chosen[key]
+        lines += [f"At equal {label} ({_fmt(block['budget'], 3)}, the most every curve reached; interpolated on a "
+                  "log axis between measured points):", "", "| curve | first-position by prompt set | mean |",
+                  "|---|---|---|"]
+        lines += [f"| {Path(name).name} | " + ", ".join(f"{s} {_fmt(v)}" for s, v in row["first_position"].items())
+                  + f" | {_fmt(row['mean'])} |" for name, row in block["curves"].items()]
+        lines.append("")
+    picked = chosen["picked"]
+    lines.append(f"Picked (highest mean at equal CPU-hours; `make train-best` trains it): {Path(picked['curve']).name}"
+                 f" with `{' '.join(picked['overrides'])}`" if picked else "Picked: none (no common budget)")
+    return lines
 
 
 def _plot_compare(rows: list[dict[str, Any]], path: Path) -> None:

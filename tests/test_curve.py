@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -224,3 +225,39 @@ def test_cpu_hours_come_from_measured_segments_and_estimate_the_unmeasured_ones(
     settled = settle_cpu_hours(points)
     assert [p["cpu_hours_estimated"] for p in settled] == [True, False, False]
     assert [round(p["cpu_hours"] * 3600) for p in settled] == [100, 300, 700]  # 0.1 s a token for the first
+
+
+def test_curves_are_compared_at_equal_cpu_hours_and_train_best_trains_the_pick(tmp_path):
+    from draftsmith.evals.curve_pick import CURVE_DEFAULTS, interpolate
+    from draftsmith.evals.curve_runner import DEFAULT_OVERRIDES
+
+    assert set(CURVE_DEFAULTS) == {f"{k}={v}" for k, v in DEFAULT_OVERRIDES.items()}
+    assert interpolate([1, 100], [0.2, 0.6], 10) == pytest.approx(0.4)  # halfway on a log axis
+    assert interpolate([1, 100], [0.2, 0.6], 200) is None  # never extrapolated
+    settings = EvalSettings(prompt_sets=("mtbench",))
+    slow, fast = tmp_path / "slow", tmp_path / "fast"
+    run_curve(slow, ["recipe=eagle3"], [10, 100], settings, runner=FakeTraining(), evaluate=fake_evaluate,
+              say=lambda s: None)
+    run_curve(fast, ["recipe=eagle3", "drafter.ttt_steps=5"], [10, 100, 1000], settings, runner=FakeTraining(),
+              evaluate=fake_evaluate, say=lambda s: None)
+    data = json.loads((fast / "curve.json").read_text())
+    for p in data["points"]:  # the second recipe reaches each acceptance at a tenth of the CPU time
+        p["train_cpu_seconds_total"] = p["tokens"] * 0.36 / 10
+    (fast / "curve.json").write_text(json.dumps(data))
+    data = json.loads((slow / "curve.json").read_text())
+    for p in data["points"]:
+        p["train_cpu_seconds_total"] = p["tokens"] * 0.36
+    (slow / "curve.json").write_text(json.dumps(data))
+    out = tmp_path / "compare"
+    assert compare([slow, fast], out)["picked"] == str(fast)
+    chosen = json.loads((out / "compare.json").read_text())["pick"]
+    assert chosen["equal_cpu_hours"]["budget"] == pytest.approx(100_000 * 0.36 / 3600)  # the most both reached
+    assert chosen["picked"]["overrides"] == ["recipe=eagle3", "drafter.ttt_steps=5"]  # the curve's defaults dropped
+    assert chosen["equal_tokens"]["budget"] == 100_000
+    assert "Picked" in (out / "compare.md").read_text()
+    if shutil.which("make") is None:
+        return
+    dry = subprocess.run(["make", "-n", "train-best", f"BEST_COMPARE={out / 'compare.json'}",
+                          "BEST_PRECISION=32-true"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    train = next(line for line in dry.splitlines() if "train.py" in line)
+    assert "train.py recipe=eagle3 drafter.ttt_steps=5 trainer.max_steps=" in train, train

@@ -249,7 +249,8 @@ def test_train_best_trains_on_every_regenerated_conversation():
     `limit: 2000` silently cut an 8,000-conversation run to its first 2,000 (found on 2026-11-26)."""
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")
-    dry = subprocess.run(["make", "-n", "train-best", "BEST_PRECISION=32-true", "BEST_CONVERSATIONS=123"], cwd=ROOT,
+    dry = subprocess.run(["make", "-n", "train-best", "BEST_PRECISION=32-true", "BEST_CONVERSATIONS=123",
+                          "BEST_COMPARE="], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     train = next(line for line in dry.splitlines() if "train.py recipe=eagle3" in line)
     assert "data=outputs/best/regen123_code1300.jsonl" in train and "data.limit=null" in train, train

@@ -1,0 +1,85 @@
+"""Pick among learning curves at an equal budget: each curve's held-out first-position acceptance read at the same
+CPU-hours (and, for a peer trainer compared by data, the same training tokens), interpolated on a log axis between
+its measured points, never extrapolated; the curve with the highest mean over its prompt sets is *picked*, and
+``make train-best`` trains with the picked curve's overrides.
+
+Run as ``python -m draftsmith.evals.curve_pick COMPARE_JSON [--without KEY,...]``: prints the picked overrides, one
+shell word each (what ``make train-best`` reads), without the keys named. Imports nothing heavy (the Makefile runs it
+at parse time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+from collections.abc import Sequence
+from typing import Any
+
+# The curve's own defaults (evals/curve_runner.py DEFAULT_OVERRIDES): they shape a curve's evaluation, not the recipe.
+CURVE_DEFAULTS = ("optim.scheduler=constant", "validation.served_tau.every=0", "run.final_eval_batches=1")
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float | None:
+    """``ys`` at ``x``, linear in log(x) between the two measured points around it; None outside the measured range
+    (a budget a curve did not reach says nothing about it)."""
+    pairs = sorted((float(a), float(b)) for a, b in zip(xs, ys) if a and a > 0)
+    if not pairs or not pairs[0][0] <= x <= pairs[-1][0]:
+        return None
+    for (x0, y0), (x1, y1) in zip(pairs, pairs[1:]):
+        if x0 <= x <= x1:
+            w = 0.0 if x1 == x0 else (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return pairs[0][1]  # one point, exactly at x
+
+
+def recipe_overrides(overrides: Sequence[str]) -> list[str]:
+    """A curve's overrides without the curve's own evaluation defaults: the recipe as a training run takes it."""
+    return [o for o in overrides if o not in CURVE_DEFAULTS]
+
+
+def at_budget(curves: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
+    """Every curve's first-position acceptance per prompt set at the largest ``key`` (``cpu_hours`` or ``tokens``)
+    all curves reached, and their mean."""
+    reach = [max((p.get(key) or 0.0) for p in data["points"]) if data["points"] else 0.0 for data in curves.values()]
+    budget = min(reach) if reach else 0.0
+    rows = {}
+    for name, data in curves.items():
+        points = [p for p in data["points"] if p.get(key)]
+        sets = list(data["settings"]["prompt_sets"])
+        got = {s: interpolate([p[key] for p in points], [p["eval"][s]["first_position_acceptance"] for p in points],
+                              budget) for s in sets}
+        known = [v for v in got.values() if v is not None]
+        rows[name] = {"first_position": got, "mean": sum(known) / len(known) if known else None}
+    return {"key": key, "budget": budget, "curves": rows}
+
+
+def pick(curves: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The comparison at equal CPU-hours and at equal tokens, and the curve picked at equal CPU-hours (the budget a
+    user pays): ``{"equal_cpu_hours", "equal_tokens", "picked": {"curve", "mean", "overrides"}}``."""
+    by_cpu, by_tokens = at_budget(curves, "cpu_hours"), at_budget(curves, "tokens")
+    scored = [(row["mean"], name) for name, row in by_cpu["curves"].items() if row["mean"] is not None]
+    picked = None
+    if scored:
+        mean, name = max(scored)
+        picked = {"curve": name, "mean": mean, "overrides": recipe_overrides(curves[name]["overrides"])}
+    return {"equal_cpu_hours": by_cpu, "equal_tokens": by_tokens, "picked": picked}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the picked overrides of a compare.json (``draftsmith curve --compare``), minus ``--without`` keys."""
+    p = argparse.ArgumentParser(prog="python -m draftsmith.evals.curve_pick", description=main.__doc__)
+    p.add_argument("compare_json")
+    p.add_argument("--without", default="", help="comma-separated keys to leave out (the caller sets them)")
+    opts = p.parse_args(argv)
+    picked = json.loads(open(opts.compare_json).read()).get("pick", {}).get("picked")
+    if not picked:
+        raise SystemExit(f"{opts.compare_json}: no curve was picked (no curve reached a common budget)")
+    drop = {k for k in opts.without.split(",") if k}
+    print(" ".join(shlex.quote(o) for o in picked["overrides"] if o.lstrip("+~").split("=", 1)[0] not in drop))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
