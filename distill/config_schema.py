@@ -173,3 +173,6 @@ class LossConfig:
                                choices=("auto", "true", "false"))
     chunk_size: int | None = key("rows per chunk", ge=1, null="about 64 MiB of fp32 logits")
     lm_head_dtype: str = key("auto: follow trainer.precision | fp32 | bf16", choices=("auto", "fp32", "bf16"))
+    acceptance: str = key("none: cross-entropy | hybrid: LK's KL/TV blend | nla: -log acceptance | tv: 1 - acceptance",
+                          "none", choices=("none", "hybrid", "nla", "tv"))
+    acceptance_eta: float = key("hybrid blend: lam = exp(-eta * acceptance)", 3.0, gt=0)

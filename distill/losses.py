@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from draftsmith.distill.acceptance_loss import KINDS as ACCEPTANCE_KINDS
+from draftsmith.distill.acceptance_loss import acceptance_loss
 from draftsmith.distill.errors import ConfigError
 from draftsmith.kernels.linear_cross_entropy import LinearCEOutput, linear_cross_entropy
 
@@ -83,11 +85,15 @@ class LMHeadLoss:
     logits; off computes the logits and uses :func:`masked_cross_entropy` / :func:`soft_cross_entropy`.
     ``matmul_dtype`` (``loss.lm_head_dtype``: auto | fp32 | bf16) is the dtype of the head's matmuls; auto (None)
     follows the trainer precision (autocast) and the inputs. Both paths give the same values and gradients.
+    ``acceptance`` (``loss.acceptance``: none | hybrid | nla | tv) replaces the cross-entropy with an
+    acceptance-targeted loss (:mod:`draftsmith.distill.acceptance_loss`), which also reports the overlap.
     """
 
     fused: bool = True
     chunk_size: int | None = None
     matmul_dtype: torch.dtype | None = None
+    acceptance: str = "none"  # loss.acceptance: none | hybrid | nla | tv (distill/acceptance_loss.py)
+    acceptance_eta: float = 3.0
 
     @classmethod
     def from_config(cls, cfg: Any) -> LMHeadLoss:
@@ -103,13 +109,23 @@ class LMHeadLoss:
         dtype = str(block.get("lm_head_dtype", "auto"))
         if dtype not in _LM_HEAD_DTYPES:
             raise ConfigError(f"loss.lm_head_dtype={dtype!r}; valid: {', '.join(_LM_HEAD_DTYPES)}")
-        return cls(choice != "false", int(chunk) if chunk is not None else None, _LM_HEAD_DTYPES[dtype])
+        kind = str(block.get("acceptance", "none")).lower()
+        if kind not in ACCEPTANCE_KINDS:
+            raise ConfigError(f"loss.acceptance={kind!r}; valid: {', '.join(ACCEPTANCE_KINDS)}")
+        eta = float(block.get("acceptance_eta", 3.0))
+        if not eta > 0:
+            raise ConfigError(f"loss.acceptance_eta must be > 0, got {eta}")
+        return cls(choice != "false", int(chunk) if chunk is not None else None, _LM_HEAD_DTYPES[dtype], kind, eta)
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, *, labels: torch.Tensor | None = None,
                  teacher_logits: torch.Tensor | None = None, topk: int = 0) -> LinearCEOutput:
         """Mean CE over the rows of ``hidden`` against hard ``labels`` [N] or ``softmax(teacher_logits)`` [N, V];
         ``topk`` > 0 also returns each row's top-k ids (for the accuracy metrics) as ``.topk`` [N, k]."""
         topk = min(topk, weight.shape[0])
+        if self.acceptance != "none":  # the acceptance-targeted objective replaces the cross-entropy
+            return acceptance_loss(hidden, weight, labels, teacher_logits=teacher_logits, kind=self.acceptance,
+                                   eta=self.acceptance_eta, topk=topk, chunk_size=self.chunk_size,
+                                   compute_dtype=self.matmul_dtype)
         if self.fused:
             return linear_cross_entropy(hidden, weight, labels, target_logits=teacher_logits, topk=topk,
                                         chunk_size=self.chunk_size, compute_dtype=self.matmul_dtype)

@@ -33,10 +33,12 @@ REDUCTIONS = ("mean", "sum")
 
 
 class LinearCEOutput(NamedTuple):
-    """``loss`` (scalar fp32, differentiable) and ``topk`` ([N, k] long indices, or [N, 0] when not asked)."""
+    """``loss`` (scalar fp32, differentiable), ``topk`` ([N, k] long indices, or [N, 0] when not asked) and, from the
+    acceptance-targeted losses only, ``overlap``: the mean ``sum_v min(p_v, q_v)`` over scored rows (no gradient)."""
 
     loss: torch.Tensor
     topk: torch.Tensor
+    overlap: torch.Tensor | None = None
 
 
 def default_chunk_size(vocab: int) -> int:

@@ -79,6 +79,8 @@ class Eagle3Objective(Objective):
                 metrics[f"step{j}/loss"] = step_loss.detach()
                 metrics[f"step{j}/top1"] = topk_hits(out.topk, greedy, 1)
                 metrics[f"step{j}/top{self.topk}"] = topk_hits(out.topk, greedy, self.topk)
+                if out.overlap is not None:  # sum_v min(p, q): the acceptance rate of speculative sampling
+                    metrics[f"step{j}/overlap"] = out.overlap
         self.note_scored(int(scored), int(labelled))
         return total, metrics
 

@@ -15,7 +15,7 @@ would need the model's own forward).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -130,10 +130,11 @@ class Medusa2Objective(Objective):
         # Backbone: the adapted target's next-token loss at t (label x_{t+1}); the target's own (frozen) LM head.
         keep = mask_all[:, 1:]
         lm_in, lm_weight = self._lm_parts(hidden[:, :-1][keep])  # [N, H(+1)], [V, H(+1)]
+        backbone = replace(self.lm_loss, acceptance="none")  # loss.acceptance is the heads' objective, not the model's
         if self.self_distill:  # soft CE to the original target: KL plus its (constant) entropy, the same gradient
-            lm_loss = self.lm_loss(lm_in, lm_weight, teacher_logits=original[:, :-1][keep]).loss
+            lm_loss = backbone(lm_in, lm_weight, teacher_logits=original[:, :-1][keep]).loss
         else:
-            lm_loss = self.lm_loss(lm_in, lm_weight, labels=ids[:, 1:][keep]).loss
+            lm_loss = backbone(lm_in, lm_weight, labels=ids[:, 1:][keep]).loss
         total = (0.0 if self.warming_up else self.lm_weight) * lm_loss  # x0 keeps the adapter in the graph (DDP)
         head_sum = hidden.new_zeros((), dtype=torch.float32)
         for k in range(heads.config.num_heads):

@@ -82,6 +82,8 @@ def test_a_misspelt_key_is_one_line_with_the_close_match(typo, tmp_path, monkeyp
     ("optim.lr=-0.5", "error: optim.lr=-0.5 is out of range: allowed >= 0"),
     ("optim.scheduler=step", "error: optim.scheduler=step is out of range: allowed one of constant, linear, cosine"),
     ("heads.decay=1.5", "error: heads.decay=1.5 is out of range: allowed > 0 and <= 1"),
+    ("loss.acceptance=kl", "error: loss.acceptance=kl is out of range: allowed one of none, hybrid, nla, tv"),
+    ("loss.acceptance_eta=0", "error: loss.acceptance_eta=0.0 is out of range: allowed > 0"),
 ])
 def test_out_of_range_values_are_one_line_before_anything_loads(override, expected, tmp_path, monkeypatch, capsys):
     code, _, err = run_train_py(["recipe=medusa", override], tmp_path, monkeypatch, capsys)
