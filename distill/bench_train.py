@@ -59,11 +59,16 @@ def _timed(fn, batches: list[dict[str, torch.Tensor]], warmup: int) -> list[floa
 
 
 def _cached_features(target: Target, objective: Any, batch: dict[str, torch.Tensor]) -> Any:
-    """What a feature cache stores for ``batch``: the objective's taps without logits or top-k (rebuilt per step)."""
+    """What a feature cache stores for ``batch``: the objective's taps without logits or top-k (rebuilt per step),
+    plus the target's greedy ids for an objective that reads its logits lazily."""
     from dataclasses import replace
 
-    taps = replace(objective.taps, logits=False, topk=0, final_hidden=True)
-    return target.features(batch["input_ids"], batch["attention_mask"], taps)
+    lazy = bool(objective.taps.logits and objective.taps.lazy_logits)
+    taps = replace(objective.taps, logits=lazy, topk=0, final_hidden=True)
+    feats = target.features(batch["input_ids"], batch["attention_mask"], taps)
+    if lazy:
+        feats.greedy_ids, feats.logits = feats.logits.argmax(-1), None  # [B, T], as the cache stores them
+    return feats
 
 
 def _with_teacher(target: Target, objective: Any, feats: Any) -> Any:
@@ -74,6 +79,8 @@ def _with_teacher(target: Target, objective: Any, feats: Any) -> Any:
     taps = objective.taps
     if not (taps.logits or taps.topk):
         return feats
+    if feats.greedy_ids is not None and not taps.topk:  # lazy: the objective rebuilds only the rows it scores
+        return replace(feats, head_weight=target.lm_head_weight)
     logits = torch.nn.functional.linear(feats.final_hidden, target.lm_head_weight)  # [B, T, V]
     out = replace(feats, logits=logits if taps.logits else None)
     if taps.topk:

@@ -87,6 +87,8 @@ class FeatureCache:
         handle = self._open(self.where[name])
         out = {k: handle.get_tensor(f"{name}.{k}").long() for k in ("input_ids", "attention_mask", "loss_mask")}
         out.update({PREFIX + f: handle.get_tensor(f"{name}.{f}") for f in self.manifest["features"]})
+        if self.manifest["taps"].get("lazy_logits"):  # the target's greedy ids [B, T]
+            out[PREFIX + "greedy_ids"] = handle.get_tensor(f"{name}.greedy_ids").long()
         return out
 
     def samples(self, split: str = "train") -> list[dict]:
@@ -154,11 +156,16 @@ class CachedTarget:
         """The cached features of ``batch`` (logits / top-k rebuilt with the LM head) and the batch without them."""
         self.check_taps(taps)
         dtype = self.lm_head_weight.dtype  # what the online target returned its features in
-        got = {k[len(PREFIX):]: v.to(dtype) for k, v in batch.items() if k.startswith(PREFIX)}
+        greedy = batch.get(PREFIX + "greedy_ids")
+        got = {k[len(PREFIX):]: v.to(dtype) for k, v in batch.items() if k.startswith(PREFIX) and k[len(PREFIX):]
+               != "greedy_ids"}
         feats = TargetFeatures(final_hidden=got["final_hidden"] if taps.final_hidden else None,
                                prenorm_hidden=got.get("prenorm_hidden") if taps.prenorm_hidden else None,
                                layer_hidden={i: got[f"layer.{i}"] for i in taps.layers})
-        if taps.logits or taps.topk:
+        if taps.logits and taps.lazy_logits and greedy is not None and not taps.topk:
+            # only the rows the objective asks for go through the LM head (TargetFeatures.logits_at)
+            feats.final_hidden, feats.greedy_ids, feats.head_weight = got["final_hidden"], greedy, self.lm_head_weight
+        elif taps.logits or taps.topk:
             logits = F.linear(got["final_hidden"], self.lm_head_weight)  # [B, T, V], as the target's lm_head
             feats.logits = logits if taps.logits else None
             if taps.topk:

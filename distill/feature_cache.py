@@ -12,8 +12,12 @@ Folder layout (``draftsmith cache-features recipe=NAME --out DIR``)::
 
 ``final_hidden`` is always stored: the target's logits (EAGLE-3's teacher, validation agreement) are rebuilt from it
 with the stored LM head, which is exact for targets whose LM head is a plain linear layer (checked on the first
-batch; a target that post-processes its logits is refused). Padded positions are stored too (whole batches), so
-``bytes_per_token`` counts padded positions: ``n_features * H * dtype size + 4 (id) + 1 + 1 (masks)``.
+batch; a target that post-processes its logits is refused). For an objective that reads the logits lazily
+(``FeatureTaps.lazy_logits``: EAGLE-3) the target's greedy ids are stored too (``{split}.{i}.greedy_ids``, int32
+[B, T]), so a training step rebuilds only the teacher rows it scores (the 8,192 draft-vocabulary logits of the
+scored positions) instead of all [B, T, V]; storing the draft vocabulary's logits themselves would cost 16 kB a
+token in bf16 against 1.2 kB for the final hidden state. Padded positions are stored too (whole batches), so
+``bytes_per_token`` counts padded positions: ``n_features * H * dtype size + 4 (id) + 1 + 1 (masks) [+ 4 (greedy)]``.
 Each shard is written to a temporary name and renamed, so a re-run resumes after the last complete shard; a shard
 whose size disagrees with its own header (a cut copy, a full disk) is named, removed and written again by the re-run,
 and training refuses it by name instead of reading it.
@@ -25,7 +29,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.distill.errors import ConfigError
+from draftsmith.distill.feature_shards import intact_shards, shard_damage, write_shard  # noqa: F401 - shard_damage re-exported
 from draftsmith.distill.target import FeatureTaps
 
 log = logging.getLogger(__name__)
@@ -50,8 +55,16 @@ class FeatureCacheError(ConfigError):
 
 def cached_taps(taps: FeatureTaps) -> FeatureTaps:
     """What the cache stores for ``taps``: the hidden states asked for, plus ``final_hidden`` (logits and top-k are
-    rebuilt from it with the stored LM head)."""
-    return FeatureTaps(final_hidden=True, prenorm_hidden=taps.prenorm_hidden, layers=tuple(sorted(set(taps.layers))))
+    rebuilt from it with the stored LM head); ``lazy_logits`` here means the target's greedy ids are stored too (an
+    objective that reads logits lazily then never needs the whole [B, T, V] logits rebuilt)."""
+    return FeatureTaps(final_hidden=True, prenorm_hidden=taps.prenorm_hidden, layers=tuple(sorted(set(taps.layers))),
+                       lazy_logits=bool(taps.logits and taps.lazy_logits))
+
+
+def taps_key(taps: FeatureTaps) -> dict[str, Any]:
+    """The taps as the fingerprint and manifest record them (``lazy_logits`` only when set: caches written before it
+    existed keep their fingerprint)."""
+    return {k: v for k, v in asdict(taps).items() if k != "lazy_logits" or v}
 
 
 def feature_names(taps: FeatureTaps) -> list[str]:
@@ -60,9 +73,10 @@ def feature_names(taps: FeatureTaps) -> list[str]:
             [f"layer.{i}" for i in taps.layers])
 
 
-def bytes_per_token(n_features: int, hidden: int, dtype: torch.dtype) -> int:
-    """Bytes of one stored position: the features plus the int32 id and the two uint8 masks."""
-    return n_features * hidden * torch.empty((), dtype=dtype).element_size() + 4 + 1 + 1
+def bytes_per_token(n_features: int, hidden: int, dtype: torch.dtype, greedy_ids: bool = False) -> int:
+    """Bytes of one stored position: the features plus the int32 id, the two uint8 masks and, when stored, the int32
+    greedy id of the target."""
+    return n_features * hidden * torch.empty((), dtype=dtype).element_size() + 4 + 1 + 1 + 4 * greedy_ids
 
 
 def settings_of(cfg: Any) -> dict[str, Any]:
@@ -169,9 +183,9 @@ def build_cache(cfg: Any, recipe: Any, out: str | Path, dtype: str = "bf16", sha
     if target is None:
         target = Target.load(cfg.target.name_or_path, cfg.target.dtype, device=device,
                              trust_remote_code=bool(cfg.target.trust_remote_code))
-    taps = _cacheable_taps(cfg, recipe, target)
+    taps = _resumable_format(out, _cacheable_taps(cfg, recipe, target))
     names, store = feature_names(taps), DTYPES[dtype]
-    bpt = bytes_per_token(len(names), target.hidden_size, store)
+    bpt = bytes_per_token(len(names), target.hidden_size, store, taps.lazy_logits)
     data = build_chat_datamodule(cfg, target.tokenizer, packing=None)
     data.setup("fit")
     plans = {split: data.batch_plan(split) for split in SPLITS}
@@ -197,7 +211,7 @@ def build_cache(cfg: Any, recipe: Any, out: str | Path, dtype: str = "bf16", sha
             return manifest
         tensors, meta = _shard_tensors(target, taps, names, store, device, data.pad_id, plans,
                                        batches[shard["start"]:shard["stop"]], bar)
-        _write_shard(out / shard["file"], tensors, meta)
+        write_shard(out / shard["file"], tensors, meta)
         written += 1
     bar.close()
     manifest["complete"] = True
@@ -226,13 +240,22 @@ def _cacheable_taps(cfg: Any, recipe: Any, target: Any) -> FeatureTaps:
     return cached_taps(objective.taps)
 
 
+def _resumable_format(out: Path, taps: FeatureTaps) -> FeatureTaps:
+    """``taps``, without the stored greedy ids when ``out`` holds a cache begun before they existed (it resumes in
+    its own format; training from it rebuilds the whole logits, as it did)."""
+    manifest = out / MANIFEST
+    if taps.lazy_logits and manifest.is_file() and "lazy_logits" not in json.loads(manifest.read_text())["taps"]:
+        return replace(taps, lazy_logits=False)
+    return taps
+
+
 def _new_manifest(out: Path, cfg: Any, taps: FeatureTaps, dtype: str, shard_bytes: int, names: list[str],
                   target: Any, bpt: int, plans: dict[str, Any], shards: list[dict]) -> dict:
     """The (not yet complete) manifest of this cache; refuses when ``out`` holds a cache of another configuration."""
     import hashlib
 
     settings = settings_of(cfg)
-    key = {"settings": settings, "taps": asdict(taps), "dtype": dtype, "shard_bytes": int(shard_bytes)}
+    key = {"settings": settings, "taps": taps_key(taps), "dtype": dtype, "shard_bytes": int(shard_bytes)}
     manifest = {"format": FORMAT, "version": VERSION,
                 "fingerprint": "sha256:" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest(),
                 **key, "features": names, "hidden_size": target.hidden_size, "bytes_per_token": bpt,
@@ -257,8 +280,9 @@ def _check_disk_budget(out: Path, manifest: dict, done: list[dict], target: Any,
         need += sum(w.numel() * w.element_size() for w in (target.embed_weight, target.lm_head_weight))
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
+    ids = "10 bytes of ids, masks and greedy ids" if manifest["taps"].get("lazy_logits") else "6 bytes of ids and masks"
     print(f"feature cache {out}: {bpt} bytes/token ({len(names)} features x {target.hidden_size} x {dtype} + "
-          f"6 bytes of ids and masks) x {manifest['tokens']:,} tokens = {human(bpt * manifest['tokens'])} in "
+          f"{ids}) x {manifest['tokens']:,} tokens = {human(bpt * manifest['tokens'])} in "
           f"{len(shards)} shards; {len(done)} already written; needs {human(need)} (with the target's embedding and "
           f"LM head), {human(free)} free", flush=True)
     if need > free:
@@ -277,8 +301,11 @@ def _shard_tensors(target: Any, taps: FeatureTaps, names: list[str], store: torc
     for split, i, positions in batches:
         items, plan = plans[split]
         batch = collate([items[j] for j in plan[i]], pad_id)  # [B, T] each
-        feats = target.features(batch["input_ids"].to(device), batch["attention_mask"].to(device), taps)
+        asked = replace(taps, logits=True) if taps.lazy_logits else taps  # the greedy ids come from the logits
+        feats = target.features(batch["input_ids"].to(device), batch["attention_mask"].to(device), asked)
         name = f"{split}.{i}"
+        if taps.lazy_logits:
+            tensors[f"{name}.greedy_ids"] = feats.logits.argmax(-1).to("cpu", torch.int32)  # [B, T]
         tensors[f"{name}.input_ids"] = batch["input_ids"].to(torch.int32)
         tensors[f"{name}.attention_mask"] = batch["attention_mask"].to(torch.uint8)
         tensors[f"{name}.loss_mask"] = batch["loss_mask"].to(torch.uint8)
@@ -290,57 +317,9 @@ def _shard_tensors(target: Any, taps: FeatureTaps, names: list[str], store: torc
     return tensors, meta
 
 
-def shard_damage(path: Path) -> str | None:
-    """Why the shard at ``path`` cannot be read whole (None: intact). A safetensors file is an 8-byte header length,
-    the JSON header, then the tensors at the offsets the header names: a file shorter (or longer) than the largest
-    offset was cut, e.g. by a full disk or a copy that stopped, and must not be read (its tail would be garbage)."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                return f"{size} bytes, shorter than a safetensors header"
-            length = int.from_bytes(raw, "little")
-            if length > size - 8:
-                return f"{size} bytes, its header alone claims {length}"
-            header = json.loads(f.read(length))
-    except (OSError, ValueError) as err:
-        return f"unreadable ({err})"
-    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + length + end != size:
-        return f"{size:,} bytes where its header needs {8 + length + end:,}"
-    return None
-
-
-def intact_shards(out: Path, shards: list[dict], warn: Any = None) -> list[dict]:
-    """The planned ``shards`` already written whole in ``out``; a damaged one is removed (and named) so that it is
-    written again."""
-    done = []
-    for shard in shards:
-        path = out / shard["file"]
-        if not path.is_file():
-            continue
-        damage = shard_damage(path)
-        if damage is None:
-            done.append(shard)
-            continue
-        (warn or log.warning)(f"feature cache shard {path} is damaged ({damage}): removing it, it is written again")
-        path.unlink()
-    return done
-
-
 def old_complete(out: Path) -> bool:
     """Whether ``out``'s manifest says the cache is complete."""
     try:
         return bool(json.loads((out / MANIFEST).read_text()).get("complete"))
     except (OSError, ValueError):
         return False
-
-
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    """One shard, written to a temp name and renamed: a killed run leaves no half-written shard."""
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"indices": json.dumps(meta)})
-    os.replace(tmp, path)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,11 +34,13 @@ from torch import nn
 from draftsmith.common.constants import ADAPTER_LORA
 from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.distill.errors import ConfigError
+from draftsmith.distill.features import FeatureTaps, TargetFeatures  # the taps' home, re-exported here
 from draftsmith.distill.lora import LoraSpec, TargetAdapter, lora_module_paths, require_peft
 from draftsmith.export.identity import target_identity
 from draftsmith.kernels import cpu_caps
 
 log = logging.getLogger(__name__)
+DEFAULT_TAPS = FeatureTaps()  # the final hidden state only
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """Map a config string such as ``bf16`` or ``float32`` to a torch dtype (clear error otherwise)."""
@@ -61,29 +62,6 @@ def resolve_target_dtype(name: str | torch.dtype, device: str | torch.device,
         return cpu_caps.resolve_dtype(str(name), device, caps)
     except ValueError as err:
         raise ConfigError(f"target.dtype: {err}") from None
-
-
-@dataclass(frozen=True)
-class FeatureTaps:
-    """What a method asks the target for (see the module docstring for alignment)."""
-
-    final_hidden: bool = True
-    prenorm_hidden: bool = False
-    layers: tuple[int, ...] = ()
-    logits: bool = False
-    topk: int = 0
-
-
-@dataclass
-class TargetFeatures:
-    """Outputs of one no-grad target forward; every tensor is [B, T, ...] and detached."""
-
-    final_hidden: torch.Tensor | None = None  # [B, T, H] post final norm
-    prenorm_hidden: torch.Tensor | None = None  # [B, T, H] pre final norm
-    layer_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [B, T, H] (HF hidden_states[i])
-    logits: torch.Tensor | None = None  # [B, T, V]
-    topk_values: torch.Tensor | None = None  # [B, T, k]
-    topk_indices: torch.Tensor | None = None  # [B, T, k]
 
 
 def looks_like_path(name: str) -> bool:
@@ -298,7 +276,7 @@ class Target(nn.Module):
         return super().train(False)
 
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 taps: FeatureTaps = FeatureTaps(), grad: bool = False) -> TargetFeatures:
+                 taps: FeatureTaps = DEFAULT_TAPS, grad: bool = False) -> TargetFeatures:
         """One forward returning the requested taps (input_ids [B, T]); no-grad unless ``grad`` (a trainable adapter:
         the taps then carry the graph back to it, where gradients are enabled at all)."""
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):

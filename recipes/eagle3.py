@@ -43,7 +43,10 @@ class Eagle3Objective(Objective):
         self.ttt_steps, self.step_decay, self.topk = ttt_steps, step_decay, topk
         self.inference = inference or {}
         self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE by default (loss.fused_linear_ce)
-        self.taps = FeatureTaps(final_hidden=False, layers=tuple(drafter.config.target_layers), logits=True)
+        # logits read through greedy() / logits_at() only: from a feature cache, just the draft-vocabulary rows of
+        # the scored positions go through the LM head (not all [B, T, V] of them)
+        self.taps = FeatureTaps(final_hidden=False, layers=tuple(drafter.config.target_layers), logits=True,
+                                lazy_logits=True)
 
     def loss(
         self, batch: dict[str, torch.Tensor], feats: TargetFeatures
@@ -59,7 +62,7 @@ class Eagle3Objective(Objective):
         pair_valid = attn[:, :n] * attn[:, 1:n + 1]
         outputs = drafter.ttt_forward(fused_in, step_tokens, pair_valid)  # a_j [B, N, H] per step
         labels = batch["loss_mask"] * attn  # [B, T]
-        in_vocab = drafter.t2d[feats.logits.argmax(-1)].long()  # [B, T]: target's greedy token at s+1 is draftable
+        in_vocab = drafter.t2d[feats.greedy()].long()  # [B, T]: target's greedy token at s+1 is draftable
         draft_ids = drafter.draft_ids_in_target()  # [Nd]
         total = outputs[0].new_zeros((), dtype=torch.float32)
         metrics: dict[str, torch.Tensor] = {}
@@ -69,7 +72,7 @@ class Eagle3Objective(Objective):
             keep = (wanted * shift_left(in_vocab, 1 + j, n)).bool()  # [B, N]
             scored, labelled = scored + keep.sum(), labelled + wanted.sum()
             rows, cols = keep.nonzero(as_tuple=True)
-            teacher = feats.logits[rows, cols + 1 + j].index_select(-1, draft_ids)  # [M, Nd]
+            teacher = feats.logits_at(rows, cols + 1 + j, draft_ids)  # [M, Nd]
             # The LM head only runs on scored rows, chunked with the CE (no [M, Nd] logits when fused).
             out = self.lm_loss(*drafter.logit_parts(hidden[keep]), teacher_logits=teacher, topk=self.topk)
             step_loss = out.loss

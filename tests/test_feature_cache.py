@@ -14,7 +14,7 @@ import torch
 from draftsmith.cli.training import compose_config
 from draftsmith.distill.cached_features import open_cache, train_offline
 from draftsmith.distill.feature_cache import FeatureCacheError, build_cache
-from draftsmith.distill.target import Target
+from draftsmith.distill.target import FeatureTaps, Target
 from draftsmith.distill.trainer import train
 from draftsmith.export.format import read_export
 from draftsmith.recipes import get_recipe
@@ -94,7 +94,9 @@ def test_printed_bytes_per_token_match_the_files(tmp_path, tiny_target_dir, tiny
     found = re.search(r"(\d+) bytes/token .* x ([\d,]+) tokens", text)
     assert found, text
     bpt, tokens = int(found[1]), int(found[2].replace(",", ""))
-    assert bpt == 4 * 64 * 2 + 6  # 3 layer taps + final hidden in bf16, int32 id, two uint8 masks
+    # 3 layer taps + final hidden in bf16, int32 id, two uint8 masks, the target's int32 greedy id (EAGLE-3 reads
+    # its logits lazily)
+    assert bpt == 4 * 64 * 2 + 6 + 4
     shards = sorted(out.glob("shard-*.safetensors"))
     assert len(shards) > 1
     assert sum(data_bytes(p) for p in shards) == bpt * tokens
@@ -176,3 +178,29 @@ def test_refusals(tmp_path, fp32_cache, tiny_target_dir, tiny_data_file, target,
     with pytest.raises(FeatureCacheError, match=r"needs 2.0\d MB more but .* has 1.00 kB free"):
         build_cache(cfg(features=None), recipe, small, dtype="fp32", shard_bytes=SHARD_BYTES, target=target)
     assert not list(small.glob("*"))
+
+
+def test_lazy_logits_rebuild_only_the_asked_rows_and_an_old_cache_rebuilds_all(fp32_cache, target):
+    """EAGLE-3 reads its teacher lazily: the cache stores the target's greedy ids, and the cached target hands out
+    the final hidden state + LM head instead of [B, T, V] logits; the rows it rebuilds equal the online logits'. A
+    cache without greedy ids (written before they existed) falls back to rebuilding all the logits."""
+    from dataclasses import replace
+
+    from draftsmith.distill.cached_features import CachedTarget, FeatureCache
+    from draftsmith.distill.feature_cache import PREFIX
+
+    cache = FeatureCache(fp32_cache)
+    assert cache.manifest["taps"]["lazy_logits"] is True
+    batch = cache.batch("train", 0)
+    cached = CachedTarget(cache)
+    taps = FeatureTaps(final_hidden=False, layers=(1, 2, 3), logits=True, lazy_logits=True)
+    lazy, _ = cached.batch_features(batch, taps)
+    online = target.features(batch["input_ids"], batch["attention_mask"], replace(taps, final_hidden=True))
+    assert lazy.logits is None and torch.equal(lazy.greedy(), online.logits.argmax(-1))
+    rows, cols = torch.tensor([0, 0, 1]), torch.tensor([2, 5, 3])
+    ids = torch.tensor([4, 9, 17, 30])
+    torch.testing.assert_close(lazy.logits_at(rows, cols, ids), online.logits[rows, cols][:, ids], rtol=0, atol=1e-5)
+    old = {k: v for k, v in batch.items() if k != PREFIX + "greedy_ids"}
+    full, _ = cached.batch_features(old, taps)
+    assert full.logits is not None and full.logits.shape[-1] == target.vocab_size
+    torch.testing.assert_close(full.logits_at(rows, cols, ids), online.logits[rows, cols][:, ids], rtol=0, atol=1e-5)

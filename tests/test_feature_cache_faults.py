@@ -80,7 +80,7 @@ KILLED_RUN = textwrap.dedent("""
     from draftsmith.distill import feature_cache
     from draftsmith.cli import main
     written = []
-    save = feature_cache._write_shard
+    save = feature_cache.write_shard
     def write_then_die(path, tensors, meta):
         if len(written) == 2:  # the third shard: half of its temp file on disk, then kill -9
             tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -88,7 +88,7 @@ KILLED_RUN = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         save(path, tensors, meta)
         written.append(path)
-    feature_cache._write_shard = write_then_die
+    feature_cache.write_shard = write_then_die
     sys.exit(main(sys.argv[1:]))
 """)
 
