@@ -5,7 +5,9 @@ Sources of the key names: speculators 0.9.0 ``models/dspark/{config,model_defini
 ``markov_w1`` an ``nn.Embedding`` [V, r], ``markov_w2`` a bias-free ``Linear`` [V_draft, r]; ``ConfidenceHead.proj``
 ``Linear(H [+ r], 1)``; config fields ``markov_rank``, ``markov_head_type``, ``enable_confidence_head``,
 ``confidence_head_with_markov``, ``sample_from_anchor``), loaded for real in its venv below (e2e). llama.cpp's
-converter names are read from the ``make llamacpp`` build's ``conversion/`` when it is on disk (else skipped with why).
+converter (the ``make llamacpp`` tree, when on disk; else skipped with why) is run on our DeepSpec folder: its
+``DSparkModel`` maps ``model.markov_head.markov_w{1,2}`` and ``model.confidence_head.proj`` (gguf-py
+``tensor_mapping.py``), prefixing ``model.`` itself.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from test_speculators_export import HAVE_SPECULATORS, SPECULATORS_PYTHON, _no_sp
 
 from draftsmith.distill.target import Target
 from draftsmith.export.dflash import dflash_key_names
-from draftsmith.export.format import ExportError
+from draftsmith.export.format import ExportError, read_export
 from draftsmith.export.gguf import converter_input, gguf_manifest
 from draftsmith.export.speculators import to_speculators
 
@@ -98,30 +100,61 @@ def test_llamacpp_gets_a_deepspec_folder_and_draft_dspark(tmp_path, target, tiny
                          plain, tiny_target_dir)["spec_type"] == "draft-dflash"
 
 
-def _llamacpp_dspark_source() -> tuple[str | None, str]:
-    """(source of the llama.cpp converter module that registers a DSpark class, or None, why not)."""
+def _llamacpp_converter() -> tuple[object | None, str]:
+    """(the converter root holding ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/`` whose converter
+    registers our ``Qwen3DSparkModel``, or None, why not)."""
     from draftsmith.bench.llamacpp import llamacpp_dir
 
-    folder = llamacpp_dir() / "conversion"
-    if not folder.is_dir():
-        return None, (f"llama.cpp's converter is not on disk ({folder}: run `make llamacpp`); the head names were "
-                      "taken from speculators 0.9.0 and from DSpark converters of llama.cpp trees read through the "
-                      "search index, which stores no upstream version with DSpark")
-    for path in sorted(folder.glob("*.py")):
-        text = path.read_text(errors="replace")
-        if "MODEL_ARCH.DSPARK" in text:
-            return text, ""
-    return None, f"the vendored converter in {folder} registers no DSpark model (this llama.cpp has no draft-dspark)"
+    root = llamacpp_dir()
+    if not (root / "conversion").is_dir() or not (root / "convert_hf_to_gguf.py").is_file():
+        return None, f"llama.cpp's converter is not on disk ({root}: run `make llamacpp`)"
+    for path in sorted((root / "conversion").glob("*.py")):
+        if re.search(r"register\([^)]*\"Qwen3DSparkModel\"", path.read_text(errors="replace")):
+            return root, ""
+    return None, f"the converter in {root / 'conversion'} registers no Qwen3DSparkModel (no draft-dspark there)"
 
 
-SOURCE, NO_SOURCE = _llamacpp_dspark_source()
+CONVERTER, NO_CONVERTER = _llamacpp_converter()
 
 
-@pytest.mark.skipif(SOURCE is None, reason=NO_SOURCE or "no source")
-def test_llamacpp_converter_reads_our_dspark_names():
-    assert re.search(r"register\([^)]*\"Qwen3DSparkModel\"", SOURCE), "the converter does not register our class"
-    for key in ("markov_w1", "markov_w2", "confidence_head"):
-        assert key in SOURCE, key
+@pytest.mark.integration  # the embedded SmolLM2 target: llama.cpp's converter knows its tokenizer, not the tiny one's
+@pytest.mark.skipif(CONVERTER is None, reason=NO_CONVERTER or "no converter")
+def test_llamacpps_own_converter_turns_our_deepspec_folder_into_a_dspark_gguf(tmp_path):
+    """The real ``convert_hf_to_gguf.py`` (the ``make llamacpp`` tree) on our DeepSpec folder: every head tensor
+    reaches the GGUF under llama.cpp's DSpark names with our values, and the DSpark keys are set."""
+    import sys
+    from pathlib import Path
+
+    from draftsmith import assets
+    from draftsmith.export.gguf import run_converter
+
+    folder = Path(assets.resolve_target("smollm2-135m"))
+    export, _ = export_dflash(Target.load(str(folder), "fp32"), tmp_path / "export", heads=True)
+    converter_input(export, tmp_path / "in", folder)
+    out = run_converter(CONVERTER, tmp_path / "in", tmp_path / "draft.gguf", folder)
+    sys.path.insert(0, str(CONVERTER / "gguf-py"))
+    try:
+        from gguf import GGUFReader
+    finally:
+        sys.path.pop(0)
+    reader = GGUFReader(str(out))
+    tensors = {t.name: t for t in reader.tensors}
+    assert {"markov_w1.weight", "markov_w2.weight", "conf_proj.weight", "conf_proj.bias", "fc.weight"} <= \
+        set(tensors), sorted(tensors)
+    ours = load_file(tmp_path / "in" / "model.safetensors")
+    w1 = next(t for n, t in tensors.items() if n.startswith("markov_w1"))
+    raw = torch.frombuffer(bytearray(w1.data.tobytes()), dtype={"BF16": torch.bfloat16, "F16": torch.float16,
+                                                                 "F32": torch.float32}[w1.tensor_type.name])
+    got = raw.float().reshape(ours[HEAD_KEYS[0]].shape)
+    torch.testing.assert_close(got, ours[HEAD_KEYS[0]].float(), atol=2e-2, rtol=2e-2)  # bf16 in the GGUF
+    fields = {f.name: f for f in reader.fields.values()}
+    conf = next(f for name, f in fields.items() if name.endswith(".has_confidence_head"))
+    assert bool(conf.parts[conf.data[0]][0])
+    anchor = next(f for name, f in fields.items() if name.endswith("sample_from_anchor"))
+    assert not bool(anchor.parts[anchor.data[0]][0])  # draftsmith's slot convention (export/dspark.py)
+    layers = fields["dflash.target_layers"]
+    taps = [int(layers.parts[i][0]) for i in layers.data]
+    assert taps == read_export(export)[0]["architecture"]["target_layers"]  # HF hidden_states ids, as we tap them
 
 
 SPECULATORS_DSPARK = r"""
