@@ -91,8 +91,10 @@ def test_a_real_sigint_into_regenerate_exits_130_with_one_line(tiny_target_dir, 
     out = tmp_path / "o.jsonl"
     argv = ["regenerate", "--data", str(data), "--out", str(out), "--target", str(tiny_target_dir),
             "--max-new-tokens", "48", "--dtype", "fp32", "--batch-size", "1"]
+    # a foreground user's Ctrl-C: a shell starts background jobs with SIGINT ignored, and Python keeps that
     proc = subprocess.Popen([sys.executable, "-m", "draftsmith.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     partial = Path(f"{out}.partial")
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:  # wait for the first complete line, then Ctrl-C
