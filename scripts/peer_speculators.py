@@ -3,7 +3,8 @@ conversations and our target's hidden states, its checkpoint imported with ``dra
 
     .venv/bin/python scripts/peer_speculators.py --target smollm2-135m --data sharegpt --tokens 200000 --out DIR
 
-Three stages, each into ``--out``:
+Three stages, each into ``--out`` (a re-run with the same plan keeps the finished ones: the data when
+``peer.json`` records the same tokens, the training when it records its seconds), and a fourth with ``--evaluate``:
 
 1. ``data/``, in speculators' data format, written here (our venv, our Target): ``samples.jsonl`` (``input_ids``,
    ``loss_mask``: the assistant tokens, draftsmith's chat tokenisation) turned into a ``datasets.save_to_disk`` folder
@@ -28,6 +29,9 @@ Three stages, each into ``--out``:
    inside draftsmith's clone, so speculators would copy the clone's uncommitted diff into the output.
 3. ``export/``: the last epoch's checkpoint imported (``export/speculators_import.py``) against ``--target``.
 
+4. ``--evaluate``: the export's held-out acceptance, evaluated as a ``draftsmith curve`` point, and with
+   ``--compare-curve DIR`` that curve's acceptance at the same training tokens beside it (``peer.json`` ``eval``).
+
 ``peer.json`` records the sizes, the trainer command line and the seconds of each stage.
 """
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -177,6 +182,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculators-python", type=Path, default=SPEC_PYTHON)
     p.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds the trainer may run")
     p.add_argument("--trainer-arg", action="append", default=[], help="one more speculators.train token (repeat)")
+    p.add_argument("--evaluate", action="store_true",
+                   help="4. held-out acceptance of the imported export, as a `draftsmith curve` point (8 x 128 "
+                        "MT-Bench and HumanEval, greedy, the runtime's loop)")
+    p.add_argument("--compare-curve", type=Path, default=None, metavar="CURVE_DIR",
+                   help="with --evaluate: the curve's acceptance at the peer's training tokens beside the peer's")
     return p.parse_args(argv)
 
 
@@ -199,20 +209,69 @@ def main(argv: list[str] | None = None) -> dict:
     conversations, _ = load_conversations(args.data)
     samples = tokenized_samples(target.tokenizer, conversations, args.tokens, args.max_length)
     data_dir, save_dir = args.out / "data", args.out / "speculators"
-    sizes = write_peer_data(target, samples, taps, data_dir, getattr(torch, args.hs_dtype))
-    report = {"target": folder, "taps": list(taps), "data": sizes, "seconds": {"data": time.perf_counter() - start}}
+    kept = kept_report(args.out, samples)  # a re-run keeps the finished stages of the same plan
+    if kept.get("data"):
+        report = kept
+    else:
+        sizes = write_peer_data(target, samples, taps, data_dir, getattr(torch, args.hs_dtype))
+        report = {"target": folder, "taps": list(taps), "data": sizes, "seconds": {"data": time.perf_counter() - start}}
+        write_report(args.out, report)
     flags = trainer_flags(folder, data_dir, save_dir, taps, args, max(len(s["input_ids"]) for s in samples))
     report["trainer_command"] = ["python", "-m", "speculators.train", *flags]
-    save_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    run_trainer(data_dir, flags, args.speculators_python, args.timeout, args.out / "speculators.log")
-    report["seconds"]["train"] = time.perf_counter() - start
+    if "train" not in report["seconds"]:
+        shutil.rmtree(save_dir, ignore_errors=True)  # a killed trainer's partial epochs: it cannot resume them
+        save_dir.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        run_trainer(data_dir, flags, args.speculators_python, args.timeout, args.out / "speculators.log")
+        report["seconds"]["train"] = time.perf_counter() - start
+        write_report(args.out, report)
     checkpoint = last_checkpoint(save_dir)
     identity, embed = target_facts(folder)
     report["checkpoint"] = str(checkpoint)
     report["export"] = str(import_speculators(checkpoint, args.out / "export", identity, embed))
-    (args.out / "peer.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
+    if args.evaluate:
+        report["eval"] = evaluate_peer(report["export"], report["data"]["tokens"], args.compare_curve)
+        write_report(args.out, report)
     return report
+
+
+def kept_report(out: Path, samples: list[dict]) -> dict:
+    """``peer.json`` of an earlier run whose data stage wrote exactly these samples (else empty: start over)."""
+    path = out / "peer.json"
+    if not path.is_file() or not (out / "data" / "samples.jsonl").is_file():
+        return {}
+    report = json.loads(path.read_text())
+    same = report.get("data", {}).get("tokens") == sum(len(s["input_ids"]) for s in samples)
+    return report if same else {}
+
+
+def write_report(out: Path, report: dict) -> None:
+    """``peer.json``, atomically (a killed stage leaves the previous stage's record)."""
+    tmp = out / f".peer.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, out / "peer.json")
+
+
+def evaluate_peer(export: str, tokens: int, curve_dir: Path | None) -> dict:
+    """The imported export evaluated as a curve point (:func:`draftsmith.evals.learning_curve.evaluate_export`), and,
+    with ``curve_dir``, that curve's first-position acceptance at the same training tokens (log-interpolated between
+    its points; None where the curve does not reach them)."""
+    from draftsmith.evals.curve_pick import interpolate
+    from draftsmith.evals.learning_curve import EvalSettings, evaluate_export
+
+    settings = EvalSettings()
+    record, _ = evaluate_export(export, settings)
+    sets = settings.prompt_sets
+    out = {"tokens": tokens, "first_position": {s: record[s]["first_position_acceptance"] for s in sets},
+           "conditional": {s: record[s]["conditional_acceptance"] for s in sets}, "record": record}
+    if curve_dir is not None:
+        curve = json.loads((curve_dir / "curve.json").read_text())
+        points = [p for p in curve["points"] if p.get("tokens")]
+        out["curve"] = {"dir": str(curve_dir), "first_position_at_equal_tokens": {
+            s: interpolate([p["tokens"] for p in points], [p["eval"][s]["first_position_acceptance"] for p in points],
+                           tokens) for s in sets}}
+    return out
 
 
 if __name__ == "__main__":

@@ -65,6 +65,10 @@ def test_speculators_trainer_runs_on_cpu_and_its_checkpoint_serves(tmp_path, tin
                         "128", "--draft-vocab-size", "16", "--speculators-python", str(SPECULATORS_PYTHON),
                         "--timeout", "900"])
     assert report["data"]["tokens"] >= 600 and json.loads((tmp_path / "peer" / "peer.json").read_text()) == report
+    again = peer.main(["--target", str(tiny_target_dir), "--data", str(data), "--tokens", "600", "--out",
+                       str(tmp_path / "peer"), "--taps", "1", "2", "3", "--hs-dtype", "float32", "--max-length",
+                       "128", "--draft-vocab-size", "16", "--speculators-python", str(SPECULATORS_PYTHON)])
+    assert again["seconds"] == report["seconds"]  # the re-run kept the data and the trained checkpoint
     checkpoint = Path(report["checkpoint"])
     assert not (checkpoint.parent / "speculators.patch").exists()  # no copy of the clone's uncommitted diff
     saved = load_file(checkpoint / "model.safetensors")  # what the real trainer wrote
@@ -84,3 +88,22 @@ def test_speculators_trainer_runs_on_cpu_and_its_checkpoint_serves(tmp_path, tin
             want.append(int(model(seq).logits[0, -1].argmax()))
             seq = torch.cat((seq, torch.tensor([[want[-1]]])), 1)
     assert result.tokens == want  # lossless with the peer's drafter
+
+
+def test_the_peer_is_read_beside_the_curve_at_equal_tokens(tmp_path, monkeypatch):
+    peer = load_script()
+    from draftsmith.evals import learning_curve
+
+    def fake_evaluate(export, settings, measure=False):
+        return {name: {"first_position_acceptance": 0.3, "conditional_acceptance": [0.3, 0.5, 0.5, 0.5]}
+                for name in settings.prompt_sets}, None
+
+    monkeypatch.setattr(learning_curve, "evaluate_export", fake_evaluate)
+    points = [{"steps": s, "tokens": t, "eval": {"mtbench": {"first_position_acceptance": a},
+                                                  "humaneval": {"first_position_acceptance": a / 2}}}
+              for s, t, a in ((10, 1_000, 0.1), (100, 100_000, 0.5))]
+    (tmp_path / "curve.json").write_text(json.dumps({"points": points}))
+    out = peer.evaluate_peer("unused", 10_000, tmp_path)
+    assert out["first_position"] == {"mtbench": 0.3, "humaneval": 0.3}
+    assert out["curve"]["first_position_at_equal_tokens"] == pytest.approx({"mtbench": 0.3, "humaneval": 0.15})
+    assert peer.evaluate_peer("unused", 10**7, tmp_path)["curve"]["first_position_at_equal_tokens"]["mtbench"] is None
