@@ -67,7 +67,8 @@ def acceptance_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     n, vocab = hidden.shape[0], weight.shape[0]
     dtype = compute_dtype or torch.promote_types(hidden.dtype, weight.dtype)
     rows = chunk_size or default_chunk_size(vocab)
-    total = hidden.new_zeros((), dtype=torch.promote_types(dtype, torch.float32))
+    # zero with a graph to both inputs: a batch with no scored row still backpropagates (DDP expects every parameter)
+    total = (hidden.sum() + weight.sum()).to(torch.promote_types(dtype, torch.float32)) * 0.0
     alpha_sum = torch.zeros((), dtype=total.dtype, device=hidden.device)
     tops = []
     for start in range(0, n, rows):
