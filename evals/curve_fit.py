@@ -59,9 +59,11 @@ def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float
     return p, q, sum((y - p - q * x) ** 2 for x, y in zip(xs, ys))
 
 
-def fit_curve(tokens: Sequence[float], acceptance: Sequence[float]) -> CurveFit | None:
-    """The best saturating power law through ``(tokens, acceptance)`` whose ceiling is at most 1; None for fewer than
-    3 points with t > 0, or when every exponent puts the ceiling above 1 (points still on the steep early part)."""
+def fit_curve(tokens: Sequence[float], acceptance: Sequence[float], bound: float = 1.0) -> CurveFit | None:
+    """The best saturating power law through ``(tokens, acceptance)`` whose ceiling is at most ``bound`` (1, or the
+    draft vocabulary's coverage of the target's greedy tokens: a token outside it is a certain miss); None for fewer
+    than 3 points with t > 0, or when every exponent puts the ceiling above the bound (points still on the steep
+    early part)."""
     pairs = [(float(t), float(a)) for t, a in zip(tokens, acceptance) if t > 0]
     if len(pairs) < 3:
         return None
@@ -70,19 +72,21 @@ def fit_curve(tokens: Sequence[float], acceptance: Sequence[float]) -> CurveFit 
         xs = [t ** (-c) for t, _ in pairs]
         ceiling, slope, sse = _line(xs, [a for _, a in pairs])
         fit = CurveFit(ceiling, -slope, c, math.sqrt(sse / len(pairs)), len(pairs))
-        if ceiling > 1.0:  # an acceptance rate cannot rise past 1: too few points to place the ceiling
+        if ceiling > bound:  # acceptance cannot rise past it: too few points to place the ceiling
             continue
         if best is None or fit.rmse < best.rmse - 1e-12:
             best = fit
     return best
 
 
-def forecast(fit: CurveFit | None, targets: dict[str, float], tokens_per_cpu_hour: float | None) -> dict:
+def forecast(fit: CurveFit | None, targets: dict[str, float], tokens_per_cpu_hour: float | None,
+             coverage: float | None = None) -> dict:
     """The fit's parameters, where it flattens and, per named target, the tokens (and CPU-hours at the measured
-    training rate) it would take, or why it cannot be reached with this recipe."""
+    training rate) it would take, or why it cannot be reached with this recipe; ``coverage`` (the draft vocabulary's
+    share of the target's greedy tokens) is the most first-position acceptance can reach at all."""
     if fit is None:
-        return {"fit": None, "why": "fewer than 3 evaluated points, or every fit puts the ceiling above 1 (the points "
-                                    "are still on the steep early part: train longer)"}
+        return {"fit": None, "why": "fewer than 3 evaluated points, or every fit puts the ceiling above what "
+                                    "acceptance can reach (the points are still on the steep early part: train longer)"}
 
     def hours(tokens: float | None) -> float | None:
         return None if tokens is None or not tokens_per_cpu_hour else tokens / tokens_per_cpu_hour
@@ -91,9 +95,11 @@ def forecast(fit: CurveFit | None, targets: dict[str, float], tokens_per_cpu_hou
                  "flattens_at_cpu_hours": hours(fit.flattens_at), "targets": {}}
     for name, target in targets.items():
         need = fit.tokens_for(target)
-        out["targets"][name] = {
-            "target": target, "tokens": need, "cpu_hours": hours(need),
-            "reachable": need is not None,
-            "why": None if need is not None else f"the fitted ceiling {fit.ceiling:.3f} is below {target}: more of "
-                                                 "this recipe's data will not get there (capacity or data must change)"}
+        why = None if need is not None else (f"the fitted ceiling {fit.ceiling:.3f} is below {target}: more of this "
+                                             "recipe's data will not get there (capacity or data must change)")
+        if coverage is not None and target > coverage:
+            need, why = None, (f"{target} is above the draft vocabulary's coverage of the target's greedy tokens "
+                               f"({coverage:.3f}): no training reaches it; raise drafter.draft_vocab_size")
+        out["targets"][name] = {"target": target, "tokens": need, "cpu_hours": hours(need),
+                                "reachable": need is not None, "why": why}
     return out

@@ -75,7 +75,10 @@ def fits(data: dict[str, Any]) -> dict[str, Any]:
         xs = [p["tokens"] for p in points]
         ys = [p["eval"][name]["first_position_acceptance"] for p in points]
         target = {"first_position": TARGETS[name]} if name in TARGETS else {}
-        out[name] = {"metric": "first_position_acceptance", **forecast(fit_curve(xs, ys), target, rate)}
+        covered = [p["eval"][name].get("draft_vocab_coverage") for p in points]
+        coverage = min((c for c in covered if c is not None), default=None)  # the same target tokens at every point
+        out[name] = {"metric": "first_position_acceptance", "coverage": coverage,
+                     **forecast(fit_curve(xs, ys, coverage if coverage is not None else 1.0), target, rate, coverage)}
     return out
 
 
@@ -125,8 +128,9 @@ def markdown(data: dict[str, Any], fit_block: dict[str, Any]) -> str:
         if fit is None:
             lines.append(f"- {name}: no fit ({block.get('why')})")
             continue
-        lines.append(f"- {name}: ceiling {fit['ceiling']:.3f}, exponent {fit['exponent']:.2f}, rmse {fit['rmse']:.3f};"
-                     f" flattens (< 0.01 a doubling) at {_fmt(block['flattens_at_tokens'])} tokens")
+        bound = f" (at most {block['coverage']:.3f}, the draft vocabulary's coverage)" if block.get("coverage") else ""
+        lines.append(f"- {name}: ceiling {fit['ceiling']:.3f}{bound}, exponent {fit['exponent']:.2f}, rmse "
+                     f"{fit['rmse']:.3f}; flattens (< 0.01 a doubling) at {_fmt(block['flattens_at_tokens'])} tokens")
         for target in block["targets"].values():
             reach = (f"{_fmt(target['tokens'])} tokens ({_fmt(target['cpu_hours'], 1)} CPU-h)"
                      if target["reachable"] else target["why"])

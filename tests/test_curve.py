@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pattern_target import write_heldout_prompts
 
-from draftsmith.evals.curve_fit import fit_curve
+from draftsmith.evals.curve_fit import fit_curve, forecast
 from draftsmith.evals.curve_report import compare, settle_cpu_hours, write_report
 from draftsmith.evals.curve_runner import CurveError, log_spaced_steps, run_curve
 from draftsmith.evals.learning_curve import (
@@ -56,6 +56,18 @@ def test_fit_recovers_a_known_curve_and_forecasts_the_tokens_of_a_target():
     assert fit_curve(tokens[:2], truth[:2]) is None
     steep = [0.1 * math.log(t) - 0.9 for t in tokens]  # still rising in log: the fit never places a ceiling above 1
     assert (fit_curve(tokens, steep) or fit).ceiling <= 1.0
+    capped = fit_curve(tokens, truth, bound=0.7)  # a draft vocabulary covering 70% of the target's greedy tokens
+    assert capped is None or capped.ceiling <= 0.7
+
+
+def test_a_target_above_the_draft_vocabularys_coverage_is_named_unreachable():
+    tokens = [1e4 * 3 ** i for i in range(7)]
+    fit = fit_curve(tokens, [0.8 - 2.0 * t ** -0.3 for t in tokens])
+    out = forecast(fit, {"first_position": 0.75}, 1e5, coverage=0.72)
+    target = out["targets"]["first_position"]
+    assert not target["reachable"] and target["tokens"] is None
+    assert "above the draft vocabulary's coverage" in target["why"] and "drafter.draft_vocab_size" in target["why"]
+    assert forecast(fit, {"first_position": 0.75}, 1e5, coverage=0.95)["targets"]["first_position"]["reachable"]
 
 
 def _step(accepted_depth: int, depth: int = 4) -> RecordedStep:
