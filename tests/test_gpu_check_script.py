@@ -82,13 +82,13 @@ def test_helpers(gpu_check, tmp_path):
 def test_tiny_cpu_run_reports_every_stage_and_survives_an_injected_failure(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(out), "--work", str(tmp_path / "w"),
-           "--fail-stage", "bench:eagle", "--recipes", "eagle,eagle3,medusa"]
+           "--fail-stage", "bench:eagle", "--recipes", "eagle,medusa"]  # a stage after the failure still runs
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     stages = {r["stage"]: r for r in report["stages"]}
-    recipes = ("eagle", "eagle3", "medusa")
+    recipes = ("eagle", "medusa")
     expected = ["setup", "pytest-gpu", "runtime-kernels", *(s for r in recipes for s in (f"train:{r}", f"bench:{r}"))]
     assert list(stages) == expected and report["ok"] is False
     failed = [name for name, r in stages.items() if r["status"] != "pass"]
@@ -101,7 +101,7 @@ def test_tiny_cpu_run_reports_every_stage_and_survives_an_injected_failure(tmp_p
     kernels = stages["runtime-kernels"]["numbers"]
     assert kernels["fp32_max_logit_diff"] < 1e-3 and kernels["fp32_greedy_equal"] == "2/2"
     assert kernels["torch_ar_tok_per_s"] > 0 and kernels["triton_fwd16_ms"] > 0
-    for r in ("eagle3", "medusa"):  # stages after the injected failure still ran
+    for r in ("medusa",):  # a stage after the injected failure still ran
         bench = stages[f"bench:{r}"]["numbers"]
         assert bench["spec_tok_per_s"] > 0 and bench["hf_tok_per_s"] > 0 and bench["tau"] >= 1
         assert bench["lossless_fp32_vs_ar"] == "2/2"
