@@ -51,8 +51,22 @@ def at_budget(curves: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
         got = {s: interpolate([p[key] for p in points], [p["eval"][s]["first_position_acceptance"] for p in points],
                               budget) for s in sets}
         known = [v for v in got.values() if v is not None]
-        rows[name] = {"first_position": got, "mean": sum(known) / len(known) if known else None}
+        mean = sum(known) / len(known) if known else None
+        rows[name] = {"first_position": got, "mean": mean, "stderr": _stderr(points, sets, key, budget, mean)}
     return {"key": key, "budget": budget, "curves": rows}
+
+
+def _stderr(points: list[dict[str, Any]], sets: list[str], key: str, budget: float, mean: float | None) -> float | None:
+    """Binomial standard error of the mean first-position acceptance at ``budget``: each set's verified steps at the
+    measured point nearest the budget (log distance) are its trials; None when a record lacks the count."""
+    if mean is None or not points:
+        return None
+    near = min(points, key=lambda p: abs(math.log(p[key]) - math.log(budget)) if budget > 0 else 0.0)
+    trials = [near["eval"][s].get("verify_steps") for s in sets]
+    if not all(trials):
+        return None
+    p = min(max(mean, 1e-6), 1 - 1e-6)
+    return math.sqrt(p * (1 - p) / sum(trials))
 
 
 def pick(curves: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -62,8 +76,15 @@ def pick(curves: dict[str, dict[str, Any]]) -> dict[str, Any]:
     scored = [(row["mean"], name) for name, row in by_cpu["curves"].items() if row["mean"] is not None]
     picked = None
     if scored:
-        mean, name = max(scored)
-        picked = {"curve": name, "mean": mean, "overrides": recipe_overrides(curves[name]["overrides"])}
+        scored.sort(reverse=True)
+        mean, name = scored[0]
+        picked = {"curve": name, "mean": mean, "overrides": recipe_overrides(curves[name]["overrides"]),
+                  "decisive": None, "margin": None, "noise": None}
+        if len(scored) > 1:  # is the lead larger than two standard errors of the difference?
+            errors = [by_cpu["curves"][n]["stderr"] for _, n in scored[:2]]
+            margin = mean - scored[1][0]
+            noise = math.sqrt(sum(e * e for e in errors)) if all(e is not None for e in errors) else None
+            picked.update(margin=margin, noise=noise, decisive=None if noise is None else margin > 2 * noise)
     return {"equal_cpu_hours": by_cpu, "equal_tokens": by_tokens, "picked": picked}
 
 

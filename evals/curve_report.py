@@ -232,6 +232,10 @@ def _pick_lines(chosen: dict[str, Any]) -> list[str]:
     picked = chosen["picked"]
     lines.append(f"Picked (highest mean at equal CPU-hours; `make train-best` trains it): {Path(picked['curve']).name}"
                  f" with `{' '.join(picked['overrides'])}`" if picked else "Picked: none (no common budget)")
+    if picked and picked.get("decisive") is not None:
+        verdict = "decisive" if picked["decisive"] else "not decisive: within the prompts' sampling noise"
+        lines.append(f"Its lead over the next: {picked['margin']:.3f} against a standard error of the difference of "
+                     f"{picked['noise']:.3f} (binomial over the verified steps): {verdict}.")
     return lines
 
 

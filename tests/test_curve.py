@@ -113,7 +113,7 @@ def fake_evaluate(export: str, settings, measure=False):
     chain = [first, first * 0.7, first * 0.5, first * 0.3]
     table = [{"shape": "chain:1", "depth": 1, "tokens": 1 + first, "nodes": 2.0, "node_counts": {"2": 10}}]
     record = {"first_position_acceptance": first, "chain_acceptance": chain, "conditional_acceptance":
-              conditional(chain), "shapes": table}
+              conditional(chain), "shapes": table, "verify_steps": 400}
     measured = None
     if measure:
         MEASURED.append(True)
@@ -266,7 +266,11 @@ def test_curves_are_compared_at_equal_cpu_hours_and_train_best_trains_the_pick(t
     assert chosen["equal_cpu_hours"]["budget"] == pytest.approx(100_000 * 0.36 / 3600)  # the most both reached
     assert chosen["picked"]["overrides"] == ["recipe=eagle3", "drafter.ttt_steps=5"]  # the curve's defaults dropped
     assert chosen["equal_tokens"]["budget"] == 100_000
-    assert "Picked" in (out / "compare.md").read_text()
+    lead = chosen["picked"]  # 0.768 against 0.737 over 400 verified steps each: inside two standard errors
+    assert lead["margin"] == pytest.approx(0.031, abs=0.002)
+    assert lead["noise"] == pytest.approx(math.sqrt(0.768 * 0.232 / 400 + 0.737 * 0.263 / 400), abs=0.003)
+    assert lead["decisive"] is False
+    assert "Picked" in (out / "compare.md").read_text() and "not decisive" in (out / "compare.md").read_text()
     if shutil.which("make") is None:
         return
     dry = subprocess.run(["make", "-n", "train-best", f"BEST_COMPARE={out / 'compare.json'}",
