@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
-from test_eagle3 import make_objective
+from test_eagle3 import fixed_batch_steps, make_objective
 
 from draftsmith.distill.acceptance_loss import IGNORE_INDEX, acceptance_loss, row_losses
 from draftsmith.distill.errors import ConfigError
@@ -92,19 +92,7 @@ def test_eagle3_trains_with_an_acceptance_loss_and_its_overlap_rises(tiny_tokeni
     target = Target(build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2), tiny_tokenizer, "tiny")
     objective = make_objective(target)
     objective.lm_loss = LMHeadLoss(acceptance=kind)
-    objective.module.train()
-    torch.manual_seed(0)
-    ids = torch.randint(5, target.vocab_size, (4, 20))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    feats = target.features(ids, batch["attention_mask"], objective.taps)
-    opt = torch.optim.AdamW(objective.module.parameters(), lr=3e-3)
-    losses, overlaps = [], []
-    for _ in range(20):
-        loss, metrics = objective.loss(batch, feats)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        overlaps.append(float(metrics["step0/overlap"]))
+    losses, metrics = fixed_batch_steps(objective, target)
+    overlaps = [float(m["step0/overlap"]) for m in metrics]
     assert losses[-1] < 0.8 * losses[0], losses
     assert overlaps[-1] > overlaps[0] + 0.05, overlaps

@@ -197,23 +197,31 @@ def test_loss_alignment_per_ttt_step(target):
     torch.testing.assert_close(loss, total, atol=1e-5, rtol=0)
 
 
-def test_a_few_steps_lower_the_loss(tiny_tokenizer):
-    # A larger init makes the random target's distributions peaked, so the soft-CE floor (entropy) is low.
-    target = Target(build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2), tiny_tokenizer, "tiny")
-    objective = make_objective(target)
+def fixed_batch_steps(objective, target: Target, steps: int = 20) -> tuple[list[float], list[dict]]:
+    """``steps`` AdamW steps of ``objective`` on one fixed random batch: (losses, metrics of each step)."""
     objective.module.train()
     torch.manual_seed(0)
     ids = torch.randint(5, target.vocab_size, (4, 20))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     feats = target.features(ids, batch["attention_mask"], objective.taps)
     opt = torch.optim.AdamW(objective.module.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(20):
-        loss, metrics = objective.loss(batch, feats)
+    losses, metrics = [], []
+    for _ in range(steps):
+        loss, step_metrics = objective.loss(batch, feats)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        metrics.append(step_metrics)
+    return losses, metrics
+
+
+def test_a_few_steps_lower_the_loss(tiny_tokenizer):
+    # A larger init makes the random target's distributions peaked, so the soft-CE floor (entropy) is low.
+    target = Target(build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2), tiny_tokenizer, "tiny")
+    objective = make_objective(target)
+    losses, metric_steps = fixed_batch_steps(objective, target)
+    metrics = metric_steps[-1]
     assert losses[-1] < 0.75 * losses[0], losses
     assert {"step0/top1", "step1/top1", "step2/top1"} <= set(metrics)
 
