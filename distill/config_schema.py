@@ -176,3 +176,5 @@ class LossConfig:
     acceptance: str = key("none: cross-entropy | hybrid: LK's KL/TV blend | nla: -log acceptance | tv: 1 - acceptance",
                           "none", choices=("none", "hybrid", "nla", "tv"))
     acceptance_eta: float = key("hybrid blend: lam = exp(-eta * acceptance)", 3.0, gt=0)
+    replay_weight: float = key("extra loss weight on verification-exposed rejected positions (EAGLE-3; 0 = off)",
+                               0.0, ge=0)

@@ -94,10 +94,12 @@ class LMHeadLoss:
     matmul_dtype: torch.dtype | None = None
     acceptance: str = "none"  # loss.acceptance: none | hybrid | nla | tv (distill/acceptance_loss.py)
     acceptance_eta: float = 3.0
+    replay_weight: float = 0.0  # loss.replay_weight: on-policy error-position replay (recipes/eagle3.py)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> LMHeadLoss:
-        """Read the ``loss`` block (absent keys take the defaults); one ConfigError per bad value."""
+    def from_config(cls, cfg: Any, replay: bool = False) -> LMHeadLoss:
+        """Read the ``loss`` block (absent keys take the defaults); one ConfigError per bad value. ``replay``: the
+        recipe can weight rejected positions (``loss.replay_weight``); others refuse a weight above 0."""
         block = cfg.get("loss") or {}
         raw = block.get("fused_linear_ce", "auto")
         choice = str(raw).lower() if not isinstance(raw, bool) else ("true" if raw else "false")
@@ -115,7 +117,15 @@ class LMHeadLoss:
         eta = float(block.get("acceptance_eta", 3.0))
         if not eta > 0:
             raise ConfigError(f"loss.acceptance_eta must be > 0, got {eta}")
-        return cls(choice != "false", int(chunk) if chunk is not None else None, _LM_HEAD_DTYPES[dtype], kind, eta)
+        replay_weight = float(block.get("replay_weight", 0.0) or 0.0)
+        if not replay_weight >= 0:
+            raise ConfigError(f"loss.replay_weight must be >= 0 (0 = off), got {replay_weight}")
+        if replay_weight > 0 and not replay:
+            name = (cfg.get("recipe") or {}).get("name", "this recipe")
+            raise ConfigError(f"loss.replay_weight={replay_weight}: only recipe=eagle3 replays rejected positions "
+                              f"(its TTT chain is the served chain); set loss.replay_weight=0 for {name}")
+        return cls(choice != "false", int(chunk) if chunk is not None else None, _LM_HEAD_DTYPES[dtype], kind, eta,
+                   replay_weight)
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, *, labels: torch.Tensor | None = None,
                  teacher_logits: torch.Tensor | None = None, topk: int = 0) -> LinearCEOutput:

@@ -3,7 +3,8 @@
 Alignment: the pairing of drafters/eagle.py's module docstring, moved ``j`` places on at TTT step ``j``: index
 ``t`` reads token ``x_{t+1+j}`` and is scored against the target's distribution at position ``t+1+j``
 (that of ``x_{t+2+j}``) restricted to the draft vocabulary, where ``loss_mask[t+2+j]`` is 1 and the target's
-argmax is in the draft vocabulary. ``L = sum_j step_decay^j * softCE_j`` (each a mean over its scored rows).
+argmax is in the draft vocabulary. ``L = sum_j step_decay^j * softCE_j`` (each a mean over its scored rows;
+``loss.replay_weight`` adds weight on the rows the served chain is rejected at, :meth:`Eagle3Objective.replay`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class Eagle3Objective(Objective):
         total = outputs[0].new_zeros((), dtype=torch.float32)
         metrics: dict[str, torch.Tensor] = {}
         scored = labelled = 0
+        replay = self.lm_loss.replay_weight
+        exposed = torch.ones_like(pair_valid, dtype=torch.bool)  # [B, N]: chains every earlier step got right
         for j, hidden in enumerate(outputs):
             wanted = shift_left(labels, 2 + j, n)
             keep = (wanted * shift_left(in_vocab, 1 + j, n)).bool()  # [B, N]
@@ -74,11 +77,21 @@ class Eagle3Objective(Objective):
             rows, cols = keep.nonzero(as_tuple=True)
             teacher = feats.logits_at(rows, cols + 1 + j, draft_ids)  # [M, Nd]
             # The LM head only runs on scored rows, chunked with the CE (no [M, Nd] logits when fused).
-            out = self.lm_loss(*drafter.logit_parts(hidden[keep]), teacher_logits=teacher, topk=self.topk)
+            head_in, head_w = drafter.logit_parts(hidden[keep])  # [M, H], [Nd, H]
+            out = self.lm_loss(head_in, head_w, teacher_logits=teacher, topk=max(self.topk, 1))
             step_loss = out.loss
+            with torch.no_grad():
+                greedy = teacher.argmax(-1)  # [M] the draft id of the target's argmax (in vocab by the mask)
+                right = torch.zeros_like(keep)
+                right[keep] = out.topk[:, 0] == greedy  # [B, N]: the greedy draft token would be accepted
+            rejected = (keep & exposed & ~right)[keep]  # [M]: where the served chain would stop at this step
+            if replay:
+                step_loss = self.replay(step_loss, head_in, head_w, teacher, rejected)
+            metrics[f"step{j}/rejected"] = rejected.float().mean() if rejected.numel() else total.detach() * 0.0
+            # a chain that fails here is cut by verification: its later steps never reach the target
+            exposed = exposed & right
             total = total + self.step_decay ** j * step_loss
             with torch.no_grad():
-                greedy = teacher.argmax(-1)  # the draft id of the target's argmax (in vocab by the mask)
                 metrics[f"step{j}/loss"] = step_loss.detach()
                 metrics[f"step{j}/top1"] = topk_hits(out.topk, greedy, 1)
                 metrics[f"step{j}/top{self.topk}"] = topk_hits(out.topk, greedy, self.topk)
@@ -86,6 +99,20 @@ class Eagle3Objective(Objective):
                     metrics[f"step{j}/overlap"] = out.overlap
         self.note_scored(int(scored), int(labelled))
         return total, metrics
+
+    def replay(self, step_loss: torch.Tensor, head_in: torch.Tensor, head_w: torch.Tensor, teacher: torch.Tensor,
+               rejected: torch.Tensor) -> torch.Tensor:
+        """On-policy error-position replay (Draft-OPD, arXiv 2605.29343, in its stateless form): the step's mean
+        loss plus ``replay_weight`` times the rows verification rejects, ``(1/M) sum_i (1 + w * r_i) l_i``.
+
+        A row is rejected at step ``j`` when its chain's greedy draft tokens were accepted at steps ``0..j-1`` and
+        this one is not: the position the served chain stops at. Under TTT those rows see exactly the serving
+        loop's context (earlier accepted tokens equal the true ones), so no rollout is needed to find them.
+        ``rejected`` [M] bool over the step's scored rows."""
+        if not bool(rejected.any()):
+            return step_loss
+        extra = self.lm_loss(head_in[rejected], head_w, teacher_logits=teacher[rejected]).loss  # mean over them
+        return step_loss + self.lm_loss.replay_weight * extra * rejected.float().mean()
 
     def note_scored(self, scored: int, labelled: int) -> None:
         """How many positions the batch scored, and why none when none: the loss mask, or a draft vocabulary that
@@ -117,7 +144,7 @@ def validate(cfg: Any) -> None:
     if layers is not None and len(layers) == 0:
         raise ConfigError("drafter.target_layers is empty; use null for the default (2, L//2, L-3), spread over "
                           "the layers a shallow target has)")
-    LMHeadLoss.from_config(cfg)
+    LMHeadLoss.from_config(cfg, replay=True)
 
 
 def build_objective(cfg: Any, target: Target, vocab_batches: Any = None) -> Eagle3Objective:
@@ -144,7 +171,7 @@ def build_objective(cfg: Any, target: Target, vocab_batches: Any = None) -> Eagl
     if bool(d.init_lm_head_from_target):
         drafter.init_lm_head(target.lm_head_weight.float())
     return Eagle3Objective(drafter, int(d.ttt_steps), float(d.step_decay), int(d.topk_metric),
-                           eagle_inference_defaults(cfg.inference), LMHeadLoss.from_config(cfg))
+                           eagle_inference_defaults(cfg.inference), LMHeadLoss.from_config(cfg, replay=True))
 
 
 @register_recipe("eagle3", validate=validate)
