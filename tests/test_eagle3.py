@@ -152,16 +152,22 @@ def test_tree_expansion_with_a_full_mask_equals_chains(target):
         drafter.draft_step(d1, grandkids, c1, tree_mask=torch.ones(2, 3, dtype=torch.bool))
 
 
-def test_loss_alignment_per_ttt_step(target):
-    """Step j, index t: token x_{t+1+j}, teacher logits at t+1+j (draft vocab), label mask at t+2+j."""
+def two_step_setup(target: Target, length: int) -> tuple:
+    """A 2-step TTT objective with a 60-token draft vocabulary and scrambled weights, and random inputs for 2
+    sequences of ``length``: (objective, generator, ids [2, T], layer hidden {i: [2, T, H]})."""
     objective = make_objective(target, draft_vocab=60, ttt_steps=2)
-    drafter = objective.module
-    for p in drafter.parameters():
+    for p in objective.module.parameters():
         p.data.normal_(0, 0.1)
     g = torch.Generator().manual_seed(4)
-    B, T, H, V = 2, 8, target.hidden_size, target.vocab_size
-    ids = torch.randint(0, V, (B, T), generator=g)
-    layers = {i: torch.randn(B, T, H, generator=g) for i in LAYERS}
+    ids = torch.randint(0, target.vocab_size, (2, length), generator=g)
+    return objective, g, ids, {i: torch.randn(2, length, target.hidden_size, generator=g) for i in LAYERS}
+
+
+def test_loss_alignment_per_ttt_step(target):
+    """Step j, index t: token x_{t+1+j}, teacher logits at t+1+j (draft vocab), label mask at t+2+j."""
+    objective, g, ids, layers = two_step_setup(target, 8)
+    drafter = objective.module
+    B, T, V = 2, 8, target.vocab_size
     logits = torch.randn(B, T, V, generator=g)
     draft_ids = drafter.draft_ids_in_target()
     best = draft_ids[torch.randint(0, 60, (B, T), generator=g)]  # make the target's argmax draftable ...

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
-from test_eagle3 import LAYERS, fixed_batch_steps, make_objective
+from test_eagle3 import LAYERS, fixed_batch_steps, make_objective, two_step_setup
 
 from draftsmith.distill.errors import ConfigError
 from draftsmith.distill.losses import LMHeadLoss
@@ -32,14 +32,9 @@ def chain_logits(drafter, fused: torch.Tensor, ids: torch.Tensor, b: int, t: int
 def test_replay_weights_exactly_the_rows_the_served_chain_stops_at(target):
     """Reference: per chain, step 0 rejected when its greedy draft token is not the target's; step 1 counts only
     for chains whose step 0 was accepted. Loss per step = (1/M) sum (1 + w * rejected) * softCE."""
-    objective = make_objective(target, draft_vocab=60, ttt_steps=2)
+    objective, g, ids, layers = two_step_setup(target, 10)
     drafter = objective.module
-    for p in drafter.parameters():
-        p.data.normal_(0, 0.1)
-    g = torch.Generator().manual_seed(4)
-    B, T, H, V = 2, 10, target.hidden_size, target.vocab_size
-    ids = torch.randint(0, V, (B, T), generator=g)
-    layers = {i: torch.randn(B, T, H, generator=g) for i in LAYERS}
+    B, T, V = 2, 10, target.vocab_size
     fused = torch.cat([layers[i] for i in LAYERS], -1)
     draft_ids = drafter.draft_ids_in_target()
     with torch.no_grad():
