@@ -117,8 +117,11 @@ def markdown_rows(section: list[dict[str, Any]] | None) -> list[tuple[str, str]]
             continue
         gap = "n/a" if r["gap"] is None else f"{r['gap']:+.1%}"
         tau = " / ".join("n/a" if t is None else f"{t:.3f}" for t in (r["tau_ours"], r["tau_engine"]))
-        lossless = (r.get("detail") or {}).get("engine_lossless")
+        detail = r.get("detail") or {}
+        lossless = detail.get("engine_lossless")
         same = "" if lossless is None else f"; engine's speculative text = its plain greedy text: {lossless}"
+        if lossless is False and detail.get("engine_near_ties_only"):
+            same += " (parted only at near-ties: the engine's batched verify rounds unlike its decode)"
         rows.append((label, f"tau ours / engine {tau} on {r['prompts']} prompts x {r['max_new_tokens']}, gap "
                      f"{gap}: {r['verdict']}{same}"))
     return rows

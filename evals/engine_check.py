@@ -13,7 +13,10 @@ where the HF tokenizer differs):
   ``n_predict - n_accept`` verify steps), its decode time the tokens/s;
 - lossless inside the engine: the speculative text equals the plain text (or starts with it: the speculative tool may
   run past ``-n`` by up to ``N`` tokens; when plain stopped at the end of generation the texts must be equal).
-  llama.cpp's tools print text, not ids, so the comparison is of the decoded texts;
+  llama.cpp's tools print text, not ids, so the comparison is of the decoded texts. Where they part, the target
+  scores both tokens in fp32 (``divergences``, :mod:`draftsmith.evals.near_ties`): llama.cpp's batched verify rounds
+  unlike its one-token decode, so on AVX2 it picks the other of two near-tied tokens now and then
+  (``near_ties_only``); a clear margin would be a real loss;
 - the draftsmith runtime on the same export: a greedy chain of ``N`` drafted tokens per step (EAGLE-3: ``policy=chain,
   depth=N-1, fixed:N``, llama.cpp's shape; DFlash: one block, cut at ``N`` by ``fixed:N``), its tau, acceptance,
   tokens/s, its own lossless check (speculative ids equal its AR ids) and whether its AR ids equal llama.cpp's plain
@@ -27,6 +30,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from draftsmith.bench import llamacpp
 from draftsmith.bench.prompts import load_prompts
@@ -145,15 +150,43 @@ def engine_check(export_dir: str | Path, target_gguf: str | Path, draft_gguf: st
                                 SPEC_TYPES[config["method"]])
     per_prompt = [texts_lossless(p, eos, s) for p, eos, s in zip(plain["texts"], plain["stopped_at_eos"],
                                                                   spec["texts"], strict=True)]
+    parted = divergences(runtime, ids, plain["texts"], spec["texts"], per_prompt)
     ours = runtime_side(runtime, ids, max_new_tokens)  # the very ids llama.cpp decoded from
     ours["ids_equal_llamacpp_plain"] = same_generated_ids(ours.pop("ar_outputs"), plain, runtime)
     return {"engine": "llamacpp", "version": llamacpp.VERSION, "export": str(export_dir), "method": config["method"],
             "target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf), "prompts": prompts,
             "num_prompts": len(ids), "max_new_tokens": max_new_tokens, "threads": threads,
             "prompt_ids_match": prompt_report["same_in_both_engines"], "prompt_ids": prompt_report,
-            "llamacpp": {"lossless": all(per_prompt), "lossless_per_prompt": per_prompt, "plain": plain,
-                         "speculative": spec},
+            "llamacpp": {"lossless": all(per_prompt), "lossless_per_prompt": per_prompt,
+                         "near_ties_only": all(p is None or p["near_tie"] for p in parted), "divergences": parted,
+                         "plain": plain, "speculative": spec},
             "runtime": ours}
+
+
+def divergences(runtime: Any, ids: list[list[int]], plain: list[str], speculative: list[str],
+                lossless: list[bool]) -> list[dict[str, Any] | None]:
+    """Per prompt, where llama.cpp's speculative text leaves its plain one and how near the target's two candidates
+    were there (:mod:`draftsmith.evals.near_ties`, judged by the target in fp32); None where the texts agree."""
+    from draftsmith.evals.near_ties import divergence
+    from draftsmith.runtime.target.loading import load_decoder
+
+    if all(lossless):
+        return [None] * len(ids)
+    judge = runtime.model if runtime.model.dtype == torch.float32 else load_decoder(runtime.folder, torch.float32)
+    return [None if ok else divergence(judge, runtime.tokenizer, p, a, b)
+            for p, a, b, ok in zip(ids, plain, speculative, lossless, strict=True)]
+
+
+def equal_or_tied(lc: dict[str, Any]) -> str:
+    """The llama.cpp speculative row's verdict on its text: equal to plain, parted only at near-ties (the logit
+    gaps), or parted at a clear margin (a real loss)."""
+    if lc["lossless"]:
+        return "equal to plain"
+    gaps = [p["gap"] for p in lc.get("divergences") or [] if p is not None]
+    parted = sum(not ok for ok in lc["lossless_per_prompt"])
+    if gaps and lc.get("near_ties_only"):
+        return f"parts from plain on {parted} prompts, each at a near-tie (logit gap <= {max(gaps):.3f})"
+    return f"DIFFERS: {lc['lossless_per_prompt']}" + (f", logit gaps {gaps}" if gaps else "")
 
 
 def shared_prompt_ids(hf_ids: list[list[int]],
@@ -206,7 +239,7 @@ def markdown(result: dict[str, Any]) -> str:
          _f(plain["tokens_per_s_incl_prompt"]), "reference"),
         (f"llama.cpp {label} (n_max {spec['n_draft_max']})", _f(spec["tau"]), _f(spec["acceptance"]),
          _f(spec["decode_tokens_per_s"]), _f(spec["tokens_per_s_incl_prompt"]),
-         "equal to plain" if lc["lossless"] else f"DIFFERS: {lc['lossless_per_prompt']}"),
+         equal_or_tied(lc)),
         (f"draftsmith runtime AR ({ours['dtype']})", "", "", "", _f(ours["ar_tokens_per_s"]),
          f"ids = llama.cpp plain: {ours['ids_equal_llamacpp_plain']}"),
         (f"draftsmith runtime {label} chain {spec['n_draft_max']}", _f(ours["tau"]), _f(ours["acceptance"]), "",

@@ -110,7 +110,8 @@ def test_the_llamacpp_runner_reads_both_taus_off_engine_check(monkeypatch):
     def fake_check(*args):
         calls.append(args)
         return {"version": "0.3.36", "prompt_ids_match": True,
-                "llamacpp": {"lossless": True, "speculative": {"tau": 1.31, "acceptance": 0.08, "n_draft_max": 4}},
+                "llamacpp": {"lossless": True, "near_ties_only": True,
+                             "speculative": {"tau": 1.31, "acceptance": 0.08, "n_draft_max": 4}},
                 "runtime": {"tau": 1.40, "acceptance": 0.10, "lossless": True}}
 
     monkeypatch.setattr(engine_check, "engine_check", fake_check)
@@ -176,7 +177,10 @@ def test_the_real_runner_puts_llamacpp_next_to_our_runtime(tmp_path):
     (row,) = ep.engine_parity("eagle3", request, {"llamacpp": _llamacpp_parity})
     assert row["tau_ours"] >= 1.0 and row["tau_engine"] >= 1.0, row
     assert row["verdict"] == ep.verdict("llamacpp", row["tau_ours"], row["tau_engine"])
-    assert row["detail"]["engine_lossless"] and row["detail"]["ours_lossless"], row
+    # llama.cpp's own text may part from its plain one at near-ties (its batched verify rounds unlike its decode on
+    # AVX2, evals/near_ties.py), never at a clear margin
+    assert row["detail"]["engine_lossless"] or row["detail"]["engine_near_ties_only"], row
+    assert row["detail"]["ours_lossless"], row
 
 
 # ---- engine-check: the same prompt ids in both engines, generated ids compared as ids (issue 40) --------------------

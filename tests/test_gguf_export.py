@@ -132,7 +132,7 @@ def test_real_conversion_and_engine_check_on_the_embedded_target(tmp_path):
     assert Path(paths["draft"]).stat().st_size > 0 and Path(paths["target"]).name == "target-bf16.gguf"
     result = engine_check(export, paths["target"], paths["draft"], "mtbench", 1, 8, n_max=4)
     lc = result["llamacpp"]
-    assert lc["lossless"], (lc["plain"]["texts"], lc["speculative"]["texts"])
+    assert lc["lossless"] or lc["near_ties_only"], (lc["divergences"], lc["plain"]["texts"], lc["speculative"]["texts"])
     assert lc["speculative"]["n_drafted"] > 0 and lc["speculative"]["n_predict"] >= 8
     assert result["prompt_ids_match"] and result["runtime"]["lossless"]
     assert "llama.cpp EAGLE-3 (n_max 4)" in markdown(result)
