@@ -137,7 +137,7 @@ def _llamacpp_parity(route: Any, request: Any) -> dict[str, Any]:
     engine = check["llamacpp"]
     return {"tau_ours": check["runtime"]["tau"], "tau_engine": engine["speculative"]["tau"],
             "chain": engine["speculative"]["n_draft_max"],
-            "engine_lossless": engine["lossless"], "engine_near_ties_only": engine.get("near_ties_only"),
+            "engine_lossless": engine["lossless"], "engine_near_ties_only": engine["near_ties_only"],
             "ours_lossless": check["runtime"]["lossless"],
             "acceptance_ours": check["runtime"]["acceptance"], "acceptance_engine": engine["speculative"]["acceptance"],
             "prompt_ids_match": check["prompt_ids_match"], "version": check["version"]}

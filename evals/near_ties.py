@@ -13,6 +13,7 @@ logits. A gap within :data:`NEAR_TIE_LOGITS` is a near-tie.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,8 +27,7 @@ NEAR_TIE_LOGITS = 0.25
 
 def common_prefix(a: str, b: str) -> int:
     """Length of the longest common prefix of ``a`` and ``b``."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+    return len(os.path.commonprefix([a, b]))
 
 
 def parting_tokens(tokenizer: Any, plain: str, speculative: str) -> tuple[list[int], int, int] | None:

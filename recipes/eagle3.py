@@ -68,7 +68,6 @@ class Eagle3Objective(Objective):
         total = outputs[0].new_zeros((), dtype=torch.float32)
         metrics: dict[str, torch.Tensor] = {}
         scored = labelled = 0
-        replay = self.lm_loss.replay_weight
         exposed = torch.ones_like(pair_valid, dtype=torch.bool)  # [B, N]: chains every earlier step got right
         for j, hidden in enumerate(outputs):
             wanted = shift_left(labels, 2 + j, n)
@@ -85,9 +84,9 @@ class Eagle3Objective(Objective):
                 right = torch.zeros_like(keep)
                 right[keep] = out.topk[:, 0] == greedy  # [B, N]: the greedy draft token would be accepted
             rejected = (keep & exposed & ~right)[keep]  # [M]: where the served chain would stop at this step
-            if replay:
+            if self.lm_loss.replay_weight:
                 step_loss = self.replay(step_loss, head_in, head_w, teacher, rejected)
-            metrics[f"step{j}/rejected"] = rejected.float().mean() if rejected.numel() else total.detach() * 0.0
+            metrics[f"step{j}/rejected"] = rejected.float().sum() / max(rejected.numel(), 1)
             # a chain that fails here is cut by verification: its later steps never reach the target
             exposed = exposed & right
             total = total + self.step_decay ** j * step_loss
