@@ -210,15 +210,17 @@ def serving_and_benching_the_controller(target_dir, export: str) -> None:
     assert low <= high and 0 < result["layer_share"] < 1 and result["layer_ms_per_call"] > 0
     fast_layer = rt.speculative.temperature_policy
 
-    def slow_layer(hidden):  # a layer that costs 3 ms a call: both the timing and the direct share must see it
-        time.sleep(0.003)
+    # A layer that costs 15 ms a call: both the timing and the direct share must see it. 15 ms, not 3, so that it
+    # outweighs a tiny-target step even on a loaded machine (3 ms read as 0.25 overhead beside a second test worker).
+    def slow_layer(hidden):
+        time.sleep(0.015)
         return fast_layer(hidden)
 
     slow_layer.reset = getattr(fast_layer, "reset", lambda: None)
     rt.speculative.temperature_policy = slow_layer
     slow = bench_controller(rt, [[5, 9, 13], [7, 7, 2]], 6)
     rt.speculative.temperature_policy = fast_layer
-    assert slow["layer_ms_per_call"] >= 3 and slow["layer_share"] > result["layer_share"]
+    assert slow["layer_ms_per_call"] >= 15 and slow["layer_share"] > result["layer_share"]
     assert slow["overhead"] > 0.3 and slow["overhead_ci95"][0] > 0
 
 
