@@ -23,6 +23,10 @@ def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--skip", type=Range(int, low=0, hint="a source index"), default=0,
                    help="start at this source index (a second set past the records a first one used)")
     r.add_argument("--max-new-tokens", type=COUNT, default=256)
+    r.add_argument("--max-prompt-tokens", type=COUNT, default=None,
+                   help="only conversations whose first prompt has at most N tokens (a run training at "
+                        "data.max_length L learns little behind a prompt of ~L tokens; long prefills are most of "
+                        "batched regeneration's time); --limit counts the kept ones")
     r.add_argument("--temperature", type=TEMPERATURE, default=0.0)
     r.add_argument("--top-p", type=TOP_P, default=1.0)
     r.add_argument("--turns", default="first", choices=["first", "all"],
@@ -84,7 +88,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     report = regenerate(args.data, args.out, target=args.target, limit=args.limit, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, turns=args.turns, dtype=args.dtype,
                         seed=args.seed, kernels=args.kernels, batch_size=args.batch_size,
-                        topic=args.topic, skip=args.skip)
+                        topic=args.topic, skip=args.skip, max_prompt_tokens=args.max_prompt_tokens)
     print(summary(report, args.out))
     return 0
 

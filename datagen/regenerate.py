@@ -102,6 +102,21 @@ def _turn_prompt(tokenizer: Any, history: list[dict], messages: list[dict], curs
     return context_msgs, prompt, room
 
 
+def short_prompts(conversations: Iterator[tuple[int, list[dict]]], tokenizer: Any, max_prompt_tokens: int | None,
+                  report: RegenerateReport | None = None) -> Iterator[tuple[int, list[dict]]]:
+    """The ``(index, messages)`` whose first reply's prompt (chat template and generation prompt included) has at
+    most ``max_prompt_tokens`` tokens, all of them when it is None; ``report`` counts the others as skipped."""
+    for index, messages in conversations:
+        slots = _reply_slots(messages)
+        if max_prompt_tokens is not None and slots:
+            prompt = render_prompt(tokenizer, [m for m in messages[:slots[0]] if m["role"] != "assistant"])
+            if len(prompt) > max_prompt_tokens:
+                if report is not None:
+                    report.skip("prompt over --max-prompt-tokens")
+                continue
+        yield index, messages
+
+
 def _too_long(prompt: list[int], context: int | None, what: str, log: Callable[[str], None] | None) -> str:
     """Log why a first prompt gets no reply (its token count and the limit); returns the skip reason."""
     try:
@@ -171,17 +186,22 @@ def regenerate(
     data: str, out: str | Path, target: str | None = None, limit: int | None = None, max_new_tokens: int = 256,
     temperature: float = 0.0, top_p: float = 1.0, turns: str = "first", dtype: str = "bf16", seed: int = 0,
     kernels: str = "auto", log: Callable[[str], None] | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-    topic: str = "all", skip: int = 0,
+    topic: str = "all", skip: int = 0, max_prompt_tokens: int | None = None,
 ) -> RegenerateReport:
     """Regenerate ``data`` with the target and write ``out`` (jsonl), resuming an interrupted ``out.partial``.
 
     ``batch_size`` > 1 decodes that many greedy first turns at once (:mod:`draftsmith.datagen.batched_generation`);
     ``turns="all"``, sampling and decoders without a batched step decode one conversation at a time (logged).
     ``topic`` / ``skip``: only conversations on that topic, from source index ``skip`` on (``select_conversations``);
-    ``limit`` counts the selected ones."""
+    ``max_prompt_tokens``: only conversations whose first reply's prompt has at most that many tokens, skipped
+    before any model work (a run that trains at ``data.max_length`` L learns nothing from a reply behind a prompt of
+    ~L tokens, and its prefill is most of batched regeneration's time); ``limit`` counts the selected ones."""
     from draftsmith.runtime.serving import load_runtime
 
     _check_arguments(turns, max_new_tokens, limit, batch_size)
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens must be >= 1 (or left out: every prompt that fits the context), "
+                         f"got {max_prompt_tokens}")
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(out)
     partial, meta_path = Path(f"{out}.partial"), Path(f"{out}.partial.json")
@@ -199,11 +219,15 @@ def regenerate(
                 "top_p": top_p, "turns": turns, "dtype": dtype, "seed": seed, "batch_size": batch_size}
     if topic != "all" or skip:  # recorded only when used: a partial file of an older version still resumes
         settings.update(topic=topic, skip=skip)
+    if max_prompt_tokens is not None:
+        settings.update(max_prompt_tokens=max_prompt_tokens)
     report.resumed, last_done = resume_or_start(out, partial, meta_path, settings, log)
-    # The ETA needs the total: one counting pass over the data (up to the limit), seconds against hours.
-    total = sum(1 for _ in itertools.islice(select_conversations(iter_conversations(data), topic, skip), limit))
     rt = load_runtime(None, target, dtype, kernels)
-    items = enumerate(itertools.islice(itertools.chain([first], conversations), limit), 1)  # (seen, (index, msgs))
+    # The ETA needs the total: one counting pass over the data (up to the limit), seconds against hours.
+    counted = select_conversations(iter_conversations(data), topic, skip)
+    total = sum(1 for _ in itertools.islice(short_prompts(counted, rt.tokenizer, max_prompt_tokens), limit))
+    kept = short_prompts(itertools.chain([first], conversations), rt.tokenizer, max_prompt_tokens, report)
+    items = enumerate(itertools.islice(kept, limit), 1)  # (seen, (index, messages))
     with open(partial, "a", encoding="utf-8") as handle:
         run = _Run(rt.model, rt.tokenizer, stop_ids(rt.tokenizer, rt.eos_ids), context_limit(rt.model),
                    max_new_tokens, report, Progress(total, log), handle, last_done, log)
@@ -333,4 +357,4 @@ def summary(report: RegenerateReport, out: str | Path) -> str:
 
 
 __all__ = ["RegenerateReport", "first_turn_prompt", "iter_conversations", "normalize_messages", "regenerate",
-           "regenerate_conversation", "render_prompt", "stop_ids", "summary"]
+           "regenerate_conversation", "render_prompt", "short_prompts", "stop_ids", "summary"]

@@ -167,3 +167,33 @@ def test_topic_and_skip_select_the_conversations_regenerated(tiny_target_dir, tm
         regen.regenerate(str(data), tmp_path / "none.jsonl", target=str(tiny_target_dir), topic="code", skip=5)
     with pytest.raises(ValueError, match="unknown topic 'poetry'; choose one of all, code"):
         regen.regenerate(str(data), tmp_path / "none.jsonl", target=str(tiny_target_dir), topic="poetry")
+
+
+def test_max_prompt_tokens_keeps_short_prompts_counts_the_rest_and_the_limit_counts_kept_ones(tiny_target_dir,
+                                                                                              tmp_path):
+    """--max-prompt-tokens skips a conversation whose first prompt is longer before any model work; --limit then
+    counts the kept ones; a resume with another value is refused; a value below 1 is refused in one line."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    questions = ["hello world", " ".join(["hello"] * 40), "good day", " ".join(["world"] * 30), "hi there"]
+    data = _write(tmp_path / "mixed.jsonl", [{"messages": [{"role": "user", "content": q},
+                                                           {"role": "assistant", "content": "x"}]} for q in questions])
+    lengths = [len(regen.render_prompt(tokenizer, [{"role": "user", "content": q}])) for q in questions]
+    cut = max(lengths[0], lengths[2], lengths[4])
+    assert cut < min(lengths[1], lengths[3])  # the two long questions are over the cut, the three short ones not
+    out = tmp_path / "short.jsonl"
+    report = regen.regenerate(str(data), out, target=str(tiny_target_dir), max_prompt_tokens=cut, limit=2, **SMALL)
+    assert [json.loads(line)["source_index"] for line in out.read_text().splitlines()] == [0, 2]
+    assert report.skipped == {"prompt over --max-prompt-tokens": 1}  # index 1, met before the limit's second keep
+    assert "1 prompt over --max-prompt-tokens" in regen.summary(report, out)
+    every = regen.regenerate(str(data), tmp_path / "every.jsonl", target=str(tiny_target_dir), **SMALL)
+    assert every.written == len(questions) and not every.skipped
+    with pytest.raises(ValueError, match="--max-prompt-tokens must be >= 1"):
+        regen.regenerate(str(data), tmp_path / "bad.jsonl", target=str(tiny_target_dir), max_prompt_tokens=0)
+    Path(f"{out}.partial").write_text("")
+    Path(f"{out}.partial.json").write_text(json.dumps({"data": str(data), "target": str(tiny_target_dir),
+                                                      "max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0,
+                                                      "turns": "first", "dtype": "fp32", "seed": 0,
+                                                      "batch_size": regen.DEFAULT_BATCH_SIZE,
+                                                      "max_prompt_tokens": cut}))
+    with pytest.raises(ValueError, match="other settings"):
+        regen.regenerate(str(data), out, target=str(tiny_target_dir), max_prompt_tokens=cut + 1, **SMALL)
