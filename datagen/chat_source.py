@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import assets
+from draftsmith.common.chat import encode_chat
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
@@ -82,4 +83,29 @@ def select_conversations(conversations: Iterable[tuple[int, list[dict]]], topic:
         yield index, messages
 
 
-__all__ = ["ROLES", "TOPICS", "iter_conversations", "normalize_messages", "select_conversations"]
+def reply_slots(messages: list[dict]) -> list[int]:
+    """Where replies go: assistant turns preceded by a user turn, plus one after a trailing user turn."""
+    slots = [i for i, m in enumerate(messages)
+             if m["role"] == "assistant" and any(p["role"] == "user" for p in messages[:i])]
+    if messages and messages[-1]["role"] == "user":
+        slots.append(len(messages))
+    return slots
+
+
+def short_prompts(conversations: Iterator[tuple[int, list[dict]]], tokenizer: Any, max_prompt_tokens: int | None,
+                  report: Any = None) -> Iterator[tuple[int, list[dict]]]:
+    """The ``(index, messages)`` whose first reply's prompt (chat template and generation prompt included) has at
+    most ``max_prompt_tokens`` tokens, all of them when it is None; ``report`` counts the others as skipped."""
+    for index, messages in conversations:
+        slots = reply_slots(messages)
+        if max_prompt_tokens is not None and slots:
+            prompt = encode_chat(tokenizer, [m for m in messages[:slots[0]] if m["role"] != "assistant"])
+            if len(prompt) > max_prompt_tokens:
+                if report is not None:
+                    report.skip("prompt over --max-prompt-tokens")
+                continue
+        yield index, messages
+
+
+__all__ = ["ROLES", "TOPICS", "iter_conversations", "normalize_messages", "reply_slots", "select_conversations",
+           "short_prompts"]

@@ -40,7 +40,13 @@ import torch
 
 from draftsmith.common.chat import encode_chat
 from draftsmith.datagen.batched_generation import batch_support, generate_greedy_batch
-from draftsmith.datagen.chat_source import iter_conversations, normalize_messages, select_conversations
+from draftsmith.datagen.chat_source import (
+    iter_conversations,
+    normalize_messages,
+    reply_slots,
+    select_conversations,
+    short_prompts,
+)
 from draftsmith.datagen.resumable_jsonl import Progress, append_line, resume_or_start
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
@@ -83,15 +89,6 @@ def stop_ids(tokenizer: Any, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(dict.fromkeys([*eos_ids, *extra, *(vocab[t] for t in ends)]))
 
 
-def _reply_slots(messages: list[dict]) -> list[int]:
-    """Where replies go: assistant turns preceded by a user turn, plus one after a trailing user turn."""
-    slots = [i for i, m in enumerate(messages)
-             if m["role"] == "assistant" and any(p["role"] == "user" for p in messages[:i])]
-    if messages and messages[-1]["role"] == "user":
-        slots.append(len(messages))
-    return slots
-
-
 def _turn_prompt(tokenizer: Any, history: list[dict], messages: list[dict], cursor: int, slot: int,
                  max_new_tokens: int, context: int | None) -> tuple[list[dict], list[int], int]:
     """The context of the reply at ``slot`` (``history`` plus the non-assistant turns since ``cursor``: the original
@@ -100,21 +97,6 @@ def _turn_prompt(tokenizer: Any, history: list[dict], messages: list[dict], curs
     prompt = render_prompt(tokenizer, context_msgs)
     room = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt))
     return context_msgs, prompt, room
-
-
-def short_prompts(conversations: Iterator[tuple[int, list[dict]]], tokenizer: Any, max_prompt_tokens: int | None,
-                  report: RegenerateReport | None = None) -> Iterator[tuple[int, list[dict]]]:
-    """The ``(index, messages)`` whose first reply's prompt (chat template and generation prompt included) has at
-    most ``max_prompt_tokens`` tokens, all of them when it is None; ``report`` counts the others as skipped."""
-    for index, messages in conversations:
-        slots = _reply_slots(messages)
-        if max_prompt_tokens is not None and slots:
-            prompt = render_prompt(tokenizer, [m for m in messages[:slots[0]] if m["role"] != "assistant"])
-            if len(prompt) > max_prompt_tokens:
-                if report is not None:
-                    report.skip("prompt over --max-prompt-tokens")
-                continue
-        yield index, messages
 
 
 def _too_long(prompt: list[int], context: int | None, what: str, log: Callable[[str], None] | None) -> str:
@@ -132,7 +114,7 @@ def first_turn_prompt(tokenizer: Any, messages: list[dict], max_new_tokens: int,
                       ) -> tuple[list[dict], list[int], int] | str:
     """``(context messages, prompt ids, token budget)`` of the first reply, or why there is none (the reason
     :func:`regenerate_conversation` gives); the batched path plans every row with it."""
-    slots = _reply_slots(messages)
+    slots = reply_slots(messages)
     if not slots:
         return "no user turn"
     context_msgs, prompt, room = _turn_prompt(tokenizer, [], messages, 0, slots[0], max_new_tokens, context)
@@ -156,7 +138,7 @@ def regenerate_conversation(
     """
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
-    slots = _reply_slots(messages)
+    slots = reply_slots(messages)
     slots = slots[:1] if turns == "first" else slots
     if not slots:
         return None, 0, "no user turn"
@@ -357,4 +339,4 @@ def summary(report: RegenerateReport, out: str | Path) -> str:
 
 
 __all__ = ["RegenerateReport", "first_turn_prompt", "iter_conversations", "normalize_messages", "regenerate",
-           "regenerate_conversation", "render_prompt", "short_prompts", "stop_ids", "summary"]
+           "regenerate_conversation", "render_prompt", "stop_ids", "summary"]
