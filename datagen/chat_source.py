@@ -92,6 +92,11 @@ def reply_slots(messages: list[dict]) -> list[int]:
     return slots
 
 
+def turns_before(messages: list[dict], cursor: int, slot: int) -> list[dict]:
+    """The turns a regenerated reply at ``slot`` sees of ``messages[cursor:slot]``: the original replies dropped."""
+    return [m for m in messages[cursor:slot] if m["role"] != "assistant"]
+
+
 def short_prompts(conversations: Iterator[tuple[int, list[dict]]], tokenizer: Any, max_prompt_tokens: int | None,
                   report: Any = None) -> Iterator[tuple[int, list[dict]]]:
     """The ``(index, messages)`` whose first reply's prompt (chat template and generation prompt included) has at
@@ -99,7 +104,7 @@ def short_prompts(conversations: Iterator[tuple[int, list[dict]]], tokenizer: An
     for index, messages in conversations:
         slots = reply_slots(messages)
         if max_prompt_tokens is not None and slots:
-            prompt = encode_chat(tokenizer, [m for m in messages[:slots[0]] if m["role"] != "assistant"])
+            prompt = encode_chat(tokenizer, turns_before(messages, 0, slots[0]))
             if len(prompt) > max_prompt_tokens:
                 if report is not None:
                     report.skip("prompt over --max-prompt-tokens")
@@ -108,4 +113,4 @@ def short_prompts(conversations: Iterator[tuple[int, list[dict]]], tokenizer: An
 
 
 __all__ = ["ROLES", "TOPICS", "iter_conversations", "normalize_messages", "reply_slots", "select_conversations",
-           "short_prompts"]
+           "short_prompts", "turns_before"]

@@ -46,6 +46,7 @@ from draftsmith.datagen.chat_source import (
     reply_slots,
     select_conversations,
     short_prompts,
+    turns_before,
 )
 from draftsmith.datagen.resumable_jsonl import Progress, append_line, resume_or_start
 from draftsmith.runtime.decoding.autoregressive import generate_ar
@@ -93,7 +94,7 @@ def _turn_prompt(tokenizer: Any, history: list[dict], messages: list[dict], curs
                  max_new_tokens: int, context: int | None) -> tuple[list[dict], list[int], int]:
     """The context of the reply at ``slot`` (``history`` plus the non-assistant turns since ``cursor``: the original
     replies are dropped), its prompt ids and its token budget (<= 0 when the context is full)."""
-    context_msgs = history + [m for m in messages[cursor:slot] if m["role"] != "assistant"]
+    context_msgs = history + turns_before(messages, cursor, slot)
     prompt = render_prompt(tokenizer, context_msgs)
     room = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt))
     return context_msgs, prompt, room
@@ -180,10 +181,7 @@ def regenerate(
     ~L tokens, and its prefill is most of batched regeneration's time); ``limit`` counts the selected ones."""
     from draftsmith.runtime.serving import load_runtime
 
-    _check_arguments(turns, max_new_tokens, limit, batch_size)
-    if max_prompt_tokens is not None and max_prompt_tokens < 1:
-        raise ValueError(f"--max-prompt-tokens must be >= 1 (or left out: every prompt that fits the context), "
-                         f"got {max_prompt_tokens}")
+    _check_arguments(turns, max_new_tokens, limit, batch_size, max_prompt_tokens)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(out)
     partial, meta_path = Path(f"{out}.partial"), Path(f"{out}.partial.json")
@@ -226,14 +224,19 @@ def regenerate(
     return report
 
 
-def _check_arguments(turns: str, max_new_tokens: int, limit: int | None, batch_size: int = 1) -> None:
-    """Refuse an unknown ``--turns`` mode and a non-positive ``--max-new-tokens``, ``--limit`` or ``--batch-size``."""
+def _check_arguments(turns: str, max_new_tokens: int, limit: int | None, batch_size: int = 1,
+                     max_prompt_tokens: int | None = None) -> None:
+    """Refuse an unknown ``--turns`` mode and a non-positive ``--max-new-tokens``, ``--limit``, ``--batch-size`` or
+    ``--max-prompt-tokens``."""
     if turns not in TURNS:
         raise ValueError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")
     if max_new_tokens < 1 or (limit is not None and limit < 1):
         raise ValueError("--max-new-tokens and --limit must be >= 1")
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1 (1 decodes one conversation at a time), got {batch_size}")
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens must be >= 1 (or left out: every prompt that fits the context), "
+                         f"got {max_prompt_tokens}")
 
 
 def _batched(batch_size: int, turns: str, temperature: float, model: Any, log: Callable[[str], None]) -> bool:
