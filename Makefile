@@ -17,7 +17,9 @@ BENCH_TOKENS ?= 128
 # same command after an interruption. Run it in the background: nohup make train-best > train-best.log 2>&1 &
 # Wall time on the 2-core Zen 4, alone: regeneration at batch 8 (one native call a step, TargetStack.forward_rows)
 # ran at ~330 tokens/s, about 1.5 h for 8,000 first turns (batch 1: 66-74 tokens/s, 6.5 h), then training
-# (BEST_TIME, 4 h) and the two benches (minutes).
+# (BEST_TIME, 4 h) and the two benches (minutes). Regeneration skips first prompts over BEST_MAX_PROMPT tokens:
+# prefill runs one prompt at a time and took 75% of a batch-32 run on Zen 3 (35 tokens/s); in the first 1,100
+# ShareGPT conversations the 10% of prompts over 192 tokens hold 80% of the prompt tokens (MEASUREMENTS 21).
 DRAFTSMITH_CACHE ?= $(HOME)/.cache/draftsmith
 BEST_DIR ?= outputs/best/eagle3
 BEST_CONVERSATIONS ?= 8000
@@ -28,6 +30,10 @@ BEST_TIME ?= 00:04:00:00
 # 512 where 256 cut replies (regenerated first turns: prompt 182 + reply 157 tokens on average): of 7,866
 # conversations, 256 kept 6,603 samples / 956k assistant tokens, 512 keeps 7,039 / 1.33M (~2.3 s a step on Zen 4).
 BEST_MAX_LENGTH ?= 512
+# A prompt past 384 leaves under 128 reply tokens inside BEST_MAX_LENGTH; --limit still counts 8,000 kept ones.
+BEST_MAX_PROMPT ?= 384
+# Batch 32 (the batched-regenerate sweep on Zen 3: 144 tokens/s against 124 at batch 8; 64 adds nothing).
+BEST_REGEN_BATCH ?= 32
 BEST_DATA := outputs/best/regen$(BEST_CONVERSATIONS).jsonl
 # Coding conversations past those (`regenerate --topic code`): trained on chat alone, the drafter's first guess was
 # accepted 0.36 of the time on HumanEval against 0.57 on its own chat. The embedded dump has ~1,340 of them past index 8,000.
@@ -123,12 +129,17 @@ gpu-check:
 $(BEST_DATA): | assets
 	mkdir -p $(dir $@)
 	$(VENV)/bin/draftsmith regenerate --out $@ --limit $(BEST_CONVERSATIONS) --max-new-tokens 256 --turns first \
-		--batch-size 8
+		--batch-size $(BEST_REGEN_BATCH) --max-prompt-tokens $(BEST_MAX_PROMPT)
 
-$(BEST_CODE_DATA): | assets
+# The coding set starts past the last source record the chat set used: with --max-prompt-tokens the chat set's
+# 8,000 kept conversations reach past source index 8,000, and starting there would regenerate some twice.
+BEST_CHAT_END = $$($(PY) -c "import json, sys; print(1 + max(json.loads(line)['source_index'] for line in \
+	open(sys.argv[1])))" $(BEST_DATA))
+
+$(BEST_CODE_DATA): $(BEST_DATA) | assets
 	mkdir -p $(dir $@)
-	$(VENV)/bin/draftsmith regenerate --out $@ --topic code --skip $(BEST_CONVERSATIONS) --limit $(BEST_CODE) \
-		--max-new-tokens 256 --turns first --batch-size 8
+	$(VENV)/bin/draftsmith regenerate --out $@ --topic code --skip $(BEST_CHAT_END) --limit $(BEST_CODE) \
+		--max-new-tokens 256 --turns first --batch-size $(BEST_REGEN_BATCH) --max-prompt-tokens $(BEST_MAX_PROMPT)
 
 $(BEST_MIX): $(BEST_DATA) $(BEST_CODE_DATA)
 	cat $^ > $@.tmp && mv $@.tmp $@

@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +37,27 @@ logger = logging.getLogger(__name__)
 
 _CACHE_VERSION = 1
 
-def _spec_identity(spec: str) -> dict:
-    """What identifies the data source: a local file by absolute path, size and mtime."""
+def _spec_identity(spec: str, with_path: bool = True) -> dict:
+    """What identifies the data source: a local file by its content (size and SHA-256), and by its absolute path
+    unless ``with_path`` is off (the tokenised cache: the same data copied elsewhere, e.g. a test's fresh tmp file,
+    reuses one entry instead of adding another); a named dataset by its name."""
     path = Path(spec).expanduser()
     if spec.strip().lower() != "sharegpt" and path.is_file():
         stat = path.stat()
-        return {"path": str(path.resolve()), "size": stat.st_size, "mtime": stat.st_mtime_ns}
+        where = {"path": str(path.resolve())} if with_path else {}
+        return {**where, "size": stat.st_size, "sha256": _file_sha256(str(path.resolve()), stat.st_size,
+                                                                       stat.st_mtime_ns)}
     return {"name": spec}
+
+
+@lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 of a file, read once per (path, size, mtime): ``cache_path`` is asked for more than once a run."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(partial(handle.read, 1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def tokenize_all(tokenizer: Any, conversations: Sequence[list[dict]], max_length: int) -> tuple[list[dict], dict]:
@@ -133,7 +147,8 @@ class ChatDataModule(pl.LightningDataModule):
     def cache_path(self) -> Path:
         """Where the tokenised samples of this configuration are cached."""
         template = self.tokenizer.chat_template or ""
-        key = {"v": _CACHE_VERSION, "spec": _spec_identity(self.spec), "max_length": self.max_length,
+        key = {"v": _CACHE_VERSION, "spec": _spec_identity(self.spec, with_path=False),
+               "max_length": self.max_length,
                "limit": self.limit, "tokenizer": getattr(self.tokenizer, "name_or_path", ""),
                "vocab": len(self.tokenizer), "template": hashlib.sha256(template.encode()).hexdigest()}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]

@@ -270,3 +270,14 @@ def test_datamodule_split_batches_and_cache(tiny_tokenizer, tmp_path, monkeypatc
     assert sum(int(b["attention_mask"].sum()) for b in packed) == sum(dm.train_set.lengths)
     other = ChatDataModule(tiny_tokenizer, spec, max_length=32, batch_size=4, cache_dir=tmp_path / "cache")
     assert other.cache_path != dm.cache_path
+    # the same data at another path (a test's fresh tmp file, a copy) shares the entry; edited data does not
+    copy = tmp_path / "elsewhere" / "copy.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes(Path(spec).read_bytes())
+    assert _module(tiny_tokenizer, copy, tmp_path).cache_path == _module(tiny_tokenizer, spec, tmp_path).cache_path
+    copy.write_bytes(copy.read_bytes().replace(b"hello", b"hallo", 1))  # same size, other content
+    assert _module(tiny_tokenizer, copy, tmp_path).cache_path != _module(tiny_tokenizer, spec, tmp_path).cache_path
+
+
+def _module(tokenizer, spec, tmp_path: Path) -> ChatDataModule:
+    return ChatDataModule(tokenizer, str(spec), max_length=24, batch_size=4, cache_dir=tmp_path / "cache")

@@ -6,6 +6,7 @@ it regenerates."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -244,7 +245,7 @@ def test_adding_the_toy_method_touches_its_own_files_and_one_row(tmp_path):
                                         capture_output=True, check=True).stdout
 
 
-def test_train_best_trains_on_every_regenerated_conversation():
+def test_train_best_trains_on_every_regenerated_conversation(tmp_path):
     """`make train-best` regenerates BEST_CONVERSATIONS and must train on all of them: the data config's default
     `limit: 2000` silently cut an 8,000-conversation run to its first 2,000 (found on 2026-11-26)."""
     if shutil.which("make") is None:
@@ -255,7 +256,15 @@ def test_train_best_trains_on_every_regenerated_conversation():
     train = next(line for line in dry.splitlines() if "train.py recipe=eagle3" in line)
     assert "data=outputs/best/regen123_code1300.jsonl" in train and "data.limit=null" in train, train
     # the chat set (the first 123 conversations) and the coding set past them are regenerated, then joined
-    regen = [line for line in dry.splitlines() if "draftsmith regenerate" in line]
+    regen = [line for line in dry.replace("\\\n", " ").splitlines() if "draftsmith regenerate" in line]
     assert any("--out outputs/best/regen123.jsonl --limit 123 " in line for line in regen), regen
-    assert any("--topic code --skip 123 --limit 1300" in line for line in regen), regen
+    code = next(line for line in regen if "--topic code" in line)
+    assert "--limit 1300" in code and "--max-prompt-tokens" in code, code
+    # the coding set starts past the chat set's last source record (its kept 123 may reach past index 123)
+    skip = code.split("--skip ", 1)[1].split(" --limit", 1)[0]
+    chat = tmp_path / "regen123.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [], "source_index": i}) + "\n" for i in (0, 5, 140)))
+    shell = subprocess.run(["bash", "-c", f"echo {skip.replace('outputs/best/regen123.jsonl', str(chat))}"], cwd=ROOT,
+                           capture_output=True, text=True, check=True)
+    assert shell.stdout.strip() == "141", (skip, shell.stdout, shell.stderr)
     assert "cat outputs/best/regen123.jsonl outputs/best/regen_code1300.jsonl > " in dry, dry
