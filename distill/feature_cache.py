@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,13 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.feature_shards import intact_shards, shard_damage, write_shard  # noqa: F401 - shard_damage re-exported
+from draftsmith.distill.feature_shards import (  # noqa: F401 - shard_damage re-exported
+    build_cpu_seconds,
+    intact_shards,
+    record_build_cost,
+    shard_damage,
+    write_shard,
+)
 from draftsmith.distill.target import FeatureTaps
 
 log = logging.getLogger(__name__)
@@ -209,14 +216,18 @@ def build_cache(cfg: Any, recipe: Any, out: str | Path, dtype: str = "bf16", sha
         if stop_after is not None and written >= stop_after:
             bar.close()
             return manifest
+        cpu = time.process_time()  # this process's CPU time, every thread: what a curve bills for the cache
         tensors, meta = _shard_tensors(target, taps, names, store, device, data.pad_id, plans,
                                        batches[shard["start"]:shard["stop"]], bar)
         write_shard(out / shard["file"], tensors, meta)
+        record_build_cost(out, shard["file"], time.process_time() - cpu)
         written += 1
     bar.close()
     manifest["complete"] = True
     _write_json(out / MANIFEST, manifest)
-    log.info("feature cache complete: %s (%s)", out, human(bpt * manifest["tokens"]))
+    cpu = build_cpu_seconds(out, shards)
+    log.info("feature cache complete: %s (%s, %s CPU-h to build)", out, human(bpt * manifest["tokens"]),
+             "?" if cpu is None else f"{cpu / 3600:.3f}")
     return manifest
 
 
@@ -261,6 +272,9 @@ def _new_manifest(out: Path, cfg: Any, taps: FeatureTaps, dtype: str, shard_byte
                 **key, "features": names, "hidden_size": target.hidden_size, "bytes_per_token": bpt,
                 "target": target.identity(), "target_dtype": str(target.lm_head_weight.dtype).replace("torch.", ""),
                 "batches": {s: len(plans[s][1]) for s in SPLITS}, "shards": shards,
+                # the non-padding tokens of each split, as training counts them (train/tokens)
+                "nonpad_tokens": {s: sum(len(items[j]["input_ids"]) for b in plan for j in b)
+                                  for s, (items, plan) in plans.items()},
                 "tokens": sum(s["tokens"] for s in shards), "complete": False}
     if (out / MANIFEST).is_file():
         old = json.loads((out / MANIFEST).read_text())

@@ -39,7 +39,9 @@ def settle_cpu_hours(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     running, out = 0.0, []
     for p, (tokens, cpu) in zip(points, segments):
         running += cpu if cpu is not None else per_token * (tokens or 0)
-        out.append({**p, "cpu_hours": running / 3600.0, "cpu_hours_estimated": cpu is None})
+        # a curve trained from a feature cache also pays the cache's build (its share so far, run_point's bill)
+        out.append({**p, "cpu_hours": (running + (p.get("cache_cpu_seconds") or 0.0)) / 3600.0,
+                    "cpu_hours_estimated": cpu is None})
     return out
 
 
@@ -101,12 +103,23 @@ def _costs_note(data: dict[str, Any]) -> str:
     return "timed on a quiet machine"
 
 
+def _cache_note(data: dict[str, Any]) -> str:
+    bill = data.get("feature_cache")
+    if not bill:
+        return ""
+    if bill.get("cpu_seconds") is None:
+        return f", trained from the feature cache {bill['path']} whose build cost was not recorded (not included)"
+    return (f", plus the feature cache's build ({bill['cpu_seconds'] / 3600:.2f} CPU-h for "
+            f"{bill['train_tokens']:,} training tokens, billed pro rata over the first epoch)")
+
+
 def markdown(data: dict[str, Any], fit_block: dict[str, Any]) -> str:
     """The curve as a markdown table (one row per point and prompt set) plus the fit's forecast."""
     lines = [f"# Learning curve: {' '.join(data['overrides'])}", "",
              f"Machine: {data['machine']['cpu']}, {data['machine']['cores']} cores. Held-out prompts: "
              f"{data['settings']['prompts']} x {data['settings']['max_new_tokens']} new tokens, greedy, the runtime's "
-             "own loop. CPU-h: the training processes' own CPU time (~: estimated at the measured segments' rate). "
+             "own loop. CPU-h: the training processes' own CPU time (~: estimated at the measured segments' rate)"
+             f"{_cache_note(data)}. "
              "Acceptance at depths 1-4 is per position given the earlier ones were accepted; "
              f"speedups are predicted from one set of step costs ({_costs_note(data)}).", "",
              "| steps | tokens | CPU-h | prompts | first-position | per position d1-d4 | in draft vocab "

@@ -80,6 +80,36 @@ def tokens_seen(run_dir: Path) -> int | None:
     return best
 
 
+def feature_cache_bill(overrides: Sequence[str]) -> dict[str, Any] | None:
+    """What training from a feature cache (``data.features=DIR`` among ``overrides``) costs beyond the drafter's own
+    steps: the CPU seconds the target took to write the cache and the non-padding training tokens it holds (None
+    when the curve trains online). A curve is billed that build pro rata over its first epoch, so that a cached
+    curve and an online one compare at equal CPU-hours; a value the cache did not record is None."""
+    from draftsmith.distill.feature_cache import MANIFEST
+    from draftsmith.distill.feature_shards import build_cpu_seconds
+
+    spec = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == "data.features"), None)
+    if spec in (None, "", "null", "None"):
+        return None
+    path = Path(spec).expanduser().resolve()
+    if not (path / MANIFEST).is_file():
+        raise CurveError(f"data.features={spec}: no {MANIFEST} there; build it first with `draftsmith "
+                         "cache-features recipe=... --out DIR`")
+    manifest = json.loads((path / MANIFEST).read_text())
+    return {"path": str(path), "cpu_seconds": build_cpu_seconds(path, manifest["shards"]),
+            "train_tokens": (manifest.get("nonpad_tokens") or {}).get("train")}
+
+
+def billed_cache_seconds(bill: dict[str, Any] | None, tokens: int | None) -> float | None:
+    """The share of the cache's build a curve has used after ``tokens`` training tokens: all of it once an epoch is
+    done, in proportion before (0 without a cache; None when the cache did not record its cost)."""
+    if bill is None:
+        return 0.0
+    if bill["cpu_seconds"] is None or not bill["train_tokens"]:
+        return None
+    return bill["cpu_seconds"] * min(1.0, (tokens or 0) / bill["train_tokens"])
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` to ``path`` through a temporary file renamed over it (never a half-written curve.json)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -214,9 +244,11 @@ def run_point(curve: Curve, overrides: Sequence[str], steps: int, runner: Callab
     evaluation, measured = evaluate(str(export), curve.settings, measure=curve.wants_costs())
     cores = curve.data["machine"]["cores"] or 1
     cpu_total = meta.get("train_cpu_seconds_total")  # absent in folders written before it was measured
+    cache = billed_cache_seconds(curve.data.get("feature_cache"), meta["tokens"])
     point = {"steps": steps, "tokens": meta["tokens"], "train_seconds_total": meta["train_seconds_total"],
-             "train_cpu_seconds_total": cpu_total,
-             "cpu_hours": (cpu_total if cpu_total else meta["train_seconds_total"] * cores) / 3600.0,
+             "train_cpu_seconds_total": cpu_total, "cache_cpu_seconds": cache,
+             "cpu_hours": ((cpu_total if cpu_total else meta["train_seconds_total"] * cores) + (cache or 0.0))
+             / 3600.0,
              "export": str(export.relative_to(curve.out)), "eval": evaluation}
     curve.add(point, measured)
     return point
@@ -229,6 +261,12 @@ def run_curve(out: str | Path, user_overrides: Sequence[str], plan: list[int], s
     """Run (or resume) the curve in ``out``: every planned point trained, exported and evaluated, in order."""
     overrides = training_overrides(user_overrides)
     curve = Curve(out, overrides, plan, settings)
+    bill = feature_cache_bill(overrides)
+    if bill is not None:
+        if bill["cpu_seconds"] is None:
+            say(f"the feature cache {bill['path']} did not record what it cost to build (written by an older "
+                "version): CPU-hours count the drafter's training only")
+        curve.data["feature_cache"] = bill
     if curve.data["plan"] != plan:
         say(f"extending the kept curve: plan {curve.data['plan']} (its finished points are kept)")
     plan = curve.data["plan"]

@@ -187,6 +187,54 @@ def test_a_larger_steps_extends_a_finished_curve_keeping_its_points(tmp_path):
                   say=lambda s: None)
 
 
+def _fake_feature_cache(folder: Path, shard_cpu: list[float | None], train_tokens: int) -> Path:
+    """A feature-cache folder as the curve reads it: a manifest and shards whose headers carry their build cost."""
+    import torch
+
+    from draftsmith.distill.feature_shards import record_build_cost, write_shard
+
+    folder.mkdir(parents=True)
+    shards = [{"file": f"shard-{i:05d}.safetensors", "tokens": 100} for i in range(len(shard_cpu))]
+    for shard, cpu in zip(shards, shard_cpu):
+        write_shard(folder / shard["file"], {"x": torch.zeros(2)}, {})
+        if cpu is not None:
+            record_build_cost(folder, shard["file"], cpu)
+    (folder / "manifest.json").write_text(json.dumps({"shards": shards, "nonpad_tokens": {"train": train_tokens}}))
+    return folder
+
+
+def test_a_curve_trained_from_a_feature_cache_is_billed_its_build_over_the_first_epoch(tmp_path):
+    """Equal CPU-hours must mean equal work: a cached curve pays the target's pass that wrote its cache, in
+    proportion to the first epoch's tokens it has used, then all of it."""
+    cache = _fake_feature_cache(tmp_path / "features", [1800.0, 1800.0], train_tokens=20_000)
+    said: list[str] = []
+    curve = run_curve(tmp_path / "curve", ["recipe=eagle3", f"data.features={cache}"], [10, 20, 40],
+                      EvalSettings(prompt_sets=("mtbench",)), runner=FakeTraining(), evaluate=fake_evaluate,
+                      say=said.append)
+    points = curve.data["points"]  # FakeTraining: 1,000 tokens a step, no CPU of its own (in-process)
+    assert [p["cache_cpu_seconds"] for p in points] == pytest.approx([1800.0, 3600.0, 3600.0])
+    assert [p["cpu_hours"] for p in points] == pytest.approx([0.5, 1.0, 1.0], abs=0.01)
+    assert [p["cpu_hours"] for p in settle_cpu_hours(points)] == pytest.approx([0.5, 1.0, 1.0], abs=0.01)
+    write_report(tmp_path / "curve", curve.data)
+    table = (tmp_path / "curve" / "curve.md").read_text()
+    assert "feature cache's build (1.00 CPU-h for 20,000 training tokens" in table
+    assert not said[0].startswith("the feature cache")
+
+    killed = _fake_feature_cache(tmp_path / "killed", [1800.0, None], train_tokens=20_000)  # one cost not kept
+    curve = run_curve(tmp_path / "killed_curve", ["recipe=eagle3", f"data.features={killed}"], [40], EvalSettings(
+        prompt_sets=("mtbench",)), runner=FakeTraining(), evaluate=fake_evaluate, say=said.append)
+    assert curve.data["points"][0]["cache_cpu_seconds"] == pytest.approx(3600.0)  # estimated at the other's rate
+    old = _fake_feature_cache(tmp_path / "old", [None, None], train_tokens=20_000)  # written before costs were kept
+    said.clear()
+    curve = run_curve(tmp_path / "old_curve", ["recipe=eagle3", f"data.features={old}"], [10], EvalSettings(
+        prompt_sets=("mtbench",)), runner=FakeTraining(), evaluate=fake_evaluate, say=said.append)
+    assert curve.data["points"][0]["cache_cpu_seconds"] is None
+    assert "did not record what it cost to build" in said[0]
+    with pytest.raises(CurveError, match="no manifest.json there; build it first with `draftsmith cache-features"):
+        run_curve(tmp_path / "none", ["recipe=eagle3", f"data.features={tmp_path / 'missing'}"], [10],
+                  EvalSettings(), runner=FakeTraining(), evaluate=fake_evaluate, say=said.append)
+
+
 def test_the_curve_refuses_keys_it_sets_itself_and_a_missing_recipe(tmp_path):
     with pytest.raises(CurveError, match="trainer.max_steps is set by the curve"):
         run_curve(tmp_path, ["recipe=eagle3", "trainer.max_steps=5"], [1], EvalSettings(), runner=FakeTraining())

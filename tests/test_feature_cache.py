@@ -83,6 +83,26 @@ def test_training_from_the_cache_gives_the_online_weights(tmp_path, fp32_cache, 
         torch.testing.assert_close(off[key], on[key], rtol=0, atol=1e-6, msg=key)
 
 
+def test_the_cache_records_its_build_cost_and_the_training_tokens_it_holds(fp32_cache, tmp_path):
+    """What `draftsmith curve` bills a cached run: the CPU time of every shard (in its header) and the train split's
+    non-padding tokens, counted as training counts them (the attention mask)."""
+    from safetensors import safe_open
+
+    from draftsmith.distill.feature_shards import build_cpu_seconds
+
+    manifest = json.loads((fp32_cache / "manifest.json").read_text())
+    assert build_cpu_seconds(fp32_cache, manifest["shards"]) > 0
+    counted = {"train": 0, "val": 0}
+    for shard in manifest["shards"]:
+        with safe_open(str(fp32_cache / shard["file"]), framework="pt") as handle:
+            for key in handle.keys():
+                if key.endswith(".attention_mask"):
+                    counted[key.split(".", 1)[0]] += int(handle.get_tensor(key).sum())
+    assert manifest["nonpad_tokens"] == counted and counted["train"] > 0
+    partial = [*manifest["shards"], {"file": "shard-99999.safetensors", "tokens": 1}]
+    assert build_cpu_seconds(fp32_cache, partial) is None  # a shard missing: the cost is not known
+
+
 def test_printed_bytes_per_token_match_the_files(tmp_path, tiny_target_dir, tiny_data_file, capsys):
     """``draftsmith cache-features`` (bf16): the printed bytes/token x tokens is exactly the shards' tensor bytes."""
     from draftsmith.cli.training import _cmd_cache_features as cache_features_main
