@@ -37,20 +37,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from draftsmith.common.cache_costs import MANIFEST, build_cpu_seconds, record_build_cost
 from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.feature_shards import (  # noqa: F401 - shard_damage re-exported
-    build_cpu_seconds,
-    intact_shards,
-    record_build_cost,
-    shard_damage,
-    write_shard,
-)
+from draftsmith.distill.feature_shards import intact_shards, shard_damage, write_shard  # noqa: F401 - shard_damage re-exported
 from draftsmith.distill.target import FeatureTaps
 
 log = logging.getLogger(__name__)
 
 FORMAT, VERSION = "draftsmith-features", 1
-MANIFEST, TARGET_DIR, HEAD_FILE = "manifest.json", "target", "head.safetensors"
+TARGET_DIR, HEAD_FILE = "target", "head.safetensors"
 PREFIX = "features."  # batch keys that carry cached target features (stripped before the objective sees the batch)
 SPLITS = ("train", "val")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -223,11 +218,16 @@ def build_cache(cfg: Any, recipe: Any, out: str | Path, dtype: str = "bf16", sha
         record_build_cost(out, shard["file"], time.process_time() - cpu)
         written += 1
     bar.close()
+    return _finish(out, manifest)
+
+
+def _finish(out: Path, manifest: dict) -> dict:
+    """Mark the cache complete (its manifest, atomically) and log its size and what it cost to build."""
     manifest["complete"] = True
     _write_json(out / MANIFEST, manifest)
-    cpu = build_cpu_seconds(out, shards)
-    log.info("feature cache complete: %s (%s, %s CPU-h to build)", out, human(bpt * manifest["tokens"]),
-             "?" if cpu is None else f"{cpu / 3600:.3f}")
+    cpu = build_cpu_seconds(out, manifest["shards"])
+    log.info("feature cache complete: %s (%s, %s CPU-h to build)", out,
+             human(manifest["bytes_per_token"] * manifest["tokens"]), "?" if cpu is None else f"{cpu / 3600:.3f}")
     return manifest
 
 

@@ -61,28 +61,3 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> Non
     save_file(tensors, str(tmp), metadata={"indices": json.dumps(meta)})
     os.replace(tmp, path)
 
-
-BUILD_COSTS = "build_costs.json"  # beside the shards, so a resumed cache's shards stay byte-identical to a fresh one's
-
-
-def record_build_cost(out: Path, shard_file: str, cpu_seconds: float) -> None:
-    """Keep what computing one shard cost (CPU seconds), so a learning curve trained from the cache can be billed."""
-    path = out / BUILD_COSTS
-    costs = json.loads(path.read_text()) if path.is_file() else {}
-    costs[shard_file] = float(cpu_seconds)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(costs, indent=1))
-    os.replace(tmp, path)
-
-
-def build_cpu_seconds(out: Path, shards: list[dict]) -> float | None:
-    """CPU seconds the cache in ``out`` took to compute. A shard whose cost was not kept (a run killed between
-    writing it and its cost) is estimated at the others' CPU seconds per token; None when no shard's cost was kept
-    (a cache written before costs were recorded) or a shard is missing."""
-    path = out / BUILD_COSTS
-    costs = json.loads(path.read_text()) if path.is_file() else {}
-    if not costs or any(not (out / s["file"]).is_file() for s in shards):
-        return None
-    known = [s for s in shards if s["file"] in costs]
-    per_token = sum(costs[s["file"]] for s in known) / max(1, sum(s.get("tokens", 0) for s in known))
-    return sum(costs[s["file"]] if s["file"] in costs else per_token * s.get("tokens", 0) for s in shards)

@@ -85,19 +85,16 @@ def feature_cache_bill(overrides: Sequence[str]) -> dict[str, Any] | None:
     steps: the CPU seconds the target took to write the cache and the non-padding training tokens it holds (None
     when the curve trains online). A curve is billed that build pro rata over its first epoch, so that a cached
     curve and an online one compare at equal CPU-hours; a value the cache did not record is None."""
-    from draftsmith.distill.feature_cache import MANIFEST
-    from draftsmith.distill.feature_shards import build_cpu_seconds
+    from draftsmith.common.cache_costs import MANIFEST, training_bill
 
     spec = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == "data.features"), None)
     if spec in (None, "", "null", "None"):
         return None
-    path = Path(spec).expanduser().resolve()
-    if not (path / MANIFEST).is_file():
+    bill = training_bill(Path(spec))
+    if bill is None:
         raise CurveError(f"data.features={spec}: no {MANIFEST} there; build it first with `draftsmith "
                          "cache-features recipe=... --out DIR`")
-    manifest = json.loads((path / MANIFEST).read_text())
-    return {"path": str(path), "cpu_seconds": build_cpu_seconds(path, manifest["shards"]),
-            "train_tokens": (manifest.get("nonpad_tokens") or {}).get("train")}
+    return bill
 
 
 def billed_cache_seconds(bill: dict[str, Any] | None, tokens: int | None) -> float | None:

@@ -191,7 +191,8 @@ def _fake_feature_cache(folder: Path, shard_cpu: list[float | None], train_token
     """A feature-cache folder as the curve reads it: a manifest and shards whose headers carry their build cost."""
     import torch
 
-    from draftsmith.distill.feature_shards import record_build_cost, write_shard
+    from draftsmith.common.cache_costs import record_build_cost
+    from draftsmith.distill.feature_shards import write_shard
 
     folder.mkdir(parents=True)
     shards = [{"file": f"shard-{i:05d}.safetensors", "tokens": 100} for i in range(len(shard_cpu))]

@@ -88,7 +88,7 @@ def test_the_cache_records_its_build_cost_and_the_training_tokens_it_holds(fp32_
     non-padding tokens, counted as training counts them (the attention mask)."""
     from safetensors import safe_open
 
-    from draftsmith.distill.feature_shards import build_cpu_seconds
+    from draftsmith.common.cache_costs import build_cpu_seconds
 
     manifest = json.loads((fp32_cache / "manifest.json").read_text())
     assert build_cpu_seconds(fp32_cache, manifest["shards"]) > 0
