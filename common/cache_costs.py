@@ -4,9 +4,10 @@ training's cache writer and by the learning curve that bills a cached run for it
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from draftsmith.common.atomic_folder import write_file
 
 MANIFEST = "manifest.json"  # the feature cache's manifest (draftsmith.distill.feature_cache writes it)
 BUILD_COSTS = "build_costs.json"  # beside the shards, so a resumed cache's shards stay byte-identical to a fresh one's
@@ -17,9 +18,7 @@ def record_build_cost(out: Path, shard_file: str, cpu_seconds: float) -> None:
     path = Path(out) / BUILD_COSTS
     costs = json.loads(path.read_text()) if path.is_file() else {}
     costs[shard_file] = float(cpu_seconds)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(costs, indent=1))
-    os.replace(tmp, path)
+    write_file(path, json.dumps(costs, indent=1))
 
 
 def build_cpu_seconds(out: Path, shards: list[dict]) -> float | None:
