@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,33 @@ def _text_of(path: Path) -> str:
                          "humaneval") from None
 
 
+SLICE = re.compile(r"^(?P<name>.+)\[(?P<start>\d*):(?P<stop>\d*)\]$")
+
+
 def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | None = None) -> list[list[int]]:
     """``mtbench`` (first turns of the 80 questions), ``humaneval`` (the 164 problems as chat prompts) or a jsonl
-    with ``prompt`` or MT-Bench ``turns``. With
-    ``max_len`` (the target's context), a prompt that cannot fit fails at once, named, before any model work."""
+    with ``prompt`` or MT-Bench ``turns``; ``NAME[a:b]`` takes those prompts of the set (``mtbench[40:]``: prompts
+    a bench on the first ones never sees, for choosing checkpoints on). With ``max_len`` (the target's context), a
+    prompt that cannot fit fails at once, named, before any model work."""
     if limit is not None and limit < 1:  # 0 would mean "all" and -N "all but N" below: refuse both
         raise ValueError(f"the number of prompts must be >= 1, got {limit} (leave it out to use every prompt)")
+    sliced = None if Path(spec).is_file() else SLICE.match(spec)  # a file whose name ends in [a:b] is a file
+    if sliced:
+        texts = _texts(sliced["name"])[int(sliced["start"] or 0):int(sliced["stop"]) if sliced["stop"] else None]
+    else:
+        texts = _texts(spec)
+    texts = texts[:limit] if limit else texts
+    if not texts:
+        raise ValueError(f"no prompts in {spec}")
+    encoded = [encode_chat(tokenizer, t) for t in texts]
+    for n, ids in enumerate(encoded, 1):
+        if max_len is not None:
+            check_prompt_fits(len(ids), max_len, f"prompt {n} of {spec} ({texts[n - 1][:40]!r}...)")
+    return encoded
+
+
+def _texts(spec: str) -> list[str]:
+    """Every prompt text of ``mtbench``, ``humaneval`` or a jsonl file, in order."""
     if spec == "mtbench":
         texts = [q["turns"][0] for q in assets.mtbench_questions()]
     elif spec == "humaneval":
@@ -51,11 +73,4 @@ def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | No
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f"{path}:{n}: needs a non-empty 'prompt' string or a 'turns' list")
             texts.append(text)
-    texts = texts[:limit] if limit else texts
-    if not texts:
-        raise ValueError(f"no prompts in {spec}")
-    encoded = [encode_chat(tokenizer, t) for t in texts]
-    for n, ids in enumerate(encoded, 1):
-        if max_len is not None:
-            check_prompt_fits(len(ids), max_len, f"prompt {n} of {spec} ({texts[n - 1][:40]!r}...)")
-    return encoded
+    return texts

@@ -29,7 +29,7 @@ from draftsmith.cli.serving import add_verifier_flag as _add_verifier
 
 def _prompts_and_out(b: argparse.ArgumentParser, prompts: str = "mtbench", also: str = "") -> None:
     b.add_argument("--prompts", default=prompts,
-                   help=f"mtbench, humaneval or a .jsonl with 'prompt' (or 'turns'){also}")
+                   help=f"mtbench, humaneval or a .jsonl with 'prompt' (or 'turns'); NAME[a:b] takes a slice{also}")
     b.add_argument("--num-prompts", type=counts("leave it out to use every prompt"), default=None,
                    help="use the first N prompts")
     b.add_argument("--out", default=None, help="folder for the results (checked before the bench runs)")

@@ -59,8 +59,9 @@ class ServedTauConfig:
     every: int = key("probe every N-th validation pass (and the final one); 0 = off", ge=0)
     prompts: int = key("held-out prompts served at each probe", ge=1)
     max_new_tokens: int = key("tokens generated per prompt", ge=1)
-    prompt_set: str = key("mtbench | humaneval | a .jsonl with a `prompt` field")
+    prompt_set: str = key("mtbench | humaneval | a .jsonl with a `prompt` field; NAME[a:b] a slice of one")
     dtype: str = key("the runtime's dtype, as `draftsmith bench`", choices=("auto", "fp32", "bf16"))
+    keep_best: bool = key("keep the export whose probe served best at <run dir>/export_best (beside the last)")
 
 
 @dataclass

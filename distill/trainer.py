@@ -234,6 +234,32 @@ def _scalars(metrics: dict) -> dict[str, float]:
     return {k: round(float(v), 5) for k, v in metrics.items() if torch.is_tensor(v) and v.numel() == 1}
 
 
+def extra_callbacks(cfg: DictConfig, target: Any, run_dir: Path, shard_target: bool, served: bool,
+                    resumed: bool) -> list:
+    """Callbacks beyond the standard set: the sharded target's, and the best-served export's when a served-tau
+    probe runs and ``validation.served_tau.keep_best`` is on."""
+    from draftsmith.distill.best_export import KeepBestServed
+
+    extra: list = [TargetSharding(target, cfg.trainer)] if shard_target else []
+    block = (cfg.get("validation") or {}).get("served_tau") or {}
+    if served and bool(block.get("keep_best", True)) and bool(cfg.run.export):
+        extra.append(KeepBestServed(run_dir, resumed=resumed))
+    return extra
+
+
+def validation_summary(module: Any, trainer: pl.Trainer) -> dict[str, Any]:
+    """The last served-tau probe and the export kept as the best served one (with its step and tau), if any."""
+    from draftsmith.distill.best_export import KeepBestServed
+
+    summary: dict[str, Any] = {}
+    if module.served_validation is not None:
+        summary["served_validation"] = module.served_validation
+    keeper = next((c for c in trainer.callbacks if isinstance(c, KeepBestServed)), None)
+    if keeper is not None and keeper.best is not None:
+        summary["export_best"] = {**keeper.best, "path": str(keeper.out)}
+    return summary
+
+
 def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | None = None,
           served_probe: Any = None) -> dict[str, Any]:
     """Train ``recipe`` as configured; returns a summary (steps, tokens, seconds, export folder, metrics).
@@ -272,7 +298,8 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     wrapped = apply_activation_checkpointing(module.drafter, cfg.trainer)
     if wrapped:
         log.info("activation checkpointing: %s", ", ".join(sorted(c.__name__ for c in wrapped)))
-    extra = [TargetSharding(target, cfg.trainer)] if shard_target else []
+    extra = extra_callbacks(cfg, target, run_dir, shard_target, served=served_probe is not None,
+                            resumed=ckpt_path is not None)
     trainer = build_trainer(cfg, run_dir, callbacks=extra, drafter=module.drafter, run_name=run_name)
     start = time.perf_counter()
     fit_or_interrupted(trainer, module, data, ckpt_path, run_dir, int(cfg.run.checkpoint_every))
@@ -287,7 +314,6 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
         out = export_from_module(module, run_dir / "export", training=summary)
         summary["export"] = str(out)
         log.info("exported %s drafter to %s", recipe.name, out)
-    if module.served_validation is not None:  # after the export, whose config.json holds it as `validation`
-        summary["served_validation"] = module.served_validation
+    summary.update(validation_summary(module, trainer))  # after the export, whose config.json holds `validation`
     finish_loggers(trainer.loggers, Path(summary["export"]) if "export" in summary else None)
     return summary

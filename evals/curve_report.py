@@ -113,6 +113,30 @@ def _cache_note(data: dict[str, Any]) -> str:
             f"{bill['train_tokens']:,} training tokens, billed pro rata over the first epoch)")
 
 
+def best_point(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The point whose export reads the highest mean first-position acceptance over the held-out prompt sets (the
+    checkpoint to serve: training loss keeps falling after acceptance peaks), with how far the last point is below
+    it; None before the first point."""
+    names = prompt_sets(data)
+    scored = [(sum(p["eval"][n]["first_position_acceptance"] for n in names) / len(names), p)
+              for p in data["points"] if names and all(n in p.get("eval", {}) for n in names)]
+    if not scored:
+        return None
+    mean, best = max(scored, key=lambda sp: (sp[0], -sp[1]["steps"]))  # a tie keeps the earlier, cheaper point
+    return {"steps": best["steps"], "tokens": best.get("tokens"), "mean_first_position": round(mean, 4),
+            "export": f"points/step{best['steps']}/export", "last_below_by": round(mean - scored[-1][0], 4)}
+
+
+def _best_line(data: dict[str, Any]) -> list[str]:
+    best = data.get("best_point")
+    if not best:
+        return []
+    fell = (f"; the last point reads {best['last_below_by']:.3f} lower: acceptance peaked before the run's end"
+            if best["last_below_by"] > 0 else "")
+    return ["", f"Best point by held-out acceptance: step {best['steps']} (mean first-position "
+            f"{best['mean_first_position']:.3f}), export `{best['export']}`{fell}."]
+
+
 def markdown(data: dict[str, Any], fit_block: dict[str, Any]) -> str:
     """The curve as a markdown table (one row per point and prompt set) plus the fit's forecast."""
     lines = [f"# Learning curve: {' '.join(data['overrides'])}", "",
@@ -135,7 +159,7 @@ def markdown(data: dict[str, Any], fit_block: dict[str, Any]) -> str:
                          f"{_fmt(e.get('draft_vocab_coverage'))} | "
                          f"{aware.get('shape', '-')} | {_fmt(aware.get('tau'), 2)} | "
                          f"{_fmt(aware.get('predicted_speedup'), 2)}x |")
-    lines += ["", "## Fit: first-position acceptance = ceiling - scale * tokens^(-exponent)", ""]
+    lines += [*_best_line(data), "", "## Fit: first-position acceptance = ceiling - scale * tokens^(-exponent)", ""]
     for name, block in fit_block.items():
         fit = block.get("fit")
         if fit is None:
@@ -194,6 +218,7 @@ def write_report(curve_dir: str | Path, data: dict[str, Any]) -> dict[str, Any]:
     data = {**data, "points": settle_cpu_hours(data["points"])}
     block = fits(data)
     data = {**with_cost_aware(data), "fit": block}
+    data["best_point"] = best_point(data)
     write_json(curve_dir / CURVE_FILE, data)
     (curve_dir / "curve.md").write_text(markdown(data, block))
     if data["points"]:

@@ -42,3 +42,18 @@ def test_a_prompt_beyond_the_context_fails_at_once_naming_it(tiny_tokenizer, tmp
     assert len(load_prompts(str(prompts), tiny_tokenizer, None)) == 2  # no limit given: nothing refused
     with pytest.raises(ValueError, match=r"prompt 2 of .*long.jsonl.* has \d+ tokens but the target's context is 512"):
         load_prompts(str(prompts), tiny_tokenizer, None, max_len=512)
+
+
+def test_a_slice_of_a_prompt_set_takes_exactly_those_prompts(tiny_tokenizer, tmp_path):
+    every = load_prompts("mtbench", tiny_tokenizer, None)
+    assert load_prompts("mtbench[40:]", tiny_tokenizer, None) == every[40:]  # disjoint from a bench's first 8
+    assert load_prompts("mtbench[40:48]", tiny_tokenizer, 3) == every[40:43]  # the limit counts inside the slice
+    assert load_prompts("humaneval[:2]", tiny_tokenizer, None) == load_prompts("humaneval", tiny_tokenizer, 2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(5)))
+    assert load_prompts(f"{prompts}[3:]", tiny_tokenizer, None) == load_prompts(str(prompts), tiny_tokenizer, None)[3:]
+    with pytest.raises(ValueError, match=r"no prompts in mtbench\[90:\]"):
+        load_prompts("mtbench[90:]", tiny_tokenizer, None)
+    odd = tmp_path / "odd[1:2]"  # a file whose name looks like a slice is read as that file
+    odd.write_text(json.dumps({"prompt": "only one"}) + "\n")
+    assert len(load_prompts(str(odd), tiny_tokenizer, None)) == 1

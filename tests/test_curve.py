@@ -16,7 +16,7 @@ import pytest
 from pattern_target import write_heldout_prompts
 
 from draftsmith.evals.curve_fit import fit_curve, forecast
-from draftsmith.evals.curve_report import compare, settle_cpu_hours, write_report
+from draftsmith.evals.curve_report import best_point, compare, settle_cpu_hours, write_report
 from draftsmith.evals.curve_runner import CurveError, log_spaced_steps, run_curve
 from draftsmith.evals.learning_curve import (
     EvalSettings,
@@ -286,6 +286,21 @@ def test_cpu_hours_come_from_measured_segments_and_estimate_the_unmeasured_ones(
     settled = settle_cpu_hours(points)
     assert [p["cpu_hours_estimated"] for p in settled] == [True, False, False]
     assert [round(p["cpu_hours"] * 3600) for p in settled] == [100, 300, 700]  # 0.1 s a token for the first
+
+
+def test_the_best_point_is_chosen_by_held_out_acceptance_and_says_when_the_run_went_past_it():
+    def point(steps: int, mt: float, he: float) -> dict:
+        return {"steps": steps, "tokens": steps * 1000, "eval": {"mtbench": {"first_position_acceptance": mt},
+                                                                  "humaneval": {"first_position_acceptance": he}}}
+
+    data = {"settings": {"prompt_sets": ["mtbench", "humaneval"]},
+            "points": [point(10, 0.2, 0.1), point(100, 0.5, 0.3), point(1000, 0.45, 0.25)]}
+    best = best_point(data)  # means 0.15, 0.40, 0.35: the run trained past its best point
+    assert best["steps"] == 100 and best["export"] == "points/step100/export"
+    assert best["mean_first_position"] == pytest.approx(0.4) and best["last_below_by"] == pytest.approx(0.05)
+    data["points"].append(point(3000, 0.3, 0.5))  # a tie keeps the earlier, cheaper point; the last is that far below
+    assert best_point(data)["steps"] == 100 and best_point(data)["last_below_by"] == pytest.approx(0.0)
+    assert best_point({**data, "points": []}) is None
 
 
 def test_curves_are_compared_at_equal_cpu_hours_and_train_best_trains_the_pick(tmp_path):
