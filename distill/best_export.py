@@ -10,12 +10,13 @@ of its step, so it cannot hold the probe's verdict on those weights; a fresh run
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+
+from draftsmith.export.format import ExportError, read_config
 
 BEST_EXPORT = "export_best"
 
@@ -38,8 +39,8 @@ class KeepBestServed(pl.Callback):
         tau, step = record.get("served_tau"), int(trainer.global_step)
         if tau is None or int(record.get("step", -1)) != step:  # no probe ran on these weights
             return
-        if self.best is not None and (float(tau) <= self.best["served_tau"] or self.best["step"] == step):
-            return  # ties keep the earlier (cheaper to reach) weights; the final pass re-probes the last step
+        if self.best is not None and float(tau) <= self.best["served_tau"]:
+            return  # ties keep the earlier (cheaper to reach) weights, and the final pass re-probing them changes none
         from draftsmith.distill.exporting import export_from_module
 
         best = {"step": step, "served_tau": float(tau), "tokens": int(getattr(pl_module, "tokens_seen", 0))}
@@ -52,8 +53,8 @@ class KeepBestServed(pl.Callback):
 def kept_best(export_dir: Path) -> dict[str, Any] | None:
     """``{"step", "served_tau", "tokens"}`` of a best-served export written by :class:`KeepBestServed`, else None."""
     try:
-        training = json.loads((export_dir / "config.json").read_text())["training"]
-    except (OSError, ValueError, KeyError):
+        training = read_config(export_dir)["training"]
+    except (ExportError, KeyError):
         return None
     if training.get("chosen_by") != "val/served_tau":
         return None

@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
+from draftsmith.distill.best_export import KeepBestServed
 from draftsmith.distill.checkpoints import (
     CHECKPOINT_DIR,
     LAST_CHECKPOINT,
@@ -238,8 +239,6 @@ def extra_callbacks(cfg: DictConfig, target: Any, run_dir: Path, shard_target: b
                     resumed: bool) -> list:
     """Callbacks beyond the standard set: the sharded target's, and the best-served export's when a served-tau
     probe runs and ``validation.served_tau.keep_best`` is on."""
-    from draftsmith.distill.best_export import KeepBestServed
-
     extra: list = [TargetSharding(target, cfg.trainer)] if shard_target else []
     block = (cfg.get("validation") or {}).get("served_tau") or {}
     if served and bool(block.get("keep_best", True)) and bool(cfg.run.export):
@@ -249,8 +248,6 @@ def extra_callbacks(cfg: DictConfig, target: Any, run_dir: Path, shard_target: b
 
 def validation_summary(module: Any, trainer: pl.Trainer) -> dict[str, Any]:
     """The last served-tau probe and the export kept as the best served one (with its step and tau), if any."""
-    from draftsmith.distill.best_export import KeepBestServed
-
     summary: dict[str, Any] = {}
     if module.served_validation is not None:
         summary["served_validation"] = module.served_validation
