@@ -122,9 +122,9 @@ test-e2e: setup-dev speculators-venv
 	$(PYTEST) -m e2e
 
 # On a machine with a CUDA GPU: GPU-marked tests, a few bf16-mixed steps of each recipe, runtime torch vs Triton on
-# CUDA, a short bench; one table (scripts/gpu_check.sh says how it runs where no registry can be reached).
+# CUDA, a short bench; one table (tests/gpu_check/gpu_check.sh says how it runs where no registry can be reached).
 gpu-check:
-	bash scripts/gpu_check.sh
+	bash tests/gpu_check/gpu_check.sh
 
 $(BEST_DATA): | assets
 	mkdir -p $(dir $@)

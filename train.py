@@ -50,7 +50,7 @@ def expand_shorthands(argv: list[str]) -> list[str]:
 def purposeful_errors() -> tuple[type[BaseException], ...]:
     """Errors draftsmith raises on purpose with a message for the user (bad config, bad data, diverged run)."""
     from draftsmith.assets import AssetError
-    from draftsmith.distill.errors import DraftsmithError
+    from draftsmith.common.errors import DraftsmithError
     from draftsmith.export.format import ExportError
 
     return DraftsmithError, ExportError, AssetError
@@ -78,7 +78,7 @@ def interrupted_message(err: BaseException, argv: list[str], run_dir: str) -> st
     checkpoint = getattr(err, "checkpoint", None)
     every = getattr(err, "checkpoint_every", None)
     if checkpoint is None:
-        from draftsmith.distill.checkpoints import find_resume_checkpoint
+        from draftsmith.distill.engine.checkpoints import find_resume_checkpoint
 
         found = find_resume_checkpoint(getattr(err, "run_dir", run_dir))
         checkpoint = str(found) if found else None
@@ -108,7 +108,7 @@ def report_error(err: BaseException | str) -> None:
 def served_probe(cfg: DictConfig) -> Any:
     """The served-tau probe ``validation.served_tau`` asks for (``draftsmith.evals.served_tau``), or None when off.
     Built here because training (``distill/``) never imports serving code; bad values are a ConfigError."""
-    from draftsmith.distill.errors import ConfigError
+    from draftsmith.common.errors import ConfigError
 
     block = (cfg.get("validation") or {}).get("served_tau")
     if not block or not block.get("every"):
@@ -131,13 +131,13 @@ def main(cfg: DictConfig) -> float | None:
     traceback is only for bugs (and for every error under ``HYDRA_FULL_ERROR=1``).
     """
     from draftsmith import recipes
-    from draftsmith.distill.trainer import train
+    from draftsmith.distill.engine.trainer import train
 
     recipe = recipes.get_recipe(cfg.recipe.name)
     hydra_cfg = HydraConfig.get()
     run_name = f"{cfg.recipe.name}-{slug(hydra_cfg.job.override_dirname)}"
     if cfg.data.features:  # offline: batches and target features from a cache, the target never loaded
-        from draftsmith.distill.cached_features import train_offline as train
+        from draftsmith.distill.feature_cache.cached_data import train_offline as train
     try:
         if cfg.data.features:  # offline runs never load the target; the probe would (off there, for now)
             summary = train(cfg, recipe, hydra_cfg.runtime.output_dir, run_name=run_name)
@@ -233,7 +233,7 @@ def composition_message(err: BaseException, overrides: list[str]) -> str:
 
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-    from draftsmith.distill.config_checks import unknown_key_message
+    from draftsmith.distill.config.checks import unknown_key_message
     from draftsmith.recipes.schemas import SCHEMAS
 
     recipe, text, cause = chosen_recipe(overrides), str(err), err.__cause__
@@ -258,7 +258,7 @@ def preflight(argv: list[str]) -> str | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from draftsmith.distill.config_checks import schema_problems
+    from draftsmith.distill.config.checks import schema_problems
 
     overrides = plain_overrides(argv)
     jobs = sweep_jobs(overrides) if overrides is not None else None
@@ -274,7 +274,7 @@ def preflight(argv: list[str]) -> str | None:
 
 def help_text(argv: list[str], prog: str) -> str:
     """``--help``: the usage and the recipes; with ``recipe=NAME``, that recipe's keys (type, default, doc, range)."""
-    from draftsmith.distill.config_checks import describe_keys
+    from draftsmith.distill.config.checks import describe_keys
 
     head = prog if not prog.endswith(".py") else f"python {Path(prog).name}"
     overrides = [a for a in (plain_overrides([a for a in argv if a not in ("--help", "-h")]) or [])]

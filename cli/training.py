@@ -34,8 +34,8 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
     from pathlib import Path
 
     from draftsmith import recipes
-    from draftsmith.distill.bench_train import bench_train
-    from draftsmith.distill.errors import ConfigError
+    from draftsmith.common.errors import ConfigError
+    from draftsmith.distill.engine.bench_train import bench_train
 
     parser = argparse.ArgumentParser(prog="draftsmith bench-train")
     parser.add_argument("--steps", type=int, default=6)
@@ -63,14 +63,14 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
 
 def _cmd_cache_features(argv: list[str]) -> int:
     """``draftsmith cache-features recipe=NAME [overrides] --out DIR [--dtype bf16|fp32] [--shard-mb N]``: run the
-    target once over the data and write the features the recipe taps (:mod:`draftsmith.distill.feature_cache`).
+    target once over the data and write the features the recipe taps (:mod:`draftsmith.distill.feature_cache.build`).
     Lives in the CLI, not in distill/, because composing configs (Hydra) and picking recipes is the entry points'
     job."""
     import argparse
 
     from draftsmith import recipes
-    from draftsmith.distill.errors import ConfigError
-    from draftsmith.distill.feature_cache import build_cache
+    from draftsmith.common.errors import ConfigError
+    from draftsmith.distill.feature_cache.build import build_cache
     from draftsmith.train import expand_shorthands, preflight, purposeful_errors, report_error
 
     parser = argparse.ArgumentParser(prog="draftsmith cache-features")
@@ -99,7 +99,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from draftsmith.common.atomic_folder import scratch_folder
-    from draftsmith.distill.exporting import export_from_checkpoint
+    from draftsmith.distill.engine.exporting import export_from_checkpoint
     from draftsmith.export.format import CONFIG_FILE, read_config
 
     src, is_export = args.source, (Path(args.source) / CONFIG_FILE).is_file()

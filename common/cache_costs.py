@@ -9,7 +9,7 @@ from typing import Any
 
 from draftsmith.common.atomic_folder import write_file
 
-MANIFEST = "manifest.json"  # the feature cache's manifest (draftsmith.distill.feature_cache writes it)
+MANIFEST = "manifest.json"  # the feature cache's manifest (draftsmith.distill.feature_cache.build writes it)
 BUILD_COSTS = "build_costs.json"  # beside the shards, so a resumed cache's shards stay byte-identical to a fresh one's
 
 

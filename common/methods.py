@@ -1,7 +1,7 @@
 """The one method table: every training method (one per ``conf/recipe/<name>.yaml``) and the files that make it.
 
 Pure data, importing nothing of draftsmith, so every room may read it. Readers: ``scripts/method_table.py`` (the
-equal-budget table's recipes and labels), ``scripts/gpu_check.py`` (which recipes train standalone, tiny-run
+equal-budget table's recipes and labels), ``tests/gpu_check/gpu_check.py`` (which recipes train standalone, tiny-run
 overrides), the CLI (``export --format`` choices and per-method format errors), ``recipes.get_recipe`` (a recipe
 with no entry here is an error). ``tests/test_method_table.py`` keeps the table true: every registered recipe has an
 entry and every entry's config, module, tests and runtime proposer exist. Adding a method: docs/ADDING_A_METHOD.md.

@@ -1,11 +1,11 @@
 """EAGLE-1 drafter: one Llama-style decoder layer that extrapolates the target's post-norm feature.
 
-Token/feature alignment of the EAGLE family (the one authoritative statement; recipes/eagle.py,
-recipes/eagle3.py, drafters/eagle3.py and runtime/drafting/eagle.py refer here). The target feature ``f_t`` at input
-position ``t`` is the state after reading ``x_0..x_t`` (distill/target.py's tap convention), from which the target
-predicts ``x_{t+1}``. The drafter's pair ``t`` is ``(f_t, x_{t+1})``: the feature together with the token the target
-produced from it, which is one place further on (the "off-by-one" shift); it sits at RoPE position ``t`` and predicts
-the following feature ``f̂_{t+1}`` and so the token ``x_{t+2}``. A sequence of ``T`` tokens has pairs ``t = 0..T-2``
+Token/feature alignment of the EAGLE family (the one authoritative statement; recipes/eagle.py, recipes/eagle3.py,
+drafters/eagle3.py and runtime/drafting/eagle.py refer here). The target feature ``f_t`` at input position ``t`` is the
+state after reading ``x_0..x_t`` (distill/target/frozen.py's tap convention), from which the target predicts
+``x_{t+1}``. The drafter's pair ``t`` is ``(f_t, x_{t+1})``: the feature together with the token the target produced
+from it, which is one place further on (the "off-by-one" shift); it sits at RoPE position ``t`` and predicts the
+following feature ``f̂_{t+1}`` and so the token ``x_{t+2}``. A sequence of ``T`` tokens has pairs ``t = 0..T-2``
 (``x_T`` does not exist), and a loss on pair ``t`` is masked by ``loss_mask[t+2]``, the token it predicts.
 
 EAGLE-1: ``z_t = fc(concat(embed(x_{t+1}), f_t))`` (embedding first, ``f_t`` the post-final-norm ``Target`` tap

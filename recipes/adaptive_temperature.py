@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.errors import ConfigError
 from draftsmith.controllers.adaptive_temperature import (
     METHOD,
     AdaptiveTemperatureConfig,
@@ -28,11 +29,10 @@ from draftsmith.controllers.adaptive_temperature import (
     check_granularity,
     check_grid,
 )
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.lpo_loss import LOSS_FORMS, lpo_loss, tempered_token_log_probs
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.preference_data import read_pair_rounds
-from draftsmith.distill.target import FeatureTaps, Target
+from draftsmith.distill.data.preferences import read_pair_rounds
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.losses.lpo import LOSS_FORMS, lpo_loss, tempered_token_log_probs
+from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.export.format import ExportError
 from draftsmith.recipes.registry import register_recipe
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.errors import ConfigError, DataError
 from draftsmith.common.trees import TreeCalibration
-from draftsmith.distill.errors import ConfigError, DataError
-from draftsmith.distill.losses import LMHeadLoss, masked_smooth_l1, topk_hits
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.losses.core import LMHeadLoss, masked_smooth_l1, topk_hits
+from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.heads.clover import EMBED_SOURCES, CloverConfig, CloverHeads
 from draftsmith.recipes.hydra import inference_block, make_calibration

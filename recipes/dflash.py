@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.common.constants import STOP_FIXED
-from draftsmith.distill.errors import ConfigError, DataError
-from draftsmith.distill.losses import LMHeadLoss, topk_hits
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
+from draftsmith.common.errors import ConfigError, DataError
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
+from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.recipes.dflash_blocks import Blocks, build_blocks, sample_anchors
@@ -223,7 +223,7 @@ def resolve_mask_token(requested: int | None, tokenizer: Any, vocab: int,
 
 def build_objective(cfg: Any, target: Target, token_batches: Any = None) -> DFlashObjective:
     """The objective; ``token_batches`` (iterable of (input_ids, loss_mask)) replaces the training-data scan."""
-    from draftsmith.distill.draft_vocab import training_token_batches
+    from draftsmith.distill.data.draft_vocab import training_token_batches
 
     d, num_layers = cfg.drafter, target.num_layers
     try:

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.common.diffusion_format import DIFFUSION_KEY, MASK_TOKEN, DiffusionSpec, additive_mask
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.target import FeatureTaps, Target
+from draftsmith.common.errors import ConfigError
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.export.diffusion_folder import save_diffusion_folder
 from draftsmith.recipes.registry import register_recipe
 

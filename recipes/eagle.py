@@ -2,7 +2,7 @@
 
 Alignment: the pairing of drafters/eagle.py's module docstring (pair ``t`` = ``(f_t, x_{t+1})`` predicts
 ``f̂_{t+1}`` and ``x_{t+2}``). Its targets are ``f_{t+1}`` and the target's logits at position ``t+1``; both losses
-use ``loss_mask[t+2]`` (distill/data.py: ``loss_mask[s] == 1`` when token ``s`` is an assistant label).
+use ``loss_mask[t+2]`` (distill/data/samples.py: ``loss_mask[s] == 1`` when token ``s`` is an assistant label).
 
 ``L = feature_weight * SmoothL1(f̂_{t+1}, f_{t+1}) + token_weight * softCE(lm_head(f̂_{t+1}), p_target(. | t+1))``.
 
@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from draftsmith.common.constants import EAGLE_TREE_PROPOSER, STOP_FIXED
-from draftsmith.distill.errors import ConfigError, DataError
-from draftsmith.distill.losses import LMHeadLoss, masked_smooth_l1, topk_hits
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
+from draftsmith.common.errors import ConfigError, DataError
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.losses.core import LMHeadLoss, masked_smooth_l1, topk_hits
+from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.recipes.registry import register_recipe
 

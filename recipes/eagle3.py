@@ -15,11 +15,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from draftsmith.distill.draft_vocab import count_draft_vocab
-from draftsmith.distill.errors import ConfigError, DataError
-from draftsmith.distill.losses import LMHeadLoss, topk_hits
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
+from draftsmith.common.errors import ConfigError, DataError
+from draftsmith.distill.data.draft_vocab import count_draft_vocab
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
+from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_target_layers
 from draftsmith.recipes.eagle import eagle_inference_defaults
 from draftsmith.recipes.registry import register_recipe

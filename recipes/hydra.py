@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from draftsmith.common.constants import STOP_FIXED
+from draftsmith.common.errors import ConfigError
 from draftsmith.common.trees import TreeCalibration
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.losses import LMHeadLoss, topk_hits
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
+from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.heads.hydra import HydraConfig, HydraHeads
 from draftsmith.recipes.medusa import LABEL_SOURCES, default_tree

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.common.constants import STOP_CONFIDENCE
-from draftsmith.distill.errors import ConfigError, DataError
-from draftsmith.distill.losses import LMHeadLoss, topk_hits
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
+from draftsmith.common.errors import ConfigError, DataError
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
+from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.drafters.kangaroo import KangarooConfig, KangarooDrafter, check_exit_layer, default_exit_layer
 from draftsmith.recipes.registry import register_recipe

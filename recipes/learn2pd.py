@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.common.diffusion_format import DiffusionTargetError, spec_of
+from draftsmith.common.errors import ConfigError, DataError
 from draftsmith.controllers.learn2pd import Learn2PDConfig, Learn2PDFilter
-from draftsmith.distill.errors import ConfigError, DataError
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.target import FeatureTaps, Target
-from draftsmith.distill.trajectory_data import read_trajectories
+from draftsmith.distill.data.trajectories import read_trajectories
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.recipes.registry import register_recipe
 
 

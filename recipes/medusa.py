@@ -7,12 +7,12 @@ from typing import Any
 import torch
 
 from draftsmith.common.constants import STOP_FIXED
+from draftsmith.common.errors import ConfigError
 from draftsmith.common.trees import TreeCalibration, default_medusa_tree
-from draftsmith.distill.draft_vocab import count_draft_vocab
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.losses import IGNORE_INDEX, LMHeadLoss, topk_hits
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
+from draftsmith.distill.data.draft_vocab import count_draft_vocab
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.losses.core import IGNORE_INDEX, LMHeadLoss, topk_hits
+from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.kernels.linear_cross_entropy import LinearCEOutput
 from draftsmith.recipes.registry import register_recipe

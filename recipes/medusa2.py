@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from draftsmith.common.constants import ADAPTER_LORA
+from draftsmith.common.errors import ConfigError
 from draftsmith.common.trees import TreeCalibration
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.lora import LoraSpec, TargetAdapter, require_peft
-from draftsmith.distill.losses import LMHeadLoss, masked_cross_entropy, topk_hits
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.target import FeatureTaps, Target
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.losses.core import LMHeadLoss, masked_cross_entropy, topk_hits
+from draftsmith.distill.target.frozen import FeatureTaps, Target
+from draftsmith.distill.target.lora import LoraSpec, TargetAdapter, require_peft
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.hydra import inference_block, make_calibration
 from draftsmith.recipes.medusa import (

@@ -1,4 +1,4 @@
-"""Each recipe's config schema: ``TrainConfig`` (the shared groups, distill/config_schema.py) plus the recipe's own
+"""Each recipe's config schema: ``TrainConfig`` (the shared groups, distill/config/schema.py) plus the recipe's own
 groups, with a type, a one-line doc and a range per key. Stored in Hydra's ConfigStore as ``schema/<recipe>``;
 ``conf/train.yaml`` merges the chosen recipe's schema first (``schema@_global_: ${recipe}``), so Hydra refuses a key
 the schema lacks and a value of the wrong type. Values live in the YAML files; a field here defaults to MISSING.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from draftsmith.distill.config_schema import LossConfig, TrainConfig, group, key
+from draftsmith.distill.config.schema import LossConfig, TrainConfig, group, key
 
 
 @dataclass

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.common.constants import STOP_LEARNED
+from draftsmith.common.errors import ConfigError, DataError
 from draftsmith.controllers.acceptance import (
     METHOD,
     AcceptanceHead,
@@ -36,9 +37,8 @@ from draftsmith.controllers.acceptance import (
     binary_kl,
     weighted_soft_bce,
 )
-from draftsmith.distill.errors import ConfigError, DataError
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.target import FeatureTaps, Target
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.drafters.eagle import EagleDrafter
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.drafters.kangaroo import KangarooDrafter

@@ -96,7 +96,7 @@ LAYER_FLAGS = ["--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-ou
 def tokenized_samples(tokenizer, conversations: list, tokens: int, max_length: int) -> list[dict]:
     """Conversations in order, tokenised with draftsmith's chat masking, until ``tokens`` tokens (samples with no
     assistant token are skipped)."""
-    from draftsmith.distill.data import tokenize_conversation
+    from draftsmith.distill.data.samples import tokenize_conversation
 
     samples, total = [], 0
     for messages in conversations:
@@ -115,7 +115,7 @@ def write_peer_data(target, samples: list[dict], taps: tuple[int, ...], data_dir
                     dtype: torch.dtype = torch.bfloat16) -> dict:
     """Write ``samples`` with the target's hidden states in speculators' format (module docstring) into
     ``data_dir``; returns the sizes written."""
-    from draftsmith.distill.target import FeatureTaps
+    from draftsmith.distill.target.frozen import FeatureTaps
 
     (data_dir / "hidden_states").mkdir(parents=True, exist_ok=True)
     want = FeatureTaps(final_hidden=False, prenorm_hidden=True, layers=tuple(taps))
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the three stages (module docstring); returns (and writes) ``peer.json``."""
     from draftsmith import assets
     from draftsmith.cli.importing import target_facts
-    from draftsmith.distill.conversations import load_conversations
-    from draftsmith.distill.target import Target
+    from draftsmith.distill.data.conversations import load_conversations
+    from draftsmith.distill.target.frozen import Target
     from draftsmith.drafters.eagle3 import default_target_layers
     from draftsmith.export.speculators_import import import_speculators
 

@@ -134,8 +134,8 @@ def medusa_export(tmp_path_factory, tiny_target_dir, tiny_tokenizer) -> Path:
     """A 2-head Medusa export (random heads, greedy tree of 6 nodes) for the tiny target, one per test module."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.distill.exporting import export_from_module
-    from draftsmith.distill.target import Target
+    from draftsmith.distill.engine.exporting import export_from_module
+    from draftsmith.distill.target.frozen import Target
     from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
     from draftsmith.recipes.medusa import MedusaObjective, default_tree
 

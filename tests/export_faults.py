@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.cli import main
-from draftsmith.distill.exporting import DRAFTER_PREFIX
+from draftsmith.distill.engine.exporting import DRAFTER_PREFIX
 from draftsmith.export.format import read_export
 
 

@@ -31,7 +31,7 @@ def fixed_batch(vocab: int, batch: int = 4, length: int = 16, seed: int = 0,
 
 def fit_steps(objective, target, batch, steps: int, lr: float = 3e-3) -> list[float]:
     """Train ``objective`` on one fixed batch; the losses before each step."""
-    from draftsmith.distill.objective import optimizer_groups
+    from draftsmith.distill.engine.objective import optimizer_groups
 
     opt = torch.optim.Adam(optimizer_groups(objective, lr))
     own = getattr(objective, "features", None)
@@ -54,6 +54,6 @@ def fit_steps(objective, target, batch, steps: int, lr: float = 3e-3) -> list[fl
 def tiny_target(tiny_target_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.distill.target import Target
+    from draftsmith.distill.target.frozen import Target
 
     return Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))

@@ -14,7 +14,7 @@ def medusa_export_for(folder: Path, tokenizer, out: Path, steps: int = 0) -> tup
     training steps on one fixed batch)."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.distill.target import Target
+    from draftsmith.distill.target.frozen import Target
     from draftsmith.export.format import write_export
     from draftsmith.recipes import get_recipe
 

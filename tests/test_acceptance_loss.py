@@ -10,10 +10,10 @@ from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 from test_eagle3 import fixed_batch_steps, make_objective
 
-from draftsmith.distill.acceptance_loss import IGNORE_INDEX, acceptance_loss, row_losses
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.losses import LMHeadLoss
-from draftsmith.distill.target import Target
+from draftsmith.common.errors import ConfigError
+from draftsmith.distill.losses.acceptance import IGNORE_INDEX, acceptance_loss, row_losses
+from draftsmith.distill.losses.core import LMHeadLoss
+from draftsmith.distill.target.frozen import Target
 
 pytestmark = pytest.mark.unit
 

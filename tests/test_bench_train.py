@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.bench_train import _cached_features, _with_teacher, bench_train, sample_batches
-from draftsmith.distill.module import DistillModule
-from draftsmith.distill.target import Target
+from draftsmith.distill.engine.bench_train import _cached_features, _with_teacher, bench_train, sample_batches
+from draftsmith.distill.engine.module import DistillModule
+from draftsmith.distill.target.frozen import Target
 from draftsmith.recipes import get_recipe
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ import pytest
 
 from draftsmith.bench.prompts import load_prompts
 from draftsmith.common.chat import encode_chat, render_chat
-from draftsmith.distill.data import tokenize_conversation
+from draftsmith.distill.data.samples import tokenize_conversation
 
 pytestmark = pytest.mark.unit
 

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from draftsmith.bench.prompts import load_prompts
 from draftsmith.cli import main
-from draftsmith.distill.exporting import DRAFTER_PREFIX, export_from_module
-from draftsmith.distill.target import Target
+from draftsmith.distill.engine.exporting import DRAFTER_PREFIX, export_from_module
+from draftsmith.distill.target.frozen import Target
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.medusa import MedusaObjective, default_tree
 

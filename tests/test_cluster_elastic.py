@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.exporting import load_checkpoint
-from draftsmith.distill.trainer import train
+from draftsmith.distill.engine.exporting import load_checkpoint
+from draftsmith.distill.engine.trainer import train
 from draftsmith.recipes import get_recipe
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ from conftest import build_tiny_llama
 
 from draftsmith import recipes
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.memory_model import (
+from draftsmith.distill.cluster.memory_model import (
     PRESETS,
     TARGETS,
     Shape,
@@ -18,7 +18,7 @@ from draftsmith.distill.memory_model import (
     largest_fitting,
     memory_per_gpu,
 )
-from draftsmith.distill.target import Target
+from draftsmith.distill.target.frozen import Target
 
 pytestmark = pytest.mark.unit
 

@@ -17,15 +17,15 @@ import pytest
 import torch
 
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.checkpoints import (
+from draftsmith.common.errors import ConfigError
+from draftsmith.distill.cluster.attempts import keep_global_batch, rescale_loop_state, write_global_batch
+from draftsmith.distill.engine.checkpoints import (
     drop_stale_requeue_checkpoints,
     find_resume_checkpoint,
     human_bytes,
     link_last,
 )
-from draftsmith.distill.cluster import keep_global_batch, rescale_loop_state, write_global_batch
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.exporting import load_checkpoint
+from draftsmith.distill.engine.exporting import load_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -133,7 +133,7 @@ def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 180
 
 def test_sigusr1_requeues_and_sigterm_checkpoints_then_the_next_attempt_resumes(tmp_path, tiny_target_dir,
                                                                                tiny_data_file, monkeypatch, caplog):
-    from draftsmith.distill.trainer import train
+    from draftsmith.distill.engine.trainer import train
     from draftsmith.recipes import get_recipe
     from draftsmith.train import expand_shorthands
 

@@ -16,8 +16,8 @@ from conftest import build_tiny_llama, build_tiny_tokenizer
 from torch.distributed.fsdp import fully_shard  # noqa: F401 - imported before fork: children inherit it
 from transformers import LlamaForCausalLM  # noqa: F401 - imported before fork: children inherit it
 
-from draftsmith.distill.target import FeatureTaps, Target
-from draftsmith.distill.target_shard import shard_with_fsdp
+from draftsmith.distill.target.frozen import FeatureTaps, Target
+from draftsmith.distill.target.shard import shard_with_fsdp
 
 pytestmark = pytest.mark.unit
 
@@ -74,7 +74,7 @@ def _fsdp_drafter_worker(rank: int, world: int, port: int, out: str) -> None:
 
         from draftsmith import recipes
         from draftsmith.cli.training import compose_config
-        from draftsmith.distill.strategies import build_strategy
+        from draftsmith.distill.cluster.strategies import build_strategy
 
         tok = build_tiny_tokenizer()
         target = Target(build_tiny_llama(len(tok)), tok, "tiny")

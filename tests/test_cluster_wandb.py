@@ -9,7 +9,7 @@ import json
 import pytest
 
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.trainer import train
+from draftsmith.distill.engine.trainer import train
 from draftsmith.recipes import get_recipe
 
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(importlib.util.find_spec("wandb") is None,

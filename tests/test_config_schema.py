@@ -17,7 +17,7 @@ from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.errors import ConfigError, DataError
+from draftsmith.common.errors import ConfigError, DataError
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +46,7 @@ def error_lines(err: str) -> list[str]:
 # ------------------------------------------------------------------------------------------- the schemas themselves
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_composes_into_its_own_schema_with_a_doc_per_key(name):
-    from draftsmith.distill.config_checks import schema_fields, schema_problems
+    from draftsmith.distill.config.checks import schema_fields, schema_problems
     from draftsmith.recipes.schemas import SCHEMAS
 
     cfg = compose_config([f"recipe={name}"])
@@ -118,7 +118,7 @@ def test_bench_train_refuses_a_typo_in_one_line_before_loading(capsys, monkeypat
 
 
 def test_null_limit_means_all_and_passes():
-    from draftsmith.distill.config_checks import schema_problems
+    from draftsmith.distill.config.checks import schema_problems
 
     assert schema_problems(compose_config(["recipe=medusa", "data.limit=null"])) == []
 
@@ -126,7 +126,7 @@ def test_null_limit_means_all_and_passes():
 def test_range_checks_run_in_check_config_too():
     """compose_config users (bench-train, tests, sweeps) reach the same declared ranges through check_config."""
     from draftsmith import recipes
-    from draftsmith.distill.trainer import check_config
+    from draftsmith.distill.engine.trainer import check_config
 
     with pytest.raises(ConfigError, match=r"^data\.limit=0 is out of range: allowed >= 1, or null \(all\)"):
         check_config(compose_config(["recipe=medusa", "data.limit=0"]), recipes.get_recipe("medusa"))
@@ -167,7 +167,7 @@ def test_recipe_help_lists_its_keys_with_types_defaults_and_docs(tmp_path, monke
 
 # --------------------------------------------------------------------------------------------------- data, resume
 def test_an_empty_data_folder_is_one_line_naming_what_it_must_hold(tmp_path):
-    from draftsmith.distill.conversations import load_conversations
+    from draftsmith.distill.data.conversations import load_conversations
 
     for folder in (tmp_path / "empty", tmp_path / "no_data"):
         folder.mkdir()
@@ -199,7 +199,7 @@ def fake_checkpoint(recipe: str, config: dict, state: dict[str, torch.Tensor]) -
 
 
 def test_a_checkpoint_of_another_recipe_is_refused_before_the_target_loads(tmp_path):
-    from draftsmith.distill.resume_check import check_resume_recipe
+    from draftsmith.distill.engine.resume_check import check_resume_recipe
 
     cfg = compose_config(["recipe=eagle3"])
     with pytest.raises(ConfigError, match=r"holds a recipe=medusa checkpoint \(ck\.ckpt\), and this run is "
@@ -209,7 +209,7 @@ def test_a_checkpoint_of_another_recipe_is_refused_before_the_target_loads(tmp_p
 
 
 def test_a_checkpoint_of_another_shape_names_the_changed_key(tmp_path):
-    from draftsmith.distill.resume_check import check_resume_shapes
+    from draftsmith.distill.engine.resume_check import check_resume_shapes
 
     cfg = compose_config(["recipe=medusa", "heads.num_heads=5"])
     saved = OmegaConf.to_container(compose_config(["recipe=medusa", "heads.num_heads=3", "optim.lr=0.1"]))
@@ -226,7 +226,7 @@ def test_a_checkpoint_of_another_shape_names_the_changed_key(tmp_path):
 
 
 def test_a_checkpoint_folder_or_damaged_file_is_left_to_lightning(tmp_path):
-    from draftsmith.distill.resume_check import check_resume_shapes, read_checkpoint
+    from draftsmith.distill.engine.resume_check import check_resume_shapes, read_checkpoint
 
     damaged = tmp_path / "last.ckpt"
     damaged.write_bytes(b"not a checkpoint")
@@ -237,7 +237,7 @@ def test_a_checkpoint_folder_or_damaged_file_is_left_to_lightning(tmp_path):
 @pytest.mark.e2e  # two short training runs in one run folder
 def test_rerunning_with_more_heads_in_the_same_folder_is_one_line(tmp_path, tiny_target_dir, tiny_data_file):
     from draftsmith import recipes
-    from draftsmith.distill.trainer import train
+    from draftsmith.distill.engine.trainer import train
 
     base = ["recipe=medusa", f"target.name_or_path={tiny_target_dir}", "target.dtype=fp32",
             f"data.spec={tiny_data_file}", "data.limit=null", "data.max_length=48", "data.batch_size=4",
@@ -268,7 +268,7 @@ def test_cut_search_picks_the_cut_with_the_most_accepted_tokens_per_verify_cost(
 
 
 def test_a_trained_dflash_confidence_head_serves_at_the_cut_validation_picked(tiny_tokenizer):
-    from draftsmith.distill.target import Target
+    from draftsmith.distill.target.frozen import Target
     from draftsmith.recipes import dflash as dflash_recipe
 
     target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")

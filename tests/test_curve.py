@@ -192,7 +192,7 @@ def _fake_feature_cache(folder: Path, shard_cpu: list[float | None], train_token
     import torch
 
     from draftsmith.common.cache_costs import record_build_cost
-    from draftsmith.distill.feature_shards import write_shard
+    from draftsmith.distill.feature_cache.shards import write_shard
 
     folder.mkdir(parents=True)
     shards = [{"file": f"shard-{i:05d}.safetensors", "tokens": 100} for i in range(len(shard_cpu))]

@@ -11,8 +11,9 @@ import torch
 from conftest import build_tiny_tokenizer
 
 from draftsmith.distill import datamodule as data_mod
-from draftsmith.distill.conversations import load_conversations, normalize_record
-from draftsmith.distill.data import (
+from draftsmith.distill.data.conversations import load_conversations, normalize_record
+from draftsmith.distill.data.datamodule import ChatDataModule, load_samples, save_samples
+from draftsmith.distill.data.samples import (
     TemplateError,
     bucket_by_length,
     collate,
@@ -20,7 +21,6 @@ from draftsmith.distill.data import (
     pack_samples,
     tokenize_conversation,
 )
-from draftsmith.distill.datamodule import ChatDataModule, load_samples, save_samples
 
 pytestmark = pytest.mark.unit
 

@@ -11,8 +11,8 @@ import torch
 from conftest import build_tiny_llama, train_on_fixed_batch
 from omegaconf import OmegaConf
 
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.target import Target
+from draftsmith.common.errors import ConfigError
+from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
 from draftsmith.export.format import write_export
 from draftsmith.recipes import dflash as dflash_recipe

@@ -30,7 +30,7 @@ from test_dflash_export import export_dflash
 from test_speculators_export import HAVE_SPECULATORS, SPECULATORS_PYTHON, _no_speculators_reason
 
 from draftsmith.cli import main
-from draftsmith.distill.target import Target
+from draftsmith.distill.target.frozen import Target
 from draftsmith.export.dflash import to_zlab
 from draftsmith.export.speculators import to_speculators
 

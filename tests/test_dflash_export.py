@@ -39,8 +39,8 @@ from safetensors.torch import load_file
 
 from draftsmith.cli import main
 from draftsmith.cli.training import _convert
-from draftsmith.distill.exporting import export_from_module
-from draftsmith.distill.target import Target
+from draftsmith.distill.engine.exporting import export_from_module
+from draftsmith.distill.target.frozen import Target
 from draftsmith.export.dflash import speculators_aux_ids, to_speculators_dflash, to_zlab, zlab_layer_ids
 from draftsmith.export.format import ExportError, read_export
 from draftsmith.export.gguf import converter_input

@@ -18,7 +18,7 @@ from test_eagle_runtime import lean_from_hf, plain_greedy
 from test_eagle_sampling import ALPHA, assert_matches, exact_law, sample_counts
 from test_speculative_sampling import chi2_pvalue
 
-from draftsmith.distill.target import Target
+from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter
 from draftsmith.export.format import TargetMismatchError, read_config, write_export
 from draftsmith.recipes import dflash as dflash_recipe

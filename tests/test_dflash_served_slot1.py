@@ -14,7 +14,7 @@ import torch
 from conftest import build_tiny_llama, train_on_fixed_batch
 from omegaconf import OmegaConf
 
-from draftsmith.distill.target import Target
+from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import write_export
 from draftsmith.recipes import dflash as dflash_recipe
 from draftsmith.runtime.serving import load_runtime

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from draftsmith.distill.target import Target
+from draftsmith.distill.target.frozen import Target
 from draftsmith.recipes.diffusion_adapt import build, pad_with_eot, two_stream_mask
 from draftsmith.runtime.target.diffusion_lm import load_diffusion_lm
 

@@ -10,10 +10,10 @@ import torch
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 
+from draftsmith.common.errors import ConfigError, DataError
 from draftsmith.controllers.learn2pd import FilterMismatchError, Learn2PDConfig, Learn2PDFilter
 from draftsmith.datagen.trajectories import TrajectoryError, write_trajectories
-from draftsmith.distill.errors import ConfigError, DataError
-from draftsmith.distill.trajectory_data import TrajectoryDataModule, read_trajectories
+from draftsmith.distill.data.trajectories import TrajectoryDataModule, read_trajectories
 from draftsmith.export.format import write_export
 from draftsmith.runtime.decoding.diffusion import DiffusionDecodeConfig
 from draftsmith.runtime.target.diffusion_lm import DiffusionLM, DiffusionSpec
@@ -97,7 +97,7 @@ def test_filter_recipe_learns_and_exports(traj_dir, tmp_path):
 
 
 def test_learn2pd_recipe_refuses_causal_target(traj_dir, tiny_target_dir):
-    from draftsmith.distill.target import Target
+    from draftsmith.distill.target.frozen import Target
     from draftsmith.recipes.learn2pd import build
 
     cfg = OmegaConf.create({"data": {"spec": str(traj_dir)},

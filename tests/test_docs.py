@@ -27,7 +27,7 @@ PLACEHOLDER = re.compile(r"[<>*{}$|]|\.\.\.|[A-Z]{3,}")  # `runtime/drafting/<fa
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -115,7 +115,7 @@ def test_the_doc_check_sees_what_does_not_exist(tmp_path):
 # ------------------------------------------------------------------------------------ generated parts of the docs
 def test_the_generated_parts_of_architecture_are_current():
     mt = _script("module_table")
-    assert mt.stale(mt.DOC.read_text()) == [], "run `python scripts/module_table.py --write`"
+    assert mt.stale(mt.DOC.read_text()) == [], "run `python docs/tools/module_table.py --write`"
 
 
 def test_a_stale_part_is_seen():
@@ -142,7 +142,7 @@ def test_no_doc_points_outside_the_repository():
 
 def test_readme_stays_short():
     lines = (ROOT / "README.md").read_text().count("\n")
-    assert lines <= 300, f"README.md has {lines} lines; measurement logs belong in docs/MEASUREMENTS.md"
+    assert lines <= 300, f"README.md has {lines} lines; measurement logs belong in docs/notebook/MEASUREMENTS.md"
 
 
 def test_the_slow_marker_says_what_the_default_run_does():
@@ -223,7 +223,7 @@ def test_adding_the_toy_method_touches_its_own_files_and_one_row(tmp_path):
     (package / "draftsmith").symlink_to(repo, target_is_directory=True)
     env = {**os.environ, "PYTHONPATH": str(package)}
     # the copy's generated tables brought up to date first: the check is about what the toy changes
-    subprocess.run([sys.executable, "scripts/module_table.py", "--write"], cwd=repo, env=env, check=True)
+    subprocess.run([sys.executable, "docs/tools/module_table.py", "--write"], cwd=repo, env=env, check=True)
     git = ["git", "-c", "user.name=toy", "-c", "user.email=toy@example.invalid"]
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
         subprocess.run([*git, *args], cwd=repo, check=True, capture_output=True)
@@ -241,7 +241,7 @@ def test_adding_the_toy_method_touches_its_own_files_and_one_row(tmp_path):
         new -= failing(repo, env, sorted(n for n in new if not n.startswith(TOY_TEST)))
         subprocess.run([*git, "stash", "pop", "-q"], cwd=repo, check=True)
     assert not new, f"with only the toy's files and one METHODS row added, these fail (a list to edit?): {sorted(new)}"
-    assert "`echo`" in subprocess.run([sys.executable, "scripts/method_footprint.py"], cwd=repo, text=True,
+    assert "`echo`" in subprocess.run([sys.executable, "docs/tools/method_footprint.py"], cwd=repo, text=True,
                                         capture_output=True, check=True).stdout
 
 

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from test_dflash_export import export_dflash
 from test_speculators_export import HAVE_SPECULATORS, SPECULATORS_PYTHON, _no_speculators_reason
 
-from draftsmith.distill.target import Target
+from draftsmith.distill.target.frozen import Target
 from draftsmith.export.dflash import dflash_key_names
 from draftsmith.export.format import ExportError, read_export
 from draftsmith.export.gguf import converter_input, gguf_manifest

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 
-from draftsmith.distill.exporting import export_from_module
-from draftsmith.distill.target import Target, TargetFeatures
+from draftsmith.distill.engine.exporting import export_from_module
+from draftsmith.distill.target.frozen import Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, KVCache
 from draftsmith.export.format import ExportError, read_export
 from draftsmith.recipes import eagle as eagle_recipe

@@ -15,8 +15,8 @@ from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 from transformers import LlamaConfig
 
-from draftsmith.distill.exporting import export_from_module
-from draftsmith.distill.target import Target, TargetFeatures
+from draftsmith.distill.engine.exporting import export_from_module
+from draftsmith.distill.target.frozen import Target, TargetFeatures
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_target_layers
 from draftsmith.drafters.vocab import (
     count_assistant_tokens,

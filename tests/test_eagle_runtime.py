@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 
-from draftsmith.distill.target import Target
+from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, KVCache
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.drafters.vocab import vocab_maps

@@ -36,8 +36,8 @@ from safetensors.torch import load_file
 from test_speculators_export import export_eagle3
 
 from draftsmith.cli import main
-from draftsmith.distill.exporting import export_from_module
-from draftsmith.distill.target import Target
+from draftsmith.distill.engine.exporting import export_from_module
+from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import ExportError, read_export
 from draftsmith.export.medusa_layout import to_medusa_layout
 from draftsmith.export.medusa_tgi import to_medusa_tgi

@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 from draftsmith.bench import engine_parity as ep
 from draftsmith.bench import llamacpp
 from draftsmith.cli import main
-from draftsmith.distill.exporting import export_from_module
-from draftsmith.distill.target import Target
+from draftsmith.distill.engine.exporting import export_from_module
+from draftsmith.distill.target.frozen import Target
 
 pytestmark = pytest.mark.unit
 

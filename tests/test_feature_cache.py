@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.cached_features import open_cache, train_offline
-from draftsmith.distill.feature_cache import FeatureCacheError, build_cache
-from draftsmith.distill.target import FeatureTaps, Target
-from draftsmith.distill.trainer import train
+from draftsmith.distill.engine.trainer import train
+from draftsmith.distill.feature_cache.build import FeatureCacheError, build_cache
+from draftsmith.distill.feature_cache.cached_data import open_cache, train_offline
+from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.export.format import read_export
 from draftsmith.recipes import get_recipe
 
@@ -206,8 +206,8 @@ def test_lazy_logits_rebuild_only_the_asked_rows_and_an_old_cache_rebuilds_all(f
     cache without greedy ids (written before they existed) falls back to rebuilding all the logits."""
     from dataclasses import replace
 
-    from draftsmith.distill.cached_features import CachedTarget, FeatureCache
-    from draftsmith.distill.feature_cache import PREFIX
+    from draftsmith.distill.feature_cache.build import PREFIX
+    from draftsmith.distill.feature_cache.cached_data import CachedTarget, FeatureCache
 
     cache = FeatureCache(fp32_cache)
     assert cache.manifest["taps"]["lazy_logits"] is True

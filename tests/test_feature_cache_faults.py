@@ -16,9 +16,9 @@ import pytest
 from test_feature_cache import overrides  # the same tiny EAGLE-3 cache settings
 
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.cached_features import open_cache
-from draftsmith.distill.feature_cache import FeatureCacheError, build_cache, shard_damage
-from draftsmith.distill.target import Target
+from draftsmith.distill.feature_cache.build import FeatureCacheError, build_cache, shard_damage
+from draftsmith.distill.feature_cache.cached_data import open_cache
+from draftsmith.distill.target.frozen import Target
 from draftsmith.recipes import get_recipe
 
 pytestmark = pytest.mark.unit
@@ -67,7 +67,7 @@ def test_a_truncated_shard_is_named_and_written_again(tmp_path, reference, tiny_
     with pytest.raises(FeatureCacheError, match=r"damaged shards: shard-00001\.safetensors \(.*bytes where its header"):
         open_cache(train_cfg)
 
-    with caplog.at_level(logging.WARNING, logger="draftsmith.distill.feature_cache"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.distill.feature_cache.build"):
         build_cache(compose_config(overrides(tiny_target_dir, tiny_data_file)), get_recipe("eagle3"), cut,
                     dtype="fp32", shard_bytes=SHARD_BYTES, target=Target.load(str(tiny_target_dir), "fp32"))
     assert "shard-00001.safetensors is damaged" in caplog.text

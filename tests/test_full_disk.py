@@ -16,8 +16,8 @@ import torch
 from export_faults import cli_error_line, dead_pid, fill_then_enospc, run_folder_of, tree_snapshot
 
 from draftsmith.common.atomic_folder import DiskFullError, is_disk_full, write_file
-from draftsmith.distill.checkpoints import CheckpointDiskFull, QuotaCheckpoint, temporary_of
-from draftsmith.distill.errors import DraftsmithError
+from draftsmith.common.errors import DraftsmithError
+from draftsmith.distill.engine.checkpoints import CheckpointDiskFull, QuotaCheckpoint, temporary_of
 from draftsmith.export import format as export_format
 from draftsmith.export.format import ExportDiskFullError, ExportError, write_export
 
@@ -142,7 +142,7 @@ def test_a_real_full_tmpfs_stops_an_export_cleanly(small_tmpfs):
 def test_training_stops_cleanly_on_a_full_disk_and_resumes_once_space_is_freed(tmp_path, tiny_target_dir,
                                                                                tiny_data_file, monkeypatch, caplog):
     from draftsmith.cli.training import compose_config
-    from draftsmith.distill.trainer import train
+    from draftsmith.distill.engine.trainer import train
     from draftsmith.recipes import get_recipe
     from draftsmith.train import expand_shorthands
 

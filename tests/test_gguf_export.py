@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from draftsmith.bench import llamacpp
 from draftsmith.cli.training import _convert, _to_gguf
-from draftsmith.distill.exporting import export_from_module
-from draftsmith.distill.target import Target
+from draftsmith.distill.engine.exporting import export_from_module
+from draftsmith.distill.target.frozen import Target
 from draftsmith.evals.engine_check import texts_lossless
 from draftsmith.export.format import ExportError
 from draftsmith.export.gguf import converter_input, refusal_line, run_converter

@@ -1,4 +1,4 @@
-"""``scripts/gpu_check.py`` on the CPU: its CUDA path cannot run here, so the same stages run on a tiny model
+"""``tests/gpu_check/gpu_check.py`` on the CPU: its CUDA path cannot run here, so the same stages run on a tiny model
 (``--device cpu --tiny``) to prove the logic: every stage is reported with pass/fail and numbers, an injected
 failure is reported while later stages still run, time limits hold, and the shell wrapper refuses a machine
 without a GPU with one clear line."""
@@ -19,7 +19,7 @@ import torch
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
+SCRIPT = ROOT / "tests" / "gpu_check" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_tiny_cpu_run_reports_every_stage_and_survives_an_injected_failure(tmp_p
 def test_shell_wrapper_stops_with_one_clear_line_without_a_gpu(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_SKIP_WHEELS": "1", "GPU_CHECK_PKG": str(tmp_path),
            "OUT": str(tmp_path / "out")}
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=ROOT, capture_output=True,
+    proc = subprocess.run(["bash", str(ROOT / "tests" / "gpu_check" / "gpu_check.sh")], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env=env)
     assert proc.returncode == 3
     assert proc.stderr.strip().startswith("gpu-check: ") and len(proc.stderr.strip().splitlines()) == 1

@@ -37,8 +37,8 @@ def test_train_exports_each_head_family_recipe(name, tmp_path, tiny_target_dir, 
         pytest.importorskip("peft")
 
     monkeypatch.syspath_prepend(str(CONF.parent))
-    from draftsmith.distill.exporting import export_from_checkpoint
-    from draftsmith.distill.trainer import train
+    from draftsmith.distill.engine.exporting import export_from_checkpoint
+    from draftsmith.distill.engine.trainer import train
     from draftsmith.recipes import get_recipe
 
     cfg = compose_cfg(name, tiny_target_dir, tiny_data_file)

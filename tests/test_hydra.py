@@ -5,7 +5,7 @@ import pytest
 import torch
 from head_family_utils import fit_steps, fixed_batch, recipe_cfg
 
-from draftsmith.distill.errors import ConfigError
+from draftsmith.common.errors import ConfigError
 from draftsmith.heads.hydra import HydraConfig, HydraHeads
 
 pytestmark = pytest.mark.unit

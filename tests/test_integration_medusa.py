@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.distill.conversations import load_conversations
-from draftsmith.distill.data import tokenize_conversation
-from draftsmith.distill.exporting import export_from_module
-from draftsmith.distill.target import Target
+from draftsmith.distill.data.conversations import load_conversations
+from draftsmith.distill.data.samples import tokenize_conversation
+from draftsmith.distill.engine.exporting import export_from_module
+from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import TargetMismatchError, check_target, read_export
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.medusa import MedusaObjective, default_tree
@@ -33,7 +33,7 @@ def real_batch(target) -> dict[str, torch.Tensor]:
 
 
 def test_target_taps_on_the_embedded_model(target, real_batch):
-    from draftsmith.distill.target import FeatureTaps
+    from draftsmith.distill.target.frozen import FeatureTaps
 
     ids = real_batch["input_ids"][:1, :16]
     feats = target.features(ids, None, FeatureTaps(prenorm_hidden=True, layers=(2, 15, 27), logits=True))

@@ -15,9 +15,9 @@ from test_eagle_runtime import lean_from_hf, plain_greedy
 from test_speculative import tiny_llama
 from test_speculative_sampling import ALPHA, SMALL_V, chi2_pvalue
 
+from draftsmith.common.errors import ConfigError
 from draftsmith.controllers.acceptance import AcceptanceHead, AcceptanceHeadConfig
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.target import Target
+from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.kangaroo import KangarooConfig, KangarooDrafter, default_exit_layer
 from draftsmith.export.format import write_export
 from draftsmith.recipes import kangaroo as recipe

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.losses import LMHeadLoss
-from draftsmith.distill.target import FeatureTaps, Target
+from draftsmith.common.errors import ConfigError
+from draftsmith.distill.losses.core import LMHeadLoss
+from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.kernels.linear_cross_entropy import linear_cross_entropy
 from draftsmith.recipes.medusa import MedusaObjective, default_tree

@@ -109,7 +109,7 @@ def test_lpo_learns_greedy_for_one_kind_and_t1_for_the_other(granularity):
 
 
 def test_recipe_refuses_bad_config_before_loading_the_target(tmp_path):
-    from draftsmith.distill.errors import ConfigError, DataError
+    from draftsmith.common.errors import ConfigError, DataError
     from draftsmith.recipes.adaptive_temperature import validate
 
     folder = tmp_path / "roll"

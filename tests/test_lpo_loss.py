@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from draftsmith.distill.lpo_loss import (
+from draftsmith.distill.losses.lpo import (
     LOG_ZERO,
     lpo_loss,
     mixture_log_likelihood,

@@ -12,12 +12,12 @@ import torch
 from conftest import build_tiny_llama
 
 from draftsmith.common.chat import encode_chat
+from draftsmith.common.errors import DataError
 from draftsmith.controllers.adaptive_temperature import AdaptiveTemperatureConfig, AdaptiveTemperatureHead
 from draftsmith.controllers.adaptive_temperature import TemperaturePolicy as Policy
 from draftsmith.datagen.rewards import RewardError, exact_match, load_reward, repetition, score
 from draftsmith.datagen.rollouts import RolloutError, sample_group, settings, write_rollouts
-from draftsmith.distill.errors import DataError
-from draftsmith.distill.preference_data import collate_pairs, read_pairs
+from draftsmith.distill.data.preferences import collate_pairs, read_pairs
 
 pytestmark = pytest.mark.unit
 
@@ -133,7 +133,7 @@ def round_one_rollouts_and_controller(common: list[str], target_dir, tmp_path, c
     Returns round 1's training summary and its head."""
     from draftsmith.cli.training import compose_config
     from draftsmith.datagen.rollouts import main
-    from draftsmith.distill.trainer import train
+    from draftsmith.distill.engine.trainer import train
     from draftsmith.recipes import get_recipe
 
     with pytest.raises(ValueError, match="grid is empty"):
@@ -165,10 +165,10 @@ def round_two_trains_on_every_round(common: list[str], target_dir, tmp_path, exp
     import shutil
 
     from draftsmith.cli.training import compose_config
+    from draftsmith.common.errors import ConfigError
     from draftsmith.datagen.rollouts import main
-    from draftsmith.distill.errors import ConfigError
-    from draftsmith.distill.preference_data import read_pair_rounds
-    from draftsmith.distill.trainer import train
+    from draftsmith.distill.data.preferences import read_pair_rounds
+    from draftsmith.distill.engine.trainer import train
     from draftsmith.recipes import get_recipe
 
     joined = f"{tmp_path / 'r1'}+{tmp_path / 'r2'}"
@@ -298,7 +298,7 @@ def test_a_controller_that_always_picks_t0_decodes_exactly_greedy():
 
 
 def test_sequence_features_forward_each_prompt_once_and_match_the_full_forward(setup, tiny_tokenizer, tmp_path):
-    from draftsmith.distill.target import Target
+    from draftsmith.distill.target.frozen import Target
     from draftsmith.recipes.adaptive_temperature import AdaptiveTemperatureObjective
 
     model, prompts, meta, decode = setup

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from conftest import build_tiny_llama, train_on_fixed_batch
 from safetensors.torch import load_file
 
-from draftsmith.distill.exporting import export_from_module
-from draftsmith.distill.target import FeatureTaps, Target
+from draftsmith.distill.engine.exporting import export_from_module
+from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.export.format import ExportError, TargetMismatchError, check_target, read_export, write_export
 from draftsmith.export.medusa_layout import to_medusa_layout
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads

@@ -6,9 +6,9 @@ import pytest
 import torch
 from head_family_utils import fit_steps, fixed_batch, recipe_cfg
 
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.lora import LoraSpec
-from draftsmith.distill.target import Target
+from draftsmith.common.errors import ConfigError
+from draftsmith.distill.target.frozen import Target
+from draftsmith.distill.target.lora import LoraSpec
 from draftsmith.export.format import TargetMismatchError, check_target, read_export_parts
 
 pytestmark = pytest.mark.unit
@@ -31,9 +31,9 @@ def medusa2_cfg(**heads):
 
 
 def test_medusa2_trains_only_lora_and_heads_and_its_export_refuses_the_plain_target(fresh_target, tmp_path):
-    from draftsmith.distill.exporting import export_from_module
-    from draftsmith.distill.module import DistillModule
-    from draftsmith.distill.objective import optimizer_groups
+    from draftsmith.distill.engine.exporting import export_from_module
+    from draftsmith.distill.engine.module import DistillModule
+    from draftsmith.distill.engine.objective import optimizer_groups
     from draftsmith.export.adapter import merge_lora
     from draftsmith.recipes import get_recipe
 

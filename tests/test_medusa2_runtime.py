@@ -8,7 +8,7 @@ import torch
 from head_family_utils import fit_steps, fixed_batch, recipe_cfg
 
 from draftsmith.bench import quality
-from draftsmith.distill.target import Target
+from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import TargetMismatchError
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.drafting.base import build_proposer
@@ -24,8 +24,8 @@ pytest.importorskip("peft")
 def medusa2_export(tiny_target_dir, tiny_tokenizer, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.distill.exporting import export_from_module
-    from draftsmith.distill.module import DistillModule
+    from draftsmith.distill.engine.exporting import export_from_module
+    from draftsmith.distill.engine.module import DistillModule
     from draftsmith.recipes import get_recipe
 
     target = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))

@@ -15,10 +15,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from test_speculative import NEW, PROMPTS, VOCAB, plain_greedy, tiny_llama
 
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.exporting import export_from_module
-from draftsmith.distill.losses import LMHeadLoss
-from draftsmith.distill.target import Target
+from draftsmith.common.errors import ConfigError
+from draftsmith.distill.engine.exporting import export_from_module
+from draftsmith.distill.losses.core import LMHeadLoss
+from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import write_export
 from draftsmith.export.medusa_layout import to_medusa_layout
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads

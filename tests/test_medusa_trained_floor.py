@@ -43,7 +43,7 @@ TINY = ["target.dtype=fp32", "data.limit=null", "data.max_length=48", "data.batc
 def train_heads(target: Path, data: Path, run_dir: Path, steps: int, lr: float, vocab: int | None) -> Path:
     """recipe=medusa on ``target`` in-process; returns its export folder."""
     from draftsmith.cli.training import compose_config
-    from draftsmith.distill.trainer import train
+    from draftsmith.distill.engine.trainer import train
     from draftsmith.recipes import get_recipe
 
     cfg = compose_config(["recipe=medusa", f"target.name_or_path={target}", f"data.spec={data}", *TINY,

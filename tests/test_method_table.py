@@ -138,7 +138,7 @@ def test_method_table_script_reads_the_table(toy, monkeypatch):
 
 
 def test_gpu_check_reads_the_table(monkeypatch):
-    spec = importlib.util.spec_from_file_location("gpu_check_table", ROOT / "scripts" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check_table", ROOT / "tests" / "gpu_check" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, gpu_check)  # its dataclasses look their module up
     spec.loader.exec_module(gpu_check)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from draftsmith.distill.datamodule import DATAMODULES, build_datamodule, register_batch_kind
-from draftsmith.distill.module import DistillModule
-from draftsmith.distill.objective import Objective, batch_kind, frozen_models, optimizer_groups
-from draftsmith.distill.target import FeatureTaps
+from draftsmith.distill.data.datamodule import DATAMODULES, build_datamodule, register_batch_kind
+from draftsmith.distill.engine.module import DistillModule
+from draftsmith.distill.engine.objective import Objective, batch_kind, frozen_models, optimizer_groups
+from draftsmith.distill.target.frozen import FeatureTaps
 
 pytestmark = pytest.mark.unit
 
@@ -95,7 +95,7 @@ def test_datamodules_are_chosen_by_batch_kind():
 def test_the_causal_lm_target_is_one_implementation_of_the_target_protocol(tiny_target_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.distill.target import Target, TargetModel
+    from draftsmith.distill.target.frozen import Target, TargetModel
 
     target = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
     assert isinstance(target, TargetModel)

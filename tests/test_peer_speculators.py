@@ -14,8 +14,8 @@ from conftest import build_tiny_llama, make_conversations
 from safetensors.torch import load_file
 from test_speculators_export import HAVE_SPECULATORS, SPECULATORS_PYTHON, _no_speculators_reason
 
-from draftsmith.distill.conversations import normalize_record
-from draftsmith.distill.target import Target
+from draftsmith.distill.data.conversations import normalize_record
+from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import read_export
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import build_proposer

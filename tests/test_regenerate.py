@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from draftsmith.bench.timing import eos_ids_from_folder
 from draftsmith.datagen import regenerate as regen
-from draftsmith.distill.conversations import load_conversations
+from draftsmith.distill.data.conversations import load_conversations
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.target.loading import load_decoder
 

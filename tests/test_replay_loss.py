@@ -9,9 +9,9 @@ from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 from test_eagle3 import LAYERS, fixed_batch_steps, make_objective, two_step_setup
 
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.losses import LMHeadLoss
-from draftsmith.distill.target import Target, TargetFeatures
+from draftsmith.common.errors import ConfigError
+from draftsmith.distill.losses.core import LMHeadLoss
+from draftsmith.distill.target.frozen import Target, TargetFeatures
 
 pytestmark = pytest.mark.unit
 

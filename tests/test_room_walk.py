@@ -1,6 +1,6 @@
 """What docs/ARCHITECTURE.md says about how a method and its data travel stays true: the method footprint
-(scripts/method_footprint.py: the files and rooms one method spans, from the method table) stays small, and the data
-paths (scripts/room_walk.py: the functions a training run's and a bench's data pass through, traced) are current."""
+(docs/tools/method_footprint.py: the files and rooms one method spans, from the method table) stays small, and the data
+paths (docs/tools/room_walk.py: the functions a training run's and a bench's data pass through, traced) are current."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ MOST_FILES, MOST_ROOMS = 7, 5
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -109,11 +109,11 @@ def test_the_data_paths_in_architecture_are_current(tmp_path):
     result = walk.measure(tmp_path / "work")
     training = walk.lines_of(result["training"]["tree"])
     serving = walk.lines_of(result["serving"]["tree"])
-    for needed in ("distill/module.py  DistillModule.training_step", "distill/target.py  Target.features",
+    for needed in ("distill/engine/module.py  DistillModule.training_step", "distill/target/frozen.py  Target.features",
                    "export/format.py  write_export"):
         assert any(line.strip() == needed for line in training), (needed, training)
     for needed in ("runtime/serving.py  load_runtime", "runtime/decoding/speculative.py  SpeculativeDecoder.generate"):
         assert any(line.strip() == needed for line in serving), (needed, serving)
     assert not any(line.split()[0].startswith(("distill/", "recipes/")) for line in serving)  # serving never trains
     assert docs.part(docs.DOC.read_text(), "data-path") == walk.markdown(result), (
-        "docs/ARCHITECTURE.md's data paths are stale: run `.venv/bin/python scripts/room_walk.py --write`")
+        "docs/ARCHITECTURE.md's data paths are stale: run `.venv/bin/python docs/tools/room_walk.py --write`")

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from test_speculative_sampling import ALPHA, SMALL_V, SYNTH, bigram_drafter, chi2_pvalue, first_tokens
 from test_speculators_export import export_eagle3
 
-from draftsmith.distill.target import Target
+from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.drafters.vocab import vocab_maps

@@ -38,7 +38,7 @@ def train_medusa(target: Path, data: Path, prompts: Path, run_dir: Path, steps: 
     """``distill.trainer.train`` in-process (recipe=medusa on the tiny target), with the served-tau probe train.py
     builds from ``validation.served_tau`` unless ``probe`` is given."""
     from draftsmith.cli.training import compose_config
-    from draftsmith.distill.trainer import train
+    from draftsmith.distill.engine.trainer import train
     from draftsmith.recipes import get_recipe
     from draftsmith.train import served_probe
 
@@ -68,7 +68,7 @@ def test_train_py_logs_served_tau_beside_accuracy_and_writes_it_into_the_export(
     assert validation["prompts"] == 4 and validation["max_new_tokens"] == 8 and validation["step"] == 4
     assert validation["prompt_set"] == str(heldout) and validation["verify_steps"] >= 4
     # the checkpoint keeps the last probe too, so `draftsmith export RUN` writes it
-    from draftsmith.distill.exporting import export_from_checkpoint
+    from draftsmith.distill.engine.exporting import export_from_checkpoint
 
     again = json.loads((export_from_checkpoint(run_dir, tmp_path / "again") / "config.json").read_text())
     assert again["validation"]["served_tau"] >= 1.0 and again["validation"]["step"] in (2, 4)
@@ -189,7 +189,7 @@ def test_probe_every_n_skips_methods_it_cannot_serve_and_a_failing_probe_does_no
 def test_probe_config_refuses_bad_values_and_turns_off_with_zero():
     from omegaconf import OmegaConf
 
-    from draftsmith.distill.errors import ConfigError
+    from draftsmith.common.errors import ConfigError
     from draftsmith.evals.served_tau import ServedTauProbe, probe_from_config
     from draftsmith.train import served_probe
 
@@ -229,7 +229,7 @@ def test_the_export_that_served_best_is_kept_beside_the_last_and_survives_a_resu
         tmp_path, tiny_target_dir, tiny_data_file, heldout):
     from safetensors.torch import load_file
 
-    from draftsmith.distill.best_export import BEST_EXPORT
+    from draftsmith.distill.engine.best_export import BEST_EXPORT
 
     # passes at steps 1, 2, 3 and the final one at 3: the probe peaks at step 2 while training goes on
     probe = Scripted([1.2, 1.9, 1.4, 1.4])

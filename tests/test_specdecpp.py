@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from test_eagle_runtime import lean_from_hf, plain_greedy
 from test_specdecpp_stop_rule import ScriptedHead
 
+from draftsmith.common.errors import ConfigError
 from draftsmith.controllers.acceptance import (
     AcceptanceHead,
     AcceptanceHeadConfig,
@@ -22,8 +23,7 @@ from draftsmith.controllers.acceptance import (
     base_export_dir,
     weighted_soft_bce,
 )
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.target import Target
+from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.export.format import ExportError, write_export
 from draftsmith.recipes import specdecpp

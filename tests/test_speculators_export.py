@@ -19,8 +19,8 @@ from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from draftsmith.distill.exporting import export_from_module
-from draftsmith.distill.target import Target
+from draftsmith.distill.engine.exporting import export_from_module
+from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import ExportError
 from draftsmith.export.speculators import to_speculators
 from draftsmith.recipes import eagle as eagle_recipe

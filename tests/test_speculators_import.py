@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from test_speculators_export import export_eagle3
 
 from draftsmith.cli import main
-from draftsmith.distill.target import Target
+from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import ExportError, TargetMismatchError, read_export
 from draftsmith.export.speculators import to_speculators
 from draftsmith.export.speculators_import import import_speculators

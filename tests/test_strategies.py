@@ -17,16 +17,16 @@ from omegaconf import OmegaConf
 from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, StrategyRegistry
 
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.strategies import (
+from draftsmith.common.errors import ConfigError
+from draftsmith.distill.cluster.strategies import (
     apply_activation_checkpointing,
     build_precision,
     build_strategy,
     check_devices,
     layer_classes,
 )
-from draftsmith.distill.target_shard import check_target_shard
-from draftsmith.distill.trainer import build_trainer
+from draftsmith.distill.engine.trainer import build_trainer
+from draftsmith.distill.target.shard import check_target_shard
 
 pytestmark = pytest.mark.unit
 
@@ -40,7 +40,7 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 def tiny_target(tiny_tokenizer):
     from conftest import build_tiny_llama
 
-    from draftsmith.distill.target import Target
+    from draftsmith.distill.target.frozen import Target
 
     return Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
 
@@ -204,7 +204,7 @@ def test_target_shard_needs_a_sharding_preset():
 
 
 def test_frozen_target_is_never_in_state_dict_or_optimizer(tiny_target):
-    from draftsmith.distill.module import DistillModule
+    from draftsmith.distill.engine.module import DistillModule
 
     objective = drafter_for("eagle3", tiny_target)
     module = DistillModule(objective, tiny_target, {"lr": 1e-3}, total_steps=4)

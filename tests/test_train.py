@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.distill.exporting import export_from_checkpoint, load_checkpoint
+from draftsmith.distill.engine.exporting import export_from_checkpoint, load_checkpoint
 from draftsmith.export.format import read_export
 
 pytestmark = pytest.mark.e2e

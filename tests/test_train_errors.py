@@ -20,9 +20,9 @@ def _error_classes() -> dict[str, type[BaseException]]:
     """Every error class draftsmith raises on purpose for the user to read, by name."""
     from draftsmith.assets import AssetError
     from draftsmith.distill import errors
-    from draftsmith.distill.data import TemplateError
-    from draftsmith.distill.feature_cache import FeatureCacheError
-    from draftsmith.distill.module import NonFiniteLossError
+    from draftsmith.distill.data.samples import TemplateError
+    from draftsmith.distill.engine.module import NonFiniteLossError
+    from draftsmith.distill.feature_cache.build import FeatureCacheError
     from draftsmith.export.format import ExportError, TargetMismatchError
 
     return {cls.__name__: cls for cls in (errors.ConfigError, errors.DataError, errors.DataFileNotFoundError,

@@ -19,7 +19,7 @@ from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.target import FeatureTaps, Target
+from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.kernels import cpu_caps
 
 pytestmark = pytest.mark.unit
@@ -40,7 +40,7 @@ def run_train(*overrides: str, env: dict | None = None, timeout: int = 240) -> s
 
 
 def test_target_dtype_auto_is_the_default_and_follows_the_cpu(monkeypatch, caplog, tiny_target_dir):
-    from draftsmith.distill.target import resolve_target_dtype
+    from draftsmith.distill.target.frozen import resolve_target_dtype
 
     assert OmegaConf.load(ROOT / "conf/target/smollm2.yaml").dtype == "auto"
     dtype, why = resolve_target_dtype("auto", "cpu", AVX2)
@@ -56,7 +56,7 @@ def test_target_dtype_auto_is_the_default_and_follows_the_cpu(monkeypatch, caplo
     for caps, want in ((AVX2, torch.float32), (AVX512_BF16, torch.bfloat16)):
         monkeypatch.setattr(cpu_caps, "probe", lambda caps=caps: caps)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="draftsmith.distill.target"):
+        with caplog.at_level(logging.INFO, logger="draftsmith.distill.target.frozen"):
             target = Target.load(str(tiny_target_dir), "auto")
         assert target.lm_head_weight.dtype == want
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("target dtype:")]
@@ -70,7 +70,7 @@ def test_target_dtype_auto_is_the_default_and_follows_the_cpu(monkeypatch, caplo
 @pytest.mark.parametrize("overrides", [["trainer=gpu"], ["trainer=fsdp"], ["trainer=deepspeed_zero2"],
                                        ["trainer=ddp", "trainer.accelerator=gpu"]])
 def test_cuda_only_presets_without_cuda_name_the_cpu_preset(overrides):
-    from draftsmith.distill.trainer import check_devices
+    from draftsmith.distill.engine.trainer import check_devices
 
     assert not torch.cuda.is_available()
     cfg = compose_config(["recipe=medusa", *overrides])
@@ -166,7 +166,7 @@ def test_eagle_noise_is_uniform_point_one_whatever_the_batch_width(tiny_tokenize
 
 
 def test_eagle_clips_gradients_by_value_and_others_by_norm(tmp_path):
-    from draftsmith.distill.trainer import build_trainer
+    from draftsmith.distill.engine.trainer import build_trainer
 
     eagle = build_trainer(compose_config(["recipe=eagle"]), tmp_path / "e")
     assert eagle.gradient_clip_val == 0.5 and eagle.gradient_clip_algorithm == "value"
@@ -181,7 +181,7 @@ def test_eagle_clips_gradients_by_value_and_others_by_norm(tmp_path):
 def test_a_wall_clock_budget_caps_training(tmp_path):
     from pytorch_lightning.callbacks import Timer
 
-    from draftsmith.distill.trainer import build_trainer
+    from draftsmith.distill.engine.trainer import build_trainer
 
     capped = build_trainer(compose_config(["recipe=medusa", "trainer.max_time=00:00:04:30"]), tmp_path / "t")
     timers = [c for c in capped.callbacks if isinstance(c, Timer)]
@@ -194,8 +194,8 @@ def test_a_wall_clock_budget_caps_training(tmp_path):
 
 
 def test_empty_data_file_says_it_is_empty(tmp_path, tiny_tokenizer):
-    from draftsmith.distill.conversations import load_conversations
-    from draftsmith.distill.datamodule import ChatDataModule
+    from draftsmith.distill.data.conversations import load_conversations
+    from draftsmith.distill.data.datamodule import ChatDataModule
 
     for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("empty.json", "[]")):
         path = tmp_path / name
@@ -217,8 +217,8 @@ def test_empty_data_file_says_it_is_empty(tmp_path, tiny_tokenizer):
 def test_nonfinite_loss_before_any_checkpoint_says_none_was_written(tmp_path, tiny_tokenizer):
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    from draftsmith.distill.module import DistillModule, NonFiniteLossError
-    from draftsmith.distill.objective import Objective
+    from draftsmith.distill.engine.module import DistillModule, NonFiniteLossError
+    from draftsmith.distill.engine.objective import Objective
 
     class NanObjective(Objective):
         module = torch.nn.Linear(2, 2)
@@ -249,8 +249,8 @@ def test_nonfinite_loss_before_any_checkpoint_says_none_was_written(tmp_path, ti
 def test_progress_bar_shows_steps_tokens_per_second_and_eta(tmp_path):
     from pytorch_lightning.callbacks import Timer
 
-    from draftsmith.distill.progress import StepProgressBar, format_duration, max_time_left, progress_fields
-    from draftsmith.distill.trainer import build_trainer
+    from draftsmith.distill.engine.progress import StepProgressBar, format_duration, max_time_left, progress_fields
+    from draftsmith.distill.engine.trainer import build_trainer
 
     assert progress_fields(12, 200, 0, 12_000, 10.0) == {"step": "12/200", "tok/s": "1,200", "eta": "2m37s"}
     assert progress_fields(50, 200, 50, 0, 0.0) == {"step": "50/200", "tok/s": "?", "eta": "?"}  # just resumed
@@ -295,7 +295,7 @@ def test_fsdp_norm_clipping_moves_into_the_module(tmp_path):
     clip and the module clips the global norm through the FSDP root instead; value clipping stays Lightning's."""
     from omegaconf import OmegaConf
 
-    from draftsmith.distill.trainer import grad_clipping, sharded_clip_norm
+    from draftsmith.distill.engine.trainer import grad_clipping, sharded_clip_norm
 
     medusa = compose_config(["recipe=medusa"])
     fsdp = OmegaConf.create({"strategy": "fsdp", "accelerator": "gpu"})
@@ -312,7 +312,7 @@ def test_the_module_clips_the_global_norm_itself_when_told():
     """``configure_gradient_clipping`` with ``sharded_clip_norm`` calls the strategy root's ``clip_grad_norm_``."""
     from types import SimpleNamespace
 
-    from draftsmith.distill.module import DistillModule
+    from draftsmith.distill.engine.module import DistillModule
 
     calls = []
     fake = SimpleNamespace(sharded_clip_norm=0.7,
@@ -329,7 +329,7 @@ def test_validation_puts_the_drafter_buffers_and_whole_parameters_on_the_batch_d
     and leaves a partitioned parameter's placeholder (ZeRO-3 gathers it) and any other parameter alone."""
     from types import SimpleNamespace
 
-    from draftsmith.distill.module import DistillModule
+    from draftsmith.distill.engine.module import DistillModule
 
     drafter = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     drafter.register_buffer("embed_weight", torch.ones(3, 2), persistent=False)

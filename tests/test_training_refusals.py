@@ -18,8 +18,8 @@ from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.errors import ConfigError, DataError, DataFileNotFoundError, TrainingInterrupted
-from draftsmith.distill.target import Target
+from draftsmith.common.errors import ConfigError, DataError, DataFileNotFoundError, TrainingInterrupted
+from draftsmith.distill.target.frozen import Target
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +34,7 @@ def tiny_overrides(target_dir: Path, data_file: Path, *more: str) -> list[str]:
 
 def run_train_inprocess(overrides: list[str], run_dir: Path):
     from draftsmith import recipes
-    from draftsmith.distill.trainer import train
+    from draftsmith.distill.engine.trainer import train
 
     cfg = compose_config(overrides)
     return train(cfg, recipes.get_recipe(cfg.recipe.name), run_dir)
@@ -62,7 +62,7 @@ def error_lines(err: str) -> list[str]:
 
 def test_a_learning_rate_that_is_not_positive_is_refused_before_loading():
     from draftsmith import recipes
-    from draftsmith.distill.trainer import check_config
+    from draftsmith.distill.engine.trainer import check_config
 
     medusa = recipes.get_recipe("medusa")
     for bad, match in (("optim.lr=-1e-3", r"optim\.lr=-0\.001 is out of range: allowed >= 0"),
@@ -118,7 +118,7 @@ def test_train_py_reports_a_missing_target_as_one_line(tmp_path, monkeypatch, ca
 
 
 def test_binary_and_missing_data_are_named(tmp_path):
-    from draftsmith.distill.conversations import load_conversations
+    from draftsmith.distill.data.conversations import load_conversations
 
     binary = tmp_path / "weights.jsonl"
     binary.write_bytes(bytes(range(256)) * 16)
@@ -140,7 +140,7 @@ def test_binary_and_missing_data_are_named(tmp_path):
 
 
 def test_unknown_plus_keys_are_refused_by_the_schema_with_close_matches(tmp_path, monkeypatch, capsys):
-    from draftsmith.distill.config_checks import schema_problems
+    from draftsmith.distill.config.checks import schema_problems
 
     cfg = compose_config(["recipe=medusa", "+heads.num_head=4"])  # Hydra's `+` gets past struct mode
     assert schema_problems(cfg) == ["heads.num_head is not a key of recipe=medusa; did you mean heads.num_heads? "
@@ -180,7 +180,7 @@ def test_medusa_draft_vocab_warning_names_the_heads_key(tmp_path, monkeypatch, c
 
 def test_ctrl_c_in_training_names_the_checkpoint_and_the_resume_command(tmp_path, monkeypatch, tiny_target_dir,
                                                                          tiny_data_file):
-    from draftsmith.distill.module import DistillModule
+    from draftsmith.distill.engine.module import DistillModule
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     step = DistillModule.training_step
@@ -237,7 +237,7 @@ def test_train_py_reports_ctrl_c_with_exit_130(tmp_path, monkeypatch, capsys):
 
 def test_rollout_prompts_longer_than_max_length_are_skipped_and_reported(tmp_path, caplog):
     from draftsmith.datagen.rollouts import DEFAULT_TRAIN_MAX_LENGTH, length_warning
-    from draftsmith.distill.preference_data import PreferenceDataModule
+    from draftsmith.distill.data.preferences import PreferenceDataModule
 
     assert DEFAULT_TRAIN_MAX_LENGTH == OmegaConf.load(ROOT / "conf/data/sharegpt.yaml").max_length
     folder = tmp_path / "rollouts"
@@ -251,7 +251,7 @@ def test_rollout_prompts_longer_than_max_length_are_skipped_and_reported(tmp_pat
     (folder / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     data = PreferenceDataModule(folder, batch_size=2, max_length=24, pad_id=0, val_fraction=0.2)
-    with caplog.at_level(logging.WARNING, logger="draftsmith.distill.preference_data"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.distill.data.preferences"):
         data.setup("fit")
     assert len(data.train_set) + len(data.val_set) == 4
     warned = [r.getMessage() for r in caplog.records]

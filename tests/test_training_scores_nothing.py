@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from test_training_refusals import run_train_inprocess, tiny_overrides
 
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.target import FeatureTaps, Target
+from draftsmith.common.errors import ConfigError
+from draftsmith.distill.target.frozen import FeatureTaps, Target
 
 pytestmark = pytest.mark.unit
 
@@ -48,7 +48,7 @@ def argmax_outside_data_target(tmp_path_factory, tiny_tokenizer) -> Path:
 
 def test_eagle3_whose_draft_vocabulary_never_holds_the_argmax_stops_at_the_first_batches(
         tmp_path, monkeypatch, argmax_outside_data_target, tiny_data_file):
-    from draftsmith.distill.module import NothingScoredError
+    from draftsmith.distill.engine.module import NothingScoredError
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     overrides = ["recipe=eagle3", *tiny_overrides(argmax_outside_data_target, tiny_data_file),
@@ -66,7 +66,7 @@ class ScriptedObjective:
     """Objective stand-in whose loss is scripted (value, scored count)."""
 
     def __new__(cls, losses, scored=None, reason=None):
-        from draftsmith.distill.objective import Objective
+        from draftsmith.distill.engine.objective import Objective
 
         class Scripted(Objective):
             module = torch.nn.Linear(2, 2)
@@ -89,7 +89,7 @@ class ScriptedObjective:
 
 
 def scripted_module(objective, tiny_tokenizer, total_steps=100, patience=5):
-    from draftsmith.distill.module import DistillModule
+    from draftsmith.distill.engine.module import DistillModule
 
     target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
     module = DistillModule(objective, target, {"lr": 1e-3}, total_steps=total_steps, zero_loss_patience=patience)
@@ -105,7 +105,7 @@ def batch(loss_mask_value: int):
 
 
 def test_loss_masks_that_select_nothing_stop_at_the_first_batches(tiny_tokenizer):
-    from draftsmith.distill.module import NothingScoredError
+    from draftsmith.distill.engine.module import NothingScoredError
 
     module = scripted_module(ScriptedObjective([1.0]), tiny_tokenizer)
     for i in range(3):
@@ -131,7 +131,7 @@ def test_loss_masks_that_select_nothing_stop_at_the_first_batches(tiny_tokenizer
 
 
 def test_a_loss_of_exactly_zero_for_patience_steps_stops(tiny_tokenizer):
-    from draftsmith.distill.module import ZeroLossError
+    from draftsmith.distill.engine.module import ZeroLossError
 
     assert OmegaConf.load(ROOT / "conf/train.yaml").run.zero_loss_patience == 5
     module = scripted_module(ScriptedObjective([0.0, 0.0, 1.0, 0.0, 0.0, 0.0]), tiny_tokenizer, patience=3)
@@ -147,7 +147,7 @@ def test_a_loss_of_exactly_zero_for_patience_steps_stops(tiny_tokenizer):
         off.training_step(batch(1), i)
     with pytest.raises(ConfigError, match=r"run\.zero_loss_patience=-1 is out of range: allowed >= 0"):
         from draftsmith import recipes
-        from draftsmith.distill.trainer import check_config
+        from draftsmith.distill.engine.trainer import check_config
 
         check_config(compose_config(["recipe=medusa", "run.zero_loss_patience=-1"]), recipes.get_recipe("medusa"))
 

@@ -184,7 +184,7 @@ def refit_overhead(costs: MachineCosts, calibration_nodes: float, timed: Sequenc
     the profiled calibration step (``costs.overhead_ms`` at ``calibration_nodes``, the superset tree) and every timed
     shape's measured decode step minus its drafting and verify forward. ``timed`` rows: ``nodes``, ``verify_ms``,
     ``depth``, ``measured_step_ms``. The calibration charged its 16-node step's overhead to every candidate, which
-    under-predicted small shapes by 11-15% on the Zen 4 (docs/MEASUREMENTS.md section 14). Returns the refitted
+    under-predicted small shapes by 11-15% on the Zen 4 (docs/notebook/MEASUREMENTS.md section 14). Returns the refitted
     costs and the points. Fewer than two distinct node counts: the overhead becomes their mean, per node 0."""
     points = [{"nodes": float(calibration_nodes), "overhead_ms": float(costs.overhead_ms), "source": "calibration"}]
     bare = replace(costs, overhead_ms=0.0, overhead_per_node_ms=0.0)

@@ -70,7 +70,7 @@ def loop_head(spec: Any) -> str:
     """The LM head the decode loops run: "argmax" where greedy verification (and so greedy plain decoding) reduces
     it to an argmax per row without [N, V] logits, else "logits". Costs are timed with this head: timed with the
     logits head, the embedded 135M target's plain step read 9.7 ms where the loop's timing implied about 8.4 ms, and
-    every predicted speedup came out about 14% high (docs/MEASUREMENTS.md section 17)."""
+    every predicted speedup came out about 14% high (docs/notebook/MEASUREMENTS.md section 17)."""
     uses_argmax = getattr(spec, "uses_argmax_head", None)
     return "argmax" if callable(uses_argmax) and uses_argmax() else "logits"
 

@@ -7,9 +7,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from draftsmith.distill.errors import ConfigError
-from draftsmith.distill.objective import Objective
-from draftsmith.distill.target import FeatureTaps, Target, TargetFeatures
+from draftsmith.common.errors import ConfigError
+from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.recipes.registry import register_recipe
 from toy_method.toy_echo_head import ToyEchoHead
 

@@ -1,0 +1,271 @@
+"""The tokenised-sample cache and the LightningDataModule that serves chat batches to the trainer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from functools import lru_cache, partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from draftsmith import assets
+from draftsmith.common.errors import ConfigError, DataError
+from draftsmith.common.registry import Registry
+from draftsmith.distill.data.conversations import load_conversations
+from draftsmith.distill.data.resumable import ResumableLoader, ResumableSampler, batches_done_in_epoch
+from draftsmith.distill.data.samples import (
+    ChatDataset,
+    PrebuiltBatches,
+    TemplateError,
+    bucket_by_length,
+    collate,
+    pack_samples,
+    pad_id_of,
+    tokenize_conversation,
+)
+
+logger = logging.getLogger(__name__)
+
+_CACHE_VERSION = 1
+
+def _spec_identity(spec: str, with_path: bool = True) -> dict:
+    """What identifies the data source: a local file by its content (size and SHA-256), and by its absolute path
+    unless ``with_path`` is off (the tokenised cache: the same data copied elsewhere, e.g. a test's fresh tmp file,
+    reuses one entry instead of adding another); a named dataset by its name."""
+    path = Path(spec).expanduser()
+    if spec.strip().lower() != "sharegpt" and path.is_file():
+        stat = path.stat()
+        where = {"path": str(path.resolve())} if with_path else {}
+        return {**where, "size": stat.st_size, "sha256": _file_sha256(str(path.resolve()), stat.st_size,
+                                                                       stat.st_mtime_ns)}
+    return {"name": spec}
+
+
+@lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 of a file, read once per (path, size, mtime): ``cache_path`` is asked for more than once a run."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(partial(handle.read, 1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenize_all(tokenizer: Any, conversations: Sequence[list[dict]], max_length: int) -> tuple[list[dict], dict]:
+    """Tokenise conversations; drop (and count) the ones with no assistant token left after truncation."""
+    samples, empty, failed, first_error = [], 0, 0, None
+    start = time.perf_counter()
+    for messages in conversations:
+        try:
+            sample = tokenize_conversation(tokenizer, messages, max_length)
+        except TemplateError as err:
+            failed, first_error = failed + 1, first_error or err
+            continue
+        if len(sample["input_ids"]) < 2 or not any(sample["loss_mask"]):
+            empty += 1
+            continue
+        samples.append(sample)
+    seconds = time.perf_counter() - start
+    if not samples:
+        raise first_error or DataError(f"none of the {len(conversations)} conversation(s) has an assistant token "
+                                       f"within the first {max_length} tokens (data.max_length); raise "
+                                       "data.max_length or check the data")
+    tokens = sum(len(s["input_ids"]) for s in samples)
+    info = {"samples": len(samples), "tokens": tokens, "no_assistant_tokens": empty, "template_errors": failed,
+            "seconds": round(seconds, 2)}
+    logger.info("tokenised %d conversations -> %d samples, %d tokens in %.1f s (%.0f tokens/s)%s",
+                len(conversations), len(samples), tokens, seconds, tokens / max(seconds, 1e-9),
+                f"; {failed} failed: {first_error}" if failed else "")
+    return samples, info
+
+
+def save_samples(path: Path, samples: Sequence[dict], metadata: dict) -> None:
+    """Write samples as flat arrays in one safetensors file (atomic: temp file, then rename)."""
+    from safetensors.numpy import save_file
+
+    lengths = np.asarray([len(s["input_ids"]) for s in samples], dtype=np.int64)  # [N]
+    arrays = {
+        "input_ids": np.concatenate([np.asarray(s["input_ids"], dtype=np.int32) for s in samples]),  # [sum N_i]
+        "loss_mask": np.concatenate([np.asarray(s["loss_mask"], dtype=np.uint8) for s in samples]),  # [sum N_i]
+        "lengths": lengths,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(arrays, str(tmp), metadata={"draftsmith": json.dumps(metadata)})
+    os.replace(tmp, path)
+
+
+def load_samples(path: Path) -> tuple[list[dict], dict]:
+    """Read samples written by :func:`save_samples` (returns samples and their metadata).
+
+    Each sample holds numpy views into two flat arrays (int32 ids, uint8 mask): compact, and shared
+    rather than copied by forked DataLoader workers.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as handle:
+        metadata = json.loads((handle.metadata() or {}).get("draftsmith", "{}"))
+        ids, mask, lengths = (handle.get_tensor(k) for k in ("input_ids", "loss_mask", "lengths"))
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    samples = [{"input_ids": ids[a:b], "loss_mask": mask[a:b]} for a, b in zip(bounds[:-1], bounds[1:])]
+    return samples, metadata
+
+
+class ChatDataModule(pl.LightningDataModule):
+    """Chat conversations tokenised once (cached on disk as safetensors) and served as padded batches.
+
+    The cache key hashes the data source, the tokenizer (name, vocabulary size, chat template),
+    ``max_length`` and ``limit``. The train/val split is a seeded permutation. Training batches are length
+    bucketed (:func:`bucket_by_length`) unless ``packing`` (see :func:`pack_samples` for its caveat).
+    """
+
+    def __init__(self, tokenizer: Any, spec: str, max_length: int, batch_size: int, num_workers: int = 0,
+                 val_fraction: float = 0.02, limit: int | None = None, packing: bool = False, seed: int = 0,
+                 cache_dir: str | Path | None = None):
+        super().__init__()
+        if not 0.0 <= val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        self.tokenizer, self.spec, self.max_length = tokenizer, spec, max_length
+        self.batch_size, self.num_workers, self.val_fraction = batch_size, num_workers, val_fraction
+        self.limit, self.packing, self.seed = limit, packing, seed
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else assets.cache_dir() / "data"
+        self.pad_id = pad_id_of(tokenizer)
+        self.report: dict = {}
+        self.train_set: ChatDataset | None = None
+        self.val_set: ChatDataset | None = None
+
+    @property
+    def cache_path(self) -> Path:
+        """Where the tokenised samples of this configuration are cached."""
+        template = self.tokenizer.chat_template or ""
+        key = {"v": _CACHE_VERSION, "spec": _spec_identity(self.spec, with_path=False),
+               "max_length": self.max_length,
+               "limit": self.limit, "tokenizer": getattr(self.tokenizer, "name_or_path", ""),
+               "vocab": len(self.tokenizer), "template": hashlib.sha256(template.encode()).hexdigest()}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+        return self.cache_dir / f"chat-{digest}.safetensors"
+
+    def samples(self) -> list[dict]:
+        """All tokenised samples, from the cache or tokenised now (and cached)."""
+        path = self.cache_path
+        if path.is_file():
+            samples, self.report = load_samples(path)
+            logger.info("loaded %d tokenised samples from %s", len(samples), path)
+            return samples
+        conversations, read = load_conversations(self.spec, self.limit)
+        samples, info = tokenize_all(self.tokenizer, conversations, self.max_length)
+        self.report = {"read": read.__dict__, **info}
+        save_samples(path, samples, self.report)
+        logger.info("cached tokenised samples at %s", path)
+        return load_samples(path)[0]  # same compact representation on first and later runs
+
+    def prepare_data(self) -> None:
+        """Tokenise and cache once (Lightning calls this on one process per node)."""
+        self.samples()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Split samples deterministically into train and validation sets."""
+        if self.train_set is not None:
+            return
+        samples = self.samples()
+        order = np.random.default_rng(self.seed).permutation(len(samples))
+        n_val = min(len(samples) - 1, max(1, round(len(samples) * self.val_fraction))) if self.val_fraction else 0
+        self.val_set = ChatDataset([samples[i] for i in order[:n_val]])
+        self.train_set = ChatDataset([samples[i] for i in order[n_val:]])
+
+    def _ordered_sampler(self, size: int) -> ResumableSampler:
+        """Keep the seeded order; under data parallelism deal item r, r+W, ... to rank r.
+
+        Lightning's automatic distributed sampler reshuffles, which would break the property that W processes
+        see the same global batches as one process with W-step gradient accumulation.
+        """
+        trainer = getattr(self, "trainer", None)
+        world = int(getattr(trainer, "world_size", 1) or 1)
+        return ResumableSampler(size, rank=int(trainer.global_rank) if world > 1 else 0, world=world)
+
+    def _batches_done(self) -> int:
+        trainer = self.trainer
+        return batches_done_in_epoch(trainer.global_step, trainer.num_training_batches, trainer.accumulate_grad_batches)
+
+    def _loader(self, dataset: Dataset, loader: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return loader(dataset, num_workers=self.num_workers, generator=generator,
+                      collate_fn=partial(collate, pad_id=self.pad_id), **kwargs)
+
+    def _train_layout(self) -> tuple[Dataset, int | None]:
+        """The training dataset and its loader batch size: packed rows in a seeded order (``batch_size`` rows a
+        batch), or length buckets where one item is one whole batch (``None``)."""
+        if self.train_set is None:
+            self.setup("fit")
+        if self.packing:
+            rows = ChatDataset(pack_samples(self.train_set.samples, self.max_length))
+            order = np.random.default_rng(self.seed).permutation(len(rows))
+            return ChatDataset([rows.samples[i] for i in order]), self.batch_size
+        # The order is already a seeded permutation; no loader shuffle, so the sampler deals batch r, r+W, ... to
+        # rank r and W processes see exactly the batches one process sees with W-step accumulation.
+        batches = bucket_by_length(self.train_set.lengths, self.batch_size, seed=self.seed)
+        return PrebuiltBatches(self.train_set, batches), None
+
+    def batch_plan(self, split: str) -> tuple[list[dict], list[list[int]]]:
+        """``(items, batches)`` of ``split`` ("train" | "val"): the items (samples, or packed rows) and the item
+        indices of each batch, in the order the split's loader serves them to one process from the start. The
+        offline feature cache (:mod:`draftsmith.distill.feature_cache.build`) stores exactly these batches."""
+        if split == "train":
+            dataset, batch_size = self._train_layout()
+            if batch_size is None:
+                return dataset.dataset.samples, [list(b) for b in dataset.batches]
+            items = dataset.samples
+        else:
+            if self.val_set is None:
+                self.setup("validate")
+            items, batch_size = self.val_set.samples, self.batch_size
+        return items, [list(range(a, min(a + batch_size, len(items)))) for a in range(0, len(items), batch_size)]
+
+    def train_dataloader(self) -> DataLoader:
+        """Training batches in a fixed seeded order (packed rows, or length buckets with one item = one batch),
+        resumable mid-epoch (see :mod:`draftsmith.distill.data.resumable`)."""
+        dataset, batch_size = self._train_layout()
+        return self._loader(dataset, ResumableLoader, batch_size=batch_size,
+                            sampler=self._ordered_sampler(len(dataset)), batches_done=self._batches_done,
+                            items_per_batch=batch_size or 1)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches in a fixed order."""
+        if self.val_set is None:
+            self.setup("validate")
+        return self._loader(self.val_set, batch_size=self.batch_size, shuffle=False)
+
+
+DATAMODULES: Registry[Callable[..., Any]] = Registry("batch kind")
+register_batch_kind = DATAMODULES.register  # @register_batch_kind(name) on fn(cfg, tokenizer, packing) -> datamodule
+
+
+def build_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None, kind: str = "chat") -> Any:
+    """The data module of batch kind ``kind`` (an objective's ``batch_kind``) for a composed config (``cfg.data``,
+    ``cfg.run.seed``); one place for every caller. Raises ValueError naming the registered kinds for an unknown one."""
+    build = DATAMODULES.get(kind)  # an unknown kind fails first, naming the registered ones
+    data = getattr(cfg, "data", None)
+    if data is not None and data.get("features"):  # offline: the batches and target features come from a cache
+        from draftsmith.distill.feature_cache.cached_data import cached_datamodule
+
+        return cached_datamodule(cfg, kind)
+    return build(cfg, tokenizer, packing)
+
+
+@register_batch_kind("chat")
+def build_chat_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None) -> ChatDataModule:
+    """Chat conversations -> token ids + assistant loss masks (``cfg.data``)."""
+    limit = cfg.data.limit
+    return ChatDataModule(tokenizer=tokenizer, spec=str(cfg.data.spec), max_length=int(cfg.data.max_length),
+                          batch_size=int(cfg.data.batch_size), num_workers=int(cfg.data.num_workers),
+                          val_fraction=float(cfg.data.val_fraction), limit=int(limit) if limit else None,
+                          packing=bool(cfg.data.packing) if packing is None else packing, seed=int(cfg.run.seed))

@@ -1,0 +1,249 @@
+"""Training from an offline feature cache (:mod:`draftsmith.distill.feature_cache.build`) without loading the target.
+
+``data.features=DIR`` swaps in :class:`CachedFeatureDataModule` (the cached batches, in the order the online data module
+serves them, resumable mid-epoch) and :class:`CachedTarget` (a :class:`~draftsmith.distill.target.frozen.TargetModel`
+stand-in holding the target's config, tokenizer, embedding and LM head; its features come with each batch).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from draftsmith.distill.data.resumable import ResumableLoader, ResumableSampler, batches_done_in_epoch
+from draftsmith.distill.feature_cache.build import (
+    FORMAT,
+    HEAD_FILE,
+    MANIFEST,
+    PREFIX,
+    TARGET_DIR,
+    FeatureCacheError,
+    differences,
+    settings_of,
+    shard_damage,
+)
+from draftsmith.distill.target.frozen import FeatureTaps, TargetFeatures
+
+REBUILD = "rebuild it with `draftsmith cache-features recipe=... --out DIR` (a re-run resumes) or train online"
+
+
+class FeatureCache:
+    """A complete cache folder: its manifest and lazily opened shards."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not (self.path / MANIFEST).is_file():
+            raise FeatureCacheError(f"data.features={self.path} is not a feature cache (no {MANIFEST}: the "
+                                    f"cache-features run never started there or was stopped early); {REBUILD}")
+        self.manifest = json.loads((self.path / MANIFEST).read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise FeatureCacheError(f"{self.path / MANIFEST} is not a draftsmith feature cache manifest")
+        missing = [s["file"] for s in self.manifest["shards"] if not (self.path / s["file"]).is_file()]
+        if not (self.path / TARGET_DIR / HEAD_FILE).is_file():
+            missing.append(f"{TARGET_DIR}/{HEAD_FILE}")
+        damaged = [] if missing else [f"{s['file']} ({why})" for s in self.manifest["shards"]
+                                      if (why := shard_damage(self.path / s["file"])) is not None]
+        if damaged:
+            raise FeatureCacheError(f"feature cache {self.path} has damaged shards: {'; '.join(damaged[:3])}"
+                                    f"{' ...' if len(damaged) > 3 else ''}; {REBUILD} (the re-run rewrites them)")
+        if missing or not self.manifest.get("complete"):
+            raise FeatureCacheError(f"feature cache {self.path} is incomplete ({len(missing)} of "
+                                    f"{len(self.manifest['shards'])} shards missing: {', '.join(missing[:3])}"
+                                    f"{' ...' if len(missing) > 3 else ''}); {REBUILD}")
+        self.where: dict[str, str] = {}  # "train.3" -> shard file
+        for shard in self.manifest["shards"]:
+            for g in range(shard["start"], shard["stop"]):
+                self.where[self.key(g)] = shard["file"]
+        self._handles: dict[str, Any] = {}
+
+    def key(self, g: int) -> str:
+        """``split.i`` of the ``g``-th batch of the cache (train batches first, then val)."""
+        n_train = int(self.manifest["batches"]["train"])
+        return f"train.{g}" if g < n_train else f"val.{g - n_train}"
+
+    def check(self, cfg: Any) -> None:
+        """Refuse a cache built for another recipe, target or data settings, naming what differs."""
+        diff = differences(self.manifest["settings"], settings_of(cfg))
+        if diff:
+            raise FeatureCacheError(f"feature cache {self.path} was built for another configuration: "
+                                    f"{'; '.join(diff)}; {REBUILD}")
+
+    def _open(self, file: str) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        return self._handles[file]
+
+    def batch(self, split: str, i: int) -> dict[str, torch.Tensor]:
+        """Batch ``i`` of ``split``: ids and masks [B, T] (long) and ``features.<name>`` [B, T, H]."""
+        name = f"{split}.{i}"
+        handle = self._open(self.where[name])
+        out = {k: handle.get_tensor(f"{name}.{k}").long() for k in ("input_ids", "attention_mask", "loss_mask")}
+        out.update({PREFIX + f: handle.get_tensor(f"{name}.{f}") for f in self.manifest["features"]})
+        if self.manifest["taps"].get("lazy_logits"):  # the target's greedy ids [B, T]
+            out[PREFIX + "greedy_ids"] = handle.get_tensor(f"{name}.greedy_ids").long()
+        return out
+
+    def samples(self, split: str = "train") -> list[dict]:
+        """The unpadded samples of ``split`` in their original order (draft-vocabulary scans read these)."""
+        found: dict[int, dict] = {}
+        for i in range(int(self.manifest["batches"][split])):
+            name = f"{split}.{i}"
+            handle = self._open(self.where[name])
+            indices = json.loads(handle.metadata()["indices"])[name]
+            ids, attn, loss = (handle.get_tensor(f"{name}.{k}") for k in ("input_ids", "attention_mask", "loss_mask"))
+            for row, j in enumerate(indices):
+                n = int(attn[row].sum())
+                found[j] = {"input_ids": ids[row, :n].long().numpy(), "loss_mask": loss[row, :n].long().numpy()}
+        return [found[j] for j in sorted(found)]
+
+    def __getstate__(self) -> dict:  # DataLoader workers reopen the shards
+        return {**self.__dict__, "_handles": {}}
+
+
+class CachedTarget:
+    """The target as a feature cache knows it: config, tokenizer, embedding and LM head; features per batch."""
+
+    def __init__(self, cache: FeatureCache) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoConfig, AutoTokenizer
+
+        folder = cache.path / TARGET_DIR
+        self.cache = cache
+        self.config = AutoConfig.from_pretrained(folder)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.name_or_path = str(cache.manifest["target"]["name_or_path"])
+        self._weights = load_file(str(folder / HEAD_FILE))  # embed, lm_head [V, H] in the target's dtype
+        self.stored = FeatureTaps(**{**cache.manifest["taps"], "layers": tuple(cache.manifest["taps"]["layers"])})
+
+    hidden_size = property(lambda self: int(self.config.hidden_size))
+    vocab_size = property(lambda self: int(self._weights["lm_head"].shape[0]))
+    num_layers = property(lambda self: int(self.config.num_hidden_layers))
+    lm_head_weight = property(lambda self: self._weights["lm_head"])
+    embed_weight = property(lambda self: self._weights["embed"])
+
+    def identity(self) -> dict:
+        """The identity of the target the cache was built with (recorded in exports)."""
+        return dict(self.cache.manifest["target"])
+
+    def to(self, *args: Any, **kwargs: Any) -> CachedTarget:
+        self._weights = {k: v.to(*args, **kwargs) for k, v in self._weights.items()}
+        return self
+
+    def check_taps(self, taps: FeatureTaps, own_features: bool = False) -> None:
+        """Refuse an objective that needs features the cache does not hold (before training starts)."""
+        missing = [f"layer {i}" for i in taps.layers if i not in self.stored.layers]
+        missing += ["prenorm_hidden"] * (taps.prenorm_hidden and not self.stored.prenorm_hidden)
+        if own_features or missing:
+            what = "computes its own target features" if own_features else f"needs {', '.join(missing)}"
+            raise FeatureCacheError(f"feature cache {self.cache.path} holds {self.cache.manifest['features']} but the "
+                                    f"objective {what} (another recipe or drafter.target_layers?); {REBUILD}")
+
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 taps: FeatureTaps | None = None) -> TargetFeatures:
+        raise FeatureCacheError("a feature-cache target has no model to run: its features come with each cached "
+                                "batch (DistillModule reads them with batch_features)")
+
+    def batch_features(self, batch: dict[str, torch.Tensor], taps: FeatureTaps
+                       ) -> tuple[TargetFeatures, dict[str, torch.Tensor]]:
+        """The cached features of ``batch`` (logits / top-k rebuilt with the LM head) and the batch without them."""
+        self.check_taps(taps)
+        dtype = self.lm_head_weight.dtype  # what the online target returned its features in
+        greedy = batch.get(PREFIX + "greedy_ids")
+        got = {k[len(PREFIX):]: v.to(dtype) for k, v in batch.items() if k.startswith(PREFIX) and k[len(PREFIX):]
+               != "greedy_ids"}
+        feats = TargetFeatures(final_hidden=got["final_hidden"] if taps.final_hidden else None,
+                               prenorm_hidden=got.get("prenorm_hidden") if taps.prenorm_hidden else None,
+                               layer_hidden={i: got[f"layer.{i}"] for i in taps.layers})
+        if taps.logits and taps.lazy_logits and greedy is not None and not taps.topk:
+            # only the rows the objective asks for go through the LM head (TargetFeatures.logits_at)
+            feats.final_hidden, feats.greedy_ids, feats.head_weight = got["final_hidden"], greedy, self.lm_head_weight
+        elif taps.logits or taps.topk:
+            logits = F.linear(got["final_hidden"], self.lm_head_weight)  # [B, T, V], as the target's lm_head
+            feats.logits = logits if taps.logits else None
+            if taps.topk:
+                feats.topk_values, feats.topk_indices = logits.topk(taps.topk, dim=-1)
+        return feats, {k: v for k, v in batch.items() if not k.startswith(PREFIX)}
+
+
+class CachedBatches(Dataset):
+    """The cached batches of one split; item ``i`` is a whole collated batch."""
+
+    def __init__(self, cache: FeatureCache, split: str) -> None:
+        self.cache, self.split = cache, split
+        self._samples: list[dict] | None = None
+
+    def __len__(self) -> int:
+        return int(self.cache.manifest["batches"][self.split])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.cache.batch(self.split, index)
+
+    @property
+    def samples(self) -> list[dict]:
+        """The split's samples (for recipes that count tokens, e.g. EAGLE-3's draft vocabulary)."""
+        if self._samples is None:
+            self._samples = self.cache.samples(self.split)
+        return self._samples
+
+
+class CachedFeatureDataModule(pl.LightningDataModule):
+    """Cached batches served like :class:`~draftsmith.distill.data.datamodule.ChatDataModule` serves them."""
+
+    def __init__(self, cache: FeatureCache, num_workers: int = 0) -> None:
+        super().__init__()
+        self.cache, self.num_workers = cache, num_workers
+        self.train_set, self.val_set = CachedBatches(cache, "train"), CachedBatches(cache, "val")
+
+    def setup(self, stage: str | None = None) -> None:
+        """Nothing to prepare: the batches are on disk."""
+
+    def train_dataloader(self) -> DataLoader:
+        """Batch r, r+W, ... to rank r in the cached order, resumable mid-epoch."""
+        trainer = self.trainer
+        world = int(getattr(trainer, "world_size", 1) or 1)
+        sampler = ResumableSampler(len(self.train_set), rank=int(trainer.global_rank) if world > 1 else 0, world=world)
+        done = lambda: batches_done_in_epoch(trainer.global_step, trainer.num_training_batches,  # noqa: E731
+                                             trainer.accumulate_grad_batches)
+        return ResumableLoader(self.train_set, batch_size=None, sampler=sampler, num_workers=self.num_workers,
+                               batches_done=done, items_per_batch=1)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=None, shuffle=False, num_workers=self.num_workers)
+
+
+_OPEN: dict[str, FeatureCache] = {}
+
+
+def open_cache(cfg: Any) -> FeatureCache:
+    """The cache of ``cfg.data.features``, checked against ``cfg`` (one instance per folder and process)."""
+    path = str(Path(str(cfg.data.features)).expanduser().resolve())
+    cache = _OPEN.get(path) or FeatureCache(path)
+    cache.check(cfg)
+    _OPEN[path] = cache
+    return cache
+
+
+def cached_datamodule(cfg: Any, kind: str) -> CachedFeatureDataModule:
+    """The data module for ``data.features`` (chat batches only)."""
+    if kind != "chat":
+        raise FeatureCacheError(f"data.features serves chat batches; this recipe trains on {kind!r} batches")
+    return CachedFeatureDataModule(open_cache(cfg), int(cfg.data.num_workers))
+
+
+def train_offline(cfg: Any, recipe: Any, run_dir: str | Path, run_name: str | None = None) -> dict[str, Any]:
+    """:func:`draftsmith.distill.engine.trainer.train` from a feature cache (the trainer opens the cache's stand-in
+    target itself when ``data.features`` is set); refuses what cannot work without a loaded target first."""
+    from draftsmith.distill import trainer
+
+    if cfg.target.get("shard"):
+        raise FeatureCacheError("target.shard=true with data.features: training from a feature cache loads no "
+                                "target to shard; drop target.shard")
+    return trainer.train(cfg, recipe, run_dir, run_name=run_name)
