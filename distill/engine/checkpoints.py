@@ -10,6 +10,12 @@ warning.
 ``last.ckpt`` is a relative symlink replaced atomically (a new link renamed over the old one). Where the file system
 refuses symlinks, a small pointer file ``checkpoints/last`` holds the newest checkpoint's file name instead of a
 second full copy; :func:`find_resume_checkpoint` reads either.
+
+A resumed run starts from :func:`resume_checkpoint`: the newest checkpoint whose archive reads whole (a truncated
+copy, a flipped byte, a ``last.ckpt`` naming a step file that was deleted are each skipped with one warning naming
+the file and what is resumed instead, or saying that training restarts from step 0). Retention counts across
+attempts: a resumed run tracks the step files already in the folder (:meth:`QuotaCheckpoint.on_train_start`), so a
+moved run folder or a changed ``run.checkpoint_every`` keeps the newest ``run.keep_checkpoints`` as promised.
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ import os
 import re
 import shutil
 import time
+import zipfile
 from pathlib import Path
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from draftsmith.common.atomic_folder import disk_full_message, human_bytes, is_disk_full, remove_stale_temporaries
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.distill.engine.interrupts import CheckpointInterrupted
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +135,67 @@ def find_resume_checkpoint(run_dir: str | Path) -> Path | None:
     return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
 
 
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why the checkpoint file ``path`` cannot be resumed from (missing, empty, truncated, a damaged entry), or None
+    when its archive reads whole (every entry against its CRC). Folders (DeepSpeed, sharded FSDP) are not checked."""
+    path = Path(path)
+    if path.is_dir():
+        return None
+    if not path.exists():
+        return "it is missing (deleted?)"
+    size = path.stat().st_size
+    if size == 0:
+        return "it is empty (0 bytes)"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        return f"it is truncated or damaged ({size:,} bytes; {err})"
+    return f"it is damaged (its entry {bad} fails its checksum)" if bad is not None else None
+
+
+def _named_by_last(folder: Path) -> Path | None:
+    """What ``last.ckpt`` (a link, or a copy) or the ``last`` pointer names, whether or not that file exists."""
+    last, pointer = folder / LAST_CHECKPOINT, folder / LAST_POINTER
+    if last.is_symlink():
+        return folder / os.readlink(last)
+    if last.exists():
+        return last
+    if pointer.is_file():
+        return folder / pointer.read_text().strip()
+    return None
+
+
+def resume_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint a resumed run starts from: :func:`find_resume_checkpoint`'s when it reads whole, else the
+    newest intact step or requeue checkpoint, with one warning naming the damaged or missing file and the fallback
+    (or saying that training restarts from step 0 when no intact checkpoint is left)."""
+    run_dir = Path(run_dir)
+    folder = run_dir / CHECKPOINT_DIR
+    first = find_resume_checkpoint(run_dir)
+    named = _named_by_last(folder)
+    skipped = [named] if named is not None and not named.exists() else []
+    if first is not None and checkpoint_problem(first) is None:
+        if skipped:
+            log.warning("%s names %s, which is missing; resuming from %s instead", folder / LAST_CHECKPOINT,
+                        named.name, first)
+        return first
+    skipped += [first] if first is not None else []
+    steps = sorted((p for p in folder.glob("step*.ckpt") if p not in skipped), key=step_of, reverse=True)
+    requeues = sorted(run_dir.glob("hpc_ckpt_*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    intact = [next((p for p in group if p not in skipped and checkpoint_problem(p) is None), None)
+              for group in (steps, requeues)]
+    found = max((p for p in intact if p is not None), key=lambda p: p.stat().st_mtime, default=None)
+    if not skipped:
+        return found
+    why = "; ".join(f"{p} cannot be resumed: {checkpoint_problem(p)}" for p in dict.fromkeys(skipped))
+    if found is None:
+        log.warning("%s; no intact checkpoint is left in %s: training restarts from step 0", why, folder)
+    else:
+        log.warning("%s; resuming from %s, the newest intact checkpoint", why, found)
+    return found
+
+
 def drop_stale_requeue_checkpoints(run_dir: str | Path, newer: Path) -> list[Path]:
     """Delete SLURM requeue checkpoints (``hpc_ckpt_<n>.ckpt``) older than ``newer``: once a regular checkpoint
     supersedes them they only eat quota. Returns the deleted paths."""
@@ -157,10 +227,35 @@ class QuotaCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and Path(self.dirpath).is_dir():  # what an earlier attempt's failed save left
             remove_stale_temporaries(Path(self.dirpath))
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.ckpt_path is not None and trainer.is_global_zero:
+            self.track_existing(trainer.global_step)
+
+    def track_existing(self, step: int) -> None:
+        """Count the step files already in the folder (up to ``step``, the one resumed) as the kept ones: Lightning
+        restores its list only from a checkpoint written in this very folder with this ``checkpoint_every``, so a
+        moved run folder or a changed schedule used to drop every earlier file at the first save."""
+        files = sorted((p for p in Path(self.dirpath).glob("step*.ckpt") if 0 <= step_of(p) <= step), key=step_of)
+        kept = files[-self.save_top_k:]
+        self.best_k_models = {os.path.join(self.dirpath, p.name): torch.tensor(float(step_of(p))) for p in kept}
+        if not kept:
+            return
+        newest, oldest = (os.path.join(self.dirpath, p.name) for p in (kept[-1], kept[0]))
+        self.best_model_path, self.best_model_score = newest, self.best_k_models[newest]
+        if len(kept) == self.save_top_k:
+            self.kth_best_model_path, self.kth_value = oldest, self.best_k_models[oldest]
+        else:  # fewer than `keep`: the next saves add to them
+            self.kth_best_model_path = ""
+
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         start = time.perf_counter()
         try:
             super()._save_checkpoint(trainer, filepath)
+        except CheckpointInterrupted as stop:  # Ctrl-C during the write: the finished file becomes last.ckpt
+            if stop.saved is not None and trainer.is_global_zero:
+                self.link_kind = link_last(filepath, Path(self.dirpath) / LAST_CHECKPOINT)
+            raise
         except BaseException as err:
             stop = disk_full_stop(filepath, err) if is_disk_full(err) else None
             temporary_of(filepath).unlink(missing_ok=True)  # a partial checkpoint is never resumed: never keep it

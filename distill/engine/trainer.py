@@ -36,7 +36,9 @@ from draftsmith.distill.engine.checkpoints import (
     LAST_CHECKPOINT,
     QuotaCheckpoint,
     find_resume_checkpoint,
+    resume_checkpoint,
 )
+from draftsmith.distill.engine.interrupts import CheckpointInterrupted, deferred_sigint
 from draftsmith.distill.engine.module import DistillModule
 from draftsmith.distill.engine.progress import StepProgressBar
 from draftsmith.distill.engine.resume_check import check_resume_recipe, check_resume_shapes, read_checkpoint
@@ -49,18 +51,29 @@ __all__ = ["CHECKPOINT_DIR", "LAST_CHECKPOINT", "build_strategy", "build_trainer
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes each checkpoint to a temp file, fsyncs, then renames: a kill mid-write never corrupts ``last.ckpt``."""
+    """Writes each checkpoint to a temp file, fsyncs, then renames: a kill mid-write never corrupts ``last.ckpt``.
+    Ctrl-C during the write finishes it first (a second Ctrl-C drops it), then stops as an interruption
+    (:mod:`draftsmith.distill.engine.interrupts`)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as fh:
-            torch.save(checkpoint, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        with deferred_sigint(f"the checkpoint {path.name}") as pending:
+            try:
+                with open(tmp, "wb") as fh:
+                    torch.save(checkpoint, fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                if pending["count"] > 1:  # torch's C++ writer turned the second Ctrl-C into a RuntimeError
+                    raise CheckpointInterrupted(None) from None
+                raise
+            os.replace(tmp, path)
+        if pending["count"]:
+            raise CheckpointInterrupted(str(path))
 
 
 class InterruptWatch(pl.Callback):
@@ -114,9 +127,9 @@ def check_config(cfg: DictConfig, recipe: Any) -> None:
 def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str | None = None) -> list:
     """CSV always; wandb (offline unless logger.mode=online) when selected, named ``run_name`` (recipe + overrides)
     and given the resolved config."""
-    from pytorch_lightning.loggers import CSVLogger
+    from draftsmith.distill.engine.run_logs import RunCSVLogger
 
-    loggers: list = [CSVLogger(save_dir=str(run_dir), name="logs", version="")]
+    loggers: list = [RunCSVLogger(run_dir)]  # appends across resumes (Lightning's CSVLogger deletes earlier rows)
     kind = cfg.logger.kind
     if kind == "wandb":
         from pytorch_lightning.loggers import WandbLogger
@@ -222,11 +235,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
 
 
 def resume_path(cfg: DictConfig, run_dir: Path) -> str | None:
-    """The newest checkpoint of the run folder (``last.ckpt``'s target, a newer SLURM requeue checkpoint, ...) when
-    resuming is on."""
+    """The newest intact checkpoint of the run folder (``last.ckpt``'s target, a newer SLURM requeue checkpoint, ...;
+    a damaged or missing one skipped with a warning) when resuming is on."""
     if str(cfg.run.resume).lower() not in ("auto", "true"):
         return None
-    found = find_resume_checkpoint(run_dir)
+    found = resume_checkpoint(run_dir)
     if found is not None:
         log.info("resuming from %s", found)
     return str(found) if found is not None else None

@@ -1,0 +1,67 @@
+"""The run's CSV log, ``<run dir>/logs/metrics.csv``, kept across every attempt of a run.
+
+Lightning's ``CSVLogger`` deletes ``metrics.csv`` when a logger opens a folder that holds one, so each resume (after
+Ctrl-C, SIGTERM, kill -9, or a raised ``trainer.max_steps``) used to drop the rows of the earlier attempts.
+:class:`RunCSVLogger` appends instead: the rows of every attempt stay, in the order they were logged (steps that an
+attempt trained after its last checkpoint and the next attempt trains again appear once per attempt). Rows are
+written at every logging step, so a killed attempt keeps what it logged; a header that gains a column (the first
+``val/`` metric) is rewritten beside the file and swapped in, never truncated in place.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from pathlib import Path
+
+from lightning_fabric.loggers.logger import rank_zero_experiment
+from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+
+log = logging.getLogger(__name__)
+
+
+class AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer that keeps an existing ``metrics.csv`` (its rows and its columns) and appends."""
+
+    def _check_log_dir_exists(self) -> None:  # Lightning's version deletes metrics.csv; read its header instead
+        path = Path(self.metrics_file_path)
+        if not path.is_file() or path.stat().st_size == 0:
+            return
+        with path.open(newline="") as handle:
+            header = next(csv.reader(handle), [])
+            rows = sum(1 for _ in handle)
+        self.metrics_keys = sorted(set(header))
+        log.info("appending to %s (%d rows of earlier attempts kept)", path, rows)
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        """Rewrite the file with more columns beside it, then rename it over the old one (a kill keeps either)."""
+        path = Path(self.metrics_file_path)
+        with path.open(newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with tmp.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows(rows)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+
+
+class RunCSVLogger(CSVLogger):
+    """``CSVLogger(save_dir=run_dir, name="logs", version="")`` that appends across attempts and writes its rows at
+    every logging step (not every 100), so a killed attempt loses none."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        super().__init__(save_dir=str(run_dir), name="logs", version="", flush_logs_every_n_steps=1)
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> AppendingWriter:  # type: ignore[override]
+        """The writer, created on first use (rank 0 only, as Lightning's)."""
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
