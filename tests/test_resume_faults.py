@@ -164,3 +164,44 @@ def test_ctrl_c_while_a_checkpoint_is_written_is_the_interruption(signals, tmp_p
         assert step_files(run_dir) == ["step2.ckpt"]
     assert checkpoints.checkpoint_problem(folder / "last.ckpt") is None
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_resume_that_changes_optimiser_or_data_keys_is_refused_naming_them(tmp_path, tiny_target_dir,
+                                                                            tiny_data_file):
+    from draftsmith.common.errors import ConfigError
+
+    run_dir = tmp_path / "run"
+    constant = ("optim.scheduler=constant", "optim.lr=0.001")
+    train(tiny_cfg(tiny_target_dir, tiny_data_file, *constant), get_recipe("medusa"), run_dir)
+    other_data = tmp_path / "other.jsonl"
+    other_data.write_text(tiny_data_file.read_text().replace("answer", "question"))
+    cases = {("optim.scheduler=constant", "optim.lr=0.0003"): "optim.lr 0.001 -> 0.0003",
+             (*constant, f"data={other_data}"): f"data.spec {tiny_data_file} -> {other_data}",
+             (*constant, "data.max_length=40"): "data.max_length 48 -> 40",
+             (*constant, "run.seed=7"): "run.seed 0 -> 7"}
+    for overrides, named in cases.items():
+        with pytest.raises(ConfigError) as refused:
+            train(tiny_cfg(tiny_target_dir, tiny_data_file, *overrides, "trainer.max_steps=6"), get_recipe("medusa"),
+                  run_dir)
+        message = str(refused.value)
+        assert named in message and "hydra.run.dir=NEW_DIR" in message and "run.resume=changed" in message, message
+    assert step_files(run_dir) == ["step2.ckpt", "step4.ckpt"]  # nothing trained
+    # What may change: the run's length, the per-device batch (the global batch is kept), the loader's workers.
+    extended = train(tiny_cfg(tiny_target_dir, tiny_data_file, *constant, "trainer.max_steps=5", "data.num_workers=0"),
+                     get_recipe("medusa"), run_dir)
+    assert extended["steps"] == 5
+
+
+def test_run_resume_changed_trains_at_the_new_rate(tmp_path, tiny_target_dir, tiny_data_file):
+    run_dir = tmp_path / "run"
+    train(tiny_cfg(tiny_target_dir, tiny_data_file, "optim.scheduler=constant", "optim.lr=0.001"),
+          get_recipe("medusa"), run_dir)
+    train(tiny_cfg(tiny_target_dir, tiny_data_file, "optim.scheduler=constant", "optim.lr=0.0003",
+                   "optim.weight_decay=0.05", "trainer.max_steps=6", "run.resume=changed"), get_recipe("medusa"),
+          run_dir)
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 6
+    groups = saved["optimizer_states"][0]["param_groups"]
+    assert {g["lr"] for g in groups} == {0.0003} and {g["weight_decay"] for g in groups} == {0.05}
+    assert saved["lr_schedulers"][0]["base_lrs"] == [0.0003] * len(groups)
+    assert saved["draftsmith"]["config"]["optim"]["lr"] == 0.0003  # the next resume compares against the new value

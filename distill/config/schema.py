@@ -46,8 +46,9 @@ class RunConfig:
     checkpoint_every: int = key("steps between atomic checkpoints", ge=1)
     keep_checkpoints: int = key("newest step checkpoints kept (checkpoints/last.ckpt links the newest)", ge=1)
     requeue: bool = key("under SLURM: on SIGUSR1 save a checkpoint and requeue the job")
-    resume: str = key("auto: continue from the run folder's newest checkpoint; false: start fresh",
-                      choices=("auto", "true", "false"))
+    resume: str = key("auto: continue from the run folder's newest checkpoint; false: start fresh; changed: continue "
+                      "although optim/data keys changed, with the new values",
+                      choices=("auto", "true", "false", "changed"))
     export: bool = key("export into <run dir>/export at the end of training")
     val_every: int = key("steps between validation passes (0 = only at the end)", ge=0)
     final_eval_batches: int = key("validation batches at the end (per-head agreement etc.)", ge=0)

@@ -41,7 +41,12 @@ from draftsmith.distill.engine.checkpoints import (
 from draftsmith.distill.engine.interrupts import CheckpointInterrupted, deferred_sigint
 from draftsmith.distill.engine.module import DistillModule
 from draftsmith.distill.engine.progress import StepProgressBar
-from draftsmith.distill.engine.resume_check import check_resume_recipe, check_resume_shapes, read_checkpoint
+from draftsmith.distill.engine.resume_check import (
+    ApplyChangedOptim,
+    check_resume_recipe,
+    check_resume_shapes,
+    read_checkpoint,
+)
 from draftsmith.distill.target.frozen import Target
 from draftsmith.distill.target.shard import TargetSharding, check_target_shard
 
@@ -237,7 +242,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
 def resume_path(cfg: DictConfig, run_dir: Path) -> str | None:
     """The newest intact checkpoint of the run folder (``last.ckpt``'s target, a newer SLURM requeue checkpoint, ...;
     a damaged or missing one skipped with a warning) when resuming is on."""
-    if str(cfg.run.resume).lower() not in ("auto", "true"):
+    if str(cfg.run.resume).lower() not in ("auto", "true", "changed"):
         return None
     found = resume_checkpoint(run_dir)
     if found is not None:
@@ -254,6 +259,8 @@ def extra_callbacks(cfg: DictConfig, target: Any, run_dir: Path, shard_target: b
     """Callbacks beyond the standard set: the sharded target's, and the best-served export's when a served-tau
     probe runs and ``validation.served_tau.keep_best`` is on."""
     extra: list = [TargetSharding(target, cfg.trainer)] if shard_target else []
+    if resumed and str(cfg.run.resume).lower() == "changed":  # the new optim values over the checkpoint's
+        extra.append(ApplyChangedOptim())
     block = (cfg.get("validation") or {}).get("served_tau") or {}
     if served and bool(block.get("keep_best", True)) and bool(cfg.run.export):
         extra.append(KeepBestServed(run_dir, resumed=resumed))
