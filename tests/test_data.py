@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import build_tiny_tokenizer
 
-from draftsmith.distill import datamodule as data_mod
+from draftsmith.distill.data import datamodule as data_mod
 from draftsmith.distill.data.conversations import load_conversations, normalize_record
 from draftsmith.distill.data.datamodule import ChatDataModule, load_samples, save_samples
 from draftsmith.distill.data.samples import (
@@ -281,3 +281,42 @@ def test_datamodule_split_batches_and_cache(tiny_tokenizer, tmp_path, monkeypatc
 
 def _module(tokenizer, spec, tmp_path: Path) -> ChatDataModule:
     return ChatDataModule(tokenizer, str(spec), max_length=24, batch_size=4, cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "empty"])
+def test_a_damaged_tokenised_cache_is_said_and_rebuilt(damage, tiny_tokenizer, tmp_path, caplog):
+    spec = str(_write_jsonl(tmp_path / "chat.jsonl", _convs(20)))
+    first = _module(tiny_tokenizer, spec, tmp_path)
+    want = [s["input_ids"].tolist() for s in first.samples()]
+    path, data = first.cache_path, bytearray(first.cache_path.read_bytes())
+    if damage == "truncated":  # a copy or a write that stopped
+        path.write_bytes(bytes(data[: len(data) - 40]))
+    elif damage == "flipped":  # one byte of the token ids changed on disk
+        data[-30] ^= 0x01
+        path.write_bytes(bytes(data))
+    else:
+        path.write_bytes(b"")
+    with caplog.at_level("WARNING"):
+        again = _module(tiny_tokenizer, spec, tmp_path).samples()  # used to raise the same error on every re-run
+    assert [s["input_ids"].tolist() for s in again] == want
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and f"the tokenised-data cache {path} is damaged (" in warned[0], warned
+    assert "tokenising the data again" in warned[0]
+    assert load_samples(path)[0] and len(list(path.parent.iterdir())) == 1  # rebuilt whole, no temporary
+
+
+def test_a_full_disk_while_caching_leaves_no_file_and_goes_on(tiny_tokenizer, tmp_path, monkeypatch, caplog):
+    import safetensors.numpy
+
+    def disk_fills(arrays, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 64)  # part of the file, then the disk is full
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", disk_fills)
+    spec = str(_write_jsonl(tmp_path / "chat.jsonl", _convs(20)))
+    module = _module(tiny_tokenizer, spec, tmp_path)
+    with caplog.at_level("WARNING"):
+        samples = module.samples()
+    assert len(samples) == 20 and isinstance(samples[0]["input_ids"], np.ndarray)
+    assert list((tmp_path / "cache").iterdir()) == []  # no half-written cache, no temporary
+    assert "no space left on the device for" in caplog.text and "training goes on without the cache" in caplog.text

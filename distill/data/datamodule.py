@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
@@ -22,6 +21,13 @@ from draftsmith.common.errors import ConfigError, DataError
 from draftsmith.common.registry import Registry
 from draftsmith.distill.data.conversations import load_conversations
 from draftsmith.distill.data.resumable import ResumableLoader, ResumableSampler, batches_done_in_epoch
+from draftsmith.distill.data.sample_cache import (
+    DamagedCache,
+    load_samples,
+    pack_samples_arrays,
+    save_samples,
+    unpack_samples,
+)
 from draftsmith.distill.data.samples import (
     ChatDataset,
     PrebuiltBatches,
@@ -88,38 +94,6 @@ def tokenize_all(tokenizer: Any, conversations: Sequence[list[dict]], max_length
     return samples, info
 
 
-def save_samples(path: Path, samples: Sequence[dict], metadata: dict) -> None:
-    """Write samples as flat arrays in one safetensors file (atomic: temp file, then rename)."""
-    from safetensors.numpy import save_file
-
-    lengths = np.asarray([len(s["input_ids"]) for s in samples], dtype=np.int64)  # [N]
-    arrays = {
-        "input_ids": np.concatenate([np.asarray(s["input_ids"], dtype=np.int32) for s in samples]),  # [sum N_i]
-        "loss_mask": np.concatenate([np.asarray(s["loss_mask"], dtype=np.uint8) for s in samples]),  # [sum N_i]
-        "lengths": lengths,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(arrays, str(tmp), metadata={"draftsmith": json.dumps(metadata)})
-    os.replace(tmp, path)
-
-
-def load_samples(path: Path) -> tuple[list[dict], dict]:
-    """Read samples written by :func:`save_samples` (returns samples and their metadata).
-
-    Each sample holds numpy views into two flat arrays (int32 ids, uint8 mask): compact, and shared
-    rather than copied by forked DataLoader workers.
-    """
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="numpy") as handle:
-        metadata = json.loads((handle.metadata() or {}).get("draftsmith", "{}"))
-        ids, mask, lengths = (handle.get_tensor(k) for k in ("input_ids", "loss_mask", "lengths"))
-    bounds = np.concatenate([[0], np.cumsum(lengths)])
-    samples = [{"input_ids": ids[a:b], "loss_mask": mask[a:b]} for a, b in zip(bounds[:-1], bounds[1:])]
-    return samples, metadata
-
-
 class ChatDataModule(pl.LightningDataModule):
     """Chat conversations tokenised once (cached on disk as safetensors) and served as padded batches.
 
@@ -158,15 +132,20 @@ class ChatDataModule(pl.LightningDataModule):
         """All tokenised samples, from the cache or tokenised now (and cached)."""
         path = self.cache_path
         if path.is_file():
-            samples, self.report = load_samples(path)
-            logger.info("loaded %d tokenised samples from %s", len(samples), path)
-            return samples
+            try:
+                samples, self.report = load_samples(path)
+            except DamagedCache as err:  # verified on read: a damaged file is rebuilt, never read again
+                logger.warning("the tokenised-data cache %s is damaged (%s): tokenising the data again", path, err)
+                path.unlink(missing_ok=True)
+            else:
+                logger.info("loaded %d tokenised samples from %s", len(samples), path)
+                return samples
         conversations, read = load_conversations(self.spec, self.limit)
         samples, info = tokenize_all(self.tokenizer, conversations, self.max_length)
         self.report = {"read": read.__dict__, **info}
-        save_samples(path, samples, self.report)
-        logger.info("cached tokenised samples at %s", path)
-        return load_samples(path)[0]  # same compact representation on first and later runs
+        if save_samples(path, samples, self.report):
+            logger.info("cached tokenised samples at %s", path)
+        return unpack_samples(pack_samples_arrays(samples))  # the compact representation a cached run reads
 
     def prepare_data(self) -> None:
         """Tokenise and cache once (Lightning calls this on one process per node)."""
