@@ -14,6 +14,7 @@ The packages are located with ``importlib.util.find_spec`` and never imported: i
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -166,21 +167,69 @@ def _convert_gguf(out_dir: Path) -> dict:
     }
 
 
-def default_target_dir(cache: Path | None = None) -> Path:
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_records(folder: Path) -> dict[str, dict]:
+    """Size and SHA-256 of every file of a converted folder, recorded in its ``.complete`` marker."""
+    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != _COMPLETE}
+
+
+def target_damage(folder: Path, full: bool = False) -> str | None:
+    """Why the converted target ``folder`` cannot be used (a file missing, cut short or, with ``full``, changed since
+    conversion), or None. Sizes (and safetensors headers) are checked on every use; ``full`` hashes every file
+    against the digests recorded at conversion (``draftsmith assets``). A folder converted before digests were
+    recorded is checked by its safetensors headers and ``config.json``."""
+    from draftsmith.common.safetensors_check import safetensors_problem
+
+    try:
+        recorded = json.loads((folder / _COMPLETE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError) as err:
+        return f"its {_COMPLETE} record is unreadable ({err})"
+    for name, want in (recorded or {}).items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} is {path.stat().st_size:,} bytes, {want['bytes']:,} when converted"
+        if full and _sha256(path) != want["sha256"]:
+            return f"{name} does not match the checksum recorded when it was converted"
+    for path in sorted(folder.glob("*.safetensors")) if not recorded else []:
+        if (problem := safetensors_problem(path)) is not None:
+            return f"{path.name}: {problem}"
+    try:
+        json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        return f"config.json is unreadable ({err})"
+    return None
+
+
+def default_target_dir(cache: Path | None = None, full_check: bool = False) -> Path:
     """The embedded SmolLM2-135M-Instruct as a plain HF folder, converting the GGUF on first call.
 
     The folder is ``<cache>/targets/SmolLM2-135M-Instruct`` (``cache`` defaults to :func:`cache_dir`).
-    Conversion writes into a temporary sibling folder, writes a ``.complete`` marker last, then renames
-    it into place, so a half-written folder is never taken as done; a file lock serialises concurrent
-    first calls.
+    Conversion writes into a temporary sibling folder, writes a ``.complete`` marker last (with each file's size
+    and SHA-256), then renames it into place, so a half-written folder is never taken as done; a file lock
+    serialises concurrent first calls. Every call verifies the folder (:func:`target_damage`; ``full_check``: the
+    hashes too): a damaged one is said in one warning and converted again.
     """
     targets = Path(cache if cache is not None else cache_dir()) / "targets"
     final = targets / TARGET_NAME
     if (final / _COMPLETE).is_file():
-        return final
+        problem = target_damage(final, full_check)
+        if problem is None:
+            return final
+        logger.warning("the converted embedded target %s is damaged (%s): converting it again from the GGUF", final,
+                       problem)
     targets.mkdir(parents=True, exist_ok=True)
     with _file_lock(targets / f".{TARGET_NAME}.lock"):
-        if (final / _COMPLETE).is_file():  # another process finished while we waited for the lock
+        if (final / _COMPLETE).is_file() and target_damage(final, full_check) is None:  # done by another process
             return final
         logger.info("Converting the embedded GGUF target into %s (one time, about a minute on CPU)", final)
         start = time.perf_counter()
@@ -188,9 +237,10 @@ def default_target_dir(cache: Path | None = None) -> Path:
         try:
             info = _convert_gguf(tmp)
             info["seconds"] = round(time.perf_counter() - start, 1)
+            info["files"] = _file_records(tmp)
             (tmp / _COMPLETE).write_text(json.dumps(info, indent=2))
-            if final.exists():  # leftover of an interrupted run without a marker
-                logger.warning("Removing incomplete target folder %s", final)
+            if final.exists():  # leftover of an interrupted run without a marker, or a damaged folder
+                logger.warning("Removing incomplete or damaged target folder %s", final)
                 shutil.rmtree(final)
             os.rename(tmp, final)
         except BaseException:

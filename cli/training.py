@@ -238,7 +238,7 @@ def _convert(export_dir, out, fmt: str, config: dict, target: str | None, source
 def _cmd_assets(args: argparse.Namespace) -> int:
     from draftsmith import assets
 
-    target = assets.default_target_dir()
+    target = assets.default_target_dir(full_check=True)  # every file against its size and hash at conversion
     conversations, report = assets.read_sharegpt(assets.sharegpt_path())
     questions = assets.mtbench_questions()
     print(json.dumps({"target": str(target), "sharegpt": {"kept": report.kept, "skipped": report.skipped,

@@ -149,6 +149,56 @@ def test_default_target_dir_is_atomic(monkeypatch, tmp_path):
     assert [p.name for p in (tmp_path / "other" / "targets").iterdir()] == [f".{assets.TARGET_NAME}.lock"]
 
 
+def _fake_conversion(calls: list):
+    """A stand-in for the GGUF conversion: a small safetensors model file and a config, counted in ``calls``."""
+    from safetensors.torch import save_file
+
+    def convert(out: Path) -> dict:
+        calls.append(out)
+        save_file({"w": torch.arange(4096, dtype=torch.float32)}, str(out / "model.safetensors"))
+        (out / "config.json").write_text('{"model_type": "llama"}')
+        return {"parameters": 4096}
+
+    return convert
+
+
+@pytest.mark.parametrize("damage", ["truncated", "changed", "missing"])
+def test_a_damaged_converted_target_is_said_and_converted_again(damage, monkeypatch, tmp_path, caplog):
+    calls: list = []
+    monkeypatch.setattr(assets, "_convert_gguf", _fake_conversion(calls))
+    final = assets.default_target_dir(tmp_path)
+    recorded = json.loads((final / ".complete").read_text())["files"]
+    assert set(recorded) == {"model.safetensors", "config.json"} and len(calls) == 1
+    weights = final / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "truncated":  # a copy that stopped: `assets` used to report the folder ready
+        weights.write_bytes(bytes(data[:-1000]))
+    elif damage == "changed":  # same size, other bytes: only the full check (draftsmith assets) sees it
+        data[-8] ^= 0x40
+        weights.write_bytes(bytes(data))
+        assert assets.default_target_dir(tmp_path) == final and len(calls) == 1  # the cheap check passes it
+    else:
+        weights.unlink()
+    with caplog.at_level("WARNING"):
+        assert assets.default_target_dir(tmp_path, full_check=True) == final
+    assert len(calls) == 2 and assets.target_damage(final, full=True) is None
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "damaged (" in r.getMessage()]
+    assert len(warned) == 1 and "model.safetensors" in warned[0] and "converting it again" in warned[0], warned
+    assert not [p for p in (tmp_path / "targets").iterdir() if p.name.startswith(f".{assets.TARGET_NAME}.tmp")]
+
+
+def test_a_folder_converted_before_sizes_were_recorded_is_checked_by_its_headers(monkeypatch, tmp_path):
+    calls: list = []
+    monkeypatch.setattr(assets, "_convert_gguf", _fake_conversion(calls))
+    final = assets.default_target_dir(tmp_path)
+    (final / ".complete").write_text(json.dumps({"parameters": 4096}))  # an older marker, no "files"
+    assert assets.target_damage(final) is None
+    weights = final / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert "truncated" in assets.target_damage(final)
+    assert assets.default_target_dir(tmp_path) == final and len(calls) == 2 and assets.target_damage(final) is None
+
+
 # ----------------------------------------------------------------------------- embedded packages (integration)
 
 

@@ -74,9 +74,9 @@ def save_samples(path: Path, samples: Sequence[dict], metadata: dict) -> bool:
 def _read_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict]:
     from safetensors import SafetensorError, safe_open
 
-    from draftsmith.distill.target.frozen import check_safetensors
+    from draftsmith.common.safetensors_check import safetensors_problem
 
-    problem = check_safetensors(path)
+    problem = safetensors_problem(path)
     if problem:
         raise DamagedCache(problem)
     try:

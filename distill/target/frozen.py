@@ -73,24 +73,9 @@ def looks_like_path(name: str) -> bool:
 
 def check_safetensors(file: Path) -> str | None:
     """Why ``file`` is not a complete safetensors file (a truncated download, ...), or None; reads its header only."""
-    import json
-    import struct
+    from draftsmith.common.safetensors_check import safetensors_problem
 
-    size = file.stat().st_size
-    try:
-        with open(file, "rb") as fh:
-            if size < 8:
-                raise ValueError(f"{size} bytes")
-            (header_len,) = struct.unpack("<Q", fh.read(8))
-            if header_len > size - 8:
-                raise ValueError("header longer than the file")
-            header = json.loads(fh.read(header_len))
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (ValueError, KeyError, TypeError, IndexError) as err:
-        return f"its header is unreadable ({err})"
-    if 8 + header_len + end > size:
-        return f"it is truncated: {size:,} bytes, its header needs {8 + header_len + end:,}"
-    return None
+    return safetensors_problem(file)
 
 
 def check_target_folder(path: str) -> bool:
