@@ -75,9 +75,51 @@ def test_a_truncated_shard_is_named_and_written_again(tmp_path, reference, tiny_
     assert open_cache(train_cfg).manifest["complete"]
 
 
+def test_a_shard_whose_bytes_changed_is_named_at_first_read_and_written_again(tmp_path, reference, tiny_target_dir,
+                                                                              tiny_data_file, caplog):
+    flipped = copy_tree(reference, tmp_path / "flipped")
+    shard = flipped / "shard-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-50] ^= 0x10  # same size, one feature value changed on disk: it used to be trained on as it is
+    shard.write_bytes(bytes(data))
+    assert shard_damage(shard) is None  # the size check cannot see it
+    cache = open_cache(compose_config(overrides(tiny_target_dir, tiny_data_file, f"data.features={flipped}")))
+    first = next(g for g in range(len(cache.where)) if cache.where[cache.key(g)] == shard.name)
+    split, index = cache.key(first).split(".")
+    with pytest.raises(FeatureCacheError, match=r"damaged shard: shard-00001\.safetensors \(its tensors do not match"):
+        cache.batch(split, int(index))
+    with caplog.at_level(logging.WARNING, logger="draftsmith.distill.feature_cache.build"):
+        build_cache(compose_config(overrides(tiny_target_dir, tiny_data_file)), get_recipe("eagle3"), flipped,
+                    dtype="fp32", shard_bytes=SHARD_BYTES, target=Target.load(str(tiny_target_dir), "fp32"))
+    assert "shard-00001.safetensors is damaged (its tensors do not match" in caplog.text
+    shards_equal(flipped, reference)
+
+
+@pytest.mark.parametrize("damage", ["manifest", "manifest-fields", "head", "target-config"])
+def test_a_damaged_manifest_or_target_folder_is_one_line(damage, tmp_path, reference, tiny_target_dir,
+                                                         tiny_data_file):
+    from draftsmith.distill.feature_cache.cached_data import CachedTarget, FeatureCache
+
+    broken = copy_tree(reference, tmp_path / damage)
+    manifest = broken / "manifest.json"
+    if damage == "manifest":
+        manifest.write_text(manifest.read_text()[:200])  # a copy that stopped
+    elif damage == "manifest-fields":
+        manifest.write_text(json.dumps({"format": json.loads(manifest.read_text())["format"]}))
+    elif damage == "head":
+        head = next((broken / "target").glob("*.safetensors"))
+        head.write_bytes(head.read_bytes()[:-64])
+    else:
+        (broken / "target" / "config.json").write_text("{not json")
+    with pytest.raises(FeatureCacheError) as refused:  # each used to be a traceback (JSON, KeyError, safetensors)
+        CachedTarget(FeatureCache(broken))
+    message = str(refused.value)
+    assert "\n" not in message and str(broken) in message and "cache-features" in message, message
+
+
 KILLED_RUN = textwrap.dedent("""
     import os, signal, sys
-    from draftsmith.distill import feature_cache
+    from draftsmith.distill.feature_cache import build as feature_cache
     from draftsmith.cli import main
     written = []
     save = feature_cache.write_shard

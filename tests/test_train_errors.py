@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _error_classes() -> dict[str, type[BaseException]]:
     """Every error class draftsmith raises on purpose for the user to read, by name."""
     from draftsmith.assets import AssetError
-    from draftsmith.distill import errors
+    from draftsmith.common import errors
     from draftsmith.distill.data.samples import TemplateError
     from draftsmith.distill.engine.module import NonFiniteLossError
     from draftsmith.distill.feature_cache.build import FeatureCacheError
@@ -34,7 +34,7 @@ def _train_main_raising(err: BaseException, tmp_path: Path, monkeypatch, full_er
     """Run train.py as a script, in-process, with training replaced by ``raise err``; its exit status."""
     import runpy
 
-    from draftsmith.distill import trainer
+    from draftsmith.distill.engine import trainer
 
     def failing_train(*args, **kwargs):
         raise err

@@ -28,9 +28,26 @@ from draftsmith.distill.feature_cache.build import (
     settings_of,
     shard_damage,
 )
+from draftsmith.distill.feature_cache.shards import content_damage
 from draftsmith.distill.target.frozen import FeatureTaps, TargetFeatures
 
 REBUILD = "rebuild it with `draftsmith cache-features recipe=... --out DIR` (a re-run resumes) or train online"
+
+
+def read_manifest(path: Path) -> dict:
+    """The cache's manifest, refused in one line when it is missing, unreadable or not a feature cache's."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise FeatureCacheError(f"data.features={path} is not a feature cache (no {MANIFEST}: the cache-features run "
+                                f"never started there or was stopped early); {REBUILD}") from None
+    except (OSError, ValueError) as err:
+        raise FeatureCacheError(f"feature cache {path}: its {MANIFEST} is unreadable ({err}); {REBUILD}") from None
+    fields = ("shards", "batches", "settings", "features", "taps", "target")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not all(k in manifest for k in fields):
+        raise FeatureCacheError(f"{path / MANIFEST} is not a draftsmith feature cache manifest (or lacks "
+                                f"{', '.join(fields)}); {REBUILD}")
+    return manifest
 
 
 class FeatureCache:
@@ -38,17 +55,15 @@ class FeatureCache:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if not (self.path / MANIFEST).is_file():
-            raise FeatureCacheError(f"data.features={self.path} is not a feature cache (no {MANIFEST}: the "
-                                    f"cache-features run never started there or was stopped early); {REBUILD}")
-        self.manifest = json.loads((self.path / MANIFEST).read_text())
-        if self.manifest.get("format") != FORMAT:
-            raise FeatureCacheError(f"{self.path / MANIFEST} is not a draftsmith feature cache manifest")
+        self.manifest = read_manifest(self.path)
         missing = [s["file"] for s in self.manifest["shards"] if not (self.path / s["file"]).is_file()]
         if not (self.path / TARGET_DIR / HEAD_FILE).is_file():
             missing.append(f"{TARGET_DIR}/{HEAD_FILE}")
         damaged = [] if missing else [f"{s['file']} ({why})" for s in self.manifest["shards"]
                                       if (why := shard_damage(self.path / s["file"])) is not None]
+        head = self.path / TARGET_DIR / HEAD_FILE
+        if not missing and (why := shard_damage(head)) is not None:
+            damaged.append(f"{TARGET_DIR}/{HEAD_FILE} ({why})")
         if damaged:
             raise FeatureCacheError(f"feature cache {self.path} has damaged shards: {'; '.join(damaged[:3])}"
                                     f"{' ...' if len(damaged) > 3 else ''}; {REBUILD} (the re-run rewrites them)")
@@ -78,6 +93,10 @@ class FeatureCache:
         from safetensors import safe_open
 
         if file not in self._handles:
+            damage = content_damage(self.path / file)  # once per shard and process, before any batch of it is used
+            if damage is not None:
+                raise FeatureCacheError(f"feature cache {self.path} has a damaged shard: {file} ({damage}); "
+                                        f"{REBUILD} (the re-run rewrites it)")
             self._handles[file] = safe_open(str(self.path / file), framework="pt")
         return self._handles[file]
 
@@ -117,10 +136,14 @@ class CachedTarget:
 
         folder = cache.path / TARGET_DIR
         self.cache = cache
-        self.config = AutoConfig.from_pretrained(folder)
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        try:
+            self.config = AutoConfig.from_pretrained(folder)
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+            self._weights = load_file(str(folder / HEAD_FILE))  # embed, lm_head [V, H] in the target's dtype
+        except Exception as err:  # noqa: BLE001 - transformers and tokenizers raise many types for a damaged file
+            raise FeatureCacheError(f"feature cache {cache.path}: its {TARGET_DIR}/ folder does not load "
+                                    f"({' '.join(str(err).split())[:200]}); {REBUILD}") from None
         self.name_or_path = str(cache.manifest["target"]["name_or_path"])
-        self._weights = load_file(str(folder / HEAD_FILE))  # embed, lm_head [V, H] in the target's dtype
         self.stored = FeatureTaps(**{**cache.manifest["taps"], "layers": tuple(cache.manifest["taps"]["layers"])})
 
     hidden_size = property(lambda self: int(self.config.hidden_size))
@@ -241,7 +264,7 @@ def cached_datamodule(cfg: Any, kind: str) -> CachedFeatureDataModule:
 def train_offline(cfg: Any, recipe: Any, run_dir: str | Path, run_name: str | None = None) -> dict[str, Any]:
     """:func:`draftsmith.distill.engine.trainer.train` from a feature cache (the trainer opens the cache's stand-in
     target itself when ``data.features`` is set); refuses what cannot work without a loaded target first."""
-    from draftsmith.distill import trainer
+    from draftsmith.distill.engine import trainer
 
     if cfg.target.get("shard"):
         raise FeatureCacheError("target.shard=true with data.features: training from a feature cache loads no "

@@ -1,8 +1,11 @@
 """Feature-cache shards on disk: written whole (temp name, then rename) and checked whole before anything reads
-them (a shard cut short by a full disk or a stopped copy is named, never read as zeros)."""
+them (a shard cut short by a full disk or a stopped copy is named, never read as zeros). Each shard records a digest
+of its tensors (``digest`` beside the batch indices in its metadata): a shard whose bytes changed on disk (same
+size) is found when it is first opened for training, and by ``cache-features`` (which writes it again)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -12,6 +15,7 @@ from typing import Any
 import torch
 
 log = logging.getLogger("draftsmith.distill.feature_cache.build")
+DIGEST = "digest"  # beside the batch names ("train.3": [row indices]) in the shard's "indices" metadata
 
 
 def shard_damage(path: Path) -> str | None:
@@ -36,6 +40,32 @@ def shard_damage(path: Path) -> str | None:
     return None
 
 
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """BLAKE2b of the tensors' names, dtypes, shapes and bytes, in name order."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def content_damage(path: Path) -> str | None:
+    """Why the shard's tensors differ from the digest recorded when it was written (reads the whole shard), or
+    None; shards written before digests were recorded pass."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            want = json.loads((handle.metadata() or {}).get("indices", "{}")).get(DIGEST)
+            if want is None:
+                return None
+            got = tensors_digest({k: handle.get_tensor(k) for k in handle.keys()})
+    except (SafetensorError, OSError) as err:
+        return f"unreadable ({err})"
+    return None if got == want else "its tensors do not match the digest recorded when it was written"
+
+
 def intact_shards(out: Path, shards: list[dict], warn: Any = None) -> list[dict]:
     """The planned ``shards`` already written whole in ``out``; a damaged one is removed (and named) so that it is
     written again."""
@@ -44,7 +74,7 @@ def intact_shards(out: Path, shards: list[dict], warn: Any = None) -> list[dict]
         path = out / shard["file"]
         if not path.is_file():
             continue
-        damage = shard_damage(path)
+        damage = shard_damage(path) or content_damage(path)
         if damage is None:
             done.append(shard)
             continue
@@ -58,6 +88,7 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> Non
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"indices": json.dumps(meta)})
+    # one metadata entry: safetensors writes several in a random order, and shards must be byte-identical
+    save_file(tensors, str(tmp), metadata={"indices": json.dumps({**meta, DIGEST: tensors_digest(tensors)})})
     os.replace(tmp, path)
 
