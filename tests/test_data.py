@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import build_tiny_tokenizer
 
+from draftsmith.common.errors import DataError
 from draftsmith.distill.data import datamodule as data_mod
 from draftsmith.distill.data.conversations import load_conversations, normalize_record
 from draftsmith.distill.data.datamodule import ChatDataModule, load_samples, save_samples
@@ -320,3 +321,24 @@ def test_a_full_disk_while_caching_leaves_no_file_and_goes_on(tiny_tokenizer, tm
     assert len(samples) == 20 and isinstance(samples[0]["input_ids"], np.ndarray)
     assert list((tmp_path / "cache").iterdir()) == []  # no half-written cache, no temporary
     assert "no space left on the device for" in caplog.text and "training goes on without the cache" in caplog.text
+
+
+def test_a_data_folder_of_mixed_files_reads_every_chat_file_and_names_the_rest(tmp_path, caplog):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    _write_jsonl(folder / "a.jsonl", _convs(6))
+    rows = _convs(10)[6:]
+    pq.write_table(pa.Table.from_pylist(rows), folder / "b.parquet")
+    (folder / "junk.bin").write_bytes(bytes(range(256)))
+    (folder / "notes.txt").write_text("not data")
+    with caplog.at_level("WARNING"):
+        conversations, report = load_conversations(str(folder))
+    assert len(conversations) == 10 and report.kept == 10  # `datasets` read the parquet alone: 4 of 10, silently
+    assert "skipping 2 file(s) that are not .jsonl/.json/.parquet: junk.bin, notes.txt" in caplog.text
+    alien = {"conversations": [{"from": "alien", "value": "x"}]}
+    pq.write_table(pa.Table.from_pylist([*rows, alien]), folder / "b.parquet")
+    with pytest.raises(DataError, match=r"b\.parquet:5: message 0 has unknown role 'alien'"):
+        load_conversations(str(folder))

@@ -99,6 +99,9 @@ def _iter_hf_dataset(spec: str) -> Iterator[tuple[int, Any]]:
             ds = datasets.load_dataset(spec, split="train")
         except (datasets.exceptions.DataFilesNotFoundError, datasets.data_files.EmptyDatasetError) as err:
             raise DataError(f"data={spec}: {' '.join(str(err).split())}; {FOLDER_NEEDS}") from None
+        except Exception as err:  # noqa: BLE001 - datasets raises many types (mixed formats, hub, offline, cast)
+            raise DataError(f"data={spec}: the datasets library cannot load it ({type(err).__name__}: "
+                            f"{' '.join(str(err).split())[:300]}); {FOLDER_NEEDS}") from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds["train"]
     yield from enumerate(ds, start=1)
@@ -130,6 +133,44 @@ def _nothing_to_train_on(source: Any, records: int, malformed: int, no_assistant
             f"({no_assistant} without an assistant reply, {malformed} malformed); nothing to train on")
 
 
+NATIVE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def _folder_files(folder: Path) -> tuple[list[Path], list[Path]]:
+    """The chat files of a data folder (``.jsonl``/``.json``/``.parquet``, sorted, hidden ones left out) and the
+    other files in it."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(folder).parts))
+    return [p for p in files if p.suffix.lower() in NATIVE_SUFFIXES], [
+        p for p in files if p.suffix.lower() not in NATIVE_SUFFIXES]
+
+
+def _iter_folder(folder: Path, files: list[Path], stats: StreamStats) -> Iterator[tuple[str, Any]]:
+    """Every record of every chat file of ``folder``, in file order; ``where`` is ``FILE:LINE`` (or ``FILE:ROW``)."""
+    for path in files:
+        if path.suffix.lower() == ".parquet":
+            records: Iterator[tuple[int, Any]] = _iter_parquet(path)
+        else:
+            _refuse_binary(path)
+            records = iter_json_records(path, stats)
+        for where, record in _as_data_errors(records, path):
+            yield f"{path}:{where}", record
+
+
+def _open_folder(folder: Path, stats: StreamStats) -> Iterator[tuple[Any, Any]] | None:
+    """The records of a local folder of chat files, read here (``datasets`` reads one format of a mixed folder and
+    drops the rest without a word); files of other kinds are named in one warning and skipped. None when the folder
+    holds no chat file (``datasets`` may read its csv/arrow/txt files)."""
+    chats, others = _folder_files(folder)
+    if not chats:
+        return None
+    if others:
+        names = ", ".join(str(p.relative_to(folder)) for p in others[:5]) + (" ..." if len(others) > 5 else "")
+        logger.warning("data folder %s: skipping %d file(s) that are not .jsonl/.json/.parquet: %s", folder,
+                       len(others), names)
+    return _iter_folder(folder, chats, stats)
+
+
 def _open_records(spec: str, stats: StreamStats) -> tuple[Any, Iterator[tuple[int, Any]], bool]:
     """The source named by ``spec`` (a path, or ``spec`` itself for a Hugging Face dataset), its ``(where, record)``
     iterator, and whether a malformed record is an error (``strict``: every user source, not the embedded file)."""
@@ -151,6 +192,9 @@ def _open_records(spec: str, stats: StreamStats) -> tuple[Any, Iterator[tuple[in
     if looks_like_path(spec) and not source.exists():
         raise DataFileNotFoundError(f"data path {source} does not exist (data= takes a .jsonl/.json/.parquet file, a "
                                     "saved dataset folder or a Hugging Face dataset name)")
+    saved = (source / "dataset_info.json").is_file() and (source / "state.json").is_file()
+    if source.is_dir() and not saved and (records := _open_folder(source, stats)) is not None:
+        return source, records, True
     return spec, _iter_hf_dataset(spec), True
 
 
@@ -208,7 +252,8 @@ def load_conversations(spec: str, limit: int | None = None) -> tuple[list[list[d
             messages = normalize_record(record)
         except ValueError as err:
             if strict:
-                raise DataError(f"{source}:{where}: {err}. Fix the record or convert the file.") from None
+                at = where if isinstance(where, str) else f"{source}:{where}"  # a folder's records name their file
+                raise DataError(f"{at}: {err}. Fix the record or convert the file.") from None
             malformed += 1
             continue
         if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
