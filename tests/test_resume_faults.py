@@ -205,3 +205,41 @@ def test_run_resume_changed_trains_at_the_new_rate(tmp_path, tiny_target_dir, ti
     assert {g["lr"] for g in groups} == {0.0003} and {g["weight_decay"] for g in groups} == {0.05}
     assert saved["lr_schedulers"][0]["base_lrs"] == [0.0003] * len(groups)
     assert saved["draftsmith"]["config"]["optim"]["lr"] == 0.0003  # the next resume compares against the new value
+
+
+def test_a_resume_against_another_target_is_refused_and_a_copy_of_the_same_one_is_not(tmp_path, tiny_target_dir,
+                                                                                     tiny_data_file, tiny_tokenizer,
+                                                                                     caplog):
+    from conftest import build_tiny_llama
+
+    from draftsmith.common.errors import ConfigError
+
+    run_dir = tmp_path / "run"
+    train(tiny_cfg(tiny_target_dir, tiny_data_file), get_recipe("medusa"), run_dir)
+    other = tmp_path / "other_target"  # the same shapes, other weights: it used to resume without a word
+    build_tiny_llama(len(tiny_tokenizer), seed=5).save_pretrained(other)
+    tiny_tokenizer.save_pretrained(other)
+    with pytest.raises(ConfigError, match=r"trained against the target .* is another model \(tokenizer and LM head"):
+        train(tiny_cfg(other, tiny_data_file, "trainer.max_steps=6"), get_recipe("medusa"), run_dir)
+    copy = shutil.copytree(tiny_target_dir, tmp_path / "moved_target")
+    assert train(tiny_cfg(copy, tiny_data_file, "trainer.max_steps=5"), get_recipe("medusa"), run_dir)["steps"] == 5
+    with caplog.at_level(logging.WARNING):  # a max_steps at or below the checkpoint's step says it trains nothing
+        assert train(tiny_cfg(copy, tiny_data_file, "trainer.max_steps=3"), get_recipe("medusa"), run_dir)["steps"] == 5
+    assert "is at step 5 and trainer.max_steps=3: nothing is left to train" in caplog.text
+
+
+def test_ctrl_c_in_the_final_validation_is_the_interruption(tmp_path, tiny_target_dir, tiny_data_file, monkeypatch):
+    from draftsmith.distill.engine.module import DistillModule
+
+    real = DistillModule.validation_step
+
+    def interrupted(self, *args, **kwargs):
+        if self.trainer.state.fn == "validate":  # the pass after fit, not a validation inside it
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistillModule, "validation_step", interrupted)
+    with pytest.raises(TrainingInterrupted) as stopped:  # was SystemExit(1) from Lightning, no line, exit 1
+        train(tiny_cfg(tiny_target_dir, tiny_data_file, "run.final_eval_batches=1"), get_recipe("medusa"),
+              tmp_path / "run")
+    assert stopped.value.step == 4 and stopped.value.checkpoint.endswith("step4.ckpt")

@@ -94,6 +94,10 @@ def check_resume_recipe(checkpoint: dict[str, Any], ckpt_path: str, cfg: DictCon
     if saved is not None and saved != str(cfg.recipe.name):
         raise ConfigError(f"the run folder {run_dir} holds a recipe={saved} checkpoint ({ckpt_path}), and this run is "
                           f"recipe={cfg.recipe.name}: it cannot resume from it; {way_out(run_dir)}")
+    step = int(checkpoint.get("global_step", 0) or 0)
+    if step >= int(cfg.trainer.max_steps):
+        log.warning("the checkpoint %s is at step %d and trainer.max_steps=%d: nothing is left to train (raise "
+                    "trainer.max_steps to continue this run)", ckpt_path, step, int(cfg.trainer.max_steps))
     saved_cfg = checkpoint.get("draftsmith", {}).get("config") or {}
     changes = changed_training_keys(saved_cfg, OmegaConf.to_container(cfg, resolve=True))
     if not changes:
@@ -106,10 +110,28 @@ def check_resume_recipe(checkpoint: dict[str, Any], ckpt_path: str, cfg: DictCon
                       f"{way_out(run_dir)}; or continue this run with the new values: run.resume=changed")
 
 
+def check_resume_target(checkpoint: dict[str, Any], ckpt_path: str, target: Any, run_dir: str | Path) -> None:
+    """Once the target is loaded: refuse a checkpoint trained against another target (its tokenizer and LM head
+    fingerprint differ; a copy of the same model in another folder passes), which used to resume silently when the
+    shapes agreed."""
+    saved = (checkpoint.get("draftsmith", {}).get("target") or {}).get("fingerprint")
+    if not saved or target is None or not hasattr(target, "identity"):
+        return
+    now = target.identity()
+    if now.get("fingerprint") not in (None, saved):
+        was = checkpoint["draftsmith"]["target"].get("name_or_path")
+        raise ConfigError(f"cannot resume {ckpt_path}: it was trained against the target {was} and this run's target "
+                          f"{now.get('name_or_path')} is another model (tokenizer and LM head fingerprints "
+                          f"{saved[:19]} vs {str(now['fingerprint'])[:19]}); point target= at the model it was trained "
+                          f"against, or {way_out(run_dir)}")
+
+
 def check_resume_shapes(checkpoint: dict[str, Any], ckpt_path: str, cfg: DictConfig, module: torch.nn.Module,
-                        run_dir: str | Path) -> None:
-    """Once the model is built: refuse a checkpoint whose weights differ in names or shapes, naming the config keys
-    that changed since it was written and the first differing weights."""
+                        run_dir: str | Path, target: Any = None) -> None:
+    """Once the model is built: refuse a checkpoint trained against another ``target``
+    (:func:`check_resume_target`), or whose weights differ in names or shapes, naming the config keys that changed
+    since it was written and the first differing weights."""
+    check_resume_target(checkpoint, ckpt_path, target, run_dir)
     if "state_dict" not in checkpoint:
         return
     theirs = {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items()}

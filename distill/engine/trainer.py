@@ -92,13 +92,13 @@ class InterruptWatch(pl.Callback):
             self.interrupted = True
 
 
-def fit_or_interrupted(trainer: pl.Trainer, module: pl.LightningModule, data: Any, ckpt_path: str | None,
-                       run_dir: Path, checkpoint_every: int) -> None:
-    """``trainer.fit`` that turns Ctrl-C into :class:`TrainingInterrupted` (step, newest checkpoint, run folder)
-    instead of Lightning's bare exit status 1."""
+def interruptible(trainer: pl.Trainer, run_dir: Path, checkpoint_every: int, call: Any, *args: Any,
+                  **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` (``trainer.fit`` or ``trainer.validate``) that turns Ctrl-C into
+    :class:`TrainingInterrupted` (step, newest checkpoint, run folder) instead of Lightning's bare exit status 1."""
     watch = next((c for c in trainer.callbacks if isinstance(c, InterruptWatch)), None)
     try:
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return call(*args, **kwargs)
     except (SystemExit, KeyboardInterrupt) as err:
         if isinstance(err, SystemExit) and not (watch is not None and watch.interrupted):
             raise
@@ -109,6 +109,12 @@ def fit_or_interrupted(trainer: pl.Trainer, module: pl.LightningModule, data: An
         found = find_resume_checkpoint(run_dir)
         raise TrainingInterrupted(int(trainer.global_step), str(found) if found else None, str(run_dir),
                                   checkpoint_every) from None
+
+
+def fit_or_interrupted(trainer: pl.Trainer, module: pl.LightningModule, data: Any, ckpt_path: str | None,
+                       run_dir: Path, checkpoint_every: int) -> None:
+    """``trainer.fit`` with Ctrl-C as :class:`TrainingInterrupted` (:func:`interruptible`)."""
+    interruptible(trainer, run_dir, checkpoint_every, trainer.fit, module, datamodule=data, ckpt_path=ckpt_path)
 
 
 def check_config(cfg: DictConfig, recipe: Any) -> None:
@@ -309,7 +315,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
                            total_steps=int(cfg.trainer.max_steps),
                            zero_loss_patience=int(cfg.run.zero_loss_patience), served_probe=served_probe)
     if resumed is not None:  # before Lightning's `Missing key(s) in state_dict`
-        check_resume_shapes(resumed, ckpt_path, cfg, module, run_dir)
+        check_resume_shapes(resumed, ckpt_path, cfg, module, run_dir, target=target)
     module.sharded_clip_norm = sharded_clip_norm(cfg.optim, cfg.trainer)
     module.run_info = {"recipe": recipe.name, "target": target.identity(),
                        "config": OmegaConf.to_container(cfg, resolve=True)}
@@ -324,7 +330,8 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     seconds = time.perf_counter() - start
     metrics = _scalars(trainer.callback_metrics)
     if int(cfg.run.final_eval_batches) > 0 and data.val_set is not None and len(data.val_set) > 0:
-        trainer.validate(module, datamodule=data, verbose=False)
+        interruptible(trainer, run_dir, int(cfg.run.checkpoint_every), trainer.validate, module, datamodule=data,
+                      verbose=False)  # Ctrl-C here: the interruption too, not Lightning's exit 1
         metrics.update(_scalars(trainer.callback_metrics))
     summary = {"recipe": recipe.name, "steps": int(trainer.global_step), "tokens": int(module.tokens_seen),
                "fit_seconds": round(seconds, 1), "metrics": metrics, "run_dir": str(run_dir)}
