@@ -243,3 +243,32 @@ def test_ctrl_c_in_the_final_validation_is_the_interruption(tmp_path, tiny_targe
         train(tiny_cfg(tiny_target_dir, tiny_data_file, "run.final_eval_batches=1"), get_recipe("medusa"),
               tmp_path / "run")
     assert stopped.value.step == 4 and stopped.value.checkpoint.endswith("step4.ckpt")
+
+
+def test_a_run_folder_that_is_a_file_or_read_only_is_refused_before_anything_loads(tmp_path, tiny_target_dir,
+                                                                                  tiny_data_file):
+    import subprocess
+
+    from draftsmith.common.errors import ConfigError
+
+    a_file = tmp_path / "run.txt"
+    a_file.write_text("the user's file")
+    with pytest.raises(ConfigError, match=r"run.txt is a file, not a folder: nothing was trained"):
+        train(tiny_cfg(tiny_target_dir, tiny_data_file), get_recipe("medusa"), a_file)
+    with pytest.raises(ConfigError, match=r"cannot be made: .*run.txt is a file"):
+        train(tiny_cfg(tiny_target_dir, tiny_data_file), get_recipe("medusa"), a_file / "run")
+    assert a_file.read_text() == "the user's file"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"checkpoints is a file, not a folder"):
+        train(tiny_cfg(tiny_target_dir, tiny_data_file), get_recipe("medusa"), tmp_path / "run")
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,ro", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:  # resuming in a run folder on a read-only file system used to fail after the target loaded, in a traceback
+        with pytest.raises(ConfigError, match=r"is on a read-only file system, and a run writes its checkpoints"):
+            train(tiny_cfg(tiny_target_dir, tiny_data_file), get_recipe("medusa"), mount / "run")
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

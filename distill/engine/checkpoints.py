@@ -34,7 +34,7 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from draftsmith.common.atomic_folder import disk_full_message, human_bytes, is_disk_full, remove_stale_temporaries
-from draftsmith.common.errors import DraftsmithError
+from draftsmith.common.errors import ConfigError, DraftsmithError
 from draftsmith.distill.engine.interrupts import CheckpointInterrupted
 
 log = logging.getLogger(__name__)
@@ -196,6 +196,26 @@ def resume_checkpoint(run_dir: str | Path) -> Path | None:
     return found
 
 
+def check_run_folder(run_dir: str | Path) -> None:
+    """Refuse, before anything loads, a run folder that is a file (or whose ``checkpoints``/``logs`` is one), or that
+    cannot be written (a read-only file system, no permission): training would stop at its first write otherwise."""
+    run_dir = Path(run_dir).expanduser()
+    for path in (run_dir, run_dir / CHECKPOINT_DIR, run_dir / "logs"):
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"the run folder's {path} is a file, not a folder: nothing was trained or written; "
+                              "choose another hydra.run.dir")
+    ancestor = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not ancestor.is_dir():
+        raise ConfigError(f"the run folder {run_dir} cannot be made: {ancestor} is a file; choose another "
+                          "hydra.run.dir")
+    for folder in (ancestor, run_dir / CHECKPOINT_DIR):
+        if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+            read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+            why = "is on a read-only file system" if read_only else "cannot be written (permission denied)"
+            raise ConfigError(f"the run folder {run_dir}: {folder} {why}, and a run writes its checkpoints and logs "
+                              "there: nothing was trained; choose a hydra.run.dir you can write to")
+
+
 def drop_stale_requeue_checkpoints(run_dir: str | Path, newer: Path) -> list[Path]:
     """Delete SLURM requeue checkpoints (``hpc_ckpt_<n>.ckpt``) older than ``newer``: once a regular checkpoint
     supersedes them they only eat quota. Returns the deleted paths."""
@@ -214,8 +234,6 @@ class QuotaCheckpoint(ModelCheckpoint):
 
     def __init__(self, dirpath: str | Path, every_n_train_steps: int, keep: int = 2) -> None:
         if int(keep) < 1:
-            from draftsmith.common.errors import ConfigError
-
             raise ConfigError(f"run.keep_checkpoints must be >= 1, got {keep}")
         super().__init__(dirpath=str(dirpath), filename="step{step}", auto_insert_metric_name=False,
                          every_n_train_steps=every_n_train_steps, save_last="link", save_top_k=int(keep),

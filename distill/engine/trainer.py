@@ -35,6 +35,7 @@ from draftsmith.distill.engine.checkpoints import (
     CHECKPOINT_DIR,
     LAST_CHECKPOINT,
     QuotaCheckpoint,
+    check_run_folder,
     find_resume_checkpoint,
     resume_checkpoint,
 )
@@ -295,6 +296,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
 
     run_dir = Path(run_dir)
     check_config(cfg, recipe)
+    check_run_folder(run_dir)  # a file, or read-only: refused before the target loads
     shard_target = check_target_shard(cfg)
     ckpt_path = resume_path(cfg, run_dir)
     resumed = read_checkpoint(ckpt_path) if ckpt_path is not None else None
