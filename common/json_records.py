@@ -54,7 +54,7 @@ def iter_json_records(path: str | Path, stats: StreamStats | None = None) -> Ite
     """
     stats = stats if stats is not None else StreamStats()
     path = Path(path)
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8-sig") as handle:  # a UTF-8 BOM (Windows editors) is no error
         head = handle.read(4096)
         first = head.lstrip()[:1]
         handle.seek(0)

@@ -342,3 +342,12 @@ def test_a_data_folder_of_mixed_files_reads_every_chat_file_and_names_the_rest(t
     pq.write_table(pa.Table.from_pylist([*rows, alien]), folder / "b.parquet")
     with pytest.raises(DataError, match=r"b\.parquet:5: message 0 has unknown role 'alien'"):
         load_conversations(str(folder))
+
+
+def test_a_utf8_bom_is_read_and_utf16_is_named(tmp_path):
+    rows = "\n".join(json.dumps(c) for c in _convs(3)) + "\n"
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + rows.encode())  # as Windows editors save it
+    assert len(load_conversations(str(tmp_path / "bom.jsonl"))[0]) == 3
+    (tmp_path / "u16.jsonl").write_bytes(rows.encode("utf-16"))
+    with pytest.raises(DataError, match=r"u16\.jsonl is UTF-16 text: save it as UTF-8"):
+        load_conversations(str(tmp_path / "u16.jsonl"))

@@ -213,6 +213,9 @@ def _refuse_binary(path: Path) -> None:
         text_like = b"\0" not in head
     except UnicodeDecodeError as err:  # a multi-byte character cut by the 4 KiB window is still text
         text_like = b"\0" not in head and err.start >= len(head) - 3
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise DataError(f"data file {path} is UTF-16 text: save it as UTF-8 (one JSON object per line, or a JSON "
+                        "array of chat conversations)")
     if not text_like:
         kind = " (it is a parquet file: rename it to .parquet)" if head.startswith(b"PAR1") else ""
         raise DataError(f"data file {path} is binary, not JSON text{kind}; point data= at a .jsonl/.json/.parquet "
