@@ -272,3 +272,29 @@ def test_a_run_folder_that_is_a_file_or_read_only_is_refused_before_anything_loa
             train(tiny_cfg(tiny_target_dir, tiny_data_file), get_recipe("medusa"), mount / "run")
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_damaged_log_or_batch_record_never_stops_a_resume(tmp_path, tiny_target_dir, tiny_data_file, caplog):
+    run_dir = tmp_path / "run"
+    train(tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=2"), get_recipe("medusa"), run_dir)
+    log_file = run_dir / "logs" / "metrics.csv"
+    garbage = bytes(range(256)) * 4
+    log_file.write_bytes(garbage)  # not a CSV: used to be a UnicodeDecodeError traceback at the logger's start
+    (run_dir / "checkpoints" / "global_batch.json").write_text("{cut")  # used to be a JSONDecodeError traceback
+    with caplog.at_level(logging.WARNING):
+        train(tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=3"), get_recipe("medusa"), run_dir)
+    aside = [p for p in log_file.parent.iterdir() if p.name.startswith("metrics.csv.unreadable-")]
+    assert len(aside) == 1 and aside[0].read_bytes() == garbage and logged_steps(run_dir) == [2]
+    assert "is not a CSV log" in caplog.text and "global_batch.json is unreadable" in caplog.text
+    with log_file.open("a") as handle:  # a row a kill -9 cut before its newline
+        handle.write("0,99")
+    train(tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=4"), get_recipe("medusa"), run_dir)
+    assert logged_steps(run_dir) == [2, 3] and "\n0,99\n" in log_file.read_text()
+
+
+def test_an_unreadable_last_pointer_falls_back_to_the_step_files(tmp_path):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"global_step": 2}, folder / "step2.ckpt")
+    (folder / "last").write_bytes(b"\xff\xfe\x00")
+    assert checkpoints.resume_checkpoint(tmp_path) == folder / "step2.ckpt"

@@ -53,7 +53,15 @@ def planned_world_size(trainer_cfg: DictConfig) -> int:
 def read_global_batch(run_dir: str | Path) -> dict[str, int] | None:
     """The global-batch record of an earlier attempt in ``run_dir`` (None when this is the first)."""
     path = Path(run_dir) / CHECKPOINT_DIR / GLOBAL_BATCH_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        int(record["global_batch"]), int(record["world_size"]), int(record["batch_size"])
+    except (OSError, ValueError, KeyError, TypeError) as err:  # damaged by hand or a copy: never a traceback
+        log.warning("%s is unreadable (%s): ignored; this attempt keeps its own batch settings", path, err)
+        return None
+    return record
 
 
 def write_global_batch(run_dir: str | Path, world: int, batch_size: int, accumulate: int) -> dict[str, int]:

@@ -123,11 +123,11 @@ def find_resume_checkpoint(run_dir: str | Path) -> Path | None:
     link itself is missing, the highest ``step<N>.ckpt``."""
     folder = Path(run_dir) / CHECKPOINT_DIR
     candidates: list[Path] = []
-    last, pointer = folder / LAST_CHECKPOINT, folder / LAST_POINTER
+    last, named = folder / LAST_CHECKPOINT, pointed(folder)
     if last.exists():
         candidates.append(last.resolve())
-    elif pointer.is_file() and (folder / pointer.read_text().strip()).exists():
-        candidates.append((folder / pointer.read_text().strip()).resolve())
+    elif named is not None and named.exists():
+        candidates.append(named.resolve())
     else:
         steps = sorted(folder.glob("step*.ckpt"), key=step_of)
         candidates.extend(steps[-1:])
@@ -156,14 +156,21 @@ def checkpoint_problem(path: str | Path) -> str | None:
 
 def _named_by_last(folder: Path) -> Path | None:
     """What ``last.ckpt`` (a link, or a copy) or the ``last`` pointer names, whether or not that file exists."""
-    last, pointer = folder / LAST_CHECKPOINT, folder / LAST_POINTER
+    last = folder / LAST_CHECKPOINT
     if last.is_symlink():
         return folder / os.readlink(last)
     if last.exists():
         return last
-    if pointer.is_file():
-        return folder / pointer.read_text().strip()
-    return None
+    return pointed(folder)
+
+
+def pointed(folder: Path) -> Path | None:
+    """The checkpoint the ``last`` pointer file names (None: no pointer, or one that is not a file name)."""
+    try:
+        name = (folder / LAST_POINTER).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return folder / name if name and "\0" not in name and "/" not in name else None
 
 
 def resume_checkpoint(run_dir: str | Path) -> Path | None:

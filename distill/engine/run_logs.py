@@ -29,9 +29,21 @@ class AppendingWriter(ExperimentWriter):
         path = Path(self.metrics_file_path)
         if not path.is_file() or path.stat().st_size == 0:
             return
-        with path.open(newline="") as handle:
-            header = next(csv.reader(handle), [])
-            rows = sum(1 for _ in handle)
+        try:
+            with path.open(newline="", encoding="utf-8") as handle:
+                header = next(csv.reader(handle), [])
+                rows = sum(1 for _ in handle)
+            if "\0" in "".join(header) or "step" not in header:
+                raise ValueError("no step column")
+        except (UnicodeDecodeError, csv.Error, ValueError) as err:  # not a CSV log: kept aside, never appended to
+            aside = path.with_name(f"{path.name}.unreadable-{int(path.stat().st_mtime)}")
+            os.replace(path, aside)
+            log.warning("%s is not a CSV log (%s): kept as %s; this attempt starts a new one", path, err, aside.name)
+            return
+        with path.open("rb+") as handle:  # a row a killed attempt left without its newline ends here
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                handle.write(b"\n")
         self.metrics_keys = sorted(set(header))
         log.info("appending to %s (%d rows of earlier attempts kept)", path, rows)
 
