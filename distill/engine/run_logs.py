@@ -11,11 +11,13 @@ written at every logging step, so a killed attempt keeps what it logged; a heade
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import os
 from pathlib import Path
 
 from lightning_fabric.loggers.logger import rank_zero_experiment
+from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 
@@ -77,3 +79,34 @@ class RunCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = AppendingWriter(log_dir=self.log_dir)
         return self._experiment
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str | None = None) -> list:
+    """CSV always; wandb (offline unless logger.mode=online) when selected, named ``run_name`` (recipe + overrides)
+    and given the resolved config."""
+    loggers: list = [RunCSVLogger(run_dir)]  # appends across resumes (Lightning's CSVLogger deletes earlier rows)
+    kind = cfg.logger.kind
+    if kind == "wandb":
+        from pytorch_lightning.loggers import WandbLogger
+
+        mode = str(cfg.logger.mode or "offline")
+        os.environ.setdefault("WANDB_MODE", mode)
+        name = cfg.logger.name or run_name or str(cfg.recipe.name)
+        loggers.append(WandbLogger(project=cfg.logger.project, entity=cfg.logger.entity, name=name,
+                                   save_dir=str(run_dir), offline=mode == "offline", mode=mode,
+                                   group=cfg.logger.group or str(cfg.recipe.name),
+                                   config=OmegaConf.to_container(cfg, resolve=True)))
+    return loggers
+
+
+def finish_loggers(loggers: list, export_dir: Path | None) -> None:
+    """Attach the export's ``config.json`` to a wandb run (its files; synced later when offline) and finish the run,
+    so that the next job of a sweep in this process starts its own run."""
+    config = export_dir / "config.json" if export_dir is not None else None
+    for logger in loggers:
+        if type(logger).__name__ != "WandbLogger":
+            continue
+        if config is not None and config.is_file():
+            logger.experiment.save(str(config), base_path=str(export_dir.parent), policy="now")
+            logger.experiment.summary["export_config"] = json.loads(config.read_text())
+        logger.experiment.finish()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -13,9 +12,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
-from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from draftsmith.common.errors import ConfigError, TrainingInterrupted
+from draftsmith.common.errors import ConfigError
 from draftsmith.distill.cluster.attempts import (
     ClusterCallback,
     keep_global_batch,
@@ -36,10 +34,9 @@ from draftsmith.distill.engine.checkpoints import (
     LAST_CHECKPOINT,
     QuotaCheckpoint,
     check_run_folder,
-    find_resume_checkpoint,
     resume_checkpoint,
 )
-from draftsmith.distill.engine.interrupts import CheckpointInterrupted, deferred_sigint
+from draftsmith.distill.engine.interrupts import AtomicCheckpointIO, InterruptWatch, fit_or_interrupted, interruptible
 from draftsmith.distill.engine.module import DistillModule
 from draftsmith.distill.engine.progress import StepProgressBar
 from draftsmith.distill.engine.resume_check import (
@@ -48,74 +45,13 @@ from draftsmith.distill.engine.resume_check import (
     check_resume_shapes,
     read_checkpoint,
 )
+from draftsmith.distill.engine.run_logs import build_loggers, finish_loggers
 from draftsmith.distill.target.frozen import Target
 from draftsmith.distill.target.shard import TargetSharding, check_target_shard
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINT_DIR", "LAST_CHECKPOINT", "build_strategy", "build_trainer", "check_devices", "train"]
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes each checkpoint to a temp file, fsyncs, then renames: a kill mid-write never corrupts ``last.ckpt``.
-    Ctrl-C during the write finishes it first (a second Ctrl-C drops it), then stops as an interruption
-    (:mod:`draftsmith.distill.engine.interrupts`)."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
-                        storage_options: Any | None = None) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with deferred_sigint(f"the checkpoint {path.name}") as pending:
-            try:
-                with open(tmp, "wb") as fh:
-                    torch.save(checkpoint, fh)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                if pending["count"] > 1:  # torch's C++ writer turned the second Ctrl-C into a RuntimeError
-                    raise CheckpointInterrupted(None) from None
-                raise
-            os.replace(tmp, path)
-        if pending["count"]:
-            raise CheckpointInterrupted(str(path))
-
-
-class InterruptWatch(pl.Callback):
-    """Notes a Ctrl-C during ``fit``: Lightning catches the KeyboardInterrupt, shuts down and calls ``sys.exit(1)``,
-    and only its ``on_exception`` hook tells that exit apart from any other."""
-
-    interrupted = False
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, KeyboardInterrupt):
-            self.interrupted = True
-
-
-def interruptible(trainer: pl.Trainer, run_dir: Path, checkpoint_every: int, call: Any, *args: Any,
-                  **kwargs: Any) -> Any:
-    """``call(*args, **kwargs)`` (``trainer.fit`` or ``trainer.validate``) that turns Ctrl-C into
-    :class:`TrainingInterrupted` (step, newest checkpoint, run folder) instead of Lightning's bare exit status 1."""
-    watch = next((c for c in trainer.callbacks if isinstance(c, InterruptWatch)), None)
-    try:
-        return call(*args, **kwargs)
-    except (SystemExit, KeyboardInterrupt) as err:
-        if isinstance(err, SystemExit) and not (watch is not None and watch.interrupted):
-            raise
-        try:  # Lightning ignores SIGINT while it shuts down; a process that lives on gets Ctrl-C back
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        except ValueError:  # not the main thread
-            pass
-        found = find_resume_checkpoint(run_dir)
-        raise TrainingInterrupted(int(trainer.global_step), str(found) if found else None, str(run_dir),
-                                  checkpoint_every) from None
-
-
-def fit_or_interrupted(trainer: pl.Trainer, module: pl.LightningModule, data: Any, ckpt_path: str | None,
-                       run_dir: Path, checkpoint_every: int) -> None:
-    """``trainer.fit`` with Ctrl-C as :class:`TrainingInterrupted` (:func:`interruptible`)."""
-    interruptible(trainer, run_dir, checkpoint_every, trainer.fit, module, datamodule=data, ckpt_path=ckpt_path)
 
 
 def check_config(cfg: DictConfig, recipe: Any) -> None:
@@ -134,39 +70,6 @@ def check_config(cfg: DictConfig, recipe: Any) -> None:
     check_devices(cfg.trainer)
     if recipe.validate is not None:
         recipe.validate(cfg)
-
-
-def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str | None = None) -> list:
-    """CSV always; wandb (offline unless logger.mode=online) when selected, named ``run_name`` (recipe + overrides)
-    and given the resolved config."""
-    from draftsmith.distill.engine.run_logs import RunCSVLogger
-
-    loggers: list = [RunCSVLogger(run_dir)]  # appends across resumes (Lightning's CSVLogger deletes earlier rows)
-    kind = cfg.logger.kind
-    if kind == "wandb":
-        from pytorch_lightning.loggers import WandbLogger
-
-        mode = str(cfg.logger.mode or "offline")
-        os.environ.setdefault("WANDB_MODE", mode)
-        name = cfg.logger.name or run_name or str(cfg.recipe.name)
-        loggers.append(WandbLogger(project=cfg.logger.project, entity=cfg.logger.entity, name=name,
-                                   save_dir=str(run_dir), offline=mode == "offline", mode=mode,
-                                   group=cfg.logger.group or str(cfg.recipe.name),
-                                   config=OmegaConf.to_container(cfg, resolve=True)))
-    return loggers
-
-
-def finish_loggers(loggers: list, export_dir: Path | None) -> None:
-    """Attach the export's ``config.json`` to a wandb run (its files; synced later when offline) and finish the run,
-    so that the next job of a sweep in this process starts its own run."""
-    config = export_dir / "config.json" if export_dir is not None else None
-    for logger in loggers:
-        if type(logger).__name__ != "WandbLogger":
-            continue
-        if config is not None and config.is_file():
-            logger.experiment.save(str(config), base_path=str(export_dir.parent), policy="now")
-            logger.experiment.summary["export_config"] = json.loads(config.read_text())
-        logger.experiment.finish()
 
 
 def run_device(trainer_cfg: DictConfig) -> str:
