@@ -82,8 +82,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            tests=("tests/test_lpo_controller.py", "tests/test_lpo_loss.py", "tests/test_lpo_rollouts.py")),
     Method("learn2pd", "Learn2PD", "controller", module="controllers/learn2pd.py", proposer=CONTROLLER,
            needs_input="trajectories", tests=("tests/test_diffusion_learn2pd.py", "tests/test_diffusion_decode.py")),
-    Method("diffusion_adapt", "Diffusion adaptation", "target-adaptation", module="recipes/diffusion_adapt.py",
-           proposer=None, needs_input="makes a target, not a drafter",
+    Method("diffusion_adapt", "Diffusion adaptation", "target-adaptation",
+           module="recipes/diffusion_adapt/objective.py", proposer=None, needs_input="makes a target, not a drafter",
            tests=("tests/test_diffusion_adapt.py", "tests/test_diffusion_mask.py")),
 )}
 

@@ -41,7 +41,7 @@ def all_recipes() -> dict[str, Recipe]:
 
     for info in pkgutil.iter_modules(package.__path__):
         if info.name != "registry":
-            importlib.import_module(f"{package.__name__}.{info.name}")
+            importlib.import_module(f"{package.__name__}.{info.name}" + (".objective" if info.ispkg else ""))
     return RECIPES
 
 
@@ -50,7 +50,9 @@ def get_recipe(name: str) -> Recipe:
     loads the others' rooms. An unknown name lists the valid ones, and a recipe missing from the method table
     (``common/methods.py``) is an error too: the table is what the CLI, the scripts and the tests read."""
     if name not in RECIPES and importlib.util.find_spec(f"draftsmith.recipes.{name}") is not None:
-        importlib.import_module(f"draftsmith.recipes.{name}")
+        module = importlib.import_module(f"draftsmith.recipes.{name}")
+        if name not in RECIPES and getattr(module, "__path__", None):  # a package: its objective registers it
+            importlib.import_module(f"draftsmith.recipes.{name}.objective")
     if name not in RECIPES and name not in all_recipes():  # a variant registered by another module (hydra_pp)
         raise KeyError(f"unknown recipe {name!r}; valid recipes: {', '.join(sorted(RECIPES))}")
     if name not in METHODS:

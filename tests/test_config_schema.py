@@ -253,7 +253,7 @@ def test_rerunning_with_more_heads_in_the_same_folder_is_one_line(tmp_path, tiny
 
 # ---------------------------------------------------------------------------------------------- DFlash served cut
 def test_cut_search_picks_the_cut_with_the_most_accepted_tokens_per_verify_cost():
-    from draftsmith.recipes.dflash_cut import CutSearch, drafted_per_cut
+    from draftsmith.recipes.dflash.cut import CutSearch, drafted_per_cut
 
     confidence = torch.tensor([[0.9, 0.9, 0.1, 0.1], [0.9, 0.9, 0.9, 0.9]])  # cumulative: .9 .81 .081 .0081 / ...
     scored = torch.tensor([4, 3])
@@ -269,7 +269,7 @@ def test_cut_search_picks_the_cut_with_the_most_accepted_tokens_per_verify_cost(
 
 def test_a_trained_dflash_confidence_head_serves_at_the_cut_validation_picked(tiny_tokenizer):
     from draftsmith.distill.target.frozen import Target
-    from draftsmith.recipes import dflash as dflash_recipe
+    from draftsmith.recipes.dflash import objective as dflash_recipe
 
     target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
     g = torch.Generator().manual_seed(0)

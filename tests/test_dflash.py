@@ -15,8 +15,8 @@ from draftsmith.common.errors import ConfigError
 from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
 from draftsmith.export.format import write_export
-from draftsmith.recipes import dflash as dflash_recipe
-from draftsmith.recipes.dflash_blocks import build_blocks, sample_anchors
+from draftsmith.recipes.dflash import objective as dflash_recipe
+from draftsmith.recipes.dflash.blocks import build_blocks, sample_anchors
 
 pytestmark = pytest.mark.unit
 

@@ -45,7 +45,7 @@ from draftsmith.export.dflash import speculators_aux_ids, to_speculators_dflash,
 from draftsmith.export.format import ExportError, read_export
 from draftsmith.export.gguf import converter_input
 from draftsmith.export.speculators import to_speculators
-from draftsmith.recipes import dflash as dflash_recipe
+from draftsmith.recipes.dflash import objective as dflash_recipe
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ from test_speculative_sampling import chi2_pvalue
 from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter
 from draftsmith.export.format import TargetMismatchError, read_config, write_export
-from draftsmith.recipes import dflash as dflash_recipe
+from draftsmith.recipes.dflash import objective as dflash_recipe
 from draftsmith.runtime.acceptance import shapes
 from draftsmith.runtime.acceptance.choice import choose_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import write_export
-from draftsmith.recipes import dflash as dflash_recipe
+from draftsmith.recipes.dflash import objective as dflash_recipe
 from draftsmith.runtime.serving import load_runtime
 
 pytestmark = pytest.mark.unit

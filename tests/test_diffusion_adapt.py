@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from draftsmith.distill.target.frozen import Target
-from draftsmith.recipes.diffusion_adapt import build, pad_with_eot, two_stream_mask
+from draftsmith.recipes.diffusion_adapt.objective import build, pad_with_eot, two_stream_mask
 from draftsmith.runtime.target.diffusion_lm import load_diffusion_lm
 
 pytestmark = pytest.mark.unit

@@ -18,7 +18,7 @@ from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, KVCache
 from draftsmith.export.format import ExportError, read_export
-from draftsmith.recipes import eagle as eagle_recipe
+from draftsmith.recipes.eagle import objective as eagle_recipe
 
 pytestmark = pytest.mark.unit
 

@@ -25,7 +25,7 @@ from draftsmith.drafters.vocab import (
     vocab_maps,
 )
 from draftsmith.export.format import read_export
-from draftsmith.recipes import eagle3 as eagle3_recipe
+from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 
 pytestmark = pytest.mark.unit
 

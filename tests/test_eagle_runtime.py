@@ -17,8 +17,8 @@ from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, KVCache
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.drafters.vocab import vocab_maps
 from draftsmith.export.format import TargetMismatchError, write_export
-from draftsmith.recipes import eagle as eagle_recipe
-from draftsmith.recipes import eagle3 as eagle3_recipe
+from draftsmith.recipes.eagle import objective as eagle_recipe
+from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import StepContext, build_proposer, registered_methods

@@ -124,7 +124,7 @@ def tiny_eagle3_export(target_dir, tokenizer, out):
     """A random-weight EAGLE-3 export for the tiny target (only its method and shapes matter here)."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.recipes import eagle3 as eagle3_recipe
+    from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 
     target = Target(AutoModelForCausalLM.from_pretrained(target_dir), tokenizer, str(target_dir))
     torch.manual_seed(0)

@@ -27,7 +27,7 @@ from draftsmith.distill.target.frozen import Target
 from draftsmith.evals.engine_check import texts_lossless
 from draftsmith.export.format import ExportError
 from draftsmith.export.gguf import converter_input, refusal_line, run_converter
-from draftsmith.recipes import eagle3 as eagle3_recipe
+from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 
 pytestmark = pytest.mark.unit
 

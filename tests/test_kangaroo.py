@@ -20,7 +20,7 @@ from draftsmith.controllers.acceptance import AcceptanceHead, AcceptanceHeadConf
 from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.kangaroo import KangarooConfig, KangarooDrafter, default_exit_layer
 from draftsmith.export.format import write_export
-from draftsmith.recipes import kangaroo as recipe
+from draftsmith.recipes.kangaroo import objective as recipe
 from draftsmith.runtime.acceptance.choice import parse_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import LearnedStop
 from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
@@ -216,7 +216,7 @@ def test_specdecpp_head_on_a_kangaroo_drafter(target, reference, trained, tmp_pa
     runtime's first stop state), and its export drives the Kangaroo chain losslessly."""
     from test_specdecpp_stop_rule import ScriptedHead
 
-    from draftsmith.recipes import specdecpp
+    from draftsmith.recipes.specdecpp import objective as specdecpp
     from draftsmith.runtime.drafting.specdecpp import LearnedStopProposer
 
     tgt, lean = target

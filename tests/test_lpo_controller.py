@@ -17,7 +17,7 @@ from draftsmith.controllers.adaptive_temperature import (
     check_grid,
 )
 from draftsmith.export.format import write_export
-from draftsmith.recipes.adaptive_temperature import AdaptiveTemperatureObjective
+from draftsmith.recipes.adaptive_temperature.objective import AdaptiveTemperatureObjective
 
 pytestmark = pytest.mark.unit
 
@@ -110,7 +110,7 @@ def test_lpo_learns_greedy_for_one_kind_and_t1_for_the_other(granularity):
 
 def test_recipe_refuses_bad_config_before_loading_the_target(tmp_path):
     from draftsmith.common.errors import ConfigError, DataError
-    from draftsmith.recipes.adaptive_temperature import validate
+    from draftsmith.recipes.adaptive_temperature.objective import validate
 
     folder = tmp_path / "roll"
     folder.mkdir()

@@ -22,8 +22,8 @@ from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import write_export
 from draftsmith.export.medusa_layout import to_medusa_layout
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.recipes import medusa as medusa_recipe
-from draftsmith.recipes.medusa import MedusaObjective, default_tree, medusa_head_loss
+from draftsmith.recipes.medusa import objective as medusa_recipe
+from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree, medusa_head_loss
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import build_proposer
 

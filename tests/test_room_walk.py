@@ -36,7 +36,7 @@ def test_every_method_footprint_names_existing_files_in_few_rooms():
         assert all((ROOT / p).is_file() for p in files), (name, [p for p in files if not (ROOT / p).is_file()])
         assert found["files"] <= MOST_FILES and len(found["rooms"]) <= MOST_ROOMS, (name, found)
     eagle3 = result["eagle3"]["parts"]
-    assert eagle3["recipe"] == ["recipes/eagle3.py"] and eagle3["proposer"] == ["runtime/drafting/eagle.py"]
+    assert eagle3["recipe"] == ["recipes/eagle3/objective.py"] and eagle3["proposer"] == ["runtime/drafting/eagle.py"]
     assert "export/speculators.py" in eagle3["converters"] and result["medusa"]["parts"]["converters"]
 
 

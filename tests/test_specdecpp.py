@@ -26,7 +26,7 @@ from draftsmith.controllers.acceptance import (
 from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.export.format import ExportError, write_export
-from draftsmith.recipes import specdecpp
+from draftsmith.recipes.specdecpp import objective as specdecpp
 from draftsmith.runtime.acceptance.choice import choose_stop_policy, parse_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import LearnedStop
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder

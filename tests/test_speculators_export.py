@@ -23,8 +23,8 @@ from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import ExportError
 from draftsmith.export.speculators import to_speculators
-from draftsmith.recipes import eagle as eagle_recipe
-from draftsmith.recipes import eagle3 as eagle3_recipe
+from draftsmith.recipes.eagle import objective as eagle_recipe
+from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 
 pytestmark = pytest.mark.unit
 

@@ -140,7 +140,7 @@ def test_teacher_logits_equal_the_hf_forward(kind):
 
 
 def test_eagle_noise_is_uniform_point_one_whatever_the_batch_width(tiny_tokenizer):
-    from draftsmith.recipes import eagle as eagle_recipe
+    from draftsmith.recipes.eagle import objective as eagle_recipe
 
     target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
     cfg = OmegaConf.load(ROOT / "conf/recipe/eagle.yaml")

@@ -162,7 +162,7 @@ def test_unknown_plus_keys_are_refused_by_the_schema_with_close_matches(tmp_path
 
 def test_medusa_draft_vocab_warning_names_the_heads_key(tmp_path, monkeypatch, caplog, tiny_tokenizer,
                                                         tiny_data_file):
-    from draftsmith.recipes.medusa import medusa_draft_ids
+    from draftsmith.recipes.medusa.objective import medusa_draft_ids
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     cfg = compose_config(["recipe=medusa", f"data.spec={tiny_data_file}", "data.max_length=48",

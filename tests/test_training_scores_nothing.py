@@ -154,7 +154,7 @@ def test_a_loss_of_exactly_zero_for_patience_steps_stops(tiny_tokenizer):
 
 def test_eagle3_default_taps_adapt_to_shallow_targets(tiny_tokenizer):
     from draftsmith.drafters.eagle3 import default_target_layers
-    from draftsmith.recipes import eagle3
+    from draftsmith.recipes.eagle3 import objective as eagle3
 
     assert [default_target_layers(n) for n in (3, 4, 5, 6, 7, 8, 32)] == [
         (0, 1, 2), (1, 2, 3), (1, 2, 4), (1, 3, 5), (2, 3, 4), (2, 4, 5), (2, 16, 29)]

@@ -84,7 +84,7 @@ def registrations(root: Path = ROOT) -> dict[str, dict[str, list[str]]]:
     found: dict[str, dict[str, list[str]]] = {}
     for kind, (folder, calls, declarations) in REGISTERED_IN.items():
         found[kind] = {}
-        for path in sorted((root / folder).glob("*.py")):
+        for path in sorted((root / folder).rglob("*.py")):
             for name in registered_names(path, calls, declarations):
                 found[kind].setdefault(name, []).append(path.relative_to(root).as_posix())
     return found
@@ -101,10 +101,10 @@ def _existing(root: Path, path: str) -> list[str]:
 
 def footprint(method, found: dict[str, dict[str, list[str]]], root: Path = ROOT) -> dict[str, list[str]]:
     """Part -> files of one method (a ``common.methods.Method``); a recipe registered under a name imported from
-    elsewhere is found by its file name, ``recipes/<name>.py``."""
+    elsewhere is found by its file name, ``recipes/<name>/objective.py``."""
     formats = [f for f in getattr(method, "formats", ()) if f != "draftsmith"] + [method.name]
     return {"module": [method.module],
-            "recipe": found["recipe"].get(method.name) or _existing(root, f"recipes/{method.name}.py"),
+            "recipe": found["recipe"].get(method.name) or _existing(root, f"recipes/{method.name}/objective.py"),
             "config": [method.config],
             "proposer": found["proposer"].get(method.proposer or "", []),
             "converters": sorted({p for f in formats for p in found["formats"].get(f, [])}),

@@ -1,6 +1,6 @@
 """DFlash recipe: a block drafter trained on random anchors with position-weighted soft cross-entropy.
 
-Blocks and alignment: recipes/dflash_blocks.py (slot ``k`` of the block anchored at ``a`` is scored against the
+Blocks and alignment: recipes/dflash/blocks.py (slot ``k`` of the block anchored at ``a`` is scored against the
 target's logits at ``a+k-1``, i.e. the target's own distribution of token ``a+k``; soft CE, so the drafter learns the
 target's distribution, which is also what rejection sampling accepts; its top-1 is compared with the target argmax).
 
@@ -36,8 +36,8 @@ from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
 from draftsmith.drafters.eagle import EagleConfig
-from draftsmith.recipes.dflash_blocks import Blocks, build_blocks, sample_anchors
-from draftsmith.recipes.dflash_cut import CutSearch
+from draftsmith.recipes.dflash.blocks import Blocks, build_blocks, sample_anchors
+from draftsmith.recipes.dflash.cut import CutSearch
 from draftsmith.recipes.registry import register_recipe
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.heads.hydra import HydraConfig, HydraHeads
-from draftsmith.recipes.medusa import LABEL_SOURCES, default_tree
+from draftsmith.recipes.medusa.objective import LABEL_SOURCES, default_tree
 from draftsmith.recipes.registry import register_recipe
 
 

@@ -19,7 +19,7 @@ from draftsmith.distill.losses.core import LMHeadLoss, masked_smooth_l1, topk_hi
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.heads.clover import EMBED_SOURCES, CloverConfig, CloverHeads
-from draftsmith.recipes.hydra import inference_block, make_calibration
+from draftsmith.recipes.hydra.objective import inference_block, make_calibration
 from draftsmith.recipes.registry import register_recipe
 
 

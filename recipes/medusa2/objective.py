@@ -29,8 +29,8 @@ from draftsmith.distill.losses.core import LMHeadLoss, masked_cross_entropy, top
 from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.distill.target.lora import LoraSpec, TargetAdapter, require_peft
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.recipes.hydra import inference_block, make_calibration
-from draftsmith.recipes.medusa import (
+from draftsmith.recipes.hydra.objective import inference_block, make_calibration
+from draftsmith.recipes.medusa.objective import (
     LABEL_SOURCES,
     check_draft_vocab_size,
     medusa_draft_ids,

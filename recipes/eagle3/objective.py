@@ -21,7 +21,7 @@ from draftsmith.distill.engine.objective import Objective
 from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_target_layers
-from draftsmith.recipes.eagle import eagle_inference_defaults
+from draftsmith.recipes.eagle.objective import eagle_inference_defaults
 from draftsmith.recipes.registry import register_recipe
 
 log = logging.getLogger(__name__)

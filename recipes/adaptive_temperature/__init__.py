@@ -1,0 +1,1 @@
+"""The adaptive temperature (LPO) recipe: its objective and build in objective.py."""

@@ -1,0 +1,1 @@
+"""The Clover-2 recipe: its objective and build in objective.py."""

@@ -1,0 +1,1 @@
+"""The DFlash recipe: its objective and build in objective.py."""

@@ -1,0 +1,1 @@
+"""The diffusion adaptation recipe: its objective and build in objective.py."""

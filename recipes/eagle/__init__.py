@@ -1,0 +1,1 @@
+"""The EAGLE-1 recipe: its objective and build in objective.py."""

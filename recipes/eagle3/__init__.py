@@ -1,0 +1,1 @@
+"""The EAGLE-3 recipe: its objective and build in objective.py."""

@@ -1,0 +1,1 @@
+"""The Hydra and Hydra++ recipe: its objective and build in objective.py."""

@@ -1,0 +1,1 @@
+"""The Kangaroo recipe: its objective and build in objective.py."""

@@ -1,0 +1,1 @@
+"""The Learn2PD recipe: its objective and build in objective.py."""

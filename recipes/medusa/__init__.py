@@ -1,0 +1,1 @@
+"""The Medusa-1 recipe: its objective and build in objective.py."""

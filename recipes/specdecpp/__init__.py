@@ -1,0 +1,1 @@
+"""The SpecDec++ recipe: its objective and build in objective.py."""
