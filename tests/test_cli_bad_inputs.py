@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 from transformers import AutoModelForCausalLM
 
 from draftsmith.bench.prompts import load_prompts
@@ -59,7 +59,7 @@ def eagle_export(target, tmp_path_factory):
     from draftsmith.recipes.eagle import objective as eagle_recipe
 
     torch.manual_seed(0)
-    objective = eagle_recipe.build(OmegaConf.load(ROOT / "conf/recipe/eagle.yaml"), target)
+    objective = eagle_recipe.build(recipe_config("eagle"), target)
     config = {**objective.export_config(), "target": target.identity(), "training": {}}
     return write_export(tmp_path_factory.mktemp("eagle") / "export", objective.module.state_dict(), config)
 

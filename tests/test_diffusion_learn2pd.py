@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 
 from draftsmith.common.errors import ConfigError, DataError
 from draftsmith.controllers.learn2pd import FilterMismatchError, Learn2PDConfig, Learn2PDFilter
@@ -100,8 +100,8 @@ def test_learn2pd_recipe_refuses_causal_target(traj_dir, tiny_target_dir):
     from draftsmith.distill.target.frozen import Target
     from draftsmith.recipes.learn2pd.objective import build
 
-    cfg = OmegaConf.create({"data": {"spec": str(traj_dir)},
-                            "filter": {"hidden": 8, "num_layers": 2, "threshold": 0.9}})
+    cfg = recipe_config("learn2pd", {"data": {"spec": str(traj_dir)},
+                                     "filter": {"hidden": 8, "num_layers": 2, "threshold": 0.9}})
     with pytest.raises(ConfigError, match="causal .*not a block-diffusion target"):
         build(cfg, Target.load(str(tiny_target_dir), "fp32"))
     assert json.loads((traj_dir / "meta.json").read_text())["num_prompts"] == 3

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 
 from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, KVCache
@@ -215,9 +215,8 @@ def exports(target, reference, tmp_path_factory):
     tgt, _ = target
     batch = greedy_batch(reference)
     torch.manual_seed(0)
-    cfg1 = OmegaConf.merge(OmegaConf.load(ROOT / "conf/recipe/eagle.yaml"), {"drafter": {"noise_std": 0.0}})
-    cfg3 = OmegaConf.merge(OmegaConf.load(ROOT / "conf/recipe/eagle3.yaml"),
-                           {"drafter": {"target_layers": list(LAYERS), "draft_vocab_size": 64}})
+    cfg1 = recipe_config("eagle", {"drafter": {"noise_std": 0.0}})
+    cfg3 = recipe_config("eagle3", {"drafter": {"target_layers": list(LAYERS), "draft_vocab_size": 64}})
     objectives = {"eagle": eagle_recipe.build(cfg1, tgt),
                   "eagle3": eagle3_recipe.build_objective(cfg3, tgt, [(batch["input_ids"], batch["loss_mask"])])}
     out = {}

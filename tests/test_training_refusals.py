@@ -150,7 +150,7 @@ def test_unknown_plus_keys_are_refused_by_the_schema_with_close_matches(tmp_path
     problems = schema_problems(cfg)  # noise_std: an older key eagle still reads, declared in its schema
     assert len(problems) == 1 and problems[0].startswith("trainer.fsdp_opts is not a key of recipe=eagle"), problems
 
-    from draftsmith.distill import trainer
+    from draftsmith.distill.engine import trainer
 
     monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("training must not start"))
     for typo in ("+heads.num_head=4", "heads.num_head=4"):
@@ -203,7 +203,7 @@ def test_ctrl_c_in_training_names_the_checkpoint_and_the_resume_command(tmp_path
 
 
 def test_train_py_reports_ctrl_c_with_exit_130(tmp_path, monkeypatch, capsys):
-    from draftsmith.distill import trainer
+    from draftsmith.distill.engine import trainer
 
     ckpt = tmp_path / "checkpoints" / "step50.ckpt"
 

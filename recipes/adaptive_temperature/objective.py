@@ -26,15 +26,14 @@ from draftsmith.controllers.adaptive_temperature import (
     METHOD,
     AdaptiveTemperatureConfig,
     AdaptiveTemperatureHead,
-    check_granularity,
     check_grid,
 )
 from draftsmith.distill.data.preferences import read_pair_rounds
 from draftsmith.distill.engine.objective import Objective
-from draftsmith.distill.losses.lpo import LOSS_FORMS, lpo_loss, tempered_token_log_probs
+from draftsmith.distill.losses.lpo import lpo_loss, tempered_token_log_probs
 from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.export.format import ExportError
-from draftsmith.recipes.registry import register_recipe
+from draftsmith.recipes.adaptive_temperature import AdaptiveTemperature
 
 
 class AdaptiveTemperatureObjective(Objective):
@@ -89,12 +88,12 @@ class AdaptiveTemperatureObjective(Objective):
         return {"method": METHOD, "architecture": self.module.architecture(), "inference": inference}
 
 
-def _grid(cfg: Any, meta: dict[str, Any]) -> list[float]:
+def _grid(cfg: AdaptiveTemperature, meta: dict[str, Any]) -> list[float]:
     data_grid = list(check_grid(meta["grid"]))
-    asked = cfg.controller.get("grid")
+    asked = cfg.controller.grid
     if asked is not None:
         try:
-            asked = list(check_grid(list(asked)))
+            asked = list(check_grid(asked))
         except ValueError as err:
             raise ConfigError(f"controller.grid: {err}") from None
         if asked != data_grid:
@@ -103,33 +102,25 @@ def _grid(cfg: Any, meta: dict[str, Any]) -> list[float]:
     return data_grid
 
 
-def validate(cfg: Any) -> None:
-    """Config checks before the target loads (the rollout folder is read here, so a broken one fails fast)."""
-    try:
-        granularity = check_granularity(str(cfg.controller.granularity))
-    except ValueError as err:
-        raise ConfigError(f"controller.{err}") from None
-    if str(cfg.lpo.form) not in LOSS_FORMS:
-        raise ConfigError(f"lpo.form must be one of {', '.join(LOSS_FORMS)}, got {cfg.lpo.form!r}")
-    if float(cfg.lpo.beta) <= 0:
-        raise ConfigError(f"lpo.beta must be > 0, got {cfg.lpo.beta}")
-    meta, _ = read_pair_rounds(str(cfg.data.spec))
+def validate(cfg: AdaptiveTemperature) -> None:
+    """Before the target loads: the rollout folder reads (a broken one fails fast) and fits the controller's grid and
+    granularity."""
+    meta, _ = read_pair_rounds(cfg.data.spec)
     _grid(cfg, meta)
-    if granularity == "sequence" and meta.get("granularity") == "token":
+    if cfg.controller.granularity == "sequence" and meta.get("granularity") == "token":
         raise ConfigError("controller.granularity=sequence cannot learn from token-level rollouts (each response "
                           "mixes temperatures); sample rollouts with --granularity sequence")
 
 
-@register_recipe("adaptive_temperature", validate=validate)
-def build(cfg: Any, target: Target) -> AdaptiveTemperatureObjective:
+def build(cfg: AdaptiveTemperature, target: Target) -> AdaptiveTemperatureObjective:
     """A head on the target's post-norm hidden state over the rollout folder's temperature grid."""
-    meta, _ = read_pair_rounds(str(cfg.data.spec))
+    meta, _ = read_pair_rounds(cfg.data.spec)
     hidden = int(target.model.config.hidden_size)
-    arch = AdaptiveTemperatureConfig(hidden_size=hidden, grid=_grid(cfg, meta),
-                                     granularity=str(cfg.controller.granularity), width=int(cfg.controller.width),
-                                     num_layers=int(cfg.controller.num_layers))
+    c = cfg.controller
+    arch = AdaptiveTemperatureConfig(hidden_size=hidden, grid=_grid(cfg, meta), granularity=c.granularity,
+                                     width=c.width, num_layers=c.num_layers)
     reference = None
-    ref_spec = str(cfg.lpo.get("reference") or "uniform")
+    ref_spec = cfg.lpo.reference or "uniform"
     if ref_spec != "uniform":
         try:
             reference, _ = AdaptiveTemperatureHead.from_export(ref_spec)
@@ -139,10 +130,9 @@ def build(cfg: Any, target: Target) -> AdaptiveTemperatureObjective:
             raise ConfigError(f"lpo.reference {ref_spec} was trained on another grid or target (grid "
                               f"{reference.config.grid}, hidden {reference.config.hidden_size})")
     head = AdaptiveTemperatureHead(arch)
-    init = cfg.controller.get("init")
-    if init:
-        head = _previous_round(str(init), head).train()
-    return AdaptiveTemperatureObjective(head, str(cfg.lpo.form), float(cfg.lpo.beta), reference)
+    if c.init:
+        head = _previous_round(c.init, head).train()
+    return AdaptiveTemperatureObjective(head, cfg.lpo.form, cfg.lpo.beta, reference)
 
 
 def _previous_round(export: str, head: AdaptiveTemperatureHead) -> AdaptiveTemperatureHead:

@@ -18,9 +18,9 @@ from draftsmith.distill.engine.objective import Objective
 from draftsmith.distill.losses.core import LMHeadLoss, masked_smooth_l1, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
-from draftsmith.heads.clover import EMBED_SOURCES, CloverConfig, CloverHeads
+from draftsmith.heads.clover import CloverConfig, CloverHeads
+from draftsmith.recipes.clover2 import Clover2
 from draftsmith.recipes.hydra.objective import inference_block, make_calibration
-from draftsmith.recipes.registry import register_recipe
 
 
 class CloverObjective(Objective):
@@ -79,35 +79,26 @@ class CloverObjective(Objective):
                 "inference": {"proposer": "clover2", **self.inference, **self.calibration.tree_block()}}
 
 
-def validate(cfg: Any) -> None:
-    """Config checks that must fail before the target is loaded."""
-    h = cfg.heads
-    if int(h.num_heads) < 1 or int(h.num_layers) < 1:
-        raise ConfigError(f"heads.num_heads and heads.num_layers must be >= 1, got {h.num_heads}, {h.num_layers}")
-    if str(h.embed_source) not in EMBED_SOURCES:
-        raise ConfigError(f"heads.embed_source={h.embed_source!r}; valid: {', '.join(EMBED_SOURCES)}")
-    fw, tw = float(h.feature_weight), float(h.token_weight)
-    if fw < 0 or tw < 0 or fw + tw == 0 or not 0 < float(h.decay) <= 1:
-        raise ConfigError(f"heads.feature_weight / token_weight must be >= 0 and not both 0, decay in (0, 1]; got "
-                          f"{fw}, {tw}, {h.decay}")
-    if int(cfg.inference.top_k) < 1 or int(cfg.inference.tree_nodes) < 1:
-        raise ConfigError("inference.top_k and inference.tree_nodes must be >= 1")
+def validate(cfg: Clover2) -> None:
+    """What the keys' ranges cannot say: the two loss weights are not both 0."""
+    if cfg.heads.feature_weight + cfg.heads.token_weight == 0:
+        raise ConfigError("heads.feature_weight and heads.token_weight must not both be 0: nothing would train; "
+                          "give one a weight > 0")
 
 
-@register_recipe("clover2", validate=validate)
-def build(cfg: Any, target: Target) -> CloverObjective:
+def build(cfg: Clover2, target: Target) -> CloverObjective:
     """Clover-2 sized like the target; its decoder layers start as copies of the target's last layer."""
     h = cfg.heads
     dims = EagleConfig.dims_from_hf(target.config)
     arch = CloverConfig(**{k: dims[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                                 "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta")},
-                        vocab_size=target.vocab_size, num_heads=int(h.num_heads), num_layers=int(h.num_layers),
-                        embed_source=str(h.embed_source))
+                        vocab_size=target.vocab_size, num_heads=h.num_heads, num_layers=h.num_layers,
+                        embed_source=h.embed_source)
     backbone = target.model.get_decoder() if hasattr(target.model, "get_decoder") else target.model.model
     last = {k: v.float() for k, v in backbone.layers[-1].state_dict().items()}
     embed = target.lm_head_weight if arch.embed_source == "lm_head" else target.embed_weight
     heads = CloverHeads(arch, embed.float(), target.lm_head_weight.float(), init_layer=last,
                         final_norm=backbone.norm.weight.float())
-    return CloverObjective(heads, float(h.feature_weight), float(h.token_weight), float(h.decay),
-                           int(h.topk_metric), make_calibration(arch.num_heads, cfg.inference),
-                           inference_block(cfg.inference), LMHeadLoss.from_config(cfg))
+    return CloverObjective(heads, h.feature_weight, h.token_weight, h.decay, h.topk_metric,
+                           make_calibration(arch.num_heads, cfg.inference), inference_block(cfg.inference),
+                           LMHeadLoss())

@@ -36,9 +36,11 @@ from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
 from draftsmith.drafters.eagle import EagleConfig
+from draftsmith.recipes.dflash import DFlash
 from draftsmith.recipes.dflash.blocks import Blocks, build_blocks, sample_anchors
 from draftsmith.recipes.dflash.cut import CutSearch
-from draftsmith.recipes.registry import register_recipe
+from draftsmith.recipes.lm_loss import lm_head_loss
+from draftsmith.recipes.registration import untyped
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +62,13 @@ class _Tally:
 class DFlashObjective(Objective):
     """Trains ``DFlashDrafter`` on ``anchors_per_seq`` random blocks per sequence."""
 
-    def __init__(self, drafter: DFlashDrafter, anchors_per_seq: int = 4, position_decay: float = 0.8,
-                 confidence_weight: float = 0.1, topk: int = 5, inference: dict[str, Any] | None = None,
-                 lm_loss: LMHeadLoss | None = None, cut_search: CutSearch | None = None) -> None:
-        if anchors_per_seq < 1:
-            raise ConfigError(f"drafter.anchors_per_seq must be >= 1, got {anchors_per_seq}")
+    def __init__(self, drafter: DFlashDrafter, anchors_per_seq: int, position_decay: float, confidence_weight: float,
+                 topk: int, inference: dict[str, Any], lm_loss: LMHeadLoss | None = None,
+                 cut_search: CutSearch | None = None) -> None:
         self.module = drafter
         self.anchors_per_seq, self.position_decay = anchors_per_seq, position_decay
-        self.confidence_weight, self.topk = confidence_weight, max(1, topk)
-        self.inference = inference or {}
+        self.confidence_weight, self.topk = confidence_weight, topk
+        self.inference = inference
         self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE: no [M, V] logits
         self.taps = FeatureTaps(final_hidden=False, layers=tuple(drafter.config.target_layers), logits=True)
         self.generator: torch.Generator | None = None  # anchors' randomness (None = torch's global RNG)
@@ -163,31 +163,12 @@ class DFlashObjective(Objective):
         return {"method": "dflash", "architecture": self.module.architecture(), "inference": dict(self.inference)}
 
 
-def validate(cfg: Any) -> None:
-    """Config checks that must fail before the target is loaded (one line each)."""
-    d = cfg.drafter
-    block, max_len = int(d.block_size), cfg.get("data", {}).get("max_length")
-    if block < 2:
-        raise ConfigError(f"drafter.block_size={block}: a DFlash block needs >= 2 slots (the verified token and at "
-                          "least one draft)")
-    if max_len is not None and block >= int(max_len):
-        raise ConfigError(f"drafter.block_size={block} is larger than the context: data.max_length={max_len} must "
-                          "exceed it (a block needs a context position before it)")
-    checks = [(int(d.anchors_per_seq) < 1, f"drafter.anchors_per_seq must be >= 1, got {d.anchors_per_seq}"),
-              (int(d.num_layers) < 1, f"drafter.num_layers must be >= 1, got {d.num_layers}"),
-              (not 0 < float(d.position_decay) <= 1, f"drafter.position_decay must be in (0, 1], got "
-                                                     f"{d.position_decay}"),
-              (d.output_norm_init is not None and not float(d.output_norm_init) > 0,
-               f"drafter.output_norm_init must be > 0 (null = the default gain), got {d.output_norm_init}"),
-              (float(d.confidence_weight) < 0, f"drafter.confidence_weight must be >= 0, got {d.confidence_weight}"),
-              (cfg.inference.cut is not None and not 0 <= float(cfg.inference.cut) < 1,
-               f"inference.cut must be in [0, 1) or null, got {cfg.inference.cut}"),
-              (d.target_layers is not None and len(d.target_layers) == 0,
-               "drafter.target_layers is empty; use null for the default taps spread over depth")]
-    for bad, message in checks:
-        if bad:
-            raise ConfigError(message)
-    LMHeadLoss.from_config(cfg)
+def validate(cfg: DFlash) -> None:
+    """What one key's range cannot say: a block fits the context (``data.max_length``)."""
+    if cfg.drafter.block_size >= cfg.data.max_length:
+        raise ConfigError(f"drafter.block_size={cfg.drafter.block_size} is larger than the context: "
+                          f"data.max_length={cfg.data.max_length} must exceed it (a block needs a context position "
+                          "before it)")
 
 
 def mask_candidates(tokenizer: Any) -> list[int]:
@@ -203,17 +184,17 @@ def mask_candidates(tokenizer: Any) -> list[int]:
 def resolve_mask_token(requested: int | None, tokenizer: Any, vocab: int,
                        batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
     """The mask token id: ``requested`` checked, or the first candidate the training data never contains."""
-    if requested is not None and not 0 <= int(requested) < vocab:
+    if requested is not None and not 0 <= requested < vocab:
         raise ConfigError(f"drafter.mask_token_id={requested} is outside the vocabulary 0..{vocab - 1}")
     seen = torch.zeros(vocab, dtype=torch.long)
     for input_ids, _ in batches:
         seen += torch.bincount(input_ids.flatten().clamp(0, vocab - 1).cpu(), minlength=vocab)[:vocab]
     if requested is not None:
-        if int(seen[int(requested)]):
-            name = tokenizer.convert_ids_to_tokens(int(requested)) if tokenizer is not None else "?"
-            raise ConfigError(f"drafter.mask_token_id={requested} ({name!r}) occurs {int(seen[int(requested)])} times "
+        if int(seen[requested]):
+            name = tokenizer.convert_ids_to_tokens(requested) if tokenizer is not None else "?"
+            raise ConfigError(f"drafter.mask_token_id={requested} ({name!r}) occurs {int(seen[requested])} times "
                               "in the training data: a mask slot would look like text; pick an unused id, or null")
-        return int(requested)
+        return requested
     for cand in mask_candidates(tokenizer) if tokenizer is not None else []:
         if 0 <= cand < vocab and not int(seen[cand]):
             return cand
@@ -221,14 +202,14 @@ def resolve_mask_token(requested: int | None, tokenizer: Any, vocab: int,
                       "mask token; set drafter.mask_token_id to an id the data never contains")
 
 
-def build_objective(cfg: Any, target: Target, token_batches: Any = None) -> DFlashObjective:
+def build_objective(cfg: DFlash, target: Target,
+                    token_batches: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DFlashObjective:
     """The objective; ``token_batches`` (iterable of (input_ids, loss_mask)) replaces the training-data scan."""
     from draftsmith.distill.data.draft_vocab import training_token_batches
 
     d, num_layers = cfg.drafter, target.num_layers
     try:
-        layers = (tuple(int(i) for i in d.target_layers) if d.target_layers
-                  else default_target_layers(num_layers, int(d.num_taps)))
+        layers = tuple(d.target_layers) if d.target_layers else default_target_layers(num_layers, d.num_taps)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     bad = [i for i in layers if not 0 <= i < num_layers]
@@ -236,36 +217,34 @@ def build_objective(cfg: Any, target: Target, token_batches: Any = None) -> DFla
         raise ConfigError(f"drafter.target_layers {list(layers)} names layer(s) {bad} the target lacks: it has "
                           f"hidden_states 0..{num_layers - 1} (i = input of decoder layer i)")
     dims = EagleConfig.dims_from_hf(target.config)
-    block = int(d.block_size)
+    block = d.block_size
     if block >= dims["max_position_embeddings"]:
         raise ConfigError(f"drafter.block_size={block} is larger than the target's context "
                           f"({dims['max_position_embeddings']} positions)")
-    samples = d.mask_scan_samples
     batches = token_batches if token_batches is not None else training_token_batches(
-        cfg, target, int(samples) if samples else None)
+        untyped(cfg), target, d.mask_scan_samples)
     mask_id = resolve_mask_token(d.mask_token_id, getattr(target, "tokenizer", None), target.vocab_size, batches)
-    arch = DFlashConfig(hidden_size=dims["hidden_size"], intermediate_size=int(d.intermediate_size or
-                        dims["intermediate_size"]), num_layers=int(d.num_layers), num_heads=dims["num_attention_heads"],
+    arch = DFlashConfig(hidden_size=dims["hidden_size"], intermediate_size=d.intermediate_size or
+                        dims["intermediate_size"], num_layers=d.num_layers, num_heads=dims["num_attention_heads"],
                         num_kv_heads=dims["num_key_value_heads"], vocab_size=target.vocab_size,
                         target_hidden_size=dims["hidden_size"], block_size=block, mask_token_id=mask_id,
                         target_layers=layers, head_dim=dims["head_dim"], rms_norm_eps=dims["rms_norm_eps"],
-                        rope_theta=dims["rope_theta"], confidence_head=bool(d.confidence_head),
-                        markov_head=bool(d.markov_head), markov_rank=int(d.markov_rank))
+                        rope_theta=dims["rope_theta"], confidence_head=d.confidence_head,
+                        markov_head=d.markov_head, markov_rank=d.markov_rank)
     drafter = DFlashDrafter(arch, target.embed_weight.float(), target.lm_head_weight.float())
     if d.output_norm_init is not None:  # a fixed gain, not the drafter's min(1, 1/mean|w_v|) (1.0 = old init)
         with torch.no_grad():
-            drafter.norm.weight.fill_(float(d.output_norm_init))
-    auto_cut = cfg.inference.cut is None  # null: the cut validation finds best (0 = off until then / without a head)
-    inference = {"proposer": "dflash", "block_size": block, "depth": block - 1,
-                 "cut": 0.0 if auto_cut else float(cfg.inference.cut), "verifier": str(cfg.inference.verifier),
-                 "stop_policy": {"kind": STOP_FIXED}}
-    search = CutSearch(float(cfg.inference.cut_token_cost)) if auto_cut and arch.confidence_head else None
+            drafter.norm.weight.fill_(d.output_norm_init)
+    inf = cfg.inference
+    auto_cut = inf.cut is None  # null: the cut validation finds best (0 = off until then / without a head)
+    inference = {"proposer": "dflash", "block_size": block, "depth": block - 1, "cut": 0.0 if auto_cut else inf.cut,
+                 "verifier": inf.verifier, "stop_policy": {"kind": STOP_FIXED}}
+    search = CutSearch(inf.cut_token_cost) if auto_cut and arch.confidence_head else None
     log.info("DFlash: block %d, %d layers, taps %s, mask token %d", block, arch.num_layers, list(layers), mask_id)
-    return DFlashObjective(drafter, int(d.anchors_per_seq), float(d.position_decay), float(d.confidence_weight),
-                           int(d.topk_metric), inference, LMHeadLoss.from_config(cfg), search)
+    return DFlashObjective(drafter, d.anchors_per_seq, d.position_decay, d.confidence_weight, d.topk_metric, inference,
+                           lm_head_loss(cfg.loss), search)
 
 
-@register_recipe("dflash", validate=validate)
-def build(cfg: Any, target: Target) -> DFlashObjective:
+def build(cfg: DFlash, target: Target) -> DFlashObjective:
     """A DFlash drafter sized from the target, on its shared embedding and LM head."""
     return build_objective(cfg, target)

@@ -20,11 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.common.diffusion_format import DIFFUSION_KEY, MASK_TOKEN, DiffusionSpec, additive_mask
-from draftsmith.common.errors import ConfigError
 from draftsmith.distill.engine.objective import Objective
 from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.export.diffusion_folder import save_diffusion_folder
-from draftsmith.recipes.registry import register_recipe
+from draftsmith.recipes.diffusion_adapt import DiffusionAdapt
 
 
 class DiffusionAdapter(nn.Module):
@@ -150,16 +149,7 @@ def add_mask_token(model: nn.Module, tokenizer: Any) -> int:
     return mask_id
 
 
-def validate(cfg: Any) -> None:
-    """Config checks before the target loads."""
-    if int(cfg.diffusion.block_length) < 2:
-        raise ConfigError(f"diffusion.block_length must be >= 2, got {cfg.diffusion.block_length}")
-    if not 0.0 < float(cfg.diffusion.eps) < 1.0:
-        raise ConfigError(f"diffusion.eps must be in (0, 1), got {cfg.diffusion.eps}")
-
-
-@register_recipe("diffusion_adapt", validate=validate)
-def build(cfg: Any, target: Target) -> DiffusionAdaptObjective:
+def build(cfg: DiffusionAdapt, target: Target) -> DiffusionAdaptObjective:
     """A trainable fp32 copy of the target with a mask token; the frozen target itself is left untouched."""
     from draftsmith.common.diffusion_format import spec_of
 
@@ -168,8 +158,8 @@ def build(cfg: Any, target: Target) -> DiffusionAdaptObjective:
     model = copy.deepcopy(target.model).float().train().requires_grad_(True)
     tokenizer = copy.deepcopy(target.tokenizer)
     mask_id = add_mask_token(model, tokenizer)
-    spec = DiffusionSpec(int(cfg.diffusion.block_length), mask_id)
+    spec = DiffusionSpec(cfg.diffusion.block_length, mask_id)
     setattr(model.config, DIFFUSION_KEY, spec.to_dict())
     eot = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
-    return DiffusionAdaptObjective(DiffusionAdapter(model, spec, tokenizer), float(cfg.diffusion.eps), int(eot),
-                                   int(cfg.diffusion.eot_pad), bool(cfg.diffusion.random_offset))
+    return DiffusionAdaptObjective(DiffusionAdapter(model, spec, tokenizer), cfg.diffusion.eps, int(eot),
+                                   cfg.diffusion.eot_pad, cfg.diffusion.random_offset)

@@ -25,30 +25,22 @@ from draftsmith.distill.engine.objective import Objective
 from draftsmith.distill.losses.core import LMHeadLoss, masked_smooth_l1, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
-from draftsmith.recipes.registry import register_recipe
-
-NOISE_KINDS = ("uniform", "none")
+from draftsmith.recipes.eagle import Eagle, EagleDrafterConfig
+from draftsmith.recipes.groups import DynamicTreeInferenceConfig
+from draftsmith.recipes.lm_loss import lm_head_loss
 
 
 @dataclass(frozen=True)
 class FeatureNoise:
     """Training-time noise on the drafter's input features: ``uniform`` adds U(-scale, scale) elementwise.
 
-    ``ref_len`` (default None: off) multiplies the scale by ``ref_len / T`` for a batch of padded width T, as
-    EAGLE's reference code does with 512.
+    ``ref_len`` (None: off) multiplies the scale by ``ref_len / T`` for a batch of padded width T, as EAGLE's
+    reference code does with 512. The values come from ``drafter.noise`` (recipes/eagle/__init__.py checks them).
     """
 
-    kind: str = "uniform"
-    scale: float = 0.1
-    ref_len: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in NOISE_KINDS:
-            raise ConfigError(f"drafter.noise.kind={self.kind!r}; valid: {', '.join(NOISE_KINDS)}")
-        if self.scale < 0:
-            raise ConfigError(f"drafter.noise.scale must be >= 0, got {self.scale}")
-        if self.ref_len is not None and self.ref_len < 1:
-            raise ConfigError(f"drafter.noise.ref_len must be >= 1 or null, got {self.ref_len}")
+    kind: str
+    scale: float
+    ref_len: int | None
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
         """``features`` [B, T, H] plus fresh noise (unchanged for kind ``none`` or scale 0)."""
@@ -63,37 +55,30 @@ def uniform_feature_noise(features: torch.Tensor, std: float, ref_len: int | Non
     return FeatureNoise("uniform", std / 2, ref_len)(features) if std > 0 else features
 
 
-def noise_from_config(d: Any) -> FeatureNoise:
+def noise_from_config(d: EagleDrafterConfig) -> FeatureNoise:
     """``drafter.noise`` ({kind, scale, ref_len}); the older ``drafter.noise_std`` / ``noise_ref_len``, when set,
     take precedence so configs written for them keep their meaning."""
-    if d.get("noise_std") is not None:
-        std = float(d.noise_std)
-        if std < 0:
-            raise ConfigError(f"drafter.noise_std must be >= 0, got {std}")
-        ref_len = d.get("noise_ref_len")
-        return FeatureNoise("uniform" if std > 0 else "none", std / 2, int(ref_len) if ref_len else None)
-    noise = d.noise
-    return FeatureNoise(str(noise.kind), float(noise.scale), int(noise.ref_len) if noise.ref_len else None)
+    if d.noise_std is not None:
+        return FeatureNoise("uniform" if d.noise_std > 0 else "none", d.noise_std / 2, d.noise_ref_len or None)
+    return FeatureNoise(d.noise.kind, d.noise.scale, d.noise.ref_len or None)
 
 
-def eagle_inference_defaults(cfg_inference: Any) -> dict[str, Any]:
+def eagle_inference_defaults(inference: DynamicTreeInferenceConfig) -> dict[str, Any]:
     """The ``inference`` block of EAGLE-family exports (EAGLE-2 dynamic tree sizes, verifier, stop policy)."""
-    return {"proposer": EAGLE_TREE_PROPOSER, "total_tokens": int(cfg_inference.total_tokens),
-            "depth": int(cfg_inference.depth), "top_k": int(cfg_inference.top_k),
-            "verifier": str(cfg_inference.verifier), "stop_policy": {"kind": STOP_FIXED}}
+    return {"proposer": EAGLE_TREE_PROPOSER, "total_tokens": inference.total_tokens, "depth": inference.depth,
+            "top_k": inference.top_k, "verifier": inference.verifier, "stop_policy": {"kind": STOP_FIXED}}
 
 
 class EagleObjective(Objective):
     """Trains ``EagleDrafter`` on (feature, next token) pairs of the frozen target."""
 
-    def __init__(self, drafter: EagleDrafter, feature_weight: float = 1.0, token_weight: float = 0.1,
-                 noise: FeatureNoise = FeatureNoise(), topk: int = 5, inference: dict[str, Any] | None = None,
-                 lm_loss: LMHeadLoss | None = None) -> None:
+    def __init__(self, drafter: EagleDrafter, feature_weight: float, token_weight: float, noise: FeatureNoise,
+                 topk: int, inference: dict[str, Any], lm_loss: LMHeadLoss | None = None) -> None:
         self.module = drafter
         self.feature_weight, self.token_weight = feature_weight, token_weight
         self.noise = noise
         self.topk = topk
-        self.inference = inference or {}
+        self.inference = inference
         self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE by default (loss.fused_linear_ce)
         self.taps = FeatureTaps(final_hidden=True, logits=True)
 
@@ -131,22 +116,18 @@ class EagleObjective(Objective):
         return {"method": "eagle", "architecture": self.module.architecture(), "inference": dict(self.inference)}
 
 
-def validate(cfg: Any) -> None:
-    """Config checks that must fail before the target is loaded."""
-    d = cfg.drafter
-    if float(d.feature_weight) < 0 or float(d.token_weight) < 0 or float(d.feature_weight) + float(d.token_weight) == 0:
-        raise ConfigError(f"drafter.feature_weight / token_weight must be >= 0 and not both 0, got "
-                          f"{d.feature_weight}, {d.token_weight}")
-    noise_from_config(d)
-    LMHeadLoss.from_config(cfg)
+def validate(cfg: Eagle) -> None:
+    """What the keys' ranges cannot say: the two loss weights are not both 0."""
+    if cfg.drafter.feature_weight + cfg.drafter.token_weight == 0:
+        raise ConfigError("drafter.feature_weight and drafter.token_weight must not both be 0: nothing would train; "
+                          "give one a weight > 0")
 
 
-@register_recipe("eagle", validate=validate)
-def build(cfg: Any, target: Target) -> EagleObjective:
+def build(cfg: Eagle, target: Target) -> EagleObjective:
     """An EAGLE-1 drafter sized from the target, with its embedding and LM head shared (frozen)."""
     d = cfg.drafter
     # vocab_size from the LM head rows: some checkpoints pad the matrix beyond config.vocab_size.
     arch = EagleConfig(**{**EagleConfig.dims_from_hf(target.config), "vocab_size": target.vocab_size})
     drafter = EagleDrafter(arch, target.embed_weight.float(), target.lm_head_weight.float())
-    return EagleObjective(drafter, float(d.feature_weight), float(d.token_weight), noise_from_config(d),
-                          int(d.topk_metric), eagle_inference_defaults(cfg.inference), LMHeadLoss.from_config(cfg))
+    return EagleObjective(drafter, d.feature_weight, d.token_weight, noise_from_config(d), d.topk_metric,
+                          eagle_inference_defaults(cfg.inference), lm_head_loss(cfg.loss))

@@ -10,6 +10,7 @@ argmax is in the draft vocabulary. ``L = sum_j step_decay^j * softCE_j`` (each a
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,7 +23,9 @@ from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_target_layers
 from draftsmith.recipes.eagle.objective import eagle_inference_defaults
-from draftsmith.recipes.registry import register_recipe
+from draftsmith.recipes.eagle3 import Eagle3
+from draftsmith.recipes.lm_loss import lm_head_loss
+from draftsmith.recipes.registration import untyped
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +39,11 @@ def shift_left(x: torch.Tensor, k: int, n: int) -> torch.Tensor:
 class Eagle3Objective(Objective):
     """Trains ``Eagle3Drafter`` with ``ttt_steps`` unrolled steps of its own outputs."""
 
-    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int = 3, step_decay: float = 0.8, topk: int = 5,
-                 inference: dict[str, Any] | None = None, lm_loss: LMHeadLoss | None = None) -> None:
-        if ttt_steps < 1:
-            raise ConfigError(f"ttt_steps must be >= 1, got {ttt_steps}")
+    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, step_decay: float, topk: int,
+                 inference: dict[str, Any], lm_loss: LMHeadLoss | None = None) -> None:
         self.module = drafter
         self.ttt_steps, self.step_decay, self.topk = ttt_steps, step_decay, topk
-        self.inference = inference or {}
+        self.inference = inference
         self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE by default (loss.fused_linear_ce)
         # logits read through greedy() / logits_at() only: from a feature cache, just the draft-vocabulary rows of
         # the scored positions go through the LM head (not all [B, T, V] of them)
@@ -129,51 +130,32 @@ class Eagle3Objective(Objective):
         return {"method": "eagle3", "architecture": self.module.architecture(), "inference": dict(self.inference)}
 
 
-def validate(cfg: Any) -> None:
-    """Config checks that must fail before the target is loaded."""
-    d = cfg.drafter
-    if int(d.ttt_steps) < 1:
-        raise ConfigError(f"drafter.ttt_steps must be >= 1, got {d.ttt_steps}")
-    if not 0 < float(d.step_decay) <= 1:
-        raise ConfigError(f"drafter.step_decay must be in (0, 1], got {d.step_decay}")
-    if d.draft_vocab_size is not None and int(d.draft_vocab_size) < 0:
-        raise ConfigError(f"drafter.draft_vocab_size must be >= 0 (0 or null = full vocabulary), "
-                          f"got {d.draft_vocab_size}")
-    layers = d.target_layers
-    if layers is not None and len(layers) == 0:
-        raise ConfigError("drafter.target_layers is empty; use null for the default (2, L//2, L-3), spread over "
-                          "the layers a shallow target has)")
-    LMHeadLoss.from_config(cfg, replay=True)
-
-
-def build_objective(cfg: Any, target: Target, vocab_batches: Any = None) -> Eagle3Objective:
+def build_objective(cfg: Eagle3, target: Target,
+                    vocab_batches: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Eagle3Objective:
     """The objective; ``vocab_batches`` (iterable of (input_ids, loss_mask)) overrides the training-data scan."""
     d = cfg.drafter
     vocab = target.vocab_size
     try:
-        layers = (tuple(int(i) for i in d.target_layers) if d.target_layers
-                  else default_target_layers(target.num_layers))
+        layers = tuple(d.target_layers) if d.target_layers else default_target_layers(target.num_layers)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     bad = [i for i in layers if not 0 <= i < target.num_layers]
     if bad:
         raise ConfigError(f"drafter.target_layers {list(layers)} has {bad} outside 0..{target.num_layers - 1} (HF "
                           "hidden_states indices: i = input of decoder layer i)")
-    draft_vocab = min(int(d.draft_vocab_size or vocab), vocab)
+    draft_vocab = min(d.draft_vocab_size or vocab, vocab)
     d2t = t2d = None
     if draft_vocab < vocab:
-        samples = d.vocab_samples
-        d2t, t2d = count_draft_vocab(cfg, target, draft_vocab, int(samples) if samples else None, vocab_batches)
+        d2t, t2d = count_draft_vocab(untyped(cfg), target, draft_vocab, d.vocab_samples, vocab_batches)
     arch = Eagle3Config(**{**Eagle3Config.dims_from_hf(target.config), "vocab_size": vocab},
                         draft_vocab_size=draft_vocab, target_layers=layers)
     drafter = Eagle3Drafter(arch, target.embed_weight.float(), d2t, t2d)
-    if bool(d.init_lm_head_from_target):
+    if d.init_lm_head_from_target:
         drafter.init_lm_head(target.lm_head_weight.float())
-    return Eagle3Objective(drafter, int(d.ttt_steps), float(d.step_decay), int(d.topk_metric),
-                           eagle_inference_defaults(cfg.inference), LMHeadLoss.from_config(cfg, replay=True))
+    return Eagle3Objective(drafter, d.ttt_steps, d.step_decay, d.topk_metric, eagle_inference_defaults(cfg.inference),
+                           lm_head_loss(cfg.loss))
 
 
-@register_recipe("eagle3", validate=validate)
-def build(cfg: Any, target: Target) -> Eagle3Objective:
+def build(cfg: Eagle3, target: Target) -> Eagle3Objective:
     """An EAGLE-3 drafter sized from the target; the draft vocabulary is counted on the training split."""
     return build_objective(cfg, target)

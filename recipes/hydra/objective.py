@@ -15,15 +15,15 @@ from typing import Any
 import torch
 
 from draftsmith.common.constants import STOP_FIXED
-from draftsmith.common.errors import ConfigError
 from draftsmith.common.trees import TreeCalibration
 from draftsmith.distill.engine.objective import Objective
 from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.heads.hydra import HydraConfig, HydraHeads
-from draftsmith.recipes.medusa.objective import LABEL_SOURCES, default_tree
-from draftsmith.recipes.registry import register_recipe
+from draftsmith.recipes.groups import TreeInferenceConfig
+from draftsmith.recipes.hydra import Hydra
+from draftsmith.recipes.medusa.objective import default_tree
 
 
 class HydraObjective(Objective):
@@ -31,8 +31,6 @@ class HydraObjective(Objective):
 
     def __init__(self, heads: HydraHeads, method: str, decay: float, labels: str, topk: int,
                  calibration: TreeCalibration, inference: dict[str, Any], lm_loss: LMHeadLoss | None = None) -> None:
-        if labels not in LABEL_SOURCES:
-            raise ConfigError(f"distill.labels={labels!r}; valid: {', '.join(LABEL_SOURCES)}")
         self.module = heads
         self.method, self.decay, self.labels, self.topk = method, decay, labels, topk
         self.calibration, self.inference = calibration, inference
@@ -87,56 +85,40 @@ class HydraObjective(Objective):
                 "inference": {"proposer": self.method, **self.inference, **self.calibration.tree_block()}}
 
 
-def inference_block(cfg_inference: Any) -> dict[str, Any]:
+def inference_block(inference: TreeInferenceConfig) -> dict[str, Any]:
     """Runtime defaults shared by the head-family exports (tree added by the calibration)."""
-    return {"top_k": int(cfg_inference.top_k), "tree_nodes": int(cfg_inference.tree_nodes),
-            "verifier": str(cfg_inference.verifier),
-            "typical": {"posterior_threshold": float(cfg_inference.posterior_threshold),
-                        "posterior_alpha": float(cfg_inference.posterior_alpha)},
+    return {"top_k": inference.top_k, "tree_nodes": inference.tree_nodes, "verifier": inference.verifier,
+            "typical": {"posterior_threshold": inference.posterior_threshold,
+                        "posterior_alpha": inference.posterior_alpha},
             "stop_policy": {"kind": STOP_FIXED}}
 
 
-def make_calibration(num_heads: int, cfg_inference: Any) -> TreeCalibration:
+def make_calibration(num_heads: int, inference: TreeInferenceConfig) -> TreeCalibration:
     """Calibration for ``num_heads`` heads with the calibration-free tree of the same budget as fallback."""
-    top_k, nodes = int(cfg_inference.top_k), int(cfg_inference.tree_nodes)
+    top_k, nodes = inference.top_k, inference.tree_nodes
     return TreeCalibration(num_heads, top_k, nodes, default_tree(num_heads, nodes, top_k))
 
 
-def validate(cfg: Any) -> None:
-    """Config checks that must fail before the target is loaded."""
-    h = cfg.heads
-    if int(h.num_heads) < 1 or int(h.num_layers) < 1:
-        raise ConfigError(f"heads.num_heads and heads.num_layers must be >= 1, got {h.num_heads}, {h.num_layers}")
-    if not 0.0 <= float(h.dropout) < 1.0:
-        raise ConfigError(f"heads.dropout must be in [0, 1), got {h.dropout}")
-    if cfg.distill.labels not in LABEL_SOURCES:
-        raise ConfigError(f"distill.labels={cfg.distill.labels!r}; valid: {', '.join(LABEL_SOURCES)}")
-    if int(cfg.inference.top_k) < 1 or int(cfg.inference.tree_nodes) < 1:
-        raise ConfigError("inference.top_k and inference.tree_nodes must be >= 1")
-
-
-def build_hydra(cfg: Any, target: Target, method: str) -> HydraObjective:
+def build_hydra(cfg: Hydra, target: Target, method: str) -> HydraObjective:
     """Hydra heads sized from the target (prefix layer sized like one of its layers)."""
     h = cfg.heads
-    dims = EagleConfig.dims_from_hf(target.config) if bool(h.prefix_layer) else {}
-    arch = HydraConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=int(h.num_heads),
-                       num_layers=int(h.num_layers), dropout=float(h.dropout), share_lm_head=bool(h.share_lm_head),
-                       prefix_layer=bool(h.prefix_layer),
+    dims = EagleConfig.dims_from_hf(target.config) if h.prefix_layer else {}
+    arch = HydraConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=h.num_heads,
+                       num_layers=h.num_layers, dropout=h.dropout, share_lm_head=h.share_lm_head,
+                       prefix_layer=h.prefix_layer,
                        **{k: dims[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim",
                                                "intermediate_size", "rms_norm_eps", "rope_theta") if k in dims})
     heads = HydraHeads(arch, target.embed_weight.float(), target.lm_head_weight.float())
-    return HydraObjective(heads, method, float(h.decay), str(cfg.distill.labels), int(h.topk_metric),
+    return HydraObjective(heads, method, h.decay, cfg.distill.labels, h.topk_metric,
                           make_calibration(arch.num_heads, cfg.inference), inference_block(cfg.inference),
-                          LMHeadLoss.from_config(cfg))
+                          LMHeadLoss())
 
 
-@register_recipe("hydra", validate=validate)
-def build(cfg: Any, target: Target) -> HydraObjective:
+def build(cfg: Hydra, target: Target) -> HydraObjective:
     """Plain Hydra: grounded MLP heads, dataset labels."""
     return build_hydra(cfg, target, "hydra")
 
 
-@register_recipe("hydra_pp", validate=validate)
-def build_pp(cfg: Any, target: Target) -> HydraObjective:
+def build_pp(cfg: Hydra, target: Target) -> HydraObjective:
     """Hydra++: prefix-attention layer, deeper heads, dropout, the target's distribution as teacher."""
     return build_hydra(cfg, target, "hydra_pp")

@@ -22,7 +22,8 @@ from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.drafters.kangaroo import KangarooConfig, KangarooDrafter, check_exit_layer, default_exit_layer
-from draftsmith.recipes.registry import register_recipe
+from draftsmith.recipes.kangaroo import Kangaroo
+from draftsmith.recipes.lm_loss import lm_head_loss
 
 
 def expected_acceptance(draft_in: torch.Tensor, weight: torch.Tensor, teacher_logits: torch.Tensor,
@@ -42,8 +43,8 @@ def expected_acceptance(draft_in: torch.Tensor, weight: torch.Tensor, teacher_lo
 class KangarooObjective(Objective):
     """Soft CE between the adapter's draft and the target at the same position (see the module docstring)."""
 
-    def __init__(self, drafter: KangarooDrafter, inference: dict[str, Any], lm_loss: LMHeadLoss | None = None,
-                 topk: int = 5) -> None:
+    def __init__(self, drafter: KangarooDrafter, inference: dict[str, Any], lm_loss: LMHeadLoss | None,
+                 topk: int) -> None:
         self.module = drafter
         self.inference = inference
         self.lm_loss = lm_loss or LMHeadLoss()
@@ -86,20 +87,6 @@ def resolve_exit_layer(value: Any, num_layers: int) -> int:
                           f"drafter.exit_layer={value!r}: use auto or an integer in 1..{num_layers - 1}") from None
 
 
-def validate(cfg: Any) -> None:
-    """Config checks before the target loads."""
-    inf = cfg.inference
-    if not 0.0 < float(inf.threshold) < 1.0:
-        raise ConfigError(f"inference.threshold must be in (0, 1) (the draft's top-1 probability below which "
-                          f"drafting stops; the paper: 0.6), got {inf.threshold}")
-    if int(inf.max_depth) < 1:
-        raise ConfigError(f"inference.max_depth must be >= 1, got {inf.max_depth}")
-    exit_layer = cfg.drafter.exit_layer
-    if exit_layer not in (None, "auto") and (not str(exit_layer).lstrip("-").isdigit() or int(exit_layer) < 1):
-        raise ConfigError(f"drafter.exit_layer={exit_layer!r}: use auto or an integer >= 1 (below the target's depth)")
-    LMHeadLoss.from_config(cfg)
-
-
 def _final_norm(target: Any) -> torch.Tensor | None:
     """The target's final RMSNorm weight (the adapter's norm starts from it), when the model exposes one."""
     model = getattr(target, "model", None)
@@ -108,8 +95,7 @@ def _final_norm(target: Any) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
-@register_recipe("kangaroo", validate=validate)
-def build(cfg: Any, target: Target) -> KangarooObjective:
+def build(cfg: Kangaroo, target: Target) -> KangarooObjective:
     """The adapter sized like one target attention block; shallow layers and LM head shared with the target."""
     dims = EagleConfig.dims_from_hf(target.config)
     exit_layer = resolve_exit_layer(cfg.drafter.exit_layer, target.num_layers)
@@ -123,8 +109,7 @@ def build(cfg: Any, target: Target) -> KangarooObjective:
     shallow = tuple(decoder.layers[:exit_layer]) if decoder is not None else ()
     drafter = KangarooDrafter(arch, target.lm_head_weight.float(), shallow, _final_norm(target))
     inf = cfg.inference
-    inference = {"proposer": "kangaroo", "threshold": float(inf.threshold), "max_depth": int(inf.max_depth),
-                 "verifier": str(inf.verifier),
-                 "stop_policy": {"kind": STOP_CONFIDENCE, "threshold": float(inf.threshold),
-                                 "max_depth": int(inf.max_depth)}}
-    return KangarooObjective(drafter, inference, LMHeadLoss.from_config(cfg), int(cfg.drafter.topk_metric))
+    inference = {"proposer": "kangaroo", "threshold": inf.threshold, "max_depth": inf.max_depth,
+                 "verifier": inf.verifier,
+                 "stop_policy": {"kind": STOP_CONFIDENCE, "threshold": inf.threshold, "max_depth": inf.max_depth}}
+    return KangarooObjective(drafter, inference, lm_head_loss(cfg.loss), cfg.drafter.topk_metric)

@@ -17,7 +17,7 @@ from draftsmith.controllers.learn2pd import Learn2PDConfig, Learn2PDFilter
 from draftsmith.distill.data.trajectories import read_trajectories
 from draftsmith.distill.engine.objective import Objective
 from draftsmith.distill.target.frozen import FeatureTaps, Target
-from draftsmith.recipes.registry import register_recipe
+from draftsmith.recipes.learn2pd import Learn2PD
 
 
 class Learn2PDObjective(Objective):
@@ -51,19 +51,14 @@ class Learn2PDObjective(Objective):
         return {"method": "learn2pd", "architecture": self.module.architecture(), "inference": self.inference}
 
 
-def validate(cfg: Any) -> None:
-    """Config checks before the target loads (the trajectory folder is read here, so a broken one fails fast)."""
-    if int(cfg.filter.num_layers) < 1:
-        raise ConfigError(f"filter.num_layers must be >= 1, got {cfg.filter.num_layers}")
-    if not 0.0 < float(cfg.filter.threshold) < 1.0:
-        raise ConfigError(f"filter.threshold must be in (0, 1), got {cfg.filter.threshold}")
-    read_trajectories(str(cfg.data.spec))
+def validate(cfg: Learn2PD) -> None:
+    """Before the target loads: the trajectory folder reads (a broken one fails fast)."""
+    read_trajectories(cfg.data.spec)
 
 
-@register_recipe("learn2pd", validate=validate)
-def build(cfg: Any, target: Target) -> Learn2PDObjective:
+def build(cfg: Learn2PD, target: Target) -> Learn2PDObjective:
     """A filter as wide as the trajectories' blocks; the target must be the diffusion model that made them."""
-    meta, _, _ = read_trajectories(str(cfg.data.spec))
+    meta, _, _ = read_trajectories(cfg.data.spec)
     try:
         spec = spec_of(target.config, where=str(target.name_or_path))
     except DiffusionTargetError as err:
@@ -71,9 +66,8 @@ def build(cfg: Any, target: Target) -> Learn2PDObjective:
     if spec.block_length != int(meta["block_length"]):
         raise DataError(f"the trajectories use blocks of {meta['block_length']} but target {target.name_or_path} "
                         f"decodes blocks of {spec.block_length}; regenerate them with this target")
-    arch = Learn2PDConfig(block_length=spec.block_length, hidden=int(cfg.filter.hidden),
-                          num_layers=int(cfg.filter.num_layers), threshold=float(cfg.filter.threshold),
-                          steps_per_block=int(meta["steps_per_block"]))
+    arch = Learn2PDConfig(block_length=spec.block_length, hidden=cfg.filter.hidden, num_layers=cfg.filter.num_layers,
+                          threshold=cfg.filter.threshold, steps_per_block=int(meta["steps_per_block"]))
     inference = {"block_length": arch.block_length, "steps_per_block": arch.steps_per_block,
                  "threshold": arch.threshold, "gen_length": int(meta["gen_length"])}
     return Learn2PDObjective(Learn2PDFilter(arch), inference)

@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from draftsmith.common.constants import STOP_FIXED
-from draftsmith.common.errors import ConfigError
 from draftsmith.common.trees import TreeCalibration, default_medusa_tree
 from draftsmith.distill.data.draft_vocab import count_draft_vocab
 from draftsmith.distill.engine.objective import Objective
@@ -15,9 +14,10 @@ from draftsmith.distill.losses.core import IGNORE_INDEX, LMHeadLoss, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.kernels.linear_cross_entropy import LinearCEOutput
-from draftsmith.recipes.registry import register_recipe
-
-LABEL_SOURCES = ("dataset", "target_argmax", "target_soft")
+from draftsmith.recipes.lm_loss import lm_head_loss
+from draftsmith.recipes.medusa import Medusa
+from draftsmith.recipes.medusa2 import Medusa2
+from draftsmith.recipes.registration import untyped
 
 
 class MedusaObjective(Objective):
@@ -25,8 +25,6 @@ class MedusaObjective(Objective):
 
     def __init__(self, heads: MedusaHeads, decay: float, labels: str, topk: int, tree: list[list[int]],
                  inference: dict[str, Any], lm_loss: LMHeadLoss | None = None, tree_nodes: int | None = None) -> None:
-        if labels not in LABEL_SOURCES:
-            raise ConfigError(f"distill.labels={labels!r}; valid: {', '.join(LABEL_SOURCES)}")
         self.module = heads
         self.decay = decay
         self.labels = labels
@@ -116,20 +114,12 @@ def medusa_head_loss(lm_loss: LMHeadLoss, heads: MedusaHeads, rows: torch.Tensor
     return LinearCEOutput(out.loss, heads.to_target_ids(out.topk))
 
 
-def check_draft_vocab_size(heads: Any) -> None:
-    """``heads.draft_vocab_size``: null or 0 (the full vocabulary) or a positive count."""
-    size = heads.draft_vocab_size
-    if size is not None and int(size) < 0:
-        raise ConfigError(f"heads.draft_vocab_size must be >= 0 (0 or null = the full vocabulary), got {size}")
-
-
-def medusa_draft_ids(cfg: Any, target: Target) -> torch.Tensor | None:
+def medusa_draft_ids(cfg: Medusa | Medusa2, target: Target) -> torch.Tensor | None:
     """The target ids Medusa heads score (``heads.draft_vocab_size`` most frequent assistant tokens), or None."""
     size = cfg.heads.draft_vocab_size
-    if not size or int(size) >= target.vocab_size:
+    if not size or size >= target.vocab_size:
         return None
-    d2t, _ = count_draft_vocab(cfg, target, int(size), cfg.heads.vocab_samples,
-                               key="heads.draft_vocab_size")
+    d2t, _ = count_draft_vocab(untyped(cfg), target, size, cfg.heads.vocab_samples, key="heads.draft_vocab_size")
     return d2t + torch.arange(d2t.numel())  # target id = draft index + offset
 
 
@@ -139,29 +129,17 @@ def default_tree(num_heads: int, num_nodes: int, top_k: int) -> list[list[int]]:
     return sorted(default_medusa_tree(num_heads, num_nodes, top_k), key=lambda p: (len(p), p))
 
 
-def validate(cfg: Any) -> None:
-    """Config checks that must fail before the target is loaded."""
-    if cfg.heads.num_heads < 1:
-        raise ConfigError(f"heads.num_heads must be >= 1, got {cfg.heads.num_heads}")
-    check_draft_vocab_size(cfg.heads)
-    if cfg.distill.labels not in LABEL_SOURCES:
-        raise ConfigError(f"distill.labels={cfg.distill.labels!r}; valid: {', '.join(LABEL_SOURCES)}")
-    LMHeadLoss.from_config(cfg)
-
-
-@register_recipe("medusa", validate=validate)
-def build(cfg: Any, target: Target) -> MedusaObjective:
+def build(cfg: Medusa, target: Target) -> MedusaObjective:
     """Medusa heads sized from the target, LM heads initialised from (or sharing) the target's."""
+    h, inf = cfg.heads, cfg.inference
     draft_ids = medusa_draft_ids(cfg, target)
-    arch = MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                        num_heads=int(cfg.heads.num_heads), num_layers=int(cfg.heads.num_layers),
-                        share_lm_head=bool(cfg.heads.share_lm_head),
+    arch = MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=h.num_heads,
+                        num_layers=h.num_layers, share_lm_head=h.share_lm_head,
                         draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()))
     heads = MedusaHeads(arch, lm_head_weight=target.lm_head_weight.float(), draft_ids=draft_ids)
-    inference = {"top_k": int(cfg.inference.top_k), "verifier": str(cfg.inference.verifier),
-                 "typical": {"posterior_threshold": float(cfg.inference.posterior_threshold),
-                             "posterior_alpha": float(cfg.inference.posterior_alpha)},
+    inference = {"top_k": inf.top_k, "verifier": inf.verifier,
+                 "typical": {"posterior_threshold": inf.posterior_threshold, "posterior_alpha": inf.posterior_alpha},
                  "stop_policy": {"kind": STOP_FIXED}}
-    tree = default_tree(arch.num_heads, int(cfg.inference.tree_nodes), int(cfg.inference.top_k))
-    return MedusaObjective(heads, float(cfg.heads.decay), str(cfg.distill.labels), int(cfg.heads.topk_metric),
-                           tree, inference, LMHeadLoss.from_config(cfg), tree_nodes=int(cfg.inference.tree_nodes))
+    tree = default_tree(arch.num_heads, inf.tree_nodes, inf.top_k)
+    return MedusaObjective(heads, h.decay, cfg.distill.labels, h.topk_metric, tree, inference, lm_head_loss(cfg.loss),
+                           tree_nodes=inf.tree_nodes)

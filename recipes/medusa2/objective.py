@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from draftsmith.common.constants import ADAPTER_LORA
-from draftsmith.common.errors import ConfigError
 from draftsmith.common.trees import TreeCalibration
 from draftsmith.distill.engine.objective import Objective
 from draftsmith.distill.losses.core import LMHeadLoss, masked_cross_entropy, topk_hits
@@ -30,13 +29,8 @@ from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.distill.target.lora import LoraSpec, TargetAdapter, require_peft
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.hydra.objective import inference_block, make_calibration
-from draftsmith.recipes.medusa.objective import (
-    LABEL_SOURCES,
-    check_draft_vocab_size,
-    medusa_draft_ids,
-    medusa_head_loss,
-)
-from draftsmith.recipes.registry import register_recipe
+from draftsmith.recipes.medusa.objective import medusa_draft_ids, medusa_head_loss
+from draftsmith.recipes.medusa2 import AdapterConfig, Medusa2
 
 
 class Medusa2Module(nn.Module):
@@ -65,8 +59,6 @@ class Medusa2Objective(Objective):
                  lm_weight: float, warmup_steps: int, lr_multiplier: float, self_distill: bool, labels: str,
                  topk: int, calibration: TreeCalibration, inference: dict[str, Any],
                  lm_loss: LMHeadLoss | None = None) -> None:
-        if labels not in LABEL_SOURCES:
-            raise ConfigError(f"distill.labels={labels!r}; valid: {', '.join(LABEL_SOURCES)}")
         self.module = module
         self.lm_head = target.model.get_output_embeddings()  # frozen, never registered here: not saved
         self.decay, self.heads_coefficient, self.lm_weight = decay, heads_coefficient, lm_weight
@@ -181,44 +173,30 @@ class Medusa2Objective(Objective):
                                  "adapter": {"prefix": "adapter.lora.", "kind": ADAPTER_LORA}}}
 
 
-def lora_spec(cfg: Any) -> LoraSpec:
-    """``adapter.*`` of the config as a :class:`LoraSpec` (ConfigError on a bad rank, alpha, dropout)."""
-    a = cfg.adapter
-    return LoraSpec(rank=int(a.rank), alpha=float(a.alpha), dropout=float(a.dropout),
-                    target_modules=tuple(str(m) for m in a.target_modules))
+def lora_spec(adapter: AdapterConfig) -> LoraSpec:
+    """``adapter.*`` of the config as a :class:`LoraSpec`."""
+    return LoraSpec(rank=adapter.rank, alpha=adapter.alpha, dropout=adapter.dropout,
+                    target_modules=tuple(adapter.target_modules))
 
 
-def validate(cfg: Any) -> None:
-    """Config checks that must fail before the target is loaded (peft installed, LoRA sizes, weights)."""
+def validate(cfg: Medusa2) -> None:
+    """Before the target loads: peft, which the adapter needs, is installed."""
     require_peft("recipe=medusa2")
-    lora_spec(cfg)
-    h = cfg.heads
-    if int(h.num_heads) < 1:
-        raise ConfigError(f"heads.num_heads must be >= 1, got {h.num_heads}")
-    check_draft_vocab_size(h)
-    if int(h.warmup_steps) < 0 or float(h.lr_multiplier) <= 0:
-        raise ConfigError(f"heads.warmup_steps must be >= 0 and heads.lr_multiplier > 0, got {h.warmup_steps}, "
-                          f"{h.lr_multiplier}")
-    if float(h.coefficient) <= 0 or float(cfg.adapter.lm_weight) < 0:
-        raise ConfigError("heads.coefficient must be > 0 and adapter.lm_weight >= 0")
-    if cfg.distill.labels not in LABEL_SOURCES:
-        raise ConfigError(f"distill.labels={cfg.distill.labels!r}; valid: {', '.join(LABEL_SOURCES)}")
 
 
-@register_recipe("medusa2", validate=validate)
-def build(cfg: Any, target: Target) -> Medusa2Objective:
+def build(cfg: Medusa2, target: Target) -> Medusa2Objective:
     """Attach the LoRA to the target (ConfigError when its target modules match nothing) and build the heads."""
     validate(cfg)
-    adapter = target.attach_lora(lora_spec(cfg))
+    adapter = target.attach_lora(lora_spec(cfg.adapter))
     h = cfg.heads
     draft_ids = medusa_draft_ids(cfg, target)
-    arch = MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=int(h.num_heads),
-                        num_layers=int(h.num_layers), share_lm_head=bool(h.share_lm_head),
+    arch = MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=h.num_heads,
+                        num_layers=h.num_layers, share_lm_head=h.share_lm_head,
                         draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()))
     heads = MedusaHeads(arch, lm_head_weight=target.lm_head_weight.float(), draft_ids=draft_ids)
-    return Medusa2Objective(Medusa2Module(heads, adapter), target, decay=float(h.decay),
-                            heads_coefficient=float(h.coefficient), lm_weight=float(cfg.adapter.lm_weight),
-                            warmup_steps=int(h.warmup_steps), lr_multiplier=float(h.lr_multiplier),
-                            self_distill=bool(cfg.adapter.self_distill), labels=str(cfg.distill.labels),
-                            topk=int(h.topk_metric), calibration=make_calibration(arch.num_heads, cfg.inference),
-                            inference=inference_block(cfg.inference), lm_loss=LMHeadLoss.from_config(cfg))
+    return Medusa2Objective(Medusa2Module(heads, adapter), target, decay=h.decay, heads_coefficient=h.coefficient,
+                            lm_weight=cfg.adapter.lm_weight, warmup_steps=h.warmup_steps,
+                            lr_multiplier=h.lr_multiplier, self_distill=cfg.adapter.self_distill,
+                            labels=cfg.distill.labels, topk=h.topk_metric,
+                            calibration=make_calibration(arch.num_heads, cfg.inference),
+                            inference=inference_block(cfg.inference), lm_loss=LMHeadLoss())

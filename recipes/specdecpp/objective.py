@@ -43,7 +43,7 @@ from draftsmith.drafters.eagle import EagleDrafter
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.drafters.kangaroo import KangarooDrafter
 from draftsmith.export.format import ExportError, base_reference, check_target, read_config
-from draftsmith.recipes.registry import register_recipe
+from draftsmith.recipes.specdecpp import SpecDecPP
 
 CHAIN_DRAFTERS = {cls.method: cls for cls in (EagleDrafter, Eagle3Drafter, KangarooDrafter)}
 BASE_METHODS = tuple(CHAIN_DRAFTERS)
@@ -68,15 +68,15 @@ class SpecDecObjective(Objective):
     """Trains :class:`AcceptanceHead` on the states of a frozen chain drafter (see the module docstring)."""
 
     def __init__(self, head: AcceptanceHead, drafter: torch.nn.Module, base_method: str, base_ref: dict[str, Any],
-                 reject_weight: float = 6.0, temperature: float = 1.0, mixing_ratio: float = 0.15,
-                 mixed_in_loss: bool = False, inference: dict[str, Any] | None = None) -> None:
+                 reject_weight: float, temperature: float, mixing_ratio: float, mixed_in_loss: bool,
+                 inference: dict[str, Any]) -> None:
         self.module = head
         self.frozen = {"drafter": drafter}  # moved with the target, never optimised, never saved
         self.drafter = drafter.eval().requires_grad_(False)
         self.base_method, self.base_ref = base_method, base_ref
         self.reject_weight, self.temperature = reject_weight, temperature
         self.mixing_ratio, self.mixed_in_loss = mixing_ratio, mixed_in_loss
-        self.inference = inference or {}
+        self.inference = inference
         layers = tuple(drafter.tapped_layers)
         self.taps = FeatureTaps(final_hidden=not layers, layers=layers, logits=True)
 
@@ -198,47 +198,31 @@ def load_frozen_drafter(export_dir: str | Path, target: Any) -> tuple[torch.nn.M
     return drafter.float(), method
 
 
-def _head_cfg(cfg: Any) -> Any:
-    return cfg.head
-
-
-def validate(cfg: Any) -> None:
-    """Config checks before the target loads."""
+def validate(cfg: SpecDecPP) -> None:
+    """Before the target loads: ``drafter`` names a chain drafter's export, and the stop rule's depths are ordered."""
     if not cfg.drafter:
         raise ConfigError("recipe=specdecpp trains on an existing chain drafter: pass drafter=EXPORT_DIR "
                           f"(an export of {' or '.join(BASE_METHODS)})")
     try:
-        method = read_config(str(cfg.drafter)).get("method")
+        method = read_config(cfg.drafter).get("method")
     except ExportError as err:
         raise ConfigError(f"drafter={cfg.drafter}: {err}") from None
     if method not in BASE_METHODS:
         raise ConfigError(f"drafter={cfg.drafter} is a {method!r} export; SpecDec++ trains on a chain drafter: "
                           f"{', '.join(BASE_METHODS)}")
-    h = _head_cfg(cfg)
-    if int(h.num_layers) < 0:
-        raise ConfigError(f"head.num_layers must be >= 0, got {h.num_layers}")
-    if float(h.reject_weight) <= 0:
-        raise ConfigError(f"head.reject_weight must be > 0, got {h.reject_weight}")
-    if float(h.temperature) < 0:
-        raise ConfigError(f"head.temperature must be >= 0, got {h.temperature}")
-    if not 0.0 <= float(h.mixing_ratio) < 1.0:
-        raise ConfigError(f"head.mixing_ratio must be in [0, 1), got {h.mixing_ratio}")
     stop = cfg.inference
-    if not 0.0 < float(stop.threshold) < 1.0:
-        raise ConfigError(f"inference.threshold must be in (0, 1), got {stop.threshold}")
-    if not 1 <= int(stop.min_depth) <= int(stop.max_depth):
+    if stop.min_depth > stop.max_depth:
         raise ConfigError(f"need 1 <= inference.min_depth <= inference.max_depth, got {stop.min_depth}, "
                           f"{stop.max_depth}")
 
 
-@register_recipe(METHOD, validate=validate)
-def build(cfg: Any, target: Target) -> SpecDecObjective:
+def build(cfg: SpecDecPP, target: Target) -> SpecDecObjective:
     """The head sized from the drafter's hidden size; the drafter export is loaded frozen and referenced."""
-    drafter, method = load_frozen_drafter(str(cfg.drafter), target)
-    h, stop = _head_cfg(cfg), cfg.inference
-    head = AcceptanceHead(AcceptanceHeadConfig(drafter.config.hidden_size, int(h.num_layers)))
-    inference = {"proposer": "chain", "verifier": str(stop.verifier),
-                 "stop_policy": {"kind": STOP_LEARNED, "threshold": float(stop.threshold),
-                                 "min_depth": int(stop.min_depth), "max_depth": int(stop.max_depth)}}
-    return SpecDecObjective(head, drafter, method, base_reference(str(cfg.drafter)), float(h.reject_weight),
-                            float(h.temperature), float(h.mixing_ratio), bool(h.mixed_in_loss), inference)
+    drafter, method = load_frozen_drafter(cfg.drafter, target)
+    h, stop = cfg.head, cfg.inference
+    head = AcceptanceHead(AcceptanceHeadConfig(drafter.config.hidden_size, h.num_layers))
+    inference = {"proposer": "chain", "verifier": stop.verifier,
+                 "stop_policy": {"kind": STOP_LEARNED, "threshold": stop.threshold, "min_depth": stop.min_depth,
+                                 "max_depth": stop.max_depth}}
+    return SpecDecObjective(head, drafter, method, base_reference(cfg.drafter), h.reject_weight, h.temperature,
+                            h.mixing_ratio, h.mixed_in_loss, inference)

@@ -1,4 +1,4 @@
-"""The toy method's recipe: ``build(cfg, target) -> Objective`` registered as ``toy_echo``."""
+"""The toy method's objective (CE of the head against the token at t+2) and its build."""
 
 from __future__ import annotations
 
@@ -7,19 +7,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from draftsmith.common.errors import ConfigError
 from draftsmith.distill.engine.objective import Objective
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
-from draftsmith.recipes.registry import register_recipe
-from toy_method.toy_echo_head import ToyEchoHead
-
-METHOD = "toy_echo"
+from draftsmith.heads.toy import ToyHead
+from draftsmith.recipes.toy import Toy
 
 
-class ToyEchoObjective(Objective):
+class ToyObjective(Objective):
     """CE of the head at position t against the token at t+2, on assistant tokens."""
 
-    def __init__(self, head: ToyEchoHead) -> None:
+    def __init__(self, head: ToyHead) -> None:
         self.module = head
         self.taps = FeatureTaps(final_hidden=True)  # the target's post-norm hidden state, nothing else
 
@@ -35,16 +32,9 @@ class ToyEchoObjective(Objective):
 
     def export_config(self) -> dict[str, Any]:
         """The export's ``method`` (the key its runtime proposer is registered for), architecture and inference."""
-        return {"method": METHOD, "architecture": self.module.architecture(), "inference": {"verifier": "greedy"}}
+        return {"method": "toy", "architecture": self.module.architecture(), "inference": {"verifier": "greedy"}}
 
 
-def validate(cfg: Any) -> None:
-    """Config checks that must fail before the target loads."""
-    if cfg.recipe.name != METHOD:
-        raise ConfigError(f"recipe.name={cfg.recipe.name!r}; this recipe is {METHOD!r}")
-
-
-@register_recipe(METHOD, validate=validate)
-def build(cfg: Any, target: Target) -> ToyEchoObjective:
-    """A head sized from the target."""
-    return ToyEchoObjective(ToyEchoHead(target.hidden_size, target.vocab_size))
+def build(cfg: Toy, target: Target) -> ToyObjective:
+    """A head sized from the target; ``cfg`` is the typed config (``cfg.head.bias`` a bool)."""
+    return ToyObjective(ToyHead(target.hidden_size, target.vocab_size, cfg.head.bias))

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 
-class ToyEchoHead(nn.Module):
+class ToyHead(nn.Module):
     """hidden [..., H] -> logits [..., V] of the token two positions ahead."""
 
-    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, bias: bool) -> None:
         super().__init__()
-        self.hidden_size, self.vocab_size = hidden_size, vocab_size
-        self.proj = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.hidden_size, self.vocab_size, self.bias = hidden_size, vocab_size, bias
+        self.proj = nn.Linear(hidden_size, vocab_size, bias=bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the token after next."""
@@ -23,4 +23,4 @@ class ToyEchoHead(nn.Module):
 
     def architecture(self) -> dict[str, Any]:
         """The export's ``architecture`` block: what the proposer needs to rebuild the module."""
-        return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
+        return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "bias": self.bias}

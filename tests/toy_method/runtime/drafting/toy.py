@@ -1,5 +1,5 @@
 """The toy method's runtime proposer: drafts one token (a chain of one) from the head, registered for the export
-``method`` ``toy_echo``."""
+``method`` ``toy``."""
 
 from __future__ import annotations
 
@@ -9,19 +9,17 @@ from typing import Any
 import torch
 
 from draftsmith.export.format import read_export
+from draftsmith.heads.toy import ToyHead
 from draftsmith.runtime.drafting.base import Proposer, StepContext, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree
-from toy_method.toy_echo_head import ToyEchoHead
-
-SERVES = ("toy_echo",)  # the export methods this family serves: runtime/drafting/registry.py reads this line
 
 
-class ToyEchoProposer(Proposer):
+class ToyProposer(Proposer):
     """The root plus the head's top-1 token."""
 
     max_tree_nodes = 2
 
-    def __init__(self, head: ToyEchoHead) -> None:
+    def __init__(self, head: ToyHead) -> None:
         self.head = head
 
     def begin(self, ctx: StepContext) -> None:
@@ -37,10 +35,10 @@ class ToyEchoProposer(Proposer):
         """Nothing to learn."""
 
 
-@register_proposer("toy_echo")
-def build_toy_echo(export_dir: str | Path, config: dict, target_model: Any, **_: Any) -> ToyEchoProposer:
+@register_proposer("toy")
+def build_toy(export_dir: str | Path, config: dict, target_model: Any, **_: Any) -> ToyProposer:
     """The head from an export folder (``config`` is its config.json, already checked against the target)."""
     _, state = read_export(export_dir)
-    head = ToyEchoHead(**config["architecture"])
+    head = ToyHead(**config["architecture"])
     head.load_state_dict(state)
-    return ToyEchoProposer(head.eval())
+    return ToyProposer(head.eval())
