@@ -50,15 +50,21 @@ def _load(name: str, path: Path) -> ModuleType:
     return module
 
 
+_loaded: list[str] = []  # what install() loaded here (nothing in a checkout where the toy is placed for real)
+
+
 def install() -> ModuleType:
     """Load the toy in this process under the names it has in a checkout, which registers its recipe and proposer
-    (the real lists stay as they are). Returns its recipe package."""
-    import draftsmith.recipes  # noqa: F401  (the real recipes first: the toy joins their registry)
+    (the real lists stay as they are); in a checkout that holds it already (tests/test_docs.py's copy), the toy the
+    lists registered. Returns its recipe package."""
+    from draftsmith.recipes import RECIPES
     from draftsmith.runtime.drafting.registry import load_families
 
     load_families()
-    for name, rel in MODULES.items():
-        _load(name, TOY / rel)
+    if NAME not in RECIPES:
+        for name, rel in MODULES.items():
+            _load(name, TOY / rel)
+            _loaded.append(name)
     return sys.modules["draftsmith.recipes.toy"]
 
 
@@ -67,8 +73,11 @@ def uninstall() -> None:
     from draftsmith.recipes import RECIPES
     from draftsmith.runtime.drafting.registry import _REGISTRY
 
+    if not _loaded:
+        return
     RECIPES.pop(NAME, None)
     if NAME in _REGISTRY:
         _REGISTRY.unregister(NAME)
-    for name in MODULES:
+    for name in _loaded:
         sys.modules.pop(name, None)
+    _loaded.clear()
