@@ -1,5 +1,5 @@
 """Training entry point: ``python train.py recipe=medusa [hydra overrides]`` (``--help``: the recipes;
-``recipe=NAME --help``: that recipe's keys, from its schema in recipes/schemas.py)."""
+``recipe=NAME --help``: that recipe's keys, from its schema in recipes/<name>/__init__.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-import draftsmith.recipes.schemas  # noqa: F401  (stores the config schemas conf/train.yaml names)
+import draftsmith.recipes  # noqa: F401  (registers every recipe: its schema is what conf/train.yaml names)
 
 log = logging.getLogger("draftsmith.train")
 
@@ -177,8 +177,24 @@ def check_launcher(argv: list[str]) -> str | None:
 
 
 def recipe_names() -> list[str]:
-    """Every recipe conf/recipe/ holds."""
-    return sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+    """Every registered recipe (draftsmith.recipes); a YAML file under conf/recipe/ alone is not one."""
+    from draftsmith.recipes import recipe_names as registered
+
+    return registered()
+
+
+def repeated_override(overrides: list[str]) -> str | None:
+    """The one-line refusal of a key given twice (``recipe=medusa recipe=hydra``: Hydra would silently keep one),
+    else None."""
+    seen: dict[str, str] = {}
+    for arg in overrides:
+        key, sep, _ = arg.partition("=")
+        name = key.lstrip("+~")
+        if sep and name in seen:
+            return (f"{name} is given twice ({seen[name]}, {arg}): pass it once (a sweep over values is "
+                    f"-m {name}=a,b)")
+        seen.setdefault(name, arg)
+    return None
 
 
 def chosen_recipe(overrides: list[str]) -> str | None:
@@ -234,17 +250,19 @@ def composition_message(err: BaseException, overrides: list[str]) -> str:
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     from draftsmith.distill.config.checks import unknown_key_message
-    from draftsmith.recipes.schemas import SCHEMAS
+    from draftsmith.recipes import RECIPES
 
     recipe, text, cause = chosen_recipe(overrides), str(err), err.__cause__
     if "You must specify 'recipe'" in text:
         return f"no recipe: pick one with recipe=NAME ({', '.join(recipe_names())}); python train.py --help says more"
     missing = re.search(r"Could not find '(recipe|schema)/([^']*)'", text)
-    if missing and missing.group(2) not in SCHEMAS:
+    if missing and missing.group(2) not in RECIPES:
         return f"unknown recipe {missing.group(2)!r}; valid recipes: {', '.join(recipe_names())}"
+    if missing:  # registered, but conf/recipe/<name>.yaml is gone
+        return f"recipe {missing.group(2)!r} has no config: conf/recipe/{missing.group(2)}.yaml is missing"
     full_key = getattr(cause, "full_key", None)
-    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and full_key and recipe in SCHEMAS:
-        return unknown_key_message(str(full_key), recipe, SCHEMAS[recipe])
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and full_key and recipe in RECIPES:
+        return unknown_key_message(str(full_key), recipe, RECIPES[recipe].schema)
     if isinstance(cause, ValidationError) and full_key:
         given = next((a.split("=", 1)[1] for a in overrides if a.split("=", 1)[0].lstrip("+") == full_key), "")
         return f"{full_key}={given}: {str(cause).splitlines()[0]}"
@@ -261,6 +279,8 @@ def preflight(argv: list[str]) -> str | None:
     from draftsmith.distill.config.checks import schema_problems
 
     overrides = plain_overrides(argv)
+    if overrides is not None and (repeated := repeated_override(overrides)) is not None:
+        return repeated
     jobs = sweep_jobs(overrides) if overrides is not None else None
     for job in jobs or []:
         try:

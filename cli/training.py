@@ -22,7 +22,7 @@ def compose_config(overrides: Sequence[str]):
 
     from hydra import compose, initialize_config_dir
 
-    import draftsmith.recipes.schemas  # noqa: F401  (stores the config schemas conf/ names in Hydra's ConfigStore)
+    import draftsmith.recipes  # noqa: F401  (registers every recipe's schema in Hydra's ConfigStore)
 
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         return compose("train", overrides=list(overrides))
@@ -181,14 +181,14 @@ def _verifier_folder(config: dict, target: str | None) -> str:
 
 def _refuse_format(fmt: str, method: str | None, source: str) -> None:
     """One line when ``fmt`` does not hold ``method``'s exports, naming the formats that do (the converters say)."""
-    from draftsmith.common.methods import METHODS
     from draftsmith.export.converters import formats_for, get_format
+    from draftsmith.recipes import RECIPES
 
     holder = get_format(fmt)
     if method is None or holder.holds(method):
         return
-    entry = METHODS.get(method)
-    # the method table's order first (its row lists the formats the method is known by), then any converter it lacks
+    entry = RECIPES.get(method)
+    # the recipe's declared formats first (the ones it is known by), then any converter it lacks
     listed = dict.fromkeys([*(entry.formats if entry else ()), *formats_for(method)])
     raise ValueError(f"{source}: --format {fmt} does not hold {method!r} exports{holder.refusal_hint}; "
                      f"{entry.label if entry else method} exports as: {', '.join(listed)}")

@@ -1,6 +1,6 @@
 """EAGLE-1 drafter: one Llama-style decoder layer that extrapolates the target's post-norm feature.
 
-Token/feature alignment of the EAGLE family (the one authoritative statement; recipes/eagle.py, recipes/eagle3.py,
+Token/feature alignment of the EAGLE family (the one authoritative statement; recipes/eagle/, recipes/eagle3/,
 drafters/eagle3.py and runtime/drafting/eagle.py refer here). The target feature ``f_t`` at input position ``t`` is the
 state after reading ``x_0..x_t`` (distill/target/frozen.py's tap convention), from which the target predicts
 ``x_{t+1}``. The drafter's pair ``t`` is ``(f_t, x_{t+1})``: the feature together with the token the target produced

@@ -2,21 +2,21 @@
 
 A format is one :class:`ExportFormat`: its ``name`` (the ``--format`` value), the export ``methods`` it converts, its
 ``convert(request) -> Path`` and a one-line ``help``; optionally ``add_arguments(parser)`` for flags of its own
-(gguf's ``--quantize``). Registering a format is one file: a new module in ``export/`` that ends with
+(gguf's ``--quantize``). Registering a format is a module of this package, named in :data:`CONVERTER_MODULES`, that
+ends with
 
     register_format(ExportFormat("myformat", methods=("eagle3",), convert=_convert_request,
                                  help="MyEngine's layout: myengine serve OUT"))
 
 where ``_convert_request(request: ConvertRequest) -> Path`` writes ``request.out`` (through
 :func:`draftsmith.export.format.atomic_folder_write` with ``sources=request.sources``, so a layout never lands on the
-user's folder or on its own source) and returns it. :func:`export_formats` imports every module of this package once,
-which registers them all: no list to edit. What only the caller can do (resolve the target folder the export names,
-read its LM head, find the llama.cpp build) comes in ``request.host`` (:class:`ConverterHost`), so converters import
-neither the runtime nor bench/. Import optional packages (an engine's own library) inside the convert function: a
-module that fails to import for want of one is skipped with a warning. ``draftsmith`` itself (a run folder or
-checkpoint -> export) is not a converter. The CLI reads these declarations alone; the method table's ``formats``
-(common/methods.py) may name only declared formats that hold the method (tests/test_method_table.py checks it), so a
-new converter needs no edit anywhere else.
+user's folder or on its own source) and returns it. What only the caller can do (resolve the target folder the export
+names, read its LM head, find the llama.cpp build) comes in ``request.host`` (:class:`ConverterHost`), so converters
+import neither the runtime nor bench/. Import optional packages (an engine's own library) inside the convert
+function: a module that fails to import for want of one is skipped with a warning. ``draftsmith`` itself (a run
+folder or checkpoint -> export) is not a converter. The CLI's ``--format`` choices are these declarations; a recipe
+names the formats its exports convert to (``formats=`` of its registration, recipes/<name>/__init__.py), and
+tests/test_method_table.py checks that each is declared here and holds the recipe's method.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +90,8 @@ class ExportFormat:
 
 
 FORMATS: Registry[ExportFormat] = Registry("export format")
+# The modules of this package that declare formats (importing one registers them); a new converter adds its name.
+CONVERTER_MODULES = ("dflash", "gguf", "medusa_layout", "medusa_tgi", "sglang", "speculators")
 _loaded = False
 
 
@@ -102,14 +103,12 @@ def register_format(fmt: ExportFormat) -> ExportFormat:
 
 
 def _load_converters() -> None:
-    """Import every module of ``draftsmith.export`` once: each converter registers its formats on import."""
+    """Import the modules of :data:`CONVERTER_MODULES` once: each registers its formats on import."""
     global _loaded
     if _loaded:
         return
-    import draftsmith.export as package
-
-    for info in pkgutil.iter_modules(package.__path__):
-        name = f"{package.__name__}.{info.name}"
+    for module in CONVERTER_MODULES:
+        name = f"{__package__}.{module}"
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as err:  # an optional package one converter needs must not take the others down
@@ -143,8 +142,3 @@ def formats_for(method: str) -> list[str]:
     """The ``--format`` values exports of ``method`` convert to: ``draftsmith`` first, then the formats that hold
     it, sorted."""
     return [NATIVE_FORMAT, *(name for name, fmt in converters().items() if fmt.holds(method))]
-
-
-def methods_of(name: str) -> tuple[str, ...]:
-    """The export methods format ``name`` holds (tests derive their lists from it)."""
-    return get_format(name).methods

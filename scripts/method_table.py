@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from draftsmith.common.methods import labels, method_table_recipes
+from draftsmith.recipes import labels, method_table_recipes
 
 ROOT = Path(__file__).resolve().parents[1]
-# Recipes and labels come from the one method table (common/methods.py: in_method_table, label).
+# Recipes and labels come from the recipes' registrations (recipes/<name>/__init__.py: in_method_table, label).
 DEFAULT_RECIPES = ",".join(method_table_recipes())
 DRAFTSMITH = str(Path(sys.executable).with_name("draftsmith"))  # the console script of this venv
 # Default settings (cost-aware stop policy) on the same prompts, timing only: does any export lose to plain decoding?

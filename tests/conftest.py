@@ -137,7 +137,7 @@ def medusa_export(tmp_path_factory, tiny_target_dir, tiny_tokenizer) -> Path:
     from draftsmith.distill.engine.exporting import export_from_module
     from draftsmith.distill.target.frozen import Target
     from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-    from draftsmith.recipes.medusa import MedusaObjective, default_tree
+    from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree
 
     target = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
     torch.manual_seed(0)

@@ -1,18 +1,14 @@
 """Helpers shared by the head-family tests (Hydra, Clover-2, Medusa-2): recipe configs, a fixed batch, a tiny
 in-process target, and a few optimisation steps on one batch."""
 
-from pathlib import Path
-
 import pytest
 import torch
-from omegaconf import OmegaConf
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from recipe_configs import recipe_config
 
 
 def recipe_cfg(name: str, **extra):
-    cfg = OmegaConf.merge({"distill": {"labels": "dataset"}}, OmegaConf.load(CONF / "recipe" / f"{name}.yaml"))
-    return OmegaConf.merge(cfg, extra)
+    """Recipe ``name``'s composed config (as train.py builds it) with ``extra`` groups merged in."""
+    return recipe_config(name, extra, typed=False)
 
 
 def fixed_batch(vocab: int, batch: int = 4, length: int = 16, seed: int = 0,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 from transformers import AutoModelForCausalLM
 
 from draftsmith.bench.prompts import load_prompts
@@ -20,7 +20,7 @@ from draftsmith.cli import main
 from draftsmith.distill.engine.exporting import DRAFTER_PREFIX, export_from_module
 from draftsmith.distill.target.frozen import Target
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.recipes.medusa import MedusaObjective, default_tree
+from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree
 
 pytestmark = pytest.mark.unit
 
@@ -56,10 +56,10 @@ def medusa_export(medusa, target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def eagle_export(target, tmp_path_factory):
     from draftsmith.export.format import write_export
-    from draftsmith.recipes import eagle as eagle_recipe
+    from draftsmith.recipes.eagle import objective as eagle_recipe
 
     torch.manual_seed(0)
-    objective = eagle_recipe.build(OmegaConf.load(ROOT / "conf/recipe/eagle.yaml"), target)
+    objective = eagle_recipe.build(recipe_config("eagle"), target)
     config = {**objective.export_config(), "target": target.identity(), "training": {}}
     return write_export(tmp_path_factory.mktemp("eagle") / "export", objective.module.state_dict(), config)
 

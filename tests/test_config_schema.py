@@ -15,19 +15,21 @@ import pytest
 import torch
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 
 from draftsmith.cli.training import compose_config
 from draftsmith.common.errors import ConfigError, DataError
+from draftsmith.recipes import RECIPES as REGISTERED
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted(p.stem for p in (ROOT / "conf" / "recipe").glob("*.yaml"))
+RECIPES = sorted(REGISTERED)
 
 
 def run_train_py(argv: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int | None, str, str]:
     """``python train.py ARGV`` in-process with training replaced by a failure: (exit status, stdout, stderr)."""
-    from draftsmith.distill import trainer
+    from draftsmith.distill.engine import trainer
 
     monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("training must not start"))
     monkeypatch.setattr(sys, "argv", ["train.py", *argv, f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null",
@@ -47,12 +49,12 @@ def error_lines(err: str) -> list[str]:
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_composes_into_its_own_schema_with_a_doc_per_key(name):
     from draftsmith.distill.config.checks import schema_fields, schema_problems
-    from draftsmith.recipes.schemas import SCHEMAS
 
+    schema = REGISTERED[name].schema
     cfg = compose_config([f"recipe={name}"])
-    assert OmegaConf.get_type(cfg) is SCHEMAS[name]
+    assert OmegaConf.get_type(cfg) is schema
     assert schema_problems(cfg) == []
-    leaves = [(path, f) for path, f, group in schema_fields(SCHEMAS[name]) if group is None]
+    leaves = [(path, f) for path, f, group in schema_fields(schema) if group is None]
     undocumented = [path for path, f in leaves if not f.metadata.get("doc")]
     assert undocumented == []
 
@@ -108,7 +110,7 @@ def test_a_sweep_is_checked_job_by_job_before_hydra_starts(tmp_path, monkeypatch
 
 def test_bench_train_refuses_a_typo_in_one_line_before_loading(capsys, monkeypatch):
     from draftsmith.cli.training import _cmd_bench_train
-    from draftsmith.distill import bench_train
+    from draftsmith.distill.engine import bench_train
 
     monkeypatch.setattr(bench_train, "bench_train", lambda *a, **k: pytest.fail("must not start"))
     assert _cmd_bench_train(["recipe=medusa", "heads.num_head=2", "--steps", "1"]) == 1
@@ -151,13 +153,13 @@ def test_draftsmith_train_help_prints_the_usage(capsys):
 
 
 def test_recipe_help_lists_its_keys_with_types_defaults_and_docs(tmp_path, monkeypatch, capsys):
-    from draftsmith.recipes.schemas import Eagle3Drafter
+    from draftsmith.recipes.eagle3 import Eagle3DrafterConfig
 
     code, out, _ = run_train_py(["recipe=eagle3", "drafter.ttt_steps=5", "--help"], tmp_path, monkeypatch, capsys)
     assert code == 0
     lines = out.splitlines()
     ttt = next(line for line in lines if line.strip().startswith("drafter.ttt_steps:"))
-    doc = next(f for f in dataclasses.fields(Eagle3Drafter) if f.name == "ttt_steps").metadata["doc"]
+    doc = next(f for f in dataclasses.fields(Eagle3DrafterConfig) if f.name == "ttt_steps").metadata["doc"]
     assert ttt.strip().startswith("drafter.ttt_steps: int = 5") and doc in ttt and "[>= 1]" in ttt
     assert any(line.strip().startswith("data.limit: int | None = 2000") for line in lines)
     own = [i for i, line in enumerate(lines) if line.strip().startswith("drafter.")]
@@ -253,7 +255,7 @@ def test_rerunning_with_more_heads_in_the_same_folder_is_one_line(tmp_path, tiny
 
 # ---------------------------------------------------------------------------------------------- DFlash served cut
 def test_cut_search_picks_the_cut_with_the_most_accepted_tokens_per_verify_cost():
-    from draftsmith.recipes.dflash_cut import CutSearch, drafted_per_cut
+    from draftsmith.recipes.dflash.cut import CutSearch, drafted_per_cut
 
     confidence = torch.tensor([[0.9, 0.9, 0.1, 0.1], [0.9, 0.9, 0.9, 0.9]])  # cumulative: .9 .81 .081 .0081 / ...
     scored = torch.tensor([4, 3])
@@ -269,18 +271,18 @@ def test_cut_search_picks_the_cut_with_the_most_accepted_tokens_per_verify_cost(
 
 def test_a_trained_dflash_confidence_head_serves_at_the_cut_validation_picked(tiny_tokenizer):
     from draftsmith.distill.target.frozen import Target
-    from draftsmith.recipes import dflash as dflash_recipe
+    from draftsmith.recipes.dflash import objective as dflash_recipe
 
     target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, target.vocab_size, (2, 20), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    shipped = OmegaConf.load(ROOT / "conf" / "recipe" / "dflash.yaml")
-    assert shipped.inference.cut is None  # the default: chosen by validation
+    assert recipe_config("dflash").inference.cut is None  # the default: chosen by validation
 
     def build(**extra):
-        cfg = OmegaConf.merge(shipped, {"drafter": {"target_layers": [1, 2, 3], "block_size": 4, "mask_token_id": 1,
-                                                    "confidence_head": True}}, extra)
+        cfg = recipe_config("dflash", OmegaConf.merge({"drafter": {"target_layers": [1, 2, 3], "block_size": 4,
+                                                                   "mask_token_id": 1, "confidence_head": True}},
+                                                      extra))
         torch.manual_seed(0)
         return dflash_recipe.build_objective(cfg, target, [(ids, batch["loss_mask"])])
 

@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_llama, train_on_fixed_batch
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
 from draftsmith.export.format import write_export
-from draftsmith.recipes import dflash as dflash_recipe
-from draftsmith.recipes.dflash_blocks import build_blocks, sample_anchors
+from draftsmith.recipes import get_recipe
+from draftsmith.recipes.dflash import DFlash
+from draftsmith.recipes.dflash import objective as dflash_recipe
+from draftsmith.recipes.dflash.blocks import build_blocks, sample_anchors
 
 pytestmark = pytest.mark.unit
 
@@ -25,10 +27,10 @@ LAYERS = (1, 2, 3)  # the tiny target has 4 layers
 MASK = 1  # the tiny tokenizer's <pad>, never in the synthetic batches below (ids >= 5)
 
 
-def recipe_cfg(**drafter) -> OmegaConf:
+def recipe_cfg(data: dict | None = None, **drafter) -> DFlash:
     """The shipped recipe overlay with drafter overrides (tiny target taps, block of 4)."""
-    cfg = OmegaConf.load(ROOT / "conf" / "recipe" / "dflash.yaml")
-    return OmegaConf.merge(cfg, {"drafter": {"target_layers": list(LAYERS), "block_size": 4, **drafter}})
+    return recipe_config("dflash", {"drafter": {"target_layers": list(LAYERS), "block_size": 4, **drafter},
+                                    "data": data or {}})
 
 
 @pytest.fixture()
@@ -184,16 +186,16 @@ def test_export_round_trip_is_exact(tmp_path):
 
 
 @pytest.mark.parametrize(("bad", "message"), [
-    ({"block_size": 1}, "block_size=1: a DFlash block needs >= 2"),
+    ({"block_size": 1}, "block_size=1 is out of range: allowed >= 2"),
     ({"block_size": 48}, "block_size=48 is larger than the context: data.max_length=48"),
-    ({"anchors_per_seq": 0}, "anchors_per_seq must be >= 1"),
-    ({"position_decay": 0.0}, "position_decay must be in"),
-    ({"output_norm_init": 0.0}, "output_norm_init must be > 0"),
+    ({"anchors_per_seq": 0}, "anchors_per_seq=0 is out of range: allowed >= 1"),
+    ({"position_decay": 0.0}, "position_decay=0.0 is out of range: allowed > 0 and <= 1"),
+    ({"output_norm_init": 0.0}, "output_norm_init=0.0 is out of range: allowed > 0"),
+    ({"target_layers": []}, r"target_layers=\[\] is out of range: allowed one or more indices"),
 ])
 def test_validate_refuses_bad_config(bad, message):
-    cfg = OmegaConf.merge(recipe_cfg(**bad), {"data": {"max_length": 48}})
     with pytest.raises(ConfigError, match=message):
-        dflash_recipe.validate(cfg)
+        get_recipe("dflash").validate(recipe_cfg({"max_length": 48}, **bad))
 
 
 def test_build_refuses_missing_taps_colliding_mask_and_oversized_block(target):

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 from safetensors.torch import load_file
 
 from draftsmith.cli import main
@@ -45,7 +45,7 @@ from draftsmith.export.dflash import speculators_aux_ids, to_speculators_dflash,
 from draftsmith.export.format import ExportError, read_export
 from draftsmith.export.gguf import converter_input
 from draftsmith.export.speculators import to_speculators
-from draftsmith.recipes import dflash as dflash_recipe
+from draftsmith.recipes.dflash import objective as dflash_recipe
 
 pytestmark = pytest.mark.unit
 
@@ -63,9 +63,8 @@ def export_dflash(target: Target, out: Path, layers: list[int] | None = TAPS, bl
     """A DFlash export of random weights for ``target`` (every weight perturbed, so equality tests can fail;
     ``norms=False`` keeps the RMSNorm weights at 1, which makes the drafts depend on the context taps)."""
     torch.manual_seed(0)
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "recipe" / "dflash.yaml"),
-                          {"drafter": {"target_layers": layers, "block_size": block, "num_layers": num_layers,
-                                       "confidence_head": heads, "markov_head": heads, "mask_token_id": None}})
+    cfg = recipe_config("dflash", {"drafter": {"target_layers": layers, "block_size": block, "num_layers": num_layers,
+                                               "confidence_head": heads, "markov_head": heads, "mask_token_id": None}})
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(4, target.vocab_size, (2, 30), generator=g), torch.ones(2, 30, dtype=torch.long))]
     objective = dflash_recipe.build_objective(cfg, target, batches)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 from test_eagle_runtime import lean_from_hf, plain_greedy
 from test_eagle_sampling import ALPHA, assert_matches, exact_law, sample_counts
 from test_speculative_sampling import chi2_pvalue
@@ -21,7 +21,7 @@ from test_speculative_sampling import chi2_pvalue
 from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter
 from draftsmith.export.format import TargetMismatchError, read_config, write_export
-from draftsmith.recipes import dflash as dflash_recipe
+from draftsmith.recipes.dflash import objective as dflash_recipe
 from draftsmith.runtime.acceptance import shapes
 from draftsmith.runtime.acceptance.choice import choose_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
@@ -68,12 +68,11 @@ def exports(target, reference, tmp_path_factory):
     tgt, _ = target
     batch = greedy_batch(reference)
     assert MASK not in batch["input_ids"].tolist()
-    base = OmegaConf.load(ROOT / "conf/recipe/dflash.yaml")
     out = {}
     for name, extra in (("random", {}), ("trained", {"confidence_head": True, "markov_head": True, "markov_rank": 8,
                                                      "anchors_per_seq": 24})):
-        cfg = OmegaConf.merge(base, {"drafter": {"target_layers": [1, 2, 3], "block_size": 5, "mask_token_id": MASK,
-                                                 **extra}})
+        cfg = recipe_config("dflash", {"drafter": {"target_layers": [1, 2, 3], "block_size": 5, "mask_token_id": MASK,
+                                                   **extra}})
         torch.manual_seed(0)
         objective = dflash_recipe.build_objective(cfg, tgt, [(batch["input_ids"], batch["loss_mask"])])
         if name == "trained":

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_llama, train_on_fixed_batch
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 
 from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import write_export
-from draftsmith.recipes import dflash as dflash_recipe
+from draftsmith.recipes.dflash import objective as dflash_recipe
 from draftsmith.runtime.serving import load_runtime
 
 pytestmark = pytest.mark.unit
@@ -68,9 +68,8 @@ def trained(tiny_tokenizer, tmp_path_factory):
     ids = torch.tensor([walk(cycle, s, SEQ_LEN) for s in range(0, len(cycle), STRIDE)])  # [N, T]: every transition
     ones = torch.ones_like(ids)
     batch = {"input_ids": ids, "attention_mask": ones, "loss_mask": ones.clone()}
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf/recipe/dflash.yaml"),
-                          {"drafter": {"target_layers": [1, 2, 3], "block_size": 5, "mask_token_id": 1,
-                                       "num_layers": 1, "anchors_per_seq": 8}})
+    cfg = recipe_config("dflash", {"drafter": {"target_layers": [1, 2, 3], "block_size": 5, "mask_token_id": 1,
+                                               "num_layers": 1, "anchors_per_seq": 8}})
     torch.manual_seed(0)
     objective = dflash_recipe.build_objective(cfg, target, [(ids, ones)])
     feats = target.features(ids, ones, objective.taps)

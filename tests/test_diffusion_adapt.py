@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 
 from draftsmith.distill.target.frozen import Target
-from draftsmith.recipes.diffusion_adapt import build, pad_with_eot, two_stream_mask
+from draftsmith.recipes.diffusion_adapt.objective import build, pad_with_eot, two_stream_mask
 from draftsmith.runtime.target.diffusion_lm import load_diffusion_lm
 
 pytestmark = pytest.mark.unit
 
-CFG = OmegaConf.create({"diffusion": {"block_length": 4, "eps": 1e-3, "eot_pad": 4, "random_offset": True}})
+DIFFUSION = {"diffusion": {"block_length": 4, "eps": 1e-3, "eot_pad": 4, "random_offset": True}}
 
 
 def test_two_stream_mask_layout():
@@ -36,7 +36,7 @@ def test_pad_with_eot_counts_padding_in_loss():
 def test_loss_decreases_and_folder_round_trips(tiny_target_dir, tmp_path):
     torch.manual_seed(0)
     target = Target.load(str(tiny_target_dir), "fp32")
-    objective = build(CFG, target)
+    objective = build(recipe_config("diffusion_adapt", DIFFUSION), target)
     ids = torch.randint(5, 60, (2, 12), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     batch["loss_mask"][:, :4] = 0
@@ -65,7 +65,7 @@ def test_draftsmith_export_converts_to_hf_folder(tiny_target_dir, tmp_path):
     from draftsmith.runtime.target.diffusion_lm import DiffusionTargetError, folder_from_export
 
     target = Target.load(str(tiny_target_dir), "fp32")
-    objective = build(CFG, target)
+    objective = build(recipe_config("diffusion_adapt", DIFFUSION), target)
     config = {**objective.export_config(), "target": target.identity()}
     write_export(tmp_path / "run" / "export", objective.module.state_dict(), config)
     with pytest.raises(DiffusionTargetError, match="is a draftsmith export, not a HF model folder"):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 
 from draftsmith.common.errors import ConfigError, DataError
 from draftsmith.controllers.learn2pd import FilterMismatchError, Learn2PDConfig, Learn2PDFilter
@@ -70,7 +70,7 @@ def test_other_settings_and_long_prompts_write_nothing(lm, traj_dir, tmp_path):
 
 
 def test_filter_recipe_learns_and_exports(traj_dir, tmp_path):
-    from draftsmith.recipes.learn2pd import Learn2PDObjective
+    from draftsmith.recipes.learn2pd.objective import Learn2PDObjective
 
     data = TrajectoryDataModule(traj_dir, batch_size=4096, val_fraction=0.0)
     data.setup()
@@ -98,10 +98,10 @@ def test_filter_recipe_learns_and_exports(traj_dir, tmp_path):
 
 def test_learn2pd_recipe_refuses_causal_target(traj_dir, tiny_target_dir):
     from draftsmith.distill.target.frozen import Target
-    from draftsmith.recipes.learn2pd import build
+    from draftsmith.recipes.learn2pd.objective import build
 
-    cfg = OmegaConf.create({"data": {"spec": str(traj_dir)},
-                            "filter": {"hidden": 8, "num_layers": 2, "threshold": 0.9}})
+    cfg = recipe_config("learn2pd", {"data": {"spec": str(traj_dir)},
+                                     "filter": {"hidden": 8, "num_layers": 2, "threshold": 0.9}})
     with pytest.raises(ConfigError, match="causal .*not a block-diffusion target"):
         build(cfg, Target.load(str(tiny_target_dir), "fp32"))
     assert json.loads((traj_dir / "meta.json").read_text())["num_prompts"] == 3
@@ -109,7 +109,7 @@ def test_learn2pd_recipe_refuses_causal_target(traj_dir, tiny_target_dir):
 
 def test_cli_refuses_causal_target_and_foreign_filter(tiny_target_dir, tmp_path, capsys):
     from draftsmith import cli
-    from draftsmith.recipes.diffusion_adapt import add_mask_token
+    from draftsmith.recipes.diffusion_adapt.objective import add_mask_token
     from draftsmith.runtime.target.diffusion_lm import save_diffusion_folder
 
     prompts = tmp_path / "p.txt"

@@ -12,25 +12,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, KVCache
 from draftsmith.export.format import ExportError, read_export
-from draftsmith.recipes import eagle as eagle_recipe
+from draftsmith.recipes import get_recipe
+from draftsmith.recipes.eagle import Eagle
+from draftsmith.recipes.eagle import objective as eagle_recipe
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
 
 
 
-def recipe_cfg(**drafter) -> OmegaConf:
-    """The shipped recipe overlay (conf/recipe/eagle.yaml) with drafter overrides."""
-    cfg = OmegaConf.load(CONF / "recipe" / "eagle.yaml")
-    return OmegaConf.merge(cfg, {"drafter": drafter})
+def recipe_cfg(**drafter) -> Eagle:
+    """The shipped recipe's config (its schema and conf/recipe/eagle.yaml) with drafter overrides."""
+    return recipe_config("eagle", {"drafter": drafter})
 
 
 @pytest.fixture()
@@ -192,10 +192,10 @@ def test_export_round_trip_is_exact(tmp_path, target):
 
 def test_validate_rejects_bad_weights():
     with pytest.raises(ValueError, match="feature_weight"):
-        eagle_recipe.validate(recipe_cfg(feature_weight=0.0, token_weight=0.0))
+        get_recipe("eagle").validate(recipe_cfg(feature_weight=0.0, token_weight=0.0))
     with pytest.raises(ValueError, match="noise_std"):
-        eagle_recipe.validate(recipe_cfg(noise_std=-1.0))
-    eagle_recipe.validate(recipe_cfg())
+        get_recipe("eagle").validate(recipe_cfg(noise_std=-1.0))
+    get_recipe("eagle").validate(recipe_cfg())
     with pytest.raises(ValueError, match="multiple of"):
         EagleConfig(hidden_size=64, vocab_size=10, intermediate_size=8, num_attention_heads=4, num_key_value_heads=3)
 

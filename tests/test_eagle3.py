@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 from transformers import LlamaConfig
 
 from draftsmith.distill.engine.exporting import export_from_module
@@ -25,7 +25,9 @@ from draftsmith.drafters.vocab import (
     vocab_maps,
 )
 from draftsmith.export.format import read_export
-from draftsmith.recipes import eagle3 as eagle3_recipe
+from draftsmith.recipes import get_recipe
+from draftsmith.recipes.eagle3 import Eagle3
+from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 
 pytestmark = pytest.mark.unit
 
@@ -34,10 +36,9 @@ LAYERS = (1, 2, 3)  # the tiny target has 4 layers: the default (2, L//2, L-3) n
 
 
 
-def recipe_cfg(**drafter) -> OmegaConf:
-    """The shipped recipe overlay (conf/recipe/eagle3.yaml) with drafter overrides."""
-    cfg = OmegaConf.load(ROOT / "conf" / "recipe" / "eagle3.yaml")
-    return OmegaConf.merge(cfg, {"drafter": {"target_layers": list(LAYERS), **drafter}})
+def recipe_cfg(**drafter) -> Eagle3:
+    """The shipped recipe's config (its schema and conf/recipe/eagle3.yaml) with drafter overrides."""
+    return recipe_config("eagle3", {"drafter": {"target_layers": list(LAYERS), **drafter}})
 
 
 @pytest.fixture()
@@ -254,10 +255,12 @@ def test_export_round_trip_is_exact(tmp_path, target):
 
 def test_validate_and_bad_layers(target):
     with pytest.raises(ValueError, match="ttt_steps"):
-        eagle3_recipe.validate(recipe_cfg(ttt_steps=0))
+        get_recipe("eagle3").validate(recipe_cfg(ttt_steps=0))
     with pytest.raises(ValueError, match="step_decay"):
-        eagle3_recipe.validate(recipe_cfg(step_decay=0.0))
-    eagle3_recipe.validate(recipe_cfg())
+        get_recipe("eagle3").validate(recipe_cfg(step_decay=0.0))
+    with pytest.raises(ValueError, match=r"drafter\.target_layers=\[\] is out of range: allowed one or more"):
+        get_recipe("eagle3").validate(recipe_cfg(target_layers=[]))
+    get_recipe("eagle3").validate(recipe_cfg())
     with pytest.raises(ValueError, match="outside 0..3"):
         eagle3_recipe.build_objective(recipe_cfg(target_layers=[1, 2, 4]), target, vocab_batches(target.vocab_size))
     with pytest.raises(ValueError, match="needs d2t/t2d"):

@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 
 from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, KVCache
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.drafters.vocab import vocab_maps
 from draftsmith.export.format import TargetMismatchError, write_export
-from draftsmith.recipes import eagle as eagle_recipe
-from draftsmith.recipes import eagle3 as eagle3_recipe
+from draftsmith.recipes.eagle import objective as eagle_recipe
+from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import StepContext, build_proposer, registered_methods
@@ -215,9 +215,8 @@ def exports(target, reference, tmp_path_factory):
     tgt, _ = target
     batch = greedy_batch(reference)
     torch.manual_seed(0)
-    cfg1 = OmegaConf.merge(OmegaConf.load(ROOT / "conf/recipe/eagle.yaml"), {"drafter": {"noise_std": 0.0}})
-    cfg3 = OmegaConf.merge(OmegaConf.load(ROOT / "conf/recipe/eagle3.yaml"),
-                           {"drafter": {"target_layers": list(LAYERS), "draft_vocab_size": 64}})
+    cfg1 = recipe_config("eagle", {"drafter": {"noise_std": 0.0}})
+    cfg3 = recipe_config("eagle3", {"drafter": {"target_layers": list(LAYERS), "draft_vocab_size": 64}})
     objectives = {"eagle": eagle_recipe.build(cfg1, tgt),
                   "eagle3": eagle3_recipe.build_objective(cfg3, tgt, [(batch["input_ids"], batch["loss_mask"])])}
     out = {}

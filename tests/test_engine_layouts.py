@@ -44,7 +44,7 @@ from draftsmith.export.medusa_tgi import to_medusa_tgi
 from draftsmith.export.sglang import to_sglang
 from draftsmith.export.speculators import to_speculators
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.recipes.medusa import MedusaObjective, default_tree
+from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree
 
 pytestmark = pytest.mark.unit
 

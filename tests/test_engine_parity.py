@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 
 from draftsmith.bench import engine_parity as ep
 from draftsmith.bench import llamacpp
@@ -124,12 +124,11 @@ def tiny_eagle3_export(target_dir, tokenizer, out):
     """A random-weight EAGLE-3 export for the tiny target (only its method and shapes matter here)."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.recipes import eagle3 as eagle3_recipe
+    from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 
     target = Target(AutoModelForCausalLM.from_pretrained(target_dir), tokenizer, str(target_dir))
     torch.manual_seed(0)
-    recipe = OmegaConf.load(ROOT / "conf" / "recipe" / "eagle3.yaml")
-    cfg = OmegaConf.merge(recipe, {"drafter": {"draft_vocab_size": 64}})
+    cfg = recipe_config("eagle3", {"drafter": {"draft_vocab_size": 64}})
     batches = [(torch.randint(0, target.vocab_size, (2, 30)), torch.ones(2, 30, dtype=torch.long))]
     objective = eagle3_recipe.build_objective(cfg, target, batches)
     module = SimpleNamespace(drafter=objective.module, objective=objective, run_info={"target": target.identity()})

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 from safetensors.torch import load_file
 
 from draftsmith.bench import llamacpp
@@ -27,7 +27,7 @@ from draftsmith.distill.target.frozen import Target
 from draftsmith.evals.engine_check import texts_lossless
 from draftsmith.export.format import ExportError
 from draftsmith.export.gguf import converter_input, refusal_line, run_converter
-from draftsmith.recipes import eagle3 as eagle3_recipe
+from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 
 pytestmark = pytest.mark.unit
 
@@ -37,8 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def export_eagle3(target: Target, out: Path, layers: list[int] | None, draft_vocab: int) -> Path:
     """An EAGLE-3 export of random weights for ``target`` (the drafter's shapes are what matters here)."""
     torch.manual_seed(0)
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "recipe" / "eagle3.yaml"),
-                          {"drafter": {"target_layers": layers, "draft_vocab_size": draft_vocab}})
+    cfg = recipe_config("eagle3", {"drafter": {"target_layers": layers, "draft_vocab_size": draft_vocab}})
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, target.vocab_size, (2, 30), generator=g), torch.ones(2, 30, dtype=torch.long))]
     objective = eagle3_recipe.build_objective(cfg, target, batches)

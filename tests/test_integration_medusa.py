@@ -11,7 +11,7 @@ from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import TargetMismatchError, check_target, read_export
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.recipes.medusa import MedusaObjective, default_tree
+from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ from draftsmith.bench.timing import compare_outputs, time_hf_generate
 from draftsmith.export.format import write_export
 from draftsmith.export.identity import target_identity
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.recipes.medusa import default_tree
+from draftsmith.recipes.medusa.objective import default_tree
 from draftsmith.runtime.serving import load_runtime
 
 pytestmark = pytest.mark.integration

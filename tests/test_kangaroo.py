@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 from test_eagle_runtime import lean_from_hf, plain_greedy
 from test_speculative import tiny_llama
 from test_speculative_sampling import ALPHA, SMALL_V, chi2_pvalue
@@ -20,7 +20,9 @@ from draftsmith.controllers.acceptance import AcceptanceHead, AcceptanceHeadConf
 from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.kangaroo import KangarooConfig, KangarooDrafter, default_exit_layer
 from draftsmith.export.format import write_export
-from draftsmith.recipes import kangaroo as recipe
+from draftsmith.recipes import get_recipe
+from draftsmith.recipes.kangaroo import Kangaroo
+from draftsmith.recipes.kangaroo import objective as recipe
 from draftsmith.runtime.acceptance.choice import parse_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import LearnedStop
 from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
@@ -46,9 +48,9 @@ def reference(target):
     return {tuple(p): plain_greedy(target[1], p, NEW) for p in PROMPTS}
 
 
-def cfg(**drafter):
-    base = OmegaConf.load(ROOT / "conf/recipe/kangaroo.yaml")
-    return OmegaConf.merge(base, {"drafter": drafter, "loss": {"fused_linear_ce": False}})
+def cfg(inference: dict | None = None, **drafter) -> Kangaroo:
+    return recipe_config("kangaroo", {"drafter": drafter, "loss": {"fused_linear_ce": False},
+                                      "inference": inference or {}})
 
 
 def greedy_batch(reference):
@@ -64,7 +66,7 @@ def trained(target, reference, tmp_path_factory):
     """The recipe's objective trained briefly on the target's greedy outputs, its metrics, and its export."""
     tgt, _ = target
     conf = cfg(exit_layer=1)
-    recipe.validate(conf)
+    get_recipe("kangaroo").validate(conf)
     objective = recipe.build(conf, tgt)
     batch = greedy_batch(reference)
     feats = tgt.features(batch["input_ids"], batch["attention_mask"], objective.taps)
@@ -190,10 +192,10 @@ def test_bad_input_is_named(target, trained):
     assert [default_exit_layer(n) for n in (32, 40, 30, 4)] == [2, 3, 2, 1]
     with pytest.raises(ConfigError, match=r"exit_layer 4 is outside the target's depth: valid choices are 1\.\.3"):
         recipe.build(cfg(exit_layer=4), tgt)
-    with pytest.raises(ConfigError, match="use auto or an integer"):
-        recipe.validate(cfg(exit_layer="deep"))
-    with pytest.raises(ConfigError, match=r"inference.threshold must be in \(0, 1\)"):
-        recipe.validate(OmegaConf.merge(cfg(), {"inference": {"threshold": 1.0}}))
+    with pytest.raises(ConfigError, match="exit_layer=deep is out of range: allowed auto .* or an integer >= 1"):
+        get_recipe("kangaroo").validate(cfg(exit_layer="deep"))
+    with pytest.raises(ConfigError, match=r"inference\.threshold=1\.0 is out of range: allowed > 0 and < 1"):
+        get_recipe("kangaroo").validate(cfg({"threshold": 1.0}))
     with pytest.raises(ValueError, match=r"threshold 1.5 is outside \(0, 1\)"):
         build_proposer(trained[2], lean, threshold=1.5)
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['depth'\].*valid"):
@@ -216,14 +218,13 @@ def test_specdecpp_head_on_a_kangaroo_drafter(target, reference, trained, tmp_pa
     runtime's first stop state), and its export drives the Kangaroo chain losslessly."""
     from test_specdecpp_stop_rule import ScriptedHead
 
-    from draftsmith.recipes import specdecpp
+    from draftsmith.recipes.specdecpp import objective as specdecpp
     from draftsmith.runtime.drafting.specdecpp import LearnedStopProposer
 
     tgt, lean = target
     prompt = PROMPTS[0]
-    conf = OmegaConf.merge(OmegaConf.load(ROOT / "conf/recipe/specdecpp.yaml"),
-                           {"drafter": str(trained[2]), "head": {"temperature": 0.0, "mixing_ratio": 0.0}})
-    specdecpp.validate(conf)
+    conf = recipe_config("specdecpp", {"drafter": str(trained[2]), "head": {"temperature": 0.0, "mixing_ratio": 0.0}})
+    get_recipe("specdecpp").validate(conf)
     objective = specdecpp.build(conf, tgt)
     seq = torch.tensor([prompt + reference[tuple(prompt)]])
     loss_mask = torch.zeros_like(seq)

@@ -19,7 +19,7 @@ from draftsmith.distill.losses.core import LMHeadLoss
 from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.kernels.linear_cross_entropy import linear_cross_entropy
-from draftsmith.recipes.medusa import MedusaObjective, default_tree
+from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree
 
 pytestmark = pytest.mark.unit
 

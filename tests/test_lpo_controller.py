@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 
 from draftsmith.controllers.adaptive_temperature import (
     DEFAULT_GRID,
@@ -17,7 +18,7 @@ from draftsmith.controllers.adaptive_temperature import (
     check_grid,
 )
 from draftsmith.export.format import write_export
-from draftsmith.recipes.adaptive_temperature import AdaptiveTemperatureObjective
+from draftsmith.recipes.adaptive_temperature.objective import AdaptiveTemperatureObjective
 
 pytestmark = pytest.mark.unit
 
@@ -110,7 +111,9 @@ def test_lpo_learns_greedy_for_one_kind_and_t1_for_the_other(granularity):
 
 def test_recipe_refuses_bad_config_before_loading_the_target(tmp_path):
     from draftsmith.common.errors import ConfigError, DataError
-    from draftsmith.recipes.adaptive_temperature import validate
+    from draftsmith.recipes import get_recipe
+
+    validate = get_recipe("adaptive_temperature").validate
 
     folder = tmp_path / "roll"
     folder.mkdir()
@@ -122,7 +125,7 @@ def test_recipe_refuses_bad_config_before_loading_the_target(tmp_path):
     def cfg(**over):
         base = {"controller": {"granularity": "token", "grid": None}, "lpo": {"form": "separate", "beta": 1.0},
                 "data": {"spec": str(folder)}}
-        return OmegaConf.merge(base, over)
+        return recipe_config("adaptive_temperature", OmegaConf.merge(base, over))
 
     with pytest.raises(DataError, match="no chosen/rejected pairs"):
         validate(cfg())

@@ -299,7 +299,7 @@ def test_a_controller_that_always_picks_t0_decodes_exactly_greedy():
 
 def test_sequence_features_forward_each_prompt_once_and_match_the_full_forward(setup, tiny_tokenizer, tmp_path):
     from draftsmith.distill.target.frozen import Target
-    from draftsmith.recipes.adaptive_temperature import AdaptiveTemperatureObjective
+    from draftsmith.recipes.adaptive_temperature.objective import AdaptiveTemperatureObjective
 
     model, prompts, meta, decode = setup
     write_rollouts(model, prompts, tmp_path / "r", load_reward(REWARD), decode, meta, eos_ids=(3,), progress=False)

@@ -15,7 +15,7 @@ from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.export.format import ExportError, TargetMismatchError, check_target, read_export, write_export
 from draftsmith.export.medusa_layout import to_medusa_layout
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.recipes.medusa import MedusaObjective, default_tree
+from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree
 
 pytestmark = pytest.mark.unit
 

@@ -104,7 +104,7 @@ def test_bad_input_is_refused_before_training(fresh_target, monkeypatch):
     from draftsmith.recipes import get_recipe
 
     recipe = get_recipe("medusa2")
-    with pytest.raises(ConfigError, match="LoRA rank must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"adapter\.rank=0 is out of range: allowed >= 1"):
         recipe.validate(recipe_cfg("medusa2", adapter={"rank": 0}))
     with pytest.raises(ConfigError, match=r"target_modules \['qkv'\] match no linear layer .*q_proj"):
         fresh_target.attach_lora(LoraSpec(rank=2, alpha=4, target_modules=("qkv",)))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama, train_on_fixed_batch
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 from safetensors.torch import load_file
 from test_speculative import NEW, PROMPTS, VOCAB, plain_greedy, tiny_llama
 
@@ -22,8 +22,9 @@ from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import write_export
 from draftsmith.export.medusa_layout import to_medusa_layout
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.recipes import medusa as medusa_recipe
-from draftsmith.recipes.medusa import MedusaObjective, default_tree, medusa_head_loss
+from draftsmith.recipes import get_recipe
+from draftsmith.recipes.medusa import objective as medusa_recipe
+from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree, medusa_head_loss
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import build_proposer
 
@@ -96,8 +97,7 @@ def test_recipe_counts_the_draft_vocabulary_and_exports_it(target, tmp_path, mon
     counts = [(torch.tensor([[5, 5, 5, 9, 9, 11, 2]]), torch.tensor([[1, 1, 1, 1, 1, 1, 0]]))]
     monkeypatch.setattr(medusa_recipe, "count_draft_vocab",
                         lambda cfg, tgt, size, samples=None, **kw: _d2t(counts, tgt.vocab_size, size))
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "recipe" / "medusa.yaml"), {"heads": {"draft_vocab_size": 3},
-                                                                      "distill": {"labels": "dataset"}})
+    cfg = recipe_config("medusa", {"heads": {"draft_vocab_size": 3}, "distill": {"labels": "dataset"}})
     objective = medusa_recipe.build(cfg, target)
     assert objective.module.draft_ids.tolist() == [5, 9, 11]  # the three most frequent assistant tokens
     assert objective.module.config.draft_vocab_size == 3
@@ -158,7 +158,6 @@ def test_bad_draft_vocabularies_are_refused(target):
         MedusaHeads(arch, target.lm_head_weight.float())
     with pytest.raises(ValueError, match="target ids in 0"):
         MedusaHeads(arch, target.lm_head_weight.float(), draft_ids=torch.tensor([1, 2, 3, target.vocab_size]))
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "recipe" / "medusa.yaml"),
-                          {"heads": {"draft_vocab_size": -2}, "distill": {"labels": "dataset"}})
-    with pytest.raises(ConfigError, match="heads.draft_vocab_size must be >= 0"):
-        medusa_recipe.validate(cfg)
+    cfg = recipe_config("medusa", {"heads": {"draft_vocab_size": -2}})
+    with pytest.raises(ConfigError, match=r"heads\.draft_vocab_size=-2 is out of range: allowed >= 0"):
+        get_recipe("medusa").validate(cfg)

@@ -1,6 +1,7 @@
-"""The one method table (common/methods.py) is complete and read: every recipe has an entry and every entry's files
-and runtime proposer exist; the scripts and the CLI take their lists from it; the toy method of
-docs/ADDING_A_METHOD.md (tests/toy_method) passes the same checks and trains."""
+"""The method table is the recipes' registrations (recipes/<name>/__init__.py, ``@register_recipe``): every recipe has a
+config, its files, its build and the runtime proposer it declares exist; the formats it declares are converters' that
+hold it; the scripts and the CLI take their lists from the registrations; the toy method of docs/ADDING_A_METHOD.md
+(tests/toy_method) registers, passes the same checks, trains, exports and drafts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import importlib.util
 import runpy
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import head_family_utils
@@ -15,15 +17,7 @@ import pytest
 import toy_method
 from head_family_utils import fit_steps, fixed_batch
 
-from draftsmith.common.methods import (
-    CONTROLLER,
-    METHODS,
-    export_formats,
-    formats_of,
-    labels,
-    method_problems,
-    method_table_recipes,
-)
+from draftsmith.distill.config.schema import TrainConfig
 from draftsmith.export.converters import (
     FORMATS,
     ConvertRequest,
@@ -33,7 +27,16 @@ from draftsmith.export.converters import (
     register_format,
 )
 from draftsmith.export.converters import export_formats as converter_formats
-from draftsmith.recipes import RECIPES, get_recipe
+from draftsmith.recipes import (
+    CONTROLLER,
+    RECIPES,
+    formats_of,
+    get_recipe,
+    labels,
+    method_table_recipes,
+    recipe_problems,
+    register_recipe,
+)
 from draftsmith.runtime.drafting.base import registered_methods
 
 pytestmark = pytest.mark.unit
@@ -44,58 +47,70 @@ tiny_target = head_family_utils.tiny_target  # the shared module-scoped fixture
 
 @pytest.fixture
 def toy():
-    """The toy method registered (recipe, proposer, table entry) for one test, then removed."""
-    method = toy_method.install()
-    yield method
+    """The toy method loaded in this process (its recipe and proposer registered) for one test, then removed."""
+    package = toy_method.install()
+    yield package
     toy_method.uninstall()
 
 
-def test_every_recipe_has_an_entry_and_every_entry_a_recipe():
-    assert sorted(set(RECIPES) - set(METHODS)) == [], "recipes without a METHODS entry (common/methods.py)"
-    assert sorted(set(METHODS) - set(RECIPES)) == [], "METHODS entries without a registered recipe"
-    assert {p.stem for p in (ROOT / "conf" / "recipe").glob("*.yaml")} == set(METHODS)
+def test_every_recipe_has_a_config_and_every_config_a_recipe():
+    assert {p.stem for p in (ROOT / "conf" / "recipe").glob("*.yaml")} == set(RECIPES)
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
-def test_entry_files_and_proposer_exist(name):
-    method = METHODS[name]
-    assert method_problems(method, ROOT, registered_methods()) == []
-    assert method.config == f"conf/recipe/{name}.yaml"
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_has_its_files_its_build_and_its_proposer(name):
+    """Each declared runtime proposer is registered by a family module (runtime/drafting/registry.py loads them)."""
+    assert recipe_problems(RECIPES[name], ROOT, registered_methods()) == []
 
 
-def test_every_runtime_proposer_belongs_to_a_method():
-    served = {m.proposer for m in METHODS.values()}
+def test_every_runtime_proposer_belongs_to_a_recipe():
+    served = {r.proposer for r in RECIPES.values()}
     assert sorted(set(registered_methods()) - served) == []
 
 
 def test_the_checks_catch_what_is_missing():
-    medusa = METHODS["medusa"]
-    broken = dataclasses.replace(medusa, config="conf/recipe/nope.yaml", module="heads/nope.py",
-                                 tests=("tests/test_nope.py",), proposer="nope")
-    problems = "\n".join(method_problems(broken, ROOT, registered_methods()))
-    for what in ("config conf/recipe/nope.yaml", "module heads/nope.py", "test tests/test_nope.py", "'nope'"):
+    medusa = RECIPES["medusa"]
+    broken = dataclasses.replace(medusa, name="nope", module="heads/nope.py", tests=("tests/test_nope.py",),
+                                 proposer="nope", build_at="draftsmith.recipes.medusa.objective:nope")
+    problems = "\n".join(recipe_problems(broken, ROOT, registered_methods()))
+    for what in ("config conf/recipe/nope.yaml", "module heads/nope.py", "test tests/test_nope.py", "'nope'",
+                 "draftsmith.recipes.medusa.objective:nope cannot be imported"):
         assert what in problems
-    assert method_problems(dataclasses.replace(medusa, proposer=CONTROLLER), ROOT, []) == []
-    with pytest.raises(ValueError, match="family"):
-        dataclasses.replace(medusa, family="other")
+    assert recipe_problems(dataclasses.replace(medusa, proposer=CONTROLLER), ROOT, []) == []
 
 
-def test_get_recipe_refuses_a_recipe_missing_from_the_table(monkeypatch):
-    monkeypatch.setitem(RECIPES, "ghost", RECIPES["medusa"])
-    with pytest.raises(KeyError, match="no entry in the method table"):
+def test_a_registration_is_checked_when_it_is_made():
+    @dataclass
+    class Throwaway(TrainConfig):
+        pass
+
+    declaration = dict(label="X", module="heads/x.py", proposer=None, tests=("tests/x.py",), build=".objective:build")
+    with pytest.raises(ValueError, match="family 'other'; valid: heads, drafter"):
+        register_recipe("throwaway", family="other", **declaration)
+    with pytest.raises(ValueError, match="registered twice"):
+        register_recipe("medusa", family="heads", **declaration)(Throwaway)
+    with pytest.raises(TypeError, match="decorates a dataclass subclassing TrainConfig"):
+        register_recipe("throwaway", family="heads", **declaration)(dict)
+    with pytest.raises(ValueError, match="'module:function'"):
+        register_recipe("throwaway", family="heads", **{**declaration, "build": "objective.build"})(Throwaway)
+    assert "throwaway" not in RECIPES
+
+
+def test_an_unknown_recipe_lists_the_registered_ones():
+    with pytest.raises(KeyError, match=r"unknown recipe 'ghost'; valid recipes: adaptive_temperature, clover2, "):
         get_recipe("ghost")
 
 
 def test_formats_follow_the_converters():
-    """The converters declare the formats (export/converters.py); the method table names only declared formats that
-    hold the method (a converter may add a format the table does not list yet: the CLI reads the declarations)."""
+    """The converters declare the formats (export/converters.py); a recipe names only declared formats that hold its
+    method (a converter may add a format a recipe does not list yet: the CLI reads the declarations)."""
     declared = converters()
-    assert declared and set(export_formats()) <= set(converter_formats()) == {"draftsmith", *declared}
-    for name, method in METHODS.items():
-        assert set(method.formats) <= set(formats_for(name)), name
-    for name in export_formats():  # today's table and declarations agree format by format
-        holders = [n for n in METHODS if name in formats_of(n)]
-        assert holders == [n for n in METHODS if name in formats_for(n)], name
+    named = {f for r in RECIPES.values() for f in r.formats}
+    assert declared and named <= set(converter_formats()) == {"draftsmith", *declared}
+    for name, recipe in RECIPES.items():
+        assert recipe.formats[0] == "draftsmith" and set(recipe.formats) <= set(formats_for(name)), name
+    for name in sorted(named):  # today's registrations and declarations agree format by format
+        assert [n for n in RECIPES if name in formats_of(n)] == [n for n in RECIPES if name in formats_for(n)], name
 
 
 def test_a_format_is_one_declaration_the_cli_reads(tmp_path, medusa_export):
@@ -129,24 +144,25 @@ def test_the_cli_has_no_branch_on_a_format_name():
     assert [name for name in converters() if f'"{name}"' in source or f"'{name}'" in source] == []
 
 
-def test_method_table_script_reads_the_table(toy, monkeypatch):
-    monkeypatch.setitem(METHODS, toy.name, dataclasses.replace(toy, in_method_table=True, label="Toy!"))
+def test_method_table_script_reads_the_registrations(monkeypatch):
+    toy = dataclasses.replace(RECIPES["medusa"], name="toy", label="Toy!", in_method_table=True)
+    monkeypatch.setitem(RECIPES, "toy", toy)
     script = runpy.run_path(str(ROOT / "scripts" / "method_table.py"), run_name="method_table")
     assert script["DEFAULT_RECIPES"].split(",") == method_table_recipes()
-    assert script["DEFAULT_RECIPES"].split(",")[-1] == "toy_echo"
-    assert script["LABELS"] == labels() and script["LABELS"]["toy_echo"] == "Toy!"
+    assert script["DEFAULT_RECIPES"].split(",")[-1] == "toy"
+    assert script["LABELS"] == labels() and script["LABELS"]["toy"] == "Toy!"
 
 
-def test_gpu_check_reads_the_table(monkeypatch):
+def test_gpu_check_reads_the_registrations(monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_check_table", ROOT / "tests" / "gpu_check" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, gpu_check)  # its dataclasses look their module up
     spec.loader.exec_module(gpu_check)
-    assert gpu_check.NEEDS_INPUT == {n: m.needs_input for n, m in METHODS.items() if m.needs_input}
-    assert gpu_check.TINY_TRAIN_EXTRA == {n: list(m.tiny_overrides) for n, m in METHODS.items() if m.tiny_overrides}
+    assert gpu_check.NEEDS_INPUT == {n: r.needs_input for n, r in RECIPES.items() if r.needs_input}
+    assert gpu_check.TINY_TRAIN_EXTRA == {n: list(r.tiny_overrides) for n, r in RECIPES.items() if r.tiny_overrides}
 
 
-def test_cli_format_choices_and_refusals_come_from_the_table(tmp_path):
+def test_cli_format_choices_and_refusals_come_from_the_registrations(tmp_path):
     from draftsmith.cli import build_parser
     from draftsmith.cli.training import _convert
 
@@ -157,30 +173,23 @@ def test_cli_format_choices_and_refusals_come_from_the_table(tmp_path):
         _convert(tmp_path, tmp_path / "out", "speculators", {"method": "medusa"}, None)
 
 
-def test_the_toy_method_passes_the_checks(toy):
-    assert toy.name in RECIPES and toy.proposer in registered_methods()
-    assert method_problems(toy, ROOT, registered_methods()) == []
-    assert get_recipe(toy.name).name == "toy_echo"
-    gone = dataclasses.replace(toy, config="tests/toy_method/removed.yaml")  # its config deleted
-    assert method_problems(gone, ROOT, registered_methods()) == [
-        "toy_echo: config tests/toy_method/removed.yaml does not exist"]
-    toy_method.uninstall()  # its proposer unregistered: the check names it
-    assert "no runtime proposer" in " ".join(method_problems(toy, ROOT, registered_methods()))
-    toy_method.install()
+def test_the_toy_method_registers_and_passes_the_checks(toy):
+    recipe = get_recipe("toy")
+    assert recipe.schema is toy.Toy and recipe.proposer in registered_methods()
+    assert recipe_problems(recipe, toy_method.TOY, registered_methods()) == []  # its files, under tests/toy_method
+    unserved = recipe_problems(recipe, toy_method.TOY, [m for m in registered_methods() if m != "toy"])
+    assert unserved == ["toy: no runtime proposer registered for export method 'toy'"]
 
 
 def test_the_toy_method_trains_exports_and_drafts(toy, tiny_target, tmp_path):
     import torch
-    from omegaconf import OmegaConf
 
     from draftsmith.export.format import write_export
     from draftsmith.runtime.drafting.base import StepContext, build_proposer
 
-    cfg = OmegaConf.load(ROOT / toy.config)
-    get_recipe(toy.name).validate(cfg)
-    objective = get_recipe(toy.name).build(cfg, tiny_target)
-    losses = fit_steps(objective, tiny_target, fixed_batch(tiny_target.vocab_size, period=4), steps=2,
-                       lr=float(cfg.optim.lr))
+    cfg = toy.Toy()  # the schema's values (a typed config; train.py composes the same through Hydra)
+    objective = get_recipe("toy").build(cfg, tiny_target)
+    losses = fit_steps(objective, tiny_target, fixed_batch(tiny_target.vocab_size, period=4), steps=2, lr=3e-3)
     assert len(losses) == 2 and losses[1] < losses[0]
     config = {**objective.export_config(), "target": {"name_or_path": tiny_target.name_or_path}}
     export = write_export(tmp_path / "export", objective.module.state_dict(), config)
@@ -194,7 +203,7 @@ def test_the_guide_quotes_the_toy_as_it_is():
     import re
 
     guide = (ROOT / "docs" / "ADDING_A_METHOD.md").read_text()
-    toy_lines = {line.strip() for f in (ROOT / "tests" / "toy_method").iterdir() if f.suffix in (".py", ".yaml")
+    toy_lines = {line.strip() for f in toy_method.TOY.rglob("*") if f.suffix in (".py", ".yaml")
                  for line in f.read_text().splitlines()}
     quoted = [line.strip() for block in re.findall(r"```(?:python|yaml)\n(.*?)```", guide, re.S)
               for line in block.splitlines() if line.strip()]

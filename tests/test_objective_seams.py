@@ -131,9 +131,10 @@ def test_every_recipe_objective_is_an_objective_with_working_default_hooks():
     import importlib
 
     from draftsmith.recipes import RECIPES
+    from draftsmith.recipes.registration import resolve
 
     for name, recipe in RECIPES.items():
-        build = recipe.build
+        build = resolve(recipe.build_at)
         objective_types = [t for t in vars(importlib.import_module(build.__module__)).values()
                            if isinstance(t, type) and t.__name__.endswith("Objective")
                            and t.__module__ == build.__module__]

@@ -1,6 +1,6 @@
-"""The declared proposer interface: nothing outside a family's own file probes a proposer, every family declares the
-methods it serves (and is found by that declaration), builders refuse unknown options, and a builder's result must
-subclass the declared base."""
+"""The declared proposer interface: nothing outside a family's own file probes a proposer, every family module is
+loaded by the registry and registers the methods it serves, builders refuse unknown options, and a builder's result
+must subclass the declared base."""
 
 from __future__ import annotations
 
@@ -57,26 +57,17 @@ def test_the_probe_pattern_catches_what_it_is_for():
     assert not PROBE.search('getattr(model, "argmax_head", False)')  # targets are not proposers
 
 
-def test_every_family_declares_the_methods_it_serves():
-    assert registry.declaration_problems(registry.registered_by_module(), registry.declared_families()) == []
-    declared = registry.declared_families()
-    assert declared["medusa"] == ("medusa", "medusa2") and declared["eagle"] == ("eagle", "eagle3")
+def test_every_family_module_is_loaded_and_registers_what_it_serves():
+    """A family module the registry does not import would serve nothing: each file of runtime/drafting/ that registers
+    a builder is imported by ``load_families``, and registers under its own name what recipes declare."""
+    import sys
 
-
-def test_a_family_without_a_declaration_fails_the_check():
-    registered = {"medusa": {"medusa", "medusa2"}, "oracle": {"oracle"}}
-    problems = registry.declaration_problems(registered, {"medusa": ("medusa", "medusa2")})
-    assert len(problems) == 1 and "oracle.py registers oracle" in problems[0] and "SERVES" in problems[0]
-    stale = registry.declaration_problems({"medusa": {"medusa"}}, {"medusa": ("medusa", "medusa2")})
-    assert len(stale) == 1 and "medusa2" in stale[0]
-
-
-def test_serving_one_export_imports_its_declared_family_alone(monkeypatch):
-    imported = []
-    monkeypatch.setattr(registry, "_REGISTRY", registry.Registry("runtime proposer for method"))  # none loaded yet
-    monkeypatch.setattr(registry.importlib, "import_module", imported.append)
-    registry.load_family_of("hydra_pp")  # found by hydra.py's SERVES line, read without importing anything
-    assert imported == ["draftsmith.runtime.drafting.hydra"]
+    registry.load_families()
+    registering = sorted(p.stem for p in (ROOT / "runtime" / "drafting").glob("*.py")
+                         if "register_proposer(" in p.read_text() and p.stem not in ("base", "registry"))
+    assert registering and [m for m in registering if f"{registry.__package__}.{m}" not in sys.modules] == []
+    assert registry.proposer_module("hydra_pp") == "draftsmith.runtime.drafting.hydra"
+    assert registry.proposer_module("eagle3") == "draftsmith.runtime.drafting.eagle"
 
 
 def test_unknown_options_are_refused_with_the_valid_ones(medusa_export, tiny_target_dir):

@@ -1,4 +1,4 @@
-"""On-policy error-position replay for EAGLE-3 (loss.replay_weight, recipes/eagle3.py Eagle3Objective.replay)."""
+"""On-policy error-position replay for EAGLE-3 (loss.replay_weight, Eagle3Objective.replay in recipes/eagle3/)."""
 
 from __future__ import annotations
 

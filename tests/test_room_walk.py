@@ -1,6 +1,7 @@
 """What docs/ARCHITECTURE.md says about how a method and its data travel stays true: the method footprint
-(docs/tools/method_footprint.py: the files and rooms one method spans, from the method table) stays small, and the data
-paths (docs/tools/room_walk.py: the functions a training run's and a bench's data pass through, traced) are current."""
+(docs/tools/method_footprint.py: the places and rooms one method spans, from its registrations) stays small, and the
+data paths (docs/tools/room_walk.py: the functions a training run's and a bench's data pass through, traced) are
+current."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import torch
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-# No method's code spans more than a module, a recipe, a config, a proposer family and one converter per engine
-# format (EAGLE-3 and DFlash: 7 files in 5 rooms today). A method that needs more has a list to edit somewhere.
+# No method's code spans more than a module, a recipe package, a config, a proposer family and one converter per engine
+# format (EAGLE-3 and DFlash: 7 places in 5 rooms today). A method that needs more has a list to edit somewhere.
 MOST_FILES, MOST_ROOMS = 7, 5
 
 
@@ -28,32 +29,21 @@ def load_script(name: str):
 
 
 # ------------------------------------------------------------------------------------------------- the footprint
-def test_every_method_footprint_names_existing_files_in_few_rooms():
+def test_every_method_footprint_names_existing_places_in_few_rooms():
     result = load_script("method_footprint").footprints()
-    assert result, "no method found in common/methods.py"
+    assert result, "no recipe registered"
     for name, found in result.items():
-        files = [p for part in found["parts"].values() for p in part]
-        assert all((ROOT / p).is_file() for p in files), (name, [p for p in files if not (ROOT / p).is_file()])
+        places = [p for part in found["parts"].values() for p in part]
+        assert all((ROOT / p).exists() for p in places), (name, [p for p in places if not (ROOT / p).exists()])
         assert found["files"] <= MOST_FILES and len(found["rooms"]) <= MOST_ROOMS, (name, found)
     eagle3 = result["eagle3"]["parts"]
-    assert eagle3["recipe"] == ["recipes/eagle3.py"] and eagle3["proposer"] == ["runtime/drafting/eagle.py"]
+    assert eagle3["recipe"] == ["recipes/eagle3/"] and eagle3["proposer"] == ["runtime/drafting/eagle.py"]
     assert "export/speculators.py" in eagle3["converters"] and result["medusa"]["parts"]["converters"]
 
 
-def test_registrations_are_read_from_the_code(tmp_path):
-    footprint = load_script("method_footprint")
-    (tmp_path / "family.py").write_text(textwrap.dedent("""
-        SERVES = ("alpha",)
-        NAME = "beta"
-
-        @register_proposer("alpha")
-        def build(): ...
-
-        register_proposer(NAME)(build)
-        register_format(ExportFormat("gamma-layout", ("alpha", NAME), convert))
-    """))
-    calls = ("register_proposer", "register_format")
-    assert footprint.registered_names(tmp_path / "family.py", calls, ("SERVES",)) == {"alpha", "beta", "gamma-layout"}
+def test_a_recipe_package_owns_its_files():
+    owned = load_script("method_footprint").method_owned()
+    assert {"recipes/dflash/objective.py", "recipes/dflash/cut.py", "heads/medusa.py"} <= owned
 
 
 # ------------------------------------------------------------------------------------------------- the data path

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 from test_speculative_sampling import ALPHA, SMALL_V, SYNTH, bigram_drafter, chi2_pvalue, first_tokens
 from test_speculators_export import export_eagle3
 
@@ -19,8 +19,8 @@ from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.drafters.vocab import vocab_maps
 from draftsmith.export.format import TargetMismatchError, check_target, read_config, write_export
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.recipes import eagle as eagle_recipe
-from draftsmith.recipes import eagle3 as eagle3_recipe
+from draftsmith.recipes.eagle import objective as eagle_recipe
+from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier, target_probs
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import StepContext, build_proposer
@@ -124,9 +124,8 @@ def method_exports(local_target, tmp_path_factory):
     out = {"medusa": write_export(tmp_path_factory.mktemp("m") / "export", heads.trainable_state_dict(),
                                   {"method": "medusa", "architecture": heads.architecture(), "target": tgt.identity(),
                                    "inference": {"tree": [[0], [1], [0, 0]], "top_k": 2}})}
-    cfg1 = OmegaConf.load(ROOT / "conf/recipe/eagle.yaml")
-    cfg3 = OmegaConf.merge(OmegaConf.load(ROOT / "conf/recipe/eagle3.yaml"),
-                           {"drafter": {"target_layers": LAYERS, "draft_vocab_size": 0}})
+    cfg1 = recipe_config("eagle")
+    cfg3 = recipe_config("eagle3", {"drafter": {"target_layers": LAYERS, "draft_vocab_size": 0}})
     ids = torch.randint(0, tgt.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     for name, objective in {"eagle": eagle_recipe.build(cfg1, tgt),
                             "eagle3": eagle3_recipe.build_objective(cfg3, tgt, [(ids, torch.ones_like(ids))])}.items():

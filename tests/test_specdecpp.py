@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 from test_eagle_runtime import lean_from_hf, plain_greedy
 from test_specdecpp_stop_rule import ScriptedHead
 
@@ -26,7 +26,9 @@ from draftsmith.controllers.acceptance import (
 from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.export.format import ExportError, write_export
-from draftsmith.recipes import specdecpp
+from draftsmith.recipes import get_recipe
+from draftsmith.recipes.specdecpp import SpecDecPP
+from draftsmith.recipes.specdecpp import objective as specdecpp
 from draftsmith.runtime.acceptance.choice import choose_stop_policy, parse_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import LearnedStop
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
@@ -110,9 +112,9 @@ def drafters(target, tmp_path_factory):
     return [eagle_export(tgt, lean, tmp_path_factory.mktemp(f"eagle{i}") / "export", i) for i in (0, 1)]
 
 
-def recipe_cfg(drafter: Path, **head):
-    cfg = OmegaConf.load(ROOT / "conf/recipe/specdecpp.yaml")
-    return OmegaConf.merge(cfg, {"drafter": str(drafter), "head": head})
+def recipe_cfg(drafter: Path | None, inference: dict | None = None, **head) -> SpecDecPP:
+    return recipe_config("specdecpp", {"drafter": None if drafter is None else str(drafter), "head": head,
+                                       "inference": inference or {}})
 
 
 def greedy_batch(reference):
@@ -128,7 +130,7 @@ def trained(target, reference, drafters, tmp_path_factory):
     """A head trained briefly (fixed batch) on drafter 0, its losses, and its export."""
     tgt, _ = target
     cfg = recipe_cfg(drafters[0], temperature=1.0, mixing_ratio=0.0)
-    specdecpp.validate(cfg)
+    get_recipe("specdecpp").validate(cfg)
     objective = specdecpp.build(cfg, tgt)
     torch.manual_seed(0)
     feats = objective.features(tgt, greedy_batch(reference))
@@ -239,12 +241,15 @@ def test_bad_stop_policies_and_recipe_config_are_named(drafters, tmp_path):
         parse_stop_policy("sometimes:3")
     with pytest.raises(ValueError, match="needs an acceptance head"):
         choose_stop_policy("learned:0.3", {"method": "eagle"})
+    validate = get_recipe("specdecpp").validate
     with pytest.raises(ConfigError, match="pass drafter=EXPORT_DIR"):
-        specdecpp.validate(OmegaConf.load(ROOT / "conf/recipe/specdecpp.yaml"))
-    with pytest.raises(ConfigError, match="inference.threshold must be in"):
-        specdecpp.validate(OmegaConf.merge(recipe_cfg(drafters[0]), {"inference": {"threshold": 1.2}}))
+        validate(recipe_cfg(None))
+    with pytest.raises(ConfigError, match=r"inference\.threshold=1\.2 is out of range: allowed > 0 and < 1"):
+        validate(recipe_cfg(drafters[0], {"threshold": 1.2}))
+    with pytest.raises(ConfigError, match=r"need 1 <= inference\.min_depth <= inference\.max_depth, got 5, 3"):
+        validate(recipe_cfg(drafters[0], {"min_depth": 5, "max_depth": 3}))
     with pytest.raises(ConfigError, match="nowhere does not exist"):
-        specdecpp.validate(recipe_cfg(tmp_path / "nowhere"))
+        validate(recipe_cfg(tmp_path / "nowhere"))
 
 
 # ---- calibration --------------------------------------------------------------------------------------------------

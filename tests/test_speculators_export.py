@@ -16,15 +16,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 from safetensors.torch import load_file, save_file
 
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import ExportError
 from draftsmith.export.speculators import to_speculators
-from draftsmith.recipes import eagle as eagle_recipe
-from draftsmith.recipes import eagle3 as eagle3_recipe
+from draftsmith.recipes.eagle import objective as eagle_recipe
+from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 
 pytestmark = pytest.mark.unit
 
@@ -85,8 +85,7 @@ def target(tiny_tokenizer) -> Target:
 
 def export_eagle3(target: Target, out: Path, draft_vocab: int = 48) -> tuple[Path, object]:
     torch.manual_seed(0)
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "recipe" / "eagle3.yaml"),
-                          {"drafter": {"target_layers": LAYERS, "draft_vocab_size": draft_vocab}})
+    cfg = recipe_config("eagle3", {"drafter": {"target_layers": LAYERS, "draft_vocab_size": draft_vocab}})
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, target.vocab_size, (2, 30), generator=g), torch.ones(2, 30, dtype=torch.long))]
     objective = eagle3_recipe.build_objective(cfg, target, batches)
@@ -138,7 +137,7 @@ def test_our_side_files_keys_shapes_and_config(tmp_path, target):
 
 
 def test_eagle1_and_other_methods_are_refused_with_a_reason(tmp_path, target):
-    cfg = OmegaConf.load(ROOT / "conf" / "recipe" / "eagle.yaml")
+    cfg = recipe_config("eagle")
     objective = eagle_recipe.build(cfg, target)
     module = SimpleNamespace(drafter=objective.module, objective=objective, run_info={"target": target.identity()})
     export = export_from_module(module, tmp_path / "e1", training={})

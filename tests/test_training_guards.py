@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import build_tiny_llama
 from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 
 from draftsmith.cli.training import compose_config
 from draftsmith.distill.target.frozen import FeatureTaps, Target
@@ -140,10 +141,11 @@ def test_teacher_logits_equal_the_hf_forward(kind):
 
 
 def test_eagle_noise_is_uniform_point_one_whatever_the_batch_width(tiny_tokenizer):
-    from draftsmith.recipes import eagle as eagle_recipe
+    from draftsmith.recipes import get_recipe
+    from draftsmith.recipes.eagle import objective as eagle_recipe
 
     target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
-    cfg = OmegaConf.load(ROOT / "conf/recipe/eagle.yaml")
+    cfg = recipe_config("eagle")
     assert cfg.drafter.noise.kind == "uniform" and cfg.drafter.noise.scale == 0.1
     objective = eagle_recipe.build(cfg, target)
     objective.module.train()
@@ -159,10 +161,10 @@ def test_eagle_noise_is_uniform_point_one_whatever_the_batch_width(tiny_tokenize
         noise = seen[-1] - feats.final_hidden[:, : width - 2]
         assert noise.abs().max() <= 0.1 + 1e-6 and noise.abs().max() > 0.08, (width, noise.abs().max())
         assert abs(float(noise.mean())) < 0.02
-    off = eagle_recipe.build(OmegaConf.merge(cfg, {"drafter": {"noise": {"kind": "none"}}}), target)
+    off = eagle_recipe.build(recipe_config("eagle", {"drafter": {"noise": {"kind": "none"}}}), target)
     assert torch.equal(off.noise(torch.ones(1, 3, 2)), torch.ones(1, 3, 2))
     with pytest.raises(ValueError, match="noise.kind"):
-        eagle_recipe.validate(OmegaConf.merge(cfg, {"drafter": {"noise": {"kind": "gaussianish"}}}))
+        get_recipe("eagle").validate(recipe_config("eagle", {"drafter": {"noise": {"kind": "gaussianish"}}}))
 
 
 def test_eagle_clips_gradients_by_value_and_others_by_norm(tmp_path):

@@ -150,7 +150,7 @@ def test_unknown_plus_keys_are_refused_by_the_schema_with_close_matches(tmp_path
     problems = schema_problems(cfg)  # noise_std: an older key eagle still reads, declared in its schema
     assert len(problems) == 1 and problems[0].startswith("trainer.fsdp_opts is not a key of recipe=eagle"), problems
 
-    from draftsmith.distill import trainer
+    from draftsmith.distill.engine import trainer
 
     monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("training must not start"))
     for typo in ("+heads.num_head=4", "heads.num_head=4"):
@@ -162,7 +162,7 @@ def test_unknown_plus_keys_are_refused_by_the_schema_with_close_matches(tmp_path
 
 def test_medusa_draft_vocab_warning_names_the_heads_key(tmp_path, monkeypatch, caplog, tiny_tokenizer,
                                                         tiny_data_file):
-    from draftsmith.recipes.medusa import medusa_draft_ids
+    from draftsmith.recipes.medusa.objective import medusa_draft_ids
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     cfg = compose_config(["recipe=medusa", f"data.spec={tiny_data_file}", "data.max_length=48",
@@ -203,7 +203,7 @@ def test_ctrl_c_in_training_names_the_checkpoint_and_the_resume_command(tmp_path
 
 
 def test_train_py_reports_ctrl_c_with_exit_130(tmp_path, monkeypatch, capsys):
-    from draftsmith.distill import trainer
+    from draftsmith.distill.engine import trainer
 
     ckpt = tmp_path / "checkpoints" / "step50.ckpt"
 

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
 from test_training_refusals import run_train_inprocess, tiny_overrides
 
 from draftsmith.cli.training import compose_config
@@ -131,9 +130,10 @@ def test_loss_masks_that_select_nothing_stop_at_the_first_batches(tiny_tokenizer
 
 
 def test_a_loss_of_exactly_zero_for_patience_steps_stops(tiny_tokenizer):
+    from draftsmith.distill.config.schema import RunConfig
     from draftsmith.distill.engine.module import ZeroLossError
 
-    assert OmegaConf.load(ROOT / "conf/train.yaml").run.zero_loss_patience == 5
+    assert RunConfig().zero_loss_patience == 5  # the default every recipe trains with
     module = scripted_module(ScriptedObjective([0.0, 0.0, 1.0, 0.0, 0.0, 0.0]), tiny_tokenizer, patience=3)
     for i in range(5):  # the 1.0 at step 2 resets the count
         module._trainer.global_step = i
@@ -154,12 +154,13 @@ def test_a_loss_of_exactly_zero_for_patience_steps_stops(tiny_tokenizer):
 
 def test_eagle3_default_taps_adapt_to_shallow_targets(tiny_tokenizer):
     from draftsmith.drafters.eagle3 import default_target_layers
-    from draftsmith.recipes import eagle3
+    from draftsmith.recipes import get_recipe
 
     assert [default_target_layers(n) for n in (3, 4, 5, 6, 7, 8, 32)] == [
         (0, 1, 2), (1, 2, 3), (1, 2, 4), (1, 3, 5), (2, 3, 4), (2, 4, 5), (2, 16, 29)]
     cfg = compose_config(["recipe=eagle3", "drafter.draft_vocab_size=0"])
     four = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
+    eagle3 = get_recipe("eagle3")
     assert eagle3.build(cfg, four).taps.layers == (1, 2, 3)
     two = Target(build_tiny_llama(len(tiny_tokenizer), num_hidden_layers=2), tiny_tokenizer, "tiny")
     with pytest.raises(ConfigError, match=r"2-layer target .*drafter\.target_layers") as err:

@@ -1,4 +1,4 @@
-"""Checks a composed training config against its schema (distill/config/schema.py, recipes/schemas.py) before
+"""Checks a composed training config against its schema (distill/config/schema.py, recipes/<name>/) before
 anything loads: keys the schema lacks (``+key=value`` gets past Hydra's struct mode, the schema does not), values
 outside the range a field declares; and the key listing ``train.py recipe=NAME --help`` prints.
 
@@ -65,6 +65,8 @@ def unknown_key_message(key: str, recipe: str, schema: type) -> str:
 def allowed_text(meta: dict[str, Any]) -> str:
     """What a field allows, in words: ``>= 1, or null (all)``; '' when it declares nothing."""
     parts = [f"{sign} {meta[name]:g}" for name, sign, _ in _BOUNDS if name in meta]
+    if "allowed" in meta:
+        parts.append(meta["allowed"])
     if "choices" in meta:
         parts.append("one of " + ", ".join(meta["choices"]))
     if "length" in meta:
@@ -78,10 +80,10 @@ def value_problem(path: str, value: Any, meta: dict[str, Any]) -> str | None:
     if value is None or not (set(meta) - {"doc", "null"}):
         return None
     values = list(value) if isinstance(value, (list, tuple)) else [value]
-    bad = "length" in meta and len(values) != meta["length"]
+    bad = "length" in meta and len(values) != meta["length"] or "check" in meta and not meta["check"](value)
     if "choices" in meta:
         text = ("true" if value else "false") if isinstance(value, bool) else str(value).lower()
-        bad = bad or text not in meta["choices"]
+        bad = bad or text not in [str(choice).lower() for choice in meta["choices"]]
     for item in values if any(name in meta for name, _, _ in _BOUNDS) else []:
         try:
             number = float(item)

@@ -1,18 +1,21 @@
 """Typed training config: one dataclass per shared group (run, validation, target, distill, optim, data, trainer,
-logger), ``TrainConfig`` tying them together; each recipe's schema subclasses it (``recipes/schemas.py``).
+logger), ``TrainConfig`` tying them together; each recipe's schema subclasses it (``recipes/<name>/__init__.py``).
 
-The YAML files in ``conf/`` hold the values; these classes hold each key's type, its one-line doc and its allowed
-range, declared once with :func:`key`. Fields default to ``MISSING`` so merging a schema never overwrites a value a
-YAML file set (a key only some presets carry defaults to None). Hydra composes them (``recipes/schemas.py`` stores
-them in its ConfigStore), so a wrong type or a misspelt key is refused by the config system itself, and
-:mod:`draftsmith.distill.config.checks` reads the same metadata for the ranges and for ``train.py --help``.
+A field is declared once, with :func:`key`: its type, its one-line doc, its allowed range and, where one value serves
+every run, its default (that default *is* the value: no YAML file repeats it). Fields whose value comes from a preset
+the config picks (``target=``, ``data=``, ``trainer=``, ``logger=``: the files of ``conf/<group>/``) default to
+``MISSING``. Hydra composes the classes (``recipes/registration.py`` stores each recipe's schema in its ConfigStore),
+so a wrong type or a misspelt key is refused by the config system itself, and :mod:`draftsmith.distill.config.checks`
+reads the same metadata for the ranges, before anything loads, and for ``train.py --help``.
 
-Adding a key: add a field with ``key("one-line doc", <range>)`` to the group's class here (or to the recipe's class
-in ``recipes/schemas.py``) and its value to the YAML file that sets it.
+Adding a key: add a field with ``key("one-line doc", default, <range>)`` to the group's class here (or to the
+recipe's own group, beside its schema).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,18 +24,49 @@ from omegaconf import MISSING
 
 def key(doc: str, default: Any = MISSING, *, ge: float | None = None, gt: float | None = None,
         le: float | None = None, lt: float | None = None, choices: tuple[str, ...] | None = None,
-        length: int | None = None, null: str | None = None) -> Any:
-    """A config field: ``doc`` (one line, shown by ``--help``) and its allowed range, checked before anything loads:
-    bounds (``ge``/``gt``/``le``/``lt``, on each element of a list), ``choices`` (compared case-insensitively as
-    text), ``length`` (of a list), ``null`` (what null means, for a key that may be null)."""
+        length: int | None = None, null: str | None = None, check: Callable[[Any], bool] | None = None,
+        allowed: str | None = None) -> Any:
+    """A config field: ``doc`` (one line, shown by ``--help``), its ``default`` (the value; a list is copied per
+    instance) and its allowed range, checked before anything loads: bounds (``ge``/``gt``/``le``/``lt``, on each
+    element of a list), ``choices`` (compared case-insensitively as text), ``length`` (of a list), ``null`` (what null
+    means, for a key that may be null), or a ``check`` predicate for what those cannot say, described by
+    ``allowed``."""
     rules = {name: value for name, value in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt), ("choices", choices),
-                                             ("length", length), ("null", null)) if value is not None}
+                                             ("length", length), ("null", null), ("check", check),
+                                             ("allowed", allowed)) if value is not None}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"doc": doc, **rules})
     return field(default=default, metadata={"doc": doc, **rules})
 
 
-def group(cls: type) -> Any:
-    """A nested group field (its keys come from ``cls``)."""
-    return field(default_factory=cls)
+def group(cls: type, **values: Any) -> Any:
+    """A nested group field (its keys come from ``cls``); ``values`` replace some of its defaults for this schema."""
+    return field(default_factory=lambda: cls(**values))
+
+
+def valid_devices(value: Any) -> bool:
+    """Lightning's ``devices``: ``-1`` or ``auto`` (every visible device), a count >= 1, or a list of device ids."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+    if isinstance(value, str):
+        text = value.strip()
+        return text == "auto" or (text.lstrip("-").isdigit() and valid_devices(int(text)))
+    return isinstance(value, int) and not isinstance(value, bool) and (value == -1 or value >= 1)
+
+
+def valid_duration(value: Any) -> bool:
+    """Lightning's ``max_time`` text: ``DD:HH:MM:SS``, hours below 24 and minutes, seconds below 60."""
+    found = re.fullmatch(r"(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})", str(value).strip())
+    return found is not None and int(found[2]) < 24 and int(found[3]) < 60 and int(found[4]) < 60
+
+
+# Lightning's accepted names, restricted to what the presets and distill/cluster/strategies.py build.
+ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
+STRATEGIES = ("auto", "single_device", "ddp", "fsdp", "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2",
+              "deepspeed_stage_3")
+# auto: chosen per device by distill/cluster/strategies.py (bf16 where it computes natively)
+PRECISIONS = ("auto", "32-true", "32", "bf16-mixed", "bf16-true", "bf16", "16-mixed", "16-true", "16", "64-true",
+              "64")
 
 
 @dataclass
@@ -42,27 +76,31 @@ class RecipeName:
 
 @dataclass
 class RunConfig:
-    seed: int = key("seed of the initialisation and of the data order")
-    checkpoint_every: int = key("steps between atomic checkpoints", ge=1)
-    keep_checkpoints: int = key("newest step checkpoints kept (checkpoints/last.ckpt links the newest)", ge=1)
-    requeue: bool = key("under SLURM: on SIGUSR1 save a checkpoint and requeue the job")
+    seed: int = key("seed of the initialisation and of the data order", 0)
+    checkpoint_every: int = key("steps between atomic checkpoints", 50, ge=1)
+    keep_checkpoints: int = key("newest step checkpoints kept (checkpoints/last.ckpt links the newest)", 2, ge=1)
+    requeue: bool = key("under SLURM: on SIGUSR1 save hpc_ckpt_<n>.ckpt and `scontrol requeue` the job", True)
     resume: str = key("auto: continue from the run folder's newest checkpoint; false: start fresh; changed: continue "
-                      "although optim/data keys changed, with the new values",
+                      "although optim/data keys changed, with the new values", "auto",
                       choices=("auto", "true", "false", "changed"))
-    export: bool = key("export into <run dir>/export at the end of training")
-    val_every: int = key("steps between validation passes (0 = only at the end)", ge=0)
-    final_eval_batches: int = key("validation batches at the end (per-head agreement etc.)", ge=0)
-    zero_loss_patience: int = key("stop after this many steps whose training loss is exactly 0.0 (0 = off)", ge=0)
+    export: bool = key("export into <run dir>/export at the end of training", True)
+    val_every: int = key("steps between validation passes (0 = only at the end)", 0, ge=0)
+    final_eval_batches: int = key("validation batches at the end (per-head agreement etc.)", 8, ge=0)
+    zero_loss_patience: int = key("stop after this many consecutive steps whose training loss is exactly 0.0 (0 = off)",
+                                  5, ge=0)
 
 
 @dataclass
 class ServedTauConfig:
-    every: int = key("probe every N-th validation pass (and the final one); 0 = off", ge=0)
-    prompts: int = key("held-out prompts served at each probe", ge=1)
-    max_new_tokens: int = key("tokens generated per prompt", ge=1)
-    prompt_set: str = key("mtbench | humaneval | a .jsonl with a `prompt` field; NAME[a:b] a slice of one")
-    dtype: str = key("the runtime's dtype, as `draftsmith bench`", choices=("auto", "fp32", "bf16"))
-    keep_best: bool = key("keep the export whose probe served best at <run dir>/export_best (beside the last)")
+    every: int = key("probe every N-th validation pass (and the final one); 0 = off", 1, ge=0)
+    prompts: int = key("held-out prompts served at each probe (few: it runs at validation, not as a bench)", 4, ge=1)
+    max_new_tokens: int = key("tokens generated per prompt", 32, ge=1)
+    # MT-Bench past 40: the benches' first prompts never include them
+    prompt_set: str = key("mtbench | humaneval | a .jsonl with a `prompt` field; NAME[a:b] a slice of one",
+                          "mtbench[40:]")
+    dtype: str = key("the runtime's dtype, as `draftsmith bench`", "auto", choices=("auto", "fp32", "bf16"))
+    # training loss keeps falling after held-out acceptance peaks: serve the best, not the last
+    keep_best: bool = key("keep the export whose probe served best at <run dir>/export_best (beside the last)", True)
 
 
 @dataclass
@@ -76,26 +114,27 @@ class TargetConfig:
     dtype: str = key("the target's dtype; auto: bf16 where the device computes it natively, else fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
     trust_remote_code: bool = key("let transformers run the model folder's own code")
-    shard: bool = key("shard the frozen target (trainer=fsdp or deepspeed_zero3) instead of a copy per device")
+    shard: bool = key("shard the frozen target (trainer=fsdp or deepspeed_zero3) instead of a copy per device; "
+                      "never in optimizer state or checkpoints either way", False)
 
 
 @dataclass
 class DistillConfig:
-    labels: str = key("training labels: the data's tokens, or the target's greedy / soft predictions",
+    labels: str = key("training labels: the data's tokens, or the target's greedy / soft predictions", "dataset",
                       choices=("dataset", "target_argmax", "target_soft"))
 
 
 @dataclass
 class OptimConfig:
-    lr: float = key("peak learning rate (0 runs the pipeline without changing a weight)", ge=0)
-    weight_decay: float = key("AdamW weight decay", ge=0)
-    betas: list[float] = key("AdamW betas", ge=0, lt=1, length=2)
-    eps: float = key("AdamW epsilon", gt=0)
-    scheduler: str = key("learning-rate schedule after warmup", choices=("constant", "linear", "cosine"))
-    warmup_steps: int = key("linear warmup steps", ge=0)
-    grad_clip: float = key("gradient clipping threshold (0 = none)", ge=0)
-    grad_clip_algorithm: str = key("norm: rescale the global gradient norm | value: clamp each element",
-                                   choices=("norm", "value"))
+    lr: float = key("peak learning rate (0 runs the pipeline without changing a weight)", 1.0e-3, ge=0)
+    weight_decay: float = key("AdamW weight decay", 0.0, ge=0)
+    betas: list[float] = key("AdamW betas", [0.9, 0.999], ge=0, lt=1, length=2)
+    eps: float = key("AdamW epsilon", 1.0e-8, gt=0)
+    scheduler: str = key("learning-rate schedule after warmup", "cosine", choices=("constant", "linear", "cosine"))
+    warmup_steps: int = key("linear warmup steps", 10, ge=0)
+    grad_clip: float = key("gradient clipping threshold (0 = none)", 1.0, ge=0)
+    grad_clip_algorithm: str = key("norm: rescale the global gradient norm to grad_clip | value: clamp each element",
+                                   "norm", choices=("norm", "value"))
 
 
 @dataclass
@@ -113,10 +152,11 @@ class DataConfig:
 
 @dataclass
 class FsdpConfig:
-    sharding_strategy: str = key("FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD")
+    sharding_strategy: str = key("how FSDP shards the drafter",
+                                 choices=("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"))
     wrap_classes: Any = key("FSDP units: auto = each composite layer of the drafter, or a list of class names")
     cpu_offload: bool = key("parameters and gradients in host memory between uses")
-    state_dict_type: str = key("full: one checkpoint file on rank 0")
+    state_dict_type: str = key("full: one checkpoint file on rank 0 | sharded: a folder", choices=("full", "sharded"))
 
 
 @dataclass
@@ -128,12 +168,14 @@ class DeepspeedConfig:
 
 @dataclass
 class TrainerConfig:
-    accelerator: str = key("cpu | gpu | auto")
-    devices: Any = key("devices per node (-1: every visible GPU)")
-    strategy: str = key("Lightning strategy: auto | ddp | fsdp | deepspeed_stage_2 | deepspeed_stage_3")
-    precision: Any = key("the drafter's math: 32-true | bf16-mixed | ...")
+    accelerator: str = key("the device kind Lightning trains on", choices=ACCELERATORS)
+    devices: Any = key("devices per node", check=valid_devices,
+                       allowed="-1 or auto (every visible device), a count >= 1, or a list of device ids")
+    strategy: str = key("Lightning strategy (the trainer=PRESET files pick one)", choices=STRATEGIES)
+    precision: Any = key("the drafter's math (the frozen target runs in target.dtype)", choices=PRECISIONS)
     max_steps: int = key("optimizer steps to train", ge=1)
-    max_time: str | None = key('wall-clock cap "DD:HH:MM:SS"', null="none")
+    max_time: str | None = key("wall-clock cap; training stops at max_steps or max_time", check=valid_duration,
+                               allowed="DD:HH:MM:SS, e.g. 00:12:00:00", null="none")
     accumulate_grad_batches: int = key("batches per optimizer step", ge=1)
     log_every_n_steps: int = key("steps between logged metrics", ge=1)
     num_nodes: int = key("nodes (SLURM's node count wins when larger)", ge=1)
@@ -171,12 +213,12 @@ class TrainConfig:
 class LossConfig:
     """The vocabulary-wide head's cross-entropy (``loss``), shared by the recipes that have one."""
 
-    fused_linear_ce: Any = key("chunked linear + CE, never the [tokens, vocab] logits (auto = true)",
+    fused_linear_ce: Any = key("chunked linear + CE, never the [tokens, vocab] logits (auto = true)", "auto",
                                choices=("auto", "true", "false"))
-    chunk_size: int | None = key("rows per chunk", ge=1, null="about 64 MiB of fp32 logits")
-    lm_head_dtype: str = key("auto: follow trainer.precision | fp32 | bf16", choices=("auto", "fp32", "bf16"))
+    chunk_size: int | None = key("rows per chunk", None, ge=1, null="about 64 MiB of fp32 logits (341 rows at a 49k "
+                                 "vocabulary)")
+    lm_head_dtype: str = key("auto: follow trainer.precision | fp32 | bf16 (bf16 matmuls, fp32 accumulation)", "auto",
+                             choices=("auto", "fp32", "bf16"))
     acceptance: str = key("none: cross-entropy | hybrid: LK's KL/TV blend | nla: -log acceptance | tv: 1 - acceptance",
                           "none", choices=("none", "hybrid", "nla", "tv"))
-    acceptance_eta: float = key("hybrid blend: lam = exp(-eta * acceptance)", 3.0, gt=0)
-    replay_weight: float = key("extra loss weight on verification-exposed rejected positions (EAGLE-3; 0 = off)",
-                               0.0, ge=0)
+    acceptance_eta: float = key("hybrid: KL weight exp(-eta * acceptance), the rest on 1 - acceptance", 3.0, gt=0)

@@ -2,8 +2,8 @@
 default), the step context handed to it, and the registry of families (re-exported from
 :mod:`~draftsmith.runtime.drafting.registry`).
 
-A family is a module of this package with one line ``SERVES = ("method", ...)`` naming the export methods it serves,
-builders registered with ``@register_proposer(method)``, and proposers that subclass :class:`Proposer`.
+A family is a module of this package (named in the registry's ``load_families``) with builders registered for the
+export methods it serves (``@register_proposer(method)``), and proposers that subclass :class:`Proposer`.
 """
 
 from __future__ import annotations

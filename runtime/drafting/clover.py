@@ -22,8 +22,6 @@ from draftsmith.runtime.drafting.base import StepContext, register_proposer
 from draftsmith.runtime.drafting.hydra import HydraProposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 
-SERVES = ("clover2",)
-
 
 class CloverProposer(HydraProposer):
     """Clover-2 over a static tree (see the module docstring); the stop policy works as for Hydra."""

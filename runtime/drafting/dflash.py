@@ -46,8 +46,6 @@ from draftsmith.runtime.drafting.base import Proposer, StepContext, prune_tree, 
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
-SERVES = ("dflash",)
-
 
 class DFlashProposer(Proposer):
     """Drafts ``depth`` (<= block_size - 1) tokens per step with a DFlash drafter (see the module docstring)."""

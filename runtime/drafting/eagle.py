@@ -51,7 +51,6 @@ from draftsmith.runtime.drafting.eagle_models import DraftModel, Eagle1DraftMode
 from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
-SERVES = ("eagle", "eagle3")
 POLICIES = {"tree": "tree", "chain": "chain", EAGLE_TREE_PROPOSER: "tree", EAGLE_CHAIN_PROPOSER: "chain"}
 
 

@@ -22,8 +22,6 @@ from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.drafting.base import Proposer, StepContext, module_dtype, prune_tree, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 
-SERVES = ("hydra", "hydra_pp")
-
 
 class HydraProposer(Proposer):
     """Sequentially dependent heads over a static tree (see the module docstring).

@@ -39,8 +39,6 @@ from draftsmith.runtime.target.cache import KVCache as RuntimeKVCache
 from draftsmith.runtime.target.interface import TargetDecoder, check_head
 from draftsmith.runtime.target.output import TargetOutput
 
-SERVES = ("kangaroo",)
-
 
 @dataclass
 class ShallowDraft:

@@ -12,8 +12,6 @@ from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.drafting.base import LookaheadHeads, StepContext, prune_tree, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 
-SERVES = ("medusa", "medusa2")
-
 
 class MedusaProposer(LookaheadHeads):
     """Medusa heads on the target's hidden state fill a static tree with each head's top-k tokens.

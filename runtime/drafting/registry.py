@@ -1,19 +1,16 @@
-"""One registry of proposer families, found by what each family declares.
+"""One registry of proposer families: each family module registers a builder for every export ``method`` it serves
+(``@register_proposer(method)``), and :func:`load_families` imports every family module on first use.
 
-A family is a module of this package that states the export methods it serves in one module-level line,
-``SERVES = ("medusa", "medusa2")``, and registers a builder for each (``@register_proposer(method)``). The line is
-read without importing anything (``ast``), so serving one export imports its own family alone; adding a family adds
-a file and no line to any list. ``tests/test_proposer_contract.py`` fails for a family that registers a method its
-``SERVES`` does not name, or names one it does not register.
+The lookup is the registrations themselves: an export's ``config.json`` names its ``method`` (the only key older
+exports carry), and the builder registered for it loads the proposer. A recipe declares which method serves its
+exports (recipes/<name>/__init__.py, ``proposer=``); tests/test_method_table.py checks every declared one is
+registered here. Adding a family adds its module and its name to the import in :func:`load_families`.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib
 import inspect
 from collections.abc import Callable
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,9 +18,6 @@ from draftsmith.common.registry import Registry
 
 if TYPE_CHECKING:
     from draftsmith.runtime.drafting.base import Proposer
-
-PACKAGE = "draftsmith.runtime.drafting"
-DECLARATION = "SERVES"  # the module-level tuple of export methods a family module serves
 
 ProposerBuilder = Callable[..., "Proposer"]
 # chain(tokens) -> the builder options for a chain of at most ``tokens`` drafted tokens (see register_chain)
@@ -38,72 +32,20 @@ _CHAINS: Registry[ChainOptions] = Registry("chain-drafting proposer for method")
 register_chain = _CHAINS.register
 
 
-def declared_families() -> dict[str, tuple[str, ...]]:
-    """Module name -> the methods its ``SERVES`` line declares, for every module of this package that has one."""
-    return dict(_declarations(str(Path(__file__).parent)))
+def load_families() -> None:
+    """Import every family module: each registers a builder for the export methods it serves."""
+    from draftsmith.runtime.drafting import clover, dflash, eagle, hydra, kangaroo, medusa, specdecpp  # noqa: F401
 
 
-@cache
-def _declarations(folder: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    found = []
-    for path in sorted(Path(folder).glob("*.py")):
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            target = node.target if isinstance(node, ast.AnnAssign) else \
-                node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
-            if isinstance(target, ast.Name) and target.id == DECLARATION and node.value is not None:
-                found.append((path.stem, tuple(str(m) for m in ast.literal_eval(node.value))))
-    return tuple(found)
-
-
-def load_family_of(method: str) -> None:
-    """Import the family module whose ``SERVES`` names ``method`` (it registers the builder); every module of the
-    package when none declares it (a family that registers without declaring still serves, and the contract test
-    names it)."""
-    if method in _REGISTRY:
-        return
-    for module, methods in declared_families().items():
-        if method in methods:
-            importlib.import_module(f"{PACKAGE}.{module}")
-            return
-    load_all_families()
-
-
-def load_all_families() -> None:
-    """Import every module of this package, which registers every family's builders."""
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        if path.stem != "__init__":
-            importlib.import_module(f"{PACKAGE}.{path.stem}")
-
-
-def registered_by_module() -> dict[str, set[str]]:
-    """Module name (of this package) -> the methods its builders registered, after importing every family."""
-    load_all_families()
-    found: dict[str, set[str]] = {}
-    for method in _REGISTRY:
-        module = _REGISTRY.get(method).__module__
-        if module.startswith(f"{PACKAGE}."):
-            found.setdefault(module.rsplit(".", 1)[1], set()).add(method)
-    return found
-
-
-def declaration_problems(registered: dict[str, set[str]], declared: dict[str, tuple[str, ...]]) -> list[str]:
-    """One line per family module whose registered methods and ``SERVES`` line disagree (empty: every family is
-    found by its declaration)."""
-    problems = []
-    for module in sorted(set(registered) | set(declared)):
-        got, said = registered.get(module, set()), set(declared.get(module, ()))
-        if got - said:
-            problems.append(f"runtime/drafting/{module}.py registers {', '.join(sorted(got - said))} but its "
-                            f"{DECLARATION} line does not name it: add {DECLARATION} = {tuple(sorted(got | said))!r}")
-        if said - got:
-            problems.append(f"runtime/drafting/{module}.py declares {', '.join(sorted(said - got))} in "
-                            f"{DECLARATION} but registers no builder for it")
-    return problems
+def proposer_module(method: str) -> str:
+    """The module that registers the builder for ``method`` (docs/tools/method_footprint.py names it)."""
+    load_families()
+    return _REGISTRY.get(method).__module__
 
 
 def registered_methods() -> list[str]:
     """Export methods the runtime can draft with."""
-    load_all_families()
+    load_families()
     return list(_REGISTRY)
 
 
@@ -113,7 +55,7 @@ def chain_options(export_dir: str | Path, tokens: int) -> dict[str, Any]:
     from draftsmith.export.format import read_config
 
     method = read_config(export_dir)["method"]
-    load_family_of(method)
+    load_families()
     if method not in _CHAINS:
         raise ValueError(f"the {method!r} proposer of {export_dir} drafts no chain; chain drafters: "
                          f"{', '.join(_CHAINS) or 'none'}")
@@ -151,7 +93,7 @@ def build_proposer(export_dir: str | Path, target_model: Any, identity: dict | N
 
     config = read_config(export_dir)
     method = config["method"]
-    load_family_of(method)
+    load_families()
     if method not in _REGISTRY:
         raise ValueError(f"no runtime proposer for method {method!r} (export {export_dir}); available: "
                          f"{', '.join(registered_methods()) or 'none'}")

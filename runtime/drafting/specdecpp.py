@@ -30,8 +30,6 @@ from draftsmith.runtime.drafting.base import (
 )
 from draftsmith.runtime.drafting.tree import DraftTree
 
-SERVES = ("specdecpp",)
-
 
 class LearnedStopProposer(ProposerWrapper):
     """Delegates every event to ``base`` (its taps, logits needs and target wrapper too); drafting uses

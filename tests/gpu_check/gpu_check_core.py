@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftsmith.common.methods import METHODS
+from draftsmith.recipes import RECIPES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,13 +49,13 @@ WORDS = ("the a of to and in is it you that was for on are with as they be at on
 PROMPTS = ("please explain why the tree is fast", "write python code for the answer",
            "what is the first word of the question", "how many people know the answer")
 # What a tiny (4-layer) target needs per recipe, e.g. EAGLE-3's explicit taps (no three distinct defaults
-# (2, L//2, L-3)): the method table's tiny_overrides (common/methods.py).
-TINY_TRAIN_EXTRA = {m.name: list(m.tiny_overrides) for m in METHODS.values() if m.tiny_overrides}
+# (2, L//2, L-3)): each recipe's tiny_overrides (its registration, recipes/<name>/__init__.py).
+TINY_TRAIN_EXTRA = {r.name: list(r.tiny_overrides) for r in RECIPES.values() if r.tiny_overrides}
 ACCEPTANCE_CAVEAT = ("random-weight target: parity and speed carry over to the real model, acceptance (tau) and "
                      "speedups do not")
 # Recipes that need an input beyond chat data (or make no drafter): not trained standalone by the GPU check
-# (the method table's needs_input, common/methods.py).
-NEEDS_INPUT = {m.name: m.needs_input for m in METHODS.values() if m.needs_input}
+# (each recipe's needs_input).
+NEEDS_INPUT = {r.name: r.needs_input for r in RECIPES.values() if r.needs_input}
 
 
 @dataclass

@@ -1,46 +1,83 @@
-"""A toy method as a newcomer adds one (docs/ADDING_A_METHOD.md), kept true by tests/test_method_table.py.
+"""A toy method as a newcomer adds one (docs/ADDING_A_METHOD.md), laid out as in the repository: each file under this
+folder goes to the same path in a checkout (:data:`PLACED`), and two lists name it (:data:`LISTED`).
 
-Files: ``toy_echo_head.py`` (the nn.Module), ``toy_echo_recipe.py`` (``build`` registered as a recipe),
-``toy_echo.yaml`` (its config), ``toy_echo_proposer.py`` (its runtime proposer) and :data:`TOY_ECHO` (its method
-table entry). A real method puts these at heads/|drafters/, recipes/, conf/recipe/, runtime/drafting/ and one
-entry in common/methods.py; the toy lives under tests/ and registers only while a test needs it (:func:`install`).
+tests/test_docs.py places it in a copy of the repository, trains it through ``train.py recipe=toy``, exports and
+serves it, and counts the files that changed; tests/test_method_table.py loads it here, in-process, under the module
+names it would have (:func:`install`), and checks it like every real method.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
+import shutil
 import sys
+from pathlib import Path
+from types import ModuleType
 
-from draftsmith.common.methods import METHODS, Method, register_method, unregister_method
+TOY = Path(__file__).resolve().parent
+NAME = "toy"
+# The toy's files, at the paths a real method's take (the same relative path here and in a checkout).
+PLACED = ("heads/toy.py", "recipes/toy/__init__.py", "recipes/toy/objective.py", "conf/recipe/toy.yaml",
+          "runtime/drafting/toy.py", "tests/test_toy.py")
+# The lists that name every method, and the one name the toy adds to each: file -> (line before, line after).
+_RECIPES = '            "adaptive_temperature", "learn2pd", "diffusion_adapt"'
+_FAMILIES = "    from draftsmith.runtime.drafting import clover, dflash, eagle, hydra, kangaroo, medusa, specdecpp"
+LISTED = {"recipes/__init__.py": (f"{_RECIPES})", f'{_RECIPES}, "toy")'),
+          "runtime/drafting/registry.py": (f"{_FAMILIES}  # noqa: F401", f"{_FAMILIES}, toy  # noqa: F401")}
+# Module name -> file, in import order (each imports the ones before it).
+MODULES = {"draftsmith.heads.toy": "heads/toy.py", "draftsmith.recipes.toy": "recipes/toy/__init__.py",
+           "draftsmith.recipes.toy.objective": "recipes/toy/objective.py",
+           "draftsmith.runtime.drafting.toy": "runtime/drafting/toy.py"}
 
-TOY_ECHO = Method(
-    name="toy_echo",
-    label="Toy echo",
-    family="heads",
-    config="tests/toy_method/toy_echo.yaml",  # a real method: conf/recipe/<name>.yaml (the default)
-    module="tests/toy_method/toy_echo_head.py",
-    proposer="toy_echo",  # the export `method` its runtime proposer is registered for
-    tests=("tests/test_method_table.py",),
-)
-_MODULES = ("toy_method.toy_echo_recipe", "toy_method.toy_echo_proposer")
+
+def place(repo: Path) -> None:
+    """Add the toy to the checkout ``repo``: its files copied to their paths, its name added to the two lists."""
+    for rel in PLACED:
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(TOY / rel, repo / rel)
+    for rel, (before, after) in LISTED.items():
+        text = (repo / rel).read_text()
+        assert text.count(before + "\n") == 1, f"{rel}: the list the toy joins moved; update LISTED in {__file__}"
+        (repo / rel).write_text(text.replace(before + "\n", after + "\n"))
 
 
-def install() -> Method:
-    """Register the toy's recipe, proposer and method table entry (importing the files registers them)."""
-    for name in _MODULES:
-        importlib.import_module(name)
-    return register_method(TOY_ECHO)
+def _load(name: str, path: Path) -> ModuleType:
+    package = [str(path.parent)] if path.name == "__init__.py" else None
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=package)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_loaded: list[str] = []  # what install() loaded here (nothing in a checkout where the toy is placed for real)
+
+
+def install() -> ModuleType:
+    """Load the toy in this process under the names it has in a checkout, which registers its recipe and proposer
+    (the real lists stay as they are); in a checkout that holds it already (tests/test_docs.py's copy), the toy the
+    lists registered. Returns its recipe package."""
+    from draftsmith.recipes import RECIPES
+    from draftsmith.runtime.drafting.registry import load_families
+
+    load_families()
+    if NAME not in RECIPES:
+        for name, rel in MODULES.items():
+            _load(name, TOY / rel)
+            _loaded.append(name)
+    return sys.modules["draftsmith.recipes.toy"]
 
 
 def uninstall() -> None:
     """Undo :func:`install`, so the toy never leaks into other tests' view of the registries."""
-    from draftsmith.recipes.registry import RECIPES
-    from draftsmith.runtime.drafting.base import _REGISTRY
+    from draftsmith.recipes import RECIPES
+    from draftsmith.runtime.drafting.registry import _REGISTRY
 
-    RECIPES.pop(TOY_ECHO.name, None)
-    if TOY_ECHO.proposer in _REGISTRY:
-        _REGISTRY.unregister(TOY_ECHO.proposer)
-    if TOY_ECHO.name in METHODS:
-        unregister_method(TOY_ECHO.name)
-    for name in _MODULES:
+    if not _loaded:
+        return
+    RECIPES.pop(NAME, None)
+    if NAME in _REGISTRY:
+        _REGISTRY.unregister(NAME)
+    for name in _loaded:
         sys.modules.pop(name, None)
+    _loaded.clear()
