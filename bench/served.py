@@ -16,15 +16,17 @@ import torch
 from draftsmith.bench import floors, progress
 from draftsmith.bench.timing import compare_outputs, time_hf_generate
 from draftsmith.runtime.decoding import metrics
+from draftsmith.runtime.decoding.speculative import SpecResult
+from draftsmith.runtime.drafting.base import Proposer
 from draftsmith.runtime.serving import Runtime, load_runtime
 
 
-def _counted(result: Any) -> Any:
+def _counted(result: SpecResult) -> SpecResult:
     progress.step()
     return result
 
 
-def served_text(runtime: Any, cost_model: dict[str, Any] | None) -> str:
+def served_text(runtime: Runtime, cost_model: dict[str, Any] | None) -> str:
     """What the timed speculative rows ran: plain decoding (and why), the cost-aware shape, or the given policy."""
     spec = runtime.speculative
     policy = (runtime.inference or {}).get("stop_policy") or {}
@@ -37,21 +39,21 @@ def served_text(runtime: Any, cost_model: dict[str, Any] | None) -> str:
     return f"stop policy {given}"
 
 
-def checked_label(runtime: Any) -> str:
+def checked_label(runtime: Runtime) -> str:
     """The label of a lossless check that ran the runtime's own proposer and stop policy (as loaded)."""
     policy = (runtime.inference or {}).get("stop_policy") or {}
     return f"the drafter with stop policy {policy.get('spec', 'n/a')} ({policy.get('source', 'n/a')})"
 
 
-def drafted_tau(results: list[Any]) -> float | None:
+def drafted_tau(results: list[SpecResult]) -> float | None:
     """Tau over speculative results, None when nothing was drafted (plain decoding has no tau)."""
     if not any(d > 0 for r in results for d in r.depths):
         return None
     return metrics.tau([a for r in results for a in r.accepted_per_step])
 
 
-def with_drafter(runtime: Any, same_dtype: dict[str, Any] | None, prompts: list[list[int]], max_new_tokens: int,
-                 export_proposer: Any, cost_model: dict[str, Any] | None,
+def with_drafter(runtime: Runtime, same_dtype: dict[str, Any] | None, prompts: list[list[int]], max_new_tokens: int,
+                 export_proposer: Proposer, cost_model: dict[str, Any] | None,
                  reference: list[list[int]] | None) -> dict[str, Any] | None:
     """The same-dtype lossless record (:func:`same_dtype_match`), made to exercise the drafter:
     when plain decoding was served, greedy speculative decoding with the best measured draft shape (else the export's
@@ -100,7 +102,7 @@ def same_dtype_match(runtime: Runtime, temperature: float, hf_reference: dict[st
                       ar: dict[str, Any], sp: dict[str, Any]) -> dict[str, Any] | None:
     """Greedy lossless verifiers only: the speculative outputs against a same-dtype reference, HF when it ran in the
     runtime's dtype (``hf_reference``, else None), else the runtime's own AR (itself checked against HF)."""
-    if not (temperature == 0 and getattr(runtime.speculative.verifier, "lossless", True)):
+    if not (temperature == 0 and runtime.speculative.verifier.lossless):
         return None
     reference = hf_reference["outputs"] if hf_reference is not None else ar["outputs"]
     return {"dtype": str(runtime.model.dtype).replace("torch.", ""),

@@ -21,7 +21,7 @@ from draftsmith.common.chat import encode_chat
 from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.serving import eos_ids_from_folder
-from draftsmith.runtime.target.loading import Decoder
+from draftsmith.runtime.target.interface import TargetDecoder
 
 DecodeFn = Callable[[list[int]], list[int]]
 
@@ -136,7 +136,7 @@ def time_hf_generate(
 
 
 def time_runtime_ar(
-    model: Decoder,
+    model: TargetDecoder,
     prompts_ids: Sequence[list[int]],
     max_new_tokens: int,
     eos_ids: Sequence[int] = (),

@@ -219,10 +219,10 @@ def test_when_plain_decoding_is_served_the_lossless_check_still_runs_the_drafter
     served and what was checked."""
     from draftsmith.bench import run as bench_run
     from draftsmith.bench.report import markdown_table
-    from draftsmith.runtime.acceptance import shapes
+    from draftsmith.runtime.shapes import draft_shapes
 
     def serve_plain(runtime, prompts, costs):  # what the cost-aware choice does when speculation would lose
-        shapes.apply_shape(runtime.speculative, shapes.PLAIN)
+        draft_shapes.apply_shape(runtime.speculative, draft_shapes.PLAIN)
         why = "plain decoding measured fastest (speculation loses here)"
         return {"why": why, "summary": why, "table": [], "shape_label": "plain"}
 

@@ -25,7 +25,7 @@ from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes import medusa as medusa_recipe
 from draftsmith.recipes.medusa import MedusaObjective, default_tree, medusa_head_loss
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import build_proposer
+from draftsmith.runtime.drafting.registry import build_proposer
 
 pytestmark = pytest.mark.unit
 

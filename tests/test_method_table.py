@@ -34,7 +34,7 @@ from draftsmith.export.converters import (
 )
 from draftsmith.export.converters import export_formats as converter_formats
 from draftsmith.recipes import RECIPES, get_recipe
-from draftsmith.runtime.drafting.base import registered_methods
+from draftsmith.runtime.drafting.registry import registered_methods
 
 pytestmark = pytest.mark.unit
 
@@ -174,7 +174,8 @@ def test_the_toy_method_trains_exports_and_drafts(toy, tiny_target, tmp_path):
     from omegaconf import OmegaConf
 
     from draftsmith.export.format import write_export
-    from draftsmith.runtime.drafting.base import StepContext, build_proposer
+    from draftsmith.runtime.drafting.base import StepContext
+    from draftsmith.runtime.drafting.registry import build_proposer
 
     cfg = OmegaConf.load(ROOT / toy.config)
     get_recipe(toy.name).validate(cfg)

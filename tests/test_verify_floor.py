@@ -22,6 +22,7 @@ from draftsmith.runtime.drafting.eagle import EagleProposer
 from draftsmith.runtime.drafting.eagle_models import Eagle3DraftModel, StaticDraftKV, grouped_attention
 from draftsmith.runtime.drafting.tree import DraftTree, tree_template
 from draftsmith.runtime.target.cache import CacheFullError, TokenBuffer
+from draftsmith.runtime.target.interface import TargetWrapper
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
 pytestmark = pytest.mark.unit
@@ -137,12 +138,12 @@ def test_forward_argmax_head_matches_logits(pair):
         model.forward(ids, model.allocate_cache(8), head="probs")
 
 
-class ForwardSpy:
+class ForwardSpy(TargetWrapper):
     """Delegates to a decoder (and its ``argmax_head``), recording the ``head`` each verify forward asked for."""
 
     def __init__(self, model):
+        super().__init__(model)
         self.model, self.heads = model, []
-        self.config, self.device, self.argmax_head = model.config, model.device, model.argmax_head
 
     def allocate_cache(self, max_len):
         return self.model.allocate_cache(max_len)

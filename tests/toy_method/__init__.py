@@ -35,7 +35,7 @@ def install() -> Method:
 def uninstall() -> None:
     """Undo :func:`install`, so the toy never leaks into other tests' view of the registries."""
     from draftsmith.recipes.registry import RECIPES
-    from draftsmith.runtime.drafting.base import _REGISTRY
+    from draftsmith.runtime.drafting.registry import _REGISTRY
 
     RECIPES.pop(TOY_ECHO.name, None)
     if TOY_ECHO.proposer in _REGISTRY:

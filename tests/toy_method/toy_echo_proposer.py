@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from draftsmith.export.format import read_export
-from draftsmith.runtime.drafting.base import Proposer, StepContext, register_proposer
+from draftsmith.runtime.drafting.base import Proposer, StepContext
+from draftsmith.runtime.drafting.registry import register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree
 from toy_method.toy_echo_head import ToyEchoHead
 
