@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.bench import progress
 from draftsmith.bench.timing import compare_outputs, speedup_ci, time_interleaved
 from draftsmith.runtime.acceptance.verifiers import GreedyVerifier
 from draftsmith.runtime.decoding import metrics
@@ -29,6 +30,7 @@ from draftsmith.runtime.target.interface import TargetDecoder
 
 DEFAULT_CHAIN = 3  # chains of 3-4 are the useful shapes on a 2-core CPU (verify cost grows past them)
 REHEARSALS = 3  # untimed passes at most to settle the references (fp32 settles in one)
+CHECK_ACCEPTANCE, CHECK_CHAIN = 0.8, 4  # the lossless check's oracle: mostly accepted chains of 4 (tau ~3.4)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,31 @@ def run_oracle(model: TargetDecoder, eos_ids: tuple[int, ...], prompts: list[lis
             "lossless": same["all_identical"],
             "lossless_detail": {"dtype": str(model.dtype).replace("torch.", ""), "reference": "runtime_ar", **same},
             "diverged_prompts": oracle.diverged, "rehearsals": rehearsals}
+
+
+def oracle_lossless(model: TargetDecoder, eos_ids: tuple[int, ...], prompts: list[list[int]], max_new_tokens: int,
+                    reference: list[list[int]], kernels: str = "auto") -> dict[str, Any]:
+    """The lossless check's second proposer, beside the real drafter: the oracle drafting the target's own greedy
+    continuation (plain decoding's, ``CHECK_CHAIN`` tokens past the limit), right at each position with probability
+    ``CHECK_ACCEPTANCE``, so verification accepts drafts on most steps even where the real drafter is weak (a short
+    training run drafts tau 1.0-1.1: the accept path runs a few times a prompt). Its greedy speculative outputs are
+    compared with ``reference`` (HF ``generate``'s, or whatever the drafter was compared with)."""
+    plain = []
+    for prompt in prompts:
+        plain.append(generate_ar(model, prompt, max_new_tokens + CHECK_CHAIN, eos_ids=eos_ids))
+        progress.step()
+    oracle = OracleProposer({tuple(p): ref for p, ref in zip(prompts, plain)}, CHECK_ACCEPTANCE, CHECK_CHAIN)
+    model.check_speculative()  # the HF fallback verifies trees exactly or refuses
+    spec = SpeculativeDecoder(model, oracle, GreedyVerifier(kernels), kernel_backend=kernels)
+    results = []
+    for prompt in prompts:
+        results.append(spec.generate(prompt, max_new_tokens, eos_ids=eos_ids))
+        progress.step()
+    accepted = [a for r in results for a in r.accepted_per_step]
+    same = compare_outputs(reference, [r.tokens for r in results])
+    return {"acceptance": CHECK_ACCEPTANCE, "chain": CHECK_CHAIN, **same,
+            "tau": metrics.tau(accepted) if accepted else None,
+            "expected_tau": expected_tau(CHECK_ACCEPTANCE, CHECK_CHAIN), "diverged_prompts": oracle.diverged}
 
 
 def _settle_references(spec: SpeculativeDecoder, oracle: OracleProposer, prompts: list[list[int]],

@@ -147,6 +147,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "head_agreement_top1": head_agreement(runtime, prompts, ar["outputs"]), "tokens_per_s": tps,
         "speedup": _speedups(tps, ar, sp, hf),
         "lossless": None if lossless is None else lossless["all_identical"], "lossless_detail": lossless,
+        "lossless_oracle": ((lossless or {}).get("oracle") or {}).get("all_identical"),
         "same_dtype_match": same_dtype, "runtime_ar_matches_hf":
             compare_outputs(hf["outputs"], ar["outputs"])["all_identical"] if hf_same_dtype else None,
         "step_costs": _step_cost_fields(costs, ar, sp, steps, tau),

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from draftsmith.bench import floors, progress
+from draftsmith.bench.oracle import oracle_lossless
 from draftsmith.bench.timing import compare_outputs, time_hf_generate
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.speculative import SpecResult
@@ -63,8 +64,8 @@ def with_drafter(runtime: Runtime, same_dtype: dict[str, Any] | None, prompts: l
     if same_dtype is None or reference is None:
         return same_dtype
     if not spec.serves_plain_ar():
-        return {**same_dtype, "checked": "the served policy (the timed speculative outputs)",
-                "tau": None}
+        return {**same_dtype, "checked": "the served policy (the timed speculative outputs)", "tau": None,
+                "oracle": _oracle_if_fp32(runtime, prompts, max_new_tokens, reference)}
     saved = (spec.proposer, spec.stop_policy)
     try:
         label = floors.apply_profiled_shape(spec, export_proposer, cost_model)
@@ -73,7 +74,19 @@ def with_drafter(runtime: Runtime, same_dtype: dict[str, Any] | None, prompts: l
     finally:
         spec.proposer, spec.stop_policy = saved
     drafted = [r.tokens for r in results]
-    return {**same_dtype, **compare_outputs(reference, drafted), "checked": label, "tau": drafted_tau(results)}
+    return {**same_dtype, **compare_outputs(reference, drafted), "checked": label, "tau": drafted_tau(results),
+            "oracle": _oracle_if_fp32(runtime, prompts, max_new_tokens, reference)}
+
+
+def _oracle_if_fp32(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int,
+                    reference: list[list[int]]) -> dict[str, Any] | None:
+    """The oracle beside the drafter (:func:`~draftsmith.bench.oracle.oracle_lossless`) where the check is exact:
+    fp32 (a bf16 verify block may flip a near-tie, for any proposer)."""
+    if runtime.model.dtype != torch.float32:
+        return None
+    with progress.current().phase("lossless check: the oracle beside the drafter", 2 * len(prompts)):
+        return oracle_lossless(runtime.model, runtime.eos_ids, prompts, max_new_tokens, reference,
+                               runtime.speculative.kernel_backend)
 
 
 def lossless_check(drafter: str, target: str | None, prompts: list[list[int]], max_new_tokens: int,
@@ -85,17 +98,20 @@ def lossless_check(drafter: str, target: str | None, prompts: list[list[int]], m
     ``--stop-policy`` given): it always runs the drafter, whatever the timed run serves (``checked`` says which).
 
     Exactness is checked in fp32: in bf16, verifying a block is not bit-identical to decoding token by token
-    (different reduction orders), so near-ties can legitimately flip.
+    (different reduction orders), so near-ties can legitimately flip. The oracle proposer runs beside the drafter
+    (``oracle``: :func:`~draftsmith.bench.oracle.oracle_lossless`), so accepted drafts are verified too.
     """
-    with progress.current().phase(f"lossless check ({dtype}): load, HF generate, the drafter", 2 * len(prompts)):
+    phase = f"lossless check ({dtype}): load, HF generate, the drafter, the oracle"
+    with progress.current().phase(phase, 4 * len(prompts)):
         runtime = load_runtime(drafter, target, dtype, kernels, "greedy", 0.0, proposer_options=proposer_options,
                                backend=backend, stop_policy=stop_policy)
         hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=runtime.model.dtype)
         results = [_counted(runtime.speculative.generate(p, max_new_tokens, eos_ids=runtime.eos_ids))
                    for p in prompts]
+        oracle = oracle_lossless(runtime.model, runtime.eos_ids, prompts, max_new_tokens, hf["outputs"], kernels)
     # "hf" lets run_bench reuse this timed HF run when HF's fastest dtype is the check's dtype (fp32 CPUs).
     return {"dtype": dtype, **compare_outputs(hf["outputs"], [r.tokens for r in results]), "hf": hf,
-            "checked": checked_label(runtime), "tau": drafted_tau(results)}
+            "checked": checked_label(runtime), "tau": drafted_tau(results), "oracle": oracle}
 
 
 def same_dtype_match(runtime: Runtime, temperature: float, hf_reference: dict[str, Any] | None,
