@@ -5,6 +5,7 @@ answers each declared member consistently."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -14,10 +15,17 @@ import torch.nn.functional as F
 from test_hf_fallback import tiny
 from test_speculative import tiny_llama
 
-from draftsmith.runtime.drafting.base import ReportsVerifyReuse
+from draftsmith.runtime.decoding.autoregressive import generate_ar
+from draftsmith.runtime.decoding.prompt_limits import ContextCapWarning
+from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.drafting.base import ReportsVerifyReuse, StepContext
+from draftsmith.runtime.drafting.chain import ChainProposer, DecoderDrafter
+from draftsmith.runtime.serving import load_runtime
 from draftsmith.runtime.target.hf import HFModelAdapter
 from draftsmith.runtime.target.interface import TargetDecoder, TargetSizes, TargetWrapper
 from draftsmith.runtime.target.linear_ops import PackedLinear
+from draftsmith.runtime.target.loading import load_decoder
+from draftsmith.runtime.target.weights import RemoteCodeRefused, check_custom_code
 
 pytestmark = pytest.mark.unit
 
@@ -167,3 +175,52 @@ def test_a_wrapper_delegates_every_declared_member_it_does_not_override():
     torch.testing.assert_close(wrapped.embed_tokens(ids), lean.embed_tokens(ids))
     a, b = wrapped.forward(ids, wrapped.allocate_cache(8)), lean.forward(ids, lean.allocate_cache(8))
     torch.testing.assert_close(a.logits, b.logits)
+
+
+def test_the_step_context_is_built_with_keywords_only():
+    with pytest.raises(TypeError):
+        StepContext(torch.tensor([1, 2]), 2, torch.zeros(4))  # positional: fields of one type could swap unnoticed
+    ctx = StepContext(tokens=torch.tensor([1, 2]), root_token=2, hidden=torch.zeros(4))
+    assert ctx.stop_policy is None and ctx.acceptance is None
+
+
+def test_max_new_tokens_past_the_context_is_capped_in_one_line():
+    """10^9 new tokens used to size a 10^9-slot cache (an allocator error); now generation stops at the context's end
+    with one warning naming it, in the plain and the speculative loop alike."""
+    _, lean = tiny_llama(0, layers=2)  # max_position_embeddings 256
+    prompt = list(range(1, 11))
+    with pytest.warns(ContextCapWarning, match=r"max_new_tokens=1000000000 runs past the target's context of 256 "
+                                               r"positions \(max_position_embeddings\)"):
+        plain = generate_ar(lean, prompt, 10**9)
+    assert len(plain) == 256 - len(prompt)
+    spec = SpeculativeDecoder(lean, ChainProposer(DecoderDrafter(lean, 300), depth=3))
+    with pytest.warns(ContextCapWarning, match="context of 256 positions"):
+        assert spec.generate(prompt, 10**9).tokens == plain
+    with pytest.raises(ValueError, match="the prompt has 256 tokens but the target's context is 256 positions"):
+        generate_ar(lean, [1 + i % 90 for i in range(256)], 4)
+
+
+def custom_code_folder(tmp_path: Path, model_type: str) -> Path:
+    """The tiny Llama's folder whose config names its own model code (``auto_map``) under ``model_type``."""
+    hf, _ = tiny_llama(0, layers=1)
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type=model_type, auto_map={"AutoModelForCausalLM": "modeling_mine.MyLM"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_a_target_with_its_own_code_is_refused_without_the_opt_in(tmp_path):
+    folder = custom_code_folder(tmp_path, "my_own_lm")
+    for load in (lambda: load_decoder(folder), lambda: load_decoder(folder, backend="hf"),
+                 lambda: load_runtime(None, str(folder))):
+        with pytest.raises(RemoteCodeRefused) as err:
+            load()
+        assert "--trust-remote-code" in str(err.value) and "\n" not in str(err.value)
+    assert check_custom_code(folder, trust_remote_code=True) is True  # the opt-in lets transformers run it
+
+
+def test_a_known_model_type_loads_with_transformers_own_code_whatever_its_auto_map(tmp_path):
+    folder = custom_code_folder(tmp_path, "llama")
+    assert check_custom_code(folder) is False
+    assert isinstance(load_decoder(folder, backend="hf"), HFModelAdapter)  # no remote code runs
