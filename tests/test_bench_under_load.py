@@ -46,7 +46,7 @@ def test_the_bench_forward_curve_and_the_calibration_curves_tick_the_governor(me
 
 
 def _runtime(tmp_path: Path):
-    return SimpleNamespace(folder=str(tmp_path / "target"), model=SimpleNamespace(dtype=torch.float32),
+    return SimpleNamespace(folder=str(tmp_path / "target"), model=SimpleNamespace(dtype=torch.float32, linear_ops="dense"),
                            export_config={"method": "medusa", "fingerprint": "abc"})
 
 
