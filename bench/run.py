@@ -225,7 +225,8 @@ def _time_hf(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, sk
           and len(hf_result["outputs"]) == len(prompts)):
         hf = hf_result
     else:
-        hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=hf_torch_dtype)
+        hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=hf_torch_dtype,
+                              trust_remote_code=runtime.trust_remote_code)
     return hf, hf_torch_dtype, hf_reason, lossless
 
 

@@ -105,7 +105,8 @@ def lossless_check(drafter: str, target: str | None, prompts: list[list[int]], m
     with progress.current().phase(phase, 4 * len(prompts)):
         runtime = load_runtime(drafter, target, dtype, kernels, "greedy", 0.0, proposer_options=proposer_options,
                                backend=backend, stop_policy=stop_policy)
-        hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=runtime.model.dtype)
+        hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=runtime.model.dtype,
+                              trust_remote_code=runtime.trust_remote_code)
         results = [_counted(runtime.speculative.generate(p, max_new_tokens, eos_ids=runtime.eos_ids))
                    for p in prompts]
         oracle = oracle_lossless(runtime.model, runtime.eos_ids, prompts, max_new_tokens, hf["outputs"], kernels)

@@ -56,6 +56,7 @@ class Runtime:
     inference: dict[str, Any] | None = None  # verifier / stop policy / proposer options that run, and their sources
     decoder_backend: str = ""  # "lean" or "hf" (the transformers fallback)
     decoder_reason: str = ""  # why: forced by --backend, or what auto found
+    trust_remote_code: bool = False  # the user let the target folder's own model code run (--trust-remote-code)
 
     def backend_report(self) -> dict[str, Any]:
         """What runs and why: CPU, dtype, linear backend (for bench.json, the bench table and generate --verbose)."""
@@ -144,7 +145,8 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
                                          transform_weights=adapter[0] if adapter else None,
                                          trust_remote_code=trust_remote_code)
     runtime = Runtime(str(folder), model, tokenizer, eos_ids_from_folder(folder), export_config,
-                      dtype_reason=dtype_reason, decoder_backend=decoder, decoder_reason=why)
+                      dtype_reason=dtype_reason, decoder_backend=decoder, decoder_reason=why,
+                      trust_remote_code=trusted)
     hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trusted) if drafter or controller else None
     if drafter:
         identity = target_identity(export_config["target"]["name_or_path"], hf_config, tokenizer,

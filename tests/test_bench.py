@@ -245,3 +245,18 @@ def test_when_plain_decoding_is_served_the_lossless_check_still_runs_the_drafter
     assert "| tau (mean accepted length, incl. bonus) | n/a: plain decoding was served (nothing drafted); the " \
            "drafter's tau in the lossless check:" in table
     assert "checked: the export's proposer (plain decoding is served), tau " in table
+
+
+def test_hf_generate_stops_at_the_context_as_the_runtime_does(tiny_target_dir):
+    """Past the model's context the runtime caps ``max_new_tokens``; the HF baseline is capped alike, so the bench's
+    lossless comparison compares outputs of one length (HF would otherwise run on past max_position_embeddings)."""
+    from draftsmith.bench.timing import compare_outputs, time_hf_generate
+    from draftsmith.runtime.decoding.autoregressive import generate_ar
+    from draftsmith.runtime.decoding.prompt_limits import ContextCapWarning
+    from draftsmith.runtime.target.loading import load_decoder
+
+    prompt = [5, 9, 11, 7]
+    with pytest.warns(ContextCapWarning, match="context of 512 positions"):
+        hf = time_hf_generate(tiny_target_dir, [prompt], 10**6)
+        ours = generate_ar(load_decoder(tiny_target_dir), prompt, 10**6)
+    assert len(hf["outputs"][0]) <= 512 - len(prompt) and compare_outputs(hf["outputs"], [ours])["all_identical"]
