@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.runtime.decoding.threads import busy_all_seconds
+from draftsmith.runtime.serving import Runtime
 
 OTHERS_SHARE_LIMIT = 0.10  # other processes using over 10% of all CPUs during timing: the figure is contended
 
@@ -55,15 +56,15 @@ def verdict(start: CpuSnapshot, end: CpuSnapshot, cpus: int | None = None,
             "why": why}
 
 
-def calibrated_if_quiet(runtime: Any, calibrate: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def calibrated_if_quiet(runtime: Runtime, calibrate: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run the bench's cost-aware ``calibrate()`` (it returns its record, ``cache`` the decision file it wrote). When
     other processes were busy meanwhile, its measured costs are not this machine's: the decision it cached is taken
     back (the one cached there before, if any, is put back) while this bench still serves it. The record gets
     ``cached``, ``calibration_contention`` and, when not cached, ``not_cached_why``."""
     from draftsmith.common.atomic_folder import write_file
-    from draftsmith.runtime.acceptance import cost_model, depth_choice
+    from draftsmith.runtime.shapes import calibration, cost_model
 
-    path = Path(cost_model.cache_dir()) / f"{depth_choice.cache_key(depth_choice.machine_identity(runtime))}.json"
+    path = Path(cost_model.cache_dir()) / f"{calibration.cache_key(calibration.machine_identity(runtime))}.json"
     before = path.read_bytes() if path.is_file() else None
     start = snapshot()
     record = calibrate()

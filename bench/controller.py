@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from draftsmith.bench.timing import speedup_ci, time_interleaved
+from draftsmith.runtime.serving import Runtime
 
 
-def bench_controller(runtime: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+def bench_controller(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
     """Tokens/s with and without the layer and its overhead; the mean temperature it chose.
 
     An untimed first pass (also the warm-up) records the temperatures the layer picks, call by call. Then, per
@@ -72,7 +73,7 @@ def bench_controller(runtime: Any, prompts: list[list[int]], max_new_tokens: int
     return _controller_result(runtime, prompts, max_new_tokens, recorded, call_seconds, times)
 
 
-def _controller_result(runtime: Any, prompts: list[list[int]], max_new_tokens: int,
+def _controller_result(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int,
                        recorded: dict[int, list[torch.Tensor]], call_seconds: list[list[float]],
                        times: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The result of :func:`bench_controller` from its recorded temperatures, the layer's per-call seconds (per

@@ -10,9 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 from draftsmith.bench import progress
+from draftsmith.runtime.serving import Runtime
 
 
-def _lossless_first(args: argparse.Namespace, rt: Any, prompts: list[list[int]]) -> dict[str, Any] | None:
+def _lossless_first(args: argparse.Namespace, rt: Runtime, prompts: list[list[int]]) -> dict[str, Any] | None:
     """The separate lossless check (fp32 by default) when the timing dtype is another one; None otherwise."""
     from draftsmith.bench.served import lossless_check
     from draftsmith.runtime.serving import parse_options, resolve_dtype
@@ -25,7 +26,7 @@ def _lossless_first(args: argparse.Namespace, rt: Any, prompts: list[list[int]])
                           stop_policy=args.stop_policy)  # auto/export: the export's own (it drafts)
 
 
-def _additions(args: argparse.Namespace, rt: Any, prompts: list[list[int]], result: dict[str, Any],
+def _additions(args: argparse.Namespace, rt: Runtime, prompts: list[list[int]], result: dict[str, Any],
                parity_runner: Callable[..., dict[str, Any]]) -> None:
     """What the flags add to ``result``: llama.cpp peers, engine parity, the oracle beside the drafter."""
     phases = progress.current()
@@ -48,7 +49,7 @@ def _additions(args: argparse.Namespace, rt: Any, prompts: list[list[int]], resu
         result["oracle"] = phases.run("oracle beside the drafter", lambda: oracle_beside(args, rt, prompts))
 
 
-def bench_export(args: argparse.Namespace, rt: Any, prompts: list[list[int]],
+def bench_export(args: argparse.Namespace, rt: Runtime, prompts: list[list[int]],
                  parity_runner: Callable[..., dict[str, Any]]) -> int:
     """Run the export bench on the loaded runtime ``rt`` (``parity_runner``: the llama.cpp runner of
     ``--engine-parity``, from the CLI: bench/ never imports evals/)."""

@@ -18,6 +18,9 @@ import torch
 from torch import nn
 
 from draftsmith.kernels import cpu_caps
+from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.drafting.base import Proposer
+from draftsmith.runtime.target.interface import TargetDecoder
 
 AR_TARGET = 1.3  # one AR step at most this many times its floor (issue 25, item 5)
 DRAFT_TARGET = 2.0  # one drafted token at most this many times its drafter's floor (issue 25, item 4)
@@ -80,16 +83,7 @@ def _floating(module: nn.Module) -> dict[int, tuple[list[str], torch.Tensor]]:
     return out
 
 
-def _kv_shape(config: Any) -> tuple[int, int, int]:
-    """(layers, key/value heads, head dim) of a lean or HF config."""
-    layers = getattr(config, "num_layers", None) or config.num_hidden_layers
-    heads = getattr(config, "num_heads", None) or config.num_attention_heads
-    kv = getattr(config, "num_kv_heads", None) or getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return int(layers), int(kv), int(head_dim)
-
-
-def decoder_step_bytes(model: nn.Module, context_tokens: float, new_tokens: int = 1) -> dict[str, int]:
+def decoder_step_bytes(model: TargetDecoder, context_tokens: float, new_tokens: int = 1) -> dict[str, int]:
     """Bytes one forward of ``new_tokens`` tokens after ``context_tokens`` cached ones must read: every decoder
     layer's weights, the final norm, the LM head (once; a tied head is the embedding), one embedding row per new token
     and the keys and values of the context, all in the serving dtype."""
@@ -97,17 +91,17 @@ def decoder_step_bytes(model: nn.Module, context_tokens: float, new_tokens: int 
     tensors = _floating(model)
     skip = {embed.data_ptr(), head.data_ptr()}
     rest = sum(_nbytes(t) for ptr, (_, t) in tensors.items() if ptr not in skip)
-    layers_module = getattr(model, "layers", None)
+    layers_module = model.decoder_layers
     layers = sum(_nbytes(t) for _, t in _floating(layers_module).values()) if layers_module is not None else rest
-    num_layers, kv_heads, head_dim = _kv_shape(model.config)
-    kv = 2 * num_layers * kv_heads * head_dim * int(round(context_tokens)) * torch.tensor([], dtype=model.dtype
-                                                                                           ).element_size()
+    sizes = model.sizes
+    kv = 2 * sizes.num_layers * sizes.num_kv_heads * sizes.head_dim * int(round(context_tokens)) * \
+        torch.tensor([], dtype=model.dtype).element_size()
     parts = {"layers": layers, "final_norm": rest - layers, "lm_head": _nbytes(head),
              "embed_rows": new_tokens * embed.shape[-1] * embed.element_size(), "kv_cache": kv}
     return {**parts, "total": sum(parts.values())}
 
 
-def drafter_modules(proposer: Any, target: nn.Module, depth: int = 3) -> list[nn.Module]:
+def drafter_modules(proposer: Proposer, target: TargetDecoder, depth: int = 3) -> list[nn.Module]:
     """The nn.Modules a proposer drafts with (its heads, its drafter), found through its attributes and those of
     draftsmith helper objects it holds (an EAGLE proposer's serving model); never the target itself."""
     found: list[nn.Module] = []
@@ -130,7 +124,7 @@ def drafter_modules(proposer: Any, target: nn.Module, depth: int = 3) -> list[nn
     return found
 
 
-def drafter_call_bytes(proposer: Any, target: nn.Module) -> dict[str, int]:
+def drafter_call_bytes(proposer: Proposer, target: TargetDecoder) -> dict[str, int]:
     """Bytes one drafter call reads: every floating tensor of its modules once (the target's LM head too when the
     drafter holds it, e.g. EAGLE-1 and Medusa heads sharing it), except the token embedding, of which one row is read.
     A tensor counts as the embedding when every name holding it says ``embed``."""
@@ -152,7 +146,7 @@ def drafter_call_bytes(proposer: Any, target: nn.Module) -> dict[str, int]:
 
 
 @contextmanager
-def counting_draft_calls(proposer: Any, target: nn.Module) -> Iterator[dict[str, int]]:
+def counting_draft_calls(proposer: Proposer, target: TargetDecoder) -> Iterator[dict[str, int]]:
     """Count drafter calls while the block runs: ``{"calls": n}``. A proposer that declares ``counts_draft_calls``
     (EAGLE: one ``draft_calls`` per drafter forward, whose native path never enters an nn.Module's forward; Medusa)
     is read from its own counter; otherwise a forward of any top drafter module counts. Zero when the proposer drafts
@@ -183,7 +177,7 @@ def _row(measured_ms: float | None, floor_ms: float | None, target: float | None
     return row
 
 
-def step_floors(model: nn.Module, proposer: Any, profile: dict[str, Any], steps: dict[str, float],
+def step_floors(model: nn.Module, proposer: Proposer, profile: dict[str, Any], steps: dict[str, float],
                 ar_step_ms: float, bandwidth_gbs: float, threads: int | None = None) -> dict[str, Any]:
     """Measured against floor for the AR step, the verify forward and drafting.
 
@@ -229,16 +223,16 @@ def verdicts(floors: dict[str, Any]) -> list[str]:
     return lines
 
 
-def apply_profiled_shape(spec: Any, export_proposer: Any, cost_model: dict[str, Any] | None) -> str:
+def apply_profiled_shape(spec: SpeculativeDecoder, export_proposer: Proposer, cost_model: dict[str, Any] | None) -> str:
     """Put on ``spec`` the draft shape ``bench --profile`` profiles when plain decoding is served: the best measured
     shape of the cost model, else the export's proposer. Returns what was profiled, for the report."""
-    from draftsmith.runtime.acceptance import shapes  # only --profile needs it (the serving walk stays short)
+    from draftsmith.runtime.shapes import draft_shapes  # only --profile needs it (the serving walk stays short)
 
-    timed = [r for r in (cost_model or {}).get("table", []) if r["shape"] != shapes.PLAIN.label
+    timed = [r for r in (cost_model or {}).get("table", []) if r["shape"] != draft_shapes.PLAIN.label
              and r.get("measured_speedup") is not None]
     if timed:
         best = max(timed, key=lambda r: r["measured_speedup"])
-        shapes.apply_shape(spec, shapes.Shape.from_dict(best["spec"]), export_proposer)
+        draft_shapes.apply_shape(spec, draft_shapes.Shape.from_dict(best["spec"]), export_proposer)
         return f"{best['shape']} (the best measured shape; plain decoding is served)"
     spec.proposer = export_proposer
     return "the export's proposer (plain decoding is served)"

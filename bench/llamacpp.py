@@ -26,9 +26,12 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftsmith import assets
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 VERSION = "0.3.36"
 # 353 s on a 2-core AMD EPYC (Zen 4) VM at low priority beside other work; the script records each build's time
@@ -141,7 +144,7 @@ def run_completion(gguf: Path, prompt: str, max_new_tokens: int, threads: int = 
             "generated_ids": generated}
 
 
-def prompt_texts(prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer: Any) -> list[str]:
+def prompt_texts(prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """Rendered prompt texts: strings as given, token ids decoded with every special token kept."""
     if all(isinstance(p, str) for p in prompts):
         return list(prompts)  # type: ignore[arg-type]
@@ -152,7 +155,7 @@ def prompt_texts(prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer: An
 
 
 def llamacpp_row(gguf_path: str | Path, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int,
-                 threads: int = 2, tokenizer: Any = None, log_ids: bool = False) -> dict[str, Any]:
+                 threads: int = 2, tokenizer: PreTrainedTokenizerBase = None, log_ids: bool = False) -> dict[str, Any]:
     """Greedy llama.cpp over ``prompts`` (rendered texts, or chat-encoded token ids with their ``tokenizer``) with
     ``max_new_tokens`` each on ``threads`` threads: pooled decode, prompt and like-for-like rates, per prompt
     counters and texts (with ``log_ids``, also each prompt's ids as llama.cpp tokenized it, ``prompt_ids``, and the
@@ -247,8 +250,8 @@ def bf16_gguf(target_dir: str | Path | None = None, python: str = sys.executable
     return out
 
 
-def llamacpp_peers(prompts: Sequence[Sequence[int]], tokenizer: Any, max_new_tokens: int, threads: int = 2,
-                   target_dir: str | Path | None = None,
+def llamacpp_peers(prompts: Sequence[Sequence[int]], tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
+                   threads: int = 2, target_dir: str | Path | None = None,
                    runtime_ar_tokens_per_s: float | None = None) -> dict[str, Any]:
     """``peers.llamacpp`` of bench.json: a row per weight file (Q4_1 shipped, BF16 converted), or ``skipped`` with the
     reason (whole, when the build is missing; per file, when one file cannot be had). With the runtime's AR tokens/s,

@@ -10,6 +10,7 @@ then plain decoding and the oracle are timed interleaved, prompt by prompt, so t
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,15 +18,19 @@ from typing import Any
 
 import torch
 
+from draftsmith.bench import progress
 from draftsmith.bench.timing import compare_outputs, speedup_ci, time_interleaved
 from draftsmith.runtime.acceptance.verifiers import GreedyVerifier
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.oracle import OracleProposer, check_oracle, expected_tau
+from draftsmith.runtime.serving import Runtime
+from draftsmith.runtime.target.interface import TargetDecoder
 
 DEFAULT_CHAIN = 3  # chains of 3-4 are the useful shapes on a 2-core CPU (verify cost grows past them)
 REHEARSALS = 3  # untimed passes at most to settle the references (fp32 settles in one)
+CHECK_ACCEPTANCE, CHECK_CHAIN = 0.8, 4  # the lossless check's oracle: mostly accepted chains of 4 (tau ~3.4)
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class OracleRequest:
     seed: int = 0
 
 
-def oracle_request(args: Any) -> OracleRequest | None:
+def oracle_request(args: argparse.Namespace) -> OracleRequest | None:
     """The oracle the bench command line asks for, checked before anything loads (one-line ValueErrors); None when
     ``--oracle-acceptance`` is not given."""
     p, k, ms = args.oracle_acceptance, args.oracle_chain, args.oracle_draft_ms or 0.0
@@ -60,7 +65,7 @@ def oracle_request(args: Any) -> OracleRequest | None:
     return OracleRequest(float(p), int(chain), float(ms), int(getattr(args, "seed", 0) or 0))
 
 
-def oracle_beside(args: Any, runtime: Any, prompts: list[list[int]]) -> dict[str, Any]:
+def oracle_beside(args: argparse.Namespace, runtime: Runtime, prompts: list[list[int]]) -> dict[str, Any]:
     """``bench --drafter EXPORT --oracle-acceptance P``: the oracle's row on the drafter's prompts and target."""
     request = oracle_request(args)
     if request is None:
@@ -68,7 +73,7 @@ def oracle_beside(args: Any, runtime: Any, prompts: list[list[int]]) -> dict[str
     return run_oracle(runtime.model, runtime.eos_ids, prompts, args.max_new_tokens, request, args.kernels)
 
 
-def run_oracle(model: Any, eos_ids: tuple[int, ...], prompts: list[list[int]], max_new_tokens: int,
+def run_oracle(model: TargetDecoder, eos_ids: tuple[int, ...], prompts: list[list[int]], max_new_tokens: int,
                request: OracleRequest, kernels: str = "auto") -> dict[str, Any]:
     """Time plain decoding and the oracle on ``prompts`` with the runtime decoder ``model`` (greedy); the result is
     bench.json's ``oracle`` section."""
@@ -76,8 +81,8 @@ def run_oracle(model: Any, eos_ids: tuple[int, ...], prompts: list[list[int]], m
     plain = [generate_ar(model, p, max_new_tokens + request.chain, eos_ids=eos_ids) for p in prompts]
     oracle = OracleProposer({tuple(p): ref for p, ref in zip(prompts, plain)}, request.acceptance, request.chain,
                             request.draft_ms, request.seed)
-    getattr(model, "check_speculative", lambda: None)()  # the HF fallback verifies trees exactly or refuses
-    spec = SpeculativeDecoder(model, oracle, GreedyVerifier(kernels), kernels_backend=kernels)
+    model.check_speculative()  # the HF fallback verifies trees exactly or refuses
+    spec = SpeculativeDecoder(model, oracle, GreedyVerifier(kernels), kernel_backend=kernels)
     rehearsals = _settle_references(spec, oracle, prompts, max_new_tokens, eos_ids)
     oracle.diverged, results = 0, []
 
@@ -99,6 +104,31 @@ def run_oracle(model: Any, eos_ids: tuple[int, ...], prompts: list[list[int]], m
             "lossless": same["all_identical"],
             "lossless_detail": {"dtype": str(model.dtype).replace("torch.", ""), "reference": "runtime_ar", **same},
             "diverged_prompts": oracle.diverged, "rehearsals": rehearsals}
+
+
+def oracle_lossless(model: TargetDecoder, eos_ids: tuple[int, ...], prompts: list[list[int]], max_new_tokens: int,
+                    reference: list[list[int]], kernels: str = "auto") -> dict[str, Any]:
+    """The lossless check's second proposer, beside the real drafter: the oracle drafting the target's own greedy
+    continuation (plain decoding's, ``CHECK_CHAIN`` tokens past the limit), right at each position with probability
+    ``CHECK_ACCEPTANCE``, so verification accepts drafts on most steps even where the real drafter is weak (a short
+    training run drafts tau 1.0-1.1: the accept path runs a few times a prompt). Its greedy speculative outputs are
+    compared with ``reference`` (HF ``generate``'s, or whatever the drafter was compared with)."""
+    plain = []
+    for prompt in prompts:
+        plain.append(generate_ar(model, prompt, max_new_tokens + CHECK_CHAIN, eos_ids=eos_ids))
+        progress.step()
+    oracle = OracleProposer({tuple(p): ref for p, ref in zip(prompts, plain)}, CHECK_ACCEPTANCE, CHECK_CHAIN)
+    model.check_speculative()  # the HF fallback verifies trees exactly or refuses
+    spec = SpeculativeDecoder(model, oracle, GreedyVerifier(kernels), kernel_backend=kernels)
+    results = []
+    for prompt in prompts:
+        results.append(spec.generate(prompt, max_new_tokens, eos_ids=eos_ids))
+        progress.step()
+    accepted = [a for r in results for a in r.accepted_per_step]
+    same = compare_outputs(reference, [r.tokens for r in results])
+    return {"acceptance": CHECK_ACCEPTANCE, "chain": CHECK_CHAIN, **same,
+            "tau": metrics.tau(accepted) if accepted else None,
+            "expected_tau": expected_tau(CHECK_ACCEPTANCE, CHECK_CHAIN), "diverged_prompts": oracle.diverged}
 
 
 def _settle_references(spec: SpeculativeDecoder, oracle: OracleProposer, prompts: list[list[int]],
@@ -145,7 +175,7 @@ def markdown_section(result: dict[str, Any]) -> str:
     return out
 
 
-def bench_oracle_alone(args: Any, request: OracleRequest) -> int:
+def bench_oracle_alone(args: argparse.Namespace, request: OracleRequest) -> int:
     """``bench --oracle-acceptance P`` without ``--drafter``: the oracle on the target alone (printed; bench.json and
     bench.md in ``--out``)."""
     from draftsmith.bench.prompts import load_prompts

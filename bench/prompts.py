@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from draftsmith import assets
 from draftsmith.common.chat import encode_chat
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def _text_of(path: Path) -> str:
@@ -26,7 +29,8 @@ def _text_of(path: Path) -> str:
 SLICE = re.compile(r"^(?P<name>.+)\[(?P<start>\d*):(?P<stop>\d*)\]$")
 
 
-def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | None = None) -> list[list[int]]:
+def load_prompts(spec: str, tokenizer: PreTrainedTokenizerBase, limit: int | None,
+                 max_len: int | None = None) -> list[list[int]]:
     """``mtbench`` (first turns of the 80 questions), ``humaneval`` (the 164 problems as chat prompts) or a jsonl
     with ``prompt`` or MT-Bench ``turns``; ``NAME[a:b]`` takes those prompts of the set (``mtbench[40:]``: prompts
     a bench on the first ones never sees, for choosing checkpoints on). With ``max_len`` (the target's context), a

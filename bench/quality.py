@@ -4,19 +4,25 @@ target next to the original's on held-out conversations, and agreement with the 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from draftsmith import assets
 from draftsmith.common.chat import encode_chat
+from draftsmith.runtime.serving import Runtime
+from draftsmith.runtime.target.interface import TargetDecoder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 HELD_OUT = 8  # conversations from the END of the embedded ShareGPT file (training reads from its start)
 MAX_TOKENS = 256
 
 
-def held_out_sequences(tokenizer: Any, count: int = HELD_OUT, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+def held_out_sequences(tokenizer: PreTrainedTokenizerBase, count: int = HELD_OUT,
+                       max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     """Token ids of the last ``count`` usable conversations of the embedded ShareGPT data (chat template applied,
     cut to ``max_tokens``). Held out as long as training used fewer conversations than the file holds."""
     records, _ = assets.read_sharegpt(assets.sharegpt_path())
@@ -35,18 +41,18 @@ def held_out_sequences(tokenizer: Any, count: int = HELD_OUT, max_tokens: int = 
 
 
 @torch.inference_mode()
-def perplexity(model: Any, sequences: list[list[int]]) -> float:
+def perplexity(model: TargetDecoder, sequences: list[list[int]]) -> float:
     """exp(mean next-token NLL) of a runtime decoder over ``sequences`` (each token after the first)."""
     nll, count = 0.0, 0
     for seq in sequences:
-        ids = torch.tensor(seq, device=getattr(model, "device", "cpu"))
+        ids = torch.tensor(seq, device=model.device)
         logits = model.forward(ids, model.allocate_cache(len(seq)), logits_for="all").logits.float()  # [T, V]
         nll += float(torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="sum"))
         count += len(seq) - 1
     return math.exp(nll / max(1, count))
 
 
-def lossy_target_report(runtime: Any, original: Any, spec_outputs: list[list[int]],
+def lossy_target_report(runtime: Runtime, original: Runtime, spec_outputs: list[list[int]],
                         original_outputs: list[list[int]] | None) -> dict[str, Any]:
     """For an export that changes its target: perplexity of the adapted and the original target on held-out
     conversations, and the share of greedy tokens (and whole outputs) equal to the original target's."""

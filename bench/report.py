@@ -31,6 +31,10 @@ def _lossless_text(result: dict[str, Any]) -> str:
     if detail.get("checked"):
         tau = detail.get("tau")
         text += f"; checked: {detail['checked']}" + (f", tau {tau:.3f}" if tau is not None else "")
+    oracle = detail.get("oracle")
+    if oracle:  # the oracle beside the drafter: accepted drafts verified on most steps
+        text += (f"; oracle (acceptance {oracle['acceptance']:g}, chain {oracle['chain']}): {oracle['all_identical']} "
+                 f"({oracle['identical']}/{oracle['total']}), tau {_fmt(oracle['tau'], 3)}")
     return text
 
 

@@ -18,12 +18,13 @@ from draftsmith.bench.timing import (
     time_runtime_ar,
 )
 from draftsmith.kernels import cpu_caps
-from draftsmith.runtime.acceptance import depth_choice
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
+from draftsmith.runtime.decoding.speculative import SpecResult
 from draftsmith.runtime.decoding.threads import governor
-from draftsmith.runtime.drafting.base import LookaheadHeads, ReportsVerifyReuse
+from draftsmith.runtime.drafting.base import LookaheadHeads, Proposer, ReportsVerifyReuse
 from draftsmith.runtime.serving import Runtime, hf_fastest_dtype
+from draftsmith.runtime.shapes import calibration
 from draftsmith.runtime.target.loading import load_decoder
 
 FORWARD_SIZES = tuple(range(1, 17))  # new tokens per forward: every verify size a candidate shape can have
@@ -44,7 +45,7 @@ def _step_costs(runtime: Runtime, prompt: list[int], context: int | None = None,
     length = max(context or 0, len(prompt))
     prompt = (prompt * (length // len(prompt) + 1))[:length]  # the prompt repeated up to ``context`` tokens
     cache = model.allocate_cache(len(prompt) + max(nodes, *FORWARD_SIZES) + 1)
-    head = depth_choice.loop_head(spec)  # the LM head the loops run (argmax for greedy verification)
+    head = calibration.loop_head(spec)  # the LM head the loops run (argmax for greedy verification)
     with torch.inference_mode():
         model.forward(torch.tensor(prompt), cache, logits_for="last")
         cache.commit(len(prompt))
@@ -113,7 +114,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
     ``lossless``: :func:`lossless_check`'s result when run separately (fp32 while timing bf16; its HF run is reused
     when in HF's dtype, as is ``hf_result``); else greedy outputs are compared here, in the timing dtype (with the
     drafter even when plain decoding is served: :func:`draftsmith.bench.served.with_drafter`). ``cost_aware``:
-    calibrate and apply this machine's fastest draft shape first (:mod:`draftsmith.runtime.acceptance.depth_choice`).
+    calibrate and apply this machine's fastest draft shape first (:mod:`draftsmith.runtime.shapes.calibration`).
     ``check_lossless=False``: no such check. ``profile``: time each part of a step; ``sweep_k``: also time fixed
     depths K; ``window``: tokens per window of ``tau_by_window``. Phases report progress (:mod:`.progress`)."""
     spec, timing_start, phases = runtime.speculative, contention.snapshot(), progress.current()
@@ -146,6 +147,7 @@ def run_bench(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, s
         "head_agreement_top1": head_agreement(runtime, prompts, ar["outputs"]), "tokens_per_s": tps,
         "speedup": _speedups(tps, ar, sp, hf),
         "lossless": None if lossless is None else lossless["all_identical"], "lossless_detail": lossless,
+        "lossless_oracle": ((lossless or {}).get("oracle") or {}).get("all_identical"),
         "same_dtype_match": same_dtype, "runtime_ar_matches_hf":
             compare_outputs(hf["outputs"], ar["outputs"])["all_identical"] if hf_same_dtype else None,
         "step_costs": _step_cost_fields(costs, ar, sp, steps, tau),
@@ -167,7 +169,7 @@ def _step_cost_fields(costs: dict[str, Any], ar: dict[str, Any], sp: dict[str, A
             "predicted_speedup_tau_x_step_over_verify": tau * costs["ar_step_ms"] / costs["verify_forward_ms"]}
 
 
-def _profile(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, export_proposer: Any = None,
+def _profile(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, export_proposer: Proposer = None,
              cost_model: dict[str, Any] | None = None) -> dict[str, Any]:
     """``bench --profile``: the mean ms of each part of a speculative step, and each against its bandwidth floor
     (:mod:`draftsmith.bench.floors`): the AR step (decode only, without the prefill), the verify
@@ -181,7 +183,7 @@ def _profile(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, ex
             profiled = floors.apply_profiled_shape(spec, export_proposer, cost_model)
         drafting = spec.proposer
         with floors.counting_draft_calls(spec.proposer, runtime.model) as counted:
-            report, results, _ = depth_choice.profiled_run(spec, prompts, max_new_tokens, runtime.eos_ids)
+            report, results, _ = calibration.profiled_run(spec, prompts, max_new_tokens, runtime.eos_ids)
     finally:
         spec.proposer, spec.stop_policy = saved
     report["profiled"] = profiled
@@ -193,8 +195,8 @@ def _profile(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, ex
                   "draft_calls_source": "counted" if counted["calls"] else "assumed one per step (none counted)"}
     # the plain loop without its prefill, on the same prompts (the cost model's calibration prompts may differ)
     ar_tokens = min(max_new_tokens, 32)
-    ar_ms = depth_choice.decode_step_ms(runtime.model, prompts, ar_tokens,
-                                        head=depth_choice.loop_head(runtime.speculative))[0]
+    ar_ms = calibration.decode_step_ms(runtime.model, prompts, ar_tokens,
+                                        head=calibration.loop_head(runtime.speculative))[0]
     steps_info["ar_context_tokens"] = statistics.mean(len(p) for p in prompts) + ar_tokens / 2
     # the threads the runtime decodes with on a quiet machine (the governor lends fewer while others hold cores)
     threads = governor().max_threads
@@ -223,27 +225,28 @@ def _time_hf(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, sk
           and len(hf_result["outputs"]) == len(prompts)):
         hf = hf_result
     else:
-        hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=hf_torch_dtype)
+        hf = time_hf_generate(runtime.folder, prompts, max_new_tokens, dtype=hf_torch_dtype,
+                              trust_remote_code=runtime.trust_remote_code)
     return hf, hf_torch_dtype, hf_reason, lossless
 
 
 def _apply_cost_aware_depth(runtime: Runtime, prompts: list[list[int]], costs: dict[str, Any]) -> dict[str, Any]:
     """Calibrate, predict and time candidate shapes, and apply the best measured one (or plain decoding) for this
-    machine (:mod:`draftsmith.runtime.acceptance.depth_choice`), reusing the forward curve measured for every size
+    machine (:mod:`draftsmith.runtime.shapes.calibration`), reusing the forward curve measured for every size
     1..16; its plain step is timed without the prefill there. Returns the cost model for bench.json."""
     verify_ms = {int(n): float(v) for n, v in costs["forward_ms_by_new_tokens"].items()}
     # a calibration measured while other processes were busy serves this bench but is not cached
     return contention.calibrated_if_quiet(
-        runtime, lambda: depth_choice.choose_cost_aware_shape(runtime, prompts, verify_ms)[1])
+        runtime, lambda: calibration.choose_cost_aware_shape(runtime, prompts, verify_ms)[1])
 
 
 def _time_ar_and_speculative(runtime: Runtime, prompts: list[list[int]],
-                             max_new_tokens: int) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+                             max_new_tokens: int) -> tuple[dict[str, Any], dict[str, Any], list[SpecResult]]:
     """Runtime AR and speculative decoding timed on ``prompts``, alternating prompt by prompt so the speedup is not the
     machine's drift: ``(AR timing, speculative timing, the speculative results of the timed pass)``. Speculative
     prompt i samples with a generator seeded by its call count."""
     spec = runtime.speculative
-    results: list[Any] = []
+    results: list[SpecResult] = []
 
     def decode(prompt: list[int]) -> list[int]:
         gen = torch.Generator().manual_seed(len(results))
@@ -259,7 +262,7 @@ def _time_ar_and_speculative(runtime: Runtime, prompts: list[list[int]],
     return timed["runtime_ar"], timed["speculative"], results[-len(prompts):]
 
 
-def _pooled_acceptance(results: list[Any], window: int,
+def _pooled_acceptance(results: list[SpecResult], window: int,
                        max_new_tokens: int) -> tuple[int, float, list[float], list[dict[str, Any]] | None]:
     """``(verify steps, tau, acceptance by draft position, tau by output window)`` pooled over the speculative results
     of every prompt; no windows when no step drafted anything (plain decoding served: no drafts, no tau)."""
@@ -288,7 +291,7 @@ def _adapted_target_change(runtime: Runtime, prompts: list[list[int]], max_new_t
 
 
 def _fixed_depth_sweep(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, sweep_k: list[int],
-                       export_proposer: Any) -> list[dict[str, Any]]:
+                       export_proposer: Proposer) -> list[dict[str, Any]]:
     """Every fixed depth in ``sweep_k`` timed on ``prompts`` (:func:`sweep_fixed_depths`), each row with its speedup
     over the first row (plain AR)."""
     sweep = sweep_fixed_depths(runtime, prompts, max_new_tokens, sweep_k, export_proposer)
@@ -304,7 +307,7 @@ def _run_settings(runtime: Runtime, prompts: list[list[int]], max_new_tokens: in
     return {
         "method": runtime.export_config["method"], "prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "dtype": str(runtime.model.dtype).replace("torch.", ""), "temperature": temperature,
-        "linear_backend": getattr(runtime.model, "linear_ops", "hf"), "backend": runtime.backend_report(),
+        "linear_backend": runtime.model.linear_ops, "backend": runtime.backend_report(),
         "hf_dtype": None if hf is None else str(hf_torch_dtype).replace("torch.", ""), "hf_dtype_reason": hf_reason,
         "verifier": type(spec.verifier).__name__, "inference": runtime.inference,
     }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -11,11 +11,13 @@ from draftsmith.bench.timing import time_decode, time_interleaved
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
-from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.decoding.speculative import SpecResult, SpeculativeDecoder
+from draftsmith.runtime.drafting.base import Proposer
+from draftsmith.runtime.serving import Runtime
 
 
-def sweep_fixed_depths(runtime: Any, prompts: Sequence[list[int]], max_new_tokens: int,
-                       depths: Sequence[int], proposer: Any = None) -> list[dict[str, Any]]:
+def sweep_fixed_depths(runtime: Runtime, prompts: Sequence[list[int]], max_new_tokens: int,
+                       depths: Sequence[int], proposer: Proposer | None = None) -> list[dict[str, Any]]:
     """Plain AR, every fixed depth K and the policy in force on the same prompts (same seeds), timed in one
     interleaved pass (:func:`time_interleaved`: prompt by prompt, rotating the order) so that the rows compare
     without the machine's drift between them: one row each with tau and tokens/s.
@@ -26,9 +28,9 @@ def sweep_fixed_depths(runtime: Any, prompts: Sequence[list[int]], max_new_token
     policy_spec = ((runtime.inference or {}).get("stop_policy") or {}).get("spec", "export")
     configs = {f"fixed:{k}": (sweep_proposer, FixedDepth(int(k))) for k in depths}
     configs[f"{policy_spec} (in force)"] = (saved_proposer, saved)
-    results: dict[str, list[Any]] = {name: [] for name in configs}
+    results: dict[str, list[SpecResult]] = {name: [] for name in configs}
 
-    def decoder(name: str) -> Any:
+    def decoder(name: str) -> Callable[[list[int]], list[int]]:
         def decode(prompt: list[int]) -> list[int]:
             spec.proposer, spec.stop_policy = configs[name]
             res = spec.generate(prompt, max_new_tokens, eos_ids=runtime.eos_ids,
@@ -51,9 +53,9 @@ def sweep_fixed_depths(runtime: Any, prompts: Sequence[list[int]], max_new_token
 
 
 def timed_generations(spec: SpeculativeDecoder, prompts: Sequence[list[int]], max_new_tokens: int,
-                      eos_ids: Sequence[int]) -> tuple[dict[str, Any], list[Any]]:
+                      eos_ids: Sequence[int]) -> tuple[dict[str, Any], list[SpecResult]]:
     """:func:`time_decode` over the prompts (prompt i seeded with i), keeping every SpecResult."""
-    results: list[Any] = []
+    results: list[SpecResult] = []
 
     def decode(prompt: list[int]) -> list[int]:
         res = spec.generate(prompt, max_new_tokens, eos_ids=eos_ids,

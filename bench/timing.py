@@ -20,8 +20,10 @@ from draftsmith.bench import progress
 from draftsmith.common.chat import encode_chat
 from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.runtime.decoding.autoregressive import generate_ar
+from draftsmith.runtime.decoding.prompt_limits import cap_new_tokens
 from draftsmith.runtime.serving import eos_ids_from_folder
-from draftsmith.runtime.target.loading import Decoder
+from draftsmith.runtime.target.hf_attention import hf_sizes
+from draftsmith.runtime.target.interface import TargetDecoder
 
 DecodeFn = Callable[[list[int]], list[int]]
 
@@ -110,18 +112,24 @@ def time_hf_generate(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     model: torch.nn.Module | None = None,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """Greedy HF ``generate`` (``do_sample=False``, stops at EOS as usual) on the folder's model, batch 1.
+    """Greedy HF ``generate`` (``do_sample=False``, stops at EOS as usual) on the folder's model, batch 1, each
+    generation capped at the model's context as the runtime caps its own (``prompt_limits.cap_new_tokens``).
 
-    Pass ``model`` to reuse an already loaded ``AutoModelForCausalLM`` (then ``folder`` only names it).
+    Pass ``model`` to reuse an already loaded ``AutoModelForCausalLM`` (then ``folder`` only names it);
+    ``trust_remote_code``: the folder's own model code may run (the user opted in when loading the runtime).
     """
     if model is None:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True,
+                                                     trust_remote_code=trust_remote_code).to(device).eval()
     pad = (eos_ids_from_folder(folder) or (0,))[0]
+    context = hf_sizes(model.config).context_length
 
     def run(prompt: list[int], n: int) -> list[int]:
+        n = cap_new_tokens(len(prompt), n, context)
         ids = torch.tensor([prompt], dtype=torch.long, device=device)
         with torch.inference_mode():
             out = model.generate(
@@ -136,7 +144,7 @@ def time_hf_generate(
 
 
 def time_runtime_ar(
-    model: Decoder,
+    model: TargetDecoder,
     prompts_ids: Sequence[list[int]],
     max_new_tokens: int,
     eos_ids: Sequence[int] = (),

@@ -12,6 +12,7 @@ stopped at EOS earlier: the bench has no option to ignore EOS) are left out; ``p
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,7 +75,7 @@ def plot_windows(ax: Any, series: dict[str, list[dict[str, Any]]]) -> None:
     ax.legend(fontsize=8, loc="lower right")
 
 
-def apply_preset(args: Any) -> None:
+def apply_preset(args: argparse.Namespace) -> None:
     """Fill the bench's ``max_new_tokens`` and ``window`` (and with ``--long`` ``num_prompts``) where not given:
     128 tokens and :data:`DEFAULT_WINDOW`, or :data:`LONG_PRESET` with ``args.long``."""
     preset = LONG_PRESET if getattr(args, "long", False) else {"max_new_tokens": 128, "window": DEFAULT_WINDOW}

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.common.hf_forward import hf_forward
+from draftsmith.common.hf_forward import backbone, hf_forward
 from draftsmith.controllers.adaptive_temperature import (
     DEFAULT_GRID,
     AdaptiveTemperatureHead,
@@ -75,7 +75,7 @@ def sample_group(model: Any, prompt_ids: Sequence[int], n: int, grid: Sequence[f
     its first eos. The head (or a uniform draw when None) picks the index from the post-norm hidden state that
     produces the token's logits: once per response (``sequence``) or at every token (``token``); ``choice`` is
     ``sample`` (a draw from the head: what LPO learns from) or ``greedy`` (its argmax: how it is served)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    base = backbone(model)  # the module its forward runs for the hidden states (OPT: the decoder)
     device = next(model.parameters()).device
     temps = torch.tensor(list(grid), dtype=torch.float64)  # [K]
     ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device).repeat(n, 1)  # [P] -> [N, P]

@@ -67,6 +67,19 @@ def _rope_theta(hf_config: Any) -> float:
     return float(getattr(hf_config, "rope_theta", 10000.0))
 
 
+MLP_WIDTH_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")  # Llama, GPT-2, OPT, Falcon
+
+
+def mlp_width(hf_config: Any) -> int:
+    """A HF config's MLP width under whichever name it uses (:data:`MLP_WIDTH_KEYS`); 4 x hidden where it names none
+    or leaves it None (GPT-2's ``n_inner=None`` means exactly that)."""
+    for key in MLP_WIDTH_KEYS:
+        value = getattr(hf_config, key, None)
+        if value:
+            return int(value)
+    return 4 * int(hf_config.hidden_size)
+
+
 @dataclass
 class EagleConfig:
     """Architecture of an EAGLE-1 drafter (sizes follow the target's HF config)."""
@@ -88,15 +101,21 @@ class EagleConfig:
 
     @classmethod
     def dims_from_hf(cls, hf_config: Any) -> dict[str, Any]:
-        """The size fields shared by EAGLE-1 and EAGLE-3, read from a Llama-family HF config."""
+        """The size fields shared by the EAGLE family (EAGLE-1/3, and the DFlash, Clover-2, Kangaroo and Hydra++
+        layers sized like them), read from any HF causal-LM config: Llama-style names, or GPT-2's ``n_inner`` (None:
+        4 x hidden), OPT's ``ffn_dim``, Falcon's ``ffn_hidden_size`` and the 4 x hidden convention for the MLP width
+        (:func:`mlp_width`); a LayerNorm epsilon where there is no RMSNorm one."""
         heads = int(hf_config.num_attention_heads)
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or getattr(hf_config, "num_kv_heads", None)
+        eps = next((getattr(hf_config, k) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+                    if getattr(hf_config, k, None) is not None), 1e-6)
         return {
             "hidden_size": int(hf_config.hidden_size), "vocab_size": int(hf_config.vocab_size),
-            "intermediate_size": int(hf_config.intermediate_size), "num_attention_heads": heads,
-            "num_key_value_heads": int(getattr(hf_config, "num_key_value_heads", None) or heads),
+            "intermediate_size": mlp_width(hf_config), "num_attention_heads": heads,
+            "num_key_value_heads": int(kv_heads or heads),
             "head_dim": int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads),
-            "rms_norm_eps": float(getattr(hf_config, "rms_norm_eps", 1e-6)), "rope_theta": _rope_theta(hf_config),
-            "max_position_embeddings": int(getattr(hf_config, "max_position_embeddings", 2048)),
+            "rms_norm_eps": float(eps), "rope_theta": _rope_theta(hf_config),
+            "max_position_embeddings": int(getattr(hf_config, "max_position_embeddings", None) or 2048),
         }
 
     @classmethod

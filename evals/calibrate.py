@@ -137,7 +137,7 @@ def calibrate(drafter: str, prompts: str, out: str, target: str | None = None, n
     from draftsmith.export.format import read_config
     from draftsmith.runtime.acceptance.choice import choose_verifier
     from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-    from draftsmith.runtime.drafting.base import build_proposer, chain_options
+    from draftsmith.runtime.drafting.registry import build_proposer, chain_options
     from draftsmith.runtime.serving import load_runtime
 
     config = read_config(drafter)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.evals.learning_curve import EvalSettings, evaluate_export
-from draftsmith.runtime.acceptance.cost_model import MachineCosts
+from draftsmith.runtime.shapes.cost_model import MachineCosts
 
 CURVE_FILE, RUN_DIR, POINTS_DIR = "curve.json", "run", "points"
 # The curve evaluates each point itself: training's own end-of-run validation shrinks to one batch, its served-tau

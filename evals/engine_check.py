@@ -118,7 +118,7 @@ def default_n_max(config: dict[str, Any]) -> int:
 def runtime_options(export_dir: str | Path, n_max: int) -> tuple[dict[str, Any], str]:
     """``(proposer_options, stop_policy)`` that make the runtime draft llama.cpp's shape: a chain of ``n_max`` tokens
     (the method's own chain options: EAGLE-3 ``policy=chain, depth=n_max-1``, DFlash ``depth=n_max``)."""
-    from draftsmith.runtime.drafting.base import chain_options
+    from draftsmith.runtime.drafting.registry import chain_options
 
     return chain_options(export_dir, n_max), f"fixed:{n_max}"
 

@@ -3,7 +3,7 @@
 For every prompt set (MT-Bench and HumanEval by default: prompts no training data contains, 8 x 128 new tokens,
 greedy), the export is served by the runtime's own speculative loop drafting the calibration superset of its family
 (EAGLE: a 16-node, top-4, 4-deep dynamic tree), and every verified tree is recorded with the path greedy verification
-accepted (:class:`~draftsmith.runtime.acceptance.shapes.RecordedStep`). From those steps, without decoding again:
+accepted (:class:`~draftsmith.runtime.shapes.draft_shapes.RecordedStep`). From those steps, without decoding again:
 
 - ``chain_acceptance``: cumulative acceptance of the drafter's top-1 chain, entry d-1 = P(first d drafted tokens all
   accepted); entry 0 is the *first-position acceptance* (how often the drafter's first guess is the target's token);
@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from draftsmith.bench.prompts import load_prompts
-from draftsmith.runtime.acceptance import shapes
-from draftsmith.runtime.acceptance.cost_model import MachineCosts, anchor_curve
-from draftsmith.runtime.acceptance.depth_choice import StepRecorder, decode_step_ms, forward_curve, loop_head
 from draftsmith.runtime.decoding.profile import StepProfiler
 from draftsmith.runtime.decoding.prompt_limits import context_limit
 from draftsmith.runtime.serving import load_runtime
+from draftsmith.runtime.shapes import draft_shapes
+from draftsmith.runtime.shapes.calibration import StepRecorder, decode_step_ms, forward_curve, loop_head
+from draftsmith.runtime.shapes.cost_model import MachineCosts, anchor_curve
 
 CHAIN_DEPTH = 4  # per-position acceptance is reported at depths 1..4 (the calibration superset's depth)
 COST_PROMPTS = 2  # prompts the step costs are measured on (once per curve)
@@ -56,10 +56,10 @@ def record_steps(spec: Any, prompts: Sequence[list[int]], max_new_tokens: int, e
     """Greedy speculative decoding of ``prompts`` drafting the family's calibration superset, every step recorded:
     (recorder, step profile, results)."""
     base = spec.proposer
-    recorder = StepRecorder(shapes.calibration_proposer(base), time.perf_counter)
+    recorder = StepRecorder(draft_shapes.calibration_proposer(base), time.perf_counter)
     saved = spec.proposer, spec.stop_policy
     spec.proposer, spec.stop_policy = recorder, None  # the superset's own depth, no stop rule
-    profiler = StepProfiler(getattr(spec.model, "device", "cpu"), time.perf_counter)
+    profiler = StepProfiler(spec.model.device, time.perf_counter)
     spec.profiler = profiler
     try:
         results = [spec.generate(p, max_new_tokens, eos_ids=eos_ids, generator=torch.Generator().manual_seed(i))
@@ -70,9 +70,9 @@ def record_steps(spec: Any, prompts: Sequence[list[int]], max_new_tokens: int, e
     return recorder, profiler.report(), results
 
 
-def chain_acceptance(steps: Sequence[shapes.RecordedStep], depth: int = CHAIN_DEPTH) -> list[float]:
+def chain_acceptance(steps: Sequence[draft_shapes.RecordedStep], depth: int = CHAIN_DEPTH) -> list[float]:
     """Cumulative acceptance of the top-1 chain: entry d-1 = share of steps whose first d chain tokens were accepted."""
-    accepted = [shapes.accepted_length(step, shapes.Shape.chain(depth))[0] for step in steps]
+    accepted = [draft_shapes.accepted_length(step, draft_shapes.Shape.chain(depth))[0] for step in steps]
     return [sum(a >= d for a in accepted) / len(accepted) if accepted else 0.0 for d in range(1, depth + 1)]
 
 
@@ -99,18 +99,18 @@ def measure_costs(runtime: Any, prompts: Sequence[list[int]]) -> MachineCosts:
     rest = report["verification_ms"] + report["kv_compaction_ms"] + report["proposer_update_ms"] + \
         max(0.0, report["unattributed_ms"])
     draft_ms = 1e3 * recorder.draft_s / steps
-    if shapes.family_of(spec.proposer) == "static_tree":  # heads: one draft call, whatever the shape
+    if draft_shapes.family_of(spec.proposer) == "static_tree":  # heads: one draft call, whatever the shape
         return MachineCosts(ar_ms, curve, 0.0, rest, draft_ms)
     mean_depth = sum(max(s.depths) for s in recorder.steps) / steps
     return MachineCosts(ar_ms, curve, draft_ms / max(mean_depth, 1.0), rest)
 
 
-def shape_table(steps: Sequence[shapes.RecordedStep], base: Any) -> list[dict[str, Any]]:
+def shape_table(steps: Sequence[draft_shapes.RecordedStep], base: Any) -> list[dict[str, Any]]:
     """Every candidate shape's tokens per step and verified nodes on the recorded ``steps`` (no costs needed): the
     nodes as a histogram, so a prediction from any machine's costs is exact (:func:`cost_aware`)."""
     rows = []
-    for shape in shapes.candidates(base):
-        got = [shapes.accepted_length(step, shape, shapes.static_paths_of(base, shape)) for step in steps]
+    for shape in draft_shapes.candidates(base):
+        got = [draft_shapes.accepted_length(step, shape, draft_shapes.static_paths_of(base, shape)) for step in steps]
         nodes: dict[str, int] = {}
         for _, n in got:
             nodes[str(n)] = nodes.get(str(n), 0) + 1
@@ -122,7 +122,7 @@ def shape_table(steps: Sequence[shapes.RecordedStep], base: Any) -> list[dict[st
 def cost_aware(table: Sequence[dict[str, Any]], costs: MachineCosts) -> dict[str, Any]:
     """The shape the runtime's cost model would serve (predicted speedup over plain decoding, plain included): step =
     mean verify of the nodes verified + drafting and overhead, as :func:`cost_model.predict_shapes` predicts it."""
-    best = {"shape": shapes.PLAIN.label, "tau": 1.0, "predicted_speedup": 1.0}
+    best = {"shape": draft_shapes.PLAIN.label, "tau": 1.0, "predicted_speedup": 1.0}
     for row in table:
         count = sum(row["node_counts"].values())
         verify = sum(costs.verify_at(int(n)) * c for n, c in row["node_counts"].items()) / count
@@ -132,7 +132,7 @@ def cost_aware(table: Sequence[dict[str, Any]], costs: MachineCosts) -> dict[str
     return best
 
 
-def summarize(steps: Sequence[shapes.RecordedStep], base: Any) -> dict[str, Any]:
+def summarize(steps: Sequence[draft_shapes.RecordedStep], base: Any) -> dict[str, Any]:
     """The point's record for one prompt set (see the module docstring); ``cost_aware`` is added from the curve's
     costs when it is reported."""
     cumulative = chain_acceptance(steps)

@@ -23,7 +23,7 @@ from draftsmith.bench.prompts import load_prompts
 from draftsmith.export.format import read_config
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.prompt_limits import context_limit
-from draftsmith.runtime.drafting.base import registered_methods
+from draftsmith.runtime.drafting.registry import registered_methods
 from draftsmith.runtime.serving import load_runtime
 
 # Validation serves MT-Bench past its 40th question: the benches and the learning curve take the first prompts, so

@@ -3,7 +3,11 @@
 Every backend choice (the fused C++ layer and its ISA variant, oneDNN bf16 linears, plain ``F.linear``) and the
 training dtype read a :class:`CpuCaps`. :func:`probe` fills it from the OS (``/proc/cpuinfo`` on Linux, ``sysctl`` on
 macOS) and falls back to torch's own CPU capability string; the result is cached. Decision functions take a
-``CpuCaps`` argument so that tests inject any capability and exercise every branch on any machine.
+``CpuCaps`` argument so that tests inject any capability and exercise every branch on any machine; :func:`injected`
+makes :func:`probe` itself answer for another CPU kind (tests run a whole load under it), while what executes native
+code (:func:`~draftsmith.kernels.cpu_layer.load_cpu_layer`) asks :func:`hardware`, which injection never changes, so
+an injected kind can only make the code choose a path this machine then refuses and falls back from, never run
+instructions the CPU lacks.
 
 ``DRAFTSMITH_CPU_ISA`` caps the probed flags at a level (``avx512_bf16``, ``avx512``, ``avx2``, ``generic``): set it
 to run the AVX2 path on an AVX-512 machine. It can only remove instructions the CPU has, never add them. torch's own
@@ -17,6 +21,8 @@ import functools
 import os
 import platform
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +35,7 @@ _LEVELS: dict[str, frozenset[str]] = {
     "generic": frozenset({"sse2", "sse4_1", "sse4_2", "neon", "asimd"}),
     "avx2": frozenset({"avx", "avx2", "fma", "f16c"}),
     "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"}),
-    "avx512_bf16": frozenset({"avx512_bf16", "avx_ne_convert", "amx_bf16", "amx_tile", "amx_int8"}),
+    "avx512_bf16": frozenset({"avx512_bf16", "avx512_fp16", "avx_ne_convert", "amx_bf16", "amx_tile", "amx_int8"}),
 }
 LEVELS = tuple(_LEVELS)  # in increasing order
 ISA_ENV = "DRAFTSMITH_CPU_ISA"
@@ -162,9 +168,30 @@ def cap_at(caps: CpuCaps, level: str) -> CpuCaps:
                    f"{caps.source}, capped at {level} by {ISA_ENV}")  # fmt: skip
 
 
-@functools.lru_cache(maxsize=1)
+_INJECTED: list[CpuCaps] = []  # a CPU kind tests made probe() answer for (innermost last)
+
+
 def probe() -> CpuCaps:
-    """This machine's capabilities (cached): OS flags, else torch's capability string; then ``DRAFTSMITH_CPU_ISA``."""
+    """The capabilities every choice follows: this machine's (:func:`hardware`), or a kind :func:`injected` set."""
+    return _INJECTED[-1] if _INJECTED else hardware()
+
+
+@contextmanager
+def injected(caps: CpuCaps) -> Iterator[CpuCaps]:
+    """Within the block, :func:`probe` answers ``caps`` (source "injected"): every choice follows that CPU kind, and
+    native code the real CPU cannot run is refused by :func:`hardware` checks, so the fallback runs instead."""
+    caps = CpuCaps(caps.arch, caps.flags, caps.model, "injected")
+    _INJECTED.append(caps)
+    try:
+        yield caps
+    finally:
+        _INJECTED.remove(caps)
+
+
+@functools.lru_cache(maxsize=1)
+def hardware() -> CpuCaps:
+    """This machine's capabilities (cached): OS flags, else torch's capability string; then ``DRAFTSMITH_CPU_ISA``
+    (which only removes instructions). Never injected: what runs native code checks it."""
     arch = platform.machine() or "unknown"
     found, source = _cpuinfo(), "cpuinfo"
     if found is None and platform.system() == "Darwin":

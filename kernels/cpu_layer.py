@@ -112,14 +112,24 @@ def clear_stale_lock(build: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=4)
 def load_cpu_layer(isa: str | None = None) -> ModuleType:
     """Build (once per source version and ISA variant) and import the extension; raises CpuLayerUnavailable with
-    the reason. ``isa``: "avx512_bf16" | "avx2" | None (the best this CPU runs)."""
+    the reason. ``isa``: "avx512_bf16" | "avx2" | None (the best this CPU runs, as :func:`cpu_caps.probe` says).
+    The variant must also run on this machine's own CPU (:func:`cpu_caps.hardware`): a CPU kind injected by a test
+    can make the runtime ask for a variant, never run one whose instructions the hardware lacks."""
     reason = why_unavailable(isa)
     if reason:
         raise CpuLayerUnavailable(reason)
     isa = isa or pick_isa()[0]
+    on_hardware = why_unavailable(isa, caps=cpu_caps.hardware())
+    if on_hardware:
+        raise CpuLayerUnavailable(f"{on_hardware} (this machine's own CPU)")
+    return _load(isa)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(isa: str) -> ModuleType:
+    """Build and import the ``isa`` variant (checked to run here)."""
     from torch.utils.cpp_extension import load  # lazy: pulls in setuptools machinery
 
     source = SOURCE.read_bytes()
@@ -136,6 +146,35 @@ def load_cpu_layer(isa: str | None = None) -> ModuleType:
         raise CpuLayerUnavailable(f"building the fused CPU layer ({isa}) failed: {err}") from err
     module.isa = isa
     return module
+
+
+def compile_check(isa: str) -> str | None:
+    """Compile the ``isa`` variant to an object file without importing or running it: None when it compiles, else the
+    compiler's last lines. A variant this CPU cannot run is still checked this way (a new CPU kind should never be
+    the first to build a branch); a success is remembered per source and torch version beside the built extensions."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return "no C++ compiler (c++/g++) on PATH"
+    tag = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    marker = extension_dir() / f"compile_check_{isa}_{tag}.ok"
+    if marker.is_file():
+        return None
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    obj = marker.with_suffix(".o")
+    cmd = [compiler, "-std=c++17", "-O0", "-fPIC", "-fopenmp", "-w", "-DTORCH_EXTENSION_NAME=compile_check",
+           *ISA_FLAGS[isa], *includes, "-c", str(SOURCE), "-o", str(obj)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    obj.unlink(missing_ok=True)
+    if done.returncode:
+        return "\n".join(done.stderr.strip().splitlines()[-15:])
+    marker.touch()
+    return None
 
 
 def shapes_supported(head_dim: int, hidden_size: int, intermediate_size: int) -> str | None:

@@ -6,9 +6,11 @@ in :mod:`draftsmith.runtime.acceptance.verifiers` in plain torch, where a kernel
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from draftsmith.kernels.dispatch import resolve_backend
 
@@ -33,13 +35,20 @@ def target_argmax(logits: torch.Tensor) -> torch.Tensor:
 HEAD_CHUNK = 8192  # LM-head rows per chunk of linear_argmax: [T, 8192] fp32 logits stay in L2 on a CPU
 
 
-def linear_argmax(x: torch.Tensor, weight: torch.Tensor, chunk: int = HEAD_CHUNK) -> torch.Tensor:
-    """``target_argmax(F.linear(x, weight))`` for x [T, K] and weight [V, K] without the [T, V] logits: the LM head
-    runs ``chunk`` rows of ``weight`` at a time, keeping each row's running maximum and its index.
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, chunk: int = HEAD_CHUNK,
+                  linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear) -> torch.Tensor:
+    """The greedy LM head for x [T, K] and weight [V, K] without the [T, V] logits: ``chunk`` rows of ``weight`` at a
+    time, keeping each row's running maximum and its index. ``linear``: the GEMM (tests inject one that rounds as
+    another BLAS does).
 
-    Bit-exact with the full path where the GEMM gives each output the same value whatever the number of weight rows
-    (MKL and oneDNN on a CPU do; checked in tests/test_verify_floor.py): a later chunk replaces the running winner
-    only when strictly greater, or NaN over a number (torch.argmax ranks NaN highest), so ties keep the lowest index.
+    What it guarantees, on every CPU and BLAS: the first maximum of the logits AS THE CHUNKED GEMM COMPUTES THEM,
+    ``target_argmax(torch.cat([linear(x, weight[c : c + chunk]) for c in ...], 1))`` bit for bit (a later chunk replaces
+    the running winner only when strictly greater, or NaN over a number, as torch.argmax ranks NaN highest, so ties
+    keep the lowest index). The plain and the speculative greedy loops both pick tokens through this one head, so
+    their outputs agree. It is NOT guaranteed to be the argmax of the full-width ``F.linear(x, weight)``: a BLAS may
+    round an output differently with another number of weight rows (MKL on AVX2 / AVX-512 does not; the AMX path of
+    an Intel Xeon does, and there a row and its exact copy in another chunk came out unequal). The winner is always
+    a maximum of the full logits up to that rounding; only rows whose logits tie within it can trade places.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or chunk < 1:
         raise ValueError(f"linear_argmax expects x [T, K], weight [V, K] and chunk >= 1; got {tuple(x.shape)}, "
@@ -47,7 +56,7 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, chunk: int = HEAD_CHUNK
     best_v: torch.Tensor | None = None
     best_i = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)  # [T]
     for v0 in range(0, weight.shape[0], chunk):
-        logits = torch.nn.functional.linear(x, weight[v0 : v0 + chunk])  # [T, c]: a row slice is a view
+        logits = linear(x, weight[v0 : v0 + chunk])  # [T, c]: a row slice is a view
         i = target_argmax(logits)  # [T]
         v = logits.gather(1, i[:, None]).squeeze(1).float()  # [T]
         if best_v is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,10 +16,15 @@ from draftsmith.export.identity import target_identity
 from draftsmith.kernels import cpu_caps
 from draftsmith.runtime.acceptance.choice import choose_stop_policy, choose_verifier, option_sources
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import NullProposer, build_proposer
+from draftsmith.runtime.drafting.base import NullProposer
+from draftsmith.runtime.drafting.registry import build_proposer
 from draftsmith.runtime.target.adapters import target_adapter
+from draftsmith.runtime.target.interface import TargetDecoder
 from draftsmith.runtime.target.loading import choose_decoder
-from draftsmith.runtime.target.weights import load_hf_config
+from draftsmith.runtime.target.weights import check_custom_code, load_hf_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def eos_ids_from_folder(folder: str | Path) -> tuple[int, ...]:
@@ -42,8 +47,8 @@ class Runtime:
     """A loaded target (runtime decoder + tokenizer) and, optionally, a speculative decoder for an export."""
 
     folder: str
-    model: Any
-    tokenizer: Any
+    model: TargetDecoder
+    tokenizer: PreTrainedTokenizerBase
     eos_ids: tuple[int, ...]
     export_config: dict | None = None
     speculative: SpeculativeDecoder | None = None
@@ -51,16 +56,17 @@ class Runtime:
     inference: dict[str, Any] | None = None  # verifier / stop policy / proposer options that run, and their sources
     decoder_backend: str = ""  # "lean" or "hf" (the transformers fallback)
     decoder_reason: str = ""  # why: forced by --backend, or what auto found
+    trust_remote_code: bool = False  # the user let the target folder's own model code run (--trust-remote-code)
 
     def backend_report(self) -> dict[str, Any]:
         """What runs and why: CPU, dtype, linear backend (for bench.json, the bench table and generate --verbose)."""
-        plan = getattr(self.model, "linear_plan", None)
+        plan = self.model.linear_plan
         return {"cpu": cpu_caps.probe().describe(), "dtype": str(self.model.dtype).replace("torch.", ""),
                 "dtype_reason": self.dtype_reason,
                 "linear_backend": plan.label if plan else "hf (transformers fallback)",
                 "linear_reason": plan.reason if plan else self.decoder_reason,
                 "decoder_backend": self.decoder_backend, "decoder_reason": self.decoder_reason,
-                "kernels": getattr(self.model, "kernel_backend", "n/a"), "device": str(self.model.device),
+                "kernels": self.model.kernel_backend, "device": str(self.model.device),
                 "draft_plan": self.speculative.proposer.draft_plan if self.speculative is not None else {}}
 
 
@@ -109,11 +115,13 @@ def hf_fastest_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
 def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", kernels: str = "auto",
                  verifier: str = "auto", temperature: float = 0.0, max_cache_len: int | None = None,
                  proposer_options: dict[str, Any] | None = None, linear_backend: str = "auto",
-                 stop_policy: str | None = None, controller: str | None = None, backend: str = "auto") -> Runtime:
+                 stop_policy: str | None = None, controller: str | None = None, backend: str = "auto",
+                 trust_remote_code: bool = False) -> Runtime:
     """Load the target (from ``target`` or the export's record) and the export's proposer, checking identity.
     ``backend`` picks the decoder (auto | lean | hf, see ``choose_decoder``); ``linear_backend`` how the lean decoder
     runs its linears (see ``draftsmith.runtime.target.linear_ops``); ``max_cache_len`` caps the speculative KV cache
-    (None: sized from each request, as plain decoding sizes its own).
+    (None: sized from each request, as plain decoding sizes its own); ``trust_remote_code`` lets a target folder's own
+    code run (off: such a folder is refused in one line naming ``--trust-remote-code``).
     Verifier, stop policy and proposer options: the flags where given, else the export's ``inference`` block
     (``runtime.inference`` records each choice and its source; see ``draftsmith.runtime.acceptance.choice``)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -128,34 +136,47 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
         raise FileNotFoundError(f"target folder {folder} not found; pass --target PATH to the target the drafter "
                                 "was trained for")
     load_hf_config(folder)  # a corrupt config.json is named here, not as transformers' bare JSON error
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    trusted = check_custom_code(folder, trust_remote_code)  # refused in one line unless the user opted in
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trusted)
     torch_dtype, dtype_reason = resolve_runtime_dtype(dtype)
     adapter = target_adapter(drafter, export_config) if drafter else None  # Medusa-2: the target it trained
     model, decoder, why = choose_decoder(folder, torch_dtype, backend=backend, kernel_backend=kernels,
                                          linear_backend=linear_backend,
-                                         transform_weights=adapter[0] if adapter else None)
+                                         transform_weights=adapter[0] if adapter else None,
+                                         trust_remote_code=trust_remote_code)
     runtime = Runtime(str(folder), model, tokenizer, eos_ids_from_folder(folder), export_config,
-                      dtype_reason=dtype_reason, decoder_backend=decoder, decoder_reason=why)
+                      dtype_reason=dtype_reason, decoder_backend=decoder, decoder_reason=why,
+                      trust_remote_code=trusted)
+    hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trusted) if drafter or controller else None
     if drafter:
-        model.check_speculative()  # the HF fallback verifies trees exactly or refuses (one line), before any work
-        identity = target_identity(export_config["target"]["name_or_path"], AutoConfig.from_pretrained(folder),
-                                   tokenizer, model.lm_head_weight)
+        identity = target_identity(export_config["target"]["name_or_path"], hf_config, tokenizer,
+                                   model.lm_head_weight)
         if adapter:
             identity = {**identity, "adapter": adapter[1]}
-        proposer = build_proposer(drafter, model, identity=identity, given=target or str(folder),
-                                  **(proposer_options or {}))
-        chosen_verifier, verifier_info = choose_verifier(verifier, temperature, kernels, export_config)
-        policy, policy_info = choose_stop_policy(stop_policy, export_config, export_dir=drafter)
-        runtime.inference = {"verifier": verifier_info, "stop_policy": policy_info,
-                             "proposer_options": option_sources(export_config, proposer_options)}
-        verify_model = proposer.wrap_target(model)  # the target itself, or Kangaroo's cache-sharing wrapper
-        runtime.speculative = SpeculativeDecoder(verify_model, proposer, chosen_verifier, stop_policy=policy,
-                                                 kernels_backend=kernels, max_cache_len=max_cache_len)
+        _attach_drafter(runtime, drafter, identity, target or str(folder), verifier, temperature, stop_policy,
+                        kernels, max_cache_len, proposer_options)
     if controller:
-        identity = target_identity(read_config(controller)["target"]["name_or_path"],
-                                   AutoConfig.from_pretrained(folder), tokenizer, model.lm_head_weight)
+        identity = target_identity(read_config(controller)["target"]["name_or_path"], hf_config, tokenizer,
+                                   model.lm_head_weight)
         attach_controller(runtime, controller, identity, target or str(folder), kernels, max_cache_len)
     return runtime
+
+
+def _attach_drafter(runtime: Runtime, drafter: str, identity: dict, given: str, verifier: str, temperature: float,
+                    stop_policy: str | None, kernels: str, max_cache_len: int | None,
+                    proposer_options: dict[str, Any] | None) -> None:
+    """The export's proposer (checked against the target's ``identity``), verifier and stop policy as the runtime's
+    speculative decoder; ``runtime.inference`` records what runs and where each choice came from."""
+    model, export_config = runtime.model, runtime.export_config
+    model.check_speculative()  # the HF fallback verifies trees exactly or refuses (one line), before any work
+    proposer = build_proposer(drafter, model, identity=identity, given=given, **(proposer_options or {}))
+    chosen_verifier, verifier_info = choose_verifier(verifier, temperature, kernels, export_config)
+    policy, policy_info = choose_stop_policy(stop_policy, export_config, export_dir=drafter)
+    runtime.inference = {"verifier": verifier_info, "stop_policy": policy_info,
+                         "proposer_options": option_sources(export_config, proposer_options)}
+    verify_model = proposer.wrap_target(model)  # the target itself, or Kangaroo's cache-sharing wrapper
+    runtime.speculative = SpeculativeDecoder(verify_model, proposer, chosen_verifier, stop_policy=policy,
+                                             kernel_backend=kernels, max_cache_len=max_cache_len)
 
 
 def attach_controller(runtime: Runtime, controller: str, identity: dict, given: str, kernels: str = "auto",
@@ -175,7 +196,7 @@ def attach_controller(runtime: Runtime, controller: str, identity: dict, given: 
     proposer = spec.proposer if spec is not None else NullProposer()
     runtime.speculative = SpeculativeDecoder(spec.model if spec is not None else runtime.model, proposer,
                                              RejectionSamplingVerifier(1.0), spec.stop_policy if spec else None,
-                                             kernels_backend=kernels, max_cache_len=max_cache_len,
+                                             kernel_backend=kernels, max_cache_len=max_cache_len,
                                              temperature_policy=policy)  # the policy itself: the loop calls its reset
     runtime.inference = {**(runtime.inference or {}), "controller": {"export": str(controller),
                                                                       "grid": list(head.config.grid),

@@ -122,12 +122,12 @@ def test_cpuinfo_parsing_and_the_isa_cap(monkeypatch):
     with pytest.raises(ValueError, match="valid: generic, avx2, avx512, avx512_bf16"):
         cpu_caps.cap_at(ZEN4, "avx1024")
     monkeypatch.setenv(cpu_caps.ISA_ENV, "generic")
-    cpu_caps.probe.cache_clear()
+    cpu_caps.hardware.cache_clear()
     try:
         assert cpu_caps.probe().cpu_layer_isa() is None and "capped at generic" in cpu_caps.probe().source
     finally:
         monkeypatch.delenv(cpu_caps.ISA_ENV)
-        cpu_caps.probe.cache_clear()
+        cpu_caps.hardware.cache_clear()
 
 
 def test_choose_warns_in_one_line_when_the_fused_layer_cannot_run(monkeypatch):

@@ -39,12 +39,16 @@ def test_bench_reports_the_contract_and_is_lossless(medusa_export, prompts_file,
     assert set(result["tokens_per_s"]) == {"hf_generate", "runtime_ar", "speculative"}
     assert set(result["speedup"]) >= {"vs_hf_generate", "vs_runtime_ar"}
     assert result["lossless"] is True and result["runtime_ar_matches_hf"] is True
+    oracle = result["lossless_detail"]["oracle"]  # beside the drafter: accepted drafts verified on most steps
+    assert result["lossless_oracle"] is True and oracle["total"] == 2 and oracle["chain"] == 4
+    assert oracle["tau"] > 2.0 and oracle["acceptance"] == 0.8
     assert result["tau"] >= 1.0 and len(result["acceptance_by_position"]) == 2
     assert len(result["head_agreement_top1"]) == 2
     by_size = result["step_costs"]["forward_ms_by_new_tokens"]
     assert list(by_size) == list(range(1, 17)) and all(ms > 0 for ms in by_size.values())  # every verify size
     out = write_outputs(result, tmp_path / "bench")
     assert json.loads((out / "bench.json").read_text())["lossless"] is True
+    assert "oracle (acceptance 0.8, chain 4): True (2/2)" in (out / "bench.md").read_text()
     assert (out / "acceptance.png").stat().st_size > 1000 and "tau" in (out / "bench.md").read_text()
     assert "forward ms for " + "/".join(map(str, range(1, 17))) + " new tokens" in (out / "bench.md").read_text()
     backend = json.loads((out / "bench.json").read_text())["backend"]  # which backends ran, and why
@@ -108,7 +112,8 @@ def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
     result = json.loads((tmp_path / "b" / "bench.json").read_text())
     # Timed in bf16, lossless verdict from a separate fp32 run against HF generate.
     assert result["dtype"] == "bfloat16" and result["lossless_detail"]["dtype"] == "fp32"
-    assert result["lossless"] is True
+    assert result["lossless"] is True and result["lossless_oracle"] is True  # the fp32 check ran the oracle too
+    assert result["lossless_detail"]["oracle"]["tau"] > 2.0
     # The default stop policy is cost-aware: a depth (or plain decoding) chosen from costs measured here.
     cm = result["cost_model"]
     assert cm["table"][0]["depth"] == 0 and cm["depth"] in [r["depth"] for r in cm["table"]]
@@ -219,10 +224,10 @@ def test_when_plain_decoding_is_served_the_lossless_check_still_runs_the_drafter
     served and what was checked."""
     from draftsmith.bench import run as bench_run
     from draftsmith.bench.report import markdown_table
-    from draftsmith.runtime.acceptance import shapes
+    from draftsmith.runtime.shapes import draft_shapes
 
     def serve_plain(runtime, prompts, costs):  # what the cost-aware choice does when speculation would lose
-        shapes.apply_shape(runtime.speculative, shapes.PLAIN)
+        draft_shapes.apply_shape(runtime.speculative, draft_shapes.PLAIN)
         why = "plain decoding measured fastest (speculation loses here)"
         return {"why": why, "summary": why, "table": [], "shape_label": "plain"}
 
@@ -240,3 +245,18 @@ def test_when_plain_decoding_is_served_the_lossless_check_still_runs_the_drafter
     assert "| tau (mean accepted length, incl. bonus) | n/a: plain decoding was served (nothing drafted); the " \
            "drafter's tau in the lossless check:" in table
     assert "checked: the export's proposer (plain decoding is served), tau " in table
+
+
+def test_hf_generate_stops_at_the_context_as_the_runtime_does(tiny_target_dir):
+    """Past the model's context the runtime caps ``max_new_tokens``; the HF baseline is capped alike, so the bench's
+    lossless comparison compares outputs of one length (HF would otherwise run on past max_position_embeddings)."""
+    from draftsmith.bench.timing import compare_outputs, time_hf_generate
+    from draftsmith.runtime.decoding.autoregressive import generate_ar
+    from draftsmith.runtime.decoding.prompt_limits import ContextCapWarning
+    from draftsmith.runtime.target.loading import load_decoder
+
+    prompt = [5, 9, 11, 7]
+    with pytest.warns(ContextCapWarning, match="context of 512 positions"):
+        hf = time_hf_generate(tiny_target_dir, [prompt], 10**6)
+        ours = generate_ar(load_decoder(tiny_target_dir), prompt, 10**6)
+    assert len(hf["outputs"][0]) <= 512 - len(prompt) and compare_outputs(hf["outputs"], [ours])["all_identical"]

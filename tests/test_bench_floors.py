@@ -221,17 +221,17 @@ def test_profile_measures_drafting_even_when_plain_decoding_is_served(medusa_exp
     from dataclasses import asdict
 
     from draftsmith.bench.run import _profile
-    from draftsmith.runtime.acceptance import shapes
     from draftsmith.runtime.drafting.base import NullProposer
+    from draftsmith.runtime.shapes import draft_shapes
 
     prompts_file = tmp_path / "p.jsonl"
     prompts_file.write_text(json.dumps({"prompt": "hello world what is the answer ?"}) + "\n")
     rt = load_runtime(str(medusa_export), None, "fp32")
     prompts = load_prompts(str(prompts_file), rt.tokenizer, None)
     export_proposer = rt.speculative.proposer
-    best = shapes.candidates(export_proposer)[0]
-    shapes.apply_shape(rt.speculative, shapes.PLAIN)
-    cost_model = {"table": [{"shape": "plain", "spec": asdict(shapes.PLAIN), "measured_speedup": 1.0},
+    best = draft_shapes.candidates(export_proposer)[0]
+    draft_shapes.apply_shape(rt.speculative, draft_shapes.PLAIN)
+    cost_model = {"table": [{"shape": "plain", "spec": asdict(draft_shapes.PLAIN), "measured_speedup": 1.0},
                             {"shape": best.label, "spec": asdict(best), "measured_speedup": 0.9}]}
     for model, expect in ((cost_model, best.label), (None, "the export's proposer")):
         report = _profile(rt, prompts, 8, export_proposer, model)

@@ -12,8 +12,8 @@ import torch
 
 from draftsmith.bench import contention
 from draftsmith.bench import run as bench_run
-from draftsmith.runtime.acceptance import cost_model, depth_choice
 from draftsmith.runtime.serving import load_runtime
+from draftsmith.runtime.shapes import calibration, cost_model
 
 pytestmark = pytest.mark.unit
 
@@ -34,19 +34,19 @@ def test_the_bench_forward_curve_and_the_calibration_curves_tick_the_governor(me
     rt = load_runtime(str(medusa_export), None, "fp32")
     gov = CountingGovernor()
     monkeypatch.setattr(bench_run, "governor", lambda: gov)
-    monkeypatch.setattr(depth_choice, "governor", lambda: gov)
+    monkeypatch.setattr(calibration, "governor", lambda: gov)
     prompt = list(range(5, 25))
     bench_run._step_costs(rt, prompt, repeats=2)
     forwards = 2 * len(bench_run.FORWARD_SIZES)  # every timed forward of the curve (warm-up aside)
     assert gov.ticks >= forwards, gov.ticks
     before = gov.ticks
-    depth_choice.forward_curve(rt.model, prompt, sizes=(1, 2, 3), repeats=2)
-    depth_choice.decode_step_ms(rt.model, [prompt], 4)
+    calibration.forward_curve(rt.model, prompt, sizes=(1, 2, 3), repeats=2)
+    calibration.decode_step_ms(rt.model, [prompt], 4)
     assert gov.ticks - before >= 3 * 2 + 4
 
 
 def _runtime(tmp_path: Path):
-    return SimpleNamespace(folder=str(tmp_path / "target"), model=SimpleNamespace(dtype=torch.float32),
+    return SimpleNamespace(folder=str(tmp_path / "target"), model=SimpleNamespace(dtype=torch.float32, linear_ops="dense"),
                            export_config={"method": "medusa", "fingerprint": "abc"})
 
 
@@ -54,7 +54,7 @@ def _runtime(tmp_path: Path):
 def test_a_calibration_measured_while_contended_is_not_cached(tmp_path, monkeypatch, earlier):
     monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path / "costs"))
     runtime = _runtime(tmp_path)
-    path = Path(cost_model.cache_dir()) / f"{depth_choice.cache_key(depth_choice.machine_identity(runtime))}.json"
+    path = Path(cost_model.cache_dir()) / f"{calibration.cache_key(calibration.machine_identity(runtime))}.json"
     path.parent.mkdir(parents=True)
     if earlier is not None:
         path.write_bytes(earlier)

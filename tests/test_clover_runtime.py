@@ -41,8 +41,9 @@ def test_regressive_expansion_equals_one_node_at_a_time(target):
     res = target.forward(prompt, target.allocate_cache(8), taps=proposer.feature_taps)
     root = int(res.logits[-1].argmax())
     tokens = torch.cat([prompt, torch.tensor([root])])
-    proposer.begin(StepContext(tokens, root, res.hidden, taps=res.tap_features(proposer.feature_taps)))
-    tree = proposer.propose(StepContext(tokens, root, res.hidden[-1]))
+    proposer.begin(StepContext(tokens=tokens, root_token=root, hidden=res.hidden,
+                               taps=res.tap_features(proposer.feature_taps)))
+    tree = proposer.propose(StepContext(tokens=tokens, root_token=root, hidden=res.hidden[-1]))
     with torch.no_grad():
         c = heads.context(res.taps[target.config.num_layers][None], tokens[1:][None])[0][0, -1]  # [H]
         state, token_of = {(): c}, {}

@@ -8,13 +8,13 @@ import pytest
 import torch
 from test_speculative import tiny_llama
 
-from draftsmith.runtime.acceptance import depth_choice
-from draftsmith.runtime.acceptance.cost_model import MachineCosts, choose_depth, threshold_from_costs
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import NullProposer
 from draftsmith.runtime.drafting.chain import ChainProposer
+from draftsmith.runtime.shapes import calibration
+from draftsmith.runtime.shapes.cost_model import MachineCosts, choose_depth, threshold_from_costs
 
 pytestmark = pytest.mark.unit
 
@@ -70,7 +70,7 @@ def test_cost_aware_default_on_measured_costs(offset, expect_plain, tmp_path, mo
     spec = SpeculativeDecoder(costed, ChainProposer(OracleDrafter(sequence, 96, offset), depth=4),
                               stop_policy=ConfidenceStop(0.1, max_depth=4))
     runtime = SimpleNamespace(speculative=spec, model=lean, eos_ids=(), folder="tiny", export_config={"method": "t"})
-    choice, record = depth_choice.choose_cost_aware_shape(runtime, [prompt, prompt], clock=clock)
+    choice, record = calibration.choose_cost_aware_shape(runtime, [prompt, prompt], clock=clock)
     assert choice.speculation_loses == expect_plain
     assert record["ar_step_ms_decode_only"] == pytest.approx(10.25) and sorted(record["verify_ms_by_nodes"]) == \
         list(range(1, 17))
@@ -84,7 +84,7 @@ def test_cost_aware_default_on_measured_costs(offset, expect_plain, tmp_path, mo
     assert (tmp_path / f"{next(tmp_path.glob('*.json')).name}").is_file()
     fresh = SimpleNamespace(**{**vars(runtime), "speculative": SpeculativeDecoder(
         lean, ChainProposer(OracleDrafter(sequence, 96, offset), depth=4), stop_policy=FixedDepth(4))})
-    note = depth_choice.apply_cached_depth(fresh)  # generate reuses the decision measured by the bench
+    note = calibration.apply_cached_shape(fresh)  # generate reuses the decision measured by the bench
     assert ("plain decoding" in note) == expect_plain
 
 
@@ -93,7 +93,7 @@ def test_profile_parts_add_up_to_the_measured_step():
     prompt = [1, 5, 9]
     sequence = prompt + generate_ar(lean, prompt, 80)
     spec = SpeculativeDecoder(lean, ChainProposer(OracleDrafter(sequence, 96, 0), depth=3))
-    report, results, _ = depth_choice.profiled_run(spec, [prompt, prompt], 60, ())
+    report, results, _ = calibration.profiled_run(spec, [prompt, prompt], 60, ())
     assert report["steps"] == sum(r.steps for r in results) > 10
     parts = sum(report[f"{k}_ms"] for k in ("draft", "verify_forward", "verification", "kv_compaction",
                                              "proposer_update"))

@@ -11,13 +11,13 @@ from test_cost_model import OracleDrafter
 from test_shape_choice import CostedModel, FakeClock
 from test_speculative import tiny_llama
 
-from draftsmith.runtime.acceptance import depth_choice, shape_timing
-from draftsmith.runtime.acceptance.cost_model import MachineCosts, anchor_curve, refit_overhead
-from draftsmith.runtime.acceptance.shapes import Shape
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.chain import ChainProposer
+from draftsmith.runtime.shapes import calibration, shape_timing
+from draftsmith.runtime.shapes.cost_model import MachineCosts, anchor_curve, refit_overhead
+from draftsmith.runtime.shapes.draft_shapes import Shape
 
 pytestmark = pytest.mark.unit
 
@@ -89,7 +89,7 @@ def test_the_refitted_prediction_matches_the_loop_and_a_drifted_curve_is_anchore
     monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path))
     runtime, prompt, clock = _oracle_runtime(layers=4)
     drifted = {n: 1.3 * (10.0 + 0.25 * n) for n in range(1, 17)}  # a curve timed while the machine ran slower
-    _, record = depth_choice.choose_cost_aware_shape(runtime, [prompt, prompt], drifted, clock=clock)
+    _, record = calibration.choose_cost_aware_shape(runtime, [prompt, prompt], drifted, clock=clock)
     assert record["refit"]["curve_scale"] == pytest.approx(10.25 / 13.325)
     assert record["verify_ms_by_nodes"][1] == pytest.approx(record["ar_step_ms_decode_only"])
     timed = [r for r in record["table"] if r["measured_step_ms"] is not None]
@@ -103,7 +103,7 @@ def test_the_bench_table_shows_prediction_and_measurement_side_by_side(tmp_path,
 
     monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path))
     runtime, prompt, clock = _oracle_runtime(layers=2)
-    _, record = depth_choice.choose_cost_aware_shape(runtime, [prompt, prompt], clock=clock)
+    _, record = calibration.choose_cost_aware_shape(runtime, [prompt, prompt], clock=clock)
     text = _shape_rows(record)
     timed = [r for r in record["table"] if r["measured_step_ms"] is not None and r["shape"] != "plain"]
     row = next(line for line in text.splitlines() if line.startswith(f"| {timed[0]['shape']}"))
@@ -119,9 +119,9 @@ def test_round_two_times_only_new_shapes_with_a_prediction_of_their_own():
         rows.append({"shape": label, "spec": {"kind": "tree", "depth": 1, "nodes": n, "branching": b},
                      "tokens": tokens, "nodes": float(n), "step_ms": 9.0 + n / 4})
     # tree:3/b4/d1 predicts exactly as tree:3/b2/d1 (the cap never binds): it is not timed twice
-    assert [s.label for s in depth_choice._top(rows, set())] == ["tree:3/b2/d1", "tree:4/b3/d1", "tree:5/b4/d1"]
-    assert [s.label for s in depth_choice._top(rows, {"tree:3/b2/d1", "tree:5/b4/d1"})] == ["tree:4/b3/d1"]
-    assert depth_choice._top(rows, {"tree:3/b2/d1", "tree:4/b3/d1", "tree:5/b4/d1"}) == []  # nothing new: one round
+    assert [s.label for s in calibration._top(rows, set())] == ["tree:3/b2/d1", "tree:4/b3/d1", "tree:5/b4/d1"]
+    assert [s.label for s in calibration._top(rows, {"tree:3/b2/d1", "tree:5/b4/d1"})] == ["tree:4/b3/d1"]
+    assert calibration._top(rows, {"tree:3/b2/d1", "tree:4/b3/d1", "tree:5/b4/d1"}) == []  # nothing new: one round
     first = shape_timing.ShapeTimings({"a": 1.1}, 0.04, {"a": 9.0}, {"a": 1.5}, {"a": 1.2})
     both = first.merge(shape_timing.ShapeTimings({"b": 0.9}, 0.07, {"b": 11.0}, {"b": 1.6}, {"b": 0.95}))
     assert both.speedup == {"a": 1.1, "b": 0.9} and both.noise == 0.07 and both.step_ms == {"a": 9.0, "b": 11.0}
@@ -129,7 +129,7 @@ def test_round_two_times_only_new_shapes_with_a_prediction_of_their_own():
 
 
 def test_one_more_node_costs_its_overhead_in_specdec_threshold():
-    from draftsmith.runtime.acceptance.cost_model import threshold_from_costs
+    from draftsmith.runtime.shapes.cost_model import threshold_from_costs
 
     flat = MachineCosts(10.0, {1: 10.0, 2: 10.5, 3: 11.0}, draft_ms_per_depth=1.0)
     per_node = MachineCosts(10.0, {1: 10.0, 2: 10.5, 3: 11.0}, draft_ms_per_depth=1.0, overhead_per_node_ms=0.5)

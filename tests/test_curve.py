@@ -27,8 +27,8 @@ from draftsmith.evals.learning_curve import (
     draft_vocabulary,
     evaluate_export,
 )
-from draftsmith.runtime.acceptance.cost_model import MachineCosts
-from draftsmith.runtime.acceptance.shapes import RecordedStep
+from draftsmith.runtime.shapes.cost_model import MachineCosts
+from draftsmith.runtime.shapes.draft_shapes import RecordedStep
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,13 +22,13 @@ from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter
 from draftsmith.export.format import TargetMismatchError, read_config, write_export
 from draftsmith.recipes.dflash import objective as dflash_recipe
-from draftsmith.runtime.acceptance import shapes
 from draftsmith.runtime.acceptance.choice import choose_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
 from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import build_proposer, chain_options
 from draftsmith.runtime.drafting.dflash import DFlashProposer
+from draftsmith.runtime.drafting.registry import build_proposer, chain_options
+from draftsmith.runtime.shapes import draft_shapes
 
 pytestmark = pytest.mark.unit
 
@@ -178,18 +178,18 @@ def test_shape_choice_covers_chains_up_to_the_block_and_top_k_trees(target):
                         vocab_size=lean.config.vocab_size, target_hidden_size=64, block_size=8, mask_token_id=MASK,
                         target_layers=(1, 2))
     proposer = DFlashProposer(DFlashDrafter(arch, lean.embed_weight, lean.lm_head_weight))
-    found = shapes.candidates(proposer)
+    found = draft_shapes.candidates(proposer)
     assert [s.depth for s in found if s.kind == "chain"] == [1, 2, 3, 4, 5, 6, 7]  # past MAX_CHAIN = 4
     assert any(s.kind == "tree" for s in found)
     reference = plain_greedy(lean, PROMPTS[0], 12)
-    for shape in (shapes.Shape.chain(6), shapes.Shape("tree", 3, 8, 2)):
+    for shape in (draft_shapes.Shape.chain(6), draft_shapes.Shape("tree", 3, 8, 2)):
         spec = SpeculativeDecoder(lean, proposer)
-        shapes.apply_shape(spec, shape, proposer)
+        draft_shapes.apply_shape(spec, shape, proposer)
         assert isinstance(spec.stop_policy, FixedDepth) and spec.stop_policy.max_depth == shape.depth
         res = spec.generate(PROMPTS[0], 12)
         assert res.tokens == reference and max(res.depths) <= shape.depth
         assert max(res.tree_sizes) == shape.nodes, shape  # a chain of 7 nodes, a tree of 8
-    calib = shapes.calibration_proposer(proposer)  # the superset tree of every candidate
+    calib = draft_shapes.calibration_proposer(proposer)  # the superset tree of every candidate
     assert SpeculativeDecoder(lean, calib).generate(PROMPTS[1], 12).tokens == plain_greedy(lean, PROMPTS[1], 12)
 
 

@@ -21,9 +21,11 @@ from draftsmith.recipes.eagle import objective as eagle_recipe
 from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import StepContext, build_proposer, registered_methods
-from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, Eagle3DraftModel, EagleProposer
+from draftsmith.runtime.drafting.base import StepContext
+from draftsmith.runtime.drafting.eagle import DraftModel, Eagle1DraftModel, Eagle3DraftModel, EagleProposer
+from draftsmith.runtime.drafting.registry import build_proposer, registered_methods
 from draftsmith.runtime.target.hf import HFModelAdapter
+from draftsmith.runtime.target.interface import TargetWrapper
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 from draftsmith.runtime.target.output import TargetOutput
 
@@ -64,7 +66,7 @@ BIGRAM = torch.tensor([
 ], dtype=torch.float64)
 
 
-class BigramStub:
+class BigramStub(DraftModel):
     """A DraftModel whose logits only depend on the input token; it records every call and keeps a dummy cache."""
 
     feature_taps = ()
@@ -89,8 +91,9 @@ class BigramStub:
 
 
 def propose_once(proposer: EagleProposer, prompt: list[int], root: int, policy=None):
-    proposer.begin(StepContext(torch.tensor(prompt + [root]), root, torch.zeros(len(prompt), 1)))
-    return proposer.propose(StepContext(torch.tensor(prompt + [root]), root, torch.zeros(1), policy))
+    tokens = torch.tensor(prompt + [root])
+    proposer.begin(StepContext(tokens=tokens, root_token=root, hidden=torch.zeros(len(prompt), 1)))
+    return proposer.propose(StepContext(tokens=tokens, root_token=root, hidden=torch.zeros(1), stop_policy=policy))
 
 
 @pytest.mark.parametrize("mapped", [False, True])
@@ -137,15 +140,15 @@ def test_stop_policies_and_chain_on_the_fixed_distribution():
     with pytest.raises(ValueError, match="top_k <= 5"):
         EagleProposer(stub, "tree", top_k=6)
     with pytest.raises(RuntimeError, match="call begin"):
-        EagleProposer(stub).propose(StepContext(torch.tensor([0, 0]), 0, torch.zeros(1)))
+        EagleProposer(stub).propose(StepContext(tokens=torch.tensor([0, 0]), root_token=0, hidden=torch.zeros(1)))
 
 
 def test_sampled_chain_records_its_law_on_the_target_vocabulary():
     stub = BigramStub(torch.tensor([1, 4, 7, 10, 13]), 16)
     proposer = EagleProposer(stub, "chain", depth=1, temperature=0.5)
-    proposer.begin(StepContext(torch.tensor([1, 1]), 1, torch.zeros(1, 1)))
-    tree = proposer.propose(StepContext(torch.tensor([1, 1]), 1, torch.zeros(1), None,
-                                        torch.Generator().manual_seed(0)))
+    proposer.begin(StepContext(tokens=torch.tensor([1, 1]), root_token=1, hidden=torch.zeros(1, 1)))
+    tree = proposer.propose(StepContext(tokens=torch.tensor([1, 1]), root_token=1, hidden=torch.zeros(1),
+                                        generator=torch.Generator().manual_seed(0)))
     assert tree.draft_mode == "with_replacement" and tree.draft_q.shape == (3, 16)
     expected = torch.zeros(16, dtype=torch.float64)
     expected[[1, 4, 7, 10, 13]] = torch.softmax(BIGRAM[0].log() / 0.5, -1)
@@ -284,17 +287,13 @@ def test_build_proposer_options_and_target_mismatch(target, exports, tiny_tokeni
     with pytest.raises(TargetMismatchError, match="num_hidden_layers: export has 4, target has 3"):
         build_proposer(exports["eagle3"], shallow)
 
-    class DropsTaps:  # a backend whose forward ignores the taps it is asked for
-        config, device = lean.config, lean.device
-        lm_head_weight, embed_weight = lean.lm_head_weight, lean.embed_weight
-        allocate_cache = lean.allocate_cache
-
+    class DropsTaps(TargetWrapper):  # a backend whose forward ignores the taps it is asked for
         def forward(self, *args, taps=(), **kwargs):
             out = lean.forward(*args, **kwargs)
             return TargetOutput(out.logits, out.hidden)
 
     with pytest.raises(ValueError, match=r"returned no taps for layers \[1, 2, 3\]"):
-        SpeculativeDecoder(DropsTaps(), proposer).generate(PROMPTS[0], 4)
+        SpeculativeDecoder(DropsTaps(lean), proposer).generate(PROMPTS[0], 4)
 
 
 def test_eagle3_serves_through_the_hf_fallback_with_the_lean_decoders_tokens(target, exports):

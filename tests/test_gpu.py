@@ -170,7 +170,7 @@ def test_greedy_speculative_medusa_and_eagle_equal_greedy_ar_on_cuda(hf_model, k
                  "eagle-tree": EagleProposer(Eagle1DraftModel(eagle), "tree", total_tokens=10, depth=3, top_k=3),
                  "eagle-chain": EagleProposer(Eagle1DraftModel(eagle), "chain", depth=3)}
     for name, proposer in proposers.items():
-        dec = SpeculativeDecoder(lean, proposer, GreedyVerifier(kernels), kernels_backend=kernels)
+        dec = SpeculativeDecoder(lean, proposer, GreedyVerifier(kernels), kernel_backend=kernels)
         for prompt in PROMPTS:
             assert dec.generate(prompt, NEW).tokens == plain_greedy(lean, prompt, NEW), (name, kernels, prompt)
 

@@ -43,8 +43,8 @@ def test_depth_batched_expansion_equals_one_node_at_a_time(target, prefix_layer)
     res = target.forward(prompt, target.allocate_cache(8))
     root = int(res.logits[-1].argmax())
     tokens = torch.cat([prompt, torch.tensor([root])])
-    proposer.begin(StepContext(tokens, root, res.hidden))
-    tree = proposer.propose(StepContext(tokens, root, res.hidden[-1]))
+    proposer.begin(StepContext(tokens=tokens, root_token=root, hidden=res.hidden))
+    tree = proposer.propose(StepContext(tokens=tokens, root_token=root, hidden=res.hidden[-1]))
     state = heads.context(res.hidden[None])[0][0, -1] if prefix_layer else res.hidden[-1]  # [H]
     paths = {(): [root]}
     for i, path in enumerate(proposer.tree.paths, start=1):  # one node at a time: head len(path)-1 on its own prefix
@@ -83,8 +83,8 @@ class RecordingHeads(torch.nn.Module):
 def test_each_depth_is_one_call_over_its_frontier_and_each_head_sees_its_path():
     heads = RecordingHeads(50)
     proposer = HydraProposer(heads, [[0], [1], [0, 0], [1, 0], [0, 0, 0]], top_k=2)
-    proposer.begin(StepContext(torch.tensor([3, 4]), 4, torch.zeros(2, 4)))
-    tree = proposer.propose(StepContext(torch.tensor([3, 4]), 4, torch.zeros(4)))
+    proposer.begin(StepContext(tokens=torch.tensor([3, 4]), root_token=4, hidden=torch.zeros(2, 4)))
+    tree = proposer.propose(StepContext(tokens=torch.tensor([3, 4]), root_token=4, hidden=torch.zeros(4)))
     # depth 1: head 0 on [root]; depth 2: head 1 on both depth-1 nodes at once; depth 3: head 2 on [4, 5, 10]
     assert heads.calls[0] == [[4]]
     first, second = int(tree.tokens[1]), int(tree.tokens[2])

@@ -27,8 +27,9 @@ from draftsmith.runtime.acceptance.choice import parse_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import LearnedStop
 from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import StepContext, build_proposer
+from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.kangaroo import KangarooProposer
+from draftsmith.runtime.drafting.registry import build_proposer
 
 pytestmark = pytest.mark.unit
 
@@ -125,8 +126,9 @@ def test_verification_over_reused_shallow_states_equals_a_full_forward(target, t
     cache.commit(prompt.numel())
     root = int(pre.logits[-1].argmax())
     tokens = torch.cat([prompt, torch.tensor([root])])
-    proposer.begin(StepContext(tokens, root, pre.hidden, None, None, pre.tap_features(proposer.feature_taps)))
-    tree = proposer.propose(StepContext(tokens, root, pre.hidden[-1]))
+    proposer.begin(StepContext(tokens=tokens, root_token=root, hidden=pre.hidden,
+                               taps=pre.tap_features(proposer.feature_taps)))
+    tree = proposer.propose(StepContext(tokens=tokens, root_token=root, hidden=pre.hidden[-1]))
     assert tree.num_nodes == 5
     positions = prompt.numel() + tree.depths
     got = model.forward(tree.tokens, cache, tree.tree_mask, positions, taps=proposer.feature_taps)

@@ -11,7 +11,7 @@ from draftsmith.bench import quality
 from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import TargetMismatchError
 from draftsmith.runtime.decoding.autoregressive import generate_ar
-from draftsmith.runtime.drafting.base import build_proposer
+from draftsmith.runtime.drafting.registry import build_proposer
 from draftsmith.runtime.serving import load_runtime
 from draftsmith.runtime.target.loading import load_decoder
 

@@ -26,7 +26,7 @@ from draftsmith.recipes import get_recipe
 from draftsmith.recipes.medusa import objective as medusa_recipe
 from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree, medusa_head_loss
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import build_proposer
+from draftsmith.runtime.drafting.registry import build_proposer
 
 pytestmark = pytest.mark.unit
 

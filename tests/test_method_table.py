@@ -37,7 +37,7 @@ from draftsmith.recipes import (
     recipe_problems,
     register_recipe,
 )
-from draftsmith.runtime.drafting.base import registered_methods
+from draftsmith.runtime.drafting.registry import registered_methods
 
 pytestmark = pytest.mark.unit
 
@@ -185,7 +185,9 @@ def test_the_toy_method_trains_exports_and_drafts(toy, tiny_target, tmp_path):
     import torch
 
     from draftsmith.export.format import write_export
-    from draftsmith.runtime.drafting.base import StepContext, build_proposer
+    from draftsmith.runtime.drafting.base import StepContext
+    from draftsmith.runtime.drafting.registry import build_proposer
+    from draftsmith.runtime.target.hf import HFModelAdapter
 
     cfg = toy.Toy()  # the schema's values (a typed config; train.py composes the same through Hydra)
     objective = get_recipe("toy").build(cfg, tiny_target)
@@ -193,7 +195,7 @@ def test_the_toy_method_trains_exports_and_drafts(toy, tiny_target, tmp_path):
     assert len(losses) == 2 and losses[1] < losses[0]
     config = {**objective.export_config(), "target": {"name_or_path": tiny_target.name_or_path}}
     export = write_export(tmp_path / "export", objective.module.state_dict(), config)
-    proposer = build_proposer(export, tiny_target.model)
+    proposer = build_proposer(export, HFModelAdapter(tiny_target.model))  # a runtime target, as serving loads one
     hidden = torch.randn(tiny_target.hidden_size)
     tree = proposer.propose(StepContext(tokens=torch.tensor([5, 6]), root_token=6, hidden=hidden))
     assert tree.tokens.tolist() == [6, int(objective.module(hidden).argmax())]

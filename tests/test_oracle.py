@@ -36,7 +36,7 @@ def references(target, prompts, new, chain):
 
 def oracle_decode(target, prompts, new, acceptance, chain, seed=0, refs=None, draft_ms=0.0):
     oracle = OracleProposer(refs or references(target, prompts, new, chain), acceptance, chain, draft_ms, seed)
-    spec = SpeculativeDecoder(target, oracle, GreedyVerifier("torch"), kernels_backend="torch")
+    spec = SpeculativeDecoder(target, oracle, GreedyVerifier("torch"), kernel_backend="torch")
     return oracle, [spec.generate(p, new) for p in prompts]
 
 

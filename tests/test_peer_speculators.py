@@ -18,7 +18,7 @@ from draftsmith.distill.data.conversations import normalize_record
 from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import read_export
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import build_proposer
+from draftsmith.runtime.drafting.registry import build_proposer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
 pytestmark = pytest.mark.unit

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from draftsmith.runtime.drafting import registry
-from draftsmith.runtime.drafting.base import NullProposer, Proposer, ProposerWrapper, build_proposer
+from draftsmith.runtime.drafting.base import NullProposer, Proposer, ProposerWrapper
 from draftsmith.runtime.drafting.chain import ChainProposer
+from draftsmith.runtime.drafting.registry import build_proposer
 
 pytestmark = pytest.mark.unit
 

@@ -23,9 +23,10 @@ from draftsmith.recipes.eagle import objective as eagle_recipe
 from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier, target_probs
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import StepContext, build_proposer
+from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.chain import SampledTreeProposer
 from draftsmith.runtime.drafting.eagle import Eagle3DraftModel, EagleProposer
+from draftsmith.runtime.drafting.registry import build_proposer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
 pytestmark = pytest.mark.unit
@@ -92,8 +93,9 @@ def test_speculators_speculative_tokens_equal_the_runtime_chain_length(local_tar
     res = lean.forward(prompt, cache, taps=proposer.feature_taps)
     root = int(res.logits[-1].argmax())
     context = torch.cat([prompt, torch.tensor([root])])
-    proposer.begin(StepContext(context, root, res.hidden, taps=res.tap_features(proposer.feature_taps)))
-    tree = proposer.propose(StepContext(context, root, res.hidden[-1]))
+    proposer.begin(StepContext(tokens=context, root_token=root, hidden=res.hidden,
+                               taps=res.tap_features(proposer.feature_taps)))
+    tree = proposer.propose(StepContext(tokens=context, root_token=root, hidden=res.hidden[-1]))
     assert tokens == tree.num_nodes - 1 == depth + 1  # drafted tokens per step, root excluded
 
 
@@ -152,7 +154,8 @@ def test_sampled_tree_without_replacement_small_nucleus_is_exact():
     verifier = RejectionSamplingVerifier(temperature=temperature, top_p=top_p)
     gen = torch.Generator().manual_seed(3)
     prompt = [4, 6]
-    tree = proposer.propose(StepContext(torch.tensor(prompt), 6, torch.zeros(1), None, gen))
+    tree = proposer.propose(StepContext(tokens=torch.tensor(prompt), root_token=6, hidden=torch.zeros(1),
+                                        generator=gen))
     nucleus = int((target_probs(drafter(torch.tensor(prompt)), temperature, top_p) > 0).sum())
     assert nucleus < branching[0] and len(tree.children(0)) == nucleus  # draws what the nucleus holds
     counts = torch.zeros(SMALL_V, SMALL_V, SMALL_V)

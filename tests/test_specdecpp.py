@@ -32,7 +32,7 @@ from draftsmith.recipes.specdecpp import objective as specdecpp
 from draftsmith.runtime.acceptance.choice import choose_stop_policy, parse_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import LearnedStop
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import build_proposer
+from draftsmith.runtime.drafting.registry import build_proposer
 from draftsmith.runtime.drafting.specdecpp import LearnedStopProposer
 
 pytestmark = pytest.mark.unit

@@ -21,6 +21,7 @@ from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import NullProposer
 from draftsmith.runtime.drafting.chain import ChainProposer, DecoderDrafter, SampledTreeProposer
 from draftsmith.runtime.drafting.medusa import MedusaProposer
+from draftsmith.runtime.target.interface import TargetWrapper
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
 pytestmark = pytest.mark.unit
@@ -67,12 +68,13 @@ def plain_greedy(model, prompt, n):
     return out
 
 
-class CountingModel:
-    """Delegates to a decoder, counting forwards and cache compactions."""
+class CountingModel(TargetWrapper):
+    """Delegates to a decoder, counting forwards and cache compactions (verification reads the logits)."""
 
     def __init__(self, model):
+        super().__init__(model)
         self.model, self.forwards, self.compactions = model, 0, 0
-        self.config, self.device = model.config, model.device
+        self.argmax_head = False
 
     def allocate_cache(self, max_len):
         cache = self.model.allocate_cache(max_len)
@@ -246,7 +248,7 @@ def test_typical_verifier_accepts_by_the_entropy_threshold_where_greedy_rejects(
 
 def test_build_proposer_from_medusa_export(target, reference, tmp_path):
     from draftsmith.export.format import write_export
-    from draftsmith.runtime.drafting.base import build_proposer, registered_methods
+    from draftsmith.runtime.drafting.registry import build_proposer, registered_methods
 
     torch.manual_seed(2)
     heads = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=VOCAB, num_heads=2))
@@ -271,7 +273,7 @@ def test_errors(target):
         dec.generate(list(range(50)), 20)
     assert model.forwards == 0  # refused before any work
     with pytest.raises(ValueError, match="unknown kernel backend 'gpu'"):
-        SpeculativeDecoder(model, NullProposer(), kernels_backend="gpu")
+        SpeculativeDecoder(model, NullProposer(), kernel_backend="gpu")
     # No cap unless given: the cache is sized from the request; a prompt is refused by the target's context alone,
     # with the message of the CLI's up-front check (runtime/decoding/prompt_limits.py)
     with pytest.raises(ValueError, match="at most 255 tokens"):

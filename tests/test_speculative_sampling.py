@@ -120,7 +120,8 @@ def first_tokens(proposer, verifier, prompt, n, gen):
     out = [verifier.sample(synthetic_logits(prompt), gen)]
     while len(out) < n:
         ctx = prompt + out
-        tree = proposer.propose(StepContext(torch.tensor(ctx), out[-1], torch.zeros(1), None, gen))
+        tree = proposer.propose(StepContext(tokens=torch.tensor(ctx), root_token=out[-1], hidden=torch.zeros(1),
+                                            generator=gen))
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         node_ctx = [ctx]
         for i in range(1, len(tokens)):

@@ -22,7 +22,7 @@ from draftsmith.export.format import ExportError, TargetMismatchError, read_expo
 from draftsmith.export.speculators import to_speculators
 from draftsmith.export.speculators_import import import_speculators
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import build_proposer
+from draftsmith.runtime.drafting.registry import build_proposer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
 pytestmark = pytest.mark.unit

@@ -216,7 +216,7 @@ class FixedHeads(torch.nn.Module):
 def test_medusa_proposer_fills_tree_and_prunes_with_stop_policy():
     probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.6, 0.05, 0.25], [0.9, 0.05, 0.03, 0.02]])
     proposer = MedusaProposer(FixedHeads(probs.log()), PATHS, top_k=3)
-    state = StepContext(torch.tensor([1, 2]), 2, torch.zeros(8))
+    state = StepContext(tokens=torch.tensor([1, 2]), root_token=2, hidden=torch.zeros(8))
     tree = proposer.propose(state)
     # head0 top3 = [0, 1, 2], head1 top3 = [1, 3, 0], head2 top3 = [0, 1, 2]
     assert tree.tokens.tolist() == [2, 0, 1, 1, 3, 1, 0]

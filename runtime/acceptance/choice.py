@@ -22,15 +22,20 @@ from draftsmith.runtime.acceptance.stop_policies import (
     ProposerHead,
     StopPolicy,
 )
-from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, RejectionSamplingVerifier, TypicalVerifier
+from draftsmith.runtime.acceptance.verifiers import (
+    GreedyVerifier,
+    RejectionSamplingVerifier,
+    TypicalVerifier,
+    Verifier,
+)
 
-VerifierBuilder = Callable[[float, str, dict], Any]  # (temperature, kernels, export inference block) -> verifier
+VerifierBuilder = Callable[[float, str, dict], Verifier]  # (temperature, kernels, export inference block) -> verifier
 VERIFIERS: Registry[VerifierBuilder] = Registry("verifier")
 register_verifier = VERIFIERS.register  # @register_verifier(name): what --verifier and inference.verifier say
 
 
 @register_verifier("greedy")
-def _greedy(temperature: float, kernels: str, inference: dict) -> Any:
+def _greedy(temperature: float, kernels: str, inference: dict) -> Verifier:
     """Lossless at temperature 0: accept while the draft equals the target's argmax."""
     if temperature != 0:
         raise ValueError("the greedy verifier decodes at temperature 0; use --verifier rejection for sampling")
@@ -38,13 +43,13 @@ def _greedy(temperature: float, kernels: str, inference: dict) -> Any:
 
 
 @register_verifier("rejection")
-def _rejection(temperature: float, kernels: str, inference: dict) -> Any:
+def _rejection(temperature: float, kernels: str, inference: dict) -> Verifier:
     """Lossless sampling: the output distribution is the target's at ``temperature``."""
     return RejectionSamplingVerifier(temperature=max(temperature, 1e-5))
 
 
 @register_verifier("typical")
-def _typical(temperature: float, kernels: str, inference: dict) -> Any:
+def _typical(temperature: float, kernels: str, inference: dict) -> Verifier:
     """Medusa's typical acceptance (lossy), thresholds from the export's ``inference.typical``."""
     typical = inference.get("typical", {})
     return TypicalVerifier(float(typical.get("posterior_threshold", 0.09)), float(typical.get("posterior_alpha", 0.3)),
@@ -55,14 +60,14 @@ def _inference(export_config: dict | None) -> dict[str, Any]:
     return dict((export_config or {}).get("inference") or {})
 
 
-def make_verifier(name: str, temperature: float, kernels: str, export_config: dict | None) -> Any:
+def make_verifier(name: str, temperature: float, kernels: str, export_config: dict | None) -> Verifier:
     """The registered verifier ``name`` ("auto": greedy at T = 0, else rejection sampling)."""
     if name == "auto":
         name = "greedy" if temperature == 0 else "rejection"
     return VERIFIERS.get(name)(temperature, kernels, _inference(export_config))
 
 
-def choose_verifier(flag: str, temperature: float, kernels: str, export_config: dict | None) -> tuple[Any, dict]:
+def choose_verifier(flag: str, temperature: float, kernels: str, export_config: dict | None) -> tuple[Verifier, dict]:
     """The verifier and ``{"name", "source"}``. ``flag`` other than "auto" wins; else the export's
     ``inference.verifier`` (greedy there means "lossless", so it becomes rejection sampling at T > 0); else greedy at
     T = 0 and rejection sampling above."""
@@ -82,7 +87,7 @@ _DICT_FIELDS = {STOP_FIXED: ("max_depth",), STOP_CONFIDENCE: ("threshold", "max_
                 STOP_LEARNED: ("threshold", "min_depth", "max_depth")}
 
 
-def _threshold(kind: str, value: Any) -> float:
+def _threshold(kind: str, value: float | str) -> float:
     """A stop threshold from user input: a number strictly inside (0, 1)."""
     t = float(value)
     if not 0.0 < t < 1.0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -64,22 +63,27 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
 
 
-@runtime_checkable
-class Verifier(Protocol):
-    """What the speculative loop needs from a verifier."""
+class Verifier:
+    """What the speculative loop needs from a verifier: every member it reads, declared with its default."""
 
-    lossless: bool  # True when the output distribution equals the target's (greedy: identical tokens)
+    lossless: bool = False  # True when the output distribution equals the target's (greedy: identical tokens)
+    per_position_temperature: bool = False  # verify/sample take a per-node ``temperature`` (an adaptive policy)
+    decides_from_argmax: bool = False  # verify_argmax decides from the target's argmax per node alone
 
     def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None,
                temperature: torch.Tensor | None = None) -> Acceptance:
         """Accept a path of ``tree`` given target logits [N, V] at every node (``temperature`` [N]: a per-node
         sampling temperature, for verifiers with ``per_position_temperature``)."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} must define verify()")
+
+    def verify_argmax(self, tree: DraftTree, argmax: torch.Tensor) -> Acceptance:
+        """The decision from the target's argmax at every node [N] alone (verifiers with ``decides_from_argmax``)."""
+        raise NotImplementedError(f"{type(self).__name__} decides from the logits, not their argmax")
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None,
                temperature: torch.Tensor | None = None) -> int:
         """Draw one token from the target logits [V] (the first token after the prompt)."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} must define sample()")
 
 
 def _no_temperature(verifier: object, temperature: torch.Tensor | None) -> None:
@@ -88,25 +92,26 @@ def _no_temperature(verifier: object, temperature: torch.Tensor | None) -> None:
                          "rejection-sampling verifier (verifier=rejection)")
 
 
-class GreedyVerifier:
+class GreedyVerifier(Verifier):
     """Lossless greedy: the longest path whose drafted tokens equal the target argmax; bonus = argmax after it."""
 
     lossless = True
+    decides_from_argmax = True
 
-    def __init__(self, kernels_backend: str = "auto") -> None:
-        self.kernels_backend = kernels_backend
+    def __init__(self, kernel_backend: str = "auto") -> None:
+        self.kernel_backend = kernel_backend
 
     def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None,
                temperature: torch.Tensor | None = None) -> Acceptance:
         """See :func:`draftsmith.kernels.verify.greedy_verify` (on a CPU:
         :func:`~draftsmith.kernels.verify.greedy_walk`, the same decision over host lists)."""
         _no_temperature(self, temperature)
-        if (logits.device.type == "cpu" and self.kernels_backend in ("auto", "torch") and logits.dim() == 2
+        if (logits.device.type == "cpu" and self.kernel_backend in ("auto", "torch") and logits.dim() == 2
                 and logits.shape[0] == tree.num_nodes):  # anything else: greedy_verify checks it and says why
             # Host fast path: one argmax, then the walk over Python lists (kernels.verify.greedy_walk).
             return self.verify_argmax(tree, target_argmax(logits))
         paths = tree.retrieve_indices.to(logits.device)
-        res = greedy_verify(paths, tree.tokens.to(logits.device), logits, backend=self.kernels_backend)
+        res = greedy_verify(paths, tree.tokens.to(logits.device), logits, backend=self.kernel_backend)
         nodes = [int(i) for i in paths[res.best_path, : res.accept_len + 1]]
         toks = [int(tree.tokens[i]) for i in nodes[1:]]
         return Acceptance(nodes, toks, res.bonus_token, res.accept_len)
@@ -130,7 +135,7 @@ class GreedyVerifier:
         return int(logits.argmax(-1))
 
 
-class TypicalVerifier:
+class TypicalVerifier(Verifier):
     """Medusa's typical acceptance (LOSSY: the output distribution is not the target's).
 
     A drafted token x is accepted if ``p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p)))`` with p the
@@ -177,7 +182,7 @@ class TypicalVerifier:
         return int(logits.argmax(-1))
 
 
-class RejectionSamplingVerifier:
+class RejectionSamplingVerifier(Verifier):
     """Tree speculative sampling that preserves the target distribution exactly (temperature / top-p applied to p).
 
     Walk from the root. At each node, with p the target distribution there, try its children in drafted order:

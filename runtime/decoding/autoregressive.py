@@ -6,8 +6,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from draftsmith.runtime.decoding.prompt_limits import cap_new_tokens
 from draftsmith.runtime.decoding.threads import governor
-from draftsmith.runtime.target.loading import Decoder
+from draftsmith.runtime.target.interface import TargetDecoder
 
 
 def sample_token(
@@ -25,17 +26,17 @@ def sample_token(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _check_prompt(prompt_ids: list[int], vocab_size: int | None) -> None:
+def _check_prompt(prompt_ids: list[int], vocab_size: int) -> None:
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty: pass at least one token id (e.g. the BOS token or a chat template)")
-    if vocab_size is not None and not all(0 <= t < vocab_size for t in prompt_ids):
+    if not all(0 <= t < vocab_size for t in prompt_ids):
         bad = [t for t in prompt_ids if not 0 <= t < vocab_size][:5]
         raise ValueError(f"prompt token ids {bad} are outside the vocabulary [0, {vocab_size}); wrong tokenizer?")
 
 
 @torch.inference_mode()
 def generate_ar(
-    model: Decoder,
+    model: TargetDecoder,
     prompt_ids: list[int],
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -50,24 +51,26 @@ def generate_ar(
     Greedy when ``temperature == 0`` (token-identical to HF ``generate(do_sample=False)`` in fp32). Stops after an
     ``eos_ids`` token, which is included in the output like HF does. ``stream`` is called with each new token.
     ``head``: "auto" (greedy steps ask a target that declares ``argmax_head`` for the argmax only) or "logits".
-    Returns the new tokens only.
+    ``max_new_tokens`` past the target's context is capped to it with one warning line
+    (:func:`~draftsmith.runtime.decoding.prompt_limits.cap_new_tokens`). Returns the new tokens only.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if head not in ("auto", "logits"):
         raise ValueError(f"head must be 'auto' or 'logits', got {head!r}")
-    _check_prompt(prompt_ids, getattr(getattr(model, "config", None), "vocab_size", None))
+    _check_prompt(prompt_ids, model.sizes.vocab_size)
     eos = set(eos_ids)
     if max_new_tokens == 0:
         return []
-    device = getattr(model, "device", "cpu")
+    max_new_tokens = cap_new_tokens(len(prompt_ids), max_new_tokens, model.sizes.context_length)
+    device = model.device
     cache = model.allocate_cache(len(prompt_ids) + max_new_tokens)
     logits = model.forward(torch.tensor(prompt_ids, dtype=torch.long, device=device), cache, logits_for="last").logits
     cache.commit(len(prompt_ids))
     out: list[int] = []
     step = torch.empty(1, dtype=torch.long, device=device)  # reused input buffer
     # Greedy steps need only the argmax: a model that can reduce its LM head to it skips the [1, V] logits.
-    greedy = temperature <= 0.0 and head == "auto" and getattr(model, "argmax_head", False)
+    greedy = temperature <= 0.0 and head == "auto" and model.argmax_head
     threads = governor()  # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
     tok = sample_token(logits[-1], temperature, top_p, generator)
     while True:

@@ -1,14 +1,21 @@
-"""Refuse prompts that cannot fit in the target's context before any model work is spent on them."""
+"""The target's context bounds a request: a prompt that leaves no position is refused, and ``max_new_tokens`` past
+the context is capped to it with one line, before any model work (or memory: the KV cache is sized from the
+request, so 10^9 new tokens would otherwise end in an allocator error)."""
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+
+from draftsmith.runtime.target.interface import TargetDecoder
 
 
-def context_limit(model: Any) -> int | None:
-    """The target's context in positions (``max_position_embeddings`` of a lean or HF config), None if unknown."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return int(limit) if limit is not None else None
+class ContextCapWarning(UserWarning):
+    """``max_new_tokens`` asked for more tokens than the target's context holds; generation stops at its end."""
+
+
+def context_limit(model: TargetDecoder) -> int | None:
+    """The target's context in positions (``max_position_embeddings``), None if its config states none."""
+    return model.sizes.context_length
 
 
 def check_prompt_fits(ids_len: int, limit: int, what: str) -> None:
@@ -23,4 +30,20 @@ def check_prompt_fits(ids_len: int, limit: int, what: str) -> None:
                          f"(max_position_embeddings); it must be at most {limit - 1} tokens to generate anything")
 
 
-__all__ = ["check_prompt_fits", "context_limit"]
+def cap_new_tokens(prompt_len: int, max_new_tokens: int, limit: int | None) -> int:
+    """``max_new_tokens`` capped so that prompt + generated tokens fit ``limit`` positions (the target's context; None:
+    no cap). A cap warns once (:class:`ContextCapWarning`, one line naming the context); a prompt that leaves no
+    position is refused first (:func:`check_prompt_fits`)."""
+    if limit is None:
+        return max_new_tokens
+    check_prompt_fits(prompt_len, limit, "the prompt")
+    room = limit - prompt_len
+    if max_new_tokens > room:
+        warnings.warn(f"max_new_tokens={max_new_tokens} runs past the target's context of {limit} positions "
+                      "(max_position_embeddings): generation stops at the context's end", ContextCapWarning,
+                      stacklevel=3)
+        return room
+    return max_new_tokens
+
+
+__all__ = ["ContextCapWarning", "cap_new_tokens", "check_prompt_fits", "context_limit"]

@@ -12,21 +12,23 @@ samples (and verifies) each node at its own temperature.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from draftsmith.kernels.dispatch import BACKENDS
 from draftsmith.runtime.acceptance.stop_policies import StopPolicy
-from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, Verifier
+from draftsmith.runtime.acceptance.verifiers import Acceptance, GreedyVerifier, Verifier
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.profile import StepProfiler
-from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
+from draftsmith.runtime.decoding.prompt_limits import cap_new_tokens
 from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.drafting.base import NullProposer, Proposer, StepContext
+from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.cache import TokenBuffer
+from draftsmith.runtime.target.interface import RuntimeCache, TargetDecoder
+from draftsmith.runtime.target.output import TargetOutput
 
 
 @dataclass
@@ -56,39 +58,39 @@ class SpeculativeDecoder:
     ``temperature_policy``: ``hidden [T, H] -> temperatures [T]`` (0 = greedy at that position), needs a verifier with
     ``per_position_temperature`` (rejection sampling).
     ``max_cache_len``: a cap on the KV cache slots (prompt + max_new_tokens + one tree); None: the cache is sized from
-    each request, as plain decoding sizes it, and a prompt is refused only by the target's context
-    (:func:`~draftsmith.runtime.decoding.prompt_limits.check_prompt_fits`, the check the CLI runs up front).
+    each request, as plain decoding sizes it. A prompt that leaves no position in the target's context is refused
+    and ``max_new_tokens`` past it capped (:func:`~draftsmith.runtime.decoding.prompt_limits.cap_new_tokens`).
     ``head``: "auto" (greedy verification reduces the LM head to an argmax per node where the target, verifier and
     proposer allow it, :meth:`uses_argmax_head`) or "logits" (always the [N, V] logits).
     """
 
     def __init__(
         self,
-        model: Any,
+        model: TargetDecoder,
         proposer: Proposer,
         verifier: Verifier | None = None,
         stop_policy: StopPolicy | None = None,
-        kernels_backend: str = "auto",
+        kernel_backend: str = "auto",
         max_cache_len: int | None = None,
         temperature_policy: Callable[[torch.Tensor], torch.Tensor] | None = None,
         head: str = "auto",
     ) -> None:
-        if kernels_backend not in BACKENDS:
-            raise ValueError(f"unknown kernel backend {kernels_backend!r}; valid backends are {', '.join(BACKENDS)}")
+        if kernel_backend not in BACKENDS:
+            raise ValueError(f"unknown kernel backend {kernel_backend!r}; valid backends are {', '.join(BACKENDS)}")
         self.model = model
         self.proposer = proposer
-        self.verifier = verifier if verifier is not None else GreedyVerifier(kernels_backend)
-        if temperature_policy is not None and not getattr(self.verifier, "per_position_temperature", False):
+        self.verifier = verifier if verifier is not None else GreedyVerifier(kernel_backend)
+        if temperature_policy is not None and not self.verifier.per_position_temperature:
             raise ValueError(f"a per-position temperature policy needs a verifier that samples at per-node "
                              f"temperatures (verifier=rejection), not {type(self.verifier).__name__}")
         self.stop_policy = stop_policy
         self.temperature_policy = temperature_policy
-        self.kernels_backend = kernels_backend
+        self.kernel_backend = kernel_backend
         if head not in ("auto", "logits"):
             raise ValueError(f"head must be 'auto' or 'logits', got {head!r}")
         self.head = head
         self.max_cache_len = max_cache_len
-        self._cache = None
+        self._cache: RuntimeCache | None = None
         self.profiler: StepProfiler | None = None  # set one to time each part of every step (bench --profile)
 
     def serves_plain_ar(self) -> bool:
@@ -99,10 +101,9 @@ class SpeculativeDecoder:
 
     def _check_request(self, prompt_len: int, max_new_tokens: int) -> int:
         """The cache slots a request needs (prompt + ``max_new_tokens`` + one tree), after the checks plain decoding
-        and the CLI make: the prompt must leave a position in the target's context, the slots fit ``max_cache_len``."""
-        limit = context_limit(self.model)
-        if limit is not None:
-            check_prompt_fits(prompt_len, limit, "the prompt")
+        and the CLI make: the prompt must leave a position in the target's context (``max_new_tokens`` is already
+        capped to it), the slots fit ``max_cache_len``."""
+        cap_new_tokens(prompt_len, 0, self.model.sizes.context_length)
         needed = prompt_len + max_new_tokens + self.proposer.max_tree_nodes
         if self.max_cache_len is not None and needed > self.max_cache_len:
             raise ValueError(
@@ -111,7 +112,7 @@ class SpeculativeDecoder:
                 "max_cache_len")
         return needed
 
-    def _cache_for(self, needed: int) -> Any:
+    def _cache_for(self, needed: int) -> RuntimeCache:
         if self._cache is None or self._cache.max_len < needed:
             self._cache = self.model.allocate_cache(needed)
         self._cache.length = 0
@@ -132,9 +133,10 @@ class SpeculativeDecoder:
         with each new chunk of tokens as soon as it is final.
         """
         prompt = _checked_prompt(prompt_ids, max_new_tokens)
-        lossless = bool(getattr(self.verifier, "lossless", False))
+        lossless = bool(self.verifier.lossless)
         if max_new_tokens == 0:
             return SpecResult([], 0, [], [], lossless)
+        max_new_tokens = cap_new_tokens(prompt.numel(), max_new_tokens, self.model.sizes.context_length)
         if self.serves_plain_ar():
             return self._plain_greedy(prompt, max_new_tokens, eos_ids, stream)
         taps, cache, device = self._prepare(prompt, max_new_tokens)
@@ -155,17 +157,15 @@ class SpeculativeDecoder:
             with prof.step() if prof is not None else nullcontext():
                 with part("draft"):
                     tokens = context.view()  # [L+1]: a view; later appends do not change it
-                    tree = self.proposer.propose(StepContext(tokens, root, hidden_prev, policy, generator))
+                    tree = self.proposer.propose(StepContext(tokens=tokens, root_token=root, hidden=hidden_prev,
+                                                             stop_policy=policy, generator=generator))
                 self._check_tree(tree, root)
                 prefix = cache.length
                 res, acc = self._verify(tree, cache, device, taps, greedy_head, generator, part)
                 nodes = acc.path_nodes
                 in_place = nodes == list(range(len(nodes)))  # accepted nodes already sit right after the prefix
                 with part("kv_compaction"):
-                    if in_place:
-                        cache.commit(len(nodes))
-                    else:
-                        cache.compact(prefix + torch.tensor(nodes, dtype=torch.long), prefix)
+                    _keep_path(cache, prefix, nodes, in_place)
                 with part("proposer_update"):
                     rows = slice(0, len(nodes)) if in_place else torch.tensor(nodes, device=res.hidden.device)
                     hidden_prev = self._accept_path(res, acc, rows, tokens, root, policy, taps, generator)
@@ -179,7 +179,7 @@ class SpeculativeDecoder:
         return SpecResult(out, len(accepted), accepted, metrics.acceptance_by_position(accepted, depth_hist), lossless,
                           sizes, depth_hist)
 
-    def _prepare(self, prompt: torch.Tensor, max_new_tokens: int) -> tuple[tuple[int, ...], Any, torch.device]:
+    def _prepare(self, prompt: torch.Tensor, max_new_tokens: int) -> tuple[tuple[int, ...], RuntimeCache, torch.device]:
         """Per generation: reset a sequence-level temperature policy; the feature taps the proposer reads, a KV cache
         sized for prompt + ``max_new_tokens`` + one tree, and the model's device."""
         reset = getattr(self.temperature_policy, "reset", None)
@@ -187,11 +187,11 @@ class SpeculativeDecoder:
             reset()
         taps = tuple(int(i) for i in self.proposer.feature_taps)
         cache = self._cache_for(self._check_request(prompt.numel(), max_new_tokens))
-        device = getattr(self.model, "device", torch.device("cpu"))
-        return taps, cache, device
+        return taps, cache, self.model.device
 
-    def _verify(self, tree: Any, cache: Any, device: Any, taps: tuple[int, ...], greedy_head: bool,
-                generator: torch.Generator | None, part: Callable[[str], Any]) -> tuple[Any, Any]:
+    def _verify(self, tree: DraftTree, cache: RuntimeCache, device: torch.device, taps: tuple[int, ...],
+                greedy_head: bool, generator: torch.Generator | None,
+                part: Callable[[str], AbstractContextManager]) -> tuple[TargetOutput, Acceptance]:
         """One target forward over ``tree`` after the cache's prefix, then the verifier's decision: (output,
         acceptance). ``greedy_head``: the forward reduces its LM head to each node's argmax (no [N, V] logits)."""
         with part("verify_forward"):
@@ -210,22 +210,23 @@ class SpeculativeDecoder:
         model whose forward can reduce its LM head to it (``argmax_head``), no temperature policy, and a proposer
         that declares ``reads_logits = False`` (its ``accept`` never reads the accepted nodes' logits); never with
         ``head="logits"``."""
-        return bool(self.head == "auto" and getattr(self.model, "argmax_head", False)
-                    and callable(getattr(self.verifier, "verify_argmax", None))
+        return bool(self.head == "auto" and self.model.argmax_head
+                    and self.verifier.decides_from_argmax
                     and self.temperature_policy is None and not self.proposer.reads_logits)
 
-    def _prefill(self, prompt: torch.Tensor, cache: Any, device: Any, taps: tuple[int, ...],
+    def _prefill(self, prompt: torch.Tensor, cache: RuntimeCache, device: torch.device, taps: tuple[int, ...],
                  generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
         """Prefill ``prompt`` [P] into ``cache``, sample the root (the first generated token) and start the proposer;
         returns the root and the hidden state [H] whose logits produced it."""
         pre = self.model.forward(prompt.to(device), cache, logits_for="last", taps=taps)  # logits [1, V], hidden [P, H]
         cache.commit(prompt.numel())
         root = self.verifier.sample(pre.logits[-1], generator, **self._temperatures(pre.hidden[-1:]))
-        self.proposer.begin(StepContext(torch.cat([prompt, prompt.new_tensor([root])]), root, pre.hidden,
-                                        self.stop_policy, generator, pre.tap_features(taps), pre.logits))
+        self.proposer.begin(StepContext(tokens=torch.cat([prompt, prompt.new_tensor([root])]), root_token=root,
+                                        hidden=pre.hidden, stop_policy=self.stop_policy, generator=generator,
+                                        taps=pre.tap_features(taps), logits=pre.logits))
         return root, pre.hidden[-1]
 
-    def _check_tree(self, tree: Any, root: int) -> None:
+    def _check_tree(self, tree: DraftTree, root: int) -> None:
         """Refuse a drafted tree that does not start at ``root`` or has more nodes than the cache was sized for."""
         if int(tree.tokens[0]) != root:
             raise ValueError("the proposer's tree must start with the root token it was given")
@@ -233,8 +234,9 @@ class SpeculativeDecoder:
             raise ValueError(f"the proposer drafted {tree.num_nodes} nodes but declared max_tree_nodes="
                              f"{self.proposer.max_tree_nodes}; the KV cache is sized from the latter")
 
-    def _accept_path(self, res: Any, acc: Any, rows: slice | torch.Tensor, tokens: torch.Tensor, root: int,
-                     policy: Any, taps: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
+    def _accept_path(self, res: TargetOutput, acc: Acceptance, rows: slice | torch.Tensor, tokens: torch.Tensor,
+                     root: int, policy: StopPolicy | None, taps: tuple[int, ...],
+                     generator: torch.Generator | None) -> torch.Tensor:
         """Tell the proposer which path the verifier accepted (``rows``: its nodes, the root first; a slice when they
         are the first nodes, the usual case, so that every row set below is a view): hidden states, taps and logits
         at its nodes (no logits for a proposer that declares ``reads_logits = False``: copying [a+1, V] rows every
@@ -244,8 +246,10 @@ class SpeculativeDecoder:
             return t[rows] if isinstance(rows, slice) else t[rows.to(t.device)]
 
         logits = pick(res.logits) if self.proposer.reads_logits else None  # [a+1, V]
-        self.proposer.accept(StepContext(tokens, root, pick(res.hidden), policy, generator,  # hidden [a+1, H]
-                                         res.tap_features(taps, rows), logits, acc))  # taps [a+1, k*H]
+        self.proposer.accept(StepContext(tokens=tokens, root_token=root, hidden=pick(res.hidden),  # [a+1, H]
+                                         stop_policy=policy, generator=generator,
+                                         taps=res.tap_features(taps, rows), logits=logits,  # taps [a+1, k*H]
+                                         acceptance=acc))
         return res.hidden[acc.path_nodes[-1]]
 
     def _plain_greedy(self, prompt: torch.Tensor, max_new_tokens: int, eos_ids: Sequence[int],
@@ -271,7 +275,8 @@ class SpeculativeDecoder:
         return {"temperature": temps}
 
     @staticmethod
-    def _emit(out: list[int], new: list[int], limit: int, eos: set[int], stream: Callable | None) -> bool:
+    def _emit(out: list[int], new: list[int], limit: int, eos: set[int],
+              stream: Callable[[list[int]], None] | None) -> bool:
         """Append ``new`` up to the limit / first eos; return True when generation is over."""
         chunk = []
         for t in new:
@@ -294,6 +299,14 @@ def _checked_prompt(prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: in
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     return prompt
+
+
+def _keep_path(cache: RuntimeCache, prefix: int, nodes: list[int], in_place: bool) -> None:
+    """Keep the accepted nodes' K/V after the ``prefix`` committed slots: a commit when they already sit there."""
+    if in_place:
+        cache.commit(len(nodes))
+    else:
+        cache.compact(prefix + torch.tensor(nodes, dtype=torch.long), prefix)
 
 
 def _no_part(name: str) -> nullcontext:

@@ -1,6 +1,6 @@
 """The proposer interface (every member the loop, the shape search and the bench may read, declared with its
-default), the step context handed to it, and the registry of families (re-exported from
-:mod:`~draftsmith.runtime.drafting.registry`).
+default) and the step context handed to it. Families register their builders in
+:mod:`~draftsmith.runtime.drafting.registry` (``build_proposer`` lives there too).
 
 A family is a module of this package (named in the registry's ``load_families``) with builders registered for the
 export methods it serves (``@register_proposer(method)``), and proposers that subclass :class:`Proposer`.
@@ -16,11 +16,13 @@ import torch
 from draftsmith.runtime.acceptance.stop_policies import StopPolicy
 from draftsmith.runtime.acceptance.verifiers import Acceptance
 from draftsmith.runtime.drafting.tree import DraftTree
+from draftsmith.runtime.target.interface import TargetDecoder
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepContext:
-    """What a proposer is told, one type for every event of a generation (``begin``, ``propose``, ``accept``).
+    """What a proposer is told, one type for every event of a generation (``begin``, ``propose``, ``accept``); built
+    with keywords only (eight fields, several of one type: a positional call could swap them unnoticed).
 
     Rows of the target forward that just ran, by event (P = prompt length, a = accepted drafted tokens):
     - begin: ``hidden`` [P, H] and ``taps`` [P, k*H] of the prompt, ``logits`` [1, V] at its last position;
@@ -52,7 +54,7 @@ class Proposer:
       ``feature_taps`` (target layers whose inputs ``begin``/``accept`` read in ``ctx.taps``), ``reads_logits``
       (False: ``accept`` never reads ``ctx.logits``, so greedy verification may reduce the LM head to an argmax);
       ``wrap_target`` (the decoder the loop verifies with: the target itself, or Kangaroo's cache-sharing wrapper);
-    - the shape search (``runtime/acceptance/shapes.py``): ``shape_family`` ("dynamic_tree": chains and trees through
+    - the shape search (``runtime/shapes/draft_shapes.py``): ``shape_family`` ("dynamic_tree": chains and trees through
       ``reshape``; "static_tree": trees of one head per depth, ``num_heads`` of them; "depth": only the export's own
       shape, cut at a depth up to ``draft_depth``), ``shape_vocab`` (caps a tree's branching), ``shape_max_depth``
       (chains beyond the search's usual 4, DFlash: block_size - 1) and ``reshape``;
@@ -82,7 +84,7 @@ class Proposer:
     def accept(self, ctx: StepContext) -> None:
         """Learn what was accepted (``ctx.acceptance``, the target rows at the accepted nodes); nothing by default."""
 
-    def wrap_target(self, model: Any) -> Any:
+    def wrap_target(self, model: TargetDecoder) -> TargetDecoder:
         """The decoder the speculative loop verifies with: the target itself unless the proposer drafts on the
         target's own layers and cache (Kangaroo)."""
         return model
@@ -128,7 +130,7 @@ class ProposerWrapper(Proposer):
     def draft_plan(self) -> dict[str, str]:
         return self.inner.draft_plan
 
-    def wrap_target(self, model: Any) -> Any:
+    def wrap_target(self, model: TargetDecoder) -> TargetDecoder:
         """The inner proposer's target wrapper."""
         return self.inner.wrap_target(model)
 
@@ -201,20 +203,5 @@ class NullProposer(Proposer):
         return DraftTree.chain([ctx.root_token])
 
 
-# The registry, re-exported: families and callers import it from here (its module imports this one lazily).
-from draftsmith.runtime.drafting.registry import (  # noqa: E402
-    _REGISTRY,
-    ChainOptions,
-    ProposerBuilder,
-    build_proposer,
-    chain_options,
-    check_target_model,
-    register_chain,
-    register_proposer,
-    registered_methods,
-)
-
-__all__ = ["_REGISTRY", "ChainOptions", "LookaheadHeads", "NullProposer", "Proposer", "ProposerBuilder",
-           "ProposerWrapper", "ReportsVerifyReuse", "StepContext", "build_proposer", "chain_options",
-           "check_target_model", "module_dtype", "prune_tree", "register_chain", "register_proposer",
-           "registered_methods"]
+__all__ = ["LookaheadHeads", "NullProposer", "Proposer", "ProposerWrapper", "ReportsVerifyReuse", "StepContext",
+           "module_dtype", "prune_tree"]

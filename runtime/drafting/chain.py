@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -11,6 +10,7 @@ from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
 from draftsmith.runtime.drafting.base import Proposer, StepContext
 from draftsmith.runtime.drafting.tree import DraftTree
+from draftsmith.runtime.target.interface import RuntimeCache, TargetDecoder
 
 
 class ChainProposer(Proposer):
@@ -159,10 +159,10 @@ class DecoderDrafter:
     drafted token plus the tokens accepted since the last call.
     """
 
-    def __init__(self, model: Any, max_len: int = 2048) -> None:
+    def __init__(self, model: TargetDecoder, max_len: int = 2048) -> None:
         self.model = model
         self.max_len = max_len
-        self.cache = None
+        self.cache: RuntimeCache | None = None
         self.ids = torch.empty(0, dtype=torch.long)
 
     @torch.no_grad()
@@ -180,8 +180,7 @@ class DecoderDrafter:
         lcp = int(same.cumprod(0).sum()) if n > 0 else 0
         self.cache.length = lcp  # roll back to the common prefix
         new = token_ids[lcp:]
-        device = getattr(self.model, "device", token_ids.device)
-        logits = self.model.forward(new.to(device), self.cache, logits_for="last").logits  # [1, V]
+        logits = self.model.forward(new.to(self.model.device), self.cache, logits_for="last").logits  # [1, V]
         self.cache.commit(new.numel())
         self.ids = ids.clone()
         return logits[-1]

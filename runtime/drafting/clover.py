@@ -18,9 +18,11 @@ from typing import Any
 import torch
 
 from draftsmith.common.trees import default_medusa_tree
-from draftsmith.runtime.drafting.base import StepContext, register_proposer
+from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.hydra import HydraProposer
+from draftsmith.runtime.drafting.registry import register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
+from draftsmith.runtime.target.interface import TargetDecoder
 
 
 class CloverProposer(HydraProposer):
@@ -82,8 +84,8 @@ class CloverProposer(HydraProposer):
 
 
 @register_proposer("clover2")
-def _build_clover(export_dir: str | Path, config: dict, target_model: Any, tree: list[list[int]] | None = None,
-                  top_k: int | None = None) -> CloverProposer:
+def _build_clover(export_dir: str | Path, config: dict, target_model: TargetDecoder,
+                  tree: list[list[int]] | None = None, top_k: int | None = None) -> CloverProposer:
     """Clover-2 heads from an export on the target's device and dtype; tree and top_k default to the export's."""
     from draftsmith.heads.clover import CloverHeads
     from draftsmith.runtime.target.fast_linear import accelerate_linears
@@ -94,10 +96,9 @@ def _build_clover(export_dir: str | Path, config: dict, target_model: Any, tree:
                                        lm_head_weight=lm_head)
     heads = heads.to(device=lm_head.device, dtype=lm_head.dtype).eval()
     # The V-wide LM head is the target's own: draft through the target's fast (packed) head, as EAGLE does.
-    heads.lm_head_fn = getattr(target_model, "lm_head_logits", None)
+    heads.lm_head_fn = target_model.lm_head_logits
     accelerate_linears(heads)
-    cfg = getattr(target_model, "config", None)
-    num_layers = getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None))
+    num_layers = target_model.sizes.num_layers
     inference = config.get("inference", {})
     k = top_k or inference.get("top_k", 10)
     paths = tree or inference.get("tree") or default_medusa_tree(heads.config.num_heads, top_k=min(k, 4))

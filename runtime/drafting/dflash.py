@@ -42,9 +42,11 @@ from draftsmith.drafters.dflash_heads import RejectLogit, confidence_input
 from draftsmith.export.format import TargetMismatchError
 from draftsmith.runtime.acceptance.stop_policies import LearnedStop, StopContext, StopPolicy, bind_learned_head
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
-from draftsmith.runtime.drafting.base import Proposer, StepContext, prune_tree, register_chain, register_proposer
+from draftsmith.runtime.drafting.base import Proposer, StepContext, prune_tree
+from draftsmith.runtime.drafting.registry import register_chain, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
 from draftsmith.runtime.target.fast_linear import accelerate_linears
+from draftsmith.runtime.target.interface import TargetDecoder
 
 
 class DFlashProposer(Proposer):
@@ -52,7 +54,7 @@ class DFlashProposer(Proposer):
 
     reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only
 
-    shape_family = "static_tree"  # runtime/acceptance/shapes.py: one "head" per block slot, trees through reshape()
+    shape_family = "static_tree"  # runtime/shapes/draft_shapes.py: one "head" per block slot, trees through reshape()
 
     def __init__(self, drafter: DFlashDrafter, head: Any = None, depth: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, cut: float = 0.0) -> None:
@@ -208,7 +210,7 @@ class DFlashProposer(Proposer):
 # ---- builder from an export folder ----------------------------------------------------------------------------------
 
 
-def _place(drafter: DFlashDrafter, target_model: Any) -> DFlashDrafter:
+def _place(drafter: DFlashDrafter, target_model: TargetDecoder) -> DFlashDrafter:
     """Run the drafter where and in the precision the target runs (bf16 CPU linears through the packed kernel)."""
     w = target_model.lm_head_weight
     drafter = drafter.to(device=w.device, dtype=w.dtype).eval()
@@ -223,7 +225,7 @@ def _dflash_chain(tokens: int) -> dict[str, Any]:
 
 
 @register_proposer("dflash")
-def _build_dflash(export_dir: str | Path, config: dict, target_model: Any, **options: Any) -> DFlashProposer:
+def _build_dflash(export_dir: str | Path, config: dict, target_model: TargetDecoder, **options: Any) -> DFlashProposer:
     """DFlash proposer; options: depth (1..block_size-1), cut (confidence threshold, 0 = off), temperature, top_p,
     tree (choice paths) with top_k. Defaults: the export's ``inference`` block. The target was already checked
     against the export's identity by ``build_proposer`` (the only caller)."""
@@ -232,9 +234,8 @@ def _build_dflash(export_dir: str | Path, config: dict, target_model: Any, **opt
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for the dflash proposer; valid: {sorted(valid)}")
     layers = [int(i) for i in config["architecture"].get("target_layers", [])]
-    cfg = getattr(target_model, "config", None)
-    num_layers = getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None))  # lean | HF config
-    if num_layers is not None and any(not 0 <= i < num_layers for i in layers):
+    num_layers = target_model.sizes.num_layers
+    if any(not 0 <= i < num_layers for i in layers):
         raise TargetMismatchError(f"the dflash drafter taps target layers {layers}, outside 0..{num_layers - 1} of "
                                   "the loaded target; use the target it was trained for")
     drafter, _ = DFlashDrafter.from_export(export_dir, embed_weight=target_model.embed_weight,
@@ -243,7 +244,7 @@ def _build_dflash(export_dir: str | Path, config: dict, target_model: Any, **opt
     kw = {"depth": inference.get("depth"), "cut": float(inference.get("cut", 0.0) or 0.0)}
     kw.update({k: v for k, v in options.items() if v is not None})
     tree = {"tree": kw.pop("tree", inference.get("tree")), "top_k": kw.pop("top_k", inference.get("top_k"))}
-    head = getattr(target_model, "lm_head_logits", None)  # the same weights, through the target's fast linears
+    head = target_model.lm_head_logits  # the same weights, through the target's fast linears
     if tree["tree"] is None and tree["top_k"] is not None:
         raise ValueError("the dflash proposer's top_k sizes a tree: give tree (choice paths, e.g. [[0], [1], [0, 0]]) "
                          "too, or leave top_k out for a chain")

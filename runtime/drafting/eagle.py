@@ -46,10 +46,12 @@ from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.export.format import TargetMismatchError
 from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
-from draftsmith.runtime.drafting.base import Proposer, StepContext, register_chain, register_proposer
+from draftsmith.runtime.drafting.base import Proposer, StepContext
 from draftsmith.runtime.drafting.eagle_models import DraftModel, Eagle1DraftModel, Eagle3DraftModel, torch_topk
+from draftsmith.runtime.drafting.registry import register_chain, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.fast_linear import accelerate_linears
+from draftsmith.runtime.target.interface import TargetDecoder
 
 POLICIES = {"tree": "tree", "chain": "chain", EAGLE_TREE_PROPOSER: "tree", EAGLE_CHAIN_PROPOSER: "chain"}
 
@@ -57,7 +59,7 @@ POLICIES = {"tree": "tree", "chain": "chain", EAGLE_TREE_PROPOSER: "tree", EAGLE
 class EagleProposer(Proposer):
     """Drafts with an EAGLE drafter (see the module docstring for the policies and how features are fed)."""
 
-    shape_family = "dynamic_tree"  # runtime/acceptance/shapes.py: chains and trees through reshape()
+    shape_family = "dynamic_tree"  # runtime/shapes/draft_shapes.py: chains and trees through reshape()
     reads_logits = False  # accept() reads hidden states and taps: greedy verify may skip the [N, V] logits
     counts_draft_calls = True  # every _draft() is one drafter forward (its native path enters no nn.Module)
 
@@ -139,16 +141,15 @@ class EagleProposer(Proposer):
         k = 0: (out, logits [S', N], None, cache) for sampling. The model's ``step_topk`` (the fused head: no
         [S', N] logits) when it has one, else its logits through log_softmax + top-k."""
         self.draft_calls += 1
-        step_topk = getattr(self.model, "step_topk", None)
-        if k and step_topk is not None:
-            return step_topk(hidden, ids, cache, positions, mask, last_only, k)
+        if k and self.model.step_topk is not None:
+            return self.model.step_topk(hidden, ids, cache, positions, mask, last_only, k)
         out, logits, cache = self.model.step(hidden, ids, cache, positions, mask, last_only)
         return (out, logits[0], None, cache) if k == 0 else (out, *torch_topk(logits[0], k), cache)
 
     @property
     def draft_plan(self) -> dict[str, str]:
         """Which parts of a draft call run natively, and why the others do not (for the runtime's report)."""
-        return dict(getattr(self.model, "native_plan", {}))
+        return dict(self.model.native_plan)
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         ids = self.model.draft_ids
@@ -304,7 +305,7 @@ def _proposer(config: dict, model: DraftModel, options: dict[str, Any]) -> Eagle
     return EagleProposer(model, **kw)
 
 
-def _place(drafter: torch.nn.Module, target_model: Any) -> torch.nn.Module:
+def _place(drafter: torch.nn.Module, target_model: TargetDecoder) -> torch.nn.Module:
     """Run the drafter where and in the precision the target runs (bf16 CPU linears through the packed kernel)."""
     w = target_model.lm_head_weight
     drafter = drafter.to(device=w.device, dtype=w.dtype).eval()
@@ -320,26 +321,24 @@ def _eagle_chain(tokens: int) -> dict[str, Any]:
 
 
 @register_proposer("eagle")
-def _build_eagle(export_dir: str | Path, config: dict, target_model: Any, **options: Any) -> EagleProposer:
+def _build_eagle(export_dir: str | Path, config: dict, target_model: TargetDecoder, **options: Any) -> EagleProposer:
     """EAGLE-1 proposer; options: policy ("tree" | "chain"), total_tokens, depth, top_k, temperature, top_p.
 
     The target was already checked against the export by ``build_proposer`` (the only caller)."""
     drafter, _ = EagleDrafter.from_export(export_dir, embed_weight=target_model.embed_weight,
                                          lm_head_weight=target_model.lm_head_weight)
-    head = getattr(target_model, "lm_head_logits", None)  # the same weights, through the target's fast linears
-    packed = getattr(target_model, "_head", None)  # the target's packed head (C++ ops), shared by the native top-k
-    packed = packed if getattr(packed, "packed", None) is not None else None
-    return _proposer(config, Eagle1DraftModel(_place(drafter, target_model), head, packed), options)
+    # the same weights through the target's fast linears; its packed head (C++ ops) shared by the native top-k
+    model = Eagle1DraftModel(_place(drafter, target_model), target_model.lm_head_logits, target_model.packed_head)
+    return _proposer(config, model, options)
 
 
 @register_proposer("eagle3")
-def _build_eagle3(export_dir: str | Path, config: dict, target_model: Any, **options: Any) -> EagleProposer:
+def _build_eagle3(export_dir: str | Path, config: dict, target_model: TargetDecoder, **options: Any) -> EagleProposer:
     """EAGLE-3 proposer (same options); the loop requests its layer taps from every target forward (the lean
     decoder and the HF fallback both return them)."""
     layers = [int(i) for i in config["architecture"].get("target_layers", [])]
-    cfg = getattr(target_model, "config", None)
-    num_layers = getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None))  # lean | HF config
-    if num_layers is not None and any(not 0 <= i < num_layers for i in layers):
+    num_layers = target_model.sizes.num_layers
+    if any(not 0 <= i < num_layers for i in layers):
         raise TargetMismatchError(f"the eagle3 drafter taps target layers {layers}, outside 0..{num_layers - 1} of "
                                   "the loaded target; use the target it was trained for")
     drafter, _ = Eagle3Drafter.from_export(export_dir, embed_weight=target_model.embed_weight)

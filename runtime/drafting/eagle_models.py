@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from types import MappingProxyType, ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,26 +23,29 @@ from draftsmith.runtime.drafting.eagle_ops import (  # noqa: F401  (StaticDraftK
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
 
-class DraftModel(Protocol):
-    """What the proposer needs from a drafter (adapters below; tests use stubs). An adapter may also offer
-    ``step_topk(hidden, ids, cache, positions, tree_mask, last_only, k) -> (out, log-probs [S', k], draft ids [S', k],
-    cache)``, the head reduced to its top k without the [S', N] logits; the proposer uses it when it is there."""
+class DraftModel:
+    """What the proposer needs from a drafter, every member declared (adapters below; tests subclass it with stubs).
+    ``step_topk``: None, or ``(hidden, ids, cache, positions, tree_mask, last_only, k) -> (out, log-probs [S', k],
+    draft ids [S', k], cache)``, the head reduced to its top k without the [S', N] logits (the proposer uses it when
+    an adapter has it); ``native_plan``: which parts of a draft call run natively, and why the others do not."""
 
-    feature_taps: tuple[int, ...]  # target layer taps to feed; () = the post-norm final hidden
+    feature_taps: tuple[int, ...] = ()  # target layer taps to feed; () = the post-norm final hidden
     vocab_size: int  # target vocabulary
-    draft_ids: torch.Tensor | None  # target id of each draft-vocab id [N], None = same vocabulary
+    draft_ids: torch.Tensor | None = None  # target id of each draft-vocab id [N], None = same vocabulary
+    step_topk: Callable[..., tuple] | None = None
+    native_plan: Mapping[str, str] = MappingProxyType({})
 
     def features(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features [S, F] -> drafter input hidden [1, S, H]."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} must define features()")
 
     def step(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
              tree_mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
         """hidden [1, S, H], target ids [1, S] -> (out [1, S, H], logits [1, S or 1, N], cache)."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} must define step()")
 
 
-class _ServingDraftModel:
+class _ServingDraftModel(DraftModel):
     """The serving form of a one-layer EAGLE drafter (subclasses: EAGLE-1 and EAGLE-3).
 
     Keys/values live in a :class:`StaticDraftKV`, RoPE rows come from tables built once (grown on demand). In bf16 on

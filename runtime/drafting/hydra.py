@@ -19,8 +19,10 @@ import torch
 from draftsmith.common.layers import KVCache
 from draftsmith.common.trees import default_medusa_tree
 from draftsmith.runtime.acceptance.stop_policies import StopContext
-from draftsmith.runtime.drafting.base import Proposer, StepContext, module_dtype, prune_tree, register_proposer
+from draftsmith.runtime.drafting.base import Proposer, StepContext, module_dtype, prune_tree
+from draftsmith.runtime.drafting.registry import register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
+from draftsmith.runtime.target.interface import TargetDecoder
 
 
 class HydraProposer(Proposer):
@@ -105,7 +107,7 @@ class HydraProposer(Proposer):
         return draft if all(keep) else prune_tree(draft, keep)
 
 
-def _build_hydra(export_dir: str | Path, config: dict, target_model: Any, tree: list[list[int]] | None = None,
+def _build_hydra(export_dir: str | Path, config: dict, target_model: TargetDecoder, tree: list[list[int]] | None = None,
                  top_k: int | None = None) -> HydraProposer:
     """Hydra heads from an export, on the target's device and dtype; tree and top_k default to the export's."""
     from draftsmith.heads.hydra import HydraHeads

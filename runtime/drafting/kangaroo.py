@@ -33,10 +33,10 @@ from draftsmith.drafters.kangaroo import KangarooDrafter, check_exit_layer
 from draftsmith.kernels.verify import target_argmax
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, StopContext
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
-from draftsmith.runtime.drafting.base import Proposer, StepContext, register_chain, register_proposer
+from draftsmith.runtime.drafting.base import Proposer, StepContext
+from draftsmith.runtime.drafting.registry import register_chain, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree
-from draftsmith.runtime.target.cache import KVCache as RuntimeKVCache
-from draftsmith.runtime.target.interface import TargetDecoder, check_head
+from draftsmith.runtime.target.interface import RuntimeCache, TargetDecoder, TargetWrapper, check_head
 from draftsmith.runtime.target.output import TargetOutput
 
 
@@ -54,7 +54,7 @@ class KangarooProposer(Proposer):
 
     reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only
 
-    def __init__(self, target: Any, drafter: KangarooDrafter, threshold: float = 0.6, max_depth: int = 6,
+    def __init__(self, target: TargetDecoder, drafter: KangarooDrafter, threshold: float = 0.6, max_depth: int = 6,
                  temperature: float = 0.0, top_p: float = 1.0) -> None:
         if not (isinstance(target, TargetDecoder) and target.layer_range):
             raise ValueError(f"Kangaroo drafts with the target's own first layers on its KV cache: it needs the lean "
@@ -65,7 +65,7 @@ class KangarooProposer(Proposer):
         if max_depth < 1 or temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need max_depth >= 1, temperature >= 0 and 0 < top_p <= 1; got {max_depth}, "
                              f"{temperature}, {top_p}")
-        self.num_layers = int(target.config.num_layers)
+        self.num_layers = target.sizes.num_layers
         self.exit_layer = check_exit_layer(drafter.config.exit_layer, self.num_layers)
         self.target, self.drafter = target, drafter.eval()
         self.threshold, self.max_depth = float(threshold), int(max_depth)
@@ -73,20 +73,20 @@ class KangarooProposer(Proposer):
         self.default_policy = ConfidenceStop(self.threshold, self.max_depth)
         self.feature_taps = (self.exit_layer,)  # the loop hands over the shallow states of prompt and accepted rows
         self.max_tree_nodes = self.max_depth + 1
-        self.cache: Any = None  # the target's KV cache, bound by KangarooTarget.allocate_cache
+        self.cache: RuntimeCache | None = None  # the target's KV cache, bound by KangarooTarget.allocate_cache
         self.private = False  # True: not bound, drafting on a cache of the shallow layers only (no reuse)
         self.acache = None  # the adapter's cache: committed entries (one per token before the root)
         self.committed = 0
         self._spec: tuple[Any, int] = (None, 0)  # (adapter cache after drafting, entries it added)
         self.pending: ShallowDraft | None = None
 
-    def wrap_target(self, model: Any) -> KangarooTarget:
+    def wrap_target(self, model: TargetDecoder) -> KangarooTarget:
         """The decoder the speculative loop must run for shallow-cache reuse (and to share its cache with us)."""
         return KangarooTarget(model, self)
 
-    def shallow_layers(self) -> Sequence[Any]:
+    def shallow_layers(self) -> Sequence[torch.nn.Module]:
         """The target's first ``exit_layer`` layers: the drafter's sub-network, the same objects and storage."""
-        return tuple(self.target.layers[: self.exit_layer])
+        return self.target.layer_weights(0, self.exit_layer)
 
     # ---- events ------------------------------------------------------------------------------------------------------
     def begin(self, ctx: StepContext) -> None:
@@ -100,11 +100,9 @@ class KangarooProposer(Proposer):
 
     @torch.no_grad()
     def _private_prefill(self, prompt: torch.Tensor) -> None:
-        c = self.target.config
         if self.cache is None or self.cache.max_len < prompt.numel() + self.max_tree_nodes + 1:
-            size = max(int(c.max_position_embeddings), prompt.numel() + self.max_tree_nodes + 1)
-            self.cache = RuntimeKVCache(self.exit_layer, c.num_kv_heads, size, c.head_dim, self.target.dtype,
-                                        self.target.device, self.target.kernel_backend)
+            size = max(self.target.sizes.context_length or 0, prompt.numel() + self.max_tree_nodes + 1)
+            self.cache = self.target.allocate_layer_cache(self.exit_layer, size)
         self.private, self.cache.length = True, 0
         x = self.target.embed_tokens(prompt.to(self.target.device))  # [P, H]
         self.target.forward_layers(x, self.cache, 0, self.exit_layer)
@@ -192,22 +190,22 @@ class KangarooProposer(Proposer):
         return token, float(q[token]), q.double().cpu()
 
 
-class KangarooTarget(TargetDecoder):
+class KangarooTarget(TargetWrapper):
     """The decoder as the speculative loop sees it with a Kangaroo proposer: shares the cache, reuses shallow states.
 
     ``reused_tokens`` / ``verified_tokens`` count verified tree tokens that skipped the shallow layers; the verify
     compute saved is ``exit_layer / num_layers`` of the reused share (:meth:`saved_share`).
     """
 
-    def __init__(self, model: Any, proposer: KangarooProposer) -> None:
-        self.model, self.proposer = model, proposer
-        self.config, self.device, self.dtype = model.config, model.device, model.dtype
-        self.lm_head_weight, self.embed_weight = model.lm_head_weight, model.embed_weight
+    def __init__(self, model: TargetDecoder, proposer: KangarooProposer) -> None:
+        super().__init__(model)
+        self.argmax_head = False  # verification reads logits (the reuse path computes them from the deep layers)
+        self.proposer = proposer
         self.reused_tokens = self.verified_tokens = 0
 
-    def allocate_cache(self, max_len: int) -> Any:
+    def allocate_cache(self, max_len: int) -> RuntimeCache:
         """The decoder's cache, bound to the proposer (it drafts on it)."""
-        cache = self.model.allocate_cache(max_len)
+        cache = self.inner.allocate_cache(max_len)
         self.proposer.cache, self.proposer.private = cache, False
         return cache
 
@@ -222,7 +220,7 @@ class KangarooTarget(TargetDecoder):
             return 0.0
         return self.reused_tokens / self.verified_tokens * self.proposer.exit_layer / self.proposer.num_layers
 
-    def forward(self, input_ids: torch.Tensor, cache: Any, tree_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, cache: RuntimeCache, tree_mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, logits_for: str | torch.Tensor = "all",
                 taps: Sequence[int] = (), head: str = "logits") -> TargetOutput:
         """A full forward, or only the deep layers when verifying the chain just drafted on this cache."""
@@ -234,16 +232,16 @@ class KangarooTarget(TargetDecoder):
         if draft is not None:  # a verification (the prefill has no draft)
             self.verified_tokens += input_ids.numel()
         if not reusable:
-            return self.model.forward(input_ids, cache, tree_mask, positions, logits_for, taps, head)
+            return self.inner.forward(input_ids, cache, tree_mask, positions, logits_for, taps, head)
         self.reused_tokens += input_ids.numel()
-        deep = self.model.forward_layers(draft.states, cache, exit_layer, last, tree_mask, positions)  # [T, H]
-        hidden = self.model.final_hidden(deep)  # [T, H]
+        deep = self.inner.forward_layers(draft.states, cache, exit_layer, last, tree_mask, positions)  # [T, H]
+        hidden = self.inner.final_hidden(deep)  # [T, H]
         if isinstance(logits_for, str):
             rows = hidden if logits_for == "all" else hidden[-1:]
         else:
             rows = hidden.index_select(0, logits_for.to(hidden.device))
         found = {i: (draft.states if i == exit_layer else deep) for i in taps}
-        logits = self.model.lm_head_logits(rows)  # [T', V]
+        logits = self.inner.lm_head_logits(rows)  # [T', V]
         if head == "argmax":
             return TargetOutput(None, hidden, found, target_argmax(logits))
         return TargetOutput(logits, hidden, found)
@@ -256,7 +254,8 @@ def _kangaroo_chain(tokens: int) -> dict[str, Any]:
 
 
 @register_proposer("kangaroo")
-def _build_kangaroo(export_dir: str | Path, config: dict, target_model: Any, **options: Any) -> KangarooProposer:
+def _build_kangaroo(export_dir: str | Path, config: dict, target_model: TargetDecoder,
+                    **options: Any) -> KangarooProposer:
     """Kangaroo proposer; options: threshold, max_depth, temperature, top_p (defaults from the export's inference).
     The speculative loop must run ``proposer.wrap_target(model)`` to share the cache and reuse shallow states."""
     valid = {"threshold", "max_depth", "temperature", "top_p"}
@@ -266,9 +265,9 @@ def _build_kangaroo(export_dir: str | Path, config: dict, target_model: Any, **o
     if not (isinstance(target_model, TargetDecoder) and target_model.layer_range):
         raise ValueError("Kangaroo drafts with the target's own first layers on its KV cache: it needs the lean "
                          f"decoder (layer-range forward), not {type(target_model).__name__}; use --backend lean")
-    exit_layer = check_exit_layer(config["architecture"]["exit_layer"], int(target_model.config.num_layers))
+    exit_layer = check_exit_layer(config["architecture"]["exit_layer"], target_model.sizes.num_layers)
     w = target_model.lm_head_weight
-    shallow = tuple(target_model.layers[:exit_layer])
+    shallow = target_model.layer_weights(0, exit_layer)
     drafter, _ = KangarooDrafter.from_export(export_dir, lm_head_weight=w, shallow_layers=shallow)
     drafter = drafter.to(device=w.device, dtype=w.dtype).eval()
     inference = config.get("inference") or {}

@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from draftsmith.runtime.acceptance.stop_policies import StopContext
-from draftsmith.runtime.drafting.base import LookaheadHeads, StepContext, prune_tree, register_proposer
+from draftsmith.runtime.drafting.base import LookaheadHeads, StepContext, prune_tree
+from draftsmith.runtime.drafting.registry import register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree
+from draftsmith.runtime.target.interface import TargetDecoder
 
 
 class MedusaProposer(LookaheadHeads):
@@ -24,7 +26,7 @@ class MedusaProposer(LookaheadHeads):
 
     reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only
 
-    shape_family = "static_tree"  # runtime/acceptance/shapes.py: node budgets through reshape()
+    shape_family = "static_tree"  # runtime/shapes/draft_shapes.py: node budgets through reshape()
     counts_draft_calls = True  # one forward of every head per propose()
 
     def __init__(self, heads: nn.Module, tree: StaticTree | list[list[int]], top_k: int | None = None) -> None:
@@ -88,17 +90,16 @@ class MedusaProposer(LookaheadHeads):
 
 @register_proposer("medusa2")  # the heads of Medusa-2; load_runtime merges its adapter into the target first
 @register_proposer("medusa")
-def _build_medusa(export_dir: str | Path, config: dict, target_model: Any, tree: list[list[int]] | None = None,
-                  top_k: int | None = None) -> MedusaProposer:
+def _build_medusa(export_dir: str | Path, config: dict, target_model: TargetDecoder,
+                  tree: list[list[int]] | None = None, top_k: int | None = None) -> MedusaProposer:
     """Medusa heads from an export, on the target's device/dtype; tree and top_k default to the export's."""
     from draftsmith.heads.medusa import MedusaHeads
     from draftsmith.runtime.target.fast_linear import accelerate_linears
 
-    lm_head = getattr(target_model, "lm_head_weight", None)
+    lm_head = target_model.lm_head_weight
     heads, _ = MedusaHeads.from_export(export_dir, lm_head_weight=lm_head)
-    if lm_head is not None:  # run the heads where and in the precision the target runs
-        heads = heads.to(device=lm_head.device, dtype=lm_head.dtype)
-        accelerate_linears(heads)  # bf16 on CPU: packed GEMM for the heads' linears
+    heads = heads.to(device=lm_head.device, dtype=lm_head.dtype)  # where and in the precision the target runs
+    accelerate_linears(heads)  # bf16 on CPU: packed GEMM for the heads' linears
     return MedusaProposer(heads.eval(), static_tree_of(heads.config, config.get("inference", {}), tree, top_k))
 
 

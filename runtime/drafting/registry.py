@@ -18,6 +18,7 @@ from draftsmith.common.registry import Registry
 
 if TYPE_CHECKING:
     from draftsmith.runtime.drafting.base import Proposer
+    from draftsmith.runtime.target.interface import TargetDecoder
 
 ProposerBuilder = Callable[..., "Proposer"]
 # chain(tokens) -> the builder options for a chain of at most ``tokens`` drafted tokens (see register_chain)
@@ -80,8 +81,8 @@ def check_options(method: str, builder: ProposerBuilder, options: dict[str, Any]
                          f"{', '.join(valid) or 'none'}")
 
 
-def build_proposer(export_dir: str | Path, target_model: Any, identity: dict | None = None, given: str | None = None,
-                   **options: Any) -> Proposer:
+def build_proposer(export_dir: str | Path, target_model: TargetDecoder, identity: dict | None = None,
+                   given: str | None = None, **options: Any) -> Proposer:
     """Load the proposer of an export folder for ``target_model`` (its method picks the builder).
 
     Every method is checked against the target first (:func:`check_target_model`): ``identity`` adds the tokenizer
@@ -107,7 +108,8 @@ def build_proposer(export_dir: str | Path, target_model: Any, identity: dict | N
     return proposer
 
 
-def check_target_model(config: dict, target_model: Any, identity: dict | None = None, given: str | None = None) -> None:
+def check_target_model(config: dict, target_model: TargetDecoder, identity: dict | None = None,
+                       given: str | None = None) -> None:
     """Raise ``TargetMismatchError`` unless ``target_model`` is the target the export ``config`` records.
 
     Compares what the decoder itself shows (sizes, LM-head digest) with the record; ``identity`` (the full
@@ -119,12 +121,10 @@ def check_target_model(config: dict, target_model: Any, identity: dict | None = 
 
     if identity is not None:
         check_target(config, identity, given)
-    cfg = getattr(target_model, "config", None)
-    layers = getattr(cfg, "num_layers", getattr(cfg, "num_hidden_layers", None))  # lean | HF config
+    sizes = target_model.sizes
     recorded = config.get("target", {})
     name = given if given is not None else recorded.get("name_or_path", "the loaded target")
-    seen = decoder_identity(name, getattr(cfg, "hidden_size", None), layers,
-                            getattr(target_model, "lm_head_weight", None),
+    seen = decoder_identity(name, sizes.hidden_size, sizes.num_layers, target_model.lm_head_weight,
                             digest=identity is None or "lm_head" not in identity)
     # Compare only what the export records: a hand-written export may record nothing but a name.
     shown = {k: v for k, v in seen.items() if k == "name_or_path" or k in recorded}

@@ -20,15 +20,10 @@ from draftsmith.common.constants import STOP_LEARNED
 from draftsmith.controllers.acceptance import AcceptanceHead, base_export_dir
 from draftsmith.runtime.acceptance.choice import parse_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import StopPolicy, bind_learned_head
-from draftsmith.runtime.drafting.base import (
-    Proposer,
-    ProposerWrapper,
-    StepContext,
-    build_proposer,
-    chain_options,
-    register_proposer,
-)
+from draftsmith.runtime.drafting.base import Proposer, ProposerWrapper, StepContext
+from draftsmith.runtime.drafting.registry import build_proposer, chain_options, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree
+from draftsmith.runtime.target.interface import TargetDecoder
 
 
 class LearnedStopProposer(ProposerWrapper):
@@ -46,8 +41,8 @@ class LearnedStopProposer(ProposerWrapper):
 
 
 @register_proposer("specdecpp")
-def _build_specdecpp(export_dir: str | Path, config: dict, target_model: Any, base_export: str | Path | None = None,
-                     **options: Any) -> LearnedStopProposer:
+def _build_specdecpp(export_dir: str | Path, config: dict, target_model: TargetDecoder,
+                     base_export: str | Path | None = None, **options: Any) -> LearnedStopProposer:
     """The base export's proposer in chain mode with the learned stop rule; ``base_export`` overrides the recorded
     location of the drafter export (it must still be the one the head was trained on)."""
     head, head_config = AcceptanceHead.from_export(export_dir, base_dir=base_export)

@@ -63,9 +63,7 @@ class FamilyDecoder(LeanDecoder):
     def allocate_cache(self, max_len: int) -> KVCache:
         """A static cache of ``max_len`` slots (batch 1) keeping every position: windows are applied by the mask, so a
         context longer than the window is exact."""
-        c = self.config
-        self._ensure_rope(max_len)
-        return KVCache(c.num_layers, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device, self.kernel_backend)
+        return self.allocate_layer_cache(self.config.num_layers, max_len)
 
     def _run(self, input_ids, kv_layers, start, tree_mask, positions, logits_for, taps, head="logits"):
         """The forward math (see :meth:`LeanDecoder.forward`); inputs are already validated."""

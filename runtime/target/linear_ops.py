@@ -48,7 +48,9 @@ class DenseOps:
 
     @staticmethod
     def argmax(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """Argmax per row of ``x @ w.T`` [T]: chunked over w's rows on a CPU (no [T, V] logits), whole on CUDA."""
+        """Argmax per row of ``x @ w.T`` [T]: chunked over w's rows on a CPU (no [T, V] logits; the first maximum
+        of the chunked GEMM's logits, see :func:`~draftsmith.kernels.verify.linear_argmax` for what that guarantees),
+        whole on CUDA."""
         if b is not None or x.device.type != "cpu":
             return target_argmax(F.linear(x, w, b))
         return linear_argmax(x, w)

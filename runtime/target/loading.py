@@ -1,8 +1,9 @@
 """The loader choosing the lean decoder or the HF fallback; both implement the one runtime target interface,
-:class:`draftsmith.runtime.target.interface.TargetDecoder` (``allocate_cache(max_len)``, ``forward(input_ids [T],
-cache, tree_mask, positions, logits_for, taps, head) -> TargetOutput``, a cache with ``length``, ``commit(n)``,
-``compact(src_slots, dst_start)``, ``crop(length)``, and ``lm_head_weight`` / ``embed_weight`` / ``dtype`` /
-``device``). Batch 1.
+:class:`draftsmith.runtime.target.interface.TargetDecoder`. Batch 1.
+
+A folder's own Python code (``config.json`` ``auto_map`` for a model transformers does not know) runs only when the
+caller passes ``trust_remote_code=True`` (the CLI's ``--trust-remote-code``); otherwise the folder is refused in one
+line naming that flag (:func:`~draftsmith.runtime.target.weights.check_custom_code`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ import torch
 from draftsmith.runtime.target.hf import HFModelAdapter
 from draftsmith.runtime.target.interface import RuntimeCache, TargetDecoder
 from draftsmith.runtime.target.model import LeanDecoder, UnsupportedArchitecture
-from draftsmith.runtime.target.weights import load_hf_config
+from draftsmith.runtime.target.weights import check_custom_code, load_hf_config
 
 BACKENDS = ("auto", "lean", "hf")
-__all__ = ["BACKENDS", "Decoder", "RuntimeCache", "TargetDecoder", "choose_decoder", "load_decoder"]
-
-
-Decoder = TargetDecoder  # the one runtime target interface (kept under its old name here)
+WeightTransform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+__all__ = ["BACKENDS", "RuntimeCache", "TargetDecoder", "choose_decoder", "load_decoder"]
 
 
 def load_decoder(
@@ -31,12 +30,15 @@ def load_decoder(
     backend: str = "auto",
     kernel_backend: str = "auto",
     linear_backend: str = "auto",
-    transform_weights: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-) -> LeanDecoder | HFModelAdapter:
+    transform_weights: WeightTransform | None = None,
+    trust_remote_code: bool = False,
+) -> TargetDecoder:
     """Load a runtime decoder: the lean one when the architecture is supported ("auto"), or force "lean" / "hf".
     ``linear_backend`` goes to :class:`LeanDecoder` (auto | cpp | mkldnn | dense); ``transform_weights`` rewrites the
-    HF-named weights first (see :mod:`draftsmith.runtime.target.adapters`)."""
-    return choose_decoder(folder, dtype, device, backend, kernel_backend, linear_backend, transform_weights)[0]
+    HF-named weights first (see :mod:`draftsmith.runtime.target.adapters`); ``trust_remote_code`` lets a folder's
+    own model code run (off: such a folder is refused in one line)."""
+    return choose_decoder(folder, dtype, device, backend, kernel_backend, linear_backend, transform_weights,
+                          trust_remote_code)[0]
 
 
 def choose_decoder(
@@ -46,14 +48,17 @@ def choose_decoder(
     backend: str = "auto",
     kernel_backend: str = "auto",
     linear_backend: str = "auto",
-    transform_weights: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-) -> tuple[LeanDecoder | HFModelAdapter, str, str]:
+    transform_weights: WeightTransform | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[TargetDecoder, str, str]:
     """:func:`load_decoder` and what it chose: (decoder, "lean" | "hf", why). ``backend="lean"`` on a model the lean
     decoder lacks raises :class:`UnsupportedArchitecture` with one line naming the feature."""
     if backend not in BACKENDS:
         raise ValueError(f"decoder backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_custom_code(folder, trust_remote_code)  # refused before anything else is read
     if backend == "hf":
-        return HFModelAdapter.from_pretrained(folder, dtype, device, transform_weights), "hf", "forced by --backend hf"
+        return HFModelAdapter.from_pretrained(folder, dtype, device, transform_weights, trust_remote_code), "hf", \
+            "forced by --backend hf"
     missing = _lean_missing(folder)
     if missing is None:
         try:
@@ -66,7 +71,7 @@ def choose_decoder(
             return lean, "lean", why
     if backend == "lean":
         raise UnsupportedArchitecture(f"--backend lean: {missing}")
-    fallback = HFModelAdapter.from_pretrained(folder, dtype, device, transform_weights)
+    fallback = HFModelAdapter.from_pretrained(folder, dtype, device, transform_weights, trust_remote_code)
     return fallback, "hf", f"auto: the lean decoder cannot run it ({missing})"
 
 

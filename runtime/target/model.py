@@ -25,31 +25,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.runtime.target.cache import KVCache
-from draftsmith.runtime.target.interface import TargetDecoder, check_head
+from draftsmith.runtime.target.interface import TargetDecoder, TargetSizes, check_head
 from draftsmith.runtime.target.layer_weights import (
-    FusedLayerWeights,
     canonical_weights,
     checkpoint_prefix,
     checkpoint_tensor,
     fused_layers,
 )
-from draftsmith.runtime.target.linear_ops import choose_linear_ops
+from draftsmith.runtime.target.linear_ops import PackedLinear, choose_linear_ops
 from draftsmith.runtime.target.model_config import ModelConfig, UnsupportedArchitecture, rope_inv_freq, rope_tables
 from draftsmith.runtime.target.output import TargetOutput
-from draftsmith.runtime.target.torch_layers import llama_layer
+from draftsmith.runtime.target.rows import RowsStep
+from draftsmith.runtime.target.torch_layers import last_dim_rms_norm, llama_layer
 from draftsmith.runtime.target.weights import WeightsError, load_safetensors
 
 __all__ = ["LeanDecoder", "ModelConfig", "UnsupportedArchitecture", "rope_inv_freq"]
 
-_Layer = FusedLayerWeights  # the per-layer buffers (kept under its old name)
 
-
-class LeanDecoder(TargetDecoder, nn.Module):
+class LeanDecoder(RowsStep, TargetDecoder):
     """Llama-family decoder for batch-1 inference over a :class:`KVCache`, with tree-masked multi-token forwards
     (the :class:`~draftsmith.runtime.target.interface.TargetDecoder` interface)."""
 
     argmax_head = True  # forward(head="argmax") returns each row's argmax without the [T, V] logits
-    layer_range = True  # forward_layers / embed_tokens / final_hidden / lm_head_logits (Kangaroo drafts with them)
+    layer_range = True  # forward_layers, embed_tokens, final_hidden, layer_weights, allocate_layer_cache (Kangaroo)
 
     def __new__(cls, config: ModelConfig | None = None, *args, **kwargs) -> LeanDecoder:
         # A config the plain Llama layer cannot run builds the general-layer subclass: decided once, here.
@@ -59,14 +57,8 @@ class LeanDecoder(TargetDecoder, nn.Module):
             cls = FamilyDecoder
         return super().__new__(cls)
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        kernel_backend: str = "auto",
-        linear_backend: str = "auto",
-        compile: bool = False,
-    ) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernel_backend: str = "auto",
+                 linear_backend: str = "auto", compile: bool = False) -> None:
         """Build from HF-named tensors (``model.layers.{i}.self_attn.q_proj.weight`` ...; the ``model.`` prefix is
         optional). Raises WeightsError naming missing tensors.
 
@@ -101,16 +93,10 @@ class LeanDecoder(TargetDecoder, nn.Module):
 
     # ---- loading / properties -------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(
-        cls,
-        folder: str | Path,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        kernel_backend: str = "auto",
-        linear_backend: str = "auto",
-        compile: bool = False,
-        transform_weights: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-    ) -> LeanDecoder:
+    def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        kernel_backend: str = "auto", linear_backend: str = "auto", compile: bool = False,
+                        transform_weights: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+                        ) -> LeanDecoder:
         """Load a HF model folder (config.json + safetensors). Raises UnsupportedArchitecture before reading weights
         when the architecture is not a Llama-family one, WeightsError for a missing folder or tensors.
         ``transform_weights`` rewrites the HF-named weights before use (e.g. merging an export's LoRA adapter)."""
@@ -129,6 +115,12 @@ class LeanDecoder(TargetDecoder, nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
+    @property
+    def sizes(self) -> TargetSizes:
+        c = self.config
+        return TargetSizes(c.num_layers, c.hidden_size, c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                           c.max_position_embeddings)
+
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on post-norm hidden states [..., H] -> logits [..., V], with the decoder's fast linears (EAGLE-1
         drafts through the target's head)."""
@@ -138,19 +130,19 @@ class LeanDecoder(TargetDecoder, nn.Module):
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
     @property
-    def linear_ops(self) -> str:
-        """The linear backend in use: "cpp:avx512_bf16", "cpp:avx2", "mkldnn" or "dense" ("auto" resolved);
-        ``linear_plan.reason`` says why."""
-        return self.linear_plan.label
+    def packed_head(self) -> PackedLinear | None:
+        return self._head if isinstance(self._head, PackedLinear) else None
+
+    @property
+    def decoder_layers(self) -> nn.Module:
+        return self.layers
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """The LM head [V, H] (the embedding itself when tied); read-only by convention."""
         return self.lm_head
 
     @property
     def embed_weight(self) -> torch.Tensor:
-        """The token embedding [V, H]; read-only by convention."""
         return self.embed
 
     def _apply(self, fn, recurse=True):  # nn.Module hook behind .to() / .half() / .cuda()
@@ -179,7 +171,7 @@ class LeanDecoder(TargetDecoder, nn.Module):
             for w in self.layers
         ]  # fmt: skip
         self._head = ops.pack_head(self.lm_head)
-        self._final_norm = getattr(ops, "norm", None) or partial(_rms_norm, F.rms_norm)
+        self._final_norm = getattr(ops, "norm", None) or last_dim_rms_norm
         stack = getattr(ops, "stack", None)  # cpp: the whole forward as one native call
         self._stack = stack and stack(self._exec, self.norm_w, self._head, c.num_heads, c.num_kv_heads, c.rms_norm_eps,
                                       c.head_dim**-0.5)  # fmt: skip
@@ -198,8 +190,7 @@ class LeanDecoder(TargetDecoder, nn.Module):
         if c.sliding_window is not None and max_len > c.sliding_window:  # a window past max_position_embeddings
             raise UnsupportedArchitecture(f"a {max_len}-token cache exceeds the model's sliding window "
                                           f"({c.sliding_window} > max_position_embeddings): use a shorter cache")
-        self._ensure_rope(max_len)
-        return KVCache(c.num_layers, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device, self.kernel_backend)
+        return self.allocate_layer_cache(c.num_layers, max_len)
 
     # ---- forward ---------------------------------------------------------------------------------------------------
     def forward(
@@ -339,12 +330,17 @@ class LeanDecoder(TargetDecoder, nn.Module):
         """input_ids [T] -> the residual stream entering layer 0 [T, H]."""
         return F.embedding(input_ids, self.embed)
 
+    def layer_weights(self, first: int, last: int) -> tuple[nn.Module, ...]:
+        """Layers ``first..last-1``' weights (the same objects and storage: Kangaroo's drafter shares them)."""
+        return tuple(self.layers[first:last])
+
+    def allocate_layer_cache(self, num_layers: int, max_len: int) -> KVCache:
+        """A static cache of the first ``num_layers`` layers, ``max_len`` slots (RoPE tables grown to reach them)."""
+        c = self.config
+        self._ensure_rope(max_len)
+        return KVCache(num_layers, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device, self.kernel_backend)
+
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm on a residual stream [T, H] (what :meth:`forward` returns as hidden; the C++ norm on the
         cpp backend, as its one-call forward computes it)."""
         return self._final_norm(x, self.norm_w, self.config.rms_norm_eps)
-
-
-def _rms_norm(norm: Callable, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm`` over the last dimension in the (x, w, eps) form of the C++ kernel's ``rms_norm``."""
-    return norm(x, (x.shape[-1],), w, eps)

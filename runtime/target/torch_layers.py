@@ -18,7 +18,8 @@ def qk_rope_v(linear: Callable, x: Tensor, ln1: Tensor, wqkv: Tensor, bqkv: Tens
               kn: Tensor | None, cos: Tensor, sin: Tensor, hq: int, hkv: int, d: int,
               eps: float) -> tuple[Tensor, Tensor]:
     """A Llama layer's attention inputs for T rows x [T, H]: (q and k after the optional Qwen3 q/k norm and RoPE
-    [T, Hq+Hkv, d], v [T, Hkv, d]). Shared by the layer below and batched generation (one token per row)."""
+    [T, Hq+Hkv, d], v [T, Hkv, d]). Shared by the layer below and the rows step (one token per row,
+    ``runtime.target.rows``)."""
     t, nq, nqk = x.shape[0], hq * d, (hq + hkv) * d
     qkv = linear(F.rms_norm(x, x.shape[1:], ln1, eps), wqkv, bqkv)  # [T, (Hq+2Hkv)d]
     if qn is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
@@ -40,15 +41,27 @@ def llama_layer(
     """One Llama decoder layer: x [T, H] -> [T, H]; writes K/V at slots start..start+T-1. After its first three
     arguments (bound once at load), the reference of the fused C++ layer (same arguments)."""
     t, d = x.shape[0], kc.shape[-1]
-    nq, hshape = hq * d, x.shape[1:]
+    nq = hq * d
     qk, v = qk_rope_v(linear, x, ln1, wqkv, bqkv, qn, kn, cos, sin, hq, hkv, d, eps)  # [T, Hq+Hkv, d], [T, Hkv, d]
     kc[:, start : start + t] = qk[:, hq:].transpose(0, 1)  # [Hkv, T, d]
     vc[:, start : start + t] = v.transpose(0, 1)
     attn = tree_attention(qk[:, :hq].transpose(0, 1), kc, vc, start, tree_mask, scale, kernel_backend)
     x = linear_add(attn.transpose(0, 1).reshape(t, nq), wo, bo, x)  # [Hq, T, d] -> [T, H]
-    gu = linear(F.rms_norm(x, hshape, ln2, eps), wgu, bgu)  # [T, 2I]
+    return mlp_residual(linear, linear_add, x, ln2, wgu, bgu, wdown, bdown, eps)  # [T, H]
+
+
+def mlp_residual(linear: Callable, linear_add: Callable, x: Tensor, ln2: Tensor, wgu: Tensor, bgu: Tensor | None,
+                 wdown: Tensor, bdown: Tensor | None, eps: float) -> Tensor:
+    """A Llama layer's second half: x + down(silu(gate) * up) of the normed x [T, H] -> [T, H]. Shared by the layer
+    above and the rows step (one token per row, ``runtime.target.rows``)."""
+    gu = linear(F.rms_norm(x, x.shape[1:], ln2, eps), wgu, bgu)  # [T, 2I]
     inter = gu.shape[1] // 2
     return linear_add(F.silu(gu[:, :inter]) * gu[:, inter:], wdown, bdown, x)  # [T, H]
+
+
+def last_dim_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """``F.rms_norm`` over the last dimension in the (x, w, eps) form of the C++ kernel's ``rms_norm``."""
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def gemma_rms_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor, eps: float) -> Tensor:

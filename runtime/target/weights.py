@@ -45,6 +45,29 @@ def load_hf_config(folder: str | Path) -> dict:
                            "target (save_pretrained)") from err
 
 
+class RemoteCodeRefused(WeightsError):
+    """A model folder ships its own Python code and the user did not opt in to running it."""
+
+
+def check_custom_code(folder: str | Path, trust_remote_code: bool = False) -> bool:
+    """Whether loading the folder's model runs its own code (its ``config.json`` ``auto_map`` names classes and
+    transformers has no built-in class for its ``model_type``). Without ``trust_remote_code`` such a folder is refused
+    here in one line, before transformers would ask on stdin or print its own advice; a folder whose ``model_type``
+    transformers knows loads with transformers' own code (its ``auto_map`` is ignored)."""
+    config = load_hf_config(folder)
+    if not config.get("auto_map"):
+        return False
+    from transformers import CONFIG_MAPPING
+
+    if config.get("model_type") in CONFIG_MAPPING:
+        return False
+    if not trust_remote_code:
+        raise RemoteCodeRefused(f"{folder} holds its own model code (config.json auto_map, model_type "
+                                f"{config.get('model_type')!r} unknown to transformers); running it is off by default: "
+                                "pass --trust-remote-code if you trust that code")
+    return True
+
+
 def find_safetensors(folder: str | Path) -> list[Path]:
     """Return the safetensors files holding the model's weights, in a stable order.
 

@@ -183,12 +183,12 @@ def speculative(ctx: Context, recipe: str, dtype: str) -> tuple[dict, list]:
     from draftsmith.bench.timing import eos_ids_from_folder, time_decode
     from draftsmith.runtime.acceptance.verifiers import GreedyVerifier
     from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-    from draftsmith.runtime.drafting.base import build_proposer
+    from draftsmith.runtime.drafting.registry import build_proposer
 
     model, adapter = decoder(ctx, dtype, "auto", recipe), export_adapter(ctx, recipe)
     identity = {"adapter": adapter[1]} if adapter else None
     proposer = build_proposer(ctx.exports[recipe], model, identity=identity)
-    spec = SpeculativeDecoder(model, proposer, GreedyVerifier("auto"), kernels_backend="auto")
+    spec = SpeculativeDecoder(model, proposer, GreedyVerifier("auto"), kernel_backend="auto")
     eos, n, results = eos_ids_from_folder(ctx.target), ctx.plan.new_tokens, []
 
     def decode(prompt: list[int]) -> list[int]:

@@ -10,7 +10,8 @@ import torch
 
 from draftsmith.export.format import read_export
 from draftsmith.heads.toy import ToyHead
-from draftsmith.runtime.drafting.base import Proposer, StepContext, register_proposer
+from draftsmith.runtime.drafting.base import Proposer, StepContext
+from draftsmith.runtime.drafting.registry import register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree
 
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from draftsmith.runtime.acceptance import shapes
+from draftsmith.runtime.acceptance.stop_policies import StopPolicy
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.drafting.base import Proposer
+from draftsmith.runtime.shapes import draft_shapes
+from draftsmith.runtime.target.interface import TargetDecoder
 
 CHECK_TOKENS = 32  # new tokens per prompt when timing a shape
 MIN_NOISE = 0.03  # the noise floor when two identical plain passes happened to agree closely
@@ -59,9 +61,10 @@ def rate(rows: list[tuple[int, float]], less_seconds: float = 0.0) -> float:
     return sum(t for t, _ in rows) / max(sum(s for _, s in rows) - less_seconds, 1e-12)
 
 
-def prefill_seconds(model: Any, prompts: Sequence[list[int]], clock: Clock = time.perf_counter) -> list[float]:
+def prefill_seconds(model: TargetDecoder, prompts: Sequence[list[int]],
+                    clock: Clock = time.perf_counter) -> list[float]:
     """Seconds of one prefill forward of each prompt (the faster of two), to take out of a timed generation."""
-    device = getattr(model, "device", "cpu")
+    device = model.device
     out = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -75,16 +78,17 @@ def prefill_seconds(model: Any, prompts: Sequence[list[int]], clock: Clock = tim
     return out
 
 
-def check_shapes(spec: SpeculativeDecoder, base: Any, candidates: Sequence[shapes.Shape], prompts: Sequence[list[int]],
-                 eos_ids: Sequence[int], clock: Clock = time.perf_counter) -> ShapeTimings:
+def check_shapes(spec: SpeculativeDecoder, base: Proposer, candidates: Sequence[draft_shapes.Shape],
+                 prompts: Sequence[list[int]], eos_ids: Sequence[int],
+                 clock: Clock = time.perf_counter) -> ShapeTimings:
     """Time each candidate (a few real steps: ``CHECK_TOKENS`` per prompt) interleaved with two identical plain
     passes. The noise is the largest per-prompt disagreement of the two plain passes (at least ``MIN_NOISE``); a
     shape's decode step is its time less each prompt's prefill (:func:`prefill_seconds`: the target's forward only,
     so the drafter's first pass over the prompt stays in the steps) over its verified steps."""
     saved = spec.proposer, spec.stop_policy
-    runs: dict[str, tuple[Any, Any]] = {}
+    runs: dict[str, tuple[Proposer, StopPolicy | None]] = {}
     for shape in candidates:
-        shapes.apply_shape(spec, shape, base)
+        draft_shapes.apply_shape(spec, shape, base)
         runs[shape.label] = (spec.proposer, spec.stop_policy)
         spec.proposer, spec.stop_policy = saved
     steps: dict[str, list[int]] = {label: [] for label in runs}

@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
 
 if TYPE_CHECKING:
+    from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
     from draftsmith.runtime.drafting.base import Proposer
+    from draftsmith.runtime.drafting.tree import DraftTree
 
 MAX_NODES = 16  # the largest tree a candidate may verify (root included)
 MAX_CHAIN = 4  # chains of depth 1..MAX_CHAIN
@@ -158,7 +160,7 @@ def with_shape(proposer: Proposer, shape: Shape) -> Proposer:
     return shaped
 
 
-def apply_shape(spec: Any, shape: Shape, base_proposer: Any = None) -> None:
+def apply_shape(spec: SpeculativeDecoder, shape: Shape, base_proposer: Proposer | None = None) -> None:
     """Serve ``shape`` on the decoder ``spec`` from ``base_proposer`` (default: its proposer): plain decoding for
     :data:`PLAIN`, else the shaped proposer with the stop policy's depth capped at the shape's."""
     from draftsmith.runtime.drafting.base import NullProposer
@@ -183,7 +185,7 @@ class RecordedStep:
     accepted: list[int]
 
 
-def record_step(tree: Any, path_nodes: Sequence[int]) -> RecordedStep:
+def record_step(tree: DraftTree, path_nodes: Sequence[int]) -> RecordedStep:
     """What :func:`accepted_length` needs from a verified tree (confidences 1 where the drafter gave none)."""
     conf = tree.draft_confidence
     n = tree.num_nodes

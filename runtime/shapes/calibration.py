@@ -10,13 +10,20 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from draftsmith.kernels import cpu_caps
-from draftsmith.runtime.acceptance import shapes
-from draftsmith.runtime.acceptance.cost_model import (
+from draftsmith.runtime.acceptance.stop_policies import FixedDepth, LearnedStop
+from draftsmith.runtime.decoding import metrics
+from draftsmith.runtime.decoding.profile import StepProfiler
+from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.decoding.threads import governor
+from draftsmith.runtime.drafting.base import NullProposer, Proposer, ProposerWrapper, StepContext
+from draftsmith.runtime.drafting.tree import DraftTree
+from draftsmith.runtime.shapes import draft_shapes
+from draftsmith.runtime.shapes.cost_model import (
     MachineCosts,
     ShapeChoice,
     anchor_curve,
@@ -28,18 +35,16 @@ from draftsmith.runtime.acceptance.cost_model import (
     save_shape_choice,
     threshold_from_costs,
 )
-from draftsmith.runtime.acceptance.shape_timing import CHECK_TOKENS, Clock, ShapeTimings, check_shapes
-from draftsmith.runtime.acceptance.stop_policies import FixedDepth, LearnedStop
-from draftsmith.runtime.decoding import metrics
-from draftsmith.runtime.decoding.profile import StepProfiler
-from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.decoding.threads import governor
-from draftsmith.runtime.drafting.base import NullProposer, ProposerWrapper
+from draftsmith.runtime.shapes.shape_timing import CHECK_TOKENS, Clock, ShapeTimings, check_shapes
+from draftsmith.runtime.target.interface import TargetDecoder
+
+if TYPE_CHECKING:
+    from draftsmith.runtime.serving import Runtime  # the runtime imports no shape code: no cycle at run time
 
 CALIBRATION_PROMPTS = 4  # prompts calibration drafts on (fewer when the bench has fewer)
 CALIBRATION_TOKENS = 64  # new tokens per calibration prompt: up to 256 target tokens, ~100 verified steps
 MIN_CALIBRATION_TOKENS = 64  # fewer generated tokens than this (short outputs, early EOS): no calibration
-VERIFY_SIZES = tuple(range(1, shapes.MAX_NODES + 1))  # every forward size a candidate can verify
+VERIFY_SIZES = tuple(range(1, draft_shapes.MAX_NODES + 1))  # every forward size a candidate can verify
 CHECK_TOP = 3  # predicted-best shapes timed against plain decoding
 
 
@@ -47,7 +52,7 @@ def profiled_run(spec: SpeculativeDecoder, prompts: Sequence[list[int]], max_new
                  eos_ids: Sequence[int], clock: Clock = time.perf_counter,
                  ) -> tuple[dict[str, Any], list[Any], StepProfiler]:
     """Greedy-seeded generations of ``prompts`` with a profiler attached: (profile report, results, profiler)."""
-    prof = StepProfiler(getattr(spec.model, "device", "cpu"), clock)
+    prof = StepProfiler(spec.model.device, clock)
     spec.profiler = prof
     try:
         results = [spec.generate(p, max_new_tokens, eos_ids=eos_ids, generator=torch.Generator().manual_seed(i))
@@ -58,29 +63,28 @@ def profiled_run(spec: SpeculativeDecoder, prompts: Sequence[list[int]], max_new
 
 
 
-def machine_identity(runtime: Any) -> dict[str, Any]:
+def machine_identity(runtime: Runtime) -> dict[str, Any]:
     """What the measured costs depend on: CPU, threads, target, dtype, linear backend, the drafter export."""
     return {"cpu": cpu_caps.probe().describe(), "threads": torch.get_num_threads(), "target": runtime.folder,
-            "dtype": str(runtime.model.dtype), "linears": getattr(runtime.model, "linear_ops", "hf"),
+            "dtype": str(runtime.model.dtype), "linears": runtime.model.linear_ops,
             "export": (runtime.export_config or {}).get("fingerprint") or (runtime.export_config or {}).get("target"),
             "method": (runtime.export_config or {}).get("method")}
 
 
-def loop_head(spec: Any) -> str:
+def loop_head(spec: SpeculativeDecoder | None) -> str:
     """The LM head the decode loops run: "argmax" where greedy verification (and so greedy plain decoding) reduces
     it to an argmax per row without [N, V] logits, else "logits". Costs are timed with this head: timed with the
     logits head, the embedded 135M target's plain step read 9.7 ms where the loop's timing implied about 8.4 ms, and
     every predicted speedup came out about 14% high (docs/notebook/MEASUREMENTS.md section 17)."""
-    uses_argmax = getattr(spec, "uses_argmax_head", None)
-    return "argmax" if callable(uses_argmax) and uses_argmax() else "logits"
+    return "argmax" if spec is not None and spec.uses_argmax_head() else "logits"
 
 
-def forward_curve(model: Any, prompt: list[int], sizes: Sequence[int] = VERIFY_SIZES, repeats: int = 3,
+def forward_curve(model: TargetDecoder, prompt: list[int], sizes: Sequence[int] = VERIFY_SIZES, repeats: int = 3,
                   clock: Clock = time.perf_counter, head: str = "logits") -> dict[int, float]:
     """ms of one forward of ``n`` new tokens (a causal tree mask, as a verify step) after ``prompt`` on a real KV
     cache, for every ``n`` in ``sizes`` (median of ``repeats``; the cache is not advanced), with the LM ``head`` the
     loop runs (:func:`loop_head`)."""
-    device = getattr(model, "device", "cpu")
+    device = model.device
     cache = model.allocate_cache(len(prompt) + max(sizes) + 1)
     with torch.inference_mode():
         model.forward(torch.tensor(prompt, device=device), cache, logits_for="last")
@@ -98,12 +102,12 @@ def forward_curve(model: Any, prompt: list[int], sizes: Sequence[int] = VERIFY_S
         return {int(n): statistics.median(one(int(n)) for _ in range(repeats)) for n in sizes}
 
 
-def decode_step_ms(model: Any, prompts: Sequence[list[int]], tokens: int, clock: Clock = time.perf_counter,
+def decode_step_ms(model: TargetDecoder, prompts: Sequence[list[int]], tokens: int, clock: Clock = time.perf_counter,
                    head: str = "logits") -> tuple[float, list[float]]:
     """The plain decode step WITHOUT the prefill: greedy steps after an untimed prefill of each prompt, with the LM
     ``head`` the loop runs (:func:`loop_head`). Returns (mean ms per step over every prompt, ms per step of each
     prompt)."""
-    device = getattr(model, "device", "cpu")
+    device = model.device
     per_prompt = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -125,31 +129,31 @@ def decode_step_ms(model: Any, prompts: Sequence[list[int]], tokens: int, clock:
 
 class StepRecorder(ProposerWrapper):
     """Wraps the calibration proposer: times ``propose`` with the clock and records every verified tree with the
-    path the verifier accepted (:class:`~draftsmith.runtime.acceptance.shapes.RecordedStep`)."""
+    path the verifier accepted (:class:`~draftsmith.runtime.shapes.draft_shapes.RecordedStep`)."""
 
-    def __init__(self, inner: Any, clock: Clock) -> None:
+    def __init__(self, inner: Proposer, clock: Clock) -> None:
         super().__init__(inner)
         self.clock = clock
-        self.steps: list[shapes.RecordedStep] = []
+        self.steps: list[draft_shapes.RecordedStep] = []
         self.draft_s, self._tree = 0.0, None
 
-    def propose(self, ctx: Any) -> Any:
+    def propose(self, ctx: StepContext) -> DraftTree:
         """Draft with the inner proposer, timed."""
         start = self.clock()
         self._tree = self.inner.propose(ctx)
         self.draft_s += self.clock() - start
         return self._tree
 
-    def accept(self, ctx: Any) -> None:
+    def accept(self, ctx: StepContext) -> None:
         """Record the verified tree and its accepted path, then tell the inner proposer."""
-        self.steps.append(shapes.record_step(self._tree, ctx.acceptance.path_nodes))
+        self.steps.append(draft_shapes.record_step(self._tree, ctx.acceptance.path_nodes))
         self.inner.accept(ctx)
 
 
-def _calibrate(spec: SpeculativeDecoder, base: Any, prompts: Sequence[list[int]], eos_ids: Sequence[int],
+def _calibrate(spec: SpeculativeDecoder, base: Proposer, prompts: Sequence[list[int]], eos_ids: Sequence[int],
                clock: Clock) -> tuple[StepRecorder, dict[str, Any], list[Any]]:
     """Draft the family's superset shape (no fixed depth cap) on the prompts: (recorder, profile report, results)."""
-    recorder = StepRecorder(shapes.calibration_proposer(base), clock)
+    recorder = StepRecorder(draft_shapes.calibration_proposer(base), clock)
     saved = spec.proposer, spec.stop_policy
     spec.proposer = recorder
     if isinstance(spec.stop_policy, FixedDepth):
@@ -161,7 +165,7 @@ def _calibrate(spec: SpeculativeDecoder, base: Any, prompts: Sequence[list[int]]
     return recorder, report, results
 
 
-def _machine_costs(recorder: StepRecorder, report: dict[str, Any], base: Any, ar_ms: float,
+def _machine_costs(recorder: StepRecorder, report: dict[str, Any], base: Proposer, ar_ms: float,
                    curve: dict[int, float]) -> MachineCosts:
     """Costs from the calibration: drafting per step (per depth level, or fixed for static trees), the per-step rest
     besides the verify forward (profiled), the measured verify curve and the decode-only AR step."""
@@ -169,26 +173,26 @@ def _machine_costs(recorder: StepRecorder, report: dict[str, Any], base: Any, ar
     draft_ms = 1e3 * recorder.draft_s / steps
     overhead = report["verification_ms"] + report["kv_compaction_ms"] + report["proposer_update_ms"] + \
         max(0.0, report["unattributed_ms"])
-    if shapes.family_of(base) == "static_tree":
+    if draft_shapes.family_of(base) == "static_tree":
         return MachineCosts(ar_ms, curve, 0.0, overhead, draft_ms)
     mean_depth = sum(max(s.depths) for s in recorder.steps) / steps
     return MachineCosts(ar_ms, curve, draft_ms / max(mean_depth, 1.0), overhead)
 
 
-def _top(table: list[dict[str, Any]], skip: set[str]) -> list[shapes.Shape]:
+def _top(table: list[dict[str, Any]], skip: set[str]) -> list[draft_shapes.Shape]:
     """Up to ``CHECK_TOP`` shapes to time: the best predicted ones, going down ``table``, each with a prediction of
     its own (shapes whose caps never bind, e.g. tree:3/b2/d1 and tree:3/b4/d1, predict alike: the first stands for
     them); those among them already timed (``skip``) are left out, so round 2 may time none. Never plain decoding."""
     picked, seen = [], set()
     for row in table:
         signature = (round(row["tokens"], 6), round(row["nodes"], 6), round(row["step_ms"], 6))
-        if row["shape"] == shapes.PLAIN.label or signature in seen:
+        if row["shape"] == draft_shapes.PLAIN.label or signature in seen:
             continue
         seen.add(signature)
         picked.append(row)
         if len(picked) == CHECK_TOP:
             break
-    return [shapes.Shape.from_dict(r["spec"]) for r in picked if r["shape"] not in skip]
+    return [draft_shapes.Shape.from_dict(r["spec"]) for r in picked if r["shape"] not in skip]
 
 
 def _annotate(table: list[dict[str, Any]], first: list[dict[str, Any]], timings: ShapeTimings) -> None:
@@ -208,10 +212,10 @@ def _timed_rows(table: list[dict[str, Any]], timings: ShapeTimings) -> list[dict
             if timings.step_ms.get(r["shape"], 0.0) > 0.0]
 
 
-def _serve_plain(runtime: Any, why: str, record: dict[str, Any]) -> tuple[ShapeChoice, dict[str, Any]]:
+def _serve_plain(runtime: Runtime, why: str, record: dict[str, Any]) -> tuple[ShapeChoice, dict[str, Any]]:
     """Plain decoding because calibration could not run; cached like any decision."""
-    choice = ShapeChoice(shapes.PLAIN, f"{why}: serving plain decoding")
-    shapes.apply_shape(runtime.speculative, shapes.PLAIN)
+    choice = ShapeChoice(draft_shapes.PLAIN, f"{why}: serving plain decoding")
+    draft_shapes.apply_shape(runtime.speculative, draft_shapes.PLAIN)
     path = save_shape_choice(cache_key(machine_identity(runtime)), MachineCosts(0.0, {1: 0.0}), choice,
                              machine_identity(runtime))
     return choice, {**record, **_decision(choice), "cache": str(path)}
@@ -225,7 +229,7 @@ def _decision(choice: ShapeChoice) -> dict[str, Any]:
                       if r["measured_speedup"] is not None]}
 
 
-def choose_cost_aware_shape(runtime: Any, prompts: Sequence[list[int]], verify_ms: dict[int, float] | None = None,
+def choose_cost_aware_shape(runtime: Runtime, prompts: Sequence[list[int]], verify_ms: dict[int, float] | None = None,
                             clock: Clock = time.perf_counter) -> tuple[ShapeChoice, dict[str, Any]]:
     """Calibrate, predict every candidate shape, time the best ``CHECK_TOP`` against plain decoding, refit the
     per-step overhead on their measured steps, time the shapes the refit now ranks best (round 2), apply the best
@@ -251,10 +255,10 @@ def choose_cost_aware_shape(runtime: Any, prompts: Sequence[list[int]], verify_m
     ar_ms, ar_per_prompt = decode_step_ms(spec.model, calib, CHECK_TOKENS, clock, head=head)
     curve, scale = anchor_curve({int(n): float(v) for n, v in raw_curve.items()}, ar_ms)
     calibrated = _machine_costs(recorder, report, base, ar_ms, curve)
-    candidates = shapes.candidates(base)
+    candidates = draft_shapes.candidates(base)
 
     def predict(costs: MachineCosts) -> list[dict[str, Any]]:
-        return predict_shapes(recorder.steps, candidates, costs, lambda s: shapes.static_paths_of(base, s))
+        return predict_shapes(recorder.steps, candidates, costs, lambda s: draft_shapes.static_paths_of(base, s))
 
     first = predict(calibrated)
     timings = check_shapes(spec, base, _top(first, set()), calib, runtime.eos_ids, clock)
@@ -267,8 +271,8 @@ def choose_cost_aware_shape(runtime: Any, prompts: Sequence[list[int]], verify_m
         timings = timings.merge(check_shapes(spec, base, fresh, calib, runtime.eos_ids, clock))
     _annotate(table, first, timings)
     choice = decide_shape(table, timings.speedup, timings.noise)
-    choice.table = [r for r in table if r["shape"] == shapes.PLAIN.label] + \
-        [r for r in table if r["shape"] != shapes.PLAIN.label]
+    choice.table = [r for r in table if r["shape"] == draft_shapes.PLAIN.label] + \
+        [r for r in table if r["shape"] != draft_shapes.PLAIN.label]
     for row in choice.table:
         row["depth"] = row["spec"]["depth"]
     record["refit"] = {"curve_scale": scale, "raw_curve_1_token_ms": raw_curve.get(1), "points": points,
@@ -276,7 +280,7 @@ def choose_cost_aware_shape(runtime: Any, prompts: Sequence[list[int]], verify_m
                        "timed_in_round_2": [s.label for s in fresh]}
     if isinstance(spec.stop_policy, LearnedStop):  # SpecDec++: its h from this machine's costs (the MDP threshold)
         record["learned_threshold"] = _learned_threshold(spec, costs)
-    shapes.apply_shape(spec, choice.shape, base)
+    draft_shapes.apply_shape(spec, choice.shape, base)
     path = save_shape_choice(cache_key(machine_identity(runtime)), costs, choice, machine_identity(runtime))
     record.update(acceptance_by_position=metrics.acceptance_by_position(
         [len(s.accepted) - 1 for s in recorder.steps], [max(s.depths) for s in recorder.steps]),
@@ -295,7 +299,7 @@ def _learned_threshold(spec: SpeculativeDecoder, costs: MachineCosts) -> dict[st
     return done
 
 
-def apply_cached_shape(runtime: Any) -> str:
+def apply_cached_shape(runtime: Runtime) -> str:
     """Apply the shape ``draftsmith bench`` chose for this machine and export (cached), or keep the export's own when
     it never ran here. Returns what was done, for the user."""
     cached = load_choice(cache_key(machine_identity(runtime)))
@@ -304,14 +308,12 @@ def apply_cached_shape(runtime: Any) -> str:
     if "shape" not in cached:  # a decision cached before shapes: a depth
         apply_depth(runtime.speculative, int(cached["depth"]))
         return f"draft depth {cached['depth']} (calibrated by draftsmith bench)"
-    shape = shapes.Shape.from_dict(cached["shape"])
-    shapes.apply_shape(runtime.speculative, shape)
+    shape = draft_shapes.Shape.from_dict(cached["shape"])
+    draft_shapes.apply_shape(runtime.speculative, shape)
     if shape.kind == "plain":
         return f"{cached['why']} (--stop-policy export forces the export's policy)"
     return f"draft shape {shape.label}: {cached['why']} (calibrated by draftsmith bench)"
 
-
-apply_cached_depth = apply_cached_shape  # the name generate used before shapes
 
 def apply_depth(spec: SpeculativeDecoder, depth: int) -> None:
     """Cap the draft depth at ``depth`` (keeping the policy's own rule), or serve plain decoding for 0."""

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from draftsmith.runtime.acceptance.shapes import PLAIN, RecordedStep, Shape, accepted_length
+from draftsmith.runtime.shapes.draft_shapes import PLAIN, RecordedStep, Shape, accepted_length
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def choose_depth(cum_acceptance: Sequence[float], costs: MachineCosts,
 
 @dataclass
 class ShapeChoice:
-    """The served shape (:data:`~draftsmith.runtime.acceptance.shapes.PLAIN`: plain decoding), why, and for every
+    """The served shape (:data:`~draftsmith.runtime.shapes.draft_shapes.PLAIN`: plain decoding), why, and for every
     candidate its prediction (and, for those timed, the measured speedup)."""
 
     shape: Shape
@@ -128,7 +128,7 @@ def predict_shapes(steps: Sequence[RecordedStep], shapes: Sequence[Shape], costs
                    static_paths: Callable[[Shape], set[tuple[int, ...]] | None] = lambda s: None,
                    ) -> list[dict[str, Any]]:
     """Predicted tokens per step, step ms and speedup over plain decoding of every shape, from the recorded
-    calibration steps (:func:`~draftsmith.runtime.acceptance.shapes.accepted_length`) and this machine's costs:
+    calibration steps (:func:`~draftsmith.runtime.shapes.draft_shapes.accepted_length`) and this machine's costs:
     ``step = mean verify_at(nodes) + costs.rest_ms(depth, mean nodes)``. Best first, plain included."""
     if not steps:
         raise ValueError("no calibration steps to predict shapes from")
