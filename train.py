@@ -131,6 +131,7 @@ def main(cfg: DictConfig) -> float | None:
     traceback is only for bugs (and for every error under ``HYDRA_FULL_ERROR=1``).
     """
     from draftsmith import recipes
+    from draftsmith.common.errors import report_failure
     from draftsmith.distill.engine.trainer import train
 
     recipe = recipes.get_recipe(cfg.recipe.name)
@@ -159,6 +160,10 @@ def main(cfg: DictConfig) -> float | None:
             raise
         report_error(err)
         sys.exit(1)  # SystemExit passes through Hydra's handler, which would print a traceback for an Exception
+    except Exception as err:  # noqa: BLE001 - a bug: its traceback and a line saying so (common/errors.py's policy)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        sys.exit(report_failure(err, ""))
     print(json.dumps(summary, indent=2))
     return summary["metrics"].get("val/loss")
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import assets
+from draftsmith.common.errors import DraftsmithError
 
 VERSION = "0.3.36"
 # 353 s on a 2-core AMD EPYC (Zen 4) VM at low priority beside other work; the script records each build's time
@@ -44,7 +45,7 @@ _PROMPT_COUNT = re.compile(r"number of tokens in prompt = (\d+)")
 _PROMPT_ID = re.compile(r"^(?:[\d.]+ [DIWE] )?\s*(\d+) -> '", re.M)
 
 
-class LlamaCppMissing(RuntimeError):
+class LlamaCppMissing(DraftsmithError, RuntimeError):
     """The cached llama.cpp build (or a weight file it needs) is not there; the message says what to run."""
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from draftsmith import assets
 from draftsmith.common.chat import encode_chat
+from draftsmith.common.errors import InputError, InputNotFoundError
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits
 
 
@@ -18,7 +19,7 @@ def _text_of(path: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(f"prompts file {path} is not UTF-8 text (byte {err.start} is {data[err.start]:#04x}; a "
+        raise InputError(f"prompts file {path} is not UTF-8 text (byte {err.start} is {data[err.start]:#04x}; a "
                          "binary file?): pass a .jsonl with one {\"prompt\": \"...\"} per line, or mtbench / "
                          "humaneval") from None
 
@@ -32,7 +33,7 @@ def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | No
     a bench on the first ones never sees, for choosing checkpoints on). With ``max_len`` (the target's context), a
     prompt that cannot fit fails at once, named, before any model work."""
     if limit is not None and limit < 1:  # 0 would mean "all" and -N "all but N" below: refuse both
-        raise ValueError(f"the number of prompts must be >= 1, got {limit} (leave it out to use every prompt)")
+        raise InputError(f"the number of prompts must be >= 1, got {limit} (leave it out to use every prompt)")
     sliced = None if Path(spec).is_file() else SLICE.match(spec)  # a file whose name ends in [a:b] is a file
     if sliced:
         texts = _texts(sliced["name"])[int(sliced["start"] or 0):int(sliced["stop"]) if sliced["stop"] else None]
@@ -40,7 +41,7 @@ def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | No
         texts = _texts(spec)
     texts = texts[:limit] if limit else texts
     if not texts:
-        raise ValueError(f"no prompts in {spec}")
+        raise InputError(f"no prompts in {spec}")
     encoded = [encode_chat(tokenizer, t) for t in texts]
     for n, ids in enumerate(encoded, 1):
         if max_len is not None:
@@ -57,7 +58,7 @@ def _texts(spec: str) -> list[str]:
     else:
         path = Path(spec)
         if not path.is_file():
-            raise FileNotFoundError(f"prompts file {path} not found (use 'mtbench' or a .jsonl with a 'prompt' field)")
+            raise InputNotFoundError(f"prompts file {path} not found (use 'mtbench' or a .jsonl with a 'prompt' field)")
         texts = []
         for n, line in enumerate(_text_of(path).splitlines(), 1):
             if not line.strip():
@@ -65,12 +66,12 @@ def _texts(spec: str) -> list[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not valid JSON ({err})") from err
+                raise InputError(f"{path}:{n}: not valid JSON ({err})") from err
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{n}: a JSON {type(record).__name__}, not an object: each line needs "
+                raise InputError(f"{path}:{n}: a JSON {type(record).__name__}, not an object: each line needs "
                                  "{\"prompt\": \"...\"} (or MT-Bench's {\"turns\": [...]})")
             text = record.get("prompt") or (record.get("turns") or [None])[0]
             if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"{path}:{n}: needs a non-empty 'prompt' string or a 'turns' list")
+                raise InputError(f"{path}:{n}: needs a non-empty 'prompt' string or a 'turns' list")
             texts.append(text)
     return texts

@@ -25,6 +25,7 @@ from draftsmith.cli.oracle_flags import add_oracle_arguments
 from draftsmith.cli.preflight import check_writable_folder, refuse_bad_exports
 from draftsmith.cli.serving import _is_diffusion_target, _llamacpp_parity, add_serving_flags, add_target_flags
 from draftsmith.cli.serving import add_verifier_flag as _add_verifier
+from draftsmith.common.errors import InputError
 
 
 def _prompts_and_out(b: argparse.ArgumentParser, prompts: str = "mtbench", also: str = "") -> None:
@@ -213,9 +214,9 @@ def _run_export(args: argparse.Namespace) -> int:
     if (oracle := oracle_request(args)) and not args.drafter:  # the --oracle-* flags checked together
         return bench_oracle_alone(args, oracle)
     if args.engine_parity and not args.drafter:
-        raise ValueError("--engine-parity compares a drafter's tau across engines: it needs --drafter EXPORT")
+        raise InputError("--engine-parity compares a drafter's tau across engines: it needs --drafter EXPORT")
     if not args.drafter:
-        raise ValueError("bench export needs --drafter EXPORT (or --oracle-acceptance P alone on the target); the "
+        raise InputError("bench export needs --drafter EXPORT (or --oracle-acceptance P alone on the target); the "
                          "other benches: draftsmith bench controller|reward|diffusion --help")
     rt, prompts = _load(args)
     return bench_export(args, rt, prompts, _llamacpp_parity)
@@ -226,7 +227,7 @@ def _run_controller(args: argparse.Namespace) -> int:
 
     refuse_bad_exports(args)
     if "," in args.controller:
-        raise ValueError("several --controller exports are compared by the reward bench: draftsmith bench reward "
+        raise InputError("several --controller exports are compared by the reward bench: draftsmith bench reward "
                          "--controller A,B")
     rt, prompts = _load(args)
     result = bench_controller(rt, prompts, args.max_new_tokens)

@@ -9,6 +9,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from draftsmith.common.errors import InputError
+
 EPILOG = """example (EAGLE-3 on regenerated data, 6 points from 100 to 3,000 steps):
   draftsmith curve --out outputs/curve/eagle3 --first-steps 100 --steps 3000 --points 6 \\
       recipe=eagle3 data=regen.jsonl data.limit=null
@@ -39,9 +41,9 @@ def parser() -> argparse.ArgumentParser:
 def _check(opts: argparse.Namespace) -> None:
     for flag, value in (("--num-prompts", opts.num_prompts), ("--max-new-tokens", opts.max_new_tokens)):
         if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+            raise InputError(f"{flag} must be >= 1, got {value}")
     if opts.dtype not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"--dtype {opts.dtype!r}: valid are auto, fp32, bf16")
+        raise InputError(f"--dtype {opts.dtype!r}: valid are auto, fp32, bf16")
 
 
 def cmd_curve(argv: Sequence[str]) -> int:

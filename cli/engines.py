@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from draftsmith.cli.arguments import COUNT, counts, served_dtype
+from draftsmith.common.errors import InputError
 
 
 def _gguf_files(export: str, gguf_dir: str | None, tmp: str) -> dict[str, str]:
@@ -20,7 +21,7 @@ def _gguf_files(export: str, gguf_dir: str | None, tmp: str) -> dict[str, str]:
     folder = Path(gguf_dir) if gguf_dir else Path(tmp) / "gguf"
     if not (folder / MANIFEST).is_file():
         if not (Path(export) / CONFIG_FILE).is_file():
-            raise ValueError(f"{export} is not a draftsmith export folder (no {CONFIG_FILE}); export the run first")
+            raise InputError(f"{export} is not a draftsmith export folder (no {CONFIG_FILE}); export the run first")
         _convert(export, folder, "gguf", read_config(export), None, source=export)
     return read_manifest(folder)["paths"]
 
@@ -29,7 +30,7 @@ def _cmd_engine_check(args: argparse.Namespace) -> int:
     from draftsmith.evals.engine_check import engine_check, markdown
 
     if args.engine != "llamacpp":
-        raise ValueError(f"--engine {args.engine!r}; valid: llamacpp")
+        raise InputError(f"--engine {args.engine!r}; valid: llamacpp")
     with tempfile.TemporaryDirectory(prefix="draftsmith-engine-check-") as tmp:
         paths = _gguf_files(args.export, args.gguf, tmp)
         result = engine_check(args.export, paths["target"], paths["draft"], args.prompts, args.num_prompts,

@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from draftsmith.common.errors import InputError
+
 
 def target_of(spec_config: dict[str, Any], target: str | None) -> str:
     """The target folder to import against: ``--target`` (alias resolved) or the checkpoint's recorded verifier; one
@@ -16,12 +18,12 @@ def target_of(spec_config: dict[str, Any], target: str | None) -> str:
 
     given = target or verifier_name(spec_config)
     if not given:
-        raise ValueError("the checkpoint records no verifier (speculators_config.verifier.name_or_path): pass "
+        raise InputError("the checkpoint records no verifier (speculators_config.verifier.name_or_path): pass "
                          "--target FOLDER")
     folder = Path(assets.resolve_target(str(given))).expanduser()
     if not (folder / "config.json").is_file():
         where = "--target" if target else "the checkpoint's recorded verifier"
-        raise ValueError(f"{where} {given!r} is not a local model folder (no config.json): pass --target with the "
+        raise InputError(f"{where} {given!r} is not a local model folder (no config.json): pass --target with the "
                          "folder of the model the drafter was trained against")
     return str(folder.resolve())
 
@@ -37,7 +39,7 @@ def target_facts(folder: str) -> tuple[dict[str, Any], Any]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as err:
-        raise ValueError(f"{folder} has no tokenizer ({type(err).__name__}): an export records the target's "
+        raise InputError(f"{folder} has no tokenizer ({type(err).__name__}): an export records the target's "
                          "tokenizer fingerprint; pass a model folder saved with its tokenizer") from err
     identity = target_identity(folder, AutoConfig.from_pretrained(folder), tokenizer, load_lm_head(folder))
     return identity, local_embedding(folder)

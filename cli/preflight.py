@@ -10,6 +10,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from draftsmith.common.errors import InputError
+
 
 def _export_problem(flag: str, given: str) -> str | None:
     """Why ``given`` cannot be the export folder ``flag`` asks for (a file, a target model folder), else None."""
@@ -38,7 +40,7 @@ def refuse_bad_exports(args: argparse.Namespace) -> None:
         for given in filter(None, str(getattr(args, flag[2:], None) or "").split(",")):
             problem = _export_problem(flag, given)
             if problem:
-                raise ValueError(problem)
+                raise InputError(problem)
 
 
 def check_writable_folder(out: str | Path, flag: str = "--out") -> Path:
@@ -46,7 +48,7 @@ def check_writable_folder(out: str | Path, flag: str = "--out") -> Path:
     probe created), so a bench that cannot save its results fails before it runs, not after. Returns the folder."""
     folder = Path(out).expanduser()
     if folder.exists() and not folder.is_dir():
-        raise ValueError(f"{flag} {out} is a file, not a folder: nothing was run; pass a folder (it is created)")
+        raise InputError(f"{flag} {out} is a file, not a folder: nothing was run; pass a folder (it is created)")
     made = [p for p in (folder, *folder.parents) if not p.exists()]  # the folders the probe creates (deepest first)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -54,7 +56,7 @@ def check_writable_folder(out: str | Path, flag: str = "--out") -> Path:
         os.close(handle)
         os.unlink(probe)
     except OSError as err:
-        raise ValueError(f"{flag} {out} cannot be written ({err.strerror or err}): nothing was run; pass a folder "
+        raise InputError(f"{flag} {out} cannot be written ({err.strerror or err}): nothing was run; pass a folder "
                          "you can write to") from None
     finally:
         for path in made:  # nothing left behind: a bench refused later writes no empty folder

@@ -7,6 +7,8 @@ import json
 import logging
 from collections.abc import Sequence
 
+from draftsmith.common.errors import InputError
+
 
 def _cmd_train(argv: Sequence[str]) -> int:
     """``draftsmith train [--help] recipe=NAME [overrides]``: as ``python train.py`` (train.run_command_line)."""
@@ -107,7 +109,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     options = {name: getattr(args, name) for name in _format_option_names()}
     if args.format == "draftsmith":
         if is_export:
-            raise ValueError(f"{src} is already a draftsmith export; export takes a run folder or .ckpt file, or "
+            raise InputError(f"{src} is already a draftsmith export; export takes a run folder or .ckpt file, or "
                              "converts an export with --format medusa|speculators|...")
         out = export_from_checkpoint(src, args.out)
     elif is_export:
@@ -190,7 +192,7 @@ def _refuse_format(fmt: str, method: str | None, source: str) -> None:
     entry = METHODS.get(method)
     # the method table's order first (its row lists the formats the method is known by), then any converter it lacks
     listed = dict.fromkeys([*(entry.formats if entry else ()), *formats_for(method)])
-    raise ValueError(f"{source}: --format {fmt} does not hold {method!r} exports{holder.refusal_hint}; "
+    raise InputError(f"{source}: --format {fmt} does not hold {method!r} exports{holder.refusal_hint}; "
                      f"{entry.label if entry else method} exports as: {', '.join(listed)}")
 
 
@@ -210,7 +212,7 @@ class _CliHost:
 
         reason = llamacpp.missing_build_reason()
         if reason:
-            raise ValueError(f"--format gguf runs llama.cpp's own converter, which is {reason}")
+            raise InputError(f"--format gguf runs llama.cpp's own converter, which is {reason}")
         return llamacpp.llamacpp_dir(), llamacpp.bf16_gguf(target_folder)
 
 

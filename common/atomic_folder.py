@@ -40,16 +40,18 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.common.errors import DraftsmithError
+
 log = logging.getLogger(__name__)
 
 FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
-class OutputRefused(ValueError):
+class OutputRefused(DraftsmithError, ValueError):
     """An output path holds something draftsmith did not write (or the source being converted): nothing written."""
 
 
-class DiskFullError(OSError):
+class DiskFullError(DraftsmithError, OSError):
     """The disk (or quota) filled during a write; the partial temporary was removed and nothing was replaced."""
 
     def __str__(self) -> str:  # the one line alone, without OSError's "[Errno 28]" prefix

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from draftsmith.common.chat import encode_chat
+from draftsmith.common.errors import InputError
 from draftsmith.datagen.batched_generation import batch_support, generate_greedy_batch
 from draftsmith.datagen.chat_source import (
     iter_conversations,
@@ -190,11 +191,11 @@ def regenerate(
     try:
         first = next(conversations, None)  # fail on empty data before the (slow) model load
     except UnicodeDecodeError as err:
-        raise ValueError(f"--data {data} is not UTF-8 text ({err.reason}: a binary file?): pass a .jsonl/.json of "
+        raise InputError(f"--data {data} is not UTF-8 text ({err.reason}: a binary file?): pass a .jsonl/.json of "
                          "conversations, or sharegpt") from None
     if first is None:
         where = "" if topic == "all" and not skip else f" on topic {topic!r} from source index {skip} on"
-        raise ValueError(f"no conversations in {data}{where}: expected records with 'conversations' or 'messages'")
+        raise InputError(f"no conversations in {data}{where}: expected records with 'conversations' or 'messages'")
     settings = {"data": data, "target": target, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "turns": turns, "dtype": dtype, "seed": seed, "batch_size": batch_size}
     if topic != "all" or skip:  # recorded only when used: a partial file of an older version still resumes
@@ -217,7 +218,7 @@ def regenerate(
             run.one_by_one(items, turns, temperature, top_p, seed)
     report.seconds = time.perf_counter() - run.progress.start
     if report.written + report.resumed == 0:
-        raise ValueError(f"no conversation of {data} could be regenerated (skipped: {report.skipped}); "
+        raise InputError(f"no conversation of {data} could be regenerated (skipped: {report.skipped}); "
                          f"{partial} is left in place")
     os.replace(partial, out)  # atomic: OUT appears only complete
     meta_path.unlink(missing_ok=True)
@@ -229,13 +230,13 @@ def _check_arguments(turns: str, max_new_tokens: int, limit: int | None, batch_s
     """Refuse an unknown ``--turns`` mode and a non-positive ``--max-new-tokens``, ``--limit``, ``--batch-size`` or
     ``--max-prompt-tokens``."""
     if turns not in TURNS:
-        raise ValueError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")
+        raise InputError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")
     if max_new_tokens < 1 or (limit is not None and limit < 1):
-        raise ValueError("--max-new-tokens and --limit must be >= 1")
+        raise InputError("--max-new-tokens and --limit must be >= 1")
     if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1 (1 decodes one conversation at a time), got {batch_size}")
+        raise InputError(f"--batch-size must be >= 1 (1 decodes one conversation at a time), got {batch_size}")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
-        raise ValueError(f"--max-prompt-tokens must be >= 1 (or left out: every prompt that fits the context), "
+        raise InputError(f"--max-prompt-tokens must be >= 1 (or left out: every prompt that fits the context), "
                          f"got {max_prompt_tokens}")
 
 

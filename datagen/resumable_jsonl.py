@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.common.durations import eta_seconds, format_duration
+from draftsmith.common.errors import InputError
 
 DEFAULTS = {"batch_size": 1}  # settings added after a partial was written: the value its writer had
 
@@ -27,7 +28,7 @@ def read_partial(partial: Path) -> tuple[int, int]:
             last = int(json.loads(raw)["source_index"])
         except (ValueError, KeyError, TypeError):
             if good + len(raw) < len(data):  # a bad line in the middle is corruption, not an interruption
-                raise ValueError(f"{partial} has a corrupt line after {lines} good ones; "
+                raise InputError(f"{partial} has a corrupt line after {lines} good ones; "
                                  "delete it to start over") from None
             break
         good, lines = good + len(raw), lines + 1
@@ -51,7 +52,7 @@ def resume_or_start(out: Path, partial: Path, meta_path: Path, settings: dict[st
         saved = {**{k: v for k, v in DEFAULTS.items() if k in settings}, **saved}
     if saved != settings:
         differ = [k for k in settings if not isinstance(saved, dict) or saved.get(k) != settings[k]]
-        raise ValueError(f"{partial} was written with other settings ({saved}; differing: {', '.join(differ)}); "
+        raise InputError(f"{partial} was written with other settings ({saved}; differing: {', '.join(differ)}); "
                          f"rerun with those or delete {partial} and {meta_path} to start over")
     lines, last = read_partial(partial)
     log(f"resuming {partial}: {lines} conversations already done (up to source index {last})")

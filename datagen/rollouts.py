@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.hf_forward import hf_forward
 from draftsmith.controllers.adaptive_temperature import (
     DEFAULT_GRID,
@@ -63,7 +64,7 @@ def length_warning(prompt_lengths: Sequence[int], max_new_tokens: int,
             "prompts (--limit / --prompts)")
 
 
-class RolloutError(ValueError):
+class RolloutError(DraftsmithError, ValueError):
     """A rollout folder cannot be written as asked (one actionable message)."""
 
 

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 import draftsmith
 from draftsmith.common.atomic_folder import DiskFullError, OutputKind, OutputRefused, write_folder
 from draftsmith.common.diffusion_format import DIFFUSION_KEY
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.export.identity import export_digest
 
 FORMAT_NAME = "draftsmith"
@@ -37,7 +38,7 @@ IDENTITY_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "fingerprin
 LATER_IDENTITY_FIELDS = ("lm_head",)
 
 
-class ExportError(RuntimeError):
+class ExportError(DraftsmithError, RuntimeError):
     """An export folder is missing, incomplete or corrupt."""
 
 

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from draftsmith.common.errors import InputError
 from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.target.loading import Decoder
 
@@ -27,10 +28,10 @@ def sample_token(
 
 def _check_prompt(prompt_ids: list[int], vocab_size: int | None) -> None:
     if len(prompt_ids) == 0:
-        raise ValueError("the prompt is empty: pass at least one token id (e.g. the BOS token or a chat template)")
+        raise InputError("the prompt is empty: pass at least one token id (e.g. the BOS token or a chat template)")
     if vocab_size is not None and not all(0 <= t < vocab_size for t in prompt_ids):
         bad = [t for t in prompt_ids if not 0 <= t < vocab_size][:5]
-        raise ValueError(f"prompt token ids {bad} are outside the vocabulary [0, {vocab_size}); wrong tokenizer?")
+        raise InputError(f"prompt token ids {bad} are outside the vocabulary [0, {vocab_size}); wrong tokenizer?")
 
 
 @torch.inference_mode()
@@ -53,7 +54,7 @@ def generate_ar(
     Returns the new tokens only.
     """
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if head not in ("auto", "logits"):
         raise ValueError(f"head must be 'auto' or 'logits', got {head!r}")
     _check_prompt(prompt_ids, getattr(getattr(model, "config", None), "vocab_size", None))

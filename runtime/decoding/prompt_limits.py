@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from draftsmith.common.errors import InputError
+
 
 def context_limit(model: Any) -> int | None:
     """The target's context in positions (``max_position_embeddings`` of a lean or HF config), None if unknown."""
@@ -19,7 +21,7 @@ def check_prompt_fits(ids_len: int, limit: int, what: str) -> None:
     ``limit``, which the target was never trained on.
     """
     if ids_len >= limit:
-        raise ValueError(f"{what} has {ids_len} tokens but the target's context is {limit} positions "
+        raise InputError(f"{what} has {ids_len} tokens but the target's context is {limit} positions "
                          f"(max_position_embeddings); it must be at most {limit - 1} tokens to generate anything")
 
 
