@@ -316,7 +316,9 @@ def run_command_line(argv: list[str], prog: str) -> None:
     if "--help" in argv or "-h" in argv:
         print(help_text(argv, prog))
         sys.exit(0)
-    if (problem := check_launcher(argv) or preflight(argv)) is not None:
+    from draftsmith.common.atomic_folder import run_folder_problem  # hydra.run.dir: a folder a run may write
+
+    if (problem := check_launcher(argv) or preflight(argv) or run_folder_problem(argv)) is not None:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         sys.exit(1)
     sys.argv = [prog, *argv]

@@ -25,6 +25,28 @@ def _text_of(path: Path) -> str:
 
 
 SLICE = re.compile(r"^(?P<name>.+)\[(?P<start>\d*):(?P<stop>\d*)\]$")
+BRACKETS = re.compile(r"^(?P<name>.+)\[(?P<inner>[^\]]*)\]$")
+SETS = ("mtbench", "humaneval")
+
+
+def prompt_texts(spec: str) -> list[str]:
+    """The prompt texts ``spec`` names (``mtbench``, ``humaneval``, a jsonl file, each with an optional ``[a:b]``
+    slice), in order; a spec that names nothing (no such set or file, a folder, a malformed or empty slice) is one
+    line naming it. No tokenizer or model is needed, so a command checks its prompts before any work."""
+    if Path(spec).is_file():  # a file whose name ends in [a:b] is a file
+        return _texts(spec)
+    sliced, bracketed = SLICE.match(spec), BRACKETS.match(spec)
+    if bracketed and not sliced:
+        raise InputError(f"prompts {spec}: a slice is NAME[START:STOP] with whole numbers, e.g. mtbench[40:] or "
+                         f"humaneval[0:20]; got [{bracketed['inner']}]")
+    if not sliced:
+        return _texts(spec)
+    texts = _texts(sliced["name"])
+    start, stop = int(sliced["start"] or 0), int(sliced["stop"]) if sliced["stop"] else len(texts)
+    if not texts[start:stop]:
+        raise InputError(f"prompts {spec} selects no prompts: {sliced['name']} has {len(texts)}, and [{start}:"
+                         f"{sliced['stop']}] is empty")
+    return texts[start:stop]
 
 
 def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | None = None) -> list[list[int]]:
@@ -34,11 +56,7 @@ def load_prompts(spec: str, tokenizer: Any, limit: int | None, max_len: int | No
     prompt that cannot fit fails at once, named, before any model work."""
     if limit is not None and limit < 1:  # 0 would mean "all" and -N "all but N" below: refuse both
         raise InputError(f"the number of prompts must be >= 1, got {limit} (leave it out to use every prompt)")
-    sliced = None if Path(spec).is_file() else SLICE.match(spec)  # a file whose name ends in [a:b] is a file
-    if sliced:
-        texts = _texts(sliced["name"])[int(sliced["start"] or 0):int(sliced["stop"]) if sliced["stop"] else None]
-    else:
-        texts = _texts(spec)
+    texts = prompt_texts(spec)
     texts = texts[:limit] if limit else texts
     if not texts:
         raise InputError(f"no prompts in {spec}")
@@ -57,8 +75,12 @@ def _texts(spec: str) -> list[str]:
         texts = assets.humaneval_prompts()
     else:
         path = Path(spec)
+        if path.is_dir():
+            raise InputError(f"prompts {path} is a folder: pass a .jsonl file with one {{\"prompt\": \"...\"}} per "
+                             f"line, or a prompt set ({', '.join(SETS)})")
         if not path.is_file():
-            raise InputNotFoundError(f"prompts file {path} not found (use 'mtbench' or a .jsonl with a 'prompt' field)")
+            raise InputNotFoundError(f"prompts {path}: no such file, and not a prompt set ({', '.join(SETS)}); pass "
+                                     "a .jsonl with a 'prompt' field per line")
         texts = []
         for n, line in enumerate(_text_of(path).splitlines(), 1):
             if not line.strip():

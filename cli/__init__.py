@@ -1,6 +1,6 @@
 """The ``draftsmith`` command. Every command is one row of :data:`COMMANDS`; its arguments and handler live in the
-module the row names (``training``, ``serving``, ``data``, ``engines``), imported only when the command line is
-parsed.
+module the row names (``training``, ``exporting``, ``serving``, ``data``, ``engines``...), imported only when the
+command line is parsed.
 
 Errors: a mistake in the input is one ``error:`` line (exit 2); ``--traceback`` (or ``DRAFTSMITH_TRACEBACK=1``) adds
 the traceback. Anything else is a bug in draftsmith: its traceback and a line saying where to report it (exit 1)."""
@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-train": ("training", "training tokens/s vs target forward tokens/s: draftsmith bench-train recipe=medusa"),
     "cache-features": ("training", "run the target once and cache the features a recipe taps: "
                                    "draftsmith cache-features recipe=eagle3 --out DIR"),
-    "export": ("training", "export a run folder or checkpoint (or convert an export to an engine's layout)"),
+    "export": ("exporting", "export a run folder or checkpoint (or convert an export to an engine's layout)"),
     "import": ("importing", "import a speculators-format EAGLE-3 checkpoint: draftsmith import CKPT --out DIR"),
     "assets": ("training", "prepare the embedded target, data and prompts; print their counts"),
     "generate": ("serving", "stream a completion (speculative with --drafter, else autoregressive)"),

@@ -22,7 +22,7 @@ from typing import Any
 
 from draftsmith.cli.arguments import COUNT, SEED, TEMPERATURE, Range, counts, number_list
 from draftsmith.cli.oracle_flags import add_oracle_arguments
-from draftsmith.cli.preflight import check_writable_folder, refuse_bad_exports
+from draftsmith.cli.preflight import check_out_folder, refuse_bad_exports, target_of
 from draftsmith.cli.serving import _is_diffusion_target, _llamacpp_parity, add_serving_flags, add_target_flags
 from draftsmith.cli.serving import add_verifier_flag as _add_verifier
 from draftsmith.common.errors import InputError
@@ -181,8 +181,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from draftsmith.bench import progress
 
     progress.start(key="|".join(str(getattr(args, k, None)) for k in ("bench_mode", "target", "drafter")))
-    if getattr(args, "out", None):
-        check_writable_folder(args.out)  # before the bench, not after it
+    refuse_bad_exports(args)
+    if getattr(args, "out", None):  # before the bench, not after it: never into an input or a folder of the user's
+        exports = ",".join(str(getattr(args, k, None) or "") for k in ("drafter", "controller", "filter"))
+        prompts = args.prompts if Path(args.prompts).exists() else None
+        check_out_folder("bench", args.out, (*exports.split(","), target_of(args), prompts))
     code = MODES[args.bench_mode].run(args)
     if getattr(args, "mode_note", None):  # after the results: a tip for the next command line
         print(args.mode_note, file=sys.stderr)
@@ -210,7 +213,6 @@ def _run_export(args: argparse.Namespace) -> int:
     from draftsmith.bench.windows import apply_preset
 
     apply_preset(args)
-    refuse_bad_exports(args)
     if (oracle := oracle_request(args)) and not args.drafter:  # the --oracle-* flags checked together
         return bench_oracle_alone(args, oracle)
     if args.engine_parity and not args.drafter:
@@ -225,7 +227,6 @@ def _run_export(args: argparse.Namespace) -> int:
 def _run_controller(args: argparse.Namespace) -> int:
     from draftsmith.bench.controller import bench_controller, controller_table
 
-    refuse_bad_exports(args)
     if "," in args.controller:
         raise InputError("several --controller exports are compared by the reward bench: draftsmith bench reward "
                          "--controller A,B")
@@ -242,7 +243,6 @@ def _run_controller(args: argparse.Namespace) -> int:
 def _run_reward(args: argparse.Namespace) -> int:
     from draftsmith.evals.reward_bench import cmd_reward_bench
 
-    refuse_bad_exports(args)
     return cmd_reward_bench(args)
 
 

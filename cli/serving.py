@@ -16,12 +16,12 @@ from draftsmith.cli.arguments import (
     served_dtype,
     stop_policy,
 )
-from draftsmith.cli.preflight import refuse_bad_exports
+from draftsmith.cli.preflight import add_trust_flag, refuse_bad_exports
 
 
 def add_target_flags(p: argparse.ArgumentParser) -> None:
     """The target and how it runs: --target, --dtype, --kernels, --backend, --linear-backend, --temperature,
-    --max-new-tokens."""
+    --max-new-tokens, --trust-remote-code."""
     p.add_argument("--target", default=None, help="target folder (default: the one recorded in the export)")
     p.add_argument("--dtype", default="auto", type=served_dtype,
                    help="auto (bf16 where this machine runs it fast: AVX512-BF16, or the fused layer's AVX2 variant; "
@@ -35,6 +35,7 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
                         "mkldnn (oneDNN bf16: AVX512 BW/VL/DQ or AVX-NE-CONVERT) | dense")
     p.add_argument("--temperature", type=TEMPERATURE, default=0.0)
     p.add_argument("--max-new-tokens", type=COUNT, default=128)
+    add_trust_flag(p)
 
 
 def add_verifier_flag(p: argparse.ArgumentParser) -> None:

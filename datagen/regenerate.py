@@ -170,7 +170,7 @@ def regenerate(
     data: str, out: str | Path, target: str | None = None, limit: int | None = None, max_new_tokens: int = 256,
     temperature: float = 0.0, top_p: float = 1.0, turns: str = "first", dtype: str = "bf16", seed: int = 0,
     kernels: str = "auto", log: Callable[[str], None] | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-    topic: str = "all", skip: int = 0, max_prompt_tokens: int | None = None,
+    topic: str = "all", skip: int = 0, max_prompt_tokens: int | None = None, overwrite: bool = False,
 ) -> RegenerateReport:
     """Regenerate ``data`` with the target and write ``out`` (jsonl), resuming an interrupted ``out.partial``.
 
@@ -179,10 +179,14 @@ def regenerate(
     ``topic`` / ``skip``: only conversations on that topic, from source index ``skip`` on (``select_conversations``);
     ``max_prompt_tokens``: only conversations whose first reply's prompt has at most that many tokens, skipped
     before any model work (a run that trains at ``data.max_length`` L learns nothing from a reply behind a prompt of
-    ~L tokens, and its prefill is most of batched regeneration's time); ``limit`` counts the selected ones."""
+    ~L tokens, and its prefill is most of batched regeneration's time); ``limit`` counts the selected ones.
+    ``out`` must be a new file (or ``overwrite``), never ``data`` or inside the target: checked before any work."""
+    from draftsmith import assets
+    from draftsmith.common.atomic_folder import check_output_file
     from draftsmith.runtime.serving import load_runtime
 
     _check_arguments(turns, max_new_tokens, limit, batch_size, max_prompt_tokens)
+    check_output_file(out, (data if Path(data).exists() else None, target and assets.resolve_target(target)), overwrite)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(out)
     partial, meta_path = Path(f"{out}.partial"), Path(f"{out}.partial.json")
