@@ -95,9 +95,20 @@ def verifier_name(config: dict[str, Any]) -> str | None:
     return ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
 
 
+def layer_config(config: dict[str, Any], source: str | Path, required: bool = False) -> dict[str, Any]:
+    """config.json's ``transformer_layer_config`` (the draft layer), refused in one line when it is not an object."""
+    layer = config.get("transformer_layer_config")
+    if layer is None and not required:
+        return {}
+    if not isinstance(layer, dict):
+        raise ExportError(f"{source}: config.json's transformer_layer_config must be an object (the draft layer's "
+                          f"config), got {type(layer).__name__}")
+    return layer
+
+
 def check_layer(config: dict[str, Any], source: str | Path) -> dict[str, Any]:
     """The draft layer's config, refused in one line when draftsmith's EAGLE-3 layer cannot compute it."""
-    layer = config.get("transformer_layer_config") or {}
+    layer = layer_config(config, source)
     problems = [f"{flag}=true ({fix})" for flag, fix in _UNSUPPORTED_FLAGS.items() if config.get(flag)]
     if int(layer.get("num_hidden_layers", 1)) != 1:
         problems.append(f"{layer['num_hidden_layers']} draft layers (train with --num-layers 1)")
@@ -125,10 +136,7 @@ def _rope_theta(layer: dict[str, Any]) -> float:
 def architecture_of(config: dict[str, Any], num_target_layers: int, source: str | Path = "") -> dict[str, Any]:
     """draftsmith's EAGLE-3 ``architecture`` block of a speculators eagle3 config (module docstring); a missing or
     mistyped key is one line naming it."""
-    layer = config.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise ExportError(f"{source}: config.json's transformer_layer_config must be an object (the draft layer's "
-                          f"config), got {type(layer).__name__}")
+    layer = layer_config(config, source, required=True)
     try:
         return _architecture(config, layer, num_target_layers)
     except KeyError as err:
