@@ -9,6 +9,7 @@ from pathlib import Path
 
 from draftsmith.cli.arguments import COUNT, SEED, TEMPERATURE, TOP_P, Range, counts, served_dtype
 from draftsmith.cli.preflight import add_trust_flag, check_out_folder, refuse_bad_exports, target_of
+from draftsmith.common.errors import InputError
 
 
 def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
@@ -127,8 +128,11 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
 
 def cmd_diffusion_export(args: argparse.Namespace) -> int:
     """A recipe=diffusion_adapt export (or run folder) -> an ordinary HF model folder that ``--target`` can name."""
+    from draftsmith.common.atomic_folder import check_folder_target
+    from draftsmith.export.format import EXPORT_OUTPUT
     from draftsmith.runtime.target.diffusion_lm import folder_from_export
 
+    check_folder_target(args.out, EXPORT_OUTPUT, sources=(args.source,))  # before the model is rebuilt
     print(f"wrote {folder_from_export(args.source, args.out)}")
     return 0
 
@@ -136,6 +140,9 @@ def cmd_diffusion_export(args: argparse.Namespace) -> int:
 def cmd_trajectories(args: argparse.Namespace) -> int:
     from draftsmith.datagen.trajectories import run_cli
 
+    if args.prompts not in ("mtbench", "sharegpt") and not Path(args.prompts).is_file():
+        raise InputError(f"--prompts {args.prompts}: no such file, and not a prompt set (mtbench, sharegpt); pass a "
+                         ".txt (one prompt a line) or .jsonl ({\"prompt\": ...} a line)")
     refuse_bad_exports(args)
     prompts = args.prompts if Path(args.prompts).exists() else None
     check_out_folder("trajectories", args.out, (args.target, prompts))

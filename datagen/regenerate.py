@@ -32,7 +32,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from draftsmith.datagen.chat_source import (
     short_prompts,
     turns_before,
 )
+from draftsmith.datagen.regenerate_report import RegenerateReport, summary
 from draftsmith.datagen.resumable_jsonl import Progress, append_line, resume_or_start
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
@@ -56,25 +57,6 @@ from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context
 TURNS = ("first", "all")
 DEFAULT_BATCH_SIZE = 8  # greedy first turns decoded at once: the weights are read once per step for 8 tokens
 CHUNK_ROWS = 16  # conversations per batch row in one chunk: a resume redoes at most one chunk
-
-
-@dataclass
-class RegenerateReport:
-    """What a run did; ``skipped`` maps a reason to a count of conversations not written."""
-
-    written: int = 0
-    resumed: int = 0  # lines already in the .partial file when the run started
-    truncated: int = 0  # "all" mode: later turns cut because the context was full
-    tokens: int = 0
-    seconds: float = 0.0
-    skipped: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def skip(self, reason: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
 
 def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
@@ -191,15 +173,7 @@ def regenerate(
     out = Path(out)
     partial, meta_path = Path(f"{out}.partial"), Path(f"{out}.partial.json")
     report = RegenerateReport()
-    conversations = select_conversations(iter_conversations(data, report), topic, skip)
-    try:
-        first = next(conversations, None)  # fail on empty data before the (slow) model load
-    except UnicodeDecodeError as err:
-        raise InputError(f"--data {data} is not UTF-8 text ({err.reason}: a binary file?): pass a .jsonl/.json of "
-                         "conversations, or sharegpt") from None
-    if first is None:
-        where = "" if topic == "all" and not skip else f" on topic {topic!r} from source index {skip} on"
-        raise InputError(f"no conversations in {data}{where}: expected records with 'conversations' or 'messages'")
+    first, conversations = _first_conversation(data, topic, skip, report)
     settings = {"data": data, "target": target, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "turns": turns, "dtype": dtype, "seed": seed, "batch_size": batch_size}
     if topic != "all" or skip:  # recorded only when used: a partial file of an older version still resumes
@@ -227,6 +201,20 @@ def regenerate(
     os.replace(partial, out)  # atomic: OUT appears only complete
     meta_path.unlink(missing_ok=True)
     return report
+
+
+def _first_conversation(data: str, topic: str, skip: int, report: RegenerateReport) -> tuple[Any, Iterator]:
+    """(the first selected conversation, the rest): empty or binary data fails here, before the (slow) model load."""
+    conversations = select_conversations(iter_conversations(data, report), topic, skip)
+    try:
+        first = next(conversations, None)
+    except UnicodeDecodeError as err:
+        raise InputError(f"--data {data} is not UTF-8 text ({err.reason}: a binary file?): pass a .jsonl/.json of "
+                         "conversations, or sharegpt") from None
+    if first is None:
+        where = "" if topic == "all" and not skip else f" on topic {topic!r} from source index {skip} on"
+        raise InputError(f"no conversations in {data}{where}: expected records with 'conversations' or 'messages'")
+    return first, conversations
 
 
 def _check_arguments(turns: str, max_new_tokens: int, limit: int | None, batch_size: int = 1,
@@ -336,14 +324,6 @@ class _Run:
                 first_unwritten[0] += 1
 
         generate_greedy_batch(self.model, [c[3] for c in chunk], [c[4] for c in chunk], self.eos, batch_size, done)
-
-
-def summary(report: RegenerateReport, out: str | Path) -> str:
-    """The one-paragraph summary printed at the end of ``draftsmith regenerate``."""
-    skipped = ", ".join(f"{n} {why}" for why, n in report.skipped.items()) or "none"
-    return (f"wrote {out}: {report.written + report.resumed} conversations ({report.resumed} resumed, "
-            f"{report.truncated} truncated at the context), skipped: {skipped}; generated {report.tokens} tokens "
-            f"in {report.seconds:.1f} s ({report.tokens_per_s:.1f} tokens/s)")
 
 
 __all__ = ["RegenerateReport", "first_turn_prompt", "iter_conversations", "normalize_messages", "regenerate",

@@ -50,7 +50,8 @@ REGENERATE = [
       setup=(("run", REGEN + " --data {DATA} --out {S}/first.jsonl"),
              ("file", "{S}/o.jsonl.partial", "{\"source_index\": 0}\nGARBAGE\n{\"source_index\": 1}\n"))),
     c("regen-sigint", REGEN.replace("--limit 2", "--limit 16").replace("--max-new-tokens 3", "--max-new-tokens 60")
-      + " --data {DATA} --out {S}/o.jsonl --batch-size 1", "interrupted", expect="interrupt", sigint_after=8.0,
+      + " --data {DATA} --out {S}/o.jsonl --batch-size 1", "interrupted", expect="interrupt",
+      sigint_on=r"\[1/16\] wrote",
       rerun=REGEN.replace("--limit 2", "--limit 16").replace("--max-new-tokens 3", "--max-new-tokens 60")
       + " --data {DATA} --out {S}/o.jsonl --batch-size 1"),
 ]

@@ -92,10 +92,10 @@ GENERATE = [
     c("gen-stop-policy-bad", GT + " --drafter {MED} --stop-policy fixed:-1", "--stop-policy"),
     c("gen-verifier-typical-greedy", GT + " --drafter {MED} --verifier typical", "temperature"),
     c("gen-backend-bad", GT + " --backend x", "--backend"),
-    c("gen-kangaroo-on-hf", GT + " --drafter {MED} --backend hf --stop-policy learned:0.5", "learned"),
+    c("gen-learned-stop-no-head", GT + " --drafter {MED} --stop-policy learned:0.5", "learned"),
     c("gen-unknown-flag", GT + " --nosuch 3", "--nosuch"),
-    c("gen-sigint", GT.replace("--max-new-tokens 4", "--max-new-tokens 400"), "interrupted", expect="interrupt",
-      sigint_after=4.0),
+    c("gen-sigint", GT.replace("--max-new-tokens 4", "--max-new-tokens 400") + " --backend hf --verbose",
+      "interrupted", expect="interrupt", sigint_on=r"\[decoder_backend\]", sigint_after=0.5),
 ]
 
 BENCH_CASES = [
@@ -152,7 +152,7 @@ BENCH_CASES = [
     c("bench-diffusion-threshold", "ds bench diffusion --target {T} --threshold 1.5", "--threshold"),
     c("bench-mode-flag-elsewhere", "ds bench controller --controller {MED} --engine-parity", "--engine-parity"),
     c("bench-sigint", BENCH.replace("--max-new-tokens 4", "--max-new-tokens 300") + " --drafter {MED} --out {S}/b",
-      "interrupted", expect="interrupt", sigint_after=5.0),
+      "interrupted", expect="interrupt", sigint_on="forward curve", sigint_after=0.2, protect=("{MED}",)),
 ]
 
 ENGINES = [

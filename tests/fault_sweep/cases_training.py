@@ -78,7 +78,8 @@ RESUME = [  # a run folder trained once, then a second command in it (helper C2)
        setup=(("run", TRAIN + " " + RUN_DIR), ("truncate", "{S}/run/checkpoints/last.ckpt", 500)), owner="C2",
        timeout=400),
     c("train-sigint", TRAIN.replace("trainer.max_steps=2", "trainer.max_steps=400") + " " + RUN_DIR, "interrupted",
-      expect="interrupt", sigint_after=25.0, rerun=TRAIN + " " + RUN_DIR + " trainer.max_steps=3", owner="C2",
+      expect="interrupt", sigint_on=r"checkpoint step2\.ckpt", rerun=TRAIN + " " + RUN_DIR + " trainer.max_steps=3",
+      owner="C2",
       timeout=400),
 ]
 

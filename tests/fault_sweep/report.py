@@ -28,7 +28,7 @@ def summary_table(results: list[dict], key) -> list[str]:
     groups: dict[str, list[dict]] = {}
     for record in ran:
         groups.setdefault(key(record), []).append(record)
-    head = ["| | cases | clean | " + " | ".join(CLASSES) + " |", "|---" * (len(CLASSES) + 3) + "|"]
+    head = ["| | cases | clean % | " + " | ".join(CLASSES) + " |", "|---" * (len(CLASSES) + 3) + "|"]
     return head + [_row("**all**", ran)] + [_row(name, groups[name]) for name in sorted(groups)]
 
 
@@ -46,3 +46,34 @@ def write_report(results: list[dict], path: Path) -> str:
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
+
+
+START, END = "<!-- fault-sweep:start -->", "<!-- fault-sweep:end -->"
+
+
+def _shown(text: str, places: dict[str, str]) -> str:
+    """``text`` with the world's and the scratch folders' paths put back as placeholders (longest first)."""
+    for name, path in sorted(places.items(), key=lambda kv: -len(kv[1])):
+        text = text.replace(path, "{" + name + "}")
+    return text.replace("|", "/")
+
+
+def docs_block(results: list[dict], places: dict[str, str], cases_dir: str) -> str:
+    """The markdown table docs/ERRORS.md keeps between its fault-sweep markers: every case, its command, owner,
+    outcome and the one line the user saw (or why it is not clean)."""
+    lines = [START, "", "\n".join(summary_table(results, command_of)), "",
+             "| case | command | owner | outcome | what the user sees |", "|---|---|---|---|---|"]
+    for r in results:
+        scratch = {**places, "S": f"{cases_dir}/{r['id']}"}
+        said = r["reason"] if r["outcome"] in ("clean", "ok") else f"**{r['outcome']}**: {r['reason']}"
+        lines.append(f"| {r['id']} | `{_shown(r['cmd'], {})}` | {r['owner']} | {r['outcome']} | "
+                     f"{_shown(said, scratch)[:240]} |")
+    return "\n".join(lines + ["", END])
+
+
+def write_docs(results: list[dict], places: dict[str, str], cases_dir: str, doc: Path) -> None:
+    """Replace the block between the markers of ``doc`` (docs/ERRORS.md) with :func:`docs_block`."""
+    text = doc.read_text()
+    head, _, rest = text.partition(START)
+    _, _, tail = rest.partition(END)
+    doc.write_text(head + docs_block(results, places, cases_dir) + tail)

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ sys.path.insert(0, str(HERE))
 from case import Case  # noqa: E402
 from cases import CASES  # noqa: E402
 from classify import Seen, classify  # noqa: E402
-from report import write_report  # noqa: E402
+from report import write_docs, write_report  # noqa: E402
 from setups import Mounts, apply_setup  # noqa: E402
 from world import load_or_build  # noqa: E402
 
@@ -86,21 +87,58 @@ def snapshot(case: Case, places: dict[str, str]) -> dict[str, tuple[str, dict[st
     return out
 
 
+def _drain(stream, chunks: list[bytes]) -> None:
+    for chunk in iter(lambda: os.read(stream.fileno(), 4096), b""):
+        chunks.append(chunk)
+
+
 def run_process(argv: list[str], case: Case, env: dict[str, str], cwd: Path) -> tuple[int | None, str, str]:
-    """(exit status or None on a hang, stdout, stderr); sends SIGINT when the case asks for it."""
+    """(exit status or None on a hang, stdout, stderr); sends Ctrl-C (SIGINT to the process group) once
+    ``case.sigint_on`` appears on stdout or stderr, ``case.sigint_after`` seconds later (or after that many seconds
+    from the start when there is no pattern)."""
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, start_new_session=True)
+    out, err = [], []
+    readers = [threading.Thread(target=_drain, args=(s, b), daemon=True) for s, b in ((proc.stdout, out),
+                                                                                      (proc.stderr, err))]
+    for reader in readers:
+        reader.start()
+    if case.stdin:
+        proc.stdin.write(case.stdin.encode())
+    proc.stdin.close()
+    deadline = time.monotonic() + case.timeout
+    if case.sigint_after is not None or case.sigint_on:
+        pattern = re.compile(case.sigint_on) if case.sigint_on else None
+        while proc.poll() is None and time.monotonic() < deadline and pattern is not None and not pattern.search(
+                b"".join(out + err).decode(errors="replace")):
+            time.sleep(0.05)
+        time.sleep(case.sigint_after or 0.0)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
     try:
-        if case.sigint_after is not None:
-            time.sleep(case.sigint_after)
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(case.stdin, timeout=case.timeout)
-        return proc.returncode, out, err
+        code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return None, out, err
+        proc.wait()
+        code = None
+    for reader in readers:
+        reader.join(timeout=10)
+    return code, b"".join(out).decode(errors="replace"), b"".join(err).decode(errors="replace")
+
+
+def sweep_cache(out: Path) -> Path:
+    """A draftsmith cache for the cases: the user's cache entries linked in (the embedded target, the assets), so
+    nothing is converted again, but caches the cases write (tokenised data, measured costs) stay in the sweep."""
+    from draftsmith.assets import cache_dir
+
+    cache = out / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    real = cache_dir()
+    for entry in sorted(real.iterdir()) if real.is_dir() else []:
+        link = cache / entry.name
+        if entry.name not in ("data", "flagship", "costs", "curves") and not link.exists():
+            link.symlink_to(entry)
+    return cache
 
 
 def run_case(case: Case, places: dict[str, str], scratch: Path) -> dict:
@@ -111,7 +149,8 @@ def run_case(case: Case, places: dict[str, str], scratch: Path) -> dict:
     places = {**places, "S": str(scratch), "TINY": TINY}
     env = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV}
     env.update(SWEEP_MARKER=places["MARK"], HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline",
-               DRAFTSMITH_COST_CACHE=str(scratch / ".costs"), PYTHONPATH=env.get("PYTHONPATH", ""), **case.env)
+               DRAFTSMITH_COST_CACHE=str(scratch / ".costs"), DRAFTSMITH_CACHE=places["CACHE"],
+               PYTHONPATH=env.get("PYTHONPATH", ""), **case.env)
     Path(places["MARK"]).unlink(missing_ok=True)
     start = time.perf_counter()
     with Mounts() as mounts:
@@ -136,20 +175,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "outputs" / "fault_sweep"), help="results and scratch folder")
     parser.add_argument("--only", default=None, help="run the cases whose id matches this regex")
     parser.add_argument("--list", action="store_true", help="print the case ids and stop")
+    parser.add_argument("--docs", action="store_true", help="write the last results into docs/ERRORS.md and stop")
     opts = parser.parse_args(argv)
     cases = [c for c in CASES if not opts.only or re.search(opts.only, c.id)]
     if opts.list:
         print("\n".join(f"{c.id}  [{c.owner}]  {c.cmd}" for c in cases))
         return 0
     out = Path(opts.out)
-    places = load_or_build(out / "world")
-    results = []
+    if opts.docs:
+        places = json.loads((out / "world" / "world.json").read_text())
+        write_docs(json.loads((out / "results.json").read_text()), places, str(out / "cases"),
+                   ROOT / "docs" / "ERRORS.md")
+        return 0
+    places = {**load_or_build(out / "world"), "CACHE": str(sweep_cache(out))}
+    saved = out / "results.json"  # a partial run (--only) updates its cases and keeps the others' last results
+    known = {c.id for c in CASES}
+    results = {r["id"]: r for r in (json.loads(saved.read_text()) if saved.is_file() else []) if r["id"] in known}
     for n, case in enumerate(cases, 1):
         record = run_case(case, places, out / "cases" / case.id)
-        results.append(record)
+        results[case.id] = record
         print(f"[{n}/{len(cases)}] {record['outcome']:<10} {case.id}: {record.get('reason', '')[:150]}", flush=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    print(write_report(results, out / "results.md"))
+        saved.write_text(json.dumps([results[c.id] for c in CASES if c.id in results], indent=1))
+    print(write_report([results[c.id] for c in CASES if c.id in results], out / "results.md"))
     return 0
 
 
