@@ -22,7 +22,7 @@ from typing import Any
 
 from draftsmith.cli.arguments import COUNT, SEED, TEMPERATURE, Range, counts, number_list
 from draftsmith.cli.oracle_flags import add_oracle_arguments
-from draftsmith.cli.preflight import check_out_folder, refuse_bad_exports, target_of
+from draftsmith.cli.preflight import check_new_tokens_fit, check_out_folder, refuse_bad_exports, target_of
 from draftsmith.cli.serving import _is_diffusion_target, _llamacpp_parity, add_serving_flags, add_target_flags
 from draftsmith.cli.serving import add_verifier_flag as _add_verifier
 from draftsmith.common.errors import InputError
@@ -204,7 +204,11 @@ def _load(args: argparse.Namespace) -> tuple[Any, list[list[int]]]:
                           proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
                           stop_policy=args.stop_policy, controller=getattr(args, "controller", None),
                           backend=args.backend)
-        return rt, load_prompts(args.prompts, rt.tokenizer, args.num_prompts, max_len=context_limit(rt.model))
+        limit = context_limit(rt.model)
+        prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts, max_len=limit)
+        longest = max(map(len, prompts))
+        check_new_tokens_fit(longest, args.max_new_tokens, limit, f"the longest prompt of {args.prompts}")
+        return rt, prompts
 
 
 def _run_export(args: argparse.Namespace) -> int:

@@ -68,11 +68,21 @@ def refuse_bad_exports(args: argparse.Namespace) -> None:
         for given in filter(None, str(getattr(args, flag[2:], None) or "").split(",")):
             if problem := drafter_problem(flag, given):
                 raise InputError(problem)
-    if getattr(args, "target", None) and (problem := target_problem("--target", args.target)):
-        raise InputError(problem)
     target = target_of(args)
+    if target and (problem := target_problem("--target" if getattr(args, "target", None) else
+                                             "the export's recorded target", target)):
+        raise InputError(problem)
     if target:
         refuse_remote_code(target, bool(getattr(args, "trust_remote_code", False)))
+
+
+def check_new_tokens_fit(prompt_tokens: int, max_new_tokens: int | None, limit: int | None, what: str) -> None:
+    """Refuse a ``--max-new-tokens`` that cannot fit after the longest prompt in the target's context (10**9 used
+    to end in an allocator error, a few thousand past the context in garbage positions)."""
+    if limit is not None and max_new_tokens and prompt_tokens + max_new_tokens > limit:
+        raise InputError(f"--max-new-tokens {max_new_tokens} does not fit: {what} has {prompt_tokens} tokens and the "
+                         f"target's context is {limit} positions; pass --max-new-tokens {limit - prompt_tokens} or "
+                         "fewer")
 
 
 def add_trust_flag(p: argparse.ArgumentParser) -> None:
@@ -82,4 +92,5 @@ def add_trust_flag(p: argparse.ArgumentParser) -> None:
                         "default: such a folder is refused in one line")
 
 
-__all__ = ["OUTPUT_KINDS", "add_trust_flag", "check_out_folder", "refuse_bad_exports", "target_of"]
+__all__ = ["OUTPUT_KINDS", "add_trust_flag", "check_new_tokens_fit", "check_out_folder", "refuse_bad_exports",
+           "target_of"]

@@ -16,8 +16,7 @@ from draftsmith.cli.arguments import (
     served_dtype,
     stop_policy,
 )
-from draftsmith.cli.preflight import add_trust_flag, refuse_bad_exports
-from draftsmith.common.errors import InputError
+from draftsmith.cli.preflight import add_trust_flag, check_new_tokens_fit, refuse_bad_exports
 
 
 def add_target_flags(p: argparse.ArgumentParser) -> None:
@@ -101,10 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     limit = context_limit(rt.model)
     if limit is not None:
         check_prompt_fits(len(prompt), limit, "the prompt")
-        if len(prompt) + args.max_new_tokens > limit:  # 10**9 used to end in an allocator error, 5,000 past it
-            raise InputError(f"--max-new-tokens {args.max_new_tokens} does not fit: the prompt has {len(prompt)} "
-                             f"tokens and the target's context is {limit} positions; pass --max-new-tokens "
-                             f"{limit - len(prompt)} or fewer")
+        check_new_tokens_fit(len(prompt), args.max_new_tokens, limit, "the prompt")
     generator = torch.Generator().manual_seed(args.seed)
     emitted: list[int] = []
     printed = ""

@@ -3,14 +3,17 @@ run's settings beside it, resuming after the last complete line, and the progres
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.common.atomic_folder import DiskFullError, disk_full_message, is_disk_full
 from draftsmith.common.durations import eta_seconds, format_duration
 from draftsmith.common.errors import InputError
 
@@ -45,7 +48,8 @@ def resume_or_start(out: Path, partial: Path, meta_path: Path, settings: dict[st
     Other settings (a different ``batch_size`` included: batches decide the rounding) are refused."""
     if not partial.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        meta_path.write_text(json.dumps(settings))
+        with disk_full_named(meta_path):
+            meta_path.write_text(json.dumps(settings))
         return 0, -1
     saved = json.loads(meta_path.read_text()) if meta_path.is_file() else None
     if isinstance(saved, dict):
@@ -60,10 +64,25 @@ def resume_or_start(out: Path, partial: Path, meta_path: Path, settings: dict[st
 
 
 def append_line(handle: Any, record: dict[str, Any]) -> None:
-    """Append one JSON line and force it to disk (a crash keeps every complete line)."""
-    handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    handle.flush()
-    os.fsync(handle.fileno())
+    """Append one JSON line and force it to disk (a crash keeps every complete line; a full disk is one line, and
+    the same command resumes after the last complete one)."""
+    with disk_full_named(Path(handle.name)):
+        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+@contextmanager
+def disk_full_named(path: Path) -> Iterator[None]:
+    """Turn a full disk while writing ``path`` into :class:`DiskFullError`: one line naming it, what is free and that
+    the complete lines stay (a torn last line is cut when the same command resumes)."""
+    try:
+        yield
+    except OSError as err:
+        if not is_disk_full(err):
+            raise
+        kept = "every complete line is kept, and the same command resumes after the last one"
+        raise DiskFullError(errno.ENOSPC, disk_full_message(path, None, kept=kept)) from err
 
 
 @dataclass

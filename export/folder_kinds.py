@@ -11,6 +11,9 @@ from typing import Any
 
 from draftsmith.common.diffusion_format import DIFFUSION_KEY
 
+# Files from which transformers builds a tokenizer (fast, sentencepiece, BPE, WordPiece): a model folder needs one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tekken.json")
+
 
 @dataclass(frozen=True)
 class FolderKind:
@@ -106,6 +109,9 @@ def target_problem(flag: str, given: str) -> str | None:
         return f"{flag} {given} is {found.label}, not a target model: pass {flag} the model folder it drafts for"
     if found.kind == "run":
         return f"{flag} {given} is {found.label}, not a target model: pass {flag} the model folder it trained against"
+    if found.kind == "model" and not any((Path(given) / name).is_file() for name in TOKENIZER_FILES):
+        return (f"{flag} {given} is a model folder without a tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}): "
+                "save the model with its tokenizer (tokenizer.save_pretrained(folder)), or pass the folder that has it")
     return None
 
 

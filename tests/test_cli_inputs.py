@@ -165,3 +165,11 @@ def test_curve_refuses_bad_prompts_before_any_training(capsys, tmp_path, monkeyp
     err = capsys.readouterr().err
     assert code == 1 and "prompts nosuch: no such file" in err and "Traceback" not in err
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("tokens", ["5000", str(10**9)])
+def test_max_new_tokens_past_the_context_is_one_line(capsys, tiny_target_dir, tokens):
+    """5,000 new tokens on a 512-position target were generated past it; 10**9 ended in an allocator error."""
+    line = one_line(capsys, ["generate", "--target", str(tiny_target_dir), "--prompt", "hello world", "--dtype",
+                             "fp32", "--max-new-tokens", tokens])
+    assert f"--max-new-tokens {tokens} does not fit" in line and "context is 512 positions" in line

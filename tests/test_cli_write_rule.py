@@ -190,3 +190,25 @@ def test_cache_features_shard_mb_zero_is_refused(capsys, tmp_path):
 def test_regenerate_function_keeps_the_rule(tmp_path, tiny_data_file):
     with pytest.raises(OutputRefused, match="is the input"):
         regen.regenerate(str(tiny_data_file), tiny_data_file)
+
+
+def test_a_full_disk_while_regenerating_is_one_line_and_keeps_the_lines(tmp_path, monkeypatch):
+    """A full disk while appending to OUT.partial used to be a traceback."""
+    import errno
+    import json
+
+    from draftsmith.common.atomic_folder import DiskFullError
+    from draftsmith.datagen import resumable_jsonl
+
+    partial = tmp_path / "o.jsonl.partial"
+    with open(partial, "a", encoding="utf-8") as handle:
+        resumable_jsonl.append_line(handle, {"source_index": 0})
+
+        def full(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(resumable_jsonl.os, "fsync", full)
+        with pytest.raises(DiskFullError, match=f"no space left on the device for {partial}: .* every complete line "
+                                                "is kept"):
+            resumable_jsonl.append_line(handle, {"source_index": 1})
+    assert json.loads(partial.read_text().splitlines()[0]) == {"source_index": 0}

@@ -21,7 +21,7 @@ EXPORT_CONFIG = [
     _broken_export("export-arch-list", {"architecture": []}, "architecture"),
     _broken_export("export-arch-num-heads-str", {"architecture.num_heads": "two"}, "num_heads"),
     _broken_export("export-arch-hidden-float", {"architecture.hidden_size": 64.5}, "hidden_size"),
-    _broken_export("export-arch-missing-key", {"architecture.num_heads": None}, "num_heads"),
+    _broken_export("export-arch-missing-key", {"architecture.num_heads": None}, "architecture keys"),
     _broken_export("export-format-version-str", {"format_version": "abc"}, "format_version"),
     _broken_export("export-format-version-future", {"format_version": 99}, "format_version"),
     _broken_export("export-format-other", {"format": "vllm"}, "format"),
@@ -90,12 +90,12 @@ GENERATE = [
     c("gen-proposer-option-unknown", GT + " --drafter {MED} --proposer-option banana=1", "banana"),
     c("gen-proposer-option-tree", GT + " --drafter {MED} --proposer-option 'tree=[[9]]'", "tree"),
     c("gen-stop-policy-bad", GT + " --drafter {MED} --stop-policy fixed:-1", "--stop-policy"),
-    c("gen-verifier-typical-greedy", GT + " --drafter {MED} --verifier typical", "temperature"),
+    ok("gen-ok-typical-at-zero", GT + " --drafter {MED} --verifier typical"),  # clamped to T=1e-5: greedy
     c("gen-backend-bad", GT + " --backend x", "--backend"),
     c("gen-learned-stop-no-head", GT + " --drafter {MED} --stop-policy learned:0.5", "learned"),
     c("gen-unknown-flag", GT + " --nosuch 3", "--nosuch"),
     c("gen-sigint", GT.replace("--max-new-tokens 4", "--max-new-tokens 400") + " --backend hf --verbose",
-      "interrupted", expect="interrupt", sigint_on=r"\[decoder_backend\]", sigint_after=0.5),
+      "interrupted", expect="interrupt", sigint_on=r"\[dtype\]", sigint_after=0.0),
 ]
 
 BENCH_CASES = [
@@ -105,7 +105,7 @@ BENCH_CASES = [
       setup=(file("{S}/mine/notes.txt"), file("{S}/mine/bench.json", "{\"mine\": 1}")), protect=("{S}/mine",)),
     c("bench-out-is-drafter", BENCH + " --drafter {S}/m --out {S}/m", "--out", setup=(copy("{MED}", "{S}/m"),),
       protect=("{S}/m",)),
-    c("bench-out-inside-target", BENCH + " --drafter {MED} --out {S}/t/bench", "--out",
+    c("bench-out-inside-target", BENCH.replace("{T}", "{S}/t") + " --drafter {MED} --out {S}/t/bench", "--out",
       setup=(copy("{T}", "{S}/t"),), protect=("{S}/t",)),
     c("bench-out-read-only", BENCH + " --drafter {MED} --out {S}/ro/b", "--out", setup=(("ro", "{S}/ro"),)),
     c("bench-out-parent-is-file", BENCH + " --drafter {MED} --out {S}/f/b", "--out", setup=(file("{S}/f"),),
