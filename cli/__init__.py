@@ -1,9 +1,6 @@
 """The ``draftsmith`` command. Every command is one row of :data:`COMMANDS`; its arguments and handler live in the
 module the row names (``training``, ``exporting``, ``serving``, ``data``, ``engines``...), imported only when the
-command line is parsed.
-
-Errors: a mistake in the input is one ``error:`` line (exit 2); ``--traceback`` (or ``DRAFTSMITH_TRACEBACK=1``) adds
-the traceback. Anything else is a bug in draftsmith: its traceback and a line saying where to report it (exit 1)."""
+command line is parsed. Failures follow :func:`draftsmith.common.errors.report_failure` (:data:`ERRORS_HELP`)."""
 
 from __future__ import annotations
 
@@ -42,6 +39,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                        "CPU-hours, with a fit: draftsmith curve --out DIR recipe=eagle3 [overrides]"),
 }
 RAW_ARGV = ("train", "bench-train", "cache-features", "curve")
+DESCRIPTION = "Train, export, serve and measure learned speculative-decoding drafters (draftsmith COMMAND --help)."
+ERRORS_HELP = ("errors: a mistake in the input is one 'error:' line (exit 2); add --traceback anywhere on the command "
+               "line (or set DRAFTSMITH_TRACEBACK=1) to see its traceback. Anything else is a bug in draftsmith: its "
+               "traceback, then a line saying where to report it (exit 1). Ctrl-C: one line saying what was kept "
+               "(exit 130).")
 
 
 def command_module(name: str):
@@ -56,7 +58,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     (:class:`~draftsmith.cli.arguments.OneLineParser`): a value out of its declared range names the flag."""
     from draftsmith.cli.arguments import OneLineParser
 
-    parser = OneLineParser(prog="draftsmith", description=__doc__)
+    parser = OneLineParser(prog="draftsmith", description=DESCRIPTION, epilog=ERRORS_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, helptext) in COMMANDS.items():
         p = sub.add_parser(name, help=helptext)

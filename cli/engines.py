@@ -31,10 +31,11 @@ def _check_inputs(args: argparse.Namespace) -> None:
     """Refuse, before any conversion: an export llama.cpp cannot run (named as what it is), a target whose own code
     would run, and a ``--out`` the write rule refuses (never the export, never a file of the user's)."""
     from draftsmith.cli.preflight import refuse_bad_exports
-    from draftsmith.common.atomic_folder import check_output_file
+    from draftsmith.common.atomic_folder import check_folder_target, check_output_file
     from draftsmith.evals.engine_check import LABELS
     from draftsmith.export.folder_kinds import drafter_problem
-    from draftsmith.export.format import read_config
+    from draftsmith.export.format import EXPORT_OUTPUT, read_config
+    from draftsmith.export.gguf import MANIFEST
 
     if problem := drafter_problem("", args.export):
         raise InputError(problem)
@@ -43,6 +44,8 @@ def _check_inputs(args: argparse.Namespace) -> None:
         raise InputError(f"{args.export} is a {method!r} export; engine-check runs {', '.join(LABELS.values())} "
                          "drafters in llama.cpp (its speculative tool has no other drafter)")
     refuse_bad_exports(argparse.Namespace(drafter=args.export, trust_remote_code=args.trust_remote_code))
+    if args.gguf and not (Path(args.gguf) / MANIFEST).is_file():  # converted there: never into the user's folder
+        check_folder_target(args.gguf, EXPORT_OUTPUT, sources=(args.export,), flag="--gguf")
     if args.out:
         check_output_file(args.out, (args.export, args.gguf), owned=_is_result)
 

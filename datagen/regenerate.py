@@ -50,7 +50,7 @@ from draftsmith.datagen.chat_source import (
     turns_before,
 )
 from draftsmith.datagen.regenerate_report import RegenerateReport, summary
-from draftsmith.datagen.resumable_jsonl import Progress, append_line, resume_or_start
+from draftsmith.datagen.resumable_jsonl import Progress, append_line, disk_full_named, resume_or_start
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
 
@@ -187,7 +187,7 @@ def regenerate(
     total = sum(1 for _ in itertools.islice(short_prompts(counted, rt.tokenizer, max_prompt_tokens), limit))
     kept = short_prompts(itertools.chain([first], conversations), rt.tokenizer, max_prompt_tokens, report)
     items = enumerate(itertools.islice(kept, limit), 1)  # (seen, (index, messages))
-    with open(partial, "a", encoding="utf-8") as handle:
+    with disk_full_named(partial), open(partial, "a", encoding="utf-8") as handle:  # a full disk: one line
         run = _Run(rt.model, rt.tokenizer, stop_ids(rt.tokenizer, rt.eos_ids), context_limit(rt.model),
                    max_new_tokens, report, Progress(total, log), handle, last_done, log)
         if _batched(batch_size, turns, temperature, rt.model, log):

@@ -110,4 +110,4 @@ class Progress:
                  + (f", eta {format_duration(left)}" if left is not None else ""))
 
 
-__all__ = ["Progress", "append_line", "read_partial", "resume_or_start"]
+__all__ = ["Progress", "append_line", "disk_full_named", "read_partial", "resume_or_start"]

@@ -99,6 +99,9 @@ def target_problem(flag: str, given: str) -> str | None:
     run folder...; None for a model folder (or a path the loader names itself)."""
     found = folder_kind(given)
     config = found.config
+    if found.kind in ("missing", "empty", "file"):
+        return (f"{flag} {given} is {found.label}: pass a local model folder (config.json, tokenizer, *.safetensors); "
+                "draftsmith never downloads a model")
     if found.kind == "export" and config.get("method") == "diffusion_adapt":
         return None  # a block-diffusion export is a target (bench diffusion, trajectories)
     if found.kind == "export":

@@ -14,6 +14,7 @@ config dataclass when it is rebuilt (:func:`check_field_types`, called by ``Expo
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 import types
 import typing
@@ -124,7 +125,29 @@ def validate_config(config: Any, where: str | Path) -> dict[str, Any]:
     _inference(where, config.get("inference") or {})
     if "parts" in config:
         _parts(where, config["parts"])
+    if (config_class := architecture_class(config["method"])) is not None:
+        check_field_types(config_class, config["architecture"], where)
     return config
+
+
+def architecture_class(method: str) -> type | None:
+    """The architecture dataclass of ``method``'s exported module (its ``Exportable``'s ``config_class``, found in
+    the module the method table names), so every reader of an export gets its types checked; None if not found."""
+    from draftsmith.common.methods import METHODS
+    from draftsmith.export.exportable import Exportable
+
+    entry = METHODS.get(method)
+    if entry is None or not entry.module.endswith(".py"):
+        return None
+    try:
+        module = importlib.import_module("draftsmith." + entry.module[:-3].replace("/", "."))
+    except ImportError:
+        return None
+    for obj in vars(module).values():
+        if isinstance(obj, type) and issubclass(obj, Exportable) and method in (getattr(obj, "method", None),
+                                                                               *getattr(obj, "also_loads", ())):
+            return getattr(obj, "config_class", None)
+    return None
 
 
 def _accepts(value: Any, hint: Any) -> bool:

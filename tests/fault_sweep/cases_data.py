@@ -138,7 +138,7 @@ IMPORT = [
     c("import-vllm-medusa", "ds import {VLLM} --out {S}/i --target {T}", "medusa"),
     c("import-config-weights-disagree", "ds import {S}/spec --out {S}/i --target {T}", "intermediate_size",
       setup=(copy("{SPEC}", "{S}/spec"), edit(SPEC_CFG, {"transformer_layer_config.intermediate_size": 96}))),
-    c("import-heads-disagree", "ds import {S}/spec --out {S}/i --target {T}", "num_attention_heads",
+    c("import-heads-disagree", "ds import {S}/spec --out {S}/i --target {T}", "head_dim",
       setup=(copy("{SPEC}", "{S}/spec"), edit(SPEC_CFG, {"transformer_layer_config.num_attention_heads": 8,
                                                           "transformer_layer_config.head_dim": None}))),
     c("import-draft-vocab-disagree", "ds import {S}/spec --out {S}/i --target {T}", "draft_vocab_size",

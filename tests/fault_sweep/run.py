@@ -96,8 +96,11 @@ def run_process(argv: list[str], case: Case, env: dict[str, str], cwd: Path) -> 
     """(exit status or None on a hang, stdout, stderr); sends Ctrl-C (SIGINT to the process group) once
     ``case.sigint_on`` appears on stdout or stderr, ``case.sigint_after`` seconds later (or after that many seconds
     from the start when there is no pattern)."""
+    # SIGINT back to its default: a sweep started in the background (`make fault-sweep &`) inherits it ignored, and
+    # Python then never raises KeyboardInterrupt, so a Ctrl-C case would test nothing.
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out, err = [], []
     readers = [threading.Thread(target=_drain, args=(s, b), daemon=True) for s, b in ((proc.stdout, out),
                                                                                       (proc.stderr, err))]
