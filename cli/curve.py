@@ -9,7 +9,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from draftsmith.common.errors import DraftsmithError, InputError, report_failure
+from draftsmith.common.errors import ConfigError, DraftsmithError, InputError, report_failure
 
 EPILOG = """example (EAGLE-3 on regenerated data, 6 points from 100 to 3,000 steps):
   draftsmith curve --out outputs/curve/eagle3 --first-steps 100 --steps 3000 --points 6 \\
@@ -42,11 +42,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check(opts: argparse.Namespace) -> None:
-    """Refuse, before any training segment: a --first-steps past --steps, a prompt set that names nothing, an --out
-    the write rule refuses (a file, a folder of the user's, a read-only place)."""
+def _check(opts: argparse.Namespace, overrides: Sequence[str]) -> None:
+    """Refuse, before any training segment: a --first-steps past --steps, a prompt set that names nothing, training
+    overrides the config refuses (a misspelt key, a value out of range), an --out the write rule refuses (a file, a
+    folder of the user's, a read-only place)."""
     from draftsmith.bench.prompts import prompt_texts
     from draftsmith.cli.preflight import check_out_folder
+    from draftsmith.evals.curve_runner import training_overrides
+    from draftsmith.train import expand_shorthands, preflight
 
     if opts.first_steps > opts.steps:
         raise InputError(f"--first-steps {opts.first_steps} is past --steps {opts.steps}: the first point comes "
@@ -57,6 +60,8 @@ def _check(opts: argparse.Namespace) -> None:
             raise InputError("--prompts names no prompt set: give mtbench, humaneval or a .jsonl (comma-separated)")
         for spec in sets:
             prompt_texts(spec)
+        if (problem := preflight(expand_shorthands(training_overrides(list(overrides))))) is not None:
+            raise ConfigError(problem)  # one line here, not the training segment's line and then the curve's
     check_out_folder("curve", opts.out, (opts.target,))
 
 
@@ -74,7 +79,7 @@ def cmd_curve(argv: Sequence[str]) -> int:
         return int(done.code or 0)
     out = Path(opts.out)
     try:
-        _check(opts)
+        _check(opts, overrides)
         if opts.compare:
             from draftsmith.evals.curve_report import compare
 

@@ -173,3 +173,14 @@ def test_max_new_tokens_past_the_context_is_one_line(capsys, tiny_target_dir, to
     line = one_line(capsys, ["generate", "--target", str(tiny_target_dir), "--prompt", "hello world", "--dtype",
                              "fp32", "--max-new-tokens", tokens])
     assert f"--max-new-tokens {tokens} does not fit" in line and "context is 512 positions" in line
+
+
+def test_curve_refuses_a_misspelt_training_key_before_any_training(capsys, tmp_path, monkeypatch):
+    """The training segment printed its error line, then the curve printed a second one."""
+    from draftsmith.evals import curve_runner
+
+    monkeypatch.setattr(curve_runner, "run_curve", lambda *a, **k: pytest.fail("a training segment ran"))
+    code = main(["curve", "--out", str(tmp_path / "c"), "--steps", "2", "--first-steps", "1", "--points", "1",
+                 "recipe=medusa", "heads.num_head=3"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert code == 1 and len(err) == 1 and "heads.num_head is not a key of recipe=medusa" in err[0], err
