@@ -131,7 +131,7 @@ def main(cfg: DictConfig) -> float | None:
     traceback is only for bugs (and for every error under ``HYDRA_FULL_ERROR=1``).
     """
     from draftsmith import recipes
-    from draftsmith.common.errors import report_failure
+    from draftsmith.common.errors import report_failure, traceback_requested
     from draftsmith.distill.engine.trainer import train
 
     recipe = recipes.get_recipe(cfg.recipe.name)
@@ -146,7 +146,7 @@ def main(cfg: DictConfig) -> float | None:
             summary = train(cfg, recipe, hydra_cfg.runtime.output_dir, run_name=run_name,
                             served_probe=served_probe(cfg))
     except KeyboardInterrupt as err:  # Ctrl-C: where the checkpoint is and how to resume, exit 130 like a shell
-        if os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("DRAFTSMITH_DEBUG") == "1":
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or traceback_requested():
             raise
         report_error(interrupted_message(err, sys.argv, hydra_cfg.runtime.output_dir))
         sys.exit(INTERRUPTED_EXIT)
@@ -156,7 +156,7 @@ def main(cfg: DictConfig) -> float | None:
                      "/checkpoints; run the same command again (SLURM requeues it) to resume")
         sys.exit(PREEMPTED_EXIT)
     except purposeful_errors() as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("DRAFTSMITH_DEBUG") == "1":
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or traceback_requested():
             raise
         report_error(err)
         sys.exit(1)  # SystemExit passes through Hydra's handler, which would print a traceback for an Exception
