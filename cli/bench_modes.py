@@ -208,7 +208,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, list[list[int]]]:
         rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                           proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
                           stop_policy=args.stop_policy, controller=getattr(args, "controller", None),
-                          backend=args.backend)
+                          backend=args.backend, trust_remote_code=args.trust_remote_code)
         limit = context_limit(rt.model)
         prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts, max_len=limit)
         longest = max(map(len, prompts))

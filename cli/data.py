@@ -94,7 +94,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
                         temperature=args.temperature, top_p=args.top_p, turns=args.turns, dtype=args.dtype,
                         seed=args.seed, kernels=args.kernels, batch_size=args.batch_size,
                         topic=args.topic, skip=args.skip, max_prompt_tokens=args.max_prompt_tokens,
-                        overwrite=args.overwrite)
+                        overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
     print(summary(report, args.out))
     return 0
 

@@ -86,7 +86,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     refuse_bad_exports(args)
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
-                      stop_policy=args.stop_policy, controller=args.controller, backend=args.backend)
+                      stop_policy=args.stop_policy, controller=args.controller, backend=args.backend,
+                      trust_remote_code=args.trust_remote_code)
     if args.verbose:
         for key, value in rt.backend_report().items():
             print(f"[{key}] {value}", file=sys.stderr)

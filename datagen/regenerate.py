@@ -153,6 +153,7 @@ def regenerate(
     temperature: float = 0.0, top_p: float = 1.0, turns: str = "first", dtype: str = "bf16", seed: int = 0,
     kernels: str = "auto", log: Callable[[str], None] | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
     topic: str = "all", skip: int = 0, max_prompt_tokens: int | None = None, overwrite: bool = False,
+    trust_remote_code: bool = False,
 ) -> RegenerateReport:
     """Regenerate ``data`` with the target and write ``out`` (jsonl), resuming an interrupted ``out.partial``.
 
@@ -162,7 +163,8 @@ def regenerate(
     ``max_prompt_tokens``: only conversations whose first reply's prompt has at most that many tokens, skipped
     before any model work (a run that trains at ``data.max_length`` L learns nothing from a reply behind a prompt of
     ~L tokens, and its prefill is most of batched regeneration's time); ``limit`` counts the selected ones.
-    ``out`` must be a new file (or ``overwrite``), never ``data`` or inside the target: checked before any work."""
+    ``out`` must be a new file (or ``overwrite``), never ``data`` or inside the target: checked before any work.
+    ``trust_remote_code``: let a target folder's own code run (off by default)."""
     from draftsmith import assets
     from draftsmith.common.atomic_folder import check_output_file
     from draftsmith.runtime.serving import load_runtime
@@ -181,7 +183,7 @@ def regenerate(
     if max_prompt_tokens is not None:
         settings.update(max_prompt_tokens=max_prompt_tokens)
     report.resumed, last_done = resume_or_start(out, partial, meta_path, settings, log)
-    rt = load_runtime(None, target, dtype, kernels)
+    rt = load_runtime(None, target, dtype, kernels, trust_remote_code=trust_remote_code)
     # The ETA needs the total: one counting pass over the data (up to the limit), seconds against hours.
     counted = select_conversations(iter_conversations(data), topic, skip)
     total = sum(1 for _ in itertools.islice(short_prompts(counted, rt.tokenizer, max_prompt_tokens), limit))

@@ -110,13 +110,16 @@ def hf_fastest_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
 def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", kernels: str = "auto",
                  verifier: str = "auto", temperature: float = 0.0, max_cache_len: int | None = None,
                  proposer_options: dict[str, Any] | None = None, linear_backend: str = "auto",
-                 stop_policy: str | None = None, controller: str | None = None, backend: str = "auto") -> Runtime:
+                 stop_policy: str | None = None, controller: str | None = None, backend: str = "auto",
+                 trust_remote_code: bool = False) -> Runtime:
     """Load the target (from ``target`` or the export's record) and the export's proposer, checking identity.
     ``backend`` picks the decoder (auto | lean | hf, see ``choose_decoder``); ``linear_backend`` how the lean decoder
     runs its linears (see ``draftsmith.runtime.target.linear_ops``); ``max_cache_len`` caps the speculative KV cache
     (None: sized from each request, as plain decoding sizes its own).
     Verifier, stop policy and proposer options: the flags where given, else the export's ``inference`` block
-    (``runtime.inference`` records each choice and its source; see ``draftsmith.runtime.acceptance.choice``)."""
+    (``runtime.inference`` records each choice and its source; see ``draftsmith.runtime.acceptance.choice``).
+    ``trust_remote_code``: transformers' flag for the target's tokenizer and config, always passed (off by default),
+    so transformers never asks on stdin."""
     from transformers import AutoConfig, AutoTokenizer
 
     stop_policy = None if stop_policy in ("auto", "export") else stop_policy  # the export's; bench may tune it
@@ -129,7 +132,8 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
         raise InputNotFoundError(f"target folder {folder} not found; pass --target PATH to the target the drafter "
                                  "was trained for")
     load_hf_config(folder)  # a corrupt config.json is named here, not as transformers' bare JSON error
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    trust = {"trust_remote_code": trust_remote_code}
+    tokenizer = AutoTokenizer.from_pretrained(folder, **trust)
     torch_dtype, dtype_reason = resolve_runtime_dtype(dtype)
     adapter = target_adapter(drafter, export_config) if drafter else None  # Medusa-2: the target it trained
     model, decoder, why = choose_decoder(folder, torch_dtype, backend=backend, kernel_backend=kernels,
@@ -139,7 +143,7 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
                       dtype_reason=dtype_reason, decoder_backend=decoder, decoder_reason=why)
     if drafter:
         model.check_speculative()  # the HF fallback verifies trees exactly or refuses (one line), before any work
-        identity = target_identity(export_config["target"]["name_or_path"], AutoConfig.from_pretrained(folder),
+        identity = target_identity(export_config["target"]["name_or_path"], AutoConfig.from_pretrained(folder, **trust),
                                    tokenizer, model.lm_head_weight)
         if adapter:
             identity = {**identity, "adapter": adapter[1]}
@@ -154,7 +158,7 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
                                                  kernels_backend=kernels, max_cache_len=max_cache_len)
     if controller:
         identity = target_identity(read_config(controller)["target"]["name_or_path"],
-                                   AutoConfig.from_pretrained(folder), tokenizer, model.lm_head_weight)
+                                   AutoConfig.from_pretrained(folder, **trust), tokenizer, model.lm_head_weight)
         attach_controller(runtime, controller, identity, target or str(folder), kernels, max_cache_len)
     return runtime
 

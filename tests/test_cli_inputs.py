@@ -184,3 +184,22 @@ def test_curve_refuses_a_misspelt_training_key_before_any_training(capsys, tmp_p
                  "recipe=medusa", "heads.num_head=3"])
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert code == 1 and len(err) == 1 and "heads.num_head is not a key of recipe=medusa" in err[0], err
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_generate_always_passes_trust_remote_code_to_transformers(capsys, tiny_target_dir, monkeypatch, opt_in):
+    """Left unset, transformers asks on stdin for a folder with code; draftsmith always says False (or the opt-in)."""
+    import transformers
+
+    seen = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("trust_remote_code", "unset"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording)
+    argv = ["generate", "--target", str(tiny_target_dir), "--prompt", "hello", "--max-new-tokens", "2", "--dtype",
+            "fp32", *(["--trust-remote-code"] if opt_in else [])]
+    assert main(argv) == 0
+    assert seen and set(seen) == {opt_in}
