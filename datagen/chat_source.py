@@ -52,6 +52,8 @@ def iter_conversations(spec: str, report: Any = None) -> Iterator[tuple[int, lis
     """
     embedded = spec.strip().lower() == "sharegpt"
     path = assets.sharegpt_path() if embedded else Path(spec).expanduser()
+    if path.is_dir():
+        raise InputError(f"--data {path} is a folder: pass a .jsonl/.json file of conversations, or sharegpt")
     if not path.is_file():
         raise InputNotFoundError(f"data file {path} does not exist; pass --data sharegpt or a .jsonl/.json of "
                                  "conversations")

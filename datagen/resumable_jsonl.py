@@ -51,11 +51,16 @@ def resume_or_start(out: Path, partial: Path, meta_path: Path, settings: dict[st
         with disk_full_named(meta_path):
             meta_path.write_text(json.dumps(settings))
         return 0, -1
-    saved = json.loads(meta_path.read_text()) if meta_path.is_file() else None
-    if isinstance(saved, dict):
-        saved = {**{k: v for k, v in DEFAULTS.items() if k in settings}, **saved}
+    try:
+        saved = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    except (ValueError, UnicodeDecodeError):
+        saved = None
+    if not isinstance(saved, dict):
+        raise InputError(f"{partial} has no readable settings file ({meta_path.name}): it was not written by this "
+                         f"command, or its settings were deleted; delete {partial} to start over")
+    saved = {**{k: v for k, v in DEFAULTS.items() if k in settings}, **saved}
     if saved != settings:
-        differ = [k for k in settings if not isinstance(saved, dict) or saved.get(k) != settings[k]]
+        differ = [k for k in settings if saved.get(k) != settings[k]]
         raise InputError(f"{partial} was written with other settings ({saved}; differing: {', '.join(differ)}); "
                          f"rerun with those or delete {partial} and {meta_path} to start over")
     lines, last = read_partial(partial)

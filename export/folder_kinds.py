@@ -30,7 +30,7 @@ def _config(folder: Path) -> dict[str, Any] | None:
         raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return raw if isinstance(raw, dict) else None
+    return raw if isinstance(raw, dict) else {"<not an object>": raw}
 
 
 def folder_kind(path: str | Path) -> FolderKind:
@@ -49,7 +49,9 @@ def folder_kind(path: str | Path) -> FolderKind:
         empty = not any(folder.iterdir())
         return FolderKind("empty" if empty else "unknown", "an empty folder" if empty else "a folder with no "
                           "config.json", {})
-    if config.get("format") == "draftsmith":
+    if "<not an object>" in config:
+        return FolderKind("unknown", "a folder whose config.json is not a JSON object", {})
+    if config.get("format") == "draftsmith" or ("method" in config and "architecture" in config):
         return FolderKind("export", f"a draftsmith {config.get('method')!r} export", config)
     if config.get("speculators_model_type") is not None or "speculators_config" in config:
         return FolderKind("speculators", f"a speculators {config.get('speculators_model_type')!r} checkpoint (the "

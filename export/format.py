@@ -153,9 +153,11 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
         from draftsmith.export.folder_kinds import folder_kind
 
         found = folder_kind(path)
-        what = found.label if found.kind != "export" else f"a config.json with format {config.get('format')!r}"
-        raise ExportError(f"{path} is {what}, not a draftsmith export (config.json format {FORMAT_NAME!r}): pass "
-                          "the folder `draftsmith export` or training (<run dir>/export) wrote")
+        if found.kind == "export":  # an export whose format field was edited
+            raise ExportError(f"{cfg_path}: format must be {FORMAT_NAME!r}, got {config.get('format')!r}; restore "
+                              "the value the export was written with, or re-export the drafter")
+        raise ExportError(f"{path} is {found.label}, not a draftsmith export: pass the folder `draftsmith export` or "
+                          "training (<run dir>/export) wrote")
     for key in ("method", "architecture", "target"):
         if key not in config:
             raise ExportError(f"{cfg_path} lacks the {key!r} field; re-export the drafter")

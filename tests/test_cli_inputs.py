@@ -203,3 +203,23 @@ def test_generate_always_passes_trust_remote_code_to_transformers(capsys, tiny_t
             "fp32", *(["--trust-remote-code"] if opt_in else [])]
     assert main(argv) == 0
     assert seen and set(seen) == {opt_in}
+
+
+def test_misleading_messages_of_the_sweep_name_the_real_problem(tmp_path, medusa_export, tiny_data_file):
+    """A folder given as --data was "does not exist"; a config.json holding a list was "a folder with no
+    config.json"; a partial without its settings file was "written with other settings (None ...)"."""
+    from draftsmith.common.errors import DraftsmithError
+    from draftsmith.datagen import regenerate as regen
+    from draftsmith.export.format import read_config
+
+    (tmp_path / "d").mkdir()
+    with pytest.raises(DraftsmithError, match=f"--data {tmp_path / 'd'} is a folder"):
+        regen.regenerate(str(tmp_path / "d"), tmp_path / "o.jsonl")
+    export = shutil.copytree(medusa_export, tmp_path / "m")
+    (export / "config.json").write_text("[1]")
+    with pytest.raises(DraftsmithError, match="is a folder whose config.json is not a JSON object"):
+        read_config(export)
+    out = tmp_path / "p.jsonl"
+    Path(f"{out}.partial").write_text("{\"source_index\": 0}\n")
+    with pytest.raises(DraftsmithError, match="has no readable settings file"):
+        regen.regenerate(str(tiny_data_file), out)

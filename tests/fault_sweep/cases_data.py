@@ -9,6 +9,8 @@ REGEN = "ds regenerate --target {T} --limit 2 --max-new-tokens 3 --dtype fp32 --
 ROLL = "ds rollouts --target {T} --limit 1 --samples-per-prompt 2 --max-new-tokens 2 --no-progress"
 TRAJ = "ds trajectories --limit 1 --gen-length 32"
 SPEC_CFG = "{S}/spec/config.json"
+REGEN_SETTINGS = ('{"data": "{DATA}", "target": "{T}", "max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, '
+                  '"turns": "first", "dtype": "fp32", "seed": 0, "batch_size": 2}')  # what REGEN records
 
 REGENERATE = [
     ok("regen-ok", REGEN + " --data {DATA} --out {S}/out.jsonl"),
@@ -46,9 +48,11 @@ REGENERATE = [
       "--max-prompt-tokens"),
     c("regen-partial-other-settings", REGEN + " --data {DATA} --out {S}/o.jsonl --seed 5", "settings",
       setup=(file("{S}/o.jsonl.partial", ""), file("{S}/o.jsonl.partial.json", "{\"seed\": 1}"))),
+    c("regen-partial-no-settings", REGEN + " --data {DATA} --out {S}/o.jsonl", "settings file",
+      setup=(file("{S}/o.jsonl.partial", "{\"source_index\": 0}\n"),)),
     c("regen-partial-corrupt", REGEN + " --data {DATA} --out {S}/o.jsonl", "corrupt",
-      setup=(("run", REGEN + " --data {DATA} --out {S}/first.jsonl"),
-             ("file", "{S}/o.jsonl.partial", "{\"source_index\": 0}\nGARBAGE\n{\"source_index\": 1}\n"))),
+      setup=(file("{S}/o.jsonl.partial", "{\"source_index\": 0}\nGARBAGE\n{\"source_index\": 1}\n"),
+             file("{S}/o.jsonl.partial.json", REGEN_SETTINGS))),
     c("regen-sigint", REGEN.replace("--limit 2", "--limit 16").replace("--max-new-tokens 3", "--max-new-tokens 60")
       + " --data {DATA} --out {S}/o.jsonl --batch-size 1", "interrupted", expect="interrupt",
       sigint_on=r"\[1/16\] wrote",

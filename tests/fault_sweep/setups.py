@@ -72,7 +72,7 @@ def apply_setup(steps: tuple[tuple[Any, ...], ...], places: dict[str, str], moun
         path = Path(expand(str(args[0]), places)) if args else None
         if kind in ("file", "bytes"):
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(args[1].encode() if kind == "file" else bytes.fromhex(args[1]))
+            path.write_bytes(expand(args[1], places).encode() if kind == "file" else bytes.fromhex(args[1]))
         elif kind == "dir":
             path.mkdir(parents=True, exist_ok=True)
         elif kind == "copy":
