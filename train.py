@@ -131,6 +131,7 @@ def main(cfg: DictConfig) -> float | None:
     traceback is only for bugs (and for every error under ``HYDRA_FULL_ERROR=1``).
     """
     from draftsmith import recipes
+    from draftsmith.common.errors import report_failure, traceback_requested
     from draftsmith.distill.engine.trainer import train
 
     recipe = recipes.get_recipe(cfg.recipe.name)
@@ -145,7 +146,7 @@ def main(cfg: DictConfig) -> float | None:
             summary = train(cfg, recipe, hydra_cfg.runtime.output_dir, run_name=run_name,
                             served_probe=served_probe(cfg))
     except KeyboardInterrupt as err:  # Ctrl-C: where the checkpoint is and how to resume, exit 130 like a shell
-        if os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("DRAFTSMITH_DEBUG") == "1":
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or traceback_requested():
             raise
         report_error(interrupted_message(err, sys.argv, hydra_cfg.runtime.output_dir))
         sys.exit(INTERRUPTED_EXIT)
@@ -155,10 +156,14 @@ def main(cfg: DictConfig) -> float | None:
                      "/checkpoints; run the same command again (SLURM requeues it) to resume")
         sys.exit(PREEMPTED_EXIT)
     except purposeful_errors() as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("DRAFTSMITH_DEBUG") == "1":
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or traceback_requested():
             raise
         report_error(err)
         sys.exit(1)  # SystemExit passes through Hydra's handler, which would print a traceback for an Exception
+    except Exception as err:  # noqa: BLE001 - a bug: its traceback and a line saying so (common/errors.py's policy)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        sys.exit(report_failure(err, ""))
     print(json.dumps(summary, indent=2))
     return summary["metrics"].get("val/loss")
 
@@ -331,7 +336,9 @@ def run_command_line(argv: list[str], prog: str) -> None:
     if "--help" in argv or "-h" in argv:
         print(help_text(argv, prog))
         sys.exit(0)
-    if (problem := check_launcher(argv) or preflight(argv)) is not None:
+    from draftsmith.common.atomic_folder import run_folder_problem  # hydra.run.dir: a folder a run may write
+
+    if (problem := check_launcher(argv) or preflight(argv) or run_folder_problem(argv)) is not None:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         sys.exit(1)
     sys.argv = [prog, *argv]

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from draftsmith import assets
+from draftsmith.common.errors import DraftsmithError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,7 +48,7 @@ _PROMPT_COUNT = re.compile(r"number of tokens in prompt = (\d+)")
 _PROMPT_ID = re.compile(r"^(?:[\d.]+ [DIWE] )?\s*(\d+) -> '", re.M)
 
 
-class LlamaCppMissing(RuntimeError):
+class LlamaCppMissing(DraftsmithError, RuntimeError):
     """The cached llama.cpp build (or a weight file it needs) is not there; the message says what to run."""
 
 

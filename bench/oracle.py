@@ -20,6 +20,7 @@ import torch
 
 from draftsmith.bench import progress
 from draftsmith.bench.timing import compare_outputs, speedup_ci, time_interleaved
+from draftsmith.common.errors import InputError
 from draftsmith.runtime.acceptance.verifiers import GreedyVerifier
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
@@ -50,17 +51,17 @@ def oracle_request(args: argparse.Namespace) -> OracleRequest | None:
     p, k, ms = args.oracle_acceptance, args.oracle_chain, args.oracle_draft_ms or 0.0
     if p is None:
         if k is not None or ms:
-            raise ValueError("--oracle-chain and --oracle-draft-ms go with --oracle-acceptance P (the oracle's "
+            raise InputError("--oracle-chain and --oracle-draft-ms go with --oracle-acceptance P (the oracle's "
                              "per-position acceptance)")
         return None
     chain = DEFAULT_CHAIN if k is None else k
     check_oracle(p, chain, ms)
     if getattr(args, "temperature", 0.0):
-        raise ValueError("--oracle-acceptance measures greedy decoding (the oracle drafts the greedy continuation): "
+        raise InputError("--oracle-acceptance measures greedy decoding (the oracle drafts the greedy continuation): "
                          "leave --temperature at 0")
     reward = str(getattr(args, "prompts", "")).startswith("embedded") or getattr(args, "reward", None)
     if getattr(args, "controller", None) or getattr(args, "filter", None) or reward:
-        raise ValueError("--oracle-acceptance benches the speculative loop: run it alone or with --drafter, not with "
+        raise InputError("--oracle-acceptance benches the speculative loop: run it alone or with --drafter, not with "
                          "--controller, --filter or a reward task")
     return OracleRequest(float(p), int(chain), float(ms), int(getattr(args, "seed", 0) or 0))
 
@@ -69,7 +70,7 @@ def oracle_beside(args: argparse.Namespace, runtime: Runtime, prompts: list[list
     """``bench --drafter EXPORT --oracle-acceptance P``: the oracle's row on the drafter's prompts and target."""
     request = oracle_request(args)
     if request is None:
-        raise ValueError("the oracle's row needs --oracle-acceptance P")
+        raise InputError("the oracle's row needs --oracle-acceptance P")
     return run_oracle(runtime.model, runtime.eos_ids, prompts, args.max_new_tokens, request, args.kernels)
 
 

@@ -16,6 +16,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from draftsmith.common.errors import InputError
+
 DEFAULT_WINDOW = 256  # output tokens per window
 LONG_PRESET = {"num_prompts": 2, "max_new_tokens": 2048, "window": 256}  # ``bench --long``
 
@@ -34,7 +36,7 @@ def tau_by_window(accepted_per_prompt: Sequence[Sequence[int]], window: int,
     """Windows of ``window`` output tokens, in order: ``{start, end, tau, forwards, prompts}``, one per window some
     step started in (module docstring). ``accepted_per_prompt``: each prompt's accepted counts per step."""
     if window < 1:
-        raise ValueError(f"the window must be >= 1 output token, got {window}")
+        raise InputError(f"the window must be >= 1 output token, got {window}")
     by_window: dict[int, list[int]] = {}
     reached: dict[int, int] = {}
     for accepted in accepted_per_prompt:

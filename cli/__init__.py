@@ -1,6 +1,6 @@
 """The ``draftsmith`` command. Every command is one row of :data:`COMMANDS`; its arguments and handler live in the
-module the row names (``training``, ``serving``, ``data``, ``engines``), imported only when the command line is
-parsed."""
+module the row names (``training``, ``exporting``, ``serving``, ``data``, ``engines``...), imported only when the
+command line is parsed. Failures follow :func:`draftsmith.common.errors.report_failure` (:data:`ERRORS_HELP`)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ import os
 import sys
 from collections.abc import Sequence
 
+from draftsmith.common.errors import TRACEBACK_ENV, report_failure
+
 # name -> (module in draftsmith.cli, help). Commands in RAW_ARGV take Hydra overrides and parse their own argv.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("training", "train a drafter: draftsmith train recipe=medusa [hydra overrides]"),
     "bench-train": ("training", "training tokens/s vs target forward tokens/s: draftsmith bench-train recipe=medusa"),
     "cache-features": ("training", "run the target once and cache the features a recipe taps: "
                                    "draftsmith cache-features recipe=eagle3 --out DIR"),
-    "export": ("training", "export a run folder or checkpoint (or convert an export to an engine's layout)"),
+    "export": ("exporting", "export a run folder or checkpoint (or convert an export to an engine's layout)"),
     "import": ("importing", "import a speculators-format EAGLE-3 checkpoint: draftsmith import CKPT --out DIR"),
     "assets": ("training", "prepare the embedded target, data and prompts; print their counts"),
     "generate": ("serving", "stream a completion (speculative with --drafter, else autoregressive)"),
@@ -37,6 +39,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                        "CPU-hours, with a fit: draftsmith curve --out DIR recipe=eagle3 [overrides]"),
 }
 RAW_ARGV = ("train", "bench-train", "cache-features", "curve")
+DESCRIPTION = "Train, export, serve and measure learned speculative-decoding drafters (draftsmith COMMAND --help)."
+ERRORS_HELP = ("errors: a mistake in the input is one 'error:' line (exit 2); add --traceback anywhere on the command "
+               "line (or set DRAFTSMITH_TRACEBACK=1) to see its traceback. Anything else is a bug in draftsmith: its "
+               "traceback, then a line saying where to report it (exit 1). Ctrl-C: one line saying what was kept "
+               "(exit 130).")
 
 
 def command_module(name: str):
@@ -51,7 +58,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     (:class:`~draftsmith.cli.arguments.OneLineParser`): a value out of its declared range names the flag."""
     from draftsmith.cli.arguments import OneLineParser
 
-    parser = OneLineParser(prog="draftsmith", description=__doc__)
+    parser = OneLineParser(prog="draftsmith", description=DESCRIPTION, epilog=ERRORS_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, helptext) in COMMANDS.items():
         p = sub.add_parser(name, help=helptext)
@@ -80,10 +87,19 @@ def interrupted_line(command: str, argv: Sequence[str], args: argparse.Namespace
             f"{'resume' if kept and 'resum' in kept else 'rerun'} with: {rerun}")
 
 
+def _take_traceback_flag(argv: list[str]) -> list[str]:
+    """``--traceback`` (anywhere before a lone ``--``) turns tracebacks on for this run; the flag itself is removed."""
+    if "--traceback" not in argv:
+        return argv
+    os.environ[TRACEBACK_ENV[0]] = "1"
+    return [a for a in argv if a != "--traceback"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``draftsmith`` console script: exit 0, 2 with one ``error:`` line for a user error, 130
-    with one line saying what was kept and how to resume on Ctrl-C (no traceback in either)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Entry point of the ``draftsmith`` console script: exit 0; 2 with one ``error:`` line for an error draftsmith
+    raised on purpose (:class:`~draftsmith.common.errors.DraftsmithError`); 130 with one line saying what was kept
+    and how to resume on Ctrl-C; anything else is a bug: its traceback and a line saying so (exit 1)."""
+    argv = _take_traceback_flag(list(sys.argv[1:] if argv is None else argv))
     command, args = (argv[0] if argv else "draftsmith"), None
     try:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -97,10 +113,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(interrupted_line(command, argv, args), file=sys.stderr)
         return 130
-    except Exception as err:  # noqa: BLE001 - one clear line for user errors, full trace with DRAFTSMITH_DEBUG
-        if os.environ.get("DRAFTSMITH_DEBUG") or command in RAW_ARGV:  # Hydra commands report their own errors
-            raise
-        # An exception without a message (StopIteration, a bare assert) is a bug: name it and how to see where.
-        text = str(err) or f"{type(err).__name__} (a bug; rerun with DRAFTSMITH_DEBUG=1 for the traceback)"
-        print(f"draftsmith {command}: error: {text}", file=sys.stderr)
-        return 2
+    except Exception as err:  # noqa: BLE001 - the one policy: a purposeful error is one line, a bug its traceback
+        return report_failure(err, f"draftsmith {command}" if command in COMMANDS else "draftsmith")

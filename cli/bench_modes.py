@@ -22,9 +22,10 @@ from typing import Any
 
 from draftsmith.cli.arguments import COUNT, SEED, TEMPERATURE, Range, counts, number_list
 from draftsmith.cli.oracle_flags import add_oracle_arguments
-from draftsmith.cli.preflight import check_writable_folder, refuse_bad_exports
+from draftsmith.cli.preflight import check_new_tokens_fit, check_out_folder, refuse_bad_exports, target_of
 from draftsmith.cli.serving import _is_diffusion_target, _llamacpp_parity, add_serving_flags, add_target_flags
 from draftsmith.cli.serving import add_verifier_flag as _add_verifier
+from draftsmith.common.errors import InputError
 
 
 def _prompts_and_out(b: argparse.ArgumentParser, prompts: str = "mtbench", also: str = "") -> None:
@@ -180,12 +181,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from draftsmith.bench import progress
 
     progress.start(key="|".join(str(getattr(args, k, None)) for k in ("bench_mode", "target", "drafter")))
-    if getattr(args, "out", None):
-        check_writable_folder(args.out)  # before the bench, not after it
     code = MODES[args.bench_mode].run(args)
     if getattr(args, "mode_note", None):  # after the results: a tip for the next command line
         print(args.mode_note, file=sys.stderr)
     return code
+
+
+def _preflight(args: argparse.Namespace) -> None:
+    """After a mode's own flag checks, before anything loads: the exports and target it names, and ``--out`` (never
+    into an input or a folder of the user's, never where it cannot be written: before the bench, not after it)."""
+    refuse_bad_exports(args)
+    if getattr(args, "out", None):
+        exports = ",".join(str(getattr(args, k, None) or "") for k in ("drafter", "controller", "filter"))
+        prompts = args.prompts if Path(args.prompts).exists() else None
+        check_out_folder("bench", args.out, (*exports.split(","), target_of(args), prompts))
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, list[list[int]]]:
@@ -199,8 +208,12 @@ def _load(args: argparse.Namespace) -> tuple[Any, list[list[int]]]:
         rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                           proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
                           stop_policy=args.stop_policy, controller=getattr(args, "controller", None),
-                          backend=args.backend)
-        return rt, load_prompts(args.prompts, rt.tokenizer, args.num_prompts, max_len=context_limit(rt.model))
+                          backend=args.backend, trust_remote_code=args.trust_remote_code)
+        limit = context_limit(rt.model)
+        prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts, max_len=limit)
+        longest = max(map(len, prompts))
+        check_new_tokens_fit(longest, args.max_new_tokens, limit, f"the longest prompt of {args.prompts}")
+        return rt, prompts
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -209,14 +222,15 @@ def _run_export(args: argparse.Namespace) -> int:
     from draftsmith.bench.windows import apply_preset
 
     apply_preset(args)
-    refuse_bad_exports(args)
-    if (oracle := oracle_request(args)) and not args.drafter:  # the --oracle-* flags checked together
-        return bench_oracle_alone(args, oracle)
+    oracle = oracle_request(args)  # the --oracle-* flags checked together
     if args.engine_parity and not args.drafter:
-        raise ValueError("--engine-parity compares a drafter's tau across engines: it needs --drafter EXPORT")
-    if not args.drafter:
-        raise ValueError("bench export needs --drafter EXPORT (or --oracle-acceptance P alone on the target); the "
+        raise InputError("--engine-parity compares a drafter's tau across engines: it needs --drafter EXPORT")
+    if not args.drafter and not oracle:
+        raise InputError("bench export needs --drafter EXPORT (or --oracle-acceptance P alone on the target); the "
                          "other benches: draftsmith bench controller|reward|diffusion --help")
+    _preflight(args)
+    if not args.drafter:
+        return bench_oracle_alone(args, oracle)
     rt, prompts = _load(args)
     return bench_export(args, rt, prompts, _llamacpp_parity)
 
@@ -224,10 +238,10 @@ def _run_export(args: argparse.Namespace) -> int:
 def _run_controller(args: argparse.Namespace) -> int:
     from draftsmith.bench.controller import bench_controller, controller_table
 
-    refuse_bad_exports(args)
     if "," in args.controller:
-        raise ValueError("several --controller exports are compared by the reward bench: draftsmith bench reward "
+        raise InputError("several --controller exports are compared by the reward bench: draftsmith bench reward "
                          "--controller A,B")
+    _preflight(args)
     rt, prompts = _load(args)
     result = bench_controller(rt, prompts, args.max_new_tokens)
     print(controller_table(result))
@@ -241,7 +255,7 @@ def _run_controller(args: argparse.Namespace) -> int:
 def _run_reward(args: argparse.Namespace) -> int:
     from draftsmith.evals.reward_bench import cmd_reward_bench
 
-    refuse_bad_exports(args)
+    _preflight(args)
     return cmd_reward_bench(args)
 
 
@@ -249,6 +263,7 @@ def _run_diffusion(args: argparse.Namespace) -> int:
     """The Learn2PD filter bench (:mod:`draftsmith.evals.diffusion`)."""
     from draftsmith.evals.diffusion import run_cli
 
+    _preflight(args)
     run_cli(argparse.Namespace(
         target=args.target, filter=args.filter, prompts=args.prompts, limit=args.num_prompts,
         gen_length=args.gen_length, steps_per_block=args.steps_per_block, threshold=args.threshold, cache=args.cache,

@@ -9,6 +9,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from draftsmith.common.errors import ConfigError, DraftsmithError, InputError, report_failure
+
 EPILOG = """example (EAGLE-3 on regenerated data, 6 points from 100 to 3,000 steps):
   draftsmith curve --out outputs/curve/eagle3 --first-steps 100 --steps 3000 --points 6 \\
       recipe=eagle3 data=regen.jsonl data.limit=null
@@ -18,16 +20,20 @@ checkpoint, and the same command resumes."""
 
 def parser() -> argparse.ArgumentParser:
     """The curve's own flags; everything else on the line is a Hydra override for the training run."""
-    p = argparse.ArgumentParser(prog="draftsmith curve", description=__doc__, epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from draftsmith.cli.arguments import COUNT, OneLineParser, served_dtype
+
+    p = OneLineParser(prog="draftsmith curve", description=__doc__, epilog=EPILOG,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="curve folder (a re-run with the same arguments resumes there)")
-    p.add_argument("--steps", type=int, default=2000, help="last point: optimizer steps of the whole run")
-    p.add_argument("--first-steps", type=int, default=50, help="first point's steps")
-    p.add_argument("--points", type=int, default=6, help="points, log-spaced between --first-steps and --steps")
-    p.add_argument("--prompts", default="mtbench,humaneval", help="held-out prompt sets, comma-separated")
-    p.add_argument("--num-prompts", type=int, default=8, help="prompts of each set")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
-    p.add_argument("--dtype", default="auto", help="runtime dtype of the evaluation (auto | fp32 | bf16)")
+    p.add_argument("--steps", type=COUNT, default=2000, help="last point: optimizer steps of the whole run")
+    p.add_argument("--first-steps", type=COUNT, default=50, help="first point's steps")
+    p.add_argument("--points", type=COUNT, default=6, help="points, log-spaced between --first-steps and --steps")
+    p.add_argument("--prompts", default="mtbench,humaneval", help="held-out prompt sets, comma-separated (each "
+                   "mtbench, humaneval or a .jsonl, with an optional [a:b] slice)")
+    p.add_argument("--num-prompts", type=COUNT, default=8, help="prompts of each set")
+    p.add_argument("--max-new-tokens", type=COUNT, default=128, help="new tokens per prompt")
+    p.add_argument("--dtype", default="auto", type=served_dtype, help="runtime dtype of the evaluation (auto | fp32 | "
+                   "bf16)")
     p.add_argument("--target", default=None, help="target folder to serve with (default: the export's)")
     p.add_argument("--report-only", action="store_true", help="rewrite curve.md / curve.png from curve.json")
     p.add_argument("--compare", default=None, metavar="DIR1,DIR2,...",
@@ -36,12 +42,27 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check(opts: argparse.Namespace) -> None:
-    for flag, value in (("--num-prompts", opts.num_prompts), ("--max-new-tokens", opts.max_new_tokens)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if opts.dtype not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"--dtype {opts.dtype!r}: valid are auto, fp32, bf16")
+def _check(opts: argparse.Namespace, overrides: Sequence[str]) -> None:
+    """Refuse, before any training segment: a --first-steps past --steps, a prompt set that names nothing, training
+    overrides the config refuses (a misspelt key, a value out of range), an --out the write rule refuses (a file, a
+    folder of the user's, a read-only place)."""
+    from draftsmith.bench.prompts import prompt_texts
+    from draftsmith.cli.preflight import check_out_folder
+    from draftsmith.evals.curve_runner import training_overrides
+    from draftsmith.train import expand_shorthands, preflight
+
+    if opts.first_steps > opts.steps:
+        raise InputError(f"--first-steps {opts.first_steps} is past --steps {opts.steps}: the first point comes "
+                         "before the last")
+    if not opts.compare and not opts.report_only:
+        sets = [s for s in opts.prompts.split(",") if s.strip()]
+        if not sets:
+            raise InputError("--prompts names no prompt set: give mtbench, humaneval or a .jsonl (comma-separated)")
+        for spec in sets:
+            prompt_texts(spec)
+        if (problem := preflight(expand_shorthands(training_overrides(list(overrides))))) is not None:
+            raise ConfigError(problem)  # one line here, not the training segment's line and then the curve's
+    check_out_folder("curve", opts.out, (opts.target,))
 
 
 def cmd_curve(argv: Sequence[str]) -> int:
@@ -52,10 +73,13 @@ def cmd_curve(argv: Sequence[str]) -> int:
     from draftsmith.evals.curve_runner import CURVE_FILE, CurveError, log_spaced_steps, run_curve
     from draftsmith.evals.learning_curve import EvalSettings
 
-    opts, overrides = parser().parse_known_args(list(argv))
+    try:
+        opts, overrides = parser().parse_known_args(list(argv))
+    except SystemExit as done:  # --help, or a flag refused in one line
+        return int(done.code or 0)
     out = Path(opts.out)
     try:
-        _check(opts)
+        _check(opts, overrides)
         if opts.compare:
             from draftsmith.evals.curve_report import compare
 
@@ -80,9 +104,8 @@ def cmd_curve(argv: Sequence[str]) -> int:
         print(f"draftsmith curve: interrupted; finished points are kept in {out / CURVE_FILE} and training in "
               f"{out / 'run'}; re-run the same command to resume", file=sys.stderr)
         return 130
-    except (CurveError, ValueError, FileNotFoundError) as err:
-        print(f"draftsmith curve: error: {err}", file=sys.stderr)
-        return 1
+    except DraftsmithError as err:  # anything else is a bug: its traceback (draftsmith.cli.main)
+        return report_failure(err, "draftsmith curve", user_exit=1)
     print(json.dumps(block, indent=1))
     print(f"wrote {out / CURVE_FILE}, {out / 'curve.md'}, {out / 'curve.png'}")
     return 0

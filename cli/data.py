@@ -8,12 +8,15 @@ import json
 from pathlib import Path
 
 from draftsmith.cli.arguments import COUNT, SEED, TEMPERATURE, TOP_P, Range, counts, served_dtype
+from draftsmith.cli.preflight import add_trust_flag, check_out_folder, refuse_bad_exports, target_of
+from draftsmith.common.errors import InputError
 
 
 def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--data", default="sharegpt", help="sharegpt (embedded) or a .jsonl/.json of conversations")
-    r.add_argument("--out", required=True, help="output .jsonl ({messages, source_index} per line); resumes "
-                                                "OUT.partial")
+    r.add_argument("--out", required=True, help="output .jsonl ({messages, source_index} per line; a new file: "
+                                                "never the data or an existing file); resumes OUT.partial")
+    r.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
     r.add_argument("--target", default=None, help="target folder (default: the embedded smollm2-135m)")
     r.add_argument("--limit", type=counts("leave it out to use every conversation"), default=None,
                    help="use the first N conversations (of those selected)")
@@ -37,6 +40,7 @@ def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--batch-size", type=counts("1 decodes one conversation at a time"), default=8,
                    help="greedy first turns decoded at once (default 8; 1 = one at a time). --turns all and "
                         "--temperature > 0 decode one conversation at a time (logged); a resume needs the same value")
+    add_trust_flag(r)
 
 
 def _calibrate_arguments(c: argparse.ArgumentParser) -> None:
@@ -51,6 +55,7 @@ def _calibrate_arguments(c: argparse.ArgumentParser) -> None:
     c.add_argument("--bins", type=COUNT, default=10)
     c.add_argument("--dtype", default="fp32", type=served_dtype)
     c.add_argument("--seed", type=SEED, default=0)
+    add_trust_flag(c)
 
 
 def _rollouts_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,8 +78,7 @@ def _trajectories_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps-per-block", type=COUNT, default=None, help="default: the block length (1 token/step)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=COUNT, default=None, help="torch CPU threads")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow a target whose modelling code ships with its weights (LLaDA, Dream) to run it")
+    add_trust_flag(p)
     p.add_argument("--out", required=True, help="trajectory folder (resumable)")
     p.add_argument("--shard-size", type=COUNT, default=8, help="prompts per safetensors shard")
     p.add_argument("--full", action="store_true", help="decode all gen-length slots (default: stop after "
@@ -85,20 +89,23 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     """Regenerate the dataset's assistant turns and print the summary."""
     from draftsmith.datagen.regenerate import regenerate, summary
 
+    refuse_bad_exports(args)  # a --target that is an export, or ships code that would run
     report = regenerate(args.data, args.out, target=args.target, limit=args.limit, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, turns=args.turns, dtype=args.dtype,
                         seed=args.seed, kernels=args.kernels, batch_size=args.batch_size,
-                        topic=args.topic, skip=args.skip, max_prompt_tokens=args.max_prompt_tokens)
+                        topic=args.topic, skip=args.skip, max_prompt_tokens=args.max_prompt_tokens,
+                        overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
     print(summary(report, args.out))
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Score the acceptance head's predictions against what the target accepted; write JSON and the PNG."""
-    from draftsmith.cli.preflight import check_writable_folder
     from draftsmith.evals.calibrate import calibrate
 
-    check_writable_folder(args.out)  # before the decoding, not after it
+    refuse_bad_exports(args)
+    prompts = args.prompts if Path(args.prompts).exists() else None
+    check_out_folder("calibrate", args.out, (args.drafter, target_of(args), prompts))  # before the decoding
     result = calibrate(args.drafter, args.prompts, args.out, target=args.target, num_prompts=args.num_prompts,
                        max_new_tokens=args.max_new_tokens, depth=args.depth, temperature=args.temperature,
                        bins=args.bins, dtype=args.dtype, seed=args.seed)
@@ -109,15 +116,23 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_rollouts(args: argparse.Namespace) -> int:
     """Write (or resume) an LPO rollout folder and print its summary."""
+    from draftsmith.datagen.rollouts import check_arguments
     from draftsmith.datagen.rollouts import cmd_rollouts as run
 
+    check_arguments(args)
+    refuse_bad_exports(args)
+    prompts = args.prompts if Path(args.prompts).exists() else None
+    check_out_folder("rollouts", args.out, (target_of(args), args.controller, prompts))
     return run(args)
 
 
 def cmd_diffusion_export(args: argparse.Namespace) -> int:
     """A recipe=diffusion_adapt export (or run folder) -> an ordinary HF model folder that ``--target`` can name."""
+    from draftsmith.common.atomic_folder import check_folder_target
+    from draftsmith.export.format import EXPORT_OUTPUT
     from draftsmith.runtime.target.diffusion_lm import folder_from_export
 
+    check_folder_target(args.out, EXPORT_OUTPUT, sources=(args.source,))  # before the model is rebuilt
     print(f"wrote {folder_from_export(args.source, args.out)}")
     return 0
 
@@ -125,6 +140,12 @@ def cmd_diffusion_export(args: argparse.Namespace) -> int:
 def cmd_trajectories(args: argparse.Namespace) -> int:
     from draftsmith.datagen.trajectories import run_cli
 
+    if args.prompts not in ("mtbench", "sharegpt") and not Path(args.prompts).is_file():
+        raise InputError(f"--prompts {args.prompts}: no such file, and not a prompt set (mtbench, sharegpt); pass a "
+                         ".txt (one prompt a line) or .jsonl ({\"prompt\": ...} a line)")
+    refuse_bad_exports(args)
+    prompts = args.prompts if Path(args.prompts).exists() else None
+    check_out_folder("trajectories", args.out, (args.target, prompts))
     print(json.dumps(run_cli(args), indent=2))
     return 0
 

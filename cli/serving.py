@@ -16,12 +16,12 @@ from draftsmith.cli.arguments import (
     served_dtype,
     stop_policy,
 )
-from draftsmith.cli.preflight import refuse_bad_exports
+from draftsmith.cli.preflight import add_trust_flag, check_new_tokens_fit, refuse_bad_exports
 
 
 def add_target_flags(p: argparse.ArgumentParser) -> None:
     """The target and how it runs: --target, --dtype, --kernels, --backend, --linear-backend, --temperature,
-    --max-new-tokens."""
+    --max-new-tokens, --trust-remote-code."""
     p.add_argument("--target", default=None, help="target folder (default: the one recorded in the export)")
     p.add_argument("--dtype", default="auto", type=served_dtype,
                    help="auto (bf16 where this machine runs it fast: AVX512-BF16, or the fused layer's AVX2 variant; "
@@ -35,6 +35,7 @@ def add_target_flags(p: argparse.ArgumentParser) -> None:
                         "mkldnn (oneDNN bf16: AVX512 BW/VL/DQ or AVX-NE-CONVERT) | dense")
     p.add_argument("--temperature", type=TEMPERATURE, default=0.0)
     p.add_argument("--max-new-tokens", type=COUNT, default=128)
+    add_trust_flag(p)
 
 
 def add_verifier_flag(p: argparse.ArgumentParser) -> None:
@@ -85,7 +86,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     refuse_bad_exports(args)
     rt = load_runtime(args.drafter, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
                       proposer_options=parse_options(args.proposer_option), linear_backend=args.linear_backend,
-                      stop_policy=args.stop_policy, controller=args.controller, backend=args.backend)
+                      stop_policy=args.stop_policy, controller=args.controller, backend=args.backend,
+                      trust_remote_code=args.trust_remote_code)
     if args.verbose:
         for key, value in rt.backend_report().items():
             print(f"[{key}] {value}", file=sys.stderr)
@@ -99,6 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     limit = context_limit(rt.model)
     if limit is not None:
         check_prompt_fits(len(prompt), limit, "the prompt")
+        check_new_tokens_fit(len(prompt), args.max_new_tokens, limit, "the prompt")
     generator = torch.Generator().manual_seed(args.seed)
     emitted: list[int] = []
     printed = ""

@@ -16,8 +16,10 @@ the file, fsyncs and renames it over the old one. A writer (bench/, reports) cal
     write_file(out / "bench.json", json.dumps(result, indent=2) + "\\n")          # text or bytes
     write_file(out / "plot.png", lambda tmp: fig.savefig(tmp, format="png"))     # or a callable writing tmp
 
-and calls :func:`check_folder_target` (or :func:`check_file_target`) at its start, so an output that cannot be
-written fails before the work, not after it. Declaring a folder kind is one :class:`OutputKind` (its name, how to
+and calls :func:`check_folder_target` (or :func:`check_output_file`) at its start, so an output that cannot be
+written fails before the work, not after it: the rule of what may be written where (never over or around an input,
+never over the user's files, never under a read-only or file path) is :mod:`draftsmith.common.write_rule`, whose
+names this module re-exports. Declaring a folder kind is one :class:`OutputKind` (its name, how to
 recognise one, the file patterns it writes), e.g. ``OutputKind("bench output", lambda f: (f / "bench.json").is_file(),
 ("bench.json", "bench.md", "*.png"))``.
 
@@ -31,85 +33,39 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fnmatch
 import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from draftsmith.common.disk_space import (  # noqa: F401  (re-exported: writers import them from here)
+    FULL_DISK_ERRNOS,
+    disk_full_message,
+    free_bytes,
+    human_bytes,
+    is_disk_full,
+)
+from draftsmith.common.errors import DraftsmithError
+from draftsmith.common.write_rule import (  # noqa: F401  (re-exported: writers import them from here)
+    OutputKind,
+    OutputRefused,
+    check_file_target,
+    check_folder_target,
+    check_output_file,
+    check_writable,
+    refuse_overlap,
+    run_folder_problem,
+)
 
 log = logging.getLogger(__name__)
 
-FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-
-class OutputRefused(ValueError):
-    """An output path holds something draftsmith did not write (or the source being converted): nothing written."""
-
-
-class DiskFullError(OSError):
+class DiskFullError(DraftsmithError, OSError):
     """The disk (or quota) filled during a write; the partial temporary was removed and nothing was replaced."""
 
     def __str__(self) -> str:  # the one line alone, without OSError's "[Errno 28]" prefix
         return str(self.strerror)
-
-
-@dataclass(frozen=True)
-class OutputKind:
-    """A kind of folder draftsmith writes: ``name`` (in messages), ``recognize(folder)`` (True for a folder of this
-    kind) and ``files``: the glob patterns (relative paths, ``/``-separated) of every file the kind ever writes."""
-
-    name: str
-    recognize: Callable[[Path], bool]
-    files: tuple[str, ...] = field(default=("*",))
-
-    def foreign_files(self, folder: Path) -> list[str]:
-        """Relative paths under ``folder`` that no writer of this kind makes (sorted)."""
-        found = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
-        return sorted(f for f in found if not any(fnmatch.fnmatch(f, pattern) for pattern in self.files))
-
-
-def human_bytes(n: float) -> str:
-    """``1234567`` -> ``1.23 MB`` (decimal units, as ``df -H`` prints)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
-
-
-def is_disk_full(err: BaseException | None) -> bool:
-    """True when ``err`` (or an error it was raised from) is a full disk or an exceeded quota."""
-    seen = 0
-    while err is not None and seen < 8:  # torch and Lightning wrap the OSError; follow the chain a little way
-        if isinstance(err, OSError) and err.errno in FULL_DISK_ERRNOS:
-            return True
-        if "No space left on device" in str(err) or "Disk quota exceeded" in str(err):
-            return True
-        err, seen = err.__cause__ or err.__context__, seen + 1
-    return False
-
-
-def free_bytes(path: Path) -> int | None:
-    """Free bytes on the file system holding ``path`` (its nearest existing parent), None if unknown."""
-    for folder in (path, *path.parents):
-        if folder.exists():
-            try:
-                return shutil.disk_usage(folder).free
-            except OSError:
-                return None
-    return None
-
-
-def disk_full_message(path: Path, needed: int | None, written: int = 0, kept: str = "nothing was replaced") -> str:
-    """One line: the path, what the write needs, what is free, what was ``kept`` and what to do."""
-    free = free_bytes(path.parent)
-    need = f"about {human_bytes(needed)}" if needed else f"more than the {human_bytes(written)} it had written"
-    have = f"{human_bytes(free)} free" if free is not None else "free space unknown"
-    return (f"no space left on the device for {path}: it needs {need} ({have}); the partial write was removed and "
-            f"{kept}: free space and run the command again")
 
 
 def _pid_of(name: str, marker: str) -> int | None:
@@ -161,35 +117,6 @@ def _recover_swaps(out: Path) -> None:
             os.replace(old, out)
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
-def check_folder_target(out_dir: str | Path, kind: OutputKind, sources: Iterable[str | Path | None] = ()) -> Path:
-    """Refuse (:class:`OutputRefused`, one line) an ``out_dir`` that :func:`write_folder` must not replace; returns
-    it resolved. Call it before long work so a bad ``--out`` fails at the start."""
-    out = Path(out_dir).expanduser().resolve()
-    for source in filter(None, sources):
-        src = Path(source).expanduser().resolve()
-        if _inside(src, out):
-            raise OutputRefused(f"--out {out_dir} is {'the' if src == out else 'a folder holding the'} source "
-                                f"{source}: writing there would replace what is being read; choose another --out")
-    if out.is_file() or out.is_symlink():
-        raise OutputRefused(f"--out {out_dir} is a file, not a folder: nothing was written; choose another --out")
-    if not out.is_dir() or not any(out.iterdir()):
-        return out
-    if not kind.recognize(out):
-        shown = ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())[:4])
-        raise OutputRefused(f"--out {out_dir} exists and is not a draftsmith {kind.name} (it holds {shown}): "
-                            "nothing was written or deleted; choose a new folder, or move its files out first")
-    foreign = kind.foreign_files(out)
-    if foreign:
-        raise OutputRefused(f"--out {out_dir} is a draftsmith {kind.name} but also holds files draftsmith did not "
-                            f"write ({', '.join(foreign[:4])}): nothing was replaced; move them out or choose "
-                            "another folder")
-    return out
-
-
 def _sync_tree(folder: Path) -> int:
     """fsync every file under ``folder`` (so the rename publishes complete files); returns their total bytes."""
     total = 0
@@ -235,23 +162,6 @@ def write_folder(out_dir: str | Path, fill: Callable[[Path], object], kind: Outp
         if is_disk_full(err):
             raise DiskFullError(errno.ENOSPC, disk_full_message(out, size_hint, written)) from err
         raise
-    return out
-
-
-def check_file_target(path: str | Path, owned: Callable[[Path], bool] | None = None) -> Path:
-    """Refuse (:class:`OutputRefused`) a ``path`` that is a folder, an existing file ``owned`` says draftsmith did
-    not write, or one under a folder that cannot be written (its nearest existing ancestor is a file or read-only).
-    Creates nothing, so a writer calls it before its work. Returns ``path`` resolved."""
-    out = Path(path).expanduser().resolve()
-    if out.is_dir():
-        raise OutputRefused(f"{path} is a folder; a file was expected there: nothing was written")
-    if out.exists() and owned is not None and not owned(out):
-        raise OutputRefused(f"{path} exists and was not written by draftsmith: nothing was replaced; choose another "
-                            "name or move it away")
-    ancestor = next(p for p in out.parents if p.exists())
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        raise OutputRefused(f"cannot write {path}: {ancestor} is {'a file' if not ancestor.is_dir() else 'read-only'}; "
-                            "choose another place")
     return out
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from draftsmith.common.errors import InputError
+
 
 def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = False) -> str:
     """The template's text for ``messages`` ([{role, content}]), with the assistant header appended if asked."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the target's tokenizer has no chat template; chat prompts need a chat (instruct) target")
+        raise InputError("the target's tokenizer has no chat template; chat prompts need a chat (instruct) target")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
@@ -21,7 +23,7 @@ def encode_chat(tokenizer: Any, messages: str | list[dict], add_generation_promp
     which is what a prompt for generation needs."""
     if isinstance(messages, str):
         if not messages.strip():
-            raise ValueError("empty prompt: give some text to continue")
+            raise InputError("empty prompt: give some text to continue")
         messages = [{"role": "user", "content": messages}]
     text = render_chat(tokenizer, messages, add_generation_prompt)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.errors import DraftsmithError
+
 DIFFUSION_KEY = "draftsmith_diffusion"
 MASK_TOKEN = "<|mask|>"
 
 
-class DiffusionTargetError(ValueError):
+class DiffusionTargetError(DraftsmithError, ValueError):
     """A model or folder cannot be used as a block-diffusion target (one actionable message)."""
 
 

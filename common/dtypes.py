@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.common.errors import InputError
+
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -15,5 +17,5 @@ def dtype_from_name(name: str) -> torch.dtype:
     """``fp32`` / ``bf16`` / ``fp16`` (or torch spellings) -> torch dtype; ValueError listing the valid names."""
     key = str(name).lower().removeprefix("torch.")
     if key not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+        raise InputError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
     return DTYPES[key]

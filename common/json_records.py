@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.common.errors import DataError
+
 __all__ = ["ReadReport", "StreamStats", "iter_json_records"]
 
 
@@ -67,7 +69,7 @@ def iter_json_records(path: str | Path, stats: StreamStats | None = None) -> Ite
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(
+                raise DataError(
                     f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno}). Expected a JSON array "
                     "or one JSON object per line (JSON lines); fix or remove that line."
                 ) from None
@@ -107,7 +109,7 @@ def _iter_array(handle: Any, path: Path, stats: StreamStats) -> Iterator[tuple[i
         except json.JSONDecodeError as err:
             if not _needs_more(err, len(buf)) or len(buf) - pos > _MAX_RECORD:
                 bad_line = line + buf.count("\n", pos, err.pos)
-                raise ValueError(
+                raise DataError(
                     f"{path}:{bad_line}: invalid JSON in array element {stats.records + 1} ({err.msg}). "
                     "Fix the file or convert it to JSON lines."
                 ) from None
@@ -119,7 +121,7 @@ def _iter_array(handle: Any, path: Path, stats: StreamStats) -> Iterator[tuple[i
             buf, pos = buf[pos:] + more, 0
             continue
         if not expect_value:
-            raise ValueError(f"{path}:{line}: expected ',' or ']' between array elements.")
+            raise DataError(f"{path}:{line}: expected ',' or ']' between array elements.")
         stats.records += 1
         yield line, record
         line += buf.count("\n", pos, end)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
+from draftsmith.common.errors import InputError
+
 T = TypeVar("T")
 
 
@@ -30,7 +32,7 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         """The item registered as ``name``."""
         if name not in self._items:
-            raise ValueError(f"unknown {self.what} {name!r}; registered: {', '.join(sorted(self._items)) or 'none'}")
+            raise InputError(f"unknown {self.what} {name!r}; registered: {', '.join(sorted(self._items)) or 'none'}")
         return self._items[name]
 
     def unregister(self, name: str) -> None:

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.export.exportable import Exportable, ExportContents
 
 METHOD = "learn2pd"
 
 
-class FilterMismatchError(ValueError):
+class FilterMismatchError(DraftsmithError, ValueError):
     """A filter is used with a decoding setup it was not trained for (block length)."""
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from draftsmith import assets
 from draftsmith.common.chat import encode_chat
+from draftsmith.common.errors import DataError, InputError, InputNotFoundError
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
@@ -32,13 +33,13 @@ def normalize_messages(record: Any) -> list[dict[str, str]]:
     if isinstance(record, dict):
         turns = record.get("conversations", record.get("messages"))
     if not isinstance(turns, list):
-        raise ValueError("expected a 'conversations' (ShareGPT) or 'messages' (OpenAI) list")
+        raise DataError("expected a 'conversations' (ShareGPT) or 'messages' (OpenAI) list")
     out = []
     for i, turn in enumerate(turns):
         role = ROLES.get(str(turn.get("role", turn.get("from"))).lower()) if isinstance(turn, dict) else None
         content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
         if role is None or not isinstance(content, str | None):
-            raise ValueError(f"message {i} needs a known role ({', '.join(sorted(ROLES))}) and string content")
+            raise DataError(f"message {i} needs a known role ({', '.join(sorted(ROLES))}) and string content")
         out.append({"role": role, "content": content or ""})
     return out
 
@@ -51,15 +52,17 @@ def iter_conversations(spec: str, report: Any = None) -> Iterator[tuple[int, lis
     """
     embedded = spec.strip().lower() == "sharegpt"
     path = assets.sharegpt_path() if embedded else Path(spec).expanduser()
+    if path.is_dir():
+        raise InputError(f"--data {path} is a folder: pass a .jsonl/.json file of conversations, or sharegpt")
     if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist; pass --data sharegpt or a .jsonl/.json of "
-                                "conversations")
+        raise InputNotFoundError(f"data file {path} does not exist; pass --data sharegpt or a .jsonl/.json of "
+                                 "conversations")
     for index, (line, record) in enumerate(assets.iter_json_records(path)):
         try:
             yield index, normalize_messages(record)
         except ValueError as err:
             if not embedded:
-                raise ValueError(f"{path}:{line}: {err}. Fix the record or remove it.") from None
+                raise DataError(f"{path}:{line}: {err}. Fix the record or remove it.") from None
             if report is not None:
                 report.skip("malformed record")
 
@@ -69,9 +72,9 @@ def select_conversations(conversations: Iterable[tuple[int, list[dict]]], topic:
     """The ``(source_index, messages)`` of ``conversations`` at index ``skip`` or later whose first user message is on
     ``topic`` (a key of :data:`TOPICS`); ``skip`` lets a second set start past the records a first one used."""
     if topic not in TOPICS:
-        raise ValueError(f"unknown topic {topic!r}; choose one of {', '.join(TOPICS)}")
+        raise InputError(f"unknown topic {topic!r}; choose one of {', '.join(TOPICS)}")
     if skip < 0:
-        raise ValueError(f"skip must be >= 0, got {skip}")
+        raise InputError(f"skip must be >= 0, got {skip}")
     pattern = TOPICS[topic]
     for index, messages in conversations:
         if index < skip:

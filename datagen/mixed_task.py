@@ -22,6 +22,8 @@ import json
 import random
 from pathlib import Path
 
+from draftsmith.common.errors import InputError
+
 SPLITS = ("train", "heldout", "all")
 WORDS = ("apple", "river", "garden", "silver", "window", "planet", "yellow", "thunder", "basket", "mirror", "candle",
          "forest", "pencil", "rocket", "button", "island", "marble", "violin", "saddle", "tomato", "lantern", "copper",
@@ -93,7 +95,7 @@ def load_prompt_records(spec: str, limit: int | None = None) -> list[dict]:
     else:
         path = Path(spec)
         if not path.is_file():
-            raise ValueError(f"--prompts {spec!r}: not 'embedded[:train|heldout|all]' or an existing .jsonl file")
+            raise InputError(f"--prompts {spec!r}: not 'embedded[:train|heldout|all]' or an existing .jsonl file")
         rows = []
         for n, line in enumerate(path.read_text().splitlines()):
             if not line.strip():
@@ -101,9 +103,9 @@ def load_prompt_records(spec: str, limit: int | None = None) -> list[dict]:
             rec = json.loads(line)
             text = rec.get("text", rec.get("prompt"))
             if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"{path}:{n + 1}: each line needs a non-empty 'text' (or 'prompt')")
+                raise InputError(f"{path}:{n + 1}: each line needs a non-empty 'text' (or 'prompt')")
             rows.append({"id": str(rec.get("id", n)), "kind": str(rec.get("kind", "default")), "text": text,
                          "answer": rec.get("answer")})
     if not rows:
-        raise ValueError(f"--prompts {spec!r} holds no prompts")
+        raise InputError(f"--prompts {spec!r} holds no prompts")
     return rows[:limit] if limit else rows

@@ -32,13 +32,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from draftsmith.common.chat import encode_chat
+from draftsmith.common.errors import InputError
 from draftsmith.datagen.batched_generation import batch_support, generate_greedy_batch
 from draftsmith.datagen.chat_source import (
     iter_conversations,
@@ -48,32 +49,14 @@ from draftsmith.datagen.chat_source import (
     short_prompts,
     turns_before,
 )
-from draftsmith.datagen.resumable_jsonl import Progress, append_line, resume_or_start
+from draftsmith.datagen.regenerate_report import RegenerateReport, summary
+from draftsmith.datagen.resumable_jsonl import Progress, append_line, disk_full_named, resume_or_start
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
 
 TURNS = ("first", "all")
 DEFAULT_BATCH_SIZE = 8  # greedy first turns decoded at once: the weights are read once per step for 8 tokens
 CHUNK_ROWS = 16  # conversations per batch row in one chunk: a resume redoes at most one chunk
-
-
-@dataclass
-class RegenerateReport:
-    """What a run did; ``skipped`` maps a reason to a count of conversations not written."""
-
-    written: int = 0
-    resumed: int = 0  # lines already in the .partial file when the run started
-    truncated: int = 0  # "all" mode: later turns cut because the context was full
-    tokens: int = 0
-    seconds: float = 0.0
-    skipped: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def skip(self, reason: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
 
 def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
@@ -169,7 +152,8 @@ def regenerate(
     data: str, out: str | Path, target: str | None = None, limit: int | None = None, max_new_tokens: int = 256,
     temperature: float = 0.0, top_p: float = 1.0, turns: str = "first", dtype: str = "bf16", seed: int = 0,
     kernels: str = "auto", log: Callable[[str], None] | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-    topic: str = "all", skip: int = 0, max_prompt_tokens: int | None = None,
+    topic: str = "all", skip: int = 0, max_prompt_tokens: int | None = None, overwrite: bool = False,
+    trust_remote_code: bool = False,
 ) -> RegenerateReport:
     """Regenerate ``data`` with the target and write ``out`` (jsonl), resuming an interrupted ``out.partial``.
 
@@ -178,23 +162,20 @@ def regenerate(
     ``topic`` / ``skip``: only conversations on that topic, from source index ``skip`` on (``select_conversations``);
     ``max_prompt_tokens``: only conversations whose first reply's prompt has at most that many tokens, skipped
     before any model work (a run that trains at ``data.max_length`` L learns nothing from a reply behind a prompt of
-    ~L tokens, and its prefill is most of batched regeneration's time); ``limit`` counts the selected ones."""
+    ~L tokens, and its prefill is most of batched regeneration's time); ``limit`` counts the selected ones.
+    ``out`` must be a new file (or ``overwrite``), never ``data`` or inside the target: checked before any work.
+    ``trust_remote_code``: let a target folder's own code run (off by default)."""
+    from draftsmith import assets
+    from draftsmith.common.atomic_folder import check_output_file
     from draftsmith.runtime.serving import load_runtime
 
     _check_arguments(turns, max_new_tokens, limit, batch_size, max_prompt_tokens)
+    check_output_file(out, (data if Path(data).exists() else None, target and assets.resolve_target(target)), overwrite)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(out)
     partial, meta_path = Path(f"{out}.partial"), Path(f"{out}.partial.json")
     report = RegenerateReport()
-    conversations = select_conversations(iter_conversations(data, report), topic, skip)
-    try:
-        first = next(conversations, None)  # fail on empty data before the (slow) model load
-    except UnicodeDecodeError as err:
-        raise ValueError(f"--data {data} is not UTF-8 text ({err.reason}: a binary file?): pass a .jsonl/.json of "
-                         "conversations, or sharegpt") from None
-    if first is None:
-        where = "" if topic == "all" and not skip else f" on topic {topic!r} from source index {skip} on"
-        raise ValueError(f"no conversations in {data}{where}: expected records with 'conversations' or 'messages'")
+    first, conversations = _first_conversation(data, topic, skip, report)
     settings = {"data": data, "target": target, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "turns": turns, "dtype": dtype, "seed": seed, "batch_size": batch_size}
     if topic != "all" or skip:  # recorded only when used: a partial file of an older version still resumes
@@ -202,13 +183,13 @@ def regenerate(
     if max_prompt_tokens is not None:
         settings.update(max_prompt_tokens=max_prompt_tokens)
     report.resumed, last_done = resume_or_start(out, partial, meta_path, settings, log)
-    rt = load_runtime(None, target, dtype, kernels)
+    rt = load_runtime(None, target, dtype, kernels, trust_remote_code=trust_remote_code)
     # The ETA needs the total: one counting pass over the data (up to the limit), seconds against hours.
     counted = select_conversations(iter_conversations(data), topic, skip)
     total = sum(1 for _ in itertools.islice(short_prompts(counted, rt.tokenizer, max_prompt_tokens), limit))
     kept = short_prompts(itertools.chain([first], conversations), rt.tokenizer, max_prompt_tokens, report)
     items = enumerate(itertools.islice(kept, limit), 1)  # (seen, (index, messages))
-    with open(partial, "a", encoding="utf-8") as handle:
+    with disk_full_named(partial), open(partial, "a", encoding="utf-8") as handle:  # a full disk: one line
         run = _Run(rt.model, rt.tokenizer, stop_ids(rt.tokenizer, rt.eos_ids), context_limit(rt.model),
                    max_new_tokens, report, Progress(total, log), handle, last_done, log)
         if _batched(batch_size, turns, temperature, rt.model, log):
@@ -217,11 +198,25 @@ def regenerate(
             run.one_by_one(items, turns, temperature, top_p, seed)
     report.seconds = time.perf_counter() - run.progress.start
     if report.written + report.resumed == 0:
-        raise ValueError(f"no conversation of {data} could be regenerated (skipped: {report.skipped}); "
+        raise InputError(f"no conversation of {data} could be regenerated (skipped: {report.skipped}); "
                          f"{partial} is left in place")
     os.replace(partial, out)  # atomic: OUT appears only complete
     meta_path.unlink(missing_ok=True)
     return report
+
+
+def _first_conversation(data: str, topic: str, skip: int, report: RegenerateReport) -> tuple[Any, Iterator]:
+    """(the first selected conversation, the rest): empty or binary data fails here, before the (slow) model load."""
+    conversations = select_conversations(iter_conversations(data, report), topic, skip)
+    try:
+        first = next(conversations, None)
+    except UnicodeDecodeError as err:
+        raise InputError(f"--data {data} is not UTF-8 text ({err.reason}: a binary file?): pass a .jsonl/.json of "
+                         "conversations, or sharegpt") from None
+    if first is None:
+        where = "" if topic == "all" and not skip else f" on topic {topic!r} from source index {skip} on"
+        raise InputError(f"no conversations in {data}{where}: expected records with 'conversations' or 'messages'")
+    return first, conversations
 
 
 def _check_arguments(turns: str, max_new_tokens: int, limit: int | None, batch_size: int = 1,
@@ -229,13 +224,13 @@ def _check_arguments(turns: str, max_new_tokens: int, limit: int | None, batch_s
     """Refuse an unknown ``--turns`` mode and a non-positive ``--max-new-tokens``, ``--limit``, ``--batch-size`` or
     ``--max-prompt-tokens``."""
     if turns not in TURNS:
-        raise ValueError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")
+        raise InputError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")
     if max_new_tokens < 1 or (limit is not None and limit < 1):
-        raise ValueError("--max-new-tokens and --limit must be >= 1")
+        raise InputError("--max-new-tokens and --limit must be >= 1")
     if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1 (1 decodes one conversation at a time), got {batch_size}")
+        raise InputError(f"--batch-size must be >= 1 (1 decodes one conversation at a time), got {batch_size}")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
-        raise ValueError(f"--max-prompt-tokens must be >= 1 (or left out: every prompt that fits the context), "
+        raise InputError(f"--max-prompt-tokens must be >= 1 (or left out: every prompt that fits the context), "
                          f"got {max_prompt_tokens}")
 
 
@@ -331,14 +326,6 @@ class _Run:
                 first_unwritten[0] += 1
 
         generate_greedy_batch(self.model, [c[3] for c in chunk], [c[4] for c in chunk], self.eos, batch_size, done)
-
-
-def summary(report: RegenerateReport, out: str | Path) -> str:
-    """The one-paragraph summary printed at the end of ``draftsmith regenerate``."""
-    skipped = ", ".join(f"{n} {why}" for why, n in report.skipped.items()) or "none"
-    return (f"wrote {out}: {report.written + report.resumed} conversations ({report.resumed} resumed, "
-            f"{report.truncated} truncated at the context), skipped: {skipped}; generated {report.tokens} tokens "
-            f"in {report.seconds:.1f} s ({report.tokens_per_s:.1f} tokens/s)")
 
 
 __all__ = ["RegenerateReport", "first_turn_prompt", "iter_conversations", "normalize_messages", "regenerate",

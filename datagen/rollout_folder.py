@@ -9,10 +9,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from draftsmith.common.errors import DraftsmithError
+
 META, ROWS = "meta.json", "rollouts.jsonl"
 
 
-class RolloutFolderError(ValueError):
+class RolloutFolderError(DraftsmithError, ValueError):
     """A rollout folder that is missing, not a rollout folder, torn or without a pair; the message says the fix."""
 
 

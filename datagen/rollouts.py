@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.common.hf_forward import backbone, hf_forward
 from draftsmith.controllers.adaptive_temperature import (
     DEFAULT_GRID,
@@ -63,7 +64,7 @@ def length_warning(prompt_lengths: Sequence[int], max_new_tokens: int,
             "prompts (--limit / --prompts)")
 
 
-class RolloutError(ValueError):
+class RolloutError(DraftsmithError, ValueError):
     """A rollout folder cannot be written as asked (one actionable message)."""
 
 
@@ -218,6 +219,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is much faster on a busy machine)")
     p.add_argument("--out", required=True, help="rollout folder (resumes a partial one)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let a target folder that ships its own Python code (config.json auto_map) run it")
+
+
+def check_arguments(args: argparse.Namespace) -> tuple[tuple[float, ...], str]:
+    """Refuse out-of-range flags in one line naming the flag (before the target loads); returns the checked grid
+    and granularity."""
+    for flag, value, low in (("--limit", args.limit, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+                             ("--threads", args.threads, 1), ("--seed", args.seed, 0),
+                             ("--samples-per-prompt", args.samples_per_prompt, 2)):
+        if value is not None and value < low:
+            why = " to form a chosen/rejected pair" if flag == "--samples-per-prompt" else ""
+            raise RolloutError(f"{flag} must be >= {low}{why}, got {value}")
+    if args.dtype not in ("fp32", "bf16"):
+        raise RolloutError(f"--dtype {args.dtype!r}: rollouts run fp32 or bf16")
+    try:
+        grid = check_grid([t for t in args.grid.split(",") if t.strip()] if args.grid is not None else DEFAULT_GRID)
+    except ValueError as err:
+        raise RolloutError(f"--grid {args.grid}: {err}") from None
+    try:
+        return grid, check_granularity(args.granularity or "token")
+    except ValueError as err:
+        raise RolloutError(f"--granularity {args.granularity}: {err}") from None
 
 
 def cmd_rollouts(args: argparse.Namespace) -> int:
@@ -226,14 +250,11 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
 
     from draftsmith import assets
     from draftsmith.common.chat import encode_chat
+    from draftsmith.common.remote_code import refuse_remote_code
     from draftsmith.datagen.mixed_task import load_prompt_records
 
-    if args.samples_per_prompt < 2:
-        raise RolloutError(f"--samples-per-prompt must be >= 2 to form a chosen/rejected pair, got "
-                           f"{args.samples_per_prompt}")
+    grid, granularity = check_arguments(args)
     head = None
-    grid = check_grid([t for t in args.grid.split(",") if t.strip()] if args.grid is not None else DEFAULT_GRID)
-    granularity = check_granularity(args.granularity or "token")
     if args.controller:
         head, _ = AdaptiveTemperatureHead.from_export(args.controller)
         for flag, mine, theirs in (("--grid", grid, tuple(head.config.grid)),
@@ -246,9 +267,11 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = assets.resolve_target(args.target)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    trust = bool(getattr(args, "trust_remote_code", False))
+    refuse_remote_code(path, trust)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust).eval()
     if head is not None and head.config.hidden_size != model.config.hidden_size:
         raise RolloutError(f"the controller reads hidden size {head.config.hidden_size} but the target has "
                            f"{model.config.hidden_size}; use the target it was trained on")

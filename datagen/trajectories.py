@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.datagen.trajectory_folder import META, SHARD  # the format this writes
 from draftsmith.runtime.decoding.diffusion import DiffusionDecodeConfig, check_fits, diffusion_decode
 from draftsmith.runtime.target.diffusion_lm import DiffusionLM
 
 
-class TrajectoryError(ValueError):
+class TrajectoryError(DraftsmithError, ValueError):
     """A trajectory folder cannot be written or read as asked (one actionable message)."""
 
 

@@ -11,12 +11,14 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.errors import DraftsmithError
+
 META = "meta.json"
 SHARD = "shard-{:05d}.safetensors"
 SHARD_GLOB = "shard-*.safetensors"
 
 
-class TrajectoryFolderError(ValueError):
+class TrajectoryFolderError(DraftsmithError, ValueError):
     """A trajectory folder that is missing, empty, incomplete or corrupt; the message says the fix."""
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.errors import InputError
 from draftsmith.controllers.acceptance import AcceptanceHead, base_export_dir
 from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.drafting.base import ProposerWrapper, StepContext
@@ -68,7 +69,7 @@ class OutcomeRecorder(ProposerWrapper):
 def reliability(pred: torch.Tensor, label: torch.Tensor, bins: int = 10) -> dict[str, Any]:
     """Equal-width reliability bins over [0, 1]: ECE = sum_b (n_b / N) |mean label_b - mean pred_b|, plus Brier."""
     if pred.numel() == 0:
-        raise ValueError("no scored drafts: use more prompts or more new tokens")
+        raise InputError("no scored drafts: use more prompts or more new tokens")
     idx = (pred * bins).long().clamp(0, bins - 1)  # [N] bin of each prediction
     rows, ece = [], 0.0
     for b in range(bins):
@@ -142,7 +143,7 @@ def calibrate(drafter: str, prompts: str, out: str, target: str | None = None, n
 
     config = read_config(drafter)
     if config.get("method") != "specdecpp":
-        raise ValueError(f"{drafter} is a {config.get('method')!r} export; calibrate scores a SpecDec++ acceptance "
+        raise InputError(f"{drafter} is a {config.get('method')!r} export; calibrate scores a SpecDec++ acceptance "
                          "head (method 'specdecpp', from `python train.py recipe=specdecpp drafter=EXPORT_DIR`)")
     head, head_config = AcceptanceHead.from_export(drafter)
     base = base_export_dir(head_config)

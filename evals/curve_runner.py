@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.evals.learning_curve import EvalSettings, evaluate_export
 from draftsmith.runtime.shapes.cost_model import MachineCosts
 
@@ -41,7 +42,7 @@ DEFAULT_OVERRIDES = {"optim.scheduler": "constant", "validation.served_tau.every
 PROTECTED = ("hydra.run.dir", "trainer.max_steps", "trainer.max_time")  # the curve sets these itself
 
 
-class CurveError(ValueError):
+class CurveError(DraftsmithError, ValueError):
     """A curve that cannot run as asked (bad plan, another curve in the folder, a failed training segment)."""
 
 

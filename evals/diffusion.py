@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
+from draftsmith.common.errors import InputError
 from draftsmith.runtime.decoding.diffusion import (
     DiffusionDecodeConfig,
     baseline_policy,
@@ -115,7 +116,7 @@ def run_cli(args: Any) -> dict[str, Any]:
 
     caches = {"off": (False,), "on": (True,), "both": (False, True)}[args.cache]
     if args.threshold is not None and (args.filter is None or not 0 < args.threshold < 1):
-        raise ValueError(f"--threshold {args.threshold}: it is the Learn2PD filter's acceptance probability, so it "
+        raise InputError(f"--threshold {args.threshold}: it is the Learn2PD filter's acceptance probability, so it "
                          "needs --filter EXPORT and a value strictly between 0 and 1")
     if args.threads:
         torch.set_num_threads(int(args.threads))
@@ -134,7 +135,7 @@ def run_cli(args: Any) -> dict[str, Any]:
         prompts = load_prompts(args.prompts, lm.tokenizer, args.limit)
     cfg = DiffusionDecodeConfig(gen_length=args.gen_length, steps_per_block=steps, temperature=args.temperature)
     if True in caches and not supports_prefix_cache(lm.spec):  # before any decode, not after the uncached modes
-        raise ValueError(f"--cache {args.cache}: {args.target} has no exact prefix cache (full attention or no shift, "
+        raise InputError(f"--cache {args.cache}: {args.target} has no exact prefix cache (full attention or no shift, "
                          "e.g. LLaDA or Dream); use --cache off")
     modes = sum(1 for m in MODES if filt is not None or "learn2pd" not in m) * len(caches)
     from tqdm import tqdm

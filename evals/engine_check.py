@@ -36,6 +36,7 @@ import torch
 from draftsmith.bench import llamacpp
 from draftsmith.bench.prompts import load_prompts
 from draftsmith.bench.timing import time_interleaved
+from draftsmith.common.errors import InputError
 from draftsmith.export.format import read_config
 from draftsmith.export.gguf import SPEC_TYPES
 from draftsmith.runtime.decoding import metrics
@@ -135,11 +136,11 @@ def engine_check(export_dir: str | Path, target_gguf: str | Path, draft_gguf: st
         raise llamacpp.LlamaCppMissing(reason)
     config = read_config(export_dir)
     if config["method"] not in SPEC_TYPES:
-        raise ValueError(f"llama.cpp runs {', '.join(LABELS.values())} drafters; {export_dir} is a "
+        raise InputError(f"llama.cpp runs {', '.join(LABELS.values())} drafters; {export_dir} is a "
                          f"{config['method']!r} export")
     n_max = default_n_max(config) if n_max is None else n_max
     if n_max < 1:
-        raise ValueError(f"--draft-n-max must be >= 1, got {n_max}")
+        raise InputError(f"--draft-n-max must be >= 1, got {n_max}")
     options, stop = runtime_options(export_dir, n_max)
     runtime = load_runtime(str(export_dir), None, dtype, proposer_options=options, stop_policy=stop)
     hf_ids = load_prompts(prompts, runtime.tokenizer, num_prompts)

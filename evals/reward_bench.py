@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.bench.controller import bench_controller, overhead_text
+from draftsmith.common.errors import InputError
 
 
 def layer_names(exports: list[str]) -> dict[str, str]:
@@ -54,7 +55,7 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
     if args.grid is not None:
         grids.add(check_grid([t for t in args.grid.split(",") if t.strip()]))
     if len(grids) > 1:
-        raise ValueError(f"the controllers and --grid use different temperature grids {sorted(grids)}; bench them "
+        raise InputError(f"the controllers and --grid use different temperature grids {sorted(grids)}; bench them "
                          "separately (or drop --grid)")
     grid = list(next(iter(grids))) if grids else list(DEFAULT_GRID)
     target = args.target or (read_config(exports[0])["target"]["name_or_path"] if exports else "smollm2-135m")
@@ -63,7 +64,7 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # the dtype rollouts sample in
     for name, head in layers.items():
         if head.config.hidden_size != model.config.hidden_size:
-            raise ValueError(f"{names[name]} reads hidden size {head.config.hidden_size} but {target} has "
+            raise InputError(f"{names[name]} reads hidden size {head.config.hidden_size} but {target} has "
                              f"{model.config.hidden_size}; bench it with the target it was trained on")
     records = load_prompt_records(args.prompts, args.num_prompts)
     for r in records:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.bench.prompts import load_prompts
+from draftsmith.common.errors import ConfigError
 from draftsmith.export.format import read_config
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.prompt_limits import context_limit
@@ -48,11 +49,11 @@ class ServedTauProbe:
 
     def __post_init__(self) -> None:
         if int(self.every) < 1:
-            raise ValueError(f"validation.served_tau.every must be >= 1 for a probe (0 turns it off), got {self.every}")
+            raise ConfigError(f"validation.served_tau.every must be >= 1 for a probe (0: off), got {self.every}")
         if int(self.prompts) < 1:
-            raise ValueError(f"validation.served_tau.prompts must be >= 1, got {self.prompts}")
+            raise ConfigError(f"validation.served_tau.prompts must be >= 1, got {self.prompts}")
         if int(self.max_new_tokens) < 1:
-            raise ValueError(f"validation.served_tau.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError(f"validation.served_tau.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
     def serves(self, method: str) -> bool:
         """Whether the runtime has a proposer for exports of ``method`` (controllers and target makers: no)."""
@@ -89,7 +90,7 @@ def probe_from_config(cfg: Any) -> ServedTauProbe | None:
         return None
     every = int(block.get("every", 1) or 0)
     if every < 0:
-        raise ValueError(f"validation.served_tau.every must be >= 0 (0 = off), got {every}")
+        raise ConfigError(f"validation.served_tau.every must be >= 0 (0 = off), got {every}")
     if every == 0:
         return None
     return ServedTauProbe(every=every, prompts=int(block.get("prompts", 4)),

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from draftsmith.common.errors import InputError
 from draftsmith.common.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def get_format(name: str) -> ExportFormat:
     """The format ``name``; an unknown one lists the valid values."""
     found = converters().get(name)
     if found is None:
-        raise ValueError(f"unknown --format {name!r}; valid: {', '.join(export_formats())}")
+        raise InputError(f"unknown --format {name!r}; valid: {', '.join(export_formats())}")
     return found
 
 

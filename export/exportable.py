@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from draftsmith.export.format import ExportError, read_export, verify_identity
+from draftsmith.export.schema import check_field_types
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -105,6 +106,7 @@ class Exportable:
                "the drafter with this draftsmith")
         if unknown and not cls.extra_architecture_keys:
             raise ExportError(f"{claims} fields {unknown} are unknown to {cls.config_class.__name__}; {fix}")
+        check_field_types(cls.config_class, arch, export.path / "config.json")
         try:
             return cls.config_class(**{k: v for k, v in arch.items() if k in known})
         except (TypeError, ValueError) as err:
@@ -114,6 +116,13 @@ class Exportable:
 def load_exported_state(module: nn.Module, export: ExportContents, unexported: tuple[str, ...] = ()) -> None:
     """Load ``export.state`` into ``module`` strictly: missing (except ``unexported`` prefixes) or unexpected keys
     raise ExportError naming the export and the keys (non-persistent buffers are never in exports)."""
+    own = module.state_dict()
+    for name, tensor in export.state.items():  # a config.json edited against its weights: named, not torch's text
+        if name in own and tuple(own[name].shape) != tuple(tensor.shape):
+            raise ExportError(f"{export.path} ({export.config.get('method')}): config.json's architecture gives "
+                              f"{name} the shape {list(own[name].shape)}, the weights hold {list(tensor.shape)}: the "
+                              "config and the weights disagree; restore the config.json written with them, or "
+                              "re-export it")
     missing, unexpected = module.load_state_dict(export.state, strict=False)
     missing = [k for k in missing if not k.startswith(unexported)] if unexported else list(missing)
     if missing or unexpected:

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 import draftsmith
 from draftsmith.common.atomic_folder import DiskFullError, OutputKind, OutputRefused, write_folder
 from draftsmith.common.diffusion_format import DIFFUSION_KEY
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.export.identity import export_digest
 
 FORMAT_NAME = "draftsmith"
@@ -37,12 +38,16 @@ IDENTITY_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "fingerprin
 LATER_IDENTITY_FIELDS = ("lm_head",)
 
 
-class ExportError(RuntimeError):
+class ExportError(DraftsmithError, RuntimeError):
     """An export folder is missing, incomplete or corrupt."""
 
 
 class TargetMismatchError(ExportError):
     """An export is being used with a target other than the one it was trained for."""
+
+
+class ExportSchemaError(ExportError, ValueError):
+    """An export's config.json breaks its schema (export/schema.py): the message names the key."""
 
 
 def is_export_output(folder: Path) -> bool:
@@ -95,7 +100,8 @@ def tensor_bytes(parts: dict[str, dict[str, torch.Tensor]] | dict[str, torch.Ten
     return sum(tensor_bytes(v) if isinstance(v, dict) else v.numel() * v.element_size() for v in parts.values())
 
 
-def _part_file(name: str) -> str:
+def part_file(name: str) -> str:
+    """The file a weight part is stored in, beside config.json: ``model.safetensors`` or ``<name>.safetensors``."""
     return WEIGHTS_FILE if name == MAIN_PART else f"{name}.safetensors"
 
 
@@ -113,13 +119,13 @@ def write_export(out_dir: str | Path, state_dict: dict[str, torch.Tensor], confi
     tensors = {n: {k: v.detach().to("cpu").contiguous() for k, v in sd.items()} for n, sd in all_parts.items()}
     shapes = {n: {k: list(v.shape) for k, v in t.items()} for n, t in tensors.items()}
     full = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "draftsmith_version": draftsmith.__version__,
-            **config, "parts": {n: {"file": _part_file(n), "tensors": len(t)} for n, t in tensors.items()},
+            **config, "parts": {n: {"file": part_file(n), "tensors": len(t)} for n, t in tensors.items()},
             "identity": {"method": str(config["method"]),
                          "digest": export_digest(config["method"], config["architecture"], shapes)}}
 
     def fill(tmp: Path) -> None:
         for name, part in tensors.items():
-            save_file(part, str(tmp / _part_file(name)), metadata={"format": "pt", "method": str(config["method"]),
+            save_file(part, str(tmp / part_file(name)), metadata={"format": "pt", "method": str(config["method"]),
                                                                    "part": name})
         (tmp / CONFIG_FILE).write_text(json.dumps(full, indent=2, sort_keys=False) + "\n")
 
@@ -141,17 +147,26 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
         raise ExportError(f"{cfg_path} is missing: {path} is not a draftsmith export (or it is incomplete)")
     try:
         config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ExportError(f"{cfg_path} is not valid JSON ({err}); re-export the drafter") from err
-    if config.get("format") != FORMAT_NAME:
-        raise ExportError(f"{cfg_path} has format {config.get('format')!r}, expected {FORMAT_NAME!r}; "
-                          "converted exports (medusa/speculators layouts) are for other engines")
-    if int(config.get("format_version", 0)) > FORMAT_VERSION:
-        raise ExportError(f"{cfg_path} has format_version {config['format_version']}; this draftsmith reads "
-                          f"<= {FORMAT_VERSION}: upgrade draftsmith")
+    if not isinstance(config, dict) or config.get("format") != FORMAT_NAME:
+        from draftsmith.export.folder_kinds import folder_kind
+
+        found = folder_kind(path)
+        if found.kind == "export":  # an export whose format field was edited
+            raise ExportError(f"{cfg_path}: format must be {FORMAT_NAME!r}, got {config.get('format')!r}; restore "
+                              "the value the export was written with, or re-export the drafter")
+        raise ExportError(f"{path} is {found.label}, not a draftsmith export: pass the folder `draftsmith export` or "
+                          "training (<run dir>/export) wrote")
     for key in ("method", "architecture", "target"):
         if key not in config:
             raise ExportError(f"{cfg_path} lacks the {key!r} field; re-export the drafter")
+    from draftsmith.export.schema import validate_config
+
+    validate_config(config, cfg_path)
+    if config.get("format_version", 1) > FORMAT_VERSION:
+        raise ExportError(f"{cfg_path} has format_version {config['format_version']}; this draftsmith reads "
+                          f"<= {FORMAT_VERSION}: upgrade draftsmith")
     if isinstance(config["architecture"], dict):
         config["architecture"] = ArchitectureFields(config["architecture"], path, config)
     return config
@@ -189,13 +204,24 @@ class ArchitectureFields(dict):
         return dict, (dict(self),)
 
 
+def refuse_non_finite(state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Refuse (:class:`ExportError`) weights holding NaN or inf: served, they would draft nonsense without a word."""
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ExportError(f"{path}: {name} holds {bad} NaN/inf values (of {tensor.numel()}): the weights are "
+                              "damaged or the training diverged; export a checkpoint from before it, or retrain")
+
+
 def _load_part(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise ExportError(f"{path} is missing; re-export the drafter")
     try:
-        return load_file(str(path))
+        state = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
         raise ExportError(f"{path} is corrupt or truncated ({err}); re-export the drafter") from err
+    refuse_non_finite(state, path)
+    return state
 
 
 def read_export(export_dir: str | Path, verify: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -212,7 +238,7 @@ def read_export_parts(export_dir: str | Path) -> tuple[dict[str, Any], dict[str,
     config = read_config(export_dir)
     verify_identity(export_dir, config)
     names = list((config.get("parts") or {MAIN_PART: {}}).keys())
-    return config, {n: _load_part(Path(export_dir) / _part_file(n)) for n in names}
+    return config, {n: _load_part(Path(export_dir) / part_file(n)) for n in names}
 
 
 class ExportIdentityError(ExportError):
@@ -242,7 +268,7 @@ def verify_identity(export_dir: str | Path, config: dict[str, Any]) -> None:
     recorded = config.get("identity") or {}
     if not recorded.get("digest"):
         return
-    shapes = {n: _header_shapes(Path(export_dir) / _part_file(n)) for n in (config.get("parts") or {MAIN_PART: {}})}
+    shapes = {n: _header_shapes(Path(export_dir) / part_file(n)) for n in (config.get("parts") or {MAIN_PART: {}})}
     if export_digest(config["method"], dict(config["architecture"]), shapes) == recorded["digest"]:
         return
     written_as = recorded.get("method")
@@ -261,7 +287,7 @@ def export_fingerprint(export_dir: str | Path) -> str:
     config = read_config(export_dir)
     digest = hashlib.sha256((Path(export_dir) / CONFIG_FILE).read_bytes())
     for name in (config.get("parts") or {MAIN_PART: {}}):
-        with open(Path(export_dir) / _part_file(name), "rb") as fh:
+        with open(Path(export_dir) / part_file(name), "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)
     return "sha256:" + digest.hexdigest()

@@ -45,6 +45,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
+from draftsmith.common.errors import InputError
 from draftsmith.export.converters import ConvertRequest, ExportFormat, register_format
 from draftsmith.export.format import ExportError, atomic_folder_write, read_config, read_export
 from draftsmith.export.speculators import speculators_config, speculators_tensors, verifier_architectures
@@ -122,7 +123,7 @@ def run_converter(root: Path, model_dir: Path, outfile: Path, target_dir: Path |
 def quantize(root: Path, src: Path, out: Path, qtype: str, threads: int = 2) -> Path:
     """``llama-quantize SRC OUT QTYPE`` (the target; the drafter stays BF16)."""
     if qtype.upper() not in QUANT_TYPES:
-        raise ValueError(f"--quantize {qtype!r}; valid: {', '.join(QUANT_TYPES)}")
+        raise InputError(f"--quantize {qtype!r}; valid: {', '.join(QUANT_TYPES)}")
     proc = subprocess.run([str(root / "bin" / "llama-quantize"), str(src), str(out), qtype.upper(), str(threads)],
                           capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
     if proc.returncode != 0 or not out.is_file():

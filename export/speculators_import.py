@@ -41,7 +41,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from draftsmith.common.constants import EAGLE_TREE_PROPOSER, STOP_FIXED
-from draftsmith.export.format import ExportError, TargetMismatchError, write_export
+from draftsmith.export.folder_kinds import folder_kind
+from draftsmith.export.format import ExportError, TargetMismatchError, refuse_non_finite, write_export
 from draftsmith.export.speculators import _LAYER_PARTS
 
 log = logging.getLogger(__name__)
@@ -53,27 +54,40 @@ _UNSUPPORTED_FLAGS = {"norm_before_residual": "train with --no-norm-before-resid
                       "norm_before_fc": "train with --no-norm-before-fc", "fc_norm": "train without --fc-norm",
                       "norm_output": "train with --no-norm-output"}
 _SKIPPED = ("verifier_norm.weight", "verifier_lm_head.weight", "embed_tokens.weight")
+_IMPORT_HINTS = {"export": ": it is already a draftsmith export; pass it as --drafter",
+                 "converted": ": pass the draftsmith export it was converted from as --drafter",
+                 "model": ": pass a model folder as --target, and import the speculators checkpoint trained for it"}
 
 
 def read_speculators(spec_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json, tensors) of a speculators folder; a missing, non-eagle3 or unreadable one is one line."""
     folder = Path(spec_dir)
     config_path, weights = folder / "config.json", folder / "model.safetensors"
+    found = folder_kind(folder)
+    if found.kind not in ("speculators", "unknown", "file", "missing", "empty"):
+        raise ExportError(f"{folder} is {found.label}, not a speculators checkpoint: `draftsmith import` reads the "
+                          "folders the speculators trainer saves (config.json with speculators_model_type, and "
+                          "model.safetensors)" + _IMPORT_HINTS.get(found.kind, ""))
     if not config_path.is_file() or not weights.is_file():
         raise ExportError(f"{folder} is not a speculators checkpoint: it needs config.json and model.safetensors "
                           "(what the speculators trainer saves in its checkpoint folders)")
     try:
         config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ExportError(f"{config_path} is not valid JSON ({err})") from err
+    if not isinstance(config, dict) or "speculators_model_type" not in config:
+        raise ExportError(f"{config_path} has no speculators_model_type: {folder} is not a speculators checkpoint "
+                          "(the speculators trainer writes speculators_model_type: eagle3)")
     kind = config.get("speculators_model_type")
     if kind != "eagle3":
         raise ExportError(f"{folder} is a speculators {kind!r} checkpoint; draftsmith imports eagle3 checkpoints "
                           "(its EAGLE-3 runtime); other types have no draftsmith drafter of the same shape")
     try:
-        return config, load_file(str(weights))
+        state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as err:
         raise ExportError(f"{weights} is corrupt or truncated ({err})") from err
+    refuse_non_finite(state, weights)
+    return config, state
 
 
 def verifier_name(config: dict[str, Any]) -> str | None:
@@ -81,9 +95,20 @@ def verifier_name(config: dict[str, Any]) -> str | None:
     return ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
 
 
+def layer_config(config: dict[str, Any], source: str | Path, required: bool = False) -> dict[str, Any]:
+    """config.json's ``transformer_layer_config`` (the draft layer), refused in one line when it is not an object."""
+    layer = config.get("transformer_layer_config")
+    if layer is None and not required:
+        return {}
+    if not isinstance(layer, dict):
+        raise ExportError(f"{source}: config.json's transformer_layer_config must be an object (the draft layer's "
+                          f"config), got {type(layer).__name__}")
+    return layer
+
+
 def check_layer(config: dict[str, Any], source: str | Path) -> dict[str, Any]:
     """The draft layer's config, refused in one line when draftsmith's EAGLE-3 layer cannot compute it."""
-    layer = config.get("transformer_layer_config") or {}
+    layer = layer_config(config, source)
     problems = [f"{flag}=true ({fix})" for flag, fix in _UNSUPPORTED_FLAGS.items() if config.get(flag)]
     if int(layer.get("num_hidden_layers", 1)) != 1:
         problems.append(f"{layer['num_hidden_layers']} draft layers (train with --num-layers 1)")
@@ -108,9 +133,20 @@ def _rope_theta(layer: dict[str, Any]) -> float:
     return float(theta)
 
 
-def architecture_of(config: dict[str, Any], num_target_layers: int) -> dict[str, Any]:
-    """draftsmith's EAGLE-3 ``architecture`` block of a speculators eagle3 config (module docstring)."""
-    layer = config["transformer_layer_config"]
+def architecture_of(config: dict[str, Any], num_target_layers: int, source: str | Path = "") -> dict[str, Any]:
+    """draftsmith's EAGLE-3 ``architecture`` block of a speculators eagle3 config (module docstring); a missing or
+    mistyped key is one line naming it."""
+    layer = layer_config(config, source, required=True)
+    try:
+        return _architecture(config, layer, num_target_layers)
+    except KeyError as err:
+        raise ExportError(f"{source}: config.json's transformer_layer_config lacks {err}") from None
+    except (TypeError, ValueError) as err:
+        raise ExportError(f"{source}: config.json holds a value of the wrong type ({err}): the draft layer's sizes "
+                          "are integers, its ids a list of integers") from None
+
+
+def _architecture(config: dict[str, Any], layer: dict[str, Any], num_target_layers: int) -> dict[str, Any]:
     heads = int(layer["num_attention_heads"])
     aux = config.get("eagle_aux_hidden_state_layer_ids")
     if not aux:  # speculators' resolve_target_layer_ids default
@@ -164,7 +200,39 @@ def draftsmith_tensors(state: dict[str, torch.Tensor], arch: dict[str, Any], sou
                                   "was trained for another verifier; pass the target it was trained for with --target")
     out = {new: state[old].float().contiguous() for old, new in names.items()}
     out.update(vocab_maps(state, arch, source))
+    check_shapes(out, arch, source)
     return out
+
+
+def expected_shapes(arch: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """draftsmith EAGLE-3 tensor -> (shape the architecture implies, the config keys that size it)."""
+    h, i, v, n = arch["hidden_size"], arch["intermediate_size"], arch["vocab_size"], arch["draft_vocab_size"]
+    q, kv = arch["num_attention_heads"] * arch["head_dim"], arch["num_key_value_heads"] * arch["head_dim"]
+    heads, kv_heads = "num_attention_heads x head_dim", "num_key_value_heads x head_dim"
+    shapes = {"fc.weight": ((h, len(arch["target_layers"]) * h), "hidden_size, eagle_aux_hidden_state_layer_ids"),
+              "norm.weight": ((h,), "hidden_size"), "lm_head.weight": ((n, h), "draft_vocab_size, hidden_size"),
+              "layer.self_attn.q_proj.weight": ((q, 2 * h), heads), "layer.self_attn.k_proj.weight": ((kv, 2 * h),
+                                                                                                     kv_heads),
+              "layer.self_attn.v_proj.weight": ((kv, 2 * h), kv_heads), "layer.self_attn.o_proj.weight": ((h, q),
+                                                                                                         heads),
+              "layer.mlp.gate_proj.weight": ((i, h), "intermediate_size"),
+              "layer.mlp.up_proj.weight": ((i, h), "intermediate_size"),
+              "layer.mlp.down_proj.weight": ((h, i), "intermediate_size"), "d2t": ((n,), "draft_vocab_size"),
+              "t2d": ((v,), "vocab_size")}
+    shapes.update({f"layer.{p}": ((h,), "hidden_size") for p in ("input_layernorm.weight", "hidden_norm.weight",
+                                                                  "post_attention_layernorm.weight")})
+    return shapes
+
+
+def check_shapes(tensors: dict[str, torch.Tensor], arch: dict[str, Any], source: str | Path) -> None:
+    """Refuse a checkpoint whose config.json and weights disagree (ExportError naming the config keys, the tensor
+    and both shapes): imported as is, its export would record an identity its weights do not have."""
+    for name, (shape, keys) in expected_shapes(arch).items():
+        found = tuple(tensors[name].shape) if name in tensors else None
+        if found is not None and found != shape:
+            raise ExportError(f"{source}: config.json and model.safetensors disagree: {keys} give {name} the shape "
+                              f"{list(shape)}, the weights hold {list(found)}; import the config.json saved with these "
+                              "weights (a checkpoint folder of the speculators trainer is imported as saved)")
 
 
 def vocab_maps(state: dict[str, torch.Tensor], arch: dict[str, Any], source: str | Path) -> dict[str, torch.Tensor]:
@@ -203,7 +271,7 @@ def import_speculators(spec_dir: str | Path, out_dir: str | Path, identity: dict
     """
     config, state = read_speculators(spec_dir)
     check_layer(config, spec_dir)
-    arch = architecture_of(config, int(identity["num_hidden_layers"]))
+    arch = architecture_of(config, int(identity["num_hidden_layers"]), spec_dir)
     check_sizes(config, arch, identity, spec_dir)
     tensors = draftsmith_tensors(state, arch, spec_dir, embed_weight)
     provenance = {"format": "speculators", "path": str(Path(spec_dir).resolve()),

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.common.dtypes import DTYPES, dtype_from_name
+from draftsmith.common.errors import InputError
 
 # Flags (Linux /proc/cpuinfo spelling) that each level keeps; a level keeps the ones below it too.
 _LEVELS: dict[str, frozenset[str]] = {
@@ -161,7 +162,7 @@ def cap_at(caps: CpuCaps, level: str) -> CpuCaps:
     unknown level, listing the valid ones."""
     level = level.strip().lower()
     if level not in _LEVELS:
-        raise ValueError(f"{ISA_ENV}={level!r} is not a level; valid: {', '.join(LEVELS)}")
+        raise InputError(f"{ISA_ENV}={level!r} is not a level; valid: {', '.join(LEVELS)}")
     allowed = frozenset().union(*(_LEVELS[n] for n in LEVELS[: LEVELS.index(level) + 1]))
     above = frozenset().union(*(_LEVELS[n] for n in LEVELS[LEVELS.index(level) + 1 :]))
     return CpuCaps(caps.arch, frozenset(f for f in caps.flags if f in allowed or f not in above), caps.model,
@@ -238,5 +239,5 @@ def resolve_dtype(name: str, device: torch.device | str, caps: CpuCaps | None = 
         native, why = native_bf16(device, caps)
         return (torch.bfloat16, f"auto -> bf16 ({why})") if native else (torch.float32, f"auto -> fp32 ({why})")
     if str(name).lower().removeprefix("torch.") not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; valid: auto, {', '.join(DTYPES)}")
+        raise InputError(f"unknown dtype {name!r}; valid: auto, {', '.join(DTYPES)}")
     return dtype_from_name(name), f"{name} (as configured)"

@@ -29,6 +29,7 @@ from types import ModuleType
 
 import torch
 
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.kernels import cpu_caps
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decoder_layer.cpp")
 
 
-class CpuLayerUnavailable(RuntimeError):
+class CpuLayerUnavailable(DraftsmithError, RuntimeError):
     """The fused CPU layer cannot run here; the message says why (CPU flags, compiler, shapes)."""
 
 

@@ -18,10 +18,12 @@ import os
 
 import torch
 
+from draftsmith.common.errors import DraftsmithError, InputError
+
 BACKENDS = ("auto", "torch", "triton")
 
 
-class KernelBackendError(RuntimeError):
+class KernelBackendError(DraftsmithError, RuntimeError):
     """The requested kernel backend cannot run here (triton missing, or tensors not on CUDA)."""
 
 
@@ -42,7 +44,7 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
     Raises ValueError for an unknown backend name and KernelBackendError when ``"triton"`` is forced but cannot run.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+        raise InputError(f"unknown kernel backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
     on_cuda = all(t.is_cuda for t in tensors) and len(tensors) > 0
     if backend == "torch":
         return "torch"

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from draftsmith import assets
+from draftsmith.common.errors import InputError, InputNotFoundError
 from draftsmith.export.format import read_config
 from draftsmith.export.identity import target_identity
 from draftsmith.kernels import cpu_caps
@@ -35,7 +36,7 @@ def eos_ids_from_folder(folder: str | Path) -> tuple[int, ...]:
             try:
                 eos = json.loads(path.read_text()).get("eos_token_id")
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path} is not valid JSON (line {err.lineno}: {err.msg}): re-download or re-save "
+                raise InputError(f"{path} is not valid JSON (line {err.lineno}: {err.msg}): re-download or re-save "
                                  "the target (save_pretrained)") from err
             if eos is not None:
                 return tuple(eos) if isinstance(eos, list) else (int(eos),)
@@ -76,7 +77,7 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"proposer option {pair!r} must look like key=value (e.g. depth=2)")
+            raise InputError(f"proposer option {pair!r} must look like key=value (e.g. depth=2)")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -123,7 +124,9 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
     (None: sized from each request, as plain decoding sizes its own); ``trust_remote_code`` lets a target folder's own
     code run (off: such a folder is refused in one line naming ``--trust-remote-code``).
     Verifier, stop policy and proposer options: the flags where given, else the export's ``inference`` block
-    (``runtime.inference`` records each choice and its source; see ``draftsmith.runtime.acceptance.choice``)."""
+    (``runtime.inference`` records each choice and its source; see ``draftsmith.runtime.acceptance.choice``).
+    ``trust_remote_code``: transformers' flag for the target's tokenizer and config, always passed (off by default),
+    so transformers never asks on stdin."""
     from transformers import AutoConfig, AutoTokenizer
 
     stop_policy = None if stop_policy in ("auto", "export") else stop_policy  # the export's; bench may tune it
@@ -133,8 +136,8 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
     name = target or (export_config["target"]["name_or_path"] if export_config else "smollm2-135m")
     folder = assets.resolve_target(name)
     if not Path(folder).is_dir():
-        raise FileNotFoundError(f"target folder {folder} not found; pass --target PATH to the target the drafter "
-                                "was trained for")
+        raise InputNotFoundError(f"target folder {folder} not found; pass --target PATH to the target the drafter "
+                                 "was trained for")
     load_hf_config(folder)  # a corrupt config.json is named here, not as transformers' bare JSON error
     trusted = check_custom_code(folder, trust_remote_code)  # refused in one line unless the user opted in
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trusted)

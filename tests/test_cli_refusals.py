@@ -138,7 +138,7 @@ def test_bench_out_that_cannot_be_written_fails_before_the_bench(capsys, nothing
     blocker.write_text("the user's")
     for out in (blocker, blocker / "sub"):  # a file, and a folder that cannot be made under a file
         line = refused(capsys, ["bench", "--drafter", str(medusa_export), "--out", str(out)])
-        assert line.startswith(f"draftsmith bench: error: --out {out} ") and "nothing was run" in line, line
+        assert line.startswith(f"draftsmith bench: error: --out {out} ") and "nothing was written" in line, line
     assert blocker.read_text() == "the user's"
 
 

@@ -38,7 +38,7 @@ from recipe_configs import recipe_config
 from safetensors.torch import load_file
 
 from draftsmith.cli import main
-from draftsmith.cli.training import _convert
+from draftsmith.cli.exporting import _convert
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
 from draftsmith.export.dflash import speculators_aux_ids, to_speculators_dflash, to_zlab, zlab_layer_ids

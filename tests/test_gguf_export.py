@@ -21,7 +21,7 @@ from recipe_configs import recipe_config
 from safetensors.torch import load_file
 
 from draftsmith.bench import llamacpp
-from draftsmith.cli.training import _convert, _to_gguf
+from draftsmith.cli.exporting import _convert, _to_gguf
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
 from draftsmith.evals.engine_check import texts_lossless

@@ -116,7 +116,7 @@ def test_formats_follow_the_converters():
 def test_a_format_is_one_declaration_the_cli_reads(tmp_path, medusa_export):
     """A format registered by one module is a ``--format`` choice and is dispatched to, with no CLI edit."""
     from draftsmith.cli import build_parser
-    from draftsmith.cli.training import _convert
+    from draftsmith.cli.exporting import _convert
     from draftsmith.export.format import read_config
 
     calls = []
@@ -164,7 +164,7 @@ def test_gpu_check_reads_the_registrations(monkeypatch):
 
 def test_cli_format_choices_and_refusals_come_from_the_registrations(tmp_path):
     from draftsmith.cli import build_parser
-    from draftsmith.cli.training import _convert
+    from draftsmith.cli.exporting import _convert
 
     parser = build_parser()
     export = next(a for a in parser._subparsers._group_actions[0].choices["export"]._actions if a.dest == "format")

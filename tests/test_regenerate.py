@@ -189,11 +189,12 @@ def test_max_prompt_tokens_keeps_short_prompts_counts_the_rest_and_the_limit_cou
     assert every.written == len(questions) and not every.skipped
     with pytest.raises(ValueError, match="--max-prompt-tokens must be >= 1"):
         regen.regenerate(str(data), tmp_path / "bad.jsonl", target=str(tiny_target_dir), max_prompt_tokens=0)
-    Path(f"{out}.partial").write_text("")
-    Path(f"{out}.partial.json").write_text(json.dumps({"data": str(data), "target": str(tiny_target_dir),
-                                                      "max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0,
-                                                      "turns": "first", "dtype": "fp32", "seed": 0,
-                                                      "batch_size": regen.DEFAULT_BATCH_SIZE,
-                                                      "max_prompt_tokens": cut}))
+    other = tmp_path / "other.jsonl"  # an interrupted run (out itself is finished: a new run there is refused)
+    Path(f"{other}.partial").write_text("")
+    Path(f"{other}.partial.json").write_text(json.dumps({"data": str(data), "target": str(tiny_target_dir),
+                                                        "max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0,
+                                                        "turns": "first", "dtype": "fp32", "seed": 0,
+                                                        "batch_size": regen.DEFAULT_BATCH_SIZE,
+                                                        "max_prompt_tokens": cut}))
     with pytest.raises(ValueError, match="other settings"):
-        regen.regenerate(str(data), out, target=str(tiny_target_dir), max_prompt_tokens=cut + 1, **SMALL)
+        regen.regenerate(str(data), other, target=str(tiny_target_dir), max_prompt_tokens=cut + 1, **SMALL)

@@ -124,3 +124,39 @@ def test_other_speculators_types_and_missing_files_are_refused(tmp_path, target)
     save_file({"fc.weight": torch.zeros(1)}, str(tmp_path / "d" / "model.safetensors"))
     with pytest.raises(ExportError, match="'dflash' checkpoint; draftsmith imports eagle3"):
         import_speculators(tmp_path / "d", tmp_path / "x", target.identity())
+
+
+@pytest.mark.parametrize("changes,names", [
+    ({"intermediate_size": 96}, "intermediate_size give layer.mlp.gate_proj.weight the shape [96, 64], the weights "
+                                "hold [128, 64]"),
+    ({"num_attention_heads": 8, "head_dim": None}, "num_key_value_heads x head_dim give layer.self_attn.k_proj"),
+])
+def test_a_config_that_disagrees_with_its_weights_is_refused(tmp_path, target, tiny_target_dir, changes, names):
+    """It was imported, and the export stamped with a fresh identity its weights do not have."""
+    export, _ = export_eagle3(target, tmp_path / "export")
+    spec = to_speculators(export, tmp_path / "spec", str(tiny_target_dir))
+
+    def edit(config):
+        for key, value in changes.items():
+            if value is None:
+                config["transformer_layer_config"].pop(key, None)
+            else:
+                config["transformer_layer_config"][key] = value
+
+    _edit(spec, edit)
+    with pytest.raises(ExportError, match="config.json and model.safetensors disagree: " + names.replace("[", r"\[")
+                       .replace("]", r"\]")):
+        import_speculators(spec, tmp_path / "x", target.identity(), target.embed_weight)
+    assert not (tmp_path / "x").exists()
+
+
+def test_nan_weights_and_mistyped_configs_are_refused(tmp_path, target, tiny_target_dir):
+    export, _ = export_eagle3(target, tmp_path / "export")
+    spec = to_speculators(export, tmp_path / "spec", str(tiny_target_dir))
+    _edit(spec, lambda c: c.update(transformer_layer_config=[1]))
+    with pytest.raises(ExportError, match="transformer_layer_config must be an object"):
+        import_speculators(spec, tmp_path / "x", target.identity())
+    spec = to_speculators(export, tmp_path / "spec2", str(tiny_target_dir))
+    _edit(spec, tensor_edit=lambda t: t.update({"fc.weight": t["fc.weight"] * float("nan")}))
+    with pytest.raises(ExportError, match="fc.weight holds .* NaN/inf values"):
+        import_speculators(spec, tmp_path / "x", target.identity())

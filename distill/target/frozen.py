@@ -154,11 +154,14 @@ class Target(nn.Module):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from draftsmith.assets import resolve_target
+        from draftsmith.common.remote_code import refuse_remote_code
 
         torch_dtype, why = resolve_target_dtype(dtype, runs_on if runs_on is not None else device)
         log.info("target dtype: %s", why)
         path = resolve_target(name_or_path)
         local = check_target_folder(path)
+        if local:  # one line naming the opt-in, before transformers' three (common/remote_code.py)
+            refuse_remote_code(path, trust_remote_code, "target.trust_remote_code=true")
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)

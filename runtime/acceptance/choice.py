@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from draftsmith.common.constants import STOP_CONFIDENCE, STOP_FIXED, STOP_LEARNED
+from draftsmith.common.errors import InputError
 from draftsmith.common.registry import Registry
 from draftsmith.runtime.acceptance.stop_policies import (
     ConfidenceStop,
@@ -38,7 +39,7 @@ register_verifier = VERIFIERS.register  # @register_verifier(name): what --verif
 def _greedy(temperature: float, kernels: str, inference: dict) -> Verifier:
     """Lossless at temperature 0: accept while the draft equals the target's argmax."""
     if temperature != 0:
-        raise ValueError("the greedy verifier decodes at temperature 0; use --verifier rejection for sampling")
+        raise InputError("the greedy verifier decodes at temperature 0; use --verifier rejection for sampling")
     return GreedyVerifier(kernels)
 
 
@@ -92,7 +93,7 @@ def _threshold(kind: str, value: float | str) -> float:
     t = float(value)
     if not 0.0 < t < 1.0:
         what = "P(some drafted token is rejected)" if kind == "learned" else "the drafter's probability"
-        raise ValueError(f"{kind} stop threshold {value} is outside (0, 1): it bounds {what}; e.g. {kind}:0.3")
+        raise InputError(f"{kind} stop threshold {value} is outside (0, 1): it bounds {what}; e.g. {kind}:0.3")
     return t
 
 
@@ -120,17 +121,17 @@ def parse_stop_policy(spec: str | dict | None, head: torch.nn.Module | None = No
                 raise LookupError
             depths = [int(a) for a in args[1:]]
             if depths and not 1 <= depths[0] <= depths[1]:
-                raise ValueError(f"learned stop policy {spec!r}: need 1 <= MIN_DEPTH <= MAX_DEPTH")
+                raise InputError(f"learned stop policy {spec!r}: need 1 <= MIN_DEPTH <= MAX_DEPTH")
             return LearnedStop(head, threshold, *(depths[::-1]))  # (threshold, max_depth, min_depth)
     except LookupError:
-        raise ValueError("a learned stop policy needs an acceptance head (a SpecDec++ export, method 'specdecpp', "
+        raise InputError("a learned stop policy needs an acceptance head (a SpecDec++ export, method 'specdecpp', "
                          "or a DFlash export with a confidence head), which this export is not; train one with "
                          "`python train.py recipe=specdecpp drafter=EXPORT_DIR`, or use fixed:K / "
                          "confidence:THRESHOLD") from None
     except ValueError as err:
         if "outside (0, 1)" in str(err) or "MIN_DEPTH" in str(err):
             raise
-    raise ValueError(f"stop policy {spec!r}: use {STOP_POLICY_FORMS}")
+    raise InputError(f"stop policy {spec!r}: use {STOP_POLICY_FORMS}")
 
 
 def learned_head(export_dir: str | Path | None, export_config: dict | None) -> torch.nn.Module | None:
@@ -151,7 +152,7 @@ def _proposer_carries_head(export_config: dict | None) -> bool:
     if config.get("method") != "dflash":
         return False
     if not (config.get("architecture") or {}).get("confidence_head"):
-        raise ValueError("a learned stop policy on a DFlash export reads its confidence head, and this export was "
+        raise InputError("a learned stop policy on a DFlash export reads its confidence head, and this export was "
                          "trained without one: retrain with drafter.confidence_head=true, or use fixed:K / "
                          "confidence:THRESHOLD")
     return True

@@ -14,6 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from draftsmith.common.errors import InputError
+
 
 @dataclass
 class StopContext:
@@ -80,9 +82,9 @@ class LearnedStop:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"LearnedStop threshold must be in [0, 1], got {self.threshold}")
+            raise InputError(f"LearnedStop threshold must be in [0, 1], got {self.threshold}")
         if self.min_depth < 1 or self.max_depth < 1:  # min > max is allowed: max_depth wins (a capped depth)
-            raise ValueError(f"need min_depth >= 1 and max_depth >= 1, got {self.min_depth}, {self.max_depth}")
+            raise InputError(f"need min_depth >= 1 and max_depth >= 1, got {self.min_depth}, {self.max_depth}")
 
     def should_stop(self, ctx: StopContext) -> bool:
         """Apply the rule above (updates ``ctx.path["accept_prob"]``)."""
@@ -102,7 +104,7 @@ class ProposerHead(torch.nn.Module):
     (:func:`bind_learned_head`). Any other proposer reaching it gets a clear error."""
 
     def forward(self, state: torch.Tensor) -> torch.Tensor:
-        raise ValueError("the learned stop policy reads a SpecDec++ acceptance head, "
+        raise InputError("the learned stop policy reads a SpecDec++ acceptance head, "
                          "which this proposer does not have; "
                          "pass --drafter a specdecpp export, or use fixed:K / confidence:THRESHOLD")
 

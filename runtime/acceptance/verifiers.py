@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.common.errors import InputError
 from draftsmith.kernels.verify import greedy_verify, greedy_walk, target_argmax
 from draftsmith.runtime.drafting.tree import DraftTree
 
@@ -88,7 +89,7 @@ class Verifier:
 
 def _no_temperature(verifier: object, temperature: torch.Tensor | None) -> None:
     if temperature is not None:
-        raise ValueError(f"{type(verifier).__name__} has one fixed law; per-position temperatures need the "
+        raise InputError(f"{type(verifier).__name__} has one fixed law; per-position temperatures need the "
                          "rejection-sampling verifier (verifier=rejection)")
 
 
@@ -148,7 +149,7 @@ class TypicalVerifier(Verifier):
     def __init__(self, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
                  temperature: float = 0.7) -> None:
         if temperature <= 0:
-            raise ValueError("typical acceptance needs temperature > 0; use GreedyVerifier for temperature 0")
+            raise InputError("typical acceptance needs temperature > 0; use GreedyVerifier for temperature 0")
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
         self.temperature = temperature
@@ -206,9 +207,9 @@ class RejectionSamplingVerifier(Verifier):
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0) -> None:
         if temperature <= 0:
-            raise ValueError("rejection sampling needs temperature > 0; use GreedyVerifier for temperature 0")
+            raise InputError("rejection sampling needs temperature > 0; use GreedyVerifier for temperature 0")
         if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+            raise InputError(f"top_p must be in (0, 1], got {top_p}")
         self.temperature = temperature
         self.top_p = top_p
 

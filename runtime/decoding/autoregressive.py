@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from draftsmith.common.errors import InputError
 from draftsmith.runtime.decoding.prompt_limits import cap_new_tokens
 from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.target.interface import TargetDecoder
@@ -28,10 +29,10 @@ def sample_token(
 
 def _check_prompt(prompt_ids: list[int], vocab_size: int) -> None:
     if len(prompt_ids) == 0:
-        raise ValueError("the prompt is empty: pass at least one token id (e.g. the BOS token or a chat template)")
+        raise InputError("the prompt is empty: pass at least one token id (e.g. the BOS token or a chat template)")
     if not all(0 <= t < vocab_size for t in prompt_ids):
         bad = [t for t in prompt_ids if not 0 <= t < vocab_size][:5]
-        raise ValueError(f"prompt token ids {bad} are outside the vocabulary [0, {vocab_size}); wrong tokenizer?")
+        raise InputError(f"prompt token ids {bad} are outside the vocabulary [0, {vocab_size}); wrong tokenizer?")
 
 
 @torch.inference_mode()
@@ -55,7 +56,7 @@ def generate_ar(
     (:func:`~draftsmith.runtime.decoding.prompt_limits.cap_new_tokens`). Returns the new tokens only.
     """
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if head not in ("auto", "logits"):
         raise ValueError(f"head must be 'auto' or 'logits', got {head!r}")
     _check_prompt(prompt_ids, model.sizes.vocab_size)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.errors import InputError
 from draftsmith.runtime.target.diffusion_lm import (
     DiffusionLM,
     block_ids,
@@ -112,9 +113,9 @@ def score(logits: torch.Tensor, temperature: float,
 def check_fits(prompt_len: int, gen_length: int, context: int) -> None:
     """Refuse a prompt whose answer slots would run past the target's context, before any forward."""
     if prompt_len < 1:
-        raise ValueError("the prompt is empty: a block-diffusion decode needs at least one prompt token")
+        raise InputError("the prompt is empty: a block-diffusion decode needs at least one prompt token")
     if prompt_len + gen_length > context:
-        raise ValueError(f"the prompt has {prompt_len} tokens and {gen_length} answer slots follow, but the target's "
+        raise InputError(f"the prompt has {prompt_len} tokens and {gen_length} answer slots follow, but the target's "
                          f"context is {context} positions; shorten the prompt to at most {context - gen_length} "
                          "tokens or lower the generation length")
 
@@ -198,11 +199,11 @@ def _check_decodable(lm: DiffusionLM, cfg: DiffusionDecodeConfig) -> None:
     L = lm.spec.block_length
     full_attention = lm.spec.attention == "full"
     if cfg.use_cache and not supports_prefix_cache(lm.spec):
-        raise ValueError("the prefix cache needs a shifted block-causal target (recipe=diffusion_adapt); this one "
+        raise InputError("the prefix cache needs a shifted block-causal target (recipe=diffusion_adapt); this one "
                          + ("attends to the whole canvas (LLaDA, Dream)" if full_attention else "has no shift")
                          + ": decode with the cache off")
     if cfg.gen_length % L:
-        raise ValueError(f"gen_length {cfg.gen_length} is not a multiple of the block length {L}")
+        raise InputError(f"gen_length {cfg.gen_length} is not a multiple of the block length {L}")
 
 
 def _block_slot_logits(lm: DiffusionLM, seq: torch.Tensor, canvas: torch.Tensor, later: int, offset: int,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+from draftsmith.common.errors import InputError
 from draftsmith.runtime.target.interface import TargetDecoder
 
 
@@ -26,7 +27,7 @@ def check_prompt_fits(ids_len: int, limit: int, what: str) -> None:
     ``limit``, which the target was never trained on.
     """
     if ids_len >= limit:
-        raise ValueError(f"{what} has {ids_len} tokens but the target's context is {limit} positions "
+        raise InputError(f"{what} has {ids_len} tokens but the target's context is {limit} positions "
                          f"(max_position_embeddings); it must be at most {limit - 1} tokens to generate anything")
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.common.errors import InputError
 from draftsmith.kernels.dispatch import BACKENDS
 from draftsmith.runtime.acceptance.stop_policies import StopPolicy
 from draftsmith.runtime.acceptance.verifiers import Acceptance, GreedyVerifier, Verifier
@@ -81,7 +82,7 @@ class SpeculativeDecoder:
         self.proposer = proposer
         self.verifier = verifier if verifier is not None else GreedyVerifier(kernel_backend)
         if temperature_policy is not None and not self.verifier.per_position_temperature:
-            raise ValueError(f"a per-position temperature policy needs a verifier that samples at per-node "
+            raise InputError(f"a per-position temperature policy needs a verifier that samples at per-node "
                              f"temperatures (verifier=rejection), not {type(self.verifier).__name__}")
         self.stop_policy = stop_policy
         self.temperature_policy = temperature_policy
@@ -106,7 +107,7 @@ class SpeculativeDecoder:
         cap_new_tokens(prompt_len, 0, self.model.sizes.context_length)
         needed = prompt_len + max_new_tokens + self.proposer.max_tree_nodes
         if self.max_cache_len is not None and needed > self.max_cache_len:
-            raise ValueError(
+            raise InputError(
                 f"prompt + max_new_tokens + draft tree need {needed} cache slots but the limit is "
                 f"{self.max_cache_len} (max_cache_len); shorten the prompt, lower max_new_tokens or raise "
                 "max_cache_len")
@@ -295,9 +296,9 @@ def _checked_prompt(prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: in
     """The prompt as a flat CPU long tensor [P]; refuses an empty prompt and a negative ``max_new_tokens``."""
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().cpu()
     if prompt.numel() == 0:
-        raise ValueError("the prompt is empty: pass at least one token id (e.g. the BOS token)")
+        raise InputError("the prompt is empty: pass at least one token id (e.g. the BOS token)")
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     return prompt
 
 

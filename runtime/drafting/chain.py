@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from draftsmith.common.errors import InputError
 from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
 from draftsmith.runtime.drafting.base import Proposer, StepContext
@@ -26,7 +27,7 @@ class ChainProposer(Proposer):
     def __init__(self, drafter: Callable[[torch.Tensor], torch.Tensor], depth: int = 4, temperature: float = 0.0,
                  top_p: float = 1.0) -> None:
         if depth < 1:
-            raise ValueError(f"chain depth must be >= 1, got {depth}")
+            raise InputError(f"chain depth must be >= 1, got {depth}")
         self.drafter = drafter
         self.depth = depth
         self.temperature = temperature

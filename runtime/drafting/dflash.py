@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from draftsmith.common.errors import InputError
 from draftsmith.drafters.dflash import ContextKV, DFlashDrafter
 from draftsmith.drafters.dflash_heads import RejectLogit, confidence_input
 from draftsmith.export.format import TargetMismatchError
@@ -61,13 +62,13 @@ class DFlashProposer(Proposer):
         block = drafter.config.block_size
         depth = block - 1 if depth is None else depth
         if not isinstance(depth, int) or not 1 <= depth <= block - 1:
-            raise ValueError(f"DFlash depth must be an integer in 1..{block - 1} (block_size - 1), got {depth!r}")
+            raise InputError(f"DFlash depth must be an integer in 1..{block - 1} (block_size - 1), got {depth!r}")
         if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+            raise InputError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         if not 0 <= cut < 1:
-            raise ValueError(f"the confidence cut must be in [0, 1) (0 = off), got {cut}")
+            raise InputError(f"the confidence cut must be in [0, 1) (0 = off), got {cut}")
         if cut > 0 and drafter.confidence_head is None:
-            raise ValueError(f"cut={cut} needs a confidence head; this DFlash export was trained without one "
+            raise InputError(f"cut={cut} needs a confidence head; this DFlash export was trained without one "
                              "(drafter.confidence_head=false)")
         self.drafter, self.head = drafter.eval(), head or drafter.logits
         self.depth, self.temperature, self.top_p, self.cut = depth, temperature, top_p, cut
@@ -91,7 +92,7 @@ class DFlashProposer(Proposer):
             tree = tree if isinstance(tree, StaticTree) else StaticTree.from_paths(
                 tree, top_k or 1 + max(c for p in tree for c in p))
             if tree.depth > self.num_heads:
-                raise ValueError(f"a tree {tree.depth} deep needs {tree.depth} draft slots; this DFlash block has "
+                raise InputError(f"a tree {tree.depth} deep needs {tree.depth} draft slots; this DFlash block has "
                                  f"{self.num_heads} (block_size - 1)")
             if max(max(p) for p in tree.paths) > 0:  # branches: the static tree
                 self.tree, self.max_tree_nodes = tree, tree.num_nodes
@@ -232,7 +233,7 @@ def _build_dflash(export_dir: str | Path, config: dict, target_model: TargetDeco
     valid = {"depth", "cut", "temperature", "top_p", "tree", "top_k"}
     unknown = sorted(set(options) - valid)
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for the dflash proposer; valid: {sorted(valid)}")
+        raise InputError(f"unknown option(s) {unknown} for the dflash proposer; valid: {sorted(valid)}")
     layers = [int(i) for i in config["architecture"].get("target_layers", [])]
     num_layers = target_model.sizes.num_layers
     if any(not 0 <= i < num_layers for i in layers):
@@ -246,7 +247,7 @@ def _build_dflash(export_dir: str | Path, config: dict, target_model: TargetDeco
     tree = {"tree": kw.pop("tree", inference.get("tree")), "top_k": kw.pop("top_k", inference.get("top_k"))}
     head = target_model.lm_head_logits  # the same weights, through the target's fast linears
     if tree["tree"] is None and tree["top_k"] is not None:
-        raise ValueError("the dflash proposer's top_k sizes a tree: give tree (choice paths, e.g. [[0], [1], [0, 0]]) "
+        raise InputError("the dflash proposer's top_k sizes a tree: give tree (choice paths, e.g. [[0], [1], [0, 0]]) "
                          "too, or leave top_k out for a chain")
     proposer = DFlashProposer(_place(drafter, target_model), head, **kw)
     if tree["tree"] is not None:

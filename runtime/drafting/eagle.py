@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from draftsmith.common.constants import EAGLE_CHAIN_PROPOSER, EAGLE_TREE_PROPOSER
+from draftsmith.common.errors import InputError
 from draftsmith.common.layers import KVCache
 from draftsmith.drafters.eagle import EagleDrafter
 from draftsmith.drafters.eagle3 import Eagle3Drafter
@@ -66,16 +67,16 @@ class EagleProposer(Proposer):
     def __init__(self, model: DraftModel, policy: str = "tree", total_tokens: int = 16, depth: int = 4,
                  top_k: int = 4, temperature: float = 0.0, top_p: float = 1.0) -> None:
         if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+            raise InputError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
         self.policy = POLICIES[policy]
         draft_vocab = model.vocab_size if model.draft_ids is None else int(model.draft_ids.numel())
         if depth < 0 or not 1 <= top_k <= draft_vocab or total_tokens < 1:
-            raise ValueError(f"need depth >= 0, 1 <= top_k <= {draft_vocab} (draft vocabulary) and total_tokens >= 1; "
+            raise InputError(f"need depth >= 0, 1 <= top_k <= {draft_vocab} (draft vocabulary) and total_tokens >= 1; "
                              f"got depth={depth}, top_k={top_k}, total_tokens={total_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+            raise InputError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         if self.policy == "tree" and temperature > 0:
-            raise ValueError("dynamic trees draft the top-k children (point masses, exact under rejection sampling); "
+            raise InputError("dynamic trees draft the top-k children (point masses, exact under rejection sampling); "
                              "temperature > 0 is for policy='chain'")
         self.model, self.shape_vocab = model, draft_vocab
         self.feature_taps = tuple(model.feature_taps)
@@ -287,9 +288,8 @@ def _flat(parts: list[torch.Tensor]) -> torch.Tensor:
 def _proposer(config: dict, model: DraftModel, options: dict[str, Any]) -> EagleProposer:
     """Tree sizes from the export's ``inference`` block, overridden by ``options``."""
     valid = {"policy", "total_tokens", "depth", "top_k", "temperature", "top_p"}
-    unknown = sorted(set(options) - valid)
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for the {config['method']} proposer; valid: {sorted(valid)}")
+    if unknown := sorted(set(options) - valid):
+        raise InputError(f"unknown option(s) {unknown} for the {config['method']} proposer; valid: {sorted(valid)}")
     draft_vocab = model.vocab_size if model.draft_ids is None else int(model.draft_ids.numel())
     ranges = {"total_tokens": (2, None, "tree nodes: the root and at least one drafted token"),
               "depth": (0, None, "drafter forwards after the root step"), "top_k": (1, draft_vocab, "draft vocabulary")}
@@ -297,7 +297,7 @@ def _proposer(config: dict, model: DraftModel, options: dict[str, Any]) -> Eagle
         value = options.get(key)
         if value is not None and (not isinstance(value, int) or value < low or (high is not None and value > high)):
             span = f"in {low}..{high}" if high is not None else f">= {low}"
-            raise ValueError(f"--proposer-option {key}={value!r} is out of range: an integer {span} ({what})")
+            raise InputError(f"--proposer-option {key}={value!r} is out of range: an integer {span} ({what})")
     inference = config.get("inference") or {}
     kw = {"policy": inference.get("proposer", "tree"), "total_tokens": inference.get("total_tokens", 16),
           "depth": inference.get("depth", 4), "top_k": inference.get("top_k", 4)}

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.errors import InputError
 from draftsmith.common.layers import KVCache
 from draftsmith.common.trees import default_medusa_tree
 from draftsmith.runtime.acceptance.stop_policies import StopContext
@@ -38,7 +39,7 @@ class HydraProposer(Proposer):
         if not isinstance(tree, StaticTree):
             tree = StaticTree.from_paths(tree, top_k or 1 + max(c for p in tree for c in p))
         if tree.depth > heads.config.num_heads:
-            raise ValueError(f"the tree is {tree.depth} deep but the export has {heads.config.num_heads} heads")
+            raise InputError(f"the tree is {tree.depth} deep but the export has {heads.config.num_heads} heads")
         self.heads, self.tree = heads, tree
         self.max_tree_nodes = tree.num_nodes
         self.uses_context = getattr(heads, "prefix", None) is not None

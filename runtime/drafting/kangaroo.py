@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.common.errors import InputError
 from draftsmith.drafters.kangaroo import KangarooDrafter, check_exit_layer
 from draftsmith.kernels.verify import target_argmax
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, StopContext
@@ -57,13 +58,13 @@ class KangarooProposer(Proposer):
     def __init__(self, target: TargetDecoder, drafter: KangarooDrafter, threshold: float = 0.6, max_depth: int = 6,
                  temperature: float = 0.0, top_p: float = 1.0) -> None:
         if not (isinstance(target, TargetDecoder) and target.layer_range):
-            raise ValueError(f"Kangaroo drafts with the target's own first layers on its KV cache: it needs the lean "
+            raise InputError(f"Kangaroo drafts with the target's own first layers on its KV cache: it needs the lean "
                              f"decoder (layer-range forward), not {type(target).__name__}; use --backend lean")
         if not 0.0 < float(threshold) < 1.0:
-            raise ValueError(f"kangaroo threshold {threshold} is outside (0, 1): it is the draft's top-1 probability "
+            raise InputError(f"kangaroo threshold {threshold} is outside (0, 1): it is the draft's top-1 probability "
                              "below which drafting stops (the paper: 0.6)")
         if max_depth < 1 or temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need max_depth >= 1, temperature >= 0 and 0 < top_p <= 1; got {max_depth}, "
+            raise InputError(f"need max_depth >= 1, temperature >= 0 and 0 < top_p <= 1; got {max_depth}, "
                              f"{temperature}, {top_p}")
         self.num_layers = target.sizes.num_layers
         self.exit_layer = check_exit_layer(drafter.config.exit_layer, self.num_layers)
@@ -261,9 +262,9 @@ def _build_kangaroo(export_dir: str | Path, config: dict, target_model: TargetDe
     valid = {"threshold", "max_depth", "temperature", "top_p"}
     unknown = sorted(set(options) - valid)
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for the kangaroo proposer; valid: {sorted(valid)}")
+        raise InputError(f"unknown option(s) {unknown} for the kangaroo proposer; valid: {sorted(valid)}")
     if not (isinstance(target_model, TargetDecoder) and target_model.layer_range):
-        raise ValueError("Kangaroo drafts with the target's own first layers on its KV cache: it needs the lean "
+        raise InputError("Kangaroo drafts with the target's own first layers on its KV cache: it needs the lean "
                          f"decoder (layer-range forward), not {type(target_model).__name__}; use --backend lean")
     exit_layer = check_exit_layer(config["architecture"]["exit_layer"], target_model.sizes.num_layers)
     w = target_model.lm_head_weight

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftsmith.common.errors import InputError
 from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.drafting.base import LookaheadHeads, StepContext, prune_tree
 from draftsmith.runtime.drafting.registry import register_proposer
@@ -109,10 +110,10 @@ def static_tree_of(arch: Any, inference: dict, tree: list[list[int]] | None, top
     node, top_k outside the heads' vocabulary, deeper than the heads) is refused naming the option and its range."""
     vocab = getattr(arch, "draft_vocab_size", None) or arch.vocab_size
     if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
-        raise ValueError(f"--proposer-option top_k={top_k!r} is out of range: an integer in 1..{vocab} (the heads' "
+        raise InputError(f"--proposer-option top_k={top_k!r} is out of range: an integer in 1..{vocab} (the heads' "
                          "vocabulary)")
     if tree is not None and (not isinstance(tree, list) or not tree):
-        raise ValueError(f"--proposer-option tree={tree!r} has no nodes: give a list of at least one path, e.g. "
+        raise InputError(f"--proposer-option tree={tree!r} has no nodes: give a list of at least one path, e.g. "
                          "tree='[[0],[1],[0,0]]'")
     origin = "--proposer-option tree" if tree is not None else "the export's inference.tree"
     paths = tree or inference.get("tree")
@@ -124,8 +125,8 @@ def static_tree_of(arch: Any, inference: dict, tree: list[list[int]] | None, top
     try:
         static = StaticTree.from_paths(paths, k)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{origin}: {err}") from err
+        raise InputError(f"{origin}: {err}") from err
     if static.depth > arch.num_heads:
-        raise ValueError(f"{origin} is {static.depth} deep, but the export has {arch.num_heads} heads (one per "
+        raise InputError(f"{origin} is {static.depth} deep, but the export has {arch.num_heads} heads (one per "
                          f"depth): use paths of 1..{arch.num_heads} entries")
     return static

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from draftsmith.common.errors import InputError
 from draftsmith.runtime.drafting.base import Proposer, StepContext
 from draftsmith.runtime.drafting.tree import DraftTree
 
@@ -23,11 +24,11 @@ from draftsmith.runtime.drafting.tree import DraftTree
 def check_oracle(acceptance: float, chain: int, draft_ms: float = 0.0) -> None:
     """Refuse, in one line, an acceptance outside [0, 1], a chain below 1 or a negative draft cost."""
     if not 0.0 <= float(acceptance) <= 1.0:  # also refuses NaN
-        raise ValueError(f"--oracle-acceptance is a probability: it must be in [0, 1], got {acceptance}")
+        raise InputError(f"--oracle-acceptance is a probability: it must be in [0, 1], got {acceptance}")
     if int(chain) != chain or chain < 1:
-        raise ValueError(f"--oracle-chain is the number of drafted tokens: it must be >= 1, got {chain}")
+        raise InputError(f"--oracle-chain is the number of drafted tokens: it must be >= 1, got {chain}")
     if not float(draft_ms) >= 0.0:
-        raise ValueError(f"--oracle-draft-ms is a simulated cost per draft call: it must be >= 0, got {draft_ms}")
+        raise InputError(f"--oracle-draft-ms is a simulated cost per draft call: it must be >= 0, got {draft_ms}")
 
 
 def expected_tau(acceptance: float, chain: int) -> float:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from draftsmith.common.errors import InputError
 from draftsmith.common.registry import Registry
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def chain_options(export_dir: str | Path, tokens: int) -> dict[str, Any]:
     method = read_config(export_dir)["method"]
     load_families()
     if method not in _CHAINS:
-        raise ValueError(f"the {method!r} proposer of {export_dir} drafts no chain; chain drafters: "
+        raise InputError(f"the {method!r} proposer of {export_dir} drafts no chain; chain drafters: "
                          f"{', '.join(_CHAINS) or 'none'}")
     return _CHAINS.get(method)(int(tokens))
 
@@ -77,7 +78,7 @@ def check_options(method: str, builder: ProposerBuilder, options: dict[str, Any]
     valid = builder_options(builder)
     unknown = sorted(set(options) - set(valid)) if valid is not None else []
     if unknown:
-        raise ValueError(f"unknown --proposer-option {', '.join(unknown)} for the {method} proposer; valid: "
+        raise InputError(f"unknown --proposer-option {', '.join(unknown)} for the {method} proposer; valid: "
                          f"{', '.join(valid) or 'none'}")
 
 
@@ -96,7 +97,7 @@ def build_proposer(export_dir: str | Path, target_model: TargetDecoder, identity
     method = config["method"]
     load_families()
     if method not in _REGISTRY:
-        raise ValueError(f"no runtime proposer for method {method!r} (export {export_dir}); available: "
+        raise InputError(f"no runtime proposer for method {method!r} (export {export_dir}); available: "
                          f"{', '.join(registered_methods()) or 'none'}")
     builder = _REGISTRY.get(method)
     check_options(method, builder, options)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.common.errors import InputError
+
 
 @functools.lru_cache(maxsize=1024)
 def tree_template(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,17 +138,17 @@ class StaticTree:
     def from_paths(cls, paths: list[list[int]], top_k: int) -> StaticTree:
         """Precompute masks and indices for Medusa choice paths (entry i at depth d = top-(i+1) of head d)."""
         if not paths:
-            raise ValueError("a static tree needs at least one path, e.g. [[0]]")
+            raise InputError("a static tree needs at least one path, e.g. [[0]]")
         norm = sorted({tuple(int(c) for c in p) for p in paths}, key=lambda p: (len(p), p))
         if len(norm) != len(paths):
-            raise ValueError("duplicate paths in the tree")
+            raise InputError("duplicate paths in the tree")
         index = {p: i + 1 for i, p in enumerate(norm)}
         parents = [-1]
         for p in norm:
             if not p or min(p) < 0 or max(p) >= top_k:
-                raise ValueError(f"path {list(p)} must be non-empty with entries in [0, top_k={top_k})")
+                raise InputError(f"path {list(p)} must be non-empty with entries in [0, top_k={top_k})")
             if len(p) > 1 and p[:-1] not in index:
-                raise ValueError(f"path {list(p)} has no parent path {list(p[:-1])}; every prefix must be in the tree")
+                raise InputError(f"path {list(p)} has no parent path {list(p[:-1])}; every prefix must be in the tree")
             parents.append(index[p[:-1]] if len(p) > 1 else 0)
         mask, depths, retrieve = _masks_from_parents(parents)
         cand = torch.tensor([0] + [p[-1] + top_k * (len(p) - 1) + 1 for p in norm], dtype=torch.long)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ TREE_NODES = (3, 4, 5, 6, 8, 10, 12, 16)  # tree node budgets (root included)
 TREE_DEPTHS = (1, 2, 3, 4)  # depth 1: the root and its top-b children (fixed:1 of an EAGLE export is tree:5/b4/d1)
 
 
-class ShapeError(ValueError):
+class ShapeError(DraftsmithError, ValueError):
     """A shape that cannot run (no drafted node, branching beyond the vocabulary, more nodes than levels allow)."""
 
 

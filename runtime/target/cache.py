@@ -11,10 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.kernels.kv_compact import compact_kv
 
 
-class CacheFullError(ValueError):
+class CacheFullError(DraftsmithError, ValueError):
     """The tokens to add do not fit in the static cache; allocate a longer one."""
 
 

@@ -39,6 +39,7 @@ from draftsmith.common.diffusion_format import (  # noqa: F401 - the format this
     spec_of,
     supports_prefix_cache,
 )
+from draftsmith.common.errors import InputError
 from draftsmith.export.diffusion_folder import save_diffusion_folder  # noqa: F401
 
 
@@ -84,7 +85,7 @@ class DiffusionLM:
 
         if self.spec.attention == "full":  # LLaDA/Dream: the remote model attends to everything it is given
             if cache is not None or commit:
-                raise ValueError("a full-attention diffusion LM (LLaDA, Dream) has no prefix cache: decode with the "
+                raise InputError("a full-attention diffusion LM (LLaDA, Dream) has no prefix cache: decode with the "
                                  "cache off")
             out = self.model(input_ids=ids)
             self.forwards += 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
+from draftsmith.common.errors import DraftsmithError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")  # SmolLM says "llama"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -16,7 +18,7 @@ GEMMA_TYPES = ("gemma2", "gemma3_text")
 SLIDING = "sliding_attention"
 
 
-class UnsupportedArchitecture(NotImplementedError):
+class UnsupportedArchitecture(DraftsmithError, NotImplementedError):
     """The checkpoint is not one the lean decoder implements; load it with the HF fallback (backend='hf').
     ``feature`` names what is missing in a few words (e.g. "rope type 'yarn'")."""
 

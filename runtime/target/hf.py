@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.common.errors import InputError
 from draftsmith.common.hf_forward import backbone, hf_forward
 from draftsmith.kernels.verify import target_argmax
 from draftsmith.runtime.target.hf_attention import FallbackAttention, hf_sizes
@@ -143,7 +144,7 @@ class HFModelAdapter(TargetDecoder):
         num_layers = int(self.hf.config.num_hidden_layers)
         bad = [i for i in taps if not 0 <= i < num_layers]
         if bad:
-            raise ValueError(f"the HF fallback can tap decoder-layer inputs 0..{num_layers - 1}, not {bad}; load the "
+            raise InputError(f"the HF fallback can tap decoder-layer inputs 0..{num_layers - 1}, not {bad}; load the "
                              "target with the lean decoder (backend='lean') for the pre-norm last output")
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError("input_ids must be a non-empty 1-D LongTensor [T] (batch 1); got "

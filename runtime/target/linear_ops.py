@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from draftsmith.common.errors import InputError
 from draftsmith.kernels import cpu_caps
 from draftsmith.kernels.verify import linear_argmax, target_argmax
 
@@ -170,13 +171,13 @@ def plan_linear_backend(
     from draftsmith.kernels import cpu_layer  # lazy: only its pure checks, nothing is built here
 
     if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {backend!r}")
+        raise InputError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {backend!r}")
     device = torch.device(device)
     if backend == "dense":
         return LinearPlan("dense", "dense requested")
     if dtype != torch.bfloat16 or device.type != "cpu":
         if backend != "auto":
-            raise ValueError(f"linear_backend={backend!r} cannot run: it needs bf16 weights on CPU; got {dtype} on "
+            raise InputError(f"linear_backend={backend!r} cannot run: it needs bf16 weights on CPU; got {dtype} on "
                              f"{device}; use linear_backend='dense' (--linear-backend dense)")
         why = "CUDA: cuBLAS" if device.type == "cuda" else f"{str(dtype).replace('torch.', '')} on {device.type}: MKL"
         return LinearPlan("dense", f"{why} linears")
@@ -193,13 +194,13 @@ def plan_linear_backend(
                       f"{caps.best_isa()}")  # fmt: skip
     if backend == "cpp":
         if isa is None or cpp_reason:
-            raise ValueError(f"linear_backend='cpp' cannot run: {cpp_reason}; use linear_backend={fallback!r} "
+            raise InputError(f"linear_backend='cpp' cannot run: {cpp_reason}; use linear_backend={fallback!r} "
                              f"(--linear-backend {fallback})")
         return LinearPlan("cpp", f"fused C++ layer ({isa} variant) requested", isa)
     if backend == "mkldnn":
         if not mkldnn_ok:
             other = "cpp" if isa is not None and not cpp_reason else "dense"
-            raise ValueError(f"linear_backend='mkldnn' cannot run: {onednn_missing}; use linear_backend={other!r} "
+            raise InputError(f"linear_backend='mkldnn' cannot run: {onednn_missing}; use linear_backend={other!r} "
                              f"(--linear-backend {other})")
         return LinearPlan("mkldnn", "oneDNN bf16 linears requested")
     if isa is not None and not cpp_reason:
@@ -236,7 +237,7 @@ def choose_linear_ops(
             return cpp_ops(cpu_layer.load_cpu_layer(plan.isa)), plan
         except cpu_layer.CpuLayerUnavailable as err:
             if backend == "cpp":
-                raise ValueError(f"linear_backend='cpp' cannot run: {err}") from err
+                raise InputError(f"linear_backend='cpp' cannot run: {err}") from err
             plan = plan_linear_backend("auto", dtype, device, sizes, compiled, caps, toolchain_reason=str(err))
     if plan.fused_unavailable:
         warnings.warn(f"linear backend: {plan.reason}", stacklevel=3)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.common.errors import InputError
 from draftsmith.runtime.target.hf import HFModelAdapter
 from draftsmith.runtime.target.interface import RuntimeCache, TargetDecoder
 from draftsmith.runtime.target.model import LeanDecoder, UnsupportedArchitecture
@@ -54,7 +55,7 @@ def choose_decoder(
     """:func:`load_decoder` and what it chose: (decoder, "lean" | "hf", why). ``backend="lean"`` on a model the lean
     decoder lacks raises :class:`UnsupportedArchitecture` with one line naming the feature."""
     if backend not in BACKENDS:
-        raise ValueError(f"decoder backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise InputError(f"decoder backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     check_custom_code(folder, trust_remote_code)  # refused before anything else is read
     if backend == "hf":
         return HFModelAdapter.from_pretrained(folder, dtype, device, transform_weights, trust_remote_code), "hf", \

@@ -14,11 +14,13 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from draftsmith.common.errors import DraftsmithError
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
-class WeightsError(ValueError):
+class WeightsError(DraftsmithError, ValueError):
     """A model folder is missing, incomplete or unreadable; the message says what to fix."""
 
 
