@@ -67,7 +67,7 @@ def _cached_features(target: Target, objective: Any, batch: dict[str, torch.Tens
     taps = replace(objective.taps, logits=lazy, topk=0, final_hidden=True)
     feats = target.features(batch["input_ids"], batch["attention_mask"], taps)
     if lazy:
-        feats.greedy_ids, feats.logits = feats.logits.argmax(-1), None  # [B, T], as the cache stores them
+        feats.greedy_ids, feats.logits = feats.greedy(), None  # [B, T], as the cache stores them
     return feats
 
 
