@@ -217,7 +217,8 @@ def test_empty_data_file_says_it_is_empty(tmp_path, tiny_tokenizer):
 def test_nonfinite_loss_before_any_checkpoint_says_none_was_written(tmp_path, tiny_tokenizer):
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    from draftsmith.distill.engine.module import DistillModule, NonFiniteLossError
+    from draftsmith.distill.engine.callbacks.guards import NonFiniteLossError, TrainingGuards
+    from draftsmith.distill.engine.module import DistillModule
     from draftsmith.distill.engine.objective import Objective
 
     class NanObjective(Objective):
@@ -230,17 +231,21 @@ def test_nonfinite_loss_before_any_checkpoint_says_none_was_written(tmp_path, ti
     target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
     module = DistillModule(NanObjective(), target, {"lr": 1e-3}, total_steps=10)
     callback = ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"))
-    module._trainer = SimpleNamespace(global_step=0, checkpoint_callbacks=[callback])
+    trainer = SimpleNamespace(global_step=0, checkpoint_callbacks=[callback], log_every_n_steps=1, max_steps=10)
+    module._trainer = trainer
+    module.log = module.log_dict = lambda *a, **k: None
     ids = torch.randint(5, 20, (1, 6))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    module.training_step(batch, 0)
+    trainer.global_step = 1  # the guards read their record at the step's end (a log step)
     with pytest.raises(NonFiniteLossError) as err:
-        module.training_step(batch, 0)
+        TrainingGuards(module.guards).on_train_batch_end(trainer, module, None, batch, 0)
     assert "loss is nan at step 0" in str(err.value) and "no checkpoint was written yet" in str(err.value).lower()
     assert "intact" not in str(err.value)
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")  # a resumed run's checkpoint
     with pytest.raises(NonFiniteLossError, match="last good checkpoint is intact: .*last.ckpt"):
-        module.training_step(batch, 0)
+        TrainingGuards(module.guards).on_train_batch_end(trainer, module, None, batch, 0)
 
 
 # --------------------------------------------------------------------------- 7. progress bar
@@ -329,7 +334,7 @@ def test_validation_puts_the_drafter_buffers_and_whole_parameters_on_the_batch_d
     and leaves a partitioned parameter's placeholder (ZeRO-3 gathers it) and any other parameter alone."""
     from types import SimpleNamespace
 
-    from draftsmith.distill.engine.module import DistillModule
+    from draftsmith.distill.engine.callbacks.zero3 import ZeroThreeDevices
 
     drafter = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     drafter.register_buffer("embed_weight", torch.ones(3, 2), persistent=False)
@@ -338,7 +343,7 @@ def test_validation_puts_the_drafter_buffers_and_whole_parameters_on_the_batch_d
     drafter[2].weight.ds_id, drafter[2].weight.ds_persist = 8, False  # partitioned: a placeholder
     fake = SimpleNamespace(drafter=drafter, trainer=SimpleNamespace(
         strategy=SimpleNamespace(root_device=torch.device("meta"))))
-    DistillModule.on_validation_start(fake)
+    ZeroThreeDevices().on_validation_start(fake.trainer, fake)
     assert drafter.embed_weight.device.type == "meta" and drafter[0].d2t.device.type == "meta"
     assert "embed_weight" not in drafter.state_dict()  # still non-persistent
     assert drafter[1].weight.device.type == "meta"  # kept whole by ZeRO-3: moved

@@ -127,3 +127,14 @@ def step_metrics(j: int, step_loss: torch.Tensor, out: Any, greedy: torch.Tensor
         if out.overlap is not None:  # sum_v min(p, q): the acceptance rate of speculative sampling
             metrics[f"step{j}/overlap"] = out.overlap
     return metrics
+
+
+def unscored_reason(config: Any, scored: torch.Tensor | None, labelled: torch.Tensor | None) -> str | None:
+    """Why a batch scored no position although it has assistant positions (the draft vocabulary never holds the
+    target's greedy token), or None. Reads the counts back: call it only to write a message."""
+    if scored is None or labelled is None or float(scored) != 0 or float(labelled) == 0:
+        return None
+    return (f"the target's greedy token is in the EAGLE-3 draft vocabulary at none of {int(labelled)} assistant "
+            f"positions (drafter.draft_vocab_size={config.draft_vocab_size} of {config.vocab_size}, counted on the "
+            "training data): the target does not predict the data's tokens. Check that target and data match (a random "
+            "or untrained target?), or raise drafter.draft_vocab_size (0 = the full vocabulary)")
