@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from draftsmith.common.errors import DataError
 from draftsmith.distill.losses.core import LMHeadLoss
 
 
@@ -72,6 +73,8 @@ def eagle3_ttt_loss(drafter: Any, lm_loss: LMHeadLoss, batch: dict[str, torch.Te
     logits), with metrics per step; ``lm_loss.replay_weight`` adds on-policy replay (:func:`replay_term`)."""
     ids = batch["input_ids"]
     bsz, length = ids.shape
+    if length < 3:  # a shape, known on the host: no read-back
+        raise DataError(f"EAGLE-3 needs sequences of at least 3 tokens, got {length}")
     fused_in = torch.cat([feats.layer_hidden[i] for i in drafter.config.target_layers], dim=-1)  # [B, T, kH]
     step_tokens = [shift_left(ids, 1 + j) for j in range(ttt_steps)]  # x_{t+1+j}, [B, T] each
     docs = document_ids(batch)
