@@ -20,6 +20,7 @@ from draftsmith.common.errors import ConfigError
 from draftsmith.distill.engine.callbacks.guards import GuardState, TrainingGuards, is_log_step
 from draftsmith.distill.engine.callbacks.validation import ObjectiveValidationHooks, ServedProbe, ServedTauProbe
 from draftsmith.distill.engine.callbacks.zero3 import ZeroThreeDevices
+from draftsmith.distill.engine.compiled import CompiledStep
 from draftsmith.distill.engine.objective import Objective, optimizer_groups
 from draftsmith.distill.engine.schedule import lr_lambda
 from draftsmith.distill.feature_cache.cached_data import CachedTarget
@@ -40,13 +41,16 @@ class DistillModule(pl.LightningModule):
     each training step; ``on_validation_start()`` / ``on_validation_end(reduce_sum)`` around each validation pass
     (:class:`~draftsmith.distill.engine.callbacks.validation.ObjectiveValidationHooks`).
 
+    ``compile`` (``trainer.compile``): the target forward and the loss through ``torch.compile`` after the first
+    step (:mod:`draftsmith.distill.engine.compiled`).
+
     ``served_probe`` (optional, see :data:`~draftsmith.distill.engine.callbacks.validation.ServedProbe`) serves the
     weights at validation (:class:`~draftsmith.distill.engine.callbacks.validation.ServedTauProbe`); its last record
     is kept in :attr:`served_validation` for the export.
     """
 
     def __init__(self, objective: Objective, target: TargetModel, optim: dict[str, Any], total_steps: int,
-                 zero_loss_patience: int = 5, served_probe: ServedProbe | None = None) -> None:
+                 zero_loss_patience: int = 5, served_probe: ServedProbe | None = None, compile: bool = False) -> None:
         super().__init__()
         if not isinstance(objective, Objective):
             raise TypeError(f"{type(objective).__name__} is not a draftsmith.distill.engine.objective.Objective; "
@@ -65,6 +69,7 @@ class DistillModule(pl.LightningModule):
         self.served_validation: dict[str, Any] | None = None  # the last probe's record, written into the export
         self.sharded_clip_norm: float | None = None  # FSDP: clip the global norm here (set by the trainer)
         self.last_logged_loss: float | None = None  # the training loss read at the last log step (progress bar)
+        self.compiled = CompiledStep(enabled=bool(compile))  # trainer.compile: the target forward and the loss
         self._callbacks = [TrainingGuards(self.guards), ObjectiveValidationHooks(), ServedTauProbe(),
                            ZeroThreeDevices()]
 
@@ -99,9 +104,11 @@ class DistillModule(pl.LightningModule):
             model.to(self.device).eval().requires_grad_(False)
 
     def _step(
-        self, batch: dict[str, torch.Tensor], with_logits: bool = False
+        self, batch: dict[str, torch.Tensor], with_logits: bool = False, training: bool = False
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         taps = replace(self.objective.taps, logits=True) if with_logits else self.objective.taps
+        features, loss = (self.compiled.parts(self._target, self.objective) if training
+                          else (self._target.features, self.objective.loss))
         start = time.perf_counter()
         if isinstance(self._target, CachedTarget):  # offline (data.features): the batch carries the features
             feats, batch = self._target.batch_features(batch, taps)
@@ -109,9 +116,9 @@ class DistillModule(pl.LightningModule):
             feats = self.objective.features(self._target, batch)  # own forwards (several, a layer range, ...)
         else:
             extras = {k: batch[k] for k in BATCH_FEATURE_KEYS if k in batch}  # packed rows: documents, positions
-            feats = self._target.features(batch["input_ids"], batch["attention_mask"], taps, **extras)
+            feats = features(batch["input_ids"], batch["attention_mask"], taps, **extras)
         self._target_seconds += time.perf_counter() - start
-        return self.objective.loss(batch, feats)
+        return loss(batch, feats)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Count the tokens of a training batch while it is still on the host (no device read-back)."""
@@ -125,7 +132,7 @@ class DistillModule(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         step = int(self.global_step)
         self.objective.set_step(step)  # step-dependent objectives (head warmup) read the global step
-        loss, metrics = self._step(batch)
+        loss, metrics = self._step(batch, training=True)
         self.guards.observe(step, loss, self._scored(batch))
         if is_log_step(self.trainer, step) or step + 1 >= self.total_steps:
             self._log_training(loss, metrics, batch["input_ids"].shape[0])

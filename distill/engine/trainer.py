@@ -297,7 +297,8 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     data = build_datamodule(cfg, target.tokenizer, kind=batch_kind(objective))
     module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
                            total_steps=int(cfg.trainer.max_steps),
-                           zero_loss_patience=int(cfg.run.zero_loss_patience), served_probe=served_probe)
+                           zero_loss_patience=int(cfg.run.zero_loss_patience), served_probe=served_probe,
+                           compile=bool(cfg.trainer.get("compile")))
     if resumed is not None:  # before Lightning's `Missing key(s) in state_dict`
         check_resume_shapes(resumed, ckpt_path, cfg, module, run_dir)
     module.sharded_clip_norm = sharded_clip_norm(cfg.optim, cfg.trainer)
