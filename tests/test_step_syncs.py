@@ -114,5 +114,7 @@ def test_an_eagle3_step_reads_nothing_back_outside_log_steps(tmp_path, monkeypat
     quiet = {step: counter.where.get(step, []) for step in range(7) if step not in log_steps}
     assert all(not calls for calls in quiet.values()), "\n".join(c for calls in quiet.values() for c in calls[:5])
     assert all(counter.counts[step] > 0 for step in log_steps)  # the counter sees the log steps' reads
-    batch = next(iter(data.train_dataloader()))
-    assert batch["input_ids"].shape == (4, 48) and "document_ids" in batch  # 192 tokens a step: 4 packed rows
+    batches = list(data.train_dataloader())
+    assert batches[0]["input_ids"].shape == (4, 48) and "document_ids" in batches[0]  # 192 tokens: 4 packed rows
+    expected = sum(int(b["attention_mask"].sum()) for b in (batches * 7)[:7])  # counted on the host, every step
+    assert module.tokens_seen == expected
