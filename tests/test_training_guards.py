@@ -1,6 +1,6 @@
 """What guards a training run's setup and its reports: target dtype auto, CUDA-only presets on CPU, exact teacher
-logits, EAGLE-1 noise and clipping, the wall-clock budget, empty data, the non-finite-loss message and the step
-progress bar (train.py's one-line errors: test_train_errors.py)."""
+logits, EAGLE-1 noise and clipping, the wall-clock budget, empty data and the step progress bar (the non-finite-loss
+message: test_training_scores_nothing.py) (train.py's one-line errors: test_train_errors.py)."""
 
 from __future__ import annotations
 
@@ -209,43 +209,6 @@ def test_empty_data_file_says_it_is_empty(tmp_path, tiny_tokenizer):
     no_reply.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match="none of its 1 record"):
         load_conversations(str(no_reply))
-
-
-# --------------------------------------------------------------------------- 6. non-finite loss message
-
-
-def test_nonfinite_loss_before_any_checkpoint_says_none_was_written(tmp_path, tiny_tokenizer):
-    from pytorch_lightning.callbacks import ModelCheckpoint
-
-    from draftsmith.distill.engine.callbacks.guards import NonFiniteLossError, TrainingGuards
-    from draftsmith.distill.engine.module import DistillModule
-    from draftsmith.distill.engine.objective import Objective
-
-    class NanObjective(Objective):
-        module = torch.nn.Linear(2, 2)
-        taps = FeatureTaps()
-
-        def loss(self, batch, feats):
-            return torch.tensor(float("nan")), {}
-
-    target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
-    module = DistillModule(NanObjective(), target, {"lr": 1e-3}, total_steps=10)
-    callback = ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"))
-    trainer = SimpleNamespace(global_step=0, checkpoint_callbacks=[callback], log_every_n_steps=1, max_steps=10)
-    module._trainer = trainer
-    module.log = module.log_dict = lambda *a, **k: None
-    ids = torch.randint(5, 20, (1, 6))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    module.training_step(batch, 0)
-    trainer.global_step = 1  # the guards read their record at the step's end (a log step)
-    with pytest.raises(NonFiniteLossError) as err:
-        TrainingGuards(module.guards).on_train_batch_end(trainer, module, None, batch, 0)
-    assert "loss is nan at step 0" in str(err.value) and "no checkpoint was written yet" in str(err.value).lower()
-    assert "intact" not in str(err.value)
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")  # a resumed run's checkpoint
-    with pytest.raises(NonFiniteLossError, match="last good checkpoint is intact: .*last.ckpt"):
-        TrainingGuards(module.guards).on_train_batch_end(trainer, module, None, batch, 0)
 
 
 # --------------------------------------------------------------------------- 7. progress bar

@@ -186,6 +186,40 @@ def test_guards_read_nothing_on_steps_that_are_not_log_steps(tiny_tokenizer):
         TrainingGuards(saving.guards).on_save_checkpoint(saving._trainer, saving, {})
 
 
+def test_nonfinite_loss_before_any_checkpoint_says_none_was_written(tmp_path, tiny_tokenizer):
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from draftsmith.distill.engine.callbacks.guards import NonFiniteLossError, TrainingGuards
+    from draftsmith.distill.engine.module import DistillModule
+    from draftsmith.distill.engine.objective import Objective
+
+    class NanObjective(Objective):
+        module = torch.nn.Linear(2, 2)
+        taps = FeatureTaps()
+
+        def loss(self, batch, feats):
+            return torch.tensor(float("nan")), {}
+
+    target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
+    module = DistillModule(NanObjective(), target, {"lr": 1e-3}, total_steps=10)
+    callback = ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"))
+    module._trainer = trainer = SimpleNamespace(global_step=0, checkpoint_callbacks=[callback], log_every_n_steps=1,
+                                                max_steps=10)
+    module.log = module.log_dict = lambda *a, **k: None
+    ids = torch.randint(5, 20, (1, 6))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    module.training_step(batch, 0)
+    trainer.global_step, guards = 1, TrainingGuards(module.guards)  # read at the step's end (a log step)
+    with pytest.raises(NonFiniteLossError) as err:
+        guards.on_train_batch_end(trainer, module, None, batch, 0)
+    assert "loss is nan at step 0" in str(err.value) and "no checkpoint was written yet" in str(err.value).lower()
+    assert "intact" not in str(err.value)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")  # a resumed run's checkpoint
+    with pytest.raises(NonFiniteLossError, match="last good checkpoint is intact: .*last.ckpt"):
+        guards.on_train_batch_end(trainer, module, None, batch, 0)
+
+
 def test_eagle3_default_taps_adapt_to_shallow_targets(tiny_tokenizer):
     from draftsmith.drafters.eagle3 import default_target_layers
     from draftsmith.recipes import eagle3

@@ -90,7 +90,7 @@ def parts_rate(target_tokens_per_s: float, drafter_tokens_per_s: float) -> float
     return 1.0 / (1.0 / max(target_tokens_per_s, 1e-9) + 1.0 / max(drafter_tokens_per_s, 1e-9))
 
 
-ROWS = (("target forward", "target_forward"), ("drafter only (cached features)", "drafter_only"),
+TABLE_ROWS = (("target forward", "target_forward"), ("drafter only (cached features)", "drafter_only"),
         ("online step", "train"))
 
 
@@ -100,7 +100,7 @@ def markdown_table(result: dict[str, Any]) -> str:
              f"precision {result['precision']}, {result['device']}, {result['threads']} threads",
              "", "| part | tokens/s | ms/step | GFLOP/token | utilization of measured matmul |",
              "|---|---|---|---|---|"]
-    for label, key in ROWS:
+    for label, key in TABLE_ROWS:
         lines.append(f"| {label} | {result[key + '_tokens_per_s']:,.0f} | {result[key + '_ms']:.1f} | "
                      f"{result[key + '_gflop_per_token']:.3f} | {result[key + '_utilization']:.1%} |")
     lines += ["", f"measured matmul rate ({result['matmul_dtype']}, {result['matmul_shape']}): "
