@@ -5,12 +5,8 @@
 # into /tmp/site (part1 brings speculators' and its needs, part2 gguf's); results go to $OUT.
 set -uo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
-elif [[ -x "$REPO/.venv/bin/python" ]]; then PY="$REPO/.venv/bin/python"
-else PY=python3; fi
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# REPO, PY and the offline environment
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 command="${1:-}"
 case "$command" in

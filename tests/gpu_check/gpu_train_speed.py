@@ -4,10 +4,11 @@ same device.
 
 speculators trains from hidden states computed beforehand (its data format: ``hidden_states/hs_i.safetensors``), so
 its rate compares with our drafter-only (feature-cache) rate, and our online rate adds the target forward. Its
-hidden states here are random (their values do not change the speed). Its trainer runs in a child process with its
-step timer patched to record a synchronised timestamp at two step starts (after the warm-up steps, and
-``timed`` steps later): the rate is ``timed * total_seq_len / seconds`` (its rows are packed full to
-``--total-seq-len``). Its own per-step synchronisation (``--log-freq``) is set past the run, as a fast run would.
+hidden states here are random (their values do not change the speed). Its trainer runs in a child process (the
+wrapper of scripts/peer_speculators.py) with its step timer patched to record a synchronised timestamp at two step
+starts (after the warm-up steps, and ``timed`` steps later): the rate is ``timed * total_seq_len / seconds`` (its rows
+are packed full to ``--total-seq-len``). Its own per-step synchronisation (``--log-freq``) is set past the run, as a
+fast run would.
 """
 
 from __future__ import annotations
@@ -23,50 +24,49 @@ from typing import Any
 
 from gpu_check_core import WORDS
 
-# Runs in speculators' Python: argv = [result.json, warm, timed, data_dir, *trainer flags].
-PEER_WRAPPER = r"""
-import json, sys, time
+# Put before scripts/peer_speculators.py's WRAPPER (which builds the dataset, patches for the CPU and runs the
+# trainer): argv = [result.json, warm, timed, data_dir, *trainer flags]. Records a synchronised timestamp at the start
+# of step ``warm`` and of step ``warm + timed`` (the step timer's reset opens each step) and writes them at exit.
+TIMER_PATCH = r"""
+import atexit, json, sys, time
 from pathlib import Path
 import torch
-from datasets import Dataset
+import speculators.train.trainer as _timed_trainer
 
-out, warm, timed, data = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
-rows = [json.loads(line) for line in (data / "samples.jsonl").read_text().splitlines()]
-Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows],
-                   "seq_len": [len(r["input_ids"]) for r in rows]}).with_format("torch").save_to_disk(str(data))
-import speculators.train.trainer as trainer_module
-import speculators.train.utils as train_utils
-from speculators.train.cli import main
-from speculators.train.config import TrainConfig
+_out, _warm, _timed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+del sys.argv[1:4]
+_marks, _calls = {}, [0]
+_original_reset = _timed_trainer._StepTimer.reset
 
-train_utils.find_repo_root = lambda start: None  # no provenance patch of the repository it runs from
-accelerated = torch.accelerator.current_accelerator() is not None
-if not accelerated:  # the CPU rehearsal: the patches scripts/peer_speculators.py documents
-    cpu = torch.device("cpu")
-    trainer_module.get_local_rank = lambda: cpu
-    torch.accelerator.synchronize = lambda *args, **kwargs: None
-    original_init = trainer_module.Trainer.__init__
 
-    def cpu_init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        self.device_type = "cpu"
-
-    trainer_module.Trainer.__init__ = cpu_init
-marks, calls = {}, [0]
-original_reset = trainer_module._StepTimer.reset
-
-def reset(self, enabled):
-    if calls[0] in (warm, warm + timed):
-        if accelerated:
+def _reset(self, enabled):
+    if _calls[0] in (_warm, _warm + _timed):
+        if torch.accelerator.current_accelerator() is not None:
             torch.accelerator.synchronize()
-        marks[calls[0]] = time.perf_counter()
-    calls[0] += 1
-    return original_reset(self, enabled)
+        _marks[_calls[0]] = time.perf_counter()
+    _calls[0] += 1
+    return _original_reset(self, enabled)
 
-trainer_module._StepTimer.reset = reset
-main(TrainConfig.resolve(sys.argv[5:]))
-Path(out).write_text(json.dumps({"seconds": marks[warm + timed] - marks[warm], "steps": timed, "calls": calls[0]}))
+
+def _write():
+    if _warm + _timed in _marks:
+        Path(_out).write_text(json.dumps({"seconds": _marks[_warm + _timed] - _marks[_warm], "steps": _timed}))
+
+
+_timed_trainer._StepTimer.reset = _reset
+atexit.register(_write)
 """
+
+
+def peer_wrapper() -> str:
+    """The timing patch, then scripts/peer_speculators.py's own wrapper (one copy of how speculators is driven)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "peer_speculators.py"
+    spec = importlib.util.spec_from_file_location("peer_speculators", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return TIMER_PATCH + module.WRAPPER
 
 
 def synthetic_chats(count: int, min_words: int, max_words: int, seed: int = 0) -> list[dict]:
@@ -162,9 +162,9 @@ def peer_rows(python: str, target: Path, data: Path, budgets: list[int], work: P
             handle.write(f"\n$ speculators.train {' '.join(flags)}\n")
             handle.flush()
             try:
-                proc = subprocess.run([python, "-c", PEER_WRAPPER, str(result), str(warm), str(timed), str(data),
-                                       *flags], stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=timeout,
-                                      check=False)
+                proc = subprocess.run([python, "-c", peer_wrapper(), str(result), str(warm), str(timed),
+                                       str(data), *flags], stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                      timeout=timeout, check=False)
                 code = proc.returncode
             except subprocess.TimeoutExpired:
                 code = f"timeout after {timeout:.0f} s"
@@ -181,7 +181,7 @@ def speed_table(ours: list[dict], peer: list[dict]) -> str:
     """One markdown table: per budget, ours online / drafter-only / parts and utilization, speculators' rate."""
     by_budget = {row["budget"]: row for row in peer}
     lines = ["| tokens/step | ours online tok/s | ours drafter-only tok/s | online vs parts | online utilization | "
-             "host ms/step (2 / 30 layers, compute negligible) | speculators 0.9.0 tok/s (from hidden states) |",
+             "host ms/step, compute negligible (2 layers / the depth) | speculators 0.9.0 tok/s (from hidden states) |",
              "|---|---|---|---|---|---|---|"]
     for row in ours:
         host = row.get("host") or []

@@ -6,11 +6,9 @@
 # cmd2 also gguf (transformers reads the target's GGUF with it).
 set -euo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# REPO, PY and the offline environment
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$REPO"
-if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
-elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
-else PY=python3; fi
 # .gpu_train/ is in .gitignore: it travels only where a device call names it in `carry`.
 
 CONFIG=(hydra-core==1.3.8 omegaconf==2.3.1)
