@@ -23,7 +23,7 @@ features and feed the fused target features of the newly accepted tokens, exactl
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,14 @@ def default_target_layers(num_layers: int) -> tuple[int, int, int]:
                          f"drafter.target_layers=[{', '.join(map(str, range(num_layers)))}]")
     low, high = (1 if num_layers >= 4 else 0), num_layers - 1
     return low, (low + high) // 2, high
+
+
+
+class TTTPast(NamedTuple):
+    """The keys and values [B, nkv, N, d] of the TTT steps so far, step 0 first."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
 
 
 def step0_mask(n: int, device: torch.device, pair_mask: torch.Tensor | None = None,
@@ -140,24 +148,29 @@ class Eagle3Layer(nn.Module):
         self.mlp = SwiGLU(h, config.intermediate_size)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
+                cache: KVCache | TTTPast | None) -> tuple[torch.Tensor, KVCache | TTTPast]:
+        """Drafting (``cache`` a KVCache or None) or one training-time-test step (``cache`` the earlier steps'
+        :class:`TTTPast`, ``mask`` step 0's [B|1, 1, N, N] mask): both through ``forward``, so FSDP units and
+        activation-checkpoint wrappers see every call."""
+        if isinstance(cache, TTTPast):
+            return self.ttt_step(emb, hidden, positions, mask, cache)
         x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [B, S, 2H]
         attn, cache = self.self_attn(x, positions, mask, cache)
         hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), cache
 
     def ttt_step(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
-                 keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        """One TTT step over every index at once (emb, hidden [B, N, H], positions [B, N]); appends this step's keys
-        and values to ``keys`` / ``values`` and attends as :func:`ttt_attention` (``allowed``: the step-0 mask)."""
+                 past: TTTPast) -> tuple[torch.Tensor, TTTPast]:
+        """One TTT step over every index at once (emb, hidden [B, N, H], positions [B, N]), attending as
+        :func:`ttt_attention` to ``past`` plus its own keys; returns the output and the keys with this step's added
+        (a new tuple: a recomputing checkpoint sees the same inputs again)."""
         bsz, n, _ = hidden.shape
         x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [B, N, 2H]
         q, k, v = self.self_attn.project(x, positions)  # [B, nh | nkv, N, d]
-        keys.append(k)
-        values.append(v)
-        out = ttt_attention(q, keys, values, allowed)  # [B, nh, N, d]
+        past = TTTPast(past.keys + (k,), past.values + (v,))
+        out = ttt_attention(q, list(past.keys), list(past.values), allowed)  # [B, nh, N, d]
         hidden = hidden + self.self_attn.o_proj(out.transpose(1, 2).reshape(bsz, n, -1))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), past
 
 
 class Eagle3Drafter(Exportable, nn.Module):
@@ -264,10 +277,10 @@ class Eagle3Drafter(Exportable, nn.Module):
         device = layer_features.device
         base = default_positions(bsz, n, 0, device) if positions is None else positions
         allowed = step0_mask(n, device, pair_mask, document_ids)  # [B|1, 1, N, N] bool, built once
-        hidden, keys, values, outputs = self.fuse(layer_features), [], [], []
+        hidden, past, outputs = self.fuse(layer_features), TTTPast((), ()), []
         for j, tokens in enumerate(step_tokens):
             emb = F.embedding(tokens, self.embed_weight).to(self.fc.weight.dtype)  # [B, N, H]
-            hidden = self.layer.ttt_step(emb, hidden, base + j, allowed, keys, values)
+            hidden, past = self.layer(emb, hidden, base + j, allowed, past)
             outputs.append(hidden)
         return outputs
 

@@ -32,7 +32,7 @@ class CompiledStep:
         """(features, loss) for this training step: the eager ones until compiled, then the compiled ones."""
         if not self.enabled or self._seen < self.eager_steps:
             self._seen += 1
-            return target.features, objective.loss
+            return getattr(target, "features", None), objective.loss  # objectives with own features use none
         if self.features is None:
             self.features = torch.compile(target.features, backend=self.backend)
             self.loss = torch.compile(objective.loss, backend=self.backend)

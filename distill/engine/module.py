@@ -108,7 +108,7 @@ class DistillModule(pl.LightningModule):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         taps = replace(self.objective.taps, logits=True) if with_logits else self.objective.taps
         features, loss = (self.compiled.parts(self._target, self.objective) if training
-                          else (self._target.features, self.objective.loss))
+                          else (None, self.objective.loss))  # features: the target's, looked up only when run
         start = time.perf_counter()
         if isinstance(self._target, CachedTarget):  # offline (data.features): the batch carries the features
             feats, batch = self._target.batch_features(batch, taps)
@@ -116,7 +116,7 @@ class DistillModule(pl.LightningModule):
             feats = self.objective.features(self._target, batch)  # own forwards (several, a layer range, ...)
         else:
             extras = {k: batch[k] for k in BATCH_FEATURE_KEYS if k in batch}  # packed rows: documents, positions
-            feats = features(batch["input_ids"], batch["attention_mask"], taps, **extras)
+            feats = (features or self._target.features)(batch["input_ids"], batch["attention_mask"], taps, **extras)
         self._target_seconds += time.perf_counter() - start
         return loss(batch, feats)
 

@@ -290,7 +290,7 @@ class Target(nn.Module):
         """Whether ``taps`` get the greedy ids and the LM head instead of the [B, T, V] logits: an objective that
         reads logits lazily (EAGLE-3) on a plain head without an adapter."""
         return bool(taps.logits and taps.lazy_logits and not taps.topk and self.adapter is None
-                    and plain_lm_head(self.model))
+                    and plain_lm_head(self.model) and self.lm_head_weight.numel() > 0)  # not a ZeRO-3 placeholder
 
     def _features(self, inputs: dict[str, Any], taps: FeatureTaps) -> TargetFeatures:
         backbone = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
