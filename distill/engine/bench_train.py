@@ -110,8 +110,9 @@ def step_functions(module: DistillModule, target: Any, precision: str, device: s
     optimizer = module.configure_optimizers()["optimizer"]
 
     def forward_only(batch: dict[str, torch.Tensor]) -> None:
+        features = module.compiled.parts(target, objective)[0]  # compiled as the online step's, when it is
         with torch.no_grad(), _autocast(precision, device):
-            target.features(batch["input_ids"], batch["attention_mask"], objective.taps, **_extras(batch))
+            features(batch["input_ids"], batch["attention_mask"], objective.taps, **_extras(batch))
 
     def backward(loss: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -125,8 +126,9 @@ def step_functions(module: DistillModule, target: Any, precision: str, device: s
 
     def drafter_only(item: tuple[dict[str, torch.Tensor], Any]) -> None:
         batch, feats = item
+        loss_fn = module.compiled.parts(target, objective)[1]
         with _autocast(precision, device):
-            loss, _ = objective.loss(batch, _with_teacher(target, objective, feats))
+            loss, _ = loss_fn(batch, _with_teacher(target, objective, feats))
         backward(loss)
 
     return {"target_forward": forward_only, "train": train_step, "drafter_only": drafter_only}
