@@ -46,7 +46,7 @@ BEST_PRECISION ?= $(shell $(PY) -c "from draftsmith.kernels.cpu_caps import nati
 	print('bf16-mixed' if native_bf16('cpu')[0] else '32-true')" 2>/dev/null || echo 32-true)
 
 .PHONY: setup setup-dev assets demo train-demo bench-demo test test-fast test-integration test-e2e lint clean \
-	gpu-check speculators-venv llamacpp train-best curve \
+	gpu-check gpu-train speculators-venv llamacpp train-best curve \
 	method-table fault-sweep
 
 setup: $(VENV)/.installed
@@ -125,6 +125,13 @@ test-e2e: setup-dev speculators-venv
 # CUDA, a short bench; one table (tests/gpu_check/gpu_check.sh says how it runs where no registry can be reached).
 gpu-check:
 	bash tests/gpu_check/gpu_check.sh
+
+# EAGLE-3 trained on a lent GPU with the real target, and our trainer's throughput there next to speculators':
+# `make gpu-train` prepares the two device commands' folders (.gpu_train/, the GGUF and the data in hashed parts) and
+# prints the calls; `make gpu-train DRY_RUN=1` rehearses every step on this CPU with the same files (docs/GPU.md).
+gpu-train:
+	$(if $(DRY_RUN),bash tests/gpu_check/gpu_train.sh dry-run,bash tests/gpu_check/make_gpu_train_wheels.sh && \
+		bash tests/gpu_check/gpu_train.sh prepare)
 
 $(BEST_DATA): | assets
 	mkdir -p $(dir $@)

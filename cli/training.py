@@ -41,8 +41,10 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="draftsmith bench-train")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="FILE.json (and FILE.md beside it)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda")
     opts, overrides = parser.parse_known_args(argv)
+    from draftsmith.distill.engine.bench_train import markdown_table
     from draftsmith.train import expand_shorthands, preflight, purposeful_errors
 
     overrides = expand_shorthands(overrides)
@@ -50,15 +52,18 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
         if (problem := preflight(overrides)) is not None:  # typos, types, ranges: before the target loads
             raise ConfigError(problem)
         cfg = compose_config(overrides)
-        result = bench_train(cfg, recipes.get_recipe(cfg.recipe.name), steps=opts.steps, warmup=opts.warmup)
+        result = bench_train(cfg, recipes.get_recipe(cfg.recipe.name), steps=opts.steps, warmup=opts.warmup,
+                             device=opts.device)
     except purposeful_errors() as err:
         print(f"draftsmith bench-train: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
-    text = json.dumps(result, indent=2)
+    text, table = json.dumps(result, indent=2), markdown_table(result)
     print(text)
+    print(table)
     if opts.out:
         Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.out).write_text(text + "\n")
+        Path(opts.out).with_suffix(".md").write_text(table + "\n")
     return 0
 
 

@@ -132,17 +132,23 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
-        """x [B, S, in], positions [B, S], mask [B|1, 1, S, P+S] bool (None: every key, e.g. one new query) ->
-        (out [B, S, H], cache incl. the new keys)."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, S, in], positions [B, S] -> (q [B, nh, S, d], k [B, nkv, S, d], v [B, nkv, S, d]), RoPE on q and k."""
         c = self.config
         bsz, seq, _ = x.shape
         q = self.q_proj(x).view(bsz, seq, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B, nh, S, d]
         k = self.k_proj(x).view(bsz, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B, nkv, S, d]
         v = self.v_proj(x).view(bsz, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
+        """x [B, S, in], positions [B, S], mask [B|1, 1, S, P+S] bool (None: every key, e.g. one new query) ->
+        (out [B, S, H], cache incl. the new keys)."""
+        c = self.config
+        bsz, seq, _ = x.shape
+        q, k, v = self.project(x, positions)
         cache = KVCache(k, v) if cache is None else cache.append(k, v)
         groups = c.num_attention_heads // c.num_key_value_heads
         if torch.is_grad_enabled():  # training: the path the recipes were tuned with

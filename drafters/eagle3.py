@@ -23,7 +23,7 @@ features and feed the fused target features of the newly accepted tokens, exactl
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,58 @@ def default_target_layers(num_layers: int) -> tuple[int, int, int]:
                          f"drafter.target_layers=[{', '.join(map(str, range(num_layers)))}]")
     low, high = (1 if num_layers >= 4 else 0), num_layers - 1
     return low, (low + high) // 2, high
+
+
+
+class TTTPast(NamedTuple):
+    """The keys and values [B, nkv, N, d] of the TTT steps so far, step 0 first."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+
+def step0_mask(n: int, device: torch.device, pair_mask: torch.Tensor | None = None,
+               document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool ``[B|1, 1, N, N]`` (True = attend) of TTT step 0: causal, inside one document (``document_ids`` [B, N],
+    -1 = padding), padding keys hidden (``pair_mask`` [B, N]); every query sees itself, so no row is empty."""
+    index = torch.arange(n, device=device)
+    mask = (index[None, :] <= index[:, None])[None, None]  # [1, 1, N, N] causal
+    if document_ids is not None:
+        docs = document_ids.to(device)
+        mask = mask & (docs[:, None, :, None] == docs[:, None, None, :]) & (docs >= 0)[:, None, None, :]
+    if pair_mask is not None:
+        mask = mask & pair_mask.to(device).bool()[:, None, None, :]  # [B, 1, N, N]
+    return mask | (index[None, :] == index[:, None])[None, None]
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  allowed: torch.Tensor) -> torch.Tensor:
+    """Attention of TTT step ``j = len(keys) - 1``: q [B, nh, N, d] over the step-0 keys ``keys[0]`` [B, nkv, N, d]
+    where ``allowed`` [B|1, 1, N, N] says so, and over the key of its own index in each of ``keys[1:]``.
+
+    One softmax over the N + j scores of a query, merged by hand (log-sum-exp style): the [N, N] block of step 0
+    plus one score per later step, so the mask is built once and never concatenated. GQA by broadcasting (no key
+    copies); scores and softmax in fp32, the value products in the value dtype. Step 0 alone is plain SDPA.
+    """
+    bsz, heads, n, dim = q.shape
+    groups = heads // keys[0].shape[1]
+    if len(keys) == 1:
+        return F.scaled_dot_product_attention(q, keys[0], values[0], attn_mask=allowed, enable_gqa=groups > 1)
+    q5 = q.unflatten(1, (-1, groups)).float() * dim ** -0.5  # [B, nkv, g, N, d]
+    scores = q5 @ keys[0][:, :, None].float().transpose(-1, -2)  # [B, nkv, g, N, N]
+    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
+    own = [(q5 * k[:, :, None].float()).sum(-1) for k in keys[1:]]  # j x [B, nkv, g, N]: the diagonal keys
+    top = scores.amax(-1)
+    for s in own:
+        top = torch.maximum(top, s)
+    top = top.detach()  # a constant shift: the softmax does not depend on it
+    weights0 = (scores - top[..., None]).exp()  # [B, nkv, g, N, N]
+    weights = [(s - top).exp() for s in own]  # j x [B, nkv, g, N]
+    total = weights0.sum(-1) + sum(weights)  # [B, nkv, g, N]
+    out = (weights0.to(values[0].dtype) @ values[0][:, :, None]).float()  # [B, nkv, g, N, d]
+    for w, v in zip(weights, values[1:]):
+        out = out + w[..., None] * v[:, :, None].float()
+    return (out / total[..., None]).to(q.dtype).flatten(1, 2)  # [B, nh, N, d]
 
 
 @dataclass
@@ -96,11 +148,29 @@ class Eagle3Layer(nn.Module):
         self.mlp = SwiGLU(h, config.intermediate_size)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
+                cache: KVCache | TTTPast | None) -> tuple[torch.Tensor, KVCache | TTTPast]:
+        """Drafting (``cache`` a KVCache or None) or one training-time-test step (``cache`` the earlier steps'
+        :class:`TTTPast`, ``mask`` step 0's [B|1, 1, N, N] mask): both through ``forward``, so FSDP units and
+        activation-checkpoint wrappers see every call."""
+        if isinstance(cache, TTTPast):
+            return self.ttt_step(emb, hidden, positions, mask, cache)
         x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [B, S, 2H]
         attn, cache = self.self_attn(x, positions, mask, cache)
         hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), cache
+
+    def ttt_step(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+                 past: TTTPast) -> tuple[torch.Tensor, TTTPast]:
+        """One TTT step over every index at once (emb, hidden [B, N, H], positions [B, N]), attending as
+        :func:`ttt_attention` to ``past`` plus its own keys; returns the output and the keys with this step's added
+        (a new tuple: a recomputing checkpoint sees the same inputs again)."""
+        bsz, n, _ = hidden.shape
+        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [B, N, 2H]
+        q, k, v = self.self_attn.project(x, positions)  # [B, nh | nkv, N, d]
+        past = TTTPast(past.keys + (k,), past.values + (v,))
+        out = ttt_attention(q, list(past.keys), list(past.values), allowed)  # [B, nh, N, d]
+        hidden = hidden + self.self_attn.o_proj(out.transpose(1, 2).reshape(bsz, n, -1))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), past
 
 
 class Eagle3Drafter(Exportable, nn.Module):
@@ -189,24 +259,28 @@ class Eagle3Drafter(Exportable, nn.Module):
         return out, self.logits(out), cache
 
     def ttt_forward(self, layer_features: torch.Tensor, step_tokens: list[torch.Tensor],
-                    pair_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+                    pair_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                    document_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Unrolled training-time test over ``len(step_tokens)`` steps; returns ``a_j`` [B, N, H] per step.
 
         layer_features [B, N, k*H] are the target taps of pairs ``0..N-1``; ``step_tokens[j]`` [B, N] holds the
         token input of step ``j`` at each index (``x_{t+1+j}``, zero-padded); pair_mask [B, N] (1 = real pair)
-        hides padding keys. Gradients flow through ``a`` from one step into the next.
+        hides padding keys; ``positions`` [B, N] are the RoPE positions of step 0 (default ``0..N-1``; packed rows
+        restart them per document) and ``document_ids`` [B, N] (-1 = padding) keep attention inside a document.
+        Gradients flow through ``a`` from one step into the next.
+
+        Step ``j``'s query ``t`` attends to the step-0 keys ``s <= t`` of its document and to the keys of index
+        ``t`` of steps ``1..j``: the step-0 part is one [N, N] score block built once, the later steps add one
+        score per query (:func:`ttt_attention`), never a concatenated [N, (j+1)N] mask.
         """
         bsz, n, _ = layer_features.shape
         device = layer_features.device
-        base = default_positions(bsz, n, 0, device)
-        step0 = build_attention_mask(n, 0, device, None, pair_mask)  # [B|1, 1, N, N] causal
-        diag = torch.eye(n, dtype=torch.bool, device=device)[None, None].expand(step0.shape[0], 1, n, n)
-        hidden, cache, outputs = self.fuse(layer_features), None, []
+        base = default_positions(bsz, n, 0, device) if positions is None else positions
+        allowed = step0_mask(n, device, pair_mask, document_ids)  # [B|1, 1, N, N] bool, built once
+        hidden, past, outputs = self.fuse(layer_features), TTTPast((), ()), []
         for j, tokens in enumerate(step_tokens):
-            # Step j: causal over step-0 keys, then only the own index in each of the steps 1..j.
-            mask = torch.cat([step0] + [diag] * j, dim=-1)  # [B|1, 1, N, (j+1)N]
             emb = F.embedding(tokens, self.embed_weight).to(self.fc.weight.dtype)  # [B, N, H]
-            hidden, cache = self.layer(emb, hidden, base + j, mask, cache)
+            hidden, past = self.layer(emb, hidden, base + j, allowed, past)
             outputs.append(hidden)
         return outputs
 

@@ -45,8 +45,9 @@ def saved_activation_bytes(objective, target, batch) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss, _ = objective.loss(batch, feats)
     loss.backward()  # the graph was complete
-    skip = {t.untyped_storage().data_ptr() for t in [*objective.module.parameters(), *objective.module.buffers(),
-                                                     *feats.layer_hidden.values(), feats.logits]}
+    inputs = [*objective.module.parameters(), *objective.module.buffers(), *feats.layer_hidden.values(),
+              feats.logits, feats.final_hidden, feats.head_weight]  # the logits, or the head the teacher comes from
+    skip = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
     return sum(n for ptr, n in seen.items() if ptr not in skip)
 
 

@@ -19,7 +19,6 @@ from draftsmith.distill.data.samples import (
     bucket_by_length,
     collate,
     mtbench_prompts,
-    pack_samples,
     tokenize_conversation,
 )
 
@@ -216,15 +215,6 @@ def test_bucket_by_length():
     spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches)
     rand = [list(range(i, min(i + 8, 203))) for i in range(0, 203, 8)]
     assert spread < sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in rand) / 2
-
-
-def test_pack_samples():
-    samples = _samples([5, 4, 3, 9, 2, 2])
-    rows = pack_samples(samples, max_length=10)
-    assert [len(r["input_ids"]) for r in rows] == [9, 3, 9, 4]
-    assert [r["num_sequences"] for r in rows] == [2, 1, 1, 2]
-    for key in ("input_ids", "loss_mask"):
-        assert np.concatenate([r[key] for r in rows]).tolist() == sum((s[key] for s in samples), [])
 
 
 def test_save_load_samples_roundtrip(tmp_path):

@@ -215,7 +215,8 @@ def test_lazy_logits_rebuild_only_the_asked_rows_and_an_old_cache_rebuilds_all(f
     cached = CachedTarget(cache)
     taps = FeatureTaps(final_hidden=False, layers=(1, 2, 3), logits=True, lazy_logits=True)
     lazy, _ = cached.batch_features(batch, taps)
-    online = target.features(batch["input_ids"], batch["attention_mask"], replace(taps, final_hidden=True))
+    online = target.features(batch["input_ids"], batch["attention_mask"],
+                             replace(taps, final_hidden=True, lazy_logits=False))  # the [B, T, V] logits
     assert lazy.logits is None and torch.equal(lazy.greedy(), online.logits.argmax(-1))
     rows, cols = torch.tensor([0, 0, 1]), torch.tensor([2, 5, 3])
     ids = torch.tensor([4, 9, 17, 30])

@@ -24,6 +24,7 @@ from draftsmith.distill.cluster.strategies import (
     build_strategy,
     check_devices,
     layer_classes,
+    resolve_precision,
 )
 from draftsmith.distill.engine.trainer import build_trainer
 from draftsmith.distill.target.shard import check_target_shard
@@ -64,7 +65,7 @@ def test_trainer_presets_compose(preset):
 
 @pytest.mark.e2e  # a train.py subprocess per preset
 @pytest.mark.parametrize("preset,expect", [
-    ("fsdp", ["strategy: fsdp", "sharding_strategy: FULL_SHARD", "state_dict_type: full", "precision: bf16-mixed"]),
+    ("fsdp", ["strategy: fsdp", "sharding_strategy: FULL_SHARD", "state_dict_type: full", "precision: auto"]),
     ("deepspeed_zero2", ["strategy: deepspeed_stage_2", "offload_optimizer: false"]),
     ("deepspeed_zero3", ["strategy: deepspeed_stage_3", "offload_parameters: false"]),
 ])
@@ -87,7 +88,8 @@ def test_ddp_preset_builds_a_ddp_trainer_on_cpu(tmp_path):
 
 def test_fsdp_preset_resolves_to_fsdp_strategy():
     cfg = compose_config(["recipe=medusa", "trainer=fsdp"])
-    assert cfg.trainer.accelerator == "gpu" and cfg.trainer.precision == "bf16-mixed"
+    assert cfg.trainer.accelerator == "gpu" and cfg.trainer.precision == "auto"
+    assert resolve_precision(cfg.trainer, cuda_available=True, cuda_bf16=True)[0] == "bf16-mixed"
     assert isinstance(StrategyRegistry.get(cfg.trainer.strategy), FSDPStrategy)
 
 
@@ -249,3 +251,41 @@ def test_wandb_logger_defaults_to_offline():
     cfg = compose_config(["recipe=medusa", "logger=wandb"])
     assert cfg.logger.kind == "wandb" and cfg.logger.mode == "offline"
     assert OmegaConf.select(cfg, "logger.name") is None
+
+
+@pytest.mark.parametrize("flags,cuda,expect", [
+    (frozenset({"avx2", "fma", "amx_bf16", "amx_tile"}), None, "bf16-mixed"),  # Intel AMX
+    (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}), None, "bf16-mixed"),  # Zen 4
+    (frozenset({"avx2", "fma"}), None, "32-true"),  # Zen 2/3: bf16 emulated
+    (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}), None, "32-true"),  # AVX-512 without BF16
+])
+def test_precision_auto_follows_the_cpu(flags, cuda, expect):
+    from draftsmith.kernels.cpu_caps import CpuCaps
+
+    caps = CpuCaps("x86_64", flags, "test CPU", "injected")
+    cfg = compose_config(["recipe=eagle3", "trainer=cpu"])
+    assert cfg.trainer.precision == "auto"  # the default of every preset
+    precision, why = resolve_precision(cfg.trainer, caps=caps, cuda_available=False)
+    assert precision == expect and why.startswith(f"auto -> {expect} (") and "CPU" in why
+    cfg.trainer.precision = "32-true"
+    assert resolve_precision(cfg.trainer, caps=caps) == ("32-true", "32-true (as configured)")
+
+
+def test_precision_auto_on_gpus_and_in_the_trainer(tmp_path, caplog):
+    gpu = compose_config(["recipe=eagle3", "trainer=gpu"]).trainer
+    assert resolve_precision(gpu, cuda_available=True, cuda_bf16=True)[0] == "bf16-mixed"
+    assert resolve_precision(gpu, cuda_available=True, cuda_bf16=False) == (
+        "32-true", "auto -> 32-true (this GPU has no bf16 support)")
+    assert resolve_precision(gpu, cuda_available=False)[0] == "bf16-mixed"  # planned here, trained there
+    auto = compose_config(["recipe=eagle3", "trainer=cpu", "trainer.accelerator=auto"]).trainer
+    assert resolve_precision(auto, cuda_available=True, cuda_bf16=True)[0] == "bf16-mixed"
+    import logging
+
+    from draftsmith.distill.engine.trainer import apply_precision
+
+    cfg = compose_config(["recipe=eagle3", "trainer=cpu"])
+    with caplog.at_level(logging.INFO):
+        chosen = apply_precision(cfg)
+    assert cfg.trainer.precision == chosen == resolve_precision(compose_config(["recipe=eagle3"]).trainer)[0]
+    assert "trainer precision: auto -> " in caplog.text
+    assert build_trainer(cfg, tmp_path).precision_plugin.precision == chosen

@@ -21,7 +21,7 @@ def _error_classes() -> dict[str, type[BaseException]]:
     from draftsmith.assets import AssetError
     from draftsmith.common import errors
     from draftsmith.distill.data.samples import TemplateError
-    from draftsmith.distill.engine.module import NonFiniteLossError
+    from draftsmith.distill.engine.callbacks.guards import NonFiniteLossError
     from draftsmith.distill.feature_cache.build import FeatureCacheError
     from draftsmith.export.format import ExportError, TargetMismatchError
 

@@ -1,6 +1,6 @@
 """What guards a training run's setup and its reports: target dtype auto, CUDA-only presets on CPU, exact teacher
-logits, EAGLE-1 noise and clipping, the wall-clock budget, empty data, the non-finite-loss message and the step
-progress bar (train.py's one-line errors: test_train_errors.py)."""
+logits, EAGLE-1 noise and clipping, the wall-clock budget, empty data and the step progress bar (the non-finite-loss
+message: test_training_scores_nothing.py) (train.py's one-line errors: test_train_errors.py)."""
 
 from __future__ import annotations
 
@@ -213,38 +213,6 @@ def test_empty_data_file_says_it_is_empty(tmp_path, tiny_tokenizer):
         load_conversations(str(no_reply))
 
 
-# --------------------------------------------------------------------------- 6. non-finite loss message
-
-
-def test_nonfinite_loss_before_any_checkpoint_says_none_was_written(tmp_path, tiny_tokenizer):
-    from pytorch_lightning.callbacks import ModelCheckpoint
-
-    from draftsmith.distill.engine.module import DistillModule, NonFiniteLossError
-    from draftsmith.distill.engine.objective import Objective
-
-    class NanObjective(Objective):
-        module = torch.nn.Linear(2, 2)
-        taps = FeatureTaps()
-
-        def loss(self, batch, feats):
-            return torch.tensor(float("nan")), {}
-
-    target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
-    module = DistillModule(NanObjective(), target, {"lr": 1e-3}, total_steps=10)
-    callback = ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"))
-    module._trainer = SimpleNamespace(global_step=0, checkpoint_callbacks=[callback])
-    ids = torch.randint(5, 20, (1, 6))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    with pytest.raises(NonFiniteLossError) as err:
-        module.training_step(batch, 0)
-    assert "loss is nan at step 0" in str(err.value) and "no checkpoint was written yet" in str(err.value).lower()
-    assert "intact" not in str(err.value)
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")  # a resumed run's checkpoint
-    with pytest.raises(NonFiniteLossError, match="last good checkpoint is intact: .*last.ckpt"):
-        module.training_step(batch, 0)
-
-
 # --------------------------------------------------------------------------- 7. progress bar
 
 
@@ -331,7 +299,7 @@ def test_validation_puts_the_drafter_buffers_and_whole_parameters_on_the_batch_d
     and leaves a partitioned parameter's placeholder (ZeRO-3 gathers it) and any other parameter alone."""
     from types import SimpleNamespace
 
-    from draftsmith.distill.engine.module import DistillModule
+    from draftsmith.distill.engine.callbacks.zero3 import ZeroThreeDevices
 
     drafter = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     drafter.register_buffer("embed_weight", torch.ones(3, 2), persistent=False)
@@ -340,7 +308,7 @@ def test_validation_puts_the_drafter_buffers_and_whole_parameters_on_the_batch_d
     drafter[2].weight.ds_id, drafter[2].weight.ds_persist = 8, False  # partitioned: a placeholder
     fake = SimpleNamespace(drafter=drafter, trainer=SimpleNamespace(
         strategy=SimpleNamespace(root_device=torch.device("meta"))))
-    DistillModule.on_validation_start(fake)
+    ZeroThreeDevices().on_validation_start(fake.trainer, fake)
     assert drafter.embed_weight.device.type == "meta" and drafter[0].d2t.device.type == "meta"
     assert "embed_weight" not in drafter.state_dict()  # still non-persistent
     assert drafter[1].weight.device.type == "meta"  # kept whole by ZeRO-3: moved

@@ -47,7 +47,7 @@ def argmax_outside_data_target(tmp_path_factory, tiny_tokenizer) -> Path:
 
 def test_eagle3_whose_draft_vocabulary_never_holds_the_argmax_stops_at_the_first_batches(
         tmp_path, monkeypatch, argmax_outside_data_target, tiny_data_file):
-    from draftsmith.distill.engine.module import NothingScoredError
+    from draftsmith.distill.engine.callbacks.guards import NothingScoredError
 
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     overrides = ["recipe=eagle3", *tiny_overrides(argmax_outside_data_target, tiny_data_file),
@@ -56,7 +56,8 @@ def test_eagle3_whose_draft_vocabulary_never_holds_the_argmax_stops_at_the_first
     with pytest.raises(NothingScoredError) as err:
         run_train_inprocess(overrides, tmp_path / "run")
     message = str(err.value)
-    assert "first 4 training batch(es) score no position" in message and "step 3" in message, message
+    # read on the first log step once four batches are in (trainer.log_every_n_steps=5 here: step 4)
+    assert "first 4 training batch(es) score no position" in message and "stopping at step 4" in message, message
     assert "draft vocabulary" in message and "drafter.draft_vocab_size=16" in message, message
     assert not (tmp_path / "run" / "export").exists()  # nothing exported
 
@@ -92,9 +93,21 @@ def scripted_module(objective, tiny_tokenizer, total_steps=100, patience=5):
 
     target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
     module = DistillModule(objective, target, {"lr": 1e-3}, total_steps=total_steps, zero_loss_patience=patience)
-    module._trainer = SimpleNamespace(global_step=0, checkpoint_callbacks=[])
+    module._trainer = SimpleNamespace(global_step=0, checkpoint_callbacks=[], log_every_n_steps=1,
+                                      max_steps=total_steps)
     module.log = module.log_dict = lambda *a, **k: None
     return module
+
+
+def train_step(module, batch, step):
+    """One training step as Lightning runs it: the step, the optimizer's global-step count, the guards' batch end
+    (every step is a log step here, so they read their record each time)."""
+    from draftsmith.distill.engine.callbacks.guards import TrainingGuards
+
+    module._trainer.global_step = step
+    module.training_step(batch, step)
+    module._trainer.global_step = step + 1
+    TrainingGuards(module.guards).on_train_batch_end(module._trainer, module, None, batch, step)
 
 
 def batch(loss_mask_value: int):
@@ -104,52 +117,107 @@ def batch(loss_mask_value: int):
 
 
 def test_loss_masks_that_select_nothing_stop_at_the_first_batches(tiny_tokenizer):
-    from draftsmith.distill.engine.module import NothingScoredError
+    from draftsmith.distill.engine.callbacks.guards import NothingScoredError
 
     module = scripted_module(ScriptedObjective([1.0]), tiny_tokenizer)
     for i in range(3):
-        module.training_step(batch(0), i)  # empty masks so far: not yet decided
+        train_step(module, batch(0), i)  # empty masks so far: not yet decided
     with pytest.raises(NothingScoredError, match=r"first 4 training batch\(es\) score no position \(their loss "
                                                  r"masks select no token.*data\.max_length"):
-        module.training_step(batch(0), 3)
+        train_step(module, batch(0), 3)
 
     # one scoring batch among the first four is enough, and later empty batches are never checked
     fine = scripted_module(ScriptedObjective([1.0]), tiny_tokenizer)
     for i, value in enumerate([0, 0, 1, 0, 0, 0, 0, 0]):
-        fine.training_step(batch(value), i)
+        train_step(fine, batch(value), i)
     # a run shorter than four steps is checked at its last step
     short = scripted_module(ScriptedObjective([1.0]), tiny_tokenizer, total_steps=1)
     with pytest.raises(NothingScoredError, match="first 1 training batch"):
-        short.training_step(batch(0), 0)
-    # an objective's own count (and reason) wins over the loss mask
-    own = scripted_module(ScriptedObjective([1.0], scored=0, reason="my reason"), tiny_tokenizer, total_steps=2)
-    own.training_step(batch(1), 0)
-    own._trainer.global_step = 1
+        train_step(short, batch(0), 0)
+    # an objective's own count (a tensor, as EAGLE-3 keeps it; and its reason) wins over the loss mask
+    own = scripted_module(ScriptedObjective([1.0], scored=torch.tensor(0.0), reason="my reason"), tiny_tokenizer,
+                          total_steps=2)
+    train_step(own, batch(1), 0)
     with pytest.raises(NothingScoredError, match=r"\(my reason\)"):
-        own.training_step(batch(1), 1)
+        train_step(own, batch(1), 1)
 
 
 def test_a_loss_of_exactly_zero_for_patience_steps_stops(tiny_tokenizer):
     from draftsmith.distill.config.schema import RunConfig
-    from draftsmith.distill.engine.module import ZeroLossError
+    from draftsmith.distill.engine.callbacks.guards import ZeroLossError
 
     assert RunConfig().zero_loss_patience == 5  # the default every recipe trains with
     module = scripted_module(ScriptedObjective([0.0, 0.0, 1.0, 0.0, 0.0, 0.0]), tiny_tokenizer, patience=3)
     for i in range(5):  # the 1.0 at step 2 resets the count
-        module._trainer.global_step = i
-        module.training_step(batch(1), i)
-    module._trainer.global_step = 5
+        train_step(module, batch(1), i)
     with pytest.raises(ZeroLossError, match=r"exactly 0\.0 for 3 consecutive steps \(up to step 5\).*"
                                             r"run\.zero_loss_patience=0"):
-        module.training_step(batch(1), 5)
+        train_step(module, batch(1), 5)
     off = scripted_module(ScriptedObjective([0.0]), tiny_tokenizer, patience=0)
     for i in range(8):
-        off.training_step(batch(1), i)
+        train_step(off, batch(1), i)
     with pytest.raises(ConfigError, match=r"run\.zero_loss_patience=-1 is out of range: allowed >= 0"):
         from draftsmith import recipes
         from draftsmith.distill.engine.trainer import check_config
 
         check_config(compose_config(["recipe=medusa", "run.zero_loss_patience=-1"]), recipes.get_recipe("medusa"))
+
+
+def test_guards_read_nothing_on_steps_that_are_not_log_steps(tiny_tokenizer):
+    """A non-finite loss at step 1 is kept on the device and reported, with its step, at the next log step (3)."""
+    from draftsmith.distill.engine.callbacks.guards import NonFiniteLossError, TrainingGuards
+
+    module = scripted_module(ScriptedObjective([1.0, float("nan"), 2.0, 2.0]), tiny_tokenizer)
+    module._trainer.log_every_n_steps = 4
+    reads = []
+    real_check = module.guards.check
+    module.guards.check = lambda *a, **k: (reads.append(a[1]), real_check(*a, **k))
+    for i in range(3):
+        train_step(module, batch(1), i)
+    assert reads == []  # steps 0-2 are not log steps: no read-back
+    with pytest.raises(NonFiniteLossError, match="loss is nan at step 1"):
+        train_step(module, batch(1), 3)
+    assert reads == [3]
+    # a checkpoint written between log steps reads the record first: no weights after a NaN are saved
+    saving = scripted_module(ScriptedObjective([float("inf")]), tiny_tokenizer)
+    saving._trainer.log_every_n_steps = 50
+    train_step(saving, batch(1), 0)
+    with pytest.raises(NonFiniteLossError, match="loss is inf at step 0"):
+        TrainingGuards(saving.guards).on_save_checkpoint(saving._trainer, saving, {})
+
+
+def test_nonfinite_loss_before_any_checkpoint_says_none_was_written(tmp_path, tiny_tokenizer):
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from draftsmith.distill.engine.callbacks.guards import NonFiniteLossError, TrainingGuards
+    from draftsmith.distill.engine.module import DistillModule
+    from draftsmith.distill.engine.objective import Objective
+
+    class NanObjective(Objective):
+        module = torch.nn.Linear(2, 2)
+        taps = FeatureTaps()
+
+        def loss(self, batch, feats):
+            return torch.tensor(float("nan")), {}
+
+    target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
+    module = DistillModule(NanObjective(), target, {"lr": 1e-3}, total_steps=10)
+    callback = ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"))
+    module._trainer = trainer = SimpleNamespace(global_step=0, checkpoint_callbacks=[callback], log_every_n_steps=1,
+                                                max_steps=10)
+    module.log = module.log_dict = lambda *a, **k: None
+    ids = torch.randint(5, 20, (1, 6))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    module.training_step(batch, 0)
+    trainer.global_step, guards = 1, TrainingGuards(module.guards)  # read at the step's end (a log step)
+    with pytest.raises(NonFiniteLossError) as err:
+        guards.on_train_batch_end(trainer, module, None, batch, 0)
+    assert "loss is nan at step 0" in str(err.value) and "no checkpoint was written yet" in str(err.value).lower()
+    assert "intact" not in str(err.value)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")  # a resumed run's checkpoint
+    with pytest.raises(NonFiniteLossError, match="last good checkpoint is intact: .*last.ckpt"):
+        guards.on_train_batch_end(trainer, module, None, batch, 0)
 
 
 def test_eagle3_default_taps_adapt_to_shallow_targets(tiny_tokenizer):

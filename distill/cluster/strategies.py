@@ -81,10 +81,41 @@ def layer_classes(drafter: nn.Module, names: Any = "auto") -> set[type[nn.Module
     return {type(m) for m in candidates if any(True for _ in m.children()) and not isinstance(m, _LEAVES)}
 
 
+def trainer_device(trainer_cfg: DictConfig, cuda_available: bool | None = None) -> str:
+    """The device type the trainer computes on: ``cuda`` (``accelerator`` gpu/cuda, or auto with CUDA) or ``cpu``."""
+    accelerator = str(trainer_cfg.accelerator).lower()
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    return "cuda" if accelerator in ("gpu", "cuda") or (accelerator == "auto" and cuda) else "cpu"
+
+
+def resolve_precision(trainer_cfg: DictConfig, caps: Any = None, cuda_available: bool | None = None,
+                      cuda_bf16: bool | None = None) -> tuple[str, str]:
+    """``trainer.precision`` -> (Lightning precision, why). ``auto`` is ``bf16-mixed`` where the training device
+    computes bf16 natively (a CUDA GPU with bf16; a CPU with AVX512-BF16 or AMX, :mod:`draftsmith.kernels.cpu_caps`)
+    and ``32-true`` elsewhere (emulated bf16 is several times slower than fp32). ``caps``, ``cuda_available`` and
+    ``cuda_bf16`` inject the hardware (tests); by default it is probed."""
+    from draftsmith.kernels import cpu_caps
+
+    asked = str(trainer_cfg.precision)
+    if asked.lower() != "auto":
+        return asked, f"{asked} (as configured)"
+    device = trainer_device(trainer_cfg, cuda_available)
+    if device == "cuda":
+        visible = torch.cuda.is_available() if cuda_available is None else cuda_available
+        if cuda_bf16 is None:  # no GPU to ask on this machine (a plan, a dry run): the GPUs trained on have bf16
+            cuda_bf16 = torch.cuda.is_bf16_supported() if visible else True
+        native = cuda_bf16
+        why = ("the GPU computes bf16 natively" if visible else "a GPU preset; no GPU visible to ask") if native \
+            else "this GPU has no bf16 support"
+    else:
+        native, why = cpu_caps.native_bf16("cpu", caps)
+    return ("bf16-mixed", f"auto -> bf16-mixed ({why})") if native else ("32-true", f"auto -> 32-true ({why})")
+
+
 def build_precision(trainer_cfg: DictConfig) -> Any | None:
     """The precision plugin a sharded strategy needs (``FSDPPrecision`` / ``DeepSpeedPrecision``), else None (Lightning
-    picks it from ``trainer.precision``)."""
-    precision = str(trainer_cfg.precision)
+    picks it from ``trainer.precision``, ``auto`` resolved by :func:`resolve_precision`)."""
+    precision = resolve_precision(trainer_cfg)[0]
     family = strategy_family(trainer_cfg)
     if family == "fsdp":
         from pytorch_lightning.plugins.precision import FSDPPrecision

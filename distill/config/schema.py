@@ -148,6 +148,8 @@ class DataConfig:
     num_workers: int = key("DataLoader worker processes", ge=0)
     features: str | None = key("a `draftsmith cache-features` folder: train from cached target features",
                                null="run the target")
+    tokens_per_step: int | None = key("a batch in tokens: packed rows of max_length, tokens_per_step // max_length "
+                                      "of them", None, ge=8, null="data.batch_size rows")
 
 
 @dataclass
@@ -180,6 +182,8 @@ class TrainerConfig:
     log_every_n_steps: int = key("steps between logged metrics", ge=1)
     num_nodes: int = key("nodes (SLURM's node count wins when larger)", ge=1)
     activation_checkpointing: bool = key("recompute the drafter's layers in backward")
+    compile: bool | None = key("torch.compile the target forward and the drafter's loss (static shapes: packed rows)",
+                               None, null="off")
     fsdp: FsdpConfig | None = key("FSDP options (trainer=fsdp)", None)
     deepspeed: DeepspeedConfig | None = key("DeepSpeed options (trainer=deepspeed_zero2|3)", None)
 

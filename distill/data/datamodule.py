@@ -20,6 +20,7 @@ from draftsmith import assets
 from draftsmith.common.errors import ConfigError, DataError
 from draftsmith.common.registry import Registry
 from draftsmith.distill.data.conversations import load_conversations
+from draftsmith.distill.data.packing import collate_packed, pack_rows, row_batches
 from draftsmith.distill.data.resumable import ResumableLoader, ResumableSampler, batches_done_in_epoch
 from draftsmith.distill.data.sample_cache import (
     DamagedCache,
@@ -34,7 +35,6 @@ from draftsmith.distill.data.samples import (
     TemplateError,
     bucket_by_length,
     collate,
-    pack_samples,
     pad_id_of,
     tokenize_conversation,
 )
@@ -99,7 +99,8 @@ class ChatDataModule(pl.LightningDataModule):
 
     The cache key hashes the data source, the tokenizer (name, vocabulary size, chat template),
     ``max_length`` and ``limit``. The train/val split is a seeded permutation. Training batches are length
-    bucketed (:func:`bucket_by_length`) unless ``packing`` (see :func:`pack_samples` for its caveat).
+    bucketed (:func:`bucket_by_length`) unless ``packing`` (bin-packed fixed rows,
+    :mod:`draftsmith.distill.data.packing`).
     """
 
     def __init__(self, tokenizer: Any, spec: str, max_length: int, batch_size: int, num_workers: int = 0,
@@ -175,20 +176,21 @@ class ChatDataModule(pl.LightningDataModule):
         trainer = self.trainer
         return batches_done_in_epoch(trainer.global_step, trainer.num_training_batches, trainer.accumulate_grad_batches)
 
-    def _loader(self, dataset: Dataset, loader: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
+    def _loader(self, dataset: Dataset, loader: type[DataLoader] = DataLoader, collate_fn: Any = None,
+                **kwargs: Any) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
-        return loader(dataset, num_workers=self.num_workers, generator=generator,
-                      collate_fn=partial(collate, pad_id=self.pad_id), **kwargs)
+        workers = {"persistent_workers": True} if self.num_workers else {}  # no re-fork at each epoch / validation
+        return loader(dataset, num_workers=self.num_workers, generator=generator, pin_memory=torch.cuda.is_available(),
+                      collate_fn=collate_fn or partial(collate, pad_id=self.pad_id), **workers, **kwargs)
 
     def _train_layout(self) -> tuple[Dataset, int | None]:
         """The training dataset and its loader batch size: packed rows in a seeded order (``batch_size`` rows a
         batch), or length buckets where one item is one whole batch (``None``)."""
         if self.train_set is None:
             self.setup("fit")
-        if self.packing:
-            rows = ChatDataset(pack_samples(self.train_set.samples, self.max_length))
-            order = np.random.default_rng(self.seed).permutation(len(rows))
-            return ChatDataset([rows.samples[i] for i in order]), self.batch_size
+        if self.packing:  # fixed [batch_size, max_length] rows of bin-packed conversations (distill/data/packing.py)
+            rows = ChatDataset(pack_rows(self.train_set.samples, self.max_length, seed=self.seed))
+            return PrebuiltBatches(rows, row_batches(len(rows), self.batch_size)), None
         # The order is already a seeded permutation; no loader shuffle, so the sampler deals batch r, r+W, ... to
         # rank r and W processes see exactly the batches one process sees with W-step accumulation.
         batches = bucket_by_length(self.train_set.lengths, self.batch_size, seed=self.seed)
@@ -213,9 +215,10 @@ class ChatDataModule(pl.LightningDataModule):
         """Training batches in a fixed seeded order (packed rows, or length buckets with one item = one batch),
         resumable mid-epoch (see :mod:`draftsmith.distill.data.resumable`)."""
         dataset, batch_size = self._train_layout()
-        return self._loader(dataset, ResumableLoader, batch_size=batch_size,
-                            sampler=self._ordered_sampler(len(dataset)), batches_done=self._batches_done,
-                            items_per_batch=batch_size or 1)
+        packed = partial(collate_packed, row_length=self.max_length, pad_id=self.pad_id, rows_per_batch=self.batch_size)
+        return self._loader(dataset, ResumableLoader, collate_fn=packed if self.packing else None,
+                            batch_size=batch_size, sampler=self._ordered_sampler(len(dataset)),
+                            batches_done=self._batches_done, items_per_batch=batch_size or 1)
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches in a fixed order."""
@@ -243,8 +246,16 @@ def build_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None, kind
 @register_batch_kind("chat")
 def build_chat_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None) -> ChatDataModule:
     """Chat conversations -> token ids + assistant loss masks (``cfg.data``)."""
-    limit = cfg.data.limit
+    limit, rows = cfg.data.limit, rows_per_step(cfg.data)
     return ChatDataModule(tokenizer=tokenizer, spec=str(cfg.data.spec), max_length=int(cfg.data.max_length),
-                          batch_size=int(cfg.data.batch_size), num_workers=int(cfg.data.num_workers),
+                          batch_size=rows or int(cfg.data.batch_size), num_workers=int(cfg.data.num_workers),
                           val_fraction=float(cfg.data.val_fraction), limit=int(limit) if limit else None,
-                          packing=bool(cfg.data.packing) if packing is None else packing, seed=int(cfg.run.seed))
+                          packing=bool(rows or cfg.data.packing) if packing is None else packing,
+                          seed=int(cfg.run.seed))
+
+
+def rows_per_step(data_cfg: Any) -> int | None:
+    """Packed rows per batch when ``data.tokens_per_step`` sets the batch in tokens (``tokens_per_step //
+    max_length``, at least 1), else None (``data.batch_size`` rows)."""
+    tokens = data_cfg.get("tokens_per_step")
+    return max(1, int(tokens) // int(data_cfg.max_length)) if tokens else None

@@ -9,7 +9,7 @@ means token ``t`` was written by the assistant (its content and its end-of-turn 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,36 +148,6 @@ class PrebuiltBatches(Dataset):
 
     def __getitem__(self, index: int) -> list[dict]:
         return [self.dataset[i] for i in self.batches[index]]
-
-
-def pack_samples(samples: Iterable[dict], max_length: int) -> list[dict]:
-    """Greedily concatenate consecutive samples into rows of at most ``max_length`` tokens.
-
-    Packed rows get an all-ones attention mask from :func:`collate`, so tokens attend ACROSS conversation
-    boundaries (no position reset or block-diagonal mask). That is a mild approximation for distillation;
-    use :func:`bucket_by_length` (the default) when exact per-conversation context matters.
-    Rows hold numpy arrays; ``num_sequences`` records how many samples each row holds.
-    """
-    rows: list[dict] = []
-    ids: list = []
-    mask: list = []
-    used = 0
-
-    def flush() -> None:
-        rows.append({"input_ids": np.concatenate(ids).astype(np.int64),  # [<= max_length]
-                     "loss_mask": np.concatenate(mask).astype(np.int64), "num_sequences": len(ids)})
-
-    for sample in samples:
-        s_ids, s_mask = sample["input_ids"][:max_length], sample["loss_mask"][:max_length]
-        if ids and used + len(s_ids) > max_length:
-            flush()
-            ids, mask, used = [], [], 0
-        ids.append(np.asarray(s_ids))
-        mask.append(np.asarray(s_mask))
-        used += len(s_ids)
-    if ids:
-        flush()
-    return rows
 
 
 def bucket_by_length(lengths: Sequence[int], batch_size: int, seed: int = 0, window: int = 64) -> list[list[int]]:

@@ -84,6 +84,9 @@ class StepProgressBar(TQDMProgressBar):
         fields = progress_fields(int(trainer.global_step), int(trainer.max_steps), self._start_step, tokens,
                                  time.perf_counter() - self._start_time, time_left=max_time_left(trainer))
         metrics = {k: v for k, v in self.get_metrics(trainer, pl_module).items() if k != "v_num"}
+        loss = getattr(pl_module, "last_logged_loss", None)  # read on log steps: the bar never reads the device
+        if loss is not None:
+            metrics = {"loss": f"{loss:.4g}", **metrics}
         return f"step {fields['step']}", {"tok/s": fields["tok/s"], "eta": fields["eta"], **metrics}
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -25,7 +25,9 @@ from draftsmith.distill.cluster.strategies import (
     build_precision,
     build_strategy,
     check_devices,
+    resolve_precision,
     strategy_family,
+    trainer_device,
 )
 from draftsmith.distill.config.checks import check_schema
 from draftsmith.distill.engine.best_export import KeepBestServed
@@ -74,10 +76,16 @@ def check_config(cfg: DictConfig, recipe: Any) -> None:
 
 def run_device(trainer_cfg: DictConfig) -> str:
     """The device type the trainer will place the target on (``cuda`` or ``cpu``), for ``target.dtype=auto``."""
-    accelerator = str(trainer_cfg.accelerator).lower()
-    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
-        return "cuda"
-    return "cpu"
+    return trainer_device(trainer_cfg)
+
+
+def apply_precision(cfg: DictConfig) -> str:
+    """Resolve ``trainer.precision=auto`` for this machine in ``cfg`` (so the resolved config records it), log the
+    choice and why, and return it."""
+    precision, why = resolve_precision(cfg.trainer)
+    log.info("trainer precision: %s", why)
+    cfg.trainer.precision = precision
+    return precision
 
 
 def grad_clipping(optim_cfg: DictConfig, trainer_cfg: DictConfig | None = None) -> dict[str, Any]:
@@ -131,11 +139,12 @@ def build_trainer(cfg: DictConfig, run_dir: Path, callbacks: list | None = None,
     checkpoint = QuotaCheckpoint(run_dir / CHECKPOINT_DIR, every_n_train_steps=int(cfg.run.checkpoint_every),
                                  keep=int(cfg.run.keep_checkpoints))
     precision = build_precision(t)
+    resolved = resolve_precision(t)[0]
     plugins = [AtomicCheckpointIO(), *slurm_environment(cfg), *([precision] if precision is not None else [])]
     val_every = int(cfg.run.val_every)
     return pl.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=node_count(t),
-        strategy=build_strategy(t, drafter), precision=None if precision is not None else t.precision,
+        strategy=build_strategy(t, drafter), precision=None if precision is not None else resolved,
         max_steps=int(t.max_steps), max_time=t.max_time or None,
         accumulate_grad_batches=int(t.accumulate_grad_batches),
         **grad_clipping(cfg.optim, t), log_every_n_steps=int(t.log_every_n_steps),
@@ -200,6 +209,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     run_dir = Path(run_dir)
     check_config(cfg, recipe)
     check_run_folder(run_dir)  # a file, or read-only: refused before the target loads
+    apply_precision(cfg)
     shard_target = check_target_shard(cfg)
     ckpt_path = resume_path(cfg, run_dir)
     resumed = read_checkpoint(ckpt_path) if ckpt_path is not None else None
@@ -218,7 +228,8 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     data = build_datamodule(cfg, target.tokenizer, kind=batch_kind(objective))
     module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
                            total_steps=int(cfg.trainer.max_steps),
-                           zero_loss_patience=int(cfg.run.zero_loss_patience), served_probe=served_probe)
+                           zero_loss_patience=int(cfg.run.zero_loss_patience), served_probe=served_probe,
+                           compile=bool(cfg.trainer.get("compile")))
     if resumed is not None:  # before Lightning's `Missing key(s) in state_dict`
         check_resume_shapes(resumed, ckpt_path, cfg, module, run_dir, target=target)
     module.sharded_clip_norm = sharded_clip_norm(cfg.optim, cfg.trainer)

@@ -319,7 +319,7 @@ def _shard_tensors(target: Any, taps: FeatureTaps, names: list[str], store: torc
         feats = target.features(batch["input_ids"].to(device), batch["attention_mask"].to(device), asked)
         name = f"{split}.{i}"
         if taps.lazy_logits:
-            tensors[f"{name}.greedy_ids"] = feats.logits.argmax(-1).to("cpu", torch.int32)  # [B, T]
+            tensors[f"{name}.greedy_ids"] = feats.greedy().to("cpu", torch.int32)  # [B, T]
         tensors[f"{name}.input_ids"] = batch["input_ids"].to(torch.int32)
         tensors[f"{name}.attention_mask"] = batch["attention_mask"].to(torch.uint8)
         tensors[f"{name}.loss_mask"] = batch["loss_mask"].to(torch.uint8)

@@ -57,11 +57,12 @@ def row_losses(logits: torch.Tensor, labels: torch.Tensor | None, teacher_logits
 
 def acceptance_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None, *,
                     teacher_logits: torch.Tensor | None = None, kind: str = "hybrid", eta: float = 3.0,
-                    topk: int = 0, chunk_size: int | None = None,
-                    compute_dtype: torch.dtype | None = None) -> LinearCEOutput:
-    """Mean acceptance-targeted loss of the head ``hidden [N, H] @ weight [V, H].T`` over scored rows, chunked (as
-    the fused cross-entropy sizes its chunks) and checkpointed: LinearCEOutput(loss, top-k ids [N, k], mean overlap
-    alpha over scored rows)."""
+                    topk: int = 0, chunk_size: int | None = None, compute_dtype: torch.dtype | None = None,
+                    row_weight: torch.Tensor | None = None, reduction: str = "mean") -> LinearCEOutput:
+    """Mean (or ``reduction="sum"``) acceptance-targeted loss of the head ``hidden [N, H] @ weight [V, H].T`` over
+    scored rows, each weighted by ``row_weight`` [N] (default 1), chunked (as the fused cross-entropy sizes its
+    chunks) and checkpointed: LinearCEOutput(loss, top-k ids [N, k], mean overlap alpha over scored rows). The
+    scored weight stays a tensor (no read-back)."""
     if (labels is None) == (teacher_logits is None):
         raise ValueError("acceptance_loss takes either hard labels or teacher logits")
     n, vocab = hidden.shape[0], weight.shape[0]
@@ -75,10 +76,13 @@ def acceptance_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         h = hidden[start:start + rows]  # [c, H]
         lab = None if labels is None else labels[start:start + rows]
         teach = None if teacher_logits is None else teacher_logits[start:start + rows]
+        rw = None if row_weight is None else row_weight[start:start + rows].float()  # [c]
 
-        def chunk(h_: torch.Tensor, w_: torch.Tensor, lab=lab, teach=teach) -> tuple[torch.Tensor, ...]:
+        def chunk(h_: torch.Tensor, w_: torch.Tensor, lab=lab, teach=teach, rw=rw) -> tuple[torch.Tensor, ...]:
             logits = F.linear(h_.to(dtype), w_.to(dtype))  # [c, V]: this chunk's only, recomputed in backward
             loss, alpha = row_losses(logits, lab, teach, kind, eta)  # [c]
+            if rw is not None:
+                loss, alpha = loss * rw, alpha * rw
             top = logits.detach().topk(topk, dim=-1).indices if topk else logits.new_empty(0, dtype=torch.long)
             return loss.sum(), alpha.sum(), top
 
@@ -86,7 +90,9 @@ def acceptance_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                             else chunk(h, weight))
         total, alpha_sum = total + part, alpha_sum + alpha
         tops.append(top)
-    scored = n if labels is None else int((labels != IGNORE_INDEX).sum())
-    denom = max(scored, 1)
+    weights = torch.ones(n, device=hidden.device) if row_weight is None else row_weight.float()  # [N]
+    if labels is not None:
+        weights = weights * (labels != IGNORE_INDEX)
+    denom = weights.sum().clamp_min(1.0)  # a tensor: counting the scored rows reads nothing back
     top = torch.cat(tops) if topk and tops else hidden.new_empty(n, 0, dtype=torch.long)
-    return LinearCEOutput(total / denom, top, alpha_sum / denom)
+    return LinearCEOutput(total / denom if reduction == "mean" else total, top, alpha_sum / denom)

@@ -73,6 +73,23 @@ def topk_hits(top: torch.Tensor, labels: torch.Tensor, k: int = 1) -> torch.Tens
 
 
 IGNORE_INDEX = -100  # a hard label that scores nothing (the fused kernel's default ignore_index)
+
+
+def weighted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor | None, teacher_logits: torch.Tensor | None,
+                           row_weight: torch.Tensor | None, reduction: str = "mean") -> torch.Tensor:
+    """CE of ``logits`` [N, V] against hard ``labels`` [N] (IGNORE_INDEX rows score nothing) or
+    ``softmax(teacher_logits)`` [N, V], each row weighted by ``row_weight`` [N]; ``mean`` divides by the scored
+    weight (a tensor, no read-back), ``sum`` does not. The fused kernel's plain reference."""
+    log_q = F.log_softmax(logits.float(), dim=-1)  # [N, V]
+    weights = torch.ones(logits.shape[0], device=logits.device) if row_weight is None else row_weight.float()
+    if teacher_logits is None:
+        valid = labels != IGNORE_INDEX
+        per_row = -log_q.gather(-1, labels.clamp_min(0)[:, None])[:, 0]  # [N]
+        weights = weights * valid
+    else:
+        per_row = -(F.softmax(teacher_logits.float(), dim=-1) * log_q).sum(-1)  # [N]
+    total = (per_row * weights).sum()
+    return total / weights.sum().clamp_min(torch.finfo(torch.float32).tiny) if reduction == "mean" else total
 _LM_HEAD_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -128,24 +145,29 @@ class LMHeadLoss:
                    replay_weight)
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, *, labels: torch.Tensor | None = None,
-                 teacher_logits: torch.Tensor | None = None, topk: int = 0) -> LinearCEOutput:
+                 teacher_logits: torch.Tensor | None = None, topk: int = 0, row_weight: torch.Tensor | None = None,
+                 reduction: str = "mean") -> LinearCEOutput:
         """Mean CE over the rows of ``hidden`` against hard ``labels`` [N] or ``softmax(teacher_logits)`` [N, V];
-        ``topk`` > 0 also returns each row's top-k ids (for the accuracy metrics) as ``.topk`` [N, k]."""
+        ``topk`` > 0 also returns each row's top-k ids (for the accuracy metrics) as ``.topk`` [N, k].
+        ``row_weight`` [N] weighs rows (0/1 weights score a subset with static shapes: the mean divides by the
+        weights' sum, kept on the device); ``reduction="sum"`` returns the weighted sum instead."""
         topk = min(topk, weight.shape[0])
         if self.acceptance != "none":  # the acceptance-targeted objective replaces the cross-entropy
             return acceptance_loss(hidden, weight, labels, teacher_logits=teacher_logits, kind=self.acceptance,
                                    eta=self.acceptance_eta, topk=topk, chunk_size=self.chunk_size,
-                                   compute_dtype=self.matmul_dtype)
+                                   compute_dtype=self.matmul_dtype, row_weight=row_weight, reduction=reduction)
         if self.fused:
             return linear_cross_entropy(hidden, weight, labels, target_logits=teacher_logits, topk=topk,
-                                        chunk_size=self.chunk_size, compute_dtype=self.matmul_dtype)
+                                        chunk_size=self.chunk_size, compute_dtype=self.matmul_dtype,
+                                        row_weight=row_weight, reduction=reduction)
         dtype = self.matmul_dtype or torch.promote_types(hidden.dtype, weight.dtype)
         logits = F.linear(hidden.to(dtype), weight.to(dtype))  # [N, V]
-        ones = torch.ones(logits.shape[0], device=logits.device)
-        if teacher_logits is None:  # rows labelled IGNORE_INDEX score nothing, as in the fused path
+        if row_weight is not None or reduction != "mean":
+            loss = weighted_cross_entropy(logits, labels, teacher_logits, row_weight, reduction)
+        elif teacher_logits is None:  # rows labelled IGNORE_INDEX score nothing, as in the fused path
             loss = masked_cross_entropy(logits, labels.clamp_min(0), labels != IGNORE_INDEX)
         else:
-            loss = soft_cross_entropy(logits, teacher_logits, ones)
+            loss = soft_cross_entropy(logits, teacher_logits, torch.ones(logits.shape[0], device=logits.device))
         with torch.no_grad():
             top = logits.topk(topk, dim=-1).indices if topk else logits.new_empty(logits.shape[0], 0, dtype=torch.long)
         return LinearCEOutput(loss, top)

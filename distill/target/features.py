@@ -57,3 +57,13 @@ class TargetFeatures:
         if self.final_hidden is None or self.head_weight is None:
             raise ValueError("these target features hold no logits and no final hidden state + LM head to make them")
         return F.linear(self.final_hidden[rows, cols], self.head_weight.index_select(0, vocab_ids))  # [M, N]
+
+    def draft_logits(self, vocab_ids: torch.Tensor) -> torch.Tensor:
+        """The logits of every position restricted to ``vocab_ids`` [Nd]: [B, T, Nd], computed once (a teacher over
+        a draft vocabulary: one gather of the materialised logits, or one [H, Nd] matmul on the final hidden state;
+        never a [B, T, V] intermediate on the lazy path)."""
+        if self.logits is not None:
+            return self.logits.index_select(-1, vocab_ids)
+        if self.final_hidden is None or self.head_weight is None:
+            raise ValueError("these target features hold no logits and no final hidden state + LM head to make them")
+        return F.linear(self.final_hidden, self.head_weight.index_select(0, vocab_ids))  # [B, T, Nd]

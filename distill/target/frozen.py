@@ -36,6 +36,7 @@ from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.target.features import FeatureTaps, TargetFeatures  # the taps' home, re-exported here
 from draftsmith.distill.target.lora import LoraSpec, TargetAdapter, lora_module_paths, require_peft
+from draftsmith.distill.target.static_forward import forward_inputs, head_argmax, plain_lm_head
 from draftsmith.export.identity import target_identity
 from draftsmith.kernels import cpu_caps
 
@@ -264,14 +265,22 @@ class Target(nn.Module):
         return super().train(False)
 
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 taps: FeatureTaps = DEFAULT_TAPS, grad: bool = False) -> TargetFeatures:
+                 taps: FeatureTaps = DEFAULT_TAPS, grad: bool = False, position_ids: torch.Tensor | None = None,
+                 document_ids: torch.Tensor | None = None) -> TargetFeatures:
         """One forward returning the requested taps (input_ids [B, T]); no-grad unless ``grad`` (a trainable adapter:
-        the taps then carry the graph back to it, where gradients are enabled at all)."""
+        the taps then carry the graph back to it, where gradients are enabled at all). Packed rows pass their
+        ``document_ids`` and ``position_ids`` [B, T]: attention stays inside each document (4-D mask)."""
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-            return self._features(input_ids, attention_mask, taps)
+            inputs = forward_inputs(input_ids, attention_mask, position_ids, document_ids, self.lm_head_weight.dtype)
+            return self._features(inputs, taps)
 
-    def _features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                  taps: FeatureTaps) -> TargetFeatures:
+    def lazy_head(self, taps: FeatureTaps) -> bool:
+        """Whether ``taps`` get the greedy ids and the LM head instead of the [B, T, V] logits: an objective that
+        reads logits lazily (EAGLE-3) on a plain head without an adapter."""
+        return bool(taps.logits and taps.lazy_logits and not taps.topk and self.adapter is None
+                    and plain_lm_head(self.model) and self.lm_head_weight.numel() > 0)  # not a ZeRO-3 placeholder
+
+    def _features(self, inputs: dict[str, Any], taps: FeatureTaps) -> TargetFeatures:
         backbone = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         captured: dict[str, torch.Tensor] = {}
         hook = None
@@ -279,28 +288,32 @@ class Target(nn.Module):
             # HF returns the post-norm state as the last hidden state; the pre-norm residual stream is the final
             # norm's input, captured with a forward pre-hook.
             hook = backbone.norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("pre", args[0]))
-        want_logits = bool(taps.logits or taps.topk)
+        lazy = self.lazy_head(taps)
+        want_logits = bool(taps.logits or taps.topk) and not lazy
         try:
             if want_logits:
                 # The model's own forward, so its LM-head post-processing applies (see the module docstring).
                 from draftsmith.common.hf_forward import hf_forward
 
-                out, logits = hf_forward(self.model, backbone, 0, input_ids=input_ids, attention_mask=attention_mask,
-                                         output_hidden_states=bool(taps.layers), use_cache=False)
+                out, logits = hf_forward(self.model, backbone, 0, **inputs, output_hidden_states=bool(taps.layers),
+                                         use_cache=False)
             else:
-                out = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               output_hidden_states=bool(taps.layers), use_cache=False)
+                out = backbone(**inputs, output_hidden_states=bool(taps.layers), use_cache=False)
         finally:
             if hook is not None:
                 hook.remove()
         final = out.last_hidden_state  # [B, T, H], after the final norm
-        feats = TargetFeatures(final_hidden=final if taps.final_hidden else None, prenorm_hidden=captured.get("pre"))
+        feats = TargetFeatures(final_hidden=final if taps.final_hidden or lazy else None,
+                               prenorm_hidden=captured.get("pre"))
         for i in taps.layers:
             if not 0 <= i < self.num_layers:
                 raise ConfigError(f"layer tap {i} out of range 0..{self.num_layers - 1} (HF hidden_states index; "
                                   "use prenorm_hidden/final_hidden for the last layer's output)")
             feats.layer_hidden[i] = out.hidden_states[i]  # [B, T, H]
-        if want_logits:  # logits [B, T, V]
+        if lazy:  # the greedy ids in row chunks; logits of chosen rows and entries on demand (draft_logits)
+            feats.head_weight = self.lm_head_weight
+            feats.greedy_ids = head_argmax(final, self.lm_head_weight)  # [B, T]
+        elif want_logits:  # logits [B, T, V]
             if taps.logits:
                 feats.logits = logits
             if taps.topk:

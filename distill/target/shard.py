@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from draftsmith.common.errors import ConfigError
-from draftsmith.distill.cluster.strategies import deepspeed_stage, strategy_family
+from draftsmith.distill.cluster.strategies import deepspeed_stage, resolve_precision, strategy_family
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class TargetSharding(pl.Callback):
         if strategy_family(self.trainer_cfg) == "fsdp":
             n = shard_with_fsdp(self.target.model)
         else:
-            self.target.model = shard_with_deepspeed(self.target.model, str(self.trainer_cfg.precision))
+            self.target.model = shard_with_deepspeed(self.target.model, resolve_precision(self.trainer_cfg)[0])
             n = len(decoder_layers(self.target.model))
         log.info("target sharded over %d ranks: %d decoder layers (%.1fM params frozen, never in optimizer state)",
                  trainer.world_size, n, before / 1e6)

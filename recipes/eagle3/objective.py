@@ -4,7 +4,8 @@ Alignment: the pairing of drafters/eagle.py's module docstring, moved ``j`` plac
 ``t`` reads token ``x_{t+1+j}`` and is scored against the target's distribution at position ``t+1+j``
 (that of ``x_{t+2+j}``) restricted to the draft vocabulary, where ``loss_mask[t+2+j]`` is 1 and the target's
 argmax is in the draft vocabulary. ``L = sum_j step_decay^j * softCE_j`` (each a mean over its scored rows;
-``loss.replay_weight`` adds weight on the rows the served chain is rejected at, :meth:`Eagle3Objective.replay`).
+``loss.replay_weight`` adds weight on the rows the served chain is rejected at,
+:func:`draftsmith.distill.losses.ttt.replay_term`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from draftsmith.common.errors import ConfigError, DataError
+from draftsmith.common.errors import ConfigError
 from draftsmith.distill.data.draft_vocab import count_draft_vocab
 from draftsmith.distill.engine.objective import Objective
-from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
+from draftsmith.distill.losses.core import LMHeadLoss
+from draftsmith.distill.losses.ttt import eagle3_ttt_loss, unscored_reason
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_target_layers
 from draftsmith.recipes.eagle.objective import eagle_inference_defaults
@@ -28,12 +29,6 @@ from draftsmith.recipes.lm_loss import lm_head_loss
 from draftsmith.recipes.registration import untyped
 
 log = logging.getLogger(__name__)
-
-
-def shift_left(x: torch.Tensor, k: int, n: int) -> torch.Tensor:
-    """``x[:, k:k+n]`` right-padded with zeros to length ``n`` (x [B, T, ...])."""
-    out = x[:, k:k + n]
-    return F.pad(out, (0, 0) * (x.dim() - 2) + (0, n - out.shape[1]))
 
 
 class Eagle3Objective(Objective):
@@ -53,78 +48,15 @@ class Eagle3Objective(Objective):
     def loss(
         self, batch: dict[str, torch.Tensor], feats: TargetFeatures
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Sum over TTT steps of decayed soft-CE against the target distribution on the draft vocabulary."""
-        ids, attn = batch["input_ids"], batch["attention_mask"]
-        n = ids.shape[1] - 2  # pairs t = 0..T-3 have a step-0 label x_{t+2}
-        if n < 1:
-            raise DataError(f"EAGLE-3 needs sequences of at least 3 tokens, got {ids.shape[1]}")
-        drafter = self.module
-        fused_in = torch.cat([feats.layer_hidden[i] for i in drafter.config.target_layers], dim=-1)[:, :n]  # [B, N, kH]
-        step_tokens = [shift_left(ids, 1 + j, n) for j in range(self.ttt_steps)]  # x_{t+1+j}, [B, N] each
-        pair_valid = attn[:, :n] * attn[:, 1:n + 1]
-        outputs = drafter.ttt_forward(fused_in, step_tokens, pair_valid)  # a_j [B, N, H] per step
-        labels = batch["loss_mask"] * attn  # [B, T]
-        in_vocab = drafter.t2d[feats.greedy()].long()  # [B, T]: target's greedy token at s+1 is draftable
-        draft_ids = drafter.draft_ids_in_target()  # [Nd]
-        total = outputs[0].new_zeros((), dtype=torch.float32)
-        metrics: dict[str, torch.Tensor] = {}
-        scored = labelled = 0
-        exposed = torch.ones_like(pair_valid, dtype=torch.bool)  # [B, N]: chains every earlier step got right
-        for j, hidden in enumerate(outputs):
-            wanted = shift_left(labels, 2 + j, n)
-            keep = (wanted * shift_left(in_vocab, 1 + j, n)).bool()  # [B, N]
-            scored, labelled = scored + keep.sum(), labelled + wanted.sum()
-            rows, cols = keep.nonzero(as_tuple=True)
-            teacher = feats.logits_at(rows, cols + 1 + j, draft_ids)  # [M, Nd]
-            # The LM head only runs on scored rows, chunked with the CE (no [M, Nd] logits when fused).
-            head_in, head_w = drafter.logit_parts(hidden[keep])  # [M, H], [Nd, H]
-            out = self.lm_loss(head_in, head_w, teacher_logits=teacher, topk=max(self.topk, 1))
-            step_loss = out.loss
-            with torch.no_grad():
-                greedy = teacher.argmax(-1)  # [M] the draft id of the target's argmax (in vocab by the mask)
-                right = torch.zeros_like(keep)
-                right[keep] = out.topk[:, 0] == greedy  # [B, N]: the greedy draft token would be accepted
-            rejected = (keep & exposed & ~right)[keep]  # [M]: where the served chain would stop at this step
-            if self.lm_loss.replay_weight:
-                step_loss = self.replay(step_loss, head_in, head_w, teacher, rejected)
-            metrics[f"step{j}/rejected"] = rejected.float().sum() / max(rejected.numel(), 1)
-            # a chain that fails here is cut by verification: its later steps never reach the target
-            exposed = exposed & right
-            total = total + self.step_decay ** j * step_loss
-            with torch.no_grad():
-                metrics[f"step{j}/loss"] = step_loss.detach()
-                metrics[f"step{j}/top1"] = topk_hits(out.topk, greedy, 1)
-                metrics[f"step{j}/top{self.topk}"] = topk_hits(out.topk, greedy, self.topk)
-                if out.overlap is not None:  # sum_v min(p, q): the acceptance rate of speculative sampling
-                    metrics[f"step{j}/overlap"] = out.overlap
-        self.note_scored(int(scored), int(labelled))
-        return total, metrics
+        """Sum over TTT steps of decayed soft-CE against the target distribution on the draft vocabulary (static
+        shapes, no host read-back: :func:`draftsmith.distill.losses.ttt.eagle3_ttt_loss`)."""
+        out = eagle3_ttt_loss(self.module, self.lm_loss, batch, feats, self.ttt_steps, self.step_decay, self.topk)
+        self.last_scored, self.last_labelled = out.scored, out.labelled  # tensors, read by the guards on log steps
+        return out.total, out.metrics
 
-    def replay(self, step_loss: torch.Tensor, head_in: torch.Tensor, head_w: torch.Tensor, teacher: torch.Tensor,
-               rejected: torch.Tensor) -> torch.Tensor:
-        """On-policy error-position replay (Draft-OPD, arXiv 2605.29343, in its stateless form): the step's mean
-        loss plus ``replay_weight`` times the rows verification rejects, ``(1/M) sum_i (1 + w * r_i) l_i``.
-
-        A row is rejected at step ``j`` when its chain's greedy draft tokens were accepted at steps ``0..j-1`` and
-        this one is not: the position the served chain stops at. Under TTT those rows see exactly the serving
-        loop's context (earlier accepted tokens equal the true ones), so no rollout is needed to find them.
-        ``rejected`` [M] bool over the step's scored rows."""
-        if not bool(rejected.any()):
-            return step_loss
-        extra = self.lm_loss(head_in[rejected], head_w, teacher_logits=teacher[rejected]).loss  # mean over them
-        return step_loss + self.lm_loss.replay_weight * extra * rejected.float().mean()
-
-    def note_scored(self, scored: int, labelled: int) -> None:
-        """How many positions the batch scored, and why none when none: the loss mask, or a draft vocabulary that
-        never holds the target's greedy token."""
-        self.last_scored, self.unscored_reason = scored, None
-        if scored == 0 and labelled > 0:
-            d = self.module.config
-            self.unscored_reason = (
-                f"the target's greedy token is in the EAGLE-3 draft vocabulary at none of {labelled} assistant "
-                f"positions (drafter.draft_vocab_size={d.draft_vocab_size} of {d.vocab_size}, counted on the training "
-                "data): the target does not predict the data's tokens. Check that target and data match (a random "
-                "or untrained target?), or raise drafter.draft_vocab_size (0 = the full vocabulary)")
+    @property
+    def unscored_reason(self) -> str | None:
+        return unscored_reason(self.module.config, self.last_scored, getattr(self, "last_labelled", None))
 
     def export_config(self) -> dict[str, Any]:
         return {"method": "eagle3", "architecture": self.module.architecture(), "inference": dict(self.inference)}

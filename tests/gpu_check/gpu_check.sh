@@ -9,14 +9,8 @@
 # Extra arguments go to gpu_check.py (e.g. --stage-timeout 300); `--device cpu --tiny` skips the GPU check.
 set -uo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
-elif [[ -x "$REPO/.venv/bin/python" ]]; then PY="$REPO/.venv/bin/python"
-else PY=python3; fi
-
-# Nothing may come from a hub at run time.
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# REPO, PY and the offline environment
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 if [[ -z "${GPU_CHECK_SKIP_WHEELS:-}" ]] && compgen -G "$REPO/.whl/*.whl" >/dev/null; then
     SITE="${GPU_CHECK_SITE:-/tmp/site}"

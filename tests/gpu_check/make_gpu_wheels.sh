@@ -7,11 +7,9 @@
 # with DS_BUILD_OPS=0 against this venv's torch: its ops compile on first use there).
 set -euo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# REPO, PY and the offline environment
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$REPO"
-if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
-elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
-else PY=python3; fi
 DEST=.whl
 # One version of each: two versions of a package stop the whole --no-deps install on the GPU machine.
 PURE=(hydra-core==1.3.8 omegaconf==2.3.1)  # the versions the test suite runs with
