@@ -52,6 +52,8 @@ class RunConfig:
     val_every: int = key("steps between validation passes (0 = only at the end)", ge=0)
     final_eval_batches: int = key("validation batches at the end (per-head agreement etc.)", ge=0)
     zero_loss_patience: int = key("stop after this many steps whose training loss is exactly 0.0 (0 = off)", ge=0)
+    init_from: str | None = key("warm start: an export folder whose drafter weights a fresh run starts from (new "
+                                "warm-up, the same data order continued)", None, null="train from scratch")
 
 
 @dataclass
@@ -90,8 +92,10 @@ class OptimConfig:
     weight_decay: float = key("AdamW weight decay", ge=0)
     betas: list[float] = key("AdamW betas", ge=0, lt=1, length=2)
     eps: float = key("AdamW epsilon", gt=0)
-    scheduler: str = key("learning-rate schedule after warmup", choices=("constant", "linear", "cosine"))
+    scheduler: str = key("learning-rate schedule after warmup (wsd: constant, then linear to 0 over decay_steps)",
+                         choices=("constant", "linear", "cosine", "wsd"))
     warmup_steps: int = key("linear warmup steps", ge=0)
+    decay_steps: int = key("scheduler=wsd: the last steps, whose LR falls linearly to 0 (a cooldown)", 0, ge=0)
     grad_clip: float = key("gradient clipping threshold (0 = none)", ge=0)
     grad_clip_algorithm: str = key("norm: rescale the global gradient norm | value: clamp each element",
                                    choices=("norm", "value"))

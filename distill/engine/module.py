@@ -59,15 +59,22 @@ def nonfinite_message(loss: float, step: int, checkpoint: str | None) -> str:
             "(target.dtype=fp32).")
 
 
-def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
-    """Multiplier of the base LR at a step: linear warmup, then constant / linear / cosine decay to ``min_ratio``."""
-    if schedule not in ("constant", "linear", "cosine"):
-        raise ConfigError(f"optim.scheduler={schedule!r}; valid: constant, linear, cosine")
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.1, decay_steps: int = 0):
+    """Multiplier of the base LR at a step: linear warmup, then constant / linear / cosine decay to ``min_ratio``, or
+    ``wsd`` (warmup-stable-decay): constant, then linear to zero over the last ``decay_steps`` steps (the factor is
+    ``(total_steps - step) / decay_steps``: 1 at the decay's first step, 0 at ``total_steps``). A cooldown branch of
+    a constant-LR run is a ``wsd`` run resumed from the branch point (Hagele et al., arXiv 2405.18392)."""
+    if schedule not in ("constant", "linear", "cosine", "wsd"):
+        raise ConfigError(f"optim.scheduler={schedule!r}; valid: constant, linear, cosine, wsd")
+    if schedule == "wsd" and decay_steps < 1:
+        raise ConfigError("optim.scheduler=wsd needs optim.decay_steps >= 1 (the steps of its linear decay to zero)")
 
     def fn(step: int) -> float:
+        if schedule == "wsd" and step >= total_steps - decay_steps:
+            return max(0.0, (total_steps - step) / decay_steps)
         if warmup_steps and step < warmup_steps:
             return (step + 1) / warmup_steps
-        if schedule == "constant" or total_steps <= warmup_steps:
+        if schedule in ("constant", "wsd") or total_steps <= warmup_steps:
             return 1.0
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         if schedule == "linear":
@@ -317,7 +324,8 @@ class DistillModule(pl.LightningModule):
                                       betas=tuple(cfg.get("betas", (0.9, 0.999))), eps=float(cfg.get("eps", 1e-8)))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
-            lr_lambda(str(cfg.get("scheduler", "cosine")), int(cfg.get("warmup_steps", 0)), self.total_steps))
+            lr_lambda(str(cfg.get("scheduler", "cosine")), int(cfg.get("warmup_steps", 0)), self.total_steps,
+                      decay_steps=int(cfg.get("decay_steps") or 0)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
