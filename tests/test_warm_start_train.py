@@ -8,11 +8,17 @@ import json
 
 import pytest
 import torch
-from test_train import run_train, tiny_overrides
+from test_train import run_train as _run_train
+from test_train import tiny_overrides
 
 from draftsmith.export.format import read_export
 
 pytestmark = pytest.mark.e2e
+
+
+def run_train(*overrides: str):
+    """``train.py`` as a user runs it, with room for a loaded machine (each run is a fresh Python + Lightning)."""
+    return _run_train(*overrides, timeout=900)
 
 
 def test_a_warm_start_begins_at_the_exports_weights_with_a_fresh_warmup(tmp_path, tiny_target_dir, tiny_data_file):
