@@ -204,3 +204,17 @@ def test_check_evaluates_a_finished_run_past_the_curve_and_refuses_what_it_canno
     with pytest.raises(CurveError, match="corrupt or truncated") as err:
         run_check(curve_dir, run, evaluate=fake_evaluate, say=quiet)
     assert "\n" not in str(err.value)
+
+
+def test_the_cli_checks_a_run_and_refuses_one_it_cannot_check_in_one_line(tmp_path, medusa_export, capsys):
+    from draftsmith.cli.curve import cmd_curve
+
+    curve_dir = tmp_path / "curve"
+    run_curve(curve_dir, ["recipe=medusa"], [10, 30, 100], SETTINGS, runner=FakeTraining(), evaluate=fake_evaluate,
+              say=quiet, cooldown=0.2)
+    write_report(curve_dir, json.loads((curve_dir / "curve.json").read_text()))
+    assert cmd_curve(["--out", str(curve_dir), "--check", str(medusa_export)]) == 1  # its training block: 0 tokens
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not more than the curve's furthest reading (120,000)" in err[0]
+    assert cmd_curve(["--out", str(tmp_path / "none"), "--check", str(medusa_export)]) == 1
+    assert "curve.json not found: run the curve first" in capsys.readouterr().err
