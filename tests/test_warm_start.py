@@ -133,3 +133,17 @@ def test_a_resumed_warm_start_reads_its_kept_record_and_refuses_a_damaged_one(tm
         warm_start.prepare(cfg, None, None, data, tmp_path, resuming=True)
     assert "\n" not in str(err.value)
     assert warm_start.prepare(_cfg(), None, None, data, Path(tmp_path / "fresh"), resuming=False) is None
+
+
+def test_an_export_from_before_lineages_gets_its_data_order_from_its_run_folder(tmp_path):
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    cfg = _cfg(spec="sharegpt", max_length=512)
+    OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
+    (run / ".hydra" / "overrides.yaml").write_text("- recipe=eagle3\n- data.max_length=512\n")
+    old = {"method": "eagle3", "training": {"steps": 200, "tokens": 379314}}
+    lineage = warm_start.lineage_from_run(run, old)
+    assert lineage["data_order"] == warm_start.data_order(cfg) and lineage["order_steps"] == 200
+    assert lineage["tokens_total"] == 379314
+    assert lineage["runs"][-1]["command"] == "train.py recipe=eagle3 data.max_length=512"
+    assert warm_start.lineage_from_run(tmp_path / "elsewhere", old)["data_order"] is None  # no run config: unknown
