@@ -93,8 +93,9 @@ def cmd_curve(argv: Sequence[str]) -> int:
             curve = run_curve(out, overrides, plan, settings, cooldown=opts.cooldown)
             block = write_report(out, curve.data)
     except KeyboardInterrupt:
-        print(f"draftsmith curve: interrupted; finished points are kept in {out / CURVE_FILE} and training in "
-              f"{out / 'run'}; re-run the same command to resume", file=sys.stderr)
+        print(f"draftsmith curve: interrupted; finished points are kept in {out / CURVE_FILE}, training in "
+              f"{out / 'run'} and cooldown branches in {out / 'branches'}; re-run the same command to resume",
+              file=sys.stderr)
         return 130
     except (CurveError, ValueError, FileNotFoundError) as err:
         print(f"draftsmith curve: error: {err}", file=sys.stderr)

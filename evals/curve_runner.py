@@ -102,7 +102,14 @@ def training_overrides(user: Sequence[str]) -> list[str]:
 
 
 def tokens_seen(run_dir: Path) -> int | None:
-    """The largest ``train/tokens`` (non-padding tokens trained on) in the run's CSV logs."""
+    """Non-padding tokens the run has trained on: its export's exact count (``training.tokens``), else the largest
+    ``train/tokens`` in its CSV logs (logged every few steps, so a short segment may log none)."""
+    try:
+        exact = json.loads((run_dir / "export" / "config.json").read_text()).get("training", {}).get("tokens")
+    except (OSError, ValueError, AttributeError):
+        exact = None
+    if isinstance(exact, int) and exact > 0:
+        return exact
     best = None
     for path in run_dir.rglob("metrics.csv"):
         with path.open(newline="") as f:
