@@ -53,3 +53,5 @@ def test_a_warm_start_begins_at_the_exports_weights_with_a_fresh_warmup(tmp_path
     assert resumed.returncode == 0
     lineage = read_export(warm / "export")[0]["training"]["lineage"]
     assert lineage["order_steps"] == 4 + 3 and lineage["runs"][-1]["sittings"] == 2
+    sittings = json.loads((warm / "sittings.json").read_text())
+    assert [s["steps"] for s in sittings] == [[0, 2], [2, 3]]  # the second sitting resumed at step 2

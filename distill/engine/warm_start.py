@@ -197,7 +197,8 @@ class SittingLog(pl.Callback):
         self.path = Path(run_dir) / SITTINGS_FILE
         self.start: tuple[float, float, int] | None = None
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after a resume's checkpoint is restored (at on_fit_start the global step still reads 0)
         self.start = (time.time(), _cpu_seconds(), int(trainer.global_step))
 
     def _append(self, trainer: pl.Trainer) -> None:
