@@ -105,8 +105,9 @@ def set_block(points: Sequence[dict[str, Any]], name: str, rate: float | None, v
                                                                                        for r in refits])}
                    for k in HORIZONS]
     for item in block["targets"].values():
-        need = [r.tokens_for(item["target"]) for r in refits]
-        item["tokens_interval"] = central([math.inf if n is None else n for n in need])
+        need = central([math.inf if n is None else n for n in (r.tokens_for(item["target"]) for r in refits)])
+        # JSON has no infinity: a bound no refit reaches is null ("never" in curve.md)
+        item["tokens_interval"] = None if need is None else [None if math.isinf(v) else v for v in need]
     return block
 
 
@@ -168,7 +169,7 @@ def _tokens(value: float | None) -> str:
 def _span(interval: Sequence[float] | None, digits: int = 3, tokens: bool = False) -> str:
     if not interval:
         return "-"
-    show = _tokens if tokens else (lambda v: _num(v, digits))
+    show = (lambda v: "never" if v is None else _tokens(v)) if tokens else (lambda v: _num(v, digits))
     return f"[{show(interval[0])}, {show(interval[1])}]"
 
 
