@@ -12,16 +12,22 @@ DEMO_DIR ?= outputs/demo/medusa
 BENCH_PROMPTS ?= 8
 BENCH_TOKENS ?= 128
 
-# `make train-best`: the strongest EAGLE-3 export this machine can make in a few hours, on self-distilled data.
-# Every stage resumes where it stopped (regenerate keeps OUT.partial, training its last checkpoint), so re-run the
-# same command after an interruption. Run it in the background: nohup make train-best > train-best.log 2>&1 &
+# `make train-best`: train the flagship further on this machine (draftsmith flagship train): a sitting resumes the
+# unfinished run under $(BEST_ROOT), else warm-starts a new one from the drafter with the most tokens (the shipped
+# flagship, or the newest finished run here), then offers the result to `draftsmith flagship ship`, which replaces
+# flagship/ only when held-out first-position acceptance rises by >= 0.02. Every stage resumes where it stopped, so
+# re-run the same command after an interruption. In the background: nohup make train-best > train-best.log 2>&1 &
+# BEST_SOURCE=regen trains on the regenerated chat + code mix below instead (BEST_DATA, BEST_MIX: regenerated first).
+BEST_SOURCE ?= sharegpt
 # Wall time on the 2-core Zen 4, alone: regeneration at batch 8 (one native call a step, TargetStack.forward_rows)
 # ran at ~330 tokens/s, about 1.5 h for 8,000 first turns (batch 1: 66-74 tokens/s, 6.5 h), then training
 # (BEST_TIME, 4 h) and the two benches (minutes). Regeneration skips first prompts over BEST_MAX_PROMPT tokens:
 # prefill runs one prompt at a time and took 75% of a batch-32 run on Zen 3 (35 tokens/s); in the first 1,100
 # ShareGPT conversations the 10% of prompts over 192 tokens hold 80% of the prompt tokens (MEASUREMENTS 21).
 DRAFTSMITH_CACHE ?= $(HOME)/.cache/draftsmith
-BEST_DIR ?= outputs/best/eagle3
+BEST_ROOT ?= $(DRAFTSMITH_CACHE)/train-best
+# auto: warm-start from the shipped flagship or this machine's newest finished run (the more tokens); none; a path
+BEST_INIT ?= auto
 BEST_CONVERSATIONS ?= 8000
 # The cosine schedule decays over BEST_STEPS: 6,000 at ~2.3 s a step (Zen 4, bf16, max_length 512) fill the 4 h
 # budget (3,000 used half of it); a slower CPU stops on BEST_TIME before the schedule's end.
@@ -47,7 +53,7 @@ BEST_PRECISION ?= $(shell $(PY) -c "from draftsmith.kernels.cpu_caps import nati
 
 .PHONY: setup setup-dev assets demo train-demo bench-demo test test-fast test-integration test-e2e lint clean \
 	gpu-check gpu-train speculators-venv llamacpp train-best curve \
-	method-table fault-sweep
+	method-table fault-sweep ship-flagship engine-check-flagship
 
 setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev
@@ -74,9 +80,30 @@ train-demo: assets
 	$(PY) train.py recipe=medusa trainer.max_steps=$(DEMO_STEPS) trainer.max_time=$(DEMO_TRAIN_TIME) \
 		hydra.run.dir=$(DEMO_DIR)
 
+# The demo benches the Medusa it trains beside the flagship the repository ships (flagship/, trained for hours), so
+# a new user sees on their own CPU what a trained drafter does; one table (outputs/demo/table.md) with a row each,
+# then the flagship inside llama.cpp (engine-check) where llama.cpp is built (`make llamacpp`), else a skip line.
+FLAGSHIP ?= flagship/eagle3-smollm2-135m
+FLAGSHIP_BENCH ?= outputs/demo/flagship/bench
 bench-demo:
 	$(VENV)/bin/draftsmith bench --drafter $(DEMO_DIR)/export --prompts mtbench --num-prompts $(BENCH_PROMPTS) \
 		--max-new-tokens $(BENCH_TOKENS) --dtype auto --lossless-dtype fp32 --out $(DEMO_DIR)/bench
+	@if test -f $(FLAGSHIP)/config.json; then \
+		$(VENV)/bin/draftsmith bench --drafter $(FLAGSHIP) --prompts mtbench --num-prompts $(BENCH_PROMPTS) \
+			--max-new-tokens $(BENCH_TOKENS) --dtype auto --lossless-dtype fp32 --out $(FLAGSHIP_BENCH); \
+	else echo "no flagship shipped in $(FLAGSHIP) yet: the table has the Medusa row only"; fi
+	$(VENV)/bin/draftsmith flagship table $(DEMO_DIR)/bench $(if $(wildcard $(FLAGSHIP)/config.json),$(FLAGSHIP_BENCH)) \
+		--out outputs/demo/table.md
+	@$(MAKE) --no-print-directory engine-check-flagship
+
+# The flagship in llama.cpp (draftsmith engine-check): skipped, with the reason, when llama.cpp is not built.
+engine-check-flagship:
+	@reason=$$($(PY) -c "from draftsmith.bench.llamacpp import missing_build_reason as m; print(m() or '')" \
+		2>/dev/null || echo "the llama.cpp probe failed"); \
+	if ! test -f $(FLAGSHIP)/config.json; then echo "engine-check of the flagship skipped: none shipped yet"; \
+	elif test -n "$$reason"; then echo "engine-check of the flagship skipped: llama.cpp $$reason"; \
+	else $(VENV)/bin/draftsmith engine-check $(FLAGSHIP) --prompts mtbench --num-prompts 2 --max-new-tokens 64 \
+		--out outputs/demo/flagship/engine-check.json; fi
 
 demo: train-demo bench-demo
 
@@ -152,34 +179,43 @@ $(BEST_MIX): $(BEST_DATA) $(BEST_CODE_DATA)
 	cat $^ > $@.tmp && mv $@.tmp $@
 
 # The recipe: the one the learning curves picked when a comparison exists (`draftsmith curve --compare A,B --out
-# $(DRAFTSMITH_CACHE)/curves/compare`: the highest held-out acceptance at equal CPU-hours), else EAGLE-3 on the
-# regenerated chat + code mix above. BEST_COMPARE= (empty) forces the mix.
+# $(DRAFTSMITH_CACHE)/curves/compare`: the highest cooled held-out acceptance at equal CPU-hours), else EAGLE-3 on
+# the embedded ShareGPT at max_length 512 (the flagship's data order, which a warm start continues). BEST_COMPARE=
+# (empty) forces the fallback.
 BEST_COMPARE ?= $(DRAFTSMITH_CACHE)/curves/compare/compare.json
 BEST_PICKED := $(if $(BEST_COMPARE),$(shell test -f '$(BEST_COMPARE)' && $(PY) -m draftsmith.evals.curve_pick \
 	'$(BEST_COMPARE)' --without trainer.max_steps,trainer.max_time,trainer.precision,hydra.run.dir 2>/dev/null))
 ifneq ($(strip $(BEST_PICKED)),)
 BEST_RECIPE := $(BEST_PICKED)
 BEST_INPUTS := assets
-else
+else ifeq ($(BEST_SOURCE),regen)
 BEST_RECIPE := recipe=eagle3 data=$(BEST_MIX) data.limit=null data.max_length=$(BEST_MAX_LENGTH)
 BEST_INPUTS := $(BEST_MIX)
+else
+BEST_RECIPE := recipe=eagle3 data.limit=null data.max_length=$(BEST_MAX_LENGTH)
+BEST_INPUTS := assets
 endif
 
 train-best: $(BEST_INPUTS)
-	$(PY) train.py $(BEST_RECIPE) trainer.max_steps=$(BEST_STEPS) trainer.max_time=$(BEST_TIME) \
-		trainer.precision=$(BEST_PRECISION) hydra.run.dir=$(BEST_DIR)
-	$(VENV)/bin/draftsmith bench --drafter $(BEST_DIR)/export --prompts mtbench --num-prompts 8 --max-new-tokens 128 \
-		--lossless-dtype fp32 --sweep-k 1,2,3,4 --profile --out $(BEST_DIR)/bench
-	$(VENV)/bin/draftsmith bench --drafter $(BEST_DIR)/export --prompts humaneval --num-prompts 8 --max-new-tokens 128 \
-		--skip-hf --lossless-dtype fp32 --sweep-k 1,2,3,4 --out $(BEST_DIR)/bench-humaneval
+	$(VENV)/bin/draftsmith flagship train --root $(BEST_ROOT) --init $(BEST_INIT) --flagship $(FLAGSHIP) -- \
+		$(BEST_RECIPE) trainer.max_steps=$(BEST_STEPS) trainer.max_time=$(BEST_TIME) trainer.precision=$(BEST_PRECISION)
+	$(VENV)/bin/draftsmith flagship ship $(BEST_ROOT)/current --dest $(FLAGSHIP) --speed
+
+# `make ship-flagship EXPORT=RUN_OR_EXPORT`: measure a run's export on held-out prompts and replace flagship/ when it
+# gains >= 0.02 first-position acceptance (prints the comparison either way; resumable; the served speed recorded).
+ship-flagship:
+	@test -n "$(EXPORT)" || { echo "usage: make ship-flagship EXPORT=RUN_DIR_OR_EXPORT"; exit 2; }
+	$(VENV)/bin/draftsmith flagship ship $(EXPORT) --dest $(FLAGSHIP) --speed
 
 # `make curve`: EAGLE-3's learning curve (draftsmith curve; README "Learning curves"), its state under
 # $(DRAFTSMITH_CACHE)/curves so a later session on this machine resumes it with the same command.
 CURVE_DIR ?= $(DRAFTSMITH_CACHE)/curves/eagle3_sharegpt
 CURVE_STEPS ?= 1500
+# Each point also reads a cooldown branch (LR linearly to 0 over CURVE_COOLDOWN of its steps): it predicts a finished run.
+CURVE_COOLDOWN ?= 0.2
 curve: assets
 	$(VENV)/bin/draftsmith curve --out $(CURVE_DIR) --first-steps 30 --steps $(CURVE_STEPS) --points 6 \
-		recipe=eagle3 data.limit=8000 run.checkpoint_every=25
+		--cooldown $(CURVE_COOLDOWN) recipe=eagle3 data.limit=8000 run.checkpoint_every=25
 
 # The README's method table: every head-family recipe and EAGLE-1/3 trained for the same steps on the same batches.
 METHOD_STEPS ?= 80

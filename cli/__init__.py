@@ -37,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                           "held-out drafts"),
     "curve": ("curve", "learning curve: train in segments, held-out acceptance against training tokens and "
                        "CPU-hours, with a fit: draftsmith curve --out DIR recipe=eagle3 [overrides]"),
+    "flagship": ("flagship", "the drafter kept in the repository: ship RUN (replaces it when held-out acceptance "
+                             "gains 0.02), train (a sitting of make train-best), show, table"),
 }
 RAW_ARGV = ("train", "bench-train", "cache-features", "curve")
 DESCRIPTION = "Train, export, serve and measure learned speculative-decoding drafters (draftsmith COMMAND --help)."

@@ -11,11 +11,12 @@ from collections.abc import Sequence
 
 from draftsmith.common.errors import ConfigError, DraftsmithError, InputError, report_failure
 
-EPILOG = """example (EAGLE-3 on regenerated data, 6 points from 100 to 3,000 steps):
+EPILOG = """example (EAGLE-3 on regenerated data, 6 points from 100 to 3,000 steps, each with a cooldown branch):
   draftsmith curve --out outputs/curve/eagle3 --first-steps 100 --steps 3000 --points 6 \\
       recipe=eagle3 data=regen.jsonl data.limit=null
-Writes DIR/curve.json, DIR/curve.md and DIR/curve.png; Ctrl-C keeps every finished point and the training
-checkpoint, and the same command resumes."""
+  draftsmith curve --out outputs/curve/eagle3 --check outputs/eagle3/cosine_run   # the forecast against a finished run
+Writes DIR/curve.json, DIR/curve.md and DIR/curve.png; Ctrl-C keeps every finished point, branch and the training
+checkpoints, and the same command resumes."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,6 +36,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", type=served_dtype, help="runtime dtype of the evaluation (auto | fp32 | "
                    "bf16)")
     p.add_argument("--target", default=None, help="target folder to serve with (default: the export's)")
+    p.add_argument("--cooldown", type=float, default=0.2, metavar="FRACTION",
+                   help="at each point, branch a cooldown (LR linearly to 0) over this share of the steps so far and "
+                        "report its acceptance beside the raw one; the fit and --compare read the cooled values "
+                        "(0 = no branches; default 0.2)")
+    p.add_argument("--check", default=None, metavar="RUN_DIR",
+                   help="no training: evaluate a finished run (more tokens than any point) and say whether the "
+                        "curve's forecast interval at its tokens contains what it measures")
     p.add_argument("--report-only", action="store_true", help="rewrite curve.md / curve.png from curve.json")
     p.add_argument("--compare", default=None, metavar="DIR1,DIR2,...",
                    help="no training: put these curves side by side at equal CPU-hours into --out "
@@ -90,6 +98,14 @@ def cmd_curve(argv: Sequence[str]) -> int:
             print(json.dumps(compare(dirs, out)))
             print(f"wrote {out / 'compare.json'}, {out / 'compare.md'}, {out / 'compare.png'}")
             return 0
+        if opts.check:
+            from draftsmith.evals.curve_check import run_check
+
+            record = run_check(out, opts.check)
+            print(json.dumps(record, indent=1))
+            verdict = {True: "inside its interval", False: "OUTSIDE its interval", None: "not decided (no fit)"}
+            print(f"forecast check of {opts.check}: {verdict[record['all_inside']]}; wrote {out / 'curve.md'}")
+            return 0
         if opts.report_only:
             if not (out / CURVE_FILE).is_file():
                 raise CurveError(f"{out / CURVE_FILE} not found: run the curve first")
@@ -98,11 +114,12 @@ def cmd_curve(argv: Sequence[str]) -> int:
             settings = EvalSettings(tuple(s for s in opts.prompts.split(",") if s), opts.num_prompts,
                                     opts.max_new_tokens, opts.dtype, opts.target)
             plan = log_spaced_steps(opts.first_steps, opts.steps, opts.points)
-            curve = run_curve(out, overrides, plan, settings)
+            curve = run_curve(out, overrides, plan, settings, cooldown=opts.cooldown)
             block = write_report(out, curve.data)
     except KeyboardInterrupt:
-        print(f"draftsmith curve: interrupted; finished points are kept in {out / CURVE_FILE} and training in "
-              f"{out / 'run'}; re-run the same command to resume", file=sys.stderr)
+        print(f"draftsmith curve: interrupted; finished points are kept in {out / CURVE_FILE}, training in "
+              f"{out / 'run'} and cooldown branches in {out / 'branches'}; re-run the same command to resume",
+              file=sys.stderr)
         return 130
     except DraftsmithError as err:  # anything else is a bug: its traceback (draftsmith.cli.main)
         return report_failure(err, "draftsmith curve", user_exit=1)

@@ -1,7 +1,7 @@
-"""Pick among learning curves at an equal budget: each curve's held-out first-position acceptance read at the same
-CPU-hours (and, for a peer trainer compared by data, the same training tokens), interpolated on a log axis between
-its measured points, never extrapolated; the curve with the highest mean over its prompt sets is *picked*, and
-``make train-best`` trains with the picked curve's overrides.
+"""Pick among learning curves at an equal budget: each curve's held-out first-position acceptance (its cooled
+readings, :func:`reading_points`) at the same CPU-hours (and, for a peer trainer compared by data, the same training
+tokens), interpolated on a log axis between its measured points, never extrapolated; the curve with the highest
+mean over its prompt sets is *picked*, and ``make train-best`` trains with the picked curve's overrides.
 
 Run as ``python -m draftsmith.evals.curve_pick COMPARE_JSON [--without KEY,...]``: prints the picked overrides, one
 shell word each (what ``make train-best`` reads), without the keys named. Imports nothing heavy (the Makefile runs it
@@ -34,6 +34,29 @@ def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float | N
     return pairs[0][1]  # one point, exactly at x
 
 
+def cooled_points(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The curve's cooled readings as points of their own: each branch's steps, tokens, CPU-hours (the main run's at
+    the branch point plus the branch's) and evaluation; a point without a branch has none."""
+    out = []
+    for p in data["points"]:
+        cooled = p.get("cooled")
+        if not cooled or not cooled.get("eval"):
+            continue
+        hours = cooled.get("cpu_hours")
+        if hours is None and p.get("cpu_hours") is not None:
+            hours = p["cpu_hours"] + (cooled.get("branch_cpu_seconds") or 0.0) / 3600.0
+        out.append({"steps": cooled["steps"], "tokens": cooled.get("tokens"), "cpu_hours": hours,
+                    "eval": cooled["eval"], "branched_at": p["steps"], "export": cooled.get("export")})
+    return out
+
+
+def reading_points(data: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """The points a fit or a comparison reads, and which: the cooled ones when the curve has any (they predict a
+    finished run), else the raw ones (curves from before cooldown branches, or ``--cooldown 0``)."""
+    cooled = cooled_points(data)
+    return (cooled, "cooled") if cooled else (list(data["points"]), "raw")
+
+
 def recipe_overrides(overrides: Sequence[str]) -> list[str]:
     """A curve's overrides without the curve's own evaluation defaults: the recipe as a training run takes it."""
     return [o for o in overrides if o not in CURVE_DEFAULTS]
@@ -42,17 +65,19 @@ def recipe_overrides(overrides: Sequence[str]) -> list[str]:
 def at_budget(curves: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
     """Every curve's first-position acceptance per prompt set at the largest ``key`` (``cpu_hours`` or ``tokens``)
     all curves reached, and their mean."""
-    reach = [max((p.get(key) or 0.0) for p in data["points"]) if data["points"] else 0.0 for data in curves.values()]
+    read = {name: reading_points(data) for name, data in curves.items()}
+    reach = [max((p.get(key) or 0.0) for p in points) if points else 0.0 for points, _ in read.values()]
     budget = min(reach) if reach else 0.0
     rows = {}
     for name, data in curves.items():
-        points = [p for p in data["points"] if p.get(key)]
+        points = [p for p in read[name][0] if p.get(key)]
         sets = list(data["settings"]["prompt_sets"])
         got = {s: interpolate([p[key] for p in points], [p["eval"][s]["first_position_acceptance"] for p in points],
                               budget) for s in sets}
         known = [v for v in got.values() if v is not None]
         mean = sum(known) / len(known) if known else None
-        rows[name] = {"first_position": got, "mean": mean, "stderr": _stderr(points, sets, key, budget, mean)}
+        rows[name] = {"first_position": got, "mean": mean, "stderr": _stderr(points, sets, key, budget, mean),
+                      "values": read[name][1]}
     return {"key": key, "budget": budget, "curves": rows}
 
 

@@ -6,14 +6,20 @@ Folder (``--out DIR``), every stage resumable by re-running the same command::
     DIR/curve.json                 plan, evaluation settings, measured step costs, every finished point (atomic)
     DIR/run/                       the one training run (Hydra run dir): checkpoints, CSV logs, its latest export
     DIR/points/step<N>/export/     the export evaluated at step N (copied from run/export, then swapped in)
+    DIR/points/step<N>/eval.json   its evaluation (kept, so a resumed curve never evaluates twice)
+    DIR/points/step<N>/cooled/     the cooldown branch's export and evaluation (:mod:`draftsmith.evals.cooldown`)
+    DIR/branches/step<N>/          the cooldown branch's own run folder (the main run is never written by it)
     DIR/curve.md, DIR/curve.png    the table and the picture (:mod:`draftsmith.evals.curve_report`)
 
 Training runs as ``draftsmith train`` subprocesses with ``trainer.max_steps`` raised segment by segment; each resumes
 from ``run/checkpoints/last.ckpt``. The learning rate is constant after warm-up (``optim.scheduler=constant`` unless
 the overrides name one) so that a point's weights do not depend on where the curve ends. A killed segment resumes
 from its last checkpoint; a point whose export exists but was not evaluated is evaluated; a finished point is kept.
-CPU-hours are the CPU time the training processes used (``getrusage`` of the children), not wall time x cores, so a
-segment that shared the machine is billed for its own work only.
+Each point is read twice: raw (the main run's weights at step N, constant LR) and cooled (a branch from step N
+whose LR decays linearly to zero over ``--cooldown`` x N more steps), which predicts a finished run of N + that many
+steps; the fit and ``--compare`` read the cooled values. CPU-hours are the CPU time the training processes used
+(``getrusage`` of the children), not wall time x cores, so a segment that shared the machine is billed for its own
+work only; a cooled reading is billed the main run's CPU-hours at its branch point plus the branch's own.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.evals.cooldown import BranchError, check_fraction, cooled_record, read_json, run_branch
+from draftsmith.evals.curve_bill import CacheBillError, billed_cache_seconds, feature_cache_bill
 from draftsmith.evals.learning_curve import EvalSettings, evaluate_export
 from draftsmith.runtime.shapes.cost_model import MachineCosts
 
@@ -40,10 +48,35 @@ CURVE_FILE, RUN_DIR, POINTS_DIR = "curve.json", "run", "points"
 # probe is off, and the learning rate stays constant after warm-up.
 DEFAULT_OVERRIDES = {"optim.scheduler": "constant", "validation.served_tau.every": "0", "run.final_eval_batches": "1"}
 PROTECTED = ("hydra.run.dir", "trainer.max_steps", "trainer.max_time")  # the curve sets these itself
+DEFAULT_COOLDOWN = 0.2  # a branch decays over 20% of the point's steps (Hagele et al. find 10-20% enough)
 
 
 class CurveError(DraftsmithError, ValueError):
     """A curve that cannot run as asked (bad plan, another curve in the folder, a failed training segment)."""
+
+
+def read_curve(path: Path) -> dict[str, Any]:
+    """A kept curve.json (written atomically, so damage came from outside); one line when it does not parse."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise CurveError(f"{path} is corrupt ({err}): restore it, or start another --out (every point's export and "
+                         "evaluation stay in its points/ folder)") from None
+
+
+def check_prompt_sets(prompt_sets: Sequence[str]) -> None:
+    """Refuse a prompt set the evaluation could not load (``mtbench``, ``humaneval``, a .jsonl, ``NAME[a:b]``)
+    before any training: one line naming it."""
+    from draftsmith.bench.prompts import SLICE, _texts
+
+    for spec in prompt_sets:
+        sliced = None if Path(spec).is_file() else SLICE.match(spec)
+        try:
+            texts = _texts(sliced["name"] if sliced else spec)
+        except (OSError, ValueError) as err:
+            raise CurveError(f"--prompts {spec}: {err}; nothing was trained") from None
+        if not texts:
+            raise CurveError(f"--prompts {spec}: no prompts in it; nothing was trained")
 
 
 def log_spaced_steps(first: int, last: int, points: int) -> list[int]:
@@ -70,7 +103,14 @@ def training_overrides(user: Sequence[str]) -> list[str]:
 
 
 def tokens_seen(run_dir: Path) -> int | None:
-    """The largest ``train/tokens`` (non-padding tokens trained on) in the run's CSV logs."""
+    """Non-padding tokens the run has trained on: its export's exact count (``training.tokens``), else the largest
+    ``train/tokens`` in its CSV logs (logged every few steps, so a short segment may log none)."""
+    try:
+        exact = json.loads((run_dir / "export" / "config.json").read_text()).get("training", {}).get("tokens")
+    except (OSError, ValueError, AttributeError):
+        exact = None
+    if isinstance(exact, int) and exact > 0:
+        return exact
     best = None
     for path in run_dir.rglob("metrics.csv"):
         with path.open(newline="") as f:
@@ -79,33 +119,6 @@ def tokens_seen(run_dir: Path) -> int | None:
                 if value:
                     best = max(best or 0, int(float(value)))
     return best
-
-
-def feature_cache_bill(overrides: Sequence[str]) -> dict[str, Any] | None:
-    """What training from a feature cache (``data.features=DIR`` among ``overrides``) costs beyond the drafter's own
-    steps: the CPU seconds the target took to write the cache and the non-padding training tokens it holds (None
-    when the curve trains online). A curve is billed that build pro rata over its first epoch, so that a cached
-    curve and an online one compare at equal CPU-hours; a value the cache did not record is None."""
-    from draftsmith.common.cache_costs import MANIFEST, training_bill
-
-    spec = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == "data.features"), None)
-    if spec in (None, "", "null", "None"):
-        return None
-    bill = training_bill(Path(spec))
-    if bill is None:
-        raise CurveError(f"data.features={spec}: no {MANIFEST} there; build it first with `draftsmith "
-                         "cache-features recipe=... --out DIR`")
-    return bill
-
-
-def billed_cache_seconds(bill: dict[str, Any] | None, tokens: int | None) -> float | None:
-    """The share of the cache's build a curve has used after ``tokens`` training tokens: all of it once an epoch is
-    done, in proportion before (0 without a cache; None when the cache did not record its cost)."""
-    if bill is None:
-        return 0.0
-    if bill["cpu_seconds"] is None or not bill["train_tokens"]:
-        return None
-    return bill["cpu_seconds"] * min(1.0, (tokens or 0) / bill["train_tokens"])
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -133,11 +146,12 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def train_to(out: Path, overrides: Sequence[str], steps: int, runner: Callable[[list[str]], int],
+def train_to(run_dir: Path, overrides: Sequence[str], steps: int, runner: Callable[[list[str]], int],
              ) -> tuple[float, float]:
-    """Train (or resume) ``out/run`` until ``steps``: (wall seconds, CPU seconds) it took. CPU seconds are what the
-    training process itself used, so a segment that shared the machine is not billed for the others' time."""
-    argv = [*overrides, f"hydra.run.dir={out / RUN_DIR}", f"trainer.max_steps={steps}"]
+    """Train (or resume) ``run_dir`` (the main run, or a cooldown branch) until ``steps``: (wall seconds, CPU
+    seconds) it took. CPU seconds are what the training process itself used, so a segment that shared the machine
+    is not billed for the others' time."""
+    argv = [*overrides, f"hydra.run.dir={run_dir}", f"trainer.max_steps={steps}"]
     start, cpu = time.perf_counter(), children_cpu_seconds()
     code = runner(argv)
     if code != 0:
@@ -154,15 +168,18 @@ def subprocess_train(argv: list[str]) -> int:
 class Curve:
     """The state of one curve folder (``curve.json``), loaded or started, refusing a folder started otherwise."""
 
-    def __init__(self, out: str | Path, overrides: Sequence[str], plan: list[int], settings: EvalSettings) -> None:
+    def __init__(self, out: str | Path, overrides: Sequence[str], plan: list[int], settings: EvalSettings,
+                 cooldown: float = 0.0) -> None:
         self.out = Path(out)
         self.path = self.out / CURVE_FILE
         fresh = {"format": "draftsmith-curve", "version": 1, "overrides": list(overrides), "plan": plan,
                  "settings": json.loads(json.dumps(asdict(settings))),  # tuples as lists, as curve.json reads back
-                 "costs": None, "costs_contention": None, "machine": machine(), "points": []}
+                 "cooldown": float(cooldown), "costs": None, "costs_contention": None, "machine": machine(),
+                 "points": []}
         if self.path.is_file():
-            self.data = json.loads(self.path.read_text())
-            for key in ("overrides", "settings"):
+            self.data = read_curve(self.path)
+            self.data.setdefault("cooldown", float(cooldown))  # a curve from before branches: its points stay raw
+            for key in ("overrides", "settings", "cooldown"):
                 if self.data.get(key) != fresh[key]:
                     raise CurveError(f"{self.path} was started with {key} {self.data.get(key)!r}, now {fresh[key]!r}:"
                                      " re-run with the same arguments to resume, or pick another --out")
@@ -222,14 +239,13 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu_caps.probe().describe(), "cores": os.cpu_count()}
 
 
-def run_point(curve: Curve, overrides: Sequence[str], steps: int, runner: Callable[[list[str]], int],
-              evaluate: Callable[..., tuple[dict[str, Any], dict | None]] = evaluate_export) -> dict:
-    """Train to ``steps`` (unless its export is already kept), evaluate it and record the point."""
+def _main_segment(curve: Curve, overrides: Sequence[str], steps: int, runner: Callable[[list[str]], int]
+                  ) -> tuple[Path, dict[str, Any]]:
+    """Train the main run to ``steps`` unless its export is already kept: (the point's export, its training record)."""
     point_dir = curve.out / POINTS_DIR / f"step{steps}"
-    export = point_dir / "export"
-    meta_path = point_dir / "training.json"
+    export, meta_path = point_dir / "export", point_dir / "training.json"
     if not (export / "config.json").is_file() or not meta_path.is_file():
-        seconds, cpu = train_to(curve.out, overrides, steps, runner)
+        seconds, cpu = train_to(curve.out / RUN_DIR, overrides, steps, runner)
         point_dir.mkdir(parents=True, exist_ok=True)
         copy_export(curve.out / RUN_DIR / "export", export)
         before = [p for p in curve.data["points"] if p["steps"] < steps]
@@ -238,8 +254,48 @@ def run_point(curve: Curve, overrides: Sequence[str], steps: int, runner: Callab
                                "train_cpu_seconds_total": cpu + (before[-1].get("train_cpu_seconds_total") or 0.0
                                                                  if before else 0.0),
                                "tokens": tokens_seen(curve.out / RUN_DIR)})
-    meta = json.loads(meta_path.read_text())
-    evaluation, measured = evaluate(str(export), curve.settings, measure=curve.wants_costs())
+    return export, read_json(meta_path)
+
+
+def _evaluated(export: Path, settings: EvalSettings, measure: bool, evaluate: Callable[..., Any],
+               ) -> tuple[dict[str, Any], dict | None]:
+    """``evaluate`` of ``export``, kept beside it (``eval.json``) so a resumed curve never evaluates twice."""
+    path = export.parent / "eval.json"
+    kept = read_json(path)
+    if kept is None:
+        evaluation, measured = evaluate(str(export), settings, measure=measure)
+        kept = {"eval": evaluation, "measured": measured}
+        write_json(path, kept)
+    return kept["eval"], kept["measured"]
+
+
+def _cooled(curve: Curve, overrides: Sequence[str], steps: int, runner: Callable[[list[str]], int],
+            evaluate: Callable[..., Any], say: Callable[[str], None]) -> dict[str, Any] | None:
+    """The point's cooldown branch, trained and evaluated (None when branches are off or the main run's checkpoint
+    at ``steps`` is gone: a point kept from before branches)."""
+    fraction = float(curve.data.get("cooldown") or 0.0)
+    if fraction <= 0:
+        return None
+    try:
+        export, meta = run_branch(curve.out, overrides, steps, fraction, runner, train_to, copy_export, tokens_seen,
+                                  write_json)
+    except BranchError as err:
+        if "keeps no step" not in str(err):
+            raise
+        say(f"step {steps}: {err}")
+        return None
+    evaluation, _ = _evaluated(export, curve.settings, False, evaluate)
+    return cooled_record(meta, evaluation, export, curve.out)
+
+
+def run_point(curve: Curve, overrides: Sequence[str], steps: int, runner: Callable[[list[str]], int],
+              evaluate: Callable[..., tuple[dict[str, Any], dict | None]] = evaluate_export,
+              say: Callable[[str], None] = print) -> dict:
+    """Train to ``steps`` (unless its export is already kept), evaluate it, branch its cooldown (trained from the
+    step-``steps`` checkpoint, evaluated alike) and record the point with both values."""
+    export, meta = _main_segment(curve, overrides, steps, runner)
+    evaluation, measured = _evaluated(export, curve.settings, curve.wants_costs(), evaluate)
+    cooled = _cooled(curve, overrides, steps, runner, evaluate, say)
     cores = curve.data["machine"]["cores"] or 1
     cpu_total = meta.get("train_cpu_seconds_total")  # absent in folders written before it was measured
     cache = billed_cache_seconds(curve.data.get("feature_cache"), meta["tokens"])
@@ -247,19 +303,31 @@ def run_point(curve: Curve, overrides: Sequence[str], steps: int, runner: Callab
              "train_cpu_seconds_total": cpu_total, "cache_cpu_seconds": cache,
              "cpu_hours": ((cpu_total if cpu_total else meta["train_seconds_total"] * cores) + (cache or 0.0))
              / 3600.0,
-             "export": str(export.relative_to(curve.out)), "eval": evaluation}
+             "export": str(export.relative_to(curve.out)), "eval": evaluation, "cooled": cooled}
     curve.add(point, measured)
     return point
+
+
+def _firsts(evaluation: dict[str, Any] | None) -> dict[str, float]:
+    return {k: round(v["first_position_acceptance"], 3) for k, v in (evaluation or {}).items()
+            if isinstance(v, dict) and "first_position_acceptance" in v}
 
 
 def run_curve(out: str | Path, user_overrides: Sequence[str], plan: list[int], settings: EvalSettings,
               runner: Callable[[list[str]], int] = subprocess_train,
               evaluate: Callable[..., tuple[dict[str, Any], dict | None]] = evaluate_export,
-              say: Callable[[str], None] = print) -> Curve:
-    """Run (or resume) the curve in ``out``: every planned point trained, exported and evaluated, in order."""
+              say: Callable[[str], None] = print, cooldown: float = DEFAULT_COOLDOWN) -> Curve:
+    """Run (or resume) the curve in ``out``: every planned point trained, exported, branched (``cooldown``: the
+    share of its steps the branch decays over; 0 = no branches) and evaluated, in order. The prompt sets are checked
+    before anything trains."""
     overrides = training_overrides(user_overrides)
-    curve = Curve(out, overrides, plan, settings)
-    bill = feature_cache_bill(overrides)
+    check_fraction(cooldown, overrides)
+    check_prompt_sets(settings.prompt_sets)
+    curve = Curve(out, overrides, plan, settings, cooldown)
+    try:
+        bill = feature_cache_bill(overrides)
+    except CacheBillError as err:
+        raise CurveError(str(err)) from None
     if bill is not None:
         if bill["cpu_seconds"] is None:
             say(f"the feature cache {bill['path']} did not record what it cost to build (written by an older "
@@ -272,11 +340,10 @@ def run_curve(out: str | Path, user_overrides: Sequence[str], plan: list[int], s
         if curve.done(steps):
             say(f"[{i}/{len(plan)}] step {steps}: kept from an earlier run")
             continue
-        say(f"[{i}/{len(plan)}] step {steps}: training (resumes from the last checkpoint) and evaluating")
-        point = run_point(curve, overrides, steps, runner, evaluate)
-        firsts = {k: round(v["first_position_acceptance"], 3) for k, v in point["eval"].items()
-                  if isinstance(v, dict) and "first_position_acceptance" in v}
+        say(f"[{i}/{len(plan)}] step {steps}: training (resumes from the last checkpoint), a cooldown branch and "
+            "evaluating")
+        point = run_point(curve, overrides, steps, runner, evaluate, say)
+        cooled = point["cooled"] or {}
         say(f"[{i}/{len(plan)}] step {steps}: {point['tokens']} tokens, {point['cpu_hours']:.2f} CPU-h, "
-            f"first-position acceptance {firsts}")
+            f"first-position acceptance {_firsts(point['eval'])}, cooled {_firsts(cooled.get('eval')) or '-'}")
     return curve
-

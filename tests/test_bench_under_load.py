@@ -46,7 +46,8 @@ def test_the_bench_forward_curve_and_the_calibration_curves_tick_the_governor(me
 
 
 def _runtime(tmp_path: Path):
-    return SimpleNamespace(folder=str(tmp_path / "target"), model=SimpleNamespace(dtype=torch.float32, linear_ops="dense"),
+    model = SimpleNamespace(dtype=torch.float32, linear_ops="dense")
+    return SimpleNamespace(folder=str(tmp_path / "target"), model=model,
                            export_config={"method": "medusa", "fingerprint": "abc"})
 
 

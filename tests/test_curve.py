@@ -339,5 +339,6 @@ def test_curves_are_compared_at_equal_cpu_hours_and_train_best_trains_the_pick(t
         return
     dry = subprocess.run(["make", "-n", "train-best", f"BEST_COMPARE={out / 'compare.json'}",
                           "BEST_PRECISION=32-true"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    train = next(line for line in dry.splitlines() if "train.py" in line)
-    assert "train.py recipe=eagle3 drafter.ttt_steps=5 trainer.max_steps=" in train, train
+    lines = dry.splitlines()
+    train = next(i for i, line in enumerate(lines) if "flagship train" in line)
+    assert "recipe=eagle3 drafter.ttt_steps=5 trainer.max_steps=" in " ".join(lines[train:train + 2]), lines

@@ -251,9 +251,9 @@ def test_train_best_trains_on_every_regenerated_conversation(tmp_path):
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")
     dry = subprocess.run(["make", "-n", "train-best", "BEST_PRECISION=32-true", "BEST_CONVERSATIONS=123",
-                          "BEST_COMPARE="], cwd=ROOT,
+                          "BEST_COMPARE=", "BEST_SOURCE=regen"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
-    train = next(line for line in dry.splitlines() if "train.py recipe=eagle3" in line)
+    train = next(line for line in dry.replace("\\\n", " ").splitlines() if "flagship train" in line)
     assert "data=outputs/best/regen123_code1300.jsonl" in train and "data.limit=null" in train, train
     # the chat set (the first 123 conversations) and the coding set past them are regenerated, then joined
     regen = [line for line in dry.replace("\\\n", " ").splitlines() if "draftsmith regenerate" in line]

@@ -88,6 +88,8 @@ class RunConfig:
     final_eval_batches: int = key("validation batches at the end (per-head agreement etc.)", 8, ge=0)
     zero_loss_patience: int = key("stop after this many consecutive steps whose training loss is exactly 0.0 (0 = off)",
                                   5, ge=0)
+    init_from: str | None = key("warm start: an export folder whose drafter weights a fresh run starts from (new "
+                                "warm-up, the same data order continued)", None, null="train from scratch")
 
 
 @dataclass
@@ -130,8 +132,10 @@ class OptimConfig:
     weight_decay: float = key("AdamW weight decay", 0.0, ge=0)
     betas: list[float] = key("AdamW betas", [0.9, 0.999], ge=0, lt=1, length=2)
     eps: float = key("AdamW epsilon", 1.0e-8, gt=0)
-    scheduler: str = key("learning-rate schedule after warmup", "cosine", choices=("constant", "linear", "cosine"))
+    scheduler: str = key("learning-rate schedule after warmup (wsd: constant, then linear to 0 over decay_steps)",
+                         "cosine", choices=("constant", "linear", "cosine", "wsd"))
     warmup_steps: int = key("linear warmup steps", 10, ge=0)
+    decay_steps: int = key("scheduler=wsd: the last steps, whose LR falls linearly to 0 (a cooldown)", 0, ge=0)
     grad_clip: float = key("gradient clipping threshold (0 = none)", 1.0, ge=0)
     grad_clip_algorithm: str = key("norm: rescale the global gradient norm to grad_clip | value: clamp each element",
                                    "norm", choices=("norm", "value"))

@@ -117,6 +117,7 @@ class ChatDataModule(pl.LightningDataModule):
         self.report: dict = {}
         self.train_set: ChatDataset | None = None
         self.val_set: ChatDataset | None = None
+        self.step_offset = 0  # warm start: steps of this data order earlier runs took (distill/engine/warm_start.py)
 
     @property
     def cache_path(self) -> Path:
@@ -174,7 +175,8 @@ class ChatDataModule(pl.LightningDataModule):
 
     def _batches_done(self) -> int:
         trainer = self.trainer
-        return batches_done_in_epoch(trainer.global_step, trainer.num_training_batches, trainer.accumulate_grad_batches)
+        return batches_done_in_epoch(trainer.global_step + self.step_offset, trainer.num_training_batches,
+                                     trainer.accumulate_grad_batches)
 
     def _loader(self, dataset: Dataset, loader: type[DataLoader] = DataLoader, collate_fn: Any = None,
                 **kwargs: Any) -> DataLoader:
@@ -216,9 +218,14 @@ class ChatDataModule(pl.LightningDataModule):
         resumable mid-epoch (see :mod:`draftsmith.distill.data.resumable`)."""
         dataset, batch_size = self._train_layout()
         packed = partial(collate_packed, row_length=self.max_length, pad_id=self.pad_id, rows_per_batch=self.batch_size)
-        return self._loader(dataset, ResumableLoader, collate_fn=packed if self.packing else None,
-                            batch_size=batch_size, sampler=self._ordered_sampler(len(dataset)),
-                            batches_done=self._batches_done, items_per_batch=batch_size or 1)
+        loader = self._loader(dataset, ResumableLoader, collate_fn=packed if self.packing else None,
+                              batch_size=batch_size, sampler=self._ordered_sampler(len(dataset)),
+                              batches_done=self._batches_done, items_per_batch=batch_size or 1)
+        if self.step_offset:  # a warm start goes on where its export's training left the data order
+            from draftsmith.distill.engine.warm_start import continue_data_order
+
+            continue_data_order(loader, self.step_offset, self.trainer.accumulate_grad_batches)
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches in a fixed order."""

@@ -170,7 +170,8 @@ class DistillModule(pl.LightningModule):
                                       fused=self._fused_optimizer(groups) or None)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
-            lr_lambda(str(cfg.get("scheduler", "cosine")), int(cfg.get("warmup_steps", 0)), self.total_steps))
+            lr_lambda(str(cfg.get("scheduler", "cosine")), int(cfg.get("warmup_steps", 0)), self.total_steps,
+                      decay_steps=int(cfg.get("decay_steps") or 0)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def _fused_optimizer(self, groups: list[dict[str, Any]]) -> bool:

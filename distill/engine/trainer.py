@@ -30,6 +30,7 @@ from draftsmith.distill.cluster.strategies import (
     trainer_device,
 )
 from draftsmith.distill.config.checks import check_schema
+from draftsmith.distill.engine import warm_start
 from draftsmith.distill.engine.best_export import KeepBestServed
 from draftsmith.distill.engine.checkpoints import (
     CHECKPOINT_DIR,
@@ -226,6 +227,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
                              trust_remote_code=bool(cfg.target.trust_remote_code), runs_on=run_device(cfg.trainer))
     objective = recipe.build(cfg, target)
     data = build_datamodule(cfg, target.tokenizer, kind=batch_kind(objective))
+    prior = warm_start.prepare(cfg, objective, target, data, run_dir, resuming=ckpt_path is not None)
     module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
                            total_steps=int(cfg.trainer.max_steps),
                            zero_loss_patience=int(cfg.run.zero_loss_patience), served_probe=served_probe,
@@ -239,7 +241,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     if wrapped:
         log.info("activation checkpointing: %s", ", ".join(sorted(c.__name__ for c in wrapped)))
     extra = extra_callbacks(cfg, target, run_dir, shard_target, served=served_probe is not None,
-                            resumed=ckpt_path is not None)
+                            resumed=ckpt_path is not None) + [warm_start.SittingLog(run_dir)]
     trainer = build_trainer(cfg, run_dir, callbacks=extra, drafter=module.drafter, run_name=run_name)
     start = time.perf_counter()
     fit_or_interrupted(trainer, module, data, ckpt_path, run_dir, int(cfg.run.checkpoint_every))
@@ -251,6 +253,7 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
         metrics.update(_scalars(trainer.callback_metrics))
     summary = {"recipe": recipe.name, "steps": int(trainer.global_step), "tokens": int(module.tokens_seen),
                "fit_seconds": round(seconds, 1), "metrics": metrics, "run_dir": str(run_dir)}
+    summary["lineage"] = warm_start.lineage(cfg, prior, summary["steps"], summary["tokens"], run_dir)
     if cfg.run.export and trainer.is_global_zero:
         out = export_from_module(module, run_dir / "export", training=summary)
         summary["export"] = str(out)
