@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from draftsmith.bench.timing import time_decode, time_interleaved
+from draftsmith.bench.timing import time_interleaved
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
-from draftsmith.runtime.decoding.speculative import SpecResult, SpeculativeDecoder
+from draftsmith.runtime.decoding.speculative import SpecResult
 from draftsmith.runtime.drafting.base import Proposer
 from draftsmith.runtime.serving import Runtime
 
@@ -51,16 +51,3 @@ def sweep_fixed_depths(runtime: Runtime, prompts: Sequence[list[int]], max_new_t
         rows.append({"policy": name, "tau": metrics.tau(pooled) if pooled else 1.0, "tokens_per_s": t["tokens_per_s"]})
     return rows
 
-
-def timed_generations(spec: SpeculativeDecoder, prompts: Sequence[list[int]], max_new_tokens: int,
-                      eos_ids: Sequence[int]) -> tuple[dict[str, Any], list[SpecResult]]:
-    """:func:`time_decode` over the prompts (prompt i seeded with i), keeping every SpecResult."""
-    results: list[SpecResult] = []
-
-    def decode(prompt: list[int]) -> list[int]:
-        res = spec.generate(prompt, max_new_tokens, eos_ids=eos_ids,
-                            generator=torch.Generator().manual_seed(len(results)))
-        results.append(res)
-        return res.tokens
-
-    return time_decode(decode, prompts), results

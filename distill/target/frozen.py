@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from draftsmith.common.constants import ADAPTER_LORA
-from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.target.features import FeatureTaps, TargetFeatures  # the taps' home, re-exported here
 from draftsmith.distill.target.lora import LoraSpec, TargetAdapter, lora_module_paths, require_peft
@@ -42,15 +41,6 @@ from draftsmith.kernels import cpu_caps
 
 log = logging.getLogger(__name__)
 DEFAULT_TAPS = FeatureTaps()  # the final hidden state only
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Map a config string such as ``bf16`` or ``float32`` to a torch dtype (clear error otherwise)."""
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return dtype_from_name(name)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
 
 
 def resolve_target_dtype(name: str | torch.dtype, device: str | torch.device,
