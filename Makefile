@@ -86,10 +86,10 @@ train-demo: assets
 FLAGSHIP ?= flagship/eagle3-smollm2-135m
 FLAGSHIP_BENCH ?= outputs/demo/flagship/bench
 bench-demo:
-	$(VENV)/bin/draftsmith bench --drafter $(DEMO_DIR)/export --prompts mtbench --num-prompts $(BENCH_PROMPTS) \
+	$(VENV)/bin/draftsmith bench export --drafter $(DEMO_DIR)/export --prompts mtbench --num-prompts $(BENCH_PROMPTS) \
 		--max-new-tokens $(BENCH_TOKENS) --dtype auto --lossless-dtype fp32 --out $(DEMO_DIR)/bench
 	@if test -f $(FLAGSHIP)/config.json; then \
-		$(VENV)/bin/draftsmith bench --drafter $(FLAGSHIP) --prompts mtbench --num-prompts $(BENCH_PROMPTS) \
+		$(VENV)/bin/draftsmith bench export --drafter $(FLAGSHIP) --prompts mtbench --num-prompts $(BENCH_PROMPTS) \
 			--max-new-tokens $(BENCH_TOKENS) --dtype auto --lossless-dtype fp32 --out $(FLAGSHIP_BENCH); \
 	else echo "no flagship shipped in $(FLAGSHIP) yet: the table has the Medusa row only"; fi
 	$(VENV)/bin/draftsmith flagship table $(DEMO_DIR)/bench $(if $(wildcard $(FLAGSHIP)/config.json),$(FLAGSHIP_BENCH)) \
@@ -122,7 +122,7 @@ $(SPEC_VENV)/.done:
 	   >> $(SPEC_VENV).log 2>&1 || true; } && touch $@ ) || { tail -n 3 $(SPEC_VENV).log > $(SPEC_VENV).failed; \
 	   echo "could not install speculators==0.9.0 (see $(SPEC_VENV).log); its test will be skipped"; }
 
-# llama.cpp's CPU tools, the peer `draftsmith bench --llamacpp` times: built once from the llama.cpp tree vendored by
+# llama.cpp's CPU tools, the peer `draftsmith bench export --llamacpp` times: built once from the llama.cpp tree vendored by
 # the llama-cpp-python==0.3.36 sdist into $DRAFTSMITH_CACHE/llamacpp-0.3.36 (default ~/.cache/draftsmith), outside the
 # clone; a later run returns at once. A failed build keeps its reason in llamacpp-0.3.36.failed there: rerun to retry.
 llamacpp:

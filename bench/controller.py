@@ -1,4 +1,5 @@
-"""``draftsmith bench --controller``: what an adaptive-temperature layer costs and, on a reward task, what it buys.
+"""``draftsmith bench controller`` and ``bench reward``: what an adaptive-temperature layer costs and, on a reward
+task, what it buys.
 
 Cost: the same decoding loop, prompts and seeds run once with the layer choosing every position's temperature and
 once replaying the temperatures it chose without running it. Reward (prompts ``embedded[:split]`` or a

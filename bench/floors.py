@@ -1,5 +1,5 @@
-"""Bandwidth floors (``draftsmith bench --profile``): the least time a plain decoding step, a verify forward and a
-draft call can take on this machine, next to what they took.
+"""Bandwidth floors (``draftsmith bench export --profile``): the least time a plain decoding step, a verify forward
+and a draft call can take on this machine, next to what they took.
 
 At batch 1 on a CPU every step streams its weights from memory once, so ``bytes read / read bandwidth`` bounds it from
 below. The byte counts come from the loaded modules (numel x element size of every floating tensor the forward

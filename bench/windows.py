@@ -1,5 +1,5 @@
 """Acceptance over long outputs: tau by output window, so that a drafter whose acceptance decays with the output's
-length shows it (``draftsmith bench --window W``, ``--long``).
+length shows it (``draftsmith bench export --window W``, ``--long``).
 
 The runtime records how many drafted tokens each verify step accepted (``SpecResult.accepted_per_step``); a step
 emits its accepted tokens plus the target's bonus token, and the first output token comes from the prefill (no verify

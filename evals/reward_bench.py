@@ -1,4 +1,4 @@
-"""``draftsmith bench --controller A[,B] --prompts embedded:heldout`` (or ``--reward``): the reward evaluation of
+"""``draftsmith bench reward --controller A[,B] --prompts embedded:heldout``: the reward evaluation of
 adaptive-temperature layers against every fixed temperature of the grid, then each layer's overhead in tokens/s."""
 
 from __future__ import annotations

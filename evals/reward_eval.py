@@ -1,4 +1,4 @@
-"""``draftsmith bench --controller ... --prompts embedded:heldout``: what an adaptive-temperature layer buys.
+"""``draftsmith bench reward --controller ... --prompts embedded:heldout``: what an adaptive-temperature layer buys.
 
 Every fixed temperature of the layer's grid and every layer ("condition") samples ``samples`` responses per prompt
 of a reward task; each response is scored with the task's reward. A layer is served as it is deployed (its argmax

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Cached build of llama.cpp's CPU tools (the peer `draftsmith bench --llamacpp` times), from the llama.cpp tree that
+# Cached build of llama.cpp's CPU tools (the peer `draftsmith bench export --llamacpp` times), from the llama.cpp tree that
 # the PyPI source distribution llama-cpp-python==$VERSION vendors under vendor/llama.cpp. Built once, outside the
 # clone, into $DRAFTSMITH_CACHE/llamacpp-$VERSION (default ~/.cache/draftsmith): bin/ holds the tools,
 # convert_hf_to_gguf.py + conversion/ + gguf-py/ (+ pydeps/) the HF -> GGUF converter. A second run returns at once.

@@ -184,8 +184,8 @@ def test_a_full_disk_while_writing_bench_json_leaves_no_empty_file_and_names_it(
 def test_docs_errors_table_lists_the_serving_cases():
     text = (Path(__file__).resolve().parents[1] / "docs" / "ERRORS.md").read_text()
     assert "| input | what the user sees | what was kept |" in text
-    for case in ("--stop-policy fixed:-1", "--temperature -1", "--dtype fp16", "Ctrl-C", "bench --drafter TARGET",
-                 "bench.json"):
+    for case in ("--stop-policy fixed:-1", "--temperature -1", "--dtype fp16", "Ctrl-C",
+                 "bench export --drafter TARGET", "bench.json"):
         assert case in text, case
     json.dumps(text)
 

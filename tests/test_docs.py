@@ -135,6 +135,41 @@ def test_a_stale_part_is_seen():
     assert mt.stale(doc.replace("| `engine-check` |", "| `engine-checks` |")) == ["commands"]
 
 
+def test_the_readme_command_list_is_every_registered_command():
+    """README's command list is generated from the CLI's tables (docs/tools/readme_commands.py); it once lacked
+    `import`, `engine-check` and `curve` and gave the diffusion bench's old form."""
+    from draftsmith.cli import COMMANDS
+    from draftsmith.cli.bench_modes import MODES
+
+    rc = _script("readme_commands")
+    doc = rc.README.read_text()
+    assert not rc.stale(doc), "run `python docs/tools/readme_commands.py --write`"
+    listed = set(re.findall(r"`([a-z][\w-]*)`", rc.part(doc, rc.PART)))
+    assert {"import", "engine-check", "curve", "flagship"} <= set(COMMANDS)
+    assert set(COMMANDS) <= listed, f"commands missing from README: {sorted(set(COMMANDS) - listed)}"
+    assert all(f"`bench {mode}`" in rc.part(doc, rc.PART) for mode in MODES)
+
+
+def test_a_stale_command_list_is_seen():
+    rc = _script("readme_commands")
+    doc = rc.replace_part(rc.README.read_text(), rc.PART, rc.command_list())
+    assert not rc.stale(doc)
+    assert rc.stale(doc.replace("`engine-check`, ", ""))  # a registered command left out
+    assert rc.stale(doc.replace("`curve`", "`curves`"))
+    wrapped = rc.wrap("word " * 22 + "`a code span across the line's end` and words after it")  # span at column 110
+    assert all(line.count("`") % 2 == 0 for line in wrapped.splitlines()), wrapped  # no span split over two lines
+
+
+def test_docs_name_the_bench_mode():
+    """`draftsmith bench --flag` still runs (the mode read off its flags), but the docs say the mode. ARCHITECTURE.md
+    is generated (its module rows are docstrings, its data paths docs/tools/room_walk.py's traced command)."""
+    modeless = re.compile(r"draftsmith bench (?=--|\\)")
+    written = [d for d in DOCS if d.name != "ARCHITECTURE.md"]
+    offenders = [f"{d.relative_to(ROOT)}:{n}" for d in [*written, ROOT / "Makefile"]
+                 for n, line in enumerate(d.read_text().splitlines(), 1) if modeless.search(line)]
+    assert not offenders, f"name the mode (draftsmith bench export|controller|reward|diffusion): {offenders}"
+
+
 def test_no_doc_points_outside_the_repository():
     offenders = [str(d.relative_to(ROOT)) for d in DOCS if "../shared" in d.read_text() or "DESIGN.md" in d.read_text()]
     assert not offenders, f"docs that point outside the repository: {offenders}"
