@@ -173,6 +173,11 @@ def test_docs_name_the_bench_mode():
 def test_no_doc_points_outside_the_repository():
     offenders = [str(d.relative_to(ROOT)) for d in DOCS if "../shared" in d.read_text() or "DESIGN.md" in d.read_text()]
     assert not offenders, f"docs that point outside the repository: {offenders}"
+    outside = re.compile(r"\bshared/research|\.\./shared|/work/")  # lpo.py once cited "shared/research"
+    sources = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "*.py"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    cited = [p for p in sources if p != "tests/test_docs.py" and outside.search((ROOT / p).read_text())]
+    assert not cited, f"source files that cite a path outside the repository: {cited}"
 
 
 def test_readme_stays_short():

@@ -1,4 +1,4 @@
-"""Latent Preference Optimization losses (arXiv 2411.09661; forms as restated in shared/research, addendum turn 2).
+"""Latent Preference Optimization losses (arXiv 2411.09661): three forms of its preference loss, described below.
 
 Every form is a DPO logistic loss ``-log sigmoid(beta * [(pi_c - ref_c) - (pi_r - ref_r)])`` on a chosen (c) and a
 rejected (r) response of the same prompt; they differ in what ``pi`` and ``ref`` are:
