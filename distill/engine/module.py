@@ -15,6 +15,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from pytorch_lightning.utilities import GradClipAlgorithmType
 
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.engine.callbacks.guards import GuardState, TrainingGuards, is_log_step
@@ -85,9 +87,18 @@ class DistillModule(pl.LightningModule):
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
         """Lightning's clipping, except under FSDP with norm clipping: the wrapped root's ``clip_grad_norm_``
-        computes the norm over every shard (Lightning's FSDP precision plugin refuses ``norm``)."""
+        computes the norm over every shard (Lightning's FSDP precision plugin refuses ``norm``); and under
+        ``bf16-mixed`` with the fused AdamW, which Lightning's mixed precision refuses to clip for."""
         if self.sharded_clip_norm:
             self.trainer.strategy.model.clip_grad_norm_(self.sharded_clip_norm)
+            return
+        plugin = self.trainer.precision_plugin
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None and fused:
+            # bf16-mixed has no GradScaler, so the gradients are already true: clipping is sound with the fused
+            # AdamW, but Lightning's MixedPrecision refuses any fused optimizer; clip as its base plugin does.
+            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")
+            Precision.clip_gradients(plugin, optimizer, float(gradient_clip_val or 0.0), algorithm)
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
@@ -176,9 +187,13 @@ class DistillModule(pl.LightningModule):
 
     def _fused_optimizer(self, groups: list[dict[str, Any]]) -> bool:
         """AdamW's fused kernel (one launch for every parameter, step counts on the device: no read-back) where the
-        parameters are plain CPU / CUDA tensors and no sharded strategy wraps the optimizer."""
+        parameters are plain CPU / CUDA tensors, no sharded strategy wraps the optimizer and no GradScaler scales the
+        gradients that are clipped (``16-mixed``; under ``bf16-mixed`` :meth:`configure_gradient_clipping` clips)."""
         strategy = type(self._trainer.strategy).__name__ if self._trainer is not None else "SingleDeviceStrategy"
         devices = {p.device.type for group in groups for p in group["params"]}
+        plugin = self._trainer.precision_plugin if self._trainer is not None else None
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None and self._trainer.gradient_clip_val:
+            return False  # 16-mixed: a fused step unscales inside it, so a clip before it would see scaled gradients
         return strategy in ("SingleDeviceStrategy", "DDPStrategy") and devices <= {"cpu", "cuda"} and bool(devices)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
