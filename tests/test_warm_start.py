@@ -25,7 +25,7 @@ pytestmark = pytest.mark.unit
 
 def _objective(target: Target, num_heads: int = 2, seed: int = 1):
     from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-    from draftsmith.recipes.medusa import MedusaObjective, default_tree
+    from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree
 
     torch.manual_seed(seed)
     heads = MedusaHeads(MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
