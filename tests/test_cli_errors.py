@@ -57,7 +57,10 @@ def _failing(monkeypatch, err: BaseException) -> None:
 
     monkeypatch.setitem(serving_cli.HANDLERS, "generate", handler)
     for key in ("DRAFTSMITH_TRACEBACK", "DRAFTSMITH_DEBUG"):
-        monkeypatch.delenv(key, raising=False)
+        # setenv first so teardown removes what `--traceback` sets in os.environ (delenv of an unset key records
+        # nothing to undo, and the leaked variable made later tests' train.py print tracebacks)
+        monkeypatch.setenv(key, "0")
+        monkeypatch.delenv(key)
 
 
 def test_a_purposeful_error_is_one_line_exit_2(monkeypatch, capsys):
