@@ -32,12 +32,19 @@ def run_train(*overrides: str, timeout: int = 240, check: bool = True, env: dict
     return proc
 
 
+def override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def tiny_overrides(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
+    """The tiny run's overrides; a key in ``extra`` replaces the default one (train.py refuses a key given twice)."""
     # `target=PATH` and `data=PATH` are shorthands for target.name_or_path / data.spec.
-    return ["recipe=medusa", f"target={target}", "target.dtype=fp32", f"data={data}",
+    base = ["recipe=medusa", f"target={target}", "target.dtype=fp32", f"data={data}",
             "data.limit=null", "data.max_length=48", "data.batch_size=4", "data.val_fraction=0.1",
             "trainer.max_steps=6", "trainer.log_every_n_steps=1", "run.checkpoint_every=3", "run.final_eval_batches=2",
-            "optim.warmup_steps=0", f"hydra.run.dir={run_dir}", *extra]
+            "optim.warmup_steps=0", f"hydra.run.dir={run_dir}"]
+    replaced = {override_key(e) for e in extra}
+    return [o for o in base if override_key(o) not in replaced] + list(extra)
 
 
 def test_recipe_is_mandatory_and_unknown_recipes_are_listed():
@@ -122,7 +129,7 @@ def test_resumed_run_continues_the_epoch_and_matches_an_uninterrupted_one(tmp_pa
     straight = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "straight", *common)
     run_train(*straight)
     split = tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "split", *common)
-    run_train(*split, "trainer.max_steps=3")
+    run_train(*tiny_overrides(tiny_target_dir, tiny_data_file, tmp_path / "split", *common, "trainer.max_steps=3"))
     assert load_checkpoint(tmp_path / "split")["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
         {"batches_done_in_epoch": 3}]
     run_train(*split)  # the same command again: resumes from last.ckpt at step 3
