@@ -188,20 +188,6 @@ def recipe_names() -> list[str]:
     return registered()
 
 
-def repeated_override(overrides: list[str]) -> str | None:
-    """The one-line refusal of a key given twice (``recipe=medusa recipe=hydra``: Hydra would silently keep one),
-    else None."""
-    seen: dict[str, str] = {}
-    for arg in overrides:
-        key, sep, _ = arg.partition("=")
-        name = key.lstrip("+~")
-        if sep and name in seen:
-            return (f"{name} is given twice ({seen[name]}, {arg}): pass it once (a sweep over values is "
-                    f"-m {name}=a,b)")
-        seen.setdefault(name, arg)
-    return None
-
-
 def chosen_recipe(overrides: list[str]) -> str | None:
     """The value of ``recipe=NAME`` on the command line, or None."""
     return next((a.split("=", 1)[1] for a in overrides if a.split("=", 1)[0].lstrip("+") == "recipe"), None)
@@ -281,7 +267,7 @@ def preflight(argv: list[str]) -> str | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from draftsmith.distill.config.checks import schema_problems
+    from draftsmith.distill.config.checks import repeated_override, schema_problems
 
     overrides = plain_overrides(argv)
     if overrides is not None and (repeated := repeated_override(overrides)) is not None:

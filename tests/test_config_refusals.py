@@ -72,6 +72,20 @@ def test_a_key_given_twice_is_refused_in_one_line(argv, tmp_path, monkeypatch, c
     assert lines[0].startswith(f"error: {key} is given twice ("), err
 
 
+def test_what_lightnings_ddp_launcher_appends_is_not_a_key_given_twice(tmp_path):
+    """A further DDP process is this command line plus Lightning's hydra.run.dir / hydra.job.name /
+    hydra.output_subdir (lightning_fabric's _hydra_subprocess_cmd): refusing those as repeated killed every
+    `trainer=ddp` run whose command gave hydra.run.dir. The user's own repeats are still refused."""
+    from draftsmith.train import preflight
+
+    user = ["recipe=medusa", f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"]
+    child = [*user, f'hydra.run.dir="{tmp_path}"', "hydra.job.name=train_ddp_process_1", "hydra.output_subdir=null"]
+    assert preflight(child) is None
+    assert preflight([*user, f"hydra.run.dir={tmp_path}"]).startswith("hydra.run.dir is given twice (")
+    repeats = [*user, "optim.lr=1e-3", "optim.lr=2e-3", *child[len(user):]]
+    assert preflight(repeats).startswith("optim.lr is given twice (")
+
+
 def test_the_valid_recipes_are_the_registered_ones_not_the_yaml_files(tmp_path, monkeypatch):
     """A YAML under conf/recipe/ without a registered recipe was refused as "unknown recipe 'X'; valid recipes: ...,
     X, ..." (the list globbed the YAML files)."""

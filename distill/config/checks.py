@@ -1,6 +1,7 @@
 """Checks a composed training config against its schema (distill/config/schema.py, recipes/<name>/) before
 anything loads: keys the schema lacks (``+key=value`` gets past Hydra's struct mode, the schema does not), values
-outside the range a field declares; and the key listing ``train.py recipe=NAME --help`` prints.
+outside the range a field declares; a key the command line gives twice; and the key listing
+``train.py recipe=NAME --help`` prints.
 
 Every message is one line naming the key, the value and what is allowed.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +21,11 @@ from omegaconf.errors import MissingMandatoryValue
 
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.config.schema import TrainConfig
+
+# What Lightning's DDP launcher appends to this command line for each further process (lightning_fabric's
+# _hydra_subprocess_cmd): the run folder again, the job name, no output subdir.
+LIGHTNING_CHILD_SUFFIX = (re.compile(r"hydra\.run\.dir=.*"), re.compile(r"hydra\.job\.name=train_ddp_process_\d+"),
+                          re.compile(r"hydra\.output_subdir=null"))
 
 _BOUNDS = (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b), ("le", "<=", lambda v, b: v <= b),
            ("lt", "<", lambda v, b: v < b))
@@ -157,3 +164,21 @@ def describe_keys(cfg: DictConfig) -> list[str]:
         lines.append(f"  {path}: {f.type} = {'null' if value is None else value}    {f.metadata.get('doc', '')}"
                      + (f" [{allowed}]" if allowed else ""))
     return lines
+
+
+def repeated_override(overrides: list[str]) -> str | None:
+    """The one-line refusal of a key given twice (``recipe=medusa recipe=hydra``: Hydra would silently keep one),
+    else None. What Lightning's DDP launcher appends for a further process (:data:`LIGHTNING_CHILD_SUFFIX`) is not
+    the user's: the first process checked the command line it was given."""
+    tail = overrides[-len(LIGHTNING_CHILD_SUFFIX):]
+    if len(tail) == len(LIGHTNING_CHILD_SUFFIX) and all(p.fullmatch(a) for p, a in zip(LIGHTNING_CHILD_SUFFIX, tail)):
+        overrides = overrides[:-len(LIGHTNING_CHILD_SUFFIX)]
+    seen: dict[str, str] = {}
+    for arg in overrides:
+        key, sep, _ = arg.partition("=")
+        name = key.lstrip("+~")
+        if sep and name in seen:
+            return (f"{name} is given twice ({seen[name]}, {arg}): pass it once (a sweep over values is "
+                    f"-m {name}=a,b)")
+        seen.setdefault(name, arg)
+    return None
