@@ -198,6 +198,23 @@ def validation_summary(module: Any, trainer: pl.Trainer) -> dict[str, Any]:
     return summary
 
 
+def distill_module(cfg: DictConfig, recipe_name: str, objective: Any, target: Any,
+                   served_probe: Any = None) -> DistillModule:
+    """The LightningModule of ``objective`` as configured: optimizer and schedule settings, the FSDP clip, the run's
+    identity for checkpoints (recipe, target, resolved config) and activation checkpointing of the drafter."""
+    module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
+                           total_steps=int(cfg.trainer.max_steps),
+                           zero_loss_patience=int(cfg.run.zero_loss_patience), served_probe=served_probe,
+                           compile=bool(cfg.trainer.get("compile")))
+    module.sharded_clip_norm = sharded_clip_norm(cfg.optim, cfg.trainer)
+    module.run_info = {"recipe": recipe_name, "target": target.identity(),
+                       "config": OmegaConf.to_container(cfg, resolve=True)}
+    wrapped = apply_activation_checkpointing(module.drafter, cfg.trainer)
+    if wrapped:
+        log.info("activation checkpointing: %s", ", ".join(sorted(c.__name__ for c in wrapped)))
+    return module
+
+
 def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | None = None,
           served_probe: Any = None) -> dict[str, Any]:
     """Train ``recipe`` as configured; returns a summary (steps, tokens, seconds, export folder, metrics).
@@ -228,18 +245,9 @@ def train(cfg: DictConfig, recipe: Any, run_dir: str | Path, run_name: str | Non
     objective = recipe.build(cfg, target)
     data = build_datamodule(cfg, target.tokenizer, kind=batch_kind(objective))
     prior = warm_start.prepare(cfg, objective, target, data, run_dir, resuming=ckpt_path is not None)
-    module = DistillModule(objective, target, OmegaConf.to_container(cfg.optim, resolve=True),
-                           total_steps=int(cfg.trainer.max_steps),
-                           zero_loss_patience=int(cfg.run.zero_loss_patience), served_probe=served_probe,
-                           compile=bool(cfg.trainer.get("compile")))
+    module = distill_module(cfg, recipe.name, objective, target, served_probe)
     if resumed is not None:  # before Lightning's `Missing key(s) in state_dict`
         check_resume_shapes(resumed, ckpt_path, cfg, module, run_dir, target=target)
-    module.sharded_clip_norm = sharded_clip_norm(cfg.optim, cfg.trainer)
-    module.run_info = {"recipe": recipe.name, "target": target.identity(),
-                       "config": OmegaConf.to_container(cfg, resolve=True)}
-    wrapped = apply_activation_checkpointing(module.drafter, cfg.trainer)
-    if wrapped:
-        log.info("activation checkpointing: %s", ", ".join(sorted(c.__name__ for c in wrapped)))
     extra = extra_callbacks(cfg, target, run_dir, shard_target, served=served_probe is not None,
                             resumed=ckpt_path is not None) + [warm_start.SittingLog(run_dir)]
     trainer = build_trainer(cfg, run_dir, callbacks=extra, drafter=module.drafter, run_name=run_name)
