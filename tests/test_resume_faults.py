@@ -147,9 +147,19 @@ def interrupting_save(monkeypatch, step_name: str, signals: int) -> None:
     monkeypatch.setattr(torch, "save", save)
 
 
+@pytest.fixture()
+def foreground_sigint():
+    """Ctrl-C handled as in a foreground process: a test process started as a background job (or after a test that
+    left Lightning's shutdown SIG_IGN) ignores SIGINT, and so would the run (deferred_sigint leaves an ignored SIGINT
+    alone), so the injected signals would never arrive."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("signals", [1, 2], ids=["ctrl-c", "ctrl-c-twice"])
 def test_ctrl_c_while_a_checkpoint_is_written_is_the_interruption(signals, tmp_path, tiny_target_dir, tiny_data_file,
-                                                                  monkeypatch):
+                                                                  monkeypatch, foreground_sigint):
     run_dir = tmp_path / "run"
     interrupting_save(monkeypatch, "step4", signals)
     with pytest.raises(TrainingInterrupted) as stopped:  # was RuntimeError: [enforce fail at inline_container.cc]
