@@ -30,7 +30,7 @@ from typing import Any
 
 BRANCHES_DIR, COOLED_DIR = "branches", "cooled"
 CHECKPOINTS, LAST = "checkpoints", "last.ckpt"
-BRANCH_KEYS = ("optim.scheduler", "optim.decay_steps")  # the branch sets these itself
+BRANCH_KEYS = ("optim.scheduler", "optim.decay_steps", "run.resume")  # the branch sets these itself
 
 
 class BranchError(ValueError):
@@ -56,9 +56,11 @@ def check_fraction(fraction: float, overrides: Sequence[str]) -> None:
 
 
 def branch_overrides(overrides: Sequence[str], decay: int) -> list[str]:
-    """The main run's overrides with the branch's schedule: warmup-stable-decay, decaying over the last ``decay``."""
+    """The main run's overrides with the branch's schedule: warmup-stable-decay, decaying over the last ``decay``.
+    ``run.resume=changed``: the branch resumes the main run's checkpoint with that schedule on purpose (a resume
+    that changes an ``optim`` key is refused otherwise, :mod:`draftsmith.distill.engine.resume_check`)."""
     kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in BRANCH_KEYS]
-    return [*kept, "optim.scheduler=wsd", f"optim.decay_steps={decay}"]
+    return [*kept, "optim.scheduler=wsd", f"optim.decay_steps={decay}", "run.resume=changed"]
 
 
 def checkpoint_step(path: Path) -> int:

@@ -39,8 +39,8 @@ def test_wsd_schedule_decays_linearly_to_zero_over_its_last_steps():
     with pytest.raises(ConfigError, match="optim.decay_steps >= 1"):
         lr_lambda("wsd", 0, 10)
     assert decay_steps(30, 0.2) == 6 and decay_steps(3, 0.1) == 1
-    assert branch_overrides(["recipe=eagle3", "optim.scheduler=constant", "optim.decay_steps=9"], 6) == [
-        "recipe=eagle3", "optim.scheduler=wsd", "optim.decay_steps=6"]
+    assert branch_overrides(["recipe=eagle3", "optim.scheduler=constant", "optim.decay_steps=9", "run.resume=auto"],
+                            6) == ["recipe=eagle3", "optim.scheduler=wsd", "optim.decay_steps=6", "run.resume=changed"]
 
 
 def test_each_point_is_read_raw_and_cooled_and_the_fit_reads_the_cooled_values(tmp_path):
