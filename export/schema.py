@@ -6,7 +6,10 @@ Top level: ``format`` "draftsmith", ``format_version`` an integer, ``method`` a 
 ``target`` objects, ``inference`` / ``training`` / ``identity`` / ``base_export`` objects when present, ``parts``
 an object of ``{name: {"file": "<name>.safetensors", "tensors": n}}`` whose names are lower-case letters, digits and
 ``_`` and whose files lie in the export folder itself. ``target``'s sizes are integers, its name and fingerprints
-strings. ``inference.verifier`` is one the runtime has, ``inference.stop_policy.kind`` one it runs, its numbers
+strings. ``method`` is one some code in this process declares: an ``Exportable`` module's (any, wherever it is
+defined), the adapted target's, or one a registered method source names (:func:`add_method_source`: the runtime's
+proposer registry, the recipes' registrations, so a plugin method without an ``Exportable`` reads too).
+``inference.verifier`` is one the runtime has, ``inference.stop_policy.kind`` one it runs, its numbers
 numbers; ``inference.tree`` a list of paths of integers. The architecture's own fields are typed by the module's
 config dataclass when it is rebuilt (:func:`check_field_types`, called by ``Exportable``).
 """
@@ -19,6 +22,7 @@ import pkgutil
 import re
 import types
 import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -134,31 +138,48 @@ def validate_config(config: Any, where: str | Path) -> dict[str, Any]:
 # The one method whose export is not a module of heads/, drafters/ or controllers/: it writes an adapted target
 # (recipes/diffusion_adapt), read by runtime/target/diffusion_lm.py; export/ may import neither.
 TARGET_EXPORT_METHODS = ("diffusion_adapt",)
+# Functions naming further export methods, added by the registries export/ may not import (the runtime's proposers,
+# the recipes): read at each check, so a method registered (or unregistered) later is seen as it is then.
+_METHOD_SOURCES: list[Callable[[], Iterable[str]]] = []
+
+
+def add_method_source(source: Callable[[], Iterable[str]]) -> None:
+    """Make the export methods ``source()`` names known methods (runtime/drafting/registry.py adds its registered
+    proposers, recipes/registration.py its recipes' ``proposer`` methods)."""
+    if source not in _METHOD_SOURCES:
+        _METHOD_SOURCES.append(source)
 
 
 def _exportable_classes() -> dict[str, type]:
-    """Export method -> the ``Exportable`` class that rebuilds it, from the classes heads/, drafters/ and
-    controllers/ define (each declares its ``method`` and the older names it ``also_loads``): no hand-kept table."""
+    """Export method -> the ``Exportable`` class that rebuilds it, from every ``Exportable`` subclass defined (each
+    declares its ``method`` and the older names it ``also_loads``): no hand-kept table. heads/, drafters/ and
+    controllers/ are imported first; their classes win over a same-named one defined elsewhere (a test's, a
+    plugin's)."""
     from draftsmith.export.exportable import Exportable
 
     for package in ("heads", "drafters", "controllers"):
         root = importlib.import_module(f"draftsmith.{package}")
         for info in pkgutil.iter_modules(root.__path__):
             importlib.import_module(f"draftsmith.{package}.{info.name}")
-    found: dict[str, type] = {}
+    classes: list[type] = []
     pending = list(Exportable.__subclasses__())
     while pending:
         cls = pending.pop()
         pending.extend(cls.__subclasses__())
+        classes.append(cls)
+    found: dict[str, type] = {}
+    for cls in sorted(classes, key=lambda c: not c.__module__.startswith("draftsmith.")):  # stable: ours first
         for method in (getattr(cls, "method", None), *getattr(cls, "also_loads", ())):
-            if method and cls.__module__.startswith("draftsmith."):
+            if isinstance(method, str) and method:
                 found.setdefault(method, cls)
     return found
 
 
 def known_methods() -> tuple[str, ...]:
-    """Every export ``method`` draftsmith reads: its exportable modules' and the adapted target's."""
-    return (*_exportable_classes(), *TARGET_EXPORT_METHODS)
+    """Every export ``method`` draftsmith reads: its exportable modules', the adapted target's and the ones the
+    method sources name."""
+    declared = [method for source in _METHOD_SOURCES for method in source()]
+    return tuple(dict.fromkeys([*_exportable_classes(), *TARGET_EXPORT_METHODS, *declared]))
 
 
 def architecture_class(method: str) -> type | None:
@@ -207,4 +228,4 @@ def _type_name(hint: Any) -> str:
     return names.get(hint, str(hint).replace("typing.", ""))
 
 
-__all__ = ["VERIFIER_NAMES", "check_field_types", "validate_config"]
+__all__ = ["VERIFIER_NAMES", "add_method_source", "check_field_types", "known_methods", "validate_config"]
