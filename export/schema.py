@@ -130,8 +130,9 @@ def validate_config(config: Any, where: str | Path) -> dict[str, Any]:
     _inference(where, config.get("inference") or {})
     if "parts" in config:
         _parts(where, config["parts"])
-    if (config_class := architecture_class(config["method"])) is not None:
-        check_field_types(config_class, config["architecture"], where)
+    if (exportable := exportable_class(config["method"])) is not None:
+        folder = Path(where).parent if Path(where).name == "config.json" else Path(where)
+        check_architecture(exportable, config, folder)
     return config
 
 
@@ -182,11 +183,35 @@ def known_methods() -> tuple[str, ...]:
     return tuple(dict.fromkeys([*_exportable_classes(), *TARGET_EXPORT_METHODS, *declared]))
 
 
-def architecture_class(method: str) -> type | None:
-    """The architecture dataclass of ``method``'s exported module (its ``Exportable``'s ``config_class``), so every
-    reader of an export gets its types checked; None for a method without one (the adapted target)."""
-    cls = _exportable_classes().get(method)
-    return getattr(cls, "config_class", None) if cls is not None else None
+def exportable_class(method: str) -> type | None:
+    """The ``Exportable`` class that rebuilds ``method``'s exports, so every reader of an export gets its architecture
+    checked (:func:`check_architecture`); None for a method without one (the adapted target, a plugin's)."""
+    return _exportable_classes().get(method)
+
+
+# What an architecture the method's module cannot take means, and what to do about it.
+RELABEL_FIX = ("if config.json's 'method' was edited, restore the method the export was written with; else re-export "
+               "the drafter with this draftsmith")
+
+
+def relabel_claim(export_dir: str | Path, config: dict[str, Any]) -> str:
+    """The start of a message about an architecture that does not fit the method ``config`` claims."""
+    return f"{export_dir} claims method {config.get('method')!r}, but its architecture"
+
+
+def check_architecture(exportable: type, config: dict[str, Any], export_dir: str | Path) -> None:
+    """Refuse (``ExportSchemaError``, one line) an architecture ``exportable`` cannot rebuild: fields its
+    ``config_class`` does not know (unless it ignores extra keys: the method was edited, or another draftsmith wrote
+    it), checked first since it names the cause, then fields of the wrong type."""
+    from draftsmith.export.format import ExportSchemaError
+
+    config_class = exportable.config_class
+    arch = config.get("architecture") or {}
+    unknown = sorted(set(arch) - {f.name for f in dataclasses.fields(config_class)})
+    if unknown and not getattr(exportable, "extra_architecture_keys", False):
+        raise ExportSchemaError(f"{relabel_claim(export_dir, config)} fields {unknown} are unknown to "
+                                f"{config_class.__name__}; {RELABEL_FIX}")
+    check_field_types(config_class, arch, Path(export_dir) / "config.json")
 
 
 def _accepts(value: Any, hint: Any) -> bool:
@@ -228,4 +253,5 @@ def _type_name(hint: Any) -> str:
     return names.get(hint, str(hint).replace("typing.", ""))
 
 
-__all__ = ["VERIFIER_NAMES", "add_method_source", "check_field_types", "known_methods", "validate_config"]
+__all__ = ["VERIFIER_NAMES", "add_method_source", "check_architecture", "check_field_types", "known_methods",
+           "validate_config"]
