@@ -35,11 +35,10 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
     from pathlib import Path
 
     from draftsmith import recipes
+    from draftsmith.cli.arguments import COUNT, Range
     from draftsmith.common.errors import ConfigError
     from draftsmith.common.write_rule import check_file_target
     from draftsmith.distill.engine.bench_train import bench_train
-
-    from draftsmith.cli.arguments import COUNT, Range
 
     parser = argparse.ArgumentParser(prog="draftsmith bench-train")
     parser.add_argument("--steps", type=COUNT, default=6, help="timed steps of each part (>= 1)")
