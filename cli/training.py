@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _cmd_train(argv: Sequence[str]) -> int:
