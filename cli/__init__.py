@@ -9,7 +9,8 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from draftsmith.common.errors import TRACEBACK_ENV, report_failure
 
@@ -89,19 +90,36 @@ def interrupted_line(command: str, argv: Sequence[str], args: argparse.Namespace
             f"{'resume' if kept and 'resum' in kept else 'rerun'} with: {rerun}")
 
 
-def _take_traceback_flag(argv: list[str]) -> list[str]:
-    """``--traceback`` (anywhere before a lone ``--``) turns tracebacks on for this run; the flag itself is removed."""
+@contextmanager
+def _traceback_flag(argv: list[str]) -> Iterator[list[str]]:
+    """``--traceback`` (anywhere before a lone ``--``) turns tracebacks on for this run, through the environment so
+    its subprocesses see it too, and back off after it (an in-process caller's later runs are its own); yields the
+    arguments without the flag."""
     if "--traceback" not in argv:
-        return argv
-    os.environ[TRACEBACK_ENV[0]] = "1"
-    return [a for a in argv if a != "--traceback"]
+        yield argv
+        return
+    name = TRACEBACK_ENV[0]
+    before = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield [a for a in argv if a != "--traceback"]
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``draftsmith`` console script: exit 0; 2 with one ``error:`` line for an error draftsmith
     raised on purpose (:class:`~draftsmith.common.errors.DraftsmithError`); 130 with one line saying what was kept
     and how to resume on Ctrl-C; anything else is a bug: its traceback and a line saying so (exit 1)."""
-    argv = _take_traceback_flag(list(sys.argv[1:] if argv is None else argv))
+    with _traceback_flag(list(sys.argv[1:] if argv is None else argv)) as args:
+        return _run(args)
+
+
+def _run(argv: list[str]) -> int:
+    """One command line, its failures reported as :func:`main` says."""
     command, args = (argv[0] if argv else "draftsmith"), None
     try:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

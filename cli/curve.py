@@ -52,11 +52,10 @@ def parser() -> argparse.ArgumentParser:
 
 def _check(opts: argparse.Namespace, overrides: Sequence[str]) -> None:
     """Refuse, before any training segment: a --first-steps past --steps, a prompt set that names nothing, training
-    overrides the config refuses (a misspelt key, a value out of range), an --out the write rule refuses (a file, a
-    folder of the user's, a read-only place)."""
-    from draftsmith.bench.prompts import prompt_texts
+    overrides the config refuses (a misspelt key, a value out of range; not for --check, which trains nothing), an
+    --out the write rule refuses (a file, a folder of the user's, a read-only place)."""
     from draftsmith.cli.preflight import check_out_folder
-    from draftsmith.evals.curve_runner import training_overrides
+    from draftsmith.evals.curve_runner import check_prompt_sets, training_overrides
     from draftsmith.train import expand_shorthands, preflight
 
     if opts.first_steps > opts.steps:
@@ -66,8 +65,8 @@ def _check(opts: argparse.Namespace, overrides: Sequence[str]) -> None:
         sets = [s for s in opts.prompts.split(",") if s.strip()]
         if not sets:
             raise InputError("--prompts names no prompt set: give mtbench, humaneval or a .jsonl (comma-separated)")
-        for spec in sets:
-            prompt_texts(spec)
+        check_prompt_sets(sets)  # the line run_curve would give, before anything trains
+    if not opts.compare and not opts.report_only and not opts.check:  # --check trains nothing: no recipe to check
         if (problem := preflight(expand_shorthands(training_overrides(list(overrides))))) is not None:
             raise ConfigError(problem)  # one line here, not the training segment's line and then the curve's
     check_out_folder("curve", opts.out, (opts.target,))

@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _cmd_train(argv: Sequence[str]) -> int:
@@ -35,20 +36,26 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
     from pathlib import Path
 
     from draftsmith import recipes
+    from draftsmith.cli.arguments import COUNT, Range
     from draftsmith.common.errors import ConfigError
+    from draftsmith.common.write_rule import check_file_target
     from draftsmith.distill.engine.bench_train import bench_train
 
     parser = argparse.ArgumentParser(prog="draftsmith bench-train")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=COUNT, default=6, help="timed steps of each part (>= 1)")
+    parser.add_argument("--warmup", type=Range(int, low=0), default=2, help="untimed steps before them (>= 0)")
     parser.add_argument("--out", default=None, help="FILE.json (and FILE.md beside it)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     opts, overrides = parser.parse_known_args(argv)
+    from draftsmith.common.atomic_folder import write_file
     from draftsmith.distill.engine.bench_train import markdown_table
     from draftsmith.train import expand_shorthands, preflight, purposeful_errors
 
     overrides = expand_shorthands(overrides)
     try:
+        if opts.out:  # the write rule, before any work: never a folder, nor a file bench-train did not write
+            for path in (Path(opts.out), Path(opts.out).with_suffix(".md")):
+                check_file_target(path, owned=_bench_train_output)
         if (problem := preflight(overrides)) is not None:  # typos, types, ranges: before the target loads
             raise ConfigError(problem)
         cfg = compose_config(overrides)
@@ -61,10 +68,19 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
     print(text)
     print(table)
     if opts.out:
-        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(opts.out).write_text(text + "\n")
-        Path(opts.out).with_suffix(".md").write_text(table + "\n")
+        write_file(opts.out, text + "\n")
+        write_file(Path(opts.out).with_suffix(".md"), table + "\n")
     return 0
+
+
+def _bench_train_output(path: Path) -> bool:
+    """Whether ``path`` is what an earlier ``bench-train --out`` wrote (its JSON, or the table beside it)."""
+    try:
+        if path.suffix == ".md":
+            return path.read_text().startswith("bench-train: ") and path.with_suffix(".json").is_file()
+        return "online_vs_parts" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _cmd_cache_features(argv: list[str]) -> int:

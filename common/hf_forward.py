@@ -8,8 +8,10 @@ from functools import cache
 
 import torch
 
+from draftsmith.common.errors import DraftsmithError
 
-class BackboneNotRun(RuntimeError):
+
+class BackboneNotRun(DraftsmithError, RuntimeError):
     """The module hooked for a causal LM's hidden states did not run in its forward."""
 
 

@@ -28,12 +28,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from draftsmith.common.errors import DraftsmithError
+
 BRANCHES_DIR, COOLED_DIR = "branches", "cooled"
 CHECKPOINTS, LAST = "checkpoints", "last.ckpt"
 BRANCH_KEYS = ("optim.scheduler", "optim.decay_steps", "run.resume")  # the branch sets these itself
 
 
-class BranchError(ValueError):
+class BranchError(DraftsmithError, ValueError):
     """A cooldown branch that cannot run: its seed or newest checkpoint is corrupt, or the main run moved past it."""
 
 

@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from draftsmith.common.errors import DraftsmithError
 
-class CacheBillError(ValueError):
+
+class CacheBillError(DraftsmithError, ValueError):
     """``data.features`` names a folder that is not a feature cache."""
 
 

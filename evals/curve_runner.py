@@ -65,16 +65,16 @@ def read_curve(path: Path) -> dict[str, Any]:
 
 
 def check_prompt_sets(prompt_sets: Sequence[str]) -> None:
-    """Refuse a prompt set the evaluation could not load (``mtbench``, ``humaneval``, a .jsonl, ``NAME[a:b]``)
-    before any training: one line naming it."""
-    from draftsmith.bench.prompts import SLICE, _texts
+    """Refuse a prompt set the evaluation could not load (``mtbench``, ``humaneval``, a .jsonl, ``NAME[a:b]``: read
+    as :func:`~draftsmith.bench.prompts.prompt_texts` reads it) before any training: one line naming it."""
+    from draftsmith.bench.prompts import prompt_texts
 
     for spec in prompt_sets:
-        sliced = None if Path(spec).is_file() else SLICE.match(spec)
         try:
-            texts = _texts(sliced["name"] if sliced else spec)
+            texts = prompt_texts(spec)
         except (OSError, ValueError) as err:
-            raise CurveError(f"--prompts {spec}: {err}; nothing was trained") from None
+            why = str(err).removeprefix(f"prompts {spec}: ")  # the flag names the set already
+            raise CurveError(f"--prompts {spec}: {why}; nothing was trained") from None
         if not texts:
             raise CurveError(f"--prompts {spec}: no prompts in it; nothing was trained")
 

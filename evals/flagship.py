@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from draftsmith.common.atomic_folder import OutputKind, write_file, write_folder
+from draftsmith.common.errors import DraftsmithError
 from draftsmith.evals.flagship_record import readme, record
 from draftsmith.evals.learning_curve import EvalSettings
 from draftsmith.export.format import CONFIG_FILE, IDENTITY_FIELDS, WEIGHTS_FILE, ExportError, read_export
@@ -41,7 +42,7 @@ FLAGSHIP = OutputKind("flagship drafter", lambda f: (f / RECORD_FILE).is_file(),
 STAGED = OutputKind("staged flagship candidate", lambda f: (f / CONFIG_FILE).is_file(), (CONFIG_FILE, WEIGHTS_FILE))
 
 
-class FlagshipError(ValueError):
+class FlagshipError(DraftsmithError, ValueError):
     """A candidate or shipped drafter that cannot be compared (damaged, another method or target, no export)."""
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from draftsmith.export.format import ExportError, read_export, verify_identity
-from draftsmith.export.schema import check_field_types
+from draftsmith.export.schema import RELABEL_FIX, check_architecture, relabel_claim
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -98,19 +98,14 @@ class Exportable:
     def _architecture_of(cls, export: ExportContents) -> Any:
         arch = dict(export.config.get("architecture") or {})
         known = {f.name for f in fields(cls.config_class)}
-        unknown = sorted(set(arch) - known)
         # The method names the module, the architecture its shape: when they disagree, config.json's "method" was
         # edited or another draftsmith version wrote the export. One line names the export, the method and the fields.
-        claims = f"{export.path} claims method {export.config.get('method')!r}, but its architecture"
-        fix = ("if config.json's 'method' was edited, restore the method the export was written with; else re-export "
-               "the drafter with this draftsmith")
-        if unknown and not cls.extra_architecture_keys:
-            raise ExportError(f"{claims} fields {unknown} are unknown to {cls.config_class.__name__}; {fix}")
-        check_field_types(cls.config_class, arch, export.path / "config.json")
+        check_architecture(cls, export.config, export.path)
         try:
             return cls.config_class(**{k: v for k, v in arch.items() if k in known})
         except (TypeError, ValueError) as err:
-            raise ExportError(f"{claims} does not make a {cls.config_class.__name__} ({err}); {fix}") from err
+            raise ExportError(f"{relabel_claim(export.path, export.config)} does not make a "
+                              f"{cls.config_class.__name__} ({err}); {RELABEL_FIX}") from err
 
 
 def load_exported_state(module: nn.Module, export: ExportContents, unexported: tuple[str, ...] = ()) -> None:

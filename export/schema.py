@@ -6,7 +6,10 @@ Top level: ``format`` "draftsmith", ``format_version`` an integer, ``method`` a 
 ``target`` objects, ``inference`` / ``training`` / ``identity`` / ``base_export`` objects when present, ``parts``
 an object of ``{name: {"file": "<name>.safetensors", "tensors": n}}`` whose names are lower-case letters, digits and
 ``_`` and whose files lie in the export folder itself. ``target``'s sizes are integers, its name and fingerprints
-strings. ``inference.verifier`` is one the runtime has, ``inference.stop_policy.kind`` one it runs, its numbers
+strings. ``method`` is one some code in this process declares: an ``Exportable`` module's (any, wherever it is
+defined), the adapted target's, or one a registered method source names (:func:`add_method_source`: the runtime's
+proposer registry, the recipes' registrations, so a plugin method without an ``Exportable`` reads too).
+``inference.verifier`` is one the runtime has, ``inference.stop_policy.kind`` one it runs, its numbers
 numbers; ``inference.tree`` a list of paths of integers. The architecture's own fields are typed by the module's
 config dataclass when it is rebuilt (:func:`check_field_types`, called by ``Exportable``).
 """
@@ -19,6 +22,7 @@ import pkgutil
 import re
 import types
 import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -126,46 +130,88 @@ def validate_config(config: Any, where: str | Path) -> dict[str, Any]:
     _inference(where, config.get("inference") or {})
     if "parts" in config:
         _parts(where, config["parts"])
-    if (config_class := architecture_class(config["method"])) is not None:
-        check_field_types(config_class, config["architecture"], where)
+    if (exportable := exportable_class(config["method"])) is not None:
+        folder = Path(where).parent if Path(where).name == "config.json" else Path(where)
+        check_architecture(exportable, config, folder)
     return config
 
 
 # The one method whose export is not a module of heads/, drafters/ or controllers/: it writes an adapted target
 # (recipes/diffusion_adapt), read by runtime/target/diffusion_lm.py; export/ may import neither.
 TARGET_EXPORT_METHODS = ("diffusion_adapt",)
+# Functions naming further export methods, added by the registries export/ may not import (the runtime's proposers,
+# the recipes): read at each check, so a method registered (or unregistered) later is seen as it is then.
+_METHOD_SOURCES: list[Callable[[], Iterable[str]]] = []
+
+
+def add_method_source(source: Callable[[], Iterable[str]]) -> None:
+    """Make the export methods ``source()`` names known methods (runtime/drafting/registry.py adds its registered
+    proposers, recipes/registration.py its recipes' ``proposer`` methods)."""
+    if source not in _METHOD_SOURCES:
+        _METHOD_SOURCES.append(source)
 
 
 def _exportable_classes() -> dict[str, type]:
-    """Export method -> the ``Exportable`` class that rebuilds it, from the classes heads/, drafters/ and
-    controllers/ define (each declares its ``method`` and the older names it ``also_loads``): no hand-kept table."""
+    """Export method -> the ``Exportable`` class that rebuilds it, from every ``Exportable`` subclass defined (each
+    declares its ``method`` and the older names it ``also_loads``): no hand-kept table. heads/, drafters/ and
+    controllers/ are imported first; their classes win over a same-named one defined elsewhere (a test's, a
+    plugin's)."""
     from draftsmith.export.exportable import Exportable
 
     for package in ("heads", "drafters", "controllers"):
         root = importlib.import_module(f"draftsmith.{package}")
         for info in pkgutil.iter_modules(root.__path__):
             importlib.import_module(f"draftsmith.{package}.{info.name}")
-    found: dict[str, type] = {}
+    classes: list[type] = []
     pending = list(Exportable.__subclasses__())
     while pending:
         cls = pending.pop()
         pending.extend(cls.__subclasses__())
+        classes.append(cls)
+    found: dict[str, type] = {}
+    for cls in sorted(classes, key=lambda c: not c.__module__.startswith("draftsmith.")):  # stable: ours first
         for method in (getattr(cls, "method", None), *getattr(cls, "also_loads", ())):
-            if method and cls.__module__.startswith("draftsmith."):
+            if isinstance(method, str) and method:
                 found.setdefault(method, cls)
     return found
 
 
 def known_methods() -> tuple[str, ...]:
-    """Every export ``method`` draftsmith reads: its exportable modules' and the adapted target's."""
-    return (*_exportable_classes(), *TARGET_EXPORT_METHODS)
+    """Every export ``method`` draftsmith reads: its exportable modules', the adapted target's and the ones the
+    method sources name."""
+    declared = [method for source in _METHOD_SOURCES for method in source()]
+    return tuple(dict.fromkeys([*_exportable_classes(), *TARGET_EXPORT_METHODS, *declared]))
 
 
-def architecture_class(method: str) -> type | None:
-    """The architecture dataclass of ``method``'s exported module (its ``Exportable``'s ``config_class``), so every
-    reader of an export gets its types checked; None for a method without one (the adapted target)."""
-    cls = _exportable_classes().get(method)
-    return getattr(cls, "config_class", None) if cls is not None else None
+def exportable_class(method: str) -> type | None:
+    """The ``Exportable`` class that rebuilds ``method``'s exports, so every reader of an export gets its architecture
+    checked (:func:`check_architecture`); None for a method without one (the adapted target, a plugin's)."""
+    return _exportable_classes().get(method)
+
+
+# What an architecture the method's module cannot take means, and what to do about it.
+RELABEL_FIX = ("if config.json's 'method' was edited, restore the method the export was written with; else re-export "
+               "the drafter with this draftsmith")
+
+
+def relabel_claim(export_dir: str | Path, config: dict[str, Any]) -> str:
+    """The start of a message about an architecture that does not fit the method ``config`` claims."""
+    return f"{export_dir} claims method {config.get('method')!r}, but its architecture"
+
+
+def check_architecture(exportable: type, config: dict[str, Any], export_dir: str | Path) -> None:
+    """Refuse (``ExportSchemaError``, one line) an architecture ``exportable`` cannot rebuild: fields its
+    ``config_class`` does not know (unless it ignores extra keys: the method was edited, or another draftsmith wrote
+    it), checked first since it names the cause, then fields of the wrong type."""
+    from draftsmith.export.format import ExportSchemaError
+
+    config_class = exportable.config_class
+    arch = config.get("architecture") or {}
+    unknown = sorted(set(arch) - {f.name for f in dataclasses.fields(config_class)})
+    if unknown and not getattr(exportable, "extra_architecture_keys", False):
+        raise ExportSchemaError(f"{relabel_claim(export_dir, config)} fields {unknown} are unknown to "
+                                f"{config_class.__name__}; {RELABEL_FIX}")
+    check_field_types(config_class, arch, Path(export_dir) / "config.json")
 
 
 def _accepts(value: Any, hint: Any) -> bool:
@@ -207,4 +253,5 @@ def _type_name(hint: Any) -> str:
     return names.get(hint, str(hint).replace("typing.", ""))
 
 
-__all__ = ["VERIFIER_NAMES", "check_field_types", "validate_config"]
+__all__ = ["VERIFIER_NAMES", "add_method_source", "check_architecture", "check_field_types", "known_methods",
+           "validate_config"]

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.config.schema import TrainConfig
+from draftsmith.export.schema import add_method_source
 
 FAMILIES = ("heads", "drafter", "self-speculative", "controller", "target-adaptation")
 CONTROLLER = "controller"  # ``proposer`` of a method served beside a proposer (a policy, a filter), not as one
@@ -93,6 +94,14 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {}
+
+
+def served_methods() -> list[str]:
+    """The export methods the recipes' exports carry and a runtime proposer serves (their ``proposer``)."""
+    return [r.proposer for r in RECIPES.values() if r.proposer not in (None, CONTROLLER)]
+
+
+add_method_source(served_methods)  # a recipe's exports read wherever the recipes are loaded (train.py, the CLI)
 
 
 def register_recipe(name: str, *, label: str, family: str, module: str, proposer: str | None,

@@ -139,8 +139,10 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
         raise InputNotFoundError(f"target folder {folder} not found; pass --target PATH to the target the drafter "
                                  "was trained for")
     load_hf_config(folder)  # a corrupt config.json is named here, not as transformers' bare JSON error
-    trusted = check_custom_code(folder, trust_remote_code)  # refused in one line unless the user opted in
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trusted)
+    check_custom_code(folder, trust_remote_code)  # a folder with its own code: refused in one line unless opted in
+    # transformers gets the user's choice itself (never whether the model needs code: a tokenizer's own code is
+    # declared in tokenizer_config.json, which check_custom_code does not read)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     torch_dtype, dtype_reason = resolve_runtime_dtype(dtype)
     adapter = target_adapter(drafter, export_config) if drafter else None  # Medusa-2: the target it trained
     model, decoder, why = choose_decoder(folder, torch_dtype, backend=backend, kernel_backend=kernels,
@@ -149,8 +151,9 @@ def load_runtime(drafter: str | None, target: str | None, dtype: str = "fp32", k
                                          trust_remote_code=trust_remote_code)
     runtime = Runtime(str(folder), model, tokenizer, eos_ids_from_folder(folder), export_config,
                       dtype_reason=dtype_reason, decoder_backend=decoder, decoder_reason=why,
-                      trust_remote_code=trusted)
-    hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trusted) if drafter or controller else None
+                      trust_remote_code=trust_remote_code)
+    hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code) if drafter or controller \
+        else None
     if drafter:
         identity = target_identity(export_config["target"]["name_or_path"], hf_config, tokenizer,
                                    model.lm_head_weight)

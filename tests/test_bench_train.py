@@ -70,3 +70,24 @@ def test_bench_train_reports_rates_utilization_parts_and_host_cost(tiny_target_d
     assert result["host"][1]["ops"] > result["host"][0]["ops"]  # two more layers issue more ops
     table = markdown_table(result)
     assert "| online step |" in table and "online step vs its parts" in table and "| 4 layers, hidden 64" in table
+
+
+@pytest.mark.parametrize("flag", [["--steps", "0"], ["--warmup", "-1"]])
+def test_bench_train_refuses_a_count_out_of_range_in_one_line(flag, capsys):
+    from draftsmith.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["bench-train", "recipe=medusa", *flag])
+    assert stop.value.code == 2 and flag[0] in capsys.readouterr().err
+
+
+def test_bench_train_never_writes_over_a_file_or_folder_it_did_not_write(tmp_path, capsys):
+    """``--out`` is checked before any work: a user's file is kept byte for byte, a folder is refused, in one line."""
+    from draftsmith.cli import main
+
+    mine = tmp_path / "notes.json"
+    mine.write_text("my notes\n")
+    assert main(["bench-train", "recipe=medusa", "--out", str(mine)]) == 1
+    assert mine.read_text() == "my notes\n" and "was not written by draftsmith" in capsys.readouterr().err
+    assert main(["bench-train", "recipe=medusa", "--out", str(tmp_path)]) == 1
+    assert "is a folder" in capsys.readouterr().err

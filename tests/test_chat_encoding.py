@@ -52,7 +52,7 @@ def test_a_slice_of_a_prompt_set_takes_exactly_those_prompts(tiny_tokenizer, tmp
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(5)))
     assert load_prompts(f"{prompts}[3:]", tiny_tokenizer, None) == load_prompts(str(prompts), tiny_tokenizer, None)[3:]
-    with pytest.raises(ValueError, match=r"no prompts in mtbench\[90:\]"):
+    with pytest.raises(ValueError, match=r"mtbench\[90:\] selects no prompts: mtbench has 80, and \[90:\] is empty"):
         load_prompts("mtbench[90:]", tiny_tokenizer, None)
     odd = tmp_path / "odd[1:2]"  # a file whose name looks like a slice is read as that file
     odd.write_text(json.dumps({"prompt": "only one"}) + "\n")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import io
+import os
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,10 @@ def test_traceback_on_request_keeps_the_line(monkeypatch, capsys):
     assert main(["generate", "--prompt", "hi", "--traceback"]) == 2
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and err.rstrip().endswith("error: bad input")
+    # the flag was this run's: the next in-process run is one line again (it leaked into every later test)
+    assert "DRAFTSMITH_TRACEBACK" not in os.environ
+    assert main(["generate", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == "draftsmith generate: error: bad input"
 
 
 def test_a_bug_prints_its_traceback_and_says_it_is_a_bug(monkeypatch, capsys):

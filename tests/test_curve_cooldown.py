@@ -130,8 +130,8 @@ def test_bad_prompt_sets_and_cooldowns_are_refused_before_any_training(tmp_path)
                            "--prompts", "nosuch", "recipe=eagle3"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1 and not (tmp_path / "c" / "run").exists()
     assert proc.stderr.strip().splitlines() == [
-        "draftsmith curve: error: --prompts nosuch: prompts file nosuch not found (use 'mtbench' or a .jsonl with a "
-        "'prompt' field); nothing was trained"]
+        "draftsmith curve: error: --prompts nosuch: no such file, and not a prompt set (mtbench, humaneval); pass a "
+        ".jsonl with a 'prompt' field per line; nothing was trained"]
 
 
 def test_compare_reads_the_cooled_points(tmp_path):

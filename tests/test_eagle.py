@@ -186,7 +186,7 @@ def test_export_round_trip_is_exact(tmp_path, target):
     with pytest.raises(ExportError, match="not eagle"):
         from draftsmith.export.format import write_export
 
-        write_export(tmp_path / "m", {}, {"method": "medusa", "architecture": {}, "target": {}})
+        write_export(tmp_path / "m", {}, {"method": "medusa", "architecture": {}, "target": {"name_or_path": "tiny"}})
         EagleDrafter.from_export(tmp_path / "m", embed_weight=target.embed_weight, lm_head_weight=target.lm_head_weight)
 
 

@@ -52,9 +52,16 @@ def test_round_trip_returns_the_module_and_its_config(tmp_path):
 
 
 def test_another_method_is_refused_naming_both(tmp_path):
-    module = Learn2PDFilter(Learn2PDConfig(block_length=4, hidden=8, num_layers=2))
-    out = _export(tmp_path, module, method="medusa")
+    out = _export(tmp_path, MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=32, num_heads=2)))  # a sound export
     with pytest.raises(ExportError, match=r"holds a 'medusa' export, not learn2pd \(Learn2PDFilter\)"):
+        Learn2PDFilter.from_export(out)
+
+
+def test_an_architecture_of_another_method_is_refused_as_relabelled(tmp_path):
+    module = Learn2PDFilter(Learn2PDConfig(block_length=4, hidden=8, num_layers=2))
+    out = _export(tmp_path, module, method="medusa")  # config.json says medusa, its fields are learn2pd's
+    with pytest.raises(ExportError, match=r"claims method 'medusa', but its architecture fields \['block_length', "
+                                          r"'hidden', .* are unknown to MedusaConfig; if config.json's 'method' was"):
         Learn2PDFilter.from_export(out)
 
 

@@ -191,9 +191,9 @@ def test_refusals(tmp_path, fp32_cache, tiny_target_dir, tiny_data_file, target,
         build_cache(cfg("data.max_length=40", features=None), recipe, fp32_cache, dtype="fp32",
                     shard_bytes=SHARD_BYTES, target=target)
     # a disk too small: refused after printing the budget, nothing written
-    from draftsmith.distill import feature_cache
+    from draftsmith.distill.feature_cache import build as cache_build  # the module that reads the free space
 
-    monkeypatch.setattr(feature_cache.shutil, "disk_usage", lambda _p: namedtuple("du", "total used free")(1, 1, 1000))
+    monkeypatch.setattr(cache_build.shutil, "disk_usage", lambda _p: namedtuple("du", "total used free")(1, 1, 1000))
     small = tmp_path / "small"
     with pytest.raises(FeatureCacheError, match=r"needs 2.0\d MB more but .* has 1.00 kB free"):
         build_cache(cfg(features=None), recipe, small, dtype="fp32", shard_bytes=SHARD_BYTES, target=target)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_llama
-from omegaconf import OmegaConf
+from recipe_configs import recipe_config
 from safetensors import safe_open
 
 from draftsmith.distill.target.frozen import Target
@@ -23,7 +23,6 @@ from draftsmith.evals.learning_curve import EvalSettings
 from draftsmith.export.format import read_export, write_export
 
 pytestmark = pytest.mark.unit
-ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = EvalSettings(prompt_sets=("mtbench", "humaneval"), prompts=2, max_new_tokens=8, dtype="fp32")
 
 
@@ -147,15 +146,14 @@ def _eagle3_export(out: Path, tiny_tokenizer) -> tuple[Path, Target, list[list[i
     """An EAGLE-3 drafter trained briefly on a tiny target's own greedy outputs (so it accepts), fp32 export."""
     from test_eagle_runtime import LAYERS, NEW, PROMPTS, greedy_batch, lean_from_hf, plain_greedy, train
 
-    from draftsmith.recipes import eagle3 as eagle3_recipe
+    from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 
     hf = build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2)
     tgt, lean = Target(hf, tiny_tokenizer, "tiny"), lean_from_hf(hf)
     reference = {tuple(p): plain_greedy(lean, p, NEW) for p in PROMPTS}
     batch = greedy_batch(reference)
     torch.manual_seed(0)
-    cfg = OmegaConf.merge(OmegaConf.load(ROOT / "conf/recipe/eagle3.yaml"),
-                          {"drafter": {"target_layers": list(LAYERS), "draft_vocab_size": 64}})
+    cfg = recipe_config("eagle3", {"drafter": {"target_layers": list(LAYERS), "draft_vocab_size": 64}})
     objective = eagle3_recipe.build_objective(cfg, tgt, [(batch["input_ids"], batch["loss_mask"])])
     train(objective, tgt, batch)
     config = {**objective.export_config(), "target": tgt.identity(), "training": {"steps": 60}}
@@ -164,7 +162,7 @@ def _eagle3_export(out: Path, tiny_tokenizer) -> tuple[Path, Target, list[list[i
 
 def test_a_bf16_stored_eagle3_export_is_served_lossless_in_fp32(tmp_path, tiny_tokenizer):
     from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-    from draftsmith.runtime.drafting.base import build_proposer
+    from draftsmith.runtime.drafting.registry import build_proposer
 
     export, lean, prompts, reference = _eagle3_export(tmp_path / "fp32", tiny_tokenizer)
     config, weights = read_export(export)

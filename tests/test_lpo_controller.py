@@ -55,7 +55,8 @@ def test_policy_token_answers_every_row_sequence_keeps_the_first_choice(tmp_path
     assert seq(down).tolist() == [0.0]
     tok = TemperaturePolicy(head, granularity="token")
     assert tok(torch.cat([up, down, up])).tolist() == [1.0, 0.0, 1.0]
-    config = {"method": "adaptive_temperature", "architecture": head.architecture(), "inference": {}, "target": {}}
+    config = {"method": "adaptive_temperature", "architecture": head.architecture(), "inference": {},
+              "target": {"name_or_path": "tiny"}}
     loaded, _ = AdaptiveTemperatureHead.from_export(write_export(tmp_path / "export", head.state_dict(), config))
     torch.testing.assert_close(loaded(up), head(up))
     with pytest.raises(ValueError, match="choice mode"):

@@ -129,7 +129,8 @@ def test_export_round_trip_is_exact_and_checks_target(tmp_path, target, tiny_tok
 def test_broken_exports_get_clear_errors(tmp_path):
     with pytest.raises(ExportError, match="does not exist"):
         read_export(tmp_path / "missing")
-    good = write_export(tmp_path / "e", {"w": torch.ones(2)}, {"method": "medusa", "architecture": {}, "target": {}})
+    good = write_export(tmp_path / "e", {"w": torch.ones(2)}, {"method": "medusa", "architecture": {},
+                                                                "target": {"name_or_path": "tiny"}})
     (good / "model.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(ExportError, match="corrupt"):
         read_export(good)

@@ -260,8 +260,12 @@ def test_build_proposer_from_medusa_export(target, reference, tmp_path):
     assert SpeculativeDecoder(target[1], proposer).generate(PROMPTS[0], NEW).tokens == reference[tuple(PROMPTS[0])]
     assert "medusa" in registered_methods()
     write_export(tmp_path / "other", {"w": torch.zeros(1)}, {**config, "method": "no-such-method"})
-    with pytest.raises(ValueError, match="no runtime proposer for method 'no-such-method'"):
+    with pytest.raises(ValueError, match="method 'no-such-method' is not a method draftsmith has"):  # the schema's
         build_proposer(tmp_path / "other", target[1])
+    # a method draftsmith reads but serves no proposer for (the adapted target) is refused by the registry
+    write_export(tmp_path / "target", {"w": torch.zeros(1)}, {**config, "method": "diffusion_adapt"})
+    with pytest.raises(ValueError, match="no runtime proposer for method 'diffusion_adapt'"):
+        build_proposer(tmp_path / "target", target[1])
 
 
 def test_errors(target):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from draftsmith.common.errors import InputError
 from draftsmith.common.registry import Registry
+from draftsmith.export.schema import add_method_source
 
 if TYPE_CHECKING:
     from draftsmith.runtime.drafting.base import Proposer
@@ -49,6 +50,9 @@ def registered_methods() -> list[str]:
     """Export methods the runtime can draft with."""
     load_families()
     return list(_REGISTRY)
+
+
+add_method_source(registered_methods)  # an export of a method served here reads, with or without an Exportable
 
 
 def chain_options(export_dir: str | Path, tokens: int) -> dict[str, Any]:

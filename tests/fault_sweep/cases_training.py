@@ -43,9 +43,11 @@ CONFIG = [  # refused before anything loads (helper A)
 INPUTS = [  # data, target and run folder (helpers C2 and A)
     c("train-data-missing", "train recipe=medusa target={T} data={S}/nosuch.jsonl {TINY}", "nosuch", owner="C2"),
     c("train-data-empty-dir", "train recipe=medusa target={T} data={EMPTY} {TINY}", "empty", owner="C2"),
-    c("train-data-mixed-dir", "train recipe=medusa target={T} data={S}/d {TINY}", "d",
-      setup=(copy("{DATA}", "{S}/d/a.jsonl"), ("copy", "{BIN}", "{S}/d/b.png"), file("{S}/d/c.txt", "x")),
-      owner="C2"),
+    # a data folder trains on every data file in it (.jsonl/.json/.parquet) and names the others in one warning
+    # (tests/test_data.py), by design: a control, not a refusal
+    ok("train-data-mixed-dir", "train recipe=medusa target={T} data={S}/d {TINY}",
+       setup=(copy("{DATA}", "{S}/d/a.jsonl"), ("copy", "{BIN}", "{S}/d/b.png"), file("{S}/d/c.txt", "x")),
+       owner="C2"),
     c("train-data-binary", "train recipe=medusa target={T} data={S}/d.jsonl {TINY}", "d.jsonl",
       setup=(("copy", "{BIN}", "{S}/d.jsonl"),), owner="C2"),
     c("train-data-bad-json", "train recipe=medusa target={T} data={S}/d.jsonl {TINY}", "d.jsonl",

@@ -46,9 +46,16 @@ def expand(text: str, places: dict[str, str]) -> str:
     return re.sub(r"\{(\w+)\}", lambda m: places.get(m.group(1), m.group(0)), text)
 
 
+def tiny_preset(cmd: str, preset: str) -> str:
+    """``preset`` (the tiny-run keys) without the keys ``cmd`` sets itself: train.py refuses a key given twice, and a
+    case's own value is the one it means (``TRAIN + " trainer.max_steps=3"`` resumes a 2-step run to step 3)."""
+    own = {w.split("=", 1)[0].lstrip("+") for w in cmd.replace("{TINY}", "").split() if "=" in w}
+    return " ".join(w for w in preset.split() if w.split("=", 1)[0] not in own)
+
+
 def argv_of(cmd: str, places: dict[str, str]) -> list[str]:
     """The process argv of a case command (``ds ...``: the CLI, ``train ...``: train.py in the run's scratch)."""
-    words = shlex.split(expand(cmd, places))
+    words = shlex.split(expand(cmd, {**places, "TINY": tiny_preset(cmd, places.get("TINY", TINY))}))
     head, rest = words[0], words[1:]
     if head == "train" and not any(w.startswith("hydra.run.dir=") for w in rest):
         rest.append(f"hydra.run.dir={places['S']}/run")
