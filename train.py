@@ -267,7 +267,7 @@ def preflight(argv: list[str]) -> str | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from draftsmith.distill.config.checks import repeated_override, schema_problems
+    from draftsmith.distill.config.checks import repeated_override, schema_problems, target_folder_problem
 
     overrides = plain_overrides(argv)
     if overrides is not None and (repeated := repeated_override(overrides)) is not None:
@@ -280,7 +280,10 @@ def preflight(argv: list[str]) -> str | None:
             return composition_message(err, job)
         if problems := schema_problems(cfg):
             return "; ".join(problems)
+        if (problem := target_folder_problem(str(cfg.target.name_or_path))) is not None:
+            return problem
     return None
+
 
 
 def help_text(argv: list[str], prog: str) -> str:

@@ -209,8 +209,11 @@ def check_architecture(exportable: type, config: dict[str, Any], export_dir: str
     arch = config.get("architecture") or {}
     unknown = sorted(set(arch) - {f.name for f in dataclasses.fields(config_class)})
     if unknown and not getattr(exportable, "extra_architecture_keys", False):
+        written_as = (config.get("identity") or {}).get("method") if isinstance(config.get("identity"), dict) else None
+        fix = (f"it was written as a {written_as!r} export: restore \"method\": \"{written_as}\""
+               if written_as and written_as != config.get("method") else RELABEL_FIX)
         raise ExportSchemaError(f"{relabel_claim(export_dir, config)} fields {unknown} are unknown to "
-                                f"{config_class.__name__}; {RELABEL_FIX}")
+                                f"{config_class.__name__}; {fix}")
     check_field_types(config_class, arch, Path(export_dir) / "config.json")
 
 

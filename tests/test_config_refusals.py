@@ -5,6 +5,7 @@ file names (listed among the valid recipes while refused as unknown)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,18 @@ def test_the_valid_recipes_are_the_registered_ones_not_the_yaml_files(tmp_path, 
     assert message.startswith("unknown recipe 'ghost'; valid recipes: "), message
     assert "ghost" not in message.split("valid recipes: ", 1)[1] and "medusa" in message
     assert "ghost" not in train_module.recipe_names()
+
+
+def test_a_drafter_export_given_as_the_target_is_named_before_anything_loads(tmp_path):
+    """``target=EXPORT`` (a drafter, not a model) is one line saying what the folder is, not a tokenizer error."""
+    from draftsmith.distill.config.checks import target_folder_problem
+
+    export = tmp_path / "medusa_export"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({"format": "draftsmith", "method": "medusa", "architecture": {},
+                                                    "target": {"name_or_path": "smollm2-135m"}}))
+    (export / "model.safetensors").write_bytes(b"")
+    problem = target_folder_problem(str(export))
+    assert problem is not None and problem.startswith(f"target.name_or_path={export} is a draftsmith")
+    assert "not a target model" in problem
+    assert target_folder_problem("smollm2-135m") is None and target_folder_problem(str(tmp_path / "nosuch")) is None

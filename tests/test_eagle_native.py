@@ -10,8 +10,9 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from test_eagle3_serving_step import bf16_eagle3, compare_steps
 from test_speculative import tiny_llama
-from test_verify_floor import bf16_decoder, bf16_eagle3, compare_steps
+from test_verify_floor import bf16_decoder
 
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.kernels import cpu_layer

@@ -11,7 +11,13 @@ import pytest
 from export_faults import cli_error_line, relabel
 from safetensors.torch import load_file, save_file
 
-from draftsmith.export.format import ExportIdentityError, MissingArchitectureKey, read_config, read_export
+from draftsmith.export.format import (
+    ExportIdentityError,
+    ExportSchemaError,
+    MissingArchitectureKey,
+    read_config,
+    read_export,
+)
 from draftsmith.heads.medusa import MedusaHeads
 
 pytestmark = pytest.mark.unit
@@ -52,17 +58,20 @@ def test_an_export_edited_to_kangaroo_names_the_export_the_key_and_the_fix(capsy
     edited = relabel(medusa_export, tmp_path / "edited", "kangaroo")
     line = cli_error_line(capsys, ["generate", "--drafter", str(edited), "--target", str(tiny_target_dir), *FAST])
     assert line != "draftsmith generate: error: 'exit_layer'"
-    assert f"{edited}: a 'kangaroo' export needs the architecture key 'exit_layer', which its config.json lacks" in line
+    # the export schema meets the medusa keys first (every reader checks it): the export, the keys, the fix
+    assert f"{edited} claims method 'kangaroo', but its architecture fields [" in line
+    assert "'num_heads'" in line and "unknown to KangarooConfig" in line
     assert "it was written as a 'medusa' export" in line and "restore \"method\": \"medusa\"" in line
 
 
 def test_an_older_export_edited_to_kangaroo_still_gets_one_line(capsys, tmp_path, medusa_export, tiny_target_dir):
     edited = relabel(medusa_export, tmp_path / "edited", "kangaroo", drop_identity=True)
     line = cli_error_line(capsys, ["generate", "--drafter", str(edited), "--target", str(tiny_target_dir), *FAST])
-    assert "needs the architecture key 'exit_layer'" in line
+    assert "unknown to KangarooConfig" in line and "'num_heads'" in line
     assert "restore the method the export was written with" in line
-    with pytest.raises(KeyError):  # still a KeyError for code that catches one
-        read_config(edited)["architecture"]["exit_layer"]
+    kept = relabel(medusa_export, tmp_path / "kept", "medusa", drop_identity=True)
+    with pytest.raises(KeyError):  # a missing key is still a KeyError for code that catches one
+        read_config(kept)["architecture"]["exit_layer"]
     assert isinstance(MissingArchitectureKey("x"), KeyError)
 
 
@@ -87,5 +96,5 @@ def test_an_architecture_key_added_by_hand_is_refused(tmp_path, medusa_export):
     config = json.loads((edited / "config.json").read_text())
     config["architecture"]["note"] = "added by hand"
     (edited / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ExportIdentityError, match="architecture keys"):
-        read_export(edited)
+    with pytest.raises(ExportSchemaError, match=r"fields \['note'\] are unknown to MedusaConfig"):
+        read_export(edited)  # the export schema refuses it on every read, naming the key (before the identity check)

@@ -56,7 +56,7 @@ def test_an_export_that_changes_its_target_is_refused_against_the_bare_base(tmp_
 
 
 def test_a_stacked_export_checks_its_base(tmp_path):
-    base = write_export(tmp_path / "eagle", {"w": torch.ones(2)}, config(method="eagle"))
+    base = write_export(tmp_path / "medusa", {"w": torch.ones(2)}, config())
     stacked = config(method="specdecpp", base_export=base_reference(base))
     assert resolve_base_export(stacked) == base and resolve_base_export(config()) is None
     moved = tmp_path / "moved"
@@ -64,6 +64,6 @@ def test_a_stacked_export_checks_its_base(tmp_path):
     with pytest.raises(ExportError, match="does not exist here; pass its new location"):
         resolve_base_export(stacked)
     assert resolve_base_export(stacked, moved) == moved
-    write_export(moved, {"w": torch.zeros(2)}, config(method="eagle"))  # retrained in place: different weights
-    with pytest.raises(ExportError, match="is not the eagle export this specdecpp export was trained on"):
+    write_export(moved, {"w": torch.zeros(2)}, config())  # retrained in place: different weights
+    with pytest.raises(ExportError, match="is not the medusa export this specdecpp export was trained on"):
         resolve_base_export(stacked, moved)

@@ -14,6 +14,7 @@ import math
 import re
 import typing
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -182,3 +183,20 @@ def repeated_override(overrides: list[str]) -> str | None:
                     f"-m {name}=a,b)")
         seen.setdefault(name, arg)
     return None
+
+
+def target_folder_problem(given: str) -> str | None:
+    """A local folder given as the target that holds no model (a drafter export, a run folder, a converted layout):
+    one line naming what it is, before anything loads. Aliases and names that are not folders go to the loader."""
+    from draftsmith import assets
+    from draftsmith.export.folder_kinds import folder_kind
+
+    if assets.resolve_target(given) != given or not Path(given).expanduser().is_dir():
+        return None
+    found = folder_kind(Path(given).expanduser())
+    if found.kind not in ("export", "converted", "speculators", "medusa-layout", "gguf", "run"):
+        return None
+    if found.kind == "export" and (found.config or {}).get("method") == "diffusion_adapt":
+        return None  # an adapted block-diffusion model is a target
+    return (f"target.name_or_path={given} is {found.label}, not a target model: pass the model folder it was "
+            "trained for (or the embedded default, target=smollm2)")
