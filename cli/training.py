@@ -38,7 +38,7 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
     from draftsmith import recipes
     from draftsmith.cli.arguments import COUNT, Range
     from draftsmith.common.errors import ConfigError
-    from draftsmith.common.write_rule import check_file_target
+    from draftsmith.common.write_rule import OutputRefused, check_file_target
     from draftsmith.distill.engine.bench_train import bench_train
 
     parser = argparse.ArgumentParser(prog="draftsmith bench-train")
@@ -55,7 +55,10 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
     try:
         if opts.out:  # the write rule, before any work: never a folder, nor a file bench-train did not write
             for path in (Path(opts.out), Path(opts.out).with_suffix(".md")):
-                check_file_target(path, owned=_bench_train_output)
+                try:
+                    check_file_target(path, owned=_bench_train_output)
+                except OutputRefused as err:
+                    raise OutputRefused(f"--out {err}") from None
         if (problem := preflight(overrides)) is not None:  # typos, types, ranges: before the target loads
             raise ConfigError(problem)
         cfg = compose_config(overrides)

@@ -93,6 +93,16 @@ def probe_from_config(cfg: Any) -> ServedTauProbe | None:
         raise ConfigError(f"validation.served_tau.every must be >= 0 (0 = off), got {every}")
     if every == 0:
         return None
+    prompt_set = str(block.get("prompt_set", HELD_OUT))
+    from draftsmith.bench.prompts import prompt_texts
+
+    try:  # read now, before training: a set the probe cannot load would otherwise surface at the first validation
+        found = prompt_texts(prompt_set)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"validation.served_tau.prompt_set={prompt_set}: {err}") from None
+    if not found:
+        raise ConfigError(f"validation.served_tau.prompt_set={prompt_set} holds no prompts; pass mtbench[40:] (the "
+                          "default), humaneval or a .jsonl with a 'prompt' field")
     return ServedTauProbe(every=every, prompts=int(block.get("prompts", 4)),
                           max_new_tokens=int(block.get("max_new_tokens", 32)),
-                          prompt_set=str(block.get("prompt_set", HELD_OUT)), dtype=str(block.get("dtype", "auto")))
+                          prompt_set=prompt_set, dtype=str(block.get("dtype", "auto")))

@@ -88,6 +88,7 @@ def test_bench_train_never_writes_over_a_file_or_folder_it_did_not_write(tmp_pat
     mine = tmp_path / "notes.json"
     mine.write_text("my notes\n")
     assert main(["bench-train", "recipe=medusa", "--out", str(mine)]) == 1
-    assert mine.read_text() == "my notes\n" and "was not written by draftsmith" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert mine.read_text() == "my notes\n" and f"error: --out {mine} exists and was not written by draftsmith" in err
     assert main(["bench-train", "recipe=medusa", "--out", str(tmp_path)]) == 1
     assert "is a folder" in capsys.readouterr().err

@@ -257,3 +257,22 @@ def test_the_export_that_served_best_is_kept_beside_the_last_and_survives_a_resu
     off = train_medusa(tiny_target_dir, tiny_data_file, heldout, tmp_path / "c", steps=2, probe=Scripted([2.0] * 3),
                        overrides=("run.val_every=1", "validation.served_tau.keep_best=false"))
     assert "export_best" not in off and not (tmp_path / "c" / BEST_EXPORT).exists()
+
+
+def test_a_prompt_set_the_probe_cannot_load_is_refused_before_training(tmp_path):
+    """``validation.served_tau.prompt_set`` is read when the probe is built, not at the first validation pass."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.common.errors import ConfigError
+    from draftsmith.evals.served_tau import probe_from_config
+
+    def probe(prompt_set: str):
+        block = {"every": 1, "prompt_set": prompt_set}
+        return probe_from_config(OmegaConf.create({"validation": {"served_tau": block}}))
+
+    with pytest.raises(ConfigError, match=r"validation.served_tau.prompt_set=nosuch: "):
+        probe("nosuch")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="holds no prompts|no prompts"):
+        probe(str(tmp_path / "empty.jsonl"))
+    assert probe("mtbench[40:]").prompt_set == "mtbench[40:]"
