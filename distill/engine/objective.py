@@ -70,6 +70,19 @@ class Objective:
         """Called after each validation pass; ``reduce_sum`` sums a tensor over processes (None on one process)."""
 
 
+
+class CalibratedObjective(Objective):
+    """An objective whose tree is calibrated on held-out batches: ``self.calibration`` (a
+    :class:`~draftsmith.common.trees.TreeCalibration`) counts head accuracies over each validation pass."""
+
+    calibration: Any
+
+    def on_validation_start(self) -> None:
+        self.calibration.on_validation_start()
+
+    def on_validation_end(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.calibration.on_validation_end(reduce_sum)
+
 def has_own_features(objective: Any) -> bool:
     """Whether ``objective`` computes its own features (an :class:`Objective` that overrides ``features``)."""
     if isinstance(objective, Objective):

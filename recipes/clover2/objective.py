@@ -14,7 +14,7 @@ import torch
 
 from draftsmith.common.errors import ConfigError, DataError
 from draftsmith.common.trees import TreeCalibration
-from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.engine.objective import CalibratedObjective
 from draftsmith.distill.losses.core import LMHeadLoss, masked_smooth_l1, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
@@ -23,7 +23,7 @@ from draftsmith.recipes.clover2 import Clover2
 from draftsmith.recipes.hydra.objective import inference_block, make_calibration
 
 
-class CloverObjective(Objective):
+class CloverObjective(CalibratedObjective):
     """Trains :class:`CloverHeads` on the frozen target's pre-norm states, post-norm features and logits."""
 
     def __init__(self, heads: CloverHeads, feature_weight: float, token_weight: float, decay: float, topk: int,
@@ -33,12 +33,6 @@ class CloverObjective(Objective):
         self.calibration, self.inference = calibration, inference
         self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE (loss.fused_linear_ce): no [N, V] logits
         self.taps = FeatureTaps(final_hidden=True, prenorm_hidden=True, logits=True)
-
-    def on_validation_start(self) -> None:
-        self.calibration.on_validation_start()
-
-    def on_validation_end(self, reduce_sum: Any = None) -> None:
-        self.calibration.on_validation_end(reduce_sum)
 
     def loss(
         self, batch: dict[str, torch.Tensor], feats: TargetFeatures

@@ -16,7 +16,7 @@ import torch
 
 from draftsmith.common.constants import STOP_FIXED
 from draftsmith.common.trees import TreeCalibration
-from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.engine.objective import CalibratedObjective
 from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.drafters.eagle import EagleConfig
@@ -26,7 +26,7 @@ from draftsmith.recipes.hydra import Hydra
 from draftsmith.recipes.medusa.objective import default_tree
 
 
-class HydraObjective(Objective):
+class HydraObjective(CalibratedObjective):
     """Trains :class:`HydraHeads`; ``method`` is ``hydra`` or ``hydra_pp`` (the runtime treats both alike)."""
 
     def __init__(self, heads: HydraHeads, method: str, decay: float, labels: str, topk: int,
@@ -36,12 +36,6 @@ class HydraObjective(Objective):
         self.calibration, self.inference = calibration, inference
         self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE (loss.fused_linear_ce): no [N, V] logits
         self.taps = FeatureTaps(final_hidden=True, logits=labels != "dataset")
-
-    def on_validation_start(self) -> None:
-        self.calibration.on_validation_start()
-
-    def on_validation_end(self, reduce_sum: Any = None) -> None:
-        self.calibration.on_validation_end(reduce_sum)
 
     def loss(
         self, batch: dict[str, torch.Tensor], feats: TargetFeatures

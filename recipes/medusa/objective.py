@@ -9,7 +9,7 @@ import torch
 from draftsmith.common.constants import STOP_FIXED
 from draftsmith.common.trees import TreeCalibration, default_medusa_tree
 from draftsmith.distill.data.draft_vocab import count_draft_vocab
-from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.engine.objective import CalibratedObjective
 from draftsmith.distill.losses.core import IGNORE_INDEX, LMHeadLoss, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
@@ -20,7 +20,7 @@ from draftsmith.recipes.medusa2 import Medusa2
 from draftsmith.recipes.registration import untyped
 
 
-class MedusaObjective(Objective):
+class MedusaObjective(CalibratedObjective):
     """Trains ``MedusaHeads``: head k at position t is scored on token t+k+2 (the target head predicts t+1)."""
 
     def __init__(self, heads: MedusaHeads, decay: float, labels: str, topk: int, tree: list[list[int]],
@@ -38,12 +38,6 @@ class MedusaObjective(Objective):
                                            tree_nodes or len(tree), tree)
         # Self-distillation needs the target's logits; dataset labels only need the hidden state.
         self.taps = FeatureTaps(final_hidden=True, logits=labels != "dataset")
-
-    def on_validation_start(self) -> None:
-        self.calibration.on_validation_start()
-
-    def on_validation_end(self, reduce_sum: Any = None) -> None:
-        self.calibration.on_validation_end(reduce_sum)
 
     def loss(
         self, batch: dict[str, torch.Tensor], feats: TargetFeatures

@@ -23,7 +23,7 @@ from torch import nn
 
 from draftsmith.common.constants import ADAPTER_LORA
 from draftsmith.common.trees import TreeCalibration
-from draftsmith.distill.engine.objective import Objective
+from draftsmith.distill.engine.objective import CalibratedObjective
 from draftsmith.distill.losses.core import LMHeadLoss, masked_cross_entropy, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.distill.target.lora import LoraSpec, TargetAdapter, require_peft
@@ -50,7 +50,7 @@ class Medusa2Features:
     original_logits: torch.Tensor | None  # [B, T, V], adapters disabled, no grad
 
 
-class Medusa2Objective(Objective):
+class Medusa2Objective(CalibratedObjective):
     """Joint heads + LoRA training on one target (see the module docstring)."""
 
     taps = FeatureTaps(final_hidden=True)
@@ -70,12 +70,6 @@ class Medusa2Objective(Objective):
 
     def set_step(self, step: int) -> None:
         self.step = step
-
-    def on_validation_start(self) -> None:
-        self.calibration.on_validation_start()
-
-    def on_validation_end(self, reduce_sum: Any = None) -> None:
-        self.calibration.on_validation_end(reduce_sum)
 
     @property
     def warming_up(self) -> bool:
