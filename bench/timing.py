@@ -1,8 +1,10 @@
-"""Timing harness: tokens/s of HF ``generate``, of the runtime's autoregressive mode, and (via :func:`time_decode`)
-of any other decoding function such as speculative decoding; plus the lossless comparison of outputs.
+"""Timing harness: tokens/s of HF ``generate``, of the runtime's autoregressive mode, and (via
+:func:`time_decode`) of any other decoding function such as speculative decoding; plus the lossless
+comparison of outputs.
 
-Every timer returns the same dict: ``tokens`` (new tokens over all prompts), ``seconds`` (decode wall time, warmup
-excluded), ``tokens_per_s``, ``outputs`` (one list of new token ids per prompt) and ``per_prompt`` (tokens, seconds).
+Every timer returns the same dict: ``tokens`` (new tokens over all prompts), ``seconds`` (decode
+wall time, warmup excluded), ``tokens_per_s``, ``outputs`` (one list of new token ids per prompt)
+and ``per_prompt`` (tokens, seconds).
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ def time_decode(
 ) -> dict[str, Any]:
     """Time ``decode(prompt_ids) -> new token ids`` over the prompts (sequentially, batch 1).
 
-    ``warmup`` (a short run, e.g. the same decoder with a few new tokens) is called once first and not timed; it
-    pays one-off costs such as allocator growth, kernel selection and lazy imports.
+    ``warmup`` (a short run, e.g. the same decoder with a few new tokens) is called once first and
+    not timed; it pays one-off costs such as allocator growth, kernel selection and lazy imports.
     """
     if not prompts_ids:
         raise ValueError("no prompts to time: pass at least one list of prompt token ids")
-    return time_interleaved({"decode": decode}, prompts_ids, {"decode": warmup} if warmup else None)["decode"]
+    return time_interleaved(
+        {"decode": decode}, prompts_ids, {"decode": warmup} if warmup else None
+    )["decode"]
 
 
 def time_interleaved(
@@ -46,10 +50,11 @@ def time_interleaved(
     prompts_ids: Sequence[list[int]],
     warmups: dict[str, Callable[[], object]] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Time several decoders on the same prompts, alternating per prompt: prompt i runs them in an order rotated by
-    i. A machine's speed drifts during a bench (frequency, other load, allocator growth); timing one decoder after
-    the other puts all the drift on whichever ran second, which made two identical decoders differ by 10%.
-    Interleaved, the drift is shared. Returns one :func:`time_decode` dict per decoder name."""
+    """Time several decoders on the same prompts, alternating per prompt: prompt i runs them in an
+    order rotated by i. A machine's speed drifts during a bench (frequency, other load, allocator
+    growth); timing one decoder after the other puts all the drift on whichever ran second, which
+    made two identical decoders differ by 10%. Interleaved, the drift is shared. Returns one
+    :func:`time_decode` dict per decoder name."""
     if not prompts_ids:
         raise ValueError("no prompts to time: pass at least one list of prompt token ids")
     for warmup in (warmups or {}).values():
@@ -71,22 +76,30 @@ def time_interleaved(
     for name in names:
         tokens = sum(p["tokens"] for p in per_prompt[name])
         seconds = sum(p["seconds"] for p in per_prompt[name])
-        report[name] = {"tokens": tokens, "seconds": seconds,
-                        "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
-                        "outputs": outputs[name], "per_prompt": per_prompt[name]}
+        report[name] = {
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+            "outputs": outputs[name],
+            "per_prompt": per_prompt[name],
+        }
     return report
 
 
-def speedup_ci(base: dict[str, Any], other: dict[str, Any], draws: int = 2000,
-               seed: int = 0) -> tuple[float | None, float | None]:
-    """95% percentile-bootstrap interval of ``other``'s tokens/s over ``base``'s, resampling prompts (paired: both
-    timers' ``per_prompt`` rows come from the same prompts, as :func:`time_interleaved` gives them).
+def speedup_ci(
+    base: dict[str, Any], other: dict[str, Any], draws: int = 2000, seed: int = 0
+) -> tuple[float | None, float | None]:
+    """95% percentile-bootstrap interval of ``other``'s tokens/s over ``base``'s, resampling prompts
+    (paired: both timers' ``per_prompt`` rows come from the same prompts, as
+    :func:`time_interleaved` gives them).
 
-    One prompt's ratio swings by about 10% on a 2-core CPU even between two identical decoders, so a speedup from 8
-    prompts is only known to a few percent; the interval says how many."""
+    One prompt's ratio swings by about 10% on a 2-core CPU even between two identical decoders, so a
+    speedup from 8 prompts is only known to a few percent; the interval says how many."""
     a, b = base["per_prompt"], other["per_prompt"]
     if len(a) != len(b):
-        raise ValueError(f"speedup_ci needs the same prompts for both timers, got {len(a)} and {len(b)} rows")
+        raise ValueError(
+            f"speedup_ci needs the same prompts for both timers, got {len(a)} and {len(b)} rows"
+        )
     if len(a) < 2:  # one prompt: no interval (None keeps bench.json valid JSON)
         return (None, None)
     rng, n = random.Random(seed), len(a)
@@ -103,8 +116,6 @@ def speedup_ci(base: dict[str, Any], other: dict[str, Any], draws: int = 2000,
     return ratios[int(0.025 * len(ratios))], ratios[max(0, int(0.975 * len(ratios)) - 1)]
 
 
-
-
 def time_hf_generate(
     folder: str | Path,
     prompts_ids: Sequence[list[int]],
@@ -114,17 +125,25 @@ def time_hf_generate(
     model: torch.nn.Module | None = None,
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """Greedy HF ``generate`` (``do_sample=False``, stops at EOS as usual) on the folder's model, batch 1, each
-    generation capped at the model's context as the runtime caps its own (``prompt_limits.cap_new_tokens``).
+    """Greedy HF ``generate`` (``do_sample=False``, stops at EOS as usual) on the folder's model,
+    batch 1, each generation capped at the model's context as the runtime caps its own
+    (``prompt_limits.cap_new_tokens``).
 
-    Pass ``model`` to reuse an already loaded ``AutoModelForCausalLM`` (then ``folder`` only names it);
-    ``trust_remote_code``: the folder's own model code may run (the user opted in when loading the runtime).
+    Pass ``model`` to reuse an already loaded ``AutoModelForCausalLM`` (then ``folder`` only names
+    it);
+    ``trust_remote_code``: the folder's own model code may run (the user opted in when loading the
+    runtime).
     """
     if model is None:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True,
-                                                     trust_remote_code=trust_remote_code).to(device).eval()
+        model = (
+            AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+            )
+            .to(device)
+            .eval()
+        )
     pad = (eos_ids_from_folder(folder) or (0,))[0]
     context = hf_sizes(model.config).context_length
 
@@ -133,11 +152,17 @@ def time_hf_generate(
         ids = torch.tensor([prompt], dtype=torch.long, device=device)
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=pad
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad,
             )
         return out[0, ids.shape[1] :].tolist()
 
-    result = time_decode(lambda p: run(p, max_new_tokens), prompts_ids, warmup=lambda: run(prompts_ids[0], 4))
+    result = time_decode(
+        lambda p: run(p, max_new_tokens), prompts_ids, warmup=lambda: run(prompts_ids[0], 4)
+    )
     result["method"] = "hf_generate"
     result["dtype"] = next(model.parameters()).dtype
     return result
@@ -149,20 +174,28 @@ def time_runtime_ar(
     max_new_tokens: int,
     eos_ids: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Greedy autoregressive decoding with a runtime decoder (:func:`generate_ar`); stops at ``eos_ids``."""
+    """Greedy autoregressive decoding with a runtime decoder (:func:`generate_ar`); stops at
+    ``eos_ids``."""
 
     def run(prompt: list[int], n: int) -> list[int]:
         return generate_ar(model, prompt, n, eos_ids=eos_ids)
 
-    result = time_decode(lambda p: run(p, max_new_tokens), prompts_ids, warmup=lambda: run(prompts_ids[0], 4))
+    result = time_decode(
+        lambda p: run(p, max_new_tokens), prompts_ids, warmup=lambda: run(prompts_ids[0], 4)
+    )
     result["method"] = "runtime_ar"
     return result
 
 
-def compare_outputs(reference: Sequence[list[int]], candidate: Sequence[list[int]]) -> dict[str, Any]:
-    """Lossless check: how many outputs are token-identical, and where the first differing one diverges."""
+def compare_outputs(
+    reference: Sequence[list[int]], candidate: Sequence[list[int]]
+) -> dict[str, Any]:
+    """Lossless check: how many outputs are token-identical, and where the first differing one
+    diverges."""
     if len(reference) != len(candidate):
-        raise ValueError(f"{len(reference)} reference outputs vs {len(candidate)} candidate outputs")
+        raise ValueError(
+            f"{len(reference)} reference outputs vs {len(candidate)} candidate outputs"
+        )
     same, first = 0, None
     for i, (a, b) in enumerate(zip(reference, candidate)):
         if list(a) == list(b):
@@ -170,8 +203,12 @@ def compare_outputs(reference: Sequence[list[int]], candidate: Sequence[list[int
         elif first is None:
             pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             first = {"prompt": i, "position": pos}
-    return {"identical": same, "total": len(reference), "all_identical": same == len(reference),
-            "first_mismatch": first}
+    return {
+        "identical": same,
+        "total": len(reference),
+        "all_identical": same == len(reference),
+        "first_mismatch": first,
+    }
 
 
 DEFAULT_PROMPTS = (
@@ -181,25 +218,36 @@ DEFAULT_PROMPTS = (
 )
 
 
-def chat_prompts_ids(folder: str | Path, prompts: Sequence[str] = DEFAULT_PROMPTS) -> list[list[int]]:
-    """Token ids of ``prompts`` as single-turn chats with the folder's tokenizer and chat template."""
+def chat_prompts_ids(
+    folder: str | Path, prompts: Sequence[str] = DEFAULT_PROMPTS
+) -> list[list[int]]:
+    """Token ids of ``prompts`` as single-turn chats with the folder's tokenizer and chat
+    template."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     return [encode_chat(tok, text) for text in prompts]
 
 
-def compare_ar(folder: str | Path, max_new_tokens: int = 64, dtypes: Sequence[str] = ("fp32", "bf16")) -> dict:
-    """HF ``generate`` vs the runtime's AR mode on the folder's model for each dtype: tokens/s, speedup, lossless."""
+def compare_ar(
+    folder: str | Path, max_new_tokens: int = 64, dtypes: Sequence[str] = ("fp32", "bf16")
+) -> dict:
+    """HF ``generate`` vs the runtime's AR mode on the folder's model for each dtype: tokens/s,
+    speedup, lossless."""
     from draftsmith.runtime.target.loading import load_decoder
 
     prompts = chat_prompts_ids(folder)
     eos = eos_ids_from_folder(folder)
-    report: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                              "threads": torch.get_num_threads()}
+    report: dict[str, Any] = {
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "threads": torch.get_num_threads(),
+    }
     for name in dtypes:
         hf = time_hf_generate(folder, prompts, max_new_tokens, dtype=dtype_from_name(name))
-        ar = time_runtime_ar(load_decoder(folder, dtype=dtype_from_name(name)), prompts, max_new_tokens, eos_ids=eos)
+        ar = time_runtime_ar(
+            load_decoder(folder, dtype=dtype_from_name(name)), prompts, max_new_tokens, eos_ids=eos
+        )
         report[name] = {
             "hf_tokens_per_s": round(hf["tokens_per_s"], 2),
             "runtime_ar_tokens_per_s": round(ar["tokens_per_s"], 2),
@@ -212,9 +260,13 @@ def compare_ar(folder: str | Path, max_new_tokens: int = 64, dtypes: Sequence[st
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="HF generate vs runtime AR tokens/s on a local HF model folder")
+    parser = argparse.ArgumentParser(
+        description="HF generate vs runtime AR tokens/s on a local HF model folder"
+    )
     parser.add_argument("folder")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtypes", default="fp32,bf16")
     args = parser.parse_args()
-    print(json.dumps(compare_ar(args.folder, args.max_new_tokens, args.dtypes.split(",")), indent=2))
+    print(
+        json.dumps(compare_ar(args.folder, args.max_new_tokens, args.dtypes.split(",")), indent=2)
+    )

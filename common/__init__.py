@@ -1,1 +1,2 @@
-"""draftsmith.common: building blocks every room may import (chat encoding, dtype names); imports torch only."""
+"""draftsmith.common: building blocks every room may import (chat encoding, dtype names); imports
+torch only."""

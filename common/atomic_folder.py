@@ -1,32 +1,38 @@
-"""One write discipline for every folder and file draftsmith writes: beside, then swapped in; never over the user's.
+"""One write discipline for every folder and file draftsmith writes: beside, then swapped in; never
+over the user's.
 
-Folders (exports, converted engine layouts, bench output folders): :func:`write_folder` fills a sibling temporary
-folder ``.<name>.tmp-<pid>-<random>`` and renames it into place. Before anything is written it refuses, in one line
-(:class:`OutputRefused`), to replace
+Folders (exports, converted engine layouts, bench output folders): :func:`write_folder` fills a
+sibling temporary folder ``.<name>.tmp-<pid>-<random>`` and renames it into place. Before anything
+is written it refuses, in one line (:class:`OutputRefused`), to replace
 
-* a path that is a file, or a folder that is not a draftsmith output of the same :class:`OutputKind` (the user's
-  ``keep.txt`` and ``sub/keep.txt`` stay where they are);
-* an output of that kind that also holds files the kind never writes (the user's notes inside an old export);
+* a path that is a file, or a folder that is not a draftsmith output of the same :class:`OutputKind`
+  (the user's ``keep.txt`` and ``sub/keep.txt`` stay where they are);
+* an output of that kind that also holds files the kind never writes (the user's notes inside an old
+  export);
 * one of its own ``sources`` (a converted layout written over the export it was converted from).
 
-Files (``bench.json``, ``bench.md``, reports): :func:`write_file` writes ``.<name>.tmp-<pid>-<random>`` beside
-the file, fsyncs and renames it over the old one. A writer (bench/, reports) calls it as::
+Files (``bench.json``, ``bench.md``, reports): :func:`write_file` writes
+``.<name>.tmp-<pid>-<random>`` beside the file, fsyncs and renames it over the old one. A writer
+(bench/, reports) calls it as::
 
     from draftsmith.common.atomic_folder import write_file
     write_file(out / "bench.json", json.dumps(result, indent=2) + "\\n")          # text or bytes
-    write_file(out / "plot.png", lambda tmp: fig.savefig(tmp, format="png"))     # or a callable writing tmp
+    # or a callable writing tmp:
+    write_file(out / "plot.png", lambda tmp: fig.savefig(tmp, format="png"))
 
-and calls :func:`check_folder_target` (or :func:`check_output_file`) at its start, so an output that cannot be
-written fails before the work, not after it: the rule of what may be written where (never over or around an input,
-never over the user's files, never under a read-only or file path) is :mod:`draftsmith.common.write_rule`, whose
-names this module re-exports. Declaring a folder kind is one :class:`OutputKind` (its name, how to
-recognise one, the file patterns it writes), e.g. ``OutputKind("bench output", lambda f: (f / "bench.json").is_file(),
-("bench.json", "bench.md", "*.png"))``.
+and calls :func:`check_folder_target` (or :func:`check_output_file`) at its start, so an output that
+cannot be written fails before the work, not after it: the rule of what may be written where (never
+over or around an input, never over the user's files, never under a read-only or file path) is
+:mod:`draftsmith.common.write_rule`, whose names this module re-exports. Declaring a folder kind is
+one :class:`OutputKind` (its name, how to recognise one, the file patterns it writes), e.g.
+``OutputKind("bench output", lambda f: (f / "bench.json").is_file(), ("bench.json", "bench.md",
+"*.png"))``.
 
 A full disk (ENOSPC, or EDQUOT on a quota) during either write removes the temporary and raises
-:class:`DiskFullError`, one line naming the path, the space needed and the space free. Temporaries left by an
-earlier process that died (its pid is gone) are removed at the next write of the same name, with a warning; a
-folder caught between the two renames of a swap (``.<name>.old-<pid>``) is put back.
+:class:`DiskFullError`, one line naming the path, the space needed and the space free. Temporaries
+left by an earlier process that died (its pid is gone) are removed at the next write of the same
+name, with a warning; a folder caught between the two renames of a swap (``.<name>.old-<pid>``) is
+put back.
 """
 
 from __future__ import annotations
@@ -61,8 +67,10 @@ from draftsmith.common.write_rule import (  # noqa: F401  (re-exported: writers 
 
 log = logging.getLogger(__name__)
 
+
 class DiskFullError(DraftsmithError, OSError):
-    """The disk (or quota) filled during a write; the partial temporary was removed and nothing was replaced."""
+    """The disk (or quota) filled during a write; the partial temporary was removed and nothing was
+    replaced."""
 
     def __str__(self) -> str:  # the one line alone, without OSError's "[Errno 28]" prefix
         return str(self.strerror)
@@ -92,19 +100,27 @@ def _remove(path: Path) -> None:
 
 
 def remove_stale_temporaries(folder: Path, pattern: str = ".*.tmp-*") -> list[Path]:
-    """Delete ``pattern`` entries of ``folder`` (``.<name>.tmp-<pid>...``) whose process is gone, warning once per
-    entry; returns them. A live pid's temporary is another write in progress and stays."""
-    stale = [p for p in sorted(Path(folder).glob(pattern))
-             if (pid := _pid_of(p.name, ".tmp-")) is not None and pid != os.getpid() and not _alive(pid)]
+    """Delete ``pattern`` entries of ``folder`` (``.<name>.tmp-<pid>...``) whose process is gone,
+    warning once per entry; returns them. A live pid's temporary is another write in progress and
+    stays."""
+    stale = [
+        p
+        for p in sorted(Path(folder).glob(pattern))
+        if (pid := _pid_of(p.name, ".tmp-")) is not None and pid != os.getpid() and not _alive(pid)
+    ]
     for path in stale:
-        log.warning("removing %s, left by an earlier write that did not finish (process %s is gone)", path,
-                    _pid_of(path.name, ".tmp-"))
+        log.warning(
+            "removing %s, left by an earlier write that did not finish (process %s is gone)",
+            path,
+            _pid_of(path.name, ".tmp-"),
+        )
         _remove(path)
     return stale
 
 
 def _recover_swaps(out: Path) -> None:
-    """Undo a swap a dead process left half done: its ``.<name>.old-<pid>`` goes back if ``out`` is missing."""
+    """Undo a swap a dead process left half done: its ``.<name>.old-<pid>`` goes back if ``out`` is
+    missing."""
     for old in sorted(out.parent.glob(f".{out.name}.old-*")):
         pid = _pid_of(old.name, ".old-")
         if pid is None or pid == os.getpid() or _alive(pid):
@@ -113,12 +129,17 @@ def _recover_swaps(out: Path) -> None:
             log.warning("removing %s, the previous %s a finished swap left behind", old, out.name)
             _remove(old)
         else:
-            log.warning("restoring %s from %s: an earlier write stopped between its two renames", out, old.name)
+            log.warning(
+                "restoring %s from %s: an earlier write stopped between its two renames",
+                out,
+                old.name,
+            )
             os.replace(old, out)
 
 
 def _sync_tree(folder: Path) -> int:
-    """fsync every file under ``folder`` (so the rename publishes complete files); returns their total bytes."""
+    """fsync every file under ``folder`` (so the rename publishes complete files); returns their
+    total bytes."""
     total = 0
     for path in folder.rglob("*"):
         if path.is_file():
@@ -132,14 +153,20 @@ def _tree_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
 
 
-def write_folder(out_dir: str | Path, fill: Callable[[Path], object], kind: OutputKind,
-                 sources: Iterable[str | Path | None] = (), size_hint: int | None = None) -> Path:
-    """Create or replace ``out_dir`` atomically: ``fill(tmp)`` writes a sibling temporary folder that is renamed into
-    place once complete. Returns ``out_dir`` resolved.
+def write_folder(
+    out_dir: str | Path,
+    fill: Callable[[Path], object],
+    kind: OutputKind,
+    sources: Iterable[str | Path | None] = (),
+    size_hint: int | None = None,
+) -> Path:
+    """Create or replace ``out_dir`` atomically: ``fill(tmp)`` writes a sibling temporary folder
+    that is renamed into place once complete. Returns ``out_dir`` resolved.
 
-    Refused before any write (:func:`check_folder_target`): a folder that is not a ``kind`` output, one holding files
-    the kind never writes, or one of ``sources``. Any failure removes the temporary and leaves the previous
-    ``out_dir`` as it was; a full disk raises :class:`DiskFullError` (``size_hint``: the bytes the folder needs).
+    Refused before any write (:func:`check_folder_target`): a folder that is not a ``kind`` output,
+    one holding files the kind never writes, or one of ``sources``. Any failure removes the
+    temporary and leaves the previous ``out_dir`` as it was; a full disk raises
+    :class:`DiskFullError` (``size_hint``: the bytes the folder needs).
     """
     sources = tuple(sources)
     out = check_folder_target(out_dir, kind, sources)
@@ -150,7 +177,9 @@ def write_folder(out_dir: str | Path, fill: Callable[[Path], object], kind: Outp
     try:
         fill(tmp)
         _sync_tree(tmp)
-        check_folder_target(out_dir, kind, sources)  # the fill may have taken minutes: look again before replacing
+        check_folder_target(
+            out_dir, kind, sources
+        )  # the fill may have taken minutes: look again before replacing
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         if out.exists():
             os.replace(out, old)
@@ -175,12 +204,16 @@ def _fill_file(tmp: Path, content: str | bytes | Callable[[Path], object]) -> No
         os.fsync(fh.fileno())
 
 
-def write_file(path: str | Path, content: str | bytes | Callable[[Path], object],
-               owned: Callable[[Path], bool] | None = None) -> Path:
-    """Write ``path`` atomically: ``content`` (text, bytes, or a callable that writes the temporary path it is given)
-    goes to ``.<name>.tmp-<pid>-<random>`` beside it, is fsynced, then renamed over ``path``. A failure removes the
-    temporary and keeps the old file; a full disk raises :class:`DiskFullError` naming ``path``. ``owned``: see
-    :func:`check_file_target`. Returns ``path`` resolved."""
+def write_file(
+    path: str | Path,
+    content: str | bytes | Callable[[Path], object],
+    owned: Callable[[Path], bool] | None = None,
+) -> Path:
+    """Write ``path`` atomically: ``content`` (text, bytes, or a callable that writes the temporary
+    path it is given) goes to ``.<name>.tmp-<pid>-<random>`` beside it, is fsynced, then renamed
+    over ``path``. A failure removes the temporary and keeps the old file; a full disk raises
+    :class:`DiskFullError` naming ``path``. ``owned``: see :func:`check_file_target`. Returns
+    ``path`` resolved."""
     out = check_file_target(path, owned)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out.parent, f".{out.name}.tmp-*")
@@ -202,9 +235,9 @@ def write_file(path: str | Path, content: str | bytes | Callable[[Path], object]
 
 @contextlib.contextmanager
 def scratch_folder(beside: str | Path) -> Iterator[Path]:
-    """A temporary folder ``.<name>.tmp-<pid>-<random>`` next to ``beside`` (same file system, so what is built there
-    can be renamed into place), removed on exit; one a killed process leaves is removed by the next write of
-    ``beside`` (:func:`remove_stale_temporaries`)."""
+    """A temporary folder ``.<name>.tmp-<pid>-<random>`` next to ``beside`` (same file system, so
+    what is built there can be renamed into place), removed on exit; one a killed process leaves is
+    removed by the next write of ``beside`` (:func:`remove_stale_temporaries`)."""
     out = Path(beside).expanduser().resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out.parent, f".{out.name}.tmp-*")

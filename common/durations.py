@@ -1,4 +1,5 @@
-"""Short human durations for progress lines (shared by the training bar and the runtime's long jobs)."""
+"""Short human durations for progress lines (shared by the training bar and the runtime's long
+jobs)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def format_duration(seconds: float) -> str:
 
 
 def eta_seconds(done: int, total: int, seconds: float) -> float | None:
-    """Seconds left at the pace so far (``done`` of ``total`` items in ``seconds``); None before the first item."""
+    """Seconds left at the pace so far (``done`` of ``total`` items in ``seconds``); None before the
+    first item."""
     if done <= 0 or seconds <= 0:
         return None
     return max(0, total - done) * seconds / done

@@ -1,6 +1,7 @@
-"""Streaming JSON reader: the records of a JSON array (a truncated one too: its complete records, the cut tail
-reported) or of a JSON-lines file, one at a time, with the line each starts on. Used for the embedded ShareGPT dump
-(125 MB, cut mid-record) and for users' data files; :mod:`draftsmith.assets` re-exports it."""
+"""Streaming JSON reader: the records of a JSON array (a truncated one too: its complete records,
+the cut tail reported) or of a JSON-lines file, one at a time, with the line each starts on. Used
+for the embedded ShareGPT dump (125 MB, cut mid-record) and for users' data files;
+:mod:`draftsmith.assets` re-exports it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ __all__ = ["ReadReport", "StreamStats", "iter_json_records"]
 
 @dataclass
 class ReadReport:
-    """What a reader kept and dropped: ``kept`` records, ``skipped`` records, ``turns`` in kept records."""
+    """What a reader kept and dropped: ``kept`` records, ``skipped`` records, ``turns`` in kept
+    records."""
 
     kept: int
     skipped: int
@@ -38,21 +40,27 @@ class StreamStats:
 
 _WS = re.compile(r"\s*")
 _CHUNK = 1 << 22  # 4 Mi characters per read
-_MAX_RECORD = 1 << 28  # a single record larger than this is treated as corrupt, not as "needs more data"
+_MAX_RECORD = (
+    1 << 28
+)  # a single record larger than this is treated as corrupt, not as "needs more data"
 
 
 def _needs_more(err: json.JSONDecodeError, size: int) -> bool:
-    """True if the decode error could be cured by more input, i.e. the record ran off the buffer's end."""
+    """True if the decode error could be cured by more input, i.e. the record ran off the buffer's
+    end."""
     return err.msg.startswith("Unterminated string") or err.pos >= size - 6
 
 
-def iter_json_records(path: str | Path, stats: StreamStats | None = None) -> Iterator[tuple[int, Any]]:
+def iter_json_records(
+    path: str | Path, stats: StreamStats | None = None
+) -> Iterator[tuple[int, Any]]:
     """Yield ``(line_number, record)`` from a JSON array or a JSON-lines file, streaming.
 
     A file whose first non-blank character is ``[`` is read as one JSON array with
-    ``json.JSONDecoder.raw_decode`` over a buffered read, so a truncated array yields all its complete
-    records; the cut last record is dropped and described in ``stats``. Anything else is read as JSON
-    lines. A syntax error that is not a truncated tail raises ``ValueError`` naming file and line.
+    ``json.JSONDecoder.raw_decode`` over a buffered read, so a truncated array yields all its
+    complete records; the cut last record is dropped and described in ``stats``. Anything else is
+    read as JSON lines. A syntax error that is not a truncated tail raises ``ValueError`` naming
+    file and line.
     """
     stats = stats if stats is not None else StreamStats()
     path = Path(path)
@@ -70,8 +78,9 @@ def iter_json_records(path: str | Path, stats: StreamStats | None = None) -> Ite
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(
-                    f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno}). Expected a JSON array "
-                    "or one JSON object per line (JSON lines); fix or remove that line."
+                    f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno}). Expected a"
+                    " JSON array or one JSON object per line (JSON lines); fix or remove that"
+                    " line."
                 ) from None
             stats.records += 1
             yield lineno, record
@@ -110,8 +119,8 @@ def _iter_array(handle: Any, path: Path, stats: StreamStats) -> Iterator[tuple[i
             if not _needs_more(err, len(buf)) or len(buf) - pos > _MAX_RECORD:
                 bad_line = line + buf.count("\n", pos, err.pos)
                 raise DataError(
-                    f"{path}:{bad_line}: invalid JSON in array element {stats.records + 1} ({err.msg}). "
-                    "Fix the file or convert it to JSON lines."
+                    f"{path}:{bad_line}: invalid JSON in array element {stats.records + 1}"
+                    f" ({err.msg}). Fix the file or convert it to JSON lines."
                 ) from None
             if eof:  # the file ends inside this record: a truncated tail, dropped and reported
                 stats.truncated, stats.tail_line, stats.tail_chars = True, line, len(buf) - pos

@@ -1,4 +1,5 @@
-"""A name -> builder registry with a decorator; unknown names and double registrations get actionable errors."""
+"""A name -> builder registry with a decorator; unknown names and double registrations get
+actionable errors."""
 
 from __future__ import annotations
 
@@ -11,15 +12,18 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """``@registry.register("name")`` on a builder; ``registry.get("name")`` returns it, or raises a ValueError that
-    lists the registered names. ``what`` names the kind of thing in messages ("verifier", "batch kind", ...)."""
+    """``@registry.register("name")`` on a builder; ``registry.get("name")`` returns it, or raises a
+    ValueError that lists the registered names. ``what`` names the kind of thing in messages
+    ("verifier", "batch kind", ...).
+    """
 
     def __init__(self, what: str) -> None:
         self.what = what
         self._items: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
-        """Decorator registering its argument under ``name`` (twice is an error: two methods would collide)."""
+        """Decorator registering its argument under ``name`` (twice is an error: two methods would
+        collide)."""
 
         def wrap(item: T) -> T:
             if name in self._items:
@@ -32,7 +36,10 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         """The item registered as ``name``."""
         if name not in self._items:
-            raise InputError(f"unknown {self.what} {name!r}; registered: {', '.join(sorted(self._items)) or 'none'}")
+            raise InputError(
+                f"unknown {self.what} {name!r}; registered:"
+                f" {', '.join(sorted(self._items)) or 'none'}"
+            )
         return self._items[name]
 
     def unregister(self, name: str) -> None:

@@ -1,10 +1,12 @@
-"""Whether loading a model folder would run Python code shipped inside it, read from its JSON files alone (nothing
-is imported), so a command refuses in one line before transformers would ask on stdin or run it.
+"""Whether loading a model folder would run Python code shipped inside it, read from its JSON files
+alone (nothing is imported), so a command refuses in one line before transformers would ask on stdin
+or run it.
 
-transformers runs a folder's own code when ``config.json`` maps an auto class to a module of the folder
-(``auto_map``) for a ``model_type`` it does not know, or ``tokenizer_config.json`` does so for a tokenizer class it
-does not know. With ``trust_remote_code`` left unset it asks "Do you wish to run the custom code? [y/N]" on stdin
-(a ``y`` piped in runs it); draftsmith never leaves it unset and runs such code only on the user's explicit opt-in.
+transformers runs a folder's own code when ``config.json`` maps an auto class to a module of the
+folder (``auto_map``) for a ``model_type`` it does not know, or ``tokenizer_config.json`` does so
+for a tokenizer class it does not know. With ``trust_remote_code`` left unset it asks "Do you wish
+to run the custom code? [y/N]" on stdin (a ``y`` piped in runs it); draftsmith never leaves it unset
+and runs such code only on the user's explicit opt-in.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ def _known_model_type(model_type: Any) -> bool:
 def _known_tokenizer(name: Any) -> bool:
     import transformers
 
-    return isinstance(name, str) and (hasattr(transformers, name) or hasattr(transformers, name.removesuffix("Fast")))
+    return isinstance(name, str) and (
+        hasattr(transformers, name) or hasattr(transformers, name.removesuffix("Fast"))
+    )
 
 
 def remote_code_files(folder: str | Path) -> list[str]:
-    """The ``file: auto_map`` entries through which loading ``folder`` would run its own code (empty: none)."""
+    """The ``file: auto_map`` entries through which loading ``folder`` would run its own code
+    (empty: none)."""
     path = Path(folder)
     if not path.is_dir():
         return []
@@ -51,16 +56,20 @@ def remote_code_files(folder: str | Path) -> list[str]:
     return found
 
 
-def refuse_remote_code(folder: str | Path, allowed: bool, opt_in: str = "--trust-remote-code") -> None:
-    """Raise :class:`RemoteCodeRefused` (one line naming the folder, what would run and ``opt_in``) when loading
-    ``folder`` would run its own code and ``allowed`` is False."""
+def refuse_remote_code(
+    folder: str | Path, allowed: bool, opt_in: str = "--trust-remote-code"
+) -> None:
+    """Raise :class:`RemoteCodeRefused` (one line naming the folder, what would run and ``opt_in``)
+    when loading ``folder`` would run its own code and ``allowed`` is False."""
     if allowed:
         return
     found = remote_code_files(folder)
     if found:
-        raise RemoteCodeRefused(f"{folder} ships its own Python code ({'; '.join(found)}; a model type transformers "
-                                f"does not know) that loading it would run: draftsmith runs a model folder's code only "
-                                f"when you pass {opt_in} (read the folder's .py files first)")
+        raise RemoteCodeRefused(
+            f"{folder} ships its own Python code ({'; '.join(found)}; a model type transformers "
+            "does not know) that loading it would run: draftsmith runs a model folder's code only "
+            f"when you pass {opt_in} (read the folder's .py files first)"
+        )
 
 
 __all__ = ["refuse_remote_code", "remote_code_files"]

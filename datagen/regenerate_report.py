@@ -1,5 +1,5 @@
-"""What a ``draftsmith regenerate`` run did (conversations written, resumed, skipped and why, tokens, pace) and the
-summary the command prints at its end."""
+"""What a ``draftsmith regenerate`` run did (conversations written, resumed, skipped and why,
+tokens, pace) and the summary the command prints at its end."""
 
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ class RegenerateReport:
 def summary(report: RegenerateReport, out: str | Path) -> str:
     """The one-paragraph summary printed at the end of ``draftsmith regenerate``."""
     skipped = ", ".join(f"{n} {why}" for why, n in report.skipped.items()) or "none"
-    return (f"wrote {out}: {report.written + report.resumed} conversations ({report.resumed} resumed, "
-            f"{report.truncated} truncated at the context), skipped: {skipped}; generated {report.tokens} tokens "
-            f"in {report.seconds:.1f} s ({report.tokens_per_s:.1f} tokens/s)")
+    return (
+        f"wrote {out}: {report.written + report.resumed} conversations ({report.resumed} resumed,"
+        f" {report.truncated} truncated at the context), skipped: {skipped}; generated"
+        f" {report.tokens} tokens in {report.seconds:.1f} s ({report.tokens_per_s:.1f} tokens/s)"
+    )
 
 
 __all__ = ["RegenerateReport", "summary"]

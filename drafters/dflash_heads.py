@@ -1,17 +1,20 @@
-"""DFlash's optional heads: the Markov refinement (previous slot's token -> LM-head input) and the confidence input.
+"""DFlash's optional heads: the Markov refinement (previous slot's token -> LM-head input) and the
+confidence input.
 
-Markov head (``markov_head.{down,up}.weight``): DFlash drafts every slot of a block in parallel, so slot ``k`` does
-not know which token slot ``k-1`` drafted. The head adds a rank-``r`` term ``up(down(embed(t_{k-1})))`` to slot
-``k``'s LM-head input (``t_0`` is the verified token), i.e. a rank-``r`` correction of the logits through the shared
-LM head. ``up`` starts at zero, so a fresh head leaves the drafter unchanged. Training uses teacher forcing
-(``t_{k-1}`` = the target's greedy token the drafter should have drafted there); serving applies it slot after slot
-with the token actually drafted (one [H] x [H, r] x [r, H] product and one LM-head row per slot: cheap).
+Markov head (``markov_head.{down,up}.weight``): DFlash drafts every slot of a block in parallel, so
+slot ``k`` does not know which token slot ``k-1`` drafted. The head adds a rank-``r`` term
+``up(down(embed(t_{k-1})))`` to slot ``k``'s LM-head input (``t_0`` is the verified token), i.e. a
+rank-``r`` correction of the logits through the shared LM head. ``up`` starts at zero, so a fresh
+head leaves the drafter unchanged. Training uses teacher forcing (``t_{k-1}`` = the target's greedy
+token the drafter should have drafted there); serving applies it slot after slot with the token
+actually drafted (one [H] x [H, r] x [r, H] product and one LM-head row per slot: cheap).
 
 Confidence head (``confidence_head.{weight,bias}``, a Linear on the drafter module itself): reads
-``concat(LM-head input, embed(drafted token))`` of a slot and predicts P(this slot is accepted | every earlier slot
-was accepted), trained with BCE on the drafter's greedy token == the target's greedy token, on slots whose earlier
-slots all matched (SpecDec++'s conditional label). The product over slots is the probability the whole prefix
-is accepted; the runtime cuts the block through SpecDec++'s stop-policy seam (runtime/drafting/dflash.py).
+``concat(LM-head input, embed(drafted token))`` of a slot and predicts P(this slot is accepted |
+every earlier slot was accepted), trained with BCE on the drafter's greedy token == the target's
+greedy token, on slots whose earlier slots all matched (SpecDec++'s conditional label). The product
+over slots is the probability the whole prefix is accepted; the runtime cuts the block through
+SpecDec++'s stop-policy seam (runtime/drafting/dflash.py).
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ def confidence_input(head_in: torch.Tensor, token_embedding: torch.Tensor) -> to
 
 
 class RejectLogit(nn.Module):
-    """The confidence head as SpecDec++'s acceptance head: state [.., 2H] -> logit of P(rejected) = -logit(accept),
-    so :class:`~draftsmith.runtime.acceptance.stop_policies.LearnedStop` applies it unchanged."""
+    """The confidence head as SpecDec++'s acceptance head: state [.., 2H] -> logit of P(rejected) =
+    -logit(accept), so :class:`~draftsmith.runtime.acceptance.stop_policies.LearnedStop` applies it
+    unchanged."""
 
     def __init__(self, confidence_head: nn.Linear) -> None:
         super().__init__()

@@ -1,11 +1,13 @@
-"""``draftsmith calibrate``: how well a SpecDec++ acceptance head's probabilities match real acceptance.
+"""``draftsmith calibrate``: how well a SpecDec++ acceptance head's probabilities match real
+acceptance.
 
-Held-out drafts come from real speculative decoding of the given prompts: the export's base drafter drafts chains of
-a fixed depth (so every depth is scored, not only those the learned rule reaches), the head predicts
-P(accept | earlier tokens accepted) for each drafted token from its drafter state, and the verifier decides. A
-token counts as an outcome only when every token before it on its chain was accepted (the head's conditional), with
-label 1 if it was accepted itself. Outputs: ``calibration.json`` (expected calibration error over equal-width bins,
-per-bin counts and means, Brier score, per-depth ECE) and ``reliability.png`` (reliability diagram + histogram).
+Held-out drafts come from real speculative decoding of the given prompts: the export's base drafter
+drafts chains of a fixed depth (so every depth is scored, not only those the learned rule reaches),
+the head predicts P(accept | earlier tokens accepted) for each drafted token from its drafter state,
+and the verifier decides. A token counts as an outcome only when every token before it on its chain
+was accepted (the head's conditional), with label 1 if it was accepted itself. Outputs:
+``calibration.json`` (expected calibration error over equal-width bins, per-bin counts and means,
+Brier score, per-depth ECE) and ``reliability.png`` (reliability diagram + histogram).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from draftsmith.runtime.drafting.tree import DraftTree
 
 @dataclass
 class ScoringStop:
-    """Draft exactly ``max_depth`` tokens and record the head's P(accept) of each one it sees (depth, prob)."""
+    """Draft exactly ``max_depth`` tokens and record the head's P(accept) of each one it sees
+    (depth, prob)."""
 
     head: torch.nn.Module
     max_depth: int
@@ -41,12 +44,15 @@ class ScoringStop:
 
 
 class OutcomeRecorder(ProposerWrapper):
-    """Wraps a chain proposer: pairs each step's head predictions with what the verifier accepted."""
+    """Wraps a chain proposer: pairs each step's head predictions with what the verifier
+    accepted."""
 
     def __init__(self, base: Any, policy: ScoringStop) -> None:
         super().__init__(base)
         self.base, self.policy = base, policy
-        self.records: list[tuple[int, float, int]] = []  # (depth, predicted P(accept), accepted 0/1)
+        self.records: list[
+            tuple[int, float, int]
+        ] = []  # (depth, predicted P(accept), accepted 0/1)
         self._step: list[tuple[int, float]] = []
 
     def begin(self, ctx: StepContext) -> None:
@@ -61,13 +67,16 @@ class OutcomeRecorder(ProposerWrapper):
     def accept(self, ctx: StepContext) -> None:
         accepted = ctx.acceptance.num_accepted
         for depth, prob in self._step:
-            if depth <= accepted + 1:  # every earlier token accepted: an outcome of the head's conditional
+            if (
+                depth <= accepted + 1
+            ):  # every earlier token accepted: an outcome of the head's conditional
                 self.records.append((depth, prob, int(depth <= accepted)))
         self.base.accept(ctx)
 
 
 def reliability(pred: torch.Tensor, label: torch.Tensor, bins: int = 10) -> dict[str, Any]:
-    """Equal-width reliability bins over [0, 1]: ECE = sum_b (n_b / N) |mean label_b - mean pred_b|, plus Brier."""
+    """Equal-width reliability bins over [0, 1]: ECE = sum_b (n_b / N) |mean label_b - mean pred_b|,
+    plus Brier."""
     if pred.numel() == 0:
         raise InputError("no scored drafts: use more prompts or more new tokens")
     idx = (pred * bins).long().clamp(0, bins - 1)  # [N] bin of each prediction
@@ -79,28 +88,52 @@ def reliability(pred: torch.Tensor, label: torch.Tensor, bins: int = 10) -> dict
         freq = float(label[sel].float().mean()) if n else None
         if n:
             ece += n / pred.numel() * abs(freq - mean_p)
-        rows.append({"lo": b / bins, "hi": (b + 1) / bins, "count": n, "mean_predicted": mean_p, "observed": freq})
+        rows.append(
+            {
+                "lo": b / bins,
+                "hi": (b + 1) / bins,
+                "count": n,
+                "mean_predicted": mean_p,
+                "observed": freq,
+            }
+        )
     brier = float(((pred - label.float()) ** 2).mean())
-    return {"ece": ece, "brier": brier, "count": int(pred.numel()), "mean_predicted": float(pred.mean()),
-            "observed_accept_rate": float(label.float().mean()), "bins": rows}
+    return {
+        "ece": ece,
+        "brier": brier,
+        "count": int(pred.numel()),
+        "mean_predicted": float(pred.mean()),
+        "observed_accept_rate": float(label.float().mean()),
+        "bins": rows,
+    }
 
 
 def plot_reliability(report: dict[str, Any], path: Path) -> None:
-    """Reliability diagram (observed vs predicted per bin, the diagonal) above a histogram of predictions."""
+    """Reliability diagram (observed vs predicted per bin, the diagonal) above a histogram of
+    predictions."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     bins = [b for b in report["bins"] if b["count"]]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(5, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(5, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
     top.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
-    top.plot([b["mean_predicted"] for b in bins], [b["observed"] for b in bins], "o-", label="acceptance head")
+    top.plot(
+        [b["mean_predicted"] for b in bins],
+        [b["observed"] for b in bins],
+        "o-",
+        label="acceptance head",
+    )
     top.set_ylabel("observed acceptance")
     top.set_title(f"SpecDec++ head: ECE {report['ece']:.3f} over {report['count']} drafts")
     top.legend(loc="upper left")
     edges = [b["lo"] for b in report["bins"]]
-    bottom.bar(edges, [b["count"] for b in report["bins"]], width=1 / len(report["bins"]), align="edge")
+    bottom.bar(
+        edges, [b["count"] for b in report["bins"]], width=1 / len(report["bins"]), align="edge"
+    )
     bottom.set_xlabel("predicted P(accept | earlier accepted)")
     bottom.set_ylabel("drafts")
     fig.tight_layout()
@@ -108,11 +141,21 @@ def plot_reliability(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def calibrate_decoder(decoder_factory: Any, proposer: Any, head: torch.nn.Module, prompts: list[list[int]],
-                      max_new_tokens: int, depth: int, bins: int = 10, eos_ids: tuple[int, ...] = (),
-                      generator: torch.Generator | None = None) -> dict[str, Any]:
-    """Score ``head`` on the drafts of ``proposer`` (a chain proposer) over ``prompts``; ``decoder_factory(p)``
-    builds a SpeculativeDecoder around the recording proposer ``p``. Returns the reliability report."""
+def calibrate_decoder(
+    decoder_factory: Any,
+    proposer: Any,
+    head: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    depth: int,
+    bins: int = 10,
+    eos_ids: tuple[int, ...] = (),
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
+    """Score ``head`` on the drafts of ``proposer`` (a chain proposer) over ``prompts``;
+    ``decoder_factory(p)`` builds a SpeculativeDecoder around the recording proposer ``p``. Returns
+    the reliability report.
+    """
     policy = ScoringStop(head, depth)
     recorder = OutcomeRecorder(proposer, policy)
     decoder = decoder_factory(recorder)
@@ -123,17 +166,32 @@ def calibrate_decoder(decoder_factory: Any, proposer: Any, head: torch.nn.Module
     pred = torch.tensor([r[1] for r in recorder.records])
     label = torch.tensor([r[2] for r in recorder.records])
     report = reliability(pred, label, bins)
-    report["by_depth"] = {int(d): {"count": int((depths == d).sum()),
-                                   "ece": reliability(pred[depths == d], label[depths == d], bins)["ece"]}
-                          for d in depths.unique().tolist()}
+    report["by_depth"] = {
+        int(d): {
+            "count": int((depths == d).sum()),
+            "ece": reliability(pred[depths == d], label[depths == d], bins)["ece"],
+        }
+        for d in depths.unique().tolist()
+    }
     return report
 
 
-def calibrate(drafter: str, prompts: str, out: str, target: str | None = None, num_prompts: int | None = None,
-              max_new_tokens: int = 128, depth: int | None = None, temperature: float = 0.0, bins: int = 10,
-              dtype: str = "fp32", seed: int = 0) -> dict[str, Any]:
-    """``draftsmith calibrate``: load the SpecDec++ export and its drafter on the target, decode ``prompts`` (mtbench
-    or a .jsonl), write ``OUT/calibration.json`` and ``OUT/reliability.png``; returns the report."""
+def calibrate(
+    drafter: str,
+    prompts: str,
+    out: str,
+    target: str | None = None,
+    num_prompts: int | None = None,
+    max_new_tokens: int = 128,
+    depth: int | None = None,
+    temperature: float = 0.0,
+    bins: int = 10,
+    dtype: str = "fp32",
+    seed: int = 0,
+) -> dict[str, Any]:
+    """``draftsmith calibrate``: load the SpecDec++ export and its drafter on the target, decode
+    ``prompts`` (mtbench or a .jsonl), write ``OUT/calibration.json`` and ``OUT/reliability.png``;
+    returns the report."""
     from draftsmith.bench.prompts import load_prompts
     from draftsmith.export.format import read_config
     from draftsmith.runtime.acceptance.choice import choose_verifier
@@ -143,26 +201,50 @@ def calibrate(drafter: str, prompts: str, out: str, target: str | None = None, n
 
     config = read_config(drafter)
     if config.get("method") != "specdecpp":
-        raise InputError(f"{drafter} is a {config.get('method')!r} export; calibrate scores a SpecDec++ acceptance "
-                         "head (method 'specdecpp', from `python train.py recipe=specdecpp drafter=EXPORT_DIR`)")
+        raise InputError(
+            f"{drafter} is a {config.get('method')!r} export; calibrate scores a SpecDec++"
+            " acceptance head (method 'specdecpp', from `python train.py recipe=specdecpp"
+            " drafter=EXPORT_DIR`)"
+        )
     head, head_config = AcceptanceHead.from_export(drafter)
     base = base_export_dir(head_config)
     runtime = load_runtime(None, target or config["target"]["name_or_path"], dtype=dtype)
     stop = (config.get("inference") or {}).get("stop_policy") or {}
     depth = int(depth or stop.get("max_depth", 6))
     options = {"temperature": temperature if temperature > 0 else 0.0}
-    options.update(chain_options(base, depth + 1))  # the base proposer's own way of drafting depth + 1 tokens
+    options.update(
+        chain_options(base, depth + 1)
+    )  # the base proposer's own way of drafting depth + 1 tokens
     proposer = build_proposer(base, runtime.model, **options)
     verifier, _ = choose_verifier("auto", temperature, "auto", None)
     head = head.to(runtime.model.lm_head_weight.device)
     encoded = load_prompts(prompts, runtime.tokenizer, num_prompts)
-    report = calibrate_decoder(lambda p: SpeculativeDecoder(runtime.model, p, verifier), proposer, head, encoded,
-                               max_new_tokens, depth + 1, bins, runtime.eos_ids, torch.Generator().manual_seed(seed))
-    report.update({"export": str(drafter), "base_export": str(base), "prompts": prompts, "num_prompts": len(encoded),
-                   "temperature": temperature, "depth": depth})
+    report = calibrate_decoder(
+        lambda p: SpeculativeDecoder(runtime.model, p, verifier),
+        proposer,
+        head,
+        encoded,
+        max_new_tokens,
+        depth + 1,
+        bins,
+        runtime.eos_ids,
+        torch.Generator().manual_seed(seed),
+    )
+    report.update(
+        {
+            "export": str(drafter),
+            "base_export": str(base),
+            "prompts": prompts,
+            "num_prompts": len(encoded),
+            "temperature": temperature,
+            "depth": depth,
+        }
+    )
     from draftsmith.common.atomic_folder import write_file
 
     folder = Path(out)
-    write_file(folder / "calibration.json", json.dumps(report, indent=2) + "\n")  # beside, then renamed in
+    write_file(
+        folder / "calibration.json", json.dumps(report, indent=2) + "\n"
+    )  # beside, then renamed in
     write_file(folder / "reliability.png", lambda tmp: plot_reliability(report, tmp))
     return report

@@ -1,6 +1,6 @@
-"""Several learning curves side by side (``draftsmith curve --compare A,B --out DIR``): each read at equal CPU-hours
-and equal tokens on its cooled points (raw where a curve has none), the pick, compare.json / compare.md /
-compare.png."""
+"""Several learning curves side by side (``draftsmith curve --compare A,B --out DIR``): each read at
+equal CPU-hours and equal tokens on its cooled points (raw where a curve has none), the pick,
+compare.json / compare.md / compare.png."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from draftsmith.evals.curve_pick import pick, reading_points
 
 
 def compare(curve_dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
-    """Several curves (recipe choices: data, labels, TTT depth, vocabulary) side by side at equal CPU-hours:
-    compare.json, compare.md and compare.png (first-position acceptance against CPU-hours, log x) in ``out``. Each
-    curve is read on its cooled points (each predicts a finished run), raw where it has none (the table says which).
+    """Several curves (recipe choices: data, labels, TTT depth, vocabulary) side by side at equal
+    CPU-hours: compare.json, compare.md and compare.png (first-position acceptance against
+    CPU-hours, log x) in ``out``. Each curve is read on its cooled points (each predicts a finished
+    run), raw where it has none (the table says which).
     """
     from draftsmith.evals.curve_report import fmt_value, prompt_sets, settle_cpu_hours
     from draftsmith.evals.curve_runner import CURVE_FILE, read_curve, write_json
@@ -29,22 +30,48 @@ def compare(curve_dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
         points, values = reading_points(data)
         for p in points:
             for prompt_set in prompt_sets(data):
-                rows.append({"curve": name, "overrides": " ".join(data["overrides"]), "values": values,
-                             "steps": p["steps"], "tokens": p["tokens"], "cpu_hours": p["cpu_hours"],
-                             "prompts": prompt_set,
-                             "first_position": p["eval"][prompt_set]["first_position_acceptance"]})
+                rows.append(
+                    {
+                        "curve": name,
+                        "overrides": " ".join(data["overrides"]),
+                        "values": values,
+                        "steps": p["steps"],
+                        "tokens": p["tokens"],
+                        "cpu_hours": p["cpu_hours"],
+                        "prompts": prompt_set,
+                        "first_position": p["eval"][prompt_set]["first_position_acceptance"],
+                    }
+                )
     write_json(out / "compare.json", {"curves": list(curves), "rows": rows, "pick": chosen})
-    lines = ["| curve | overrides | read | steps | tokens | CPU-h | prompts | first-position |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {Path(r['curve']).name} | {r['overrides']} | {r['values']} | {r['steps']} | "
-              f"{fmt_value(r['tokens'])} | {fmt_value(r['cpu_hours'], 2)} | {r['prompts']} | "
-              f"{fmt_value(r['first_position'])} |" for r in rows]
+    lines = [
+        "| curve | overrides | read | steps | tokens | CPU-h | prompts | first-position |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {Path(r['curve']).name} | {r['overrides']} | {r['values']} | {r['steps']} | "
+        f"{fmt_value(r['tokens'])} | {fmt_value(r['cpu_hours'], 2)} | {r['prompts']} | "
+        f"{fmt_value(r['first_position'])} |"
+        for r in rows
+    ]
     mixed = len({r["values"] for r in rows}) > 1
-    note = ["Some curves have no cooled points and are read raw (mid-run, constant LR): raw values understate a "
-            "finished run, so the comparison favours the cooled curves.", ""] if mixed else []
+    note = (
+        [
+            (
+                "Some curves have no cooled points and are read raw (mid-run, constant LR): raw"
+                " values understate a finished run, so the comparison favours the cooled curves."
+            ),
+            "",
+        ]
+        if mixed
+        else []
+    )
     (out / "compare.md").write_text("\n".join([*lines, "", *note, *_pick_lines(chosen)]) + "\n")
     _plot_compare(rows, out / "compare.png")
-    return {"curves": list(curves), "rows": len(rows), "picked": (chosen["picked"] or {}).get("curve")}
+    return {
+        "curves": list(curves),
+        "rows": len(rows),
+        "picked": (chosen["picked"] or {}).get("curve"),
+    }
 
 
 def _pick_lines(chosen: dict[str, Any]) -> list[str]:
@@ -54,20 +81,37 @@ def _pick_lines(chosen: dict[str, Any]) -> list[str]:
     lines = []
     for key, label in (("equal_cpu_hours", "CPU-hours"), ("equal_tokens", "tokens")):
         block = chosen[key]
-        lines += [f"At equal {label} ({fmt_value(block['budget'], 3)}, the most every curve reached; interpolated on "
-                  "a log axis between the readings, cooled where a curve has them):", "",
-                  "| curve | read | first-position by prompt set | mean |", "|---|---|---|---|"]
-        lines += [f"| {Path(name).name} | {row.get('values', 'raw')} | "
-                  + ", ".join(f"{s} {fmt_value(v)}" for s, v in row["first_position"].items())
-                  + f" | {fmt_value(row['mean'])} |" for name, row in block["curves"].items()]
+        lines += [
+            (
+                f"At equal {label} ({fmt_value(block['budget'], 3)}, the most every curve reached;"
+                " interpolated on a log axis between the readings, cooled where a curve has them):"
+            ),
+            "",
+            "| curve | read | first-position by prompt set | mean |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {Path(name).name} | {row.get('values', 'raw')} | "
+            + ", ".join(f"{s} {fmt_value(v)}" for s, v in row["first_position"].items())
+            + f" | {fmt_value(row['mean'])} |"
+            for name, row in block["curves"].items()
+        ]
         lines.append("")
     picked = chosen["picked"]
-    lines.append(f"Picked (highest mean at equal CPU-hours; `make train-best` trains it): {Path(picked['curve']).name}"
-                 f" with `{' '.join(picked['overrides'])}`" if picked else "Picked: none (no common budget)")
+    lines.append(
+        "Picked (highest mean at equal CPU-hours; `make train-best` trains it):"
+        f" {Path(picked['curve']).name} with `{' '.join(picked['overrides'])}`"
+        if picked
+        else "Picked: none (no common budget)"
+    )
     if picked and picked.get("decisive") is not None:
-        verdict = "decisive" if picked["decisive"] else "not decisive: within the prompts' sampling noise"
-        lines.append(f"Its lead over the next: {picked['margin']:.3f} against a standard error of the difference of "
-                     f"{picked['noise']:.3f} (binomial over the verified steps): {verdict}.")
+        verdict = (
+            "decisive" if picked["decisive"] else "not decisive: within the prompts' sampling noise"
+        )
+        lines.append(
+            f"Its lead over the next: {picked['margin']:.3f} against a standard error of the"
+            f" difference of {picked['noise']:.3f} (binomial over the verified steps): {verdict}."
+        )
     return lines
 
 
@@ -80,8 +124,12 @@ def _plot_compare(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key in dict.fromkeys((r["curve"], r["prompts"]) for r in rows):
         mine = [r for r in rows if (r["curve"], r["prompts"]) == key and r["cpu_hours"]]
-        ax.plot([r["cpu_hours"] for r in mine], [r["first_position"] for r in mine], "o-",
-                label=f"{Path(key[0]).name} / {key[1]}")
+        ax.plot(
+            [r["cpu_hours"] for r in mine],
+            [r["first_position"] for r in mine],
+            "o-",
+            label=f"{Path(key[0]).name} / {key[1]}",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("CPU-hours of training")
     ax.set_ylabel("held-out first-position acceptance")

@@ -1,27 +1,31 @@
-"""Run an export inside an engine people serve with and check it there: llama.cpp (``draftsmith engine-check``).
+"""Run an export inside an engine people serve with and check it there: llama.cpp (``draftsmith
+engine-check``).
 
-On the same chat prompts (the bench's, rendered to text for llama.cpp as ``bench/llamacpp.py`` does), greedy, from
-the same token ids in both engines: llama.cpp's tools take text, and its tokenizer splits some texts unlike the HF
-tokenizer (``"\\n    3"``), so the runtime is fed the ids llama.cpp's ``--verbose-prompt`` lists (``prompt_ids`` says
-where the HF tokenizer differs):
+On the same chat prompts (the bench's, rendered to text for llama.cpp as ``bench/llamacpp.py``
+does), greedy, from the same token ids in both engines: llama.cpp's tools take text, and its
+tokenizer splits some texts unlike the HF tokenizer (``"\\n 3"``), so the runtime is fed the ids
+llama.cpp's ``--verbose-prompt`` lists (``prompt_ids`` says where the HF tokenizer differs):
 
 - llama.cpp plain: ``llama-completion`` on the target GGUF (its own greedy tokens and decode rate);
 - llama.cpp speculative: ``llama-speculative-simple -m TARGET -md DRAFT --spec-type draft-eagle3
-  --spec-draft-n-max N`` (``draft-dflash`` for a DFlash export, N defaulting to ``block_size - 1``: llama.cpp's DFlash
-  block is ``N + 1`` tokens, non-causal, so only then are its drafts the trained block's): its ``n_drafted`` /
-  ``n_accept`` / ``n_predict`` counters give its acceptance rate and its tau (``n_predict`` tokens over
-  ``n_predict - n_accept`` verify steps), its decode time the tokens/s;
-- lossless inside the engine: the speculative text equals the plain text (or starts with it: the speculative tool may
-  run past ``-n`` by up to ``N`` tokens; when plain stopped at the end of generation the texts must be equal).
-  llama.cpp's tools print text, not ids, so the comparison is of the decoded texts. Where they part, the target
-  scores both tokens in fp32 (``divergences``, :mod:`draftsmith.evals.near_ties`): llama.cpp's batched verify rounds
-  unlike its one-token decode, so on AVX2 it picks the other of two near-tied tokens now and then
-  (``near_ties_only``); a clear margin would be a real loss;
-- the draftsmith runtime on the same export: a greedy chain of ``N`` drafted tokens per step (EAGLE-3: ``policy=chain,
-  depth=N-1, fixed:N``, llama.cpp's shape; DFlash: one block, cut at ``N`` by ``fixed:N``), its tau, acceptance,
-  tokens/s, its own lossless check (speculative ids equal its AR ids) and whether its AR ids equal llama.cpp's plain
-  ids (read from ``-v``'s evaluated-token log; compared as ids, since llama.cpp's text drops the EOS ours keeps; a
-  cross-engine check: the two engines' numerics differ, so a late divergence between near-tied tokens is possible).
+  --spec-draft-n-max N`` (``draft-dflash`` for a DFlash export, N defaulting to ``block_size - 1``:
+  llama.cpp's DFlash block is ``N + 1`` tokens, non-causal, so only then are its drafts the trained
+  block's): its ``n_drafted`` / ``n_accept`` / ``n_predict`` counters give its acceptance rate and
+  its tau (``n_predict`` tokens over ``n_predict - n_accept`` verify steps), its decode time the
+  tokens/s;
+- lossless inside the engine: the speculative text equals the plain text (or starts with it: the
+  speculative tool may run past ``-n`` by up to ``N`` tokens; when plain stopped at the end of
+  generation the texts must be equal). llama.cpp's tools print text, not ids, so the comparison is
+  of the decoded texts. Where they part, the target scores both tokens in fp32 (``divergences``,
+  :mod:`draftsmith.evals.near_ties`): llama.cpp's batched verify rounds unlike its one-token decode,
+  so on AVX2 it picks the other of two near-tied tokens now and then (``near_ties_only``); a clear
+  margin would be a real loss;
+- the draftsmith runtime on the same export: a greedy chain of ``N`` drafted tokens per step
+  (EAGLE-3: ``policy=chain, depth=N-1, fixed:N``, llama.cpp's shape; DFlash: one block, cut at ``N``
+  by ``fixed:N``), its tau, acceptance, tokens/s, its own lossless check (speculative ids equal its
+  AR ids) and whether its AR ids equal llama.cpp's plain ids (read from ``-v``'s evaluated-token
+  log; compared as ids, since llama.cpp's text drops the EOS ours keeps; a cross-engine check: the
+  two engines' numerics differ, so a late divergence between near-tied tokens is possible).
 """
 
 from __future__ import annotations
@@ -44,44 +48,82 @@ from draftsmith.runtime.decoding.autoregressive import generate_ar
 
 
 def texts_lossless(plain: str, plain_eos: bool, speculative: str) -> bool:
-    """The speculative text is llama.cpp's plain greedy text: equal, or (plain cut at ``-n``) extending it."""
+    """The speculative text is llama.cpp's plain greedy text: equal, or (plain cut at ``-n``)
+    extending it."""
     return speculative == plain if plain_eos else speculative.startswith(plain)
 
 
 LABELS = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
 
 
-def run_speculative(target: Path, draft: Path, prompt: str, max_new_tokens: int, n_max: int, threads: int,
-                    spec_type: str, timeout_s: float = 600.0) -> dict[str, Any]:
-    """One greedy ``llama-speculative-simple --spec-type SPEC_TYPE`` run (``bench.llamacpp``'s argv with its
-    ``draft-eagle3`` swapped for ``spec_type``), parsed by ``llamacpp.parse_speculative``."""
+def run_speculative(
+    target: Path,
+    draft: Path,
+    prompt: str,
+    max_new_tokens: int,
+    n_max: int,
+    threads: int,
+    spec_type: str,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """One greedy ``llama-speculative-simple --spec-type SPEC_TYPE`` run (``bench.llamacpp``'s argv
+    with its ``draft-eagle3`` swapped for ``spec_type``), parsed by
+    ``llamacpp.parse_speculative``."""
     if spec_type == "draft-eagle3":
-        return llamacpp.run_speculative(target, draft, prompt, max_new_tokens, n_max, threads, timeout_s)
+        return llamacpp.run_speculative(
+            target, draft, prompt, max_new_tokens, n_max, threads, timeout_s
+        )
     ctx = max(512, len(prompt) + max_new_tokens + n_max + 64)
     argv = llamacpp.speculative_command(target, draft, prompt, max_new_tokens, n_max, threads, ctx)
     argv[argv.index("draft-eagle3")] = spec_type
-    proc = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=timeout_s,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{llamacpp.SPECULATIVE} exited {proc.returncode}: {proc.stderr[-800:]}")
     return llamacpp.parse_speculative(proc.stdout, proc.stderr, prompt)
 
 
-def llamacpp_speculative(target: Path, draft: Path, texts: Sequence[str], max_new_tokens: int, n_max: int,
-                         threads: int, spec_type: str = "draft-eagle3") -> dict[str, Any]:
-    """Pooled counters and rates of ``llama-speculative-simple`` over ``texts``, with each prompt's text."""
-    runs = [run_speculative(target, draft, t, max_new_tokens, n_max, threads, spec_type) for t in texts]
+def llamacpp_speculative(
+    target: Path,
+    draft: Path,
+    texts: Sequence[str],
+    max_new_tokens: int,
+    n_max: int,
+    threads: int,
+    spec_type: str = "draft-eagle3",
+) -> dict[str, Any]:
+    """Pooled counters and rates of ``llama-speculative-simple`` over ``texts``, with each prompt's
+    text."""
+    runs = [
+        run_speculative(target, draft, t, max_new_tokens, n_max, threads, spec_type) for t in texts
+    ]
     drafted, accepted = sum(r["n_drafted"] for r in runs), sum(r["n_accept"] for r in runs)
     predicted, decode_s = sum(r["n_predict"] for r in runs), sum(r["decode_s"] for r in runs)
     prompt_s = sum(r["prompt_s"] for r in runs)
     steps = predicted - accepted
-    return {"spec_type": spec_type, "n_draft_max": n_max, "n_drafted": drafted, "n_accept": accepted,
-            "n_predict": predicted,
-            "acceptance": accepted / drafted if drafted else None, "tau": predicted / steps if steps else None,
-            "decode_tokens_per_s": predicted / decode_s if decode_s > 0 else None,
-            "tokens_per_s_incl_prompt": predicted / (decode_s + prompt_s) if decode_s + prompt_s > 0 else None,
-            "texts": [r["text"] for r in runs],
-            "per_prompt": [{k: r[k] for k in ("n_drafted", "n_accept", "n_predict", "decode_s")} for r in runs]}
+    return {
+        "spec_type": spec_type,
+        "n_draft_max": n_max,
+        "n_drafted": drafted,
+        "n_accept": accepted,
+        "n_predict": predicted,
+        "acceptance": accepted / drafted if drafted else None,
+        "tau": predicted / steps if steps else None,
+        "decode_tokens_per_s": predicted / decode_s if decode_s > 0 else None,
+        "tokens_per_s_incl_prompt": (
+            predicted / (decode_s + prompt_s) if decode_s + prompt_s > 0 else None
+        ),
+        "texts": [r["text"] for r in runs],
+        "per_prompt": [
+            {k: r[k] for k in ("n_drafted", "n_accept", "n_predict", "decode_s")} for r in runs
+        ],
+    }
 
 
 def runtime_side(runtime: Any, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
@@ -94,41 +136,64 @@ def runtime_side(runtime: Any, prompts: list[list[int]], max_new_tokens: int) ->
         return res.tokens
 
     timed = time_interleaved(
-        {"ar": lambda p: generate_ar(runtime.model, p, max_new_tokens, eos_ids=runtime.eos_ids),
-         "speculative": speculative}, prompts,
-        {"ar": lambda: generate_ar(runtime.model, prompts[0], 4, eos_ids=runtime.eos_ids),
-         "speculative": lambda: spec.generate(prompts[0], 4, eos_ids=runtime.eos_ids)})
-    results = results[-len(prompts):]
+        {
+            "ar": lambda p: generate_ar(runtime.model, p, max_new_tokens, eos_ids=runtime.eos_ids),
+            "speculative": speculative,
+        },
+        prompts,
+        {
+            "ar": lambda: generate_ar(runtime.model, prompts[0], 4, eos_ids=runtime.eos_ids),
+            "speculative": lambda: spec.generate(prompts[0], 4, eos_ids=runtime.eos_ids),
+        },
+    )
+    results = results[-len(prompts) :]
     accepted = [a for r in results for a in r.accepted_per_step]
     drafted = sum(d for r in results for d in r.depths)
     ar, sp = timed["ar"], timed["speculative"]
-    return {"tau": metrics.tau(accepted), "acceptance": sum(accepted) / drafted if drafted else None,
-            "steps": sum(r.steps for r in results), "lossless": sp["outputs"] == ar["outputs"],
-            "ar_tokens_per_s": ar["tokens_per_s"], "speculative_tokens_per_s": sp["tokens_per_s"],
-            "ar_outputs": ar["outputs"], "dtype": str(runtime.model.dtype).removeprefix("torch."),
-            "inference": runtime.inference}
+    return {
+        "tau": metrics.tau(accepted),
+        "acceptance": sum(accepted) / drafted if drafted else None,
+        "steps": sum(r.steps for r in results),
+        "lossless": sp["outputs"] == ar["outputs"],
+        "ar_tokens_per_s": ar["tokens_per_s"],
+        "speculative_tokens_per_s": sp["tokens_per_s"],
+        "ar_outputs": ar["outputs"],
+        "dtype": str(runtime.model.dtype).removeprefix("torch."),
+        "inference": runtime.inference,
+    }
 
 
 def default_n_max(config: dict[str, Any]) -> int:
-    """Tokens drafted per step when none is asked for: DFlash's trained block (``block_size - 1``), else 4."""
+    """Tokens drafted per step when none is asked for: DFlash's trained block (``block_size - 1``),
+    else 4."""
     if config.get("method") == "dflash":
         return int(config["architecture"]["block_size"]) - 1
     return 4
 
 
 def runtime_options(export_dir: str | Path, n_max: int) -> tuple[dict[str, Any], str]:
-    """``(proposer_options, stop_policy)`` that make the runtime draft llama.cpp's shape: a chain of ``n_max`` tokens
-    (the method's own chain options: EAGLE-3 ``policy=chain, depth=n_max-1``, DFlash ``depth=n_max``)."""
+    """``(proposer_options, stop_policy)`` that make the runtime draft llama.cpp's shape: a chain of
+    ``n_max`` tokens (the method's own chain options: EAGLE-3 ``policy=chain, depth=n_max-1``,
+    DFlash ``depth=n_max``).
+    """
     from draftsmith.runtime.drafting.registry import chain_options
 
     return chain_options(export_dir, n_max), f"fixed:{n_max}"
 
 
-def engine_check(export_dir: str | Path, target_gguf: str | Path, draft_gguf: str | Path, prompts: str = "mtbench",
-                 num_prompts: int = 2, max_new_tokens: int = 32, n_max: int | None = None, threads: int = 2,
-                 dtype: str = "auto") -> dict[str, Any]:
-    """The whole check (module docstring); raises :class:`llamacpp.LlamaCppMissing` without the build. ``n_max``:
-    tokens drafted per step, default :func:`default_n_max`."""
+def engine_check(
+    export_dir: str | Path,
+    target_gguf: str | Path,
+    draft_gguf: str | Path,
+    prompts: str = "mtbench",
+    num_prompts: int = 2,
+    max_new_tokens: int = 32,
+    n_max: int | None = None,
+    threads: int = 2,
+    dtype: str = "auto",
+) -> dict[str, Any]:
+    """The whole check (module docstring); raises :class:`llamacpp.LlamaCppMissing` without the
+    build. ``n_max``: tokens drafted per step, default :func:`default_n_max`."""
     from draftsmith.runtime.serving import load_runtime
 
     reason = llamacpp.missing_build_reason()
@@ -136,8 +201,10 @@ def engine_check(export_dir: str | Path, target_gguf: str | Path, draft_gguf: st
         raise llamacpp.LlamaCppMissing(reason)
     config = read_config(export_dir)
     if config["method"] not in SPEC_TYPES:
-        raise InputError(f"llama.cpp runs {', '.join(LABELS.values())} drafters; {export_dir} is a "
-                         f"{config['method']!r} export")
+        raise InputError(
+            f"llama.cpp runs {', '.join(LABELS.values())} drafters; {export_dir} is a "
+            f"{config['method']!r} export"
+        )
     n_max = default_n_max(config) if n_max is None else n_max
     if n_max < 1:
         raise InputError(f"--draft-n-max must be >= 1, got {n_max}")
@@ -145,89 +212,161 @@ def engine_check(export_dir: str | Path, target_gguf: str | Path, draft_gguf: st
     runtime = load_runtime(str(export_dir), None, dtype, proposer_options=options, stop_policy=stop)
     hf_ids = load_prompts(prompts, runtime.tokenizer, num_prompts)
     texts = llamacpp.prompt_texts(hf_ids, runtime.tokenizer)
-    plain = llamacpp.llamacpp_row(target_gguf, hf_ids, max_new_tokens, threads, runtime.tokenizer, log_ids=True)
+    plain = llamacpp.llamacpp_row(
+        target_gguf, hf_ids, max_new_tokens, threads, runtime.tokenizer, log_ids=True
+    )
     ids, prompt_report = shared_prompt_ids(hf_ids, plain.pop("prompt_ids"))
-    spec = llamacpp_speculative(Path(target_gguf), Path(draft_gguf), texts, max_new_tokens, n_max, threads,
-                                SPEC_TYPES[config["method"]])
-    per_prompt = [texts_lossless(p, eos, s) for p, eos, s in zip(plain["texts"], plain["stopped_at_eos"],
-                                                                  spec["texts"], strict=True)]
+    spec = llamacpp_speculative(
+        Path(target_gguf),
+        Path(draft_gguf),
+        texts,
+        max_new_tokens,
+        n_max,
+        threads,
+        SPEC_TYPES[config["method"]],
+    )
+    per_prompt = [
+        texts_lossless(p, eos, s)
+        for p, eos, s in zip(plain["texts"], plain["stopped_at_eos"], spec["texts"], strict=True)
+    ]
     parted = divergences(runtime, ids, plain["texts"], spec["texts"], per_prompt)
     ours = runtime_side(runtime, ids, max_new_tokens)  # the very ids llama.cpp decoded from
     ours["ids_equal_llamacpp_plain"] = same_generated_ids(ours.pop("ar_outputs"), plain, runtime)
-    return {"engine": "llamacpp", "version": llamacpp.VERSION, "export": str(export_dir), "method": config["method"],
-            "target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf), "prompts": prompts,
-            "num_prompts": len(ids), "max_new_tokens": max_new_tokens, "threads": threads,
-            "prompt_ids_match": prompt_report["same_in_both_engines"], "prompt_ids": prompt_report,
-            "llamacpp": {"lossless": all(per_prompt), "lossless_per_prompt": per_prompt,
-                         "near_ties_only": all(p is None or p["near_tie"] for p in parted), "divergences": parted,
-                         "plain": plain, "speculative": spec},
-            "runtime": ours}
+    return {
+        "engine": "llamacpp",
+        "version": llamacpp.VERSION,
+        "export": str(export_dir),
+        "method": config["method"],
+        "target_gguf": str(target_gguf),
+        "draft_gguf": str(draft_gguf),
+        "prompts": prompts,
+        "num_prompts": len(ids),
+        "max_new_tokens": max_new_tokens,
+        "threads": threads,
+        "prompt_ids_match": prompt_report["same_in_both_engines"],
+        "prompt_ids": prompt_report,
+        "llamacpp": {
+            "lossless": all(per_prompt),
+            "lossless_per_prompt": per_prompt,
+            "near_ties_only": all(p is None or p["near_tie"] for p in parted),
+            "divergences": parted,
+            "plain": plain,
+            "speculative": spec,
+        },
+        "runtime": ours,
+    }
 
 
-def divergences(runtime: Any, ids: list[list[int]], plain: list[str], speculative: list[str],
-                lossless: list[bool]) -> list[dict[str, Any] | None]:
-    """Per prompt, where llama.cpp's speculative text leaves its plain one and how near the target's two candidates
-    were there (:mod:`draftsmith.evals.near_ties`, judged by the target in fp32); None where the texts agree."""
+def divergences(
+    runtime: Any,
+    ids: list[list[int]],
+    plain: list[str],
+    speculative: list[str],
+    lossless: list[bool],
+) -> list[dict[str, Any] | None]:
+    """Per prompt, where llama.cpp's speculative text leaves its plain one and how near the target's
+    two candidates were there (:mod:`draftsmith.evals.near_ties`, judged by the target in fp32);
+    None where the texts agree.
+    """
     from draftsmith.evals.near_ties import divergence
     from draftsmith.runtime.target.loading import load_decoder
 
     if all(lossless):
         return [None] * len(ids)
-    judge = runtime.model if runtime.model.dtype == torch.float32 else load_decoder(runtime.folder, torch.float32)
-    return [None if ok else divergence(judge, runtime.tokenizer, p, a, b)
-            for p, a, b, ok in zip(ids, plain, speculative, lossless, strict=True)]
+    judge = (
+        runtime.model
+        if runtime.model.dtype == torch.float32
+        else load_decoder(runtime.folder, torch.float32)
+    )
+    return [
+        None if ok else divergence(judge, runtime.tokenizer, p, a, b)
+        for p, a, b, ok in zip(ids, plain, speculative, lossless, strict=True)
+    ]
 
 
 def equal_or_tied(lc: dict[str, Any]) -> str:
-    """The llama.cpp speculative row's verdict on its text: equal to plain, parted only at near-ties (the logit
-    gaps), or parted at a clear margin (a real loss)."""
+    """The llama.cpp speculative row's verdict on its text: equal to plain, parted only at near-ties
+    (the logit gaps), or parted at a clear margin (a real loss)."""
     if lc["lossless"]:
         return "equal to plain"
     gaps = [p["gap"] for p in lc.get("divergences") or [] if p is not None]
     parted = sum(not ok for ok in lc["lossless_per_prompt"])
     if gaps and lc.get("near_ties_only"):
-        return f"parts from plain on {parted} prompts, each at a near-tie (logit gap <= {max(gaps):.3f})"
+        return (
+            f"parts from plain on {parted} prompts, each at a near-tie (logit gap <="
+            f" {max(gaps):.3f})"
+        )
     return f"DIFFERS: {lc['lossless_per_prompt']}" + (f", logit gaps {gaps}" if gaps else "")
 
 
-def shared_prompt_ids(hf_ids: list[list[int]],
-                      engine_ids: list[list[int] | None]) -> tuple[list[list[int]], dict[str, Any]]:
-    """The prompt ids both engines decode from: llama.cpp's own tokenization of each rendered prompt (its tools take
-    text, not ids, and tokenize some texts, e.g. ``"\\n    3"``, unlike the HF tokenizer), so our runtime is fed
-    those; the HF tokenizer's ids where llama.cpp's could not be read. Returns ``(ids, report)``."""
+def shared_prompt_ids(
+    hf_ids: list[list[int]], engine_ids: list[list[int] | None]
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """The prompt ids both engines decode from: llama.cpp's own tokenization of each rendered prompt
+    (its tools take text, not ids, and tokenize some texts, e.g. ``"\\n 3"``, unlike the HF
+    tokenizer), so our runtime is fed those; the HF tokenizer's ids where llama.cpp's could not be
+    read. Returns ``(ids, report)``."""
     ids = [list(e) if e is not None else list(h) for h, e in zip(hf_ids, engine_ids, strict=True)]
     unreadable = [i for i, e in enumerate(engine_ids) if e is None]
-    return ids, {"fed_to_both": "llama.cpp's tokenization of the rendered prompt", "same_in_both_engines":
-                 not unreadable, "llamacpp_ids_unreadable": unreadable,
-                 "hf_tokenizer_differs": [i for i, (h, e) in enumerate(zip(hf_ids, engine_ids))
-                                          if e is not None and list(e) != list(h)]}
+    return ids, {
+        "fed_to_both": "llama.cpp's tokenization of the rendered prompt",
+        "same_in_both_engines": not unreadable,
+        "llamacpp_ids_unreadable": unreadable,
+        "hf_tokenizer_differs": [
+            i
+            for i, (h, e) in enumerate(zip(hf_ids, engine_ids))
+            if e is not None and list(e) != list(h)
+        ],
+    }
 
 
-def generated_ids_agree(ours: list[int], theirs: list[int], eos_ids: Sequence[int], engine_stopped_at_eos: bool,
-                        ) -> bool:
-    """Whether our greedy ids are llama.cpp's: ``theirs`` are the ids its log lists as evaluated, which never include
-    the EOS it stopped at nor the last token of a run cut at ``-n`` (sampled, never evaluated)."""
+def generated_ids_agree(
+    ours: list[int],
+    theirs: list[int],
+    eos_ids: Sequence[int],
+    engine_stopped_at_eos: bool,
+) -> bool:
+    """Whether our greedy ids are llama.cpp's: ``theirs`` are the ids its log lists as evaluated,
+    which never include the EOS it stopped at nor the last token of a run cut at ``-n`` (sampled,
+    never evaluated)."""
     body = ours[:-1] if ours and ours[-1] in eos_ids else ours
     if engine_stopped_at_eos:
-        return body == list(theirs) and len(body) < len(ours)  # both stopped at EOS, after the same tokens
-    return len(body) - len(theirs) in (0, 1) and body[:len(theirs)] == list(theirs)
+        return body == list(theirs) and len(body) < len(
+            ours
+        )  # both stopped at EOS, after the same tokens
+    return len(body) - len(theirs) in (0, 1) and body[: len(theirs)] == list(theirs)
 
 
-def same_generated_ids(ours: list[list[int]], plain: dict[str, Any], runtime: Any) -> list[bool | None]:
-    """Per prompt: our runtime's AR ids equal llama.cpp plain's (compared as ids: its text drops EOS, ours keeps
-    ``<|im_end|>``); where llama.cpp's ids are not in its log, the texts without special tokens (None if neither)."""
+def same_generated_ids(
+    ours: list[list[int]], plain: dict[str, Any], runtime: Any
+) -> list[bool | None]:
+    """Per prompt: our runtime's AR ids equal llama.cpp plain's (compared as ids: its text drops
+    EOS, ours keeps ``<|im_end|>``); where llama.cpp's ids are not in its log, the texts without
+    special tokens (None if neither).
+    """
     out: list[bool | None] = []
-    for mine, theirs, eos, text in zip(ours, plain["generated_ids"], plain["stopped_at_eos"], plain["texts"],
-                                       strict=True):
+    for mine, theirs, eos, text in zip(
+        ours, plain["generated_ids"], plain["stopped_at_eos"], plain["texts"], strict=True
+    ):
         if theirs is not None:
             out.append(generated_ids_agree(mine, theirs, runtime.eos_ids, eos))
         else:
-            out.append(runtime.tokenizer.decode(mine, skip_special_tokens=True) == text if text is not None else None)
+            out.append(
+                runtime.tokenizer.decode(mine, skip_special_tokens=True) == text
+                if text is not None
+                else None
+            )
     return out
 
 
 def _f(value: Any, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+    return (
+        "n/a"
+        if value is None
+        else f"{value:.{digits}f}"
+        if isinstance(value, float)
+        else str(value)
+    )
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -236,30 +375,61 @@ def markdown(result: dict[str, Any]) -> str:
     plain, spec = lc["plain"], lc["speculative"]
     label = LABELS.get(result.get("method", "eagle3"), result.get("method"))
     rows = [
-        ("llama.cpp plain (llama-completion)", "", "", _f(plain["decode_tokens_per_s"]),
-         _f(plain["tokens_per_s_incl_prompt"]), "reference"),
-        (f"llama.cpp {label} (n_max {spec['n_draft_max']})", _f(spec["tau"]), _f(spec["acceptance"]),
-         _f(spec["decode_tokens_per_s"]), _f(spec["tokens_per_s_incl_prompt"]),
-         equal_or_tied(lc)),
-        (f"draftsmith runtime AR ({ours['dtype']})", "", "", "", _f(ours["ar_tokens_per_s"]),
-         f"ids = llama.cpp plain: {ours['ids_equal_llamacpp_plain']}"),
-        (f"draftsmith runtime {label} chain {spec['n_draft_max']}", _f(ours["tau"]), _f(ours["acceptance"]), "",
-         _f(ours["speculative_tokens_per_s"]), "equal to runtime AR" if ours["lossless"] else "DIFFERS from AR"),
+        (
+            "llama.cpp plain (llama-completion)",
+            "",
+            "",
+            _f(plain["decode_tokens_per_s"]),
+            _f(plain["tokens_per_s_incl_prompt"]),
+            "reference",
+        ),
+        (
+            f"llama.cpp {label} (n_max {spec['n_draft_max']})",
+            _f(spec["tau"]),
+            _f(spec["acceptance"]),
+            _f(spec["decode_tokens_per_s"]),
+            _f(spec["tokens_per_s_incl_prompt"]),
+            equal_or_tied(lc),
+        ),
+        (
+            f"draftsmith runtime AR ({ours['dtype']})",
+            "",
+            "",
+            "",
+            _f(ours["ar_tokens_per_s"]),
+            f"ids = llama.cpp plain: {ours['ids_equal_llamacpp_plain']}",
+        ),
+        (
+            f"draftsmith runtime {label} chain {spec['n_draft_max']}",
+            _f(ours["tau"]),
+            _f(ours["acceptance"]),
+            "",
+            _f(ours["speculative_tokens_per_s"]),
+            "equal to runtime AR" if ours["lossless"] else "DIFFERS from AR",
+        ),
     ]
-    head = (f"{result['num_prompts']} {result['prompts']} prompts x {result['max_new_tokens']} new tokens, "
-            f"{result['threads']} threads, greedy; {_prompt_ids_text(result)}\n\n"
-            "| engine / mode | tau | accepted / drafted | decode tok/s | tok/s incl. prompt | tokens |\n"
-            "|---|---|---|---|---|---|\n")
+    head = (
+        f"{result['num_prompts']} {result['prompts']} prompts x {result['max_new_tokens']} new"
+        f" tokens, {result['threads']} threads, greedy; {_prompt_ids_text(result)}\n\n| engine /"
+        " mode | tau | accepted / drafted | decode tok/s | tok/s incl. prompt | tokens"
+        " |\n|---|---|---|---|---|---|\n"
+    )
     return head + "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
 def _prompt_ids_text(result: dict[str, Any]) -> str:
-    """Which prompt ids the engines decoded from (the same in both: llama.cpp's), and where the HF tokenizer differs."""
+    """Which prompt ids the engines decoded from (the same in both: llama.cpp's), and where the HF
+    tokenizer differs."""
     report = result.get("prompt_ids") or {}
     if not report:
         return f"prompt ids match: {result['prompt_ids_match']}"
-    same = ("the same prompt ids in both engines (llama.cpp's tokenization)" if report["same_in_both_engines"] else
-            f"llama.cpp's prompt ids unreadable for prompts {report['llamacpp_ids_unreadable']}: ours decoded the "
-            "HF tokenizer's there")
+    same = (
+        "the same prompt ids in both engines (llama.cpp's tokenization)"
+        if report["same_in_both_engines"]
+        else (
+            f"llama.cpp's prompt ids unreadable for prompts {report['llamacpp_ids_unreadable']}:"
+            " ours decoded the HF tokenizer's there"
+        )
+    )
     differs = report["hf_tokenizer_differs"]
     return same + (f"; the HF tokenizer splits prompts {differs} differently" if differs else "")

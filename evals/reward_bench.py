@@ -1,5 +1,7 @@
-"""``draftsmith bench reward --controller A[,B] --prompts embedded:heldout``: the reward evaluation of
-adaptive-temperature layers against every fixed temperature of the grid, then each layer's overhead in tokens/s."""
+"""``draftsmith bench reward --controller A[,B] --prompts embedded:heldout``: the reward evaluation
+of adaptive-temperature layers against every fixed temperature of the grid, then each layer's
+overhead in tokens/s.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from draftsmith.common.errors import InputError
 
 
 def layer_names(exports: list[str]) -> dict[str, str]:
-    """``adaptive-<granularity>`` per export (a folder name is appended when two share a granularity)."""
+    """``adaptive-<granularity>`` per export (a folder name is appended when two share a
+    granularity)."""
     from draftsmith.export.format import read_config
 
     names: dict[str, str] = {}
@@ -35,13 +38,18 @@ def _fingerprint(export: str) -> str:
 
 
 def cmd_reward_bench(args: argparse.Namespace) -> int:
-    """``bench [--controller A[,B]] --prompts embedded:heldout``: rewards of every fixed grid temperature and of each
-    layer on the task (JSON, markdown, PNG in ``--out``), then each layer's overhead in tokens/s."""
+    """``bench [--controller A[,B]] --prompts embedded:heldout``: rewards of every fixed grid
+    temperature and of each layer on the task (JSON, markdown, PNG in ``--out``), then each layer's
+    overhead in tokens/s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftsmith import assets
     from draftsmith.common.chat import encode_chat
-    from draftsmith.controllers.adaptive_temperature import DEFAULT_GRID, AdaptiveTemperatureHead, check_grid
+    from draftsmith.controllers.adaptive_temperature import (
+        DEFAULT_GRID,
+        AdaptiveTemperatureHead,
+        check_grid,
+    )
     from draftsmith.datagen.mixed_task import load_prompt_records
     from draftsmith.datagen.rewards import load_reward
     from draftsmith.datagen.rollouts import eos_ids_of
@@ -55,28 +63,54 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
     if args.grid is not None:
         grids.add(check_grid([t for t in args.grid.split(",") if t.strip()]))
     if len(grids) > 1:
-        raise InputError(f"the controllers and --grid use different temperature grids {sorted(grids)}; bench them "
-                         "separately (or drop --grid)")
+        raise InputError(
+            f"the controllers and --grid use different temperature grids {sorted(grids)}; bench"
+            " them separately (or drop --grid)"
+        )
     grid = list(next(iter(grids))) if grids else list(DEFAULT_GRID)
-    target = args.target or (read_config(exports[0])["target"]["name_or_path"] if exports else "smollm2-135m")
+    target = args.target or (
+        read_config(exports[0])["target"]["name_or_path"] if exports else "smollm2-135m"
+    )
     path = assets.resolve_target(target)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # the dtype rollouts sample in
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32
+    ).eval()  # the dtype rollouts sample in
     for name, head in layers.items():
         if head.config.hidden_size != model.config.hidden_size:
-            raise InputError(f"{names[name]} reads hidden size {head.config.hidden_size} but {target} has "
-                             f"{model.config.hidden_size}; bench it with the target it was trained on")
+            raise InputError(
+                f"{names[name]} reads hidden size {head.config.hidden_size} but {target} has "
+                f"{model.config.hidden_size}; bench it with the target it was trained on"
+            )
     records = load_prompt_records(args.prompts, args.num_prompts)
     for r in records:
         r["ids"] = encode_chat(tokenizer, r["text"])
     eos = eos_ids_of(tokenizer, model)
     reward_name = args.reward or "embedded"
-    settings = {"target": str(target), "prompts": args.prompts, "samples": args.samples_per_prompt,
-                "max_new_tokens": args.max_new_tokens,
-                "reward": reward_name, "seed": args.seed, "dtype": "fp32"}
-    result = evaluate(model, records, {n: (h, _fingerprint(names[n])) for n, h in layers.items()}, grid,
-                      load_reward(reward_name), reward_name, lambda t: tokenizer.decode(t, skip_special_tokens=True),
-                      args.samples_per_prompt, args.max_new_tokens, eos, args.seed, args.out, settings)
+    settings = {
+        "target": str(target),
+        "prompts": args.prompts,
+        "samples": args.samples_per_prompt,
+        "max_new_tokens": args.max_new_tokens,
+        "reward": reward_name,
+        "seed": args.seed,
+        "dtype": "fp32",
+    }
+    result = evaluate(
+        model,
+        records,
+        {n: (h, _fingerprint(names[n])) for n, h in layers.items()},
+        grid,
+        load_reward(reward_name),
+        reward_name,
+        lambda t: tokenizer.decode(t, skip_special_tokens=True),
+        args.samples_per_prompt,
+        args.max_new_tokens,
+        eos,
+        args.seed,
+        args.out,
+        settings,
+    )
     result["controllers"] = names
     print(reward_table(result))
     result["overhead"] = _layer_overheads(args, names, records)
@@ -85,29 +119,45 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _layer_overheads(args: argparse.Namespace, names: dict[str, str], records: list[dict]) -> dict[str, dict]:
-    """Tokens/s with and without each layer (by name -> export) on the first ``--overhead-prompts`` records' ids, in
-    the runtime's serving dtype; printed per layer."""
+def _layer_overheads(
+    args: argparse.Namespace, names: dict[str, str], records: list[dict]
+) -> dict[str, dict]:
+    """Tokens/s with and without each layer (by name -> export) on the first ``--overhead-prompts``
+    records' ids, in the runtime's serving dtype; printed per layer."""
     from draftsmith.runtime.serving import load_runtime
 
     overhead = {}
     for name, export in names.items():
-        rt = load_runtime(None, args.target, args.dtype, args.kernels, args.verifier, args.temperature,
-                          linear_backend=args.linear_backend, controller=export)
-        overhead[name] = bench_controller(rt, [r["ids"] for r in records[: args.overhead_prompts]],
-                                          args.max_new_tokens)
-        print(f"{name}: {overhead[name]['tokens_per_s_with_layer']:.1f} tok/s with the layer, "
-              f"{overhead[name]['tokens_per_s_without_layer']:.1f} replaying its temperatures without it (overhead "
-              f"{overhead_text(overhead[name])})")
+        rt = load_runtime(
+            None,
+            args.target,
+            args.dtype,
+            args.kernels,
+            args.verifier,
+            args.temperature,
+            linear_backend=args.linear_backend,
+            controller=export,
+        )
+        overhead[name] = bench_controller(
+            rt, [r["ids"] for r in records[: args.overhead_prompts]], args.max_new_tokens
+        )
+        print(
+            f"{name}: {overhead[name]['tokens_per_s_with_layer']:.1f} tok/s with the layer,"
+            f" {overhead[name]['tokens_per_s_without_layer']:.1f} replaying its temperatures"
+            f" without it (overhead {overhead_text(overhead[name])})"
+        )
     return overhead
 
 
 def _write_reward_eval(result: dict, out: Path) -> None:
-    """``reward_eval.json``, ``reward_eval.md`` and (where it can be drawn) ``reward_eval.png`` in ``out``."""
+    """``reward_eval.json``, ``reward_eval.md`` and (where it can be drawn) ``reward_eval.png`` in
+    ``out``."""
     from draftsmith.evals.reward_eval import plot, reward_table
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "reward_eval.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "reward_eval.md").write_text(reward_table(result))
     png = plot(result, out / "reward_eval.png")
-    print(f"wrote {out / 'reward_eval.json'}, reward_eval.md" + (", reward_eval.png" if png else ""))
+    print(
+        f"wrote {out / 'reward_eval.json'}, reward_eval.md" + (", reward_eval.png" if png else "")
+    )

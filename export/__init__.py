@@ -1,6 +1,20 @@
-"""Export format shared by training and the runtime: config.json + model.safetensors, target identity, converters."""
+"""Export format shared by training and the runtime: config.json + model.safetensors, target
+identity, converters."""
 
-from draftsmith.export.format import ExportError, TargetMismatchError, check_target, read_export, write_export
+from draftsmith.export.format import (
+    ExportError,
+    TargetMismatchError,
+    check_target,
+    read_export,
+    write_export,
+)
 from draftsmith.export.identity import target_identity
 
-__all__ = ["ExportError", "TargetMismatchError", "check_target", "read_export", "target_identity", "write_export"]
+__all__ = [
+    "ExportError",
+    "TargetMismatchError",
+    "check_target",
+    "read_export",
+    "target_identity",
+    "write_export",
+]

@@ -10,9 +10,15 @@ import torch
 from draftsmith.common.diffusion_format import DIFFUSION_KEY, DiffusionSpec
 
 
-def save_diffusion_folder(model: torch.nn.Module, tokenizer: Any, spec: DiffusionSpec, out_dir: str | Path,
-                          extra: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` + ``tokenizer`` as an ordinary HF folder carrying the diffusion spec (atomic: temp + rename)."""
+def save_diffusion_folder(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    spec: DiffusionSpec,
+    out_dir: str | Path,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` + ``tokenizer`` as an ordinary HF folder carrying the diffusion spec (atomic:
+    temp + rename)."""
     from draftsmith.export.format import atomic_folder_write
 
     setattr(model.config, DIFFUSION_KEY, {**spec.to_dict(), **(extra or {})})

@@ -1,12 +1,14 @@
-"""The draftsmith export folder: ``config.json`` + named weight parts (``model.safetensors`` first), atomically.
+"""The draftsmith export folder: ``config.json`` + named weight parts (``model.safetensors`` first),
+atomically.
 
 Format v2 (v1 exports keep loading):
-- ``parts``: named weight files. ``model`` (``model.safetensors``) is the trained module, as in v1; further parts
-  sit beside it as ``<name>.safetensors`` (e.g. ``adapter`` for a LoRA applied to the target, Medusa-2).
-- ``target.adapter``: when the export changes the target (a trained adapter), the identity names it, so the export
-  is refused against the bare base target.
-- ``base_export``: an optional reference to the export this one stacks on (a SpecDec++ head on an EAGLE drafter),
-  with a fingerprint of the base's config and weights checked when it is resolved.
+- ``parts``: named weight files. ``model`` (``model.safetensors``) is the trained module, as in v1;
+  further parts sit beside it as ``<name>.safetensors`` (e.g. ``adapter`` for a LoRA applied to the
+  target, Medusa-2).
+- ``target.adapter``: when the export changes the target (a trained adapter), the identity names it,
+  so the export is refused against the bare base target.
+- ``base_export``: an optional reference to the export this one stacks on (a SpecDec++ head on an
+  EAGLE drafter), with a fingerprint of the base's config and weights checked when it is resolved.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MAIN_PART = "model"
 IDENTITY_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "fingerprint", "lm_head")
-# Added after format_version 1 shipped: exports written before it lack the field, which is then not compared.
+# Added after format_version 1 shipped: exports written before it lack the field, which is then not
+# compared.
 LATER_IDENTITY_FIELDS = ("lm_head",)
 
 
@@ -51,41 +54,67 @@ class ExportSchemaError(ExportError, ValueError):
 
 
 def is_export_output(folder: Path) -> bool:
-    """True for a folder draftsmith's exporters write: a draftsmith export, a converted engine layout (its config.json
-    carries a ``draftsmith`` block), a GGUF folder (``gguf.json``) or a block-diffusion model folder."""
+    """True for a folder draftsmith's exporters write: a draftsmith export, a converted engine
+    layout (its config.json carries a ``draftsmith`` block), a GGUF folder (``gguf.json``) or a
+    block-diffusion model folder.
+    """
     if (folder / "gguf.json").is_file():
         return True
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and (config.get("format") == FORMAT_NAME or isinstance(config.get("draftsmith"),
-                                                                                          dict)
-                                         or DIFFUSION_KEY in config)
+    return isinstance(config, dict) and (
+        config.get("format") == FORMAT_NAME
+        or isinstance(config.get("draftsmith"), dict)
+        or DIFFUSION_KEY in config
+    )
 
 
-# Every file an exporter writes (draftsmith exports, engine layouts, GGUF folders, HF model folders with tokenizer).
-EXPORT_OUTPUT = OutputKind("export", is_export_output, (
-    CONFIG_FILE, "*.safetensors", "*.safetensors.index.json", "gguf.json", "*.gguf", "lora/*", "generation_config.json",
-    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt"))
+# Every file an exporter writes (draftsmith exports, engine layouts, GGUF folders, HF model folders
+# with tokenizer).
+EXPORT_OUTPUT = OutputKind(
+    "export",
+    is_export_output,
+    (
+        CONFIG_FILE,
+        "*.safetensors",
+        "*.safetensors.index.json",
+        "gguf.json",
+        "*.gguf",
+        "lora/*",
+        "generation_config.json",
+        "tokenizer*",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "chat_template.jinja",
+        "vocab.json",
+        "merges.txt",
+    ),
+)
 
 
 class ExportDiskFullError(DiskFullError, ExportError):
-    """The disk filled while an export folder was written: nothing replaced, the temporary folder removed."""
+    """The disk filled while an export folder was written: nothing replaced, the temporary folder
+    removed."""
 
 
 class ExportRefusedError(OutputRefused, ExportError):
-    """``--out`` holds something draftsmith did not write, or the export being converted: nothing written."""
+    """``--out`` holds something draftsmith did not write, or the export being converted: nothing
+    written."""
 
 
-def atomic_folder_write(out_dir: str | Path, fill: Any, sources: tuple[Any, ...] = (),
-                        size_hint: int | None = None) -> Path:
-    """Create or replace the export folder ``out_dir`` atomically (:func:`draftsmith.common.atomic_folder.write_folder`
-    with the ``export`` kind): ``fill(tmp_dir)`` writes a sibling temporary folder renamed into place when complete.
+def atomic_folder_write(
+    out_dir: str | Path, fill: Any, sources: tuple[Any, ...] = (), size_hint: int | None = None
+) -> Path:
+    """Create or replace the export folder ``out_dir`` atomically
+    (:func:`draftsmith.common.atomic_folder.write_folder` with the ``export`` kind):
+    ``fill(tmp_dir)`` writes a sibling temporary folder renamed into place when complete.
 
-    Refused in one line (:class:`ExportRefusedError`): an ``out_dir`` that is not an export (the user's folder), an
-    export holding files exporters never write, or one of ``sources`` (the export being converted). A full disk is
-    :class:`ExportDiskFullError` (``size_hint``: bytes the folder needs). Either way the previous ``out_dir`` stays.
+    Refused in one line (:class:`ExportRefusedError`): an ``out_dir`` that is not an export (the
+    user's folder), an export holding files exporters never write, or one of ``sources`` (the export
+    being converted). A full disk is :class:`ExportDiskFullError` (``size_hint``: bytes the folder
+    needs). Either way the previous ``out_dir`` stays.
     """
     try:
         return write_folder(out_dir, fill, EXPORT_OUTPUT, sources=sources, size_hint=size_hint)
@@ -96,19 +125,28 @@ def atomic_folder_write(out_dir: str | Path, fill: Any, sources: tuple[Any, ...]
 
 
 def tensor_bytes(parts: dict[str, dict[str, torch.Tensor]] | dict[str, torch.Tensor]) -> int:
-    """Bytes of the tensors in a state dict, or in a dict of state dicts (a folder's size before it is written)."""
-    return sum(tensor_bytes(v) if isinstance(v, dict) else v.numel() * v.element_size() for v in parts.values())
+    """Bytes of the tensors in a state dict, or in a dict of state dicts (a folder's size before it
+    is written)."""
+    return sum(
+        tensor_bytes(v) if isinstance(v, dict) else v.numel() * v.element_size()
+        for v in parts.values()
+    )
 
 
 def part_file(name: str) -> str:
-    """The file a weight part is stored in, beside config.json: ``model.safetensors`` or ``<name>.safetensors``."""
+    """The file a weight part is stored in, beside config.json: ``model.safetensors`` or
+    ``<name>.safetensors``."""
     return WEIGHTS_FILE if name == MAIN_PART else f"{name}.safetensors"
 
 
-def write_export(out_dir: str | Path, state_dict: dict[str, torch.Tensor], config: dict[str, Any],
-                 parts: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
-    """Write ``config.json`` (with format fields added), ``model.safetensors`` (``state_dict``) and one
-    ``<name>.safetensors`` per extra part, atomically into ``out_dir``."""
+def write_export(
+    out_dir: str | Path,
+    state_dict: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    parts: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> Path:
+    """Write ``config.json`` (with format fields added), ``model.safetensors`` (``state_dict``) and
+    one ``<name>.safetensors`` per extra part, atomically into ``out_dir``."""
     for key in ("method", "architecture", "target"):
         if key not in config:
             raise ValueError(f"export config lacks {key!r}")
@@ -116,17 +154,30 @@ def write_export(out_dir: str | Path, state_dict: dict[str, torch.Tensor], confi
     bad = [n for n in all_parts if not n.replace("_", "").isalnum() or n.lower() != n]
     if bad:
         raise ValueError(f"weight part names must be lower-case letters, digits and '_': {bad}")
-    tensors = {n: {k: v.detach().to("cpu").contiguous() for k, v in sd.items()} for n, sd in all_parts.items()}
+    tensors = {
+        n: {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+        for n, sd in all_parts.items()
+    }
     shapes = {n: {k: list(v.shape) for k, v in t.items()} for n, t in tensors.items()}
-    full = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "draftsmith_version": draftsmith.__version__,
-            **config, "parts": {n: {"file": part_file(n), "tensors": len(t)} for n, t in tensors.items()},
-            "identity": {"method": str(config["method"]),
-                         "digest": export_digest(config["method"], config["architecture"], shapes)}}
+    full = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "draftsmith_version": draftsmith.__version__,
+        **config,
+        "parts": {n: {"file": part_file(n), "tensors": len(t)} for n, t in tensors.items()},
+        "identity": {
+            "method": str(config["method"]),
+            "digest": export_digest(config["method"], config["architecture"], shapes),
+        },
+    }
 
     def fill(tmp: Path) -> None:
         for name, part in tensors.items():
-            save_file(part, str(tmp / part_file(name)), metadata={"format": "pt", "method": str(config["method"]),
-                                                                   "part": name})
+            save_file(
+                part,
+                str(tmp / part_file(name)),
+                metadata={"format": "pt", "method": str(config["method"]), "part": name},
+            )
         (tmp / CONFIG_FILE).write_text(json.dumps(full, indent=2, sort_keys=False) + "\n")
 
     return atomic_folder_write(out_dir, fill, size_hint=tensor_bytes(tensors))
@@ -137,14 +188,20 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
     path = Path(export_dir)
     if path.is_file():
         hint = f" ({path.parent})" if path.name == CONFIG_FILE else ""
-        raise ExportError(f"{path} is a file, not an export folder: pass the folder that holds config.json{hint}, "
-                          "written by `draftsmith export` or by training (<run dir>/export)")
+        raise ExportError(
+            f"{path} is a file, not an export folder: pass the folder that holds config.json{hint},"
+            " written by `draftsmith export` or by training (<run dir>/export)"
+        )
     if not path.is_dir():
-        raise ExportError(f"export folder {path} does not exist; pass the folder written by `draftsmith export` "
-                          "or by training (<run dir>/export)")
+        raise ExportError(
+            f"export folder {path} does not exist; pass the folder written by `draftsmith export` "
+            "or by training (<run dir>/export)"
+        )
     cfg_path = path / CONFIG_FILE
     if not cfg_path.is_file():
-        raise ExportError(f"{cfg_path} is missing: {path} is not a draftsmith export (or it is incomplete)")
+        raise ExportError(
+            f"{cfg_path} is missing: {path} is not a draftsmith export (or it is incomplete)"
+        )
     try:
         config = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -154,10 +211,14 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
 
         found = folder_kind(path)
         if found.kind == "export":  # an export whose format field was edited
-            raise ExportError(f"{cfg_path}: format must be {FORMAT_NAME!r}, got {config.get('format')!r}; restore "
-                              "the value the export was written with, or re-export the drafter")
-        raise ExportError(f"{path} is {found.label}, not a draftsmith export: pass the folder `draftsmith export` or "
-                          "training (<run dir>/export) wrote")
+            raise ExportError(
+                f"{cfg_path}: format must be {FORMAT_NAME!r}, got {config.get('format')!r}; restore"
+                " the value the export was written with, or re-export the drafter"
+            )
+        raise ExportError(
+            f"{path} is {found.label}, not a draftsmith export: pass the folder `draftsmith export`"
+            " or training (<run dir>/export) wrote"
+        )
     for key in ("method", "architecture", "target"):
         if key not in config:
             raise ExportError(f"{cfg_path} lacks the {key!r} field; re-export the drafter")
@@ -165,26 +226,34 @@ def read_config(export_dir: str | Path) -> dict[str, Any]:
 
     validate_config(config, cfg_path)
     if config.get("format_version", 1) > FORMAT_VERSION:
-        raise ExportError(f"{cfg_path} has format_version {config['format_version']}; this draftsmith reads "
-                          f"<= {FORMAT_VERSION}: upgrade draftsmith")
+        raise ExportError(
+            f"{cfg_path} has format_version {config['format_version']}; this draftsmith reads "
+            f"<= {FORMAT_VERSION}: upgrade draftsmith"
+        )
     if isinstance(config["architecture"], dict):
         config["architecture"] = ArchitectureFields(config["architecture"], path, config)
     return config
 
 
 class MissingArchitectureKey(ExportError, KeyError):
-    """An architecture key the method needs is not in the export (an edited ``method``, another draftsmith's export).
-    A KeyError too, so ``except KeyError`` keeps working; its text is the one line, not the bare key."""
+    """An architecture key the method needs is not in the export (an edited ``method``, another
+    draftsmith's export). A KeyError too, so ``except KeyError`` keeps working; its text is the one
+    line, not the bare key.
+    """
 
     def __str__(self) -> str:
         return str(self.args[0])
 
 
 class ArchitectureFields(dict):
-    """An export's ``architecture`` block: a dict whose missing key is one line naming the export, the key and the
-    fix (:class:`MissingArchitectureKey`), instead of ``KeyError: 'exit_layer'`` from whichever reader asked."""
+    """An export's ``architecture`` block: a dict whose missing key is one line naming the export,
+    the key and the fix (:class:`MissingArchitectureKey`), instead of ``KeyError: 'exit_layer'``
+    from whichever reader asked.
+    """
 
-    def __init__(self, fields: dict[str, Any], export_dir: Path | None = None, config: dict | None = None) -> None:
+    def __init__(
+        self, fields: dict[str, Any], export_dir: Path | None = None, config: dict | None = None
+    ) -> None:
         super().__init__(fields)
         self.export_dir = export_dir
         self.method = (config or {}).get("method")
@@ -192,25 +261,37 @@ class ArchitectureFields(dict):
 
     def __missing__(self, key: str) -> Any:
         if self.written_as and self.written_as != self.method:
-            why = (f"it was written as a {self.written_as!r} export and config.json's 'method' now says "
-                   f"{self.method!r}: restore \"method\": \"{self.written_as}\"")
+            why = (
+                f"it was written as a {self.written_as!r} export and config.json's 'method' now"
+                " says "
+                f'{self.method!r}: restore "method": "{self.written_as}"'
+            )
         else:
-            why = ("if config.json's 'method' was edited, restore the method the export was written with; else "
-                   "re-export the drafter with this draftsmith")
-        raise MissingArchitectureKey(f"{self.export_dir}: a {self.method!r} export needs the architecture key "
-                                     f"{key!r}, which its config.json lacks; {why}")
+            why = (
+                "if config.json's 'method' was edited, restore the method the export was written"
+                " with; else re-export the drafter with this draftsmith"
+            )
+        raise MissingArchitectureKey(
+            f"{self.export_dir}: a {self.method!r} export needs the architecture key "
+            f"{key!r}, which its config.json lacks; {why}"
+        )
 
-    def __reduce__(self) -> tuple:  # copies and pickles are plain dicts: the export path stays out of them
+    def __reduce__(
+        self,
+    ) -> tuple:  # copies and pickles are plain dicts: the export path stays out of them
         return dict, (dict(self),)
 
 
 def refuse_non_finite(state: dict[str, torch.Tensor], path: str | Path) -> None:
-    """Refuse (:class:`ExportError`) weights holding NaN or inf: served, they would draft nonsense without a word."""
+    """Refuse (:class:`ExportError`) weights holding NaN or inf: served, they would draft nonsense
+    without a word."""
     for name, tensor in state.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
-            raise ExportError(f"{path}: {name} holds {bad} NaN/inf values (of {tensor.numel()}): the weights are "
-                              "damaged or the training diverged; export a checkpoint from before it, or retrain")
+            raise ExportError(
+                f"{path}: {name} holds {bad} NaN/inf values (of {tensor.numel()}): the weights are "
+                "damaged or the training diverged; export a checkpoint from before it, or retrain"
+            )
 
 
 def _load_part(path: Path) -> dict[str, torch.Tensor]:
@@ -224,8 +305,11 @@ def _load_part(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def read_export(export_dir: str | Path, verify: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Return ``(config, state_dict)`` of an export folder's main part, with actionable errors for broken folders;
+def read_export(
+    export_dir: str | Path, verify: bool = True
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Return ``(config, state_dict)`` of an export folder's main part, with actionable errors for
+    broken folders;
     ``verify``: check the recorded identity first (:func:`verify_identity`)."""
     config = read_config(export_dir)
     if verify:
@@ -233,8 +317,11 @@ def read_export(export_dir: str | Path, verify: bool = True) -> tuple[dict[str, 
     return config, _load_part(Path(export_dir) / WEIGHTS_FILE)
 
 
-def read_export_parts(export_dir: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-    """``(config, {part name: state_dict})``, identity checked; a v1 export has the one part ``model``."""
+def read_export_parts(
+    export_dir: str | Path,
+) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """``(config, {part name: state_dict})``, identity checked; a v1 export has the one part
+    ``model``."""
     config = read_config(export_dir)
     verify_identity(export_dir, config)
     names = list((config.get("parts") or {MAIN_PART: {}}).keys())
@@ -242,11 +329,13 @@ def read_export_parts(export_dir: str | Path) -> tuple[dict[str, Any], dict[str,
 
 
 class ExportIdentityError(ExportError):
-    """An export's method, architecture and weight names/shapes no longer make the unit recorded at export."""
+    """An export's method, architecture and weight names/shapes no longer make the unit recorded at
+    export."""
 
 
 def _header_shapes(path: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape from a safetensors file's header alone (8-byte length + JSON; no tensor is read)."""
+    """Tensor name -> shape from a safetensors file's header alone (8-byte length + JSON; no tensor
+    is read)."""
     if not path.is_file():
         raise ExportError(f"{path} is missing; re-export the drafter")
     try:
@@ -261,32 +350,40 @@ def _header_shapes(path: Path) -> dict[str, list[int]]:
 
 
 def verify_identity(export_dir: str | Path, config: dict[str, Any]) -> None:
-    """Refuse (:class:`ExportIdentityError`, one line) an export whose method, architecture keys and weight names and
-    shapes no longer hash to the ``identity.digest`` recorded when it was written (:func:`export_digest`): e.g.
-    ``method`` edited to another method with the same weights layout. Exports written before the field existed are not
-    checked."""
+    """Refuse (:class:`ExportIdentityError`, one line) an export whose method, architecture keys and
+    weight names and shapes no longer hash to the ``identity.digest`` recorded when it was written
+    (:func:`export_digest`): e.g. ``method`` edited to another method with the same weights layout.
+    Exports written before the field existed are not checked."""
     recorded = config.get("identity") or {}
     if not recorded.get("digest"):
         return
-    shapes = {n: _header_shapes(Path(export_dir) / part_file(n)) for n in (config.get("parts") or {MAIN_PART: {}})}
+    shapes = {
+        n: _header_shapes(Path(export_dir) / part_file(n))
+        for n in config.get("parts") or {MAIN_PART: {}}
+    }
     if export_digest(config["method"], dict(config["architecture"]), shapes) == recorded["digest"]:
         return
     written_as = recorded.get("method")
     if written_as and written_as != config["method"]:
         raise ExportIdentityError(
-            f"{export_dir} was written as a {written_as!r} export, but its config.json now says method "
+            f"{export_dir} was written as a {written_as!r} export, but its config.json now says"
+            " method "
             f"{config['method']!r} (method, architecture and weights are checked as one): restore "
-            f"\"method\": \"{written_as}\" in config.json, or re-export the drafter")
+            f'"method": "{written_as}" in config.json, or re-export the drafter'
+        )
     raise ExportIdentityError(
-        f"{export_dir}: its architecture keys or weight names and shapes changed after export (they no longer match "
-        "the identity recorded at export): restore the original config.json and weights, or re-export the drafter")
+        f"{export_dir}: its architecture keys or weight names and shapes changed after export (they"
+        " no longer match the identity recorded at export): restore the original config.json and"
+        " weights, or re-export the drafter"
+    )
 
 
 def export_fingerprint(export_dir: str | Path) -> str:
-    """sha256 over an export's config.json and weight files: what a stacked export records of its base."""
+    """sha256 over an export's config.json and weight files: what a stacked export records of its
+    base."""
     config = read_config(export_dir)
     digest = hashlib.sha256((Path(export_dir) / CONFIG_FILE).read_bytes())
-    for name in (config.get("parts") or {MAIN_PART: {}}):
+    for name in config.get("parts") or {MAIN_PART: {}}:
         with open(Path(export_dir) / part_file(name), "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)
@@ -294,55 +391,78 @@ def export_fingerprint(export_dir: str | Path) -> str:
 
 
 def base_reference(base_dir: str | Path) -> dict[str, Any]:
-    """The ``base_export`` block for an export stacked on ``base_dir`` (e.g. a controller on a drafter)."""
+    """The ``base_export`` block for an export stacked on ``base_dir`` (e.g. a controller on a
+    drafter)."""
     config = read_config(base_dir)
-    return {"path": str(Path(base_dir).resolve()), "method": config["method"],
-            "fingerprint": export_fingerprint(base_dir)}
+    return {
+        "path": str(Path(base_dir).resolve()),
+        "method": config["method"],
+        "fingerprint": export_fingerprint(base_dir),
+    }
 
 
 def resolve_base_export(config: dict[str, Any], base_dir: str | Path | None = None) -> Path | None:
-    """The folder of the export ``config`` stacks on (``base_dir`` overrides the recorded path when it moved), or
-    None. Raises ExportError when it is missing or is no longer the export the stacked one was trained on."""
+    """The folder of the export ``config`` stacks on (``base_dir`` overrides the recorded path when
+    it moved), or None. Raises ExportError when it is missing or is no longer the export the stacked
+    one was trained on.
+    """
     ref = config.get("base_export")
     if not ref:
         return None
     path = Path(base_dir or ref["path"])
     if not path.is_dir():
-        raise ExportError(f"this {config.get('method')} export stacks on {ref['method']} export {ref['path']}, which "
-                          "does not exist here; pass its new location (--base-export PATH)")
+        raise ExportError(
+            f"this {config.get('method')} export stacks on {ref['method']} export {ref['path']},"
+            " which does not exist here; pass its new location (--base-export PATH)"
+        )
     found = export_fingerprint(path)
     if found != ref["fingerprint"]:
-        raise ExportError(f"{path} is not the {ref['method']} export this {config.get('method')} export was trained "
-                          f"on (fingerprint {found[:19]}... vs recorded {ref['fingerprint'][:19]}...); use that export "
-                          "or retrain on this one")
+        raise ExportError(
+            f"{path} is not the {ref['method']} export this {config.get('method')} export was"
+            f" trained on (fingerprint {found[:19]}... vs recorded {ref['fingerprint'][:19]}...);"
+            " use that export or retrain on this one"
+        )
     return path
 
 
-def check_target(config: dict[str, Any], identity: dict[str, Any], given: str | None = None) -> None:
+def check_target(
+    config: dict[str, Any], identity: dict[str, Any], given: str | None = None
+) -> None:
     """Raise ``TargetMismatchError`` if ``identity`` is not the target recorded in ``config``.
 
-    Only the fields ``identity`` carries are compared (a decoder without its tokenizer has no ``fingerprint``);
-    fields added to the format later are skipped for exports that predate them. ``given`` names the target the
-    user passed (folder or alias) for the message; default: ``identity["name_or_path"]``.
+    Only the fields ``identity`` carries are compared (a decoder without its tokenizer has no
+    ``fingerprint``); fields added to the format later are skipped for exports that predate them.
+    ``given`` names the target the user passed (folder or alias) for the message; default:
+    ``identity["name_or_path"]``.
     """
     recorded = config.get("target", {})
     adapter = recorded.get("adapter")
     if adapter and (identity.get("adapter") or {}).get("fingerprint") != adapter.get("fingerprint"):
         raise TargetMismatchError(
-            f"this {config.get('method')} export changes its target (a trained {adapter.get('kind', 'adapter')} "
-            f"{adapter.get('fingerprint', '')[:19]}... ships as the export's 'adapter' part), but the target given "
-            "does not carry it; load the target with the export's adapter applied")
-    diffs = [f"{k}: export has {recorded.get(k)!r}, target has {identity[k]!r}"
-             for k in IDENTITY_FIELDS if identity.get(k) is not None and recorded.get(k) != identity[k]
-             and not (k in LATER_IDENTITY_FIELDS and recorded.get(k) is None)]
+            f"this {config.get('method')} export changes its target (a trained"
+            f" {adapter.get('kind', 'adapter')} {adapter.get('fingerprint', '')[:19]}... ships as"
+            " the export's 'adapter' part), but the target given does not carry it; load the"
+            " target with the export's adapter applied"
+        )
+    diffs = [
+        f"{k}: export has {recorded.get(k)!r}, target has {identity[k]!r}"
+        for k in IDENTITY_FIELDS
+        if identity.get(k) is not None
+        and recorded.get(k) != identity[k]
+        and not (k in LATER_IDENTITY_FIELDS and recorded.get(k) is None)
+    ]
     if not diffs:
         return
     want = recorded.get("name_or_path")
     shown = given if given is not None else identity.get("name_or_path")
-    if shown is None or str(shown) == str(want):  # the identity may carry the export's own name: never print it twice
+    if shown is None or str(shown) == str(
+        want
+    ):  # the identity may carry the export's own name: never print it twice
         other = "the loaded target is a different model"
     else:
         other = f"the given target {str(shown)!r} is a different model"
     raise TargetMismatchError(
         f"this {config.get('method')} drafter was exported for target {want!r}, but {other} ("
-        + "; ".join(diffs) + "). Use the target it was trained for, or retrain the drafter for this target.")
+        + "; ".join(diffs)
+        + "). Use the target it was trained for, or retrain the drafter for this target."
+    )

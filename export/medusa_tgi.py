@@ -1,19 +1,22 @@
-"""Convert a draftsmith Medusa export into the FasterDecoding/Medusa layout TGI reads (``--format medusa-tgi``).
+"""Convert a draftsmith Medusa export into the FasterDecoding/Medusa layout TGI reads (``--format
+medusa-tgi``).
 
-TGI (``server/text_generation_server/models/__init__.py``, ``layers/speculative.py``, ``layers/medusa.py``; key list
-checked in tests/test_engine_layouts.py) serves ``--model-id OUT``: a ``config.json`` holding ``medusa_num_heads``
-makes it load ``base_model_name_or_path`` as the model and ``medusa_lm_head.safetensors`` as its heads. The config
-must NOT carry ``architectures``: TGI then routes to the MLP speculator (or to no speculator at all); only a config
-without it reaches ``MedusaHeadV1``. Weights, for head ``i < medusa_num_heads`` and ResBlock ``j <
-medusa_num_layers`` (FasterDecoding's ``nn.Sequential(ResBlock * n, Linear(H, V, bias=False))`` state dict):
+TGI (``server/text_generation_server/models/__init__.py``, ``layers/speculative.py``,
+``layers/medusa.py``; key list checked in tests/test_engine_layouts.py) serves ``--model-id OUT``: a
+``config.json`` holding ``medusa_num_heads`` makes it load ``base_model_name_or_path`` as the model
+and ``medusa_lm_head.safetensors`` as its heads. The config must NOT carry ``architectures``: TGI
+then routes to the MLP speculator (or to no speculator at all); only a config without it reaches
+``MedusaHeadV1``. Weights, for head ``i < medusa_num_heads`` and ResBlock ``j < medusa_num_layers``
+(FasterDecoding's ``nn.Sequential(ResBlock * n, Linear(H, V, bias=False))`` state dict):
 
 * ``{i}.{j}.linear.weight`` [H, H] and ``{i}.{j}.linear.bias`` [H];
-* ``{i}.{medusa_num_layers}.weight`` [V, H]: the head's LM head over the FULL target vocabulary (TGI stacks the
-  heads' logits with the base model's), so exports with a reduced draft vocabulary are refused here (vLLM's layout,
-  ``--format medusa``, has a token map for them).
+* ``{i}.{medusa_num_layers}.weight`` [V, H]: the head's LM head over the FULL target vocabulary (TGI
+  stacks the heads' logits with the base model's), so exports with a reduced draft vocabulary are
+  refused here (vLLM's layout, ``--format medusa``, has a token map for them).
 
-Heads that share the target's LM head get a copy of it per head (pass the target). A Medusa-2 export also gets its
-LoRA under ``lora/`` (peft layout): its heads were trained on the adapted target, so serve base + that adapter.
+Heads that share the target's LM head get a copy of it per head (pass the target). A Medusa-2 export
+also gets its LoRA under ``lora/`` (peft layout): its heads were trained on the adapted target, so
+serve base + that adapter.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from draftsmith.export.medusa_layout import (
 TGI_WEIGHTS_FILE = "medusa_lm_head.safetensors"
 
 
-def tgi_medusa_tensors(state: dict[str, torch.Tensor], arch: dict[str, Any],
-                       lm_head_weight: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def tgi_medusa_tensors(
+    state: dict[str, torch.Tensor], arch: dict[str, Any], lm_head_weight: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """draftsmith head weights under FasterDecoding/TGI names (module docstring)."""
     num_heads, num_layers = int(arch["num_heads"]), int(arch["num_layers"])
     out: dict[str, torch.Tensor] = {}
@@ -51,23 +55,35 @@ def tgi_medusa_tensors(state: dict[str, torch.Tensor], arch: dict[str, Any],
     return out
 
 
-def to_medusa_tgi(export_dir: str | Path, out_dir: str | Path, base_model_name_or_path: str,
-                  lm_head_weight: torch.Tensor | None = None, source: str | Path | None = None) -> Path:
-    """Write the TGI/FasterDecoding Medusa layout of a draftsmith Medusa export into ``out_dir`` (atomically).
+def to_medusa_tgi(
+    export_dir: str | Path,
+    out_dir: str | Path,
+    base_model_name_or_path: str,
+    lm_head_weight: torch.Tensor | None = None,
+    source: str | Path | None = None,
+) -> Path:
+    """Write the TGI/FasterDecoding Medusa layout of a draftsmith Medusa export into ``out_dir``
+    (atomically).
 
-    ``base_model_name_or_path``: what TGI loads as the model (a hub id or a folder; the target the heads were trained
-    on); ``lm_head_weight``: the target's LM head, needed when the heads share it; ``source``: named in errors."""
+    ``base_model_name_or_path``: what TGI loads as the model (a hub id or a folder; the target the
+    heads were trained on); ``lm_head_weight``: the target's LM head, needed when the heads share
+    it; ``source``: named in errors.
+    """
     config, parts, source = read_medusa_export(export_dir, "medusa-tgi", source)
     arch = config["architecture"]
     if arch.get("draft_vocab_size") and int(arch["draft_vocab_size"]) < int(arch["vocab_size"]):
-        raise ExportError(f"{source}: these heads score a draft vocabulary of {arch['draft_vocab_size']} of "
-                          f"{arch['vocab_size']} tokens; TGI's Medusa heads must score the full vocabulary. Use "
-                          "--format medusa (vLLM: truncated_vocab_size + token_map), or train with "
-                          "heads.draft_vocab_size=null for TGI")
+        raise ExportError(
+            f"{source}: these heads score a draft vocabulary of {arch['draft_vocab_size']} of "
+            f"{arch['vocab_size']} tokens; TGI's Medusa heads must score the full vocabulary. Use "
+            "--format medusa (vLLM: truncated_vocab_size + token_map), or train with "
+            "heads.draft_vocab_size=null for TGI"
+        )
     tensors = tgi_medusa_tensors(parts["model"], arch, lm_head_weight)
     engine_config = {
-        "medusa_num_heads": int(arch["num_heads"]), "medusa_num_layers": int(arch["num_layers"]),
-        "base_model_name_or_path": base_model_name_or_path, "hidden_size": int(arch["hidden_size"]),
+        "medusa_num_heads": int(arch["num_heads"]),
+        "medusa_num_layers": int(arch["num_layers"]),
+        "base_model_name_or_path": base_model_name_or_path,
+        "hidden_size": int(arch["hidden_size"]),
         "vocab_size": int(arch["vocab_size"]),
         "draftsmith": {"converted_from": str(source.resolve()), "target": config["target"]},
     }
@@ -77,7 +93,9 @@ def to_medusa_tgi(export_dir: str | Path, out_dir: str | Path, base_model_name_o
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         write_adapter(tmp, config, parts)
 
-    return atomic_folder_write(out_dir, fill, sources=(export_dir, source), size_hint=tensor_bytes(parts))
+    return atomic_folder_write(
+        out_dir, fill, sources=(export_dir, source), size_hint=tensor_bytes(parts)
+    )
 
 
 def _convert_request(request: ConvertRequest) -> Path:
@@ -88,5 +106,8 @@ def _convert_request(request: ConvertRequest) -> Path:
     return to_medusa_tgi(request.export_dir, request.out, base, lm_head, source=request.source)
 
 
-register_format(ExportFormat("medusa-tgi", MEDUSA_METHODS, _convert_request,
-                             help="the FasterDecoding/TGI Medusa layout"))
+register_format(
+    ExportFormat(
+        "medusa-tgi", MEDUSA_METHODS, _convert_request, help="the FasterDecoding/TGI Medusa layout"
+    )
+)

@@ -1,22 +1,26 @@
-"""Clover-2 heads (arXiv 2408.00264): a token-attention block, an augmenting block and recurrent draft heads.
+"""Clover-2 heads (arXiv 2408.00264): a token-attention block, an augmenting block and recurrent
+draft heads.
 
-Inputs follow EAGLE's pairing: pair ``t`` is ``(p_t, x_{t+1})`` with ``p_t`` the target's PRE-final-norm last hidden
-state (``Target`` tap ``prenorm_hidden``) and ``x_{t+1}`` the token after it. RoPE position of pair ``t`` is ``t``.
+Inputs follow EAGLE's pairing: pair ``t`` is ``(p_t, x_{t+1})`` with ``p_t`` the target's
+PRE-final-norm last hidden state (``Target`` tap ``prenorm_hidden``) and ``x_{t+1}`` the token after
+it. RoPE position of pair ``t`` is ``t``.
 
-1. Token attention (the "attention decoder", with its gate): ``s = p + gate * v(e)``, ``e`` = embedding of
-   ``x_{t+1}``, ``gate`` one scalar per attention head, the cosine similarity of ``q(RMSNorm(p))`` and ``k(e)``.
-2. Augmenting block: ``num_layers`` Llama decoder layers (causal self-attention over the context, a KV cache per
-   layer at inference) initialised from the target's LAST decoder layer, then a norm initialised from the target's
-   final norm: ``c_t``.
-3. Heads (the regressive connection): head 0 outputs ``o_0 = norm_h(W_0 c_t)``; head ``i >= 1`` updates a state
-   ``s_i = TA_2(s_{i-1}, e(x_{t+i+1}))`` (``s_0 = c_t``, one shared token-attention block) and outputs
-   ``o_i = norm_h(W_2 [s_i ; e(x_{t+i+1})])``. ``o_i`` regresses the target's post-norm feature ``f_{t+i+1}`` and
-   the target's frozen LM head turns it into the distribution of ``x_{t+i+2}``.
+1. Token attention (the "attention decoder", with its gate): ``s = p + gate * v(e)``, ``e`` =
+   embedding of ``x_{t+1}``, ``gate`` one scalar per attention head, the cosine similarity of
+   ``q(RMSNorm(p))`` and ``k(e)``.
+2. Augmenting block: ``num_layers`` Llama decoder layers (causal self-attention over the context, a
+   KV cache per layer at inference) initialised from the target's LAST decoder layer, then a norm
+   initialised from the target's final norm: ``c_t``.
+3. Heads (the regressive connection): head 0 outputs ``o_0 = norm_h(W_0 c_t)``; head ``i >= 1``
+   updates a state ``s_i = TA_2(s_{i-1}, e(x_{t+i+1}))`` (``s_0 = c_t``, one shared token-attention
+   block) and outputs ``o_i = norm_h(W_2 [s_i ; e(x_{t+i+1})])``. ``o_i`` regresses the target's
+   post-norm feature ``f_{t+i+1}`` and the target's frozen LM head turns it into the distribution of
+   ``x_{t+i+2}``.
 
-Runtime API: ``context(prenorm, next_tokens, ...)`` -> (c, caches); ``first(c [N, H])`` -> (state, logits of
-``x_{t+2}``); ``step(state [N, H], token [N])`` -> (state', logits of the token after ``token``), batched over a
-tree frontier. Training runs every head at every position at once (``teacher_forced``), which equals running
-``first`` then ``step`` position by position.
+Runtime API: ``context(prenorm, next_tokens, ...)`` -> (c, caches); ``first(c [N, H])`` -> (state,
+logits of ``x_{t+2}``); ``step(state [N, H], token [N])`` -> (state', logits of the token after
+``token``), batched over a tree frontier. Training runs every head at every position at once
+(``teacher_forced``), which equals running ``first`` then ``step`` position by position.
 """
 
 from __future__ import annotations
@@ -54,19 +58,28 @@ class CloverConfig:
     rope_theta: float = 10000.0
     num_heads: int = 5  # draft heads (tree depth)
     num_layers: int = 2  # augmenting decoder layers
-    embed_source: str = "embed"  # token embedding: the target's input embedding, or its LM head (the paper)
+    embed_source: str = (
+        "embed"  # token embedding: the target's input embedding, or its LM head (the paper)
+    )
 
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_layers < 1:
-            raise ValueError(f"num_heads and num_layers must be >= 1, got {self.num_heads}, {self.num_layers}")
+            raise ValueError(
+                f"num_heads and num_layers must be >= 1, got {self.num_heads}, {self.num_layers}"
+            )
         if self.embed_source not in EMBED_SOURCES:
-            raise ValueError(f"embed_source={self.embed_source!r}; valid: {', '.join(EMBED_SOURCES)}")
+            raise ValueError(
+                f"embed_source={self.embed_source!r}; valid: {', '.join(EMBED_SOURCES)}"
+            )
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads (token-attention gates)")
+            raise ValueError(
+                "hidden_size must be a multiple of num_attention_heads (token-attention gates)"
+            )
 
 
 def _near_identity(linear: nn.Linear, scale: float = 0.01) -> None:
-    """Weight ``[I | U(0, scale)]`` (identity on the first ``out`` inputs), bias 0: the paper's initialisation."""
+    """Weight ``[I | U(0, scale)]`` (identity on the first ``out`` inputs), bias 0: the paper's
+    initialisation."""
     with torch.no_grad():
         linear.weight.uniform_(0.0, scale)
         linear.weight[:, : linear.out_features] += torch.eye(linear.out_features)
@@ -99,13 +112,20 @@ class TokenAttention(nn.Module):
 
 
 class CloverHeads(Exportable, nn.Module):
-    """Clover-2 (see the module docstring). The token embedding and LM head are frozen non-persistent buffers."""
+    """Clover-2 (see the module docstring). The token embedding and LM head are frozen
+    non-persistent buffers."""
 
     method = "clover2"
     config_class = CloverConfig
 
-    def __init__(self, config: CloverConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 init_layer: dict[str, torch.Tensor] | None = None, final_norm: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        config: CloverConfig,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        init_layer: dict[str, torch.Tensor] | None = None,
+        final_norm: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         h, shape = config.hidden_size, (config.vocab_size, config.hidden_size)
@@ -113,7 +133,9 @@ class CloverHeads(Exportable, nn.Module):
             if tuple(w.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {shape}")
             self.register_buffer(name, w.detach(), persistent=False)
-        self.lm_head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by the runtime (see logits)
+        self.lm_head_fn: Callable[[torch.Tensor], torch.Tensor] | None = (
+            None  # set by the runtime (see logits)
+        )
         self.token_attn = TokenAttention(h, config.num_attention_heads, config.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -127,9 +149,11 @@ class CloverHeads(Exportable, nn.Module):
             for layer in self.layers:
                 missing, unexpected = layer.load_state_dict(init_layer, strict=False)
                 if missing or unexpected:
-                    raise ValueError(f"the target's last layer does not fit a Llama decoder layer (missing "
-                                     f"{missing[:3]}, unexpected {unexpected[:3]}): "
-                                     "Clover-2 needs a Llama-family target")
+                    raise ValueError(
+                        "the target's last layer does not fit a Llama decoder layer (missing "
+                        f"{missing[:3]}, unexpected {unexpected[:3]}): "
+                        "Clover-2 needs a Llama-family target"
+                    )
         if final_norm is not None:
             with torch.no_grad():
                 self.norm.weight.copy_(final_norm)
@@ -140,25 +164,35 @@ class CloverHeads(Exportable, nn.Module):
         return F.embedding(tokens, self.embed_weight).to(self.head_mlp.weight.dtype)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Draft logits [..., V] of a head output through the target's frozen LM head (``lm_head_fn`` when the
-        runtime sets one: the target's own head on its fast linears, same weights)."""
+        """Draft logits [..., V] of a head output through the target's frozen LM head
+        (``lm_head_fn`` when the runtime sets one: the target's own head on its fast linears, same
+        weights)."""
         if self.lm_head_fn is not None:
             return self.lm_head_fn(out)
         return F.linear(out, self.lm_head_weight.to(out.dtype))
 
-    def context(self, prenorm: torch.Tensor, next_tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                caches: list[KVCache] | None = None,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KVCache]]:
-        """Pairs ``(p_t, x_{t+1})``: prenorm [B, S, H], next_tokens [B, S] -> (c [B, S, H], one cache per layer).
+    def context(
+        self,
+        prenorm: torch.Tensor,
+        next_tokens: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        caches: list[KVCache] | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[KVCache]]:
+        """Pairs ``(p_t, x_{t+1})``: prenorm [B, S, H], next_tokens [B, S] -> (c [B, S, H], one
+        cache per layer).
 
-        ``attention_mask`` [B, P+S] (1 = real pair) covers cached and new pairs; positions default to ``P..P+S-1``.
+        ``attention_mask`` [B, P+S] (1 = real pair) covers cached and new pairs; positions default
+        to ``P..P+S-1``.
         """
         bsz, seq = next_tokens.shape
         past = 0 if caches is None else caches[0].length
         if positions is None:
             positions = default_positions(bsz, seq, past, next_tokens.device)
         mask = build_attention_mask(seq, past, next_tokens.device, None, attention_mask)
-        x = self.token_attn(prenorm.to(self.head_mlp.weight.dtype), self.embed(next_tokens))  # [B, S, H]
+        x = self.token_attn(
+            prenorm.to(self.head_mlp.weight.dtype), self.embed(next_tokens)
+        )  # [B, S, H]
         new_caches = []
         for i, layer in enumerate(self.layers):
             x, cache = layer(x, positions, mask, None if caches is None else caches[i])
@@ -170,17 +204,20 @@ class CloverHeads(Exportable, nn.Module):
         out = self.head_norm(self.head_mlp(c))
         return c, out, self.logits(out)
 
-    def step(self, state: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One regressive step: state [N, H] and the token just drafted [N] -> (state', output [N, H], logits [N, V]
-        of the token after it)."""
+    def step(
+        self, state: torch.Tensor, token: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One regressive step: state [N, H] and the token just drafted [N] -> (state', output [N,
+        H], logits [N, V] of the token after it)."""
         emb = self.embed(token)  # [N, H]
         state = self.rnn(state, emb)
         out = self.head_norm(self.head_mlp2(torch.cat([state, emb], dim=-1)))  # [N, 2H] -> [N, H]
         return state, out, self.logits(out)
 
     def teacher_forced(self, c: torch.Tensor, input_ids: torch.Tensor) -> list[torch.Tensor]:
-        """Every head's output at every position at once: c [B, n, H] (pairs t = 0..n-1), input_ids [B, T] ->
-        ``[o_0 [B, T-2, H], o_1 [B, T-3, H], ...]`` (row t of ``o_i`` predicts ``x_{t+i+2}``)."""
+        """Every head's output at every position at once: c [B, n, H] (pairs t = 0..n-1), input_ids
+        [B, T] -> ``[o_0 [B, T-2, H], o_1 [B, T-3, H], ...]`` (row t of ``o_i`` predicts
+        ``x_{t+i+2}``)."""
         total = input_ids.shape[1]
         outs = [self.head_norm(self.head_mlp(c[:, : total - 2]))]
         state = c
@@ -188,7 +225,9 @@ class CloverHeads(Exportable, nn.Module):
             n = total - 2 - i
             if n < 1:
                 break
-            emb = self.embed(input_ids[:, i + 1: i + 1 + n])  # x_{t+i+1}, the token head i-1 drafted
+            emb = self.embed(
+                input_ids[:, i + 1 : i + 1 + n]
+            )  # x_{t+i+1}, the token head i-1 drafted
             state = self.rnn(state[:, :n], emb)
             outs.append(self.head_norm(self.head_mlp2(torch.cat([state, emb], dim=-1))))
         return outs

@@ -1,22 +1,25 @@
 """Hydra / Hydra++ heads: sequentially dependent ("grounded") Medusa heads (arXiv 2402.05109).
 
-Head k (0-based) at position t reads the target's last hidden state ``h_t`` (post final norm) and the embeddings of
-the ``k+1`` tokens before its own on the path: ``x_{t+1}`` (the target's own next token, the tree root) and the
-tokens drafted by heads ``0..k-1`` (``x_{t+2} .. x_{t+k+1}``); it predicts ``x_{t+k+2}`` (same alignment as Medusa:
-the target LM head predicts ``t+1``). Input width ``(k+2) * H``: ``concat(h_t, E(x_{t+1}), ..., E(x_{t+k+1}))``, E the
-target's frozen input embedding.
+Head k (0-based) at position t reads the target's last hidden state ``h_t`` (post final norm) and
+the embeddings of the ``k+1`` tokens before its own on the path: ``x_{t+1}`` (the target's own next
+token, the tree root) and the tokens drafted by heads ``0..k-1`` (``x_{t+2} .. x_{t+k+1}``); it
+predicts ``x_{t+k+2}`` (same alignment as Medusa: the target LM head predicts ``t+1``). Input width
+``(k+2) * H``: ``concat(h_t, E(x_{t+1}), ..., E(x_{t+k+1}))``, E the target's frozen input
+embedding.
 
-Head layout: a grounded block ``res(z) + SiLU(W z)`` (W zero-initialised, ``res`` a learned ``(k+2)H -> H``
-projection initialised to pick ``h_t``, so a fresh head starts as a Medusa head), ``num_layers - 1`` ResBlocks, and
-an LM head (own copy of the target's, with bias, or the shared frozen one). Hydra++ adds dropout before every block
-and the LM head, and a prefix-attention layer: one Llama decoder layer with causal self-attention over the context's
-hidden states whose output replaces ``h_t`` (its output projections start at zero, so it starts as the identity; it
-has no final norm, a deviation from the paper's 1-layer ``LlamaModel``, so the heads start where Hydra's do).
+Head layout: a grounded block ``res(z) + SiLU(W z)`` (W zero-initialised, ``res`` a learned ``(k+2)H
+-> H`` projection initialised to pick ``h_t``, so a fresh head starts as a Medusa head),
+``num_layers - 1`` ResBlocks, and an LM head (own copy of the target's, with bias, or the shared
+frozen one). Hydra++ adds dropout before every block and the LM head, and a prefix-attention layer:
+one Llama decoder layer with causal self-attention over the context's hidden states whose output
+replaces ``h_t`` (its output projections start at zero, so it starts as the identity; it has no
+final norm, a deviation from the paper's 1-layer ``LlamaModel``, so the heads start where Hydra's
+do).
 
-Runtime API: ``context(hidden, positions, cache)`` runs the prefix layer (identity without one) over new context
-positions with a :class:`~draftsmith.common.layers.KVCache`; ``step(ctx [N, H], prefix [N, k+1])`` gives head k's
-logits for a frontier of N paths at once, ``prefix[:, 0]`` the root token and ``prefix[:, j]`` the token drafted by
-head ``j-1``.
+Runtime API: ``context(hidden, positions, cache)`` runs the prefix layer (identity without one) over
+new context positions with a :class:`~draftsmith.common.layers.KVCache`; ``step(ctx [N, H], prefix
+[N, k+1])`` gives head k's logits for a frontier of N paths at once, ``prefix[:, 0]`` the root token
+and ``prefix[:, j]`` the token drafted by head ``j-1``.
 """
 
 from __future__ import annotations
@@ -59,17 +62,30 @@ class HydraConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_layers < 1:
-            raise ValueError(f"num_heads and num_layers must be >= 1, got {self.num_heads}, {self.num_layers}")
+            raise ValueError(
+                f"num_heads and num_layers must be >= 1, got {self.num_heads}, {self.num_layers}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.prefix_layer and min(self.num_attention_heads, self.num_key_value_heads, self.head_dim,
-                                     self.intermediate_size) < 1:
-            raise ValueError("prefix_layer=True needs num_attention_heads, num_key_value_heads, head_dim and "
-                             "intermediate_size (size it from the target's HF config)")
+        if (
+            self.prefix_layer
+            and min(
+                self.num_attention_heads,
+                self.num_key_value_heads,
+                self.head_dim,
+                self.intermediate_size,
+            )
+            < 1
+        ):
+            raise ValueError(
+                "prefix_layer=True needs num_attention_heads, num_key_value_heads, head_dim and "
+                "intermediate_size (size it from the target's HF config)"
+            )
 
 
 class GroundedBlock(nn.Module):
-    """``res(z) + SiLU(W z)`` for ``z`` of width ``(k+2) H``; ``res`` starts as ``[I | 0]`` (picks ``h_t``)."""
+    """``res(z) + SiLU(W z)`` for ``z`` of width ``(k+2) H``; ``res`` starts as ``[I | 0]`` (picks
+    ``h_t``)."""
 
     def __init__(self, in_features: int, hidden_size: int) -> None:
         super().__init__()
@@ -106,24 +122,30 @@ class HydraHead(nn.Module):
         return self.dropout(x)
 
     def logits(self, z: torch.Tensor, shared_lm_head: torch.Tensor | None) -> torch.Tensor:
-        """Inference logits [..., V] through the LM head module itself (bias added, no weight copy), so a packed
-        bf16 GEMM that replaced it serves it."""
+        """Inference logits [..., V] through the LM head module itself (bias added, no weight copy),
+        so a packed bf16 GEMM that replaced it serves it."""
         x = self.features(z)
         return F.linear(x, shared_lm_head.to(x.dtype)) if self.lm_head is None else self.lm_head(x)
 
-    def parts(self, z: torch.Tensor, shared_lm_head: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(LM-head input, LM-head weight) with ``F.linear(x, w)`` = the logits; an own head's bias is folded in
-        as an extra input column of ones, so a fused linear + cross-entropy can take the pair (training: this
-        copies the [V, H] weight each call, which inference avoids through :meth:`logits`)."""
+    def parts(
+        self, z: torch.Tensor, shared_lm_head: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(LM-head input, LM-head weight) with ``F.linear(x, w)`` = the logits; an own head's bias
+        is folded in as an extra input column of ones, so a fused linear + cross-entropy can take
+        the pair (training: this copies the [V, H] weight each call, which inference avoids through
+        :meth:`logits`)."""
         x = self.features(z)
         if self.lm_head is None:
             return x, shared_lm_head.to(x.dtype)
         ones = x.new_ones((*x.shape[:-1], 1))
-        return torch.cat([x, ones], -1), torch.cat([self.lm_head.weight, self.lm_head.bias[:, None]], 1)  # H+1
+        return torch.cat([x, ones], -1), torch.cat(
+            [self.lm_head.weight, self.lm_head.bias[:, None]], 1
+        )  # H+1
 
 
 class PrefixLayer(DecoderLayer):
-    """Hydra++'s prefix attention: a Llama decoder layer over the context's hidden states, identity at init."""
+    """Hydra++'s prefix attention: a Llama decoder layer over the context's hidden states, identity
+    at init."""
 
     def __init__(self, config: HydraConfig) -> None:
         super().__init__(config)
@@ -132,25 +154,37 @@ class PrefixLayer(DecoderLayer):
 
 
 class HydraHeads(Exportable, nn.Module):
-    """K grounded heads; the target's embedding (and LM head when shared) are frozen non-persistent buffers."""
+    """K grounded heads; the target's embedding (and LM head when shared) are frozen non-persistent
+    buffers."""
 
     method, also_loads = METHODS[0], METHODS[1:]
     config_class = HydraConfig
 
-    def __init__(self, config: HydraConfig, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        config: HydraConfig,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         shape = (config.vocab_size, config.hidden_size)
         if tuple(embed_weight.shape) != shape:
-            raise ValueError(f"embed_weight has shape {tuple(embed_weight.shape)}, expected {shape}")
+            raise ValueError(
+                f"embed_weight has shape {tuple(embed_weight.shape)}, expected {shape}"
+            )
         if lm_head_weight is not None and tuple(lm_head_weight.shape) != shape:
-            raise ValueError(f"lm_head_weight has shape {tuple(lm_head_weight.shape)}, expected {shape}")
+            raise ValueError(
+                f"lm_head_weight has shape {tuple(lm_head_weight.shape)}, expected {shape}"
+            )
         if config.share_lm_head and lm_head_weight is None:
             raise ValueError("share_lm_head=True needs the target's lm_head_weight")
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
-        self.register_buffer("shared_lm_head", lm_head_weight.detach() if config.share_lm_head else None,
-                             persistent=False)
+        self.register_buffer(
+            "shared_lm_head",
+            lm_head_weight.detach() if config.share_lm_head else None,
+            persistent=False,
+        )
         self.heads = nn.ModuleList([HydraHead(config, k) for k in range(config.num_heads)])
         self.prefix = PrefixLayer(config) if config.prefix_layer else None
         if lm_head_weight is not None and not config.share_lm_head:
@@ -159,13 +193,19 @@ class HydraHeads(Exportable, nn.Module):
                     head.lm_head.weight.copy_(lm_head_weight)
                     head.lm_head.bias.zero_()
 
-    def context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: KVCache | None = None,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache | None]:
-        """The heads' context state for new positions: hidden [B, S, H] (post-norm) -> (ctx [B, S, H], cache).
+    def context(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, KVCache | None]:
+        """The heads' context state for new positions: hidden [B, S, H] (post-norm) -> (ctx [B, S,
+        H], cache).
 
-        Identity (and cache None) without a prefix layer. With one: causal attention over cached + new positions;
-        ``attention_mask`` [B, P+S] (1 = real) hides padding; positions default to ``P .. P+S-1``.
+        Identity (and cache None) without a prefix layer. With one: causal attention over cached +
+        new positions; ``attention_mask`` [B, P+S] (1 = real) hides padding; positions default to
+        ``P .. P+S-1``.
         """
         if self.prefix is None:
             return hidden, None
@@ -182,7 +222,8 @@ class HydraHeads(Exportable, nn.Module):
         return F.embedding(tokens, self.embed_weight)
 
     def head_logits(self, ctx: torch.Tensor, prefix_emb: torch.Tensor, k: int) -> torch.Tensor:
-        """Head k on ctx [..., H] and the embeddings of its k+1 prefix tokens [..., k+1, H] -> logits [..., V]."""
+        """Head k on ctx [..., H] and the embeddings of its k+1 prefix tokens [..., k+1, H] ->
+        logits [..., V]."""
         return self.heads[k].logits(self._head_input(ctx, prefix_emb, k), self.shared_lm_head)
 
     @staticmethod
@@ -192,35 +233,49 @@ class HydraHeads(Exportable, nn.Module):
             raise ValueError(f"head {k} reads {k + 1} prefix tokens, got {prefix_emb.shape[-2]}")
         return torch.cat([ctx, prefix_emb.to(ctx.dtype).flatten(-2)], dim=-1)
 
-    def head_parts(self, ctx: torch.Tensor, prefix_emb: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`head_logits` split at the LM head: (input [..., H or H+1], weight [V, H or H+1])."""
+    def head_parts(
+        self, ctx: torch.Tensor, prefix_emb: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`head_logits` split at the LM head: (input [..., H or H+1], weight [V, H or
+        H+1])."""
         return self.heads[k].parts(self._head_input(ctx, prefix_emb, k), self.shared_lm_head)
 
     def step(self, ctx: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-        """Runtime expansion of one tree depth: ctx [N, H], prefix tokens [N, k+1] -> head k's logits [N, V].
+        """Runtime expansion of one tree depth: ctx [N, H], prefix tokens [N, k+1] -> head k's
+        logits [N, V].
 
-        ``prefix[:, 0]`` is the root (the target's next token), ``prefix[:, j]`` the token head ``j-1`` drafted.
+        ``prefix[:, 0]`` is the root (the target's next token), ``prefix[:, j]`` the token head
+        ``j-1`` drafted.
         """
         k = prefix.shape[-1] - 1
         if not 0 <= k < self.config.num_heads:
-            raise ValueError(f"prefix of {prefix.shape[-1]} tokens asks for head {k}; this export has "
-                             f"{self.config.num_heads} heads")
+            raise ValueError(
+                f"prefix of {prefix.shape[-1]} tokens asks for head {k}; this export has "
+                f"{self.config.num_heads} heads"
+            )
         return self.head_logits(ctx, self.embed(prefix), k)
 
-    def teacher_forced(self, ctx: torch.Tensor, input_ids: torch.Tensor, k: int,
-                       keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Training: head k at every position t < T-k-2 with the real tokens ``x_{t+1..t+k+1}`` as its prefix.
+    def teacher_forced(
+        self, ctx: torch.Tensor, input_ids: torch.Tensor, k: int, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Training: head k at every position t < T-k-2 with the real tokens ``x_{t+1..t+k+1}`` as
+        its prefix.
 
-        ctx [B, T, H], input_ids [B, T] -> logits [B, T-k-2, V] (row t predicts ``x_{t+k+2}``); with ``keep``
-        [B, T-k-2] bool, only the kept rows -> [N, V] (the V-wide LM head dominates the cost).
+        ctx [B, T, H], input_ids [B, T] -> logits [B, T-k-2, V] (row t predicts ``x_{t+k+2}``); with
+        ``keep`` [B, T-k-2] bool, only the kept rows -> [N, V] (the V-wide LM head dominates the
+        cost).
         """
         return F.linear(*self.teacher_forced_parts(ctx, input_ids, k, keep))
 
-    def teacher_forced_parts(self, ctx: torch.Tensor, input_ids: torch.Tensor, k: int,
-                             keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`teacher_forced` split at the LM head (see :meth:`head_parts`), for a fused LM-head loss."""
+    def teacher_forced_parts(
+        self, ctx: torch.Tensor, input_ids: torch.Tensor, k: int, keep: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`teacher_forced` split at the LM head (see :meth:`head_parts`), for a fused LM-head
+        loss."""
         n = input_ids.shape[1] - k - 2
-        prefix = torch.stack([input_ids[:, 1 + j:1 + j + n] for j in range(k + 1)], dim=-1)  # [B, n, k+1]
+        prefix = torch.stack(
+            [input_ids[:, 1 + j : 1 + j + n] for j in range(k + 1)], dim=-1
+        )  # [B, n, k+1]
         rows = ctx[:, :n]  # [B, n, H]
         if keep is not None:
             rows, prefix = rows[keep], prefix[keep]  # [N, H], [N, k+1]
@@ -231,7 +286,15 @@ class HydraHeads(Exportable, nn.Module):
         return dict(self.state_dict())
 
     @classmethod
-    def _build(cls, architecture: HydraConfig, export: ExportContents, embed_weight: torch.Tensor,
-               lm_head_weight: torch.Tensor | None = None) -> HydraHeads:
-        """Heads on the target's embedding (and LM head if shared), which the export does not store."""
-        return cls(architecture, embed_weight, lm_head_weight if architecture.share_lm_head else None)
+    def _build(
+        cls,
+        architecture: HydraConfig,
+        export: ExportContents,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor | None = None,
+    ) -> HydraHeads:
+        """Heads on the target's embedding (and LM head if shared), which the export does not
+        store."""
+        return cls(
+            architecture, embed_weight, lm_head_weight if architecture.share_lm_head else None
+        )

@@ -1,6 +1,8 @@
-"""draftsmith.kernels: hot ops of the runtime, each with a plain-PyTorch reference and a Triton kernel.
+"""draftsmith.kernels: hot ops of the runtime, each with a plain-PyTorch reference and a Triton
+kernel.
 
-Exports are resolved lazily so that importing this package never imports triton (or even the op modules).
+Exports are resolved lazily so that importing this package never imports triton (or even the op
+modules).
 """
 
 from __future__ import annotations

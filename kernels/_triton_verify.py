@@ -1,8 +1,8 @@
 """Triton kernels for :func:`draftsmith.kernels.verify.greedy_verify` (imports triton; load lazily).
 
-Two launches: a row-wise argmax over the vocabulary (one program per tree node, looping over vocabulary blocks), then
-one program per candidate path that compares each drafted token with its parent's argmax and counts the matching prefix
-(the cumulative product of the matches).
+Two launches: a row-wise argmax over the vocabulary (one program per tree node, looping over
+vocabulary blocks), then one program per candidate path that compares each drafted token with its
+parent's argmax and counts the matching prefix (the cumulative product of the matches).
 """
 
 from __future__ import annotations
@@ -20,9 +20,13 @@ def _row_argmax_kernel(x_ptr, out_ptr, stride_n, stride_v, V, BLOCK_V: tl.conste
     best_idx = tl.full([], 0, dtype=tl.int64)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
-        x = tl.load(x_ptr + row * stride_n + cols * stride_v, mask=cols < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(
+            x_ptr + row * stride_n + cols * stride_v, mask=cols < V, other=float("-inf")
+        ).to(tl.float32)
         blk_val, blk_idx = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
-        better = blk_val > best_val  # strict: ties keep the earlier block, i.e. the first maximal index overall
+        better = (
+            blk_val > best_val
+        )  # strict: ties keep the earlier block, i.e. the first maximal index overall
         best_idx = tl.where(better, (start + blk_idx).to(tl.int64), best_idx)
         best_val = tl.where(better, blk_val, best_val)
     tl.store(out_ptr + row, best_idx)
@@ -57,5 +61,7 @@ def greedy_accept_lengths_triton(
     paths_c = paths.to(torch.int64).contiguous()  # [P, D+1]
     tokens_c = tokens.to(torch.int64).contiguous()  # [N]
     lens = torch.empty(paths_c.shape[0], dtype=torch.int64, device=logits.device)
-    _accept_len_kernel[(paths_c.shape[0],)](paths_c, tokens_c, amax, lens, paths_c.stride(0), paths_c.shape[1] - 1)
+    _accept_len_kernel[(paths_c.shape[0],)](
+        paths_c, tokens_c, amax, lens, paths_c.stride(0), paths_c.shape[1] - 1
+    )
     return amax, lens

@@ -1,11 +1,13 @@
 """Backend selection shared by every kernel op.
 
-Each op in ``draftsmith.kernels`` has a plain-PyTorch reference and a Triton kernel. ``backend`` picks one:
+Each op in ``draftsmith.kernels`` has a plain-PyTorch reference and a Triton kernel. ``backend``
+picks one:
 
 - ``"auto"``: Triton when the tensors are on CUDA and triton imports, else the torch reference;
 - ``"torch"``: always the reference;
-- ``"triton"``: force the Triton kernel, error if triton is unavailable. Triton needs CUDA tensors, except under
-  ``TRITON_INTERPRET=1`` where its interpreter runs kernels on CPU tensors (that is how the parity tests run it).
+- ``"triton"``: force the Triton kernel, error if triton is unavailable. Triton needs CUDA tensors,
+  except under ``TRITON_INTERPRET=1`` where its interpreter runs kernels on CPU tensors (that is how
+  the parity tests run it).
 
 Triton itself is imported lazily, only inside the ``_triton_*`` modules.
 """
@@ -41,10 +43,13 @@ def triton_interpret() -> bool:
 def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
     """Return ``"torch"`` or ``"triton"`` for ``backend`` given the tensors an op runs on.
 
-    Raises ValueError for an unknown backend name and KernelBackendError when ``"triton"`` is forced but cannot run.
+    Raises ValueError for an unknown backend name and KernelBackendError when ``"triton"`` is forced
+    but cannot run.
     """
     if backend not in BACKENDS:
-        raise InputError(f"unknown kernel backend {backend!r}; valid backends are {', '.join(BACKENDS)}")
+        raise InputError(
+            f"unknown kernel backend {backend!r}; valid backends are {', '.join(BACKENDS)}"
+        )
     on_cuda = all(t.is_cuda for t in tensors) and len(tensors) > 0
     if backend == "torch":
         return "torch"
@@ -57,7 +62,8 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
         )
     if not on_cuda and not triton_interpret():
         raise KernelBackendError(
-            "kernel backend 'triton' needs CUDA tensors (or env TRITON_INTERPRET=1 set before triton is imported "
-            "to run its CPU interpreter); move the tensors to a GPU or use backend='torch'/'auto'"
+            "kernel backend 'triton' needs CUDA tensors (or env TRITON_INTERPRET=1 set before"
+            " triton is imported to run its CPU interpreter); move the tensors to a GPU or use"
+            " backend='torch'/'auto'"
         )
     return "triton"

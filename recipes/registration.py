@@ -1,13 +1,14 @@
 """How a training method declares itself: ``@register_recipe(...)`` on its schema class, once.
 
-The decorator records everything the rest of the project asks about a method (:class:`Recipe`): its label and
-family, the file of its nn.Module, the runtime proposer that serves its exports, the engine formats those exports
-convert to, its tests, and where its ``build`` and ``validate`` live; and it stores the schema in Hydra's ConfigStore
-as ``schema/<name>`` (``conf/train.yaml`` merges it first, so Hydra refuses a key the schema lacks). The method table
-(:data:`RECIPES`, read by the CLI, the scripts, the tests and ``docs/tools/method_footprint.py``) is these
-registrations, nothing else. Light on purpose (no torch): ``build`` and ``validate`` are named as ``"module:function"``
-(``.objective:build`` is relative to the schema's package) and imported when a run asks for them, so ``--help`` and
-config checks never load a model's code.
+The decorator records everything the rest of the project asks about a method (:class:`Recipe`): its
+label and family, the file of its nn.Module, the runtime proposer that serves its exports, the
+engine formats those exports convert to, its tests, and where its ``build`` and ``validate`` live;
+and it stores the schema in Hydra's ConfigStore as ``schema/<name>`` (``conf/train.yaml`` merges it
+first, so Hydra refuses a key the schema lacks). The method table (:data:`RECIPES`, read by the CLI,
+the scripts, the tests and ``docs/tools/method_footprint.py``) is these registrations, nothing else.
+Light on purpose (no torch): ``build`` and ``validate`` are named as ``"module:function"``
+(``.objective:build`` is relative to the schema's package) and imported when a run asks for them, so
+``--help`` and config checks never load a model's code.
 
 ``build(cfg, target)`` and ``validate(cfg)`` receive the config as the schema's dataclass instance
 (``OmegaConf.to_object``): typed values, checked against the declared ranges before they are called.
@@ -30,19 +31,27 @@ from draftsmith.distill.config.schema import TrainConfig
 from draftsmith.export.schema import add_method_source
 
 FAMILIES = ("heads", "drafter", "self-speculative", "controller", "target-adaptation")
-CONTROLLER = "controller"  # ``proposer`` of a method served beside a proposer (a policy, a filter), not as one
-NATIVE_FORMAT = "draftsmith"  # the export itself: every method has it (export/converters.py's NATIVE_FORMAT)
+CONTROLLER = (  # ``proposer`` of a method served beside a proposer (a policy, a filter), not as one
+    "controller"
+)
+NATIVE_FORMAT = (  # the export itself: every method has it (export/converters.py's NATIVE_FORMAT)
+    "draftsmith"
+)
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """One training method (paths relative to the repository root, the ``draftsmith`` package folder).
+    """One training method (paths relative to the repository root, the ``draftsmith`` package
+    folder).
 
-    ``proposer``: the export ``method`` a runtime proposer is registered for (``@register_proposer``), ``CONTROLLER``
-    for a method the runtime serves some other way, None for one that serves nothing (it makes a target).
-    ``formats``: the ``draftsmith export --format`` values its exports convert to, ``draftsmith`` first.
-    ``tiny_overrides``: Hydra overrides a tiny (4-layer) target needs. ``needs_input``: why it cannot train on chat
-    data alone, if it cannot. ``in_method_table``: trained and benched by ``scripts/method_table.py`` by default.
+    ``proposer``: the export ``method`` a runtime proposer is registered for
+    (``@register_proposer``), ``CONTROLLER`` for a method the runtime serves some other way, None
+    for one that serves nothing (it makes a target).
+    ``formats``: the ``draftsmith export --format`` values its exports convert to, ``draftsmith``
+    first.
+    ``tiny_overrides``: Hydra overrides a tiny (4-layer) target needs. ``needs_input``: why it
+    cannot train on chat data alone, if it cannot. ``in_method_table``: trained and benched by
+    ``scripts/method_table.py`` by default.
     """
 
     name: str
@@ -65,22 +74,28 @@ class Recipe:
         return f"conf/recipe/{self.name}.yaml"
 
     def typed(self, cfg: DictConfig | TrainConfig) -> TrainConfig:
-        """``cfg`` as an instance of the schema: a composed config through ``OmegaConf.to_object`` (a required key
-        left unset is a ConfigError naming it); an instance passes through."""
+        """``cfg`` as an instance of the schema: a composed config through ``OmegaConf.to_object``
+        (a required key left unset is a ConfigError naming it); an instance passes through."""
         if isinstance(cfg, self.schema):
             return cfg
         node = cfg
-        if OmegaConf.get_type(cfg) is not self.schema:  # an overlay of some keys: the schema gives the rest
+        if (
+            OmegaConf.get_type(cfg) is not self.schema
+        ):  # an overlay of some keys: the schema gives the rest
             node = OmegaConf.merge(OmegaConf.structured(self.schema), cfg)
         missing = sorted(OmegaConf.missing_keys(node))
         if missing:
-            raise ConfigError(f"missing required config fields: {', '.join(missing)} (set them on the command line, "
-                              "e.g. data=PATH)")
+            raise ConfigError(
+                f"missing required config fields: {', '.join(missing)} (set them on the command"
+                " line, e.g. data=PATH)"
+            )
         return OmegaConf.to_object(node)
 
     def validate(self, cfg: DictConfig | TrainConfig) -> None:
-        """Everything checkable before the target loads: the declared ranges (distill/config/checks.py), then the
-        recipe's own ``validate`` (what one key's range cannot say: keys that depend on each other, files it reads)."""
+        """Everything checkable before the target loads: the declared ranges
+        (distill/config/checks.py), then the recipe's own ``validate`` (what one key's range cannot
+        say: keys that depend on each other, files it reads).
+        """
         from draftsmith.distill.config.checks import check_schema
 
         check_schema(cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg))
@@ -97,32 +112,62 @@ RECIPES: dict[str, Recipe] = {}
 
 
 def served_methods() -> list[str]:
-    """The export methods the recipes' exports carry and a runtime proposer serves (their ``proposer``)."""
+    """The export methods the recipes' exports carry and a runtime proposer serves (their
+    ``proposer``)."""
     return [r.proposer for r in RECIPES.values() if r.proposer not in (None, CONTROLLER)]
 
 
-add_method_source(served_methods)  # a recipe's exports read wherever the recipes are loaded (train.py, the CLI)
+add_method_source(
+    served_methods
+)  # a recipe's exports read wherever the recipes are loaded (train.py, the CLI)
 
 
-def register_recipe(name: str, *, label: str, family: str, module: str, proposer: str | None,
-                    tests: tuple[str, ...], build: str, validate: str | None = None, formats: tuple[str, ...] = (),
-                    tiny_overrides: tuple[str, ...] = (), needs_input: str | None = None,
-                    in_method_table: bool = False) -> Callable[[type], type]:
-    """Decorator on a recipe's schema class (a ``TrainConfig`` dataclass) registering the method ``name``; ``build``
-    and ``validate`` are ``"module:function"`` (a leading dot: relative to the schema's package), ``formats`` the
-    engine formats beyond ``draftsmith`` (each must be declared by a converter that holds the method)."""
+def register_recipe(
+    name: str,
+    *,
+    label: str,
+    family: str,
+    module: str,
+    proposer: str | None,
+    tests: tuple[str, ...],
+    build: str,
+    validate: str | None = None,
+    formats: tuple[str, ...] = (),
+    tiny_overrides: tuple[str, ...] = (),
+    needs_input: str | None = None,
+    in_method_table: bool = False,
+) -> Callable[[type], type]:
+    """Decorator on a recipe's schema class (a ``TrainConfig`` dataclass) registering the method
+    ``name``; ``build`` and ``validate`` are ``"module:function"`` (a leading dot: relative to the
+    schema's package), ``formats`` the engine formats beyond ``draftsmith`` (each must be declared
+    by a converter that holds the method).
+    """
     if family not in FAMILIES:
         raise ValueError(f"recipe {name!r}: family {family!r}; valid: {', '.join(FAMILIES)}")
 
     def wrap(schema: type) -> type:
         if not (dataclasses.is_dataclass(schema) and issubclass(schema, TrainConfig)):
-            raise TypeError(f"recipe {name!r}: @register_recipe decorates a dataclass subclassing TrainConfig")
+            raise TypeError(
+                f"recipe {name!r}: @register_recipe decorates a dataclass subclassing TrainConfig"
+            )
         if name in RECIPES:
             raise ValueError(f"recipe {name!r} registered twice")
         package = sys.modules[schema.__module__].__package__
-        RECIPES[name] = Recipe(name, label, family, schema, module, proposer, tuple(tests),
-                               _absolute(build, package), _absolute(validate, package) if validate else None,
-                               (NATIVE_FORMAT, *formats), tuple(tiny_overrides), needs_input, in_method_table)
+        RECIPES[name] = Recipe(
+            name,
+            label,
+            family,
+            schema,
+            module,
+            proposer,
+            tuple(tests),
+            _absolute(build, package),
+            _absolute(validate, package) if validate else None,
+            (NATIVE_FORMAT, *formats),
+            tuple(tiny_overrides),
+            needs_input,
+            in_method_table,
+        )
         from hydra.core.config_store import ConfigStore
 
         ConfigStore.instance().store(group="schema", name=name, node=schema)
@@ -145,7 +190,8 @@ def resolve(reference: str) -> Callable[..., Any]:
 
 
 def unregister_recipe(name: str) -> None:
-    """Remove ``name`` (tests registering throwaway recipes); its schema stays in the ConfigStore, unused."""
+    """Remove ``name`` (tests registering throwaway recipes); its schema stays in the ConfigStore,
+    unused."""
     del RECIPES[name]
 
 
@@ -162,7 +208,8 @@ def recipe_names() -> list[str]:
 
 
 def formats_of(method: str) -> tuple[str, ...]:
-    """The export formats the recipe whose export ``method`` key (or name) is ``method`` declares."""
+    """The export formats the recipe whose export ``method`` key (or name) is ``method``
+    declares."""
     return get_recipe(method).formats
 
 
@@ -177,13 +224,20 @@ def labels() -> dict[str, str]:
 
 
 def recipe_problems(recipe: Recipe, root: str | Path, proposers: Collection[str]) -> list[str]:
-    """What is missing for ``recipe``: its config, module or test files under ``root``, its ``build``/``validate``
-    functions, or (``proposers``: the export methods the runtime has proposers for) the runtime proposer it
-    declares. Empty when complete."""
+    """What is missing for ``recipe``: its config, module or test files under ``root``, its
+    ``build``/``validate`` functions, or (``proposers``: the export methods the runtime has
+    proposers for) the runtime proposer it declares. Empty when complete."""
     root = Path(root)
-    problems = [f"{recipe.name}: {what} {path} does not exist"
-                for what, paths in (("config", (recipe.config,)), ("module", (recipe.module,)), ("test", recipe.tests))
-                for path in paths if not (root / path).is_file()]
+    problems = [
+        f"{recipe.name}: {what} {path} does not exist"
+        for what, paths in (
+            ("config", (recipe.config,)),
+            ("module", (recipe.module,)),
+            ("test", recipe.tests),
+        )
+        for path in paths
+        if not (root / path).is_file()
+    ]
     if not recipe.tests:
         problems.append(f"{recipe.name}: no test files listed")
     for reference in filter(None, (recipe.build_at, recipe.validate_at)):
@@ -192,10 +246,13 @@ def recipe_problems(recipe: Recipe, root: str | Path, proposers: Collection[str]
         except (ImportError, AttributeError) as err:
             problems.append(f"{recipe.name}: {reference} cannot be imported ({err})")
     if recipe.proposer not in (None, CONTROLLER) and recipe.proposer not in proposers:
-        problems.append(f"{recipe.name}: no runtime proposer registered for export method {recipe.proposer!r}")
+        problems.append(
+            f"{recipe.name}: no runtime proposer registered for export method {recipe.proposer!r}"
+        )
     return problems
 
 
 def untyped(cfg: TrainConfig) -> DictConfig:
-    """A typed config back as the DictConfig distill/'s data code reads (``cfg.data``, ``cfg.run``)."""
+    """A typed config back as the DictConfig distill/'s data code reads (``cfg.data``,
+    ``cfg.run``)."""
     return OmegaConf.structured(cfg)

@@ -1,6 +1,8 @@
-"""Stand-ins for a learning curve's training segments and evaluations (tests/test_curve_cooldown.py): a training
-that writes what ``draftsmith train`` writes (checkpoints, CSV tokens, export) and checks that a cooldown branch
-starts from the main run's checkpoint without touching the main run, and an evaluation that reads a known law."""
+"""Stand-ins for a learning curve's training segments and evaluations
+(tests/test_curve_cooldown.py): a training that writes what ``draftsmith train`` writes
+(checkpoints, CSV tokens, export) and checks that a cooldown branch starts from the main run's
+checkpoint without touching the main run, and an evaluation that reads a known law.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-COOLED_GAIN = 0.05  # what a finished (cooled) run reads above the mid-run value at the same tokens, in the fake law
+# what a finished (cooled) run reads above the mid-run value at the same tokens, in the fake law
+COOLED_GAIN = 0.05
 
 
 def _arg(argv: list[str], key: str) -> str:
@@ -19,15 +22,19 @@ def _arg(argv: list[str], key: str) -> str:
 
 
 def _digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 class FakeTraining:
-    """Stands in for ``draftsmith train``: checkpoints (``{"global_step", "weights"}``, the newest two kept, as the
-    real run does), ``last.ckpt``, a CSV of tokens (1,000 a step) and an export whose config says its steps and
-    whether it is a cooldown branch. A branch must find its seed (the main run's checkpoint at the branch point); the
-    main run's files must be exactly as its last segment left them."""
+    """Stands in for ``draftsmith train``: checkpoints (``{"global_step", "weights"}``, the newest
+    two kept, as the real run does), ``last.ckpt``, a CSV of tokens (1,000 a step) and an export
+    whose config says its steps and whether it is a cooldown branch. A branch must find its seed
+    (the main run's checkpoint at the branch point); the main run's files must be exactly as its
+    last segment left them."""
 
     def __init__(self, stop_at: int | None = None) -> None:
         self.calls: list[int] = []
@@ -58,7 +65,9 @@ class FakeTraining:
         assert last.exists(), f"the branch {run} starts without its seed"
         self.seen_seeds.append(torch.load(last, weights_only=True))
         if self.main_dir is not None:
-            assert _digest(self.main_dir) == self.main_snapshot, "a branch changed the main run's files"
+            assert _digest(self.main_dir) == self.main_snapshot, (
+                "a branch changed the main run's files"
+            )
             self.main_snapshots_checked += 1
 
     @staticmethod
@@ -71,31 +80,61 @@ class FakeTraining:
         (folder / "last.ckpt").unlink(missing_ok=True)
         os.symlink(f"step{steps}.ckpt", folder / "last.ckpt")
         (run / "export").mkdir(parents=True, exist_ok=True)
-        (run / "export" / "config.json").write_text(json.dumps({"method": "fake", "steps": steps, "cooled": cooled}))
+        (run / "export" / "config.json").write_text(
+            json.dumps({"method": "fake", "steps": steps, "cooled": cooled})
+        )
         (run / "logs").mkdir(exist_ok=True)
-        (run / "logs" / "metrics.csv").write_text("step,train/tokens\n" + f"{steps},{steps * 1000}\n")
+        (run / "logs" / "metrics.csv").write_text(
+            "step,train/tokens\n" + f"{steps},{steps * 1000}\n"
+        )
 
 
 def law(tokens: float, cooled: bool) -> float:
-    """The fake first-position acceptance after ``tokens``: 0.8 - 2 t^-0.3, plus :data:`COOLED_GAIN` once cooled."""
-    return 0.8 - 2.0 * tokens ** -0.3 + (COOLED_GAIN if cooled else 0.0)
+    """The fake first-position acceptance after ``tokens``: 0.8 - 2 t^-0.3, plus :data:`COOLED_GAIN`
+    once cooled."""
+    return 0.8 - 2.0 * tokens**-0.3 + (COOLED_GAIN if cooled else 0.0)
 
 
-def fake_evaluate(export: str, settings, measure: bool = False, steps: int | None = None,
-                  cooled: bool | None = None):
-    """An evaluation that reads :func:`law` at the export's tokens (1,000 a step) for every prompt set."""
+def fake_evaluate(
+    export: str,
+    settings,
+    measure: bool = False,
+    steps: int | None = None,
+    cooled: bool | None = None,
+):
+    """An evaluation that reads :func:`law` at the export's tokens (1,000 a step) for every prompt
+    set."""
     config = json.loads((Path(export) / "config.json").read_text())
     steps = config.get("steps") if steps is None else steps
     cooled = bool(config.get("cooled")) if cooled is None else cooled
     first = law(steps * 1000, cooled)
     chain = [first, first * 0.7, first * 0.5, first * 0.3]
     conditional = [chain[0], *(b / a for a, b in zip(chain, chain[1:]))]
-    table = [{"shape": "chain:1", "depth": 1, "tokens": 1 + first, "nodes": 2.0, "node_counts": {"2": 10}}]
-    record = {"first_position_acceptance": first, "chain_acceptance": chain, "conditional_acceptance": conditional,
-              "shapes": table, "verify_steps": 400}
+    table = [
+        {
+            "shape": "chain:1",
+            "depth": 1,
+            "tokens": 1 + first,
+            "nodes": 2.0,
+            "node_counts": {"2": 10},
+        }
+    ]
+    record = {
+        "first_position_acceptance": first,
+        "chain_acceptance": chain,
+        "conditional_acceptance": conditional,
+        "shapes": table,
+        "verify_steps": 400,
+    }
     measured = None
     if measure:
-        measured = {"costs": {"ar_step_ms": 10.0, "verify_ms": {"1": 10.0, "2": 12.0}, "draft_ms_per_depth": 0.5,
-                              "overhead_ms": 0.2},
-                    "contention": {"contended": False, "others_cpu_share": 0.0}}
+        measured = {
+            "costs": {
+                "ar_step_ms": 10.0,
+                "verify_ms": {"1": 10.0, "2": 12.0},
+                "draft_ms_per_depth": 0.5,
+                "overhead_ms": 0.2,
+            },
+            "contention": {"contended": False, "others_cpu_share": 0.0},
+        }
     return {name: record for name in settings.prompt_sets}, measured

@@ -1,5 +1,5 @@
-"""Helpers shared by the head-family tests (Hydra, Clover-2, Medusa-2): recipe configs, a fixed batch, a tiny
-in-process target, and a few optimisation steps on one batch."""
+"""Helpers shared by the head-family tests (Hydra, Clover-2, Medusa-2): recipe configs, a fixed
+batch, a tiny in-process target, and a few optimisation steps on one batch."""
 
 import pytest
 import torch
@@ -11,9 +11,11 @@ def recipe_cfg(name: str, **extra):
     return recipe_config(name, extra, typed=False)
 
 
-def fixed_batch(vocab: int, batch: int = 4, length: int = 16, seed: int = 0,
-                period: int = 0) -> dict[str, torch.Tensor]:
-    """Random tokens (or, with ``period``, each row repeating ``period`` random tokens: learnable by a LM)."""
+def fixed_batch(
+    vocab: int, batch: int = 4, length: int = 16, seed: int = 0, period: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random tokens (or, with ``period``, each row repeating ``period`` random tokens: learnable by
+    a LM)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, vocab, (batch, period or length), generator=g)
     if period:
@@ -36,8 +38,11 @@ def fit_steps(objective, target, batch, steps: int, lr: float = 3e-3) -> list[fl
         if hasattr(objective, "set_step"):
             objective.set_step(step)
         objective.module.train()
-        feats = own(target, batch) if callable(own) else target.features(batch["input_ids"], batch["attention_mask"],
-                                                                          objective.taps)
+        feats = (
+            own(target, batch)
+            if callable(own)
+            else target.features(batch["input_ids"], batch["attention_mask"], objective.taps)
+        )
         loss, _ = objective.loss(batch, feats)
         opt.zero_grad()
         loss.backward()
@@ -52,4 +57,6 @@ def tiny_target(tiny_target_dir, tiny_tokenizer):
 
     from draftsmith.distill.target.frozen import Target
 
-    return Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
+    return Target(
+        AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir)
+    )

@@ -1,5 +1,6 @@
-"""Acceptance-targeted losses (loss.acceptance): the formulas, the chunked + checkpointed head against the unchunked
-reference (values and gradients), hard labels, config errors, and EAGLE-3 training with them."""
+"""Acceptance-targeted losses (loss.acceptance): the formulas, the chunked + checkpointed head
+against the unchunked reference (values and gradients), hard labels, config errors, and EAGLE-3
+training with them."""
 
 from __future__ import annotations
 
@@ -65,13 +66,17 @@ def test_hard_labels_skip_ignored_rows_and_nla_is_cross_entropy():
     labels[::4] = IGNORE_INDEX
     out = acceptance_loss(h, w, labels, kind="nla", chunk_size=5)
     keep = labels != IGNORE_INDEX
-    assert torch.allclose(out.loss.double(), F.cross_entropy(F.linear(h, w)[keep], labels[keep]), atol=1e-6)
+    assert torch.allclose(
+        out.loss.double(), F.cross_entropy(F.linear(h, w)[keep], labels[keep]), atol=1e-6
+    )
     q_label = F.linear(h, w).softmax(-1)[keep].gather(-1, labels[keep][:, None])[:, 0]
     assert torch.allclose(out.overlap.double(), q_label.mean(), atol=1e-6)
     with pytest.raises(ValueError, match="either hard labels or teacher logits"):
         acceptance_loss(h, w)
     empty = acceptance_loss(h[:0], w, teacher_logits=torch.zeros(0, w.shape[0], dtype=w.dtype))
-    assert empty.loss.item() == 0.0 and empty.loss.requires_grad  # still a graph: DDP sees every parameter
+    assert (
+        empty.loss.item() == 0.0 and empty.loss.requires_grad
+    )  # still a graph: DDP sees every parameter
 
 
 def test_lm_head_loss_switches_objective_and_refuses_bad_settings():
@@ -80,16 +85,23 @@ def test_lm_head_loss_switches_objective_and_refuses_bad_settings():
     assert (head.acceptance, head.acceptance_eta) == ("hybrid", 2.5)
     h, w, teacher = _inputs()
     assert head(h, w, teacher_logits=teacher).overlap is not None
-    assert LMHeadLoss.from_config(OmegaConf.create({"loss": {}}))(h, w, teacher_logits=teacher).overlap is None
+    assert (
+        LMHeadLoss.from_config(OmegaConf.create({"loss": {}}))(h, w, teacher_logits=teacher).overlap
+        is None
+    )
     with pytest.raises(ConfigError, match="loss.acceptance='kl'; valid: none, hybrid, nla, tv"):
         LMHeadLoss.from_config(OmegaConf.create({"loss": {"acceptance": "kl"}}))
     with pytest.raises(ConfigError, match="loss.acceptance_eta must be > 0"):
-        LMHeadLoss.from_config(OmegaConf.create({"loss": {"acceptance": "hybrid", "acceptance_eta": 0}}))
+        LMHeadLoss.from_config(
+            OmegaConf.create({"loss": {"acceptance": "hybrid", "acceptance_eta": 0}})
+        )
 
 
 @pytest.mark.parametrize("kind", ("hybrid", "nla"))
 def test_eagle3_trains_with_an_acceptance_loss_and_its_overlap_rises(tiny_tokenizer, kind):
-    target = Target(build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2), tiny_tokenizer, "tiny")
+    target = Target(
+        build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2), tiny_tokenizer, "tiny"
+    )
     objective = make_objective(target)
     objective.lm_loss = LMHeadLoss(acceptance=kind)
     losses, metrics = fixed_batch_steps(objective, target)

@@ -1,4 +1,5 @@
-"""Embedded assets: streaming JSON reader, cache layout, GGUF conversion (integration) and embedded files."""
+"""Embedded assets: streaming JSON reader, cache layout, GGUF conversion (integration) and embedded
+files."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ pytestmark = pytest.mark.unit
 
 
 def _record(i: int, turns: int = 2) -> dict:
-    convs = [{"from": "human" if t % 2 == 0 else "gpt", "value": f"turn {t} of {i}\nline"} for t in range(turns)]
+    convs = [
+        {"from": "human" if t % 2 == 0 else "gpt", "value": f"turn {t} of {i}\nline"}
+        for t in range(turns)
+    ]
     return {"id": f"r{i}", "conversations": convs}
 
 
@@ -61,7 +65,14 @@ def test_complete_array_and_small_chunks(tmp_path, monkeypatch):
 
 
 def test_malformed_records_are_counted(tmp_path):
-    records = [_record(0), {"id": "no-convs"}, _record(1), {"conversations": "not a list"}, [1, 2], _record(2)]
+    records = [
+        _record(0),
+        {"id": "no-convs"},
+        _record(1),
+        {"conversations": "not a list"},
+        [1, 2],
+        _record(2),
+    ]
     kept, report = read_sharegpt(_write_array(tmp_path / "m.json", records))
     assert [r["id"] for r in kept] == ["r0", "r1", "r2"]
     assert (report.kept, report.skipped) == (3, 3)
@@ -101,7 +112,7 @@ def test_unclosed_array_between_records(tmp_path):
     assert (report.kept, report.skipped) == (2, 0) and "not closed" in report.reason
 
 
-# ----------------------------------------------------------------------------- cache and conversion plumbing
+# -------------------------------------------------------------------- cache and conversion plumbing
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):
@@ -112,7 +123,10 @@ def test_cache_dir_env(monkeypatch, tmp_path):
 
 
 def test_resolve_target_passthrough():
-    assert resolve_target("HuggingFaceTB/SmolLM2-360M-Instruct") == "HuggingFaceTB/SmolLM2-360M-Instruct"
+    assert (
+        resolve_target("HuggingFaceTB/SmolLM2-360M-Instruct")
+        == "HuggingFaceTB/SmolLM2-360M-Instruct"
+    )
     assert resolve_target("/some/folder") == "/some/folder"
 
 
@@ -133,7 +147,9 @@ def test_default_target_dir_is_atomic(monkeypatch, tmp_path):
 
     final = tmp_path / "targets" / assets.TARGET_NAME
     final.mkdir(parents=True)
-    (final / "config.json").write_text("half-written")  # leftover without the marker: must be redone
+    (final / "config.json").write_text(
+        "half-written"
+    )  # leftover without the marker: must be redone
     monkeypatch.setattr(assets, "_convert_gguf", fake_convert)
     assert assets.default_target_dir(tmp_path) == final
     assert (final / ".complete").is_file() and (final / "config.json").read_text() == "{}"
@@ -146,11 +162,14 @@ def test_default_target_dir_is_atomic(monkeypatch, tmp_path):
     monkeypatch.setattr(assets, "_convert_gguf", failing_convert)
     with pytest.raises(RuntimeError, match="boom"):
         assets.default_target_dir(tmp_path / "other")
-    assert [p.name for p in (tmp_path / "other" / "targets").iterdir()] == [f".{assets.TARGET_NAME}.lock"]
+    assert [p.name for p in (tmp_path / "other" / "targets").iterdir()] == [
+        f".{assets.TARGET_NAME}.lock"
+    ]
 
 
 def _fake_conversion(calls: list):
-    """A stand-in for the GGUF conversion: a small safetensors model file and a config, counted in ``calls``."""
+    """A stand-in for the GGUF conversion: a small safetensors model file and a config, counted in
+    ``calls``."""
     from safetensors.torch import save_file
 
     def convert(out: Path) -> dict:
@@ -163,7 +182,9 @@ def _fake_conversion(calls: list):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "changed", "missing"])
-def test_a_damaged_converted_target_is_said_and_converted_again(damage, monkeypatch, tmp_path, caplog):
+def test_a_damaged_converted_target_is_said_and_converted_again(
+    damage, monkeypatch, tmp_path, caplog
+):
     calls: list = []
     monkeypatch.setattr(assets, "_convert_gguf", _fake_conversion(calls))
     final = assets.default_target_dir(tmp_path)
@@ -173,33 +194,55 @@ def test_a_damaged_converted_target_is_said_and_converted_again(damage, monkeypa
     data = bytearray(weights.read_bytes())
     if damage == "truncated":  # a copy that stopped: `assets` used to report the folder ready
         weights.write_bytes(bytes(data[:-1000]))
-    elif damage == "changed":  # same size, other bytes: only the full check (draftsmith assets) sees it
+    elif (
+        damage == "changed"
+    ):  # same size, other bytes: only the full check (draftsmith assets) sees it
         data[-8] ^= 0x40
         weights.write_bytes(bytes(data))
-        assert assets.default_target_dir(tmp_path) == final and len(calls) == 1  # the cheap check passes it
+        assert (
+            assets.default_target_dir(tmp_path) == final and len(calls) == 1
+        )  # the cheap check passes it
     else:
         weights.unlink()
     with caplog.at_level("WARNING"):
         assert assets.default_target_dir(tmp_path, full_check=True) == final
     assert len(calls) == 2 and assets.target_damage(final, full=True) is None
-    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "damaged (" in r.getMessage()]
-    assert len(warned) == 1 and "model.safetensors" in warned[0] and "converting it again" in warned[0], warned
-    assert not [p for p in (tmp_path / "targets").iterdir() if p.name.startswith(f".{assets.TARGET_NAME}.tmp")]
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == "WARNING" and "damaged (" in r.getMessage()
+    ]
+    assert (
+        len(warned) == 1 and "model.safetensors" in warned[0] and "converting it again" in warned[0]
+    ), warned
+    assert not [
+        p
+        for p in (tmp_path / "targets").iterdir()
+        if p.name.startswith(f".{assets.TARGET_NAME}.tmp")
+    ]
 
 
-def test_a_folder_converted_before_sizes_were_recorded_is_checked_by_its_headers(monkeypatch, tmp_path):
+def test_a_folder_converted_before_sizes_were_recorded_is_checked_by_its_headers(
+    monkeypatch, tmp_path
+):
     calls: list = []
     monkeypatch.setattr(assets, "_convert_gguf", _fake_conversion(calls))
     final = assets.default_target_dir(tmp_path)
-    (final / ".complete").write_text(json.dumps({"parameters": 4096}))  # an older marker, no "files"
+    (final / ".complete").write_text(
+        json.dumps({"parameters": 4096})
+    )  # an older marker, no "files"
     assert assets.target_damage(final) is None
     weights = final / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     assert "truncated" in assets.target_damage(final)
-    assert assets.default_target_dir(tmp_path) == final and len(calls) == 2 and assets.target_damage(final) is None
+    assert (
+        assets.default_target_dir(tmp_path) == final
+        and len(calls) == 2
+        and assets.target_damage(final) is None
+    )
 
 
-# ----------------------------------------------------------------------------- embedded packages (integration)
+# ------------------------------------------------------------------ embedded packages (integration)
 
 
 @pytest.mark.integration
@@ -221,7 +264,9 @@ def test_embedded_mtbench():
     questions = mtbench_questions()
     assert len(questions) == 80
     assert len({q["category"] for q in questions}) == 8
-    assert all(len(q["turns"]) == 2 and all(isinstance(t, str) for t in q["turns"]) for q in questions)
+    assert all(
+        len(q["turns"]) == 2 and all(isinstance(t, str) for t in q["turns"]) for q in questions
+    )
 
 
 def test_embedded_humaneval_second_prompt_set(tmp_path):
@@ -232,7 +277,9 @@ def test_embedded_humaneval_second_prompt_set(tmp_path):
     bad = tmp_path / "HumanEval.jsonl.gz"
     with gzip.open(bad, "wt") as handle:
         handle.write('{"task_id": "x"}\n')
-    with pytest.raises(ValueError, match=r"HumanEval.jsonl.gz:1: a HumanEval problem needs a 'prompt' string"):
+    with pytest.raises(
+        ValueError, match=r"HumanEval.jsonl.gz:1: a HumanEval problem needs a 'prompt' string"
+    ):
         assets.humaneval_prompts(bad)
 
 
@@ -259,7 +306,9 @@ def test_converted_target_matches_gguf(converted_target):
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
 
     src = assets.gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(src.parent), gguf_file=src.name, dtype=torch.float32
+    ).eval()
     assert torch.equal(reference.model.embed_tokens.weight, model.model.embed_tokens.weight)
     ids = torch.tensor([tokenizer("The capital of France is")["input_ids"]])  # [1, T]
     with torch.no_grad():

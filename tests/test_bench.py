@@ -1,4 +1,5 @@
-"""`draftsmith bench` / `generate` on a tiny target: the JSON contract, the lossless verdict, clear errors."""
+"""`draftsmith bench` / `generate` on a tiny target: the JSON contract, the lossless verdict, clear
+errors."""
 
 from __future__ import annotations
 
@@ -23,8 +24,16 @@ pytestmark = pytest.mark.unit
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [{"prompt": "hello world what is the answer ?"},
-                                                      {"turns": ["please explain the code", "why ?"]}]) + "\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": "hello world what is the answer ?"},
+                {"turns": ["please explain the code", "why ?"]},
+            ]
+        )
+        + "\n"
+    )
     return path
 
 
@@ -32,37 +41,72 @@ def test_bench_reports_the_contract_and_is_lossless(medusa_export, prompts_file,
     rt = load_runtime(str(medusa_export), None, "fp32")
     prompts = load_prompts(str(prompts_file), rt.tokenizer, None)
     result = run_bench(rt, prompts, max_new_tokens=24)
-    for key in ("method", "prompts", "max_new_tokens", "dtype", "tau", "acceptance_by_position", "tokens_per_s",
-                "speedup", "lossless"):
+    for key in (
+        "method",
+        "prompts",
+        "max_new_tokens",
+        "dtype",
+        "tau",
+        "acceptance_by_position",
+        "tokens_per_s",
+        "speedup",
+        "lossless",
+    ):
         assert key in result
     assert result["method"] == "medusa" and result["prompts"] == 2 and result["dtype"] == "float32"
     assert set(result["tokens_per_s"]) == {"hf_generate", "runtime_ar", "speculative"}
     assert set(result["speedup"]) >= {"vs_hf_generate", "vs_runtime_ar"}
     assert result["lossless"] is True and result["runtime_ar_matches_hf"] is True
-    oracle = result["lossless_detail"]["oracle"]  # beside the drafter: accepted drafts verified on most steps
+    oracle = result["lossless_detail"][
+        "oracle"
+    ]  # beside the drafter: accepted drafts verified on most steps
     assert result["lossless_oracle"] is True and oracle["total"] == 2 and oracle["chain"] == 4
     assert oracle["tau"] > 2.0 and oracle["acceptance"] == 0.8
     assert result["tau"] >= 1.0 and len(result["acceptance_by_position"]) == 2
     assert len(result["head_agreement_top1"]) == 2
     by_size = result["step_costs"]["forward_ms_by_new_tokens"]
-    assert list(by_size) == list(range(1, 17)) and all(ms > 0 for ms in by_size.values())  # every verify size
+    assert list(by_size) == list(range(1, 17)) and all(
+        ms > 0 for ms in by_size.values()
+    )  # every verify size
     out = write_outputs(result, tmp_path / "bench")
     assert json.loads((out / "bench.json").read_text())["lossless"] is True
     assert "oracle (acceptance 0.8, chain 4): True (2/2)" in (out / "bench.md").read_text()
-    assert (out / "acceptance.png").stat().st_size > 1000 and "tau" in (out / "bench.md").read_text()
-    assert "forward ms for " + "/".join(map(str, range(1, 17))) + " new tokens" in (out / "bench.md").read_text()
+    assert (out / "acceptance.png").stat().st_size > 1000 and "tau" in (
+        out / "bench.md"
+    ).read_text()
+    assert (
+        "forward ms for " + "/".join(map(str, range(1, 17))) + " new tokens"
+        in (out / "bench.md").read_text()
+    )
     backend = json.loads((out / "bench.json").read_text())["backend"]  # which backends ran, and why
-    assert backend["linear_backend"] == rt.model.linear_ops and backend["linear_reason"] and backend["cpu"]
-    assert backend["dtype"] == "float32" and result["hf_dtype"] == "float32"  # run_bench's default: HF in same dtype
-    inference = json.loads((out / "bench.json").read_text())["inference"]  # what ran and where it came from
+    assert (
+        backend["linear_backend"] == rt.model.linear_ops
+        and backend["linear_reason"]
+        and backend["cpu"]
+    )
+    assert (
+        backend["dtype"] == "float32" and result["hf_dtype"] == "float32"
+    )  # run_bench's default: HF in same dtype
+    inference = json.loads((out / "bench.json").read_text())[
+        "inference"
+    ]  # what ran and where it came from
     assert inference["verifier"] == {"name": "greedy", "source": "export"}
-    assert inference["stop_policy"] == {"spec": "none", "source": "default"}  # this export names none
+    assert inference["stop_policy"] == {
+        "spec": "none",
+        "source": "default",
+    }  # this export names none
     assert inference["proposer_options"]["tree"]["source"] == "export"
     assert "greedy (export)" in (out / "bench.md").read_text()
     costs = result["step_costs"]
-    assert costs["bandwidth_floor_ms"] > 0 and costs["ar_step_over_floor"] > 0 and costs["read_bandwidth_gbs"] > 0
-    assert ("vs bandwidth floor" in (out / "bench.md").read_text()
-            and "why these linears" in (out / "bench.md").read_text())
+    assert (
+        costs["bandwidth_floor_ms"] > 0
+        and costs["ar_step_over_floor"] > 0
+        and costs["read_bandwidth_gbs"] > 0
+    )
+    assert (
+        "vs bandwidth floor" in (out / "bench.md").read_text()
+        and "why these linears" in (out / "bench.md").read_text()
+    )
 
 
 def test_bench_refuses_an_export_for_another_target(medusa_export, tmp_path, tiny_tokenizer):
@@ -90,42 +134,104 @@ def test_bench_errors_for_bad_inputs(medusa_export, tmp_path, tiny_target_dir):
     with pytest.raises(ValueError, match="linear_backend must be one of auto, dense, mkldnn, cpp"):
         load_runtime(str(medusa_export), None, "bf16", linear_backend="fast")
     long_prompt = list(range(5, 100)) * 60
-    with pytest.raises(ValueError, match="cache|context is 512 positions"):  # the cache is sized from the target
+    with pytest.raises(
+        ValueError, match="cache|context is 512 positions"
+    ):  # the cache is sized from the target
         rt.speculative.generate(long_prompt, 8)
 
 
 @pytest.mark.e2e  # a train.py / draftsmith subprocess
 def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
     exe = [sys.executable, "-m", "draftsmith.cli"]
-    gen = subprocess.run([*exe, "generate", "--drafter", str(medusa_export), "--prompt", "hello world",
-                          "--max-new-tokens", "8", "--verbose"], capture_output=True, text=True, timeout=120)
+    gen = subprocess.run(
+        [
+            *exe,
+            "generate",
+            "--drafter",
+            str(medusa_export),
+            "--prompt",
+            "hello world",
+            "--max-new-tokens",
+            "8",
+            "--verbose",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert "tau" in gen.stderr
-    assert "[linear_backend]" in gen.stderr and "[linear_reason]" in gen.stderr and "[cpu]" in gen.stderr
-    bench = subprocess.run([*exe, "bench", "--drafter", str(medusa_export), "--prompts", str(prompts_file),
-                            "--max-new-tokens", "8", "--dtype", "bf16", "--lossless-dtype", "fp32",
-                            "--profile", "--sweep-k", "1,2", "--out", str(tmp_path / "b")],
-                           capture_output=True, text=True, timeout=300)
+    assert (
+        "[linear_backend]" in gen.stderr
+        and "[linear_reason]" in gen.stderr
+        and "[cpu]" in gen.stderr
+    )
+    bench = subprocess.run(
+        [
+            *exe,
+            "bench",
+            "--drafter",
+            str(medusa_export),
+            "--prompts",
+            str(prompts_file),
+            "--max-new-tokens",
+            "8",
+            "--dtype",
+            "bf16",
+            "--lossless-dtype",
+            "fp32",
+            "--profile",
+            "--sweep-k",
+            "1,2",
+            "--out",
+            str(tmp_path / "b"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bench.returncode == 0, bench.stderr[-2000:]
-    assert ("| tau" in bench.stdout and "| stop policy | tau |" in bench.stdout
-            and "per speculative step" in bench.stdout)
+    assert (
+        "| tau" in bench.stdout
+        and "| stop policy | tau |" in bench.stdout
+        and "per speculative step" in bench.stdout
+    )
     result = json.loads((tmp_path / "b" / "bench.json").read_text())
     # Timed in bf16, lossless verdict from a separate fp32 run against HF generate.
     assert result["dtype"] == "bfloat16" and result["lossless_detail"]["dtype"] == "fp32"
-    assert result["lossless"] is True and result["lossless_oracle"] is True  # the fp32 check ran the oracle too
+    assert (
+        result["lossless"] is True and result["lossless_oracle"] is True
+    )  # the fp32 check ran the oracle too
     assert result["lossless_detail"]["oracle"]["tau"] > 2.0
-    # The default stop policy is cost-aware: a depth (or plain decoding) chosen from costs measured here.
+    # The default stop policy is cost-aware: a depth (or plain decoding) chosen from costs measured
+    # here.
     cm = result["cost_model"]
     assert cm["table"][0]["depth"] == 0 and cm["depth"] in [r["depth"] for r in cm["table"]]
-    assert [r["policy"] for r in result["sweep"]][:3] == ["plain (runtime AR)", "fixed:1", "fixed:2"]
-    assert result["sweep"][-1]["policy"].endswith("(in force)") and result["sweep"][0]["speedup_vs_runtime_ar"] == 1.0
+    assert [r["policy"] for r in result["sweep"]][:3] == [
+        "plain (runtime AR)",
+        "fixed:1",
+        "fixed:2",
+    ]
+    assert (
+        result["sweep"][-1]["policy"].endswith("(in force)")
+        and result["sweep"][0]["speedup_vs_runtime_ar"] == 1.0
+    )
     assert result["profile"]["steps"] > 0 and result["profile"]["step_ms"] > 0
     from draftsmith.runtime.serving import hf_fastest_dtype
 
-    assert result["hf_dtype"] == str(hf_fastest_dtype()[0]).replace("torch.", "")  # HF timed at its fastest dtype
-    assert result["backend"]["linear_backend"] == result["linear_backend"] and "hf" not in result["lossless_detail"]
-    missing = subprocess.run([*exe, "bench", "--drafter", str(tmp_path / "missing")], capture_output=True, text=True,
-                             timeout=60)
+    assert result["hf_dtype"] == str(hf_fastest_dtype()[0]).replace(
+        "torch.", ""
+    )  # HF timed at its fastest dtype
+    assert (
+        result["backend"]["linear_backend"] == result["linear_backend"]
+        and "hf" not in result["lossless_detail"]
+    )
+    missing = subprocess.run(
+        [*exe, "bench", "--drafter", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
@@ -133,7 +239,10 @@ def test_proposer_options_override_export_defaults(medusa_export):
     from draftsmith.runtime.serving import parse_options
 
     assert parse_options(["depth=2", "policy=chain", "tree=[[0],[0,0]]"]) == {
-        "depth": 2, "policy": "chain", "tree": [[0], [0, 0]]}
+        "depth": 2,
+        "policy": "chain",
+        "tree": [[0], [0, 0]],
+    }
     with pytest.raises(ValueError, match="key=value"):
         parse_options(["depth"])
     rt = load_runtime(str(medusa_export), None, "fp32", proposer_options={"tree": [[0], [0, 0]]})
@@ -141,8 +250,8 @@ def test_proposer_options_override_export_defaults(medusa_export):
 
 
 def test_interleaved_timing_rotates_the_order_and_shares_drift(monkeypatch):
-    """Prompt i runs the decoders in an order rotated by i; a machine that slows down over the bench slows both
-    decoders alike (sequential timing charged all of it to the decoder timed second)."""
+    """Prompt i runs the decoders in an order rotated by i; a machine that slows down over the bench
+    slows both decoders alike (sequential timing charged all of it to the decoder timed second)."""
     from draftsmith.bench import timing
 
     clock = {"now": 0.0, "calls": 0}
@@ -152,12 +261,17 @@ def test_interleaved_timing_rotates_the_order_and_shares_drift(monkeypatch):
         def decode(prompt: list[int]) -> list[int]:
             order.append(name)
             clock["calls"] += 1
-            clock["now"] += 1.0 + 0.1 * clock["calls"]  # each call takes longer than the last: drift
+            clock["now"] += (
+                1.0 + 0.1 * clock["calls"]
+            )  # each call takes longer than the last: drift
             return list(prompt)
+
         return decode
 
     monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["now"])
-    timed = timing.time_interleaved({"a": slowing_decoder("a"), "b": slowing_decoder("b")}, [[1, 2]] * 4)
+    timed = timing.time_interleaved(
+        {"a": slowing_decoder("a"), "b": slowing_decoder("b")}, [[1, 2]] * 4
+    )
     assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert timed["a"]["seconds"] == pytest.approx(timed["b"]["seconds"])
     assert timed["a"]["outputs"] == [[1, 2]] * 4 and timed["b"]["tokens"] == 8
@@ -166,8 +280,8 @@ def test_interleaved_timing_rotates_the_order_and_shares_drift(monkeypatch):
 
 
 def test_an_exception_without_a_message_is_named_not_printed_empty(monkeypatch, capsys):
-    """A bug that raises a bare StopIteration used to print `error: ` and nothing else; it is a bug: its traceback
-    and a line saying so (tests/test_cli_errors.py has the whole policy)."""
+    """A bug that raises a bare StopIteration used to print `error: ` and nothing else; it is a bug:
+    its traceback and a line saying so (tests/test_cli_errors.py has the whole policy)."""
     from draftsmith import cli
     from draftsmith.cli import serving as runtime_cli
 
@@ -178,7 +292,9 @@ def test_an_exception_without_a_message_is_named_not_printed_empty(monkeypatch, 
     monkeypatch.delenv("DRAFTSMITH_DEBUG", raising=False)
     assert cli.main(["generate", "--prompt", "hi"]) == 1
     err = capsys.readouterr().err
-    assert "Traceback" in err and "internal error (StopIteration): this is a bug in draftsmith" in err
+    assert (
+        "Traceback" in err and "internal error (StopIteration): this is a bug in draftsmith" in err
+    )
 
 
 def _timer(rows: list[tuple[int, float]]) -> dict:
@@ -192,63 +308,96 @@ def test_speedup_ci_brackets_the_ratio_and_collapses_when_every_prompt_agrees():
     twice = _timer([(100, 0.5), (50, 0.25), (80, 0.5)])  # every prompt exactly 2x faster
     lo, hi = speedup_ci(base, twice)
     assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
-    noisy = _timer([(100, 0.9), (50, 0.6), (80, 1.0)])  # per prompt 1.11x, 0.83x, 0.8x of base's rate
+    noisy = _timer(
+        [(100, 0.9), (50, 0.6), (80, 1.0)]
+    )  # per prompt 1.11x, 0.83x, 0.8x of base's rate
     lo, hi = speedup_ci(base, noisy)
     assert 0.8 - 1e-9 <= lo < hi <= 1.0 / 0.9 + 1e-9
     with pytest.raises(ValueError, match="same prompts"):
         speedup_ci(base, _timer([(100, 1.0)]))
-    assert speedup_ci(_timer([(100, 1.0)]), _timer([(100, 0.5)])) == (None, None)  # one prompt: no interval
+    assert speedup_ci(_timer([(100, 1.0)]), _timer([(100, 0.5)])) == (
+        None,
+        None,
+    )  # one prompt: no interval
 
 
-def test_bench_table_shows_the_speedup_interval_and_says_when_plain_decoding_was_served(medusa_export, prompts_file):
+def test_bench_table_shows_the_speedup_interval_and_says_when_plain_decoding_was_served(
+    medusa_export, prompts_file
+):
     from draftsmith.bench.report import markdown_table
     from draftsmith.runtime.drafting.base import NullProposer
 
     rt = load_runtime(str(medusa_export), None, "fp32")
-    rt.speculative.proposer = NullProposer()  # what the cost-aware default serves when speculation would lose
-    result = run_bench(rt, load_prompts(str(prompts_file), rt.tokenizer, None), max_new_tokens=8, skip_hf=True)
+    rt.speculative.proposer = (
+        NullProposer()
+    )  # what the cost-aware default serves when speculation would lose
+    result = run_bench(
+        rt, load_prompts(str(prompts_file), rt.tokenizer, None), max_new_tokens=8, skip_hf=True
+    )
     lo, hi = result["speedup"]["vs_runtime_ar_ci95"]
     assert lo <= hi and result["served_plain"] is True and result["lossless"] is True
-    row = next(line for line in markdown_table(result).splitlines() if line.startswith("| speedup vs runtime AR"))
+    row = next(
+        line
+        for line in markdown_table(result).splitlines()
+        if line.startswith("| speedup vs runtime AR")
+    )
     assert "95% CI" in row and "runtime AR loop itself" in row
-    rt.speculative.temperature_policy = lambda hidden: torch.zeros(hidden.shape[0])  # still no drafter, but the
-    assert not rt.speculative.serves_plain_ar()  # speculative loop runs (a controller's tempered sampling)
+    rt.speculative.temperature_policy = lambda hidden: torch.zeros(
+        hidden.shape[0]
+    )  # still no drafter, but the
+    assert (
+        not rt.speculative.serves_plain_ar()
+    )  # speculative loop runs (a controller's tempered sampling)
 
 
-def test_when_plain_decoding_is_served_the_lossless_check_still_runs_the_drafter(medusa_export, prompts_file,
-                                                                                  monkeypatch):
-    """Issue 40: the cost-aware default served plain decoding and "lossless 6/6" compared the plain loop with HF, so it
-    said nothing about the export; the table showed the export's stop policy and tau 1.000. The check now runs the
-    drafter (the best measured shape, else the export's proposer) and both bench.json and the table say what was
-    served and what was checked."""
+def test_when_plain_decoding_is_served_the_lossless_check_still_runs_the_drafter(
+    medusa_export, prompts_file, monkeypatch
+):
+    """Issue 40: the cost-aware default served plain decoding and "lossless 6/6" compared the plain
+    loop with HF, so it said nothing about the export; the table showed the export's stop policy and
+    tau 1.000. The check now runs the drafter (the best measured shape, else the export's proposer)
+    and both bench.json and the table say what was served and what was checked."""
     from draftsmith.bench import run as bench_run
     from draftsmith.bench.report import markdown_table
     from draftsmith.runtime.shapes import draft_shapes
 
-    def serve_plain(runtime, prompts, costs):  # what the cost-aware choice does when speculation would lose
+    def serve_plain(
+        runtime, prompts, costs
+    ):  # what the cost-aware choice does when speculation would lose
         draft_shapes.apply_shape(runtime.speculative, draft_shapes.PLAIN)
         why = "plain decoding measured fastest (speculation loses here)"
         return {"why": why, "summary": why, "table": [], "shape_label": "plain"}
 
     monkeypatch.setattr(bench_run, "_apply_cost_aware_depth", serve_plain)
     rt = load_runtime(str(medusa_export), None, "fp32")
-    result = run_bench(rt, load_prompts(str(prompts_file), rt.tokenizer, None), max_new_tokens=8, skip_hf=True,
-                       cost_aware=True)
-    assert result["served_plain"] is True and result["served"].startswith("plain decoding, no drafter (plain")
+    result = run_bench(
+        rt,
+        load_prompts(str(prompts_file), rt.tokenizer, None),
+        max_new_tokens=8,
+        skip_hf=True,
+        cost_aware=True,
+    )
+    assert result["served_plain"] is True and result["served"].startswith(
+        "plain decoding, no drafter (plain"
+    )
     detail = result["lossless_detail"]
     assert detail["checked"] == "the export's proposer (plain decoding is served)"
     assert detail["tau"] is not None and detail["tau"] >= 1.0  # the drafter drafted in the check
     assert result["lossless"] is True and detail["total"] == 2
     table = markdown_table(result)
     assert "| served (what the timed speculative rows ran) | plain decoding, no drafter" in table
-    assert "| tau (mean accepted length, incl. bonus) | n/a: plain decoding was served (nothing drafted); the " \
-           "drafter's tau in the lossless check:" in table
+    assert (
+        "| tau (mean accepted length, incl. bonus) | n/a: plain decoding was served (nothing"
+        " drafted); the drafter's tau in the lossless check:" in table
+    )
     assert "checked: the export's proposer (plain decoding is served), tau " in table
 
 
 def test_hf_generate_stops_at_the_context_as_the_runtime_does(tiny_target_dir):
-    """Past the model's context the runtime caps ``max_new_tokens``; the HF baseline is capped alike, so the bench's
-    lossless comparison compares outputs of one length (HF would otherwise run on past max_position_embeddings)."""
+    """Past the model's context the runtime caps ``max_new_tokens``; the HF baseline is capped
+    alike, so the bench's lossless comparison compares outputs of one length (HF would otherwise run
+    on past max_position_embeddings).
+    """
     from draftsmith.bench.timing import compare_outputs, time_hf_generate
     from draftsmith.runtime.decoding.autoregressive import generate_ar
     from draftsmith.runtime.decoding.prompt_limits import ContextCapWarning
@@ -258,4 +407,7 @@ def test_hf_generate_stops_at_the_context_as_the_runtime_does(tiny_target_dir):
     with pytest.warns(ContextCapWarning, match="context of 512 positions"):
         hf = time_hf_generate(tiny_target_dir, [prompt], 10**6)
         ours = generate_ar(load_decoder(tiny_target_dir), prompt, 10**6)
-    assert len(hf["outputs"][0]) <= 512 - len(prompt) and compare_outputs(hf["outputs"], [ours])["all_identical"]
+    assert (
+        len(hf["outputs"][0]) <= 512 - len(prompt)
+        and compare_outputs(hf["outputs"], [ours])["all_identical"]
+    )

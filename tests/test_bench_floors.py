@@ -1,5 +1,5 @@
-"""`bench --profile` against the bandwidth floors: byte counts from the loaded modules, the read-bandwidth probe, the
-ratios and verdicts, and the new keys of a real (tiny) bench run."""
+"""`bench --profile` against the bandwidth floors: byte counts from the loaded modules, the
+read-bandwidth probe, the ratios and verdicts, and the new keys of a real (tiny) bench run."""
 
 from __future__ import annotations
 
@@ -56,12 +56,17 @@ class _Drafter(nn.Module):
     def __init__(self, embed: torch.Tensor, head: torch.Tensor) -> None:
         super().__init__()
         self.fc = nn.Linear(2 * H, H)  # own weights: 2H*H + H
-        self.register_buffer("embed_weight", embed, persistent=False)  # the target's: one row per call
-        self.register_buffer("lm_head_weight", head, persistent=False)  # the target's head, read whole
+        self.register_buffer(
+            "embed_weight", embed, persistent=False
+        )  # the target's: one row per call
+        self.register_buffer(
+            "lm_head_weight", head, persistent=False
+        )  # the target's head, read whole
         self.register_buffer("d2t", torch.arange(7))  # integer map: gathered, not streamed
 
 
-class _Serving:  # a draftsmith-style helper object between the proposer and its module (as EAGLE's serving model)
+# a draftsmith-style helper object between the proposer and its module (as EAGLE's serving model)
+class _Serving:
     __module__ = "draftsmith.tests_fake"
 
     def __init__(self, drafter: nn.Module, target: nn.Module) -> None:
@@ -73,7 +78,8 @@ class _Serving:  # a draftsmith-style helper object between the proposer and its
 
 
 class _Proposer(Proposer):
-    """An EAGLE-style proposer: it counts its own drafter forwards (the declared ``draft_calls``)."""
+    """An EAGLE-style proposer: it counts its own drafter forwards (the declared
+    ``draft_calls``)."""
 
     __module__ = "draftsmith.tests_fake"
     counts_draft_calls = True
@@ -92,7 +98,9 @@ def test_drafter_bytes_count_own_weights_the_shared_head_and_one_embedding_row(t
     untied_head = torch.randn(vocab, H)
     proposer = _Proposer(_Serving(_Drafter(target.embed_weight, untied_head), target))
     got = floors.drafter_call_bytes(proposer, target)
-    assert got["drafter_weights"] == 4 * (2 * H * H + H) + 4 * vocab * H  # fc + a head the target does not hold
+    assert (
+        got["drafter_weights"] == 4 * (2 * H * H + H) + 4 * vocab * H
+    )  # fc + a head the target does not hold
     assert got["target_lm_head"] == 0 and got["embed_rows"] == 4 * H
     # holding the target's own (tied) head: counted as the shared LM head, the target's layers never
     shared = _Proposer(_Serving(_Drafter(target.embed_weight, target.lm_head_weight), target))
@@ -103,14 +111,20 @@ def test_drafter_bytes_count_own_weights_the_shared_head_and_one_embedding_row(t
 
 
 def test_draft_calls_are_counted_through_draft_or_module_forwards(tiny_decoder):
-    proposer = _Proposer(_Serving(_Drafter(tiny_decoder.embed_weight, torch.randn(3, H)), tiny_decoder))
+    proposer = _Proposer(
+        _Serving(_Drafter(tiny_decoder.embed_weight, torch.randn(3, H)), tiny_decoder)
+    )
     proposer._draft()  # before the block: not counted
     with floors.counting_draft_calls(proposer, tiny_decoder) as counted:
         for _ in range(3):
             proposer._draft()
-    assert counted["calls"] == 3 and "_draft" not in vars(proposer)  # read from the counter: nothing replaced
+    assert counted["calls"] == 3 and "_draft" not in vars(
+        proposer
+    )  # read from the counter: nothing replaced
 
-    class Heads(Proposer):  # a proposer that counts nothing itself: one forward of its heads per call
+    class Heads(
+        Proposer
+    ):  # a proposer that counts nothing itself: one forward of its heads per call
         __module__ = "draftsmith.tests_fake"
 
         def __init__(self) -> None:
@@ -128,7 +142,12 @@ def test_ratios_and_verdicts_from_a_fake_profile(tiny_decoder):
     target = tiny_decoder
     proposer = _Proposer(_Serving(_Drafter(target.embed_weight, torch.randn(8, H)), target))
     bandwidth = 1.0  # GB/s: 1 ms per MB
-    steps = {"context_tokens": 20.0, "ar_context_tokens": 12.0, "tree_nodes": 5.0, "draft_calls": 2.0}
+    steps = {
+        "context_tokens": 20.0,
+        "ar_context_tokens": 12.0,
+        "tree_nodes": 5.0,
+        "draft_calls": 2.0,
+    }
     ar_floor = floors.decoder_step_bytes(target, 12)["total"] / 1e6
     call_floor = floors.drafter_call_bytes(proposer, target)["total"] / 1e6
     verify_floor = floors.decoder_step_bytes(target, 20, new_tokens=5)["total"] / 1e6
@@ -136,16 +155,26 @@ def test_ratios_and_verdicts_from_a_fake_profile(tiny_decoder):
     got = floors.step_floors(target, proposer, profile, steps, 1.42 * ar_floor, bandwidth)
     assert got["ar_step"]["floor_ms"] == pytest.approx(ar_floor)
     assert got["ar_step"]["ratio"] == pytest.approx(1.42) and got["ar_step"]["met"] is False
-    assert got["verify_forward"]["ratio"] == pytest.approx(3.0) and got["verify_forward"]["new_tokens"] == 5
+    assert (
+        got["verify_forward"]["ratio"] == pytest.approx(3.0)
+        and got["verify_forward"]["new_tokens"] == 5
+    )
     assert got["draft_per_call"]["measured_ms"] == pytest.approx(1.5 * call_floor)
-    assert got["draft_per_call"]["ratio"] == pytest.approx(1.5) and got["draft_per_call"]["met"] is True
+    assert (
+        got["draft_per_call"]["ratio"] == pytest.approx(1.5)
+        and got["draft_per_call"]["met"] is True
+    )
     # 4 drafted tokens from 2 calls: each token's floor is half a call's
     assert got["draft_per_token"]["floor_ms"] == pytest.approx(call_floor / 2)
     assert got["draft_per_token"]["ratio"] == pytest.approx(1.5)
-    assert floors.verdicts(got) == ["AR step 1.42x floor (target 1.3x): missed",
-                                    "drafted token 1.50x floor (target 2.0x): met"]
+    assert floors.verdicts(got) == [
+        "AR step 1.42x floor (target 1.3x): missed",
+        "drafted token 1.50x floor (target 2.0x): met",
+    ]
     # nothing drafted (plain decoding served): no per-token figure, and the verdict says so
-    none = floors.step_floors(target, proposer, profile, {**steps, "tree_nodes": 1.0}, ar_floor, bandwidth)
+    none = floors.step_floors(
+        target, proposer, profile, {**steps, "tree_nodes": 1.0}, ar_floor, bandwidth
+    )
     assert none["draft_per_token"]["ratio"] is None
     assert floors.verdicts(none)[1] == "drafted token: not measured (target 2.0x)"
     assert floors.verdicts(none)[0] == "AR step 1.00x floor (target 1.3x): met"
@@ -154,13 +183,19 @@ def test_ratios_and_verdicts_from_a_fake_profile(tiny_decoder):
 def test_bandwidth_probe_is_positive_finite_cached_and_uses_the_thread_count(monkeypatch):
     seen = []
     real = floors._reduce_once
-    monkeypatch.setattr(floors, "_reduce_once", lambda buf: (seen.append(torch.get_num_threads()), real(buf))[1])
+    monkeypatch.setattr(
+        floors, "_reduce_once", lambda buf: (seen.append(torch.get_num_threads()), real(buf))[1]
+    )
     before = torch.get_num_threads()
     gbs = floors.read_bandwidth_gbs(threads=1, mib=8, repeats=2, fresh=True)
     assert math.isfinite(gbs) and gbs > 0
-    assert seen and set(seen) == {1} and torch.get_num_threads() == before  # probed on 1 thread, then restored
+    assert (
+        seen and set(seen) == {1} and torch.get_num_threads() == before
+    )  # probed on 1 thread, then restored
     calls = len(seen)
-    assert floors.read_bandwidth_gbs(threads=1, mib=8, repeats=2) == gbs and len(seen) == calls  # cached
+    assert (
+        floors.read_bandwidth_gbs(threads=1, mib=8, repeats=2) == gbs and len(seen) == calls
+    )  # cached
     with pytest.raises(ValueError, match="threads, mib and repeats"):
         floors.read_bandwidth_gbs(threads=1, mib=0)
 
@@ -174,7 +209,9 @@ def test_bench_profile_writes_the_floor_keys_and_verdicts(medusa_export, tmp_pat
     found = result["profile"]["floors"]
     assert found["bandwidth_gbs"] > 0 and found["cpu"]
     assert found["draft_calls_source"] == "counted"
-    assert found["draft_calls_per_step"] == pytest.approx(1.0)  # Medusa: one forward of every head per step
+    assert found["draft_calls_per_step"] == pytest.approx(
+        1.0
+    )  # Medusa: one forward of every head per step
     heads = rt.speculative.proposer.heads
     cfg = heads.config
     own = 4 * cfg.num_heads * (cfg.num_layers * (H * H + H) + cfg.head_vocab_size * H)
@@ -189,8 +226,11 @@ def test_bench_profile_writes_the_floor_keys_and_verdicts(medusa_export, tmp_pat
 
 
 def test_step_costs_run_after_the_loops_mean_context(tiny_decoder, monkeypatch):
-    """The cost curve is timed after ``context`` cached tokens (the prompt repeated), as the decode loop runs at prompt
-    + half the new tokens: the prefill the model sees has that length, and the floor counts that much KV."""
+    """The cost curve is timed after ``context`` cached tokens (the prompt repeated), as the decode
+    loop runs at prompt
+    + half the new tokens: the prefill the model sees has that length, and the floor counts that
+      much KV.
+    """
     from types import SimpleNamespace
 
     from draftsmith.bench import floors
@@ -211,13 +251,15 @@ def test_step_costs_run_after_the_loops_mean_context(tiny_decoder, monkeypatch):
     seen.clear()
     long = _step_costs(runtime, [5, 6, 7], repeats=1, context=40)
     assert seen[0] == 40
-    assert long["weight_bytes_per_step"] > short["weight_bytes_per_step"]  # 37 more tokens of KV read per step
+    assert (
+        long["weight_bytes_per_step"] > short["weight_bytes_per_step"]
+    )  # 37 more tokens of KV read per step
 
 
 def test_profile_measures_drafting_even_when_plain_decoding_is_served(medusa_export, tmp_path):
-    """The cost-aware default served plain decoding on the best export, and ``--profile`` then measured no drafting
-    ("drafted token: not measured"): it now profiles the best measured shape (else the export's proposer) and puts
-    plain decoding back."""
+    """The cost-aware default served plain decoding on the best export, and ``--profile`` then
+    measured no drafting ("drafted token: not measured"): it now profiles the best measured shape
+    (else the export's proposer) and puts plain decoding back."""
     from dataclasses import asdict
 
     from draftsmith.bench.run import _profile
@@ -231,10 +273,19 @@ def test_profile_measures_drafting_even_when_plain_decoding_is_served(medusa_exp
     export_proposer = rt.speculative.proposer
     best = draft_shapes.candidates(export_proposer)[0]
     draft_shapes.apply_shape(rt.speculative, draft_shapes.PLAIN)
-    cost_model = {"table": [{"shape": "plain", "spec": asdict(draft_shapes.PLAIN), "measured_speedup": 1.0},
-                            {"shape": best.label, "spec": asdict(best), "measured_speedup": 0.9}]}
+    cost_model = {
+        "table": [
+            {"shape": "plain", "spec": asdict(draft_shapes.PLAIN), "measured_speedup": 1.0},
+            {"shape": best.label, "spec": asdict(best), "measured_speedup": 0.9},
+        ]
+    }
     for model, expect in ((cost_model, best.label), (None, "the export's proposer")):
         report = _profile(rt, prompts, 8, export_proposer, model)
-        assert report["profiled"].startswith(expect) and "plain decoding is served" in report["profiled"]
+        assert (
+            report["profiled"].startswith(expect)
+            and "plain decoding is served" in report["profiled"]
+        )
         assert report["draft_ms"] > 0 and report["floors"]["draft_per_token"]["ratio"] > 0
-        assert isinstance(rt.speculative.proposer, NullProposer)  # plain decoding is still what is served
+        assert isinstance(
+            rt.speculative.proposer, NullProposer
+        )  # plain decoding is still what is served

@@ -1,5 +1,7 @@
-"""Issue 41 item 5: a bench says what it is doing. Each phase prints a line when it starts, lines while it runs (done of
-total and an ETA where the phase counts prompts) and one when it ends; bench.json and the table list the phase times."""
+"""Issue 41 item 5: a bench says what it is doing. Each phase prints a line when it starts, lines
+while it runs (done of total and an ETA where the phase counts prompts) and one when it ends;
+bench.json and the table list the phase times.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ def test_a_running_phase_prints_lines_with_the_count_and_an_eta():
         progress.step(2)  # e.g. time_interleaved after two prompts
         assert "2/4 prompts done, eta " in bench.line()
         assert ticked.wait(30), lines  # the helper thread's line while the phase runs
-    assert lines[0] == "[bench] timing (4 prompts)..." and lines[-1].startswith("[bench] timing: done in ")
+    assert lines[0] == "[bench] timing (4 prompts)..." and lines[-1].startswith(
+        "[bench] timing: done in "
+    )
     assert set(bench.times) == {"timing"}
     with bench.phase("calibration"):  # uncounted: the time so far, no count
         assert bench.line().startswith("[bench] calibration: ") and "prompts" not in bench.line()
@@ -48,7 +52,9 @@ def test_the_table_lists_the_phases_and_their_times():
     assert progress.phases_text(None) == "n/a"
 
 
-def test_a_phase_that_counts_nothing_gets_its_eta_from_the_last_bench_of_the_same_kind(tmp_path, monkeypatch):
+def test_a_phase_that_counts_nothing_gets_its_eta_from_the_last_bench_of_the_same_kind(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path))
     first = progress.start(log=lambda line: None, every_s=60, key="export|T|X")
     with first.phase("calibration (cost-aware draft shape)"):
@@ -58,6 +64,8 @@ def test_a_phase_that_counts_nothing_gets_its_eta_from_the_last_bench_of_the_sam
     again = progress.start(log=lambda line: None, every_s=60, key="export|T|X")
     with again.phase("calibration (cost-aware draft shape)"):
         assert ", eta " in again.line() and "(it took 10m00s last time)" in again.line()
-    other = progress.start(log=lambda line: None, every_s=60, key="export|T|Y")  # another export: no estimate
+    other = progress.start(
+        log=lambda line: None, every_s=60, key="export|T|Y"
+    )  # another export: no estimate
     with other.phase("calibration (cost-aware draft shape)"):
         assert "eta" not in other.line()

@@ -1,5 +1,7 @@
-"""Issue 41 item 6: the bench's own timings (forward curve, plain-step curve) run under the thread governor the decode
-loops use, and a cost-aware calibration measured while other processes were busy is not cached as this machine's."""
+"""Issue 41 item 6: the bench's own timings (forward curve, plain-step curve) run under the thread
+governor the decode loops use, and a cost-aware calibration measured while other processes were busy
+is not cached as this machine's.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ pytestmark = pytest.mark.unit
 
 
 class CountingGovernor:
-    """A governor that counts ticks (the real one adapts threads; here only whether it is asked matters)."""
+    """A governor that counts ticks (the real one adapts threads; here only whether it is asked
+    matters)."""
 
     max_threads, changes = 1, 0
 
@@ -30,7 +33,9 @@ class CountingGovernor:
         self.ticks += 1
 
 
-def test_the_bench_forward_curve_and_the_calibration_curves_tick_the_governor(medusa_export, monkeypatch):
+def test_the_bench_forward_curve_and_the_calibration_curves_tick_the_governor(
+    medusa_export, monkeypatch
+):
     rt = load_runtime(str(medusa_export), None, "fp32")
     gov = CountingGovernor()
     monkeypatch.setattr(bench_run, "governor", lambda: gov)
@@ -47,15 +52,21 @@ def test_the_bench_forward_curve_and_the_calibration_curves_tick_the_governor(me
 
 def _runtime(tmp_path: Path):
     model = SimpleNamespace(dtype=torch.float32, linear_ops="dense")
-    return SimpleNamespace(folder=str(tmp_path / "target"), model=model,
-                           export_config={"method": "medusa", "fingerprint": "abc"})
+    return SimpleNamespace(
+        folder=str(tmp_path / "target"),
+        model=model,
+        export_config={"method": "medusa", "fingerprint": "abc"},
+    )
 
 
 @pytest.mark.parametrize("earlier", [None, b'{"shape": "quiet one"}'])
 def test_a_calibration_measured_while_contended_is_not_cached(tmp_path, monkeypatch, earlier):
     monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path / "costs"))
     runtime = _runtime(tmp_path)
-    path = Path(cost_model.cache_dir()) / f"{calibration.cache_key(calibration.machine_identity(runtime))}.json"
+    path = (
+        Path(cost_model.cache_dir())
+        / f"{calibration.cache_key(calibration.machine_identity(runtime))}.json"
+    )
     path.parent.mkdir(parents=True)
     if earlier is not None:
         path.write_bytes(earlier)
@@ -64,7 +75,10 @@ def test_a_calibration_measured_while_contended_is_not_cached(tmp_path, monkeypa
         path.write_text(json.dumps({"shape": "measured while busy"}))
         return {"summary": "tree", "cache": str(path)}
 
-    busy = {"contended": True, "why": "other processes used 60% of the 2 CPUs while timing (over 10%)"}
+    busy = {
+        "contended": True,
+        "why": "other processes used 60% of the 2 CPUs while timing (over 10%)",
+    }
     monkeypatch.setattr(contention, "verdict", lambda start, end: busy)
     record = contention.calibrated_if_quiet(runtime, calibrate)
     assert record["cached"] is False and record["summary"] == "tree"  # still served by this bench
@@ -73,12 +87,20 @@ def test_a_calibration_measured_while_contended_is_not_cached(tmp_path, monkeypa
 
     monkeypatch.setattr(contention, "verdict", lambda start, end: {"contended": False, "why": None})
     record = contention.calibrated_if_quiet(runtime, calibrate)
-    assert record["cached"] is True and json.loads(path.read_text()) == {"shape": "measured while busy"}
+    assert record["cached"] is True and json.loads(path.read_text()) == {
+        "shape": "measured while busy"
+    }
 
 
 def test_the_table_says_when_the_calibration_was_not_cached():
     from draftsmith.bench.report import _cost_model_rows
 
-    rows = dict(_cost_model_rows({"summary": "tree:6", "cached": False, "not_cached_why": "contended: not cached"}))
+    rows = dict(
+        _cost_model_rows(
+            {"summary": "tree:6", "cached": False, "not_cached_why": "contended: not cached"}
+        )
+    )
     assert rows["calibration NOT CACHED"] == "contended: not cached"
-    assert "calibration NOT CACHED" not in dict(_cost_model_rows({"summary": "tree:6", "cached": True}))
+    assert "calibration NOT CACHED" not in dict(
+        _cost_model_rows({"summary": "tree:6", "cached": True})
+    )

@@ -1,6 +1,7 @@
-"""One error base and one failure policy (issue 51): every error class the project raises on purpose derives from
-``DraftsmithError`` (and keeps its builtin type); the CLI prints one line for those, and for anything else the
-traceback and a line saying it is a bug; Ctrl-C is one line and exit 130."""
+"""One error base and one failure policy (issue 51): every error class the project raises on purpose
+derives from ``DraftsmithError`` (and keeps its builtin type); the CLI prints one line for those,
+and for anything else the traceback and a line saying it is a bug; Ctrl-C is one line and exit
+130."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from draftsmith.common.errors import DraftsmithError, InputError, report_failure
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-NOT_ERRORS = {"TrainingInterrupted"}  # a KeyboardInterrupt: Ctrl-C, reported with the command that resumes
+NOT_ERRORS = {
+    "TrainingInterrupted"
+}  # a KeyboardInterrupt: Ctrl-C, reported with the command that resumes
 
 
 def exception_classes() -> list[tuple[str, str]]:
@@ -27,12 +30,23 @@ def exception_classes() -> list[tuple[str, str]]:
     found = []
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in ("tests", ".venv", ".cache", "scripts", "docs") or rel.parts[0].startswith("."):
+        if rel.parts[0] in ("tests", ".venv", ".cache", "scripts", "docs") or rel.parts[
+            0
+        ].startswith("."):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef) and any(
-                    word in ast.unparse(b) for b in node.bases
-                    for word in ("Error", "Exception", "Refused", "Unavailable", "Missing", "Unsupported")):
+                word in ast.unparse(b)
+                for b in node.bases
+                for word in (
+                    "Error",
+                    "Exception",
+                    "Refused",
+                    "Unavailable",
+                    "Missing",
+                    "Unsupported",
+                )
+            ):
                 module = "draftsmith." + ".".join(rel.with_suffix("").parts)
                 found.append((module, node.name))
     return found
@@ -58,8 +72,9 @@ def _failing(monkeypatch, err: BaseException) -> None:
 
     monkeypatch.setitem(serving_cli.HANDLERS, "generate", handler)
     for key in ("DRAFTSMITH_TRACEBACK", "DRAFTSMITH_DEBUG"):
-        # setenv first so teardown removes what `--traceback` sets in os.environ (delenv of an unset key records
-        # nothing to undo, and the leaked variable made later tests' train.py print tracebacks)
+        # setenv first so teardown removes what `--traceback` sets in os.environ (delenv of an unset
+        # key records nothing to undo, and the leaked variable made later tests' train.py print
+        # tracebacks)
         monkeypatch.setenv(key, "0")
         monkeypatch.delenv(key)
 
@@ -76,7 +91,8 @@ def test_traceback_on_request_keeps_the_line(monkeypatch, capsys):
     assert main(["generate", "--prompt", "hi", "--traceback"]) == 2
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and err.rstrip().endswith("error: bad input")
-    # the flag was this run's: the next in-process run is one line again (it leaked into every later test)
+    # the flag was this run's: the next in-process run is one line again (it leaked into every later
+    # test)
     assert "DRAFTSMITH_TRACEBACK" not in os.environ
     assert main(["generate", "--prompt", "hi"]) == 2
     assert capsys.readouterr().err.strip() == "draftsmith generate: error: bad input"
@@ -89,7 +105,9 @@ def test_a_bug_prints_its_traceback_and_says_it_is_a_bug(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "ValueError: index 3 out of range" in err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("draftsmith generate: internal error (ValueError): this is a bug in draftsmith")
+    assert last.startswith(
+        "draftsmith generate: internal error (ValueError): this is a bug in draftsmith"
+    )
     assert "report it" in last
 
 
@@ -97,7 +115,11 @@ def test_ctrl_c_is_one_line_exit_130(monkeypatch, capsys):
     _failing(monkeypatch, KeyboardInterrupt())
     assert main(["generate", "--prompt", "hi"]) == 130
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "interrupted (Ctrl-C)" in err and "Traceback" not in err
+    assert (
+        len(err.strip().splitlines()) == 1
+        and "interrupted (Ctrl-C)" in err
+        and "Traceback" not in err
+    )
 
 
 def test_report_failure_policy_as_train_uses_it(monkeypatch):

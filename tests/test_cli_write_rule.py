@@ -1,5 +1,7 @@
-"""The one write rule (issue 50): no command writes over a file or folder it did not create, nor into, over or around
-what it reads; a place that cannot be written is refused before the work, in one line (common/write_rule.py)."""
+"""The one write rule (issue 50): no command writes over a file or folder it did not create, nor
+into, over or around what it reads; a place that cannot be written is refused before the work, in
+one line (common/write_rule.py).
+"""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ SMALL = ["--limit", "2", "--max-new-tokens", "2", "--dtype", "fp32", "--batch-si
 
 @pytest.fixture()
 def nothing_loads(monkeypatch):
-    """Fail the test if a command gets as far as loading a model (every refusal here comes before)."""
+    """Fail the test if a command gets as far as loading a model (every refusal here comes
+    before)."""
     from draftsmith.runtime import serving
 
     def loaded(*args, **kwargs):
@@ -36,54 +39,111 @@ def nothing_loads(monkeypatch):
     monkeypatch.setattr(serving, "load_runtime", loaded)
 
 
-def test_regenerate_out_equal_to_data_is_refused_and_the_data_kept(capsys, nothing_loads, tmp_path, tiny_data_file,
-                                                                  tiny_target_dir):
+def test_regenerate_out_equal_to_data_is_refused_and_the_data_kept(
+    capsys, nothing_loads, tmp_path, tiny_data_file, tiny_target_dir
+):
     """`regenerate --data X --out X` used to replace the user's dataset by the regenerated one."""
     data = Path(shutil.copy(tiny_data_file, tmp_path / "chat.jsonl"))
     before = data.read_bytes()
-    line = cli_error_line(capsys, ["regenerate", "--data", str(data), "--out", str(data), "--target",
-                                   str(tiny_target_dir), *SMALL])
+    line = cli_error_line(
+        capsys,
+        [
+            "regenerate",
+            "--data",
+            str(data),
+            "--out",
+            str(data),
+            "--target",
+            str(tiny_target_dir),
+            *SMALL,
+        ],
+    )
     assert f"--out {data} is the input {data}" in line and "nothing was written" in line
-    assert data.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
+    assert data.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "chat.jsonl"
+    ]
 
 
-def test_regenerate_never_replaces_an_existing_file_without_overwrite(capsys, nothing_loads, tmp_path,
-                                                                      tiny_data_file, tiny_target_dir):
+def test_regenerate_never_replaces_an_existing_file_without_overwrite(
+    capsys, nothing_loads, tmp_path, tiny_data_file, tiny_target_dir
+):
     mine = tmp_path / "mine.jsonl"
-    mine.write_text("{\"mine\": true}\n")
-    line = cli_error_line(capsys, ["regenerate", "--data", str(tiny_data_file), "--out", str(mine), "--target",
-                                   str(tiny_target_dir), *SMALL])
+    mine.write_text('{"mine": true}\n')
+    line = cli_error_line(
+        capsys,
+        [
+            "regenerate",
+            "--data",
+            str(tiny_data_file),
+            "--out",
+            str(mine),
+            "--target",
+            str(tiny_target_dir),
+            *SMALL,
+        ],
+    )
     assert f"--out {mine} exists" in line and "--overwrite" in line
-    assert mine.read_text() == "{\"mine\": true}\n" and not Path(f"{mine}.partial").exists()
+    assert mine.read_text() == '{"mine": true}\n' and not Path(f"{mine}.partial").exists()
 
 
 def test_regenerate_overwrite_replaces_it(tmp_path, tiny_data_file, tiny_target_dir):
     out = tmp_path / "out.jsonl"
     out.write_text("old\n")
-    assert main(["regenerate", "--data", str(tiny_data_file), "--out", str(out), "--target", str(tiny_target_dir),
-                 "--overwrite", *SMALL]) == 0
+    assert (
+        main(
+            [
+                "regenerate",
+                "--data",
+                str(tiny_data_file),
+                "--out",
+                str(out),
+                "--target",
+                str(tiny_target_dir),
+                "--overwrite",
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     assert out.read_text() != "old\n" and "source_index" in out.read_text()
 
 
-def test_regenerate_out_that_is_a_folder_is_refused_before_any_work(capsys, nothing_loads, tmp_path,
-                                                                     tiny_data_file, tiny_target_dir):
-    """It used to regenerate everything, then fail with "[Errno 21] Is a directory" and leave DIR.partial."""
+def test_regenerate_out_that_is_a_folder_is_refused_before_any_work(
+    capsys, nothing_loads, tmp_path, tiny_data_file, tiny_target_dir
+):
+    """It used to regenerate everything, then fail with "[Errno 21] Is a directory" and leave
+    DIR.partial."""
     folder = tmp_path / "dir"
     folder.mkdir()
     (folder / "keep.txt").write_text("mine")
-    line = cli_error_line(capsys, ["regenerate", "--data", str(tiny_data_file), "--out", str(folder), "--target",
-                                   str(tiny_target_dir), *SMALL])
+    line = cli_error_line(
+        capsys,
+        [
+            "regenerate",
+            "--data",
+            str(tiny_data_file),
+            "--out",
+            str(folder),
+            "--target",
+            str(tiny_target_dir),
+            *SMALL,
+        ],
+    )
     assert f"--out {folder} is a folder" in line
     assert not Path(f"{folder}.partial").exists() and (folder / "keep.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize("where", ["drafter", "inside-target"])
-def test_bench_out_never_writes_into_an_input(capsys, nothing_loads, tmp_path, medusa_export, tiny_target_dir, where):
+def test_bench_out_never_writes_into_an_input(
+    capsys, nothing_loads, tmp_path, medusa_export, tiny_target_dir, where
+):
     export = shutil.copytree(medusa_export, tmp_path / "export")
     target = shutil.copytree(tiny_target_dir, tmp_path / "target")
     out = export if where == "drafter" else target / "bench"
     before = tree_snapshot(tmp_path)
-    line = cli_error_line(capsys, ["bench", "--drafter", str(export), "--target", str(target), "--out", str(out)])
+    line = cli_error_line(
+        capsys, ["bench", "--drafter", str(export), "--target", str(target), "--out", str(out)]
+    )
     assert f"--out {out} is " in line and "nothing was written" in line
     assert tree_snapshot(tmp_path) == before
 
@@ -98,8 +158,11 @@ def test_bench_out_of_the_users_is_refused(capsys, nothing_loads, tmp_path, medu
 
 def test_overlap_in_each_direction():
     refuse_overlap("/a/b", ["/c"])  # unrelated: fine
-    for out, given, how in (("/a/b", "/a/b", "is the"), ("/a/b/c", "/a/b", "is inside the"),
-                            ("/a", "/a/b/x.jsonl", "is a folder holding the")):
+    for out, given, how in (
+        ("/a/b", "/a/b", "is the"),
+        ("/a/b/c", "/a/b", "is inside the"),
+        ("/a", "/a/b/x.jsonl", "is a folder holding the"),
+    ):
         with pytest.raises(OutputRefused, match=how):
             refuse_overlap(out, [given])
     refuse_overlap("/a", ["/a/b/x.jsonl"], containing=False)  # a file output cannot hold anything
@@ -134,16 +197,29 @@ def test_run_folder_problems(tmp_path, tiny_target_dir, tiny_data_file):
     data = tmp_path / "d" / "a.jsonl"
     data.parent.mkdir()
     shutil.copy(tiny_data_file, data)
-    cases = {str(blocker): "is a file", str(blocker / "run"): "is a file, not a folder",
-             str(users): "is not a draftsmith run folder", str(tiny_target_dir): "is the input",
-             str(data.parent): "is a folder holding the input"}
+    cases = {
+        str(blocker): "is a file",
+        str(blocker / "run"): "is a file, not a folder",
+        str(users): "is not a draftsmith run folder",
+        str(tiny_target_dir): "is the input",
+        str(data.parent): "is a folder holding the input",
+    }
     for run_dir, problem in cases.items():
-        found = run_folder_problem([f"hydra.run.dir={run_dir}", f"data.spec={data}",
-                                    f"target.name_or_path={tiny_target_dir}"])
-        assert found is not None and problem in found and found.startswith(f"hydra.run.dir {run_dir}"), found
+        found = run_folder_problem(
+            [
+                f"hydra.run.dir={run_dir}",
+                f"data.spec={data}",
+                f"target.name_or_path={tiny_target_dir}",
+            ]
+        )
+        assert (
+            found is not None and problem in found and found.startswith(f"hydra.run.dir {run_dir}")
+        ), found
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    assert run_folder_problem([f"hydra.run.dir={run}", f"data.spec={data}"]) is None  # a run folder: it resumes
+    assert (
+        run_folder_problem([f"hydra.run.dir={run}", f"data.spec={data}"]) is None
+    )  # a run folder: it resumes
     assert run_folder_problem([f"hydra.run.dir={tmp_path / 'new'}"]) is None
     assert run_folder_problem(["recipe=medusa"]) is None
 
@@ -161,8 +237,10 @@ def test_train_refuses_a_run_dir_that_is_a_file_in_one_line(tmp_path, capsys, mo
         run_command_line(["recipe=medusa", f"hydra.run.dir={blocker}"], "train.py")
     assert ended.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: hydra.run.dir {blocker} is a file, not a folder: nothing was written; choose another "
-                   "hydra.run.dir"]
+    assert err == [
+        f"error: hydra.run.dir {blocker} is a file, not a folder: nothing was written; choose"
+        " another hydra.run.dir"
+    ]
     assert blocker.read_text() == "x"
 
 
@@ -208,7 +286,9 @@ def test_a_full_disk_while_regenerating_is_one_line_and_keeps_the_lines(tmp_path
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(resumable_jsonl.os, "fsync", full)
-        with pytest.raises(DiskFullError, match=f"no space left on the device for {partial}: .* every complete line "
-                                                "is kept"):
+        with pytest.raises(
+            DiskFullError,
+            match=f"no space left on the device for {partial}: .* every complete line is kept",
+        ):
             resumable_jsonl.append_line(handle, {"source_index": 1})
     assert json.loads(partial.read_text().splitlines()[0]) == {"source_index": 0}

@@ -1,5 +1,5 @@
-"""The Clover-2 proposer: regressive expansion per depth equals one node at a time, the augmenting block's cache
-equals one pass over the final sequence, and greedy decoding is lossless."""
+"""The Clover-2 proposer: regressive expansion per depth equals one node at a time, the augmenting
+block's cache equals one pass over the final sequence, and greedy decoding is lossless."""
 
 from __future__ import annotations
 
@@ -26,9 +26,20 @@ def target():
 def random_heads(lean, seed: int = 0) -> CloverHeads:
     torch.manual_seed(seed)
     c = lean.config
-    heads = CloverHeads(CloverConfig(hidden_size=c.hidden_size, vocab_size=c.vocab_size, intermediate_size=128,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_heads=3,
-                                     num_layers=1), lean.embed_weight, lean.lm_head_weight)
+    heads = CloverHeads(
+        CloverConfig(
+            hidden_size=c.hidden_size,
+            vocab_size=c.vocab_size,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_heads=3,
+            num_layers=1,
+        ),
+        lean.embed_weight,
+        lean.lm_head_weight,
+    )
     for p in heads.parameters():
         p.data.normal_(0, 0.2)
     return heads.eval()
@@ -41,11 +52,19 @@ def test_regressive_expansion_equals_one_node_at_a_time(target):
     res = target.forward(prompt, target.allocate_cache(8), taps=proposer.feature_taps)
     root = int(res.logits[-1].argmax())
     tokens = torch.cat([prompt, torch.tensor([root])])
-    proposer.begin(StepContext(tokens=tokens, root_token=root, hidden=res.hidden,
-                               taps=res.tap_features(proposer.feature_taps)))
+    proposer.begin(
+        StepContext(
+            tokens=tokens,
+            root_token=root,
+            hidden=res.hidden,
+            taps=res.tap_features(proposer.feature_taps),
+        )
+    )
     tree = proposer.propose(StepContext(tokens=tokens, root_token=root, hidden=res.hidden[-1]))
     with torch.no_grad():
-        c = heads.context(res.taps[target.config.num_layers][None], tokens[1:][None])[0][0, -1]  # [H]
+        c = heads.context(res.taps[target.config.num_layers][None], tokens[1:][None])[0][
+            0, -1
+        ]  # [H]
         state, token_of = {(): c}, {}
         for i, path in enumerate(proposer.tree.paths, start=1):
             parent = path[:-1]
@@ -68,7 +87,9 @@ def test_clover_greedy_is_lossless_and_its_cache_holds_exactly_the_committed_pai
         for prompt in PROMPTS:
             out = decoder.generate(prompt, 32).tokens
             assert out == plain_greedy(target, prompt, 32)
-    seq = torch.tensor(PROMPTS[-1] + out)  # the last generation: every token but the final bonus was paired
+    seq = torch.tensor(
+        PROMPTS[-1] + out
+    )  # the last generation: every token but the final bonus was paired
     full = target.forward(seq, target.allocate_cache(seq.numel()), taps=(layers,)).taps[layers]
     with torch.no_grad():
         c_full = heads.context(full[None, :-1], seq[None, 1:])[0][0, -1]
@@ -77,14 +98,18 @@ def test_clover_greedy_is_lossless_and_its_cache_holds_exactly_the_committed_pai
 
 
 def test_drafting_through_the_targets_own_lm_head_gives_the_same_drafts(target):
-    """At load the runtime drafts through the target's own (fast) LM head instead of a second copy: same logits,
-    and greedy decoding stays lossless through it."""
+    """At load the runtime drafts through the target's own (fast) LM head instead of a second copy:
+    same logits, and greedy decoding stays lossless through it."""
     heads = random_heads(target, seed=3)
     out = torch.randn(5, target.config.hidden_size)
     before = heads.logits(out)
     heads.lm_head_fn = target.lm_head_logits
-    assert heads.lm_head_weight.data_ptr() == target.lm_head_weight.data_ptr()  # the same weights, not a copy
+    assert (
+        heads.lm_head_weight.data_ptr() == target.lm_head_weight.data_ptr()
+    )  # the same weights, not a copy
     torch.testing.assert_close(heads.logits(out), before)
-    decoder = SpeculativeDecoder(target, CloverProposer(heads, TREE, target.config.num_layers, top_k=3))
+    decoder = SpeculativeDecoder(
+        target, CloverProposer(heads, TREE, target.config.num_layers, top_k=3)
+    )
     for prompt in PROMPTS:
         assert decoder.generate(prompt, 24).tokens == plain_greedy(target, prompt, 24)

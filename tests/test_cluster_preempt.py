@@ -1,5 +1,5 @@
-"""Checkpoints that fit a quota, preemption (SIGUSR1 requeue under SLURM, SIGTERM), and resuming on another world
-size with the same global batch."""
+"""Checkpoints that fit a quota, preemption (SIGUSR1 requeue under SLURM, SIGTERM), and resuming on
+another world size with the same global batch."""
 
 from __future__ import annotations
 
@@ -18,7 +18,11 @@ import torch
 
 from draftsmith.cli.training import compose_config
 from draftsmith.common.errors import ConfigError
-from draftsmith.distill.cluster.attempts import keep_global_batch, rescale_loop_state, write_global_batch
+from draftsmith.distill.cluster.attempts import (
+    keep_global_batch,
+    rescale_loop_state,
+    write_global_batch,
+)
 from draftsmith.distill.engine.checkpoints import (
     drop_stale_requeue_checkpoints,
     find_resume_checkpoint,
@@ -43,7 +47,9 @@ def test_last_is_an_atomic_link_or_a_pointer_file(tmp_path, monkeypatch):
     assert find_resume_checkpoint(tmp_path) == (ckpts / "step4.ckpt").resolve()
     assert not list(ckpts.glob(".last*"))  # no temporary left behind
 
-    (ckpts / "last.ckpt").unlink()  # a kill between unlink and link of a naive relink: the newest step file wins
+    (
+        ckpts / "last.ckpt"
+    ).unlink()  # a kill between unlink and link of a naive relink: the newest step file wins
     assert find_resume_checkpoint(tmp_path) == ckpts / "step4.ckpt"
 
     def refuse(*_a, **_k):
@@ -51,7 +57,9 @@ def test_last_is_an_atomic_link_or_a_pointer_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "symlink", refuse)
     assert link_last(ckpts / "step2.ckpt", ckpts / "last.ckpt") == "pointer"
-    assert (ckpts / "last").read_text().strip() == "step2.ckpt" and not (ckpts / "last.ckpt").exists()
+    assert (ckpts / "last").read_text().strip() == "step2.ckpt" and not (
+        ckpts / "last.ckpt"
+    ).exists()
     assert find_resume_checkpoint(tmp_path) == (ckpts / "step2.ckpt").resolve()
     assert find_resume_checkpoint(tmp_path / "nothing") is None
     assert [human_bytes(n) for n in (999, 1_030_000_000)] == ["999 B", "1.03 GB"]
@@ -70,12 +78,17 @@ def test_newer_requeue_checkpoint_wins_and_stale_ones_are_dropped(tmp_path):
     (deepspeed_style / "checkpoint").mkdir(parents=True)
     (deepspeed_style / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"d")
     (ckpts / "step6.ckpt").write_bytes(b"c")
-    assert sorted(drop_stale_requeue_checkpoints(tmp_path, ckpts / "step6.ckpt")) == [hpc, deepspeed_style]
+    assert sorted(drop_stale_requeue_checkpoints(tmp_path, ckpts / "step6.ckpt")) == [
+        hpc,
+        deepspeed_style,
+    ]
     assert not hpc.exists() and not deepspeed_style.exists()
 
 
 def test_global_batch_is_kept_by_changing_accumulation(tmp_path, caplog):
-    cfg = compose_config(["recipe=medusa", "data.batch_size=2", "trainer.accumulate_grad_batches=1"])
+    cfg = compose_config(
+        ["recipe=medusa", "data.batch_size=2", "trainer.accumulate_grad_batches=1"]
+    )
     previous = write_global_batch(tmp_path, world=2, batch_size=2, accumulate=1)
     assert previous["global_batch"] == 4
     with caplog.at_level("WARNING"):
@@ -84,25 +97,47 @@ def test_global_batch_is_kept_by_changing_accumulation(tmp_path, caplog):
     assert "accumulate_grad_batches 1 -> 2 keeps the global batch of 4" in caplog.text
     assert keep_global_batch(cfg, previous, world=1) == 2  # already consistent: unchanged
     odd = compose_config(["recipe=medusa", "data.batch_size=3"])
-    with pytest.raises(ConfigError, match="cannot keep the global batch 4 .* on 1 devices with data.batch_size=3"):
+    with pytest.raises(
+        ConfigError, match="cannot keep the global batch 4 .* on 1 devices with data.batch_size=3"
+    ):
         keep_global_batch(odd, previous, world=1)
 
 
 def test_epoch_position_is_rescaled_to_the_new_accumulation():
     def ckpt(done, processed):
-        counters = {"ready": processed, "started": processed, "processed": processed, "completed": processed - 1}
-        return {"loops": {"fit_loop": {"state_dict": {"combined_loader": [{"batches_done_in_epoch": done}]},
-                                       "epoch_loop.batch_progress": {
-                                           "current": dict(counters),
-                                           "total": {k: v + 20 for k, v in counters.items()}}}}}
+        counters = {
+            "ready": processed,
+            "started": processed,
+            "processed": processed,
+            "completed": processed - 1,
+        }
+        return {
+            "loops": {
+                "fit_loop": {
+                    "state_dict": {"combined_loader": [{"batches_done_in_epoch": done}]},
+                    "epoch_loop.batch_progress": {
+                        "current": dict(counters),
+                        "total": {k: v + 20 for k, v in counters.items()},
+                    },
+                }
+            }
+        }
 
-    two_ranks = ckpt(done=3, processed=3)  # 2 processes x accumulation 1: 3 steps, 3 batches per rank
+    two_ranks = ckpt(
+        done=3, processed=3
+    )  # 2 processes x accumulation 1: 3 steps, 3 batches per rank
     assert rescale_loop_state(two_ranks, old_accumulate=1, new_accumulate=2) == 6
     loop = two_ranks["loops"]["fit_loop"]
     assert loop["state_dict"]["combined_loader"] == [{"batches_done_in_epoch": 6}]
-    assert loop["epoch_loop.batch_progress"]["current"] == {"ready": 6, "started": 6, "processed": 6, "completed": 5}
+    assert loop["epoch_loop.batch_progress"]["current"] == {
+        "ready": 6,
+        "started": 6,
+        "processed": 6,
+        "completed": 5,
+    }
     assert loop["epoch_loop.batch_progress"]["total"]["processed"] == 26
-    # SIGTERM between micro-batches (5 batches at accumulation 2 = 2 steps + 1): back to the step boundary.
+    # SIGTERM between micro-batches (5 batches at accumulation 2 = 2 steps + 1): back to the step
+    # boundary.
     mid = ckpt(done=4, processed=5)
     assert rescale_loop_state(mid, 2, 2) == 4
     assert mid["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"] == 4
@@ -113,11 +148,20 @@ def _fake_slurm(tmp_path: Path) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True)
     scontrol = bin_dir / "scontrol"
-    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
     scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
-    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "draftsmith",
-            "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-            "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "HYDRA_FULL_ERROR": "0"}
+    return {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "draftsmith",
+        "SLURM_NTASKS": "1",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "localhost",
+        "HYDRA_FULL_ERROR": "0",
+    }
 
 
 def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -131,33 +175,56 @@ def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 180
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_sigusr1_requeues_and_sigterm_checkpoints_then_the_next_attempt_resumes(tmp_path, tiny_target_dir,
-                                                                               tiny_data_file, monkeypatch, caplog):
+def test_sigusr1_requeues_and_sigterm_checkpoints_then_the_next_attempt_resumes(
+    tmp_path, tiny_target_dir, tiny_data_file, monkeypatch, caplog
+):
     from draftsmith.distill.engine.trainer import train
     from draftsmith.recipes import get_recipe
     from draftsmith.train import expand_shorthands
 
     run_dir = tmp_path / "run"
     env = {**os.environ, **_fake_slurm(tmp_path)}
-    overrides = ["recipe=medusa", f"target={tiny_target_dir}", "target.dtype=fp32", f"data={tiny_data_file}",
-                 "data.limit=null", "data.max_length=48", "data.batch_size=4", "data.val_fraction=0.1",
-                 "trainer.log_every_n_steps=1", "run.checkpoint_every=2", "run.keep_checkpoints=1",
-                 "run.final_eval_batches=0", "optim.warmup_steps=0", "heads.num_heads=1", f"hydra.run.dir={run_dir}"]
+    overrides = [
+        "recipe=medusa",
+        f"target={tiny_target_dir}",
+        "target.dtype=fp32",
+        f"data={tiny_data_file}",
+        "data.limit=null",
+        "data.max_length=48",
+        "data.batch_size=4",
+        "data.val_fraction=0.1",
+        "trainer.log_every_n_steps=1",
+        "run.checkpoint_every=2",
+        "run.keep_checkpoints=1",
+        "run.final_eval_batches=0",
+        "optim.warmup_steps=0",
+        "heads.num_heads=1",
+        f"hydra.run.dir={run_dir}",
+    ]
     log_path = tmp_path / "attempt1.log"
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides, "trainer.max_steps=100000"],
-                                cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *overrides, "trainer.max_steps=100000"],
+            cwd=ROOT,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
         try:
             last = run_dir / "checkpoints" / "last.ckpt"
-            _wait_for(last.exists, "the first checkpoint", proc)  # the fit loop runs: signal handlers are set
+            _wait_for(
+                last.exists, "the first checkpoint", proc
+            )  # the fit loop runs: signal handlers are set
             proc.send_signal(signal.SIGUSR1)  # SLURM's warning before the time limit
             hpc = run_dir / "hpc_ckpt_1.ckpt"
-            seen_hpc = []  # the requeue checkpoint; a fast run may supersede (and drop) it within one poll
+            # the requeue checkpoint; a fast run may supersede (and drop) it within one poll
+            seen_hpc = []
 
             def requeued() -> bool:
                 seen_hpc.append(hpc.exists())
                 return (tmp_path / "scontrol.log").exists() and (
-                    any(seen_hpc) or "Requeued SLURM job" in log_path.read_text())
+                    any(seen_hpc) or "Requeued SLURM job" in log_path.read_text()
+                )
 
             _wait_for(requeued, "the requeue", proc)
             assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
@@ -176,18 +243,30 @@ def test_sigusr1_requeues_and_sigterm_checkpoints_then_the_next_attempt_resumes(
     saved = load_checkpoint(run_dir)  # last.ckpt -> the SIGTERM checkpoint
     step = saved["global_step"]
     assert step > 2 and os.readlink(last) == f"step{step}.ckpt"
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*.ckpt")) == [f"step{step}.ckpt"]  # keep 1
-    assert re.search(r"checkpoint step\d+\.ckpt: [\d.]+ kB in [\d.]+s \(keeping the newest 1\)", text)  # size logged
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*.ckpt")) == [
+        f"step{step}.ckpt"
+    ]  # keep 1
+    assert re.search(
+        r"checkpoint step\d+\.ckpt: [\d.]+ kB in [\d.]+s \(keeping the newest 1\)", text
+    )  # size logged
 
-    # The requeued attempt (in this process: no second interpreter start-up): the same config resumes from the
-    # SIGTERM checkpoint, finishes with a final checkpoint and drops the stale requeue file.
+    # The requeued attempt (in this process: no second interpreter start-up): the same config
+    # resumes from the SIGTERM checkpoint, finishes with a final checkpoint and drops the stale
+    # requeue file.
     for key, value in _fake_slurm(tmp_path / "again").items():
         monkeypatch.setenv(key, value)
-    cfg = compose_config(expand_shorthands([o for o in overrides if not o.startswith("hydra.")]) +
-                         [f"trainer.max_steps={step + 2}", "run.export=false"])
+    cfg = compose_config(
+        expand_shorthands([o for o in overrides if not o.startswith("hydra.")])
+        + [f"trainer.max_steps={step + 2}", "run.export=false"]
+    )
     with caplog.at_level(logging.INFO):
         summary = train(cfg, get_recipe("medusa"), run_dir)
     assert summary["steps"] == step + 2
     assert f"resuming from {run_dir / 'checkpoints' / f'step{step}.ckpt'}" in caplog.text
     assert load_checkpoint(run_dir)["global_step"] == step + 2 and not hpc.exists()
-    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["draftsmith_batch"]["world_size"] == 1
+    assert (
+        torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["draftsmith_batch"][
+            "world_size"
+        ]
+        == 1
+    )

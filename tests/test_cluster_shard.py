@@ -1,5 +1,7 @@
-"""``target.shard=true`` under FSDP: the frozen target's decoder layers sharded with PyTorch FSDP2 over 2 CPU
-processes (gloo) give exactly the features of the replicated target while each rank holds half of the layers."""
+"""``target.shard=true`` under FSDP: the frozen target's decoder layers sharded with PyTorch FSDP2
+over 2 CPU processes (gloo) give exactly the features of the replicated target while each rank holds
+half of the layers.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import build_tiny_llama, build_tiny_tokenizer
-from torch.distributed.fsdp import fully_shard  # noqa: F401 - imported before fork: children inherit it
+from torch.distributed.fsdp import fully_shard  # noqa: F401 - imported before fork
 from transformers import LlamaForCausalLM  # noqa: F401 - imported before fork: children inherit it
 
 from draftsmith.distill.target.frozen import FeatureTaps, Target
@@ -34,28 +36,40 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         tok = build_tiny_tokenizer()
-        target = Target(build_tiny_llama(len(tok)), tok, "tiny")  # same seed on both ranks: identical weights
+        target = Target(
+            build_tiny_llama(len(tok)), tok, "tiny"
+        )  # same seed on both ranks: identical weights
         ids = torch.randint(5, len(tok), (2, 10), generator=torch.Generator().manual_seed(rank))
         taps = FeatureTaps(final_hidden=True, layers=(1, 2, 3), logits=True)
         want = target.features(ids, torch.ones_like(ids), taps)
         full = sum(p.numel() for layer in target.model.model.layers for p in layer.parameters())
         n = shard_with_fsdp(target.model)
-        target.to("cpu")  # DistillModule.on_fit_start moves the target after sharding: must stay sharded and work
-        local = sum(p.to_local().numel() for layer in target.model.model.layers for p in layer.parameters())
+        target.to(
+            "cpu"
+        )  # DistillModule.on_fit_start moves the target after sharding: must stay sharded and work
+        local = sum(
+            p.to_local().numel() for layer in target.model.model.layers for p in layer.parameters()
+        )
         got = target.features(ids, torch.ones_like(ids), taps)
-        diff = max(float((got.final_hidden - want.final_hidden).abs().max()),
-                   float((got.logits - want.logits).abs().max()),
-                   *(float((got.layer_hidden[i] - want.layer_hidden[i]).abs().max()) for i in taps.layers))
+        diff = max(
+            float((got.final_hidden - want.final_hidden).abs().max()),
+            float((got.logits - want.logits).abs().max()),
+            *(float((got.layer_hidden[i] - want.layer_hidden[i]).abs().max()) for i in taps.layers),
+        )
         frozen = all(not p.requires_grad for p in target.parameters())
-        Path(out, f"{rank}.json").write_text(json.dumps({"layers": n, "full": full, "local": local, "diff": diff,
-                                                         "frozen": frozen}))
+        Path(out, f"{rank}.json").write_text(
+            json.dumps({"layers": n, "full": full, "local": local, "diff": diff, "frozen": frozen})
+        )
     finally:
         dist.destroy_process_group()
 
 
 def test_fsdp_sharded_target_matches_replicated_target(tmp_path):
-    # fork: the children inherit the imported modules (spawn would re-import torch and transformers twice)
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    # fork: the children inherit the imported modules (spawn would re-import torch and transformers
+    # twice)
+    mp.start_processes(
+        _worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork"
+    )
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     for res in results:
         assert res["layers"] == 4 and res["frozen"]
@@ -64,7 +78,8 @@ def test_fsdp_sharded_target_matches_replicated_target(tmp_path):
 
 
 def _fsdp_drafter_worker(rank: int, world: int, port: int, out: str) -> None:
-    """The preset's FSDP policy on a real EAGLE-3 drafter: units, and one step's gradients vs the unsharded drafter."""
+    """The preset's FSDP policy on a real EAGLE-3 drafter: units, and one step's gradients vs the
+    unsharded drafter."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -78,10 +93,23 @@ def _fsdp_drafter_worker(rank: int, world: int, port: int, out: str) -> None:
 
         tok = build_tiny_tokenizer()
         target = Target(build_tiny_llama(len(tok)), tok, "tiny")
-        cfg = compose_config(["recipe=eagle3", "trainer=fsdp", "drafter.target_layers=[1,2,3]",
-                              "drafter.draft_vocab_size=0", "drafter.ttt_steps=2"])
-        ids = torch.randint(5, len(tok), (2, 12), generator=torch.Generator().manual_seed(0))  # same on both ranks
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+        cfg = compose_config(
+            [
+                "recipe=eagle3",
+                "trainer=fsdp",
+                "drafter.target_layers=[1,2,3]",
+                "drafter.draft_vocab_size=0",
+                "drafter.ttt_steps=2",
+            ]
+        )
+        ids = torch.randint(
+            5, len(tok), (2, 12), generator=torch.Generator().manual_seed(0)
+        )  # same on both ranks
+        batch = {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "loss_mask": torch.ones_like(ids),
+        }
 
         def build():
             torch.manual_seed(0)
@@ -103,24 +131,39 @@ def _fsdp_drafter_worker(rank: int, world: int, port: int, out: str) -> None:
                 return objective.loss(batch, feats)[0]
 
         strategy = build_strategy(cfg.trainer, objective.module)
-        model = FSDP(Step(), auto_wrap_policy=strategy.kwargs["auto_wrap_policy"], use_orig_params=True,
-                     device_id=torch.device("cpu"), sharding_strategy=strategy.sharding_strategy)
+        model = FSDP(
+            Step(),
+            auto_wrap_policy=strategy.kwargs["auto_wrap_policy"],
+            use_orig_params=True,
+            device_id=torch.device("cpu"),
+            sharding_strategy=strategy.sharding_strategy,
+        )
         units = sorted(type(m.module).__name__ for m in model.modules() if isinstance(m, FSDP))
         model(batch, feats).backward()
         with FSDP.summon_full_params(model, with_grads=True):
-            got = {n.replace("_fsdp_wrapped_module.", "").removeprefix("drafter."): p.grad.clone()
-                   for n, p in model.module.named_parameters()}
+            got = {
+                n.replace("_fsdp_wrapped_module.", "").removeprefix("drafter."): p.grad.clone()
+                for n, p in model.module.named_parameters()
+            }
         diff = max(float((got[n] - want[n]).abs().max()) for n in want)
-        Path(out, f"fsdp{rank}.json").write_text(json.dumps({"units": units, "diff": diff,
-                                                             "keys": sorted(got) == sorted(want)}))
+        Path(out, f"fsdp{rank}.json").write_text(
+            json.dumps({"units": units, "diff": diff, "keys": sorted(got) == sorted(want)})
+        )
     finally:
         dist.destroy_process_group()
 
 
 def test_fsdp_preset_wraps_eagle3_layer_and_matches_unsharded_gradients(tmp_path):
-    mp.start_processes(_fsdp_drafter_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
+    mp.start_processes(
+        _fsdp_drafter_worker,
+        args=(2, _free_port(), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="fork",
+    )
     for rank in range(2):
         res = json.loads((tmp_path / f"fsdp{rank}.json").read_text())
         assert res["units"] == ["Eagle3Layer", "Step"] and res["keys"]
-        assert res["diff"] < 1e-6, res  # FSDP averages identical per-rank gradients: the unsharded gradient
+        assert res["diff"] < 1e-6, (
+            res
+        )  # FSDP averages identical per-rank gradients: the unsharded gradient

@@ -1,5 +1,5 @@
-"""``trainer.compile``: the target forward on packed rows and EAGLE-3's TTT + loss trace into one graph each (no
-graph break), and the compiled step computes the eager step's loss and gradients."""
+"""``trainer.compile``: the target forward on packed rows and EAGLE-3's TTT + loss trace into one
+graph each (no graph break), and the compiled step computes the eager step's loss and gradients."""
 
 from __future__ import annotations
 
@@ -22,24 +22,45 @@ def setup(tiny_tokenizer):
     objective = make_objective(target, draft_vocab=60, ttt_steps=3)
     objective.module.train()
     rng = np.random.default_rng(0)
-    rows = [{"input_ids": rng.integers(5, 60, 22), "loss_mask": np.ones(22, dtype=int), "document_lengths": [9, 13]},
-            {"input_ids": rng.integers(5, 60, 17), "loss_mask": np.ones(17, dtype=int), "document_lengths": [17]}]
+    rows = [
+        {
+            "input_ids": rng.integers(5, 60, 22),
+            "loss_mask": np.ones(22, dtype=int),
+            "document_lengths": [9, 13],
+        },
+        {
+            "input_ids": rng.integers(5, 60, 17),
+            "loss_mask": np.ones(17, dtype=int),
+            "document_lengths": [17],
+        },
+    ]
     return target, objective, collate_packed(rows, 24, pad_id=1)
 
 
 def features(target, objective, batch):
-    return target.features(batch["input_ids"], batch["attention_mask"], objective.taps,
-                           position_ids=batch["position_ids"], document_ids=batch["document_ids"])
+    return target.features(
+        batch["input_ids"],
+        batch["attention_mask"],
+        objective.taps,
+        position_ids=batch["position_ids"],
+        document_ids=batch["document_ids"],
+    )
 
 
 def test_the_target_forward_and_the_ttt_loss_trace_without_a_graph_break(setup):
     target, objective, batch = setup
     torch._dynamo.reset()
-    feats = features(target, objective, batch)  # eager once: transformers installs its hooks (CompiledStep does too)
+    feats = features(
+        target, objective, batch
+    )  # eager once: transformers installs its hooks (CompiledStep does too)
     forward = torch._dynamo.explain(lambda b: features(target, objective, b))(batch)
-    assert (forward.graph_count, forward.graph_break_count) == (1, 0), [r.reason for r in forward.break_reasons]
+    assert (forward.graph_count, forward.graph_break_count) == (1, 0), [
+        r.reason for r in forward.break_reasons
+    ]
     loss = torch._dynamo.explain(objective.loss)(batch, feats)
-    assert (loss.graph_count, loss.graph_break_count) == (1, 0), [r.reason for r in loss.break_reasons]
+    assert (loss.graph_count, loss.graph_break_count) == (1, 0), [
+        r.reason for r in loss.break_reasons
+    ]
 
 
 def test_a_compiled_step_computes_the_eager_loss_and_gradients(setup):
@@ -50,12 +71,21 @@ def test_a_compiled_step_computes_the_eager_loss_and_gradients(setup):
     results = []
     for _ in range(3):  # eager, then compiled twice (the second compiled call reuses the graph)
         feats_fn, loss_fn = step.parts(target, objective)
-        loss, metrics = loss_fn(batch, feats_fn(batch["input_ids"], batch["attention_mask"], objective.taps,
-                                                position_ids=batch["position_ids"],
-                                                document_ids=batch["document_ids"]))
+        loss, metrics = loss_fn(
+            batch,
+            feats_fn(
+                batch["input_ids"],
+                batch["attention_mask"],
+                objective.taps,
+                position_ids=batch["position_ids"],
+                document_ids=batch["document_ids"],
+            ),
+        )
         results.append((loss.detach(), metrics["step2/top1"], torch.autograd.grad(loss, params)))
     assert step.features is not None and step.loss is not None
-    assert float(objective.last_scored) > 0  # the compiled loss still hands its counts to the guards
+    assert (
+        float(objective.last_scored) > 0
+    )  # the compiled loss still hands its counts to the guards
     for loss, top1, grads in results[1:]:
         torch.testing.assert_close(loss, results[0][0], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(top1, results[0][1])

@@ -1,8 +1,9 @@
-"""Typed recipe configs (issue 41 item 3, issue 40's training parts): every recipe has a dataclass schema in Hydra's
-ConfigStore with a doc per key; misspelt keys (with or without `+`) and out-of-range values are one `error:` line
-naming the close match or the allowed range, before anything loads; `--help` lists the recipes and a recipe's keys;
-an empty data folder, a run folder holding another model's checkpoint and a DFlash confidence head that was never
-served each get one line or the right default."""
+"""Typed recipe configs (issue 41 item 3, issue 40's training parts): every recipe has a dataclass
+schema in Hydra's ConfigStore with a doc per key; misspelt keys (with or without `+`) and
+out-of-range values are one `error:` line naming the close match or the allowed range, before
+anything loads; `--help` lists the recipes and a recipe's keys; an empty data folder, a run folder
+holding another model's checkpoint and a DFlash confidence head that was never served each get one
+line or the right default."""
 
 from __future__ import annotations
 
@@ -27,13 +28,26 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(REGISTERED)
 
 
-def run_train_py(argv: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int | None, str, str]:
-    """``python train.py ARGV`` in-process with training replaced by a failure: (exit status, stdout, stderr)."""
+def run_train_py(
+    argv: list[str], tmp_path: Path, monkeypatch, capsys
+) -> tuple[int | None, str, str]:
+    """``python train.py ARGV`` in-process with training replaced by a failure: (exit status,
+    stdout, stderr)."""
     from draftsmith.distill.engine import trainer
 
     monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("training must not start"))
-    monkeypatch.setattr(sys, "argv", ["train.py", *argv, f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null",
-                                      "hydra/job_logging=none", "hydra/hydra_logging=none"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "train.py",
+            *argv,
+            f"hydra.run.dir={tmp_path}",
+            "hydra.output_subdir=null",
+            "hydra/job_logging=none",
+            "hydra/hydra_logging=none",
+        ],
+    )
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as ended:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
@@ -45,7 +59,7 @@ def error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.strip()]
 
 
-# ------------------------------------------------------------------------------------------- the schemas themselves
+# --------------------------------------------------------------------------- the schemas themselves
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_composes_into_its_own_schema_with_a_doc_per_key(name):
     from draftsmith.distill.config.checks import schema_fields, schema_problems
@@ -62,7 +76,9 @@ def test_every_recipe_composes_into_its_own_schema_with_a_doc_per_key(name):
 def test_a_wrong_type_and_an_unknown_key_are_refused_by_the_config_system():
     from hydra.errors import ConfigCompositionException
 
-    with pytest.raises(ConfigCompositionException):  # Hydra's struct mode: the schema has no heads.num_head
+    with pytest.raises(
+        ConfigCompositionException
+    ):  # Hydra's struct mode: the schema has no heads.num_head
         compose_config(["recipe=medusa", "heads.num_head=4"])
     with pytest.raises(ConfigCompositionException):  # typed: an int key refuses text
         compose_config(["recipe=medusa", "heads.num_heads=four"])
@@ -73,21 +89,34 @@ def test_a_misspelt_key_is_one_line_with_the_close_match(typo, tmp_path, monkeyp
     code, _, err = run_train_py(["recipe=medusa", typo], tmp_path, monkeypatch, capsys)
     lines = error_lines(err)
     assert code == 1 and len(lines) == 1, err
-    assert lines[0].startswith("error: heads.num_head is not a key of recipe=medusa; did you mean heads.num_heads?")
+    assert lines[0].startswith(
+        "error: heads.num_head is not a key of recipe=medusa; did you mean heads.num_heads?"
+    )
     assert "Traceback" not in err and "To append to your config use" not in err
 
 
-@pytest.mark.parametrize(("override", "expected"), [
-    ("data.limit=0", "error: data.limit=0 is out of range: allowed >= 1, or null (all)"),
-    ("data.limit=-1", "error: data.limit=-1 is out of range: allowed >= 1, or null (all)"),
-    ("data.batch_size=0", "error: data.batch_size=0 is out of range: allowed >= 1"),
-    ("optim.lr=-0.5", "error: optim.lr=-0.5 is out of range: allowed >= 0"),
-    ("optim.scheduler=step", "error: optim.scheduler=step is out of range: allowed one of constant, linear, cosine"),
-    ("heads.decay=1.5", "error: heads.decay=1.5 is out of range: allowed > 0 and <= 1"),
-    ("loss.acceptance=kl", "error: loss.acceptance=kl is out of range: allowed one of none, hybrid, nla, tv"),
-    ("loss.acceptance_eta=0", "error: loss.acceptance_eta=0.0 is out of range: allowed > 0"),
-])
-def test_out_of_range_values_are_one_line_before_anything_loads(override, expected, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("data.limit=0", "error: data.limit=0 is out of range: allowed >= 1, or null (all)"),
+        ("data.limit=-1", "error: data.limit=-1 is out of range: allowed >= 1, or null (all)"),
+        ("data.batch_size=0", "error: data.batch_size=0 is out of range: allowed >= 1"),
+        ("optim.lr=-0.5", "error: optim.lr=-0.5 is out of range: allowed >= 0"),
+        (
+            "optim.scheduler=step",
+            "error: optim.scheduler=step is out of range: allowed one of constant, linear, cosine",
+        ),
+        ("heads.decay=1.5", "error: heads.decay=1.5 is out of range: allowed > 0 and <= 1"),
+        (
+            "loss.acceptance=kl",
+            "error: loss.acceptance=kl is out of range: allowed one of none, hybrid, nla, tv",
+        ),
+        ("loss.acceptance_eta=0", "error: loss.acceptance_eta=0.0 is out of range: allowed > 0"),
+    ],
+)
+def test_out_of_range_values_are_one_line_before_anything_loads(
+    override, expected, tmp_path, monkeypatch, capsys
+):
     code, _, err = run_train_py(["recipe=medusa", override], tmp_path, monkeypatch, capsys)
     lines = error_lines(err)
     assert code == 1 and len(lines) == 1 and lines[0].startswith(expected), err
@@ -96,13 +125,18 @@ def test_out_of_range_values_are_one_line_before_anything_loads(override, expect
 def test_a_sweep_is_checked_job_by_job_before_hydra_starts(tmp_path, monkeypatch, capsys):
     from draftsmith.train import sweep_jobs
 
-    assert sweep_jobs(["recipe=medusa,hydra", "drafter.target_layers=[1,2,3]", "optim.lr=1e-3,2e-3"]) == [
+    assert sweep_jobs(
+        ["recipe=medusa,hydra", "drafter.target_layers=[1,2,3]", "optim.lr=1e-3,2e-3"]
+    ) == [
         ["recipe=medusa", "drafter.target_layers=[1,2,3]", "optim.lr=1e-3"],
         ["recipe=hydra", "drafter.target_layers=[1,2,3]", "optim.lr=1e-3"],
-        ["recipe=medusa", "drafter.target_layers=[1,2,3]", "optim.lr=2e-3"]]
+        ["recipe=medusa", "drafter.target_layers=[1,2,3]", "optim.lr=2e-3"],
+    ]
     assert sweep_jobs(["optim.lr=range(1,3)"]) is None  # Hydra's own sweep syntax: Hydra expands it
-    for sweep, expected in ((["heads.num_heads=2,0"], "error: heads.num_heads=0 is out of range: allowed >= 1"),
-                            (["heads.num_head=2,3"], "error: heads.num_head is not a key of recipe=medusa; did you")):
+    for sweep, expected in (
+        (["heads.num_heads=2,0"], "error: heads.num_heads=0 is out of range: allowed >= 1"),
+        (["heads.num_head=2,3"], "error: heads.num_head is not a key of recipe=medusa; did you"),
+    ):
         code, _, err = run_train_py(["-m", "recipe=medusa", *sweep], tmp_path, monkeypatch, capsys)
         lines = error_lines(err)
         assert code == 1 and len(lines) == 1 and lines[0].startswith(expected), err
@@ -115,8 +149,10 @@ def test_bench_train_refuses_a_typo_in_one_line_before_loading(capsys, monkeypat
     monkeypatch.setattr(bench_train, "bench_train", lambda *a, **k: pytest.fail("must not start"))
     assert _cmd_bench_train(["recipe=medusa", "heads.num_head=2", "--steps", "1"]) == 1
     lines = error_lines(capsys.readouterr().err)
-    assert len(lines) == 1 and lines[0].startswith("draftsmith bench-train: error: heads.num_head is not a key of "
-                                                   "recipe=medusa; did you mean heads.num_heads?"), lines
+    assert len(lines) == 1 and lines[0].startswith(
+        "draftsmith bench-train: error: heads.num_head is not a key of "
+        "recipe=medusa; did you mean heads.num_heads?"
+    ), lines
 
 
 def test_null_limit_means_all_and_passes():
@@ -126,15 +162,20 @@ def test_null_limit_means_all_and_passes():
 
 
 def test_range_checks_run_in_check_config_too():
-    """compose_config users (bench-train, tests, sweeps) reach the same declared ranges through check_config."""
+    """compose_config users (bench-train, tests, sweeps) reach the same declared ranges through
+    check_config."""
     from draftsmith import recipes
     from draftsmith.distill.engine.trainer import check_config
 
-    with pytest.raises(ConfigError, match=r"^data\.limit=0 is out of range: allowed >= 1, or null \(all\)"):
-        check_config(compose_config(["recipe=medusa", "data.limit=0"]), recipes.get_recipe("medusa"))
+    with pytest.raises(
+        ConfigError, match=r"^data\.limit=0 is out of range: allowed >= 1, or null \(all\)"
+    ):
+        check_config(
+            compose_config(["recipe=medusa", "data.limit=0"]), recipes.get_recipe("medusa")
+        )
 
 
-# ------------------------------------------------------------------------------------------------------------ --help
+# ------------------------------------------------------------------------------------------- --help
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_prints_the_usage_and_the_recipes(flag, tmp_path, monkeypatch, capsys):
     code, out, err = run_train_py([flag], tmp_path, monkeypatch, capsys)
@@ -149,17 +190,25 @@ def test_draftsmith_train_help_prints_the_usage(capsys):
     with pytest.raises(SystemExit) as ended:
         _cmd_train(["--help"])
     out = capsys.readouterr().out
-    assert ended.value.code == 0 and out.startswith("usage: draftsmith train recipe=NAME") and "eagle3" in out
+    assert (
+        ended.value.code == 0
+        and out.startswith("usage: draftsmith train recipe=NAME")
+        and "eagle3" in out
+    )
 
 
 def test_recipe_help_lists_its_keys_with_types_defaults_and_docs(tmp_path, monkeypatch, capsys):
     from draftsmith.recipes.eagle3 import Eagle3DrafterConfig
 
-    code, out, _ = run_train_py(["recipe=eagle3", "drafter.ttt_steps=5", "--help"], tmp_path, monkeypatch, capsys)
+    code, out, _ = run_train_py(
+        ["recipe=eagle3", "drafter.ttt_steps=5", "--help"], tmp_path, monkeypatch, capsys
+    )
     assert code == 0
     lines = out.splitlines()
     ttt = next(line for line in lines if line.strip().startswith("drafter.ttt_steps:"))
-    doc = next(f for f in dataclasses.fields(Eagle3DrafterConfig) if f.name == "ttt_steps").metadata["doc"]
+    doc = next(
+        f for f in dataclasses.fields(Eagle3DrafterConfig) if f.name == "ttt_steps"
+    ).metadata["doc"]
     assert ttt.strip().startswith("drafter.ttt_steps: int = 5") and doc in ttt and "[>= 1]" in ttt
     assert any(line.strip().startswith("data.limit: int | None = 2000") for line in lines)
     own = [i for i, line in enumerate(lines) if line.strip().startswith("drafter.")]
@@ -167,7 +216,7 @@ def test_recipe_help_lists_its_keys_with_types_defaults_and_docs(tmp_path, monke
     assert max(own) < min(shared)  # the recipe's own keys first
 
 
-# --------------------------------------------------------------------------------------------------- data, resume
+# ------------------------------------------------------------------------------------- data, resume
 def test_an_empty_data_folder_is_one_line_naming_what_it_must_hold(tmp_path):
     from draftsmith.distill.data.conversations import load_conversations
 
@@ -175,25 +224,47 @@ def test_an_empty_data_folder_is_one_line_naming_what_it_must_hold(tmp_path):
         folder.mkdir()
     (tmp_path / "no_data" / "README.md").write_text("notes\n")
     for folder in (tmp_path / "empty", tmp_path / "no_data"):
-        with pytest.raises(DataError, match=rf"^data folder {folder} holds no data files: a data folder must contain "
-                                            r"\.jsonl, \.json or \.parquet files of chat conversations"):
+        with pytest.raises(
+            DataError,
+            match=rf"^data folder {folder} holds no data files: a data folder must contain "
+            r"\.jsonl, \.json or \.parquet files of chat conversations",
+        ):
             load_conversations(str(folder))
 
 
-def test_train_py_with_an_empty_data_folder_prints_one_line(tmp_path, monkeypatch, capsys, tiny_target_dir):
+def test_train_py_with_an_empty_data_folder_prints_one_line(
+    tmp_path, monkeypatch, capsys, tiny_target_dir
+):
     empty = tmp_path / "chats"
     empty.mkdir()
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(sys, "argv", ["train.py", "recipe=medusa", f"target={tiny_target_dir}", f"data={empty}",
-                                      "target.dtype=fp32", f"hydra.run.dir={tmp_path / 'run'}",
-                                      "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "train.py",
+            "recipe=medusa",
+            f"target={tiny_target_dir}",
+            f"data={empty}",
+            "target.dtype=fp32",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            "hydra.output_subdir=null",
+            "hydra/job_logging=none",
+            "hydra/hydra_logging=none",
+        ],
+    )
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as ended:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    needs = ("a data folder must contain .jsonl, .json or .parquet files of chat conversations (ShareGPT "
-             "'conversations' or OpenAI 'messages' records), or be a folder written by Dataset.save_to_disk")
-    assert ended.value.code == 1 and errors == [f"error: data folder {empty} holds no data files: {needs}"], errors
+    needs = (
+        "a data folder must contain .jsonl, .json or .parquet files of chat conversations (ShareGPT"
+        " 'conversations' or OpenAI 'messages' records), or be a folder written by"
+        " Dataset.save_to_disk"
+    )
+    assert ended.value.code == 1 and errors == [
+        f"error: data folder {empty} holds no data files: {needs}"
+    ], errors
 
 
 def fake_checkpoint(recipe: str, config: dict, state: dict[str, torch.Tensor]) -> dict:
@@ -204,25 +275,36 @@ def test_a_checkpoint_of_another_recipe_is_refused_before_the_target_loads(tmp_p
     from draftsmith.distill.engine.resume_check import check_resume_recipe
 
     cfg = compose_config(["recipe=eagle3"])
-    with pytest.raises(ConfigError, match=r"holds a recipe=medusa checkpoint \(ck\.ckpt\), and this run is "
-                                          r"recipe=eagle3.*hydra\.run\.dir=NEW_DIR.*run\.resume=false"):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds a recipe=medusa checkpoint \(ck\.ckpt\), and this run is "
+        r"recipe=eagle3.*hydra\.run\.dir=NEW_DIR.*run\.resume=false",
+    ):
         check_resume_recipe(fake_checkpoint("medusa", {}, {}), "ck.ckpt", cfg, tmp_path)
-    check_resume_recipe(fake_checkpoint("eagle3", {}, {}), "ck.ckpt", cfg, tmp_path)  # same recipe: fine
+    check_resume_recipe(
+        fake_checkpoint("eagle3", {}, {}), "ck.ckpt", cfg, tmp_path
+    )  # same recipe: fine
 
 
 def test_a_checkpoint_of_another_shape_names_the_changed_key(tmp_path):
     from draftsmith.distill.engine.resume_check import check_resume_shapes
 
     cfg = compose_config(["recipe=medusa", "heads.num_heads=5"])
-    saved = OmegaConf.to_container(compose_config(["recipe=medusa", "heads.num_heads=3", "optim.lr=0.1"]))
+    saved = OmegaConf.to_container(
+        compose_config(["recipe=medusa", "heads.num_heads=3", "optim.lr=0.1"])
+    )
     module = torch.nn.Linear(4, 5)
     ckpt = fake_checkpoint("medusa", saved, {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)})
     with pytest.raises(ConfigError) as err:
         check_resume_shapes(ckpt, "run/checkpoints/step-6.ckpt", cfg, module, tmp_path)
     message = str(err.value)
-    assert message.startswith("cannot resume from run/checkpoints/step-6.ckpt: the model's shape changed "
-                              "(heads.num_heads 3 -> 5); 2 weight(s) differ, e.g. bias (3,) vs (5,)"), message
-    assert "optim.lr" not in message and "run.resume=false" in message and "hydra.run.dir=" in message
+    assert message.startswith(
+        "cannot resume from run/checkpoints/step-6.ckpt: the model's shape changed "
+        "(heads.num_heads 3 -> 5); 2 weight(s) differ, e.g. bias (3,) vs (5,)"
+    ), message
+    assert (
+        "optim.lr" not in message and "run.resume=false" in message and "hydra.run.dir=" in message
+    )
     same = fake_checkpoint("medusa", saved, {k: v.detach() for k, v in module.state_dict().items()})
     check_resume_shapes(same, "x.ckpt", cfg, module, tmp_path)  # same shapes: resumes
 
@@ -232,38 +314,71 @@ def test_a_checkpoint_folder_or_damaged_file_is_left_to_lightning(tmp_path):
 
     damaged = tmp_path / "last.ckpt"
     damaged.write_bytes(b"not a checkpoint")
-    assert read_checkpoint(tmp_path) == {} and read_checkpoint(damaged) == {}  # DeepSpeed folder, damaged file
-    check_resume_shapes({}, str(damaged), compose_config(["recipe=medusa"]), torch.nn.Linear(2, 2), tmp_path)
+    assert (
+        read_checkpoint(tmp_path) == {} and read_checkpoint(damaged) == {}
+    )  # DeepSpeed folder, damaged file
+    check_resume_shapes(
+        {}, str(damaged), compose_config(["recipe=medusa"]), torch.nn.Linear(2, 2), tmp_path
+    )
 
 
 @pytest.mark.e2e  # two short training runs in one run folder
-def test_rerunning_with_more_heads_in_the_same_folder_is_one_line(tmp_path, tiny_target_dir, tiny_data_file):
+def test_rerunning_with_more_heads_in_the_same_folder_is_one_line(
+    tmp_path, tiny_target_dir, tiny_data_file
+):
     from draftsmith import recipes
     from draftsmith.distill.engine.trainer import train
 
-    base = ["recipe=medusa", f"target.name_or_path={tiny_target_dir}", "target.dtype=fp32",
-            f"data.spec={tiny_data_file}", "data.limit=null", "data.max_length=48", "data.batch_size=4",
-            "data.val_fraction=0.1", "trainer.max_steps=2", "run.checkpoint_every=2", "run.final_eval_batches=1",
-            "run.export=false", "validation.served_tau.every=0"]
+    base = [
+        "recipe=medusa",
+        f"target.name_or_path={tiny_target_dir}",
+        "target.dtype=fp32",
+        f"data.spec={tiny_data_file}",
+        "data.limit=null",
+        "data.max_length=48",
+        "data.batch_size=4",
+        "data.val_fraction=0.1",
+        "trainer.max_steps=2",
+        "run.checkpoint_every=2",
+        "run.final_eval_batches=1",
+        "run.export=false",
+        "validation.served_tau.every=0",
+    ]
     train(compose_config([*base, "heads.num_heads=2"]), recipes.get_recipe("medusa"), tmp_path)
-    with pytest.raises(ConfigError, match=r"the model's shape changed \(heads\.num_heads 2 -> 3\).*run\.resume=false"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the model's shape changed \(heads\.num_heads 2 -> 3\).*run\.resume=false",
+    ):
         train(compose_config([*base, "heads.num_heads=3"]), recipes.get_recipe("medusa"), tmp_path)
     with pytest.raises(ConfigError, match=r"holds a recipe=medusa checkpoint"):
-        train(compose_config([*base[1:], "recipe=hydra", "heads.num_heads=2"]), recipes.get_recipe("hydra"),
-              tmp_path)
+        train(
+            compose_config([*base[1:], "recipe=hydra", "heads.num_heads=2"]),
+            recipes.get_recipe("hydra"),
+            tmp_path,
+        )
 
 
-# ---------------------------------------------------------------------------------------------- DFlash served cut
+# -------------------------------------------------------------------------------- DFlash served cut
 def test_cut_search_picks_the_cut_with_the_most_accepted_tokens_per_verify_cost():
     from draftsmith.recipes.dflash.cut import CutSearch, drafted_per_cut
 
-    confidence = torch.tensor([[0.9, 0.9, 0.1, 0.1], [0.9, 0.9, 0.9, 0.9]])  # cumulative: .9 .81 .081 .0081 / ...
+    confidence = torch.tensor(
+        [[0.9, 0.9, 0.1, 0.1], [0.9, 0.9, 0.9, 0.9]]
+    )  # cumulative: .9 .81 .081 .0081 / ...
     scored = torch.tensor([4, 3])
-    assert drafted_per_cut(confidence, scored, torch.tensor([0.0, 0.5, 0.95])).tolist() == [[4, 3], [3, 3], [1, 1]]
+    assert drafted_per_cut(confidence, scored, torch.tensor([0.0, 0.5, 0.95])).tolist() == [
+        [4, 3],
+        [3, 3],
+        [1, 1],
+    ]
     search = CutSearch(token_cost=0.5)
-    search.add(confidence, scored, accepted=torch.tensor([2, 3]))  # block 1's slots 3-4 would be rejected
+    search.add(
+        confidence, scored, accepted=torch.tensor([2, 3])
+    )  # block 1's slots 3-4 would be rejected
     cut, speed = search.best()
-    assert cut == 0.1 and speed == pytest.approx((2 + 5) / (2 + 0.5 * 6))  # 3 then 3 slots verified, 2 + 3 kept
+    assert cut == 0.1 and speed == pytest.approx(
+        (2 + 5) / (2 + 0.5 * 6)
+    )  # 3 then 3 slots verified, 2 + 3 kept
     free = CutSearch(token_cost=0.0)  # verifying costs nothing: never cut
     free.add(confidence, scored, torch.tensor([2, 3]))
     assert free.best()[0] == 0.0 and CutSearch(0.1).best() is None
@@ -276,17 +391,34 @@ def test_a_trained_dflash_confidence_head_serves_at_the_cut_validation_picked(ti
     target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, target.vocab_size, (2, 20), generator=g)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
     assert recipe_config("dflash").inference.cut is None  # the default: chosen by validation
 
     def build(**extra):
-        cfg = recipe_config("dflash", OmegaConf.merge({"drafter": {"target_layers": [1, 2, 3], "block_size": 4,
-                                                                   "mask_token_id": 1, "confidence_head": True}},
-                                                      extra))
+        cfg = recipe_config(
+            "dflash",
+            OmegaConf.merge(
+                {
+                    "drafter": {
+                        "target_layers": [1, 2, 3],
+                        "block_size": 4,
+                        "mask_token_id": 1,
+                        "confidence_head": True,
+                    }
+                },
+                extra,
+            ),
+        )
         torch.manual_seed(0)
         return dflash_recipe.build_objective(cfg, target, [(ids, batch["loss_mask"])])
 
-    objective = build(inference={"cut_token_cost": 5.0})  # a drafted token costing 5 steps: cutting pays
+    objective = build(
+        inference={"cut_token_cost": 5.0}
+    )  # a drafted token costing 5 steps: cutting pays
     feats = target.features(ids, batch["attention_mask"], objective.taps)
     objective.module.eval()
     objective.on_validation_start()

@@ -1,6 +1,8 @@
-"""The fused C++ kernel's calls beyond the single layer, in each ISA variant this CPU runs (AVX512-BF16, AVX2):
-``norm_linear_topk`` (a draft head: norm, GEMM, softmax, top-k), ``decoder_layer`` without an input norm (EAGLE-1's
-layer) and ``TargetStack`` (a whole target forward in one call), each against its torch / per-layer reference."""
+"""The fused C++ kernel's calls beyond the single layer, in each ISA variant this CPU runs
+(AVX512-BF16, AVX2): ``norm_linear_topk`` (a draft head: norm, GEMM, softmax, top-k),
+``decoder_layer`` without an input norm (EAGLE-1's layer) and ``TargetStack`` (a whole target
+forward in one call), each against its torch / per-layer reference.
+"""
 
 from __future__ import annotations
 
@@ -16,20 +18,32 @@ from draftsmith.runtime.target.model import LeanDecoder
 from draftsmith.runtime.target.model_config import rope_tables
 
 RUNNABLE = runnable_isas()  # fixtures `ext` / `use_variant` in conftest.py
-pytestmark = [pytest.mark.unit, pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable()))]
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable())),
+]
 
 
-# ---- norm_linear_topk ------------------------------------------------------------------------------------------------
+# ---- norm_linear_topk ----------------------------------------------------------------------------
 def topk_reference(ext, x, norm_w, eps, w, k):
-    """softmax over every column of what ``linear`` returns on the torch-normed x, ranked by (prob desc, id asc)."""
+    """softmax over every column of what ``linear`` returns on the torch-normed x, ranked by (prob
+    desc, id asc)."""
     if norm_w is not None:
-        x = (norm_w.float() * F.rms_norm(x.float(), (x.shape[-1],), None, eps).bfloat16().float()).bfloat16()
-    probs = torch.softmax(ext.linear(x, cpu_layer.pack_weight(w), None, w.shape[0]).float(), -1)  # [T, n]
-    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]  # ties: the lower id first
+        x = (
+            norm_w.float() * F.rms_norm(x.float(), (x.shape[-1],), None, eps).bfloat16().float()
+        ).bfloat16()
+    probs = torch.softmax(
+        ext.linear(x, cpu_layer.pack_weight(w), None, w.shape[0]).float(), -1
+    )  # [T, n]
+    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[
+        :, :k
+    ]  # ties: the lower id first
     return probs.gather(1, order), order
 
 
-@pytest.mark.parametrize("n", [77, 16 * 13 + 3])  # a partial 16-row block: after one block, after whole groups
+@pytest.mark.parametrize(
+    "n", [77, 16 * 13 + 3]
+)  # a partial 16-row block: after one block, after whole groups
 @pytest.mark.parametrize("with_norm", [True, False])
 def test_norm_linear_topk_matches_torch(ext, n, with_norm):
     torch.manual_seed(n)
@@ -43,7 +57,11 @@ def test_norm_linear_topk_matches_torch(ext, n, with_norm):
     for k in range(1, 11):
         probs, ids = ext.norm_linear_topk(x, norm_w, eps, packed, n, k)
         want_p, want_ids = topk_reference(ext, x, norm_w, eps, w, k)
-        assert probs.dtype == torch.float32 and ids.dtype == torch.long and probs.shape == ids.shape == (t, k)
+        assert (
+            probs.dtype == torch.float32
+            and ids.dtype == torch.long
+            and probs.shape == ids.shape == (t, k)
+        )
         assert torch.equal(ids, want_ids), f"k={k}"
         torch.testing.assert_close(probs, want_p, rtol=1e-6, atol=1e-9)
     # the forced tie: a row where column 40 is in the top 10 ranks column 10 right before it
@@ -54,8 +72,9 @@ def test_norm_linear_topk_matches_torch(ext, n, with_norm):
 
 
 def test_norm_linear_topk_split_over_threads_keeps_ids_and_ties(ext):
-    """Columns split over threads (101 blocks of 16, several tasks): every thread count gives the reference ids, and a
-    tie between columns that different threads rank (5 and 1600) still puts the lower id first."""
+    """Columns split over threads (101 blocks of 16, several tasks): every thread count gives the
+    reference ids, and a tie between columns that different threads rank (5 and 1600) still puts the
+    lower id first."""
     torch.manual_seed(7)
     n, kin, k = 16 * 100 + 7, 48, 10
     x = torch.randn(3, kin).bfloat16()
@@ -90,9 +109,10 @@ def test_norm_linear_topk_bad_inputs(ext):
         ext.norm_linear_topk(x, torch.ones(7).bfloat16(), 1e-6, w, 20, 3)
 
 
-# ---- decoder_layer without an input norm (EAGLE-1) -------------------------------------------------------------------
+# ---- decoder_layer without an input norm (EAGLE-1) -----------------------------------------------
 def normless_layer_reference(x, w, kc, vc, start, cos, sin, hq, hkv, eps):
-    """A Llama layer without its input RMSNorm in fp32 from the bf16 weights ``w`` (dense [out, in]); K/V written."""
+    """A Llama layer without its input RMSNorm in fp32 from the bf16 weights ``w`` (dense [out,
+    in]); K/V written."""
     t, d = x.shape[0], kc.shape[-1]
     f = {name: v.float() for name, v in w.items()}
     qkv = x.float() @ f["wqkv"].t()  # [T, (Hq+2Hkv)d]
@@ -102,8 +122,12 @@ def normless_layer_reference(x, w, kc, vc, start, cos, sin, hq, hkv, eps):
     vc[:, start : start + t] = qkv[:, (hq + hkv) * d :].view(t, hkv, d).transpose(0, 1).bfloat16()
     keys = kc[:, : start + t].float().repeat_interleave(hq // hkv, 0)  # [Hq, S, d]
     vals = vc[:, : start + t].float().repeat_interleave(hq // hkv, 0)
-    mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)  # prefix visible, causal among new tokens
-    attn = F.scaled_dot_product_attention(qk[:, :hq].transpose(0, 1), keys, vals, attn_mask=mask)  # [Hq, T, d]
+    mask = torch.ones(t, start + t, dtype=torch.bool).tril(
+        start
+    )  # prefix visible, causal among new tokens
+    attn = F.scaled_dot_product_attention(
+        qk[:, :hq].transpose(0, 1), keys, vals, attn_mask=mask
+    )  # [Hq, T, d]
     h = x.float() + attn.transpose(0, 1).reshape(t, hq * d) @ f["wo"].t()  # [T, H]
     gu = F.rms_norm(h, (h.shape[1],), f["ln2"], eps) @ f["wgu"].t()  # [T, 2I]
     inter = gu.shape[1] // 2
@@ -111,23 +135,57 @@ def normless_layer_reference(x, w, kc, vc, start, cos, sin, hq, hkv, eps):
 
 
 def test_decoder_layer_without_input_norm(ext):
-    """ln1=None runs the layer on x itself: it matches the norm-less torch layer (to bf16 rounding), and differs
-    clearly from the same layer with a unit-weight input norm (x is large, so the norm matters)."""
+    """ln1=None runs the layer on x itself: it matches the norm-less torch layer (to bf16 rounding),
+    and differs clearly from the same layer with a unit-weight input norm (x is large, so the norm
+    matters)."""
     torch.manual_seed(3)
     hid, hq, hkv, d, inter, start, t, eps = 64, 4, 2, 16, 96, 5, 3, 1e-5
-    w = {"wqkv": torch.randn((hq + 2 * hkv) * d, hid) * 0.05, "wo": torch.randn(hid, hq * d) * 0.1,
-         "ln2": torch.rand(hid) + 0.5, "wgu": torch.randn(2 * inter, hid) * 0.1, "wdown": torch.randn(hid, inter) * 0.1}
+    w = {
+        "wqkv": torch.randn((hq + 2 * hkv) * d, hid) * 0.05,
+        "wo": torch.randn(hid, hq * d) * 0.1,
+        "ln2": torch.rand(hid) + 0.5,
+        "wgu": torch.randn(2 * inter, hid) * 0.1,
+        "wdown": torch.randn(hid, inter) * 0.1,
+    }
     w = {name: v.bfloat16() for name, v in w.items()}
     x = (torch.randn(t, hid) * 4).bfloat16()
-    cos, sin = (tab[start : start + t].contiguous() for tab in
-                rope_tables(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 64, torch.bfloat16, "cpu"))
+    cos, sin = (
+        tab[start : start + t].contiguous()
+        for tab in rope_tables(
+            1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 64, torch.bfloat16, "cpu"
+        )
+    )
     prefix = torch.randn(2, hkv, 16, d).bfloat16()  # K and V [Hkv, S, d], slots 0..start-1 in use
     p = cpu_layer.pack_weight
 
     def fused(ln1, *full):
         kc, vc = prefix[0].clone(), prefix[1].clone()
-        out = ext.decoder_layer(x, ln1, p(w["wqkv"]), None, None, None, p(w["wo"]), None, w["ln2"], p(w["wgu"]), None,
-                                p(w["wdown"]), None, kc, vc, start, cos, sin, None, hq, hkv, eps, d**-0.5, *full)
+        out = ext.decoder_layer(
+            x,
+            ln1,
+            p(w["wqkv"]),
+            None,
+            None,
+            None,
+            p(w["wo"]),
+            None,
+            w["ln2"],
+            p(w["wgu"]),
+            None,
+            p(w["wdown"]),
+            None,
+            kc,
+            vc,
+            start,
+            cos,
+            sin,
+            None,
+            hq,
+            hkv,
+            eps,
+            d**-0.5,
+            *full,
+        )
         return out, kc, vc
 
     got, kc, vc = fused(None)
@@ -136,24 +194,30 @@ def test_decoder_layer_without_input_norm(ext):
     err = (got.float() - want).abs().max().item()
     assert err < 0.05 * want.abs().max().item(), err
     torch.testing.assert_close(kc.float(), kr.float(), atol=0.02, rtol=0.02)
-    torch.testing.assert_close(vc.float(), vr.float(), atol=0, rtol=0)  # V is x @ Wv rounded once, both ways
+    torch.testing.assert_close(
+        vc.float(), vr.float(), atol=0, rtol=0
+    )  # V is x @ Wv rounded once, both ways
     normed = fused(torch.ones(hid).bfloat16())[0]
     assert (normed.float() - want).abs().max().item() > 10 * err  # the norm really is skipped
     with pytest.raises(RuntimeError, match="ln1 must be"):
         fused(torch.ones(hid - 1).bfloat16())
-    # full_mask [T, start+T] (EAGLE-1's tree step): the causal one is the default bit for bit; hiding slots matters
+    # full_mask [T, start+T] (EAGLE-1's tree step): the causal one is the default bit for bit;
+    # hiding slots matters
     causal = torch.ones(t, start + t, dtype=torch.bool).tril(start)
     assert torch.equal(fused(None, causal)[0], got) and torch.equal(fused(None, None)[0], got)
     hidden = causal.clone()
     hidden[1:, 1:start] = False  # rows 1.. see only slot 0 of the prefix
-    assert not torch.equal(fused(None, hidden)[0][1:], got[1:]) and torch.equal(fused(None, hidden)[0][0], got[0])
+    assert not torch.equal(fused(None, hidden)[0][1:], got[1:]) and torch.equal(
+        fused(None, hidden)[0][0], got[0]
+    )
     with pytest.raises(RuntimeError, match="full_mask"):
         fused(None, torch.ones(t, t, dtype=torch.bool))  # [T, T]: not over every slot
 
 
-# ---- TargetStack: a whole target forward in one call ----------------------------------------------------------------
+# ---- TargetStack: a whole target forward in one call ---------------------------------------------
 class CountingStack:
-    """Wraps a StackRunner's C++ stack to count its forward calls (proof that the one-call path ran)."""
+    """Wraps a StackRunner's C++ stack to count its forward calls (proof that the one-call path
+    ran)."""
 
     def __init__(self, stack):
         self.stack, self.calls = stack, 0
@@ -166,25 +230,43 @@ class CountingStack:
         return self.stack.forward(*args)
 
 
-TREE = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
-                    dtype=torch.bool)  # fmt: skip
-STEPS = [  # (forward kwargs): prefill with taps, a tree-masked verify at tree positions, one-token steps
+TREE = torch.tensor(
+    [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+    dtype=torch.bool,
+)
+# (forward kwargs): prefill with taps, a tree-masked verify at tree positions, one-token steps
+STEPS = [
     dict(input_ids=torch.tensor([5, 9, 2, 7, 11, 3, 8]), taps=(0, 1, 2)),
-    dict(input_ids=torch.tensor([4, 6, 12, 1, 30]), tree_mask=TREE, positions=torch.tensor([7, 8, 8, 9, 9]),
-         logits_for=torch.tensor([0, 2, 4]), taps=(1,)),
-    dict(input_ids=torch.tensor([4, 6, 12, 1, 30]), tree_mask=TREE, positions=torch.tensor([7, 8, 8, 9, 9]),
-         head="argmax"),
+    dict(
+        input_ids=torch.tensor([4, 6, 12, 1, 30]),
+        tree_mask=TREE,
+        positions=torch.tensor([7, 8, 8, 9, 9]),
+        logits_for=torch.tensor([0, 2, 4]),
+        taps=(1,),
+    ),
+    dict(
+        input_ids=torch.tensor([4, 6, 12, 1, 30]),
+        tree_mask=TREE,
+        positions=torch.tensor([7, 8, 8, 9, 9]),
+        head="argmax",
+    ),
     dict(input_ids=torch.tensor([10]), logits_for="last", taps=(2, 0)),
     dict(input_ids=torch.tensor([10]), head="argmax"),
 ]
 
 
-@pytest.mark.parametrize("kind", ["Llama", "Qwen2", "Qwen3"])  # plain; q/k/v biases; per-head q/k norm
+@pytest.mark.parametrize(
+    "kind", ["Llama", "Qwen2", "Qwen3"]
+)  # plain; q/k/v biases; per-head q/k norm
 def test_stack_equals_per_layer_path_bit_for_bit(tmp_path, use_variant, kind):
-    """Logits, argmax, hidden states, taps and every K/V slot written: identical to the per-layer decoder_layer
-    path of the same model (same kernels, same order), for T=7, T=5 with a tree mask and positions, T=1."""
+    """Logits, argmax, hidden states, taps and every K/V slot written: identical to the per-layer
+    decoder_layer path of the same model (same kernels, same order), for T=7, T=5 with a tree mask
+    and positions, T=1.
+    """
     extra = {"head_dim": 16} if kind == "Qwen3" else {}
-    tiny_model(kind, tmp_path, vocab_size=203, **extra)  # a vocabulary that ends in a partial block of 16 rows
+    tiny_model(
+        kind, tmp_path, vocab_size=203, **extra
+    )  # a vocabulary that ends in a partial block of 16 rows
     model = LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend="cpp")
     assert model._ops.layer is use_variant.decoder_layer and model._stack is not None
     stack, model._stack.stack = model._stack, CountingStack(model._stack.stack)
@@ -192,7 +274,9 @@ def test_stack_equals_per_layer_path_bit_for_bit(tmp_path, use_variant, kind):
     for step in STEPS:
         model._stack = stack
         got = model(cache=caches[0], **step)
-        model._stack = None  # the per-layer path: Python loop over decoder_layer, then norm and head
+        model._stack = (
+            None  # the per-layer path: Python loop over decoder_layer, then norm and head
+        )
         want = model(cache=caches[1], **step)
         for name in ("logits", "argmax", "hidden"):
             a, b = getattr(got, name), getattr(want, name)
@@ -200,7 +284,9 @@ def test_stack_equals_per_layer_path_bit_for_bit(tmp_path, use_variant, kind):
         assert sorted(got.taps) == sorted(want.taps) == sorted(step.get("taps", ()))
         assert all(torch.equal(got.taps[i], want.taps[i]) for i in want.taps)
         assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
-        n = step["input_ids"].numel() if "tree_mask" not in step else 3  # commit the prefill / a 3-node path
+        n = (
+            step["input_ids"].numel() if "tree_mask" not in step else 3
+        )  # commit the prefill / a 3-node path
         if step.get("head") != "argmax" or "tree_mask" not in step:
             for cache in caches:
                 cache.commit(n)
@@ -210,14 +296,20 @@ def test_stack_equals_per_layer_path_bit_for_bit(tmp_path, use_variant, kind):
 
 
 def test_stack_rows_do_not_depend_on_how_many_tokens_are_verified(tmp_path, use_variant):
-    """verify == autoregressive, bit for bit: the logits, greedy argmax and K/V of T = 5, 9, 16 new tokens in one
-    causal forward equal those of the same tokens fed one at a time (T = 1 each), through every layer, the final norm
-    and the head. (A tiny model's bf16 outputs rarely show a change of fp32 summation order; the GEMM's order is
-    pinned with order-sensitive inputs in test_cpu_layer.py.)"""
-    tiny_model("Qwen2", tmp_path, vocab_size=203)  # biases; a vocabulary ending in a partial block of 16 rows
+    """verify == autoregressive, bit for bit: the logits, greedy argmax and K/V of T = 5, 9, 16 new
+    tokens in one causal forward equal those of the same tokens fed one at a time (T = 1 each),
+    through every layer, the final norm and the head. (A tiny model's bf16 outputs rarely show a
+    change of fp32 summation order; the GEMM's order is pinned with order-sensitive inputs in
+    test_cpu_layer.py.)"""
+    tiny_model(
+        "Qwen2", tmp_path, vocab_size=203
+    )  # biases; a vocabulary ending in a partial block of 16 rows
     model = LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend="cpp")
     assert model._ops.layer is use_variant.decoder_layer and model._stack is not None
-    prompt, new = torch.tensor([5, 9, 2]), torch.randint(0, 203, (16,), generator=torch.Generator().manual_seed(4))
+    prompt, new = (
+        torch.tensor([5, 9, 2]),
+        torch.randint(0, 203, (16,), generator=torch.Generator().manual_seed(4)),
+    )
     one, batch = model.allocate_cache(32), model.allocate_cache(32)
     for cache in (one, batch):
         model(prompt, cache)
@@ -228,15 +320,19 @@ def test_stack_rows_do_not_depend_on_how_many_tokens_are_verified(tmp_path, use_
         one.commit(1)
     alone = torch.cat(rows)  # [16, V]
     for t in (5, 9, 16):
-        assert torch.equal(model(new[:t], batch).logits, alone[:t]), f"T={t}"  # not committed: the next T overwrites
-        assert torch.equal(model(new[:t], batch, head="argmax").argmax, alone[:t].float().argmax(-1)), f"T={t}"
+        assert torch.equal(model(new[:t], batch).logits, alone[:t]), (
+            f"T={t}"
+        )  # not committed: the next T overwrites
+        assert torch.equal(
+            model(new[:t], batch, head="argmax").argmax, alone[:t].float().argmax(-1)
+        ), f"T={t}"
         assert torch.equal(batch.k[:, :, : 3 + t], one.k[:, :, : 3 + t]), f"T={t}"
         assert torch.equal(batch.v[:, :, : 3 + t], one.v[:, :, : 3 + t]), f"T={t}"
 
 
 def test_stack_greedy_decoding_matches_reference_tokens(tmp_path, use_variant):
-    """generate_ar through the one-call forward (a new cache each generation, so the stack rebinds) gives the tokens
-    of the per-layer path and of the torch bf16 reference."""
+    """generate_ar through the one-call forward (a new cache each generation, so the stack rebinds)
+    gives the tokens of the per-layer path and of the torch bf16 reference."""
     tiny_model("Llama", tmp_path)
     fused = LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend="cpp")
     ref = LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend="dense")
@@ -259,7 +355,9 @@ def test_stack_bad_inputs(tmp_path, ext):
         ext.TargetStack([layer], model.norm_w, head, 128, 4, 2, 1e-5, 0.25)
     with pytest.raises(RuntimeError, match="do not match the vocabulary"):
         ext.TargetStack([], model.norm_w, head, 300, 4, 2, 1e-5, 0.25)
-    stack = ext.TargetStack([], model.norm_w, head, 128, 4, 2, 1e-5, 0.25)  # zero layers: norm + head only
+    stack = ext.TargetStack(
+        [], model.norm_w, head, 128, 4, 2, 1e-5, 0.25
+    )  # zero layers: norm + head only
     x = torch.randn(2, 64).bfloat16()
     cos = sin = torch.zeros(2, 1, 16).bfloat16()
     with pytest.raises(RuntimeError, match="bind_cache needs one K and V per layer"):
@@ -273,12 +371,16 @@ def test_stack_bad_inputs(tmp_path, ext):
 
 
 def test_stack_forward_rows_equals_batch_one_decoding(tmp_path, use_variant):
-    """Batched greedy decoding through ``forward_rows`` (one token per row, each row its own cache and position, rows
-    refilled as they finish) gives, in bf16, the tokens of batch-1 ``generate_ar`` through the same stack, bit for bit:
-    the same kernels, one causal token per cache. Row ranges that start past row 0 are exercised by the refills."""
+    """Batched greedy decoding through ``forward_rows`` (one token per row, each row its own cache
+    and position, rows refilled as they finish) gives, in bf16, the tokens of batch-1
+    ``generate_ar`` through the same stack, bit for bit: the same kernels, one causal token per
+    cache. Row ranges that start past row 0 are exercised by the refills.
+    """
     from draftsmith.datagen.batched_generation import generate_greedy_batch
 
-    tiny_model("Qwen2", tmp_path, vocab_size=203)  # biases; a vocabulary ending in a partial block of 16 rows
+    tiny_model(
+        "Qwen2", tmp_path, vocab_size=203
+    )  # biases; a vocabulary ending in a partial block of 16 rows
     model = LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend="cpp")
     assert model._stack is not None
     model._stack.stack = counting = CountingRowsStack(model._stack.stack)
@@ -289,7 +391,9 @@ def test_stack_forward_rows_equals_batch_one_decoding(tmp_path, use_variant):
     assert len({tuple(w) for w in want}) == len(want)  # distinct replies: a row mix-up shows
     for batch_size in (2, 3, 8):
         counting.rows = 0
-        assert generate_greedy_batch(model, prompts, budgets, (), batch_size) == want, f"batch {batch_size}"
+        assert generate_greedy_batch(model, prompts, budgets, (), batch_size) == want, (
+            f"batch {batch_size}"
+        )
         assert counting.rows > 0  # the batched steps ran in C++
 
 
@@ -311,9 +415,23 @@ def test_stack_forward_rows_bad_inputs(tmp_path, ext):
     tiny_model("Llama", tmp_path)
     model = LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend="dense")
     w = model.layers[0]
-    layer = [w.ln1, cpu_layer.pack_weight(w.wqkv), None, None, None, cpu_layer.pack_weight(w.wo), None, w.ln2,
-             cpu_layer.pack_weight(w.wgu), None, cpu_layer.pack_weight(w.wdown), None]
-    stack = ext.TargetStack([layer], model.norm_w, cpu_layer.pack_weight(model.lm_head), 128, 4, 2, 1e-5, 0.25)
+    layer = [
+        w.ln1,
+        cpu_layer.pack_weight(w.wqkv),
+        None,
+        None,
+        None,
+        cpu_layer.pack_weight(w.wo),
+        None,
+        w.ln2,
+        cpu_layer.pack_weight(w.wgu),
+        None,
+        cpu_layer.pack_weight(w.wdown),
+        None,
+    ]
+    stack = ext.TargetStack(
+        [layer], model.norm_w, cpu_layer.pack_weight(model.lm_head), 128, 4, 2, 1e-5, 0.25
+    )
     x, pos = torch.randn(2, 64).bfloat16(), torch.tensor([0, 3])
     k = torch.zeros(1, 2, 2, 8, 16).bfloat16()
     cos = sin = torch.zeros(2, 16).bfloat16()

@@ -1,7 +1,7 @@
-"""Cooldown branches of the learning curve (issue 49 item 1): each point is read raw and after a branch whose LR
-decays linearly to zero, the main run untouched; the fit, the forecast interval and ``--compare`` read the cooled
-values; a killed branch resumes, a damaged one is refused in one line; a bad prompt set is refused before training;
-a finished run checks the forecast."""
+"""Cooldown branches of the learning curve (issue 49 item 1): each point is read raw and after a
+branch whose LR decays linearly to zero, the main run untouched; the fit, the forecast interval and
+``--compare`` read the cooled values; a killed branch resumes, a damaged one is refused in one line;
+a bad prompt set is refused before training; a finished run checks the forecast."""
 
 from __future__ import annotations
 
@@ -35,28 +35,45 @@ def quiet(_: str) -> None:
 
 def test_wsd_schedule_decays_linearly_to_zero_over_its_last_steps():
     fn = lr_lambda("wsd", warmup_steps=2, total_steps=10, decay_steps=4)
-    assert [fn(s) for s in range(11)] == pytest.approx([0.5, 1, 1, 1, 1, 1, 1.0, 0.75, 0.5, 0.25, 0.0])
+    assert [fn(s) for s in range(11)] == pytest.approx(
+        [0.5, 1, 1, 1, 1, 1, 1.0, 0.75, 0.5, 0.25, 0.0]
+    )
     with pytest.raises(ConfigError, match="optim.decay_steps >= 1"):
         lr_lambda("wsd", 0, 10)
     assert decay_steps(30, 0.2) == 6 and decay_steps(3, 0.1) == 1
-    assert branch_overrides(["recipe=eagle3", "optim.scheduler=constant", "optim.decay_steps=9", "run.resume=auto"],
-                            6) == ["recipe=eagle3", "optim.scheduler=wsd", "optim.decay_steps=6", "run.resume=changed"]
+    assert branch_overrides(
+        ["recipe=eagle3", "optim.scheduler=constant", "optim.decay_steps=9", "run.resume=auto"], 6
+    ) == ["recipe=eagle3", "optim.scheduler=wsd", "optim.decay_steps=6", "run.resume=changed"]
 
 
 def test_each_point_is_read_raw_and_cooled_and_the_fit_reads_the_cooled_values(tmp_path):
     runner = FakeTraining()
-    curve = run_curve(tmp_path, ["recipe=eagle3"], [10, 30, 100], SETTINGS, runner=runner, evaluate=fake_evaluate,
-                      say=quiet, cooldown=0.2)
+    curve = run_curve(
+        tmp_path,
+        ["recipe=eagle3"],
+        [10, 30, 100],
+        SETTINGS,
+        runner=runner,
+        evaluate=fake_evaluate,
+        say=quiet,
+        cooldown=0.2,
+    )
     assert runner.calls == [10, 12, 30, 36, 100, 120]  # main to S, then its branch to S + 0.2 S
     for argv in runner.branch_argvs:
         assert "optim.scheduler=wsd" in argv and "optim.scheduler=constant" not in argv
-    assert [a for a in runner.branch_argvs[1] if a.startswith("optim.decay_steps=")] == ["optim.decay_steps=6"]
+    assert [a for a in runner.branch_argvs[1] if a.startswith("optim.decay_steps=")] == [
+        "optim.decay_steps=6"
+    ]
     point = curve.data["points"][1]
     assert point["cooled"]["steps"] == 36 and point["cooled"]["tokens"] == 36_000
-    raw, cooled = (point["eval"]["mtbench"]["first_position_acceptance"],
-                   point["cooled"]["eval"]["mtbench"]["first_position_acceptance"])
-    assert cooled == pytest.approx(raw + COOLED_GAIN + 2.0 * (30_000 ** -0.3 - 36_000 ** -0.3))
-    assert not (tmp_path / "branches" / "step30" / "checkpoints").exists()  # dropped once the export is kept
+    raw, cooled = (
+        point["eval"]["mtbench"]["first_position_acceptance"],
+        point["cooled"]["eval"]["mtbench"]["first_position_acceptance"],
+    )
+    assert cooled == pytest.approx(raw + COOLED_GAIN + 2.0 * (30_000**-0.3 - 36_000**-0.3))
+    assert not (
+        tmp_path / "branches" / "step30" / "checkpoints"
+    ).exists()  # dropped once the export is kept
     block = write_report(tmp_path, curve.data)
     assert block["mtbench"]["values"] == "cooled"  # the cooled law: 0.8 + gain; the raw one: 0.8
     assert block["mtbench"]["fit"]["ceiling"] == pytest.approx(0.8 + COOLED_GAIN, abs=0.02)
@@ -66,18 +83,32 @@ def test_each_point_is_read_raw_and_cooled_and_the_fit_reads_the_cooled_values(t
     table = (tmp_path / "curve.md").read_text()
     assert "| 36 (cooled) | 36,000 |" in table and "first-position (raw) | cooled |" in table
     assert "mtbench (cooled points): ceiling" in table and "90% interval" in table
-    kept = json.loads((tmp_path / "curve.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    kept = json.loads(
+        (tmp_path / "curve.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON")
+    )
     assert kept["best_point"]["cooled"] is True
 
 
 def test_a_branch_reads_the_main_runs_checkpoint_and_never_writes_the_main_run(tmp_path):
     runner = FakeTraining()
-    run_curve(tmp_path, ["recipe=eagle3"], [10, 30], SETTINGS, runner=runner, evaluate=fake_evaluate, say=quiet,
-              cooldown=0.2)
-    # every main-run file was as the main segment left it when its branch trained (FakeTraining compares them)
+    run_curve(
+        tmp_path,
+        ["recipe=eagle3"],
+        [10, 30],
+        SETTINGS,
+        runner=runner,
+        evaluate=fake_evaluate,
+        say=quiet,
+        cooldown=0.2,
+    )
+    # every main-run file was as the main segment left it when its branch trained (FakeTraining
+    # compares them)
     assert runner.main_snapshots_checked == 2
     seed_state = runner.seen_seeds[0]
-    assert seed_state == {"global_step": 10, "weights": 10}  # the branch started from the main run's step 10
+    assert seed_state == {
+        "global_step": 10,
+        "weights": 10,
+    }  # the branch started from the main run's step 10
 
 
 def test_a_killed_branch_resumes_and_a_damaged_one_is_refused_in_one_line(tmp_path):
@@ -89,27 +120,63 @@ def test_a_killed_branch_resumes_and_a_damaged_one_is_refused_in_one_line(tmp_pa
         return fake_evaluate(export, settings, measure)
 
     with pytest.raises(KeyboardInterrupt):
-        run_curve(tmp_path, ["recipe=eagle3"], [10, 30, 100], SETTINGS, runner=first, evaluate=counting, say=quiet,
-                  cooldown=0.2)
+        run_curve(
+            tmp_path,
+            ["recipe=eagle3"],
+            [10, 30, 100],
+            SETTINGS,
+            runner=first,
+            evaluate=counting,
+            say=quiet,
+            cooldown=0.2,
+        )
     assert first.calls == [10, 12, 30]
     seed = tmp_path / "branches" / "step30" / "checkpoints" / "step30.ckpt"
     assert seed.is_file() and torch.load(seed, weights_only=True)["global_step"] == 30
     raw_evals = len(evaluations)
     again = FakeTraining()
-    run_curve(tmp_path, ["recipe=eagle3"], [10, 30, 100], SETTINGS, runner=again, evaluate=counting, say=quiet,
-              cooldown=0.2)
-    assert again.calls == [36, 100, 120]  # the branch resumed; the main run was not trained again to 30
+    run_curve(
+        tmp_path,
+        ["recipe=eagle3"],
+        [10, 30, 100],
+        SETTINGS,
+        runner=again,
+        evaluate=counting,
+        say=quiet,
+        cooldown=0.2,
+    )
+    assert again.calls == [
+        36,
+        100,
+        120,
+    ]  # the branch resumed; the main run was not trained again to 30
     assert len(evaluations) == raw_evals + 3  # step 30's raw evaluation was kept, not redone
 
     other = tmp_path / "other"
     with pytest.raises(KeyboardInterrupt):
-        run_curve(other, ["recipe=eagle3"], [10, 30], SETTINGS, runner=FakeTraining(stop_at=12),
-                  evaluate=fake_evaluate, say=quiet, cooldown=0.2)
+        run_curve(
+            other,
+            ["recipe=eagle3"],
+            [10, 30],
+            SETTINGS,
+            runner=FakeTraining(stop_at=12),
+            evaluate=fake_evaluate,
+            say=quiet,
+            cooldown=0.2,
+        )
     damaged = other / "branches" / "step10" / "checkpoints" / "step10.ckpt"
     damaged.write_bytes(damaged.read_bytes()[:40])  # a partial file
     with pytest.raises(BranchError) as err:
-        run_curve(other, ["recipe=eagle3"], [10, 30], SETTINGS, runner=FakeTraining(), evaluate=fake_evaluate,
-                  say=quiet, cooldown=0.2)
+        run_curve(
+            other,
+            ["recipe=eagle3"],
+            [10, 30],
+            SETTINGS,
+            runner=FakeTraining(),
+            evaluate=fake_evaluate,
+            say=quiet,
+            cooldown=0.2,
+        )
     assert "is corrupt or partial" in str(err.value) and "\n" not in str(err.value)
     assert "re-run the same command to branch again" in str(err.value)
 
@@ -117,36 +184,97 @@ def test_a_killed_branch_resumes_and_a_damaged_one_is_refused_in_one_line(tmp_pa
 def test_bad_prompt_sets_and_cooldowns_are_refused_before_any_training(tmp_path):
     runner = FakeTraining()
     with pytest.raises(CurveError, match=r"--prompts nosuch: .*nothing was trained"):
-        run_curve(tmp_path, ["recipe=eagle3"], [10], EvalSettings(prompt_sets=("mtbench", "nosuch")), runner=runner,
-                  evaluate=fake_evaluate, say=quiet)
+        run_curve(
+            tmp_path,
+            ["recipe=eagle3"],
+            [10],
+            EvalSettings(prompt_sets=("mtbench", "nosuch")),
+            runner=runner,
+            evaluate=fake_evaluate,
+            say=quiet,
+        )
     with pytest.raises(BranchError, match="optim.scheduler=cosine"):
-        run_curve(tmp_path, ["recipe=eagle3", "optim.scheduler=cosine"], [10], SETTINGS, runner=runner,
-                  evaluate=fake_evaluate, say=quiet, cooldown=0.2)
+        run_curve(
+            tmp_path,
+            ["recipe=eagle3", "optim.scheduler=cosine"],
+            [10],
+            SETTINGS,
+            runner=runner,
+            evaluate=fake_evaluate,
+            say=quiet,
+            cooldown=0.2,
+        )
     with pytest.raises(BranchError, match=r"must be in \[0, 1\]"):
-        run_curve(tmp_path, ["recipe=eagle3"], [10], SETTINGS, runner=runner, evaluate=fake_evaluate, say=quiet,
-                  cooldown=1.5)
+        run_curve(
+            tmp_path,
+            ["recipe=eagle3"],
+            [10],
+            SETTINGS,
+            runner=runner,
+            evaluate=fake_evaluate,
+            say=quiet,
+            cooldown=1.5,
+        )
     assert runner.calls == [] and not (tmp_path / "curve.json").exists()
-    proc = subprocess.run([sys.executable, "-m", "draftsmith.cli", "curve", "--out", str(tmp_path / "c"),
-                           "--prompts", "nosuch", "recipe=eagle3"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "draftsmith.cli",
+            "curve",
+            "--out",
+            str(tmp_path / "c"),
+            "--prompts",
+            "nosuch",
+            "recipe=eagle3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1 and not (tmp_path / "c" / "run").exists()
     assert proc.stderr.strip().splitlines() == [
-        "draftsmith curve: error: --prompts nosuch: no such file, and not a prompt set (mtbench, humaneval); pass a "
-        ".jsonl with a 'prompt' field per line; nothing was trained"]
+        "draftsmith curve: error: --prompts nosuch: no such file, and not a prompt set (mtbench,"
+        " humaneval); pass a .jsonl with a 'prompt' field per line; nothing was trained"
+    ]
 
 
 def test_compare_reads_the_cooled_points(tmp_path):
     slow, fast = tmp_path / "slow", tmp_path / "fast"
-    run_curve(slow, ["recipe=eagle3"], [10, 100], SETTINGS, runner=FakeTraining(), evaluate=fake_evaluate,
-              say=quiet, cooldown=0.2)
-    run_curve(fast, ["recipe=eagle3", "drafter.ttt_steps=5"], [10, 100], SETTINGS, runner=FakeTraining(),
-              evaluate=fake_evaluate, say=quiet, cooldown=0.0)  # no branches: read raw
+    run_curve(
+        slow,
+        ["recipe=eagle3"],
+        [10, 100],
+        SETTINGS,
+        runner=FakeTraining(),
+        evaluate=fake_evaluate,
+        say=quiet,
+        cooldown=0.2,
+    )
+    run_curve(
+        fast,
+        ["recipe=eagle3", "drafter.ttt_steps=5"],
+        [10, 100],
+        SETTINGS,
+        runner=FakeTraining(),
+        evaluate=fake_evaluate,
+        say=quiet,
+        cooldown=0.0,
+    )  # no branches: read raw
     compare([slow, fast], tmp_path / "cmp")
     chosen = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     at_tokens = chosen["pick"]["equal_tokens"]
-    assert at_tokens["curves"][str(slow)]["values"] == "cooled" and at_tokens["curves"][str(fast)]["values"] == "raw"
+    assert (
+        at_tokens["curves"][str(slow)]["values"] == "cooled"
+        and at_tokens["curves"][str(fast)]["values"] == "raw"
+    )
     assert at_tokens["budget"] == 100_000  # the raw curve reaches 100k; the cooled one 120k
-    expected = 0.8 - 2.0 * 100_000 ** -0.3 + COOLED_GAIN  # the cooled law, interpolated between 12k and 120k
-    assert at_tokens["curves"][str(slow)]["first_position"]["mtbench"] == pytest.approx(expected, abs=0.01)
+    expected = (
+        0.8 - 2.0 * 100_000**-0.3 + COOLED_GAIN
+    )  # the cooled law, interpolated between 12k and 120k
+    assert at_tokens["curves"][str(slow)]["first_position"]["mtbench"] == pytest.approx(
+        expected, abs=0.01
+    )
     assert chosen["pick"]["equal_cpu_hours"]["curves"][str(slow)]["values"] == "cooled"
     assert {r["values"] for r in chosen["rows"]} == {"cooled", "raw"}
     assert "are read raw" in (tmp_path / "cmp" / "compare.md").read_text()
@@ -157,17 +285,25 @@ def _noisy_points(truth, budgets: list[float], trials: int, seed: int = 1) -> li
     points = []
     for tokens in budgets:
         p = truth(tokens)
-        measured = sum(rng.random() < p for _ in range(trials)) / trials  # a binomial reading of the true value
-        points.append({"tokens": tokens, "eval": {"mtbench": {"first_position_acceptance": measured,
-                                                              "verify_steps": trials}}})
+        measured = (
+            sum(rng.random() < p for _ in range(trials)) / trials
+        )  # a binomial reading of the true value
+        points.append(
+            {
+                "tokens": tokens,
+                "eval": {
+                    "mtbench": {"first_position_acceptance": measured, "verify_steps": trials}
+                },
+            }
+        )
     return points
 
 
 def test_the_forecast_interval_covers_the_truth_and_a_check_says_so(tmp_path):
     def truth(t: float) -> float:
-        return 0.7 - 3.0 * t ** -0.3
+        return 0.7 - 3.0 * t**-0.3
 
-    budgets = [2e4 * 2 ** i for i in range(6)]
+    budgets = [2e4 * 2**i for i in range(6)]
     inside = 0
     for seed in range(10):
         guess = predict(_noisy_points(truth, budgets, 600, seed), "mtbench", budgets[-1] * 4)
@@ -177,13 +313,27 @@ def test_the_forecast_interval_covers_the_truth_and_a_check_says_so(tmp_path):
     at = int(budgets[-1] * 4)
     ok = check(data, "cosine_run", at, {"mtbench": {"first_position_acceptance": truth(at)}})
     far = check(data, "cosine_run", at, {"mtbench": {"first_position_acceptance": 0.95}})
-    assert ok["all_inside"] is True and far["all_inside"] is False and far["sets"]["mtbench"]["inside"] is False
+    assert (
+        ok["all_inside"] is True
+        and far["all_inside"] is False
+        and far["sets"]["mtbench"]["inside"] is False
+    )
 
 
-def test_check_evaluates_a_finished_run_past_the_curve_and_refuses_what_it_cannot_check(tmp_path, medusa_export):
+def test_check_evaluates_a_finished_run_past_the_curve_and_refuses_what_it_cannot_check(
+    tmp_path, medusa_export
+):
     curve_dir = tmp_path / "curve"
-    run_curve(curve_dir, ["recipe=medusa"], [10, 30, 100, 300], SETTINGS, runner=FakeTraining(),
-              evaluate=fake_evaluate, say=quiet, cooldown=0.2)
+    run_curve(
+        curve_dir,
+        ["recipe=medusa"],
+        [10, 30, 100, 300],
+        SETTINGS,
+        runner=FakeTraining(),
+        evaluate=fake_evaluate,
+        say=quiet,
+        cooldown=0.2,
+    )
     write_report(curve_dir, json.loads((curve_dir / "curve.json").read_text()))
     run = tmp_path / "cosine"
     shutil.copytree(medusa_export, run / "export")
@@ -192,10 +342,16 @@ def test_check_evaluates_a_finished_run_past_the_curve_and_refuses_what_it_canno
         config["training"] = {"tokens": tokens, "steps": tokens // 1000}
         (run / "export" / "config.json").write_text(json.dumps(config))
         if refused:  # the cooled reading at step 360 has 360k tokens: a check needs more
-            with pytest.raises(CurveError, match="not more than the curve's furthest reading \\(360,000\\)"):
+            with pytest.raises(
+                CurveError, match="not more than the curve's furthest reading \\(360,000\\)"
+            ):
                 run_check(curve_dir, run, evaluate=fake_evaluate, say=quiet)
-    record = run_check(curve_dir, run, say=quiet,
-                       evaluate=lambda e, s, measure=False: fake_evaluate(e, s, measure, steps=3000, cooled=True))
+    record = run_check(
+        curve_dir,
+        run,
+        say=quiet,
+        evaluate=lambda e, s, measure=False: fake_evaluate(e, s, measure, steps=3000, cooled=True),
+    )
     assert record["sets"]["mtbench"]["measured"] == pytest.approx(law(3_000_000, cooled=True))
     assert record["all_inside"] is True
     assert "Forecast check" in (curve_dir / "curve.md").read_text()
@@ -207,14 +363,26 @@ def test_check_evaluates_a_finished_run_past_the_curve_and_refuses_what_it_canno
     assert "\n" not in str(err.value)
 
 
-def test_the_cli_checks_a_run_and_refuses_one_it_cannot_check_in_one_line(tmp_path, medusa_export, capsys):
+def test_the_cli_checks_a_run_and_refuses_one_it_cannot_check_in_one_line(
+    tmp_path, medusa_export, capsys
+):
     from draftsmith.cli.curve import cmd_curve
 
     curve_dir = tmp_path / "curve"
-    run_curve(curve_dir, ["recipe=medusa"], [10, 30, 100], SETTINGS, runner=FakeTraining(), evaluate=fake_evaluate,
-              say=quiet, cooldown=0.2)
+    run_curve(
+        curve_dir,
+        ["recipe=medusa"],
+        [10, 30, 100],
+        SETTINGS,
+        runner=FakeTraining(),
+        evaluate=fake_evaluate,
+        say=quiet,
+        cooldown=0.2,
+    )
     write_report(curve_dir, json.loads((curve_dir / "curve.json").read_text()))
-    assert cmd_curve(["--out", str(curve_dir), "--check", str(medusa_export)]) == 1  # its training block: 0 tokens
+    assert (
+        cmd_curve(["--out", str(curve_dir), "--check", str(medusa_export)]) == 1
+    )  # its training block: 0 tokens
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not more than the curve's furthest reading (120,000)" in err[0]
     assert cmd_curve(["--out", str(tmp_path / "none"), "--check", str(medusa_export)]) == 1

@@ -1,6 +1,7 @@
-"""A real learning curve with cooldown branches on a tiny target (``draftsmith train`` subprocesses): each branch's
-learning rate falls linearly from the stable value to exactly zero over its steps, the main run stays at constant LR
-and its checkpoint is never written by a branch, and both readings are evaluated in the runtime."""
+"""A real learning curve with cooldown branches on a tiny target (``draftsmith train``
+subprocesses): each branch's learning rate falls linearly from the stable value to exactly zero over
+its steps, the main run stays at constant LR and its checkpoint is never written by a branch, and
+both readings are evaluated in the runtime."""
 
 from __future__ import annotations
 
@@ -22,42 +23,69 @@ def _lr(path: Path) -> float:
     return float(ckpt["optimizer_states"][0]["param_groups"][0]["lr"])
 
 
-def test_a_cooldown_branch_decays_to_zero_and_leaves_the_main_run_alone(tmp_path, tiny_target_dir, tiny_data_file):
+def test_a_cooldown_branch_decays_to_zero_and_leaves_the_main_run_alone(
+    tmp_path, tiny_target_dir, tiny_data_file
+):
     lrs: dict[str, dict[int, float]] = {}
     main_seed: dict[int, str] = {}
 
     def runner(argv: list[str]) -> int:
         run = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")))
-        if "branches" in run.parts:  # the main run's checkpoint at the branch point, as the branch starts
+        if (
+            "branches" in run.parts
+        ):  # the main run's checkpoint at the branch point, as the branch starts
             step = int(run.name[4:])
-            main_seed[step] = hashlib.sha256((tmp_path / "run" / "checkpoints" / f"step{step}.ckpt").read_bytes()
-                                             ).hexdigest()
+            main_seed[step] = hashlib.sha256(
+                (tmp_path / "run" / "checkpoints" / f"step{step}.ckpt").read_bytes()
+            ).hexdigest()
         code = subprocess_train(argv)
-        lrs.setdefault(str(run), {}).update({int(p.stem[4:]): _lr(p) for p in (run / "checkpoints").glob("step*.ckpt")})
+        lrs.setdefault(str(run), {}).update(
+            {int(p.stem[4:]): _lr(p) for p in (run / "checkpoints").glob("step*.ckpt")}
+        )
         if "branches" in run.parts:  # ... and after it trained: the same bytes
-            digest = hashlib.sha256((tmp_path / "run" / "checkpoints" / f"step{step}.ckpt").read_bytes()).hexdigest()
+            digest = hashlib.sha256(
+                (tmp_path / "run" / "checkpoints" / f"step{step}.ckpt").read_bytes()
+            ).hexdigest()
             assert digest == main_seed[step], "the branch wrote the main run's checkpoint"
         return code
 
     prompts = write_heldout_prompts(tmp_path / "heldout.jsonl", count=2)
-    overrides = ["recipe=medusa", f"target={tiny_target_dir}", "target.dtype=fp32", f"data={tiny_data_file}",
-                 "data.limit=null", "data.max_length=48", "data.batch_size=4", "data.val_fraction=0.1",
-                 "optim.warmup_steps=0", "run.checkpoint_every=1", "run.keep_checkpoints=50", "run.val_every=0",
-                 "trainer.log_every_n_steps=1"]
+    overrides = [
+        "recipe=medusa",
+        f"target={tiny_target_dir}",
+        "target.dtype=fp32",
+        f"data={tiny_data_file}",
+        "data.limit=null",
+        "data.max_length=48",
+        "data.batch_size=4",
+        "data.val_fraction=0.1",
+        "optim.warmup_steps=0",
+        "run.checkpoint_every=1",
+        "run.keep_checkpoints=50",
+        "run.val_every=0",
+        "trainer.log_every_n_steps=1",
+    ]
     settings = EvalSettings(prompt_sets=(str(prompts),), prompts=2, max_new_tokens=8, dtype="fp32")
     curve = run_curve(tmp_path, overrides, [3, 6], settings, runner=runner, say=print, cooldown=0.5)
 
     base = lrs[str(tmp_path / "run")][3]
-    assert base > 0 and all(v == pytest.approx(base) for v in lrs[str(tmp_path / "run")].values())  # constant
+    assert base > 0 and all(
+        v == pytest.approx(base) for v in lrs[str(tmp_path / "run")].values()
+    )  # constant
     assert sorted(lrs[str(tmp_path / "run")]) == [1, 2, 3, 4, 5, 6]
-    # the LR of the step after each checkpoint: the stable value at the branch point (the seed), then linearly down
-    # to exactly 0 at the branch's last step
-    assert [lrs[str(tmp_path / "branches" / "step3")][k] / base for k in (4, 5)] == pytest.approx([0.5, 0])
-    assert [lrs[str(tmp_path / "branches" / "step6")][k] / base for k in (7, 8, 9)] == pytest.approx(
-        [2 / 3, 1 / 3, 0], abs=1e-6)
+    # the LR of the step after each checkpoint: the stable value at the branch point (the seed),
+    # then linearly down to exactly 0 at the branch's last step
+    assert [lrs[str(tmp_path / "branches" / "step3")][k] / base for k in (4, 5)] == pytest.approx(
+        [0.5, 0]
+    )
+    assert [
+        lrs[str(tmp_path / "branches" / "step6")][k] / base for k in (7, 8, 9)
+    ] == pytest.approx([2 / 3, 1 / 3, 0], abs=1e-6)
     points = curve.data["points"]
     assert [p["cooled"]["steps"] for p in points] == [5, 9]
-    assert points[0]["cooled"]["tokens"] > points[0]["tokens"]  # the branch trained on further batches
+    assert (
+        points[0]["cooled"]["tokens"] > points[0]["tokens"]
+    )  # the branch trained on further batches
     for p in points:
         name = str(prompts)
         assert 0 <= p["eval"][name]["first_position_acceptance"] <= 1

@@ -1,16 +1,20 @@
-"""Run DFlash exports inside the engines: the real speculators library (e2e) and llama.cpp (integration).
+"""Run DFlash exports inside the engines: the real speculators library (e2e) and llama.cpp
+(integration).
 
-Sources and commits: tests/test_dflash_export.py's docstring (the key-list and id checks live there). Here:
+Sources and commits: tests/test_dflash_export.py's docstring (the key-list and id checks live
+there). Here:
 
 * speculators 0.9.0 (``.cache/venv-speculators``, ``make speculators-venv``), in a subprocess:
-  ``SpeculatorModel.from_pretrained`` loads our ``--format speculators`` folder as ``DFlashDraftModel`` with identical
-  weights and ``aux_hidden_state_layer_ids``; speculators' own z-lab converter (``convert/dflash/converter.py``) turns
-  our ``--format dflash-zlab`` folder into the same ids, mask token, block size and weights; its decoder layers
-  (z-lab's ``Qwen3DFlashDecoderLayer``) reproduce our drafter's block logits.
-* llama.cpp (the cached ``make llamacpp`` build): a random-weight DFlash drafter for the embedded SmolLM2 target goes
-  through llama.cpp's own converter; the GGUF holds the tensors ``src/models/dflash.cpp`` requires and
-  ``dflash.target_layers`` = our taps (llama.cpp captures those target layers' inputs); ``llama-speculative-simple
-  --spec-type draft-dflash`` then produces llama.cpp's own plain greedy text.
+  ``SpeculatorModel.from_pretrained`` loads our ``--format speculators`` folder as
+  ``DFlashDraftModel`` with identical weights and ``aux_hidden_state_layer_ids``; speculators' own
+  z-lab converter (``convert/dflash/converter.py``) turns our ``--format dflash-zlab`` folder into
+  the same ids, mask token, block size and weights; its decoder layers (z-lab's
+  ``Qwen3DFlashDecoderLayer``) reproduce our drafter's block logits.
+* llama.cpp (the cached ``make llamacpp`` build): a random-weight DFlash drafter for the embedded
+  SmolLM2 target goes through llama.cpp's own converter; the GGUF holds the tensors
+  ``src/models/dflash.cpp`` requires and ``dflash.target_layers`` = our taps (llama.cpp captures
+  those target layers' inputs); ``llama-speculative-simple --spec-type draft-dflash`` then produces
+  llama.cpp's own plain greedy text.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from draftsmith.export.speculators import to_speculators
 
 pytestmark = pytest.mark.unit
 
-# ---- the real speculators library (its own venv, a subprocess) -----------------------------------------------------
+# ---- the real speculators library (its own venv, a subprocess) -----------------------------------
 SPECULATORS_SCRIPT = r"""
 import sys, torch
 from safetensors.torch import load_file
@@ -57,7 +61,8 @@ print("WEIGHTS_OK", len(ours))
 DFlashConverter().convert(zlab, conv_out, base_model=verifier, validate=False)
 converted = SpeculatorModel.from_pretrained(conv_out)
 assert converted.config.aux_hidden_state_layer_ids == model.config.aux_hidden_state_layer_ids
-assert converted.config.mask_token_id == model.config.mask_token_id and converted.config.block_size == 4
+assert converted.config.mask_token_id == model.config.mask_token_id
+assert converted.config.block_size == 4
 for key, value in ours.items():
     assert torch.equal(converted.state_dict()[key].float(), value.float()), key
 print("CONVERTER_OK")
@@ -71,7 +76,8 @@ with torch.no_grad():
     rope = model.rotary_emb(x, pos)
     for layer in model.layers:
         layer.self_attn.config._attn_implementation = "eager"
-        x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos, position_embeddings=rope)
+        x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos,
+                  position_embeddings=rope)
     logits = model.norm(x)[:, 1:] @ ref["lm_head"].T
 err = (logits - ref["logits"]).abs().max().item()
 assert err < 1e-4, err
@@ -79,7 +85,8 @@ print("FORWARD_OK", err)
 """
 
 
-@pytest.mark.e2e  # the real speculators library, in its own venv (make speculators-venv), in a subprocess
+# the real speculators library, in its own venv (make speculators-venv), in a subprocess
+@pytest.mark.e2e
 @pytest.mark.skipif(not HAVE_SPECULATORS, reason=_no_speculators_reason())
 def test_real_speculators_library_loads_converts_and_reproduces_our_block(tmp_path, tiny_tokenizer):
     from conftest import build_tiny_llama
@@ -96,29 +103,75 @@ def test_real_speculators_library_loads_converts_and_reproduces_our_block(tmp_pa
     with torch.no_grad():
         _, logits = drafter.draft_greedy(taps, verified)  # [1, block_size - 1, V]
     ref = tmp_path / "ref.safetensors"
-    save_file({"taps": taps, "block": drafter.block_tokens(verified), "logits": logits,
-               "embed": target.embed_weight.detach().float().clone(),
-               "lm_head": target.lm_head_weight.detach().float().clone()}, str(ref))
-    proc = subprocess.run([str(SPECULATORS_PYTHON), "-c", SPECULATORS_SCRIPT, str(spec), str(zlab), str(verifier),
-                           str(ref), str(tmp_path / "converted")], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""})
+    save_file(
+        {
+            "taps": taps,
+            "block": drafter.block_tokens(verified),
+            "logits": logits,
+            "embed": target.embed_weight.detach().float().clone(),
+            "lm_head": target.lm_head_weight.detach().float().clone(),
+        },
+        str(ref),
+    )
+    proc = subprocess.run(
+        [
+            str(SPECULATORS_PYTHON),
+            "-c",
+            SPECULATORS_SCRIPT,
+            str(spec),
+            str(zlab),
+            str(verifier),
+            str(ref),
+            str(tmp_path / "converted"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert all(k in proc.stdout for k in ("WEIGHTS_OK", "CONVERTER_OK", "FORWARD_OK")), proc.stdout
 
 
-# ---- llama.cpp: its own converter, then --spec-type draft-dflash (the cached `make llamacpp` build) -----------------
-LLAMACPP_REQUIRED = ("fc.weight", "enc.output_norm.weight", "output_norm.weight")  # dflash.cpp load_arch_tensors
-LLAMACPP_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_norm",
-                  "ffn_gate", "ffn_down", "ffn_up")
+# ---- llama.cpp: its own converter, then --spec-type draft-dflash (the `make llamacpp` build)
+LLAMACPP_REQUIRED = (
+    "fc.weight",
+    "enc.output_norm.weight",
+    "output_norm.weight",
+)  # dflash.cpp load_arch_tensors
+LLAMACPP_LAYER = (
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "attn_q_norm",
+    "attn_k_norm",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_down",
+    "ffn_up",
+)
 
 
-def gguf_tensors_and_fields(path: Path, root: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, object]]:
-    """Tensor name -> shape (ggml order) and the ``dflash.*`` / mask metadata, read with the build's own gguf-py."""
-    code = ("import json, sys; from gguf import GGUFReader; r = GGUFReader(sys.argv[1]); print(json.dumps("
-            "{'tensors': {t.name: [int(n) for n in t.shape] for t in r.tensors}, 'fields': {k: f.contents() for k, f "
-            "in r.fields.items() if k.startswith(('dflash.', 'tokenizer.ggml.mask'))}}))")
-    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(root / "gguf-py")})
+def gguf_tensors_and_fields(
+    path: Path, root: Path
+) -> tuple[dict[str, tuple[int, ...]], dict[str, object]]:
+    """Tensor name -> shape (ggml order) and the ``dflash.*`` / mask metadata, read with the build's
+    own gguf-py."""
+    code = (
+        "import json, sys; from gguf import GGUFReader; r = GGUFReader(sys.argv[1]);"
+        " print(json.dumps({'tensors': {t.name: [int(n) for n in t.shape] for t in r.tensors},"
+        " 'fields': {k: f.contents() for k, f in r.fields.items() if k.startswith(('dflash.',"
+        " 'tokenizer.ggml.mask'))}}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root / "gguf-py")},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     return {k: tuple(v) for k, v in out["tensors"].items()}, out["fields"]
@@ -126,8 +179,10 @@ def gguf_tensors_and_fields(path: Path, root: Path) -> tuple[dict[str, tuple[int
 
 @pytest.fixture(scope="module")
 def embedded_gguf(tmp_path_factory) -> SimpleNamespace:
-    """A random DFlash drafter (block 4, 1 layer, default taps (2, 15, 28)) for the embedded target, converted once
-    by ``draftsmith export --format gguf``. Norm weights stay 1 so its drafts depend on the tapped hidden states."""
+    """A random DFlash drafter (block 4, 1 layer, default taps (2, 15, 28)) for the embedded target,
+    converted once by ``draftsmith export --format gguf``. Norm weights stay 1 so its drafts depend
+    on the tapped hidden states.
+    """
     from draftsmith import assets
     from draftsmith.bench import llamacpp
     from draftsmith.export.gguf import read_manifest
@@ -137,10 +192,17 @@ def embedded_gguf(tmp_path_factory) -> SimpleNamespace:
         pytest.skip(f"llama.cpp {reason}")
     tmp = tmp_path_factory.mktemp("dflash-gguf")
     target = Target.load(str(assets.default_target_dir()), dtype="float32")
-    export, drafter = export_dflash(target, tmp / "export", layers=None, block=4, num_layers=1, norms=False)
+    export, drafter = export_dflash(
+        target, tmp / "export", layers=None, block=4, num_layers=1, norms=False
+    )
     assert main(["export", str(export), "--format", "gguf", "--out", str(tmp / "gguf")]) == 0
-    return SimpleNamespace(target=target, export=export, drafter=drafter, manifest=read_manifest(tmp / "gguf"),
-                           root=llamacpp.llamacpp_dir())
+    return SimpleNamespace(
+        target=target,
+        export=export,
+        drafter=drafter,
+        manifest=read_manifest(tmp / "gguf"),
+        root=llamacpp.llamacpp_dir(),
+    )
 
 
 @pytest.mark.integration
@@ -152,15 +214,29 @@ def test_real_conversion_and_engine_check_on_the_embedded_target(embedded_gguf):
     tensors, fields = gguf_tensors_and_fields(Path(manifest["paths"]["draft"]), embedded_gguf.root)
     h, taps = target.hidden_size, list(drafter.tapped_layers)
     want = {*LLAMACPP_REQUIRED, *(f"blk.0.{n}.weight" for n in LLAMACPP_LAYER)}
-    assert set(tensors) == want and tensors["fc.weight"] == (len(taps) * h, h)  # no token_embd / output: the target's
-    assert fields["dflash.target_layers"] == taps  # captured at those layers' inputs: our hidden_states indices
-    assert (fields["dflash.block_size"], fields["tokenizer.ggml.mask_token_id"]) == (4, drafter.config.mask_token_id)
+    assert set(tensors) == want and tensors["fc.weight"] == (
+        len(taps) * h,
+        h,
+    )  # no token_embd / output: the target's
+    assert (
+        fields["dflash.target_layers"] == taps
+    )  # captured at those layers' inputs: our hidden_states indices
+    assert (fields["dflash.block_size"], fields["tokenizer.ggml.mask_token_id"]) == (
+        4,
+        drafter.config.mask_token_id,
+    )
     assert fields["dflash.attention.causal"] is False
     paths = manifest["paths"]
     result = engine_check(embedded_gguf.export, paths["target"], paths["draft"], "mtbench", 1, 8)
     lc = result["llamacpp"]
-    assert lc["lossless"] or lc["near_ties_only"], (lc["divergences"], lc["plain"]["texts"], lc["speculative"]["texts"])
-    assert lc["speculative"]["spec_type"] == "draft-dflash" and lc["speculative"]["n_draft_max"] == 3
+    assert lc["lossless"] or lc["near_ties_only"], (
+        lc["divergences"],
+        lc["plain"]["texts"],
+        lc["speculative"]["texts"],
+    )
+    assert (
+        lc["speculative"]["spec_type"] == "draft-dflash" and lc["speculative"]["n_draft_max"] == 3
+    )
     assert lc["speculative"]["n_drafted"] > 0 and lc["speculative"]["n_predict"] >= 8
     assert result["prompt_ids_match"] and result["runtime"]["lossless"]
     assert "llama.cpp DFlash (n_max 3)" in markdown(result)
@@ -171,7 +247,8 @@ _ACCEPTED = re.compile(r"accepted (\d+)/\d+ draft tokens, the last target token 
 
 
 def llamacpp_steps(log: str) -> list[tuple[list[int], int, int]]:
-    """(drafted ids, accepted count, next verified token) per step of a ``-v`` ``llama-speculative-simple`` log."""
+    """(drafted ids, accepted count, next verified token) per step of a ``-v``
+    ``llama-speculative-simple`` log."""
     steps, drafted = [], []
     for line in log.splitlines():
         if m := _CANDIDATE.search(line):
@@ -184,21 +261,33 @@ def llamacpp_steps(log: str) -> list[tuple[list[int], int, int]]:
 
 @pytest.mark.integration
 def test_llamacpp_drafts_our_block_from_the_same_hidden_states(embedded_gguf):
-    """llama.cpp's drafted tokens, step by step, equal our drafter's greedy block over the same context; read one
-    ``hidden_states`` index off (either way) and they do not: the GGUF taps exactly what the drafter trained on."""
+    """llama.cpp's drafted tokens, step by step, equal our drafter's greedy block over the same
+    context; read one ``hidden_states`` index off (either way) and they do not: the GGUF taps
+    exactly what the drafter trained on.
+    """
     from draftsmith.bench import llamacpp
     from draftsmith.bench.prompts import load_prompts
 
-    target, drafter, paths = embedded_gguf.target, embedded_gguf.drafter, embedded_gguf.manifest["paths"]
+    target, drafter, paths = (
+        embedded_gguf.target,
+        embedded_gguf.drafter,
+        embedded_gguf.manifest["paths"],
+    )
     prompt = load_prompts("mtbench", target.tokenizer, 1)[0]
     text = llamacpp.prompt_texts([prompt], target.tokenizer)[0]
-    argv = llamacpp.speculative_command(Path(paths["target"]), Path(paths["draft"]), text, 8, 3, 2, 1024)
+    argv = llamacpp.speculative_command(
+        Path(paths["target"]), Path(paths["draft"]), text, 8, 3, 2, 1024
+    )
     argv[argv.index("draft-eagle3")] = "draft-dflash"
-    proc = subprocess.run([*argv, "-v"], capture_output=True, text=True, errors="replace", timeout=300)
+    proc = subprocess.run(
+        [*argv, "-v"], capture_output=True, text=True, errors="replace", timeout=300
+    )
     steps = llamacpp_steps(proc.stderr)
     assert proc.returncode == 0 and len(steps) >= 8, proc.stderr[-2000:]
     with torch.no_grad():
-        verified = int(target.model(torch.tensor([prompt])).logits[0, -1].argmax())  # llama.cpp's first token
+        verified = int(
+            target.model(torch.tensor([prompt])).logits[0, -1].argmax()
+        )  # llama.cpp's first token
     seq, hits = list(prompt), {-1: 0, 0: 0, 1: 0}
     for drafted, accepted, following in steps:
         with torch.no_grad():
@@ -209,5 +298,8 @@ def test_llamacpp_drafts_our_block_from_the_same_hidden_states(embedded_gguf):
                 hits[shift] += sum(a == b for a, b in zip(ours, drafted, strict=True))
         seq, verified = seq + [verified] + drafted[:accepted], following
     total = sum(len(d) for d, _, _ in steps)
-    assert hits[0] >= 0.9 * total, (hits, total)  # BF16 llama.cpp vs our fp32: a near-tie may flip, rarely
+    assert hits[0] >= 0.9 * total, (
+        hits,
+        total,
+    )  # BF16 llama.cpp vs our fp32: a near-tie may flip, rarely
     assert hits[-1] <= 0.5 * total and hits[1] <= 0.5 * total, (hits, total)

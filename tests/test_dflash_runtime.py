@@ -1,6 +1,7 @@
-"""DFlash runtime: greedy speculative output == plain greedy (random and trained exports, confidence cut on and off),
-the incremental context cache, exact rejection sampling, target identity and option refusals, the shape choice,
-and `train.py recipe=dflash` end to end into an export the runtime serves."""
+"""DFlash runtime: greedy speculative output == plain greedy (random and trained exports, confidence
+cut on and off), the incremental context cache, exact rejection sampling, target identity and option
+refusals, the shape choice, and `train.py recipe=dflash` end to end into an export the runtime
+serves."""
 
 from __future__ import annotations
 
@@ -64,17 +65,34 @@ def write(objective, tgt: Target, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def exports(target, reference, tmp_path_factory):
-    """A random DFlash export and one trained on the target's greedy continuations (confidence + Markov heads)."""
+    """A random DFlash export and one trained on the target's greedy continuations (confidence +
+    Markov heads)."""
     tgt, _ = target
     batch = greedy_batch(reference)
     assert MASK not in batch["input_ids"].tolist()
     out = {}
-    for name, extra in (("random", {}), ("trained", {"confidence_head": True, "markov_head": True, "markov_rank": 8,
-                                                     "anchors_per_seq": 24})):
-        cfg = recipe_config("dflash", {"drafter": {"target_layers": [1, 2, 3], "block_size": 5, "mask_token_id": MASK,
-                                                   **extra}})
+    for name, extra in (
+        ("random", {}),
+        (
+            "trained",
+            {"confidence_head": True, "markov_head": True, "markov_rank": 8, "anchors_per_seq": 24},
+        ),
+    ):
+        cfg = recipe_config(
+            "dflash",
+            {
+                "drafter": {
+                    "target_layers": [1, 2, 3],
+                    "block_size": 5,
+                    "mask_token_id": MASK,
+                    **extra,
+                }
+            },
+        )
         torch.manual_seed(0)
-        objective = dflash_recipe.build_objective(cfg, tgt, [(batch["input_ids"], batch["loss_mask"])])
+        objective = dflash_recipe.build_objective(
+            cfg, tgt, [(batch["input_ids"], batch["loss_mask"])]
+        )
         if name == "trained":
             feats = tgt.features(batch["input_ids"], batch["attention_mask"], objective.taps)
             opt = torch.optim.AdamW(objective.module.parameters(), lr=3e-3)
@@ -88,40 +106,59 @@ def exports(target, reference, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize(("name", "options"), [("random", {}), ("trained", {}), ("trained", {"cut": 0.5}),
-                                                ("trained", {"depth": 2})])
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("random", {}), ("trained", {}), ("trained", {"cut": 0.5}), ("trained", {"depth": 2})],
+)
 def test_greedy_speculative_equals_plain_greedy(target, reference, exports, name, options):
     proposer = build_proposer(exports[name], target[1], **options)
-    assert proposer.max_tree_nodes == options.get("depth", 4) + 1 and proposer.feature_taps == (1, 2, 3)
+    assert proposer.max_tree_nodes == options.get("depth", 4) + 1 and proposer.feature_taps == (
+        1,
+        2,
+        3,
+    )
     dec = SpeculativeDecoder(target[1], proposer)
     taus = []
     for prompt in PROMPTS:
         res = dec.generate(prompt, NEW)
         assert res.tokens == reference[tuple(prompt)], (name, options, prompt)
         taus.append(res.tau)
-    if name == "trained" and not options:  # memorised continuations: accepted only if serving feeds what training saw
+    if (
+        name == "trained" and not options
+    ):  # memorised continuations: accepted only if serving feeds what training saw
         assert min(taus) > 2.0, taus
 
 
 def test_confidence_cut_shortens_blocks(target, exports):
     prompt = PROMPTS[2]
-    full = SpeculativeDecoder(target[1], build_proposer(exports["trained"], target[1])).generate(prompt, NEW)
-    cut = SpeculativeDecoder(target[1], build_proposer(exports["trained"], target[1], cut=0.999)).generate(prompt, NEW)
+    full = SpeculativeDecoder(target[1], build_proposer(exports["trained"], target[1])).generate(
+        prompt, NEW
+    )
+    cut = SpeculativeDecoder(
+        target[1], build_proposer(exports["trained"], target[1], cut=0.999)
+    ).generate(prompt, NEW)
     assert full.tokens == cut.tokens
-    assert max(cut.tree_sizes) <= max(full.tree_sizes) and sum(cut.tree_sizes) / len(cut.tree_sizes) < \
-        sum(full.tree_sizes) / len(full.tree_sizes)
+    assert max(cut.tree_sizes) <= max(full.tree_sizes) and sum(cut.tree_sizes) / len(
+        cut.tree_sizes
+    ) < sum(full.tree_sizes) / len(full.tree_sizes)
 
 
 def test_learned_stop_policy_reads_the_confidence_head(target, reference, exports):
-    """`--stop-policy learned:H` on a DFlash export binds its confidence head (a rejection head); lossless, and a
-    strict threshold drafts shorter chains. An export without the head is refused naming the option."""
+    """`--stop-policy learned:H` on a DFlash export binds its confidence head (a rejection head);
+    lossless, and a strict threshold drafts shorter chains. An export without the head is refused
+    naming the option.
+    """
     prompt = PROMPTS[2]
     config = read_config(exports["trained"])
     loose, _ = choose_stop_policy("learned:0.99", config, exports["trained"])
     strict, source = choose_stop_policy("learned:0.01", config, exports["trained"])
     assert source == {"spec": "learned:0.01", "source": "flag"}
-    runs = [SpeculativeDecoder(target[1], build_proposer(exports["trained"], target[1]), stop_policy=policy)
-            .generate(prompt, NEW) for policy in (loose, strict)]
+    runs = [
+        SpeculativeDecoder(
+            target[1], build_proposer(exports["trained"], target[1]), stop_policy=policy
+        ).generate(prompt, NEW)
+        for policy in (loose, strict)
+    ]
     assert all(run.tokens == reference[tuple(prompt)] for run in runs)
     mean = [sum(run.tree_sizes) / len(run.tree_sizes) for run in runs]
     assert mean[1] < mean[0], mean
@@ -135,11 +172,15 @@ def test_incremental_context_equals_a_full_recompute(target, exports):
     prompt = PROMPTS[1]
     res = SpeculativeDecoder(lean, proposer).generate(prompt, 30)
     seq = torch.tensor(prompt + res.tokens)
-    n = min(proposer.ctx_len, seq.numel())  # the last step's accepted tokens may run past max_new_tokens
+    n = min(
+        proposer.ctx_len, seq.numel()
+    )  # the last step's accepted tokens may run past max_new_tokens
     assert len(prompt) < n and res.steps > 1
     out = lean.forward(seq, lean.allocate_cache(seq.numel()), taps=proposer.feature_taps)
     with torch.no_grad():
-        full = proposer.drafter.context(out.tap_features(proposer.feature_taps)[:n][None], torch.arange(n)[None])
+        full = proposer.drafter.context(
+            out.tap_features(proposer.feature_taps)[:n][None], torch.arange(n)[None]
+        )
     for (k, v), (fk, fv) in zip(proposer.ctx, full):
         torch.testing.assert_close(k[:, :, :n], fk, atol=1e-4, rtol=0)
         torch.testing.assert_close(v[:, :, :n], fv, atol=1e-4, rtol=0)
@@ -161,7 +202,9 @@ def test_refusals_target_identity_and_options(target, exports, tiny_tokenizer):
     shallow = lean_from_hf(build_tiny_llama(len(tiny_tokenizer), num_hidden_layers=3))
     with pytest.raises(TargetMismatchError, match="num_hidden_layers: export has 4, target has 3"):
         build_proposer(exports["random"], shallow)
-    with pytest.raises(ValueError, match=r"depth must be an integer in 1..4 \(block_size - 1\), got 5"):
+    with pytest.raises(
+        ValueError, match=r"depth must be an integer in 1..4 \(block_size - 1\), got 5"
+    ):
         build_proposer(exports["random"], lean, depth=5)
     with pytest.raises(ValueError, match="needs a confidence head"):
         build_proposer(exports["random"], lean, cut=0.5)
@@ -174,33 +217,62 @@ def test_refusals_target_identity_and_options(target, exports, tiny_tokenizer):
 
 def test_shape_choice_covers_chains_up_to_the_block_and_top_k_trees(target):
     lean = target[1]
-    arch = DFlashConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
-                        vocab_size=lean.config.vocab_size, target_hidden_size=64, block_size=8, mask_token_id=MASK,
-                        target_layers=(1, 2))
+    arch = DFlashConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=lean.config.vocab_size,
+        target_hidden_size=64,
+        block_size=8,
+        mask_token_id=MASK,
+        target_layers=(1, 2),
+    )
     proposer = DFlashProposer(DFlashDrafter(arch, lean.embed_weight, lean.lm_head_weight))
     found = draft_shapes.candidates(proposer)
-    assert [s.depth for s in found if s.kind == "chain"] == [1, 2, 3, 4, 5, 6, 7]  # past MAX_CHAIN = 4
+    assert [s.depth for s in found if s.kind == "chain"] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+    ]  # past MAX_CHAIN = 4
     assert any(s.kind == "tree" for s in found)
     reference = plain_greedy(lean, PROMPTS[0], 12)
     for shape in (draft_shapes.Shape.chain(6), draft_shapes.Shape("tree", 3, 8, 2)):
         spec = SpeculativeDecoder(lean, proposer)
         draft_shapes.apply_shape(spec, shape, proposer)
-        assert isinstance(spec.stop_policy, FixedDepth) and spec.stop_policy.max_depth == shape.depth
+        assert (
+            isinstance(spec.stop_policy, FixedDepth) and spec.stop_policy.max_depth == shape.depth
+        )
         res = spec.generate(PROMPTS[0], 12)
         assert res.tokens == reference and max(res.depths) <= shape.depth
         assert max(res.tree_sizes) == shape.nodes, shape  # a chain of 7 nodes, a tree of 8
     calib = draft_shapes.calibration_proposer(proposer)  # the superset tree of every candidate
-    assert SpeculativeDecoder(lean, calib).generate(PROMPTS[1], 12).tokens == plain_greedy(lean, PROMPTS[1], 12)
+    assert SpeculativeDecoder(lean, calib).generate(PROMPTS[1], 12).tokens == plain_greedy(
+        lean, PROMPTS[1], 12
+    )
 
 
 def test_tree_option_from_the_builder(target, exports):
-    proposer = build_proposer(exports["trained"], target[1], tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]], top_k=2)
+    proposer = build_proposer(
+        exports["trained"], target[1], tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]], top_k=2
+    )
     assert proposer.tree is not None and proposer.max_tree_nodes == 6
     dec = SpeculativeDecoder(target[1], proposer)
     for prompt in PROMPTS:
         assert dec.generate(prompt, 20).tokens == plain_greedy(target[1], prompt, 20)
-    with pytest.raises(ValueError, match="a tree 5 deep needs 5 draft slots; this DFlash block has 4"):
-        build_proposer(exports["trained"], target[1], tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    with pytest.raises(
+        ValueError, match="a tree 5 deep needs 5 draft slots; this DFlash block has 4"
+    ):
+        build_proposer(
+            exports["trained"],
+            target[1],
+            tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]],
+        )
 
 
 class MisrecordedQ(DFlashProposer):
@@ -212,24 +284,44 @@ class MisrecordedQ(DFlashProposer):
 
 
 def small_dflash(proposer_cls: type = DFlashProposer, **options):
-    """A 2-layer V=8 target with a sharpened head and an opinionated random DFlash drafter (block 3, Markov head)."""
+    """A 2-layer V=8 target with a sharpened head and an opinionated random DFlash drafter (block 3,
+    Markov head)."""
     torch.manual_seed(3)
-    cfg = transformers.LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         hf.lm_head.weight.mul_(10.0)
     lean = lean_from_hf(hf)
-    arch = DFlashConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                        vocab_size=8, target_hidden_size=32, block_size=3, mask_token_id=6, target_layers=(0, 1),
-                        markov_head=True, markov_rank=4)
+    arch = DFlashConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=8,
+        target_hidden_size=32,
+        block_size=3,
+        mask_token_id=6,
+        target_layers=(0, 1),
+        markov_head=True,
+        markov_rank=4,
+    )
     drafter = DFlashDrafter(arch, lean.embed_weight, lean.lm_head_weight)
     for p in drafter.parameters():
         p.data.normal_(0, 0.3)  # opinionated drafts: some accepted, many rejected
     return hf, lean, proposer_cls(drafter, **options)
 
 
-@pytest.mark.e2e  # thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
+# thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
+@pytest.mark.e2e
 def test_rejection_sampling_with_sampled_dflash_blocks_preserves_the_distribution():
     hf, lean, proposer = small_dflash(temperature=0.6, top_p=0.9)
     dec = SpeculativeDecoder(lean, proposer, RejectionSamplingVerifier(temperature=0.8, top_p=0.95))
@@ -241,22 +333,44 @@ def test_chi_square_flags_a_misrecorded_draft_law():
     hf, lean, proposer = small_dflash(MisrecordedQ, temperature=0.3)
     dec = SpeculativeDecoder(lean, proposer, RejectionSamplingVerifier(temperature=1.0))
     counts, exact = sample_counts(dec, 800, seed=2), exact_law(hf, 1.0, 1.0)
-    assert min(chi2_pvalue(counts.sum(2), exact.sum(2)), chi2_pvalue(counts.sum(0), exact.sum(0))) < ALPHA
+    assert (
+        min(chi2_pvalue(counts.sum(2), exact.sum(2)), chi2_pvalue(counts.sum(0), exact.sum(0)))
+        < ALPHA
+    )
 
 
 @pytest.mark.e2e  # a train.py subprocess
 def test_train_py_end_to_end_export_is_served_losslessly(tmp_path, tiny_target_dir, tiny_data_file):
     run_dir = tmp_path / "run"
-    code = ("import sys, runpy; import draftsmith.recipes.dflash; sys.argv = ['train.py'] + sys.argv[1:]; "
-            f"runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')")
-    overrides = ["recipe=dflash", f"target.name_or_path={tiny_target_dir}", "target.dtype=fp32",
-                 f"data.spec={tiny_data_file}", "data.limit=null", "data.max_length=48", "data.batch_size=4",
-                 "data.val_fraction=0.1", "trainer.max_steps=2", "run.checkpoint_every=2", "run.final_eval_batches=1",
-                 "drafter.target_layers=[1,2,3]", "drafter.block_size=4", "drafter.confidence_head=true",
-                 f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run([sys.executable, "-c", code, *overrides], cwd=ROOT, capture_output=True, text=True,
-                          timeout=240,
-                          env={**os.environ, "DRAFTSMITH_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"})
+    code = (
+        "import sys, runpy; import draftsmith.recipes.dflash; sys.argv = ['train.py'] +"
+        f" sys.argv[1:]; runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')"
+    )
+    overrides = [
+        "recipe=dflash",
+        f"target.name_or_path={tiny_target_dir}",
+        "target.dtype=fp32",
+        f"data.spec={tiny_data_file}",
+        "data.limit=null",
+        "data.max_length=48",
+        "data.batch_size=4",
+        "data.val_fraction=0.1",
+        "trainer.max_steps=2",
+        "run.checkpoint_every=2",
+        "run.final_eval_batches=1",
+        "drafter.target_layers=[1,2,3]",
+        "drafter.block_size=4",
+        "drafter.confidence_head=true",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "DRAFTSMITH_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
     lean = lean_from_hf(hf)

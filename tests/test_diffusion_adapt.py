@@ -1,5 +1,7 @@
-"""recipe=diffusion_adapt on a tiny in-process Llama: the loss falls on a fixed batch, masks/pads are right, and the
-adapted model round-trips through an ordinary HF folder that the runtime loads as a diffusion target."""
+"""recipe=diffusion_adapt on a tiny in-process Llama: the loss falls on a fixed batch, masks/pads
+are right, and the adapted model round-trips through an ordinary HF folder that the runtime loads as
+a diffusion target.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +22,12 @@ def test_two_stream_mask_layout():
     blocks = torch.tensor([[0, 0, 1, 1]])
     mask = two_stream_mask(blocks, torch.ones(1, 4, dtype=torch.bool))[0, 0]  # [8, 8]
     assert mask[2, 3] and mask[3, 2] and not mask[1, 2]  # noisy: own block only
-    assert mask[2, 4] and mask[2, 5] and not mask[2, 6] and not mask[0, 4]  # noisy reads earlier clean blocks
-    assert mask[6, 4] and mask[6, 7] and not mask[4, 6] and not mask[6, 2]  # clean: block causal, never noisy
+    assert (
+        mask[2, 4] and mask[2, 5] and not mask[2, 6] and not mask[0, 4]
+    )  # noisy reads earlier clean blocks
+    assert (
+        mask[6, 4] and mask[6, 7] and not mask[4, 6] and not mask[6, 2]
+    )  # clean: block causal, never noisy
 
 
 def test_pad_with_eot_counts_padding_in_loss():
@@ -38,7 +44,11 @@ def test_loss_decreases_and_folder_round_trips(tiny_target_dir, tmp_path):
     target = Target.load(str(tiny_target_dir), "fp32")
     objective = build(recipe_config("diffusion_adapt", DIFFUSION), target)
     ids = torch.randint(5, 60, (2, 12), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
     batch["loss_mask"][:, :4] = 0
     opt = torch.optim.AdamW(objective.module.parameters(), lr=3e-3)
     losses = []
@@ -51,7 +61,9 @@ def test_loss_decreases_and_folder_round_trips(tiny_target_dir, tmp_path):
         losses.append(loss.item())
     assert sum(losses[-3:]) < 0.5 * sum(losses[:3])
     state = objective.module.state_dict()
-    assert "model.lm_head.weight" not in state  # tied head left out (safetensors refuses shared tensors)
+    assert (
+        "model.lm_head.weight" not in state
+    )  # tied head left out (safetensors refuses shared tensors)
     objective.module.load_state_dict(state)  # and put back on load
     assert target.vocab_size + 1 == objective.module.model.get_input_embeddings().weight.shape[0]
     out = objective.write_export(tmp_path / "dlm", {"steps": 25})
@@ -74,7 +86,8 @@ def test_draftsmith_export_converts_to_hf_folder(tiny_target_dir, tmp_path):
     lm = load_diffusion_lm(str(out))
     ids = torch.tensor([[5, 6, 7, 8]])
     torch.testing.assert_close(lm.model(ids).logits, objective.module.model.eval()(ids).logits)
-    # what the trainer writes now is already the HF folder: converting it again says to pass it directly
+    # what the trainer writes now is already the HF folder: converting it again says to pass it
+    # directly
     with pytest.raises(DiffusionTargetError, match="already a block-diffusion HF folder"):
         folder_from_export(out, tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()

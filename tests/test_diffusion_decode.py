@@ -1,4 +1,5 @@
-"""Block-diffusion decoding: baseline vs Learn2PD vs EoTP on tiny in-process models and a scripted toy LM."""
+"""Block-diffusion decoding: baseline vs Learn2PD vs EoTP on tiny in-process models and a scripted
+toy LM."""
 
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ V, MASK, EOS = 12, 11, 2
 
 
 class ScriptedLM:
-    """A fake diffusion LM: slot j's prediction is ``answer[j]`` once slot j-1 is decided (or j opens a block),
-    else the wrong token 8; slots listed in ``stuck`` are always wrong. Confidence falls with j."""
+    """A fake diffusion LM: slot j's prediction is ``answer[j]`` once slot j-1 is decided (or j
+    opens a block), else the wrong token 8; slots listed in ``stuck`` are always wrong. Confidence
+    falls with j."""
 
-    def __init__(self, prompt_len: int, answer: list[int], L: int = 4, stuck: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, prompt_len: int, answer: list[int], L: int = 4, stuck: tuple[int, ...] = ()
+    ) -> None:
         self.spec = DiffusionSpec(L, MASK)
         self.device, self.context, self.forwards = torch.device("cpu"), 4096, 0
         self.prompt_len, self.answer, self.stuck = prompt_len, answer, set(stuck)
@@ -50,7 +54,9 @@ class ScriptedLM:
 
 
 def tiny_lm(seed: int = 0) -> DiffusionLM:
-    return DiffusionLM(build_tiny_llama(64, seed=seed), None, DiffusionSpec(block_length=8, mask_token_id=63))
+    return DiffusionLM(
+        build_tiny_llama(64, seed=seed), None, DiffusionSpec(block_length=8, mask_token_id=63)
+    )
 
 
 def reject_all() -> Learn2PDFilter:
@@ -62,7 +68,9 @@ def reject_all() -> Learn2PDFilter:
 @pytest.mark.parametrize("temperature,cache", [(0.0, False), (0.0, True), (0.7, False)])
 def test_always_reject_filter_equals_baseline(temperature, cache):
     lm = tiny_lm()
-    cfg = DiffusionDecodeConfig(gen_length=24, steps_per_block=8, temperature=temperature, use_cache=cache, seed=3)
+    cfg = DiffusionDecodeConfig(
+        gen_length=24, steps_per_block=8, temperature=temperature, use_cache=cache, seed=3
+    )
     prompt = [5, 9, 17, 4, 30]
     base = diffusion_decode(lm, prompt, cfg)
     learned = diffusion_decode(lm, prompt, cfg, policy=learn2pd_policy(reject_all()))
@@ -73,15 +81,21 @@ def test_prefix_cache_decodes_the_same_tokens():
     lm = tiny_lm(1)
     cfg = DiffusionDecodeConfig(gen_length=24, steps_per_block=4)
     plain = diffusion_decode(lm, [7, 8, 9], cfg)
-    cached = diffusion_decode(lm, [7, 8, 9], DiffusionDecodeConfig(gen_length=24, steps_per_block=4, use_cache=True))
+    cached = diffusion_decode(
+        lm, [7, 8, 9], DiffusionDecodeConfig(gen_length=24, steps_per_block=4, use_cache=True)
+    )
     assert plain.tokens == cached.tokens
-    assert cached.forwards == cached.steps + 1 + 2  # prompt + one commit per finished block but the last
+    assert (
+        cached.forwards == cached.steps + 1 + 2
+    )  # prompt + one commit per finished block but the last
 
 
 def test_filter_never_commits_fewer_than_baseline():
     lm = tiny_lm(2)
     torch.manual_seed(0)
-    filt = Learn2PDFilter(Learn2PDConfig(block_length=8, threshold=0.5))  # random: accepts some slots
+    filt = Learn2PDFilter(
+        Learn2PDConfig(block_length=8, threshold=0.5)
+    )  # random: accepts some slots
     inner = learn2pd_policy(filt)
     seen = []
 
@@ -113,9 +127,17 @@ def test_eotp_cut_rules():
     x0 = torch.tensor([5, EOS, 6, EOS])
     conf = torch.tensor([0.9, 0.5, 0.4, 0.8])
     masked = torch.tensor([True, True, True, True])
-    assert eotp_cut(torch.tensor([False, True, False, True]), masked, x0, conf, eos) == (1, True)  # first committed
-    assert eotp_cut(torch.tensor([True, False, False, False]), masked, x0, conf, eos) == (3, False)  # most confident
-    assert eotp_cut(torch.zeros(4, dtype=torch.bool), masked, torch.tensor([5, 6, 7, 8]), conf, eos) == (None, False)
+    assert eotp_cut(torch.tensor([False, True, False, True]), masked, x0, conf, eos) == (
+        1,
+        True,
+    )  # first committed
+    assert eotp_cut(torch.tensor([True, False, False, False]), masked, x0, conf, eos) == (
+        3,
+        False,
+    )  # most confident
+    assert eotp_cut(
+        torch.zeros(4, dtype=torch.bool), masked, torch.tensor([5, 6, 7, 8]), conf, eos
+    ) == (None, False)
 
 
 def test_eotp_truncates_and_skips_later_blocks():
@@ -124,7 +146,9 @@ def test_eotp_truncates_and_skips_later_blocks():
     cfg = DiffusionDecodeConfig(gen_length=16, steps_per_block=4)
     base = diffusion_decode(lm, [1, 1, 1], cfg)
     assert base.tokens == answer and base.steps == 16 and base.answer == [5, 6, 7]
-    cut = diffusion_decode(lm, [1, 1, 1], DiffusionDecodeConfig(gen_length=16, steps_per_block=4, eotp=True))
+    cut = diffusion_decode(
+        lm, [1, 1, 1], DiffusionDecodeConfig(gen_length=16, steps_per_block=4, eotp=True)
+    )
     assert cut.answer == [5, 6, 7] and cut.truncated_at == 3 and len(cut.block_steps) == 1
     assert cut.tokens == [5, 6, 7, EOS] and cut.steps < base.steps
 
@@ -134,9 +158,12 @@ def test_oracle_labels_on_toy_trajectory():
 
     answer = [5, 6, 7, 9, 4, 4, 5, 6]
     lm = ScriptedLM(prompt_len=2, answer=answer, stuck=(5,))
-    trace = oracle_trace(lm, [1, 1], DiffusionDecodeConfig(gen_length=8, steps_per_block=4), reference=answer)
-    # Block 0: each step only the next slot's prediction is right; the oracle commits it, so 4 steps.
-    # Block 1: slot 4 right at step 0; slot 5 is stuck wrong, so step 2 sees no change and copies the reference.
+    trace = oracle_trace(
+        lm, [1, 1], DiffusionDecodeConfig(gen_length=8, steps_per_block=4), reference=answer
+    )
+    # Block 0: each step only the next slot's prediction is right; the oracle commits it, so 4
+    # steps. Block 1: slot 4 right at step 0; slot 5 is stuck wrong, so step 2 sees no change and
+    # copies the reference.
     expected = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0]]
     assert trace.labels.tolist() == expected
     assert trace.steps.tolist() == [0, 1, 2, 3, 0, 1]
@@ -145,6 +172,10 @@ def test_oracle_labels_on_toy_trajectory():
 
 def test_prompt_longer_than_context_is_refused():
     lm = tiny_lm()
-    with pytest.raises(ValueError, match="context is 512 positions; shorten the prompt to at most 488"):
-        diffusion_decode(lm, list(range(500)), DiffusionDecodeConfig(gen_length=24, steps_per_block=8))
+    with pytest.raises(
+        ValueError, match="context is 512 positions; shorten the prompt to at most 488"
+    ):
+        diffusion_decode(
+            lm, list(range(500)), DiffusionDecodeConfig(gen_length=24, steps_per_block=8)
+        )
     assert lm.forwards == 0

@@ -1,7 +1,7 @@
-"""The docs match the code: the generated parts of ARCHITECTURE.md are current, every path, `make` target, `draftsmith`
-command and recipe the README and docs/*.md name exists, no doc points outside the repository, adding the toy method
-of ADDING_A_METHOD.md touches the files it counts and trains and serves, and the Makefile's train-best trains on what
-it regenerates."""
+"""The docs match the code: the generated parts of ARCHITECTURE.md are current, every path, `make`
+target, `draftsmith` command and recipe the README and docs/*.md name exists, no doc points outside
+the repository, adding the toy method of ADDING_A_METHOD.md touches the files it counts and trains
+and serves, and the Makefile's train-best trains on what it regenerates."""
 
 from __future__ import annotations
 
@@ -20,10 +20,13 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# `draftsmith X` where a command line starts (a code span or line, after `$ `, `&& `, `; `, `| `, `(`, a venv's bin/ or
-# environment settings), not inside a quoted message ("not a draftsmith drafter export").
+# `draftsmith X` where a command line starts (a code span or line, after `$ `, `&& `, `; `, `| `,
+# `(`, a venv's bin/ or environment settings), not inside a quoted message ("not a draftsmith
+# drafter export").
 COMMAND = re.compile(r"(?:^|&&|;|\||\(|\$ |bin/)\s*(?:[A-Z_]+=\S*\s+)*draftsmith\s+([a-z][\w-]*)")
-PLACEHOLDER = re.compile(r"[<>*{}$|]|\.\.\.|[A-Z]{3,}")  # `runtime/drafting/<family>.py`, `OUT/x`, globs
+PLACEHOLDER = re.compile(
+    r"[<>*{}$|]|\.\.\.|[A-Z]{3,}"
+)  # `runtime/drafting/<family>.py`, `OUT/x`, globs
 
 
 def _script(name: str):
@@ -33,43 +36,78 @@ def _script(name: str):
     return module
 
 
-# ------------------------------------------------------------------------------------------ what a doc claims exists
+# ------------------------------------------------------------------------- what a doc claims exists
 def code_spans(text: str) -> list[str]:
-    """Inline code spans and the lines of fenced code blocks: where a doc names paths and commands."""
+    """Inline code spans and the lines of fenced code blocks: where a doc names paths and
+    commands."""
     fenced = re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
     prose = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.S | re.M)
-    return re.findall(r"`([^`\n]+)`", prose) + [line for block in fenced for line in block.splitlines()]
+    return re.findall(r"`([^`\n]+)`", prose) + [
+        line for block in fenced for line in block.splitlines()
+    ]
 
 
 def repository_roots() -> set[str]:
-    """Top-level names of the files git tracks or would track (not outputs/, .venv/: those a run makes)."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.split()
+    """Top-level names of the files git tracks or would track (not outputs/, .venv/: those a run
+    makes)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return {Path(p).parts[0] for p in listed}
 
 
 def named_paths(span: str, roots: set[str]) -> list[str]:
-    """Words of a code span that read as a repository path: they start with a top-level folder or file, name no
-    placeholder, and end in a file suffix or a slash, or are the whole span (``runtime/target/model.py``, ``tests/``,
-    ``Makefile``, ``tests/unit``; not ``bench/generate`` in ``draftsmith bench/generate --drafter``)."""
+    """Words of a code span that read as a repository path: they start with a top-level folder or
+    file, name no placeholder, and end in a file suffix or a slash, or are the whole span
+    (``runtime/target/model.py``, ``tests/``, ``Makefile``, ``tests/unit``; not ``bench/generate``
+    in ``draftsmith bench/generate --drafter``).
+    """
     words = [w.strip("(),;:'\"").removeprefix("./").split("::")[0] for w in span.split()]
-    return [w for w in words if w and not PLACEHOLDER.search(w) and "=" not in w and Path(w).parts
-            and Path(w).parts[0] in roots and (Path(w).suffix or w.endswith("/") or w == span.strip())]
+    return [
+        w
+        for w in words
+        if w
+        and not PLACEHOLDER.search(w)
+        and "=" not in w
+        and Path(w).parts
+        and Path(w).parts[0] in roots
+        and (Path(w).suffix or w.endswith("/") or w == span.strip())
+    ]
 
 
 def makefile_targets() -> set[str]:
     text = (ROOT / "Makefile").read_text()
-    return {t for line in re.findall(r"^([A-Za-z0-9_.\- ]+):(?!=)", text, flags=re.M) for t in line.split()}
+    return {
+        t
+        for line in re.findall(r"^([A-Za-z0-9_.\- ]+):(?!=)", text, flags=re.M)
+        for t in line.split()
+    }
 
 
 def claims(doc: Path, roots: set[str]) -> dict[str, set[str]]:
-    """Kind -> the names ``doc`` uses: repository paths, `make` targets, `draftsmith` commands, recipes, links."""
-    # the fault sweep's generated table quotes bad inputs on purpose (recipe=banana, missing files): not claims
-    text = re.sub(r"<!-- fault-sweep:start -->.*?<!-- fault-sweep:end -->", "", doc.read_text(), flags=re.S)
-    found: dict[str, set[str]] = {"path": set(), "make": set(), "command": set(), "recipe": set(), "link": set()}
+    """Kind -> the names ``doc`` uses: repository paths, `make` targets, `draftsmith` commands,
+    recipes, links."""
+    # the fault sweep's generated table quotes bad inputs on purpose (recipe=banana, missing files):
+    # not claims
+    text = re.sub(
+        r"<!-- fault-sweep:start -->.*?<!-- fault-sweep:end -->", "", doc.read_text(), flags=re.S
+    )
+    found: dict[str, set[str]] = {
+        "path": set(),
+        "make": set(),
+        "command": set(),
+        "recipe": set(),
+        "link": set(),
+    }
     for span in code_spans(text):
         found["path"].update(named_paths(span, roots))
-        found["make"].update(re.findall(r"(?:^|[\s;&(])make\s+(?:-\S+\s+)*([a-z][\w-]*)(?![\w=-])", span))
+        found["make"].update(
+            re.findall(r"(?:^|[\s;&(])make\s+(?:-\S+\s+)*([a-z][\w-]*)(?![\w=-])", span)
+        )
         found["command"].update(re.findall(COMMAND, span))
         found["recipe"].update(re.findall(r"\brecipe=([a-z][a-z0-9_]*)\b", span))
     for link in re.findall(r"\]\(([^)#\s]+)", text):
@@ -78,7 +116,9 @@ def claims(doc: Path, roots: set[str]) -> dict[str, set[str]]:
     return found
 
 
-def missing(doc: Path, roots: set[str], targets: set[str], commands: set[str], recipes: set[str]) -> list[str]:
+def missing(
+    doc: Path, roots: set[str], targets: set[str], commands: set[str], recipes: set[str]
+) -> list[str]:
     """What ``doc`` names that does not exist."""
     found = claims(doc, roots)
     out = [f"path {p}" for p in sorted(found["path"]) if not (ROOT / p).exists()]
@@ -99,21 +139,30 @@ def the_code() -> tuple[set[str], set[str], set[str], set[str]]:
 @pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
 def test_every_path_target_command_and_recipe_a_doc_names_exists(doc):
     roots, targets, commands, recipes = the_code()
-    assert missing(doc, roots, targets, commands, recipes) == [], f"{doc.relative_to(ROOT)} names what does not exist"
+    assert missing(doc, roots, targets, commands, recipes) == [], (
+        f"{doc.relative_to(ROOT)} names what does not exist"
+    )
 
 
 def test_the_doc_check_sees_what_does_not_exist(tmp_path):
     roots, targets, commands, recipes = the_code()
     doc = tmp_path / "STALE.md"
-    doc.write_text("`make test-fast` runs `tests/unit`; `make nope`; see `runtime/target/model.py`, `Makefile`, "
-                   "`runtime/drafting/<family>.py` and [x](nowhere.md).\n\n```bash\ndraftsmith bench --drafter X\n"
-                   "draftsmith frobnicate\npython train.py recipe=medusa\npython train.py recipe=medusa9\n```\n")
+    doc.write_text(
+        "`make test-fast` runs `tests/unit`; `make nope`; see `runtime/target/model.py`,"
+        " `Makefile`, `runtime/drafting/<family>.py` and [x](nowhere.md).\n\n```bash\ndraftsmith"
+        " bench --drafter X\ndraftsmith frobnicate\npython train.py recipe=medusa\npython train.py"
+        " recipe=medusa9\n```\n"
+    )
     assert missing(doc, roots, targets, commands, recipes) == [
-        "path tests/unit", "link nowhere.md", "`make nope` (no such Makefile target)",
-        "`draftsmith frobnicate` (not in cli COMMANDS)", "recipe=medusa9 (no conf/recipe/medusa9.yaml)"]
+        "path tests/unit",
+        "link nowhere.md",
+        "`make nope` (no such Makefile target)",
+        "`draftsmith frobnicate` (not in cli COMMANDS)",
+        "recipe=medusa9 (no conf/recipe/medusa9.yaml)",
+    ]
 
 
-# ------------------------------------------------------------------------------------ generated parts of the docs
+# ---------------------------------------------------------------------- generated parts of the docs
 def test_the_generated_parts_of_architecture_are_current():
     mt = _script("module_table")
     assert mt.stale(mt.DOC.read_text()) == [], "run `python docs/tools/module_table.py --write`"
@@ -126,19 +175,25 @@ def test_a_stale_part_is_seen():
         doc = mt.replace_part(doc, name, text)
     assert mt.stale(doc) == []
     assert mt.stale(doc.replace("| `common/chat.py` |", "| `common/chat_old.py` |")) == ["modules"]
-    without_row = "".join(line for line in doc.splitlines(keepends=True) if not line.startswith("| `common/chat.py`"))
+    without_row = "".join(
+        line for line in doc.splitlines(keepends=True) if not line.startswith("| `common/chat.py`")
+    )
     assert mt.stale(without_row) == ["modules"]
-    owned = "".join(line for line in doc.splitlines(keepends=True) if not line.startswith("| `heads/hydra.py`"))
+    owned = "".join(
+        line for line in doc.splitlines(keepends=True) if not line.startswith("| `heads/hydra.py`")
+    )
     assert mt.stale(owned) == []  # a method's own file may wait for the next --write
-    new_method = "".join(line for line in doc.splitlines(keepends=True) if not line.startswith("| `hydra_pp` |"))
+    new_method = "".join(
+        line for line in doc.splitlines(keepends=True) if not line.startswith("| `hydra_pp` |")
+    )
     assert mt.stale(new_method) == []  # and so may a new method's footprint row
     assert mt.stale(doc.replace("| `hydra_pp` | 4 |", "| `hydra_pp` | 5 |")) == ["footprint"]
     assert mt.stale(doc.replace("| `engine-check` |", "| `engine-checks` |")) == ["commands"]
 
 
 def test_the_readme_command_list_is_every_registered_command():
-    """README's command list is generated from the CLI's tables (docs/tools/readme_commands.py); it once lacked
-    `import`, `engine-check` and `curve` and gave the diffusion bench's old form."""
+    """README's command list is generated from the CLI's tables (docs/tools/readme_commands.py); it
+    once lacked `import`, `engine-check` and `curve` and gave the diffusion bench's old form."""
     from draftsmith.cli import COMMANDS
     from draftsmith.cli.bench_modes import MODES
 
@@ -147,7 +202,9 @@ def test_the_readme_command_list_is_every_registered_command():
     assert not rc.stale(doc), "run `python docs/tools/readme_commands.py --write`"
     listed = set(re.findall(r"`([a-z][\w-]*)`", rc.part(doc, rc.PART)))
     assert {"import", "engine-check", "curve", "flagship"} <= set(COMMANDS)
-    assert set(COMMANDS) <= listed, f"commands missing from README: {sorted(set(COMMANDS) - listed)}"
+    assert set(COMMANDS) <= listed, (
+        f"commands missing from README: {sorted(set(COMMANDS) - listed)}"
+    )
     assert all(f"`bench {mode}`" in rc.part(doc, rc.PART) for mode in MODES)
 
 
@@ -157,155 +214,303 @@ def test_a_stale_command_list_is_seen():
     assert not rc.stale(doc)
     assert rc.stale(doc.replace("`engine-check`, ", ""))  # a registered command left out
     assert rc.stale(doc.replace("`curve`", "`curves`"))
-    wrapped = rc.wrap("word " * 22 + "`a code span across the line's end` and words after it")  # span at column 110
-    assert all(line.count("`") % 2 == 0 for line in wrapped.splitlines()), wrapped  # no span split over two lines
+    wrapped = rc.wrap(
+        "word " * 22 + "`a code span across the line's end` and words after it"
+    )  # span at column 110
+    assert all(line.count("`") % 2 == 0 for line in wrapped.splitlines()), (
+        wrapped
+    )  # no span split over two lines
 
 
 def test_docs_name_the_bench_mode():
-    """`draftsmith bench --flag` still runs (the mode read off its flags), but the docs say the mode. ARCHITECTURE.md
-    is generated (its module rows are docstrings, its data paths docs/tools/room_walk.py's traced command)."""
+    """`draftsmith bench --flag` still runs (the mode read off its flags), but the docs say the
+    mode. ARCHITECTURE.md is generated (its module rows are docstrings, its data paths
+    docs/tools/room_walk.py's traced command).
+    """
     modeless = re.compile(r"draftsmith bench (?=--|\\)")
     written = [d for d in DOCS if d.name != "ARCHITECTURE.md"]
-    offenders = [f"{d.relative_to(ROOT)}:{n}" for d in [*written, ROOT / "Makefile"]
-                 for n, line in enumerate(d.read_text().splitlines(), 1) if modeless.search(line)]
-    assert not offenders, f"name the mode (draftsmith bench export|controller|reward|diffusion): {offenders}"
+    offenders = [
+        f"{d.relative_to(ROOT)}:{n}"
+        for d in [*written, ROOT / "Makefile"]
+        for n, line in enumerate(d.read_text().splitlines(), 1)
+        if modeless.search(line)
+    ]
+    assert not offenders, (
+        f"name the mode (draftsmith bench export|controller|reward|diffusion): {offenders}"
+    )
 
 
 def test_no_doc_points_outside_the_repository():
-    offenders = [str(d.relative_to(ROOT)) for d in DOCS if "../shared" in d.read_text() or "DESIGN.md" in d.read_text()]
+    offenders = [
+        str(d.relative_to(ROOT))
+        for d in DOCS
+        if "../shared" in d.read_text() or "DESIGN.md" in d.read_text()
+    ]
     assert not offenders, f"docs that point outside the repository: {offenders}"
-    outside = re.compile(r"\bshared/research|\.\./shared|/work/")  # lpo.py once cited "shared/research"
-    sources = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "*.py"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout.split()
-    cited = [p for p in sources if p != "tests/test_docs.py" and outside.search((ROOT / p).read_text())]
+    outside = re.compile(
+        r"\bshared/research|\.\./shared|/work/"
+    )  # lpo.py once cited "shared/research"
+    sources = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "*.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    cited = [
+        p for p in sources if p != "tests/test_docs.py" and outside.search((ROOT / p).read_text())
+    ]
     assert not cited, f"source files that cite a path outside the repository: {cited}"
 
 
 def test_readme_stays_short():
     lines = (ROOT / "README.md").read_text().count("\n")
-    assert lines <= 300, f"README.md has {lines} lines; measurement logs belong in docs/notebook/MEASUREMENTS.md"
+    assert lines <= 300, (
+        f"README.md has {lines} lines; measurement logs belong in docs/notebook/MEASUREMENTS.md"
+    )
 
 
 def test_the_slow_marker_says_what_the_default_run_does():
-    """pyproject.toml once called `slow` opt-in while nothing deselected it: its description and addopts agree."""
+    """pyproject.toml once called `slow` opt-in while nothing deselected it: its description and
+    addopts agree."""
     text = (ROOT / "pyproject.toml").read_text()
     description = re.search(r'"slow: ([^"]*)"', text).group(1)
     deselected = "not slow" in re.search(r'^addopts = "([^"]*)"', text, flags=re.M).group(1)
-    assert ("opt-in" in description) == deselected, f"slow: {description!r}, deselected by default: {deselected}"
+    assert ("opt-in" in description) == deselected, (
+        f"slow: {description!r}, deselected by default: {deselected}"
+    )
     assert ("run by default" in description) == (not deselected), description
 
 
-# ------------------------------------------------------------------------------------------------ the toy's diff
-# The checks that read the lists a method could have to be added to: the method table, tiers, rooms, docs, house rules
-# and the proposer contract (where it exists).
-CHECKS = ["tests/test_method_table.py", "tests/test_tiers.py", "tests/test_rooms.py", "tests/test_docs.py",
-          "tests/test_house_rules.py", "tests/test_proposer_contract.py"]
+# ----------------------------------------------------------------------------------- the toy's diff
+# The checks that read the lists a method could have to be added to: the method table, tiers, rooms,
+# docs, house rules and the proposer contract (where it exists).
+CHECKS = [
+    "tests/test_method_table.py",
+    "tests/test_tiers.py",
+    "tests/test_rooms.py",
+    "tests/test_docs.py",
+    "tests/test_house_rules.py",
+    "tests/test_proposer_contract.py",
+]
 TOY_TEST = "tests/test_toy.py"
 # ADDING_A_METHOD.md's count of what adding the toy touches
 CLAIM = re.compile(r"\*\*(\d+) files in (\d+) rooms\*\*")
 
 
 def copy_of_the_repository(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    """The repository's files (tracked, or untracked and not ignored) in ``tmp_path/draftsmith``, and the environment
-    that makes ``import draftsmith`` load the copy."""
+    """The repository's files (tracked, or untracked and not ignored) in ``tmp_path/draftsmith``,
+    and the environment that makes ``import draftsmith`` load the copy."""
     repo = tmp_path / "draftsmith"
-    for rel in subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.split():
+    for rel in subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split():
         if (ROOT / rel).is_file():
             (repo / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, repo / rel)
-    package = tmp_path / "site"  # `import draftsmith` must load the copy, not the installed checkout
+    package = (
+        tmp_path / "site"
+    )  # `import draftsmith` must load the copy, not the installed checkout
     package.mkdir()
     (package / "draftsmith").symlink_to(repo, target_is_directory=True)
-    return repo, {**os.environ, "PYTHONPATH": str(package), "DRAFTSMITH_CACHE": str(tmp_path / "cache")}
+    return repo, {
+        **os.environ,
+        "PYTHONPATH": str(package),
+        "DRAFTSMITH_CACHE": str(tmp_path / "cache"),
+    }
 
 
 def failing(repo: Path, env: dict[str, str], tests: list[str]) -> set[str]:
-    """The node ids of ``tests`` that fail or error in ``repo`` (the training and whole-suite collection left out)."""
+    """The node ids of ``tests`` that fail or error in ``repo`` (the training and whole-suite
+    collection left out)."""
     if not tests:
         return set()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "-m", "not e2e and not integration",
-         "-k", "not trains_exports_and_drafts and not every_collected_test", *tests],
-        cwd=repo, capture_output=True, text=True, timeout=900, env=env)
-    found = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))}
-    assert proc.returncode == 0 or found, proc.stdout[-3000:] + proc.stderr[-2000:]  # e.g. a collection crash
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rfE",
+            "-m",
+            "not e2e and not integration",
+            "-k",
+            "not trains_exports_and_drafts and not every_collected_test",
+            *tests,
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    found = {
+        line.split()[1]
+        for line in proc.stdout.splitlines()
+        if line.startswith(("FAILED ", "ERROR "))
+    }
+    assert proc.returncode == 0 or found, (
+        proc.stdout[-3000:] + proc.stderr[-2000:]
+    )  # e.g. a collection crash
     return found
 
 
 def run(repo: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], cwd=repo, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=repo, capture_output=True, text=True, timeout=600, env=env
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
 
-@pytest.mark.e2e  # pytest subprocesses over the list-reading checks, a training run and two generations in a copy
+# pytest subprocesses over the list-reading checks, a training run and two generations in a copy
+@pytest.mark.e2e
 def test_adding_the_toy_method_touches_the_files_the_guide_counts_and_it_trains_and_serves(
-        tmp_path, tiny_target_dir, tiny_data_file):
+    tmp_path, tiny_target_dir, tiny_data_file
+):
     import toy_method
 
     if shutil.which("git") is None:
         pytest.skip("no git on this machine")
     repo, env = copy_of_the_repository(tmp_path)
     # the copy's generated tables brought up to date first: the check is about what the toy changes
-    subprocess.run([sys.executable, "docs/tools/module_table.py", "--write"], cwd=repo, env=env, check=True)
+    subprocess.run(
+        [sys.executable, "docs/tools/module_table.py", "--write"], cwd=repo, env=env, check=True
+    )
     git = ["git", "-c", "user.name=toy", "-c", "user.email=toy@example.invalid"]
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
         subprocess.run([*git, *args], cwd=repo, check=True, capture_output=True)
     toy_method.place(repo)
-    status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=all"], cwd=repo, capture_output=True,
-                            text=True, check=True).stdout.splitlines()
+    status = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=all"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     changed = sorted(line[3:] for line in status)
     assert changed == sorted([*toy_method.PLACED, *toy_method.LISTED])
-    files, rooms = map(int, CLAIM.search((ROOT / "docs" / "ADDING_A_METHOD.md").read_text()).groups())
+    files, rooms = map(
+        int, CLAIM.search((ROOT / "docs" / "ADDING_A_METHOD.md").read_text()).groups()
+    )
     assert (len(changed), len({Path(p).parts[0] for p in changed})) == (files, rooms)
     for listed in toy_method.LISTED:  # one name added to each list: one line changed, nothing else
-        diff = subprocess.run([*git, "diff", "--numstat", "--", listed], cwd=repo, capture_output=True, text=True,
-                              check=True).stdout.split()
+        diff = subprocess.run(
+            [*git, "diff", "--numstat", "--", listed],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         assert diff[:2] == ["1", "1"], (listed, diff)
     checks = [c for c in CHECKS if (repo / c).is_file()]
     new = failing(repo, env, [*checks, TOY_TEST])
-    if new:  # what already fails without the toy (someone's work in progress) is not the toy's doing
+    if (
+        new
+    ):  # what already fails without the toy (someone's work in progress) is not the toy's doing
         subprocess.run([*git, "stash", "-u", "-q"], cwd=repo, check=True)  # the private copy only
         new -= failing(repo, env, sorted(n for n in new if not n.startswith(TOY_TEST)))
         subprocess.run([*git, "stash", "pop", "-q"], cwd=repo, check=True)
-    assert not new, f"with only the toy's files and its two names added, these fail (a list to edit?): {sorted(new)}"
+    assert not new, (
+        "with only the toy's files and its two names added, these fail (a list to edit?):"
+        f" {sorted(new)}"
+    )
     assert "`toy`" in run(repo, env, "docs/tools/method_footprint.py").stdout
     # composed through Hydra, trained, exported and served, as a user would
     run_dir = tmp_path / "run"
-    run(repo, env, "train.py", "recipe=toy", f"target={tiny_target_dir}", "target.dtype=fp32", f"data={tiny_data_file}",
-        "data.limit=null", "data.max_length=48", "data.batch_size=4", "data.val_fraction=0.1", "trainer.max_steps=1",
-        "run.checkpoint_every=1", "run.final_eval_batches=1", "validation.served_tau.every=0",
-        f"hydra.run.dir={run_dir}")
+    run(
+        repo,
+        env,
+        "train.py",
+        "recipe=toy",
+        f"target={tiny_target_dir}",
+        "target.dtype=fp32",
+        f"data={tiny_data_file}",
+        "data.limit=null",
+        "data.max_length=48",
+        "data.batch_size=4",
+        "data.val_fraction=0.1",
+        "trainer.max_steps=1",
+        "run.checkpoint_every=1",
+        "run.final_eval_batches=1",
+        "validation.served_tau.every=0",
+        f"hydra.run.dir={run_dir}",
+    )
     config = json.loads((run_dir / "export" / "config.json").read_text())
     assert config["method"] == "toy" and config["training"]["steps"] == 1
-    generate = ["-m", "draftsmith.cli", "generate", "--prompt", "hello world", "--max-new-tokens", "8", "--dtype",
-                "fp32", "--target", str(tiny_target_dir)]
+    generate = [
+        "-m",
+        "draftsmith.cli",
+        "generate",
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        "8",
+        "--dtype",
+        "fp32",
+        "--target",
+        str(tiny_target_dir),
+    ]
     served = run(repo, env, *generate, "--drafter", str(run_dir / "export"))
     plain = run(repo, env, *generate)
-    assert "tau" in served.stderr and served.stdout.strip() == plain.stdout.strip()  # lossless: greedy, fp32
+    assert (
+        "tau" in served.stderr and served.stdout.strip() == plain.stdout.strip()
+    )  # lossless: greedy, fp32
 
 
 def test_train_best_trains_on_every_regenerated_conversation(tmp_path):
-    """`make train-best` regenerates BEST_CONVERSATIONS and must train on all of them: the data config's default
-    `limit: 2000` silently cut an 8,000-conversation run to its first 2,000 (found on 2026-11-26)."""
+    """`make train-best` regenerates BEST_CONVERSATIONS and must train on all of them: the data
+    config's default
+    `limit: 2000` silently cut an 8,000-conversation run to its first 2,000 (found on 2026-11-26).
+    """
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")
-    dry = subprocess.run(["make", "-n", "train-best", "BEST_PRECISION=32-true", "BEST_CONVERSATIONS=123",
-                          "BEST_COMPARE=", "BEST_SOURCE=regen"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
+    dry = subprocess.run(
+        [
+            "make",
+            "-n",
+            "train-best",
+            "BEST_PRECISION=32-true",
+            "BEST_CONVERSATIONS=123",
+            "BEST_COMPARE=",
+            "BEST_SOURCE=regen",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     train = next(line for line in dry.replace("\\\n", " ").splitlines() if "flagship train" in line)
-    assert "data=outputs/best/regen123_code1300.jsonl" in train and "data.limit=null" in train, train
-    # the chat set (the first 123 conversations) and the coding set past them are regenerated, then joined
-    regen = [line for line in dry.replace("\\\n", " ").splitlines() if "draftsmith regenerate" in line]
+    assert "data=outputs/best/regen123_code1300.jsonl" in train and "data.limit=null" in train, (
+        train
+    )
+    # the chat set (the first 123 conversations) and the coding set past them are regenerated, then
+    # joined
+    regen = [
+        line for line in dry.replace("\\\n", " ").splitlines() if "draftsmith regenerate" in line
+    ]
     assert any("--out outputs/best/regen123.jsonl --limit 123 " in line for line in regen), regen
     code = next(line for line in regen if "--topic code" in line)
     assert "--limit 1300" in code and "--max-prompt-tokens" in code, code
-    # the coding set starts past the chat set's last source record (its kept 123 may reach past index 123)
+    # the coding set starts past the chat set's last source record (its kept 123 may reach past
+    # index 123)
     skip = code.split("--skip ", 1)[1].split(" --limit", 1)[0]
     chat = tmp_path / "regen123.jsonl"
-    chat.write_text("".join(json.dumps({"messages": [], "source_index": i}) + "\n" for i in (0, 5, 140)))
-    shell = subprocess.run(["bash", "-c", f"echo {skip.replace('outputs/best/regen123.jsonl', str(chat))}"], cwd=ROOT,
-                           capture_output=True, text=True, check=True)
+    chat.write_text(
+        "".join(json.dumps({"messages": [], "source_index": i}) + "\n" for i in (0, 5, 140))
+    )
+    shell = subprocess.run(
+        ["bash", "-c", f"echo {skip.replace('outputs/best/regen123.jsonl', str(chat))}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert shell.stdout.strip() == "141", (skip, shell.stdout, shell.stderr)
     assert "cat outputs/best/regen123.jsonl outputs/best/regen_code1300.jsonl > " in dry, dry

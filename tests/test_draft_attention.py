@@ -1,5 +1,5 @@
-"""The drafting path of ``common.layers.DraftAttention`` (no grad: SDPA's own GQA; no mask for one query) gives the
-training path's output bits, so an export drafts what it was trained to draft."""
+"""The drafting path of ``common.layers.DraftAttention`` (no grad: SDPA's own GQA; no mask for one
+query) gives the training path's output bits, so an export drafts what it was trained to draft."""
 
 from __future__ import annotations
 
@@ -14,8 +14,13 @@ pytestmark = pytest.mark.unit
 
 
 def _attention(kv_heads: int) -> DraftAttention:
-    config = SimpleNamespace(hidden_size=48, num_attention_heads=6, num_key_value_heads=kv_heads, head_dim=8,
-                             rope_theta=10000.0)
+    config = SimpleNamespace(
+        hidden_size=48,
+        num_attention_heads=6,
+        num_key_value_heads=kv_heads,
+        head_dim=8,
+        rope_theta=10000.0,
+    )
     torch.manual_seed(0)
     return DraftAttention(config, 48)
 
@@ -41,7 +46,8 @@ def test_drafting_path_equals_the_training_path_bit_for_bit(kv_heads, dtype):
 
 
 def test_rope_tables_made_while_decoding_still_train():
-    """The inverse-frequency table is cached; one first built under inference mode must not break a backward."""
+    """The inverse-frequency table is cached; one first built under inference mode must not break a
+    backward."""
     with torch.inference_mode():
         rope_cos_sin(torch.arange(4)[None], 8, 12345.0, torch.float32)
     attn = _attention(2)

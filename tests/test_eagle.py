@@ -1,4 +1,5 @@
-"""EAGLE-1 drafter: feature/token alignment of the loss, KV cache, training signal, export round trip."""
+"""EAGLE-1 drafter: feature/token alignment of the loss, KV cache, training signal, export round
+trip."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
 def recipe_cfg(**drafter) -> Eagle:
-    """The shipped recipe's config (its schema and conf/recipe/eagle.yaml) with drafter overrides."""
+    """The shipped recipe's config (its schema and conf/recipe/eagle.yaml) with drafter
+    overrides."""
     return recipe_config("eagle", {"drafter": drafter})
 
 
@@ -48,20 +49,28 @@ def make_objective(target: Target, **drafter) -> eagle_recipe.EagleObjective:
 def test_config_from_target_and_frozen_weights_are_not_exported(target):
     drafter = make_objective(target).module
     c = drafter.config
-    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (64, 4, 2, 16)
+    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+        64,
+        4,
+        2,
+        16,
+    )
     assert c.vocab_size == target.vocab_size
     assert drafter.fc.weight.shape == (64, 128) and drafter.fc.bias is not None
     assert not hasattr(drafter.layer, "input_layernorm")
     keys = set(drafter.state_dict())
     assert not any("embed" in k or "lm_head" in k for k in keys)
     assert all(p.requires_grad for p in drafter.parameters())
-    assert sum(p.numel() for p in drafter.parameters()) == sum(v.numel() for v in drafter.state_dict().values())
+    assert sum(p.numel() for p in drafter.parameters()) == sum(
+        v.numel() for v in drafter.state_dict().values()
+    )
     with pytest.raises(ValueError, match="lm_head_weight has shape"):
         EagleDrafter(c, target.embed_weight, torch.zeros(3, 64))
 
 
 def test_loss_uses_pairs_f_t_x_t1_targets_at_t1_and_label_mask_at_t2(target):
-    """Hand-check which (f_t, x_{t+1}) pairs and which targets the loss scores, with known random tensors."""
+    """Hand-check which (f_t, x_{t+1}) pairs and which targets the loss scores, with known random
+    tensors."""
     objective = make_objective(target)
     drafter = objective.module
     g = torch.Generator().manual_seed(1)
@@ -80,13 +89,26 @@ def test_loss_uses_pairs_f_t_x_t1_targets_at_t1_and_label_mask_at_t2(target):
             for t in range(T - 2):  # the last pair (t = T-2) has no label x_T
                 if not (loss_mask[b, t + 2] and attn[b, t + 2]):
                     continue
-                pred, _ = drafter(ids[b:b + 1, 1:t + 2], final[b:b + 1, :t + 1])  # causal prefix run
+                pred, _ = drafter(
+                    ids[b : b + 1, 1 : t + 2], final[b : b + 1, : t + 1]
+                )  # causal prefix run
                 f_hat = pred[0, -1]
                 feat_terms.append(F.smooth_l1_loss(f_hat, final[b, t + 1]))
                 p = F.softmax(logits[b, t + 1], -1)
                 tok_terms.append(-(p * F.log_softmax(drafter.logits(f_hat), -1)).sum())
                 scored.append((b, t))
-    assert scored == [(0, 1), (0, 2), (0, 3), (0, 5), (0, 6), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4)]
+    assert scored == [
+        (0, 1),
+        (0, 2),
+        (0, 3),
+        (0, 5),
+        (0, 6),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+        (1, 3),
+        (1, 4),
+    ]
     feat, tok = torch.stack(feat_terms).mean(), torch.stack(tok_terms).mean()
     assert torch.allclose(metrics["feature_loss"], feat, atol=1e-5)
     assert torch.allclose(metrics["token_loss"], tok, atol=1e-5)
@@ -105,7 +127,11 @@ def test_loss_uses_pairs_f_t_x_t1_targets_at_t1_and_label_mask_at_t2(target):
 def test_noise_only_in_training_mode(target):
     objective = make_objective(target)
     ids = torch.randint(5, target.vocab_size, (1, 12))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
     feats = target.features(ids, batch["attention_mask"], objective.taps)
     eval_a, _ = objective.loss(batch, feats)
     eval_b, _ = objective.loss(batch, feats)
@@ -116,7 +142,9 @@ def test_noise_only_in_training_mode(target):
     assert not torch.equal(noisy, eval_a)
     features = torch.zeros(2, 256, 8)
     noise = eagle_recipe.uniform_feature_noise(features, 0.2, 512)
-    assert noise.abs().max() <= 0.2 and noise.abs().max() > 0.15  # (U-0.5) * 0.2 * 512/256 spans +-0.2
+    assert (
+        noise.abs().max() <= 0.2 and noise.abs().max() > 0.15
+    )  # (U-0.5) * 0.2 * 512/256 spans +-0.2
 
 
 def test_kv_cache_and_tree_mask_match_full_forward(target):
@@ -137,7 +165,9 @@ def test_kv_cache_and_tree_mask_match_full_forward(target):
         sib_ids = torch.stack((ids[:, 4], ids[:, 5]), 1)
         sib_feats = torch.stack((feats[:, 4], feats[:, 5]), 1)
         tree = torch.eye(2, dtype=torch.bool)
-        sib, _ = drafter(sib_ids, sib_feats, past_kv=c4, positions=torch.full((2, 2), 4), tree_mask=tree)
+        sib, _ = drafter(
+            sib_ids, sib_feats, past_kv=c4, positions=torch.full((2, 2), 4), tree_mask=tree
+        )
         alt, _ = drafter(ids[:, 5:6], feats[:, 5:6], past_kv=c4)
         torch.testing.assert_close(sib[:, 0], full[:, 4], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(sib[:, 1], alt[:, 0], atol=1e-5, rtol=1e-5)
@@ -152,7 +182,11 @@ def test_a_few_steps_lower_the_loss(target):
     objective.module.train()
     torch.manual_seed(0)
     ids = torch.randint(5, target.vocab_size, (4, 24))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
     feats = target.features(ids, batch["attention_mask"], objective.taps)
     opt = torch.optim.AdamW(objective.module.parameters(), lr=3e-3)
     losses = []
@@ -170,12 +204,16 @@ def test_export_round_trip_is_exact(tmp_path, target):
     objective = make_objective(target)
     for p in objective.module.parameters():
         p.data.normal_(0, 0.05)
-    module = SimpleNamespace(drafter=objective.module, objective=objective, run_info={"target": target.identity()})
+    module = SimpleNamespace(
+        drafter=objective.module, objective=objective, run_info={"target": target.identity()}
+    )
     out = export_from_module(module, tmp_path / "export", training={"steps": 0})
     config, state = read_export(out)
     assert config["method"] == "eagle" and config["inference"]["proposer"] == "eagle_dynamic_tree"
     assert not any("embed" in k or "lm_head" in k for k in state)
-    loaded, _ = EagleDrafter.from_export(out, embed_weight=target.embed_weight, lm_head_weight=target.lm_head_weight)
+    loaded, _ = EagleDrafter.from_export(
+        out, embed_weight=target.embed_weight, lm_head_weight=target.lm_head_weight
+    )
     assert loaded.config == objective.module.config
     ids = torch.randint(5, target.vocab_size, (2, 6))
     feats = torch.randn(2, 6, target.hidden_size)
@@ -186,8 +224,14 @@ def test_export_round_trip_is_exact(tmp_path, target):
     with pytest.raises(ExportError, match="not eagle"):
         from draftsmith.export.format import write_export
 
-        write_export(tmp_path / "m", {}, {"method": "medusa", "architecture": {}, "target": {"name_or_path": "tiny"}})
-        EagleDrafter.from_export(tmp_path / "m", embed_weight=target.embed_weight, lm_head_weight=target.lm_head_weight)
+        write_export(
+            tmp_path / "m",
+            {},
+            {"method": "medusa", "architecture": {}, "target": {"name_or_path": "tiny"}},
+        )
+        EagleDrafter.from_export(
+            tmp_path / "m", embed_weight=target.embed_weight, lm_head_weight=target.lm_head_weight
+        )
 
 
 def test_validate_rejects_bad_weights():
@@ -197,22 +241,45 @@ def test_validate_rejects_bad_weights():
         get_recipe("eagle").validate(recipe_cfg(noise_std=-1.0))
     get_recipe("eagle").validate(recipe_cfg())
     with pytest.raises(ValueError, match="multiple of"):
-        EagleConfig(hidden_size=64, vocab_size=10, intermediate_size=8, num_attention_heads=4, num_key_value_heads=3)
+        EagleConfig(
+            hidden_size=64,
+            vocab_size=10,
+            intermediate_size=8,
+            num_attention_heads=4,
+            num_key_value_heads=3,
+        )
 
 
 @pytest.mark.e2e  # a train.py / draftsmith subprocess
 def test_train_py_end_to_end(tmp_path, tiny_target_dir, tiny_data_file):
     """Hydra composition + Lightning (with input noise on) + export for recipe=eagle."""
     run_dir = tmp_path / "run"
-    code = ("import sys, runpy; import draftsmith.recipes.eagle; sys.argv = ['train.py'] + sys.argv[1:]; "
-            f"runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')")
-    overrides = ["recipe=eagle", f"target.name_or_path={tiny_target_dir}", "target.dtype=fp32",
-                 f"data.spec={tiny_data_file}", "data.limit=null", "data.max_length=48", "data.batch_size=4",
-                 "data.val_fraction=0.1", "trainer.max_steps=3", "run.checkpoint_every=3", "run.final_eval_batches=1",
-                 f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run([sys.executable, "-c", code, *overrides], cwd=ROOT, capture_output=True, text=True,
-                          timeout=240, env={**os.environ, "DRAFTSMITH_CACHE": str(tmp_path / "cache"),
-                                            "OMP_NUM_THREADS": "1"})
+    code = (
+        "import sys, runpy; import draftsmith.recipes.eagle; sys.argv = ['train.py'] +"
+        f" sys.argv[1:]; runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')"
+    )
+    overrides = [
+        "recipe=eagle",
+        f"target.name_or_path={tiny_target_dir}",
+        "target.dtype=fp32",
+        f"data.spec={tiny_data_file}",
+        "data.limit=null",
+        "data.max_length=48",
+        "data.batch_size=4",
+        "data.val_fraction=0.1",
+        "trainer.max_steps=3",
+        "run.checkpoint_every=3",
+        "run.final_eval_batches=1",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "DRAFTSMITH_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     config, state = read_export(run_dir / "export")
     assert config["method"] == "eagle" and config["target"]["name_or_path"] == str(tiny_target_dir)

@@ -1,6 +1,6 @@
-"""The EAGLE-3 draft step served near its floor: the static draft KV cache against the immutable one, the serving step
-against the drafter's own draft step, grouped attention against SDPA, and the native bf16 draft layer (values and
-lossless greedy output)."""
+"""The EAGLE-3 draft step served near its floor: the static draft KV cache against the immutable
+one, the serving step against the drafter's own draft step, grouped attention against SDPA, and the
+native bf16 draft layer (values and lossless greedy output)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ from draftsmith.kernels import cpu_layer
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting import eagle_models
 from draftsmith.runtime.drafting.eagle import EagleProposer
-from draftsmith.runtime.drafting.eagle_models import Eagle3DraftModel, StaticDraftKV, grouped_attention
+from draftsmith.runtime.drafting.eagle_models import (
+    Eagle3DraftModel,
+    StaticDraftKV,
+    grouped_attention,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -42,16 +46,20 @@ def test_static_draft_kv_length_counter_matches_the_cat_version():
 
 
 def compare_steps(step, ref_step, hidden: int, dtype: torch.dtype, tol: dict, features) -> None:
-    """Run ``step`` and ``ref_step`` (both ``(hidden, ids, cache, positions, mask) -> (out, logits, cache)``) over a
-    root step, a chain step, a crop and a tree step whose frontier nodes see neither each other nor one earlier
-    entry; outputs, logits and caches must agree within ``tol``."""
+    """Run ``step`` and ``ref_step`` (both ``(hidden, ids, cache, positions, mask) -> (out, logits,
+    cache)``) over a root step, a chain step, a crop and a tree step whose frontier nodes see
+    neither each other nor one earlier entry; outputs, logits and caches must agree within
+    ``tol``."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 50, (1, 6), generator=g)
     tree = torch.ones(3, 9, dtype=torch.bool)
     tree[0, 7:] = tree[1, 6] = tree[2, 6:8] = False
-    calls = [(features(torch.randn(6, 2 * hidden, generator=g).to(dtype)), ids, None, None),
-             (torch.randn(1, 1, hidden, generator=g).to(dtype), ids[:, :1], None, None), "crop",
-             (torch.randn(1, 3, hidden, generator=g).to(dtype), ids[:, :3], torch.full((1, 3), 6), tree)]
+    calls = [
+        (features(torch.randn(6, 2 * hidden, generator=g).to(dtype)), ids, None, None),
+        (torch.randn(1, 1, hidden, generator=g).to(dtype), ids[:, :1], None, None),
+        "crop",
+        (torch.randn(1, 3, hidden, generator=g).to(dtype), ids[:, :3], torch.full((1, 3), 6), tree),
+    ]
     mine = ref = None
     with torch.no_grad():
         for call in calls:
@@ -60,33 +68,59 @@ def compare_steps(step, ref_step, hidden: int, dtype: torch.dtype, tol: dict, fe
                 continue
             got, want = step(*call[:2], mine, *call[2:]), ref_step(*call[:2], ref, *call[2:])
             mine, ref = got[2], want[2]
-            for a, b in ((got[0], want[0]), (got[1], want[1]), (mine.key, ref.key), (mine.value, ref.value)):
+            for a, b in (
+                (got[0], want[0]),
+                (got[1], want[1]),
+                (mine.key, ref.key),
+                (mine.value, ref.value),
+            ):
                 torch.testing.assert_close(a.float(), b.float(), **tol)
     assert isinstance(mine, StaticDraftKV) and mine.length == ref.length == 9
 
 
 def test_eagle3_serving_step_equals_the_drafters_own_draft_step():
-    """The runtime step (fused q/k/v and gate/up, RoPE tables, static KV) gives the drafter's draft_step outputs."""
+    """The runtime step (fused q/k/v and gate/up, RoPE tables, static KV) gives the drafter's
+    draft_step outputs."""
     torch.manual_seed(0)
-    cfg = Eagle3Config(hidden_size=32, vocab_size=50, intermediate_size=48, num_attention_heads=4,
-                       num_key_value_heads=2, draft_vocab_size=50, target_layers=(0, 1))
+    cfg = Eagle3Config(
+        hidden_size=32,
+        vocab_size=50,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        draft_vocab_size=50,
+        target_layers=(0, 1),
+    )
     drafter = Eagle3Drafter(cfg, torch.randn(50, 32)).eval()
     model = Eagle3DraftModel(drafter)
-    compare_steps(lambda h, i, c, p, m: model.step(h, i, c, p, m, last_only=False),
-                  lambda h, i, c, p, m: drafter.draft_step(h, i, c, p, tree_mask=m), 32, torch.float32,
-                  {"atol": 1e-5, "rtol": 1e-5}, model.features)
+    compare_steps(
+        lambda h, i, c, p, m: model.step(h, i, c, p, m, last_only=False),
+        lambda h, i, c, p, m: drafter.draft_step(h, i, c, p, tree_mask=m),
+        32,
+        torch.float32,
+        {"atol": 1e-5, "rtol": 1e-5},
+        model.features,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq", [1, 4])
 def test_grouped_attention_equals_sdpa_with_gqa(dtype, seq):
     g = torch.Generator().manual_seed(seq)
-    store = torch.randn(1, 2, 64, 16, generator=g).to(dtype)  # a static cache's storage: the keys are a strided view
+    store = torch.randn(1, 2, 64, 16, generator=g).to(
+        dtype
+    )  # a static cache's storage: the keys are a strided view
     key, value = store[:, :, :40], store[:, :, 10:50]
     q = torch.randn(1, 6, seq, 16, generator=g).to(dtype)
-    mask = None if seq == 1 else (torch.rand(1, 1, seq, 40, generator=g) > 0.4) | (torch.arange(40) == 39)
+    mask = (
+        None
+        if seq == 1
+        else (torch.rand(1, 1, seq, 40, generator=g) > 0.4) | (torch.arange(40) == 39)
+    )
     got = grouped_attention(q, key, value, mask)  # every query sees at least its last key
-    want = F.scaled_dot_product_attention(q.float(), key.float(), value.float(), attn_mask=mask, enable_gqa=True)
+    want = F.scaled_dot_product_attention(
+        q.float(), key.float(), value.float(), attn_mask=mask, enable_gqa=True
+    )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.dtype == dtype and got.shape == (1, 6, seq, 16)
     torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=tol, rtol=tol)
@@ -95,8 +129,15 @@ def test_grouped_attention_equals_sdpa_with_gqa(dtype, seq):
 def bf16_eagle3(hidden: int = 64, vocab: int = 1003, seed: int = 0) -> Eagle3Drafter:
     """A random EAGLE-3 drafter in bf16 with shapes the fused layer takes (head_dim 16)."""
     torch.manual_seed(seed)
-    cfg = Eagle3Config(hidden_size=hidden, vocab_size=vocab, intermediate_size=96, num_attention_heads=4,
-                       num_key_value_heads=2, draft_vocab_size=vocab, target_layers=(0, 1))
+    cfg = Eagle3Config(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        draft_vocab_size=vocab,
+        target_layers=(0, 1),
+    )
     drafter = Eagle3Drafter(cfg, torch.randn(vocab, hidden))
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -114,22 +155,31 @@ def test_native_eagle3_layer_matches_the_torch_step(monkeypatch):
     monkeypatch.setattr(eagle_models, "_draft_kernel", lambda d: (None, "forced off"))
     torch_path = Eagle3DraftModel(drafter)
     assert torch_path.fused_reason == "forced off"
-    compare_steps(lambda h, i, c, p, m: native.step(h, i, c, p, m, last_only=False),
-                  lambda h, i, c, p, m: torch_path.step(h, i, c, p, m, last_only=False), 64, torch.bfloat16,
-                  {"atol": 0.1, "rtol": 0.05}, native.features)
+    compare_steps(
+        lambda h, i, c, p, m: native.step(h, i, c, p, m, last_only=False),
+        lambda h, i, c, p, m: torch_path.step(h, i, c, p, m, last_only=False),
+        64,
+        torch.bfloat16,
+        {"atol": 0.1, "rtol": 0.05},
+        native.features,
+    )
 
 
 @needs_cpp
 def test_greedy_eagle3_with_the_native_draft_layer_is_lossless():
-    """bf16 target through the fused layer, EAGLE-3 drafting through the native draft layer, greedy verification
-    through the argmax head: the tokens are plain greedy's, for chains and dynamic trees."""
+    """bf16 target through the fused layer, EAGLE-3 drafting through the native draft layer, greedy
+    verification through the argmax head: the tokens are plain greedy's, for chains and dynamic
+    trees."""
     hf, _ = tiny_llama(0, vocab=1003, head_scale=8.0)
     target = bf16_decoder(hf, "cpp")
     prompt, new = [1, 5, 9, 300, 7], 32
     reference = plain_greedy(target, prompt, new)
     drafter = bf16_eagle3()
     drafter.embed_weight.copy_(target.embed_weight)
-    for options in ({"policy": "chain", "depth": 3}, {"policy": "tree", "total_tokens": 8, "depth": 3, "top_k": 2}):
+    for options in (
+        {"policy": "chain", "depth": 3},
+        {"policy": "tree", "total_tokens": 8, "depth": 3, "top_k": 2},
+    ):
         proposer = EagleProposer(Eagle3DraftModel(drafter), **options)
         assert proposer.model.fused_reason is None
         res = SpeculativeDecoder(target, proposer).generate(prompt, new)

@@ -1,7 +1,8 @@
-"""EAGLE-1 / EAGLE-3 draft calls through the fused CPU kernel (issue 25, item 4): fc as ``linear``, the layer as one
-native call (``eagle3_layer``, or ``decoder_layer`` with ``ln1=None`` for EAGLE-1), the head as ``norm_linear_topk``.
-Native and torch draft steps pick the same tokens, speculative greedy stays plain greedy, and every part that cannot
-run natively says why in ``native_plan`` (no silent fallback)."""
+"""EAGLE-1 / EAGLE-3 draft calls through the fused CPU kernel (issue 25, item 4): fc as ``linear``,
+the layer as one native call (``eagle3_layer``, or ``decoder_layer`` with ``ln1=None`` for EAGLE-1),
+the head as ``norm_linear_topk``. Native and torch draft steps pick the same tokens, speculative
+greedy stays plain greedy, and every part that cannot run natively says why in ``native_plan`` (no
+silent fallback)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting import eagle_models
 from draftsmith.runtime.drafting.eagle import EagleProposer
-from draftsmith.runtime.drafting.eagle_models import Eagle1DraftModel, Eagle3DraftModel, StaticDraftKV
+from draftsmith.runtime.drafting.eagle_models import (
+    Eagle1DraftModel,
+    Eagle3DraftModel,
+    StaticDraftKV,
+)
 from draftsmith.runtime.drafting.eagle_ops import norm_linear_topk_reference, torch_topk
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
@@ -31,13 +36,16 @@ EXT = None if WHY else cpu_layer.load_cpu_layer()
 needs_cpp = pytest.mark.skipif(EXT is None, reason=str(WHY))
 HAS_TOPK = EXT is not None and hasattr(EXT, "norm_linear_topk")
 HAS_LN1 = EXT is not None and eagle_models._optional_ln1(EXT) is None
-needs_ln1 = pytest.mark.skipif(not HAS_LN1, reason="the fused kernel's decoder_layer does not take ln1=None here")
+needs_ln1 = pytest.mark.skipif(
+    not HAS_LN1, reason="the fused kernel's decoder_layer does not take ln1=None here"
+)
 OFF = "no fused kernel (injected by the test)"
 
 
 @pytest.fixture(scope="module")
 def target():
-    """A bf16 tiny Llama through the fused layer (head_dim 16), with a peaked head: greedy ties are rare."""
+    """A bf16 tiny Llama through the fused layer (head_dim 16), with a peaked head: greedy ties are
+    rare."""
     if EXT is None:
         pytest.skip(str(WHY))
     hf, _ = tiny_llama(0, vocab=1003, head_scale=8.0)
@@ -47,8 +55,13 @@ def target():
 def bf16_eagle1(target, seed: int = 0) -> EagleDrafter:
     """A random EAGLE-1 drafter in bf16 over the target's embedding and LM head (head_dim 16)."""
     torch.manual_seed(seed)
-    cfg = EagleConfig(hidden_size=64, vocab_size=1003, intermediate_size=96, num_attention_heads=4,
-                      num_key_value_heads=2)
+    cfg = EagleConfig(
+        hidden_size=64,
+        vocab_size=1003,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     drafter = EagleDrafter(cfg, target.embed_weight.float(), target.lm_head_weight.float())
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -58,7 +71,8 @@ def bf16_eagle1(target, seed: int = 0) -> EagleDrafter:
 
 
 def models(kind: str, target, monkeypatch) -> tuple:
-    """(native adapter, torch adapter) over one drafter whose linears are packed (the same GEMM on both paths)."""
+    """(native adapter, torch adapter) over one drafter whose linears are packed (the same GEMM on
+    both paths)."""
     if kind == "eagle1":
         drafter = bf16_eagle1(target)
         accelerate_linears(drafter)
@@ -71,14 +85,18 @@ def models(kind: str, target, monkeypatch) -> tuple:
         native = Eagle3DraftModel(drafter)
     with monkeypatch.context() as m:
         m.setattr(eagle_models, "_draft_kernel", lambda d: (None, OFF))
-        slow = type(native)(drafter, target.lm_head_logits) if kind == "eagle1" else type(native)(drafter)
+        slow = (
+            type(native)(drafter, target.lm_head_logits)
+            if kind == "eagle1"
+            else type(native)(drafter)
+        )
     return native, slow
 
 
 def assert_same_topk(lp, ids, ref_lp, ref_ids, atol: float) -> int:
-    """The top-k agree: values within atol, ids equal wherever the reference has no near-tie (a gap within twice
-    the values' observed difference) with a neighbour; the last column only through its value (its neighbour
-    outside the k may tie). Returns how many ids were compared."""
+    """The top-k agree: values within atol, ids equal wherever the reference has no near-tie (a gap
+    within twice the values' observed difference) with a neighbour; the last column only through its
+    value (its neighbour outside the k may tie). Returns how many ids were compared."""
     torch.testing.assert_close(lp, ref_lp, atol=atol, rtol=0)
     noise = 2 * float((lp - ref_lp).abs().max()) + 1e-6
     tied = (ref_lp[:, 1:] - ref_lp[:, :-1]).abs() <= noise  # [S, k-1]
@@ -104,7 +122,9 @@ def draft_calls(model, hidden: int, k: int) -> list:
         results.append((out, lp, top))
         cache = cache.crop(6)
         nodes = torch.randn(1, 3, hidden, generator=g).to(torch.bfloat16)
-        out, lp, top, cache = model.step_topk(nodes, ids[:, :3], cache, torch.full((1, 3), 6), tree, False, k)
+        out, lp, top, cache = model.step_topk(
+            nodes, ids[:, :3], cache, torch.full((1, 3), 6), tree, False, k
+        )
         results.append((out, lp, top))
     assert isinstance(cache, StaticDraftKV) and cache.length == 9
     return results
@@ -117,9 +137,15 @@ def test_native_and_torch_draft_steps_pick_the_same_tokens(kind, target, monkeyp
     assert slow.native_plan == {"draft_layer": f"torch: {OFF}", "draft_head": f"torch: {OFF}"}
     assert native.native_plan["draft_head"].startswith("native" if HAS_TOPK else "linear in C++")
     compared = 0
-    for (o1, lp1, id1), (o2, lp2, id2) in zip(draft_calls(native, 64, 5), draft_calls(slow, 64, 5), strict=True):
+    for (o1, lp1, id1), (o2, lp2, id2) in zip(
+        draft_calls(native, 64, 5), draft_calls(slow, 64, 5), strict=True
+    ):
         torch.testing.assert_close(o1.float(), o2.float(), atol=0.1, rtol=0.05)
-        assert lp1.dtype == torch.float32 and id1.dtype == torch.long and lp1.shape == id1.shape == lp2.shape
+        assert (
+            lp1.dtype == torch.float32
+            and id1.dtype == torch.long
+            and lp1.shape == id1.shape == lp2.shape
+        )
         assert bool((lp1[:, 1:] <= lp1[:, :-1]).all())  # descending
         compared += assert_same_topk(lp1, id1, lp2, id2, atol=0.05)
     assert compared >= 10
@@ -128,8 +154,8 @@ def test_native_and_torch_draft_steps_pick_the_same_tokens(kind, target, monkeyp
 @needs_cpp
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 def test_the_native_head_is_the_top_k_of_the_native_logits(kind, target, monkeypatch):
-    """step_topk against log_softmax + top-k of step's logits through the same packed GEMM: the same ids, the
-    same log-probs to fp32 rounding."""
+    """step_topk against log_softmax + top-k of step's logits through the same packed GEMM: the same
+    ids, the same log-probs to fp32 rounding."""
     native, _ = models(kind, target, monkeypatch)
     g = torch.Generator().manual_seed(1)
     width = 64 if kind == "eagle1" else 128
@@ -146,16 +172,23 @@ def test_the_native_head_is_the_top_k_of_the_native_logits(kind, target, monkeyp
 @needs_cpp
 @needs_ln1
 def test_native_eagle1_layer_matches_the_torch_step(target, monkeypatch):
-    """``linear`` (fc) + ``decoder_layer(ln1=None)`` against the torch serving step, to bf16 rounding."""
+    """``linear`` (fc) + ``decoder_layer(ln1=None)`` against the torch serving step, to bf16
+    rounding."""
     native, slow = models("eagle1", target, monkeypatch)
     assert native.native_plan["draft_layer"].startswith("native") and native._layer_native
-    compare_steps(lambda h, i, c, p, m: native.step(h, i, c, p, m, last_only=False),
-                  lambda h, i, c, p, m: slow.step(h, i, c, p, m, last_only=False), 64, torch.bfloat16,
-                  {"atol": 0.1, "rtol": 0.05}, lambda f: f[None, :, :64])
+    compare_steps(
+        lambda h, i, c, p, m: native.step(h, i, c, p, m, last_only=False),
+        lambda h, i, c, p, m: slow.step(h, i, c, p, m, last_only=False),
+        64,
+        torch.bfloat16,
+        {"atol": 0.1, "rtol": 0.05},
+        lambda f: f[None, :, :64],
+    )
 
 
 class LayerSpy:
-    """The kernel with ``decoder_layer`` counted: how many calls passed a full_mask [S, P+S] (a native tree step)."""
+    """The kernel with ``decoder_layer`` counted: how many calls passed a full_mask [S, P+S] (a
+    native tree step)."""
 
     def __init__(self, ext) -> None:
         self.ext, self.tree_calls, self.calls = ext, 0, 0
@@ -172,8 +205,10 @@ class LayerSpy:
 @needs_cpp
 @needs_ln1
 def test_eagle1_tree_steps_run_natively_and_match_torch(target, monkeypatch):
-    """A tree step (nodes seeing only their ancestors among the cached slots) goes through ``decoder_layer`` with a
-    full_mask, and picks the torch path's tokens (ties aside); speculative greedy with such trees is plain greedy."""
+    """A tree step (nodes seeing only their ancestors among the cached slots) goes through
+    ``decoder_layer`` with a full_mask, and picks the torch path's tokens (ties aside); speculative
+    greedy with such trees is plain greedy.
+    """
     native, slow = models("eagle1", target, monkeypatch)
     assert native.native_plan["draft_layer"] == "native (chains, root and tree steps)"
     spy = LayerSpy(EXT)
@@ -192,27 +227,46 @@ def test_eagle1_tree_steps_run_natively_and_match_torch(target, monkeypatch):
 @needs_cpp
 @needs_ln1
 def test_a_kernel_without_full_mask_runs_eagle1_tree_steps_in_torch(target, monkeypatch):
-    """A build whose decoder_layer takes ln1=None but no full_mask: chains native, tree steps in torch, same tokens."""
+    """A build whose decoder_layer takes ln1=None but no full_mask: chains native, tree steps in
+    torch, same tokens."""
     native, _ = models("eagle1", target, monkeypatch)
     spy = LayerSpy(EXT)
-    older = types.SimpleNamespace(linear=EXT.linear, norm_linear_topk=getattr(EXT, "norm_linear_topk", None),
-                                  decoder_layer=lambda *a: spy.decoder_layer(*a))
-    older.decoder_layer.__doc__ = "decoder_layer(arg0: torch.Tensor, arg1: Optional[torch.Tensor], arg2: int) -> Tensor"
+    older = types.SimpleNamespace(
+        linear=EXT.linear,
+        norm_linear_topk=getattr(EXT, "norm_linear_topk", None),
+        decoder_layer=lambda *a: spy.decoder_layer(*a),
+    )
+    older.decoder_layer.__doc__ = (
+        "decoder_layer(arg0: torch.Tensor, arg1: Optional[torch.Tensor], arg2: int) -> Tensor"
+    )
     monkeypatch.setattr(eagle_models, "_draft_kernel", lambda d: (older, None))
     old = Eagle1DraftModel(native.drafter, target.lm_head_logits, target._head)
-    assert old._layer_native and not old._tree_native and "no full_mask" in old.native_plan["draft_layer"]
+    assert (
+        old._layer_native
+        and not old._tree_native
+        and "no full_mask" in old.native_plan["draft_layer"]
+    )
     compared = 0
-    for (_, lp1, id1), (_, lp2, id2) in zip(draft_calls(old, 64, 5), draft_calls(native, 64, 5), strict=True):
+    for (_, lp1, id1), (_, lp2, id2) in zip(
+        draft_calls(old, 64, 5), draft_calls(native, 64, 5), strict=True
+    ):
         compared += assert_same_topk(lp1, id1, lp2, id2, atol=0.05)
-    assert compared >= 10 and spy.calls == 2 and spy.tree_calls == 0  # root and chain natively, the tree in torch
+    assert (
+        compared >= 10 and spy.calls == 2 and spy.tree_calls == 0
+    )  # root and chain natively, the tree in torch
 
 
 def test_eagle1_serving_step_equals_the_drafters_own_forward():
-    """The EAGLE-1 runtime step (fused q/k/v and gate/up, RoPE tables, static KV) gives the drafter's own
-    forward and logits (fp32)."""
+    """The EAGLE-1 runtime step (fused q/k/v and gate/up, RoPE tables, static KV) gives the
+    drafter's own forward and logits (fp32)."""
     torch.manual_seed(0)
-    cfg = EagleConfig(hidden_size=32, vocab_size=50, intermediate_size=48, num_attention_heads=4,
-                      num_key_value_heads=2)
+    cfg = EagleConfig(
+        hidden_size=32,
+        vocab_size=50,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     drafter = EagleDrafter(cfg, torch.randn(50, 32), torch.randn(50, 32)).eval()
     model = Eagle1DraftModel(drafter)
 
@@ -220,15 +274,28 @@ def test_eagle1_serving_step_equals_the_drafters_own_forward():
         out, cache = drafter(ids, hidden, past_kv=cache, positions=positions, tree_mask=mask)
         return out, drafter.logits(out), cache
 
-    compare_steps(lambda h, i, c, p, m: model.step(h, i, c, p, m, last_only=False), reference, 32, torch.float32,
-                  {"atol": 1e-5, "rtol": 1e-5}, lambda f: f[None, :, :32])
+    compare_steps(
+        lambda h, i, c, p, m: model.step(h, i, c, p, m, last_only=False),
+        reference,
+        32,
+        torch.float32,
+        {"atol": 1e-5, "rtol": 1e-5},
+        lambda f: f[None, :, :32],
+    )
 
 
 @needs_cpp
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("options", [{"policy": "chain", "depth": 3},
-                                     {"policy": "tree", "total_tokens": 8, "depth": 3, "top_k": 3}])
-def test_speculative_greedy_with_native_drafting_is_plain_greedy(kind, options, target, monkeypatch):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"policy": "chain", "depth": 3},
+        {"policy": "tree", "total_tokens": 8, "depth": 3, "top_k": 3},
+    ],
+)
+def test_speculative_greedy_with_native_drafting_is_plain_greedy(
+    kind, options, target, monkeypatch
+):
     prompt, new = [1, 5, 9, 300, 7], 24
     reference = generate_ar(target, prompt, new)
     native, slow = models(kind, target, monkeypatch)
@@ -240,13 +307,18 @@ def test_speculative_greedy_with_native_drafting_is_plain_greedy(kind, options, 
 
 
 def crippled_kernel(ext) -> types.SimpleNamespace:
-    """An older build: ``linear`` and ``eagle3_layer`` only, a ``decoder_layer`` that needs ln1 (never called)."""
+    """An older build: ``linear`` and ``eagle3_layer`` only, a ``decoder_layer`` that needs ln1
+    (never called)."""
 
     def decoder_layer(*args):
         raise AssertionError("decoder_layer must not run without ln1 support")
 
-    decoder_layer.__doc__ = "decoder_layer(arg0: torch.Tensor, arg1: torch.Tensor, arg2: torch.Tensor) -> Tensor"
-    return types.SimpleNamespace(linear=ext.linear, eagle3_layer=ext.eagle3_layer, decoder_layer=decoder_layer)
+    decoder_layer.__doc__ = (
+        "decoder_layer(arg0: torch.Tensor, arg1: torch.Tensor, arg2: torch.Tensor) -> Tensor"
+    )
+    return types.SimpleNamespace(
+        linear=ext.linear, eagle3_layer=ext.eagle3_layer, decoder_layer=decoder_layer
+    )
 
 
 @needs_cpp
@@ -254,36 +326,51 @@ def crippled_kernel(ext) -> types.SimpleNamespace:
 def test_a_kernel_without_the_new_entry_points_falls_back_and_says_why(kind, target, monkeypatch):
     native, _ = models(kind, target, monkeypatch)
     monkeypatch.setattr(eagle_models, "_draft_kernel", lambda d: (crippled_kernel(EXT), None))
-    old = Eagle1DraftModel(native.drafter, target.lm_head_logits, target._head) if kind == "eagle1" else \
-        Eagle3DraftModel(native.drafter)
+    old = (
+        Eagle1DraftModel(native.drafter, target.lm_head_logits, target._head)
+        if kind == "eagle1"
+        else Eagle3DraftModel(native.drafter)
+    )
     assert "no norm_linear_topk" in old.native_plan["draft_head"]
     if kind == "eagle1":
-        assert old.native_plan["draft_layer"].startswith("torch: ") and "ln1" in old.native_plan["draft_layer"]
+        assert (
+            old.native_plan["draft_layer"].startswith("torch: ")
+            and "ln1" in old.native_plan["draft_layer"]
+        )
         assert "ln1" in old.fused_reason and not old._layer_native
     compared = 0
-    for (_, lp1, id1), (_, lp2, id2) in zip(draft_calls(old, 64, 5), draft_calls(native, 64, 5), strict=True):
+    for (_, lp1, id1), (_, lp2, id2) in zip(
+        draft_calls(old, 64, 5), draft_calls(native, 64, 5), strict=True
+    ):
         compared += assert_same_topk(lp1, id1, lp2, id2, atol=0.05)
     assert compared >= 10
 
 
 @needs_cpp
 def test_the_eagle1_builder_shares_the_targets_packed_head(target, monkeypatch):
-    """The EAGLE-1 proposer's native head reads the target's packed LM head (no second 2-byte x V x H copy)."""
+    """The EAGLE-1 proposer's native head reads the target's packed LM head (no second 2-byte x V x
+    H copy)."""
     from draftsmith.runtime.drafting import eagle
 
     drafter = bf16_eagle1(target)
-    monkeypatch.setattr(EagleDrafter, "from_export", classmethod(lambda cls, *a, **kw: (drafter, None)))
+    monkeypatch.setattr(
+        EagleDrafter, "from_export", classmethod(lambda cls, *a, **kw: (drafter, None))
+    )
     proposer = eagle._build_eagle("unused", {"method": "eagle"}, target)
     packed = proposer.model._head_args[2]
-    assert packed.data_ptr() == target._head.packed.data_ptr() and proposer.draft_plan["draft_head"].startswith(
-        "native" if HAS_TOPK else "linear in C++")
+    assert packed.data_ptr() == target._head.packed.data_ptr() and proposer.draft_plan[
+        "draft_head"
+    ].startswith("native" if HAS_TOPK else "linear in C++")
 
 
 def test_norm_linear_topk_reference_is_the_softmax_top_k_with_ties_lower_first():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(37, 32, generator=g).to(torch.bfloat16)  # n = 37: not a multiple of 16
     w[20], w[30] = w[5], w[5]  # three equal columns: ties must come out 5, 20, 30
-    x, norm_w = torch.randn(3, 32, generator=g).to(torch.bfloat16), torch.rand(32, generator=g).to(torch.bfloat16)
+    x, norm_w = (
+        torch.randn(3, 32, generator=g).to(torch.bfloat16),
+        torch.rand(32, generator=g).to(torch.bfloat16),
+    )
 
     def dense(rows, weight, bias, n):  # the packed GEMM's stand-in: a bf16 linear
         return F.linear(rows.float(), weight.float()).to(torch.bfloat16)[:, :n]
@@ -291,10 +378,16 @@ def test_norm_linear_topk_reference_is_the_softmax_top_k_with_ties_lower_first()
     x[0] = w[5]  # row 0's largest logit is the tied one
     for norm in (None, norm_w):
         probs, ids = norm_linear_topk_reference(x, norm, 1e-6, w, 37, 6, linear=dense)
-        xn = x if norm is None else norm * F.rms_norm(x.float(), (32,), None, 1e-6).to(torch.bfloat16)
+        xn = (
+            x
+            if norm is None
+            else norm * F.rms_norm(x.float(), (32,), None, 1e-6).to(torch.bfloat16)
+        )
         full = torch.softmax(dense(xn, w, None, 37).float(), -1)  # [3, 37]
         assert probs.shape == ids.shape == (3, 6) and probs.dtype == torch.float32
-        assert torch.equal(probs, full.gather(1, ids)) and bool((probs[:, 1:] <= probs[:, :-1]).all())
+        assert torch.equal(probs, full.gather(1, ids)) and bool(
+            (probs[:, 1:] <= probs[:, :-1]).all()
+        )
         assert torch.equal(probs, full.topk(6).values)
     probs, ids = norm_linear_topk_reference(x, None, 1e-6, w, 37, 3, linear=dense)
     assert ids[0].tolist() == [5, 20, 30]

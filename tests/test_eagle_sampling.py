@@ -1,6 +1,6 @@
-"""EAGLE-1 / EAGLE-3 runtime, exact rejection sampling: dynamic trees and sampled EAGLE-3 chains (reduced draft
-vocabulary) keep the target's law of its first three sampled tokens (chi-square), and the test has power against a
-proposer that misrecords its draft law."""
+"""EAGLE-1 / EAGLE-3 runtime, exact rejection sampling: dynamic trees and sampled EAGLE-3 chains
+(reduced draft vocabulary) keep the target's law of its first three sampled tokens (chi-square), and
+the test has power against a proposer that misrecords its draft law."""
 
 from __future__ import annotations
 
@@ -26,10 +26,18 @@ SMALL_PROMPT = [1, 2, 3]
 
 @pytest.fixture(scope="module")
 def small():
-    """A 2-layer V=8 Llama with a sharpened head, its HF twin, and random EAGLE-1 / EAGLE-3 (6-token vocab) drafters."""
+    """A 2-layer V=8 Llama with a sharpened head, its HF twin, and random EAGLE-1 / EAGLE-3 (6-token
+    vocab) drafters."""
     torch.manual_seed(3)
-    cfg = transformers.LlamaConfig(vocab_size=SMALL_V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=SMALL_V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         hf.lm_head.weight.mul_(10.0)
@@ -37,7 +45,9 @@ def small():
     dims = EagleConfig.dims_from_hf(cfg)
     e1 = EagleDrafter(EagleConfig(**dims), lean.embed_weight, lean.lm_head_weight)
     d2t, t2d = vocab_maps(torch.tensor([0, 1, 2, 4, 5, 7]), SMALL_V)
-    e3 = Eagle3Drafter(Eagle3Config(**dims, draft_vocab_size=6, target_layers=(0, 1)), lean.embed_weight, d2t, t2d)
+    e3 = Eagle3Drafter(
+        Eagle3Config(**dims, draft_vocab_size=6, target_layers=(0, 1)), lean.embed_weight, d2t, t2d
+    )
     for p in [*e1.parameters(), *e3.parameters()]:
         p.data.normal_(0, 0.3)  # opinionated drafts: some accepted, many rejected
     return hf, lean, Eagle1DraftModel(e1), Eagle3DraftModel(e3)
@@ -67,10 +77,13 @@ def sample_counts(decoder: SpeculativeDecoder, n: int, seed: int) -> torch.Tenso
 def assert_matches(counts: torch.Tensor, exact: torch.Tensor) -> None:
     assert float(counts[exact == 0].sum()) == 0  # nothing outside the top-p nucleus
     assert chi2_pvalue(counts.sum(2), exact.sum(2)) > ALPHA  # (t1, t2)
-    assert chi2_pvalue(counts.sum(0), exact.sum(0)) > ALPHA  # (t2, t3): acceptance below depth 1 matters too
+    assert (
+        chi2_pvalue(counts.sum(0), exact.sum(0)) > ALPHA
+    )  # (t2, t3): acceptance below depth 1 matters too
 
 
-@pytest.mark.e2e  # thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
+# thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
+@pytest.mark.e2e
 def test_rejection_sampling_with_dynamic_trees_preserves_the_distribution(small):
     hf, lean, e1, _ = small
     proposer = EagleProposer(e1, "tree", total_tokens=7, depth=2, top_k=3)
@@ -79,7 +92,8 @@ def test_rejection_sampling_with_dynamic_trees_preserves_the_distribution(small)
     assert_matches(counts, exact_law(hf, 1.0, 1.0))
 
 
-@pytest.mark.e2e  # thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
+# thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
+@pytest.mark.e2e
 def test_rejection_sampling_with_sampled_eagle3_chains_preserves_the_distribution(small):
     hf, lean, _, e3 = small
     proposer = EagleProposer(e3, "chain", depth=1, temperature=0.6, top_p=0.9)
@@ -89,7 +103,8 @@ def test_rejection_sampling_with_sampled_eagle3_chains_preserves_the_distributio
 
 
 class MisrecordedQ(EagleProposer):
-    """A deliberate bug: samples from a sharp q but records a flat one (uniform over the draft vocabulary)."""
+    """A deliberate bug: samples from a sharp q but records a flat one (uniform over the draft
+    vocabulary)."""
 
     def _on_target_vocab(self, q):
         return super()._on_target_vocab(torch.full_like(q, 1.0 / q.numel()))
@@ -101,4 +116,7 @@ def test_chi_square_has_power_against_a_wrong_draft_law(small):
     dec = SpeculativeDecoder(lean, proposer, RejectionSamplingVerifier(temperature=1.0))
     counts = sample_counts(dec, 800, seed=2)
     exact = exact_law(hf, 1.0, 1.0)
-    assert min(chi2_pvalue(counts.sum(2), exact.sum(2)), chi2_pvalue(counts.sum(0), exact.sum(0))) < ALPHA
+    assert (
+        min(chi2_pvalue(counts.sum(2), exact.sum(2)), chi2_pvalue(counts.sum(0), exact.sum(0)))
+        < ALPHA
+    )

@@ -1,25 +1,31 @@
-"""Converted exports against the key lists the engines' own loaders read: zero unknown, zero missing, right shapes.
+"""Converted exports against the key lists the engines' own loaders read: zero unknown, zero
+missing, right shapes.
 
-Each ``*_load`` helper below re-implements ONLY an engine's name mapping (which checkpoint name lands in which
-parameter, which names it skips) and its parameter list with shapes, written down from these sources:
+Each ``*_load`` helper below re-implements ONLY an engine's name mapping (which checkpoint name
+lands in which parameter, which names it skips) and its parameter list with shapes, written down
+from these sources:
 
-* SGLang ``LlamaForCausalLMEagle3``: sgl-project/sglang ``python/sglang/srt/models/llama_eagle3.py`` @
-  03d5a7771f6082e7737a5f19cae7d1e863087013 (``LlamaModel``/``LlamaForCausalLMEagle3.__init__`` parameters,
-  ``load_weights``: ``d2t`` -> hot token ids ``d2t + arange``, ``t2d`` skipped, q/k/v and gate/up stacked, a name
-  missing from the parameters retried with ``model.``, anything else dropped silently) and
-  ``python/sglang/srt/models/llama.py`` @ 00239548f1cd1a06ca145a5447a86738090a48f1 (``set_eagle3_layers_to_capture``:
-  ``layers_to_capture = [val + 1 for val in layer_ids]``, captured at the INPUT of those layers); the embedding
-  comes from the target (``eagle_worker``: ``set_embed``), so the draft checkpoint need not hold it.
-* vLLM Medusa: vllm-project/vllm ``vllm/model_executor/models/medusa.py`` @ 09cddad8f0324594022359cd2b07e962a14b895f
-  (``load_weights`` identical @ 01dbb08195ca9c70ac9044786a906a353e07fcdf) and
-  ``vllm/transformers_utils/configs/medusa.py`` @ 0531c2226a6a25cd96ccc856f3bda3f0bb4efb5f (keys holding "num" and
-  "heads"/"layers" renamed to ``num_heads``/``num_hidden_layers``).
-* TGI Medusa: huggingface/text-generation-inference ``server/text_generation_server/layers/medusa.py`` @
-  91560ed931b217ddb1ee152891d20440fef331d4 (``MedusaHeadV1``: ``{i}.{j}.linear`` with bias, ``{i}.{n}.weight``
-  for ``i < speculate``), ``layers/speculative.py`` @ c09f5bc93071e2701e201bb374d488e4673fac3d (a speculator config
-  WITH ``architectures`` is never read as Medusa), ``models/__init__.py`` (``medusa_num_heads`` in the config ->
-  ``base_model_name_or_path`` + ``medusa_lm_head.safetensors``; stored copy read 2026-05); state-dict names as in
-  FasterDecoding/Medusa ``medusa/model/medusa_model.py`` @ 60eeab92e98adb0e787987493b11fa38535a8260.
+* SGLang ``LlamaForCausalLMEagle3``: sgl-project/sglang ``python/sglang/srt/models/llama_eagle3.py``
+  @ 03d5a7771f6082e7737a5f19cae7d1e863087013 (``LlamaModel``/``LlamaForCausalLMEagle3.__init__``
+  parameters, ``load_weights``: ``d2t`` -> hot token ids ``d2t + arange``, ``t2d`` skipped, q/k/v
+  and gate/up stacked, a name missing from the parameters retried with ``model.``, anything else
+  dropped silently) and ``python/sglang/srt/models/llama.py`` @
+  00239548f1cd1a06ca145a5447a86738090a48f1 (``set_eagle3_layers_to_capture``: ``layers_to_capture =
+  [val + 1 for val in layer_ids]``, captured at the INPUT of those layers); the embedding comes from
+  the target (``eagle_worker``: ``set_embed``), so the draft checkpoint need not hold it.
+* vLLM Medusa: vllm-project/vllm ``vllm/model_executor/models/medusa.py`` @
+  09cddad8f0324594022359cd2b07e962a14b895f (``load_weights`` identical @
+  01dbb08195ca9c70ac9044786a906a353e07fcdf) and ``vllm/transformers_utils/configs/medusa.py`` @
+  0531c2226a6a25cd96ccc856f3bda3f0bb4efb5f (keys holding "num" and "heads"/"layers" renamed to
+  ``num_heads``/``num_hidden_layers``).
+* TGI Medusa: huggingface/text-generation-inference
+  ``server/text_generation_server/layers/medusa.py`` @ 91560ed931b217ddb1ee152891d20440fef331d4
+  (``MedusaHeadV1``: ``{i}.{j}.linear`` with bias, ``{i}.{n}.weight`` for ``i < speculate``),
+  ``layers/speculative.py`` @ c09f5bc93071e2701e201bb374d488e4673fac3d (a speculator config WITH
+  ``architectures`` is never read as Medusa), ``models/__init__.py`` (``medusa_num_heads`` in the
+  config -> ``base_model_name_or_path`` + ``medusa_lm_head.safetensors``; stored copy read 2026-05);
+  state-dict names as in FasterDecoding/Medusa ``medusa/model/medusa_model.py`` @
+  60eeab92e98adb0e787987493b11fa38535a8260.
 """
 
 from __future__ import annotations
@@ -54,36 +60,57 @@ def target(tiny_tokenizer) -> Target:
     return Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
 
 
-# ---- SGLang LlamaForCausalLMEagle3 ---------------------------------------------------------------------------------
-SGLANG_STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-                  (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
-SGLANG_FROM_TARGET = {"model.embed_tokens.weight"}  # eagle_worker: draft_model.set_embed(target embedding)
+# ---- SGLang LlamaForCausalLMEagle3 ---------------------------------------------------------------
+SGLANG_STACKED = (
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+)
+SGLANG_FROM_TARGET = {
+    "model.embed_tokens.weight"
+}  # eagle_worker: draft_model.set_embed(target embedding)
 
 
 def sglang_params(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """``dict(LlamaForCausalLMEagle3(cfg).named_parameters())`` as name -> shape (one layer, untied head)."""
+    """``dict(LlamaForCausalLMEagle3(cfg).named_parameters())`` as name -> shape (one layer, untied
+    head)."""
     h, hd, inter = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     m = "model.midlayer."
-    params = {"model.embed_tokens.weight": (cfg["vocab_size"], h),
-              "model.fc.weight": (h, 3 * cfg.get("target_hidden_size", h)),
-              m + "self_attn.qkv_proj.weight": (q + 2 * kv, 2 * h), m + "self_attn.o_proj.weight": (h, q),
-              m + "mlp.gate_up_proj.weight": (2 * inter, h), m + "mlp.down_proj.weight": (h, inter),
-              **{f"{m}{n}.weight": (h,) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
-              "model.norm.weight": (h,), "lm_head.weight": (cfg["draft_vocab_size"], h)}
+    params = {
+        "model.embed_tokens.weight": (cfg["vocab_size"], h),
+        "model.fc.weight": (h, 3 * cfg.get("target_hidden_size", h)),
+        m + "self_attn.qkv_proj.weight": (q + 2 * kv, 2 * h),
+        m + "self_attn.o_proj.weight": (h, q),
+        m + "mlp.gate_up_proj.weight": (2 * inter, h),
+        m + "mlp.down_proj.weight": (h, inter),
+        **{
+            f"{m}{n}.weight": (h,)
+            for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")
+        },
+        "model.norm.weight": (h,),
+        "lm_head.weight": (cfg["draft_vocab_size"], h),
+    }
     if cfg.get("bias", False):
         params["model.fc.bias"] = (h,)
     return params
 
 
 def sglang_load(cfg: dict, tensors: dict[str, torch.Tensor]) -> SimpleNamespace:
-    """SGLang's ``load_weights`` name mapping over ``tensors``: unknown names, missing parameters, bad shapes and
-    the hot token ids it builds from ``d2t``."""
+    """SGLang's ``load_weights`` name mapping over ``tensors``: unknown names, missing parameters,
+    bad shapes and the hot token ids it builds from ``d2t``."""
     assert cfg["num_hidden_layers"] == 1 and not cfg.get("tie_word_embeddings", False)
     params = sglang_params(cfg)
     hd, inter = cfg["head_dim"], cfg["intermediate_size"]
-    shard_rows = {"q": cfg["num_attention_heads"] * hd, "k": cfg["num_key_value_heads"] * hd,
-                  "v": cfg["num_key_value_heads"] * hd, 0: inter, 1: inter}
+    shard_rows = {
+        "q": cfg["num_attention_heads"] * hd,
+        "k": cfg["num_key_value_heads"] * hd,
+        "v": cfg["num_key_value_heads"] * hd,
+        0: inter,
+        1: inter,
+    }
     loaded: dict[str, set] = {}
     unknown, wrong, hot = [], [], None
     for original, w in tensors.items():
@@ -110,41 +137,71 @@ def sglang_load(cfg: dict, tensors: dict[str, torch.Tensor]) -> SimpleNamespace:
             wrong.append((original, tuple(w.shape), want))
         loaded.setdefault(key, set()).add(shard)
     stacked = {"self_attn.qkv_proj": {"q", "k", "v"}, "mlp.gate_up_proj": {0, 1}}
-    missing = sorted(k for k in params if k not in SGLANG_FROM_TARGET and (k not in loaded or any(
-        part in k and loaded[k] != shards for part, shards in stacked.items())))
+    missing = sorted(
+        k
+        for k in params
+        if k not in SGLANG_FROM_TARGET
+        and (
+            k not in loaded
+            or any(part in k and loaded[k] != shards for part, shards in stacked.items())
+        )
+    )
     return SimpleNamespace(unknown=unknown, missing=missing, wrong=wrong, hot=hot)
 
 
 def test_sglang_layout_loads_every_parameter_and_d2t_reproduces_our_draft_map(tmp_path, target):
-    export, drafter = export_eagle3(target, tmp_path / "export")  # draft vocab 48, taps hidden_states[1, 2, 3]
+    export, drafter = export_eagle3(
+        target, tmp_path / "export"
+    )  # draft vocab 48, taps hidden_states[1, 2, 3]
     out = to_sglang(export, tmp_path / "sglang")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
-    assert (cfg["num_hidden_layers"], cfg["draft_vocab_size"], cfg["vocab_size"]) == (1, 48, target.vocab_size)
+    assert (cfg["num_hidden_layers"], cfg["draft_vocab_size"], cfg["vocab_size"]) == (
+        1,
+        48,
+        target.vocab_size,
+    )
     assert cfg["tie_word_embeddings"] is False and cfg["target_hidden_size"] == target.hidden_size
     ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    assert [i + 1 for i in ids] == list(drafter.tapped_layers) == [1, 2, 3]  # SGLang captures the input of id + 1
+    assert (
+        [i + 1 for i in ids] == list(drafter.tapped_layers) == [1, 2, 3]
+    )  # SGLang captures the input of id + 1
     tensors = load_file(out / "model.safetensors")
     report = sglang_load(cfg, tensors)
     assert (report.unknown, report.missing, report.wrong) == ([], [], [])
-    assert torch.equal(report.hot, drafter.draft_to_target(torch.arange(48)))  # d2t[i] = target id - i
-    assert torch.equal(tensors["midlayer.self_attn.q_proj.weight"], drafter.layer.self_attn.q_proj.weight)
-    assert torch.equal(tensors["lm_head.weight"], drafter.lm_head.weight) and "embed_tokens.weight" not in tensors
+    assert torch.equal(
+        report.hot, drafter.draft_to_target(torch.arange(48))
+    )  # d2t[i] = target id - i
+    assert torch.equal(
+        tensors["midlayer.self_attn.q_proj.weight"], drafter.layer.self_attn.q_proj.weight
+    )
+    assert (
+        torch.equal(tensors["lm_head.weight"], drafter.lm_head.weight)
+        and "embed_tokens.weight" not in tensors
+    )
 
-    full, _ = export_eagle3(target, tmp_path / "export_full", draft_vocab=0)  # full vocabulary: d2t all zeros
+    full, _ = export_eagle3(
+        target, tmp_path / "export_full", draft_vocab=0
+    )  # full vocabulary: d2t all zeros
     full_out = to_sglang(full, tmp_path / "sglang_full")
-    full_report = sglang_load(json.loads((full_out / "config.json").read_text()),
-                              load_file(full_out / "model.safetensors"))
+    full_report = sglang_load(
+        json.loads((full_out / "config.json").read_text()),
+        load_file(full_out / "model.safetensors"),
+    )
     assert (full_report.unknown, full_report.missing) == ([], [])
     assert torch.equal(full_report.hot, torch.arange(target.vocab_size))
 
 
 def test_the_sglang_check_fails_on_unknown_and_missing_names(tmp_path, target):
     export, _ = export_eagle3(target, tmp_path / "export")
-    spec = to_speculators(export, tmp_path / "spec", "org/model")  # layers.0.* names: SGLang would drop them
-    report = sglang_load(json.loads((to_sglang(export, tmp_path / "sg") / "config.json").read_text()),
-                         load_file(spec / "model.safetensors"))
+    spec = to_speculators(
+        export, tmp_path / "spec", "org/model"
+    )  # layers.0.* names: SGLang would drop them
+    report = sglang_load(
+        json.loads((to_sglang(export, tmp_path / "sg") / "config.json").read_text()),
+        load_file(spec / "model.safetensors"),
+    )
     assert "layers.0.self_attn.q_proj.weight" in report.unknown
     assert "model.midlayer.self_attn.qkv_proj.weight" in report.missing
 
@@ -162,23 +219,38 @@ def test_sglang_refuses_what_it_cannot_hold(tmp_path, target):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-# ---- Medusa: vLLM and TGI ------------------------------------------------------------------------------------------
-def medusa_export(target: Target, out: Path, share: bool = False, draft_ids: torch.Tensor | None = None,
-                  num_layers: int = 1) -> tuple[Path, MedusaHeads]:
+# ---- Medusa: vLLM and TGI ------------------------------------------------------------------------
+def medusa_export(
+    target: Target,
+    out: Path,
+    share: bool = False,
+    draft_ids: torch.Tensor | None = None,
+    num_layers: int = 1,
+) -> tuple[Path, MedusaHeads]:
     torch.manual_seed(0)
-    arch = MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=3,
-                        num_layers=num_layers, share_lm_head=share,
-                        draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()))
+    arch = MedusaConfig(
+        hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        num_heads=3,
+        num_layers=num_layers,
+        share_lm_head=share,
+        draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()),
+    )
     heads = MedusaHeads(arch, target.lm_head_weight.float(), draft_ids=draft_ids)
     for p in heads.parameters():
         p.data.normal_(0, 0.1)
-    objective = MedusaObjective(heads, 0.8, "dataset", 5, default_tree(3, 8, 4), {"top_k": 4, "verifier": "greedy"})
-    module = SimpleNamespace(drafter=heads, objective=objective, run_info={"target": target.identity()})
+    objective = MedusaObjective(
+        heads, 0.8, "dataset", 5, default_tree(3, 8, 4), {"top_k": 4, "verifier": "greedy"}
+    )
+    module = SimpleNamespace(
+        drafter=heads, objective=objective, run_info={"target": target.identity()}
+    )
     return export_from_module(module, out, training={}), heads
 
 
 def vllm_medusa_config(raw: dict) -> dict:
-    """``MedusaConfig.from_pretrained``: keys with "num" and "heads" / "layers" renamed, then the defaults."""
+    """``MedusaConfig.from_pretrained``: keys with "num" and "heads" / "layers" renamed, then the
+    defaults."""
     cfg = dict(raw)
     for k in list(cfg):
         if "num" in k and "heads" in k:
@@ -194,12 +266,19 @@ def vllm_medusa_load(raw: dict, tensors: dict[str, torch.Tensor]) -> SimpleNames
     """vLLM ``Medusa.__init__`` parameters and ``load_weights`` mapping over ``tensors``."""
     cfg = vllm_medusa_config(raw)
     h, rows = cfg["hidden_size"], cfg["truncated_vocab_size"]
-    params = {f"blocks.{i}.layers.{j}.{p}": (h, h) if p == "weight" else (h,) for i in range(cfg["num_heads"])
-              for j in range(cfg["num_hidden_layers"]) for p in ("weight", "bias")
-              if p == "weight" or cfg.get("medusa_fc_bias", False)}
+    params = {
+        f"blocks.{i}.layers.{j}.{p}": (h, h) if p == "weight" else (h,)
+        for i in range(cfg["num_heads"])
+        for j in range(cfg["num_hidden_layers"])
+        for p in ("weight", "bias")
+        if p == "weight" or cfg.get("medusa_fc_bias", False)
+    }
     original = cfg.get("original_lm_head", False)
-    params.update({"lm_head.weight": (rows, h)} if original else
-                  {f"lm_heads.{i}.weight": (rows, h) for i in range(cfg["num_heads"])})
+    params.update(
+        {"lm_head.weight": (rows, h)}
+        if original
+        else {f"lm_heads.{i}.weight": (rows, h) for i in range(cfg["num_heads"])}
+    )
     weights, unknown, token_map = {}, [], None
     for name, w in tensors.items():
         name = name.replace("medusa_heads.", "")
@@ -220,28 +299,54 @@ def vllm_medusa_load(raw: dict, tensors: dict[str, torch.Tensor]) -> SimpleNames
             w = w[token_map]
         if tuple(w.shape) != params[name]:
             wrong.append((name, tuple(w.shape), params[name]))
-    assert rows == cfg["vocab_size"] or token_map is not None, "vLLM asserts a token_map for a truncated vocab"
-    return SimpleNamespace(unknown=unknown, missing=sorted(set(params) - set(weights)), wrong=wrong, cfg=cfg,
-                           token_map=token_map)
+    assert rows == cfg["vocab_size"] or token_map is not None, (
+        "vLLM asserts a token_map for a truncated vocab"
+    )
+    return SimpleNamespace(
+        unknown=unknown,
+        missing=sorted(set(params) - set(weights)),
+        wrong=wrong,
+        cfg=cfg,
+        token_map=token_map,
+    )
 
 
-def tgi_medusa_load(raw: dict, tensors: dict[str, torch.Tensor], vocab: int, hidden: int) -> SimpleNamespace:
-    """TGI's routing (``SpeculativeHead.load``) and ``MedusaHeadV1`` names over ``medusa_lm_head.safetensors``."""
-    assert "architectures" not in raw, "TGI reads a speculator config with `architectures` as no Medusa at all"
+def tgi_medusa_load(
+    raw: dict, tensors: dict[str, torch.Tensor], vocab: int, hidden: int
+) -> SimpleNamespace:
+    """TGI's routing (``SpeculativeHead.load``) and ``MedusaHeadV1`` names over
+    ``medusa_lm_head.safetensors``."""
+    assert "architectures" not in raw, (
+        "TGI reads a speculator config with `architectures` as no Medusa at all"
+    )
     assert {"medusa_num_heads", "medusa_num_layers", "base_model_name_or_path"} <= set(raw)
     n = raw["medusa_num_layers"]
     params = {}
     for i in range(raw["medusa_num_heads"]):  # get_speculate() defaults to medusa_num_heads
         for j in range(n):
-            params.update({f"{i}.{j}.linear.weight": (hidden, hidden), f"{i}.{j}.linear.bias": (hidden,)})
-        params[f"{i}.{n}.weight"] = (vocab, hidden)  # FastLinear(H -> V, bias=False): the full vocabulary
-    return SimpleNamespace(unknown=sorted(set(tensors) - set(params)), missing=sorted(set(params) - set(tensors)),
-                           wrong=[(k, tuple(w.shape)) for k, w in tensors.items() if params.get(k, ()) != w.shape])
+            params.update(
+                {f"{i}.{j}.linear.weight": (hidden, hidden), f"{i}.{j}.linear.bias": (hidden,)}
+            )
+        params[f"{i}.{n}.weight"] = (
+            vocab,
+            hidden,
+        )  # FastLinear(H -> V, bias=False): the full vocabulary
+    return SimpleNamespace(
+        unknown=sorted(set(tensors) - set(params)),
+        missing=sorted(set(params) - set(tensors)),
+        wrong=[(k, tuple(w.shape)) for k, w in tensors.items() if params.get(k, ()) != w.shape],
+    )
 
 
-def engine_medusa_logits(blocks: list[list[tuple[torch.Tensor, torch.Tensor]]], heads: list[torch.Tensor],
-                         x: torch.Tensor, vocab: int, token_map: torch.Tensor | None = None) -> torch.Tensor:
-    """Both engines' head forward: ``x = x + SiLU(W x + b)`` per block, then the head; a token map scatters."""
+def engine_medusa_logits(
+    blocks: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    heads: list[torch.Tensor],
+    x: torch.Tensor,
+    vocab: int,
+    token_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Both engines' head forward: ``x = x + SiLU(W x + b)`` per block, then the head; a token map
+    scatters."""
     out = []
     for layers, head in zip(blocks, heads):
         y = x
@@ -249,7 +354,9 @@ def engine_medusa_logits(blocks: list[list[tuple[torch.Tensor, torch.Tensor]]], 
             y = y + F.silu(F.linear(y, w, b))
         logits = F.linear(y, head)
         if token_map is not None:
-            logits = torch.full((*logits.shape[:-1], vocab), -torch.inf).index_copy(-1, token_map, logits)
+            logits = torch.full((*logits.shape[:-1], vocab), -torch.inf).index_copy(
+                -1, token_map, logits
+            )
         out.append(logits)
     return torch.stack(out)
 
@@ -258,19 +365,28 @@ def our_target_logits(heads: MedusaHeads, x: torch.Tensor, vocab: int) -> torch.
     logits = heads(x)  # [K, T, V']
     if heads.draft_ids is None:
         return logits
-    return torch.full((*logits.shape[:-1], vocab), -torch.inf).index_copy(-1, heads.draft_ids, logits)
+    return torch.full((*logits.shape[:-1], vocab), -torch.inf).index_copy(
+        -1, heads.draft_ids, logits
+    )
 
 
-CASES = {"own heads": {}, "shared head": {"share": True}, "draft vocab": {"draft_ids": torch.tensor([2, 5, 9, 40])},
-         "shared head, draft vocab": {"share": True, "draft_ids": torch.tensor([2, 5, 9, 40])},
-         "two blocks": {"num_layers": 2}}
+CASES = {
+    "own heads": {},
+    "shared head": {"share": True},
+    "draft vocab": {"draft_ids": torch.tensor([2, 5, 9, 40])},
+    "shared head, draft vocab": {"share": True, "draft_ids": torch.tensor([2, 5, 9, 40])},
+    "two blocks": {"num_layers": 2},
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_vllm_medusa_layout_matches_its_loader_and_logits(tmp_path, target, case):
     export, heads = medusa_export(target, tmp_path / "export", **CASES[case])
     out = to_medusa_layout(export, tmp_path / "vllm", target.lm_head_weight.float())
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # vLLM globs *.safetensors
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]  # vLLM globs *.safetensors
     raw = json.loads((out / "config.json").read_text())
     assert raw["model_type"] == "medusa" and raw["architectures"] == ["MedusaModel"]
     assert "medusa_num_heads" not in raw  # TGI would take the folder for its own layout
@@ -278,12 +394,24 @@ def test_vllm_medusa_layout_matches_its_loader_and_logits(tmp_path, target, case
     report = vllm_medusa_load(raw, tensors)
     assert (report.unknown, report.missing, report.wrong) == ([], [], [])
     cfg, v = report.cfg, target.vocab_size
-    assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (3, heads.config.num_layers, v)
+    assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (
+        3,
+        heads.config.num_layers,
+        v,
+    )
     assert cfg["truncated_vocab_size"] == heads.config.head_vocab_size
     assert cfg["original_lm_head"] == heads.config.share_lm_head
-    blocks = [[(tensors[f"blocks.{i}.layers.{j}.weight"], tensors[f"blocks.{i}.layers.{j}.bias"])
-               for j in range(cfg["num_hidden_layers"])] for i in range(3)]
-    lm = [tensors["lm_heads.0.weight" if cfg["original_lm_head"] else f"lm_heads.{i}.weight"] for i in range(3)]
+    blocks = [
+        [
+            (tensors[f"blocks.{i}.layers.{j}.weight"], tensors[f"blocks.{i}.layers.{j}.bias"])
+            for j in range(cfg["num_hidden_layers"])
+        ]
+        for i in range(3)
+    ]
+    lm = [
+        tensors["lm_heads.0.weight" if cfg["original_lm_head"] else f"lm_heads.{i}.weight"]
+        for i in range(3)
+    ]
     x = torch.randn(5, target.hidden_size)
     with torch.no_grad():
         got = engine_medusa_logits(blocks, lm, x, v, report.token_map)
@@ -301,11 +429,15 @@ def test_tgi_medusa_layout_matches_its_loader_and_logits(tmp_path, target, case)
     report = tgi_medusa_load(raw, tensors, target.vocab_size, target.hidden_size)
     assert (report.unknown, report.missing, report.wrong) == ([], [], [])
     n = raw["medusa_num_layers"]
-    blocks = [[(tensors[f"{i}.{j}.linear.weight"], tensors[f"{i}.{j}.linear.bias"]) for j in range(n)]
-              for i in range(3)]
+    blocks = [
+        [(tensors[f"{i}.{j}.linear.weight"], tensors[f"{i}.{j}.linear.bias"]) for j in range(n)]
+        for i in range(3)
+    ]
     x = torch.randn(5, target.hidden_size)
     with torch.no_grad():
-        got = engine_medusa_logits(blocks, [tensors[f"{i}.{n}.weight"] for i in range(3)], x, target.vocab_size)
+        got = engine_medusa_logits(
+            blocks, [tensors[f"{i}.{n}.weight"] for i in range(3)], x, target.vocab_size
+        )
         assert torch.allclose(got, heads(x), atol=1e-5)
 
 
@@ -317,8 +449,9 @@ def test_the_medusa_checks_fail_on_unknown_and_missing_names(tmp_path, target):
     tgi_tensors = load_file(tgi_out / "medusa_lm_head.safetensors")
     crossed = vllm_medusa_load(vllm_raw, tgi_tensors)  # TGI names fed to vLLM's loader
     assert "0.0.linear.weight" in crossed.unknown and "blocks.0.layers.0.weight" in crossed.missing
-    crossed = tgi_medusa_load(tgi_raw, load_file(vllm_out / "model.safetensors"), target.vocab_size,
-                              target.hidden_size)
+    crossed = tgi_medusa_load(
+        tgi_raw, load_file(vllm_out / "model.safetensors"), target.vocab_size, target.hidden_size
+    )
     assert "lm_heads.0.weight" in crossed.unknown and "0.1.weight" in crossed.missing
     with pytest.raises(AssertionError, match="architectures"):
         tgi_medusa_load({**tgi_raw, "architectures": ["MedusaModel"]}, tgi_tensors, 1, 1)
@@ -331,11 +464,19 @@ def test_tgi_refuses_a_draft_vocabulary_and_the_cli_writes_all_three(tmp_path, t
     assert not (tmp_path / "no").exists()
     medusa, _ = medusa_export(target, tmp_path / "medusa")
     eagle3, _ = export_eagle3(target, tmp_path / "eagle3")
-    for source, fmt, marker in ((medusa, "medusa", "model.safetensors"), (medusa, "medusa-tgi", "medusa_lm_head"
-                                ".safetensors"), (eagle3, "sglang", "model.safetensors")):
-        assert main(["export", str(source), "--out", str(tmp_path / f"out-{fmt}"), "--format", fmt]) == 0
+    for source, fmt, marker in (
+        (medusa, "medusa", "model.safetensors"),
+        (medusa, "medusa-tgi", "medusa_lm_head.safetensors"),
+        (eagle3, "sglang", "model.safetensors"),
+    ):
+        assert (
+            main(["export", str(source), "--out", str(tmp_path / f"out-{fmt}"), "--format", fmt])
+            == 0
+        )
         assert (tmp_path / f"out-{fmt}" / marker).is_file()
     tgi = json.loads((tmp_path / "out-medusa-tgi" / "config.json").read_text())
-    assert tgi["base_model_name_or_path"] == "tiny"  # the recorded target (an alias resolved to its folder)
+    assert (
+        tgi["base_model_name_or_path"] == "tiny"
+    )  # the recorded target (an alias resolved to its folder)
     assert main(["export", str(medusa), "--out", str(tmp_path / "bad"), "--format", "sglang"]) == 2
     assert "Medusa-1 exports as: draftsmith, medusa, medusa-tgi" in capsys.readouterr().err

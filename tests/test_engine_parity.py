@@ -1,9 +1,11 @@
-"""Engine parity (``bench --engine-parity``): tau in our runtime next to tau in the engine, a gap over 5% a defect.
+"""Engine parity (``bench --engine-parity``): tau in our runtime next to tau in the engine, a gap
+over 5% a defect.
 
-Unit: the verdict at the 5% boundary (both directions), the ``engine_parity`` section's shape with a fake engine
-runner (ok, defect, an engine that fails), the skip reasons (a method no engine in reach runs, a missing build), and
-the bench CLI writing the section into bench.json and bench.md on tiny exports. Integration (the cached ``make
-llamacpp`` build and the embedded target): a random EAGLE-3 drafter through the real runner.
+Unit: the verdict at the 5% boundary (both directions), the ``engine_parity`` section's shape with a
+fake engine runner (ok, defect, an engine that fails), the skip reasons (a method no engine in reach
+runs, a missing build), and the bench CLI writing the section into bench.json and bench.md on tiny
+exports. Integration (the cached ``make llamacpp`` build and the embedded target): a random EAGLE-3
+drafter through the real runner.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ BUILT = {"eagle3": (ep.EngineRoute("llamacpp", "gguf", lambda: None),)}
 
 
 def test_the_verdict_is_ok_up_to_5_percent_and_a_defect_of_the_export_beyond():
-    for ours, theirs in ((2.0, 2.0), (2.0, 2.1), (2.0, 1.9), (1.0, 1.05), (1.0, 0.95)):  # 5% exactly is ok
+    for ours, theirs in (
+        (2.0, 2.0),
+        (2.0, 2.1),
+        (2.0, 1.9),
+        (1.0, 1.05),
+        (1.0, 0.95),
+    ):  # 5% exactly is ok
         assert ep.verdict("llamacpp", ours, theirs) == "ok", (ours, theirs)
     above = ep.verdict("llamacpp", 2.0, 2.1002)
     below = ep.verdict("llamacpp", 2.0, 1.8998)
@@ -49,30 +57,56 @@ def test_the_section_puts_both_taus_side_by_side_with_a_fake_runner():
     seen = []
 
     def runner(route, request):
-        seen.append((route.engine, route.format, request.chain, request.prompts, request.num_prompts))
+        seen.append(
+            (route.engine, route.format, request.chain, request.prompts, request.num_prompts)
+        )
         return {"tau_ours": 1.60, "tau_engine": 1.58, "engine_lossless": True}
 
     (row,) = ep.engine_parity("eagle3", REQUEST, {"llamacpp": runner}, BUILT)
     assert seen == [("llamacpp", "gguf", 4, "mtbench", 2)]
-    assert set(row) == {"engine", "format", "chain", "prompts", "max_new_tokens", "tau_ours", "tau_engine", "gap",
-                        "verdict", "detail"}
-    assert (row["engine"], row["format"], row["chain"], row["prompts"]) == ("llamacpp", "gguf", 4, "2 mtbench")
+    assert set(row) == {
+        "engine",
+        "format",
+        "chain",
+        "prompts",
+        "max_new_tokens",
+        "tau_ours",
+        "tau_engine",
+        "gap",
+        "verdict",
+        "detail",
+    }
+    assert (row["engine"], row["format"], row["chain"], row["prompts"]) == (
+        "llamacpp",
+        "gguf",
+        4,
+        "2 mtbench",
+    )
     assert (row["tau_ours"], row["tau_engine"], row["verdict"]) == (1.60, 1.58, "ok")
     assert row["gap"] == pytest.approx(-0.0125) and row["detail"] == {"engine_lossless": True}
     json.dumps(row)  # bench.json takes it as it is
 
-    (bad,) = ep.engine_parity("eagle3", REQUEST, {"llamacpp": lambda r, q: {"tau_ours": 1.5, "tau_engine": 0.14}},
-                              BUILT)
+    (bad,) = ep.engine_parity(
+        "eagle3", REQUEST, {"llamacpp": lambda r, q: {"tau_ours": 1.5, "tau_engine": 0.14}}, BUILT
+    )
     assert bad["verdict"].startswith("DEFECT:") and "defect of the export" in bad["verdict"]
     # no chain asked for: the runner's own default for the method is what the row reports
-    (own,) = ep.engine_parity("eagle3", ep.ParityRequest("EXPORT", "mtbench", 2, 32, None, 2), {
-        "llamacpp": lambda r, q: {"tau_ours": 3.0, "tau_engine": 3.0, "chain": 7}}, BUILT)
+    (own,) = ep.engine_parity(
+        "eagle3",
+        ep.ParityRequest("EXPORT", "mtbench", 2, 32, None, 2),
+        {"llamacpp": lambda r, q: {"tau_ours": 3.0, "tau_engine": 3.0, "chain": 7}},
+        BUILT,
+    )
     assert (own["chain"], own["verdict"], own["detail"]) == (7, "ok", {})
     ok_text = ep.markdown_rows([row])[0][1]
-    assert ok_text.endswith("gap -1.3%: ok; engine's speculative text = its plain greedy text: True"), ok_text
+    assert ok_text.endswith(
+        "gap -1.3%: ok; engine's speculative text = its plain greedy text: True"
+    ), ok_text
     label, text = ep.markdown_rows([row, bad])[1]
     assert label == "engine parity: llamacpp (gguf, chain 4)"
-    assert text.startswith("tau ours / engine 1.500 / 0.140 on 2 mtbench prompts x 32, gap -90.7%: DEFECT")
+    assert text.startswith(
+        "tau ours / engine 1.500 / 0.140 on 2 mtbench prompts x 32, gap -90.7%: DEFECT"
+    )
 
 
 def test_an_engine_that_cannot_run_the_export_is_a_defect_not_a_crash():
@@ -81,19 +115,27 @@ def test_an_engine_that_cannot_run_the_export_is_a_defect_not_a_crash():
 
     (row,) = ep.engine_parity("eagle3", REQUEST, {"llamacpp": runner}, BUILT)
     assert row["tau_engine"] is None and row["gap"] is None
-    assert row["verdict"] == ("DEFECT: llamacpp could not run the gguf export (RuntimeError: "
-                              "llama-speculative-simple exited 1: unknown tensor blk.0.attn_q)")
+    assert (
+        row["verdict"] == "DEFECT: llamacpp could not run the gguf export (RuntimeError: "
+        "llama-speculative-simple exited 1: unknown tensor blk.0.attn_q)"
+    )
 
 
 def test_skips_say_why(tmp_path, monkeypatch):
     (row,) = ep.engine_parity("medusa", REQUEST, {"llamacpp": None})
-    covers = ", ".join(sorted(ep.ROUTES))  # llama.cpp's own method list (export/gguf.py GGUF_METHODS)
+    covers = ", ".join(
+        sorted(ep.ROUTES)
+    )  # llama.cpp's own method list (export/gguf.py GGUF_METHODS)
     assert "eagle3" in covers and row == {
-        "engine": None, "format": None, "skipped": f"no engine in reach runs a 'medusa' export (engine parity covers: "
-                                                   f"{covers})"}
+        "engine": None,
+        "format": None,
+        "skipped": f"no engine in reach runs a 'medusa' export (engine parity covers: {covers})",
+    }
     assert ep.markdown_rows([row]) == [("engine parity: no engine", f"skipped: {row['skipped']}")]
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))  # no build here
-    (row,) = ep.engine_parity("eagle3", REQUEST, {"llamacpp": lambda r, q: pytest.fail("ran without a build")})
+    (row,) = ep.engine_parity(
+        "eagle3", REQUEST, {"llamacpp": lambda r, q: pytest.fail("ran without a build")}
+    )
     assert row["skipped"] == llamacpp.missing_build_reason() and "make llamacpp" in row["skipped"]
     assert "tau_ours" not in row and "verdict" not in row
     (row,) = ep.engine_parity("eagle3", REQUEST, {}, BUILT)
@@ -105,23 +147,37 @@ def test_the_llamacpp_runner_reads_both_taus_off_engine_check(monkeypatch):
     from draftsmith.evals import engine_check
 
     calls = []
-    monkeypatch.setattr(engines, "_gguf_files", lambda export, gguf, tmp: {"target": "t.gguf", "draft": "d.gguf"})
+    monkeypatch.setattr(
+        engines, "_gguf_files", lambda export, gguf, tmp: {"target": "t.gguf", "draft": "d.gguf"}
+    )
 
     def fake_check(*args):
         calls.append(args)
-        return {"version": "0.3.36", "prompt_ids_match": True,
-                "llamacpp": {"lossless": True, "near_ties_only": True,
-                             "speculative": {"tau": 1.31, "acceptance": 0.08, "n_draft_max": 4}},
-                "runtime": {"tau": 1.40, "acceptance": 0.10, "lossless": True}}
+        return {
+            "version": "0.3.36",
+            "prompt_ids_match": True,
+            "llamacpp": {
+                "lossless": True,
+                "near_ties_only": True,
+                "speculative": {"tau": 1.31, "acceptance": 0.08, "n_draft_max": 4},
+            },
+            "runtime": {"tau": 1.40, "acceptance": 0.10, "lossless": True},
+        }
 
     monkeypatch.setattr(engine_check, "engine_check", fake_check)
     got = serving._llamacpp_parity(BUILT["eagle3"][0], REQUEST)
     assert calls == [("EXPORT", "t.gguf", "d.gguf", "mtbench", 2, 32, 4, 2, "auto")]
-    assert (got["tau_ours"], got["tau_engine"], got["chain"], got["engine_lossless"]) == (1.40, 1.31, 4, True)
+    assert (got["tau_ours"], got["tau_engine"], got["chain"], got["engine_lossless"]) == (
+        1.40,
+        1.31,
+        4,
+        True,
+    )
 
 
 def tiny_eagle3_export(target_dir, tokenizer, out):
-    """A random-weight EAGLE-3 export for the tiny target (only its method and shapes matter here)."""
+    """A random-weight EAGLE-3 export for the tiny target (only its method and shapes matter
+    here)."""
     from transformers import AutoModelForCausalLM
 
     from draftsmith.recipes.eagle3 import objective as eagle3_recipe
@@ -131,29 +187,69 @@ def tiny_eagle3_export(target_dir, tokenizer, out):
     cfg = recipe_config("eagle3", {"drafter": {"draft_vocab_size": 64}})
     batches = [(torch.randint(0, target.vocab_size, (2, 30)), torch.ones(2, 30, dtype=torch.long))]
     objective = eagle3_recipe.build_objective(cfg, target, batches)
-    module = SimpleNamespace(drafter=objective.module, objective=objective, run_info={"target": target.identity()})
+    module = SimpleNamespace(
+        drafter=objective.module, objective=objective, run_info={"target": target.identity()}
+    )
     return export_from_module(module, out, training={})
 
 
-def test_bench_writes_the_section_and_its_row(tiny_target_dir, tiny_tokenizer, tmp_path, monkeypatch, capsys):
+def test_bench_writes_the_section_and_its_row(
+    tiny_target_dir, tiny_tokenizer, tmp_path, monkeypatch, capsys
+):
     export = tiny_eagle3_export(tiny_target_dir, tiny_tokenizer, tmp_path / "export")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello world what is the answer ?"}) + "\n")
-    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))  # no llama.cpp build: the row says so
-    argv = ["bench", "--drafter", str(export), "--prompts", str(prompts), "--max-new-tokens", "8", "--dtype", "fp32",
-            "--stop-policy", "export", "--skip-hf", "--lossless-dtype", "none", "--engine-parity",
-            "--parity-chain", "3", "--out"]
+    monkeypatch.setenv(
+        "DRAFTSMITH_CACHE", str(tmp_path / "cache")
+    )  # no llama.cpp build: the row says so
+    argv = [
+        "bench",
+        "--drafter",
+        str(export),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "8",
+        "--dtype",
+        "fp32",
+        "--stop-policy",
+        "export",
+        "--skip-hf",
+        "--lossless-dtype",
+        "none",
+        "--engine-parity",
+        "--parity-chain",
+        "3",
+        "--out",
+    ]
     assert main([*argv, str(tmp_path / "b")]) == 0, capsys.readouterr().err
     (row,) = json.loads((tmp_path / "b" / "bench.json").read_text())["engine_parity"]
-    assert (row["engine"], row["format"], row["chain"], row["prompts"]) == ("llamacpp", "gguf", 3, f"all {prompts}")
+    assert (row["engine"], row["format"], row["chain"], row["prompts"]) == (
+        "llamacpp",
+        "gguf",
+        3,
+        f"all {prompts}",
+    )
     assert row["skipped"].startswith("not built: run `make llamacpp`")
-    assert "| engine parity: llamacpp (gguf, chain 3) | skipped: not built" in (tmp_path / "b" / "bench.md").read_text()
-    phases = json.loads((tmp_path / "b" / "bench.json").read_text())["phases"]  # what ran, and how long each took
-    assert {"load target, export and prompts", "engine parity"} <= set(phases) and all(t >= 0 for t in phases.values())
-    assert "| phases run (time each) | load target, export and prompts " in (tmp_path / "b" / "bench.md").read_text()
+    assert (
+        "| engine parity: llamacpp (gguf, chain 3) | skipped: not built"
+        in (tmp_path / "b" / "bench.md").read_text()
+    )
+    phases = json.loads((tmp_path / "b" / "bench.json").read_text())[
+        "phases"
+    ]  # what ran, and how long each took
+    assert {"load target, export and prompts", "engine parity"} <= set(phases) and all(
+        t >= 0 for t in phases.values()
+    )
+    assert (
+        "| phases run (time each) | load target, export and prompts "
+        in (tmp_path / "b" / "bench.md").read_text()
+    )
     assert "[bench] engine parity..." in capsys.readouterr().err
     assert main(["bench", "--controller", str(export), "--engine-parity"]) == 2
-    assert "--engine-parity belongs to `draftsmith bench export`" in capsys.readouterr().err  # not the controller's
+    assert (
+        "--engine-parity belongs to `draftsmith bench export`" in capsys.readouterr().err
+    )  # not the controller's
     assert main(["bench", "--engine-parity"]) == 2
     assert "--engine-parity compares a drafter's tau across engines" in capsys.readouterr().err
     assert main(["bench", "--drafter", str(export), "--engine-parity", "--parity-chain", "0"]) == 2
@@ -176,13 +272,13 @@ def test_the_real_runner_puts_llamacpp_next_to_our_runtime(tmp_path):
     (row,) = ep.engine_parity("eagle3", request, {"llamacpp": _llamacpp_parity})
     assert row["tau_ours"] >= 1.0 and row["tau_engine"] >= 1.0, row
     assert row["verdict"] == ep.verdict("llamacpp", row["tau_ours"], row["tau_engine"])
-    # llama.cpp's own text may part from its plain one at near-ties (its batched verify rounds unlike its decode on
-    # AVX2, evals/near_ties.py), never at a clear margin
+    # llama.cpp's own text may part from its plain one at near-ties (its batched verify rounds
+    # unlike its decode on AVX2, evals/near_ties.py), never at a clear margin
     assert row["detail"]["engine_lossless"] or row["detail"]["engine_near_ties_only"], row
     assert row["detail"]["ours_lossless"], row
 
 
-# ---- engine-check: the same prompt ids in both engines, generated ids compared as ids (issue 40) --------------------
+# ---- engine-check: the same prompt ids in both engines, generated ids compared as ids (issue 40)
 
 VERBOSE_LOG = """\
 0.00.891.778 I llama_completion: number of tokens in prompt = 3
@@ -199,28 +295,47 @@ VERBOSE_LOG = """\
 
 
 def test_llamacpp_generated_ids_are_read_from_its_verbose_eval_log():
-    assert llamacpp.parse_generated_ids(VERBOSE_LOG, llamacpp.parse_prompt_ids(VERBOSE_LOG)) == [378, 64, 11]
-    assert llamacpp.parse_generated_ids(VERBOSE_LOG, None) == [378, 64, 11]  # the first line is the prompt's
+    assert llamacpp.parse_generated_ids(VERBOSE_LOG, llamacpp.parse_prompt_ids(VERBOSE_LOG)) == [
+        378,
+        64,
+        11,
+    ]
+    assert llamacpp.parse_generated_ids(VERBOSE_LOG, None) == [
+        378,
+        64,
+        11,
+    ]  # the first line is the prompt's
     assert llamacpp.parse_generated_ids("no debug log", [1]) is None
     argv = llamacpp.completion_command(Path("t.gguf"), "hi", 8, 2, 512, log_ids=True)
-    assert argv[-1] == "-v" and "-v" not in llamacpp.completion_command(Path("t.gguf"), "hi", 8, 2, 512)
+    assert argv[-1] == "-v" and "-v" not in llamacpp.completion_command(
+        Path("t.gguf"), "hi", 8, 2, 512
+    )
 
 
 def test_generated_ids_agree_at_eos_and_at_the_cut():
     from draftsmith.evals.engine_check import generated_ids_agree
 
     eos = (2,)
-    assert generated_ids_agree([5, 6, 2], [5, 6], eos, engine_stopped_at_eos=True)  # text differs here: <|im_end|>
-    assert not generated_ids_agree([5, 6, 7], [5, 6], eos, engine_stopped_at_eos=True)  # ours ran on
-    assert generated_ids_agree([5, 6, 7], [5, 6], eos, engine_stopped_at_eos=False)  # cut at -n: last never evaluated
+    assert generated_ids_agree(
+        [5, 6, 2], [5, 6], eos, engine_stopped_at_eos=True
+    )  # text differs here: <|im_end|>
+    assert not generated_ids_agree(
+        [5, 6, 7], [5, 6], eos, engine_stopped_at_eos=True
+    )  # ours ran on
+    assert generated_ids_agree(
+        [5, 6, 7], [5, 6], eos, engine_stopped_at_eos=False
+    )  # cut at -n: last never evaluated
     assert generated_ids_agree([5, 6], [5, 6], eos, engine_stopped_at_eos=False)
     assert not generated_ids_agree([5, 9, 7], [5, 6], eos, engine_stopped_at_eos=False)
     assert not generated_ids_agree([5, 6, 7, 8], [5, 6], eos, engine_stopped_at_eos=False)
 
 
-def test_engine_check_feeds_both_engines_the_same_ids_and_compares_ids(tiny_tokenizer, tmp_path, monkeypatch):
-    """llama.cpp tokenizes some prompts unlike the HF tokenizer; engine-check used to run our runtime on the HF ids
-    (different prompts) and compare decoded texts, False whenever generation stopped at EOS."""
+def test_engine_check_feeds_both_engines_the_same_ids_and_compares_ids(
+    tiny_tokenizer, tmp_path, monkeypatch
+):
+    """llama.cpp tokenizes some prompts unlike the HF tokenizer; engine-check used to run our
+    runtime on the HF ids (different prompts) and compare decoded texts, False whenever generation
+    stopped at EOS."""
     from draftsmith.bench.prompts import load_prompts
     from draftsmith.evals import engine_check as ec
     from draftsmith.runtime import serving
@@ -229,17 +344,29 @@ def test_engine_check_feeds_both_engines_the_same_ids_and_compares_ids(tiny_toke
     export.mkdir()
     monkeypatch.setattr(ec, "read_config", lambda folder: {"method": "eagle3"})
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "hello world"}) + "\n" + json.dumps({"prompt": "what is it"}) + "\n")
+    prompts.write_text(
+        json.dumps({"prompt": "hello world"}) + "\n" + json.dumps({"prompt": "what is it"}) + "\n"
+    )
     hf_ids = load_prompts(str(prompts), tiny_tokenizer, None)
-    engine_ids = [hf_ids[0][:-1] + [hf_ids[0][-1], 7], list(hf_ids[1])]  # llama.cpp splits prompt 0 differently
+    engine_ids = [
+        hf_ids[0][:-1] + [hf_ids[0][-1], 7],
+        list(hf_ids[1]),
+    ]  # llama.cpp splits prompt 0 differently
     eos = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
     runtime = SimpleNamespace(tokenizer=tiny_tokenizer, eos_ids=(eos,), inference={})
     fed = []
 
     def fake_row(gguf, ids, max_new_tokens, threads, tokenizer, log_ids=False):
-        assert log_ids and [list(p) for p in ids] == hf_ids  # llama.cpp gets the rendered text of the HF ids
-        return {"texts": ["a b", "a b c"], "stopped_at_eos": [True, False], "prompt_ids": engine_ids,
-                "generated_ids": [[40, 41], [40, 41, 42]], "prompt_ids_match": False}
+        assert (
+            log_ids and [list(p) for p in ids] == hf_ids
+        )  # llama.cpp gets the rendered text of the HF ids
+        return {
+            "texts": ["a b", "a b c"],
+            "stopped_at_eos": [True, False],
+            "prompt_ids": engine_ids,
+            "generated_ids": [[40, 41], [40, 41, 42]],
+            "prompt_ids_match": False,
+        }
 
     def fake_runtime_side(rt, ids, max_new_tokens):
         fed.extend(ids)
@@ -247,17 +374,45 @@ def test_engine_check_feeds_both_engines_the_same_ids_and_compares_ids(tiny_toke
 
     monkeypatch.setattr(ec.llamacpp, "missing_build_reason", lambda: None)
     monkeypatch.setattr(ec.llamacpp, "llamacpp_row", fake_row)
-    monkeypatch.setattr(ec, "llamacpp_speculative", lambda *a: {"texts": ["a b", "a b c"], "n_draft_max": 4})
+    monkeypatch.setattr(
+        ec, "llamacpp_speculative", lambda *a: {"texts": ["a b", "a b c"], "n_draft_max": 4}
+    )
     monkeypatch.setattr(ec, "runtime_side", fake_runtime_side)
     monkeypatch.setattr(ec, "runtime_options", lambda export_dir, n_max: ({}, f"fixed:{n_max}"))
     monkeypatch.setattr(serving, "load_runtime", lambda *a, **k: runtime)
     result = ec.engine_check(export, "t.gguf", "d.gguf", str(prompts), 2, 4)
     assert fed == engine_ids  # our runtime decoded llama.cpp's ids, not the HF tokenizer's
-    assert result["runtime"]["ids_equal_llamacpp_plain"] == [True, True]  # EOS kept by ours, dropped by llama.cpp
-    assert result["prompt_ids_match"] is True and result["prompt_ids"]["hf_tokenizer_differs"] == [0]
-    assert "the same prompt ids in both engines (llama.cpp's tokenization); the HF tokenizer splits prompts [0]" \
-        in ec.markdown({**result, "llamacpp": {**result["llamacpp"], "plain": {
-            "decode_tokens_per_s": 1.0, "tokens_per_s_incl_prompt": 1.0}, "speculative": {
-            "n_draft_max": 4, "tau": 1.5, "acceptance": 0.5, "decode_tokens_per_s": 1.0,
-            "tokens_per_s_incl_prompt": 1.0}}, "runtime": {**result["runtime"], "dtype": "fp32", "acceptance": 0.5,
-                                                             "ar_tokens_per_s": 1.0, "speculative_tokens_per_s": 1.0}})
+    assert result["runtime"]["ids_equal_llamacpp_plain"] == [
+        True,
+        True,
+    ]  # EOS kept by ours, dropped by llama.cpp
+    assert result["prompt_ids_match"] is True and result["prompt_ids"]["hf_tokenizer_differs"] == [
+        0
+    ]
+    assert (
+        "the same prompt ids in both engines (llama.cpp's tokenization); the HF tokenizer splits"
+        " prompts [0]"
+        in ec.markdown(
+            {
+                **result,
+                "llamacpp": {
+                    **result["llamacpp"],
+                    "plain": {"decode_tokens_per_s": 1.0, "tokens_per_s_incl_prompt": 1.0},
+                    "speculative": {
+                        "n_draft_max": 4,
+                        "tau": 1.5,
+                        "acceptance": 0.5,
+                        "decode_tokens_per_s": 1.0,
+                        "tokens_per_s_incl_prompt": 1.0,
+                    },
+                },
+                "runtime": {
+                    **result["runtime"],
+                    "dtype": "fp32",
+                    "acceptance": 0.5,
+                    "ar_tokens_per_s": 1.0,
+                    "speculative_tokens_per_s": 1.0,
+                },
+            }
+        )
+    )

@@ -1,7 +1,8 @@
-"""An export's identity is checked as one unit (issue 40): method, architecture keys and weight names and shapes hash
-to the digest recorded at export, so a `method` edited to another method with the same weights layout is refused when
-loaded, while exports written before the digest keep loading; a missing architecture key (an export edited to
-`kangaroo`) is one line naming the export, the key and the fix, not `error: 'exit_layer'`."""
+"""An export's identity is checked as one unit (issue 40): method, architecture keys and weight
+names and shapes hash to the digest recorded at export, so a `method` edited to another method with
+the same weights layout is refused when loaded, while exports written before the digest keep
+loading; a missing architecture key (an export edited to `kangaroo`) is one line naming the export,
+the key and the fix, not `error: 'exit_layer'`."""
 
 from __future__ import annotations
 
@@ -36,37 +37,59 @@ def test_every_export_records_its_identity(medusa_export):
     assert identity["method"] == "medusa" and identity["digest"].startswith("sha256:")
 
 
-def test_a_method_edited_to_one_with_the_same_layout_is_refused_when_loaded(tmp_path, medusa_export, tiny_target_dir):
-    edited = relabel(medusa_export, tmp_path / "edited", "medusa2")  # MedusaHeads loads both: the layout fits
+def test_a_method_edited_to_one_with_the_same_layout_is_refused_when_loaded(
+    tmp_path, medusa_export, tiny_target_dir
+):
+    edited = relabel(
+        medusa_export, tmp_path / "edited", "medusa2"
+    )  # MedusaHeads loads both: the layout fits
     with pytest.raises(ExportIdentityError) as err:
         MedusaHeads.from_export(edited, lm_head_weight=lm_head(tiny_target_dir))
-    assert str(err.value) == (f"{edited} was written as a 'medusa' export, but its config.json now says method "
-                              "'medusa2' (method, architecture and weights are checked as one): restore "
-                              "\"method\": \"medusa\" in config.json, or re-export the drafter")
+    assert (
+        str(err.value)
+        == f"{edited} was written as a 'medusa' export, but its config.json now says method "
+        "'medusa2' (method, architecture and weights are checked as one): restore "
+        '"method": "medusa" in config.json, or re-export the drafter'
+    )
     with pytest.raises(ExportIdentityError):  # the converters read through the same check
         read_export(edited)
 
 
-def test_the_cli_refuses_the_relabelled_export_in_one_line(capsys, tmp_path, medusa_export, tiny_target_dir):
+def test_the_cli_refuses_the_relabelled_export_in_one_line(
+    capsys, tmp_path, medusa_export, tiny_target_dir
+):
     edited = relabel(medusa_export, tmp_path / "edited", "medusa2")
-    line = cli_error_line(capsys, ["generate", "--drafter", str(edited), "--target", str(tiny_target_dir), *FAST])
-    assert f"{edited} was written as a 'medusa' export" in line and "restore \"method\": \"medusa\"" in line
+    line = cli_error_line(
+        capsys, ["generate", "--drafter", str(edited), "--target", str(tiny_target_dir), *FAST]
+    )
+    assert (
+        f"{edited} was written as a 'medusa' export" in line
+        and 'restore "method": "medusa"' in line
+    )
 
 
-def test_an_export_edited_to_kangaroo_names_the_export_the_key_and_the_fix(capsys, tmp_path, medusa_export,
-                                                                           tiny_target_dir):
+def test_an_export_edited_to_kangaroo_names_the_export_the_key_and_the_fix(
+    capsys, tmp_path, medusa_export, tiny_target_dir
+):
     edited = relabel(medusa_export, tmp_path / "edited", "kangaroo")
-    line = cli_error_line(capsys, ["generate", "--drafter", str(edited), "--target", str(tiny_target_dir), *FAST])
+    line = cli_error_line(
+        capsys, ["generate", "--drafter", str(edited), "--target", str(tiny_target_dir), *FAST]
+    )
     assert line != "draftsmith generate: error: 'exit_layer'"
-    # the export schema meets the medusa keys first (every reader checks it): the export, the keys, the fix
+    # the export schema meets the medusa keys first (every reader checks it): the export, the keys,
+    # the fix
     assert f"{edited} claims method 'kangaroo', but its architecture fields [" in line
     assert "'num_heads'" in line and "unknown to KangarooConfig" in line
-    assert "it was written as a 'medusa' export" in line and "restore \"method\": \"medusa\"" in line
+    assert "it was written as a 'medusa' export" in line and 'restore "method": "medusa"' in line
 
 
-def test_an_older_export_edited_to_kangaroo_still_gets_one_line(capsys, tmp_path, medusa_export, tiny_target_dir):
+def test_an_older_export_edited_to_kangaroo_still_gets_one_line(
+    capsys, tmp_path, medusa_export, tiny_target_dir
+):
     edited = relabel(medusa_export, tmp_path / "edited", "kangaroo", drop_identity=True)
-    line = cli_error_line(capsys, ["generate", "--drafter", str(edited), "--target", str(tiny_target_dir), *FAST])
+    line = cli_error_line(
+        capsys, ["generate", "--drafter", str(edited), "--target", str(tiny_target_dir), *FAST]
+    )
     assert "unknown to KangarooConfig" in line and "'num_heads'" in line
     assert "restore the method the export was written with" in line
     kept = relabel(medusa_export, tmp_path / "kept", "medusa", drop_identity=True)
@@ -97,4 +120,6 @@ def test_an_architecture_key_added_by_hand_is_refused(tmp_path, medusa_export):
     config["architecture"]["note"] = "added by hand"
     (edited / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportSchemaError, match=r"fields \['note'\] are unknown to MedusaConfig"):
-        read_export(edited)  # the export schema refuses it on every read, naming the key (before the identity check)
+        read_export(
+            edited
+        )  # the export schema refuses it on every read, naming the key (before the identity check)

@@ -1,4 +1,5 @@
-"""Export format v2: named weight parts, an identity that includes an adapter, a checked base-export reference."""
+"""Export format v2: named weight parts, an identity that includes an adapter, a checked base-export
+reference."""
 
 import json
 
@@ -18,7 +19,13 @@ from draftsmith.export.format import (
 
 pytestmark = pytest.mark.unit
 
-TARGET = {"name_or_path": "t", "vocab_size": 10, "hidden_size": 4, "num_hidden_layers": 2, "fingerprint": "sha256:ab"}
+TARGET = {
+    "name_or_path": "t",
+    "vocab_size": 10,
+    "hidden_size": 4,
+    "num_hidden_layers": 2,
+    "fingerprint": "sha256:ab",
+}
 
 
 def config(**extra):
@@ -31,8 +38,9 @@ def test_parts_round_trip_and_the_main_part_stays_model_safetensors(tmp_path):
     cfg, parts = read_export_parts(out)
     assert cfg["format_version"] == 2 and set(parts) == {"model", "adapter"}
     assert cfg["parts"]["adapter"] == {"file": "adapter.safetensors", "tensors": 1}
-    assert (torch.equal(parts["adapter"]["lora_A"], adapter["lora_A"])
-            and torch.equal(read_export(out)[1]["w"], heads["w"]))
+    assert torch.equal(parts["adapter"]["lora_A"], adapter["lora_A"]) and torch.equal(
+        read_export(out)[1]["w"], heads["w"]
+    )
     with pytest.raises(ValueError, match="lower-case letters"):
         write_export(tmp_path / "bad", heads, config(), parts={"Bad Name": adapter})
 
@@ -51,7 +59,9 @@ def test_an_export_that_changes_its_target_is_refused_against_the_bare_base(tmp_
     medusa2 = config(target={**TARGET, "adapter": {"kind": "lora", "fingerprint": "sha256:feed"}})
     with pytest.raises(TargetMismatchError, match="changes its target .*lora.*adapter"):
         check_target(medusa2, dict(TARGET))
-    check_target(medusa2, {**TARGET, "adapter": {"fingerprint": "sha256:feed"}})  # with the adapter applied: fine
+    check_target(
+        medusa2, {**TARGET, "adapter": {"fingerprint": "sha256:feed"}}
+    )  # with the adapter applied: fine
     check_target(config(), dict(TARGET))
 
 
@@ -65,5 +75,7 @@ def test_a_stacked_export_checks_its_base(tmp_path):
         resolve_base_export(stacked)
     assert resolve_base_export(stacked, moved) == moved
     write_export(moved, {"w": torch.zeros(2)}, config())  # retrained in place: different weights
-    with pytest.raises(ExportError, match="is not the medusa export this specdecpp export was trained on"):
+    with pytest.raises(
+        ExportError, match="is not the medusa export this specdecpp export was trained on"
+    ):
         resolve_base_export(stacked, moved)

@@ -1,4 +1,5 @@
-"""The one exportable-module base: every exported module loads as ``from_export(dir, **shared) -> (module, config)``."""
+"""The one exportable-module base: every exported module loads as ``from_export(dir, **shared) ->
+(module, config)``."""
 
 from __future__ import annotations
 
@@ -23,22 +24,39 @@ from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 
 pytestmark = pytest.mark.unit
 
-EXPORTED = (MedusaHeads, HydraHeads, CloverHeads, EagleDrafter, Eagle3Drafter, KangarooDrafter, Learn2PDFilter,
-            AdaptiveTemperatureHead, AcceptanceHead)
+EXPORTED = (
+    MedusaHeads,
+    HydraHeads,
+    CloverHeads,
+    EagleDrafter,
+    Eagle3Drafter,
+    KangarooDrafter,
+    Learn2PDFilter,
+    AdaptiveTemperatureHead,
+    AcceptanceHead,
+)
 TARGET = {"name_or_path": "tiny", "vocab_size": 32, "hidden_size": 8, "num_hidden_layers": 2}
 
 
 def _export(tmp_path, module, method=None, state=None, architecture=None):
-    config = {"method": method or type(module).method, "architecture": architecture or module.architecture(),
-              "target": TARGET}
-    return write_export(tmp_path / "export", module.state_dict() if state is None else state, config)
+    config = {
+        "method": method or type(module).method,
+        "architecture": architecture or module.architecture(),
+        "target": TARGET,
+    }
+    return write_export(
+        tmp_path / "export", module.state_dict() if state is None else state, config
+    )
 
 
 def test_every_exported_module_has_the_one_loader():
     for cls in EXPORTED:
         assert issubclass(cls, Exportable) and isinstance(cls.method, str), cls
         assert "from_export" not in vars(cls), f"{cls.__name__} defines its own from_export"
-        assert list(inspect.signature(cls.from_export).parameters) == ["export_dir", "shared_weights"]
+        assert list(inspect.signature(cls.from_export).parameters) == [
+            "export_dir",
+            "shared_weights",
+        ]
 
 
 def test_round_trip_returns_the_module_and_its_config(tmp_path):
@@ -52,16 +70,25 @@ def test_round_trip_returns_the_module_and_its_config(tmp_path):
 
 
 def test_another_method_is_refused_naming_both(tmp_path):
-    out = _export(tmp_path, MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=32, num_heads=2)))  # a sound export
-    with pytest.raises(ExportError, match=r"holds a 'medusa' export, not learn2pd \(Learn2PDFilter\)"):
+    out = _export(
+        tmp_path, MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=32, num_heads=2))
+    )  # a sound export
+    with pytest.raises(
+        ExportError, match=r"holds a 'medusa' export, not learn2pd \(Learn2PDFilter\)"
+    ):
         Learn2PDFilter.from_export(out)
 
 
 def test_an_architecture_of_another_method_is_refused_as_relabelled(tmp_path):
     module = Learn2PDFilter(Learn2PDConfig(block_length=4, hidden=8, num_layers=2))
-    out = _export(tmp_path, module, method="medusa")  # config.json says medusa, its fields are learn2pd's
-    with pytest.raises(ExportError, match=r"claims method 'medusa', but its architecture fields \['block_length', "
-                                          r"'hidden', .* are unknown to MedusaConfig; if config.json's 'method' was"):
+    out = _export(
+        tmp_path, module, method="medusa"
+    )  # config.json says medusa, its fields are learn2pd's
+    with pytest.raises(
+        ExportError,
+        match=r"claims method 'medusa', but its architecture fields \['block_length', "
+        r"'hidden', .* are unknown to MedusaConfig; if config.json's 'method' was",
+    ):
         Learn2PDFilter.from_export(out)
 
 
@@ -71,7 +98,9 @@ def test_missing_and_unexpected_weights_are_named(tmp_path):
     state.pop("layers.0.weight")
     state["stray.weight"] = torch.zeros(1)
     out = _export(tmp_path, module, state=state)
-    with pytest.raises(ExportError, match=r"missing \['layers.0.weight'\], unexpected \['stray.weight'\]") as err:
+    with pytest.raises(
+        ExportError, match=r"missing \['layers.0.weight'\], unexpected \['stray.weight'\]"
+    ) as err:
         Learn2PDFilter.from_export(out)
     assert str(out) in str(err.value)
 
@@ -79,7 +108,9 @@ def test_missing_and_unexpected_weights_are_named(tmp_path):
 def test_unknown_architecture_fields_are_refused(tmp_path):
     module = Learn2PDFilter(Learn2PDConfig(block_length=4, hidden=8, num_layers=2))
     out = _export(tmp_path, module, architecture={**module.architecture(), "future_knob": 3})
-    with pytest.raises(ExportError, match=r"architecture fields \['future_knob'\] are unknown to Learn2PDConfig"):
+    with pytest.raises(
+        ExportError, match=r"architecture fields \['future_knob'\] are unknown to Learn2PDConfig"
+    ):
         Learn2PDFilter.from_export(out)
 
 
@@ -87,8 +118,11 @@ def test_shared_weights_come_from_keywords_and_medusa2_exports_load(tmp_path):
     cfg = MedusaConfig(hidden_size=8, vocab_size=32, num_heads=2, share_lm_head=True)
     lm_head = torch.randn(32, 8)
     heads = MedusaHeads(cfg, lm_head)
-    out = write_export(tmp_path / "m2", heads.trainable_state_dict(),
-                       {"method": "medusa2", "architecture": heads.architecture(), "target": TARGET})
+    out = write_export(
+        tmp_path / "m2",
+        heads.trainable_state_dict(),
+        {"method": "medusa2", "architecture": heads.architecture(), "target": TARGET},
+    )
     loaded, config = MedusaHeads.from_export(out, lm_head_weight=lm_head)
     assert config["method"] == "medusa2" and torch.equal(loaded.shared_lm_head, lm_head)
     assert json.loads((out / "config.json").read_text())["architecture"] == asdict(cfg)

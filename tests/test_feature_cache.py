@@ -1,4 +1,5 @@
-"""Offline feature cache (issue 14): write once, train without the target, same weights as online training."""
+"""Offline feature cache (issue 14): write once, train without the target, same weights as online
+training."""
 
 from __future__ import annotations
 
@@ -21,14 +22,29 @@ from draftsmith.recipes import get_recipe
 
 pytestmark = pytest.mark.unit
 
-SHARD_BYTES = 60_000  # a few shards for 64 tiny conversations (fp32: 4 x 64 x 4 + 6 = 1030 bytes/token)
+SHARD_BYTES = (
+    60_000  # a few shards for 64 tiny conversations (fp32: 4 x 64 x 4 + 6 = 1030 bytes/token)
+)
 
 
 def overrides(target_dir: Path, data_file: Path, *extra: str) -> list[str]:
-    return ["recipe=eagle3", f"target.name_or_path={target_dir}", "target.dtype=fp32", f"data.spec={data_file}",
-            "data.limit=null", "data.max_length=48", "data.batch_size=4", "data.val_fraction=0.1",
-            "trainer.max_steps=4", "run.checkpoint_every=100", "run.final_eval_batches=1", "optim.warmup_steps=0",
-            "drafter.target_layers=[1,2,3]", "drafter.draft_vocab_size=40", *extra]
+    return [
+        "recipe=eagle3",
+        f"target.name_or_path={target_dir}",
+        "target.dtype=fp32",
+        f"data.spec={data_file}",
+        "data.limit=null",
+        "data.max_length=48",
+        "data.batch_size=4",
+        "data.val_fraction=0.1",
+        "trainer.max_steps=4",
+        "run.checkpoint_every=100",
+        "run.final_eval_batches=1",
+        "optim.warmup_steps=0",
+        "drafter.target_layers=[1,2,3]",
+        "drafter.draft_vocab_size=40",
+        *extra,
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +61,9 @@ def target(tiny_target_dir) -> Target:
 def fp32_cache(tmp_path_factory, tiny_target_dir, tiny_data_file, target) -> Path:
     out = tmp_path_factory.mktemp("cache") / "fp32"
     cfg = compose_config(overrides(tiny_target_dir, tiny_data_file))
-    build_cache(cfg, get_recipe("eagle3"), out, dtype="fp32", shard_bytes=SHARD_BYTES, target=target)
+    build_cache(
+        cfg, get_recipe("eagle3"), out, dtype="fp32", shard_bytes=SHARD_BYTES, target=target
+    )
     return out
 
 
@@ -56,10 +74,13 @@ def data_bytes(path: Path) -> int:
     return path.stat().st_size - 8 - header
 
 
-def test_training_from_the_cache_gives_the_online_weights(tmp_path, fp32_cache, tiny_target_dir, tiny_data_file,
-                                                          monkeypatch):
-    """4 steps of EAGLE-3 (TTT, reduced draft vocabulary counted on the data) online and from an fp32 cache over the
-    same batches: equal drafter weights within 1e-6 (the same fp32 operations; logits rebuilt by the same matmul)."""
+def test_training_from_the_cache_gives_the_online_weights(
+    tmp_path, fp32_cache, tiny_target_dir, tiny_data_file, monkeypatch
+):
+    """4 steps of EAGLE-3 (TTT, reduced draft vocabulary counted on the data) online and from an
+    fp32 cache over the same batches: equal drafter weights within 1e-6 (the same fp32 operations;
+    logits rebuilt by the same matmul).
+    """
     recipe = get_recipe("eagle3")
     online_cfg = compose_config(overrides(tiny_target_dir, tiny_data_file))
     online = train(online_cfg, recipe, tmp_path / "online")
@@ -76,7 +97,9 @@ def test_training_from_the_cache_gives_the_online_weights(tmp_path, fp32_cache, 
     assert offline["steps"] == online["steps"] == 4 and offline["tokens"] == online["tokens"]
     config_on, on = read_export(tmp_path / "online" / "export")
     config_off, off = read_export(tmp_path / "offline" / "export")
-    assert config_off["target"] == config_on["target"]  # the cache records the target's identity for the export
+    assert (
+        config_off["target"] == config_on["target"]
+    )  # the cache records the target's identity for the export
     assert sorted(on) == sorted(off)
     assert any(not torch.equal(start[k], on[k]) for k in on)  # training moved the weights
     for key in on:
@@ -84,8 +107,8 @@ def test_training_from_the_cache_gives_the_online_weights(tmp_path, fp32_cache, 
 
 
 def test_the_cache_records_its_build_cost_and_the_training_tokens_it_holds(fp32_cache, tmp_path):
-    """What `draftsmith curve` bills a cached run: the CPU time of every shard (in its header) and the train split's
-    non-padding tokens, counted as training counts them (the attention mask)."""
+    """What `draftsmith curve` bills a cached run: the CPU time of every shard (in its header) and
+    the train split's non-padding tokens, counted as training counts them (the attention mask)."""
     from safetensors import safe_open
 
     from draftsmith.common.cache_costs import build_cpu_seconds
@@ -104,7 +127,8 @@ def test_the_cache_records_its_build_cost_and_the_training_tokens_it_holds(fp32_
 
 
 def test_printed_bytes_per_token_match_the_files(tmp_path, tiny_target_dir, tiny_data_file, capsys):
-    """``draftsmith cache-features`` (bf16): the printed bytes/token x tokens is exactly the shards' tensor bytes."""
+    """``draftsmith cache-features`` (bf16): the printed bytes/token x tokens is exactly the shards'
+    tensor bytes."""
     from draftsmith.cli.training import _cmd_cache_features as cache_features_main
 
     out = tmp_path / "bf16"
@@ -114,8 +138,8 @@ def test_printed_bytes_per_token_match_the_files(tmp_path, tiny_target_dir, tiny
     found = re.search(r"(\d+) bytes/token .* x ([\d,]+) tokens", text)
     assert found, text
     bpt, tokens = int(found[1]), int(found[2].replace(",", ""))
-    # 3 layer taps + final hidden in bf16, int32 id, two uint8 masks, the target's int32 greedy id (EAGLE-3 reads
-    # its logits lazily)
+    # 3 layer taps + final hidden in bf16, int32 id, two uint8 masks, the target's int32 greedy id
+    # (EAGLE-3 reads its logits lazily)
     assert bpt == 4 * 64 * 2 + 6 + 4
     shards = sorted(out.glob("shard-*.safetensors"))
     assert len(shards) > 1
@@ -123,31 +147,57 @@ def test_printed_bytes_per_token_match_the_files(tmp_path, tiny_target_dir, tiny
     overhead = sum(p.stat().st_size for p in shards) - bpt * tokens
     assert 0 < overhead < 0.05 * bpt * tokens  # headers only
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["complete"] and manifest["tokens"] == tokens and manifest["bytes_per_token"] == bpt
+    assert (
+        manifest["complete"] and manifest["tokens"] == tokens and manifest["bytes_per_token"] == bpt
+    )
 
 
-def test_an_interrupted_cache_resumes_after_the_last_complete_shard(tmp_path, fp32_cache, tiny_target_dir,
-                                                                   tiny_data_file, target, monkeypatch):
+def test_an_interrupted_cache_resumes_after_the_last_complete_shard(
+    tmp_path, fp32_cache, tiny_target_dir, tiny_data_file, target, monkeypatch
+):
     cfg = compose_config(overrides(tiny_target_dir, tiny_data_file))
     out = tmp_path / "resumed"
-    build_cache(cfg, get_recipe("eagle3"), out, dtype="fp32", shard_bytes=SHARD_BYTES, target=target, stop_after=1)
+    build_cache(
+        cfg,
+        get_recipe("eagle3"),
+        out,
+        dtype="fp32",
+        shard_bytes=SHARD_BYTES,
+        target=target,
+        stop_after=1,
+    )
     manifest = json.loads((out / "manifest.json").read_text())
-    assert not manifest["complete"] and [p.name for p in out.glob("shard-*")] == ["shard-00000.safetensors"]
-    (out / ".shard-00001.safetensors.tmp-999").write_bytes(b"half a shard")  # a write killed mid-way
+    assert not manifest["complete"] and [p.name for p in out.glob("shard-*")] == [
+        "shard-00000.safetensors"
+    ]
+    (out / ".shard-00001.safetensors.tmp-999").write_bytes(
+        b"half a shard"
+    )  # a write killed mid-way
     train_cfg = compose_config(overrides(tiny_target_dir, tiny_data_file, f"data.features={out}"))
-    with pytest.raises(FeatureCacheError, match=r"incomplete \(\d+ of \d+ shards missing: shard-00001"):
+    with pytest.raises(
+        FeatureCacheError, match=r"incomplete \(\d+ of \d+ shards missing: shard-00001"
+    ):
         open_cache(train_cfg)
 
     calls = []
     features = Target.features
-    monkeypatch.setattr(Target, "features", lambda self, ids, *a, **k: calls.append(ids.shape[0]) or
-                        features(self, ids, *a, **k))
-    build_cache(cfg, get_recipe("eagle3"), out, dtype="fp32", shard_bytes=SHARD_BYTES, target=target)
+    monkeypatch.setattr(
+        Target,
+        "features",
+        lambda self, ids, *a, **k: calls.append(ids.shape[0]) or features(self, ids, *a, **k),
+    )
+    build_cache(
+        cfg, get_recipe("eagle3"), out, dtype="fp32", shard_bytes=SHARD_BYTES, target=target
+    )
     first = manifest["shards"][0]["stop"] - manifest["shards"][0]["start"]
-    assert len(calls) == 1 + sum(s["stop"] - s["start"] for s in manifest["shards"]) - first  # + 1 logits check
+    assert (
+        len(calls) == 1 + sum(s["stop"] - s["start"] for s in manifest["shards"]) - first
+    )  # + 1 logits check
     assert not list(out.glob(".shard-*"))
     for shard in manifest["shards"]:  # byte for byte the uninterrupted cache
-        assert (out / shard["file"]).read_bytes() == (fp32_cache / shard["file"]).read_bytes(), shard["file"]
+        assert (out / shard["file"]).read_bytes() == (fp32_cache / shard["file"]).read_bytes(), (
+            shard["file"]
+        )
     assert json.loads((out / "manifest.json").read_text())["complete"]
 
 
@@ -155,11 +205,19 @@ def test_refusals(tmp_path, fp32_cache, tiny_target_dir, tiny_data_file, target,
     recipe = get_recipe("eagle3")
 
     def cfg(*extra: str, features: Path | None = fp32_cache):
-        return compose_config(overrides(tiny_target_dir, tiny_data_file, *extra,
-                                        *([f"data.features={features}"] if features else [])))
+        return compose_config(
+            overrides(
+                tiny_target_dir,
+                tiny_data_file,
+                *extra,
+                *([f"data.features={features}"] if features else []),
+            )
+        )
 
     # another target, other data settings: refused before anything loads, naming what differs
-    with pytest.raises(FeatureCacheError, match=r"target\.name_or_path: cache '.*', now '/elsewhere'"):
+    with pytest.raises(
+        FeatureCacheError, match=r"target\.name_or_path: cache '.*', now '/elsewhere'"
+    ):
         train_offline(cfg("target.name_or_path=/elsewhere"), recipe, tmp_path / "a")
     with pytest.raises(FeatureCacheError, match=r"no target to shard"):
         train_offline(cfg("target.shard=true"), recipe, tmp_path / "s")
@@ -167,10 +225,20 @@ def test_refusals(tmp_path, fp32_cache, tiny_target_dir, tiny_data_file, target,
         train_offline(cfg("data.max_length=40"), recipe, tmp_path / "b")
     # another recipe
     with pytest.raises(FeatureCacheError, match=r"recipe: cache 'eagle3', now 'eagle'"):
-        open_cache(compose_config(["recipe=eagle", f"target.name_or_path={tiny_target_dir}",
-                                   f"data.spec={tiny_data_file}", "data.limit=null", "data.max_length=48",
-                                   "data.batch_size=4",
-                                   "data.val_fraction=0.1", f"data.features={fp32_cache}"]))
+        open_cache(
+            compose_config(
+                [
+                    "recipe=eagle",
+                    f"target.name_or_path={tiny_target_dir}",
+                    f"data.spec={tiny_data_file}",
+                    "data.limit=null",
+                    "data.max_length=48",
+                    "data.batch_size=4",
+                    "data.val_fraction=0.1",
+                    f"data.features={fp32_cache}",
+                ]
+            )
+        )
     # the same recipe tapping other layers: refused at fit start, before the first step
     with pytest.raises(FeatureCacheError, match=r"needs layer 0"):
         train_offline(cfg("drafter.target_layers=[0,1,2]"), recipe, tmp_path / "c")
@@ -184,26 +252,44 @@ def test_refusals(tmp_path, fp32_cache, tiny_target_dir, tiny_data_file, target,
             dest = broken / path.relative_to(fp32_cache)
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(path.read_bytes())
-    with pytest.raises(FeatureCacheError, match=r"incomplete \(1 of \d+ shards missing: shard-00002"):
+    with pytest.raises(
+        FeatureCacheError, match=r"incomplete \(1 of \d+ shards missing: shard-00002"
+    ):
         open_cache(cfg(features=broken))
     # a cache folder built for another configuration is never resumed into
-    with pytest.raises(FeatureCacheError, match=r"another configuration .*data\.max_length.*another --out"):
-        build_cache(cfg("data.max_length=40", features=None), recipe, fp32_cache, dtype="fp32",
-                    shard_bytes=SHARD_BYTES, target=target)
+    with pytest.raises(
+        FeatureCacheError, match=r"another configuration .*data\.max_length.*another --out"
+    ):
+        build_cache(
+            cfg("data.max_length=40", features=None),
+            recipe,
+            fp32_cache,
+            dtype="fp32",
+            shard_bytes=SHARD_BYTES,
+            target=target,
+        )
     # a disk too small: refused after printing the budget, nothing written
-    from draftsmith.distill.feature_cache import build as cache_build  # the module that reads the free space
+    from draftsmith.distill.feature_cache import (
+        build as cache_build,
+    )  # the module that reads the free space
 
-    monkeypatch.setattr(cache_build.shutil, "disk_usage", lambda _p: namedtuple("du", "total used free")(1, 1, 1000))
+    monkeypatch.setattr(
+        cache_build.shutil, "disk_usage", lambda _p: namedtuple("du", "total used free")(1, 1, 1000)
+    )
     small = tmp_path / "small"
     with pytest.raises(FeatureCacheError, match=r"needs 2.0\d MB more but .* has 1.00 kB free"):
-        build_cache(cfg(features=None), recipe, small, dtype="fp32", shard_bytes=SHARD_BYTES, target=target)
+        build_cache(
+            cfg(features=None), recipe, small, dtype="fp32", shard_bytes=SHARD_BYTES, target=target
+        )
     assert not list(small.glob("*"))
 
 
 def test_lazy_logits_rebuild_only_the_asked_rows_and_an_old_cache_rebuilds_all(fp32_cache, target):
-    """EAGLE-3 reads its teacher lazily: the cache stores the target's greedy ids, and the cached target hands out
-    the final hidden state + LM head instead of [B, T, V] logits; the rows it rebuilds equal the online logits'. A
-    cache without greedy ids (written before they existed) falls back to rebuilding all the logits."""
+    """EAGLE-3 reads its teacher lazily: the cache stores the target's greedy ids, and the cached
+    target hands out the final hidden state + LM head instead of [B, T, V] logits; the rows it
+    rebuilds equal the online logits'. A cache without greedy ids (written before they existed)
+    falls back to rebuilding all the logits.
+    """
     from dataclasses import replace
 
     from draftsmith.distill.feature_cache.build import PREFIX
@@ -215,13 +301,20 @@ def test_lazy_logits_rebuild_only_the_asked_rows_and_an_old_cache_rebuilds_all(f
     cached = CachedTarget(cache)
     taps = FeatureTaps(final_hidden=False, layers=(1, 2, 3), logits=True, lazy_logits=True)
     lazy, _ = cached.batch_features(batch, taps)
-    online = target.features(batch["input_ids"], batch["attention_mask"],
-                             replace(taps, final_hidden=True, lazy_logits=False))  # the [B, T, V] logits
+    online = target.features(
+        batch["input_ids"],
+        batch["attention_mask"],
+        replace(taps, final_hidden=True, lazy_logits=False),
+    )  # the [B, T, V] logits
     assert lazy.logits is None and torch.equal(lazy.greedy(), online.logits.argmax(-1))
     rows, cols = torch.tensor([0, 0, 1]), torch.tensor([2, 5, 3])
     ids = torch.tensor([4, 9, 17, 30])
-    torch.testing.assert_close(lazy.logits_at(rows, cols, ids), online.logits[rows, cols][:, ids], rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        lazy.logits_at(rows, cols, ids), online.logits[rows, cols][:, ids], rtol=0, atol=1e-5
+    )
     old = {k: v for k, v in batch.items() if k != PREFIX + "greedy_ids"}
     full, _ = cached.batch_features(old, taps)
     assert full.logits is not None and full.logits.shape[-1] == target.vocab_size
-    torch.testing.assert_close(full.logits_at(rows, cols, ids), online.logits[rows, cols][:, ids], rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        full.logits_at(rows, cols, ids), online.logits[rows, cols][:, ids], rtol=0, atol=1e-5
+    )

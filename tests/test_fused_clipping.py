@@ -1,7 +1,8 @@
-"""Gradient clipping with the fused AdamW (:meth:`DistillModule._fused_optimizer`): under ``bf16-mixed`` (no
-GradScaler) the fused optimizer is kept and the module clips the global norm itself (Lightning's mixed precision
-refuses to clip for any fused optimizer); under ``16-mixed`` (a GradScaler) a clipped run gets the unfused AdamW, whose
-gradients Lightning unscales before the clip."""
+"""Gradient clipping with the fused AdamW (:meth:`DistillModule._fused_optimizer`): under
+``bf16-mixed`` (no GradScaler) the fused optimizer is kept and the module clips the global norm
+itself (Lightning's mixed precision refuses to clip for any fused optimizer); under ``16-mixed`` (a
+GradScaler) a clipped run gets the unfused AdamW, whose gradients Lightning unscales before the
+clip."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.unit
 
 
 class LargeGradientObjective(Objective):
-    """A linear drafter whose loss has a gradient norm far above the clip (own features: no target forward)."""
+    """A linear drafter whose loss has a gradient norm far above the clip (own features: no target
+    forward)."""
 
     taps = FeatureTaps()
 
@@ -40,26 +42,41 @@ class NoTarget(torch.nn.Module):
 
 def batches(n: int = 3) -> DataLoader:
     ids = torch.ones(2, 4, dtype=torch.long)
-    return DataLoader([{"inputs": torch.randn(2, 8), "input_ids": ids, "attention_mask": ids} for _ in range(n)],
-                      batch_size=None)
+    return DataLoader(
+        [{"inputs": torch.randn(2, 8), "input_ids": ids, "attention_mask": ids} for _ in range(n)],
+        batch_size=None,
+    )
 
 
 def fit(precision: MixedPrecision, monkeypatch) -> tuple[DistillModule, list[float]]:
-    """Three steps with ``gradient_clip_val=0.5``; returns the module and the global gradient norms after each clip."""
+    """Three steps with ``gradient_clip_val=0.5``; returns the module and the global gradient norms
+    after each clip."""
     after_clip: list[float] = []
     clip = torch.nn.utils.clip_grad_norm_
 
     def recording_clip(parameters, max_norm, *args, **kwargs):
         parameters = list(parameters)
         total = clip(parameters, max_norm, *args, **kwargs)
-        after_clip.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in parameters]))))
+        after_clip.append(
+            float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in parameters])))
+        )
         return total
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
     module = DistillModule(LargeGradientObjective(), NoTarget(), {"lr": 1e-3}, total_steps=3)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[precision], max_steps=3, gradient_clip_val=0.5,
-                         gradient_clip_algorithm="norm", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[precision],
+        max_steps=3,
+        gradient_clip_val=0.5,
+        gradient_clip_algorithm="norm",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, train_dataloaders=batches(), val_dataloaders=None)
     return module, after_clip
 
@@ -71,7 +88,9 @@ def test_bf16_mixed_keeps_the_fused_adamw_and_clips_the_global_norm(monkeypatch)
 
 
 def test_16_mixed_with_clipping_takes_the_unfused_adamw(monkeypatch):
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)  # a GradScaler, as on a GPU (a scale fp16 holds here)
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=4.0
+    )  # a GradScaler, as on a GPU (a scale fp16 holds here)
     module, after_clip = fit(MixedPrecision("16-mixed", "cpu", scaler=scaler), monkeypatch)
     assert not module.trainer.optimizers[0].defaults["fused"]
     assert after_clip and all(norm <= 0.5 + 1e-4 for norm in after_clip), after_clip

@@ -1,8 +1,8 @@
 """CUDA-only checks (``make gpu-check`` runs them; they skip on a machine without a GPU).
 
-The lean decoder on CUDA against HF, every Triton kernel against its PyTorch reference on CUDA tensors (compiled,
-not interpreted), greedy speculative decoding == greedy AR on CUDA with both kernel backends, and a short bf16-mixed
-training run on the GPU through ``train.py``.
+The lean decoder on CUDA against HF, every Triton kernel against its PyTorch reference on CUDA
+tensors (compiled, not interpreted), greedy speculative decoding == greedy AR on CUDA with both
+kernel backends, and a short bf16-mixed training run on the GPU through ``train.py``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, EagleProposer
 from draftsmith.runtime.drafting.medusa import MedusaProposer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
-pytestmark = [pytest.mark.e2e, pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.device("cuda")
@@ -48,14 +51,19 @@ def _exact_fp32():
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_tokenizer):
-    """A tiny random Llama whose greedy argmax has clear margins (as in the EAGLE runtime tests), on CUDA."""
+    """A tiny random Llama whose greedy argmax has clear margins (as in the EAGLE runtime tests), on
+    CUDA."""
     return build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2).to(CUDA)
 
 
-def lean_on_cuda(hf: torch.nn.Module, kernels: str, dtype: torch.dtype = torch.float32) -> LeanDecoder:
+def lean_on_cuda(
+    hf: torch.nn.Module, kernels: str, dtype: torch.dtype = torch.float32
+) -> LeanDecoder:
     """The lean decoder over the HF model's weights, on CUDA."""
     weights = {k: v.detach().to(dtype).clone() for k, v in hf.state_dict().items()}
-    return LeanDecoder(ModelConfig.from_hf_dict(hf.config.to_dict()), weights, kernel_backend=kernels).eval()
+    return LeanDecoder(
+        ModelConfig.from_hf_dict(hf.config.to_dict()), weights, kernel_backend=kernels
+    ).eval()
 
 
 def plain_greedy(model: LeanDecoder, prompt: list[int], n: int) -> list[int]:
@@ -72,7 +80,7 @@ def plain_greedy(model: LeanDecoder, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-# ---- lean decoder vs HF -------------------------------------------------------------------------------------------
+# ---- lean decoder vs HF --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
@@ -83,7 +91,9 @@ def test_lean_decoder_on_cuda_matches_hf_logits_fp32(hf_model, kernels):
     with torch.inference_mode():
         want = hf_model(ids[None]).logits[0].float()  # [T, V]
         cache = lean.allocate_cache(ids.numel())
-        prefill = lean.forward(ids[:6], cache).logits  # prefill, then token-by-token through the static cache
+        prefill = lean.forward(
+            ids[:6], cache
+        ).logits  # prefill, then token-by-token through the static cache
         cache.commit(6)
         steps = []
         for i in range(6, ids.numel()):
@@ -94,7 +104,7 @@ def test_lean_decoder_on_cuda_matches_hf_logits_fp32(hf_model, kernels):
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
-# ---- Triton kernels vs their references, on CUDA ------------------------------------------------------------------
+# ---- Triton kernels vs their references, on CUDA -------------------------------------------------
 
 ATTN_CASES = [  # (Hq, Hkv, T, S, prefix_len, d, tree)
     (4, 2, 1, 64, 40, 16, False),  # decode step, GQA
@@ -118,7 +128,10 @@ def random_tree_mask(t: int, gen: torch.Generator) -> torch.Tensor:
 def test_tree_attention_triton_matches_torch_on_cuda(case, dtype, atol):
     hq, hkv, t, s, p, d, tree = case
     gen = torch.Generator().manual_seed(hash(case) % 1000)
-    q, k, v = (torch.randn(h, n, d, generator=gen).to(CUDA, dtype) for h, n in ((hq, t), (hkv, s), (hkv, s)))
+    q, k, v = (
+        torch.randn(h, n, d, generator=gen).to(CUDA, dtype)
+        for h, n in ((hq, t), (hkv, s), (hkv, s))
+    )
     mask = random_tree_mask(t, gen).to(CUDA) if tree else None
     ref = tree_attention(q, k, v, p, mask, d**-0.5, backend="torch")
     out = tree_attention(q, k, v, p, mask, d**-0.5, backend="triton")
@@ -130,7 +143,9 @@ def test_tree_attention_triton_matches_torch_on_cuda(case, dtype, atol):
 def test_kv_compaction_triton_matches_torch_on_cuda(dtype):
     gen = torch.Generator().manual_seed(0)
     for src, dst in ([5, 6, 7], 4), ([9, 13, 14, 20], 9), ([10, 15, 21], 3), ([300], 0):
-        k = torch.randn(30, 3, 320, 64, generator=gen).to(CUDA, dtype)  # [L, Hkv, S, d] as SmolLM2's cache
+        k = torch.randn(30, 3, 320, 64, generator=gen).to(
+            CUDA, dtype
+        )  # [L, Hkv, S, d] as SmolLM2's cache
         v = torch.randn(30, 3, 320, 64, generator=gen).to(CUDA, dtype)
         k2, v2 = k.clone(), v.clone()
         compact_kv(k, v, torch.tensor(src, device=CUDA), dst, backend="torch")
@@ -144,54 +159,97 @@ def test_greedy_verify_triton_matches_torch_on_cuda(vocab):
     for seed in range(4):
         gen = torch.Generator().manual_seed(seed)
         # Small integer logits make ties: both backends must pick the first maximal index.
-        logits = (torch.randint(0, 3, (7, vocab), generator=gen).float() if vocab < 100
-                  else torch.randn(7, vocab, generator=gen)).to(CUDA)
+        logits = (
+            torch.randint(0, 3, (7, vocab), generator=gen).float()
+            if vocab < 100
+            else torch.randn(7, vocab, generator=gen)
+        ).to(CUDA)
         tokens = torch.randint(0, vocab, (7,), generator=gen).to(CUDA)
         amax = logits.argmax(-1)
         tokens[1], tokens[3] = amax[0], amax[1]  # path 0 matches for a while
         ref = greedy_verify(paths, tokens, logits, backend="torch")
         out = greedy_verify(paths, tokens, logits, backend="triton")
-        assert (out.best_path, out.accept_len, out.bonus_token) == (ref.best_path, ref.accept_len, ref.bonus_token)
+        assert (out.best_path, out.accept_len, out.bonus_token) == (
+            ref.best_path,
+            ref.accept_len,
+            ref.bonus_token,
+        )
         assert torch.equal(out.accept_lens.long(), ref.accept_lens.long())
         assert torch.equal(out.argmax.long(), ref.argmax.long())
 
 
-# ---- greedy speculative == greedy AR on CUDA ----------------------------------------------------------------------
+# ---- greedy speculative == greedy AR on CUDA -----------------------------------------------------
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_greedy_speculative_medusa_and_eagle_equal_greedy_ar_on_cuda(hf_model, kernels):
     lean = lean_on_cuda(hf_model, kernels)
     torch.manual_seed(0)
-    heads = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=lean.config.vocab_size, num_heads=3)).to(CUDA).eval()
-    eagle = EagleDrafter(EagleConfig(**EagleConfig.dims_from_hf(hf_model.config)), lean.embed_weight,
-                         lean.lm_head_weight).to(CUDA)
-    proposers = {"medusa": MedusaProposer(heads, MEDUSA_TREE, top_k=2),
-                 "eagle-tree": EagleProposer(Eagle1DraftModel(eagle), "tree", total_tokens=10, depth=3, top_k=3),
-                 "eagle-chain": EagleProposer(Eagle1DraftModel(eagle), "chain", depth=3)}
+    heads = (
+        MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=lean.config.vocab_size, num_heads=3))
+        .to(CUDA)
+        .eval()
+    )
+    eagle = EagleDrafter(
+        EagleConfig(**EagleConfig.dims_from_hf(hf_model.config)),
+        lean.embed_weight,
+        lean.lm_head_weight,
+    ).to(CUDA)
+    proposers = {
+        "medusa": MedusaProposer(heads, MEDUSA_TREE, top_k=2),
+        "eagle-tree": EagleProposer(
+            Eagle1DraftModel(eagle), "tree", total_tokens=10, depth=3, top_k=3
+        ),
+        "eagle-chain": EagleProposer(Eagle1DraftModel(eagle), "chain", depth=3),
+    }
     for name, proposer in proposers.items():
         dec = SpeculativeDecoder(lean, proposer, GreedyVerifier(kernels), kernel_backend=kernels)
         for prompt in PROMPTS:
-            assert dec.generate(prompt, NEW).tokens == plain_greedy(lean, prompt, NEW), (name, kernels, prompt)
+            assert dec.generate(prompt, NEW).tokens == plain_greedy(lean, prompt, NEW), (
+                name,
+                kernels,
+                prompt,
+            )
 
 
-# ---- training on the GPU ------------------------------------------------------------------------------------------
+# ---- training on the GPU -------------------------------------------------------------------------
 
 
 def test_three_step_bf16_mixed_training_on_gpu(tmp_path, tiny_target_dir, tiny_data_file):
     run_dir = tmp_path / "run"
-    overrides = ["recipe=medusa", f"target={tiny_target_dir}", "target.dtype=bf16", f"data={tiny_data_file}",
-                 "data.limit=null", "data.max_length=48", "data.batch_size=4", "data.val_fraction=0.1",
-                 "trainer=gpu", "trainer.max_steps=3", "trainer.log_every_n_steps=1", "run.checkpoint_every=100",
-                 "run.final_eval_batches=2", "optim.warmup_steps=0", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    overrides = [
+        "recipe=medusa",
+        f"target={tiny_target_dir}",
+        "target.dtype=bf16",
+        f"data={tiny_data_file}",
+        "data.limit=null",
+        "data.max_length=48",
+        "data.batch_size=4",
+        "data.val_fraction=0.1",
+        "trainer=gpu",
+        "trainer.max_steps=3",
+        "trainer.log_every_n_steps=1",
+        "run.checkpoint_every=100",
+        "run.final_eval_batches=2",
+        "optim.warmup_steps=0",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HYDRA_FULL_ERROR": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.JSONDecoder().raw_decode(proc.stdout[proc.stdout.rindex("{\n  \"recipe\""):])[0]
+    summary = json.JSONDecoder().raw_decode(proc.stdout[proc.stdout.rindex('{\n  "recipe"') :])[0]
     assert summary["steps"] == 3
     assert all(torch.isfinite(torch.tensor(v)) for v in summary["metrics"].values())
     config, state = read_export(run_dir / "export")
     assert config["method"] == "medusa" and config["training"]["steps"] == 3
     assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
     composed = (run_dir / ".hydra" / "config.yaml").read_text()  # what Lightning was given
-    assert "accelerator: gpu" in composed and "precision: auto" in composed  # bf16-mixed on a GPU with bf16
+    assert (
+        "accelerator: gpu" in composed and "precision: auto" in composed
+    )  # bf16-mixed on a GPU with bf16

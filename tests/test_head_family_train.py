@@ -1,5 +1,6 @@
-"""`train.py recipe=hydra|hydra_pp|clover2|medusa2` end to end on a tiny target (in-process, 2 steps each):
-the export, its inference block and weight parts, and the checkpoint export that reproduces it."""
+"""`train.py recipe=hydra|hydra_pp|clover2|medusa2` end to end on a tiny target (in-process, 2 steps
+each): the export, its inference block and weight parts, and the checkpoint export that reproduces
+it."""
 
 from pathlib import Path
 
@@ -23,16 +24,32 @@ RECIPES = {
 def compose_cfg(name: str, target: Path, data: Path, *extra: str):
     import train  # noqa: F401  (registers the `slug` resolver the config uses)
 
-    overrides = [f"recipe={name}", f"target.name_or_path={target}", "target.dtype=fp32", f"data.spec={data}",
-                 "data.limit=null", "data.max_length=32", "data.batch_size=4", "data.val_fraction=0.1",
-                 "trainer.max_steps=2", "trainer.log_every_n_steps=1", "run.checkpoint_every=2",
-                 "run.final_eval_batches=1", "optim.warmup_steps=0", "logger=csv", *RECIPES[name], *extra]
+    overrides = [
+        f"recipe={name}",
+        f"target.name_or_path={target}",
+        "target.dtype=fp32",
+        f"data.spec={data}",
+        "data.limit=null",
+        "data.max_length=32",
+        "data.batch_size=4",
+        "data.val_fraction=0.1",
+        "trainer.max_steps=2",
+        "trainer.log_every_n_steps=1",
+        "run.checkpoint_every=2",
+        "run.final_eval_batches=1",
+        "optim.warmup_steps=0",
+        "logger=csv",
+        *RECIPES[name],
+        *extra,
+    ]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_train_exports_each_head_family_recipe(name, tmp_path, tiny_target_dir, tiny_data_file, monkeypatch):
+def test_train_exports_each_head_family_recipe(
+    name, tmp_path, tiny_target_dir, tiny_data_file, monkeypatch
+):
     if name == "medusa2":
         pytest.importorskip("peft")
 
@@ -48,13 +65,19 @@ def test_train_exports_each_head_family_recipe(name, tmp_path, tiny_target_dir, 
     inference = config["inference"]
     assert config["method"] == name == inference["proposer"] and config["training"]["steps"] == 2
     assert inference["verifier"] == "greedy" and inference["tree"] and inference["top_k"] == 10
-    assert inference["tree_source"] == "calibrated"  # the end-of-training validation pass measured the heads
+    assert (
+        inference["tree_source"] == "calibrated"
+    )  # the end-of-training validation pass measured the heads
     assert len(inference["head_accuracies"]) == 2
     assert set(parts) == ({"model", "adapter"} if name == "medusa2" else {"model"})
     if name == "medusa2":
         assert config["target"]["adapter"]["kind"] == "lora" and inference["adapter"]["rank"] == 2
-        assert summary["metrics"]["val/agree_original_top1"] > 0.5 and "val/original_ce" in summary["metrics"]
-    else:  # the runtime rebuilds the heads from the export with the target's frozen weights passed in
+        assert (
+            summary["metrics"]["val/agree_original_top1"] > 0.5
+            and "val/original_ce" in summary["metrics"]
+        )
+    # the runtime rebuilds the heads from the export with the target's frozen weights passed in
+    else:
         from transformers import AutoModelForCausalLM
 
         from draftsmith.heads.clover import CloverHeads

@@ -1,5 +1,6 @@
-"""The house rules, checked on the whole repository: no module over 350 lines and no function over 60 lines outside
-kernels/, ruff clean, and module lists built with comprehensions (never ``[Module(...)] * n``)."""
+"""The house rules, checked on the whole repository: no module over 350 lines and no function over
+60 lines outside kernels/, ruff clean, and module lists built with comprehensions (never
+``[Module(...)] * n``)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,26 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODULE_LINES = 350
 MAX_FUNCTION_LINES = 60
-SKIPPED_DIRS = {".venv", ".git", ".cache", "outputs", "multirun", "kernels", "__pycache__", "build", "wandb",
-                "lightning_logs", ".pytest_cache", ".ruff_cache"}
+SKIPPED_DIRS = {
+    ".venv",
+    ".git",
+    ".cache",
+    "outputs",
+    "multirun",
+    "kernels",
+    "__pycache__",
+    "build",
+    "wandb",
+    "lightning_logs",
+    ".pytest_cache",
+    ".ruff_cache",
+}
 MODULE_LIST_DIRS = ("heads", "drafters", "controllers", "runtime")
 
 
 def python_files(*subdirs: str) -> list[Path]:
-    """The repository's .py files (or those under ``subdirs``), less the skipped folders (kernels/ included)."""
+    """The repository's .py files (or those under ``subdirs``), less the skipped folders (kernels/
+    included)."""
     roots = [ROOT / d for d in subdirs] if subdirs else [ROOT]
     files = []
     for root in roots:
@@ -37,7 +51,8 @@ def rel(path: Path) -> str:
 
 
 def parsed(paths: list[Path], offenders: list[str]) -> list[tuple[Path, ast.Module]]:
-    """The syntax trees of ``paths``; a file that does not parse is an offender (it cannot be checked)."""
+    """The syntax trees of ``paths``; a file that does not parse is an offender (it cannot be
+    checked)."""
     trees = []
     for path in paths:
         try:
@@ -53,7 +68,9 @@ def test_no_module_is_over_350_lines():
         n = len(path.read_text().splitlines())
         if n > MAX_MODULE_LINES:
             offenders.append(f"{rel(path)}: {n} lines")
-    assert not offenders, f"modules over {MAX_MODULE_LINES} lines (split them into subject files): {offenders}"
+    assert not offenders, (
+        f"modules over {MAX_MODULE_LINES} lines (split them into subject files): {offenders}"
+    )
 
 
 def test_no_function_is_over_60_lines():
@@ -64,11 +81,14 @@ def test_no_function_is_over_60_lines():
                 n = node.end_lineno - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
                     offenders.append(f"{rel(path)}:{node.lineno} {node.name}: {n} lines")
-    assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines (split them into helpers): {offenders}"
+    assert not offenders, (
+        f"functions over {MAX_FUNCTION_LINES} lines (split them into helpers): {offenders}"
+    )
 
 
 def ruff_command() -> list[str] | None:
-    """``python -m ruff`` where the ruff package is importable, else the ``ruff`` binary beside the interpreter."""
+    """``python -m ruff`` where the ruff package is importable, else the ``ruff`` binary beside the
+    interpreter."""
     try:
         import ruff  # noqa: F401
     except ImportError:
@@ -82,24 +102,59 @@ def ruff_command() -> list[str] | None:
 def test_ruff_is_clean():
     command = ruff_command()
     if command is None:
-        pytest.skip("ruff is neither importable (`python -m ruff`) nor installed beside the interpreter; "
-                    "install the dev extras (`pip install -e .[dev]`) to run this check")
-    proc = subprocess.run([*command, "check", str(ROOT)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"`ruff check .` failed:\n{proc.stdout[-5000:]}{proc.stderr[-2000:]}"
+        pytest.skip(
+            "ruff is neither importable (`python -m ruff`) nor installed beside the interpreter; "
+            "install the dev extras (`pip install -e .[dev]`) to run this check"
+        )
+    proc = subprocess.run(
+        [*command, "check", str(ROOT)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, (
+        f"`ruff check .` failed:\n{proc.stdout[-5000:]}{proc.stderr[-2000:]}"
+    )
+
+
+def test_ruff_format_is_clean():
+    """The tree is ``ruff format``ted at 100 columns, so the module and function caps above count
+    formatted lines, not lines packed to meet them."""
+    command = ruff_command()
+    if command is None:
+        pytest.skip(
+            "ruff is neither importable nor installed beside the interpreter; "
+            "install the dev extras"
+        )
+    proc = subprocess.run(
+        [*command, "format", "--check", str(ROOT)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (
+        "`ruff format --check .` failed (run `ruff format .`):\n"
+        f"{proc.stdout[-5000:]}{proc.stderr[-2000:]}"
+    )
 
 
 def is_repeated_call_list(node: ast.AST) -> bool:
-    """``[Something(...)] * n`` or ``n * [Something(...)]``: a one-element list of a call, multiplied."""
+    """``[Something(...)] * n`` or ``n * [Something(...)]``: a one-element list of a call,
+    multiplied."""
     if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
         return False
-    return any(isinstance(side, ast.List) and len(side.elts) == 1 and isinstance(side.elts[0], ast.Call)
-               for side in (node.left, node.right))
+    return any(
+        isinstance(side, ast.List) and len(side.elts) == 1 and isinstance(side.elts[0], ast.Call)
+        for side in (node.left, node.right)
+    )
 
 
 def test_module_lists_are_built_with_comprehensions():
-    """``[nn.Linear(...)] * n`` repeats one module n times (shared weights); build lists with comprehensions."""
+    """``[nn.Linear(...)] * n`` repeats one module n times (shared weights); build lists with
+    comprehensions."""
     offenders: list[str] = []
     for path, tree in parsed(python_files(*MODULE_LIST_DIRS), offenders):
-        offenders += [f"{rel(path)}:{node.lineno}: {ast.unparse(node)}"
-                      for node in ast.walk(tree) if is_repeated_call_list(node)]
+        offenders += [
+            f"{rel(path)}:{node.lineno}: {ast.unparse(node)}"
+            for node in ast.walk(tree)
+            if is_repeated_call_list(node)
+        ]
     assert not offenders, f"lists of one call multiplied (use a comprehension): {offenders}"

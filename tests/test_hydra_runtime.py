@@ -1,4 +1,5 @@
-"""The Hydra proposer: depth-batched expansion equals expanding one node at a time, and greedy decoding is lossless."""
+"""The Hydra proposer: depth-batched expansion equals expanding one node at a time, and greedy
+decoding is lossless."""
 
 from __future__ import annotations
 
@@ -26,10 +27,23 @@ def target():
 def random_heads(lean, prefix_layer: bool, seed: int = 0) -> HydraHeads:
     torch.manual_seed(seed)
     h, v = lean.config.hidden_size, lean.config.vocab_size
-    extra = (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
-             if prefix_layer else {})
-    heads = HydraHeads(HydraConfig(hidden_size=h, vocab_size=v, num_heads=3, num_layers=2, prefix_layer=prefix_layer,
-                                   **extra), lean.embed_weight, lean.lm_head_weight)
+    extra = (
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
+        if prefix_layer
+        else {}
+    )
+    heads = HydraHeads(
+        HydraConfig(
+            hidden_size=h,
+            vocab_size=v,
+            num_heads=3,
+            num_layers=2,
+            prefix_layer=prefix_layer,
+            **extra,
+        ),
+        lean.embed_weight,
+        lean.lm_head_weight,
+    )
     for p in heads.parameters():  # random (not identity-initialised) heads, so every path differs
         p.data.normal_(0, 0.2)
     return heads.eval()
@@ -47,7 +61,9 @@ def test_depth_batched_expansion_equals_one_node_at_a_time(target, prefix_layer)
     tree = proposer.propose(StepContext(tokens=tokens, root_token=root, hidden=res.hidden[-1]))
     state = heads.context(res.hidden[None])[0][0, -1] if prefix_layer else res.hidden[-1]  # [H]
     paths = {(): [root]}
-    for i, path in enumerate(proposer.tree.paths, start=1):  # one node at a time: head len(path)-1 on its own prefix
+    for i, path in enumerate(
+        proposer.tree.paths, start=1
+    ):  # one node at a time: head len(path)-1 on its own prefix
         prefix = paths[path[:-1]]
         with torch.no_grad():
             logits = heads.step(state[None], torch.tensor([prefix]))[0]  # [V]
@@ -60,8 +76,9 @@ def test_depth_batched_expansion_equals_one_node_at_a_time(target, prefix_layer)
 def test_hydra_greedy_decoding_is_lossless(target, prefix_layer):
     heads = random_heads(target, prefix_layer, seed=1)
     for policy in (None, ConfidenceStop(0.05, max_depth=2)):
-        decoder = SpeculativeDecoder(target, HydraProposer(heads, default_medusa_tree(3, 10, 3), top_k=3),
-                                     stop_policy=policy)
+        decoder = SpeculativeDecoder(
+            target, HydraProposer(heads, default_medusa_tree(3, 10, 3), top_k=3), stop_policy=policy
+        )
         for prompt in PROMPTS:
             assert decoder.generate(prompt, 32).tokens == plain_greedy(target, prompt, 32)
 
@@ -77,15 +94,20 @@ class RecordingHeads(torch.nn.Module):
 
     def step(self, ctx, prefix):
         self.calls.append(prefix.tolist())
-        return torch.nn.functional.one_hot((prefix.sum(-1) + 1) % self.vocab, self.vocab).float() * 5  # [N, V]
+        return (
+            torch.nn.functional.one_hot((prefix.sum(-1) + 1) % self.vocab, self.vocab).float() * 5
+        )  # [N, V]
 
 
 def test_each_depth_is_one_call_over_its_frontier_and_each_head_sees_its_path():
     heads = RecordingHeads(50)
     proposer = HydraProposer(heads, [[0], [1], [0, 0], [1, 0], [0, 0, 0]], top_k=2)
     proposer.begin(StepContext(tokens=torch.tensor([3, 4]), root_token=4, hidden=torch.zeros(2, 4)))
-    tree = proposer.propose(StepContext(tokens=torch.tensor([3, 4]), root_token=4, hidden=torch.zeros(4)))
-    # depth 1: head 0 on [root]; depth 2: head 1 on both depth-1 nodes at once; depth 3: head 2 on [4, 5, 10]
+    tree = proposer.propose(
+        StepContext(tokens=torch.tensor([3, 4]), root_token=4, hidden=torch.zeros(4))
+    )
+    # depth 1: head 0 on [root]; depth 2: head 1 on both depth-1 nodes at once; depth 3: head 2 on
+    # [4, 5, 10]
     assert heads.calls[0] == [[4]]
     first, second = int(tree.tokens[1]), int(tree.tokens[2])
     assert heads.calls[1] == [[4, first], [4, second]]
@@ -97,15 +119,20 @@ class WeightOnlyLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
-        self.weight, self.bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+        self.weight, self.bias = (
+            linear.weight.detach(),
+            (None if linear.bias is None else linear.bias.detach()),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
 def test_heads_without_parameters_after_packing_still_serve_losslessly(target):
-    """Regression: plain Hydra heads whose every linear was packed have no parameters left; the proposer must still
-    find their dtype (it once asked ``next(parameters())`` and `bench` died with an empty StopIteration)."""
+    """Regression: plain Hydra heads whose every linear was packed have no parameters left; the
+    proposer must still find their dtype (it once asked ``next(parameters())`` and `bench` died with
+    an empty StopIteration).
+    """
     from draftsmith.runtime.drafting.base import module_dtype
 
     heads = random_heads(target, prefix_layer=False, seed=2)

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def medusa_export(tmp_path_factory):
-    """Untrained Medusa heads for the embedded target: acceptance is low but exercises every path."""
+    """Untrained Medusa heads for the embedded target: acceptance is low but exercises every
+    path."""
     from transformers import AutoConfig, AutoTokenizer
 
     from draftsmith.runtime.target.weights import load_lm_head
@@ -30,11 +31,21 @@ def medusa_export(tmp_path_factory):
     heads = MedusaHeads(MedusaConfig(hidden_size=576, vocab_size=49152, num_heads=3), lm_head)
     for head in heads.heads:  # perturb so that heads disagree with the target head
         head.blocks[0].linear.weight.data.normal_(0, 0.02)
-    identity = target_identity("smollm2-135m", AutoConfig.from_pretrained(folder),
-                               AutoTokenizer.from_pretrained(folder), lm_head)
-    config = {"method": "medusa", "architecture": heads.architecture(), "target": identity,
-              "inference": {"tree": default_tree(3, 12, 10), "top_k": 10, "verifier": "greedy"}}
-    return write_export(tmp_path_factory.mktemp("medusa") / "export", heads.trainable_state_dict(), config)
+    identity = target_identity(
+        "smollm2-135m",
+        AutoConfig.from_pretrained(folder),
+        AutoTokenizer.from_pretrained(folder),
+        lm_head,
+    )
+    config = {
+        "method": "medusa",
+        "architecture": heads.architecture(),
+        "target": identity,
+        "inference": {"tree": default_tree(3, 12, 10), "top_k": 10, "verifier": "greedy"},
+    }
+    return write_export(
+        tmp_path_factory.mktemp("medusa") / "export", heads.trainable_state_dict(), config
+    )
 
 
 def test_greedy_speculative_equals_hf_generate_on_mtbench_in_fp32(medusa_export):
@@ -45,4 +56,6 @@ def test_greedy_speculative_equals_hf_generate_on_mtbench_in_fp32(medusa_export)
     spec = [runtime.speculative.generate(p, 40, eos_ids=runtime.eos_ids) for p in prompts]
     verdict = compare_outputs(hf["outputs"], [r.tokens for r in spec])
     assert verdict["all_identical"], verdict
-    assert sum(r.steps for r in spec) < sum(len(r.tokens) for r in spec), "no draft token was ever accepted"
+    assert sum(r.steps for r in spec) < sum(len(r.tokens) for r in spec), (
+        "no draft token was ever accepted"
+    )

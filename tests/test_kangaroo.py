@@ -1,6 +1,7 @@
-"""Kangaroo: the shallow sub-network is the target's (shared storage), training lowers the soft CE and logs the
-expected acceptance, verification over the reused shallow states equals a full forward, greedy decoding is lossless
-with every stop policy, sampled drafting keeps the target's law, and bad input is named."""
+"""Kangaroo: the shallow sub-network is the target's (shared storage), training lowers the soft CE
+and logs the expected acceptance, verification over the reused shallow states equals a full forward,
+greedy decoding is lossless with every stop policy, sampled drafting keeps the target's law, and bad
+input is named."""
 
 from __future__ import annotations
 
@@ -50,8 +51,10 @@ def reference(target):
 
 
 def cfg(inference: dict | None = None, **drafter) -> Kangaroo:
-    return recipe_config("kangaroo", {"drafter": drafter, "loss": {"fused_linear_ce": False},
-                                      "inference": inference or {}})
+    return recipe_config(
+        "kangaroo",
+        {"drafter": drafter, "loss": {"fused_linear_ce": False}, "inference": inference or {}},
+    )
 
 
 def greedy_batch(reference):
@@ -64,7 +67,8 @@ def greedy_batch(reference):
 
 @pytest.fixture(scope="module")
 def trained(target, reference, tmp_path_factory):
-    """The recipe's objective trained briefly on the target's greedy outputs, its metrics, and its export."""
+    """The recipe's objective trained briefly on the target's greedy outputs, its metrics, and its
+    export."""
     tgt, _ = target
     conf = cfg(exit_layer=1)
     get_recipe("kangaroo").validate(conf)
@@ -82,7 +86,9 @@ def trained(target, reference, tmp_path_factory):
         history.append((float(loss.detach()), float(metrics["accept"])))
     objective.module.eval()
     config = {**objective.export_config(), "target": tgt.identity(), "training": {"steps": 40}}
-    out = write_export(tmp_path_factory.mktemp("kangaroo") / "export", objective.module.state_dict(), config)
+    out = write_export(
+        tmp_path_factory.mktemp("kangaroo") / "export", objective.module.state_dict(), config
+    )
     return objective, history, out
 
 
@@ -95,16 +101,22 @@ def test_shallow_subnetwork_shares_the_target_storage(target, trained):
     ours = {n: p.data_ptr() for n, p in drafter.shallow_layers[0].named_parameters()}
     assert ours == {n: p.data_ptr() for n, p in hf_layer.named_parameters()}
     assert drafter.lm_head_weight.data_ptr() == tgt.lm_head_weight.data_ptr()
-    assert all(k.startswith("adapter.") for k in drafter.state_dict())  # only the adapter trains and exports
+    assert all(
+        k.startswith("adapter.") for k in drafter.state_dict()
+    )  # only the adapter trains and exports
     proposer = build_proposer(export, lean)
-    assert [la.wqkv.data_ptr() for la in proposer.shallow_layers()] == [lean.layers[0].wqkv.data_ptr()]
+    assert [la.wqkv.data_ptr() for la in proposer.shallow_layers()] == [
+        lean.layers[0].wqkv.data_ptr()
+    ]
     assert proposer.drafter.lm_head_weight.data_ptr() == lean.lm_head_weight.data_ptr()
 
 
 def test_training_lowers_the_soft_ce_and_logs_expected_acceptance(target, reference, trained):
     objective, history, _ = trained
     (first_loss, first_acc), (last_loss, last_acc) = history[0], history[-1]
-    assert last_loss < first_loss - 0.5 and last_acc > first_acc + 0.05  # soft CE >= H(p): compare drops
+    assert (
+        last_loss < first_loss - 0.5 and last_acc > first_acc + 0.05
+    )  # soft CE >= H(p): compare drops
     # The logged metric is sum_v min(p, q) at each scored row, averaged.
     h, w = torch.randn(5, 64), objective.module.lm_head_weight
     teacher = torch.randn(5, w.shape[0])
@@ -126,8 +138,14 @@ def test_verification_over_reused_shallow_states_equals_a_full_forward(target, t
     cache.commit(prompt.numel())
     root = int(pre.logits[-1].argmax())
     tokens = torch.cat([prompt, torch.tensor([root])])
-    proposer.begin(StepContext(tokens=tokens, root_token=root, hidden=pre.hidden,
-                               taps=pre.tap_features(proposer.feature_taps)))
+    proposer.begin(
+        StepContext(
+            tokens=tokens,
+            root_token=root,
+            hidden=pre.hidden,
+            taps=pre.tap_features(proposer.feature_taps),
+        )
+    )
     tree = proposer.propose(StepContext(tokens=tokens, root_token=root, hidden=pre.hidden[-1]))
     assert tree.num_nodes == 5
     positions = prompt.numel() + tree.depths
@@ -136,7 +154,9 @@ def test_verification_over_reused_shallow_states_equals_a_full_forward(target, t
     full_cache = lean.allocate_cache(16)
     lean.forward(prompt, full_cache)
     full_cache.commit(prompt.numel())
-    want = lean.forward(tree.tokens, full_cache, tree.tree_mask, positions, taps=proposer.feature_taps)
+    want = lean.forward(
+        tree.tokens, full_cache, tree.tree_mask, positions, taps=proposer.feature_taps
+    )
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.taps[1], want.taps[1], atol=1e-5, rtol=1e-5)
@@ -152,7 +172,9 @@ def test_greedy_decoding_is_lossless_with_every_stop_policy(target, reference, t
     proposer, model = wrapped(trained[2], lean)
     if spec == "learned":  # SpecDec++'s rule over the adapter's states
         torch.manual_seed(0)
-        policy = LearnedStop(AcceptanceHead(AcceptanceHeadConfig(64, 2)).eval(), threshold=0.5, max_depth=5)
+        policy = LearnedStop(
+            AcceptanceHead(AcceptanceHeadConfig(64, 2)).eval(), threshold=0.5, max_depth=5
+        )
     else:
         policy = parse_stop_policy(spec)
     dec = SpeculativeDecoder(model, proposer, stop_policy=policy)
@@ -164,22 +186,35 @@ def test_greedy_decoding_is_lossless_with_every_stop_policy(target, reference, t
     assert model.saved_share() == pytest.approx(1 / 4)  # every verified token skipped layer 0 of 4
 
 
-@pytest.mark.e2e  # thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
+# thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier
+@pytest.mark.e2e
 def test_sampled_drafting_keeps_the_target_law(tmp_path):
     hf, lean = tiny_llama(3, vocab=SMALL_V, hidden=32, layers=2, head_scale=10.0)
     prompt = [1, 2, 3]
     with torch.no_grad():
         p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
-        p2 = torch.softmax(hf(torch.tensor([prompt + [a] for a in range(SMALL_V)])).logits[:, -1].double(), -1)
+        p2 = torch.softmax(
+            hf(torch.tensor([prompt + [a] for a in range(SMALL_V)])).logits[:, -1].double(), -1
+        )
     joint = p1[:, None] * p2
     torch.manual_seed(1)
-    arch = KangarooConfig(hidden_size=32, vocab_size=SMALL_V, num_attention_heads=4, num_key_value_heads=2,
-                          exit_layer=1, num_target_layers=2)
+    arch = KangarooConfig(
+        hidden_size=32,
+        vocab_size=SMALL_V,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        exit_layer=1,
+        num_target_layers=2,
+    )
     drafter = KangarooDrafter(arch, lean.lm_head_weight, tuple(lean.layers[:1]))
     with torch.no_grad():
-        drafter.adapter.self_attn.o_proj.weight.normal_(0, 0.3)  # not the early-exit start: a real adapter
+        drafter.adapter.self_attn.o_proj.weight.normal_(
+            0, 0.3
+        )  # not the early-exit start: a real adapter
     proposer = KangarooProposer(lean, drafter, threshold=0.3, max_depth=2, temperature=1.0)
-    dec = SpeculativeDecoder(proposer.wrap_target(lean), proposer, RejectionSamplingVerifier(temperature=1.0))
+    dec = SpeculativeDecoder(
+        proposer.wrap_target(lean), proposer, RejectionSamplingVerifier(temperature=1.0)
+    )
     counts, gen, depths = torch.zeros(SMALL_V, SMALL_V), torch.Generator().manual_seed(0), set()
     for _ in range(1000):
         res = dec.generate(prompt, 2, generator=gen)
@@ -192,11 +227,17 @@ def test_sampled_drafting_keeps_the_target_law(tmp_path):
 def test_bad_input_is_named(target, trained):
     tgt, lean = target
     assert [default_exit_layer(n) for n in (32, 40, 30, 4)] == [2, 3, 2, 1]
-    with pytest.raises(ConfigError, match=r"exit_layer 4 is outside the target's depth: valid choices are 1\.\.3"):
+    with pytest.raises(
+        ConfigError, match=r"exit_layer 4 is outside the target's depth: valid choices are 1\.\.3"
+    ):
         recipe.build(cfg(exit_layer=4), tgt)
-    with pytest.raises(ConfigError, match="exit_layer=deep is out of range: allowed auto .* or an integer >= 1"):
+    with pytest.raises(
+        ConfigError, match="exit_layer=deep is out of range: allowed auto .* or an integer >= 1"
+    ):
         get_recipe("kangaroo").validate(cfg(exit_layer="deep"))
-    with pytest.raises(ConfigError, match=r"inference\.threshold=1\.0 is out of range: allowed > 0 and < 1"):
+    with pytest.raises(
+        ConfigError, match=r"inference\.threshold=1\.0 is out of range: allowed > 0 and < 1"
+    ):
         get_recipe("kangaroo").validate(cfg({"threshold": 1.0}))
     with pytest.raises(ValueError, match=r"threshold 1.5 is outside \(0, 1\)"):
         build_proposer(trained[2], lean, threshold=1.5)
@@ -204,20 +245,26 @@ def test_bad_input_is_named(target, trained):
         build_proposer(trained[2], lean, depth=3)
 
 
-def test_an_unwrapped_loop_drafts_on_a_private_shallow_cache_and_stays_lossless(target, reference, trained):
+def test_an_unwrapped_loop_drafts_on_a_private_shallow_cache_and_stays_lossless(
+    target, reference, trained
+):
     _, lean = target
     proposer = build_proposer(trained[2], lean)
-    dec = SpeculativeDecoder(lean, proposer)  # the loop as `draftsmith bench` builds it today: no shallow reuse
+    dec = SpeculativeDecoder(
+        lean, proposer
+    )  # the loop as `draftsmith bench` builds it today: no shallow reuse
     for prompt in PROMPTS:
         res = dec.generate(prompt, NEW)
         assert res.tokens == reference[tuple(prompt)]
-        assert proposer.private and proposer.cache.length == len(prompt) + res.steps + sum(res.accepted_per_step)
+        assert proposer.private and proposer.cache.length == len(prompt) + res.steps + sum(
+            res.accepted_per_step
+        )
     assert res.tau > 1.0
 
 
 def test_specdecpp_head_on_a_kangaroo_drafter(target, reference, trained, tmp_path):
-    """The head trains on the adapter state of each candidate (here one candidate, right after the prompt: the
-    runtime's first stop state), and its export drives the Kangaroo chain losslessly."""
+    """The head trains on the adapter state of each candidate (here one candidate, right after the
+    prompt: the runtime's first stop state), and its export drives the Kangaroo chain losslessly."""
     from test_specdecpp_stop_rule import ScriptedHead
 
     from draftsmith.recipes.specdecpp import objective as specdecpp
@@ -225,19 +272,30 @@ def test_specdecpp_head_on_a_kangaroo_drafter(target, reference, trained, tmp_pa
 
     tgt, lean = target
     prompt = PROMPTS[0]
-    conf = recipe_config("specdecpp", {"drafter": str(trained[2]), "head": {"temperature": 0.0, "mixing_ratio": 0.0}})
+    conf = recipe_config(
+        "specdecpp", {"drafter": str(trained[2]), "head": {"temperature": 0.0, "mixing_ratio": 0.0}}
+    )
     get_recipe("specdecpp").validate(conf)
     objective = specdecpp.build(conf, tgt)
     seq = torch.tensor([prompt + reference[tuple(prompt)]])
     loss_mask = torch.zeros_like(seq)
-    loss_mask[0, len(prompt) + 1] = 1  # one candidate: the first drafted token (after the target's root token)
-    feats = objective.features(tgt, {"input_ids": seq, "attention_mask": torch.ones_like(seq), "loss_mask": loss_mask})
+    loss_mask[0, len(prompt) + 1] = (
+        1  # one candidate: the first drafted token (after the target's root token)
+    )
+    feats = objective.features(
+        tgt, {"input_ids": seq, "attention_mask": torch.ones_like(seq), "loss_mask": loss_mask}
+    )
     assert feats.states.shape == (1, 64)
     head = ScriptedHead([0.99])
-    proposer = LearnedStopProposer(build_proposer(trained[2], lean), head, LearnedStop(head, 0.5, 4))
+    proposer = LearnedStopProposer(
+        build_proposer(trained[2], lean), head, LearnedStop(head, 0.5, 4)
+    )
     SpeculativeDecoder(proposer.wrap_target(lean), proposer).generate(prompt, 2)
-    torch.testing.assert_close(head.states[0].float().reshape(-1), feats.states[0], atol=1e-4, rtol=1e-4)
-    # The export: stacked on the Kangaroo export, greedy-lossless with its learned default policy and shallow reuse.
+    torch.testing.assert_close(
+        head.states[0].float().reshape(-1), feats.states[0], atol=1e-4, rtol=1e-4
+    )
+    # The export: stacked on the Kangaroo export, greedy-lossless with its learned default policy
+    # and shallow reuse.
     config = {**objective.export_config(), "target": tgt.identity(), "training": {}}
     export = write_export(tmp_path / "head", objective.module.state_dict(), config)
     proposer = build_proposer(export, lean)
@@ -249,21 +307,30 @@ def test_specdecpp_head_on_a_kangaroo_drafter(target, reference, trained, tmp_pa
     # Calibration of the head on held-out Kangaroo drafts (scored at every depth below the cap).
     from draftsmith.evals.calibrate import calibrate_decoder
 
-    report = calibrate_decoder(lambda p: SpeculativeDecoder(lean, p), build_proposer(trained[2], lean, max_depth=4),
-                               objective.module.eval(), PROMPTS, 16, 4)
+    report = calibrate_decoder(
+        lambda p: SpeculativeDecoder(lean, p),
+        build_proposer(trained[2], lean, max_depth=4),
+        objective.module.eval(),
+        PROMPTS,
+        16,
+        4,
+    )
     assert report["count"] > 0 and set(report["by_depth"]) <= {1, 2, 3} and 0 <= report["ece"] <= 1
 
 
 def test_bench_reports_the_verify_compute_saved(tiny_target_dir, tiny_tokenizer, tmp_path):
-    """`draftsmith bench` on a Kangaroo export serves through the shallow-reuse wrapper, stays lossless, and reports
-    the share of verify compute the reuse saved (reused share x exit_layer / layers)."""
+    """`draftsmith bench` on a Kangaroo export serves through the shallow-reuse wrapper, stays
+    lossless, and reports the share of verify compute the reuse saved (reused share x exit_layer /
+    layers)."""
     from transformers import AutoModelForCausalLM
 
     from draftsmith.bench.report import write_outputs
     from draftsmith.bench.run import run_bench
     from draftsmith.runtime.serving import load_runtime
 
-    tgt = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
+    tgt = Target(
+        AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir)
+    )
     objective = recipe.build(cfg(exit_layer=1), tgt)
     config = {**objective.export_config(), "target": tgt.identity(), "training": {}}
     export = write_export(tmp_path / "export", objective.module.state_dict(), config)
@@ -271,6 +338,10 @@ def test_bench_reports_the_verify_compute_saved(tiny_target_dir, tiny_tokenizer,
     result = run_bench(runtime, [[5, 9, 13, 40], [7, 60, 61]], max_new_tokens=16)
     reuse = result["verify_reuse"]
     assert result["lossless"] is True and 0 < reuse["reused_tokens"] <= reuse["verified_tokens"]
-    assert reuse["verify_compute_saved"] == pytest.approx(reuse["reused_tokens"] / reuse["verified_tokens"] / 4)
-    assert ("verify compute saved by the shallow cache"
-            in (write_outputs(result, tmp_path / "b") / "bench.md").read_text())
+    assert reuse["verify_compute_saved"] == pytest.approx(
+        reuse["reused_tokens"] / reuse["verified_tokens"] / 4
+    )
+    assert (
+        "verify compute saved by the shallow cache"
+        in (write_outputs(result, tmp_path / "b") / "bench.md").read_text()
+    )

@@ -1,9 +1,10 @@
-"""Kernel references against naive math, and Triton kernels against the references under TRITON_INTERPRET=1.
+"""Kernel references against naive math, and Triton kernels against the references under
+TRITON_INTERPRET=1.
 
-Triton decides at import time whether ``@triton.jit`` builds compiled kernels or interpreter ones (its own
-``triton.language`` helpers included), so the interpreter must be switched on before triton is first imported. The
-parity checks therefore run in a child Python process (this file run as a script with TRITON_INTERPRET=1), and each
-test below asserts one of the results it reports.
+Triton decides at import time whether ``@triton.jit`` builds compiled kernels or interpreter ones
+(its own ``triton.language`` helpers included), so the interpreter must be switched on before triton
+is first imported. The parity checks therefore run in a child Python process (this file run as a
+script with TRITON_INTERPRET=1), and each test below asserts one of the results it reports.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def naive_attention(q, k, v, prefix_len, tree_mask, scale):
     kk = k.repeat_interleave(group, 0)[:, : prefix_len + t]
     vv = v.repeat_interleave(group, 0)[:, : prefix_len + t]
     mask = torch.ones(t, prefix_len + t, dtype=torch.bool)
-    mask[:, prefix_len:] = torch.ones(t, t, dtype=torch.bool).tril() if tree_mask is None else tree_mask
+    mask[:, prefix_len:] = (
+        torch.ones(t, t, dtype=torch.bool).tril() if tree_mask is None else tree_mask
+    )
     scores = (q @ kk.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
     return scores.softmax(-1) @ vv
 
@@ -82,15 +85,19 @@ def test_tree_attention_reference_is_differentiable():
 
 
 def test_tree_attention_row_of_a_tree_equals_its_path_as_a_chain():
-    """A node's output depends only on its ancestors: same result as running its root->node path causally."""
+    """A node's output depends only on its ancestors: same result as running its root->node path
+    causally."""
     gen = torch.Generator().manual_seed(3)
     parents = [-1, 0, 0, 1, 2, 3]
     mask = torch.eye(6, dtype=torch.bool)
     for i, par in enumerate(parents):
         if par >= 0:
             mask[i] |= mask[par]
-    q, k, v = (torch.randn(2, 6, 8, generator=gen), torch.randn(1, 16, 8, generator=gen),
-               torch.randn(1, 16, 8, generator=gen))
+    q, k, v = (
+        torch.randn(2, 6, 8, generator=gen),
+        torch.randn(1, 16, 8, generator=gen),
+        torch.randn(1, 16, 8, generator=gen),
+    )
     out = tree_attention(q, k, v, 10, mask, 0.3, backend="torch")
     path = [0, 1, 3, 5]
     kc, vc = k.clone(), v.clone()
@@ -121,13 +128,15 @@ def test_greedy_verify_reference_hand_example():
 
 
 def test_greedy_verify_on_half_precision_logits_equals_the_plain_argmax_ties_included():
-    """bf16/fp16 logits are widened before the argmax (faster on CPU): the argmax, ties resolved to the first
-    maximum, must be exactly the one taken in the logits' own dtype."""
+    """bf16/fp16 logits are widened before the argmax (faster on CPU): the argmax, ties resolved to
+    the first maximum, must be exactly the one taken in the logits' own dtype."""
     torch.manual_seed(0)
     paths = torch.tensor([[0, 1, 2], [0, 3, -1]])
     for dtype in (torch.bfloat16, torch.float16):
         logits = (torch.randn(4, 300) * 4).round().to(dtype)  # coarse values: many ties per row
-        logits[:, 7] = logits[:, 250] = logits.max(-1).values.max() + 1  # an exact tie for the maximum
+        logits[:, 7] = logits[:, 250] = (
+            logits.max(-1).values.max() + 1
+        )  # an exact tie for the maximum
         tokens = torch.tensor([5, 7, 7, 9])
         res = greedy_verify(paths, tokens, logits, backend="torch")
         assert torch.equal(res.argmax, logits.argmax(-1)) and res.argmax.tolist() == [7, 7, 7, 7]
@@ -135,8 +144,9 @@ def test_greedy_verify_on_half_precision_logits_equals_the_plain_argmax_ties_inc
 
 
 def test_greedy_walk_and_the_cpu_verifier_equal_the_tensor_reference_on_random_trees():
-    """The host-side walk the CPU verifier uses makes greedy_verify's decision: best path (first on ties), accepted
-    length, bonus, on random trees whose logits often agree with the drafted tokens."""
+    """The host-side walk the CPU verifier uses makes greedy_verify's decision: best path (first on
+    ties), accepted length, bonus, on random trees whose logits often agree with the drafted
+    tokens."""
     from draftsmith.kernels.verify import greedy_walk
     from draftsmith.runtime.acceptance.verifiers import GreedyVerifier
     from draftsmith.runtime.drafting.tree import DraftTree
@@ -163,7 +173,9 @@ def test_greedy_walk_and_the_cpu_verifier_equal_the_tensor_reference_on_random_t
             assert acc.path_nodes == paths[ref_d.best_path, : ref_d.accept_len + 1].tolist()
     with pytest.raises(ValueError, match="start at a node"):
         greedy_walk([[-1, 0]], [1], [1])
-    with pytest.raises(ValueError, match="expects paths"):  # a wrong logits shape still gets greedy_verify's error
+    with pytest.raises(
+        ValueError, match="expects paths"
+    ):  # a wrong logits shape still gets greedy_verify's error
         GreedyVerifier().verify(DraftTree.chain([1, 2]), torch.zeros(3, 4))
 
 
@@ -172,7 +184,9 @@ def test_unknown_backend_lists_valid_ones():
     with pytest.raises(ValueError, match="valid backends are auto, torch, triton"):
         tree_attention(q, k, v, p, mask, scale, backend="cuda")
     with pytest.raises(ValueError, match="unknown kernel backend"):
-        compact_kv(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), torch.tensor([2]), 1, backend="fast")
+        compact_kv(
+            torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), torch.tensor([2]), 1, backend="fast"
+        )
     with pytest.raises(ValueError, match="unknown kernel backend"):
         greedy_verify(torch.tensor([[0, 1]]), torch.tensor([1, 2]), torch.zeros(2, 4), backend="")
 
@@ -197,16 +211,19 @@ def test_forcing_triton_on_cpu_without_interpreter_is_explained(monkeypatch):
 
 
 def test_auto_uses_torch_on_cpu_and_package_import_does_not_load_triton():
-    code = ("import sys, torch; import draftsmith.kernels as K; "
-            "from draftsmith.kernels.dispatch import resolve_backend;"
-            "assert resolve_backend('auto', torch.zeros(1)) == 'torch';"
-            "K.tree_attention(torch.randn(2, 1, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4), 2, None, 0.5);"
-            "print('triton' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_child_env(), check=True)
+    code = (
+        "import sys, torch; import draftsmith.kernels as K; from draftsmith.kernels.dispatch import"
+        " resolve_backend;assert resolve_backend('auto', torch.zeros(1)) =="
+        " 'torch';K.tree_attention(torch.randn(2, 1, 4), torch.randn(1, 3, 4), torch.randn(1, 3,"
+        " 4), 2, None, 0.5);print('triton' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_child_env(), check=True
+    )
     assert out.stdout.strip() == "False"
 
 
-# ---- Triton parity (child process with TRITON_INTERPRET=1) -------------------------------------------------------
+# ---- Triton parity (child process with TRITON_INTERPRET=1) ---------------------------------------
 
 
 def _child_env(interpret: bool = False) -> dict[str, str]:
@@ -218,7 +235,8 @@ def _child_env(interpret: bool = False) -> dict[str, str]:
 
 
 def _parity_report() -> dict:
-    """Run every Triton kernel on CPU (interpreter) against its reference; return the worst errors."""
+    """Run every Triton kernel on CPU (interpreter) against its reference; return the worst
+    errors."""
     report: dict = {"attention": [], "compact": [], "verify": []}
     for i, case in enumerate(ATTN_CASES):
         q, k, v, p, mask, scale = attention_inputs(case, seed=i)
@@ -229,8 +247,16 @@ def _parity_report() -> dict:
     q, _, _, p, mask, scale = attention_inputs(ATTN_CASES[2])
     buf = torch.randn(70, 2, 1, 24)
     k, v = buf[:, 0].permute(1, 0, 2), buf[:, 1].permute(1, 0, 2)
-    report["attention"].append(float((tree_attention(q, k, v, p, mask, scale, backend="torch")
-                                      - tree_attention(q, k, v, p, mask, scale, backend="triton")).abs().max()))
+    report["attention"].append(
+        float(
+            (
+                tree_attention(q, k, v, p, mask, scale, backend="torch")
+                - tree_attention(q, k, v, p, mask, scale, backend="triton")
+            )
+            .abs()
+            .max()
+        )
+    )
     gen = torch.Generator().manual_seed(0)
     for src, dst in ([5, 6, 7], 4), ([9, 13, 14, 20], 9), ([10, 15, 21], 3), ([30], 0):
         k = torch.randn(3, 2, 32, 40, generator=gen)
@@ -244,8 +270,11 @@ def _parity_report() -> dict:
         for seed in range(4):
             g = torch.Generator().manual_seed(seed)
             # Ties (small integer logits) check that both pick the first maximal index.
-            logits = (torch.randint(0, 3, (7, vocab), generator=g).float() if ties
-                      else torch.randn(7, vocab, generator=g))
+            logits = (
+                torch.randint(0, 3, (7, vocab), generator=g).float()
+                if ties
+                else torch.randn(7, vocab, generator=g)
+            )
             amax = logits.argmax(-1)
             tokens = torch.randint(0, vocab, (7,), generator=g)
             tokens[1], tokens[3] = amax[0], amax[1]  # make path 0 match for a while
@@ -253,9 +282,22 @@ def _parity_report() -> dict:
                 tokens[6] = amax[3]
             a = greedy_verify(paths, tokens, logits, backend="torch")
             b = greedy_verify(paths, tokens, logits, backend="triton")
-            report["verify"].append([a.best_path, a.accept_len, a.bonus_token, a.accept_lens.tolist(),
-                                     a.argmax.tolist()] == [b.best_path, b.accept_len, b.bonus_token,
-                                                            b.accept_lens.tolist(), b.argmax.tolist()])
+            report["verify"].append(
+                [
+                    a.best_path,
+                    a.accept_len,
+                    a.bonus_token,
+                    a.accept_lens.tolist(),
+                    a.argmax.tolist(),
+                ]
+                == [
+                    b.best_path,
+                    b.accept_len,
+                    b.bonus_token,
+                    b.accept_lens.tolist(),
+                    b.argmax.tolist(),
+                ]
+            )
     return report
 
 
@@ -263,8 +305,13 @@ def _parity_report() -> dict:
 def parity() -> dict:
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=_child_env(interpret=True),
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, __file__],
+        capture_output=True,
+        text=True,
+        env=_child_env(interpret=True),
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -282,5 +329,7 @@ def test_triton_greedy_verify_matches_reference(parity):
     assert len(parity["verify"]) == 12 and all(parity["verify"]), parity["verify"]
 
 
-if __name__ == "__main__":  # child process of the parity fixture (TRITON_INTERPRET=1 set before triton loads)
+if (
+    __name__ == "__main__"
+):  # child process of the parity fixture (TRITON_INTERPRET=1 set before triton loads)
     print(json.dumps(_parity_report()))

@@ -1,4 +1,5 @@
-"""A layer-range forward on the lean decoder: layers a..b on the same cache, as a self-drafter (Kangaroo) needs."""
+"""A layer-range forward on the lean decoder: layers a..b on the same cache, as a self-drafter
+(Kangaroo) needs."""
 
 import pytest
 import torch
@@ -20,12 +21,15 @@ def test_layer_ranges_compose_to_the_whole_forward(model):
     want = model(ids, model.allocate_cache(8))
     want_logits, want_hidden = want.logits, want.hidden
     cache = model.allocate_cache(8)
-    shallow = model.forward_layers(model.embed_tokens(ids), cache, 0, 1)  # [T, H]: a self-drafter's sub-network
+    shallow = model.forward_layers(
+        model.embed_tokens(ids), cache, 0, 1
+    )  # [T, H]: a self-drafter's sub-network
     deep = model.forward_layers(shallow, cache, 1, model.config.num_layers)
     hidden = model.final_hidden(deep)
     torch.testing.assert_close(hidden, want_hidden)
     torch.testing.assert_close(model.lm_head_logits(hidden), want_logits)
-    # The K/V each range wrote are the ones a full forward writes: the shallow cache is reusable as is.
+    # The K/V each range wrote are the ones a full forward writes: the shallow cache is reusable as
+    # is.
     full = model.allocate_cache(8)
     model(ids, full)
     for (k, v), (k_ref, v_ref) in zip(cache.layers, full.layers):

@@ -1,7 +1,9 @@
 """Acceptance over long outputs (``bench --window W``, ``--long``): tau by output window.
 
-The aggregation is checked exactly on hand-built step records; the bench on the tiny target (64 new tokens, window
-16) must write the windows into bench.json and bench.md and draw them beside the acceptance curve in the PNG.
+The aggregation is checked exactly on hand-built step records; the bench on the tiny target (64 new
+tokens, window
+16) must write the windows into bench.json and bench.md and draw them beside the acceptance curve in
+    the PNG.
 """
 
 from __future__ import annotations
@@ -41,15 +43,26 @@ def test_window_aggregation_is_exact_on_a_hand_built_record():
     assert got == [
         {"start": 0, "end": 4, "tau": (4 + 1 + 1 + 1) / 4, "forwards": 4, "prompts": 2},
         {"start": 4, "end": 8, "tau": (1 + 3 + 1 + 1 + 1) / 5, "forwards": 5, "prompts": 2},
-        {"start": 8, "end": 12, "tau": (2 + 5) / 2, "forwards": 2, "prompts": 1},  # b stopped (EOS) before 8
+        {
+            "start": 8,
+            "end": 12,
+            "tau": (2 + 5) / 2,
+            "forwards": 2,
+            "prompts": 1,
+        },  # b stopped (EOS) before 8
     ]
     # every step counts once: the windows pool back to the run's tau
     assert sum(w["forwards"] for w in got) == len(a) + len(b)
     pooled = sum(w["tau"] * w["forwards"] for w in got) / sum(w["forwards"] for w in got)
     assert pooled == pytest.approx(metrics.tau(a + b))
     # the last window ends at max_new_tokens when that cuts it
-    assert windows.tau_by_window([a], window=4, max_new_tokens=10)[-1] == {"start": 8, "end": 10, "tau": 3.5,
-                                                                           "forwards": 2, "prompts": 1}
+    assert windows.tau_by_window([a], window=4, max_new_tokens=10)[-1] == {
+        "start": 8,
+        "end": 10,
+        "tau": 3.5,
+        "forwards": 2,
+        "prompts": 1,
+    }
     assert windows.tau_by_window([], 4, 16) == []
     with pytest.raises(ValueError, match="window must be >= 1"):
         windows.tau_by_window([a], window=0, max_new_tokens=16)
@@ -59,13 +72,18 @@ def test_the_long_preset_fills_only_what_was_not_given():
     args = build_parser("bench").parse_args(["bench", "--drafter", "x", "--long"])
     windows.apply_preset(args)
     assert (args.num_prompts, args.max_new_tokens, args.window) == (2, 2048, 256)
-    args = build_parser("bench").parse_args(["bench", "--drafter", "x", "--long", "--max-new-tokens", "512",
-                                             "--window", "64"])
+    args = build_parser("bench").parse_args(
+        ["bench", "--drafter", "x", "--long", "--max-new-tokens", "512", "--window", "64"]
+    )
     windows.apply_preset(args)
     assert (args.num_prompts, args.max_new_tokens, args.window) == (2, 512, 64)
     plain = Namespace(long=False, num_prompts=None, max_new_tokens=None, window=None)
     windows.apply_preset(plain)
-    assert (plain.num_prompts, plain.max_new_tokens, plain.window) == (None, 128, windows.DEFAULT_WINDOW)
+    assert (plain.num_prompts, plain.max_new_tokens, plain.window) == (
+        None,
+        128,
+        windows.DEFAULT_WINDOW,
+    )
 
 
 def test_a_window_below_one_is_refused_before_anything_loads(capsys):
@@ -82,9 +100,13 @@ def test_the_plot_draws_one_line_per_drafter_at_window_middles():
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots()
-    series = {"eagle3": [{"start": 0, "end": 16, "tau": 2.0, "forwards": 5, "prompts": 1},
-                         {"start": 16, "end": 32, "tau": 1.5, "forwards": 7, "prompts": 1}],
-              "dflash": [{"start": 0, "end": 16, "tau": 3.0, "forwards": 4, "prompts": 1}]}
+    series = {
+        "eagle3": [
+            {"start": 0, "end": 16, "tau": 2.0, "forwards": 5, "prompts": 1},
+            {"start": 16, "end": 32, "tau": 1.5, "forwards": 7, "prompts": 1},
+        ],
+        "dflash": [{"start": 0, "end": 16, "tau": 3.0, "forwards": 4, "prompts": 1}],
+    }
     windows.plot_windows(ax, series)
     lines = [ln for ln in ax.get_lines() if ln.get_label() in series]
     assert [ln.get_label() for ln in lines] == ["eagle3", "dflash"]
@@ -94,7 +116,10 @@ def test_the_plot_draws_one_line_per_drafter_at_window_middles():
 
 def test_bench_writes_the_windows_and_the_png_panel(medusa_export, tmp_path):
     rt = load_runtime(str(medusa_export), None, "fp32")
-    prompts = [encode_chat(rt.tokenizer, text) for text in ("hello world what is the answer ?", "please explain code")]
+    prompts = [
+        encode_chat(rt.tokenizer, text)
+        for text in ("hello world what is the answer ?", "please explain code")
+    ]
     result = run_bench(rt, prompts, max_new_tokens=64, skip_hf=True, window=16)
     got = result["tau_by_window"]
     assert result["tau_window_tokens"] == 16 and got
@@ -107,6 +132,8 @@ def test_bench_writes_the_windows_and_the_png_panel(medusa_export, tmp_path):
     md = (out / "bench.md").read_text()
     assert "tau by output window (16 tokens" in md and f"0-16: {got[0]['tau']:.2f}" in md
     two_panels = png_width(out / "acceptance.png")
-    plain = write_outputs({**result, "tau_by_window": None}, tmp_path / "plain")  # plain decoding: no tau
+    plain = write_outputs(
+        {**result, "tau_by_window": None}, tmp_path / "plain"
+    )  # plain decoding: no tau
     assert two_panels > 1.8 * png_width(plain / "acceptance.png")
     assert "n/a (no drafts" in (plain / "bench.md").read_text()

@@ -1,7 +1,8 @@
-"""The speculative loop's bookkeeping around the native calls, made cheaper without changing what it computes: the
-dynamic tree's rerank ranks Python floats (the same nodes as a stable torch sort), a one-level tree skips the frontier
-set-up, the accepted rows reach the proposer as views when they are the first nodes and as a gather otherwise, and
-RoPE rows of explicit positions are one ``index_select``."""
+"""The speculative loop's bookkeeping around the native calls, made cheaper without changing what it
+computes: the dynamic tree's rerank ranks Python floats (the same nodes as a stable torch sort), a
+one-level tree skips the frontier set-up, the accepted rows reach the proposer as views when they
+are the first nodes and as a gather otherwise, and RoPE rows of explicit positions are one
+``index_select``."""
 
 from __future__ import annotations
 
@@ -24,15 +25,20 @@ from draftsmith.runtime.target.output import TargetOutput
 pytestmark = pytest.mark.unit
 
 
-def torch_rerank(total: int, root: int, tokens: list, scores: list, local: list, parents: list) -> DraftTree:
-    """The rerank as it was written in torch ops (stable sort of -score, finite ones kept): the oracle."""
+def torch_rerank(
+    total: int, root: int, tokens: list, scores: list, local: list, parents: list
+) -> DraftTree:
+    """The rerank as it was written in torch ops (stable sort of -score, finite ones kept): the
+    oracle."""
     all_scores = torch.cat(scores)
     order = torch.sort(-all_scores, stable=True).indices[: total - 1]
     keep = order[torch.isfinite(all_scores[order])].sort().values
     node_of = torch.full((all_scores.numel(),), -1, dtype=torch.long)
     node_of[keep] = torch.arange(1, keep.numel() + 1)
     gen_parent = torch.cat(parents)[keep]
-    tree_parent = torch.where(gen_parent < 0, torch.zeros_like(gen_parent), node_of[gen_parent.clamp(min=0)])
+    tree_parent = torch.where(
+        gen_parent < 0, torch.zeros_like(gen_parent), node_of[gen_parent.clamp(min=0)]
+    )
     assert not bool((tree_parent < 0).any())
     conf = torch.cat([torch.ones(1), torch.cat(local)[keep].exp()])
     node_tokens = torch.cat([torch.tensor([root]), torch.cat(tokens)[keep]])
@@ -40,15 +46,21 @@ def torch_rerank(total: int, root: int, tokens: list, scores: list, local: list,
 
 
 def random_levels(seed: int, k: int, levels: int) -> tuple[list, list, list, list[int]]:
-    """Generated nodes as ``_tree`` makes them: per level tokens, cumulative scores, local log-probs and (flat)
-    generation parents; scores on a coarse grid (ties), some frontier nodes stopped (their children -inf)."""
+    """Generated nodes as ``_tree`` makes them: per level tokens, cumulative scores, local log-probs
+    and (flat) generation parents; scores on a coarse grid (ties), some frontier nodes stopped
+    (their children -inf).
+    """
     g = torch.Generator().manual_seed(seed)
-    local = [-(torch.randint(0, 4, (k,), generator=g).float() / 2)]  # log p in {0, -.5, -1, -1.5}: ties
+    local = [
+        -(torch.randint(0, 4, (k,), generator=g).float() / 2)
+    ]  # log p in {0, -.5, -1, -1.5}: ties
     scores, parents = [local[0].clone()], [-1] * k
     tokens = [torch.randint(0, 1000, (k,), generator=g)]
     for _ in range(1, levels):
         base = len(parents)
-        frontier = torch.randperm(base, generator=g)[:k]  # any earlier nodes: the rerank must not rely on top-k
+        frontier = torch.randperm(base, generator=g)[
+            :k
+        ]  # any earlier nodes: the rerank must not rely on top-k
         lp = -(torch.randint(0, 4, (k * k,), generator=g).float() / 2)
         parent_score = torch.cat(scores)[frontier].repeat_interleave(k)
         stopped = (torch.rand(k, generator=g) < 0.3).repeat_interleave(k)
@@ -66,11 +78,14 @@ def test_rerank_keeps_the_nodes_a_stable_torch_sort_keeps(seed, total):
     tokens, scores, local, parents = random_levels(seed, k, levels)
     proposer = EagleProposer(BigramStub(), "tree", total_tokens=total, depth=3, top_k=k)
     got = proposer._rerank(77, tokens, scores, local, parents)
-    flat_parents = [torch.tensor(parents[:k])] + [torch.tensor(parents[k + i * k * k: k + (i + 1) * k * k])
-                                                  for i in range(levels - 1)]
+    flat_parents = [torch.tensor(parents[:k])] + [
+        torch.tensor(parents[k + i * k * k : k + (i + 1) * k * k]) for i in range(levels - 1)
+    ]
     want = torch_rerank(total, 77, tokens, scores, local, flat_parents)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
-    assert torch.equal(got.draft_confidence, want.draft_confidence)  # bit for bit: the same exp of the same rows
+    assert torch.equal(
+        got.draft_confidence, want.draft_confidence
+    )  # bit for bit: the same exp of the same rows
 
 
 def test_rerank_drops_nodes_scored_minus_infinity():
@@ -78,24 +93,32 @@ def test_rerank_drops_nodes_scored_minus_infinity():
     logp = torch.tensor([-0.1, -0.2, float("-inf"), float("-inf")])
     tree = proposer._rerank(5, [torch.tensor([10, 11, 12, 13])], [logp], [logp], [-1] * 4)
     assert tree.tokens.tolist() == [5, 10, 11] and tree.parents.tolist() == [-1, 0, 0]
-    assert torch.allclose(tree.draft_confidence, torch.tensor([1.0, math.exp(-0.1), math.exp(-0.2)]))
+    assert torch.allclose(
+        tree.draft_confidence, torch.tensor([1.0, math.exp(-0.1), math.exp(-0.2)])
+    )
 
 
 @pytest.mark.parametrize("total", [3, 16])
 def test_a_one_level_tree_is_the_root_steps_top_k_in_one_drafter_call(total):
     stub = BigramStub()
     proposer = EagleProposer(stub, "tree", total_tokens=total, depth=4, top_k=4)
-    tree = propose_once(proposer, [0, 0], 0, FixedDepth(1))  # BIGRAM row 0: .50 (1), .30 (2), .10 (3), .05 (0|4)
+    tree = propose_once(
+        proposer, [0, 0], 0, FixedDepth(1)
+    )  # BIGRAM row 0: .50 (1), .30 (2), .10 (3), .05 (0|4)
     kept = min(4, total - 1)
     assert tree.tokens.tolist() == [0, 1, 2, 3, 0][: kept + 1]
     assert tree.parents.tolist() == [-1] + [0] * kept
-    assert torch.allclose(tree.draft_confidence, torch.tensor([1, .5, .3, .1, .05])[: kept + 1], atol=1e-6)
+    assert torch.allclose(
+        tree.draft_confidence, torch.tensor([1, 0.5, 0.3, 0.1, 0.05])[: kept + 1], atol=1e-6
+    )
     assert len(stub.calls) == 1  # the root step only: no frontier forward for one level
 
 
 class RecordingProposer:
-    """Drafts [wrong, right] children of the root from a known continuation, so that the accepted path is the
-    second child (a gather, not a prefix) every other step; records what ``accept`` hands it (copies)."""
+    """Drafts [wrong, right] children of the root from a known continuation, so that the accepted
+    path is the second child (a gather, not a prefix) every other step; records what ``accept``
+    hands it (copies).
+    """
 
     reads_logits = True
     max_tree_nodes = 3
@@ -118,8 +141,15 @@ class RecordingProposer:
 
     def accept(self, ctx: StepContext) -> None:
         root_at = ctx.tokens.numel() - 1  # the root's position in the sequence
-        self.seen.append((root_at, ctx.acceptance.path_nodes, ctx.hidden.clone(), ctx.taps.clone(),
-                          ctx.logits.clone()))
+        self.seen.append(
+            (
+                root_at,
+                ctx.acceptance.path_nodes,
+                ctx.hidden.clone(),
+                ctx.taps.clone(),
+                ctx.logits.clone(),
+            )
+        )
 
 
 def test_the_accepted_rows_reach_the_proposer_whether_a_prefix_or_a_gather():
@@ -131,7 +161,8 @@ def test_the_accepted_rows_reach_the_proposer_whether_a_prefix_or_a_gather():
     assert res.tokens == reference
     paths = [nodes for _, nodes, *_ in proposer.seen]
     assert [0, 1] in paths and [0, 2] in paths  # both the view and the gather were taken
-    # Every row handed over is the target's own row at that sequence position (one full forward recomputes them).
+    # Every row handed over is the target's own row at that sequence position (one full forward
+    # recomputes them).
     seq = torch.tensor(prompt + reference)
     full = model.forward(seq, model.allocate_cache(seq.numel()), taps=(0, 2))
     full_taps = full.tap_features((0, 2))
@@ -155,7 +186,9 @@ def test_rope_rows_of_explicit_positions_are_the_table_rows():
     _, model = tiny_llama(0)
     positions = torch.tensor([7, 3, 3, 12])
     cos, sin = model._rope_rows(0, 4, positions)
-    assert torch.equal(cos, model._cos[[7, 3, 3, 12]]) and torch.equal(sin, model._sin[[7, 3, 3, 12]])
+    assert torch.equal(cos, model._cos[[7, 3, 3, 12]]) and torch.equal(
+        sin, model._sin[[7, 3, 3, 12]]
+    )
     # Explicit consecutive positions and the default ones give the same forward.
     ids = torch.tensor([4, 8, 15, 16, 23])
     a = model.forward(ids, model.allocate_cache(8)).logits

@@ -1,5 +1,5 @@
-"""The adaptive-temperature controller: grid checks, the runtime policy adapter, and LPO learning a synthetic
-preference (T=0 on one prompt kind, T=1 on the other) through the recipe's objective."""
+"""The adaptive-temperature controller: grid checks, the runtime policy adapter, and LPO learning a
+synthetic preference (T=0 on one prompt kind, T=1 on the other) through the recipe's objective."""
 
 from __future__ import annotations
 
@@ -25,9 +25,16 @@ pytestmark = pytest.mark.unit
 H = 16
 
 
-@pytest.mark.parametrize("grid, message", [([], "grid is empty"), ([0.0, -0.2], r"finite and >= 0.*-0.2"),
-                                           ([0.0, float("nan")], "finite and >= 0"), ([0.2, 0.2], "repeats"),
-                                           (["hot"], "list of numbers")])
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        ([], "grid is empty"),
+        ([0.0, -0.2], r"finite and >= 0.*-0.2"),
+        ([0.0, float("nan")], "finite and >= 0"),
+        ([0.2, 0.2], "repeats"),
+        (["hot"], "list of numbers"),
+    ],
+)
 def test_bad_grids_are_named(grid, message):
     with pytest.raises(ValueError, match=message):
         check_grid(grid)
@@ -40,31 +47,47 @@ def test_blocks_are_independent_and_an_untrained_head_is_uniform():
     weights = [b[0].weight for b in head.blocks]
     assert len({id(w) for w in weights}) == 3 and not torch.equal(weights[1], weights[2])
     logp = head.log_probs(torch.randn(5, H))
-    torch.testing.assert_close(logp.exp(), torch.full((5, len(DEFAULT_GRID)), 1 / len(DEFAULT_GRID)))
+    torch.testing.assert_close(
+        logp.exp(), torch.full((5, len(DEFAULT_GRID)), 1 / len(DEFAULT_GRID))
+    )
 
 
 def test_policy_token_answers_every_row_sequence_keeps_the_first_choice(tmp_path):
-    head = AdaptiveTemperatureHead(AdaptiveTemperatureConfig(hidden_size=H, granularity="sequence", num_layers=0))
+    head = AdaptiveTemperatureHead(
+        AdaptiveTemperatureConfig(hidden_size=H, granularity="sequence", num_layers=0)
+    )
     with torch.no_grad():
-        head.out.weight[:, 0] = torch.linspace(-1, 1, len(DEFAULT_GRID))  # the choice follows the normed hidden[0]
+        head.out.weight[:, 0] = torch.linspace(
+            -1, 1, len(DEFAULT_GRID)
+        )  # the choice follows the normed hidden[0]
     up, down = torch.zeros(1, H), torch.zeros(1, H)
     up[0, 0], down[0, 0] = 5.0, -5.0
     seq = TemperaturePolicy(head)
-    assert seq(up).tolist() == [1.0] and seq(torch.cat([down, down])).tolist() == [1.0, 1.0]  # kept for the response
+    assert seq(up).tolist() == [1.0] and seq(torch.cat([down, down])).tolist() == [
+        1.0,
+        1.0,
+    ]  # kept for the response
     seq.reset()
     assert seq(down).tolist() == [0.0]
     tok = TemperaturePolicy(head, granularity="token")
     assert tok(torch.cat([up, down, up])).tolist() == [1.0, 0.0, 1.0]
-    config = {"method": "adaptive_temperature", "architecture": head.architecture(), "inference": {},
-              "target": {"name_or_path": "tiny"}}
-    loaded, _ = AdaptiveTemperatureHead.from_export(write_export(tmp_path / "export", head.state_dict(), config))
+    config = {
+        "method": "adaptive_temperature",
+        "architecture": head.architecture(),
+        "inference": {},
+        "target": {"name_or_path": "tiny"},
+    }
+    loaded, _ = AdaptiveTemperatureHead.from_export(
+        write_export(tmp_path / "export", head.state_dict(), config)
+    )
     torch.testing.assert_close(loaded(up), head(up))
     with pytest.raises(ValueError, match="choice mode"):
         TemperaturePolicy(head, mode="best")
 
 
 def synthetic_batch(granularity: str, pairs: int, seed: int) -> tuple[dict, SimpleNamespace]:
-    """Pairs drawn by the uniform first-round decoder; reward prefers T=0 on kind 0 and T=1 on kind 1."""
+    """Pairs drawn by the uniform first-round decoder; reward prefers T=0 on kind 0 and T=1 on kind
+    1."""
     g = torch.Generator().manual_seed(seed)
     centers = torch.randn(2, H, generator=g) * 2
     kinds = torch.arange(pairs) % 2
@@ -74,18 +97,28 @@ def synthetic_batch(granularity: str, pairs: int, seed: int) -> tuple[dict, Simp
     k = len(DEFAULT_GRID)
     grid = torch.tensor(DEFAULT_GRID)
     if granularity == "sequence":
-        a, b = torch.randint(k, (pairs, 1), generator=g).expand(pairs, 3), torch.randint(k, (pairs, 1), generator=g)
+        a, b = (
+            torch.randint(k, (pairs, 1), generator=g).expand(pairs, 3),
+            torch.randint(k, (pairs, 1), generator=g),
+        )
         b = b.expand(pairs, 3)
     else:
         a, b = torch.randint(k, (pairs, 3), generator=g), torch.randint(k, (pairs, 3), generator=g)
     ra, rb = -(grid[a] - best[:, None]).abs().mean(1), -(grid[b] - best[:, None]).abs().mean(1)
     keep = ra != rb
-    chosen, rejected = torch.where((ra > rb)[:, None], a, b)[keep], torch.where((ra > rb)[:, None], b, a)[keep]
+    chosen, rejected = (
+        torch.where((ra > rb)[:, None], a, b)[keep],
+        torch.where((ra > rb)[:, None], b, a)[keep],
+    )
     n = int(keep.sum())
     index = torch.full((2 * n, T), -1)
-    index[:, prompt - 1:prompt + 2] = torch.cat([chosen, rejected])
-    batch = {"choice_index": index, "first": torch.full((2 * n,), prompt - 1), "kind": kinds[keep].repeat(2),
-             "input_ids": torch.zeros(2 * n, T, dtype=torch.long)}
+    index[:, prompt - 1 : prompt + 2] = torch.cat([chosen, rejected])
+    batch = {
+        "choice_index": index,
+        "first": torch.full((2 * n,), prompt - 1),
+        "kind": kinds[keep].repeat(2),
+        "input_ids": torch.zeros(2 * n, T, dtype=torch.long),
+    }
     return batch, SimpleNamespace(final_hidden=hidden[keep].repeat(2, 1, 1), logits=None), centers
 
 
@@ -93,7 +126,9 @@ def synthetic_batch(granularity: str, pairs: int, seed: int) -> tuple[dict, Simp
 def test_lpo_learns_greedy_for_one_kind_and_t1_for_the_other(granularity):
     torch.manual_seed(0)
     batch, feats, centers = synthetic_batch(granularity, 96, seed=1)
-    head = AdaptiveTemperatureHead(AdaptiveTemperatureConfig(hidden_size=H, granularity=granularity, width=32))
+    head = AdaptiveTemperatureHead(
+        AdaptiveTemperatureConfig(hidden_size=H, granularity=granularity, width=32)
+    )
     objective = AdaptiveTemperatureObjective(head, "separate", beta=1.0)
     opt = torch.optim.Adam(head.parameters(), lr=1e-2)
     losses = []
@@ -119,13 +154,18 @@ def test_recipe_refuses_bad_config_before_loading_the_target(tmp_path):
     folder = tmp_path / "roll"
     folder.mkdir()
     (folder / "meta.json").write_text('{"grid": [0.0, 1.0], "granularity": "token"}')
-    row = '{"prompt_ids": [1, 2], "kind": "a", "samples": [{"tokens": [3], "temps": [0], "reward": 1.0}, ' \
-          '{"tokens": [4], "temps": [1], "reward": 0.0}], "chosen": %s, "rejected": %s}\n'
+    row = (
+        '{"prompt_ids": [1, 2], "kind": "a", "samples": [{"tokens": [3], "temps": [0], "reward":'
+        ' 1.0}, {"tokens": [4], "temps": [1], "reward": 0.0}], "chosen": %s, "rejected": %s}\n'
+    )
     (folder / "rollouts.jsonl").write_text(row % ("null", "null"))
 
     def cfg(**over):
-        base = {"controller": {"granularity": "token", "grid": None}, "lpo": {"form": "separate", "beta": 1.0},
-                "data": {"spec": str(folder)}}
+        base = {
+            "controller": {"granularity": "token", "grid": None},
+            "lpo": {"form": "separate", "beta": 1.0},
+            "data": {"spec": str(folder)},
+        }
         return recipe_config("adaptive_temperature", OmegaConf.merge(base, over))
 
     with pytest.raises(DataError, match="no chosen/rejected pairs"):

@@ -1,4 +1,5 @@
-"""LPO losses on hand-computed log-probabilities: the separate (Eq. 10), joint and latent forms, value and gradient."""
+"""LPO losses on hand-computed log-probabilities: the separate (Eq. 10), joint and latent forms,
+value and gradient."""
 
 from __future__ import annotations
 
@@ -24,12 +25,15 @@ def nll_sigmoid(x: float) -> float:
 
 
 def one_pair():
-    """One pair of two-position rows (position 0 chose the temperature of the token at position 1), V = 2.
+    """One pair of two-position rows (position 0 chose the temperature of the token at position 1),
+    V = 2.
 
-    Chosen: token 1 sampled at tau=0.5, head P(tau) = [0.8, 0.2]. Rejected: token 0 at tau=1.0, head [0.3, 0.7].
-    Logits [0, ln 3]: at tau=1 p = [0.25, 0.75]; at tau=0.5 p = [0.1, 0.9].
+    Chosen: token 1 sampled at tau=0.5, head P(tau) = [0.8, 0.2]. Rejected: token 0 at tau=1.0, head
+    [0.3, 0.7]. Logits [0, ln 3]: at tau=1 p = [0.25, 0.75]; at tau=0.5 p = [0.1, 0.9].
     """
-    log_pi = torch.log(torch.tensor([[[0.8, 0.2], [0.5, 0.5]], [[0.3, 0.7], [0.5, 0.5]]])).requires_grad_()
+    log_pi = torch.log(
+        torch.tensor([[[0.8, 0.2], [0.5, 0.5]], [[0.3, 0.7], [0.5, 0.5]]])
+    ).requires_grad_()
     index = torch.tensor([[0, -1], [1, -1]])
     first = torch.tensor([0, 0])
     logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]]).expand(2, 2, 2)
@@ -39,7 +43,9 @@ def one_pair():
 
 def test_tempered_token_log_probs_and_the_greedy_point_mass():
     logits = torch.tensor([[[0.0, math.log(3.0)]]])
-    lp = tempered_token_log_probs(logits.expand(1, 2, 2), torch.tensor([[1, 0]]), (0.0, 0.5, 1.0))  # [1, 2, 3]
+    lp = tempered_token_log_probs(
+        logits.expand(1, 2, 2), torch.tensor([[1, 0]]), (0.0, 0.5, 1.0)
+    )  # [1, 2, 3]
     torch.testing.assert_close(lp[0, 0], torch.tensor([0.0, math.log(0.9), math.log(0.75)]))
     torch.testing.assert_close(lp[0, 1], torch.tensor([LOG_ZERO, math.log(0.1), math.log(0.25)]))
 
@@ -53,14 +59,20 @@ def test_separate_form_is_eq10_on_the_chosen_temperatures(granularity):
     assert float(margin) == pytest.approx(m, rel=1e-5)
     assert float(loss.detach()) == pytest.approx(nll_sigmoid(beta * m), rel=1e-5)
     loss.backward()
-    g = -beta * (1.0 - 1.0 / (1.0 + math.exp(-beta * m)))  # d loss / d log P(tau_c); the opposite for tau_r
+    g = -beta * (
+        1.0 - 1.0 / (1.0 + math.exp(-beta * m))
+    )  # d loss / d log P(tau_c); the opposite for tau_r
     assert float(log_pi.grad[0, 0, 0]) == pytest.approx(g, rel=1e-5)
     assert float(log_pi.grad[1, 0, 1]) == pytest.approx(-g, rel=1e-5)
-    assert float(log_pi.grad.abs().sum()) == pytest.approx(2 * abs(g), rel=1e-5)  # nothing else moves
+    assert float(log_pi.grad.abs().sum()) == pytest.approx(
+        2 * abs(g), rel=1e-5
+    )  # nothing else moves
 
 
 def test_token_form_sums_over_generated_positions():
-    log_pi = torch.log(torch.tensor([[[0.5, 0.5], [0.9, 0.1], [0.5, 0.5]], [[0.5, 0.5], [0.4, 0.6], [0.5, 0.5]]]))
+    log_pi = torch.log(
+        torch.tensor([[[0.5, 0.5], [0.9, 0.1], [0.5, 0.5]], [[0.5, 0.5], [0.4, 0.6], [0.5, 0.5]]])
+    )
     index = torch.tensor([[0, 0, -1], [1, 1, -1]])  # two generated tokens per row
     loss, margin = lpo_loss("separate", 1.0, log_pi, index, "token", torch.tensor([0, 0]))
     m = (math.log(0.5) + math.log(0.9)) - (math.log(0.5) + math.log(0.6))
@@ -87,7 +99,9 @@ def test_latent_form_marginalises_the_temperature():
     assert float(loss) == pytest.approx(nll_sigmoid(chosen - rejected), rel=1e-5)
     ref = torch.log(torch.tensor([0.6, 0.4])).expand(2, 2, 2)  # a non-uniform reference policy
     _, margin_ref = lpo_loss("latent", 1.0, log_pi, index, "token", first, token_lp, ref)
-    expect = (math.log(0.87) - math.log(0.6 * 0.9 + 0.4 * 0.75)) - (math.log(0.205) - math.log(0.6 * 0.1 + 0.4 * 0.25))
+    expect = (math.log(0.87) - math.log(0.6 * 0.9 + 0.4 * 0.75)) - (
+        math.log(0.205) - math.log(0.6 * 0.1 + 0.4 * 0.25)
+    )
     assert float(margin_ref) == pytest.approx(expect, rel=1e-5)
 
 

@@ -1,4 +1,5 @@
-"""Medusa heads, their loss alignment, training signal and export round trip (tiny in-process models)."""
+"""Medusa heads, their loss alignment, training signal and export round trip (tiny in-process
+models)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from safetensors.torch import load_file
 
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import FeatureTaps, Target
-from draftsmith.export.format import ExportError, TargetMismatchError, check_target, read_export, write_export
+from draftsmith.export.format import (
+    ExportError,
+    TargetMismatchError,
+    check_target,
+    read_export,
+    write_export,
+)
 from draftsmith.export.medusa_layout import to_medusa_layout
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree
@@ -25,11 +32,19 @@ def target(tiny_tokenizer) -> Target:
     return Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
 
 
-def make_objective(target: Target, labels: str = "dataset", num_heads: int = 3, share: bool = False) -> MedusaObjective:
-    arch = MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=num_heads,
-                        share_lm_head=share)
+def make_objective(
+    target: Target, labels: str = "dataset", num_heads: int = 3, share: bool = False
+) -> MedusaObjective:
+    arch = MedusaConfig(
+        hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        num_heads=num_heads,
+        share_lm_head=share,
+    )
     heads = MedusaHeads(arch, target.lm_head_weight.float())
-    return MedusaObjective(heads, 0.8, labels, 5, default_tree(num_heads, 8, 4), {"top_k": 4, "verifier": "greedy"})
+    return MedusaObjective(
+        heads, 0.8, labels, 5, default_tree(num_heads, 8, 4), {"top_k": 4, "verifier": "greedy"}
+    )
 
 
 def test_heads_start_from_target_head_and_do_not_share_weights(target):
@@ -52,7 +67,8 @@ def test_forward_shapes_and_shared_head_is_not_saved(target):
 
 
 def test_loss_aligns_head_k_with_token_t_plus_k_plus_2(target):
-    """Recompute the loss by hand: head k at position t is scored on input_ids[t+k+2] where loss_mask is 1."""
+    """Recompute the loss by hand: head k at position t is scored on input_ids[t+k+2] where
+    loss_mask is 1."""
     objective = make_objective(target, num_heads=2)
     torch.manual_seed(0)
     for p in objective.module.parameters():
@@ -80,7 +96,11 @@ def test_self_distillation_labels_use_target_argmax_at_previous_position(target)
     objective = make_objective(target, labels="target_argmax", num_heads=1)
     assert objective.taps.logits
     ids = torch.randint(5, target.vocab_size, (1, 7))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
     feats = target.features(ids, batch["attention_mask"], objective.taps)
     _, metrics = objective.loss(batch, feats)
     greedy = feats.logits.argmax(-1)[0]  # greedy[s-1] is the target's guess for token s
@@ -92,11 +112,16 @@ def test_self_distillation_labels_use_target_argmax_at_previous_position(target)
 def test_loss_goes_down_on_a_fixed_batch(target, labels):
     objective = make_objective(target, labels=labels)
     ids = torch.randint(5, target.vocab_size, (4, 24))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
     feats = target.features(ids, batch["attention_mask"], objective.taps)
     losses = train_on_fixed_batch(objective, batch, feats)
     if labels == "target_soft":
-        # Soft CE is bounded below by the (high) entropy of a random tiny teacher: check the excess goes down.
+        # Soft CE is bounded below by the (high) entropy of a random tiny teacher: check the excess
+        # goes down.
         assert losses[-1] < losses[0] - 0.01 and losses == sorted(losses, reverse=True), losses
     else:
         assert losses[-1] < 0.7 * losses[0], losses
@@ -129,8 +154,11 @@ def test_export_round_trip_is_exact_and_checks_target(tmp_path, target, tiny_tok
 def test_broken_exports_get_clear_errors(tmp_path):
     with pytest.raises(ExportError, match="does not exist"):
         read_export(tmp_path / "missing")
-    good = write_export(tmp_path / "e", {"w": torch.ones(2)}, {"method": "medusa", "architecture": {},
-                                                                "target": {"name_or_path": "tiny"}})
+    good = write_export(
+        tmp_path / "e",
+        {"w": torch.ones(2)},
+        {"method": "medusa", "architecture": {}, "target": {"name_or_path": "tiny"}},
+    )
     (good / "model.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(ExportError, match="corrupt"):
         read_export(good)
@@ -147,12 +175,15 @@ def test_medusa_engine_layout(tmp_path, target):
     cfg = json.loads((layout / "config.json").read_text())
     assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 2 and cfg["num_hidden_layers"] == 1
     vllm = load_file(layout / "model.safetensors")
-    assert not (layout / "medusa_lm_head.safetensors").exists()  # TGI's layout is --format medusa-tgi
+    assert not (
+        layout / "medusa_lm_head.safetensors"
+    ).exists()  # TGI's layout is --format medusa-tgi
     state = objective.module.state_dict()
     assert torch.equal(vllm["blocks.1.layers.0.weight"], state["heads.1.blocks.0.linear.weight"])
     assert torch.equal(vllm["lm_heads.1.weight"], state["heads.1.lm_head.weight"])
-    assert set(vllm) == {f"blocks.{k}.layers.0.{p}" for k in range(2) for p in ("weight", "bias")} | {
-        "lm_heads.0.weight", "lm_heads.1.weight"}
+    assert set(vllm) == {
+        f"blocks.{k}.layers.0.{p}" for k in range(2) for p in ("weight", "bias")
+    } | {"lm_heads.0.weight", "lm_heads.1.weight"}
 
 
 def test_default_tree_is_prefix_closed_and_sized():

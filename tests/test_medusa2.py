@@ -1,4 +1,5 @@
-"""Medusa-2: heads + a LoRA on the target trained together; what trains, the export parts, the identity, bad input."""
+"""Medusa-2: heads + a LoRA on the target trained together; what trains, the export parts, the
+identity, bad input."""
 
 import sys
 
@@ -21,16 +22,23 @@ def fresh_target(tiny_target_dir, tiny_tokenizer):
     """A target of its own per test: Medusa-2 changes the target it is given."""
     from transformers import AutoModelForCausalLM
 
-    return Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
+    return Target(
+        AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir)
+    )
 
 
 def medusa2_cfg(**heads):
-    return recipe_cfg("medusa2", heads={"num_heads": 2, "warmup_steps": 2, **heads},
-                      adapter={"rank": 4, "target_modules": ["q_proj", "v_proj"]},
-                      inference={"tree_nodes": 4, "top_k": 3})
+    return recipe_cfg(
+        "medusa2",
+        heads={"num_heads": 2, "warmup_steps": 2, **heads},
+        adapter={"rank": 4, "target_modules": ["q_proj", "v_proj"]},
+        inference={"tree_nodes": 4, "top_k": 3},
+    )
 
 
-def test_medusa2_trains_only_lora_and_heads_and_its_export_refuses_the_plain_target(fresh_target, tmp_path):
+def test_medusa2_trains_only_lora_and_heads_and_its_export_refuses_the_plain_target(
+    fresh_target, tmp_path
+):
     from draftsmith.distill.engine.exporting import export_from_module
     from draftsmith.distill.engine.module import DistillModule
     from draftsmith.distill.engine.objective import optimizer_groups
@@ -41,19 +49,29 @@ def test_medusa2_trains_only_lora_and_heads_and_its_export_refuses_the_plain_tar
     objective = get_recipe("medusa2").build(medusa2_cfg(), fresh_target)
     base = {k: v.clone() for k, v in fresh_target.model.state_dict().items() if "lora_" not in k}
     groups = optimizer_groups(objective, 1e-3)
-    assert [g["lr"] for g in groups] == pytest.approx([4e-3, 1e-3])  # heads at lr_multiplier x the adapter's LR
+    assert [g["lr"] for g in groups] == pytest.approx(
+        [4e-3, 1e-3]
+    )  # heads at lr_multiplier x the adapter's LR
     trainable = {id(p) for p in fresh_target.model.parameters() if p.requires_grad}
     lora = {id(p) for n, p in fresh_target.model.named_parameters() if "lora_" in n}
     assert trainable == lora and len(lora) == 4 * 2 * 2  # 4 layers x (q, v) x (A, B)
-    assert {id(p) for g in groups for p in g["params"]} == lora | {id(p) for p in objective.module.heads.parameters()}
+    assert {id(p) for g in groups for p in g["params"]} == lora | {
+        id(p) for p in objective.module.heads.parameters()
+    }
 
     batch = fixed_batch(fresh_target.vocab_size, period=5)
     losses = fit_steps(objective, fresh_target, batch, 20, lr=1e-2)
-    assert losses[1] < losses[0] and losses[2] > losses[1]  # heads-only warmup, then the backbone loss joins
-    assert losses[-1] < 0.9 * losses[2], losses  # (the LoRA learns slowly from B = 0; the heads fast)
+    assert (
+        losses[1] < losses[0] and losses[2] > losses[1]
+    )  # heads-only warmup, then the backbone loss joins
+    assert losses[-1] < 0.9 * losses[2], (
+        losses
+    )  # (the LoRA learns slowly from B = 0; the heads fast)
     after = fresh_target.model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in base.items())  # the base weights never move
-    assert any(v.abs().sum() > 0 for k, v in after.items() if "lora_B" in k)  # the adapter trained (B starts at 0)
+    assert any(
+        v.abs().sum() > 0 for k, v in after.items() if "lora_B" in k
+    )  # the adapter trained (B starts at 0)
 
     module = DistillModule(objective, fresh_target, {"lr": 1e-3}, total_steps=8)
     module.run_info = {"target": fresh_target.identity()}
@@ -62,16 +80,22 @@ def test_medusa2_trains_only_lora_and_heads_and_its_export_refuses_the_plain_tar
     assert config["method"] == "medusa2" and set(parts) == {"model", "adapter"}
     assert all(k.startswith("heads.") for k in parts["model"])  # MedusaHeads' own keys
     assert "model.layers.0.self_attn.q_proj.lora_A.weight" in parts["adapter"]
-    assert config["inference"]["adapter"]["scaling"] == pytest.approx(16 / 4) and config["inference"]["lossy"]
+    assert (
+        config["inference"]["adapter"]["scaling"] == pytest.approx(16 / 4)
+        and config["inference"]["lossy"]
+    )
     with pytest.raises(TargetMismatchError, match="changes its target .*lora"):
         check_target(config, plain_identity)
     check_target(config, fresh_target.identity())  # the adapted target it was trained with
 
-    # The runtime's path: merging the part into the plain weights reproduces the adapted target's logits.
+    # The runtime's path: merging the part into the plain weights reproduces the adapted target's
+    # logits.
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(fresh_target.name_or_path)
-    plain.load_state_dict(merge_lora(plain.state_dict(), parts["adapter"], config["inference"]["adapter"]["scaling"]))
+    plain.load_state_dict(
+        merge_lora(plain.state_dict(), parts["adapter"], config["inference"]["adapter"]["scaling"])
+    )
     ids = batch["input_ids"][:1]
     with torch.no_grad():
         adapted = fresh_target.model(ids).logits
@@ -79,10 +103,13 @@ def test_medusa2_trains_only_lora_and_heads_and_its_export_refuses_the_plain_tar
         # Self-distillation's teacher: the same model with adapters disabled is the original target.
         with fresh_target.adapter_disabled():
             original = fresh_target.model(ids).logits
-        torch.testing.assert_close(original,
-                                   AutoModelForCausalLM.from_pretrained(fresh_target.name_or_path)(ids).logits)
+        torch.testing.assert_close(
+            original, AutoModelForCausalLM.from_pretrained(fresh_target.name_or_path)(ids).logits
+        )
     assert not torch.allclose(original, adapted)
-    assert all(p.requires_grad for n, p in fresh_target.model.named_parameters() if "lora_" in n)  # re-enabled
+    assert all(
+        p.requires_grad for n, p in fresh_target.model.named_parameters() if "lora_" in n
+    )  # re-enabled
 
 
 def test_self_distillation_loss_decreases(fresh_target):
@@ -93,8 +120,9 @@ def test_self_distillation_loss_decreases(fresh_target):
     objective = get_recipe("medusa2").build(cfg, fresh_target)
     batch = fixed_batch(fresh_target.vocab_size)
     losses = fit_steps(objective, fresh_target, batch, 6)
-    # The backbone term is a CE against the original target, which the adapted one equals at the start (LoRA B = 0):
-    # it starts at its floor (the teacher's entropy), so the decrease is the heads' (0.2 x ~1.4 x ~4.8 at the start).
+    # The backbone term is a CE against the original target, which the adapted one equals at the
+    # start (LoRA B = 0): it starts at its floor (the teacher's entropy), so the decrease is the
+    # heads' (0.2 x ~1.4 x ~4.8 at the start).
     assert losses[-1] < losses[0] - 0.5, losses
     feats = objective.features(fresh_target, batch)
     assert feats.original_logits is not None and objective.self_distill
@@ -106,20 +134,30 @@ def test_bad_input_is_refused_before_training(fresh_target, monkeypatch):
     recipe = get_recipe("medusa2")
     with pytest.raises(ConfigError, match=r"adapter\.rank=0 is out of range: allowed >= 1"):
         recipe.validate(recipe_cfg("medusa2", adapter={"rank": 0}))
-    with pytest.raises(ConfigError, match=r"target_modules \['qkv'\] match no linear layer .*q_proj"):
+    with pytest.raises(
+        ConfigError, match=r"target_modules \['qkv'\] match no linear layer .*q_proj"
+    ):
         fresh_target.attach_lora(LoraSpec(rank=2, alpha=4, target_modules=("qkv",)))
-    assert fresh_target.adapter is None and not any(p.requires_grad for p in fresh_target.parameters())
+    assert fresh_target.adapter is None and not any(
+        p.requires_grad for p in fresh_target.parameters()
+    )
     with pytest.raises(ConfigError, match="matches the LM head"):
         fresh_target.attach_lora(LoraSpec(rank=2, alpha=4, target_modules=("lm_head",)))
     monkeypatch.setitem(sys.modules, "peft", None)  # as if peft were not installed
-    with pytest.raises(ConfigError, match=r"recipe=medusa2 needs the peft package.*draftsmith\[peft\]"):
+    with pytest.raises(
+        ConfigError, match=r"recipe=medusa2 needs the peft package.*draftsmith\[peft\]"
+    ):
         recipe.validate(recipe_cfg("medusa2"))
 
 
 def test_the_adapter_trains_in_fp32_on_a_bf16_target(tiny_target_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    target = Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.bfloat16), tiny_tokenizer, "t")
+    target = Target(
+        AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.bfloat16),
+        tiny_tokenizer,
+        "t",
+    )
     adapter = target.attach_lora(LoraSpec(rank=2, alpha=4, target_modules=("v_proj",)))
     assert {p.dtype for p in adapter.parameters()} == {torch.float32}
     ids = torch.randint(5, 50, (1, 6))
@@ -128,4 +166,6 @@ def test_the_adapter_trains_in_fp32_on_a_bf16_target(tiny_target_dir, tiny_token
     hidden.float().pow(2).mean().backward()
     assert all(p.grad is not None for n, p in adapter.named_parameters() if "lora_B" in n)
     with torch.no_grad():
-        assert not target.features(ids, torch.ones_like(ids), grad=True).final_hidden.requires_grad  # no-grad wins
+        assert not target.features(
+            ids, torch.ones_like(ids), grad=True
+        ).final_hidden.requires_grad  # no-grad wins

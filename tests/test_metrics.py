@@ -8,11 +8,14 @@ pytestmark = pytest.mark.unit
 
 
 def test_tau_counts_the_bonus_token():
-    assert metrics.tau([0, 0, 0]) == 1.0 and metrics.tau([2, 0, 1]) == 2.0 and metrics.tau([]) == 0.0
+    assert (
+        metrics.tau([0, 0, 0]) == 1.0 and metrics.tau([2, 0, 1]) == 2.0 and metrics.tau([]) == 0.0
+    )
 
 
 def test_acceptance_by_position_is_cumulative_over_steps_that_drafted_the_position():
-    # depth-3 trees accepting 3, 1, 0; a depth-1 tree accepting 1 (it never drafted positions 2 and 3)
+    # depth-3 trees accepting 3, 1, 0; a depth-1 tree accepting 1 (it never drafted positions 2 and
+    # 3)
     curve = metrics.acceptance_by_position([3, 1, 0, 1], [3, 3, 3, 1])
     assert curve == pytest.approx([3 / 4, 1 / 3, 1 / 3])
     assert metrics.acceptance_by_position([], []) == []

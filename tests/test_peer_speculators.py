@@ -1,6 +1,8 @@
-"""scripts/peer_speculators.py end to end on a tiny target: our conversations and hidden states in speculators' data
-format, the real ``speculators.train`` (0.9.0, its own venv) on CPU, its checkpoint imported by ``draftsmith import``
-and served losslessly by our runtime. Skipped with the reason when the speculators venv is missing."""
+"""scripts/peer_speculators.py end to end on a tiny target: our conversations and hidden states in
+speculators' data format, the real ``speculators.train`` (0.9.0, its own venv) on CPU, its
+checkpoint imported by ``draftsmith import`` and served losslessly by our runtime. Skipped with the
+reason when the speculators venv is missing.
+"""
 
 from __future__ import annotations
 
@@ -27,14 +29,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("peer_speculators", ROOT / "scripts" / "peer_speculators.py")
+    spec = importlib.util.spec_from_file_location(
+        "peer_speculators", ROOT / "scripts" / "peer_speculators.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_peer_data_matches_speculators_format(tmp_path, tiny_tokenizer):
-    """hs_{i}: token_ids = input_ids, hidden_states [T, 4, H] = the three taps + the last layer before the norm."""
+    """hs_{i}: token_ids = input_ids, hidden_states [T, 4, H] = the three taps + the last layer
+    before the norm."""
     peer = load_script()
     target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
     convs = [normalize_record(c) for c in make_conversations(4)]
@@ -43,43 +48,117 @@ def test_peer_data_matches_speculators_format(tmp_path, tiny_tokenizer):
     assert sizes["tokens"] >= 50 and sizes["samples"] == len(samples) >= 2
     hs = load_file(tmp_path / "hidden_states" / "hs_0.safetensors")
     ids = torch.tensor(samples[0]["input_ids"])
-    assert torch.equal(hs["token_ids"], ids) and hs["hidden_states"].shape == (len(ids), 4, target.hidden_size)
+    assert torch.equal(hs["token_ids"], ids) and hs["hidden_states"].shape == (
+        len(ids),
+        4,
+        target.hidden_size,
+    )
     with torch.no_grad():
         out = target.model(ids[None], output_hidden_states=True)
     for k, layer in enumerate((1, 2, 3)):
         torch.testing.assert_close(hs["hidden_states"][:, k], out.hidden_states[layer][0])
-    last = target.model.model.norm  # HF's last hidden_states entry is after the final norm; ours is before it
-    torch.testing.assert_close(last(hs["hidden_states"][:, 3]), out.hidden_states[-1][0], atol=1e-5, rtol=1e-5)
-    freq = torch.load(tmp_path / "token_freq.pt", weights_only=True)  # a dict of ints: no pickled code
+    last = (
+        target.model.model.norm
+    )  # HF's last hidden_states entry is after the final norm; ours is before it
+    torch.testing.assert_close(
+        last(hs["hidden_states"][:, 3]), out.hidden_states[-1][0], atol=1e-5, rtol=1e-5
+    )
+    freq = torch.load(
+        tmp_path / "token_freq.pt", weights_only=True
+    )  # a dict of ints: no pickled code
     assert sum(freq.values()) == sizes["loss_tokens"]
 
 
 @pytest.mark.e2e  # the real trainer in its own venv (about 2 minutes on 2 cores)
 @pytest.mark.skipif(not HAVE_SPECULATORS, reason=_no_speculators_reason())
-def test_speculators_trainer_runs_on_cpu_and_its_checkpoint_serves(tmp_path, tiny_tokenizer, tiny_target_dir):
+def test_speculators_trainer_runs_on_cpu_and_its_checkpoint_serves(
+    tmp_path, tiny_tokenizer, tiny_target_dir
+):
     peer = load_script()
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps(c) for c in make_conversations(24)) + "\n")
-    report = peer.main(["--target", str(tiny_target_dir), "--data", str(data), "--tokens", "600", "--out",
-                        str(tmp_path / "peer"), "--taps", "1", "2", "3", "--hs-dtype", "float32", "--max-length",
-                        "128", "--draft-vocab-size", "16", "--speculators-python", str(SPECULATORS_PYTHON),
-                        "--timeout", "900"])
-    assert report["data"]["tokens"] >= 600 and json.loads((tmp_path / "peer" / "peer.json").read_text()) == report
-    again = peer.main(["--target", str(tiny_target_dir), "--data", str(data), "--tokens", "600", "--out",
-                       str(tmp_path / "peer"), "--taps", "1", "2", "3", "--hs-dtype", "float32", "--max-length",
-                       "128", "--draft-vocab-size", "16", "--speculators-python", str(SPECULATORS_PYTHON)])
-    assert again["seconds"] == report["seconds"]  # the re-run kept the data and the trained checkpoint
+    report = peer.main(
+        [
+            "--target",
+            str(tiny_target_dir),
+            "--data",
+            str(data),
+            "--tokens",
+            "600",
+            "--out",
+            str(tmp_path / "peer"),
+            "--taps",
+            "1",
+            "2",
+            "3",
+            "--hs-dtype",
+            "float32",
+            "--max-length",
+            "128",
+            "--draft-vocab-size",
+            "16",
+            "--speculators-python",
+            str(SPECULATORS_PYTHON),
+            "--timeout",
+            "900",
+        ]
+    )
+    assert (
+        report["data"]["tokens"] >= 600
+        and json.loads((tmp_path / "peer" / "peer.json").read_text()) == report
+    )
+    again = peer.main(
+        [
+            "--target",
+            str(tiny_target_dir),
+            "--data",
+            str(data),
+            "--tokens",
+            "600",
+            "--out",
+            str(tmp_path / "peer"),
+            "--taps",
+            "1",
+            "2",
+            "3",
+            "--hs-dtype",
+            "float32",
+            "--max-length",
+            "128",
+            "--draft-vocab-size",
+            "16",
+            "--speculators-python",
+            str(SPECULATORS_PYTHON),
+        ]
+    )
+    assert (
+        again["seconds"] == report["seconds"]
+    )  # the re-run kept the data and the trained checkpoint
     checkpoint = Path(report["checkpoint"])
-    assert not (checkpoint.parent / "speculators.patch").exists()  # no copy of the clone's uncommitted diff
+    assert not (
+        checkpoint.parent / "speculators.patch"
+    ).exists()  # no copy of the clone's uncommitted diff
     saved = load_file(checkpoint / "model.safetensors")  # what the real trainer wrote
     config, state = read_export(report["export"])
-    assert config["architecture"]["target_layers"] == [1, 2, 3] and config["architecture"]["draft_vocab_size"] == 16
-    assert torch.equal(state["d2t"], saved["d2t"]) and torch.equal(state["t2d"], saved["t2d"].bool())
-    assert torch.equal(state["layer.self_attn.q_proj.weight"], saved["layers.0.self_attn.q_proj.weight"].float())
+    assert (
+        config["architecture"]["target_layers"] == [1, 2, 3]
+        and config["architecture"]["draft_vocab_size"] == 16
+    )
+    assert torch.equal(state["d2t"], saved["d2t"]) and torch.equal(
+        state["t2d"], saved["t2d"].bool()
+    )
+    assert torch.equal(
+        state["layer.self_attn.q_proj.weight"], saved["layers.0.self_attn.q_proj.weight"].float()
+    )
     model = build_tiny_llama(len(tiny_tokenizer))
-    lean = LeanDecoder(ModelConfig.from_hf_dict(model.config.to_dict()),
-                       {k: v.detach().clone() for k, v in model.state_dict().items()}, kernel_backend="torch").eval()
-    plain = SpeculativeDecoder(lean, build_proposer(report["export"], lean, policy="chain", depth=2))
+    lean = LeanDecoder(
+        ModelConfig.from_hf_dict(model.config.to_dict()),
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        kernel_backend="torch",
+    ).eval()
+    plain = SpeculativeDecoder(
+        lean, build_proposer(report["export"], lean, policy="chain", depth=2)
+    )
     prompt = tiny_tokenizer("what is the answer to the question .")["input_ids"]
     result = plain.generate(prompt, 16)
     want, seq = [], torch.tensor([prompt])
@@ -95,15 +174,32 @@ def test_the_peer_is_read_beside_the_curve_at_equal_tokens(tmp_path, monkeypatch
     from draftsmith.evals import learning_curve
 
     def fake_evaluate(export, settings, measure=False):
-        return {name: {"first_position_acceptance": 0.3, "conditional_acceptance": [0.3, 0.5, 0.5, 0.5]}
-                for name in settings.prompt_sets}, None
+        return {
+            name: {"first_position_acceptance": 0.3, "conditional_acceptance": [0.3, 0.5, 0.5, 0.5]}
+            for name in settings.prompt_sets
+        }, None
 
     monkeypatch.setattr(learning_curve, "evaluate_export", fake_evaluate)
-    points = [{"steps": s, "tokens": t, "eval": {"mtbench": {"first_position_acceptance": a},
-                                                  "humaneval": {"first_position_acceptance": a / 2}}}
-              for s, t, a in ((10, 1_000, 0.1), (100, 100_000, 0.5))]
+    points = [
+        {
+            "steps": s,
+            "tokens": t,
+            "eval": {
+                "mtbench": {"first_position_acceptance": a},
+                "humaneval": {"first_position_acceptance": a / 2},
+            },
+        }
+        for s, t, a in ((10, 1_000, 0.1), (100, 100_000, 0.5))
+    ]
     (tmp_path / "curve.json").write_text(json.dumps({"points": points}))
     out = peer.evaluate_peer("unused", 10_000, tmp_path)
     assert out["first_position"] == {"mtbench": 0.3, "humaneval": 0.3}
-    assert out["curve"]["first_position_at_equal_tokens"] == pytest.approx({"mtbench": 0.3, "humaneval": 0.15})
-    assert peer.evaluate_peer("unused", 10**7, tmp_path)["curve"]["first_position_at_equal_tokens"]["mtbench"] is None
+    assert out["curve"]["first_position_at_equal_tokens"] == pytest.approx(
+        {"mtbench": 0.3, "humaneval": 0.15}
+    )
+    assert (
+        peer.evaluate_peer("unused", 10**7, tmp_path)["curve"]["first_position_at_equal_tokens"][
+            "mtbench"
+        ]
+        is None
+    )

@@ -1,4 +1,5 @@
-"""On-policy error-position replay for EAGLE-3 (loss.replay_weight, Eagle3Objective.replay in recipes/eagle3/)."""
+"""On-policy error-position replay for EAGLE-3 (loss.replay_weight, Eagle3Objective.replay in
+recipes/eagle3/)."""
 
 from __future__ import annotations
 
@@ -21,27 +22,36 @@ def target(tiny_tokenizer) -> Target:
     return Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
 
 
-def chain_logits(drafter, fused: torch.Tensor, ids: torch.Tensor, b: int, t: int) -> list[torch.Tensor]:
-    """The drafter's logits at steps 0 and 1 of the chain that starts after position t+1 (step 1 fed the true token,
-    as TTT does and as serving does once step 0 was accepted)."""
-    hidden, step0, cache = drafter.draft_step(drafter.fuse(fused[b:b + 1, :t + 1]), ids[b:b + 1, 1:t + 2])
-    _, step1, _ = drafter.draft_step(hidden[:, -1:], ids[b:b + 1, t + 2:t + 3], cache)
+def chain_logits(
+    drafter, fused: torch.Tensor, ids: torch.Tensor, b: int, t: int
+) -> list[torch.Tensor]:
+    """The drafter's logits at steps 0 and 1 of the chain that starts after position t+1 (step 1 fed
+    the true token, as TTT does and as serving does once step 0 was accepted)."""
+    hidden, step0, cache = drafter.draft_step(
+        drafter.fuse(fused[b : b + 1, : t + 1]), ids[b : b + 1, 1 : t + 2]
+    )
+    _, step1, _ = drafter.draft_step(hidden[:, -1:], ids[b : b + 1, t + 2 : t + 3], cache)
     return [step0[0, -1], step1[0, -1]]
 
 
 def test_replay_weights_exactly_the_rows_the_served_chain_stops_at(target):
-    """Reference: per chain, step 0 rejected when its greedy draft token is not the target's; step 1 counts only
-    for chains whose step 0 was accepted. Loss per step = (1/M) sum (1 + w * rejected) * softCE."""
+    """Reference: per chain, step 0 rejected when its greedy draft token is not the target's; step 1
+    counts only for chains whose step 0 was accepted. Loss per step = (1/M) sum (1 + w * rejected) *
+    softCE."""
     objective, g, ids, layers = two_step_setup(target, 10)
     drafter = objective.module
     B, T, V = 2, 10, target.vocab_size
     fused = torch.cat([layers[i] for i in LAYERS], -1)
     draft_ids = drafter.draft_ids_in_target()
     with torch.no_grad():
-        chains = {(b, t): chain_logits(drafter, fused, ids, b, t) for b in range(B) for t in range(T - 3)}
+        chains = {
+            (b, t): chain_logits(drafter, fused, ids, b, t) for b in range(B) for t in range(T - 3)
+        }
     logits = torch.randn(B, T, V, generator=g)
     best = draft_ids[torch.randint(0, 60, (B, T), generator=g)]
-    logits.scatter_add_(-1, best[..., None], torch.full((B, T, 1), 8.0))  # a draftable target argmax everywhere
+    logits.scatter_add_(
+        -1, best[..., None], torch.full((B, T, 1), 8.0)
+    )  # a draftable target argmax everywhere
     for (b, t), (step0, step1) in chains.items():
         if t % 2 == 0:  # half the chains: the target agrees with the drafter's step-0 proposal ...
             logits[b, t + 1, draft_ids[step0.argmax()]] += 30.0
@@ -63,9 +73,15 @@ def test_replay_weights_exactly_the_rows_the_served_chain_stops_at(target):
                     if not loss_mask[b, t + 2 + j]:
                         continue
                     p = F.softmax(logits[b, t + 1 + j, draft_ids], -1)
-                    step_logits = (chains[(b, t)] if (b, t) in chains else
-                                   [drafter.draft_step(drafter.fuse(fused[b:b + 1, :t + 1]),
-                                                       ids[b:b + 1, 1:t + 2])[1][0, -1]])[j]
+                    step_logits = (
+                        chains[(b, t)]
+                        if (b, t) in chains
+                        else [
+                            drafter.draft_step(
+                                drafter.fuse(fused[b : b + 1, : t + 1]), ids[b : b + 1, 1 : t + 2]
+                            )[1][0, -1]
+                        ]
+                    )[j]
                     ce = -(p * F.log_softmax(step_logits, -1)).sum()
                     right = bool(step_logits.argmax() == p.argmax())
                     exposed = j == 0 or (b, t) in accepted_step0
@@ -75,16 +91,25 @@ def test_replay_weights_exactly_the_rows_the_served_chain_stops_at(target):
                     terms.append(ce * (1 + weight * (exposed and not right)))
             rejected_counts.append(rejected)
             step_loss = torch.stack(terms).mean()
-            torch.testing.assert_close(metrics[f"step{j}/loss"], step_loss.detach(), atol=1e-5, rtol=0)
-            torch.testing.assert_close(float(metrics[f"step{j}/rejected"]), rejected / len(terms), atol=1e-6, rtol=0)
-            total = total + 0.8 ** j * step_loss
+            torch.testing.assert_close(
+                metrics[f"step{j}/loss"], step_loss.detach(), atol=1e-5, rtol=0
+            )
+            torch.testing.assert_close(
+                float(metrics[f"step{j}/rejected"]), rejected / len(terms), atol=1e-6, rtol=0
+            )
+            total = total + 0.8**j * step_loss
         torch.testing.assert_close(loss, total, atol=1e-5, rtol=0)
-        # the construction gives every kind of row: accepted and rejected at step 0, exposed and not at step 1
-        assert 0 < len(accepted_step0) < B * (T - 2) and 0 < rejected_counts[1] < len(accepted_step0)
+        # the construction gives every kind of row: accepted and rejected at step 0, exposed and not
+        # at step 1
+        assert 0 < len(accepted_step0) < B * (T - 2) and 0 < rejected_counts[1] < len(
+            accepted_step0
+        )
 
 
 def test_replay_training_lowers_the_loss_and_the_rejections(tiny_tokenizer):
-    target = Target(build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2), tiny_tokenizer, "tiny")
+    target = Target(
+        build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2), tiny_tokenizer, "tiny"
+    )
     objective = make_objective(target)
     objective.lm_loss = LMHeadLoss(replay_weight=1.0)
     losses, metrics = fixed_batch_steps(objective, target)

@@ -1,8 +1,8 @@
-"""Resumes that keep what they promise (issue 50): the CSV log appends across attempts, retention counts the step
-files an earlier attempt wrote (in a moved run folder, with a changed ``run.checkpoint_every``), a damaged or missing
-checkpoint falls back to the newest intact one (or says training restarts), and Ctrl-C while a checkpoint is being
-written is the interruption (the previous checkpoint intact), not a crash. Tiny in-process target, in-process
-``train``."""
+"""Resumes that keep what they promise (issue 50): the CSV log appends across attempts, retention
+counts the step files an earlier attempt wrote (in a moved run folder, with a changed
+``run.checkpoint_every``), a damaged or missing checkpoint falls back to the newest intact one (or
+says training restarts), and Ctrl-C while a checkpoint is being written is the interruption (the
+previous checkpoint intact), not a crash. Tiny in-process target, in-process ``train``."""
 
 from __future__ import annotations
 
@@ -32,16 +32,37 @@ def _data_cache(tmp_path_factory, monkeypatch):
 
 
 def tiny_cfg(target: Path, data: Path, *extra: str):
-    """A 1-head Medusa run on the tiny target: checkpoints every 2 steps, the newest 2 kept, no export."""
-    return compose_config(expand_shorthands([
-        "recipe=medusa", f"target={target}", "target.dtype=fp32", f"data={data}", "data.limit=null",
-        "data.max_length=48", "data.batch_size=4", "data.val_fraction=0.1", "trainer.max_steps=4",
-        "trainer.log_every_n_steps=1", "run.checkpoint_every=2", "run.keep_checkpoints=2", "run.final_eval_batches=0",
-        "optim.warmup_steps=0", "heads.num_heads=1", "run.export=false", *extra]))
+    """A 1-head Medusa run on the tiny target: checkpoints every 2 steps, the newest 2 kept, no
+    export."""
+    return compose_config(
+        expand_shorthands(
+            [
+                "recipe=medusa",
+                f"target={target}",
+                "target.dtype=fp32",
+                f"data={data}",
+                "data.limit=null",
+                "data.max_length=48",
+                "data.batch_size=4",
+                "data.val_fraction=0.1",
+                "trainer.max_steps=4",
+                "trainer.log_every_n_steps=1",
+                "run.checkpoint_every=2",
+                "run.keep_checkpoints=2",
+                "run.final_eval_batches=0",
+                "optim.warmup_steps=0",
+                "heads.num_heads=1",
+                "run.export=false",
+                *extra,
+            ]
+        )
+    )
 
 
 def step_files(run_dir: Path) -> list[str]:
-    return sorted((p.name for p in (run_dir / "checkpoints").glob("step*.ckpt")), key=lambda n: int(n[4:-5]))
+    return sorted(
+        (p.name for p in (run_dir / "checkpoints").glob("step*.ckpt")), key=lambda n: int(n[4:-5])
+    )
 
 
 def logged_steps(run_dir: Path) -> list[int]:
@@ -53,9 +74,15 @@ def test_the_csv_log_keeps_every_attempt(tmp_path, tiny_target_dir, tiny_data_fi
     run_dir = tmp_path / "run"
     train(tiny_cfg(tiny_target_dir, tiny_data_file), get_recipe("medusa"), run_dir)
     assert logged_steps(run_dir) == [0, 1, 2, 3]
-    # Raising max_steps resumes; a validation pass adds columns (the header is rewritten, no row is lost).
-    train(tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=6", "run.final_eval_batches=1"),
-          get_recipe("medusa"), run_dir)
+    # Raising max_steps resumes; a validation pass adds columns (the header is rewritten, no row is
+    # lost).
+    train(
+        tiny_cfg(
+            tiny_target_dir, tiny_data_file, "trainer.max_steps=6", "run.final_eval_batches=1"
+        ),
+        get_recipe("medusa"),
+        run_dir,
+    )
     assert logged_steps(run_dir) == [0, 1, 2, 3, 4, 5]
     header = (run_dir / "logs" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "val/loss" in header and "train/loss" in header
@@ -67,36 +94,66 @@ def test_retention_counts_the_files_of_earlier_attempts(tmp_path, tiny_target_di
     train(tiny_cfg(tiny_target_dir, tiny_data_file), get_recipe("medusa"), first)
     assert step_files(first) == ["step2.ckpt", "step4.ckpt"]
     moved = tmp_path / "moved"
-    shutil.move(first, moved)  # Lightning's own record names the old folder: it used to keep only the new file
-    train(tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=6"), get_recipe("medusa"), moved)
+    shutil.move(
+        first, moved
+    )  # Lightning's own record names the old folder: it used to keep only the new file
+    train(
+        tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=6"),
+        get_recipe("medusa"),
+        moved,
+    )
     assert step_files(moved) == ["step4.ckpt", "step6.ckpt"]
     # A changed checkpoint schedule: Lightning does not restore its record at all.
-    train(tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=9", "run.checkpoint_every=3"),
-          get_recipe("medusa"), moved)
+    train(
+        tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=9", "run.checkpoint_every=3"),
+        get_recipe("medusa"),
+        moved,
+    )
     assert step_files(moved) == ["step6.ckpt", "step9.ckpt"]
     # Fewer kept from now on: the next save prunes to the new count.
-    train(tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=10", "run.keep_checkpoints=1"),
-          get_recipe("medusa"), moved)
+    train(
+        tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=10", "run.keep_checkpoints=1"),
+        get_recipe("medusa"),
+        moved,
+    )
     assert step_files(moved) == ["step10.ckpt"]
 
 
-def test_a_truncated_or_missing_newest_checkpoint_falls_back_with_one_warning(tmp_path, tiny_target_dir,
-                                                                             tiny_data_file, caplog):
+def test_a_truncated_or_missing_newest_checkpoint_falls_back_with_one_warning(
+    tmp_path, tiny_target_dir, tiny_data_file, caplog
+):
     run_dir = tmp_path / "run"
-    train(tiny_cfg(tiny_target_dir, tiny_data_file, "run.keep_checkpoints=3"), get_recipe("medusa"), run_dir)
+    train(
+        tiny_cfg(tiny_target_dir, tiny_data_file, "run.keep_checkpoints=3"),
+        get_recipe("medusa"),
+        run_dir,
+    )
     folder = run_dir / "checkpoints"
     newest = folder / "step4.ckpt"
-    assert checkpoints.checkpoint_problem(newest) is None and (folder / "last.ckpt").resolve() == newest
-    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a copy that stopped half-way
+    assert (
+        checkpoints.checkpoint_problem(newest) is None
+        and (folder / "last.ckpt").resolve() == newest
+    )
+    newest.write_bytes(
+        newest.read_bytes()[: newest.stat().st_size // 2]
+    )  # a copy that stopped half-way
     assert "truncated" in checkpoints.checkpoint_problem(newest)
     with caplog.at_level(logging.WARNING):
         assert checkpoints.resume_checkpoint(run_dir) == folder / "step2.ckpt"
-    assert f"{newest} cannot be resumed: it is truncated" in caplog.text and "resuming from" in caplog.text
+    assert (
+        f"{newest} cannot be resumed: it is truncated" in caplog.text
+        and "resuming from" in caplog.text
+    )
     with caplog.at_level(logging.INFO):
-        summary = train(tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=5"), get_recipe("medusa"),
-                        run_dir)
+        summary = train(
+            tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=5"),
+            get_recipe("medusa"),
+            run_dir,
+        )
     assert summary["steps"] == 5 and f"resuming from {folder / 'step2.ckpt'}" in caplog.text
-    assert checkpoints.checkpoint_problem(folder / "step4.ckpt") is None  # step 4 trained and written again
+    assert (
+        checkpoints.checkpoint_problem(folder / "step4.ckpt") is None
+    )  # step 4 trained and written again
 
     (folder / "step5.ckpt").unlink()  # last.ckpt now names a file that was deleted
     caplog.clear()
@@ -122,8 +179,8 @@ def test_a_flipped_byte_is_a_damaged_checkpoint(tmp_path):
 
 
 def interrupting_save(monkeypatch, step_name: str, signals: int) -> None:
-    """``torch.save`` whose write of ``step_name`` receives ``signals`` real SIGINTs part-way through its bytes (as
-    Ctrl-C does while torch's C++ zip writer runs)."""
+    """``torch.save`` whose write of ``step_name`` receives ``signals`` real SIGINTs part-way
+    through its bytes (as Ctrl-C does while torch's C++ zip writer runs)."""
     real_save = torch.save
 
     class Interrupted:
@@ -149,21 +206,28 @@ def interrupting_save(monkeypatch, step_name: str, signals: int) -> None:
 
 @pytest.fixture()
 def foreground_sigint():
-    """Ctrl-C handled as in a foreground process: a test process started as a background job (or after a test that
-    left Lightning's shutdown SIG_IGN) ignores SIGINT, and so would the run (deferred_sigint leaves an ignored SIGINT
-    alone), so the injected signals would never arrive."""
+    """Ctrl-C handled as in a foreground process: a test process started as a background job (or
+    after a test that left Lightning's shutdown SIG_IGN) ignores SIGINT, and so would the run
+    (deferred_sigint leaves an ignored SIGINT alone), so the injected signals would never arrive."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize("signals", [1, 2], ids=["ctrl-c", "ctrl-c-twice"])
-def test_ctrl_c_while_a_checkpoint_is_written_is_the_interruption(signals, tmp_path, tiny_target_dir, tiny_data_file,
-                                                                  monkeypatch, foreground_sigint):
+def test_ctrl_c_while_a_checkpoint_is_written_is_the_interruption(
+    signals, tmp_path, tiny_target_dir, tiny_data_file, monkeypatch, foreground_sigint
+):
     run_dir = tmp_path / "run"
     interrupting_save(monkeypatch, "step4", signals)
-    with pytest.raises(TrainingInterrupted) as stopped:  # was RuntimeError: [enforce fail at inline_container.cc]
-        train(tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=6"), get_recipe("medusa"), run_dir)
+    with pytest.raises(
+        TrainingInterrupted
+    ) as stopped:  # was RuntimeError: [enforce fail at inline_container.cc]
+        train(
+            tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=6"),
+            get_recipe("medusa"),
+            run_dir,
+        )
     folder = run_dir / "checkpoints"
     assert not list(folder.glob(".*tmp*"))  # no temporary left
     if signals == 1:  # the write was finished first, and is where the run resumes
@@ -176,8 +240,9 @@ def test_ctrl_c_while_a_checkpoint_is_written_is_the_interruption(signals, tmp_p
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_resume_that_changes_optimiser_or_data_keys_is_refused_naming_them(tmp_path, tiny_target_dir,
-                                                                            tiny_data_file):
+def test_a_resume_that_changes_optimiser_or_data_keys_is_refused_naming_them(
+    tmp_path, tiny_target_dir, tiny_data_file
+):
     from draftsmith.common.errors import ConfigError
 
     run_dir = tmp_path / "run"
@@ -185,60 +250,108 @@ def test_a_resume_that_changes_optimiser_or_data_keys_is_refused_naming_them(tmp
     train(tiny_cfg(tiny_target_dir, tiny_data_file, *constant), get_recipe("medusa"), run_dir)
     other_data = tmp_path / "other.jsonl"
     other_data.write_text(tiny_data_file.read_text().replace("answer", "question"))
-    cases = {("optim.scheduler=constant", "optim.lr=0.0003"): "optim.lr 0.001 -> 0.0003",
-             (*constant, f"data={other_data}"): f"data.spec {tiny_data_file} -> {other_data}",
-             (*constant, "data.max_length=40"): "data.max_length 48 -> 40",
-             (*constant, "run.seed=7"): "run.seed 0 -> 7"}
+    cases = {
+        ("optim.scheduler=constant", "optim.lr=0.0003"): "optim.lr 0.001 -> 0.0003",
+        (*constant, f"data={other_data}"): f"data.spec {tiny_data_file} -> {other_data}",
+        (*constant, "data.max_length=40"): "data.max_length 48 -> 40",
+        (*constant, "run.seed=7"): "run.seed 0 -> 7",
+    }
     for overrides, named in cases.items():
         with pytest.raises(ConfigError) as refused:
-            train(tiny_cfg(tiny_target_dir, tiny_data_file, *overrides, "trainer.max_steps=6"), get_recipe("medusa"),
-                  run_dir)
+            train(
+                tiny_cfg(tiny_target_dir, tiny_data_file, *overrides, "trainer.max_steps=6"),
+                get_recipe("medusa"),
+                run_dir,
+            )
         message = str(refused.value)
-        assert named in message and "hydra.run.dir=NEW_DIR" in message and "run.resume=changed" in message, message
+        assert (
+            named in message
+            and "hydra.run.dir=NEW_DIR" in message
+            and "run.resume=changed" in message
+        ), message
     assert step_files(run_dir) == ["step2.ckpt", "step4.ckpt"]  # nothing trained
-    # What may change: the run's length, the per-device batch (the global batch is kept), the loader's workers.
-    extended = train(tiny_cfg(tiny_target_dir, tiny_data_file, *constant, "trainer.max_steps=5", "data.num_workers=0"),
-                     get_recipe("medusa"), run_dir)
+    # What may change: the run's length, the per-device batch (the global batch is kept), the
+    # loader's workers.
+    extended = train(
+        tiny_cfg(
+            tiny_target_dir, tiny_data_file, *constant, "trainer.max_steps=5", "data.num_workers=0"
+        ),
+        get_recipe("medusa"),
+        run_dir,
+    )
     assert extended["steps"] == 5
 
 
 def test_run_resume_changed_trains_at_the_new_rate(tmp_path, tiny_target_dir, tiny_data_file):
     run_dir = tmp_path / "run"
-    train(tiny_cfg(tiny_target_dir, tiny_data_file, "optim.scheduler=constant", "optim.lr=0.001"),
-          get_recipe("medusa"), run_dir)
-    train(tiny_cfg(tiny_target_dir, tiny_data_file, "optim.scheduler=constant", "optim.lr=0.0003",
-                   "optim.weight_decay=0.05", "trainer.max_steps=6", "run.resume=changed"), get_recipe("medusa"),
-          run_dir)
+    train(
+        tiny_cfg(tiny_target_dir, tiny_data_file, "optim.scheduler=constant", "optim.lr=0.001"),
+        get_recipe("medusa"),
+        run_dir,
+    )
+    train(
+        tiny_cfg(
+            tiny_target_dir,
+            tiny_data_file,
+            "optim.scheduler=constant",
+            "optim.lr=0.0003",
+            "optim.weight_decay=0.05",
+            "trainer.max_steps=6",
+            "run.resume=changed",
+        ),
+        get_recipe("medusa"),
+        run_dir,
+    )
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 6
     groups = saved["optimizer_states"][0]["param_groups"]
     assert {g["lr"] for g in groups} == {0.0003} and {g["weight_decay"] for g in groups} == {0.05}
     assert saved["lr_schedulers"][0]["base_lrs"] == [0.0003] * len(groups)
-    assert saved["draftsmith"]["config"]["optim"]["lr"] == 0.0003  # the next resume compares against the new value
+    assert (
+        saved["draftsmith"]["config"]["optim"]["lr"] == 0.0003
+    )  # the next resume compares against the new value
 
 
-def test_a_resume_against_another_target_is_refused_and_a_copy_of_the_same_one_is_not(tmp_path, tiny_target_dir,
-                                                                                     tiny_data_file, tiny_tokenizer,
-                                                                                     caplog):
+def test_a_resume_against_another_target_is_refused_and_a_copy_of_the_same_one_is_not(
+    tmp_path, tiny_target_dir, tiny_data_file, tiny_tokenizer, caplog
+):
     from conftest import build_tiny_llama
 
     from draftsmith.common.errors import ConfigError
 
     run_dir = tmp_path / "run"
     train(tiny_cfg(tiny_target_dir, tiny_data_file), get_recipe("medusa"), run_dir)
-    other = tmp_path / "other_target"  # the same shapes, other weights: it used to resume without a word
+    other = (
+        tmp_path / "other_target"
+    )  # the same shapes, other weights: it used to resume without a word
     build_tiny_llama(len(tiny_tokenizer), seed=5).save_pretrained(other)
     tiny_tokenizer.save_pretrained(other)
-    with pytest.raises(ConfigError, match=r"trained against the target .* is another model \(tokenizer and LM head"):
+    with pytest.raises(
+        ConfigError, match=r"trained against the target .* is another model \(tokenizer and LM head"
+    ):
         train(tiny_cfg(other, tiny_data_file, "trainer.max_steps=6"), get_recipe("medusa"), run_dir)
     copy = shutil.copytree(tiny_target_dir, tmp_path / "moved_target")
-    assert train(tiny_cfg(copy, tiny_data_file, "trainer.max_steps=5"), get_recipe("medusa"), run_dir)["steps"] == 5
-    with caplog.at_level(logging.WARNING):  # a max_steps at or below the checkpoint's step says it trains nothing
-        assert train(tiny_cfg(copy, tiny_data_file, "trainer.max_steps=3"), get_recipe("medusa"), run_dir)["steps"] == 5
+    assert (
+        train(tiny_cfg(copy, tiny_data_file, "trainer.max_steps=5"), get_recipe("medusa"), run_dir)[
+            "steps"
+        ]
+        == 5
+    )
+    with caplog.at_level(
+        logging.WARNING
+    ):  # a max_steps at or below the checkpoint's step says it trains nothing
+        assert (
+            train(
+                tiny_cfg(copy, tiny_data_file, "trainer.max_steps=3"), get_recipe("medusa"), run_dir
+            )["steps"]
+            == 5
+        )
     assert "is at step 5 and trainer.max_steps=3: nothing is left to train" in caplog.text
 
 
-def test_ctrl_c_in_the_final_validation_is_the_interruption(tmp_path, tiny_target_dir, tiny_data_file, monkeypatch):
+def test_ctrl_c_in_the_final_validation_is_the_interruption(
+    tmp_path, tiny_target_dir, tiny_data_file, monkeypatch
+):
     from draftsmith.distill.engine.module import DistillModule
 
     real = DistillModule.validation_step
@@ -249,14 +362,20 @@ def test_ctrl_c_in_the_final_validation_is_the_interruption(tmp_path, tiny_targe
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(DistillModule, "validation_step", interrupted)
-    with pytest.raises(TrainingInterrupted) as stopped:  # was SystemExit(1) from Lightning, no line, exit 1
-        train(tiny_cfg(tiny_target_dir, tiny_data_file, "run.final_eval_batches=1"), get_recipe("medusa"),
-              tmp_path / "run")
+    with pytest.raises(
+        TrainingInterrupted
+    ) as stopped:  # was SystemExit(1) from Lightning, no line, exit 1
+        train(
+            tiny_cfg(tiny_target_dir, tiny_data_file, "run.final_eval_batches=1"),
+            get_recipe("medusa"),
+            tmp_path / "run",
+        )
     assert stopped.value.step == 4 and stopped.value.checkpoint.endswith("step4.ckpt")
 
 
-def test_a_run_folder_that_is_a_file_or_read_only_is_refused_before_anything_loads(tmp_path, tiny_target_dir,
-                                                                                  tiny_data_file):
+def test_a_run_folder_that_is_a_file_or_read_only_is_refused_before_anything_loads(
+    tmp_path, tiny_target_dir, tiny_data_file
+):
     import subprocess
 
     from draftsmith.common.errors import ConfigError
@@ -274,31 +393,55 @@ def test_a_run_folder_that_is_a_file_or_read_only_is_refused_before_anything_loa
         train(tiny_cfg(tiny_target_dir, tiny_data_file), get_recipe("medusa"), tmp_path / "run")
     mount = tmp_path / "ro"
     mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,ro", "tmpfs", str(mount)], capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,ro", "tmpfs", str(mount)], capture_output=True
+    )
     if mounted.returncode:
         pytest.skip("cannot mount a read-only tmpfs here")
-    try:  # resuming in a run folder on a read-only file system used to fail after the target loaded, in a traceback
-        with pytest.raises(ConfigError, match=r"is on a read-only file system, and a run writes its checkpoints"):
+    # resuming in a run folder on a read-only file system used to fail after the target loaded, in a
+    # traceback
+    try:
+        with pytest.raises(
+            ConfigError, match=r"is on a read-only file system, and a run writes its checkpoints"
+        ):
             train(tiny_cfg(tiny_target_dir, tiny_data_file), get_recipe("medusa"), mount / "run")
     finally:
         subprocess.run(["umount", str(mount)], check=False)
 
 
-def test_a_damaged_log_or_batch_record_never_stops_a_resume(tmp_path, tiny_target_dir, tiny_data_file, caplog):
+def test_a_damaged_log_or_batch_record_never_stops_a_resume(
+    tmp_path, tiny_target_dir, tiny_data_file, caplog
+):
     run_dir = tmp_path / "run"
-    train(tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=2"), get_recipe("medusa"), run_dir)
+    train(
+        tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=2"),
+        get_recipe("medusa"),
+        run_dir,
+    )
     log_file = run_dir / "logs" / "metrics.csv"
     garbage = bytes(range(256)) * 4
-    log_file.write_bytes(garbage)  # not a CSV: used to be a UnicodeDecodeError traceback at the logger's start
-    (run_dir / "checkpoints" / "global_batch.json").write_text("{cut")  # used to be a JSONDecodeError traceback
+    log_file.write_bytes(
+        garbage
+    )  # not a CSV: used to be a UnicodeDecodeError traceback at the logger's start
+    (run_dir / "checkpoints" / "global_batch.json").write_text(
+        "{cut"
+    )  # used to be a JSONDecodeError traceback
     with caplog.at_level(logging.WARNING):
-        train(tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=3"), get_recipe("medusa"), run_dir)
+        train(
+            tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=3"),
+            get_recipe("medusa"),
+            run_dir,
+        )
     aside = [p for p in log_file.parent.iterdir() if p.name.startswith("metrics.csv.unreadable-")]
     assert len(aside) == 1 and aside[0].read_bytes() == garbage and logged_steps(run_dir) == [2]
     assert "is not a CSV log" in caplog.text and "global_batch.json is unreadable" in caplog.text
     with log_file.open("a") as handle:  # a row a kill -9 cut before its newline
         handle.write("0,99")
-    train(tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=4"), get_recipe("medusa"), run_dir)
+    train(
+        tiny_cfg(tiny_target_dir, tiny_data_file, "trainer.max_steps=4"),
+        get_recipe("medusa"),
+        run_dir,
+    )
     assert logged_steps(run_dir) == [2, 3] and "\n0,99\n" in log_file.read_text()
 
 

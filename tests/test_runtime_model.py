@@ -1,4 +1,5 @@
-"""Lean decoder, static cache, AR decoding, HF fallback and bench harness against transformers on tiny random models."""
+"""Lean decoder, static cache, AR decoding, HF fallback and bench harness against transformers on
+tiny random models."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ LLAMA3_ROPE = {
 }
 CASES = {
     "llama_tied": ("Llama", {"tie_word_embeddings": True}),
-    "llama_bias_llama3rope": ("Llama", {"attention_bias": True, "mlp_bias": True, "rope_scaling": LLAMA3_ROPE}),
+    "llama_bias_llama3rope": (
+        "Llama",
+        {"attention_bias": True, "mlp_bias": True, "rope_scaling": LLAMA3_ROPE},
+    ),
     "mistral": ("Mistral", {}),
     "qwen2_bias": ("Qwen2", {}),
     "qwen3_qknorm": ("Qwen3", {"head_dim": 16}),
@@ -37,7 +41,8 @@ CASES = {
 
 
 def tiny_model(kind: str, folder, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
-    """A 2-layer random HF model (GQA 4/2 heads) with non-trivial norms/biases, saved to ``folder``."""
+    """A 2-layer random HF model (GQA 4/2 heads) with non-trivial norms/biases, saved to
+    ``folder``."""
     torch.manual_seed(seed)
     kw = dict(
         hidden_size=64,
@@ -53,7 +58,9 @@ def tiny_model(kind: str, folder, seed: int = 0, **overrides) -> transformers.Pr
     kw.update(overrides)
     config = getattr(transformers, f"{kind}Config")(**kw)
     model = getattr(transformers, f"{kind}ForCausalLM")(config).eval()
-    with torch.no_grad():  # default init makes norms 1 and biases 0, which would hide wiring mistakes
+    with (
+        torch.no_grad()
+    ):  # default init makes norms 1 and biases 0, which would hide wiring mistakes
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.2)
@@ -97,7 +104,7 @@ def path_to(parents: list[int], node: int) -> list[int]:
     return out[::-1]
 
 
-# ---- parity with transformers ---------------------------------------------------------------------------------
+# ---- parity with transformers --------------------------------------------------------------------
 
 
 def test_prefill_and_incremental_logits_match_hf(case):
@@ -126,7 +133,12 @@ def test_config_reads_family_features(tmp_path):
     q2 = ModelConfig.from_folder(tmp_path / "q2")
     l3 = ModelConfig.from_folder(tmp_path / "l3")
     assert (q2.qkv_bias, q2.o_bias, q2.sliding_window) == (True, False, None)
-    assert (l3.rope_type, l3.tie_word_embeddings, l3.num_kv_heads, l3.head_dim) == ("llama3", True, 2, 16)
+    assert (l3.rope_type, l3.tie_word_embeddings, l3.num_kv_heads, l3.head_dim) == (
+        "llama3",
+        True,
+        2,
+        16,
+    )
 
 
 def test_sharded_checkpoint_and_taps_match_hf(tmp_path):
@@ -141,12 +153,15 @@ def test_sharded_checkpoint_and_taps_match_hf(tmp_path):
     with torch.no_grad():
         out = hf(torch.tensor([ids]), output_hidden_states=True)
     torch.testing.assert_close(logits, out.logits[0], atol=1e-4, rtol=1e-4)
-    for i in (0, 1):  # HF's hidden_states[i] is the input of layer i; its last entry is post-norm, our tap is not
+    for i in (
+        0,
+        1,
+    ):  # HF's hidden_states[i] is the input of layer i; its last entry is post-norm, our tap is not
         torch.testing.assert_close(taps[i], out.hidden_states[i][0], atol=1e-4, rtol=1e-4)
     assert taps[2].shape == (len(ids), 64)
 
 
-# ---- trees and compaction (lean and HF fallback share the contract) ---------------------------------------------
+# ---- trees and compaction (lean and HF fallback share the contract) ------------------------------
 
 
 @pytest.mark.parametrize("backend", ["lean", "hf"])
@@ -197,7 +212,7 @@ def test_compaction_keeps_exactly_the_accepted_path(tmp_path, backend):
         ref_cache.commit(1)
 
 
-# ---- autoregressive decoding ----------------------------------------------------------------------------------
+# ---- autoregressive decoding ---------------------------------------------------------------------
 
 
 def test_generate_ar_greedy_matches_hf_generate(case):
@@ -205,7 +220,9 @@ def test_generate_ar_greedy_matches_hf_generate(case):
     lean = LeanDecoder.from_pretrained(folder)
     prompt = [7, 1, 33, 90, 4]
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=20, do_sample=False, min_new_tokens=20
+        )
     assert generate_ar(lean, prompt, 20) == ref[0, len(prompt) :].tolist()
 
 
@@ -241,7 +258,9 @@ def test_hf_adapter_matches_lean_greedy_and_gpt2_falls_back(tmp_path):
     fallback = load_decoder(tmp_path / "g")
     assert isinstance(fallback, HFModelAdapter)
     with torch.no_grad():
-        ref = gpt2.generate(torch.tensor([[3, 9, 27]]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
+        ref = gpt2.generate(
+            torch.tensor([[3, 9, 27]]), max_new_tokens=10, do_sample=False, min_new_tokens=10
+        )
     assert generate_ar(fallback, [3, 9, 27], 10) == ref[0, 3:].tolist()
 
 
@@ -250,7 +269,14 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(tmp_path):
     lean = LeanDecoder.from_pretrained(tmp_path)
 
     def sampled(seed: int, **kw) -> list[int]:
-        return generate_ar(lean, [1, 2, 3], 12, temperature=1.0, generator=torch.Generator().manual_seed(seed), **kw)
+        return generate_ar(
+            lean,
+            [1, 2, 3],
+            12,
+            temperature=1.0,
+            generator=torch.Generator().manual_seed(seed),
+            **kw,
+        )
 
     assert sampled(0) == sampled(0)
     assert sampled(0, top_p=1e-6) == generate_ar(lean, [1, 2, 3], 12)
@@ -263,7 +289,11 @@ def test_bf16_runs_close_to_fp32(tmp_path):
     ids = torch.tensor([5, 6, 7, 8])
     f32 = LeanDecoder.from_pretrained(tmp_path)
     ref = f32(ids, f32.allocate_cache(8)).logits
-    backends = ["dense", "mkldnn"] if mkldnn_linear_available(torch.bfloat16, torch.device("cpu")) else ["dense"]
+    backends = (
+        ["dense", "mkldnn"]
+        if mkldnn_linear_available(torch.bfloat16, torch.device("cpu"))
+        else ["dense"]
+    )
     for backend in backends:  # oneDNN-prepacked and plain bf16 linears
         b16 = LeanDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16, linear_backend=backend)
         res = b16(ids, b16.allocate_cache(8))
@@ -274,7 +304,7 @@ def test_bf16_runs_close_to_fp32(tmp_path):
         LeanDecoder.from_pretrained(tmp_path, linear_backend="mkldnn")  # fp32
 
 
-# ---- bench harness ----------------------------------------------------------------------------------------------
+# ---- bench harness -------------------------------------------------------------------------------
 
 
 def test_bench_outputs_are_lossless_against_hf_generate(tmp_path):
@@ -290,7 +320,7 @@ def test_bench_outputs_are_lossless_against_hf_generate(tmp_path):
     assert report["identical"] == 0 and report["first_mismatch"] == {"prompt": 0, "position": 1}
 
 
-# ---- clear errors -----------------------------------------------------------------------------------------------
+# ---- clear errors --------------------------------------------------------------------------------
 
 
 def test_missing_folder_weights_and_lm_head(tmp_path):
@@ -305,7 +335,10 @@ def test_missing_folder_weights_and_lm_head(tmp_path):
     with pytest.raises(WeightsError, match="lm_head.weight is missing"):
         LeanDecoder(config, state)
     with pytest.raises(WeightsError, match="q_proj"):
-        LeanDecoder(config, {k: v for k, v in hf.state_dict().items() if "layers.1.self_attn.q_proj" not in k})
+        LeanDecoder(
+            config,
+            {k: v for k, v in hf.state_dict().items() if "layers.1.self_attn.q_proj" not in k},
+        )
 
 
 def test_unsupported_rope_type(tmp_path):

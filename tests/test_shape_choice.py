@@ -1,6 +1,6 @@
-"""Shapes, not depths: candidate shapes, accepted length of a shape on recorded steps, the measured verify curve and
-decode step (prefill excluded), the decision on measured speeds, refused shapes and the cached shape reapplied.
-Every timing here reads a fake clock."""
+"""Shapes, not depths: candidate shapes, accepted length of a shape on recorded steps, the measured
+verify curve and decode step (prefill excluded), the decision on measured speeds, refused shapes and
+the cached shape reapplied. Every timing here reads a fake clock."""
 
 from __future__ import annotations
 
@@ -26,7 +26,13 @@ from draftsmith.runtime.target.interface import TargetWrapper
 
 pytestmark = pytest.mark.unit
 
-CPU_CURVE = {1: 5.6, 2: 5.6, 4: 6.4, 8: 9.3, 16: 15.0}  # the issue's forward ms of 1/2/4/8/16 new tokens
+CPU_CURVE = {
+    1: 5.6,
+    2: 5.6,
+    4: 6.4,
+    8: 9.3,
+    16: 15.0,
+}  # the issue's forward ms of 1/2/4/8/16 new tokens
 
 
 class FakeClock:
@@ -40,8 +46,8 @@ class FakeClock:
 
 
 class CostedModel(TargetWrapper):
-    """The tiny target charging the fake clock per forward: a prefill (several tokens, no tree mask) costs
-    ``prefill_ms``, a forward of n new tokens ``cost(n)`` ms."""
+    """The tiny target charging the fake clock per forward: a prefill (several tokens, no tree mask)
+    costs ``prefill_ms``, a forward of n new tokens ``cost(n)`` ms."""
 
     def __init__(self, model, clock, cost, prefill_ms=500.0) -> None:
         super().__init__(model)
@@ -62,7 +68,9 @@ def test_verify_curve_covers_every_size_and_the_ar_step_excludes_the_prefill():
     assert sorted(curve) == list(range(1, 17))
     assert curve == pytest.approx({n: 5.0 + 0.5 * n for n in range(1, 17)})
     step, per_prompt = calibration.decode_step_ms(model, [[1, 5, 9], [2, 4, 6, 8]], 8, clock)
-    assert step == pytest.approx(5.5) and per_prompt == pytest.approx([5.5, 5.5])  # the 900 ms prefill is not in it
+    assert step == pytest.approx(5.5) and per_prompt == pytest.approx(
+        [5.5, 5.5]
+    )  # the 900 ms prefill is not in it
 
 
 class HeadRecorder(CostedModel):
@@ -80,16 +88,21 @@ class HeadRecorder(CostedModel):
 
 
 def test_costs_are_timed_with_the_lm_head_the_loop_runs():
-    """Greedy verification reduces the LM head to an argmax per row, and so does greedy plain decoding: the plain
-    step and the verify curve are timed with that head (the logits head cost 14% more a step on a 135M target), and
-    the argmax-head steps decode the same tokens as the logits-head steps."""
+    """Greedy verification reduces the LM head to an argmax per row, and so does greedy plain
+    decoding: the plain step and the verify curve are timed with that head (the logits head cost 14%
+    more a step on a 135M target), and the argmax-head steps decode the same tokens as the
+    logits-head steps."""
     _, lean = tiny_llama(0, layers=2)
     assert calibration.loop_head(SimpleNamespace(uses_argmax_head=lambda: True)) == "argmax"
     assert calibration.loop_head(SimpleNamespace(uses_argmax_head=lambda: False)) == "logits"
-    assert calibration.loop_head(None) == "logits"  # no speculative decoder: the logits head, as before
+    assert (
+        calibration.loop_head(None) == "logits"
+    )  # no speculative decoder: the logits head, as before
     model = HeadRecorder(lean, FakeClock(), lambda n: 5.0)
     calibration.forward_curve(model, [1, 5, 9], sizes=(1, 4), repeats=1, head="argmax")
-    assert model.heads == ["logits"] + ["argmax"] * 3  # the untimed prefill, the warm-up, then sizes 1 and 4
+    assert (
+        model.heads == ["logits"] + ["argmax"] * 3
+    )  # the untimed prefill, the warm-up, then sizes 1 and 4
     fed = {}
     for head in ("argmax", "logits"):
         model = HeadRecorder(lean, FakeClock(), lambda n: 5.0)
@@ -100,8 +113,8 @@ def test_costs_are_timed_with_the_lm_head_the_loop_runs():
 
 
 def _eagle_like_tree() -> tuple[list[int], list[int], list[float]]:
-    """A 16-node tree 4 levels deep: the best node of each level has 4 children (3 at depth 4), ranked 0..3 with
-    confidences 0.6, 0.2, 0.1, 0.05."""
+    """A 16-node tree 4 levels deep: the best node of each level has 4 children (3 at depth 4),
+    ranked 0..3 with confidences 0.6, 0.2, 0.1, 0.05."""
     parents, depths, conf = [-1], [0], [1.0]
     best = 0
     for level, width in enumerate((4, 4, 4, 3), start=1):
@@ -125,28 +138,44 @@ def _chain_path(parents: list[int], length: int) -> list[int]:
 def _decaying_steps() -> list[RecordedStep]:
     """Ten steps accepting 0,0,0,0,1,1,1,2,2,3 rank-0 tokens: acceptance decays with depth."""
     parents, depths, conf = _eagle_like_tree()
-    return [RecordedStep(parents, depths, conf, _chain_path(parents, a)) for a in (0, 0, 0, 0, 1, 1, 1, 2, 2, 3)]
+    return [
+        RecordedStep(parents, depths, conf, _chain_path(parents, a))
+        for a in (0, 0, 0, 0, 1, 1, 1, 2, 2, 3)
+    ]
 
 
 def test_accepted_length_of_a_shape_on_a_recorded_tree():
     step = _decaying_steps()[-1]  # 3 rank-0 tokens accepted
     assert draft_shapes.accepted_length(step, Shape.chain(1)) == (1, 2)
     assert draft_shapes.accepted_length(step, Shape.chain(4))[0] == 3
-    assert draft_shapes.accepted_length(step, Shape("tree", 2, 6, 2)) == (2, 5)  # only 4 recorded nodes fit b2/d2
-    assert draft_shapes.accepted_length(step, Shape("depth", 2, 3)) == (2, len([d for d in step.depths if d <= 2]))
+    assert draft_shapes.accepted_length(step, Shape("tree", 2, 6, 2)) == (
+        2,
+        5,
+    )  # only 4 recorded nodes fit b2/d2
+    assert draft_shapes.accepted_length(step, Shape("depth", 2, 3)) == (
+        2,
+        len([d for d in step.depths if d <= 2]),
+    )
 
 
 def test_search_picks_a_short_chain_when_verify_16_is_dear_and_acceptance_decays():
-    curve = {n: CPU_CURVE[n] if n in CPU_CURVE else MachineCosts(5.6, CPU_CURVE).verify_at(n) for n in range(1, 17)}
+    curve = {
+        n: CPU_CURVE[n] if n in CPU_CURVE else MachineCosts(5.6, CPU_CURVE).verify_at(n)
+        for n in range(1, 17)
+    }
     costs = MachineCosts(5.6, curve, draft_ms_per_depth=0.3, overhead_ms=0.3)
     proposer = declared(shape_family="dynamic_tree", shape_vocab=100)
     table = predict_shapes(_decaying_steps(), draft_shapes.candidates(proposer), costs)
     assert table[0]["spec"]["kind"] == "chain" and 2 <= table[0]["spec"]["nodes"] <= 4
     full = next(r for r in table if r["shape"] == "tree:16/b4/d4")
-    assert full["predicted_speedup"] < 1.0 < table[0]["predicted_speedup"]  # the export's 16-node tree loses
+    assert (
+        full["predicted_speedup"] < 1.0 < table[0]["predicted_speedup"]
+    )  # the export's 16-node tree loses
     measured = {r["shape"]: r["predicted_speedup"] for r in table[:3] if r["shape"] != "plain"}
     choice = decide_shape(table, measured, noise=0.05)
-    assert choice.shape.kind == "chain" and 2 <= choice.shape.nodes <= 4 and "serving it" in choice.why
+    assert (
+        choice.shape.kind == "chain" and 2 <= choice.shape.nodes <= 4 and "serving it" in choice.why
+    )
 
 
 def test_plain_decoding_when_measured_speed_disagrees_with_the_prediction_beyond_noise():
@@ -156,7 +185,9 @@ def test_plain_decoding_when_measured_speed_disagrees_with_the_prediction_beyond
     best = table[0]["shape"]
     assert table[0]["predicted_speedup"] > 1.2
     slower = decide_shape([dict(r) for r in table], {best: 0.92}, noise=0.05)
-    assert slower.speculation_loses and "does not beat runtime AR by more than the noise" in slower.why
+    assert (
+        slower.speculation_loses and "does not beat runtime AR by more than the noise" in slower.why
+    )
     within_noise = decide_shape([dict(r) for r in table], {best: 1.04}, noise=0.05)
     assert within_noise.shape == draft_shapes.PLAIN
     beyond = decide_shape([dict(r) for r in table], {best: 1.2}, noise=0.05)
@@ -191,7 +222,9 @@ def test_medusa_shapes_come_from_the_tree_builder():
     from draftsmith.common.trees import default_medusa_tree
 
     assert sorted(map(list, shaped.tree.paths)) == sorted(default_medusa_tree(2, 5, 2))
-    assert shaped.max_tree_nodes == 6 and medusa.max_tree_nodes == 4  # a copy: the export's proposer is unchanged
+    assert (
+        shaped.max_tree_nodes == 6 and medusa.max_tree_nodes == 4
+    )  # a copy: the export's proposer is unchanged
     chain = draft_shapes.with_shape(medusa, Shape.chain(3))
     assert [list(p) for p in chain.tree.paths] == [[0], [0, 0], [0, 0, 0]]
     with pytest.raises(ShapeError, match="3 heads"):
@@ -213,29 +246,47 @@ class StubEagle(Proposer):
 
     def reshape(self, options: dict) -> None:
         self.options = dict(options)
-        self.max_tree_nodes = options["depth"] + 2 if options["policy"] == "chain" else options["total_tokens"]
+        self.max_tree_nodes = (
+            options["depth"] + 2 if options["policy"] == "chain" else options["total_tokens"]
+        )
 
 
 def _runtime(proposer) -> SimpleNamespace:
     spec = SimpleNamespace(proposer=proposer, stop_policy=None)
-    model = SimpleNamespace(dtype=torch.float32, linear_ops="dense")  # what machine_identity reads of a target
-    return SimpleNamespace(speculative=spec, model=model, folder="tiny", export_config={"method": "eagle3"})
+    model = SimpleNamespace(
+        dtype=torch.float32, linear_ops="dense"
+    )  # what machine_identity reads of a target
+    return SimpleNamespace(
+        speculative=spec, model=model, folder="tiny", export_config={"method": "eagle3"}
+    )
 
 
 def test_generate_reapplies_the_cached_shape(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path))
     bench_rt = _runtime(StubEagle())
-    choice = ShapeChoice(Shape.chain(2), "chain:2 measured at 1.30x runtime AR: serving it", 1.4, 1.3, 0.05)
-    save_shape_choice(calibration.cache_key(calibration.machine_identity(bench_rt)), MachineCosts(5.0, {1: 5.0}),
-                      choice, calibration.machine_identity(bench_rt))
+    choice = ShapeChoice(
+        Shape.chain(2), "chain:2 measured at 1.30x runtime AR: serving it", 1.4, 1.3, 0.05
+    )
+    save_shape_choice(
+        calibration.cache_key(calibration.machine_identity(bench_rt)),
+        MachineCosts(5.0, {1: 5.0}),
+        choice,
+        calibration.machine_identity(bench_rt),
+    )
     rt = _runtime(StubEagle())
     note = calibration.apply_cached_shape(rt)  # what cli/serving.py's generate calls
     assert "chain:2" in note
     assert rt.speculative.proposer.options == {"policy": "chain", "depth": 1}
-    assert rt.speculative.stop_policy == FixedDepth(2) and rt.speculative.proposer.max_tree_nodes == 3
+    assert (
+        rt.speculative.stop_policy == FixedDepth(2) and rt.speculative.proposer.max_tree_nodes == 3
+    )
     plain = ShapeChoice(draft_shapes.PLAIN, "best measured shape ... serving plain decoding")
-    save_shape_choice(calibration.cache_key(calibration.machine_identity(bench_rt)), MachineCosts(5.0, {1: 5.0}),
-                      plain, calibration.machine_identity(bench_rt))
+    save_shape_choice(
+        calibration.cache_key(calibration.machine_identity(bench_rt)),
+        MachineCosts(5.0, {1: 5.0}),
+        plain,
+        calibration.machine_identity(bench_rt),
+    )
     rt = _runtime(StubEagle())
     assert "plain decoding" in calibration.apply_cached_shape(rt)
     assert type(rt.speculative.proposer).__name__ == "NullProposer"
@@ -253,9 +304,20 @@ def test_a_model_that_cannot_calibrate_serves_plain_decoding_and_says_why(tmp_pa
     prompt = [1, 5, 9]
     sequence = prompt + generate_ar(lean, prompt, 8)
     spec = SpeculativeDecoder(lean, ChainProposer(OracleDrafter(sequence, 96, 0), depth=4))
-    runtime = SimpleNamespace(speculative=spec, model=lean, eos_ids=(sequence[4],), folder="tiny",
-                              export_config={"method": "t"})  # every output ends after 2 tokens
-    choice, record = calibration.choose_cost_aware_shape(runtime, [prompt, prompt], clock=FakeClock())
-    assert choice.speculation_loses and "cannot calibrate" in choice.why and "too short" in record["why"]
+    runtime = SimpleNamespace(
+        speculative=spec,
+        model=lean,
+        eos_ids=(sequence[4],),
+        folder="tiny",
+        export_config={"method": "t"},
+    )  # every output ends after 2 tokens
+    choice, record = calibration.choose_cost_aware_shape(
+        runtime, [prompt, prompt], clock=FakeClock()
+    )
+    assert (
+        choice.speculation_loses
+        and "cannot calibrate" in choice.why
+        and "too short" in record["why"]
+    )
     assert record["calibration_generated_tokens"] < calibration.MIN_CALIBRATION_TOKENS
     assert spec.serves_plain_ar()

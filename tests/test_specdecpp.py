@@ -1,6 +1,7 @@
-"""SpecDec++: acceptance labels, the weighted soft BCE, training states that equal the runtime's, exports stacked on
-their drafter, lossless greedy decoding with every stop policy, bad input and calibration (the stop rule's exact step
-and exact rejection sampling under it: test_specdecpp_stop_rule.py)."""
+"""SpecDec++: acceptance labels, the weighted soft BCE, training states that equal the runtime's,
+exports stacked on their drafter, lossless greedy decoding with every stop policy, bad input and
+calibration (the stop rule's exact step and exact rejection sampling under it:
+test_specdecpp_stop_rule.py)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ PROMPTS = [[5, 9, 13, 40], [7, 60, 61]]
 NEW = 24
 
 
-# ---- labels, loss, head -------------------------------------------------------------------------------------------
+# ---- labels, loss, head --------------------------------------------------------------------------
 
 
 def test_labels_on_a_toy_pair_are_min_one_p_over_q():
@@ -63,12 +64,15 @@ def test_weighted_soft_bce_matches_the_two_class_reference_in_value_and_gradient
     mask = torch.tensor([1, 1, 0, 1, 1, 1, 0.0])
     w = 6.0
     loss = weighted_soft_bce(z, label, w, mask)
-    # The reference's form: class logits [reject, accept] = [z, 0], CE weighted by [w, 1] and the soft label.
+    # The reference's form: class logits [reject, accept] = [z, 0], CE weighted by [w, 1] and the
+    # soft label.
     z_ref = z.detach().clone().requires_grad_(True)
     logits = torch.stack([z_ref, torch.zeros_like(z_ref)], -1)
     ce0 = F.cross_entropy(logits, torch.zeros(7, dtype=torch.long), reduction="none")
     ce1 = F.cross_entropy(logits, torch.ones(7, dtype=torch.long), reduction="none")
-    ref = ((ce0 * w * (1 - label) + ce1 * label) * mask).sum() / (w * ((1 - label) * mask).sum() + (label * mask).sum())
+    ref = ((ce0 * w * (1 - label) + ce1 * label) * mask).sum() / (
+        w * ((1 - label) * mask).sum() + (label * mask).sum()
+    )
     torch.testing.assert_close(loss, ref)
     loss.backward()
     ref.backward()
@@ -83,7 +87,7 @@ def test_head_blocks_are_independent_not_one_block_repeated():
     assert head(torch.zeros(5, 16)).shape == (5,)
 
 
-# ---- training on a tiny target ------------------------------------------------------------------------------------
+# ---- training on a tiny target -------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -101,20 +105,32 @@ def eagle_export(tgt: Target, lean, folder: Path, seed: int) -> Path:
     torch.manual_seed(seed)
     arch = EagleConfig(**EagleConfig.dims_from_hf(tgt.config))
     drafter = EagleDrafter(arch, lean.embed_weight, lean.lm_head_weight)
-    config = {"method": "eagle", "architecture": asdict(arch), "target": tgt.identity(),
-              "inference": {"proposer": "chain", "depth": 4, "verifier": "greedy"}}
+    config = {
+        "method": "eagle",
+        "architecture": asdict(arch),
+        "target": tgt.identity(),
+        "inference": {"proposer": "chain", "depth": 4, "verifier": "greedy"},
+    }
     return write_export(folder, drafter.state_dict(), config)
 
 
 @pytest.fixture(scope="module")
 def drafters(target, tmp_path_factory):
     tgt, lean = target
-    return [eagle_export(tgt, lean, tmp_path_factory.mktemp(f"eagle{i}") / "export", i) for i in (0, 1)]
+    return [
+        eagle_export(tgt, lean, tmp_path_factory.mktemp(f"eagle{i}") / "export", i) for i in (0, 1)
+    ]
 
 
 def recipe_cfg(drafter: Path | None, inference: dict | None = None, **head) -> SpecDecPP:
-    return recipe_config("specdecpp", {"drafter": None if drafter is None else str(drafter), "head": head,
-                                       "inference": inference or {}})
+    return recipe_config(
+        "specdecpp",
+        {
+            "drafter": None if drafter is None else str(drafter),
+            "head": head,
+            "inference": inference or {},
+        },
+    )
 
 
 def greedy_batch(reference):
@@ -143,16 +159,22 @@ def trained(target, reference, drafters, tmp_path_factory):
         opt.step()
         losses.append(float(loss.detach()))
     config = {**objective.export_config(), "target": tgt.identity(), "training": {"steps": 40}}
-    out = write_export(tmp_path_factory.mktemp("specdecpp") / "export", objective.module.state_dict(), config)
+    out = write_export(
+        tmp_path_factory.mktemp("specdecpp") / "export", objective.module.state_dict(), config
+    )
     return objective, feats, losses, out
 
 
 def test_training_labels_and_loss(trained):
     objective, feats, losses, _ = trained
-    assert objective.frozen["drafter"] is objective.drafter and not any(p.requires_grad for p in
-                                                                         objective.drafter.parameters())
+    assert objective.frozen["drafter"] is objective.drafter and not any(
+        p.requires_grad for p in objective.drafter.parameters()
+    )
     assert feats.states.shape[0] == feats.labels.shape[0] > 20
-    assert bool(((feats.labels >= 0) & (feats.labels <= 1)).all()) and 0 < float(feats.labels.mean()) < 1
+    assert (
+        bool(((feats.labels >= 0) & (feats.labels <= 1)).all())
+        and 0 < float(feats.labels.mean()) < 1
+    )
     assert losses[-1] < 0.8 * losses[0]
 
 
@@ -162,19 +184,26 @@ def eagle3_export(tgt: Target, lean, folder: Path) -> Path:
 
     torch.manual_seed(2)
     d2t, t2d = vocab_maps(torch.arange(0, lean.config.vocab_size, 2), lean.config.vocab_size)
-    arch = Eagle3Config(**EagleConfig.dims_from_hf(tgt.config), draft_vocab_size=int(t2d.sum()),
-                        target_layers=(1, 2, 3))
+    arch = Eagle3Config(
+        **EagleConfig.dims_from_hf(tgt.config),
+        draft_vocab_size=int(t2d.sum()),
+        target_layers=(1, 2, 3),
+    )
     drafter = Eagle3Drafter(arch, lean.embed_weight, d2t, t2d)
-    config = {"method": "eagle3", "architecture": drafter.architecture(), "target": tgt.identity(),
-              "inference": {"proposer": "chain", "depth": 4, "verifier": "greedy"}}
+    config = {
+        "method": "eagle3",
+        "architecture": drafter.architecture(),
+        "target": tgt.identity(),
+        "inference": {"proposer": "chain", "depth": 4, "verifier": "greedy"},
+    }
     return write_export(folder, drafter.state_dict(), config)
 
 
 @pytest.mark.parametrize("base", ["eagle", "eagle3"])
 def test_training_state_is_the_runtime_stop_state(target, reference, drafters, base, tmp_path):
-    """Greedy labels (temperature 0): the state the head trains on for the candidate after position t is the state
-    the runtime chain hands the stop policy for its first drafted token, from the same context (EAGLE-3: over its
-    reduced draft vocabulary)."""
+    """Greedy labels (temperature 0): the state the head trains on for the candidate after position
+    t is the state the runtime chain hands the stop policy for its first drafted token, from the
+    same context (EAGLE-3: over its reduced draft vocabulary)."""
     tgt, lean = target
     prompt = PROMPTS[0]
     batch = greedy_batch(reference)  # row 0: PROMPTS[0] and its greedy continuation, unpadded
@@ -182,39 +211,55 @@ def test_training_state_is_the_runtime_stop_state(target, reference, drafters, b
     objective = specdecpp.build(recipe_cfg(drafter, temperature=0.0, mixing_ratio=0.0), tgt)
     feats = objective.features(tgt, {k: v[:1] for k, v in batch.items()})
     head = ScriptedHead([0.99])
-    proposer = LearnedStopProposer(build_proposer(drafter, lean, policy="chain"), head,
-                                   LearnedStop(head, threshold=0.5, max_depth=4))
+    proposer = LearnedStopProposer(
+        build_proposer(drafter, lean, policy="chain"),
+        head,
+        LearnedStop(head, threshold=0.5, max_depth=4),
+    )
     SpeculativeDecoder(lean, proposer).generate(prompt, 2)
     t = len(prompt) - 1  # the runtime's root is the target's token after the prompt, x_{t+1}
     torch.testing.assert_close(head.states[0].float(), feats.states[t], atol=1e-4, rtol=1e-4)
-    assert bool(((feats.labels == 0) | (feats.labels == 1)).all())  # greedy: accepted iff the target's argmax
+    assert bool(
+        ((feats.labels == 0) | (feats.labels == 1)).all()
+    )  # greedy: accepted iff the target's argmax
     if base == "eagle3":  # sampled labels over the reduced vocabulary stay probabilities
-        sampled = specdecpp.build(recipe_cfg(drafter, temperature=1.0, mixing_ratio=0.3, mixed_in_loss=True), tgt)
+        sampled = specdecpp.build(
+            recipe_cfg(drafter, temperature=1.0, mixing_ratio=0.3, mixed_in_loss=True), tgt
+        )
         feats = sampled.features(tgt, batch)
-        assert bool(((feats.labels >= 0) & (feats.labels <= 1)).all()) and float(feats.weight.min()) == 1.0
+        assert (
+            bool(((feats.labels >= 0) & (feats.labels <= 1)).all())
+            and float(feats.weight.min()) == 1.0
+        )
 
 
-# ---- exports and the runtime --------------------------------------------------------------------------------------
+# ---- exports and the runtime ---------------------------------------------------------------------
 
 
 def test_export_references_its_drafter_and_refuses_another(trained, drafters, target):
     _, _, _, export = trained
     head, config = AcceptanceHead.from_export(export)
     assert base_export_dir(config) == drafters[0].resolve()
-    with pytest.raises(ExportError, match="is not the eagle export this specdecpp export was trained on"):
+    with pytest.raises(
+        ExportError, match="is not the eagle export this specdecpp export was trained on"
+    ):
         AcceptanceHead.from_export(export, base_dir=drafters[1])
     with pytest.raises(ExportError, match="is not the eagle export"):
         build_proposer(export, target[1], base_export=drafters[1])
 
 
-@pytest.mark.parametrize("spec", [None, "fixed:3", "confidence:0.6", "learned:0.3", "learned:0.6:2:5"])
+@pytest.mark.parametrize(
+    "spec", [None, "fixed:3", "confidence:0.6", "learned:0.3", "learned:0.6:2:5"]
+)
 def test_greedy_decoding_is_lossless_with_every_stop_policy(trained, target, reference, spec):
     _, _, _, export = trained
     lean = target[1]
     from draftsmith.export.format import read_config
 
     config = read_config(export)
-    policy, info = choose_stop_policy(spec, config)  # no folder: the proposer binds its own head to learned:H
+    policy, info = choose_stop_policy(
+        spec, config
+    )  # no folder: the proposer binds its own head to learned:H
     assert info["source"] == ("export" if spec is None else "flag")
     dec = SpeculativeDecoder(lean, build_proposer(export, lean), stop_policy=policy)
     depths = []
@@ -229,7 +274,7 @@ def test_greedy_decoding_is_lossless_with_every_stop_policy(trained, target, ref
         assert isinstance(with_folder, LearnedStop) and isinstance(with_folder.head, AcceptanceHead)
 
 
-# ---- bad input ----------------------------------------------------------------------------------------------------
+# ---- bad input -----------------------------------------------------------------------------------
 
 
 def test_bad_stop_policies_and_recipe_config_are_named(drafters, tmp_path):
@@ -244,21 +289,27 @@ def test_bad_stop_policies_and_recipe_config_are_named(drafters, tmp_path):
     validate = get_recipe("specdecpp").validate
     with pytest.raises(ConfigError, match="pass drafter=EXPORT_DIR"):
         validate(recipe_cfg(None))
-    with pytest.raises(ConfigError, match=r"inference\.threshold=1\.2 is out of range: allowed > 0 and < 1"):
+    with pytest.raises(
+        ConfigError, match=r"inference\.threshold=1\.2 is out of range: allowed > 0 and < 1"
+    ):
         validate(recipe_cfg(drafters[0], {"threshold": 1.2}))
-    with pytest.raises(ConfigError, match=r"need 1 <= inference\.min_depth <= inference\.max_depth, got 5, 3"):
+    with pytest.raises(
+        ConfigError, match=r"need 1 <= inference\.min_depth <= inference\.max_depth, got 5, 3"
+    ):
         validate(recipe_cfg(drafters[0], {"min_depth": 5, "max_depth": 3}))
     with pytest.raises(ConfigError, match="nowhere does not exist"):
         validate(recipe_cfg(tmp_path / "nowhere"))
 
 
-# ---- calibration --------------------------------------------------------------------------------------------------
+# ---- calibration ---------------------------------------------------------------------------------
 
 
 def test_reliability_bins_and_ece_by_hand():
     from draftsmith.evals.calibrate import reliability
 
-    report = reliability(torch.tensor([0.05, 0.15, 0.95, 0.95]), torch.tensor([0, 1, 1, 0]), bins=10)
+    report = reliability(
+        torch.tensor([0.05, 0.15, 0.95, 0.95]), torch.tensor([0, 1, 1, 0]), bins=10
+    )
     assert report["ece"] == pytest.approx((0.05 + 0.85 + 2 * 0.45) / 4)
     assert [b["count"] for b in report["bins"]] == [1, 1, 0, 0, 0, 0, 0, 0, 0, 2]
     assert report["brier"] == pytest.approx((0.05**2 + 0.85**2 + 0.05**2 + 0.95**2) / 4)
@@ -274,13 +325,25 @@ def test_calibrate_writes_the_plot_and_ece_of_held_out_drafts(tiny_target_dir, t
     base = eagle_export(tgt, lean, tmp_path / "eagle", 0)
     head = AcceptanceHead(AcceptanceHeadConfig(64, 1))
     arch = {**head.architecture(), "base_export": specdecpp.base_reference(base)}
-    config = {"method": "specdecpp", "architecture": arch, "target": tgt.identity(), "base_export": arch["base_export"],
-              "inference": {"stop_policy": {"kind": "learned", "threshold": 0.3, "min_depth": 1, "max_depth": 3}}}
+    config = {
+        "method": "specdecpp",
+        "architecture": arch,
+        "target": tgt.identity(),
+        "base_export": arch["base_export"],
+        "inference": {
+            "stop_policy": {"kind": "learned", "threshold": 0.3, "min_depth": 1, "max_depth": 3}
+        },
+    }
     export = write_export(tmp_path / "head", head.state_dict(), config)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hello world"}\n{"prompt": "why is the answer python"}\n')
-    report = calibrate(str(export), str(prompts), str(tmp_path / "out"), target=str(tiny_target_dir),
-                       max_new_tokens=12)
+    report = calibrate(
+        str(export),
+        str(prompts),
+        str(tmp_path / "out"),
+        target=str(tiny_target_dir),
+        max_new_tokens=12,
+    )
     assert (tmp_path / "out/reliability.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "out/calibration.json").read_text())
     assert saved["ece"] == pytest.approx(report["ece"]) and 0 <= saved["ece"] <= 1

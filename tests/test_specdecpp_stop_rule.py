@@ -1,12 +1,18 @@
-"""SpecDec++'s learned stop rule: it stops at exactly the step its formula gives (reading the state of the token it
-decides after), and rejection sampling under it keeps the target's law whatever the head says."""
+"""SpecDec++'s learned stop rule: it stops at exactly the step its formula gives (reading the state
+of the token it decides after), and rejection sampling under it keeps the target's law whatever the
+head says."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from test_eagle_runtime import BigramStub, propose_once
-from test_speculative_sampling import ALPHA, SMALL_V, chi2_pvalue, small_target  # noqa: F401 (fixture)
+from test_speculative_sampling import (
+    ALPHA,
+    SMALL_V,
+    chi2_pvalue,
+    small_target,  # noqa: F401 (fixture)
+)
 
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.runtime.acceptance.stop_policies import LearnedStop, StopContext
@@ -19,7 +25,8 @@ pytestmark = pytest.mark.unit
 
 
 class ScriptedHead(torch.nn.Module):
-    """Returns the rejection logit of a scripted P(reject) per call, recording the states it reads."""
+    """Returns the rejection logit of a scripted P(reject) per call, recording the states it
+    reads."""
 
     def __init__(self, p_reject: list[float]) -> None:
         super().__init__()
@@ -32,7 +39,8 @@ class ScriptedHead(torch.nn.Module):
 
 
 def expected_depth(p_reject, h, max_depth, min_depth=1):
-    """The rule by hand: the first depth d >= min_depth with 1 - prod_{i<=d}(1 - p_i) > h, else max_depth."""
+    """The rule by hand: the first depth d >= min_depth with 1 - prod_{i<=d}(1 - p_i) > h, else
+    max_depth."""
     keep = 1.0
     for d, p in enumerate(p_reject, start=1):
         keep *= 1 - p
@@ -41,12 +49,19 @@ def expected_depth(p_reject, h, max_depth, min_depth=1):
     return max_depth
 
 
-@pytest.mark.parametrize("p_reject,h,min_depth", [
-    ([0.6, 0.1, 0.1], 0.5, 1),        # first step: P(reject) of token 1 alone exceeds h
-    ([0.1, 0.1, 0.5, 0.1], 0.5, 1),   # 0.1, 0.19, 0.595: token 3's own estimate tips it (no off-by-one)
-    ([0.1, 0.1, 0.31, 0.1], 0.5, 1),  # 0.1, 0.19, 0.4411, 0.497: never, up to max_depth
-    ([0.9, 0.1, 0.1], 0.5, 2),        # min_depth holds the first stop back
-])
+@pytest.mark.parametrize(
+    "p_reject,h,min_depth",
+    [
+        ([0.6, 0.1, 0.1], 0.5, 1),  # first step: P(reject) of token 1 alone exceeds h
+        (
+            [0.1, 0.1, 0.5, 0.1],
+            0.5,
+            1,
+        ),  # 0.1, 0.19, 0.595: token 3's own estimate tips it (no off-by-one)
+        ([0.1, 0.1, 0.31, 0.1], 0.5, 1),  # 0.1, 0.19, 0.4411, 0.497: never, up to max_depth
+        ([0.9, 0.1, 0.1], 0.5, 2),  # min_depth holds the first stop back
+    ],
+)
 def test_learned_rule_stops_at_exactly_the_formula_step(p_reject, h, min_depth):
     want = expected_depth(p_reject, h, 4, min_depth)
     policy = LearnedStop(ScriptedHead(p_reject), threshold=h, max_depth=4, min_depth=min_depth)
@@ -60,15 +75,19 @@ def test_learned_rule_stops_at_exactly_the_formula_step(p_reject, h, min_depth):
     # In a chain proposer the rule decides after token d from the state whose input is token d.
     head = ScriptedHead(p_reject)
     chain = EagleProposer(BigramStub(), "chain", depth=7)
-    tree = propose_once(chain, [0, 0], 0, LearnedStop(head, threshold=h, max_depth=4, min_depth=min_depth))
+    tree = propose_once(
+        chain, [0, 0], 0, LearnedStop(head, threshold=h, max_depth=4, min_depth=min_depth)
+    )
     assert tree.num_nodes - 1 == want
     drafted = tree.tokens[1:].tolist()
-    # BigramStub's output is one_hot(input token): the d-th state the head read is the d-th drafted token's.
+    # BigramStub's output is one_hot(input token): the d-th state the head read is the d-th drafted
+    # token's.
     assert [int(s.argmax()) for s in head.states] == drafted[: len(head.states)]
 
 
 class HashHead(torch.nn.Module):
-    """A deterministic, strongly state-dependent rejection logit (so the draft length really varies)."""
+    """A deterministic, strongly state-dependent rejection logit (so the draft length really
+    varies)."""
 
     def forward(self, state):
         return 4 * torch.sin(1000 * state.float().sum(-1))
@@ -77,10 +96,18 @@ class HashHead(torch.nn.Module):
 def test_rejection_sampling_with_the_learned_rule_keeps_the_target_law(small_target):  # noqa: F811
     lean, prompt, joint = small_target
     torch.manual_seed(3)
-    hf_cfg = {"hidden_size": 32, "vocab_size": SMALL_V, "intermediate_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 8}
+    hf_cfg = {
+        "hidden_size": 32,
+        "vocab_size": SMALL_V,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+    }
     drafter = EagleDrafter(EagleConfig(**hf_cfg), lean.embed_weight, lean.lm_head_weight).eval()
-    head = HashHead()  # any function of the drafter state: the stop decision never looks at the verifier
+    head = (
+        HashHead()
+    )  # any function of the drafter state: the stop decision never looks at the verifier
     base = EagleProposer(Eagle1DraftModel(drafter), "chain", depth=3, temperature=1.0)
     proposer = LearnedStopProposer(base, head, LearnedStop(head, threshold=0.5, max_depth=3))
     dec = SpeculativeDecoder(lean, proposer, RejectionSamplingVerifier(temperature=1.0))

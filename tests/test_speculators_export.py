@@ -1,8 +1,10 @@
-"""speculators-format converter: our side always; the real library (separate venv) when it is installed.
+"""speculators-format converter: our side always; the real library (separate venv) when it is
+installed.
 
-The library check runs in ``.cache/venv-speculators`` (made by ``make test``; speculators 0.9.0 pins its own
-transformers), in a subprocess: ``SpeculatorModel.from_pretrained`` must load the converted folder with identical
-weights, and its own EAGLE-3 forward (eager attention, teacher-forced TTT) must reproduce our per-step logits.
+The library check runs in ``.cache/venv-speculators`` (made by ``make test``; speculators 0.9.0 pins
+its own transformers), in a subprocess: ``SpeculatorModel.from_pretrained`` must load the converted
+folder with identical weights, and its own EAGLE-3 forward (eager attention, teacher-forced TTT)
+must reproduce our per-step logits.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC_VENV = ROOT / ".cache" / "venv-speculators"  # made by `make speculators-venv` (part of `make test`)
-SPECULATORS_PYTHON = Path(os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON", SPEC_VENV / "bin" / "python"))
+SPEC_VENV = (
+    ROOT / ".cache" / "venv-speculators"
+)  # made by `make speculators-venv` (part of `make test`)
+SPECULATORS_PYTHON = Path(
+    os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON", SPEC_VENV / "bin" / "python")
+)
 
 
 def _no_speculators_reason() -> str:
@@ -40,8 +46,11 @@ def _no_speculators_reason() -> str:
     return f"speculators venv not found at {SPECULATORS_PYTHON} (run `make speculators-venv`)"
 
 
-HAVE_SPECULATORS = SPECULATORS_PYTHON.is_file() and (SPEC_VENV / ".done").is_file() or \
-    "DRAFTSMITH_SPECULATORS_PYTHON" in os.environ
+HAVE_SPECULATORS = (
+    SPECULATORS_PYTHON.is_file()
+    and (SPEC_VENV / ".done").is_file()
+    or "DRAFTSMITH_SPECULATORS_PYTHON" in os.environ
+)
 LAYERS = [1, 2, 3]
 STEPS = 3
 
@@ -59,7 +68,8 @@ state = model.state_dict()
 for key, value in ours.items():
     assert torch.equal(state[key], value), key
 assert torch.equal(state["embed_tokens.weight"], ref["embed"])
-assert model.config.eagle_aux_hidden_state_layer_ids == [1, 2, 3], model.config.eagle_aux_hidden_state_layer_ids
+aux_ids = model.config.eagle_aux_hidden_state_layer_ids
+assert aux_ids == [1, 2, 3], aux_ids
 print("WEIGHTS_OK", len(ours))
 
 config = SpeculatorModelConfig.from_pretrained(out)
@@ -69,13 +79,13 @@ captured = []
 model.lm_head.register_forward_hook(lambda _m, _i, o: captured.append(o.detach()))
 ids = ref["input_ids"]
 with torch.no_grad():
-    model(hidden_states=ref["hidden_states"], input_ids=ids, document_ids=torch.zeros_like(ids), ttt_steps=steps)
+    model(hidden_states=ref["hidden_states"], input_ids=ids, document_ids=torch.zeros_like(ids),
+          ttt_steps=steps)
 got = torch.stack(captured)  # [steps, 1, T, Nd]
 err = (got - ref["logits"]).abs().max().item()
 assert err < 1e-4, err
 print("FORWARD_OK", err)
 """
-
 
 
 @pytest.fixture()
@@ -85,13 +95,22 @@ def target(tiny_tokenizer) -> Target:
 
 def export_eagle3(target: Target, out: Path, draft_vocab: int = 48) -> tuple[Path, object]:
     torch.manual_seed(0)
-    cfg = recipe_config("eagle3", {"drafter": {"target_layers": LAYERS, "draft_vocab_size": draft_vocab}})
+    cfg = recipe_config(
+        "eagle3", {"drafter": {"target_layers": LAYERS, "draft_vocab_size": draft_vocab}}
+    )
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, target.vocab_size, (2, 30), generator=g), torch.ones(2, 30, dtype=torch.long))]
+    batches = [
+        (
+            torch.randint(0, target.vocab_size, (2, 30), generator=g),
+            torch.ones(2, 30, dtype=torch.long),
+        )
+    ]
     objective = eagle3_recipe.build_objective(cfg, target, batches)
     for p in objective.module.parameters():
         p.data.normal_(0, 0.1)
-    module = SimpleNamespace(drafter=objective.module, objective=objective, run_info={"target": target.identity()})
+    module = SimpleNamespace(
+        drafter=objective.module, objective=objective, run_info={"target": target.identity()}
+    )
     return export_from_module(module, out, training={}), objective.module
 
 
@@ -108,30 +127,61 @@ def test_our_side_files_keys_shapes_and_config(tmp_path, target):
     assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
     # inference.depth + 1: the longest path the runtime drafts (aligned, issue 9)
     assert spec["proposal_methods"][0]["speculative_tokens"] == 5
-    assert spec["verifier"] == {"name_or_path": str(verifier), "architectures": ["LlamaForCausalLM"]}
+    assert spec["verifier"] == {
+        "name_or_path": str(verifier),
+        "architectures": ["LlamaForCausalLM"],
+    }
     layer = config["transformer_layer_config"]
-    assert (layer["model_type"], layer["num_hidden_layers"], layer["vocab_size"],
-            layer["hidden_size"]) == ("llama", 1, v, h)
-    assert (layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]) == (4, 2, 16)
-    assert config["eagle_aux_hidden_state_layer_ids"] == LAYERS and config["target_hidden_size"] == h
-    assert not any(config[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"))
+    assert (
+        layer["model_type"],
+        layer["num_hidden_layers"],
+        layer["vocab_size"],
+        layer["hidden_size"],
+    ) == ("llama", 1, v, h)
+    assert (layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]) == (
+        4,
+        2,
+        16,
+    )
+    assert (
+        config["eagle_aux_hidden_state_layer_ids"] == LAYERS and config["target_hidden_size"] == h
+    )
+    assert not any(
+        config[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+    )
     tensors = load_file(out / "model.safetensors")
     shapes = {k: tuple(t.shape) for k, t in tensors.items()}
     assert shapes == {
-        "fc.weight": (h, 3 * h), "norm.weight": (h,), "lm_head.weight": (48, h), "d2t": (48,), "t2d": (v,),
-        "layers.0.input_layernorm.weight": (h,), "layers.0.hidden_norm.weight": (h,),
+        "fc.weight": (h, 3 * h),
+        "norm.weight": (h,),
+        "lm_head.weight": (48, h),
+        "d2t": (48,),
+        "t2d": (v,),
+        "layers.0.input_layernorm.weight": (h,),
+        "layers.0.hidden_norm.weight": (h,),
         "layers.0.post_attention_layernorm.weight": (h,),
-        "layers.0.self_attn.q_proj.weight": (4 * 16, 2 * h), "layers.0.self_attn.k_proj.weight": (2 * 16, 2 * h),
-        "layers.0.self_attn.v_proj.weight": (2 * 16, 2 * h), "layers.0.self_attn.o_proj.weight": (h, 4 * 16),
-        "layers.0.mlp.gate_proj.weight": (128, h), "layers.0.mlp.up_proj.weight": (128, h),
-        "layers.0.mlp.down_proj.weight": (h, 128), "embed_tokens.weight": (v, h)}
-    assert torch.equal(tensors["layers.0.self_attn.q_proj.weight"], drafter.layer.self_attn.q_proj.weight)
+        "layers.0.self_attn.q_proj.weight": (4 * 16, 2 * h),
+        "layers.0.self_attn.k_proj.weight": (2 * 16, 2 * h),
+        "layers.0.self_attn.v_proj.weight": (2 * 16, 2 * h),
+        "layers.0.self_attn.o_proj.weight": (h, 4 * 16),
+        "layers.0.mlp.gate_proj.weight": (128, h),
+        "layers.0.mlp.up_proj.weight": (128, h),
+        "layers.0.mlp.down_proj.weight": (h, 128),
+        "embed_tokens.weight": (v, h),
+    }
+    assert torch.equal(
+        tensors["layers.0.self_attn.q_proj.weight"], drafter.layer.self_attn.q_proj.weight
+    )
     assert torch.equal(tensors["d2t"], drafter.d2t) and torch.equal(tensors["t2d"], drafter.t2d)
-    assert torch.equal(tensors["embed_tokens.weight"], target.embed_weight)  # read from the local verifier
+    assert torch.equal(
+        tensors["embed_tokens.weight"], target.embed_weight
+    )  # read from the local verifier
     # Full draft vocabulary: no maps (speculators then has none); bf16 conversion on request.
     export_full, _ = export_eagle3(target, tmp_path / "export_full", draft_vocab=0)
-    full = load_file(to_speculators(export_full, tmp_path / "spec_full", "org/model", dtype="bfloat16")
-                     / "model.safetensors")
+    full = load_file(
+        to_speculators(export_full, tmp_path / "spec_full", "org/model", dtype="bfloat16")
+        / "model.safetensors"
+    )
     assert "d2t" not in full and full["fc.weight"].dtype == torch.bfloat16
     assert "embed_tokens.weight" not in full  # a hub id: nothing local to copy the embedding from
 
@@ -139,14 +189,17 @@ def test_our_side_files_keys_shapes_and_config(tmp_path, target):
 def test_eagle1_and_other_methods_are_refused_with_a_reason(tmp_path, target):
     cfg = recipe_config("eagle")
     objective = eagle_recipe.build(cfg, target)
-    module = SimpleNamespace(drafter=objective.module, objective=objective, run_info={"target": target.identity()})
+    module = SimpleNamespace(
+        drafter=objective.module, objective=objective, run_info={"target": target.identity()}
+    )
     export = export_from_module(module, tmp_path / "e1", training={})
     with pytest.raises(ExportError, match="no model type for EAGLE-1"):
         to_speculators(export, tmp_path / "out", "org/model")
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.e2e  # the real speculators library, in its own venv (make speculators-venv), in a subprocess
+# the real speculators library, in its own venv (make speculators-venv), in a subprocess
+@pytest.mark.e2e
 @pytest.mark.skipif(not HAVE_SPECULATORS, reason=_no_speculators_reason())
 def test_real_speculators_library_loads_it_with_identical_weights_and_logits(tmp_path, target):
     export, drafter = export_eagle3(target, tmp_path / "export")
@@ -160,12 +213,25 @@ def test_real_speculators_library_loads_it_with_identical_weights_and_logits(tmp
     # speculators' teacher forcing: step j reads input_ids shifted left by j (zero padded).
     tokens = [torch.cat((ids[:, j:], ids.new_zeros(1, j)), 1) for j in range(STEPS)]
     with torch.no_grad():
-        logits = torch.stack([drafter.logits(a) for a in drafter.ttt_forward(hidden, tokens)])  # [S, 1, T, Nd]
+        logits = torch.stack(
+            [drafter.logits(a) for a in drafter.ttt_forward(hidden, tokens)]
+        )  # [S, 1, T, Nd]
     ref = tmp_path / "ref.safetensors"
-    save_file({"hidden_states": hidden, "input_ids": ids, "logits": logits,
-               "embed": target.embed_weight.detach().clone()}, str(ref))
-    proc = subprocess.run([str(SPECULATORS_PYTHON), "-c", CHECK_SCRIPT, str(out), str(ref), str(STEPS)],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""})
+    save_file(
+        {
+            "hidden_states": hidden,
+            "input_ids": ids,
+            "logits": logits,
+            "embed": target.embed_weight.detach().clone(),
+        },
+        str(ref),
+    )
+    proc = subprocess.run(
+        [str(SPECULATORS_PYTHON), "-c", CHECK_SCRIPT, str(out), str(ref), str(STEPS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert "WEIGHTS_OK" in proc.stdout and "FORWARD_OK" in proc.stdout, proc.stdout

@@ -1,8 +1,10 @@
-"""``draftsmith import``: speculators eagle3 checkpoints into draftsmith exports (export/speculators_import.py).
+"""``draftsmith import``: speculators eagle3 checkpoints into draftsmith exports
+(export/speculators_import.py).
 
-Round trip: our EAGLE-3 export -> ``--format speculators`` -> ``draftsmith import`` gives the same weights, the same
-architecture, inference depth and target, and the runtime serves the same tokens with the same acceptance per step.
-The real trainer's checkpoints are imported in tests/test_peer_speculators.py (its venv).
+Round trip: our EAGLE-3 export -> ``--format speculators`` -> ``draftsmith import`` gives the same
+weights, the same architecture, inference depth and target, and the runtime serves the same tokens
+with the same acceptance per step. The real trainer's checkpoints are imported in
+tests/test_peer_speculators.py (its venv).
 """
 
 from __future__ import annotations
@@ -38,17 +40,22 @@ def target(tiny_tokenizer, tiny_target_dir) -> Target:
 
 def lean(target: Target) -> LeanDecoder:
     weights = {k: v.detach().clone() for k, v in target.model.state_dict().items()}
-    return LeanDecoder(ModelConfig.from_hf_dict(target.model.config.to_dict()), weights, kernel_backend="torch").eval()
+    return LeanDecoder(
+        ModelConfig.from_hf_dict(target.model.config.to_dict()), weights, kernel_backend="torch"
+    ).eval()
 
 
 def served(export: Path, decoder: LeanDecoder) -> list[tuple[list[int], list[int]]]:
-    """(tokens, accepted per step) of every prompt, chain of depth 3 (the same drafts give the same acceptances)."""
+    """(tokens, accepted per step) of every prompt, chain of depth 3 (the same drafts give the same
+    acceptances)."""
     dec = SpeculativeDecoder(decoder, build_proposer(export, decoder, policy="chain", depth=3))
     return [(r.tokens, r.accepted_per_step) for r in (dec.generate(p, 24) for p in PROMPTS)]
 
 
 @pytest.mark.parametrize("draft_vocab", [48, 0])
-def test_round_trip_through_the_speculators_format_is_exact(tmp_path, target, tiny_target_dir, draft_vocab):
+def test_round_trip_through_the_speculators_format_is_exact(
+    tmp_path, target, tiny_target_dir, draft_vocab
+):
     export, _ = export_eagle3(target, tmp_path / "export", draft_vocab=draft_vocab)
     spec = to_speculators(export, tmp_path / "spec", str(tiny_target_dir))
     # the recorded verifier is the target folder: no --target needed
@@ -56,9 +63,12 @@ def test_round_trip_through_the_speculators_format_is_exact(tmp_path, target, ti
     ours, ours_state = read_export(export)
     back, back_state = read_export(tmp_path / "imported")
     assert back["method"] == "eagle3" and dict(back["architecture"]) == dict(ours["architecture"])
-    assert back["inference"] == ours["inference"]  # depth = speculative_tokens - 1 and the recipe's tree
-    assert {k: back["target"][k] for k in ("fingerprint", "lm_head", "vocab_size", "hidden_size")} == \
-        {k: ours["target"][k] for k in ("fingerprint", "lm_head", "vocab_size", "hidden_size")}
+    assert (
+        back["inference"] == ours["inference"]
+    )  # depth = speculative_tokens - 1 and the recipe's tree
+    assert {
+        k: back["target"][k] for k in ("fingerprint", "lm_head", "vocab_size", "hidden_size")
+    } == {k: ours["target"][k] for k in ("fingerprint", "lm_head", "vocab_size", "hidden_size")}
     assert sorted(back_state) == sorted(ours_state)
     for key, value in ours_state.items():
         assert torch.equal(back_state[key], value), key
@@ -89,8 +99,9 @@ def _edit(spec: Path, config_edit=None, tensor_edit=None) -> Path:
     return spec
 
 
-def test_wrong_target_and_unsupported_layers_are_refused_in_one_line(tmp_path, target, tiny_target_dir,
-                                                                     tiny_tokenizer):
+def test_wrong_target_and_unsupported_layers_are_refused_in_one_line(
+    tmp_path, target, tiny_target_dir, tiny_tokenizer
+):
     export, _ = export_eagle3(target, tmp_path / "export")
     spec = to_speculators(export, tmp_path / "spec", str(tiny_target_dir))
     narrow = tmp_path / "narrow"
@@ -98,19 +109,35 @@ def test_wrong_target_and_unsupported_layers_are_refused_in_one_line(tmp_path, t
     tiny_tokenizer.save_pretrained(narrow)
     assert main(["import", str(spec), "--out", str(tmp_path / "x"), "--target", str(narrow)]) == 2
     with pytest.raises(TargetMismatchError, match="hidden_size: checkpoint has 64, target has 32"):
-        import_speculators(spec, tmp_path / "x", Target(build_tiny_llama(len(tiny_tokenizer), hidden_size=32),
-                                                        tiny_tokenizer, "narrow").identity())
-    other = Target(build_tiny_llama(len(tiny_tokenizer), seed=1), tiny_tokenizer, "other")  # same sizes
-    with pytest.raises(TargetMismatchError, match="embed_tokens.weight is not the target's embedding"):
+        import_speculators(
+            spec,
+            tmp_path / "x",
+            Target(
+                build_tiny_llama(len(tiny_tokenizer), hidden_size=32), tiny_tokenizer, "narrow"
+            ).identity(),
+        )
+    other = Target(
+        build_tiny_llama(len(tiny_tokenizer), seed=1), tiny_tokenizer, "other"
+    )  # same sizes
+    with pytest.raises(
+        TargetMismatchError, match="embed_tokens.weight is not the target's embedding"
+    ):
         import_speculators(spec, tmp_path / "x", other.identity(), other.embed_weight)
-    shallow = Target(build_tiny_llama(len(tiny_tokenizer), num_hidden_layers=3), tiny_tokenizer, "shallow")
+    shallow = Target(
+        build_tiny_llama(len(tiny_tokenizer), num_hidden_layers=3), tiny_tokenizer, "shallow"
+    )
     with pytest.raises(TargetMismatchError, match=r"aux hidden-state ids \[3\]"):
         import_speculators(spec, tmp_path / "x", shallow.identity())
     _edit(spec, lambda c: c.update(norm_before_residual=True, norm_output=True))
-    with pytest.raises(ExportError, match="norm_before_residual=true .*--no-norm-before-residual.*norm_output"):
+    with pytest.raises(
+        ExportError, match="norm_before_residual=true .*--no-norm-before-residual.*norm_output"
+    ):
         import_speculators(spec, tmp_path / "x", target.identity())
-    _edit(spec, lambda c: c.update(norm_before_residual=False, norm_output=False),
-          lambda t: t.update(d2t=torch.roll(t["d2t"], 1)))
+    _edit(
+        spec,
+        lambda c: c.update(norm_before_residual=False, norm_output=False),
+        lambda t: t.update(d2t=torch.roll(t["d2t"], 1)),
+    )
     with pytest.raises(ExportError, match="d2t and t2d disagree"):
         import_speculators(spec, tmp_path / "x", target.identity())
     assert not (tmp_path / "x").exists()
@@ -126,12 +153,25 @@ def test_other_speculators_types_and_missing_files_are_refused(tmp_path, target)
         import_speculators(tmp_path / "d", tmp_path / "x", target.identity())
 
 
-@pytest.mark.parametrize("changes,names", [
-    ({"intermediate_size": 96}, "intermediate_size give layer.mlp.gate_proj.weight the shape [96, 64], the weights "
-                                "hold [128, 64]"),
-    ({"num_attention_heads": 8, "head_dim": None}, "num_key_value_heads x head_dim give layer.self_attn.k_proj"),
-])
-def test_a_config_that_disagrees_with_its_weights_is_refused(tmp_path, target, tiny_target_dir, changes, names):
+@pytest.mark.parametrize(
+    "changes,names",
+    [
+        (
+            {"intermediate_size": 96},
+            (
+                "intermediate_size give layer.mlp.gate_proj.weight the shape [96, 64], the weights "
+                "hold [128, 64]"
+            ),
+        ),
+        (
+            {"num_attention_heads": 8, "head_dim": None},
+            "num_key_value_heads x head_dim give layer.self_attn.k_proj",
+        ),
+    ],
+)
+def test_a_config_that_disagrees_with_its_weights_is_refused(
+    tmp_path, target, tiny_target_dir, changes, names
+):
     """It was imported, and the export stamped with a fresh identity its weights do not have."""
     export, _ = export_eagle3(target, tmp_path / "export")
     spec = to_speculators(export, tmp_path / "spec", str(tiny_target_dir))
@@ -144,8 +184,11 @@ def test_a_config_that_disagrees_with_its_weights_is_refused(tmp_path, target, t
                 config["transformer_layer_config"][key] = value
 
     _edit(spec, edit)
-    with pytest.raises(ExportError, match="config.json and model.safetensors disagree: " + names.replace("[", r"\[")
-                       .replace("]", r"\]")):
+    with pytest.raises(
+        ExportError,
+        match="config.json and model.safetensors disagree: "
+        + names.replace("[", r"\[").replace("]", r"\]"),
+    ):
         import_speculators(spec, tmp_path / "x", target.identity(), target.embed_weight)
     assert not (tmp_path / "x").exists()
 

@@ -1,7 +1,9 @@
-"""Every trainer preset composes, and GPU-only strategies build the right Lightning strategy objects.
+"""Every trainer preset composes, and GPU-only strategies build the right Lightning strategy
+objects.
 
-Lightning refuses FSDP and DeepSpeed on a CPU accelerator, so these presets are checked by construction:
-the composed config, the strategy object built from it for a real drafter, and its settings.
+Lightning refuses FSDP and DeepSpeed on a CPU accelerator, so these presets are checked by
+construction: the composed config, the strategy object built from it for a real drafter, and its
+settings.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ["cpu", "gpu", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"]
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="deepspeed not installed (extra: deepspeed)")
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed not installed (extra: deepspeed)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,11 @@ def drafter_for(recipe: str, target, *overrides: str):
     """The recipe's trainable module for the tiny target (full draft vocabulary: no data scan)."""
     from draftsmith import recipes
 
-    extra = ["drafter.target_layers=[1,2,3]", "drafter.draft_vocab_size=0"] if recipe == "eagle3" else []
+    extra = (
+        ["drafter.target_layers=[1,2,3]", "drafter.draft_vocab_size=0"]
+        if recipe == "eagle3"
+        else []
+    )
     cfg = compose_config([f"recipe={recipe}", *extra, *overrides])
     return recipes.get_recipe(recipe).build(cfg, target)
 
@@ -64,14 +72,38 @@ def test_trainer_presets_compose(preset):
 
 
 @pytest.mark.e2e  # a train.py subprocess per preset
-@pytest.mark.parametrize("preset,expect", [
-    ("fsdp", ["strategy: fsdp", "sharding_strategy: FULL_SHARD", "state_dict_type: full", "precision: auto"]),
-    ("deepspeed_zero2", ["strategy: deepspeed_stage_2", "offload_optimizer: false"]),
-    ("deepspeed_zero3", ["strategy: deepspeed_stage_3", "offload_parameters: false"]),
-])
+@pytest.mark.parametrize(
+    "preset,expect",
+    [
+        (
+            "fsdp",
+            [
+                "strategy: fsdp",
+                "sharding_strategy: FULL_SHARD",
+                "state_dict_type: full",
+                "precision: auto",
+            ],
+        ),
+        ("deepspeed_zero2", ["strategy: deepspeed_stage_2", "offload_optimizer: false"]),
+        ("deepspeed_zero3", ["strategy: deepspeed_stage_3", "offload_parameters: false"]),
+    ],
+)
 def test_cfg_job_shows_each_preset(preset, expect):
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "recipe=eagle3", f"trainer={preset}",
-                           "target.shard=true", "--cfg", "job"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "recipe=eagle3",
+            f"trainer={preset}",
+            "target.shard=true",
+            "--cfg",
+            "job",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     for line in [*expect, "activation_checkpointing: false", "shard: true", "keep_checkpoints: 2"]:
         assert line in proc.stdout, (line, proc.stdout)
@@ -103,19 +135,35 @@ def test_fsdp_strategy_wraps_each_drafter_layer_and_nothing_of_the_target(tiny_t
     strategy = build_strategy(cfg.trainer, objective.module)
     assert isinstance(strategy, FSDPStrategy)
     assert strategy.sharding_strategy.name == "FULL_SHARD" and strategy._state_dict_type == "full"
-    assert strategy.cpu_offload.offload_params is False and strategy.kwargs["use_orig_params"] is True
+    assert (
+        strategy.cpu_offload.offload_params is False and strategy.kwargs["use_orig_params"] is True
+    )
     policy = strategy.kwargs["auto_wrap_policy"]
     assert isinstance(policy, ModuleWrapPolicy) and set(policy._module_classes) == {Eagle3Layer}
-    # Every drafter parameter is either in a wrapped layer or in the root unit (fc, norm, lm_head); none of the
-    # target's parameters is reachable from the module FSDP wraps.
-    wrapped = {id(p) for m in objective.module.modules() if isinstance(m, Eagle3Layer) for p in m.parameters()}
+    # Every drafter parameter is either in a wrapped layer or in the root unit (fc, norm, lm_head);
+    # none of the target's parameters is reachable from the module FSDP wraps.
+    wrapped = {
+        id(p)
+        for m in objective.module.modules()
+        if isinstance(m, Eagle3Layer)
+        for p in m.parameters()
+    }
     assert wrapped and len(wrapped) < sum(1 for _ in objective.module.parameters())
     target_ids = {id(p) for p in tiny_target.parameters()}
     assert not target_ids & {id(p) for p in objective.module.parameters()}
     assert strategy._activation_checkpointing_kwargs == {}  # off by default
 
-    on = build_strategy(compose_config(["recipe=eagle3", "trainer=fsdp", "trainer.activation_checkpointing=true",
-                                        "trainer.fsdp.cpu_offload=true"]).trainer, objective.module)
+    on = build_strategy(
+        compose_config(
+            [
+                "recipe=eagle3",
+                "trainer=fsdp",
+                "trainer.activation_checkpointing=true",
+                "trainer.fsdp.cpu_offload=true",
+            ]
+        ).trainer,
+        objective.module,
+    )
     check = on._activation_checkpointing_kwargs["auto_wrap_policy"]
     assert set(check._module_classes) == {Eagle3Layer} and on.cpu_offload.offload_params is True
 
@@ -128,14 +176,34 @@ def test_fsdp_wrap_classes_for_medusa_and_by_name(tiny_target):
     assert layer_classes(medusa, ["MedusaHead"]) == {MedusaHead}
     with pytest.raises(ConfigError, match="not modules of the drafter; it has: .*MedusaHead"):
         layer_classes(medusa, ["LlamaDecoderLayer"])
-    hybrid = build_strategy(compose_config(["recipe=medusa", "trainer=fsdp", "trainer.num_nodes=2", "trainer.devices=8",
-                                            "trainer.fsdp.sharding_strategy=HYBRID_SHARD"]).trainer, medusa)
-    assert hybrid.sharding_strategy.name == "HYBRID_SHARD" and hybrid.kwargs["device_mesh"] == (2, 8)
+    hybrid = build_strategy(
+        compose_config(
+            [
+                "recipe=medusa",
+                "trainer=fsdp",
+                "trainer.num_nodes=2",
+                "trainer.devices=8",
+                "trainer.fsdp.sharding_strategy=HYBRID_SHARD",
+            ]
+        ).trainer,
+        medusa,
+    )
+    assert hybrid.sharding_strategy.name == "HYBRID_SHARD" and hybrid.kwargs["device_mesh"] == (
+        2,
+        8,
+    )
     with pytest.raises(ConfigError, match="state_dict_type='local'; valid: full"):
-        build_strategy(compose_config(["recipe=medusa", "trainer=fsdp", "trainer.fsdp.state_dict_type=local"]).trainer)
+        build_strategy(
+            compose_config(
+                ["recipe=medusa", "trainer=fsdp", "trainer.fsdp.state_dict_type=local"]
+            ).trainer
+        )
     with pytest.raises(ConfigError, match="sharding_strategy='SHARDED'.*FULL_SHARD"):
-        build_strategy(compose_config(["recipe=medusa", "trainer=fsdp",
-                                       "trainer.fsdp.sharding_strategy=sharded"]).trainer)
+        build_strategy(
+            compose_config(
+                ["recipe=medusa", "trainer=fsdp", "trainer.fsdp.sharding_strategy=sharded"]
+            ).trainer
+        )
 
 
 def test_fsdp_precision_plugin_is_bf16_mixed():
@@ -168,27 +236,47 @@ def test_deepspeed_presets_build_their_zero_stage_and_offload(preset, stage):
     strategy = build_strategy(cfg.trainer)
     assert isinstance(strategy, DeepSpeedStrategy)
     zero = strategy.config["zero_optimization"]
-    assert zero["stage"] == stage and "offload_optimizer" not in zero and "offload_param" not in zero
+    assert (
+        zero["stage"] == stage and "offload_optimizer" not in zero and "offload_param" not in zero
+    )
     plugin = build_precision(cfg.trainer)
     assert isinstance(plugin, DeepSpeedPrecision) and plugin.precision == "bf16-mixed"
-    offload = build_strategy(compose_config(["recipe=eagle3", f"trainer={preset}",
-                                             "trainer.deepspeed.offload_optimizer=true"]).trainer)
+    offload = build_strategy(
+        compose_config(
+            ["recipe=eagle3", f"trainer={preset}", "trainer.deepspeed.offload_optimizer=true"]
+        ).trainer
+    )
     assert offload.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     if stage == 3:
-        params = build_strategy(compose_config(["recipe=eagle3", f"trainer={preset}",
-                                                "trainer.deepspeed.offload_parameters=true"]).trainer)
+        params = build_strategy(
+            compose_config(
+                ["recipe=eagle3", f"trainer={preset}", "trainer.deepspeed.offload_parameters=true"]
+            ).trainer
+        )
         assert params.config["zero_optimization"]["offload_param"]["device"] == "cpu"
     else:
-        with pytest.raises(ConfigError, match="offload_parameters=true needs ZeRO stage 3.*deepspeed_zero3"):
-            build_strategy(compose_config(["recipe=eagle3", f"trainer={preset}",
-                                           "trainer.deepspeed.offload_parameters=true"]).trainer)
+        with pytest.raises(
+            ConfigError, match="offload_parameters=true needs ZeRO stage 3.*deepspeed_zero3"
+        ):
+            build_strategy(
+                compose_config(
+                    [
+                        "recipe=eagle3",
+                        f"trainer={preset}",
+                        "trainer.deepspeed.offload_parameters=true",
+                    ]
+                ).trainer
+            )
 
 
 @pytest.mark.parametrize("preset", ["fsdp", "deepspeed_zero2", "deepspeed_zero3"])
 def test_gpu_only_preset_on_cpu_names_the_cpu_preset(preset):
     cfg = compose_config(["recipe=eagle3", f"trainer={preset}"])
-    with pytest.raises(ConfigError, match=rf"preset trainer={preset.split('_')[0]}.*needs a CUDA GPU.*trainer=cpu"
-                                          r".*trainer=ddp trainer.accelerator=cpu"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"preset trainer={preset.split('_')[0]}.*needs a CUDA GPU.*trainer=cpu"
+        r".*trainer=ddp trainer.accelerator=cpu",
+    ):
         check_devices(cfg.trainer, cuda_available=False)
     check_devices(cfg.trainer, cuda_available=True)
 
@@ -201,7 +289,9 @@ def test_target_shard_needs_a_sharding_preset():
     assert shard("trainer=fsdp", "target.shard=true") is True
     assert shard("trainer=deepspeed_zero3", "target.shard=true") is True
     for preset in ("ddp", "cpu", "deepspeed_zero2"):
-        with pytest.raises(ConfigError, match="target.shard=true needs a sharding preset.*trainer=fsdp"):
+        with pytest.raises(
+            ConfigError, match="target.shard=true needs a sharding preset.*trainer=fsdp"
+        ):
             shard(f"trainer={preset}", "target.shard=true")
 
 
@@ -215,7 +305,10 @@ def test_frozen_target_is_never_in_state_dict_or_optimizer(tiny_target):
     optimised = {id(p) for g in optimizer.param_groups for p in g["params"]}
     assert optimised == {id(p) for p in objective.module.parameters() if p.requires_grad}
     assert not optimised & target_ids and not {id(p) for p in module.parameters()} & target_ids
-    assert all(not k.startswith(("_target", "target.")) and ".model.layers." not in k for k in module.state_dict())
+    assert all(
+        not k.startswith(("_target", "target.")) and ".model.layers." not in k
+        for k in module.state_dict()
+    )
 
 
 def test_activation_checkpointing_keeps_keys_values_and_gradients(tiny_target):
@@ -227,12 +320,21 @@ def test_activation_checkpointing_keeps_keys_values_and_gradients(tiny_target):
     wrapped = drafter_for("eagle3", tiny_target)
     cfg = compose_config(["recipe=eagle3", "trainer=cpu", "trainer.activation_checkpointing=true"])
     assert apply_activation_checkpointing(wrapped.module, cfg.trainer) == {Eagle3Layer}
-    assert apply_activation_checkpointing(plain.module, compose_config(["recipe=eagle3"]).trainer) == set()
+    assert (
+        apply_activation_checkpointing(plain.module, compose_config(["recipe=eagle3"]).trainer)
+        == set()
+    )
     assert any(type(m).__name__ == "CheckpointWrapper" for m in wrapped.module.modules())
-    assert list(plain.module.state_dict()) == list(wrapped.module.state_dict())  # export / checkpoint keys unchanged
+    assert list(plain.module.state_dict()) == list(
+        wrapped.module.state_dict()
+    )  # export / checkpoint keys unchanged
 
     ids = torch.randint(5, 100, (2, 12), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
     feats = tiny_target.features(ids, batch["attention_mask"], plain.taps)
     losses = []
     for objective in (plain, wrapped):
@@ -253,12 +355,23 @@ def test_wandb_logger_defaults_to_offline():
     assert OmegaConf.select(cfg, "logger.name") is None
 
 
-@pytest.mark.parametrize("flags,cuda,expect", [
-    (frozenset({"avx2", "fma", "amx_bf16", "amx_tile"}), None, "bf16-mixed"),  # Intel AMX
-    (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}), None, "bf16-mixed"),  # Zen 4
-    (frozenset({"avx2", "fma"}), None, "32-true"),  # Zen 2/3: bf16 emulated
-    (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}), None, "32-true"),  # AVX-512 without BF16
-])
+@pytest.mark.parametrize(
+    "flags,cuda,expect",
+    [
+        (frozenset({"avx2", "fma", "amx_bf16", "amx_tile"}), None, "bf16-mixed"),  # Intel AMX
+        (
+            frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+            None,
+            "bf16-mixed",
+        ),  # Zen 4
+        (frozenset({"avx2", "fma"}), None, "32-true"),  # Zen 2/3: bf16 emulated
+        (
+            frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}),
+            None,
+            "32-true",
+        ),  # AVX-512 without BF16
+    ],
+)
 def test_precision_auto_follows_the_cpu(flags, cuda, expect):
     from draftsmith.kernels.cpu_caps import CpuCaps
 
@@ -275,8 +388,12 @@ def test_precision_auto_on_gpus_and_in_the_trainer(tmp_path, caplog):
     gpu = compose_config(["recipe=eagle3", "trainer=gpu"]).trainer
     assert resolve_precision(gpu, cuda_available=True, cuda_bf16=True)[0] == "bf16-mixed"
     assert resolve_precision(gpu, cuda_available=True, cuda_bf16=False) == (
-        "32-true", "auto -> 32-true (this GPU has no bf16 support)")
-    assert resolve_precision(gpu, cuda_available=False)[0] == "bf16-mixed"  # planned here, trained there
+        "32-true",
+        "auto -> 32-true (this GPU has no bf16 support)",
+    )
+    assert (
+        resolve_precision(gpu, cuda_available=False)[0] == "bf16-mixed"
+    )  # planned here, trained there
     auto = compose_config(["recipe=eagle3", "trainer=cpu", "trainer.accelerator=auto"]).trainer
     assert resolve_precision(auto, cuda_available=True, cuda_bf16=True)[0] == "bf16-mixed"
     import logging
@@ -286,6 +403,10 @@ def test_precision_auto_on_gpus_and_in_the_trainer(tmp_path, caplog):
     cfg = compose_config(["recipe=eagle3", "trainer=cpu"])
     with caplog.at_level(logging.INFO):
         chosen = apply_precision(cfg)
-    assert cfg.trainer.precision == chosen == resolve_precision(compose_config(["recipe=eagle3"]).trainer)[0]
+    assert (
+        cfg.trainer.precision
+        == chosen
+        == resolve_precision(compose_config(["recipe=eagle3"]).trainer)[0]
+    )
     assert "trainer precision: auto -> " in caplog.text
     assert build_trainer(cfg, tmp_path).precision_plugin.precision == chosen

@@ -1,4 +1,5 @@
-"""The decode loops drop to the cores other processes leave free, and take them back when the machine is quiet."""
+"""The decode loops drop to the cores other processes leave free, and take them back when the
+machine is quiet."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ pytestmark = pytest.mark.unit
 
 
 class FakeMachine:
-    """A 2-core machine whose other processes use ``others`` cores' worth of CPU while we use ``ours``."""
+    """A 2-core machine whose other processes use ``others`` cores' worth of CPU while we use
+    ``ours``."""
 
     def __init__(self) -> None:
         self.t, self.own, self.busy, self.threads = 0.0, 0.0, 100.0, 2
@@ -22,9 +24,16 @@ class FakeMachine:
         self.busy += (self.ours + self.others) * seconds
 
     def governor(self, **kw) -> ThreadGovernor:
-        return ThreadGovernor(interval_s=0.1, cpus=2, busy_reader=lambda: self.busy, clock=lambda: self.t,
-                              own_cpu=lambda: self.own, get_threads=lambda: self.threads,
-                              set_threads=lambda n: setattr(self, "threads", n), **kw)
+        return ThreadGovernor(
+            interval_s=0.1,
+            cpus=2,
+            busy_reader=lambda: self.busy,
+            clock=lambda: self.t,
+            own_cpu=lambda: self.own,
+            get_threads=lambda: self.threads,
+            set_threads=lambda n: setattr(self, "threads", n),
+            **kw,
+        )
 
 
 def test_one_busy_process_takes_a_core_and_gives_it_back(monkeypatch):
@@ -67,7 +76,9 @@ def test_fixed_threads_or_no_proc_stat_leave_the_count_alone(monkeypatch):
     fixed.tick()
     assert machine.threads == 2 and not fixed.enabled
     monkeypatch.delenv("DRAFTSMITH_THREADS")
-    blind = ThreadGovernor(busy_reader=lambda: None, set_threads=lambda n: pytest.fail("must not set threads"))
+    blind = ThreadGovernor(
+        busy_reader=lambda: None, set_threads=lambda n: pytest.fail("must not set threads")
+    )
     blind.tick()
     assert not blind.enabled
 

@@ -38,18 +38,22 @@ def test_static_tree_structure(static_tree):
     assert static_tree.paths == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
     assert static_tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
     assert static_tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
-    expected_mask = torch.tensor([
-        [1, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0],
-        [1, 0, 1, 0, 0, 0, 0],
-        [1, 1, 0, 1, 0, 0, 0],
-        [1, 1, 0, 0, 1, 0, 0],
-        [1, 0, 1, 0, 0, 1, 0],
-        [1, 1, 0, 1, 0, 0, 1],
-    ], dtype=torch.bool)
+    expected_mask = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0, 0],
+            [1, 1, 0, 1, 0, 0, 0],
+            [1, 1, 0, 0, 1, 0, 0],
+            [1, 0, 1, 0, 0, 1, 0],
+            [1, 1, 0, 1, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(static_tree.tree_mask, expected_mask)
     assert static_tree.retrieve_indices.tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
-    # Medusa gather index: choice[-1] + top_k * depth + 1 into [root] + top3(head0) + top3(head1) + top3(head2)
+    # Medusa gather index: choice[-1] + top_k * depth + 1 into [root] + top3(head0) + top3(head1) +
+    # top3(head2)
     assert static_tree.candidate_index.tolist() == [0, 1, 2, 4, 5, 4, 7]
     assert static_tree.num_nodes == 7 and static_tree.depth == 3
 
@@ -61,12 +65,15 @@ def test_static_tree_build_gathers_head_topk(static_tree):
     assert tree.children(1) == [3, 4] and tree.children(6) == []
 
 
-@pytest.mark.parametrize("paths, match", [
-    ([[0, 1]], "no parent path"),
-    ([[0], [3]], "top_k=3"),
-    ([[0], [0]], "duplicate"),
-    ([], "at least one path"),
-])
+@pytest.mark.parametrize(
+    "paths, match",
+    [
+        ([[0, 1]], "no parent path"),
+        ([[0], [3]], "top_k=3"),
+        ([[0], [0]], "duplicate"),
+        ([], "at least one path"),
+    ],
+)
 def test_static_tree_rejects_bad_paths(paths, match):
     with pytest.raises(ValueError, match=match):
         StaticTree.from_paths(paths, top_k=3)
@@ -98,11 +105,14 @@ def test_default_medusa_tree_is_valid_and_sized():
     tree = StaticTree.from_paths(paths, top_k=4)
     assert tree.num_nodes == 13 and tree.depth == 3
     assert [0] in paths and [0, 0] in paths and [0, 0, 0] in paths
-    assert len(default_medusa_tree(num_heads=1, num_nodes=50, top_k=2)) == 2  # capped by what exists
+    assert (
+        len(default_medusa_tree(num_heads=1, num_nodes=50, top_k=2)) == 2
+    )  # capped by what exists
 
 
 def hand_tree_and_logits():
-    """Root 9; children 3 (node 1) and 4 (node 2); node 1 has children 6 (node 3) and 5 (node 4); node 4 -> 7."""
+    """Root 9; children 3 (node 1) and 4 (node 2); node 1 has children 6 (node 3) and 5 (node 4);
+    node 4 -> 7."""
     tree = DraftTree.from_parents([9, 3, 4, 6, 5, 7], [-1, 0, 0, 1, 1, 4])
     logits = torch.zeros(6, 10)
     logits[0, 3] = 5.0  # target after root: 3 -> node 1 accepted
@@ -127,10 +137,16 @@ def test_typical_verifier_accepts_plausible_tokens():
     logits[1, 6] = 4.9  # 6 is nearly as likely as 5 after 3: typical, but node 4's branch is longer
     acc = TypicalVerifier(temperature=1.0).verify(tree, logits)
     assert acc.path_nodes == [0, 1, 4, 5] and acc.bonus_token == 2
-    logits[4, 7] = -5.0  # 7 becomes implausible: both depth-2 nodes are accepted, tie broken by log-prob
+    logits[
+        4, 7
+    ] = -5.0  # 7 becomes implausible: both depth-2 nodes are accepted, tie broken by log-prob
     acc = TypicalVerifier(temperature=1.0).verify(tree, logits)
     assert acc.path_nodes == [0, 1, 4] and acc.num_accepted == 2
-    assert not TypicalVerifier().lossless and GreedyVerifier().lossless and RejectionSamplingVerifier().lossless
+    assert (
+        not TypicalVerifier().lossless
+        and GreedyVerifier().lossless
+        and RejectionSamplingVerifier().lossless
+    )
     with pytest.raises(ValueError, match="GreedyVerifier"):
         TypicalVerifier(temperature=0)
 
@@ -138,7 +154,9 @@ def test_typical_verifier_accepts_plausible_tokens():
 def test_rejection_sampler_deterministic_cases():
     tree, logits = hand_tree_and_logits()
     logits = logits * 100  # near one-hot target: point-mass drafts that match are always accepted
-    acc = RejectionSamplingVerifier(temperature=1.0).verify(tree, logits, torch.Generator().manual_seed(0))
+    acc = RejectionSamplingVerifier(temperature=1.0).verify(
+        tree, logits, torch.Generator().manual_seed(0)
+    )
     assert acc.path_nodes == [0, 1, 4, 5] and acc.bonus_token == 2
     with pytest.raises(ValueError, match="GreedyVerifier"):
         RejectionSamplingVerifier(temperature=0.0)
@@ -156,13 +174,21 @@ def test_rejection_sampler_rejects_inconsistent_draft_q():
 
 def test_target_probs_top_p():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    assert torch.allclose(target_probs(logits, 1.0, 0.7), torch.tensor([0.625, 0.375, 0, 0], dtype=torch.float64))
-    assert torch.allclose(target_probs(logits, 1.0, 0.85), torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
-                          / 0.95 * torch.tensor([1, 1, 1, 0.0], dtype=torch.float64))
+    assert torch.allclose(
+        target_probs(logits, 1.0, 0.7), torch.tensor([0.625, 0.375, 0, 0], dtype=torch.float64)
+    )
+    assert torch.allclose(
+        target_probs(logits, 1.0, 0.85),
+        torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+        / 0.95
+        * torch.tensor([1, 1, 1, 0.0], dtype=torch.float64),
+    )
 
 
 def test_stop_policies():
-    assert FixedDepth(2).should_stop(StopContext(2, 1.0)) and not FixedDepth(2).should_stop(StopContext(1, 0.0))
+    assert FixedDepth(2).should_stop(StopContext(2, 1.0)) and not FixedDepth(2).should_stop(
+        StopContext(1, 0.0)
+    )
     stop = ConfidenceStop(threshold=0.4, max_depth=5)
     assert stop.should_stop(StopContext(1, 0.3)) and not stop.should_stop(StopContext(1, 0.5))
     assert stop.should_stop(StopContext(5, 0.9))
@@ -170,8 +196,9 @@ def test_stop_policies():
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.constant_(head.bias, 2.0)  # sigmoid(2) = 0.88: predicts a rejection
     learned = LearnedStop(head, threshold=0.7)
-    assert (learned.should_stop(StopContext(1, 0.9, torch.zeros(4)))
-            and not LearnedStop(head, threshold=0.95).should_stop(StopContext(1, 0.9, torch.zeros(4))))
+    assert learned.should_stop(StopContext(1, 0.9, torch.zeros(4))) and not LearnedStop(
+        head, threshold=0.95
+    ).should_stop(StopContext(1, 0.9, torch.zeros(4)))
     with pytest.raises(ValueError, match="drafter state"):
         learned.should_stop(StopContext(1, 0.9, None))
     for p in (FixedDepth(), stop, learned):
@@ -179,11 +206,14 @@ def test_stop_policies():
 
 
 def test_learned_stop_accumulates_along_a_path_and_branches_keep_their_own():
-    """SpecDec++: stop at the first depth d where 1 - prod_{i<=d}(1 - p_reject_i) > h (not before, not after)."""
+    """SpecDec++: stop at the first depth d where 1 - prod_{i<=d}(1 - p_reject_i) > h (not before,
+    not after)."""
     head = torch.nn.Linear(1, 1, bias=False)
     torch.nn.init.ones_(head.weight)  # logit = state value
     p_reject = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    states = torch.log(p_reject / (1 - p_reject))[:, None]  # [4, 1] logits giving those rejection probabilities
+    states = torch.log(p_reject / (1 - p_reject))[
+        :, None
+    ]  # [4, 1] logits giving those rejection probabilities
     policy = LearnedStop(head, threshold=0.45, max_depth=8)
     ctx, stops = StopContext(0, 1.0), []
     for d in range(4):
@@ -195,11 +225,18 @@ def test_learned_stop_accumulates_along_a_path_and_branches_keep_their_own():
     first = StopContext(0, 1.0).child(1, 0.5, states[0])
     policy.should_stop(first)
     sibling_a, sibling_b = first.child(2, 0.5, states[1]), first.child(2, 0.5, states[3])
-    assert not policy.should_stop(sibling_a) and policy.should_stop(sibling_b)  # 0.28 vs 1 - 0.9*0.6 = 0.46
-    assert first.path["accept_prob"] == pytest.approx(0.9)  # the branches did not write into the parent's scratch
+    assert not policy.should_stop(sibling_a) and policy.should_stop(
+        sibling_b
+    )  # 0.28 vs 1 - 0.9*0.6 = 0.46
+    assert first.path["accept_prob"] == pytest.approx(
+        0.9
+    )  # the branches did not write into the parent's scratch
     with pytest.raises(ValueError, match="drafter state"):
         policy.should_stop(StopContext(1, 0.9))
-    assert LearnedStop(head, threshold=0.0, min_depth=2).should_stop(StopContext(1, 0.5, states[3])) is False
+    assert (
+        LearnedStop(head, threshold=0.0, min_depth=2).should_stop(StopContext(1, 0.5, states[3]))
+        is False
+    )
 
 
 class FixedHeads(torch.nn.Module):
@@ -220,7 +257,8 @@ def test_medusa_proposer_fills_tree_and_prunes_with_stop_policy():
     tree = proposer.propose(state)
     # head0 top3 = [0, 1, 2], head1 top3 = [1, 3, 0], head2 top3 = [0, 1, 2]
     assert tree.tokens.tolist() == [2, 0, 1, 1, 3, 1, 0]
-    # Confidence 0.35: node 1 (p=.5) expands, node 2 (p=.3) does not; depth-2 nodes (.6/.25) -> only node 3 expands.
+    # Confidence 0.35: node 1 (p=.5) expands, node 2 (p=.3) does not; depth-2 nodes (.6/.25) -> only
+    # node 3 expands.
     state.stop_policy = ConfidenceStop(threshold=0.35, max_depth=3)
     pruned = proposer.propose(state)
     assert pruned.tokens.tolist() == [2, 0, 1, 1, 3, 0]

@@ -1,7 +1,7 @@
-"""Warm start (``run.init_from=EXPORT``, distill/engine/warm_start.py): the drafter starts from the export's weights
-(stored fp32 or bf16), a drafter for another target or of another shape is refused in one line, the data order goes
-on at the batch after the export's last, the record accumulates across runs, and a resumed run reads the record it
-kept (a damaged one refused in one line)."""
+"""Warm start (``run.init_from=EXPORT``, distill/engine/warm_start.py): the drafter starts from the
+export's weights (stored fp32 or bf16), a drafter for another target or of another shape is refused
+in one line, the data order goes on at the batch after the export's last, the record accumulates
+across runs, and a resumed run reads the record it kept (a damaged one refused in one line)."""
 
 from __future__ import annotations
 
@@ -28,39 +28,68 @@ def _objective(target: Target, num_heads: int = 2, seed: int = 1):
     from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree
 
     torch.manual_seed(seed)
-    heads = MedusaHeads(MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                                     num_heads=num_heads), target.lm_head_weight.float())
-    return MedusaObjective(heads, 0.8, "dataset", 5, default_tree(num_heads, 6, 4), {"top_k": 4,
-                                                                                     "verifier": "greedy"})
+    heads = MedusaHeads(
+        MedusaConfig(
+            hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=num_heads
+        ),
+        target.lm_head_weight.float(),
+    )
+    return MedusaObjective(
+        heads, 0.8, "dataset", 5, default_tree(num_heads, 6, 4), {"top_k": 4, "verifier": "greedy"}
+    )
 
 
 def _cfg(**data) -> OmegaConf:
-    base = {"spec": "chat.jsonl", "limit": None, "max_length": 48, "batch_size": 4, "packing": False,
-            "val_fraction": 0.1}
-    return OmegaConf.create({"data": {**base, **data}, "run": {"seed": 0, "init_from": None},
-                             "trainer": {"accumulate_grad_batches": 1, "devices": 1, "num_nodes": 1,
-                                         "accelerator": "cpu"}})
+    base = {
+        "spec": "chat.jsonl",
+        "limit": None,
+        "max_length": 48,
+        "batch_size": 4,
+        "packing": False,
+        "val_fraction": 0.1,
+    }
+    return OmegaConf.create(
+        {
+            "data": {**base, **data},
+            "run": {"seed": 0, "init_from": None},
+            "trainer": {
+                "accumulate_grad_batches": 1,
+                "devices": 1,
+                "num_nodes": 1,
+                "accelerator": "cpu",
+            },
+        }
+    )
 
 
 @pytest.fixture(scope="module")
 def target(tiny_target_dir, tiny_tokenizer) -> Target:
-    return Target(AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir))
+    return Target(
+        AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir)
+    )
 
 
-def test_a_warm_start_loads_the_exports_weights_and_refuses_another_target_or_shape(tmp_path, target,
-                                                                                    medusa_export, tiny_tokenizer):
+def test_a_warm_start_loads_the_exports_weights_and_refuses_another_target_or_shape(
+    tmp_path, target, medusa_export, tiny_tokenizer
+):
     objective = _objective(target)
     _, exported = read_export(medusa_export)
-    assert not all(torch.equal(objective.module.state_dict()[k], v) for k, v in exported.items())  # another init
+    assert not all(
+        torch.equal(objective.module.state_dict()[k], v) for k, v in exported.items()
+    )  # another init
     prior = warm_start.load_init(str(medusa_export), objective, target)
     assert all(torch.equal(objective.module.state_dict()[k], v) for k, v in exported.items())
-    assert prior["export"].startswith("sha256:") and prior["data_order"] is None  # written before lineages
+    assert (
+        prior["export"].startswith("sha256:") and prior["data_order"] is None
+    )  # written before lineages
 
     other = Target(_other_llama(len(tiny_tokenizer)), tiny_tokenizer, "other-target")
     with pytest.raises(TargetMismatchError) as err:
         warm_start.load_init(str(medusa_export), _objective(other), other)
     assert "exported for target" in str(err.value) and "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match=r"its architecture differs from this run's \(num_heads 2 -> 3\)"):
+    with pytest.raises(
+        ConfigError, match=r"its architecture differs from this run's \(num_heads 2 -> 3\)"
+    ):
         warm_start.load_init(str(medusa_export), _objective(target, num_heads=3), target)
 
     broken = tmp_path / "broken"
@@ -80,10 +109,18 @@ def _other_llama(vocab: int):
     return build_tiny_llama(vocab, seed=5)
 
 
-def test_the_data_order_goes_on_at_the_batch_after_the_exports_last(tiny_tokenizer, tiny_data_file, tmp_path):
+def test_the_data_order_goes_on_at_the_batch_after_the_exports_last(
+    tiny_tokenizer, tiny_data_file, tmp_path
+):
     def module(offset: int) -> ChatDataModule:
-        dm = ChatDataModule(tiny_tokenizer, str(tiny_data_file), max_length=48, batch_size=4, val_fraction=0.1,
-                            cache_dir=tmp_path)
+        dm = ChatDataModule(
+            tiny_tokenizer,
+            str(tiny_data_file),
+            max_length=48,
+            batch_size=4,
+            val_fraction=0.1,
+            cache_dir=tmp_path,
+        )
         dm.trainer = SimpleNamespace(world_size=1, global_rank=0, accumulate_grad_batches=1)
         dm.step_offset = offset
         return dm
@@ -91,7 +128,10 @@ def test_the_data_order_goes_on_at_the_batch_after_the_exports_last(tiny_tokeniz
     plain = [b["input_ids"] for b in module(0).train_dataloader()]
     epoch = len(plain)
     assert epoch > 4
-    for offset, first in ((3, 3), (epoch + 2, 2)):  # an offset past an epoch wraps into the next one
+    for offset, first in (
+        (3, 3),
+        (epoch + 2, 2),
+    ):  # an offset past an epoch wraps into the next one
         got = next(iter(module(offset).train_dataloader()))["input_ids"]
         assert torch.equal(got, plain[first])
     rest = [b["input_ids"] for b in module(3).train_dataloader()]
@@ -101,17 +141,35 @@ def test_the_data_order_goes_on_at_the_batch_after_the_exports_last(tiny_tokeniz
 def test_the_record_accumulates_and_continues_only_the_same_data_order(tmp_path):
     cfg = _cfg()
     order = warm_start.data_order(cfg)
-    prior = {"data_order": order, "order_steps": 5, "steps_total": 5, "tokens_total": 1000,
-             "wall_seconds_total": 10.0, "cpu_seconds_total": 20.0, "export": "sha256:abc",
-             "runs": [{"steps": 5, "tokens": 1000}]}
-    (tmp_path / warm_start.SITTINGS_FILE).write_text(json.dumps([
-        {"machine": "m1", "wall_seconds": 3.0, "cpu_seconds": 5.0, "steps": [0, 2]},
-        {"machine": "m2", "wall_seconds": 4.0, "cpu_seconds": 6.0, "steps": [2, 3]}]))
+    prior = {
+        "data_order": order,
+        "order_steps": 5,
+        "steps_total": 5,
+        "tokens_total": 1000,
+        "wall_seconds_total": 10.0,
+        "cpu_seconds_total": 20.0,
+        "export": "sha256:abc",
+        "runs": [{"steps": 5, "tokens": 1000}],
+    }
+    (tmp_path / warm_start.SITTINGS_FILE).write_text(
+        json.dumps(
+            [
+                {"machine": "m1", "wall_seconds": 3.0, "cpu_seconds": 5.0, "steps": [0, 2]},
+                {"machine": "m2", "wall_seconds": 4.0, "cpu_seconds": 6.0, "steps": [2, 3]},
+            ]
+        )
+    )
     record = warm_start.lineage(cfg, prior, steps=3, tokens=300, run_dir=tmp_path)
-    assert record["order_steps"] == 8 and record["steps_total"] == 8 and record["tokens_total"] == 1300
+    assert (
+        record["order_steps"] == 8 and record["steps_total"] == 8 and record["tokens_total"] == 1300
+    )
     assert record["wall_seconds_total"] == 17.0 and record["cpu_seconds_total"] == 31.0
     run = record["runs"][-1]
-    assert run["machines"] == ["m1", "m2"] and run["sittings"] == 2 and run["data_order_continued"] is True
+    assert (
+        run["machines"] == ["m1", "m2"]
+        and run["sittings"] == 2
+        and run["data_order_continued"] is True
+    )
     assert run["started_from"] == "sha256:abc" and len(record["runs"]) == 2
     other = warm_start.lineage(_cfg(max_length=96), prior, steps=3, tokens=300, run_dir=tmp_path)
     assert other["order_steps"] == 3 and other["runs"][-1]["data_order_continued"] is False
@@ -125,14 +183,21 @@ def test_a_resumed_warm_start_reads_its_kept_record_and_refuses_a_damaged_one(tm
     prior = {"data_order": warm_start.data_order(cfg), "order_steps": 7, "tokens_total": 1}
     (tmp_path / warm_start.WARM_FILE).write_text(json.dumps(prior))
     data = SimpleNamespace(step_offset=0)
-    cfg.run.init_from = "/export/that/was/replaced/since"  # the kept record wins on a resume: no export is read
+    cfg.run.init_from = (  # the kept record wins on a resume: no export is read
+        "/export/that/was/replaced/since"
+    )
     assert warm_start.prepare(cfg, None, None, data, tmp_path, resuming=True) == prior
     assert data.step_offset == 7
     (tmp_path / warm_start.WARM_FILE).write_text('{"data_order": ')  # damaged
-    with pytest.raises(ConfigError, match="warm_start.json \\(the warm start's record\\) is corrupt") as err:
+    with pytest.raises(
+        ConfigError, match="warm_start.json \\(the warm start's record\\) is corrupt"
+    ) as err:
         warm_start.prepare(cfg, None, None, data, tmp_path, resuming=True)
     assert "\n" not in str(err.value)
-    assert warm_start.prepare(_cfg(), None, None, data, Path(tmp_path / "fresh"), resuming=False) is None
+    assert (
+        warm_start.prepare(_cfg(), None, None, data, Path(tmp_path / "fresh"), resuming=False)
+        is None
+    )
 
 
 def test_an_export_from_before_lineages_gets_its_data_order_from_its_run_folder(tmp_path):
@@ -146,4 +211,6 @@ def test_an_export_from_before_lineages_gets_its_data_order_from_its_run_folder(
     assert lineage["data_order"] == warm_start.data_order(cfg) and lineage["order_steps"] == 200
     assert lineage["tokens_total"] == 379314
     assert lineage["runs"][-1]["command"] == "train.py recipe=eagle3 data.max_length=512"
-    assert warm_start.lineage_from_run(tmp_path / "elsewhere", old)["data_order"] is None  # no run config: unknown
+    assert (
+        warm_start.lineage_from_run(tmp_path / "elsewhere", old)["data_order"] is None
+    )  # no run config: unknown

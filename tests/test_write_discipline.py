@@ -1,6 +1,8 @@
-"""Every folder draftsmith writes goes beside and is swapped in (common/atomic_folder.py): `export --out` never replaces
-the user's folder or the export it converts, an earlier export is replaced cleanly, temporaries a dead process left
-are removed at the next write (with a warning), and the GGUF export names its drafter and the tools really built."""
+"""Every folder draftsmith writes goes beside and is swapped in (common/atomic_folder.py): `export
+--out` never replaces the user's folder or the export it converts, an earlier export is replaced
+cleanly, temporaries a dead process left are removed at the next write (with a warning), and the
+GGUF export names its drafter and the tools really built.
+"""
 
 from __future__ import annotations
 
@@ -42,14 +44,18 @@ def users_folder(path: Path) -> Path:
 
 @pytest.mark.parametrize("fmt", ["draftsmith", "medusa"])
 def test_export_never_replaces_a_folder_that_is_not_an_export(capsys, tmp_path, medusa_export, fmt):
-    source = run_folder_of(medusa_export, tmp_path / "run") if fmt == "draftsmith" else medusa_export
+    source = (
+        run_folder_of(medusa_export, tmp_path / "run") if fmt == "draftsmith" else medusa_export
+    )
     out = users_folder(tmp_path / "DIR")
     before = tree_snapshot(out)
     line = cli_error_line(capsys, ["export", str(source), "--out", str(out), "--format", fmt])
     assert f"--out {out} exists and is not a draftsmith export (it holds keep.txt, sub/)" in line
     assert "nothing was written or deleted" in line
     assert tree_snapshot(out) == before  # both of the user's files, untouched
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["DIR", *(["run"] if fmt == "draftsmith" else [])])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["DIR", *(["run"] if fmt == "draftsmith" else [])]
+    )
 
 
 def test_a_layout_is_never_written_over_its_own_source(capsys, tmp_path, medusa_export):
@@ -57,21 +63,31 @@ def test_a_layout_is_never_written_over_its_own_source(capsys, tmp_path, medusa_
 
     export = shutil.copytree(medusa_export, tmp_path / "EXPORT")
     before = tree_snapshot(export)
-    line = cli_error_line(capsys, ["export", str(export), "--out", str(export), "--format", "medusa"])
+    line = cli_error_line(
+        capsys, ["export", str(export), "--out", str(export), "--format", "medusa"]
+    )
     assert f"--out {export} is the source {export}" in line and "choose another --out" in line
-    line = cli_error_line(capsys, ["export", str(export), "--out", str(tmp_path), "--format", "medusa-tgi"])
+    line = cli_error_line(
+        capsys, ["export", str(export), "--out", str(tmp_path), "--format", "medusa-tgi"]
+    )
     assert "is a folder holding the source" in line
     assert tree_snapshot(export) == before
     assert json.loads((export / "config.json").read_text())["format"] == "draftsmith"
 
 
-def test_an_earlier_export_is_replaced_but_not_one_holding_the_users_files(capsys, tmp_path, medusa_export):
+def test_an_earlier_export_is_replaced_but_not_one_holding_the_users_files(
+    capsys, tmp_path, medusa_export
+):
     out = tmp_path / "vllm"
     for _ in range(2):  # the second run replaces the first one's layout
         assert main(["export", str(medusa_export), "--out", str(out), "--format", "medusa"]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["vllm"]  # no temporary or old folder left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "vllm"
+    ]  # no temporary or old folder left beside it
     (out / "notes.txt").write_text("the user's")
-    line = cli_error_line(capsys, ["export", str(medusa_export), "--out", str(out), "--format", "medusa"])
+    line = cli_error_line(
+        capsys, ["export", str(medusa_export), "--out", str(out), "--format", "medusa"]
+    )
     assert "also holds files draftsmith did not write (notes.txt)" in line
     assert (out / "notes.txt").read_text() == "the user's" and (out / "model.safetensors").is_file()
 
@@ -87,7 +103,9 @@ def test_a_file_where_the_folder_goes_is_refused_and_kept(tmp_path):
 def test_an_empty_folder_or_a_missing_one_is_written(tmp_path):
     (tmp_path / "empty").mkdir()
     for name in ("empty", "new"):
-        out = write_folder(tmp_path / name, lambda tmp: (tmp / "report.json").write_text("{}"), PLAIN)
+        out = write_folder(
+            tmp_path / name, lambda tmp: (tmp / "report.json").write_text("{}"), PLAIN
+        )
         assert sorted(p.name for p in out.iterdir()) == ["report.json"]
 
 
@@ -96,12 +114,17 @@ def test_stale_temporaries_of_a_dead_process_are_removed_with_a_warning(tmp_path
     stale = tmp_path / f".out.tmp-{dead}-x1y2"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
-    live = tmp_path / f".out.tmp-{os.getpid() + 0}-mine"  # a live pid's temporary is a write in progress
+    live = (
+        tmp_path / f".out.tmp-{os.getpid() + 0}-mine"
+    )  # a live pid's temporary is a write in progress
     live.mkdir()
     with caplog.at_level(logging.WARNING):
         write_folder(out, lambda tmp: (tmp / "report.json").write_text("{}"), PLAIN)
     assert not stale.exists() and live.exists()
-    assert f"removing {stale}, left by an earlier write that did not finish (process {dead} is gone)" in caplog.text
+    assert (
+        f"removing {stale}, left by an earlier write that did not finish (process {dead} is gone)"
+        in caplog.text
+    )
 
 
 def test_a_swap_stopped_between_its_renames_is_put_back(tmp_path, caplog):
@@ -109,8 +132,12 @@ def test_a_swap_stopped_between_its_renames_is_put_back(tmp_path, caplog):
     old.mkdir()
     (old / "report.json").write_text('{"run": 1}')
     with pytest.raises(RuntimeError, match="fill failed"):
-        write_folder(tmp_path / "out", lambda tmp: (_ for _ in ()).throw(RuntimeError("fill failed")), PLAIN)
-    assert json.loads((tmp_path / "out" / "report.json").read_text()) == {"run": 1}  # restored, then kept
+        write_folder(
+            tmp_path / "out", lambda tmp: (_ for _ in ()).throw(RuntimeError("fill failed")), PLAIN
+        )
+    assert json.loads((tmp_path / "out" / "report.json").read_text()) == {
+        "run": 1
+    }  # restored, then kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -123,14 +150,20 @@ def test_a_failed_fill_leaves_the_previous_folder_and_no_temporary(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         write_folder(out, broken, PLAIN)
-    assert (out / "report.json").read_text() == "1" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (out / "report.json").read_text() == "1" and sorted(
+        p.name for p in tmp_path.iterdir()
+    ) == ["out"]
 
 
 def test_write_file_is_atomic_and_refuses_what_it_does_not_own(tmp_path):
     path = write_file(tmp_path / "bench.json", '{"a": 1}\n')
     with pytest.raises(ValueError, match="boom"):
-        write_file(path, lambda tmp: (tmp.write_text("half"), (_ for _ in ()).throw(ValueError("boom"))))
-    assert path.read_text() == '{"a": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
+        write_file(
+            path, lambda tmp: (tmp.write_text("half"), (_ for _ in ()).throw(ValueError("boom")))
+        )
+    assert path.read_text() == '{"a": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == [
+        "bench.json"
+    ]
     (tmp_path / "notes.md").write_text("user")
     with pytest.raises(OutputRefused, match="was not written by draftsmith"):
         write_file(tmp_path / "notes.md", "x", owned=lambda p: p.read_text().startswith("{"))
@@ -150,12 +183,15 @@ def test_a_scratch_folder_is_removed_and_a_killed_ones_is_cleaned_later(tmp_path
     assert not tmp.exists()
     left = tmp_path / f".out.tmp-{dead_pid()}-abc"
     left.mkdir()
-    write_export(tmp_path / "out", {"w": torch.zeros(2)}, {"method": "medusa", "architecture": {},
-                                                          "target": {"name_or_path": "t"}})
+    write_export(
+        tmp_path / "out",
+        {"w": torch.zeros(2)},
+        {"method": "medusa", "architecture": {}, "target": {"name_or_path": "t"}},
+    )
     assert not left.exists() and EXPORT_OUTPUT.recognize(tmp_path / "out")
 
 
-# ---- GGUF: the drafter's name and the tools `make llamacpp` builds ---------------------------------------------------
+# ---- GGUF: the drafter's name and the tools `make llamacpp` builds -------------------------------
 
 
 def built_tools() -> set[str]:
@@ -167,8 +203,15 @@ def built_tools() -> set[str]:
 def test_draft_gguf_is_named_after_the_drafter_not_a_temporary_folder(tmp_path, monkeypatch):
     from draftsmith.export import gguf
 
-    export = write_export(tmp_path / "exp", {"w": torch.zeros(2)}, {
-        "method": "eagle3", "architecture": {"target_layers": [1, 2, 3]}, "target": {"name_or_path": "t"}})
+    export = write_export(
+        tmp_path / "exp",
+        {"w": torch.zeros(2)},
+        {
+            "method": "eagle3",
+            "architecture": {"target_layers": [1, 2, 3]},
+            "target": {"name_or_path": "t"},
+        },
+    )
     seen: list[list[str]] = []
 
     def fake_converter(argv, **_):
@@ -183,8 +226,12 @@ def test_draft_gguf_is_named_after_the_drafter_not_a_temporary_folder(tmp_path, 
     monkeypatch.setattr(gguf.subprocess, "run", fake_converter)
     monkeypatch.setattr(gguf, "converter_input", fake_input)
     (tmp_path / "target.gguf").write_bytes(b"GGUF")
-    out = gguf.to_gguf(export, tmp_path / "gguf", tmp_path, tmp_path, target_gguf=tmp_path / "target.gguf")
-    model_dir = Path(seen[0][2])  # convert_hf_to_gguf.py MODEL_DIR: llama.cpp's general.name comes from its name
+    out = gguf.to_gguf(
+        export, tmp_path / "gguf", tmp_path, tmp_path, target_gguf=tmp_path / "target.gguf"
+    )
+    model_dir = Path(
+        seen[0][2]
+    )  # convert_hf_to_gguf.py MODEL_DIR: llama.cpp's general.name comes from its name
     assert model_dir.name == "draftsmith-eagle3-drafter" and "tmp" not in model_dir.name
     manifest = json.loads((out / "gguf.json").read_text())
     assert manifest["run"].split()[0] in built_tools()
@@ -198,8 +245,13 @@ def test_docs_and_the_gguf_docstring_name_only_tools_that_are_built():
     engines = (ROOT / "docs" / "ENGINES.md").read_text()
     commands = re.findall(r"# llama\.cpp: (\S+)", engines)
     assert commands and set(commands) <= built_tools()
-    assert "llama.cpp: llama-server" not in engines and "Serve with ``llama-server" not in gguf.__doc__
-    for text in (engines, gguf.__doc__):  # where llama-server is named, the text says `make llamacpp` builds none
+    assert (
+        "llama.cpp: llama-server" not in engines and "Serve with ``llama-server" not in gguf.__doc__
+    )
+    for text in (
+        engines,
+        gguf.__doc__,
+    ):  # where llama-server is named, the text says `make llamacpp` builds none
         assert re.search(r"(builds|and) no\s+`+llama-server", " ".join(text.split())), text[:200]
 
 

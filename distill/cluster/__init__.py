@@ -1,1 +1,2 @@
-"""Cluster training: Lightning strategy presets, preemption and elastic resumes, the memory model of each preset."""
+"""Cluster training: Lightning strategy presets, preemption and elastic resumes, the memory model of
+each preset."""

@@ -1,2 +1,2 @@
-"""The typed training config (one dataclass per shared group) and the checks run on a composed config before
-anything loads."""
+"""The typed training config (one dataclass per shared group) and the checks run on a composed
+config before anything loads."""

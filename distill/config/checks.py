@@ -1,7 +1,7 @@
-"""Checks a composed training config against its schema (distill/config/schema.py, recipes/<name>/) before
-anything loads: keys the schema lacks (``+key=value`` gets past Hydra's struct mode, the schema does not), values
-outside the range a field declares; a key the command line gives twice; and the key listing
-``train.py recipe=NAME --help`` prints.
+"""Checks a composed training config against its schema (distill/config/schema.py, recipes/<name>/)
+before anything loads: keys the schema lacks (``+key=value`` gets past Hydra's struct mode, the
+schema does not), values outside the range a field declares; a key the command line gives twice; and
+the key listing ``train.py recipe=NAME --help`` prints.
 
 Every message is one line naming the key, the value and what is allowed.
 """
@@ -23,17 +23,27 @@ from omegaconf.errors import MissingMandatoryValue
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.config.schema import TrainConfig
 
-# What Lightning's DDP launcher appends to this command line for each further process (lightning_fabric's
-# _hydra_subprocess_cmd): the run folder again, the job name, no output subdir.
-LIGHTNING_CHILD_SUFFIX = (re.compile(r"hydra\.run\.dir=.*"), re.compile(r"hydra\.job\.name=train_ddp_process_\d+"),
-                          re.compile(r"hydra\.output_subdir=null"))
+# What Lightning's DDP launcher appends to this command line for each further process
+# (lightning_fabric's _hydra_subprocess_cmd): the run folder again, the job name, no output subdir.
+LIGHTNING_CHILD_SUFFIX = (
+    re.compile(r"hydra\.run\.dir=.*"),
+    re.compile(r"hydra\.job\.name=train_ddp_process_\d+"),
+    re.compile(r"hydra\.output_subdir=null"),
+)
 
-_BOUNDS = (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b), ("le", "<=", lambda v, b: v <= b),
-           ("lt", "<", lambda v, b: v < b))
+_BOUNDS = (
+    ("ge", ">=", lambda v, b: v >= b),
+    ("gt", ">", lambda v, b: v > b),
+    ("le", "<=", lambda v, b: v <= b),
+    ("lt", "<", lambda v, b: v < b),
+)
 
 
-def schema_fields(schema: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, type | None]]:
-    """Every field of a schema class as (dotted path, field, nested schema or None), groups expanded."""
+def schema_fields(
+    schema: type, prefix: str = ""
+) -> Iterator[tuple[str, dataclasses.Field, type | None]]:
+    """Every field of a schema class as (dotted path, field, nested schema or None), groups
+    expanded."""
     hints = typing.get_type_hints(schema)
     for f in dataclasses.fields(schema):
         nested = nested_schema(hints[f.name])
@@ -44,7 +54,11 @@ def schema_fields(schema: type, prefix: str = "") -> Iterator[tuple[str, datacla
 
 def nested_schema(hint: Any) -> type | None:
     """The dataclass a group field holds (``X`` or ``Optional[X]``), else None."""
-    candidates = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_args(hint) else [hint]
+    candidates = (
+        [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_args(hint)
+        else [hint]
+    )
     return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
 
 
@@ -54,11 +68,16 @@ def leaf_paths(schema: type) -> list[str]:
 
 
 def close_keys(key: str, known: list[str]) -> list[str]:
-    """Declared keys that look like ``key``: by the whole path, else the same leaf under another group."""
+    """Declared keys that look like ``key``: by the whole path, else the same leaf under another
+    group."""
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
     if not close:
         leaf = key.rsplit(".", 1)[-1]
-        close = [k for k in known if difflib.SequenceMatcher(None, leaf, k.rsplit(".", 1)[-1]).ratio() >= 0.85][:3]
+        close = [
+            k
+            for k in known
+            if difflib.SequenceMatcher(None, leaf, k.rsplit(".", 1)[-1]).ratio() >= 0.85
+        ][:3]
     return close
 
 
@@ -66,8 +85,10 @@ def unknown_key_message(key: str, recipe: str, schema: type) -> str:
     """``heads.num_head is not a key of recipe=medusa; did you mean heads.num_heads? ...``"""
     close = close_keys(key, leaf_paths(schema))
     hint = f"; did you mean {' or '.join(close)}?" if close else ""
-    return (f"{key} is not a key of recipe={recipe}{hint} (python train.py recipe={recipe} --help lists its keys "
-            "with their types, defaults and docs)")
+    return (
+        f"{key} is not a key of recipe={recipe}{hint} (python train.py recipe={recipe} --help lists"
+        " its keys with their types, defaults and docs)"
+    )
 
 
 def allowed_text(meta: dict[str, Any]) -> str:
@@ -84,11 +105,17 @@ def allowed_text(meta: dict[str, Any]) -> str:
 
 
 def value_problem(path: str, value: Any, meta: dict[str, Any]) -> str | None:
-    """The message for a value outside its field's declared range, else None (null passes where it may be null)."""
+    """The message for a value outside its field's declared range, else None (null passes where it
+    may be null)."""
     if value is None or not (set(meta) - {"doc", "null"}):
         return None
     values = list(value) if isinstance(value, (list, tuple)) else [value]
-    bad = "length" in meta and len(values) != meta["length"] or "check" in meta and not meta["check"](value)
+    bad = (
+        "length" in meta
+        and len(values) != meta["length"]
+        or "check" in meta
+        and not meta["check"](value)
+    )
     if "choices" in meta:
         text = ("true" if value else "false") if isinstance(value, bool) else str(value).lower()
         bad = bad or text not in [str(choice).lower() for choice in meta["choices"]]
@@ -97,7 +124,11 @@ def value_problem(path: str, value: Any, meta: dict[str, Any]) -> str | None:
             number = float(item)
         except (TypeError, ValueError):  # text where a number belongs (an untyped key)
             number = math.nan
-        bad = bad or not math.isfinite(number) or not all(ok(number, meta[n]) for n, _, ok in _BOUNDS if n in meta)
+        bad = (
+            bad
+            or not math.isfinite(number)
+            or not all(ok(number, meta[n]) for n, _, ok in _BOUNDS if n in meta)
+        )
     if not bad:
         return None
     shown = list(values) if isinstance(value, (list, tuple)) else value
@@ -117,7 +148,11 @@ def schema_problems(cfg: DictConfig) -> list[str]:
 
 def _walk(node: DictConfig, prefix: str, recipe: str, root: type, problems: list[str]) -> None:
     schema = OmegaConf.get_type(node)
-    declared = {f.name: f for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    declared = (
+        {f.name: f for f in dataclasses.fields(schema)}
+        if dataclasses.is_dataclass(schema)
+        else None
+    )
     for name in node.keys():
         path = f"{prefix}{name}"
         if declared is not None and name not in declared:
@@ -135,19 +170,24 @@ def _walk(node: DictConfig, prefix: str, recipe: str, root: type, problems: list
 
 
 def check_schema(cfg: DictConfig) -> None:
-    """Raise one :class:`ConfigError` naming every undeclared key and out-of-range value of ``cfg``."""
+    """Raise one :class:`ConfigError` naming every undeclared key and out-of-range value of
+    ``cfg``."""
     problems = schema_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
 
 
 def describe_keys(cfg: DictConfig) -> list[str]:
-    """One line per key of ``cfg``'s schema, the recipe's own groups first: ``path: type = value  doc [allowed]``
-    (``train.py recipe=NAME --help``). A group that is null (``trainer.fsdp`` outside trainer=fsdp) is one line."""
+    """One line per key of ``cfg``'s schema, the recipe's own groups first: ``path: type = value doc
+    [allowed]`` (``train.py recipe=NAME --help``). A group that is null (``trainer.fsdp`` outside
+    trainer=fsdp) is one line.
+    """
     schema = OmegaConf.get_type(cfg)
     shared = {f.name for f in dataclasses.fields(TrainConfig)}
     hints = {path: f for path, f, _ in schema_fields(schema)}
-    rows = sorted(schema_fields(schema), key=lambda row: row[0].split(".", 1)[0] in shared)  # stable: own first
+    rows = sorted(
+        schema_fields(schema), key=lambda row: row[0].split(".", 1)[0] in shared
+    )  # stable: own first
     lines, null_groups = [], []
     for path, f, nested in rows:
         if any(path.startswith(f"{g}.") for g in null_groups):
@@ -162,32 +202,41 @@ def describe_keys(cfg: DictConfig) -> list[str]:
             null_groups.append(path)
         value = OmegaConf.to_container(node) if isinstance(node, (DictConfig, ListConfig)) else node
         allowed = allowed_text(dict(hints[path].metadata))
-        lines.append(f"  {path}: {f.type} = {'null' if value is None else value}    {f.metadata.get('doc', '')}"
-                     + (f" [{allowed}]" if allowed else ""))
+        lines.append(
+            f"  {path}: {f.type} = {'null' if value is None else value}   "
+            f" {f.metadata.get('doc', '')}" + (f" [{allowed}]" if allowed else "")
+        )
     return lines
 
 
 def repeated_override(overrides: list[str]) -> str | None:
-    """The one-line refusal of a key given twice (``recipe=medusa recipe=hydra``: Hydra would silently keep one),
-    else None. What Lightning's DDP launcher appends for a further process (:data:`LIGHTNING_CHILD_SUFFIX`) is not
-    the user's: the first process checked the command line it was given."""
-    tail = overrides[-len(LIGHTNING_CHILD_SUFFIX):]
-    if len(tail) == len(LIGHTNING_CHILD_SUFFIX) and all(p.fullmatch(a) for p, a in zip(LIGHTNING_CHILD_SUFFIX, tail)):
-        overrides = overrides[:-len(LIGHTNING_CHILD_SUFFIX)]
+    """The one-line refusal of a key given twice (``recipe=medusa recipe=hydra``: Hydra would
+    silently keep one), else None. What Lightning's DDP launcher appends for a further process
+    (:data:`LIGHTNING_CHILD_SUFFIX`) is not the user's: the first process checked the command line
+    it was given."""
+    tail = overrides[-len(LIGHTNING_CHILD_SUFFIX) :]
+    if len(tail) == len(LIGHTNING_CHILD_SUFFIX) and all(
+        p.fullmatch(a) for p, a in zip(LIGHTNING_CHILD_SUFFIX, tail)
+    ):
+        overrides = overrides[: -len(LIGHTNING_CHILD_SUFFIX)]
     seen: dict[str, str] = {}
     for arg in overrides:
         key, sep, _ = arg.partition("=")
         name = key.lstrip("+~")
         if sep and name in seen:
-            return (f"{name} is given twice ({seen[name]}, {arg}): pass it once (a sweep over values is "
-                    f"-m {name}=a,b)")
+            return (
+                f"{name} is given twice ({seen[name]}, {arg}): pass it once (a sweep over values is"
+                f" -m {name}=a,b)"
+            )
         seen.setdefault(name, arg)
     return None
 
 
 def target_folder_problem(given: str) -> str | None:
-    """A local folder given as the target that holds no model (a drafter export, a run folder, a converted layout):
-    one line naming what it is, before anything loads. Aliases and names that are not folders go to the loader."""
+    """A local folder given as the target that holds no model (a drafter export, a run folder, a
+    converted layout): one line naming what it is, before anything loads. Aliases and names that are
+    not folders go to the loader.
+    """
     from draftsmith import assets
     from draftsmith.export.folder_kinds import folder_kind
 
@@ -198,5 +247,7 @@ def target_folder_problem(given: str) -> str | None:
         return None
     if found.kind == "export" and (found.config or {}).get("method") == "diffusion_adapt":
         return None  # an adapted block-diffusion model is a target
-    return (f"target.name_or_path={given} is {found.label}, not a target model: pass the model folder it was "
-            "trained for (or the embedded default, target=smollm2)")
+    return (
+        f"target.name_or_path={given} is {found.label}, not a target model: pass the model folder"
+        " it was trained for (or the embedded default, target=smollm2)"
+    )

@@ -1,5 +1,6 @@
-"""A reduced draft vocabulary counted on the training split: shared by every recipe whose head scores only the
-most frequent assistant tokens (EAGLE-3's drafter, Medusa heads with ``heads.draft_vocab_size``)."""
+"""A reduced draft vocabulary counted on the training split: shared by every recipe whose head
+scores only the most frequent assistant tokens (EAGLE-3's drafter, Medusa heads with
+``heads.draft_vocab_size``)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ log = logging.getLogger(__name__)
 def training_token_batches(
     cfg: Any, target: Any, max_samples: int | None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids, loss_mask) of the training split, built exactly as the trainer's data module builds it.
+    """(input_ids, loss_mask) of the training split, built exactly as the trainer's data module
+    builds it.
 
-    Iterates the split's samples in a fixed order (not a shuffled loader) so every DDP rank gets the same
-    vocabulary; the tokenised data is cached, so the trainer's own data module then reads it from disk.
+    Iterates the split's samples in a fixed order (not a shuffled loader) so every DDP rank gets the
+    same vocabulary; the tokenised data is cached, so the trainer's own data module then reads it
+    from disk.
     """
     from draftsmith.distill.data.datamodule import build_datamodule
 
@@ -32,11 +35,18 @@ def training_token_batches(
         yield torch.tensor(sample["input_ids"]), torch.tensor(sample["loss_mask"])
 
 
-def count_draft_vocab(cfg: Any, target: Any, size: int, samples: int | None = None,
-                      batches: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                      key: str = "drafter.draft_vocab_size") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d2t, t2d)`` of the ``size`` most frequent assistant tokens of the training split (or of ``batches``),
-    logging how much of the assistant text they cover. ``key`` names the config key of the size in messages."""
+def count_draft_vocab(
+    cfg: Any,
+    target: Any,
+    size: int,
+    samples: int | None = None,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    key: str = "drafter.draft_vocab_size",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d2t, t2d)`` of the ``size`` most frequent assistant tokens of the training split (or of
+    ``batches``), logging how much of the assistant text they cover. ``key`` names the config key of
+    the size in messages.
+    """
     batches = batches if batches is not None else training_token_batches(cfg, target, samples)
     try:
         d2t, t2d, stats = draft_vocab_from_batches(batches, target.vocab_size, size, key)
@@ -44,6 +54,13 @@ def count_draft_vocab(cfg: Any, target: Any, size: int, samples: int | None = No
         if isinstance(err, DraftsmithError):
             raise
         raise DataError(f"{err} ({key}={size})") from err
-    log.info("draft vocabulary: %d of %d target tokens cover %.1f%% of %d assistant tokens (%d distinct)",
-             size, target.vocab_size, 100 * stats["coverage"], stats["tokens"], stats["distinct"])
+    log.info(
+        "draft vocabulary: %d of %d target tokens cover %.1f%% of %d assistant tokens (%d"
+        " distinct)",
+        size,
+        target.vocab_size,
+        100 * stats["coverage"],
+        stats["tokens"],
+        stats["distinct"],
+    )
     return d2t, t2d

@@ -1,10 +1,11 @@
-"""Training data that resumes mid-epoch where an interrupted run stopped, instead of replaying the epoch's start.
+"""Training data that resumes mid-epoch where an interrupted run stopped, instead of replaying the
+epoch's start.
 
-Lightning stores ``state_dict()`` of a training DataLoader that has one in each checkpoint and hands it back through
-``load_state_dict`` before the first iterator of a resumed run is made. The state here is the number of batches the
-epoch had consumed, computed from the optimizer step count (not from batches fetched, which runs one ahead because
-Lightning prefetches); the batch order is a fixed seeded permutation, so skipping that many batches reproduces the
-uninterrupted run exactly.
+Lightning stores ``state_dict()`` of a training DataLoader that has one in each checkpoint and hands
+it back through ``load_state_dict`` before the first iterator of a resumed run is made. The state
+here is the number of batches the epoch had consumed, computed from the optimizer step count (not
+from batches fetched, which runs one ahead because Lightning prefetches); the batch order is a fixed
+seeded permutation, so skipping that many batches reproduces the uninterrupted run exactly.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 
 class ResumableSampler(DistributedSampler):
-    """Items ``rank, rank + world, ...`` in order (no shuffle); after :meth:`skip_next`, the next pass starts later.
+    """Items ``rank, rank + world, ...`` in order (no shuffle); after :meth:`skip_next`, the next
+    pass starts later.
 
-    A DistributedSampler subclass so that Lightning keeps it under DDP instead of wrapping it in its own.
+    A DistributedSampler subclass so that Lightning keeps it under DDP instead of wrapping it in its
+    own.
     """
 
     def __init__(self, size: int, rank: int = 0, world: int = 1) -> None:
@@ -37,13 +40,17 @@ class ResumableSampler(DistributedSampler):
 
 
 class ResumableLoader(DataLoader):
-    """A training DataLoader over a :class:`ResumableSampler` whose epoch position is saved in checkpoints.
+    """A training DataLoader over a :class:`ResumableSampler` whose epoch position is saved in
+    checkpoints.
 
-    ``batches_done`` returns how many batches of the current epoch the trainer has consumed; ``items_per_batch`` is
-    how many sampler items make one batch (1 when the dataset yields whole batches).
+    ``batches_done`` returns how many batches of the current epoch the trainer has consumed;
+    ``items_per_batch`` is how many sampler items make one batch (1 when the dataset yields whole
+    batches).
     """
 
-    def __init__(self, *args: Any, batches_done: Callable[[], int], items_per_batch: int, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, batches_done: Callable[[], int], items_per_batch: int, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, ResumableSampler):
             raise TypeError("ResumableLoader needs a ResumableSampler")
@@ -60,8 +67,8 @@ class ResumableLoader(DataLoader):
 
 
 def batches_done_in_epoch(global_step: int, batches_per_epoch: int | float, accumulate: int) -> int:
-    """Batches of the current epoch behind ``global_step`` optimizer steps (an epoch of N batches takes
-    ceil(N / accumulate) steps; its last step may use fewer batches)."""
+    """Batches of the current epoch behind ``global_step`` optimizer steps (an epoch of N batches
+    takes ceil(N / accumulate) steps; its last step may use fewer batches)."""
     if not math.isfinite(batches_per_epoch) or batches_per_epoch <= 0:
         return 0
     steps_per_epoch = math.ceil(batches_per_epoch / accumulate)

@@ -1,8 +1,10 @@
-"""The ``trajectories`` batch kind: Learn2PD oracle examples (block confidences -> "already final" labels).
+"""The ``trajectories`` batch kind: Learn2PD oracle examples (block confidences -> "already final"
+labels).
 
-Reads a folder written by ``draftsmith trajectories`` (``meta.json`` + ``shard-*.safetensors``). Batches are
-``{"conf": [B, L] float, "labels": [B, L] float}`` plus ``input_ids`` / ``attention_mask`` [B, 1] placeholders so the
-trainer's token count reads as examples. An empty, incomplete or corrupt folder is refused before training.
+Reads a folder written by ``draftsmith trajectories`` (``meta.json`` + ``shard-*.safetensors``).
+Batches are ``{"conf": [B, L] float, "labels": [B, L] float}`` plus ``input_ids`` /
+``attention_mask`` [B, 1] placeholders so the trainer's token count reads as examples. An empty,
+incomplete or corrupt folder is refused before training.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from draftsmith.distill.data.datamodule import register_batch_kind
 
 def read_trajectories(folder: str | Path) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     """``(meta, conf [N, L], labels [N, L])`` of a trajectory folder
-    (:func:`draftsmith.datagen.trajectory_folder.read_trajectories`); its format errors become training's DataError."""
+    (:func:`draftsmith.datagen.trajectory_folder.read_trajectories`); its format errors become
+    training's DataError.
+    """
     try:
         return trajectory_folder.read_trajectories(folder)
     except TrajectoryFolderError as err:
@@ -38,14 +42,21 @@ def collate_trajectories(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[
 
 
 class TrajectoryDataModule(pl.LightningDataModule):
-    """Seeded train/validation split of a trajectory folder, shuffled batches (full batch when ``batch_size`` is
-    at least the number of examples: the paper's setting)."""
+    """Seeded train/validation split of a trajectory folder, shuffled batches (full batch when
+    ``batch_size`` is at least the number of examples: the paper's setting)."""
 
-    def __init__(self, folder: str | Path, batch_size: int, val_fraction: float = 0.1, seed: int = 0) -> None:
+    def __init__(
+        self, folder: str | Path, batch_size: int, val_fraction: float = 0.1, seed: int = 0
+    ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
-        self.folder, self.batch_size, self.val_fraction, self.seed = Path(folder), batch_size, val_fraction, seed
+        self.folder, self.batch_size, self.val_fraction, self.seed = (
+            Path(folder),
+            batch_size,
+            val_fraction,
+            seed,
+        )
         self.meta: dict[str, Any] = {}
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
@@ -55,14 +66,23 @@ class TrajectoryDataModule(pl.LightningDataModule):
             return
         self.meta, conf, labels = read_trajectories(self.folder)
         order = torch.randperm(len(conf), generator=torch.Generator().manual_seed(self.seed))
-        n_val = min(len(conf) - 1, max(1, round(len(conf) * self.val_fraction))) if self.val_fraction else 0
+        n_val = (
+            min(len(conf) - 1, max(1, round(len(conf) * self.val_fraction)))
+            if self.val_fraction
+            else 0
+        )
         self.val_set = TensorDataset(conf[order[:n_val]], labels[order[:n_val]])
         self.train_set = TensorDataset(conf[order[n_val:]], labels[order[n_val:]])
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=collate_trajectories,
-                          generator=torch.Generator().manual_seed(self.seed))
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            collate_fn=collate_trajectories,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
 
     def val_dataloader(self) -> DataLoader:
         self.setup("validate")
@@ -70,7 +90,13 @@ class TrajectoryDataModule(pl.LightningDataModule):
 
 
 @register_batch_kind("trajectories")
-def build_trajectory_datamodule(cfg: Any, tokenizer: Any, packing: bool | None = None) -> TrajectoryDataModule:
+def build_trajectory_datamodule(
+    cfg: Any, tokenizer: Any, packing: bool | None = None
+) -> TrajectoryDataModule:
     """``data.spec`` is the trajectory folder (``data=DIR`` on the command line)."""
-    return TrajectoryDataModule(str(cfg.data.spec), int(cfg.data.batch_size), float(cfg.data.val_fraction),
-                                int(cfg.run.seed))
+    return TrajectoryDataModule(
+        str(cfg.data.spec),
+        int(cfg.data.batch_size),
+        float(cfg.data.val_fraction),
+        int(cfg.run.seed),
+    )

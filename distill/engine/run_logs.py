@@ -1,11 +1,12 @@
 """The run's CSV log, ``<run dir>/logs/metrics.csv``, kept across every attempt of a run.
 
-Lightning's ``CSVLogger`` deletes ``metrics.csv`` when a logger opens a folder that holds one, so each resume (after
-Ctrl-C, SIGTERM, kill -9, or a raised ``trainer.max_steps``) used to drop the rows of the earlier attempts.
-:class:`RunCSVLogger` appends instead: the rows of every attempt stay, in the order they were logged (steps that an
-attempt trained after its last checkpoint and the next attempt trains again appear once per attempt). Rows are
-written at every logging step, so a killed attempt keeps what it logged; a header that gains a column (the first
-``val/`` metric) is rewritten beside the file and swapped in, never truncated in place.
+Lightning's ``CSVLogger`` deletes ``metrics.csv`` when a logger opens a folder that holds one, so
+each resume (after Ctrl-C, SIGTERM, kill -9, or a raised ``trainer.max_steps``) used to drop the
+rows of the earlier attempts. :class:`RunCSVLogger` appends instead: the rows of every attempt stay,
+in the order they were logged (steps that an attempt trained after its last checkpoint and the next
+attempt trains again appear once per attempt). Rows are written at every logging step, so a killed
+attempt keeps what it logged; a header that gains a column (the first ``val/`` metric) is rewritten
+beside the file and swapped in, never truncated in place.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ log = logging.getLogger(__name__)
 
 
 class AppendingWriter(ExperimentWriter):
-    """Lightning's CSV writer that keeps an existing ``metrics.csv`` (its rows and its columns) and appends."""
+    """Lightning's CSV writer that keeps an existing ``metrics.csv`` (its rows and its columns) and
+    appends."""
 
-    def _check_log_dir_exists(self) -> None:  # Lightning's version deletes metrics.csv; read its header instead
+    def _check_log_dir_exists(
+        self,
+    ) -> None:  # Lightning's version deletes metrics.csv; read its header instead
         path = Path(self.metrics_file_path)
         if not path.is_file() or path.stat().st_size == 0:
             return
@@ -37,12 +41,23 @@ class AppendingWriter(ExperimentWriter):
                 rows = sum(1 for _ in handle)
             if "\0" in "".join(header) or "step" not in header:
                 raise ValueError("no step column")
-        except (UnicodeDecodeError, csv.Error, ValueError) as err:  # not a CSV log: kept aside, never appended to
+        except (
+            UnicodeDecodeError,
+            csv.Error,
+            ValueError,
+        ) as err:  # not a CSV log: kept aside, never appended to
             aside = path.with_name(f"{path.name}.unreadable-{int(path.stat().st_mtime)}")
             os.replace(path, aside)
-            log.warning("%s is not a CSV log (%s): kept as %s; this attempt starts a new one", path, err, aside.name)
+            log.warning(
+                "%s is not a CSV log (%s): kept as %s; this attempt starts a new one",
+                path,
+                err,
+                aside.name,
+            )
             return
-        with path.open("rb+") as handle:  # a row a killed attempt left without its newline ends here
+        with path.open(
+            "rb+"
+        ) as handle:  # a row a killed attempt left without its newline ends here
             handle.seek(-1, os.SEEK_END)
             if handle.read(1) != b"\n":
                 handle.write(b"\n")
@@ -50,7 +65,8 @@ class AppendingWriter(ExperimentWriter):
         log.info("appending to %s (%d rows of earlier attempts kept)", path, rows)
 
     def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
-        """Rewrite the file with more columns beside it, then rename it over the old one (a kill keeps either)."""
+        """Rewrite the file with more columns beside it, then rename it over the old one (a kill
+        keeps either)."""
         path = Path(self.metrics_file_path)
         with path.open(newline="") as handle:
             rows = list(csv.DictReader(handle))
@@ -65,8 +81,8 @@ class AppendingWriter(ExperimentWriter):
 
 
 class RunCSVLogger(CSVLogger):
-    """``CSVLogger(save_dir=run_dir, name="logs", version="")`` that appends across attempts and writes its rows at
-    every logging step (not every 100), so a killed attempt loses none."""
+    """``CSVLogger(save_dir=run_dir, name="logs", version="")`` that appends across attempts and
+    writes its rows at every logging step (not every 100), so a killed attempt loses none."""
 
     def __init__(self, run_dir: str | Path) -> None:
         super().__init__(save_dir=str(run_dir), name="logs", version="", flush_logs_every_n_steps=1)
@@ -82,9 +98,11 @@ class RunCSVLogger(CSVLogger):
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str | None = None) -> list:
-    """CSV always; wandb (offline unless logger.mode=online) when selected, named ``run_name`` (recipe + overrides)
-    and given the resolved config."""
-    loggers: list = [RunCSVLogger(run_dir)]  # appends across resumes (Lightning's CSVLogger deletes earlier rows)
+    """CSV always; wandb (offline unless logger.mode=online) when selected, named ``run_name``
+    (recipe + overrides) and given the resolved config."""
+    loggers: list = [
+        RunCSVLogger(run_dir)
+    ]  # appends across resumes (Lightning's CSVLogger deletes earlier rows)
     kind = cfg.logger.kind
     if kind == "wandb":
         from pytorch_lightning.loggers import WandbLogger
@@ -92,16 +110,24 @@ def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str | None = None) -
         mode = str(cfg.logger.mode or "offline")
         os.environ.setdefault("WANDB_MODE", mode)
         name = cfg.logger.name or run_name or str(cfg.recipe.name)
-        loggers.append(WandbLogger(project=cfg.logger.project, entity=cfg.logger.entity, name=name,
-                                   save_dir=str(run_dir), offline=mode == "offline", mode=mode,
-                                   group=cfg.logger.group or str(cfg.recipe.name),
-                                   config=OmegaConf.to_container(cfg, resolve=True)))
+        loggers.append(
+            WandbLogger(
+                project=cfg.logger.project,
+                entity=cfg.logger.entity,
+                name=name,
+                save_dir=str(run_dir),
+                offline=mode == "offline",
+                mode=mode,
+                group=cfg.logger.group or str(cfg.recipe.name),
+                config=OmegaConf.to_container(cfg, resolve=True),
+            )
+        )
     return loggers
 
 
 def finish_loggers(loggers: list, export_dir: Path | None) -> None:
-    """Attach the export's ``config.json`` to a wandb run (its files; synced later when offline) and finish the run,
-    so that the next job of a sweep in this process starts its own run."""
+    """Attach the export's ``config.json`` to a wandb run (its files; synced later when offline) and
+    finish the run, so that the next job of a sweep in this process starts its own run."""
     config = export_dir / "config.json" if export_dir is not None else None
     for logger in loggers:
         if type(logger).__name__ != "WandbLogger":

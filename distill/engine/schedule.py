@@ -1,4 +1,5 @@
-"""The learning-rate schedule of every recipe: linear warmup, then constant, linear or cosine decay, or wsd."""
+"""The learning-rate schedule of every recipe: linear warmup, then constant, linear or cosine decay,
+or wsd."""
 
 from __future__ import annotations
 
@@ -10,16 +11,23 @@ from draftsmith.common.errors import ConfigError
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 
 
-def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.1,
-              decay_steps: int = 0) -> Callable[[int], float]:
-    """Multiplier of the base LR at a step: linear warmup, then constant / linear / cosine decay to ``min_ratio``, or
-    ``wsd`` (warmup-stable-decay): constant, then linear to zero over the last ``decay_steps`` steps (the factor is
-    ``(total_steps - step) / decay_steps``: 1 at the decay's first step, 0 at ``total_steps``). A cooldown branch of
-    a constant-LR run is a ``wsd`` run resumed from the branch point (Hagele et al., arXiv 2405.18392)."""
+def lr_lambda(
+    schedule: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.1, decay_steps: int = 0
+) -> Callable[[int], float]:
+    """Multiplier of the base LR at a step: linear warmup, then constant / linear / cosine decay to
+    ``min_ratio``, or
+    ``wsd`` (warmup-stable-decay): constant, then linear to zero over the last ``decay_steps`` steps
+    (the factor is ``(total_steps - step) / decay_steps``: 1 at the decay's first step, 0 at
+    ``total_steps``). A cooldown branch of a constant-LR run is a ``wsd`` run resumed from the
+    branch point (Hagele et al., arXiv 2405.18392).
+    """
     if schedule not in SCHEDULES:
         raise ConfigError(f"optim.scheduler={schedule!r}; valid: {', '.join(SCHEDULES)}")
     if schedule == "wsd" and decay_steps < 1:
-        raise ConfigError("optim.scheduler=wsd needs optim.decay_steps >= 1 (the steps of its linear decay to zero)")
+        raise ConfigError(
+            "optim.scheduler=wsd needs optim.decay_steps >= 1 (the steps of its linear decay to"
+            " zero)"
+        )
 
     def fn(step: int) -> float:
         if schedule == "wsd" and step >= total_steps - decay_steps:

@@ -1,2 +1,2 @@
-"""The offline feature cache: the target run once over the data, its features stored in shards, training
-from them without loading the target."""
+"""The offline feature cache: the target run once over the data, its features stored in shards,
+training from them without loading the target."""

@@ -1,8 +1,10 @@
-"""Training from an offline feature cache (:mod:`draftsmith.distill.feature_cache.build`) without loading the target.
+"""Training from an offline feature cache (:mod:`draftsmith.distill.feature_cache.build`) without
+loading the target.
 
-``data.features=DIR`` swaps in :class:`CachedFeatureDataModule` (the cached batches, in the order the online data module
-serves them, resumable mid-epoch) and :class:`CachedTarget` (a :class:`~draftsmith.distill.target.frozen.TargetModel`
-stand-in holding the target's config, tokenizer, embedding and LM head; its features come with each batch).
+``data.features=DIR`` swaps in :class:`CachedFeatureDataModule` (the cached batches, in the order
+the online data module serves them, resumable mid-epoch) and :class:`CachedTarget` (a
+:class:`~draftsmith.distill.target.frozen.TargetModel` stand-in holding the target's config,
+tokenizer, embedding and LM head; its features come with each batch).
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from draftsmith.distill.data.resumable import ResumableLoader, ResumableSampler, batches_done_in_epoch
+from draftsmith.distill.data.resumable import (
+    ResumableLoader,
+    ResumableSampler,
+    batches_done_in_epoch,
+)
 from draftsmith.distill.feature_cache.build import (
     FORMAT,
     HEAD_FILE,
@@ -31,22 +37,36 @@ from draftsmith.distill.feature_cache.build import (
 from draftsmith.distill.feature_cache.shards import content_damage
 from draftsmith.distill.target.frozen import FeatureTaps, TargetFeatures
 
-REBUILD = "rebuild it with `draftsmith cache-features recipe=... --out DIR` (a re-run resumes) or train online"
+REBUILD = (
+    "rebuild it with `draftsmith cache-features recipe=... --out DIR` (a re-run resumes) or train"
+    " online"
+)
 
 
 def read_manifest(path: Path) -> dict:
-    """The cache's manifest, refused in one line when it is missing, unreadable or not a feature cache's."""
+    """The cache's manifest, refused in one line when it is missing, unreadable or not a feature
+    cache's."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
-        raise FeatureCacheError(f"data.features={path} is not a feature cache (no {MANIFEST}: the cache-features run "
-                                f"never started there or was stopped early); {REBUILD}") from None
+        raise FeatureCacheError(
+            f"data.features={path} is not a feature cache (no {MANIFEST}: the cache-features run "
+            f"never started there or was stopped early); {REBUILD}"
+        ) from None
     except (OSError, ValueError) as err:
-        raise FeatureCacheError(f"feature cache {path}: its {MANIFEST} is unreadable ({err}); {REBUILD}") from None
+        raise FeatureCacheError(
+            f"feature cache {path}: its {MANIFEST} is unreadable ({err}); {REBUILD}"
+        ) from None
     fields = ("shards", "batches", "settings", "features", "taps", "target")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not all(k in manifest for k in fields):
-        raise FeatureCacheError(f"{path / MANIFEST} is not a draftsmith feature cache manifest (or lacks "
-                                f"{', '.join(fields)}); {REBUILD}")
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not all(k in manifest for k in fields)
+    ):
+        raise FeatureCacheError(
+            f"{path / MANIFEST} is not a draftsmith feature cache manifest (or lacks "
+            f"{', '.join(fields)}); {REBUILD}"
+        )
     return manifest
 
 
@@ -56,21 +76,34 @@ class FeatureCache:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
-        missing = [s["file"] for s in self.manifest["shards"] if not (self.path / s["file"]).is_file()]
+        missing = [
+            s["file"] for s in self.manifest["shards"] if not (self.path / s["file"]).is_file()
+        ]
         if not (self.path / TARGET_DIR / HEAD_FILE).is_file():
             missing.append(f"{TARGET_DIR}/{HEAD_FILE}")
-        damaged = [] if missing else [f"{s['file']} ({why})" for s in self.manifest["shards"]
-                                      if (why := shard_damage(self.path / s["file"])) is not None]
+        damaged = (
+            []
+            if missing
+            else [
+                f"{s['file']} ({why})"
+                for s in self.manifest["shards"]
+                if (why := shard_damage(self.path / s["file"])) is not None
+            ]
+        )
         head = self.path / TARGET_DIR / HEAD_FILE
         if not missing and (why := shard_damage(head)) is not None:
             damaged.append(f"{TARGET_DIR}/{HEAD_FILE} ({why})")
         if damaged:
-            raise FeatureCacheError(f"feature cache {self.path} has damaged shards: {'; '.join(damaged[:3])}"
-                                    f"{' ...' if len(damaged) > 3 else ''}; {REBUILD} (the re-run rewrites them)")
+            raise FeatureCacheError(
+                f"feature cache {self.path} has damaged shards: {'; '.join(damaged[:3])}"
+                f"{' ...' if len(damaged) > 3 else ''}; {REBUILD} (the re-run rewrites them)"
+            )
         if missing or not self.manifest.get("complete"):
-            raise FeatureCacheError(f"feature cache {self.path} is incomplete ({len(missing)} of "
-                                    f"{len(self.manifest['shards'])} shards missing: {', '.join(missing[:3])}"
-                                    f"{' ...' if len(missing) > 3 else ''}); {REBUILD}")
+            raise FeatureCacheError(
+                f"feature cache {self.path} is incomplete ({len(missing)} of "
+                f"{len(self.manifest['shards'])} shards missing: {', '.join(missing[:3])}"
+                f"{' ...' if len(missing) > 3 else ''}); {REBUILD}"
+            )
         self.where: dict[str, str] = {}  # "train.3" -> shard file
         for shard in self.manifest["shards"]:
             for g in range(shard["start"], shard["stop"]):
@@ -86,41 +119,60 @@ class FeatureCache:
         """Refuse a cache built for another recipe, target or data settings, naming what differs."""
         diff = differences(self.manifest["settings"], settings_of(cfg))
         if diff:
-            raise FeatureCacheError(f"feature cache {self.path} was built for another configuration: "
-                                    f"{'; '.join(diff)}; {REBUILD}")
+            raise FeatureCacheError(
+                f"feature cache {self.path} was built for another configuration: "
+                f"{'; '.join(diff)}; {REBUILD}"
+            )
 
     def _open(self, file: str) -> Any:
         from safetensors import safe_open
 
         if file not in self._handles:
-            damage = content_damage(self.path / file)  # once per shard and process, before any batch of it is used
+            damage = content_damage(
+                self.path / file
+            )  # once per shard and process, before any batch of it is used
             if damage is not None:
-                raise FeatureCacheError(f"feature cache {self.path} has a damaged shard: {file} ({damage}); "
-                                        f"{REBUILD} (the re-run rewrites it)")
+                raise FeatureCacheError(
+                    f"feature cache {self.path} has a damaged shard: {file} ({damage}); "
+                    f"{REBUILD} (the re-run rewrites it)"
+                )
             self._handles[file] = safe_open(str(self.path / file), framework="pt")
         return self._handles[file]
 
     def batch(self, split: str, i: int) -> dict[str, torch.Tensor]:
-        """Batch ``i`` of ``split``: ids and masks [B, T] (long) and ``features.<name>`` [B, T, H]."""
+        """Batch ``i`` of ``split``: ids and masks [B, T] (long) and ``features.<name>`` [B, T,
+        H]."""
         name = f"{split}.{i}"
         handle = self._open(self.where[name])
-        out = {k: handle.get_tensor(f"{name}.{k}").long() for k in ("input_ids", "attention_mask", "loss_mask")}
-        out.update({PREFIX + f: handle.get_tensor(f"{name}.{f}") for f in self.manifest["features"]})
+        out = {
+            k: handle.get_tensor(f"{name}.{k}").long()
+            for k in ("input_ids", "attention_mask", "loss_mask")
+        }
+        out.update(
+            {PREFIX + f: handle.get_tensor(f"{name}.{f}") for f in self.manifest["features"]}
+        )
         if self.manifest["taps"].get("lazy_logits"):  # the target's greedy ids [B, T]
             out[PREFIX + "greedy_ids"] = handle.get_tensor(f"{name}.greedy_ids").long()
         return out
 
     def samples(self, split: str = "train") -> list[dict]:
-        """The unpadded samples of ``split`` in their original order (draft-vocabulary scans read these)."""
+        """The unpadded samples of ``split`` in their original order (draft-vocabulary scans read
+        these)."""
         found: dict[int, dict] = {}
         for i in range(int(self.manifest["batches"][split])):
             name = f"{split}.{i}"
             handle = self._open(self.where[name])
             indices = json.loads(handle.metadata()["indices"])[name]
-            ids, attn, loss = (handle.get_tensor(f"{name}.{k}") for k in ("input_ids", "attention_mask", "loss_mask"))
+            ids, attn, loss = (
+                handle.get_tensor(f"{name}.{k}")
+                for k in ("input_ids", "attention_mask", "loss_mask")
+            )
             for row, j in enumerate(indices):
                 n = int(attn[row].sum())
-                found[j] = {"input_ids": ids[row, :n].long().numpy(), "loss_mask": loss[row, :n].long().numpy()}
+                found[j] = {
+                    "input_ids": ids[row, :n].long().numpy(),
+                    "loss_mask": loss[row, :n].long().numpy(),
+                }
         return [found[j] for j in sorted(found)]
 
     def __getstate__(self) -> dict:  # DataLoader workers reopen the shards
@@ -128,7 +180,8 @@ class FeatureCache:
 
 
 class CachedTarget:
-    """The target as a feature cache knows it: config, tokenizer, embedding and LM head; features per batch."""
+    """The target as a feature cache knows it: config, tokenizer, embedding and LM head; features
+    per batch."""
 
     def __init__(self, cache: FeatureCache) -> None:
         from safetensors.torch import load_file
@@ -139,12 +192,18 @@ class CachedTarget:
         try:
             self.config = AutoConfig.from_pretrained(folder)
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
-            self._weights = load_file(str(folder / HEAD_FILE))  # embed, lm_head [V, H] in the target's dtype
+            self._weights = load_file(
+                str(folder / HEAD_FILE)
+            )  # embed, lm_head [V, H] in the target's dtype
         except Exception as err:  # noqa: BLE001 - transformers and tokenizers raise many types for a damaged file
-            raise FeatureCacheError(f"feature cache {cache.path}: its {TARGET_DIR}/ folder does not load "
-                                    f"({' '.join(str(err).split())[:200]}); {REBUILD}") from None
+            raise FeatureCacheError(
+                f"feature cache {cache.path}: its {TARGET_DIR}/ folder does not load "
+                f"({' '.join(str(err).split())[:200]}); {REBUILD}"
+            ) from None
         self.name_or_path = str(cache.manifest["target"]["name_or_path"])
-        self.stored = FeatureTaps(**{**cache.manifest["taps"], "layers": tuple(cache.manifest["taps"]["layers"])})
+        self.stored = FeatureTaps(
+            **{**cache.manifest["taps"], "layers": tuple(cache.manifest["taps"]["layers"])}
+        )
 
     hidden_size = property(lambda self: int(self.config.hidden_size))
     vocab_size = property(lambda self: int(self._weights["lm_head"].shape[0]))
@@ -161,35 +220,61 @@ class CachedTarget:
         return self
 
     def check_taps(self, taps: FeatureTaps, own_features: bool = False) -> None:
-        """Refuse an objective that needs features the cache does not hold (before training starts)."""
+        """Refuse an objective that needs features the cache does not hold (before training
+        starts)."""
         missing = [f"layer {i}" for i in taps.layers if i not in self.stored.layers]
         missing += ["prenorm_hidden"] * (taps.prenorm_hidden and not self.stored.prenorm_hidden)
         if own_features or missing:
-            what = "computes its own target features" if own_features else f"needs {', '.join(missing)}"
-            raise FeatureCacheError(f"feature cache {self.cache.path} holds {self.cache.manifest['features']} but the "
-                                    f"objective {what} (another recipe or drafter.target_layers?); {REBUILD}")
+            what = (
+                "computes its own target features"
+                if own_features
+                else f"needs {', '.join(missing)}"
+            )
+            raise FeatureCacheError(
+                f"feature cache {self.cache.path} holds {self.cache.manifest['features']} but the "
+                f"objective {what} (another recipe or drafter.target_layers?); {REBUILD}"
+            )
 
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 taps: FeatureTaps | None = None) -> TargetFeatures:
-        raise FeatureCacheError("a feature-cache target has no model to run: its features come with each cached "
-                                "batch (DistillModule reads them with batch_features)")
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        taps: FeatureTaps | None = None,
+    ) -> TargetFeatures:
+        raise FeatureCacheError(
+            "a feature-cache target has no model to run: its features come with each cached "
+            "batch (DistillModule reads them with batch_features)"
+        )
 
-    def batch_features(self, batch: dict[str, torch.Tensor], taps: FeatureTaps
-                       ) -> tuple[TargetFeatures, dict[str, torch.Tensor]]:
-        """The cached features of ``batch`` (logits / top-k rebuilt with the LM head) and the batch without them."""
+    def batch_features(
+        self, batch: dict[str, torch.Tensor], taps: FeatureTaps
+    ) -> tuple[TargetFeatures, dict[str, torch.Tensor]]:
+        """The cached features of ``batch`` (logits / top-k rebuilt with the LM head) and the batch
+        without them."""
         self.check_taps(taps)
         dtype = self.lm_head_weight.dtype  # what the online target returned its features in
         greedy = batch.get(PREFIX + "greedy_ids")
-        got = {k[len(PREFIX):]: v.to(dtype) for k, v in batch.items() if k.startswith(PREFIX) and k[len(PREFIX):]
-               != "greedy_ids"}
-        feats = TargetFeatures(final_hidden=got["final_hidden"] if taps.final_hidden else None,
-                               prenorm_hidden=got.get("prenorm_hidden") if taps.prenorm_hidden else None,
-                               layer_hidden={i: got[f"layer.{i}"] for i in taps.layers})
+        got = {
+            k[len(PREFIX) :]: v.to(dtype)
+            for k, v in batch.items()
+            if k.startswith(PREFIX) and k[len(PREFIX) :] != "greedy_ids"
+        }
+        feats = TargetFeatures(
+            final_hidden=got["final_hidden"] if taps.final_hidden else None,
+            prenorm_hidden=got.get("prenorm_hidden") if taps.prenorm_hidden else None,
+            layer_hidden={i: got[f"layer.{i}"] for i in taps.layers},
+        )
         if taps.logits and taps.lazy_logits and greedy is not None and not taps.topk:
             # only the rows the objective asks for go through the LM head (TargetFeatures.logits_at)
-            feats.final_hidden, feats.greedy_ids, feats.head_weight = got["final_hidden"], greedy, self.lm_head_weight
+            feats.final_hidden, feats.greedy_ids, feats.head_weight = (
+                got["final_hidden"],
+                greedy,
+                self.lm_head_weight,
+            )
         elif taps.logits or taps.topk:
-            logits = F.linear(got["final_hidden"], self.lm_head_weight)  # [B, T, V], as the target's lm_head
+            logits = F.linear(
+                got["final_hidden"], self.lm_head_weight
+            )  # [B, T, V], as the target's lm_head
             feats.logits = logits if taps.logits else None
             if taps.topk:
                 feats.topk_values, feats.topk_indices = logits.topk(taps.topk, dim=-1)
@@ -218,7 +303,8 @@ class CachedBatches(Dataset):
 
 
 class CachedFeatureDataModule(pl.LightningDataModule):
-    """Cached batches served like :class:`~draftsmith.distill.data.datamodule.ChatDataModule` serves them."""
+    """Cached batches served like :class:`~draftsmith.distill.data.datamodule.ChatDataModule` serves
+    them."""
 
     def __init__(self, cache: FeatureCache, num_workers: int = 0) -> None:
         super().__init__()
@@ -232,21 +318,36 @@ class CachedFeatureDataModule(pl.LightningDataModule):
         """Batch r, r+W, ... to rank r in the cached order, resumable mid-epoch."""
         trainer = self.trainer
         world = int(getattr(trainer, "world_size", 1) or 1)
-        sampler = ResumableSampler(len(self.train_set), rank=int(trainer.global_rank) if world > 1 else 0, world=world)
-        done = lambda: batches_done_in_epoch(trainer.global_step, trainer.num_training_batches,  # noqa: E731
-                                             trainer.accumulate_grad_batches)
-        return ResumableLoader(self.train_set, batch_size=None, sampler=sampler, num_workers=self.num_workers,
-                               batches_done=done, items_per_batch=1)
+        sampler = ResumableSampler(
+            len(self.train_set), rank=int(trainer.global_rank) if world > 1 else 0, world=world
+        )
+
+        def done() -> int:
+            return batches_done_in_epoch(
+                trainer.global_step, trainer.num_training_batches, trainer.accumulate_grad_batches
+            )
+
+        return ResumableLoader(
+            self.train_set,
+            batch_size=None,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            batches_done=done,
+            items_per_batch=1,
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=None, shuffle=False, num_workers=self.num_workers)
+        return DataLoader(
+            self.val_set, batch_size=None, shuffle=False, num_workers=self.num_workers
+        )
 
 
 _OPEN: dict[str, FeatureCache] = {}
 
 
 def open_cache(cfg: Any) -> FeatureCache:
-    """The cache of ``cfg.data.features``, checked against ``cfg`` (one instance per folder and process)."""
+    """The cache of ``cfg.data.features``, checked against ``cfg`` (one instance per folder and
+    process)."""
     path = str(Path(str(cfg.data.features)).expanduser().resolve())
     cache = _OPEN.get(path) or FeatureCache(path)
     cache.check(cfg)
@@ -257,16 +358,24 @@ def open_cache(cfg: Any) -> FeatureCache:
 def cached_datamodule(cfg: Any, kind: str) -> CachedFeatureDataModule:
     """The data module for ``data.features`` (chat batches only)."""
     if kind != "chat":
-        raise FeatureCacheError(f"data.features serves chat batches; this recipe trains on {kind!r} batches")
+        raise FeatureCacheError(
+            f"data.features serves chat batches; this recipe trains on {kind!r} batches"
+        )
     return CachedFeatureDataModule(open_cache(cfg), int(cfg.data.num_workers))
 
 
-def train_offline(cfg: Any, recipe: Any, run_dir: str | Path, run_name: str | None = None) -> dict[str, Any]:
-    """:func:`draftsmith.distill.engine.trainer.train` from a feature cache (the trainer opens the cache's stand-in
-    target itself when ``data.features`` is set); refuses what cannot work without a loaded target first."""
+def train_offline(
+    cfg: Any, recipe: Any, run_dir: str | Path, run_name: str | None = None
+) -> dict[str, Any]:
+    """:func:`draftsmith.distill.engine.trainer.train` from a feature cache (the trainer opens the
+    cache's stand-in target itself when ``data.features`` is set); refuses what cannot work without
+    a loaded target first.
+    """
     from draftsmith.distill.engine import trainer
 
     if cfg.target.get("shard"):
-        raise FeatureCacheError("target.shard=true with data.features: training from a feature cache loads no "
-                                "target to shard; drop target.shard")
+        raise FeatureCacheError(
+            "target.shard=true with data.features: training from a feature cache loads no "
+            "target to shard; drop target.shard"
+        )
     return trainer.train(cfg, recipe, run_dir, run_name=run_name)

@@ -1,7 +1,9 @@
-"""Feature-cache shards on disk: written whole (temp name, then rename) and checked whole before anything reads
-them (a shard cut short by a full disk or a stopped copy is named, never read as zeros). Each shard records a digest
-of its tensors (``digest`` beside the batch indices in its metadata): a shard whose bytes changed on disk (same
-size) is found when it is first opened for training, and by ``cache-features`` (which writes it again)."""
+"""Feature-cache shards on disk: written whole (temp name, then rename) and checked whole before
+anything reads them (a shard cut short by a full disk or a stopped copy is named, never read as
+zeros). Each shard records a digest of its tensors (``digest`` beside the batch indices in its
+metadata): a shard whose bytes changed on disk (same size) is found when it is first opened for
+training, and by ``cache-features`` (which writes it again).
+"""
 
 from __future__ import annotations
 
@@ -15,13 +17,17 @@ from typing import Any
 import torch
 
 log = logging.getLogger("draftsmith.distill.feature_cache.build")
-DIGEST = "digest"  # beside the batch names ("train.3": [row indices]) in the shard's "indices" metadata
+DIGEST = (  # beside the batch names ("train.3": [row indices]) in the shard's "indices" metadata
+    "digest"
+)
 
 
 def shard_damage(path: Path) -> str | None:
-    """Why the shard at ``path`` cannot be read whole (None: intact). A safetensors file is an 8-byte header length,
-    the JSON header, then the tensors at the offsets the header names: a file shorter (or longer) than the largest
-    offset was cut, e.g. by a full disk or a copy that stopped, and must not be read (its tail would be garbage)."""
+    """Why the shard at ``path`` cannot be read whole (None: intact). A safetensors file is an
+    8-byte header length, the JSON header, then the tensors at the offsets the header names: a file
+    shorter (or longer) than the largest offset was cut, e.g. by a full disk or a copy that stopped,
+    and must not be read (its tail would be garbage).
+    """
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -34,7 +40,9 @@ def shard_damage(path: Path) -> str | None:
             header = json.loads(f.read(length))
     except (OSError, ValueError) as err:
         return f"unreadable ({err})"
-    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    end = max(
+        (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0
+    )
     if 8 + length + end != size:
         return f"{size:,} bytes where its header needs {8 + length + end:,}"
     return None
@@ -51,8 +59,8 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def content_damage(path: Path) -> str | None:
-    """Why the shard's tensors differ from the digest recorded when it was written (reads the whole shard), or
-    None; shards written before digests were recorded pass."""
+    """Why the shard's tensors differ from the digest recorded when it was written (reads the whole
+    shard), or None; shards written before digests were recorded pass."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -63,12 +71,14 @@ def content_damage(path: Path) -> str | None:
             got = tensors_digest({k: handle.get_tensor(k) for k in handle.keys()})
     except (SafetensorError, OSError) as err:
         return f"unreadable ({err})"
-    return None if got == want else "its tensors do not match the digest recorded when it was written"
+    return (
+        None if got == want else "its tensors do not match the digest recorded when it was written"
+    )
 
 
 def intact_shards(out: Path, shards: list[dict], warn: Any = None) -> list[dict]:
-    """The planned ``shards`` already written whole in ``out``; a damaged one is removed (and named) so that it is
-    written again."""
+    """The planned ``shards`` already written whole in ``out``; a damaged one is removed (and named)
+    so that it is written again."""
     done = []
     for shard in shards:
         path = out / shard["file"]
@@ -78,7 +88,9 @@ def intact_shards(out: Path, shards: list[dict], warn: Any = None) -> list[dict]
         if damage is None:
             done.append(shard)
             continue
-        (warn or log.warning)(f"feature cache shard {path} is damaged ({damage}): removing it, it is written again")
+        (warn or log.warning)(
+            f"feature cache shard {path} is damaged ({damage}): removing it, it is written again"
+        )
         path.unlink()
     return done
 
@@ -88,7 +100,11 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> Non
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    # one metadata entry: safetensors writes several in a random order, and shards must be byte-identical
-    save_file(tensors, str(tmp), metadata={"indices": json.dumps({**meta, DIGEST: tensors_digest(tensors)})})
+    # one metadata entry: safetensors writes several in a random order, and shards must be
+    # byte-identical
+    save_file(
+        tensors,
+        str(tmp),
+        metadata={"indices": json.dumps({**meta, DIGEST: tensors_digest(tensors)})},
+    )
     os.replace(tmp, path)
-

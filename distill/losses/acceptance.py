@@ -1,17 +1,19 @@
-"""Acceptance-targeted losses for a vocabulary-wide draft head (``loss.acceptance``), after LK losses (Samarin et al.,
-arXiv 2602.23881): speculative sampling accepts a drafted token with probability ``alpha = sum_v min(p_v, q_v) =
-1 - TV(p, q)`` (p the target's distribution, q the draft's), which cross-entropy and KL only bound from above.
+"""Acceptance-targeted losses for a vocabulary-wide draft head (``loss.acceptance``), after LK
+losses (Samarin et al., arXiv 2602.23881): speculative sampling accepts a drafted token with
+probability ``alpha = sum_v min(p_v, q_v) = 1 - TV(p, q)`` (p the target's distribution, q the
+draft's), which cross-entropy and KL only bound from above.
 
-- ``tv``: ``1 - alpha``, the rejection rate itself (its gradient vanishes while the draft is far from the target);
-- ``nla``: ``-log alpha`` (the ``1/alpha`` factor keeps the gradient alive early; equals cross-entropy against a hard
-  label);
-- ``hybrid``: ``lam KL(p || q) + (1 - lam) TV(p, q)`` per row, ``lam = exp(-eta alpha)`` with alpha not
-  differentiated: KL's strong gradient while the overlap is small, the acceptance objective once it grows (the
-  paper's recommended form, eta = 3).
+- ``tv``: ``1 - alpha``, the rejection rate itself (its gradient vanishes while the draft is far
+  from the target);
+- ``nla``: ``-log alpha`` (the ``1/alpha`` factor keeps the gradient alive early; equals
+  cross-entropy against a hard label);
+- ``hybrid``: ``lam KL(p || q) + (1 - lam) TV(p, q)`` per row, ``lam = exp(-eta alpha)`` with alpha
+  not differentiated: KL's strong gradient while the overlap is small, the acceptance objective once
+  it grows (the paper's recommended form, eta = 3).
 
-With hard labels (no teacher logits) p is one-hot: ``alpha = q[label]``. Rows go through the head in chunks, each
-recomputed in the backward pass (activation checkpointing), so memory holds one chunk's [rows, V] logits at a time,
-as the fused cross-entropy does.
+With hard labels (no teacher logits) p is one-hot: ``alpha = q[label]``. Rows go through the head in
+chunks, each recomputed in the backward pass (activation checkpointing), so memory holds one chunk's
+[rows, V] logits at a time, as the fused cross-entropy does.
 """
 
 from __future__ import annotations
@@ -24,14 +26,25 @@ from draftsmith.kernels.linear_cross_entropy import LinearCEOutput, default_chun
 
 KINDS = ("none", "hybrid", "nla", "tv")
 IGNORE_INDEX = -100
-_EPS = 1e-6  # floor of alpha inside -log alpha (a row the draft gives no mass where the target has it)
+_EPS = (
+    1e-6  # floor of alpha inside -log alpha (a row the draft gives no mass where the target has it)
+)
 
 
-def row_losses(logits: torch.Tensor, labels: torch.Tensor | None, teacher_logits: torch.Tensor | None, kind: str,
-               eta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss [N] and overlap alpha [N] (no gradient) of draft ``logits`` [N, V] against ``teacher_logits``
-    [N, V] or hard ``labels`` [N] (rows labelled IGNORE_INDEX score 0): the reference formulas, unchunked."""
-    work = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits in fp32, fp64 (tests) kept
+def row_losses(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    teacher_logits: torch.Tensor | None,
+    kind: str,
+    eta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss [N] and overlap alpha [N] (no gradient) of draft ``logits`` [N, V] against
+    ``teacher_logits`` [N, V] or hard ``labels`` [N] (rows labelled IGNORE_INDEX score 0): the
+    reference formulas, unchunked.
+    """
+    work = torch.promote_types(
+        logits.dtype, torch.float32
+    )  # bf16 logits in fp32, fp64 (tests) kept
     log_q = F.log_softmax(logits.to(work), dim=-1)  # [N, V]
     if teacher_logits is None:
         valid = labels != IGNORE_INDEX
@@ -55,42 +68,66 @@ def row_losses(logits: torch.Tensor, labels: torch.Tensor | None, teacher_logits
     return loss * valid, alpha.detach() * valid
 
 
-def acceptance_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None, *,
-                    teacher_logits: torch.Tensor | None = None, kind: str = "hybrid", eta: float = 3.0,
-                    topk: int = 0, chunk_size: int | None = None, compute_dtype: torch.dtype | None = None,
-                    row_weight: torch.Tensor | None = None, reduction: str = "mean") -> LinearCEOutput:
-    """Mean (or ``reduction="sum"``) acceptance-targeted loss of the head ``hidden [N, H] @ weight [V, H].T`` over
-    scored rows, each weighted by ``row_weight`` [N] (default 1), chunked (as the fused cross-entropy sizes its
-    chunks) and checkpointed: LinearCEOutput(loss, top-k ids [N, k], mean overlap alpha over scored rows). The
-    scored weight stays a tensor (no read-back)."""
+def acceptance_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    teacher_logits: torch.Tensor | None = None,
+    kind: str = "hybrid",
+    eta: float = 3.0,
+    topk: int = 0,
+    chunk_size: int | None = None,
+    compute_dtype: torch.dtype | None = None,
+    row_weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+) -> LinearCEOutput:
+    """Mean (or ``reduction="sum"``) acceptance-targeted loss of the head ``hidden [N, H] @ weight
+    [V, H].T`` over scored rows, each weighted by ``row_weight`` [N] (default 1), chunked (as the
+    fused cross-entropy sizes its chunks) and checkpointed: LinearCEOutput(loss, top-k ids [N, k],
+    mean overlap alpha over scored rows). The scored weight stays a tensor (no read-back)."""
     if (labels is None) == (teacher_logits is None):
         raise ValueError("acceptance_loss takes either hard labels or teacher logits")
     n, vocab = hidden.shape[0], weight.shape[0]
     dtype = compute_dtype or torch.promote_types(hidden.dtype, weight.dtype)
     rows = chunk_size or default_chunk_size(vocab)
-    # zero with a graph to both inputs: a batch with no scored row still backpropagates (DDP expects every parameter)
+    # zero with a graph to both inputs: a batch with no scored row still backpropagates (DDP expects
+    # every parameter)
     total = (hidden.sum() + weight.sum()).to(torch.promote_types(dtype, torch.float32)) * 0.0
     alpha_sum = torch.zeros((), dtype=total.dtype, device=hidden.device)
     tops = []
     for start in range(0, n, rows):
-        h = hidden[start:start + rows]  # [c, H]
-        lab = None if labels is None else labels[start:start + rows]
-        teach = None if teacher_logits is None else teacher_logits[start:start + rows]
-        rw = None if row_weight is None else row_weight[start:start + rows].float()  # [c]
+        h = hidden[start : start + rows]  # [c, H]
+        lab = None if labels is None else labels[start : start + rows]
+        teach = None if teacher_logits is None else teacher_logits[start : start + rows]
+        rw = None if row_weight is None else row_weight[start : start + rows].float()  # [c]
 
-        def chunk(h_: torch.Tensor, w_: torch.Tensor, lab=lab, teach=teach, rw=rw) -> tuple[torch.Tensor, ...]:
-            logits = F.linear(h_.to(dtype), w_.to(dtype))  # [c, V]: this chunk's only, recomputed in backward
+        def chunk(
+            h_: torch.Tensor, w_: torch.Tensor, lab=lab, teach=teach, rw=rw
+        ) -> tuple[torch.Tensor, ...]:
+            logits = F.linear(
+                h_.to(dtype), w_.to(dtype)
+            )  # [c, V]: this chunk's only, recomputed in backward
             loss, alpha = row_losses(logits, lab, teach, kind, eta)  # [c]
             if rw is not None:
                 loss, alpha = loss * rw, alpha * rw
-            top = logits.detach().topk(topk, dim=-1).indices if topk else logits.new_empty(0, dtype=torch.long)
+            top = (
+                logits.detach().topk(topk, dim=-1).indices
+                if topk
+                else logits.new_empty(0, dtype=torch.long)
+            )
             return loss.sum(), alpha.sum(), top
 
-        part, alpha, top = (checkpoint(chunk, h, weight, use_reentrant=False) if torch.is_grad_enabled()
-                            else chunk(h, weight))
+        part, alpha, top = (
+            checkpoint(chunk, h, weight, use_reentrant=False)
+            if torch.is_grad_enabled()
+            else chunk(h, weight)
+        )
         total, alpha_sum = total + part, alpha_sum + alpha
         tops.append(top)
-    weights = torch.ones(n, device=hidden.device) if row_weight is None else row_weight.float()  # [N]
+    weights = (
+        torch.ones(n, device=hidden.device) if row_weight is None else row_weight.float()
+    )  # [N]
     if labels is not None:
         weights = weights * (labels != IGNORE_INDEX)
     denom = weights.sum().clamp_min(1.0)  # a tensor: counting the scored rows reads nothing back

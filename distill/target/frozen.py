@@ -1,23 +1,25 @@
 """The frozen target model and its feature taps.
 
-Alignment conventions of the taps (the off-by-one shift is the commonest bug in this field; how EAGLE pairs these
-features with tokens is stated once, in drafters/eagle.py):
+Alignment conventions of the taps (the off-by-one shift is the commonest bug in this field; how
+EAGLE pairs these features with tokens is stated once, in drafters/eagle.py):
 
 * Every tap is indexed by input position ``t``: ``final_hidden[:, t]`` is the state after reading
   ``input_ids[:, :t+1]``; the target's LM head applied to it predicts token ``t+1``.
-* ``final_hidden`` is AFTER the final RMSNorm (the tensor fed to ``lm_head``; HF ``hidden_states[-1]``).
-  Medusa/Hydra heads and EAGLE-1 regress/consume this one.
+* ``final_hidden`` is AFTER the final RMSNorm (the tensor fed to ``lm_head``; HF
+  ``hidden_states[-1]``). Medusa/Hydra heads and EAGLE-1 regress/consume this one.
 * ``prenorm_hidden`` is the residual stream after the last decoder layer, BEFORE the final norm.
-* ``layers=(i, ...)`` returns HF ``hidden_states[i]``: index 0 is the embedding output, index ``i >= 1`` is the
-  output of decoder layer ``i-1`` == the input of decoder layer ``i`` (pre-norm residual stream). EAGLE-3's
-  "inputs of layers 2, L//2, L-3" are therefore ``layers=(2, L//2, L-3)``.
-* ``logits`` / ``topk`` are the target's next-token logits at each position (predicting token ``t+1``), exactly
-  ``model(ids).logits``: the model's own forward computes them, with its LM-head post-processing (Gemma-2 final
-  logit softcapping, Granite ``logits_scaling``, Cohere ``logit_scale``, a head bias).
+* ``layers=(i, ...)`` returns HF ``hidden_states[i]``: index 0 is the embedding output, index ``i >=
+  1`` is the output of decoder layer ``i-1`` == the input of decoder layer ``i`` (pre-norm residual
+  stream). EAGLE-3's "inputs of layers 2, L//2, L-3" are therefore ``layers=(2, L//2, L-3)``.
+* ``logits`` / ``topk`` are the target's next-token logits at each position (predicting token
+  ``t+1``), exactly ``model(ids).logits``: the model's own forward computes them, with its LM-head
+  post-processing (Gemma-2 final logit softcapping, Granite ``logits_scaling``, Cohere
+  ``logit_scale``, a head bias).
 
-``dtype="auto"`` (the default config) runs the target in bf16 where the device computes bf16 natively (CUDA with
-bf16, x86 with AVX512-BF16/AMX) and in fp32 elsewhere: emulated bf16 is several times slower than fp32 (an
-AVX2-only EPYC ran the target forward at 80 tok/s in bf16 against 488 tok/s in fp32).
+``dtype="auto"`` (the default config) runs the target in bf16 where the device computes bf16
+natively (CUDA with bf16, x86 with AVX512-BF16/AMX) and in fp32 elsewhere: emulated bf16 is several
+times slower than fp32 (an AVX2-only EPYC ran the target forward at 80 tok/s in bf16 against 488
+tok/s in fp32).
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ from torch import nn
 
 from draftsmith.common.constants import ADAPTER_LORA
 from draftsmith.common.errors import ConfigError
-from draftsmith.distill.target.features import FeatureTaps, TargetFeatures  # the taps' home, re-exported here
+from draftsmith.distill.target.features import (
+    FeatureTaps,
+    TargetFeatures,
+)  # the taps' home, re-exported here
 from draftsmith.distill.target.lora import LoraSpec, TargetAdapter, lora_module_paths, require_peft
 from draftsmith.distill.target.static_forward import forward_inputs, head_argmax, plain_lm_head
 from draftsmith.export.identity import target_identity
@@ -43,10 +48,13 @@ log = logging.getLogger(__name__)
 DEFAULT_TAPS = FeatureTaps()  # the final hidden state only
 
 
-def resolve_target_dtype(name: str | torch.dtype, device: str | torch.device,
-                         caps: cpu_caps.CpuCaps | None = None) -> tuple[torch.dtype, str]:
+def resolve_target_dtype(
+    name: str | torch.dtype, device: str | torch.device, caps: cpu_caps.CpuCaps | None = None
+) -> tuple[torch.dtype, str]:
     """``target.dtype`` -> (torch dtype, why) for the device the target runs on; ``auto`` asks
-    :func:`draftsmith.kernels.cpu_caps.resolve_dtype` (bf16 only where the device computes it natively)."""
+    :func:`draftsmith.kernels.cpu_caps.resolve_dtype` (bf16 only where the device computes it
+    natively).
+    """
     if isinstance(name, torch.dtype):
         return name, f"{name} (as passed)"
     try:
@@ -56,53 +64,68 @@ def resolve_target_dtype(name: str | torch.dtype, device: str | torch.device,
 
 
 def looks_like_path(name: str) -> bool:
-    """Whether ``name`` is meant as a local path rather than a hub id (``org/name``): absolute, ``./``, ``~``,
-    a Windows drive, or more than one ``/``."""
-    return (name.startswith(("/", ".", "~", "\\")) or (len(name) > 1 and name[1] == ":") or name.count("/") > 1
-            or Path(name).expanduser().exists())
+    """Whether ``name`` is meant as a local path rather than a hub id (``org/name``): absolute,
+    ``./``, ``~``, a Windows drive, or more than one ``/``."""
+    return (
+        name.startswith(("/", ".", "~", "\\"))
+        or (len(name) > 1 and name[1] == ":")
+        or name.count("/") > 1
+        or Path(name).expanduser().exists()
+    )
 
 
 def check_safetensors(file: Path) -> str | None:
-    """Why ``file`` is not a complete safetensors file (a truncated download, ...), or None; reads its header only."""
+    """Why ``file`` is not a complete safetensors file (a truncated download, ...), or None; reads
+    its header only."""
     from draftsmith.common.safetensors_check import safetensors_problem
 
     return safetensors_problem(file)
 
 
 def check_target_folder(path: str) -> bool:
-    """Refuse a target that names a missing local folder, or a folder with a corrupt ``config.json`` or a truncated
-    ``*.safetensors`` (naming the file), before transformers reports it in a long traceback. True when ``path`` is a
-    local folder."""
+    """Refuse a target that names a missing local folder, or a folder with a corrupt ``config.json``
+    or a truncated ``*.safetensors`` (naming the file), before transformers reports it in a long
+    traceback. True when ``path`` is a local folder."""
     import json
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
         if looks_like_path(path):
             what = "is a file, not a model folder" if folder.exists() else "does not exist"
-            raise ConfigError(f"target.name_or_path={path}: {what}; point target= at a HF causal-LM folder "
-                              "(config.json, tokenizer, weights) or use the default smollm2-135m")
+            raise ConfigError(
+                f"target.name_or_path={path}: {what}; point target= at a HF causal-LM folder "
+                "(config.json, tokenizer, weights) or use the default smollm2-135m"
+            )
         return False
     config = folder / "config.json"
     if not config.is_file():
-        raise ConfigError(f"target folder {folder} has no config.json: is it a Hugging Face model folder?")
+        raise ConfigError(
+            f"target folder {folder} has no config.json: is it a Hugging Face model folder?"
+        )
     try:
         json.loads(config.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as err:
-        raise ConfigError(f"target file {config} is not valid JSON ({err}); the folder is damaged: re-download "
-                          "or re-save the model") from None
+        raise ConfigError(
+            f"target file {config} is not valid JSON ({err}); the folder is damaged: re-download "
+            "or re-save the model"
+        ) from None
     for file in sorted(folder.glob("*.safetensors")):
         problem = check_safetensors(file)
         if problem:
-            raise ConfigError(f"target file {file} is damaged: {problem}; re-download or re-save the model")
+            raise ConfigError(
+                f"target file {file} is damaged: {problem}; re-download or re-save the model"
+            )
     return True
 
 
 @runtime_checkable
 class TargetModel(Protocol):
-    """What recipes and the LightningModule need of a frozen target. :class:`Target` (a causal LM) is one
-    implementation; a masked-diffusion LM is another kind to come. It is never saved into checkpoints or hparams,
-    and its own weights are never optimised. A trainable adapter (:meth:`Target.attach_lora`) is a submodule of the
-    target that the objective's module registers too: it is the objective's module that trains and saves it."""
+    """What recipes and the LightningModule need of a frozen target. :class:`Target` (a causal LM)
+    is one implementation; a masked-diffusion LM is another kind to come. It is never saved into
+    checkpoints or hparams, and its own weights are never optimised. A trainable adapter
+    (:meth:`Target.attach_lora`) is a submodule of the target that the objective's module registers
+    too: it is the objective's module that trains and saves it.
+    """
 
     tokenizer: Any
     name_or_path: str
@@ -119,13 +142,17 @@ class TargetModel(Protocol):
     def embed_weight(self) -> torch.Tensor: ...
     def identity(self) -> dict: ...
     def to(self, *args: Any, **kwargs: Any) -> Any: ...
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 taps: FeatureTaps | None = None) -> TargetFeatures: ...
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        taps: FeatureTaps | None = None,
+    ) -> TargetFeatures: ...
 
 
 class Target(nn.Module):
-    """A frozen HF causal LM (the :class:`TargetModel` every recipe uses today): eval mode, no gradients, never saved
-    into checkpoints or hparams."""
+    """A frozen HF causal LM (the :class:`TargetModel` every recipe uses today): eval mode, no
+    gradients, never saved into checkpoints or hparams."""
 
     def __init__(self, model: nn.Module, tokenizer, name_or_path: str) -> None:
         super().__init__()
@@ -135,12 +162,20 @@ class Target(nn.Module):
         self.adapter: TargetAdapter | None = None  # a trainable LoRA, when a recipe attaches one
 
     @classmethod
-    def load(cls, name_or_path: str, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-             trust_remote_code: bool = False, runs_on: str | torch.device | None = None) -> Target:
-        """Load a HF causal LM folder (or hub name, if the user allows the network) as a frozen target.
+    def load(
+        cls,
+        name_or_path: str,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "cpu",
+        trust_remote_code: bool = False,
+        runs_on: str | torch.device | None = None,
+    ) -> Target:
+        """Load a HF causal LM folder (or hub name, if the user allows the network) as a frozen
+        target.
 
-        ``dtype`` is ``auto`` | ``bf16`` | ``fp16`` | ``fp32``; ``auto`` is resolved for ``runs_on`` (the device the
-        trainer will move the target to; default ``device``) and the choice is logged with its reason.
+        ``dtype`` is ``auto`` | ``bf16`` | ``fp16`` | ``fp32``; ``auto`` is resolved for ``runs_on``
+        (the device the trainer will move the target to; default ``device``) and the choice is
+        logged with its reason.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -155,23 +190,38 @@ class Target(nn.Module):
             refuse_remote_code(path, trust_remote_code, "target.trust_remote_code=true")
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+            )
         except (OSError, ValueError) as err:
             if isinstance(err, ConfigError):
                 raise
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-            where = (f"target folder {path}" if local else
-                     f"target.name_or_path={name_or_path!r} is not a local folder and loading it from the Hugging "
-                     "Face hub failed")
-            raise ConfigError(f"{where}: {first} (point target= at a HF causal-LM folder with config.json, tokenizer "
-                              "and weights, or use the default smollm2-135m)") from err
+            where = (
+                f"target folder {path}"
+                if local
+                else (
+                    f"target.name_or_path={name_or_path!r} is not a local folder and loading it"
+                    " from the Hugging Face hub failed"
+                )
+            )
+            raise ConfigError(
+                f"{where}: {first} (point target= at a HF causal-LM folder with config.json,"
+                " tokenizer and weights, or use the default smollm2-135m)"
+            ) from err
         except Exception as err:  # safetensors' own error type, and the like: a damaged folder
             if not local:
                 raise
-            raise ConfigError(f"target folder {path} could not be loaded: {type(err).__name__}: "
-                              f"{str(err).strip()[:300]}; re-download or re-save it") from err
-        log.info("target %s loaded (%s, %.1fM params)", path, torch_dtype,
-                 sum(p.numel() for p in model.parameters()) / 1e6)
+            raise ConfigError(
+                f"target folder {path} could not be loaded: {type(err).__name__}: "
+                f"{str(err).strip()[:300]}; re-download or re-save it"
+            ) from err
+        log.info(
+            "target %s loaded (%s, %.1fM params)",
+            path,
+            torch_dtype,
+            sum(p.numel() for p in model.parameters()) / 1e6,
+        )
         return cls(model.to(device), tokenizer, str(name_or_path))
 
     @property
@@ -202,40 +252,50 @@ class Target(nn.Module):
         return self.model.get_input_embeddings().weight
 
     def identity(self) -> dict:
-        """Identity recorded in exports: name, sizes and a fingerprint of tokenizer + LM head; with an adapter
-        attached, also ``adapter: {kind, fingerprint}`` of its current weights."""
+        """Identity recorded in exports: name, sizes and a fingerprint of tokenizer + LM head; with
+        an adapter attached, also ``adapter: {kind, fingerprint}`` of its current weights."""
         ident = target_identity(self.name_or_path, self.config, self.tokenizer, self.lm_head_weight)
         if self.adapter is not None:
             ident["adapter"] = {"kind": ADAPTER_LORA, "fingerprint": self.adapter.fingerprint()}
         return ident
 
     def attach_lora(self, spec: LoraSpec) -> TargetAdapter:
-        """Inject trainable LoRA adapters (peft) into the target's linears named by ``spec.target_modules``.
+        """Inject trainable LoRA adapters (peft) into the target's linears named by
+        ``spec.target_modules``.
 
-        The adapter becomes the registered submodule ``self.adapter``; the rest of the target stays frozen. Raises
-        ConfigError when peft is missing, an adapter is already attached, or no linear matches.
+        The adapter becomes the registered submodule ``self.adapter``; the rest of the target stays
+        frozen. Raises ConfigError when peft is missing, an adapter is already attached, or no
+        linear matches.
         """
         peft = require_peft("a LoRA adapter on the target (recipe=medusa2)")
         if self.adapter is not None:
             raise ConfigError("the target already carries an adapter")
         paths = lora_module_paths(self.model, spec.target_modules)
-        config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                                 target_modules=paths, bias="none")
+        config = peft.LoraConfig(
+            r=spec.rank,
+            lora_alpha=spec.alpha,
+            lora_dropout=spec.dropout,
+            target_modules=paths,
+            bias="none",
+        )
         peft.inject_adapter_in_model(config, self.model)
         layers = {}
         for name, module in self.model.named_modules():
             if isinstance(module, peft.tuners.lora.LoraLayer) and "default" in module.lora_A:
                 layers[name] = (module.lora_A["default"], module.lora_B["default"])
         if sorted(layers) != sorted(paths):
-            raise ConfigError(f"peft adapted {len(layers)} modules, expected {len(paths)}: {sorted(layers)[:3]}")
-        # fp32 adapter weights on a bf16/fp16 target: the optimizer then updates fp32 values (peft casts the layer's
-        # input to the adapter's dtype and the result back).
+            raise ConfigError(
+                f"peft adapted {len(layers)} modules, expected {len(paths)}: {sorted(layers)[:3]}"
+            )
+        # fp32 adapter weights on a bf16/fp16 target: the optimizer then updates fp32 values (peft
+        # casts the layer's input to the adapter's dtype and the result back).
         self.adapter = TargetAdapter(spec, layers).float()
         return self.adapter
 
     @contextmanager
     def adapter_disabled(self) -> Iterator[None]:
-        """Run the original target (Medusa-2's self-distillation teacher: the same model, no second copy)."""
+        """Run the original target (Medusa-2's self-distillation teacher: the same model, no second
+        copy)."""
         if self.adapter is None:
             yield
             return
@@ -254,53 +314,85 @@ class Target(nn.Module):
         # Lightning calls .train() on the whole module tree; the target must stay in eval mode.
         return super().train(False)
 
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 taps: FeatureTaps = DEFAULT_TAPS, grad: bool = False, position_ids: torch.Tensor | None = None,
-                 document_ids: torch.Tensor | None = None) -> TargetFeatures:
-        """One forward returning the requested taps (input_ids [B, T]); no-grad unless ``grad`` (a trainable adapter:
-        the taps then carry the graph back to it, where gradients are enabled at all). Packed rows pass their
-        ``document_ids`` and ``position_ids`` [B, T]: attention stays inside each document (4-D mask)."""
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        taps: FeatureTaps = DEFAULT_TAPS,
+        grad: bool = False,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> TargetFeatures:
+        """One forward returning the requested taps (input_ids [B, T]); no-grad unless ``grad`` (a
+        trainable adapter: the taps then carry the graph back to it, where gradients are enabled at
+        all). Packed rows pass their ``document_ids`` and ``position_ids`` [B, T]: attention stays
+        inside each document (4-D mask).
+        """
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-            inputs = forward_inputs(input_ids, attention_mask, position_ids, document_ids, self.lm_head_weight.dtype)
+            inputs = forward_inputs(
+                input_ids, attention_mask, position_ids, document_ids, self.lm_head_weight.dtype
+            )
             return self._features(inputs, taps)
 
     def lazy_head(self, taps: FeatureTaps) -> bool:
-        """Whether ``taps`` get the greedy ids and the LM head instead of the [B, T, V] logits: an objective that
-        reads logits lazily (EAGLE-3) on a plain head without an adapter."""
-        return bool(taps.logits and taps.lazy_logits and not taps.topk and self.adapter is None
-                    and plain_lm_head(self.model) and self.lm_head_weight.numel() > 0)  # not a ZeRO-3 placeholder
+        """Whether ``taps`` get the greedy ids and the LM head instead of the [B, T, V] logits: an
+        objective that reads logits lazily (EAGLE-3) on a plain head without an adapter."""
+        return bool(
+            taps.logits
+            and taps.lazy_logits
+            and not taps.topk
+            and self.adapter is None
+            and plain_lm_head(self.model)
+            and self.lm_head_weight.numel() > 0
+        )  # not a ZeRO-3 placeholder
 
     def _features(self, inputs: dict[str, Any], taps: FeatureTaps) -> TargetFeatures:
-        backbone = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        backbone = (
+            self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        )
         captured: dict[str, torch.Tensor] = {}
         hook = None
         if taps.prenorm_hidden:
-            # HF returns the post-norm state as the last hidden state; the pre-norm residual stream is the final
-            # norm's input, captured with a forward pre-hook.
-            hook = backbone.norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("pre", args[0]))
+            # HF returns the post-norm state as the last hidden state; the pre-norm residual stream
+            # is the final norm's input, captured with a forward pre-hook.
+            hook = backbone.norm.register_forward_pre_hook(
+                lambda _m, args: captured.__setitem__("pre", args[0])
+            )
         lazy = self.lazy_head(taps)
         want_logits = bool(taps.logits or taps.topk) and not lazy
         try:
             if want_logits:
-                # The model's own forward, so its LM-head post-processing applies (see the module docstring).
+                # The model's own forward, so its LM-head post-processing applies (see the module
+                # docstring).
                 from draftsmith.common.hf_forward import hf_forward
 
-                out, logits = hf_forward(self.model, backbone, 0, **inputs, output_hidden_states=bool(taps.layers),
-                                         use_cache=False)
+                out, logits = hf_forward(
+                    self.model,
+                    backbone,
+                    0,
+                    **inputs,
+                    output_hidden_states=bool(taps.layers),
+                    use_cache=False,
+                )
             else:
                 out = backbone(**inputs, output_hidden_states=bool(taps.layers), use_cache=False)
         finally:
             if hook is not None:
                 hook.remove()
         final = out.last_hidden_state  # [B, T, H], after the final norm
-        feats = TargetFeatures(final_hidden=final if taps.final_hidden or lazy else None,
-                               prenorm_hidden=captured.get("pre"))
+        feats = TargetFeatures(
+            final_hidden=final if taps.final_hidden or lazy else None,
+            prenorm_hidden=captured.get("pre"),
+        )
         for i in taps.layers:
             if not 0 <= i < self.num_layers:
-                raise ConfigError(f"layer tap {i} out of range 0..{self.num_layers - 1} (HF hidden_states index; "
-                                  "use prenorm_hidden/final_hidden for the last layer's output)")
+                raise ConfigError(
+                    f"layer tap {i} out of range 0..{self.num_layers - 1} (HF hidden_states index; "
+                    "use prenorm_hidden/final_hidden for the last layer's output)"
+                )
             feats.layer_hidden[i] = out.hidden_states[i]  # [B, T, H]
-        if lazy:  # the greedy ids in row chunks; logits of chosen rows and entries on demand (draft_logits)
+        # the greedy ids in row chunks; logits of chosen rows and entries on demand (draft_logits)
+        if lazy:
             feats.head_weight = self.lm_head_weight
             feats.greedy_ids = head_argmax(final, self.lm_head_weight)  # [B, T]
         elif want_logits:  # logits [B, T, V]

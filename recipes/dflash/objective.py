@@ -1,22 +1,27 @@
-"""DFlash recipe: a block drafter trained on random anchors with position-weighted soft cross-entropy.
+"""DFlash recipe: a block drafter trained on random anchors with position-weighted soft
+cross-entropy.
 
-Blocks and alignment: recipes/dflash/blocks.py (slot ``k`` of the block anchored at ``a`` is scored against the
-target's logits at ``a+k-1``, i.e. the target's own distribution of token ``a+k``; soft CE, so the drafter learns the
-target's distribution, which is also what rejection sampling accepts; its top-1 is compared with the target argmax).
+Blocks and alignment: recipes/dflash/blocks.py (slot ``k`` of the block anchored at ``a`` is scored
+against the target's logits at ``a+k-1``, i.e. the target's own distribution of token ``a+k``; soft
+CE, so the drafter learns the target's distribution, which is also what rejection sampling accepts;
+its top-1 is compared with the target argmax).
 
 Position weighting: ``L_tok = sum_k w_k CE_k / sum_k w_k`` over the slots that scored rows, with
-``w_k = position_decay^(k-1)`` (each ``CE_k`` a mean over its rows). Why: slot ``k``'s token is only used when
-slots ``1..k-1`` were all accepted, so its expected value to tau falls geometrically with ``k``; the decay puts the
-drafter's capacity where acceptance is decided (DFlash's paper uses the same exponential-decay shape).
+``w_k = position_decay^(k-1)`` (each ``CE_k`` a mean over its rows). Why: slot ``k``'s token is only
+used when slots ``1..k-1`` were all accepted, so its expected value to tau falls geometrically with
+``k``; the decay puts the drafter's capacity where acceptance is decided (DFlash's paper uses the
+same exponential-decay shape).
 
-Options: the confidence head (BCE on "slot k's greedy draft equals the target's greedy token", on slots whose
-earlier slots all matched; weight ``confidence_weight``; it reads detached states, so it never pulls on the drafter)
-and the Markov head (teacher forcing: slot ``k``'s previous token is ``x_a`` for ``k = 1``, else the target's greedy
-token at slot ``k-1``), both in drafters/dflash_heads.py.
+Options: the confidence head (BCE on "slot k's greedy draft equals the target's greedy token", on
+slots whose earlier slots all matched; weight ``confidence_weight``; it reads detached states, so it
+never pulls on the drafter) and the Markov head (teacher forcing: slot ``k``'s previous token is
+``x_a`` for ``k = 1``, else the target's greedy token at slot ``k-1``), both in
+drafters/dflash_heads.py.
 
-Mask token: ``drafter.mask_token_id`` (null = the first of the tokenizer's pad, unk and other special tokens that is
-neither bos nor eos and never occurs in the scanned training data). An id outside the vocabulary or one that occurs in
-the training data is refused: the drafter could not tell a mask slot from text.
+Mask token: ``drafter.mask_token_id`` (null = the first of the tokenizer's pad, unk and other
+special tokens that is neither bos nor eos and never occurs in the scanned training data). An id
+outside the vocabulary or one that occurs in the training data is refused: the drafter could not
+tell a mask slot from text.
 """
 
 from __future__ import annotations
@@ -56,26 +61,43 @@ class _Tally:
     weights: float = 0.0  # sum_k w_k over slots with rows
     conf_rows: int = 0
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-    confidence: torch.Tensor | None = None  # [B, A, S-1]: the head's P(accept) of every slot (validation, auto cut)
+    confidence: torch.Tensor | None = (
+        None  # [B, A, S-1]: the head's P(accept) of every slot (validation, auto cut)
+    )
 
 
 class DFlashObjective(Objective):
     """Trains ``DFlashDrafter`` on ``anchors_per_seq`` random blocks per sequence."""
 
-    def __init__(self, drafter: DFlashDrafter, anchors_per_seq: int, position_decay: float, confidence_weight: float,
-                 topk: int, inference: dict[str, Any], lm_loss: LMHeadLoss | None = None,
-                 cut_search: CutSearch | None = None) -> None:
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        anchors_per_seq: int,
+        position_decay: float,
+        confidence_weight: float,
+        topk: int,
+        inference: dict[str, Any],
+        lm_loss: LMHeadLoss | None = None,
+        cut_search: CutSearch | None = None,
+    ) -> None:
         self.module = drafter
         self.anchors_per_seq, self.position_decay = anchors_per_seq, position_decay
         self.confidence_weight, self.topk = confidence_weight, topk
         self.inference = inference
         self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE: no [M, V] logits
-        self.taps = FeatureTaps(final_hidden=False, layers=tuple(drafter.config.target_layers), logits=True)
-        self.generator: torch.Generator | None = None  # anchors' randomness (None = torch's global RNG)
-        self.cut_search = cut_search  # inference.cut null + a confidence head: validation picks the served cut
+        self.taps = FeatureTaps(
+            final_hidden=False, layers=tuple(drafter.config.target_layers), logits=True
+        )
+        self.generator: torch.Generator | None = (
+            None  # anchors' randomness (None = torch's global RNG)
+        )
+        self.cut_search = (
+            cut_search  # inference.cut null + a confidence head: validation picks the served cut
+        )
 
-    def loss(self, batch: dict[str, torch.Tensor],
-             feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, batch: dict[str, torch.Tensor], feats: TargetFeatures
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Position-weighted soft CE over every scored slot (+ the confidence head's BCE)."""
         ids, attn, labels = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         d, c = self.module, self.module.config
@@ -86,12 +108,18 @@ class DFlashObjective(Objective):
         blocks = build_blocks(ids, labels, attn, anchors, valid, c.block_size, c.mask_token_id)
         bsz, seq = ids.shape
         ctx = d.context(taps, torch.arange(seq, device=ids.device).expand(bsz, seq))
-        hidden = d.block_forward(blocks.block_ids, blocks.positions, ctx, blocks.mask)  # [B, A*S, H]
+        hidden = d.block_forward(
+            blocks.block_ids, blocks.positions, ctx, blocks.mask
+        )  # [B, A*S, H]
         hidden = hidden.view(bsz, self.anchors_per_seq, c.block_size, -1)  # [B, A, S, H]
         tally = _Tally(hidden.new_zeros(()), torch.ones_like(valid), torch.zeros_like(anchors))
-        searching = self.cut_search is not None and not d.training  # validation: record what the cut would do
+        searching = (
+            self.cut_search is not None and not d.training
+        )  # validation: record what the cut would do
         if searching:
-            tally.confidence = hidden.new_zeros(bsz, self.anchors_per_seq, c.block_size - 1, dtype=torch.float32)
+            tally.confidence = hidden.new_zeros(
+                bsz, self.anchors_per_seq, c.block_size - 1, dtype=torch.float32
+            )
         greedy = feats.logits.argmax(-1)  # [B, T]: the target's greedy next token at every position
         prev = ids.gather(1, anchors)  # [B, A]: slot 1's previous token is x_a
         for k in range(1, c.block_size):
@@ -104,15 +132,25 @@ class DFlashObjective(Objective):
         self.last_scored = int(blocks.scored.sum())
         if searching:
             real = valid.bool()  # [B, A]
-            self.cut_search.add(tally.confidence[real], blocks.scored.sum(-1)[real], tally.accepted[real])
+            self.cut_search.add(
+                tally.confidence[real], blocks.scored.sum(-1)[real], tally.accepted[real]
+            )
         # Greedy-accepted drafts per real block: the training-time estimate of tau - 1.
         tally.metrics["accept_len"] = tally.accepted.float().sum() / valid.sum().clamp_min(1)
         return loss, tally.metrics
 
-    def _slot(self, k: int, hidden: torch.Tensor, blocks: Blocks, logits: torch.Tensor, greedy: torch.Tensor,
-              prev: torch.Tensor, tally: _Tally) -> torch.Tensor:
-        """Score slot ``k`` of every block into ``tally``; returns the slot's teacher token (the next slot's
-        Markov input, teacher forcing) [B, A]."""
+    def _slot(
+        self,
+        k: int,
+        hidden: torch.Tensor,
+        blocks: Blocks,
+        logits: torch.Tensor,
+        greedy: torch.Tensor,
+        prev: torch.Tensor,
+        tally: _Tally,
+    ) -> torch.Tensor:
+        """Score slot ``k`` of every block into ``tally``; returns the slot's teacher token (the
+        next slot's Markov input, teacher forcing) [B, A]."""
         d = self.module
         keep = blocks.scored[:, :, k - 1]  # [B, A]
         pos = blocks.label_pos[:, :, k - 1]  # [B, A]: a+k
@@ -129,19 +167,27 @@ class DFlashObjective(Objective):
         tally.total, tally.weights = tally.total + w * out.loss, tally.weights + w
         hit = out.topk[:, 0] == teacher_greedy[keep]  # [M]
         if d.confidence_head is not None:
-            live = tally.matched[keep]  # conditional label: only slots whose earlier slots all matched
+            live = tally.matched[
+                keep
+            ]  # conditional label: only slots whose earlier slots all matched
             logit = d.confidence_logit(head_in.detach()[live], out.topk[live, 0])
-            tally.conf_loss = tally.conf_loss + F.binary_cross_entropy_with_logits(logit, hit[live].float(),
-                                                                                   reduction="sum")
+            tally.conf_loss = tally.conf_loss + F.binary_cross_entropy_with_logits(
+                logit, hit[live].float(), reduction="sum"
+            )
             tally.conf_rows += int(live.sum())
-            if tally.confidence is not None:  # every scored slot's P(accept), as the runtime's cut reads it
+            if (
+                tally.confidence is not None
+            ):  # every scored slot's P(accept), as the runtime's cut reads it
                 with torch.no_grad():
                     tally.confidence[:, :, k - 1][keep] = torch.sigmoid(
-                        d.confidence_logit(head_in.detach(), out.topk[:, 0])).float()
+                        d.confidence_logit(head_in.detach(), out.topk[:, 0])
+                    ).float()
         with torch.no_grad():
             tally.metrics[f"slot{k}/loss"] = out.loss.detach()
             tally.metrics[f"slot{k}/top1"] = topk_hits(out.topk, teacher_greedy[keep], 1)
-            tally.metrics[f"slot{k}/top{self.topk}"] = topk_hits(out.topk, teacher_greedy[keep], self.topk)
+            tally.metrics[f"slot{k}/top{self.topk}"] = topk_hits(
+                out.topk, teacher_greedy[keep], self.topk
+            )
             step = torch.zeros_like(tally.matched)
             step[keep] = hit
             tally.matched = tally.matched & step
@@ -153,96 +199,176 @@ class DFlashObjective(Objective):
             self.cut_search.reset()
 
     def on_validation_end(self, reduce_sum: Any = None) -> None:
-        """With ``inference.cut`` null, serve the head at the cut this validation pass found best."""
+        """With ``inference.cut`` null, serve the head at the cut this validation pass found
+        best."""
         found = self.cut_search.best(reduce_sum) if self.cut_search is not None else None
         if found is not None:
             self.inference["cut"] = found[0]
-            log.info("DFlash: validation picked confidence cut %.2f (%.3f accepted tokens per verify cost)", *found)
+            log.info(
+                "DFlash: validation picked confidence cut %.2f (%.3f accepted tokens per verify"
+                " cost)",
+                *found,
+            )
 
     def export_config(self) -> dict[str, Any]:
-        return {"method": "dflash", "architecture": self.module.architecture(), "inference": dict(self.inference)}
+        return {
+            "method": "dflash",
+            "architecture": self.module.architecture(),
+            "inference": dict(self.inference),
+        }
 
 
 def validate(cfg: DFlash) -> None:
     """What one key's range cannot say: a block fits the context (``data.max_length``)."""
     if cfg.drafter.block_size >= cfg.data.max_length:
-        raise ConfigError(f"drafter.block_size={cfg.drafter.block_size} is larger than the context: "
-                          f"data.max_length={cfg.data.max_length} must exceed it (a block needs a context position "
-                          "before it)")
+        raise ConfigError(
+            f"drafter.block_size={cfg.drafter.block_size} is larger than the context:"
+            f" data.max_length={cfg.data.max_length} must exceed it (a block needs a context"
+            " position before it)"
+        )
 
 
 def mask_candidates(tokenizer: Any) -> list[int]:
-    """Token ids that may serve as the mask token, best first: pad, unk, the other special tokens, then the added
-    (reserved) tokens, e.g. SmolLM2's ``<repo_name>``; never bos or eos."""
+    """Token ids that may serve as the mask token, best first: pad, unk, the other special tokens,
+    then the added (reserved) tokens, e.g. SmolLM2's ``<repo_name>``; never bos or eos."""
     never = {getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)}
     added = sorted(getattr(tokenizer, "added_tokens_decoder", None) or {})
-    ids = [getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "unk_token_id", None),
-           *(getattr(tokenizer, "all_special_ids", None) or []), *added]
+    ids = [
+        getattr(tokenizer, "pad_token_id", None),
+        getattr(tokenizer, "unk_token_id", None),
+        *(getattr(tokenizer, "all_special_ids", None) or []),
+        *added,
+    ]
     return [int(i) for i in dict.fromkeys(ids) if i is not None and i not in never]
 
 
-def resolve_mask_token(requested: int | None, tokenizer: Any, vocab: int,
-                       batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """The mask token id: ``requested`` checked, or the first candidate the training data never contains."""
+def resolve_mask_token(
+    requested: int | None,
+    tokenizer: Any,
+    vocab: int,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+) -> int:
+    """The mask token id: ``requested`` checked, or the first candidate the training data never
+    contains."""
     if requested is not None and not 0 <= requested < vocab:
-        raise ConfigError(f"drafter.mask_token_id={requested} is outside the vocabulary 0..{vocab - 1}")
+        raise ConfigError(
+            f"drafter.mask_token_id={requested} is outside the vocabulary 0..{vocab - 1}"
+        )
     seen = torch.zeros(vocab, dtype=torch.long)
     for input_ids, _ in batches:
-        seen += torch.bincount(input_ids.flatten().clamp(0, vocab - 1).cpu(), minlength=vocab)[:vocab]
+        seen += torch.bincount(input_ids.flatten().clamp(0, vocab - 1).cpu(), minlength=vocab)[
+            :vocab
+        ]
     if requested is not None:
         if int(seen[requested]):
             name = tokenizer.convert_ids_to_tokens(requested) if tokenizer is not None else "?"
-            raise ConfigError(f"drafter.mask_token_id={requested} ({name!r}) occurs {int(seen[requested])} times "
-                              "in the training data: a mask slot would look like text; pick an unused id, or null")
+            raise ConfigError(
+                f"drafter.mask_token_id={requested} ({name!r}) occurs {int(seen[requested])} times "
+                "in the training data: a mask slot would look like text; pick an unused id, or null"
+            )
         return requested
     for cand in mask_candidates(tokenizer) if tokenizer is not None else []:
         if 0 <= cand < vocab and not int(seen[cand]):
             return cand
-    raise ConfigError("no special token of the tokenizer is absent from the training data to serve as the DFlash "
-                      "mask token; set drafter.mask_token_id to an id the data never contains")
+    raise ConfigError(
+        "no special token of the tokenizer is absent from the training data to serve as the DFlash "
+        "mask token; set drafter.mask_token_id to an id the data never contains"
+    )
 
 
-def build_objective(cfg: DFlash, target: Target,
-                    token_batches: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DFlashObjective:
-    """The objective; ``token_batches`` (iterable of (input_ids, loss_mask)) replaces the training-data scan."""
+def build_objective(
+    cfg: DFlash,
+    target: Target,
+    token_batches: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> DFlashObjective:
+    """The objective; ``token_batches`` (iterable of (input_ids, loss_mask)) replaces the
+    training-data scan."""
     from draftsmith.distill.data.draft_vocab import training_token_batches
 
     d, num_layers = cfg.drafter, target.num_layers
     try:
-        layers = tuple(d.target_layers) if d.target_layers else default_target_layers(num_layers, d.num_taps)
+        layers = (
+            tuple(d.target_layers)
+            if d.target_layers
+            else default_target_layers(num_layers, d.num_taps)
+        )
     except ValueError as err:
         raise ConfigError(str(err)) from None
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad:
-        raise ConfigError(f"drafter.target_layers {list(layers)} names layer(s) {bad} the target lacks: it has "
-                          f"hidden_states 0..{num_layers - 1} (i = input of decoder layer i)")
+        raise ConfigError(
+            f"drafter.target_layers {list(layers)} names layer(s) {bad} the target lacks: it has "
+            f"hidden_states 0..{num_layers - 1} (i = input of decoder layer i)"
+        )
     dims = EagleConfig.dims_from_hf(target.config)
     block = d.block_size
     if block >= dims["max_position_embeddings"]:
-        raise ConfigError(f"drafter.block_size={block} is larger than the target's context "
-                          f"({dims['max_position_embeddings']} positions)")
-    batches = token_batches if token_batches is not None else training_token_batches(
-        untyped(cfg), target, d.mask_scan_samples)
-    mask_id = resolve_mask_token(d.mask_token_id, getattr(target, "tokenizer", None), target.vocab_size, batches)
-    arch = DFlashConfig(hidden_size=dims["hidden_size"], intermediate_size=d.intermediate_size or
-                        dims["intermediate_size"], num_layers=d.num_layers, num_heads=dims["num_attention_heads"],
-                        num_kv_heads=dims["num_key_value_heads"], vocab_size=target.vocab_size,
-                        target_hidden_size=dims["hidden_size"], block_size=block, mask_token_id=mask_id,
-                        target_layers=layers, head_dim=dims["head_dim"], rms_norm_eps=dims["rms_norm_eps"],
-                        rope_theta=dims["rope_theta"], confidence_head=d.confidence_head,
-                        markov_head=d.markov_head, markov_rank=d.markov_rank)
+        raise ConfigError(
+            f"drafter.block_size={block} is larger than the target's context "
+            f"({dims['max_position_embeddings']} positions)"
+        )
+    batches = (
+        token_batches
+        if token_batches is not None
+        else training_token_batches(untyped(cfg), target, d.mask_scan_samples)
+    )
+    mask_id = resolve_mask_token(
+        d.mask_token_id, getattr(target, "tokenizer", None), target.vocab_size, batches
+    )
+    arch = DFlashConfig(
+        hidden_size=dims["hidden_size"],
+        intermediate_size=d.intermediate_size or dims["intermediate_size"],
+        num_layers=d.num_layers,
+        num_heads=dims["num_attention_heads"],
+        num_kv_heads=dims["num_key_value_heads"],
+        vocab_size=target.vocab_size,
+        target_hidden_size=dims["hidden_size"],
+        block_size=block,
+        mask_token_id=mask_id,
+        target_layers=layers,
+        head_dim=dims["head_dim"],
+        rms_norm_eps=dims["rms_norm_eps"],
+        rope_theta=dims["rope_theta"],
+        confidence_head=d.confidence_head,
+        markov_head=d.markov_head,
+        markov_rank=d.markov_rank,
+    )
     drafter = DFlashDrafter(arch, target.embed_weight.float(), target.lm_head_weight.float())
-    if d.output_norm_init is not None:  # a fixed gain, not the drafter's min(1, 1/mean|w_v|) (1.0 = old init)
+    if (
+        d.output_norm_init is not None
+    ):  # a fixed gain, not the drafter's min(1, 1/mean|w_v|) (1.0 = old init)
         with torch.no_grad():
             drafter.norm.weight.fill_(d.output_norm_init)
     inf = cfg.inference
-    auto_cut = inf.cut is None  # null: the cut validation finds best (0 = off until then / without a head)
-    inference = {"proposer": "dflash", "block_size": block, "depth": block - 1, "cut": 0.0 if auto_cut else inf.cut,
-                 "verifier": inf.verifier, "stop_policy": {"kind": STOP_FIXED}}
+    auto_cut = (
+        inf.cut is None
+    )  # null: the cut validation finds best (0 = off until then / without a head)
+    inference = {
+        "proposer": "dflash",
+        "block_size": block,
+        "depth": block - 1,
+        "cut": 0.0 if auto_cut else inf.cut,
+        "verifier": inf.verifier,
+        "stop_policy": {"kind": STOP_FIXED},
+    }
     search = CutSearch(inf.cut_token_cost) if auto_cut and arch.confidence_head else None
-    log.info("DFlash: block %d, %d layers, taps %s, mask token %d", block, arch.num_layers, list(layers), mask_id)
-    return DFlashObjective(drafter, d.anchors_per_seq, d.position_decay, d.confidence_weight, d.topk_metric, inference,
-                           lm_head_loss(cfg.loss), search)
+    log.info(
+        "DFlash: block %d, %d layers, taps %s, mask token %d",
+        block,
+        arch.num_layers,
+        list(layers),
+        mask_id,
+    )
+    return DFlashObjective(
+        drafter,
+        d.anchors_per_seq,
+        d.position_decay,
+        d.confidence_weight,
+        d.topk_metric,
+        inference,
+        lm_head_loss(cfg.loss),
+        search,
+    )
 
 
 def build(cfg: DFlash, target: Target) -> DFlashObjective:

@@ -1,4 +1,5 @@
-"""Medusa-1 recipe: K heads on the frozen target's post-norm hidden state, per-head CE with decay lambda^k."""
+"""Medusa-1 recipe: K heads on the frozen target's post-norm hidden state, per-head CE with decay
+lambda^k."""
 
 from __future__ import annotations
 
@@ -21,29 +22,44 @@ from draftsmith.recipes.registration import untyped
 
 
 class MedusaObjective(CalibratedObjective):
-    """Trains ``MedusaHeads``: head k at position t is scored on token t+k+2 (the target head predicts t+1)."""
+    """Trains ``MedusaHeads``: head k at position t is scored on token t+k+2 (the target head
+    predicts t+1)."""
 
-    def __init__(self, heads: MedusaHeads, decay: float, labels: str, topk: int, tree: list[list[int]],
-                 inference: dict[str, Any], lm_loss: LMHeadLoss | None = None, tree_nodes: int | None = None) -> None:
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        decay: float,
+        labels: str,
+        topk: int,
+        tree: list[list[int]],
+        inference: dict[str, Any],
+        lm_loss: LMHeadLoss | None = None,
+        tree_nodes: int | None = None,
+    ) -> None:
         self.module = heads
         self.decay = decay
         self.labels = labels
         self.topk = topk
         self.tree = tree
         self.inference = inference
-        self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE by default (loss.fused_linear_ce)
-        # Validation top-k accuracies of each head -> Medusa's greedy optimal tree in the export (``tree`` stays the
-        # fallback when no validation ran).
-        self.calibration = TreeCalibration(heads.config.num_heads, int(inference.get("top_k", 10)),
-                                           tree_nodes or len(tree), tree)
+        self.lm_loss = (
+            lm_loss or LMHeadLoss()
+        )  # fused chunked linear + CE by default (loss.fused_linear_ce)
+        # Validation top-k accuracies of each head -> Medusa's greedy optimal tree in the export
+        # (``tree`` stays the fallback when no validation ran).
+        self.calibration = TreeCalibration(
+            heads.config.num_heads, int(inference.get("top_k", 10)), tree_nodes or len(tree), tree
+        )
         # Self-distillation needs the target's logits; dataset labels only need the hidden state.
         self.taps = FeatureTaps(final_hidden=True, logits=labels != "dataset")
 
     def loss(
         self, batch: dict[str, torch.Tensor], feats: TargetFeatures
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Sum over heads of decay^(k+1) * CE(head k at t, label at t+k+2), masked by the label position's loss mask."""
-        # The target may run in bf16 while the heads train in fp32 (or under autocast): match the heads' dtype.
+        """Sum over heads of decay^(k+1) * CE(head k at t, label at t+k+2), masked by the label
+        position's loss mask."""
+        # The target may run in bf16 while the heads train in fp32 (or under autocast): match the
+        # heads' dtype.
         hidden = feats.final_hidden.to(next(self.module.parameters()).dtype)  # [B, T, H]
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"] * batch["attention_mask"]
         # Self-distillation label for token s is the target's prediction at position s-1.
@@ -57,7 +73,9 @@ class MedusaObjective(CalibratedObjective):
             if hidden.shape[1] <= shift:
                 break
             h = hidden[:, :-shift]  # [B, T-shift, H]
-            mask = loss_mask[:, shift:]  # [B, T-shift]: the label position must be an assistant token
+            mask = loss_mask[
+                :, shift:
+            ]  # [B, T-shift]: the label position must be an assistant token
             # Only masked rows go through the head's LM head: the V-wide matmul dominates the cost.
             keep = mask.bool()
             rows = h[keep]  # [N, H]
@@ -65,19 +83,22 @@ class MedusaObjective(CalibratedObjective):
                 labels = input_ids[:, shift:][keep]  # [N]
                 out = medusa_head_loss(self.lm_loss, self.module, rows, k, labels=labels, topk=topk)
             elif self.labels == "target_argmax":
-                labels = greedy[:, shift - 1:-1][keep]  # target argmax at s-1 predicts token s
+                labels = greedy[:, shift - 1 : -1][keep]  # target argmax at s-1 predicts token s
                 out = medusa_head_loss(self.lm_loss, self.module, rows, k, labels=labels, topk=topk)
             else:
-                teacher = feats.logits[:, shift - 1:-1][keep]  # [N, V]
+                teacher = feats.logits[:, shift - 1 : -1][keep]  # [N, V]
                 labels = teacher.argmax(-1)
-                out = medusa_head_loss(self.lm_loss, self.module, rows, k, teacher=teacher, topk=topk)
+                out = medusa_head_loss(
+                    self.lm_loss, self.module, rows, k, teacher=teacher, topk=topk
+                )
             head_loss = out.loss
             weight = self.decay ** (k + 1)
             total = total + weight * head_loss
             with torch.no_grad():
                 if feats.logits is not None:
-                    # Agreement with the target's own greedy choice of token t+k+2 (what greedy decoding accepts).
-                    greedy_labels = feats.logits[:, shift - 1:-1].argmax(-1)[keep]
+                    # Agreement with the target's own greedy choice of token t+k+2 (what greedy
+                    # decoding accepts).
+                    greedy_labels = feats.logits[:, shift - 1 : -1].argmax(-1)[keep]
                     metrics[f"head{k}/agree_target_top1"] = topk_hits(out.topk, greedy_labels, 1)
                     if calibrating:
                         self.calibration.stats.update_topk(k, out.topk, greedy_labels)
@@ -87,18 +108,29 @@ class MedusaObjective(CalibratedObjective):
         return total, metrics
 
     def export_config(self) -> dict[str, Any]:
-        return {"method": "medusa", "architecture": self.module.architecture(),
-                "inference": {**self.inference, **self.calibration.tree_block()}}
+        return {
+            "method": "medusa",
+            "architecture": self.module.architecture(),
+            "inference": {**self.inference, **self.calibration.tree_block()},
+        }
 
 
-def medusa_head_loss(lm_loss: LMHeadLoss, heads: MedusaHeads, rows: torch.Tensor, k: int, *,
-                     labels: torch.Tensor | None = None, teacher: torch.Tensor | None = None,
-                     topk: int = 0) -> LinearCEOutput:
-    """CE of head ``k`` on hidden rows [N, H] against target-id ``labels`` [N] or the ``teacher`` logits [N, V].
+def medusa_head_loss(
+    lm_loss: LMHeadLoss,
+    heads: MedusaHeads,
+    rows: torch.Tensor,
+    k: int,
+    *,
+    labels: torch.Tensor | None = None,
+    teacher: torch.Tensor | None = None,
+    topk: int = 0,
+) -> LinearCEOutput:
+    """CE of head ``k`` on hidden rows [N, H] against target-id ``labels`` [N] or the ``teacher``
+    logits [N, V].
 
-    With a draft vocabulary the head scores its V' columns: a label outside it scores nothing (the head can never
-    propose it) and the teacher is restricted to it. ``.topk`` comes back as target ids, so accuracies and tree
-    calibration count out-of-vocabulary labels as misses."""
+    With a draft vocabulary the head scores its V' columns: a label outside it scores nothing (the
+    head can never propose it) and the teacher is restricted to it. ``.topk`` comes back as target
+    ids, so accuracies and tree calibration count out-of-vocabulary labels as misses."""
     x, weight = heads.head_parts(rows, k)  # [N, H], [V', H]
     if labels is not None:
         labels = heads.to_head_ids(labels, missing=IGNORE_INDEX)  # [N]
@@ -109,17 +141,22 @@ def medusa_head_loss(lm_loss: LMHeadLoss, heads: MedusaHeads, rows: torch.Tensor
 
 
 def medusa_draft_ids(cfg: Medusa | Medusa2, target: Target) -> torch.Tensor | None:
-    """The target ids Medusa heads score (``heads.draft_vocab_size`` most frequent assistant tokens), or None."""
+    """The target ids Medusa heads score (``heads.draft_vocab_size`` most frequent assistant
+    tokens), or None."""
     size = cfg.heads.draft_vocab_size
     if not size or size >= target.vocab_size:
         return None
-    d2t, _ = count_draft_vocab(untyped(cfg), target, size, cfg.heads.vocab_samples, key="heads.draft_vocab_size")
+    d2t, _ = count_draft_vocab(
+        untyped(cfg), target, size, cfg.heads.vocab_samples, key="heads.draft_vocab_size"
+    )
     return d2t + torch.arange(d2t.numel())  # target id = draft index + offset
 
 
 def default_tree(num_heads: int, num_nodes: int, top_k: int) -> list[list[int]]:
     """The calibration-free sparse Medusa tree: the runtime's one builder
-    (:func:`draftsmith.runtime.drafting.tree.default_medusa_tree`), paths sorted by depth then rank for the export."""
+    (:func:`draftsmith.runtime.drafting.tree.default_medusa_tree`), paths sorted by depth then rank
+    for the export.
+    """
     return sorted(default_medusa_tree(num_heads, num_nodes, top_k), key=lambda p: (len(p), p))
 
 
@@ -127,13 +164,32 @@ def build(cfg: Medusa, target: Target) -> MedusaObjective:
     """Medusa heads sized from the target, LM heads initialised from (or sharing) the target's."""
     h, inf = cfg.heads, cfg.inference
     draft_ids = medusa_draft_ids(cfg, target)
-    arch = MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=h.num_heads,
-                        num_layers=h.num_layers, share_lm_head=h.share_lm_head,
-                        draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()))
+    arch = MedusaConfig(
+        hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        num_heads=h.num_heads,
+        num_layers=h.num_layers,
+        share_lm_head=h.share_lm_head,
+        draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()),
+    )
     heads = MedusaHeads(arch, lm_head_weight=target.lm_head_weight.float(), draft_ids=draft_ids)
-    inference = {"top_k": inf.top_k, "verifier": inf.verifier,
-                 "typical": {"posterior_threshold": inf.posterior_threshold, "posterior_alpha": inf.posterior_alpha},
-                 "stop_policy": {"kind": STOP_FIXED}}
+    inference = {
+        "top_k": inf.top_k,
+        "verifier": inf.verifier,
+        "typical": {
+            "posterior_threshold": inf.posterior_threshold,
+            "posterior_alpha": inf.posterior_alpha,
+        },
+        "stop_policy": {"kind": STOP_FIXED},
+    }
     tree = default_tree(arch.num_heads, inf.tree_nodes, inf.top_k)
-    return MedusaObjective(heads, h.decay, cfg.distill.labels, h.topk_metric, tree, inference, lm_head_loss(cfg.loss),
-                           tree_nodes=inf.tree_nodes)
+    return MedusaObjective(
+        heads,
+        h.decay,
+        cfg.distill.labels,
+        h.topk_metric,
+        tree,
+        inference,
+        lm_head_loss(cfg.loss),
+        tree_nodes=inf.tree_nodes,
+    )

@@ -1,16 +1,17 @@
 """Medusa-2 recipe: Medusa heads trained jointly with the target through LoRA adapters (peft).
 
-``L = lm_weight * L_LM + heads_coefficient * sum_k decay^(k+1) * CE_k`` (Medusa-2: lm 1, coefficient 0.2, decay 0.8).
-``L_LM`` is the adapted target's own next-token CE on the dataset, or with ``adapter.self_distill`` the CE against
-the original target's distribution (the same model with its adapters disabled, no second copy): KL(original ||
-adapted) plus the original's entropy, a constant, so the same gradients as the KL. The heads are warmed
-up first (``heads.warmup_steps``: the heads train on the detached hidden state, the backbone loss is weighted 0),
-then everything trains jointly, the heads at ``heads.lr_multiplier`` x ``optim.lr`` (parameter groups).
+``L = lm_weight * L_LM + heads_coefficient * sum_k decay^(k+1) * CE_k`` (Medusa-2: lm 1, coefficient
+0.2, decay 0.8). ``L_LM`` is the adapted target's own next-token CE on the dataset, or with
+``adapter.self_distill`` the CE against the original target's distribution (the same model with its
+adapters disabled, no second copy): KL(original || adapted) plus the original's entropy, a constant,
+so the same gradients as the KL. The heads are warmed up first (``heads.warmup_steps``: the heads
+train on the detached hidden state, the backbone loss is weighted 0), then everything trains
+jointly, the heads at ``heads.lr_multiplier`` x ``optim.lr`` (parameter groups).
 
-The export holds the heads as its ``model`` part and the LoRA as its ``adapter`` part; its target identity includes
-the adapter's fingerprint, so it is refused against the plain target. The adapted target's logits are computed by
-its LM head on the hidden state (Llama-family heads; a model with LM-head post-processing such as Gemma-2 softcapping
-would need the model's own forward).
+The export holds the heads as its ``model`` part and the LoRA as its ``adapter`` part; its target
+identity includes the adapter's fingerprint, so it is refused against the plain target. The adapted
+target's logits are computed by its LM head on the hidden state (Llama-family heads; a model with
+LM-head post-processing such as Gemma-2 softcapping would need the model's own forward).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from draftsmith.recipes.medusa2 import AdapterConfig, Medusa2
 
 
 class Medusa2Module(nn.Module):
-    """Everything Medusa-2 trains: the heads and the target's LoRA (registered here and inside the target)."""
+    """Everything Medusa-2 trains: the heads and the target's LoRA (registered here and inside the
+    target)."""
 
     def __init__(self, heads: MedusaHeads, adapter: TargetAdapter) -> None:
         super().__init__()
@@ -44,7 +46,8 @@ class Medusa2Module(nn.Module):
 
 @dataclass
 class Medusa2Features:
-    """The adapted target's post-norm hidden state (with graph) and, when needed, the original target's logits."""
+    """The adapted target's post-norm hidden state (with graph) and, when needed, the original
+    target's logits."""
 
     hidden: torch.Tensor  # [B, T, H]
     original_logits: torch.Tensor | None  # [B, T, V], adapters disabled, no grad
@@ -55,17 +58,34 @@ class Medusa2Objective(CalibratedObjective):
 
     taps = FeatureTaps(final_hidden=True)
 
-    def __init__(self, module: Medusa2Module, target: Target, *, decay: float, heads_coefficient: float,
-                 lm_weight: float, warmup_steps: int, lr_multiplier: float, self_distill: bool, labels: str,
-                 topk: int, calibration: TreeCalibration, inference: dict[str, Any],
-                 lm_loss: LMHeadLoss | None = None) -> None:
+    def __init__(
+        self,
+        module: Medusa2Module,
+        target: Target,
+        *,
+        decay: float,
+        heads_coefficient: float,
+        lm_weight: float,
+        warmup_steps: int,
+        lr_multiplier: float,
+        self_distill: bool,
+        labels: str,
+        topk: int,
+        calibration: TreeCalibration,
+        inference: dict[str, Any],
+        lm_loss: LMHeadLoss | None = None,
+    ) -> None:
         self.module = module
-        self.lm_head = target.model.get_output_embeddings()  # frozen, never registered here: not saved
+        self.lm_head = (
+            target.model.get_output_embeddings()
+        )  # frozen, never registered here: not saved
         self.decay, self.heads_coefficient, self.lm_weight = decay, heads_coefficient, lm_weight
         self.warmup_steps, self.lr_multiplier = warmup_steps, lr_multiplier
         self.self_distill, self.labels, self.topk = self_distill, labels, topk
         self.calibration, self.inference = calibration, inference
-        self.lm_loss = lm_loss or LMHeadLoss()  # fused chunked linear + CE (loss.fused_linear_ce): no [N, V] logits
+        self.lm_loss = (
+            lm_loss or LMHeadLoss()
+        )  # fused chunked linear + CE (loss.fused_linear_ce): no [N, V] logits
         self.step = 0
 
     def set_step(self, step: int) -> None:
@@ -77,17 +97,21 @@ class Medusa2Objective(CalibratedObjective):
         return self.module.training and self.step < self.warmup_steps
 
     def param_groups(self) -> list[dict[str, Any]]:
-        return [{"params": list(self.module.heads.parameters()), "lr_scale": self.lr_multiplier},
-                {"params": list(self.module.adapter.parameters())}]
+        return [
+            {"params": list(self.module.heads.parameters()), "lr_scale": self.lr_multiplier},
+            {"params": list(self.module.adapter.parameters())},
+        ]
 
     def features(self, target: Target, batch: dict[str, torch.Tensor]) -> Medusa2Features:
-        """The adapted forward (graph to the LoRA) and, for self-distillation / teacher labels / validation
-        metrics, the original target's logits (same model, adapters disabled)."""
+        """The adapted forward (graph to the LoRA) and, for self-distillation / teacher labels /
+        validation metrics, the original target's logits (same model, adapters disabled)."""
         ids, attn = batch["input_ids"], batch["attention_mask"]
         original = None
         if self.self_distill or self.labels != "dataset" or not self.module.training:
             with torch.no_grad(), target.adapter_disabled():
-                original = target.features(ids, attn, FeatureTaps(final_hidden=False, logits=True)).logits
+                original = target.features(
+                    ids, attn, FeatureTaps(final_hidden=False, logits=True)
+                ).logits
         hidden = target.features(ids, attn, FeatureTaps(final_hidden=True), grad=True).final_hidden
         return Medusa2Features(hidden, original)
 
@@ -95,11 +119,18 @@ class Medusa2Objective(CalibratedObjective):
         return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()  # [..., V]
 
     def _lm_parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target LM head as (input, weight) for the fused loss; a bias is folded in as a column of ones."""
-        x, weight, bias = hidden.to(self.lm_head.weight.dtype), self.lm_head.weight, self.lm_head.bias
+        """The target LM head as (input, weight) for the fused loss; a bias is folded in as a column
+        of ones."""
+        x, weight, bias = (
+            hidden.to(self.lm_head.weight.dtype),
+            self.lm_head.weight,
+            self.lm_head.bias,
+        )
         if bias is None:
             return x, weight
-        return torch.cat([x, x.new_ones((*x.shape[:-1], 1))], -1), torch.cat([weight, bias[:, None]], 1)
+        return torch.cat([x, x.new_ones((*x.shape[:-1], 1))], -1), torch.cat(
+            [weight, bias[:, None]], 1
+        )
 
     def loss(
         self, batch: dict[str, torch.Tensor], feats: Medusa2Features
@@ -108,20 +139,31 @@ class Medusa2Objective(CalibratedObjective):
         mask_all = (batch["loss_mask"] * batch["attention_mask"]).bool()  # [B, T]
         heads = self.module.heads
         hidden = feats.hidden  # [B, T, H], graph to the adapter
-        head_in = (hidden.detach() if self.warming_up else hidden).to(next(heads.parameters()).dtype)
+        head_in = (hidden.detach() if self.warming_up else hidden).to(
+            next(heads.parameters()).dtype
+        )
         original = feats.original_logits
-        own_greedy = None if self.module.training else self._lm_logits(hidden).argmax(-1)  # [B, T]: served target
+        own_greedy = (
+            None if self.module.training else self._lm_logits(hidden).argmax(-1)
+        )  # [B, T]: served target
         metrics: dict[str, torch.Tensor] = {}
         topk = self.topk if own_greedy is None else max(self.topk, self.calibration.stats.top_k)
-        # Backbone: the adapted target's next-token loss at t (label x_{t+1}); the target's own (frozen) LM head.
+        # Backbone: the adapted target's next-token loss at t (label x_{t+1}); the target's own
+        # (frozen) LM head.
         keep = mask_all[:, 1:]
         lm_in, lm_weight = self._lm_parts(hidden[:, :-1][keep])  # [N, H(+1)], [V, H(+1)]
-        backbone = replace(self.lm_loss, acceptance="none")  # loss.acceptance is the heads' objective, not the model's
-        if self.self_distill:  # soft CE to the original target: KL plus its (constant) entropy, the same gradient
+        backbone = replace(
+            self.lm_loss, acceptance="none"
+        )  # loss.acceptance is the heads' objective, not the model's
+        if (
+            self.self_distill
+        ):  # soft CE to the original target: KL plus its (constant) entropy, the same gradient
             lm_loss = backbone(lm_in, lm_weight, teacher_logits=original[:, :-1][keep]).loss
         else:
             lm_loss = backbone(lm_in, lm_weight, labels=ids[:, 1:][keep]).loss
-        total = (0.0 if self.warming_up else self.lm_weight) * lm_loss  # x0 keeps the adapter in the graph (DDP)
+        total = (
+            0.0 if self.warming_up else self.lm_weight
+        ) * lm_loss  # x0 keeps the adapter in the graph (DDP)
         head_sum = hidden.new_zeros((), dtype=torch.float32)
         for k in range(heads.config.num_heads):
             shift = k + 2
@@ -129,7 +171,7 @@ class Medusa2Objective(CalibratedObjective):
                 break
             keep = mask_all[:, shift:]  # [B, T-shift]: label x_{t+k+2} is an assistant token
             rows = head_in[:, :-shift][keep]  # [N, H]
-            teacher = original[:, shift - 1:-1][keep] if original is not None else None
+            teacher = original[:, shift - 1 : -1][keep] if original is not None else None
             if self.labels == "target_soft":
                 labels = teacher.argmax(-1)
                 out = medusa_head_loss(self.lm_loss, heads, rows, k, teacher=teacher, topk=topk)
@@ -141,36 +183,56 @@ class Medusa2Objective(CalibratedObjective):
                 metrics[f"head{k}/loss"] = out.loss.detach()
                 metrics[f"head{k}/top1"] = topk_hits(out.topk, labels, 1)
                 if own_greedy is not None:  # acceptance is decided by the adapted (served) target
-                    served = own_greedy[:, shift - 1:-1][keep]
+                    served = own_greedy[:, shift - 1 : -1][keep]
                     metrics[f"head{k}/agree_target_top1"] = topk_hits(out.topk, served, 1)
                     self.calibration.stats.update_topk(k, out.topk, served)
         total = total + self.heads_coefficient * head_sum
         with torch.no_grad():
             metrics["lm_loss"] = lm_loss.detach()
             if original is not None and own_greedy is not None:
-                # Quality next to the original target (Medusa-2 is lossy): agreement of the greedy tokens, and both
-                # models' CE on the held-out dataset tokens (log-perplexity).
+                # Quality next to the original target (Medusa-2 is lossy): agreement of the greedy
+                # tokens, and both models' CE on the held-out dataset tokens (log-perplexity).
                 keep = mask_all[:, 1:]
                 agree = (own_greedy[:, :-1] == original[:, :-1].argmax(-1))[keep]
-                metrics["agree_original_top1"] = agree.float().mean() if agree.numel() else agree.new_zeros(())
+                metrics["agree_original_top1"] = (
+                    agree.float().mean() if agree.numel() else agree.new_zeros(())
+                )
                 ones = torch.ones(int(keep.sum()), device=ids.device)
                 labels = ids[:, 1:][keep]
-                metrics["adapted_ce"] = masked_cross_entropy(self._lm_logits(hidden[:, :-1][keep]), labels, ones)
-                metrics["original_ce"] = masked_cross_entropy(original[:, :-1][keep].float(), labels, ones)
+                metrics["adapted_ce"] = masked_cross_entropy(
+                    self._lm_logits(hidden[:, :-1][keep]), labels, ones
+                )
+                metrics["original_ce"] = masked_cross_entropy(
+                    original[:, :-1][keep].float(), labels, ones
+                )
         return total, metrics
 
     def export_config(self) -> dict[str, Any]:
-        return {"method": "medusa2", "architecture": self.module.heads.architecture(),
-                "inference": {"proposer": "medusa2", **self.inference, **self.calibration.tree_block(),
-                              "adapter": self.module.adapter.config_block(), "lossy": True},
-                "weight_parts": {"model": {"prefix": "heads."},
-                                 "adapter": {"prefix": "adapter.lora.", "kind": ADAPTER_LORA}}}
+        return {
+            "method": "medusa2",
+            "architecture": self.module.heads.architecture(),
+            "inference": {
+                "proposer": "medusa2",
+                **self.inference,
+                **self.calibration.tree_block(),
+                "adapter": self.module.adapter.config_block(),
+                "lossy": True,
+            },
+            "weight_parts": {
+                "model": {"prefix": "heads."},
+                "adapter": {"prefix": "adapter.lora.", "kind": ADAPTER_LORA},
+            },
+        }
 
 
 def lora_spec(adapter: AdapterConfig) -> LoraSpec:
     """``adapter.*`` of the config as a :class:`LoraSpec`."""
-    return LoraSpec(rank=adapter.rank, alpha=adapter.alpha, dropout=adapter.dropout,
-                    target_modules=tuple(adapter.target_modules))
+    return LoraSpec(
+        rank=adapter.rank,
+        alpha=adapter.alpha,
+        dropout=adapter.dropout,
+        target_modules=tuple(adapter.target_modules),
+    )
 
 
 def validate(cfg: Medusa2) -> None:
@@ -179,18 +241,33 @@ def validate(cfg: Medusa2) -> None:
 
 
 def build(cfg: Medusa2, target: Target) -> Medusa2Objective:
-    """Attach the LoRA to the target (ConfigError when its target modules match nothing) and build the heads."""
+    """Attach the LoRA to the target (ConfigError when its target modules match nothing) and build
+    the heads."""
     validate(cfg)
     adapter = target.attach_lora(lora_spec(cfg.adapter))
     h = cfg.heads
     draft_ids = medusa_draft_ids(cfg, target)
-    arch = MedusaConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=h.num_heads,
-                        num_layers=h.num_layers, share_lm_head=h.share_lm_head,
-                        draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()))
+    arch = MedusaConfig(
+        hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        num_heads=h.num_heads,
+        num_layers=h.num_layers,
+        share_lm_head=h.share_lm_head,
+        draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()),
+    )
     heads = MedusaHeads(arch, lm_head_weight=target.lm_head_weight.float(), draft_ids=draft_ids)
-    return Medusa2Objective(Medusa2Module(heads, adapter), target, decay=h.decay, heads_coefficient=h.coefficient,
-                            lm_weight=cfg.adapter.lm_weight, warmup_steps=h.warmup_steps,
-                            lr_multiplier=h.lr_multiplier, self_distill=cfg.adapter.self_distill,
-                            labels=cfg.distill.labels, topk=h.topk_metric,
-                            calibration=make_calibration(arch.num_heads, cfg.inference),
-                            inference=inference_block(cfg.inference), lm_loss=LMHeadLoss())
+    return Medusa2Objective(
+        Medusa2Module(heads, adapter),
+        target,
+        decay=h.decay,
+        heads_coefficient=h.coefficient,
+        lm_weight=cfg.adapter.lm_weight,
+        warmup_steps=h.warmup_steps,
+        lr_multiplier=h.lr_multiplier,
+        self_distill=cfg.adapter.self_distill,
+        labels=cfg.distill.labels,
+        topk=h.topk_metric,
+        calibration=make_calibration(arch.num_heads, cfg.inference),
+        inference=inference_block(cfg.inference),
+        lm_loss=LMHeadLoss(),
+    )

@@ -1,4 +1,5 @@
-"""Verifiers: which drafted path the target accepts (greedy, typical acceptance, lossless rejection sampling)."""
+"""Verifiers: which drafted path the target accepts (greedy, typical acceptance, lossless rejection
+sampling)."""
 
 from __future__ import annotations
 
@@ -21,16 +22,22 @@ class Acceptance:
     num_accepted: int  # len(accepted_tokens); tokens emitted this step = num_accepted + 1
 
 
-def target_probs(logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float = 1.0) -> torch.Tensor:
-    """softmax(logits / temperature) restricted to the top-p nucleus and renormalised, in float64 (``[..., V]``).
+def target_probs(
+    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float = 1.0
+) -> torch.Tensor:
+    """softmax(logits / temperature) restricted to the top-p nucleus and renormalised, in float64
+    (``[..., V]``).
 
-    ``temperature`` is a float or a tensor of one temperature per row (shape ``logits.shape[:-1]``); a row at
-    temperature 0 is the point mass at its argmax (greedy decoding as a distribution).
+    ``temperature`` is a float or a tensor of one temperature per row (shape ``logits.shape[:-1]``);
+    a row at temperature 0 is the point mass at its argmax (greedy decoding as a distribution).
     """
     if isinstance(temperature, torch.Tensor):
         t = temperature.to(logits.device, torch.float64)
         if t.shape != logits.shape[:-1]:
-            raise ValueError(f"per-row temperatures must have shape {tuple(logits.shape[:-1])}, got {tuple(t.shape)}")
+            raise ValueError(
+                f"per-row temperatures must have shape {tuple(logits.shape[:-1])}, got"
+                f" {tuple(t.shape)}"
+            )
         if bool((t < 0).any()) or not bool(torch.isfinite(t).all()):
             raise ValueError("temperatures must be finite and >= 0")
         greedy = t == 0
@@ -65,36 +72,58 @@ def _uniform(generator: torch.Generator | None) -> float:
 
 
 class Verifier:
-    """What the speculative loop needs from a verifier: every member it reads, declared with its default."""
+    """What the speculative loop needs from a verifier: every member it reads, declared with its
+    default."""
 
-    lossless: bool = False  # True when the output distribution equals the target's (greedy: identical tokens)
-    per_position_temperature: bool = False  # verify/sample take a per-node ``temperature`` (an adaptive policy)
-    decides_from_argmax: bool = False  # verify_argmax decides from the target's argmax per node alone
+    lossless: bool = (
+        False  # True when the output distribution equals the target's (greedy: identical tokens)
+    )
+    per_position_temperature: bool = (
+        False  # verify/sample take a per-node ``temperature`` (an adaptive policy)
+    )
+    decides_from_argmax: bool = (
+        False  # verify_argmax decides from the target's argmax per node alone
+    )
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None,
-               temperature: torch.Tensor | None = None) -> Acceptance:
-        """Accept a path of ``tree`` given target logits [N, V] at every node (``temperature`` [N]: a per-node
-        sampling temperature, for verifiers with ``per_position_temperature``)."""
+    def verify(
+        self,
+        tree: DraftTree,
+        logits: torch.Tensor,
+        generator: torch.Generator | None = None,
+        temperature: torch.Tensor | None = None,
+    ) -> Acceptance:
+        """Accept a path of ``tree`` given target logits [N, V] at every node (``temperature`` [N]:
+        a per-node sampling temperature, for verifiers with ``per_position_temperature``)."""
         raise NotImplementedError(f"{type(self).__name__} must define verify()")
 
     def verify_argmax(self, tree: DraftTree, argmax: torch.Tensor) -> Acceptance:
-        """The decision from the target's argmax at every node [N] alone (verifiers with ``decides_from_argmax``)."""
-        raise NotImplementedError(f"{type(self).__name__} decides from the logits, not their argmax")
+        """The decision from the target's argmax at every node [N] alone (verifiers with
+        ``decides_from_argmax``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} decides from the logits, not their argmax"
+        )
 
-    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None,
-               temperature: torch.Tensor | None = None) -> int:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        generator: torch.Generator | None = None,
+        temperature: torch.Tensor | None = None,
+    ) -> int:
         """Draw one token from the target logits [V] (the first token after the prompt)."""
         raise NotImplementedError(f"{type(self).__name__} must define sample()")
 
 
 def _no_temperature(verifier: object, temperature: torch.Tensor | None) -> None:
     if temperature is not None:
-        raise InputError(f"{type(verifier).__name__} has one fixed law; per-position temperatures need the "
-                         "rejection-sampling verifier (verifier=rejection)")
+        raise InputError(
+            f"{type(verifier).__name__} has one fixed law; per-position temperatures need the "
+            "rejection-sampling verifier (verifier=rejection)"
+        )
 
 
 class GreedyVerifier(Verifier):
-    """Lossless greedy: the longest path whose drafted tokens equal the target argmax; bonus = argmax after it."""
+    """Lossless greedy: the longest path whose drafted tokens equal the target argmax; bonus =
+    argmax after it."""
 
     lossless = True
     decides_from_argmax = True
@@ -102,35 +131,54 @@ class GreedyVerifier(Verifier):
     def __init__(self, kernel_backend: str = "auto") -> None:
         self.kernel_backend = kernel_backend
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None,
-               temperature: torch.Tensor | None = None) -> Acceptance:
+    def verify(
+        self,
+        tree: DraftTree,
+        logits: torch.Tensor,
+        generator: torch.Generator | None = None,
+        temperature: torch.Tensor | None = None,
+    ) -> Acceptance:
         """See :func:`draftsmith.kernels.verify.greedy_verify` (on a CPU:
         :func:`~draftsmith.kernels.verify.greedy_walk`, the same decision over host lists)."""
         _no_temperature(self, temperature)
-        if (logits.device.type == "cpu" and self.kernel_backend in ("auto", "torch") and logits.dim() == 2
-                and logits.shape[0] == tree.num_nodes):  # anything else: greedy_verify checks it and says why
-            # Host fast path: one argmax, then the walk over Python lists (kernels.verify.greedy_walk).
+        if (
+            logits.device.type == "cpu"
+            and self.kernel_backend in ("auto", "torch")
+            and logits.dim() == 2
+            and logits.shape[0] == tree.num_nodes
+        ):  # anything else: greedy_verify checks it and says why
+            # Host fast path: one argmax, then the walk over Python lists
+            # (kernels.verify.greedy_walk).
             return self.verify_argmax(tree, target_argmax(logits))
         paths = tree.retrieve_indices.to(logits.device)
-        res = greedy_verify(paths, tree.tokens.to(logits.device), logits, backend=self.kernel_backend)
+        res = greedy_verify(
+            paths, tree.tokens.to(logits.device), logits, backend=self.kernel_backend
+        )
         nodes = [int(i) for i in paths[res.best_path, : res.accept_len + 1]]
         toks = [int(tree.tokens[i]) for i in nodes[1:]]
         return Acceptance(nodes, toks, res.bonus_token, res.accept_len)
 
     def verify_argmax(self, tree: DraftTree, argmax: torch.Tensor) -> Acceptance:
         """The same decision from the target's argmax at every node [N] alone (a target forward with
-        ``head="argmax"`` gives it without any [N, V] logits): :func:`~draftsmith.kernels.verify.greedy_walk` over host
-        lists."""
+        ``head="argmax"`` gives it without any [N, V] logits):
+        :func:`~draftsmith.kernels.verify.greedy_walk` over host lists."""
         if argmax.shape != (tree.num_nodes,):
-            raise ValueError(f"need the target argmax at each of the {tree.num_nodes} nodes, got {tuple(argmax.shape)}")
+            raise ValueError(
+                f"need the target argmax at each of the {tree.num_nodes} nodes, got"
+                f" {tuple(argmax.shape)}"
+            )
         paths_list = tree.retrieve_indices.tolist()
         tokens_list = tree.tokens.tolist()
         best, accept_len, bonus = greedy_walk(paths_list, tokens_list, argmax.tolist())
         nodes = paths_list[best][: accept_len + 1]
         return Acceptance(nodes, [tokens_list[i] for i in nodes[1:]], bonus, accept_len)
 
-    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None,
-               temperature: torch.Tensor | None = None) -> int:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        generator: torch.Generator | None = None,
+        temperature: torch.Tensor | None = None,
+    ) -> int:
         """Target argmax."""
         _no_temperature(self, temperature)
         return int(logits.argmax(-1))
@@ -139,33 +187,49 @@ class GreedyVerifier(Verifier):
 class TypicalVerifier(Verifier):
     """Medusa's typical acceptance (LOSSY: the output distribution is not the target's).
 
-    A drafted token x is accepted if ``p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p)))`` with p the
-    target distribution at temperature ``temperature``; the longest accepted path wins (ties: higher sum of log p).
-    As in Medusa's fast mode the bonus and first tokens are the target argmax.
+    A drafted token x is accepted if ``p(x) > min(posterior_threshold, posterior_alpha *
+    exp(-H(p)))`` with p the target distribution at temperature ``temperature``; the longest
+    accepted path wins (ties: higher sum of log p). As in Medusa's fast mode the bonus and first
+    tokens are the target argmax.
     """
 
     lossless = False
 
-    def __init__(self, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
-                 temperature: float = 0.7) -> None:
+    def __init__(
+        self,
+        posterior_threshold: float = 0.09,
+        posterior_alpha: float = 0.3,
+        temperature: float = 0.7,
+    ) -> None:
         if temperature <= 0:
-            raise InputError("typical acceptance needs temperature > 0; use GreedyVerifier for temperature 0")
+            raise InputError(
+                "typical acceptance needs temperature > 0; use GreedyVerifier for temperature 0"
+            )
         self.posterior_threshold = posterior_threshold
         self.posterior_alpha = posterior_alpha
         self.temperature = temperature
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None,
-               temperature: torch.Tensor | None = None) -> Acceptance:
+    def verify(
+        self,
+        tree: DraftTree,
+        logits: torch.Tensor,
+        generator: torch.Generator | None = None,
+        temperature: torch.Tensor | None = None,
+    ) -> Acceptance:
         """Accept the longest path whose tokens are all typical under the target."""
         _no_temperature(self, temperature)
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)  # [N, V]
         entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)  # [N]
-        threshold = torch.minimum(torch.full_like(entropy, self.posterior_threshold),
-                                  self.posterior_alpha * torch.exp(-entropy))  # [N]
+        threshold = torch.minimum(
+            torch.full_like(entropy, self.posterior_threshold),
+            self.posterior_alpha * torch.exp(-entropy),
+        )  # [N]
         paths = tree.retrieve_indices.to(logits.device)  # [P, D+1]
         parent, child = paths[:, :-1].clamp(min=0), paths[:, 1:]
         tokens = tree.tokens.to(logits.device)
-        p_child = probs[parent, tokens[child.clamp(min=0)]]  # [P, D] p of each drafted token under its parent
+        p_child = probs[
+            parent, tokens[child.clamp(min=0)]
+        ]  # [P, D] p of each drafted token under its parent
         ok = (child >= 0) & (p_child > threshold[parent])
         alive = ok.long().cumprod(dim=1)  # [P, D]
         lens = alive.sum(1)  # [P]
@@ -174,32 +238,47 @@ class TypicalVerifier(Verifier):
         cand = torch.nonzero(lens == best_len).flatten()
         best = int(cand[score[cand].argmax()])
         nodes = [int(i) for i in paths[best, : best_len + 1]]
-        return Acceptance(nodes, [int(tree.tokens[i]) for i in nodes[1:]], int(logits[nodes[-1]].argmax()), best_len)
+        return Acceptance(
+            nodes,
+            [int(tree.tokens[i]) for i in nodes[1:]],
+            int(logits[nodes[-1]].argmax()),
+            best_len,
+        )
 
-    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None,
-               temperature: torch.Tensor | None = None) -> int:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        generator: torch.Generator | None = None,
+        temperature: torch.Tensor | None = None,
+    ) -> int:
         """Target argmax (Medusa fast mode)."""
         _no_temperature(self, temperature)
         return int(logits.argmax(-1))
 
 
 class RejectionSamplingVerifier(Verifier):
-    """Tree speculative sampling that preserves the target distribution exactly (temperature / top-p applied to p).
+    """Tree speculative sampling that preserves the target distribution exactly (temperature / top-p
+    applied to p).
 
-    Walk from the root. At each node, with p the target distribution there, try its children in drafted order:
-    - stochastic children drawn from q (``draft_q`` of the parent): accept x with min(1, p(x)/q(x)); on rejection
-      p <- norm(max(0, p - q)) and, if siblings were drawn without replacement, q <- q with x removed, renormalised
-      (multi-candidate speculative sampling, SpecInfer / EAGLE-1). Each step is ordinary rejection sampling of p
-      against the conditional law of the next sibling given the earlier ones, so the emitted token is exactly ~ p.
-    - deterministic children (``point_mass``: top-k drafts, Medusa heads, greedy chains): the proposal is the point
-      mass at x, so min(1, p(x)/1) = p(x) and the residual max(0, p - delta_x) normalised is p with x zeroed and
-      renormalised. The emitted token is then x with probability p(x) and otherwise drawn from p(. | != x): exactly
-      p. Because the children only depend on the context (not on the target's coin flips), this holds at every
-      depth, so the whole emitted sequence has the target's law.
-    If every child is rejected (or the node is a leaf), the bonus token is drawn from the current residual p.
+    Walk from the root. At each node, with p the target distribution there, try its children in
+    drafted order:
+    - stochastic children drawn from q (``draft_q`` of the parent): accept x with min(1, p(x)/q(x));
+      on rejection p <- norm(max(0, p - q)) and, if siblings were drawn without replacement, q <- q
+      with x removed, renormalised (multi-candidate speculative sampling, SpecInfer / EAGLE-1). Each
+      step is ordinary rejection sampling of p against the conditional law of the next sibling given
+      the earlier ones, so the emitted token is exactly ~ p.
+    - deterministic children (``point_mass``: top-k drafts, Medusa heads, greedy chains): the
+      proposal is the point mass at x, so min(1, p(x)/1) = p(x) and the residual max(0, p - delta_x)
+      normalised is p with x zeroed and renormalised. The emitted token is then x with probability
+      p(x) and otherwise drawn from p(. | != x): exactly p. Because the children only depend on the
+      context (not on the target's coin flips), this holds at every depth, so the whole emitted
+      sequence has the target's law.
+    If every child is rejected (or the node is a leaf), the bonus token is drawn from the current
+    residual p.
 
-    The point-mass rule is exact for any child chosen independently of the verifier's coin flips, sampled ones
-    included (EAGLE-2/3 apply it to top-k drafts); with a recorded q the min(1, p/q) rule accepts more often.
+    The point-mass rule is exact for any child chosen independently of the verifier's coin flips,
+    sampled ones included (EAGLE-2/3 apply it to top-k drafts); with a recorded q the min(1, p/q)
+    rule accepts more often.
     """
 
     lossless = True
@@ -207,34 +286,53 @@ class RejectionSamplingVerifier(Verifier):
 
     def __init__(self, temperature: float = 1.0, top_p: float = 1.0) -> None:
         if temperature <= 0:
-            raise InputError("rejection sampling needs temperature > 0; use GreedyVerifier for temperature 0")
+            raise InputError(
+                "rejection sampling needs temperature > 0; use GreedyVerifier for temperature 0"
+            )
         if not 0 < top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {top_p}")
         self.temperature = temperature
         self.top_p = top_p
 
-    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None,
-               temperature: torch.Tensor | None = None) -> int:
-        """Draw from the (temperature, top-p) target distribution (``temperature`` []: this draw's own)."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        generator: torch.Generator | None = None,
+        temperature: torch.Tensor | None = None,
+    ) -> int:
+        """Draw from the (temperature, top-p) target distribution (``temperature`` []: this draw's
+        own)."""
         t = self.temperature if temperature is None else temperature.reshape(logits.shape[:-1])
         return _sample(target_probs(logits, t, self.top_p), generator)
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator | None = None,
-               temperature: torch.Tensor | None = None) -> Acceptance:
-        """Walk the tree with (multi-candidate) rejection sampling; see the class docstring. ``temperature`` [N]
-        replaces the verifier's temperature node by node (0 = greedy there), e.g. from an adaptive-temperature
-        layer: the emitted sequence then has exactly the law of sampling each position at its own temperature."""
+    def verify(
+        self,
+        tree: DraftTree,
+        logits: torch.Tensor,
+        generator: torch.Generator | None = None,
+        temperature: torch.Tensor | None = None,
+    ) -> Acceptance:
+        """Walk the tree with (multi-candidate) rejection sampling; see the class docstring.
+        ``temperature`` [N] replaces the verifier's temperature node by node (0 = greedy there),
+        e.g. from an adaptive-temperature
+        layer: the emitted sequence then has exactly the law of sampling each position at its own
+        temperature.
+        """
         logits = on_generator_device(logits, generator)  # [N, V]
         if temperature is not None and temperature.shape != logits.shape[:1]:
-            raise ValueError(f"per-node temperatures must have shape [{logits.shape[0]}], "
-                             f"got {tuple(temperature.shape)}")
+            raise ValueError(
+                f"per-node temperatures must have shape [{logits.shape[0]}], "
+                f"got {tuple(temperature.shape)}"
+            )
         point_mass = tree.draft_mode == "point_mass"
         without_replacement = tree.draft_mode == "without_replacement"
         node, nodes = 0, [0]
         while True:
             t = self.temperature if temperature is None else temperature[node]
             p = target_probs(logits[node], t, self.top_p)  # [V] float64
-            q = None if point_mass else tree.draft_q[node].to(p.device, torch.float64).clone()  # [V]
+            q = (
+                None if point_mass else tree.draft_q[node].to(p.device, torch.float64).clone()
+            )  # [V]
             chosen = None
             for child in tree.children(node):
                 x = int(tree.tokens[child])
@@ -242,8 +340,10 @@ class RejectionSamplingVerifier(Verifier):
                     accept_prob = float(p[x])
                 else:
                     if float(q[x]) <= 0:
-                        raise ValueError(f"node {child} drafted token {x} which has probability 0 under its recorded "
-                                         "draft distribution; the proposer's draft_q is inconsistent")
+                        raise ValueError(
+                            f"node {child} drafted token {x} which has probability 0 under its"
+                            " recorded draft distribution; the proposer's draft_q is inconsistent"
+                        )
                     accept_prob = min(1.0, float(p[x] / q[x]))
                 if _uniform(generator) < accept_prob:
                     chosen = child
@@ -260,7 +360,11 @@ class RejectionSamplingVerifier(Verifier):
                 if total > 1e-12:  # == 0 only when x could not have been rejected; keep p then
                     p = residual / total
             if chosen is None:
-                return Acceptance(nodes, [int(tree.tokens[i]) for i in nodes[1:]], _sample(p, generator),
-                                  len(nodes) - 1)
+                return Acceptance(
+                    nodes,
+                    [int(tree.tokens[i]) for i in nodes[1:]],
+                    _sample(p, generator),
+                    len(nodes) - 1,
+                )
             node = chosen
             nodes.append(node)

@@ -1,1 +1,2 @@
-"""Decoding loops: autoregressive, speculative (room for parallel/diffusion loops), and their metrics."""
+"""Decoding loops: autoregressive, speculative (room for parallel/diffusion loops), and their
+metrics."""

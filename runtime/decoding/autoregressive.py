@@ -13,9 +13,13 @@ from draftsmith.runtime.target.interface import TargetDecoder
 
 
 def sample_token(
-    logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
 ) -> int:
-    """Pick a token from logits [V]: argmax when ``temperature == 0``, else nucleus sampling at ``temperature``."""
+    """Pick a token from logits [V]: argmax when ``temperature == 0``, else nucleus sampling at
+    ``temperature``."""
     if temperature <= 0.0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # [V]
@@ -29,10 +33,15 @@ def sample_token(
 
 def _check_prompt(prompt_ids: list[int], vocab_size: int) -> None:
     if len(prompt_ids) == 0:
-        raise InputError("the prompt is empty: pass at least one token id (e.g. the BOS token or a chat template)")
+        raise InputError(
+            "the prompt is empty: pass at least one token id (e.g. the BOS token or a chat"
+            " template)"
+        )
     if not all(0 <= t < vocab_size for t in prompt_ids):
         bad = [t for t in prompt_ids if not 0 <= t < vocab_size][:5]
-        raise InputError(f"prompt token ids {bad} are outside the vocabulary [0, {vocab_size}); wrong tokenizer?")
+        raise InputError(
+            f"prompt token ids {bad} are outside the vocabulary [0, {vocab_size}); wrong tokenizer?"
+        )
 
 
 @torch.inference_mode()
@@ -49,11 +58,13 @@ def generate_ar(
 ) -> list[int]:
     """Decode up to ``max_new_tokens`` tokens after ``prompt_ids``, one target forward per token.
 
-    Greedy when ``temperature == 0`` (token-identical to HF ``generate(do_sample=False)`` in fp32). Stops after an
-    ``eos_ids`` token, which is included in the output like HF does. ``stream`` is called with each new token.
-    ``head``: "auto" (greedy steps ask a target that declares ``argmax_head`` for the argmax only) or "logits".
-    ``max_new_tokens`` past the target's context is capped to it with one warning line
-    (:func:`~draftsmith.runtime.decoding.prompt_limits.cap_new_tokens`). Returns the new tokens only.
+    Greedy when ``temperature == 0`` (token-identical to HF ``generate(do_sample=False)`` in fp32).
+    Stops after an ``eos_ids`` token, which is included in the output like HF does. ``stream`` is
+    called with each new token.
+    ``head``: "auto" (greedy steps ask a target that declares ``argmax_head`` for the argmax only)
+    or "logits". ``max_new_tokens`` past the target's context is capped to it with one warning line
+    (:func:`~draftsmith.runtime.decoding.prompt_limits.cap_new_tokens`). Returns the new tokens
+    only.
     """
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -66,13 +77,18 @@ def generate_ar(
     max_new_tokens = cap_new_tokens(len(prompt_ids), max_new_tokens, model.sizes.context_length)
     device = model.device
     cache = model.allocate_cache(len(prompt_ids) + max_new_tokens)
-    logits = model.forward(torch.tensor(prompt_ids, dtype=torch.long, device=device), cache, logits_for="last").logits
+    logits = model.forward(
+        torch.tensor(prompt_ids, dtype=torch.long, device=device), cache, logits_for="last"
+    ).logits
     cache.commit(len(prompt_ids))
     out: list[int] = []
     step = torch.empty(1, dtype=torch.long, device=device)  # reused input buffer
-    # Greedy steps need only the argmax: a model that can reduce its LM head to it skips the [1, V] logits.
+    # Greedy steps need only the argmax: a model that can reduce its LM head to it skips the [1, V]
+    # logits.
     greedy = temperature <= 0.0 and head == "auto" and model.argmax_head
-    threads = governor()  # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
+    threads = (
+        governor()
+    )  # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
     tok = sample_token(logits[-1], temperature, top_p, generator)
     while True:
         threads.tick()
@@ -85,5 +101,10 @@ def generate_ar(
         if greedy:
             tok = int(model.forward(step, cache, logits_for="last", head="argmax").argmax[0])
         else:
-            tok = sample_token(model.forward(step, cache, logits_for="last").logits[-1], temperature, top_p, generator)
+            tok = sample_token(
+                model.forward(step, cache, logits_for="last").logits[-1],
+                temperature,
+                top_p,
+                generator,
+            )
         cache.commit(1)

@@ -1,12 +1,13 @@
-"""The speculative decoding loop: prefill, then propose a tree, verify it in one target forward, keep the accepted
-path in the KV cache, and let the target's bonus token root the next tree.
+"""The speculative decoding loop: prefill, then propose a tree, verify it in one target forward,
+keep the accepted path in the KV cache, and let the target's bonus token root the next tree.
 
-The bonus token's hidden state comes from the tree forward itself, so a step costs exactly one target forward.
-Proposers hear about each event through one :class:`~draftsmith.runtime.drafting.base.StepContext`; those that declare
-``feature_taps`` (EAGLE-3: residual-stream inputs of some target layers) find those taps of the prompt and of every
-accepted node in it, requested from the same forwards. An optional ``temperature_policy`` (an adaptive-temperature
-layer) gives every position its own sampling temperature from the target's hidden state there; the verifier then
-samples (and verifies) each node at its own temperature.
+The bonus token's hidden state comes from the tree forward itself, so a step costs exactly one
+target forward. Proposers hear about each event through one
+:class:`~draftsmith.runtime.drafting.base.StepContext`; those that declare ``feature_taps``
+(EAGLE-3: residual-stream inputs of some target layers) find those taps of the prompt and of every
+accepted node in it, requested from the same forwards. An optional ``temperature_policy`` (an
+adaptive-temperature layer) gives every position its own sampling temperature from the target's
+hidden state there; the verifier then samples (and verifies) each node at its own temperature.
 """
 
 from __future__ import annotations
@@ -39,30 +40,38 @@ class SpecResult:
     tokens: list[int]  # generated tokens (prompt excluded), truncated at eos / max_new_tokens
     steps: int  # target forwards after the prefill (one per verified tree)
     accepted_per_step: list[int]  # drafted tokens accepted at every step (before truncation)
-    acceptance_by_position: list[float]  # [D]: metrics.acceptance_by_position (cumulative, per drafted depth)
+    acceptance_by_position: list[
+        float
+    ]  # [D]: metrics.acceptance_by_position (cumulative, per drafted depth)
     lossless: bool = True  # False when the verifier is lossy (typical acceptance)
     tree_sizes: list[int] = field(default_factory=list)  # nodes per verified tree (root included)
     depths: list[int] = field(default_factory=list)  # deepest draft position of each step's tree
 
     @property
     def tau(self) -> float:
-        """Mean tokens emitted per target forward (:func:`draftsmith.runtime.decoding.metrics.tau`)."""
+        """Mean tokens emitted per target forward
+        (:func:`draftsmith.runtime.decoding.metrics.tau`)."""
         return metrics.tau(self.accepted_per_step)
 
 
 class SpeculativeDecoder:
-    """Speculative generation with a target model (runtime interface), a proposer, a verifier and a stop policy.
+    """Speculative generation with a target model (runtime interface), a proposer, a verifier and a
+    stop policy.
 
-    ``model``: a :class:`~draftsmith.runtime.target.interface.TargetDecoder` (``allocate_cache(max_len)``,
-    ``forward(input_ids [T], cache, tree_mask, positions, logits_for, taps, head) -> TargetOutput``).
-    ``proposer``: a :class:`~draftsmith.runtime.drafting.base.Proposer` (the loop reads only its declared members).
-    ``temperature_policy``: ``hidden [T, H] -> temperatures [T]`` (0 = greedy at that position), needs a verifier with
-    ``per_position_temperature`` (rejection sampling).
-    ``max_cache_len``: a cap on the KV cache slots (prompt + max_new_tokens + one tree); None: the cache is sized from
-    each request, as plain decoding sizes it. A prompt that leaves no position in the target's context is refused
-    and ``max_new_tokens`` past it capped (:func:`~draftsmith.runtime.decoding.prompt_limits.cap_new_tokens`).
-    ``head``: "auto" (greedy verification reduces the LM head to an argmax per node where the target, verifier and
-    proposer allow it, :meth:`uses_argmax_head`) or "logits" (always the [N, V] logits).
+    ``model``: a :class:`~draftsmith.runtime.target.interface.TargetDecoder`
+    (``allocate_cache(max_len)``, ``forward(input_ids [T], cache, tree_mask, positions, logits_for,
+    taps, head) -> TargetOutput``).
+    ``proposer``: a :class:`~draftsmith.runtime.drafting.base.Proposer` (the loop reads only its
+    declared members).
+    ``temperature_policy``: ``hidden [T, H] -> temperatures [T]`` (0 = greedy at that position),
+    needs a verifier with ``per_position_temperature`` (rejection sampling).
+    ``max_cache_len``: a cap on the KV cache slots (prompt + max_new_tokens + one tree); None: the
+    cache is sized from each request, as plain decoding sizes it. A prompt that leaves no position
+    in the target's context is refused and ``max_new_tokens`` past it capped
+    (:func:`~draftsmith.runtime.decoding.prompt_limits.cap_new_tokens`).
+    ``head``: "auto" (greedy verification reduces the LM head to an argmax per node where the
+    target, verifier and proposer allow it, :meth:`uses_argmax_head`) or "logits" (always the [N, V]
+    logits).
     """
 
     def __init__(
@@ -77,13 +86,18 @@ class SpeculativeDecoder:
         head: str = "auto",
     ) -> None:
         if kernel_backend not in BACKENDS:
-            raise ValueError(f"unknown kernel backend {kernel_backend!r}; valid backends are {', '.join(BACKENDS)}")
+            raise ValueError(
+                f"unknown kernel backend {kernel_backend!r}; valid backends are"
+                f" {', '.join(BACKENDS)}"
+            )
         self.model = model
         self.proposer = proposer
         self.verifier = verifier if verifier is not None else GreedyVerifier(kernel_backend)
         if temperature_policy is not None and not self.verifier.per_position_temperature:
-            raise InputError(f"a per-position temperature policy needs a verifier that samples at per-node "
-                             f"temperatures (verifier=rejection), not {type(self.verifier).__name__}")
+            raise InputError(
+                "a per-position temperature policy needs a verifier that samples at per-node "
+                f"temperatures (verifier=rejection), not {type(self.verifier).__name__}"
+            )
         self.stop_policy = stop_policy
         self.temperature_policy = temperature_policy
         self.kernel_backend = kernel_backend
@@ -92,25 +106,32 @@ class SpeculativeDecoder:
         self.head = head
         self.max_cache_len = max_cache_len
         self._cache: RuntimeCache | None = None
-        self.profiler: StepProfiler | None = None  # set one to time each part of every step (bench --profile)
+        self.profiler: StepProfiler | None = (
+            None  # set one to time each part of every step (bench --profile)
+        )
 
     def serves_plain_ar(self) -> bool:
-        """Whether ``generate`` hands over to the plain autoregressive loop: nothing is drafted, greedy, no
-        temperature policy and no profiler (the cost-aware default's plain decoding)."""
-        return (type(self.proposer) is NullProposer and isinstance(self.verifier, GreedyVerifier)
-                and self.temperature_policy is None and self.profiler is None)
+        """Whether ``generate`` hands over to the plain autoregressive loop: nothing is drafted,
+        greedy, no temperature policy and no profiler (the cost-aware default's plain decoding)."""
+        return (
+            type(self.proposer) is NullProposer
+            and isinstance(self.verifier, GreedyVerifier)
+            and self.temperature_policy is None
+            and self.profiler is None
+        )
 
     def _check_request(self, prompt_len: int, max_new_tokens: int) -> int:
-        """The cache slots a request needs (prompt + ``max_new_tokens`` + one tree), after the checks plain decoding
-        and the CLI make: the prompt must leave a position in the target's context (``max_new_tokens`` is already
-        capped to it), the slots fit ``max_cache_len``."""
+        """The cache slots a request needs (prompt + ``max_new_tokens`` + one tree), after the
+        checks plain decoding and the CLI make: the prompt must leave a position in the target's
+        context (``max_new_tokens`` is already capped to it), the slots fit ``max_cache_len``."""
         cap_new_tokens(prompt_len, 0, self.model.sizes.context_length)
         needed = prompt_len + max_new_tokens + self.proposer.max_tree_nodes
         if self.max_cache_len is not None and needed > self.max_cache_len:
             raise InputError(
-                f"prompt + max_new_tokens + draft tree need {needed} cache slots but the limit is "
-                f"{self.max_cache_len} (max_cache_len); shorten the prompt, lower max_new_tokens or raise "
-                "max_cache_len")
+                f"prompt + max_new_tokens + draft tree need {needed} cache slots but the limit is"
+                f" {self.max_cache_len} (max_cache_len); shorten the prompt, lower max_new_tokens"
+                " or raise max_cache_len"
+            )
         return needed
 
     def _cache_for(self, needed: int) -> RuntimeCache:
@@ -128,48 +149,72 @@ class SpeculativeDecoder:
         generator: torch.Generator | None = None,
         stream: Callable[[list[int]], None] | None = None,
     ) -> SpecResult:
-        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` [P] (stop after any of ``eos_ids``).
+        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` [P] (stop after any of
+        ``eos_ids``).
 
-        ``generator`` drives every random choice (sampling verifiers and sampling drafters); ``stream`` is called
-        with each new chunk of tokens as soon as it is final.
+        ``generator`` drives every random choice (sampling verifiers and sampling drafters);
+        ``stream`` is called with each new chunk of tokens as soon as it is final.
         """
         prompt = _checked_prompt(prompt_ids, max_new_tokens)
         lossless = bool(self.verifier.lossless)
         if max_new_tokens == 0:
             return SpecResult([], 0, [], [], lossless)
-        max_new_tokens = cap_new_tokens(prompt.numel(), max_new_tokens, self.model.sizes.context_length)
+        max_new_tokens = cap_new_tokens(
+            prompt.numel(), max_new_tokens, self.model.sizes.context_length
+        )
         if self.serves_plain_ar():
             return self._plain_greedy(prompt, max_new_tokens, eos_ids, stream)
         taps, cache, device = self._prepare(prompt, max_new_tokens)
         eos = set(int(e) for e in eos_ids)
-        root, hidden_prev = self._prefill(prompt, cache, device, taps, generator)  # hidden_prev [H] produced the root
+        root, hidden_prev = self._prefill(
+            prompt, cache, device, taps, generator
+        )  # hidden_prev [H] produced the root
         policy = self.stop_policy
         out: list[int] = []
         done = self._emit(out, [root], max_new_tokens, eos, stream)
-        context = TokenBuffer(prompt, prompt.numel() + max_new_tokens)  # prompt + out, appended in place
+        context = TokenBuffer(
+            prompt, prompt.numel() + max_new_tokens
+        )  # prompt + out, appended in place
         context.append(out)
         greedy_head = self.uses_argmax_head()
         accepted, sizes, depth_hist = [], [], []
         prof = self.profiler
         part = prof.part if prof is not None else _no_part
-        threads = governor()  # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
+        threads = (
+            governor()
+        )  # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
         while not done:
             threads.tick()
             with prof.step() if prof is not None else nullcontext():
                 with part("draft"):
                     tokens = context.view()  # [L+1]: a view; later appends do not change it
-                    tree = self.proposer.propose(StepContext(tokens=tokens, root_token=root, hidden=hidden_prev,
-                                                             stop_policy=policy, generator=generator))
+                    tree = self.proposer.propose(
+                        StepContext(
+                            tokens=tokens,
+                            root_token=root,
+                            hidden=hidden_prev,
+                            stop_policy=policy,
+                            generator=generator,
+                        )
+                    )
                 self._check_tree(tree, root)
                 prefix = cache.length
                 res, acc = self._verify(tree, cache, device, taps, greedy_head, generator, part)
                 nodes = acc.path_nodes
-                in_place = nodes == list(range(len(nodes)))  # accepted nodes already sit right after the prefix
+                in_place = nodes == list(
+                    range(len(nodes))
+                )  # accepted nodes already sit right after the prefix
                 with part("kv_compaction"):
                     _keep_path(cache, prefix, nodes, in_place)
                 with part("proposer_update"):
-                    rows = slice(0, len(nodes)) if in_place else torch.tensor(nodes, device=res.hidden.device)
-                    hidden_prev = self._accept_path(res, acc, rows, tokens, root, policy, taps, generator)
+                    rows = (
+                        slice(0, len(nodes))
+                        if in_place
+                        else torch.tensor(nodes, device=res.hidden.device)
+                    )
+                    hidden_prev = self._accept_path(
+                        res, acc, rows, tokens, root, policy, taps, generator
+                    )
                 root = acc.bonus_token
                 accepted.append(acc.num_accepted)
                 sizes.append(tree.num_nodes)
@@ -177,107 +222,201 @@ class SpeculativeDecoder:
                 emitted = len(out)
                 done = self._emit(out, [*acc.accepted_tokens, root], max_new_tokens, eos, stream)
                 context.append(out[emitted:])
-        return SpecResult(out, len(accepted), accepted, metrics.acceptance_by_position(accepted, depth_hist), lossless,
-                          sizes, depth_hist)
+        return SpecResult(
+            out,
+            len(accepted),
+            accepted,
+            metrics.acceptance_by_position(accepted, depth_hist),
+            lossless,
+            sizes,
+            depth_hist,
+        )
 
-    def _prepare(self, prompt: torch.Tensor, max_new_tokens: int) -> tuple[tuple[int, ...], RuntimeCache, torch.device]:
-        """Per generation: reset a sequence-level temperature policy; the feature taps the proposer reads, a KV cache
-        sized for prompt + ``max_new_tokens`` + one tree, and the model's device."""
+    def _prepare(
+        self, prompt: torch.Tensor, max_new_tokens: int
+    ) -> tuple[tuple[int, ...], RuntimeCache, torch.device]:
+        """Per generation: reset a sequence-level temperature policy; the feature taps the proposer
+        reads, a KV cache sized for prompt + ``max_new_tokens`` + one tree, and the model's
+        device."""
         reset = getattr(self.temperature_policy, "reset", None)
-        if callable(reset):  # a sequence-level policy decides afresh from each prompt's last hidden state
+        if callable(
+            reset
+        ):  # a sequence-level policy decides afresh from each prompt's last hidden state
             reset()
         taps = tuple(int(i) for i in self.proposer.feature_taps)
         cache = self._cache_for(self._check_request(prompt.numel(), max_new_tokens))
         return taps, cache, self.model.device
 
-    def _verify(self, tree: DraftTree, cache: RuntimeCache, device: torch.device, taps: tuple[int, ...],
-                greedy_head: bool, generator: torch.Generator | None,
-                part: Callable[[str], AbstractContextManager]) -> tuple[TargetOutput, Acceptance]:
-        """One target forward over ``tree`` after the cache's prefix, then the verifier's decision: (output,
-        acceptance). ``greedy_head``: the forward reduces its LM head to each node's argmax (no [N, V] logits)."""
+    def _verify(
+        self,
+        tree: DraftTree,
+        cache: RuntimeCache,
+        device: torch.device,
+        taps: tuple[int, ...],
+        greedy_head: bool,
+        generator: torch.Generator | None,
+        part: Callable[[str], AbstractContextManager],
+    ) -> tuple[TargetOutput, Acceptance]:
+        """One target forward over ``tree`` after the cache's prefix, then the verifier's decision:
+        (output, acceptance). ``greedy_head``: the forward reduces its LM head to each node's argmax
+        (no [N, V] logits).
+        """
         with part("verify_forward"):
             positions = (cache.length + tree.depths).to(device)  # siblings share a position
             mask = tree.tree_mask.to(device) if tree.num_nodes > 1 else None
             head = {"head": "argmax"} if greedy_head else {}
-            res = self.model.forward(tree.tokens.to(device), cache, tree_mask=mask, positions=positions, taps=taps,
-                                     **head)
+            res = self.model.forward(
+                tree.tokens.to(device),
+                cache,
+                tree_mask=mask,
+                positions=positions,
+                taps=taps,
+                **head,
+            )
         with part("verification"):
             if greedy_head:
                 return res, self.verifier.verify_argmax(tree, res.argmax)
-            return res, self.verifier.verify(tree, res.logits, generator, **self._temperatures(res.hidden))
+            return res, self.verifier.verify(
+                tree, res.logits, generator, **self._temperatures(res.hidden)
+            )
 
     def uses_argmax_head(self) -> bool:
-        """Whether verification needs only the target's argmax per node: a greedy verifier that decides from it, a
-        model whose forward can reduce its LM head to it (``argmax_head``), no temperature policy, and a proposer
-        that declares ``reads_logits = False`` (its ``accept`` never reads the accepted nodes' logits); never with
-        ``head="logits"``."""
-        return bool(self.head == "auto" and self.model.argmax_head
-                    and self.verifier.decides_from_argmax
-                    and self.temperature_policy is None and not self.proposer.reads_logits)
+        """Whether verification needs only the target's argmax per node: a greedy verifier that
+        decides from it, a model whose forward can reduce its LM head to it (``argmax_head``), no
+        temperature policy, and a proposer that declares ``reads_logits = False`` (its ``accept``
+        never reads the accepted nodes' logits); never with ``head="logits"``."""
+        return bool(
+            self.head == "auto"
+            and self.model.argmax_head
+            and self.verifier.decides_from_argmax
+            and self.temperature_policy is None
+            and not self.proposer.reads_logits
+        )
 
-    def _prefill(self, prompt: torch.Tensor, cache: RuntimeCache, device: torch.device, taps: tuple[int, ...],
-                 generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
-        """Prefill ``prompt`` [P] into ``cache``, sample the root (the first generated token) and start the proposer;
-        returns the root and the hidden state [H] whose logits produced it."""
-        pre = self.model.forward(prompt.to(device), cache, logits_for="last", taps=taps)  # logits [1, V], hidden [P, H]
+    def _prefill(
+        self,
+        prompt: torch.Tensor,
+        cache: RuntimeCache,
+        device: torch.device,
+        taps: tuple[int, ...],
+        generator: torch.Generator | None,
+    ) -> tuple[int, torch.Tensor]:
+        """Prefill ``prompt`` [P] into ``cache``, sample the root (the first generated token) and
+        start the proposer; returns the root and the hidden state [H] whose logits produced it."""
+        pre = self.model.forward(
+            prompt.to(device), cache, logits_for="last", taps=taps
+        )  # logits [1, V], hidden [P, H]
         cache.commit(prompt.numel())
-        root = self.verifier.sample(pre.logits[-1], generator, **self._temperatures(pre.hidden[-1:]))
-        self.proposer.begin(StepContext(tokens=torch.cat([prompt, prompt.new_tensor([root])]), root_token=root,
-                                        hidden=pre.hidden, stop_policy=self.stop_policy, generator=generator,
-                                        taps=pre.tap_features(taps), logits=pre.logits))
+        root = self.verifier.sample(
+            pre.logits[-1], generator, **self._temperatures(pre.hidden[-1:])
+        )
+        self.proposer.begin(
+            StepContext(
+                tokens=torch.cat([prompt, prompt.new_tensor([root])]),
+                root_token=root,
+                hidden=pre.hidden,
+                stop_policy=self.stop_policy,
+                generator=generator,
+                taps=pre.tap_features(taps),
+                logits=pre.logits,
+            )
+        )
         return root, pre.hidden[-1]
 
     def _check_tree(self, tree: DraftTree, root: int) -> None:
-        """Refuse a drafted tree that does not start at ``root`` or has more nodes than the cache was sized for."""
+        """Refuse a drafted tree that does not start at ``root`` or has more nodes than the cache
+        was sized for."""
         if int(tree.tokens[0]) != root:
             raise ValueError("the proposer's tree must start with the root token it was given")
         if tree.num_nodes > self.proposer.max_tree_nodes:
-            raise ValueError(f"the proposer drafted {tree.num_nodes} nodes but declared max_tree_nodes="
-                             f"{self.proposer.max_tree_nodes}; the KV cache is sized from the latter")
+            raise ValueError(
+                f"the proposer drafted {tree.num_nodes} nodes but declared max_tree_nodes="
+                f"{self.proposer.max_tree_nodes}; the KV cache is sized from the latter"
+            )
 
-    def _accept_path(self, res: TargetOutput, acc: Acceptance, rows: slice | torch.Tensor, tokens: torch.Tensor,
-                     root: int, policy: StopPolicy | None, taps: tuple[int, ...],
-                     generator: torch.Generator | None) -> torch.Tensor:
-        """Tell the proposer which path the verifier accepted (``rows``: its nodes, the root first; a slice when they
-        are the first nodes, the usual case, so that every row set below is a view): hidden states, taps and logits
-        at its nodes (no logits for a proposer that declares ``reads_logits = False``: copying [a+1, V] rows every
-        step for nobody cost ~0.1 ms a step); returns the hidden state [H] of the last accepted node, whose logits
-        produced the bonus token."""
+    def _accept_path(
+        self,
+        res: TargetOutput,
+        acc: Acceptance,
+        rows: slice | torch.Tensor,
+        tokens: torch.Tensor,
+        root: int,
+        policy: StopPolicy | None,
+        taps: tuple[int, ...],
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
+        """Tell the proposer which path the verifier accepted (``rows``: its nodes, the root first;
+        a slice when they are the first nodes, the usual case, so that every row set below is a
+        view): hidden states, taps and logits at its nodes (no logits for a proposer that declares
+        ``reads_logits = False``: copying [a+1, V] rows every step for nobody cost ~0.1 ms a step);
+        returns the hidden state [H] of the last accepted node, whose logits produced the bonus
+        token."""
+
         def pick(t: torch.Tensor) -> torch.Tensor:  # the accepted rows of t
             return t[rows] if isinstance(rows, slice) else t[rows.to(t.device)]
 
         logits = pick(res.logits) if self.proposer.reads_logits else None  # [a+1, V]
-        self.proposer.accept(StepContext(tokens=tokens, root_token=root, hidden=pick(res.hidden),  # [a+1, H]
-                                         stop_policy=policy, generator=generator,
-                                         taps=res.tap_features(taps, rows), logits=logits,  # taps [a+1, k*H]
-                                         acceptance=acc))
+        self.proposer.accept(
+            StepContext(
+                tokens=tokens,
+                root_token=root,
+                hidden=pick(res.hidden),  # [a+1, H]
+                stop_policy=policy,
+                generator=generator,
+                taps=res.tap_features(taps, rows),
+                logits=logits,  # taps [a+1, k*H]
+                acceptance=acc,
+            )
+        )
         return res.hidden[acc.path_nodes[-1]]
 
-    def _plain_greedy(self, prompt: torch.Tensor, max_new_tokens: int, eos_ids: Sequence[int],
-                      stream: Callable[[list[int]], None] | None) -> SpecResult:
-        """Nothing is drafted (the cost-aware default chose plain decoding): the autoregressive loop gives the same
-        greedy tokens without the speculative step's bookkeeping (which cost ~7% of a 9 ms step on a 2-core CPU)."""
+    def _plain_greedy(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        eos_ids: Sequence[int],
+        stream: Callable[[list[int]], None] | None,
+    ) -> SpecResult:
+        """Nothing is drafted (the cost-aware default chose plain decoding): the autoregressive loop
+        gives the same greedy tokens without the speculative step's bookkeeping (which cost ~7% of a
+        9 ms step on a 2-core CPU).
+        """
         from draftsmith.runtime.decoding.autoregressive import generate_ar
 
-        # The same request checks, without allocating the speculative cache that generate_ar does not use.
+        # The same request checks, without allocating the speculative cache that generate_ar does
+        # not use.
         self._check_request(prompt.numel(), max_new_tokens)
-        out = generate_ar(self.model, prompt.tolist(), max_new_tokens, eos_ids=eos_ids,
-                          stream=None if stream is None else (lambda token: stream([token])))
+        out = generate_ar(
+            self.model,
+            prompt.tolist(),
+            max_new_tokens,
+            eos_ids=eos_ids,
+            stream=None if stream is None else (lambda token: stream([token])),
+        )
         steps = max(0, len(out) - 1)  # one forward per token after the prefill's
         return SpecResult(out, steps, [0] * steps, [], True, [1] * steps, [0] * steps)
 
     def _temperatures(self, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``{"temperature": [T]}`` from the temperature policy for target hidden rows [T, H]; {} without one."""
+        """``{"temperature": [T]}`` from the temperature policy for target hidden rows [T, H]; {}
+        without one."""
         if self.temperature_policy is None:
             return {}
         temps = torch.as_tensor(self.temperature_policy(hidden)).reshape(-1)  # [T]
         if temps.numel() != hidden.shape[0]:
-            raise ValueError(f"the temperature policy returned {temps.numel()} temperatures for {hidden.shape[0]} rows")
+            raise ValueError(
+                f"the temperature policy returned {temps.numel()} temperatures for"
+                f" {hidden.shape[0]} rows"
+            )
         return {"temperature": temps}
 
     @staticmethod
-    def _emit(out: list[int], new: list[int], limit: int, eos: set[int],
-              stream: Callable[[list[int]], None] | None) -> bool:
+    def _emit(
+        out: list[int],
+        new: list[int],
+        limit: int,
+        eos: set[int],
+        stream: Callable[[list[int]], None] | None,
+    ) -> bool:
         """Append ``new`` up to the limit / first eos; return True when generation is over."""
         chunk = []
         for t in new:
@@ -293,7 +432,8 @@ class SpeculativeDecoder:
 
 
 def _checked_prompt(prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int) -> torch.Tensor:
-    """The prompt as a flat CPU long tensor [P]; refuses an empty prompt and a negative ``max_new_tokens``."""
+    """The prompt as a flat CPU long tensor [P]; refuses an empty prompt and a negative
+    ``max_new_tokens``."""
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().cpu()
     if prompt.numel() == 0:
         raise InputError("the prompt is empty: pass at least one token id (e.g. the BOS token)")
@@ -303,7 +443,8 @@ def _checked_prompt(prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: in
 
 
 def _keep_path(cache: RuntimeCache, prefix: int, nodes: list[int], in_place: bool) -> None:
-    """Keep the accepted nodes' K/V after the ``prefix`` committed slots: a commit when they already sit there."""
+    """Keep the accepted nodes' K/V after the ``prefix`` committed slots: a commit when they already
+    sit there."""
     if in_place:
         cache.commit(len(nodes))
     else:

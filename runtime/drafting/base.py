@@ -1,9 +1,10 @@
-"""The proposer interface (every member the loop, the shape search and the bench may read, declared with its
-default) and the step context handed to it. Families register their builders in
+"""The proposer interface (every member the loop, the shape search and the bench may read, declared
+with its default) and the step context handed to it. Families register their builders in
 :mod:`~draftsmith.runtime.drafting.registry` (``build_proposer`` lives there too).
 
-A family is a module of this package (named in the registry's ``load_families``) with builders registered for the
-export methods it serves (``@register_proposer(method)``), and proposers that subclass :class:`Proposer`.
+A family is a module of this package (named in the registry's ``load_families``) with builders
+registered for the export methods it serves (``@register_proposer(method)``), and proposers that
+subclass :class:`Proposer`.
 """
 
 from __future__ import annotations
@@ -21,21 +22,25 @@ from draftsmith.runtime.target.interface import TargetDecoder
 
 @dataclass(kw_only=True)
 class StepContext:
-    """What a proposer is told, one type for every event of a generation (``begin``, ``propose``, ``accept``); built
-    with keywords only (eight fields, several of one type: a positional call could swap them unnoticed).
+    """What a proposer is told, one type for every event of a generation (``begin``, ``propose``,
+    ``accept``); built with keywords only (eight fields, several of one type: a positional call
+    could swap them unnoticed).
 
-    Rows of the target forward that just ran, by event (P = prompt length, a = accepted drafted tokens):
-    - begin: ``hidden`` [P, H] and ``taps`` [P, k*H] of the prompt, ``logits`` [1, V] at its last position;
+    Rows of the target forward that just ran, by event (P = prompt length, a = accepted drafted
+    tokens):
+    - begin: ``hidden`` [P, H] and ``taps`` [P, k*H] of the prompt, ``logits`` [1, V] at its last
+      position;
     - propose: ``hidden`` [H], the row whose logits gave ``root_token``;
-    - accept: ``hidden`` [a+1, H], ``taps`` [a+1, k*H] and ``logits`` [a+1, V] at the accepted nodes (root first;
-      ``logits`` is None for a proposer that declares ``reads_logits = False``, which lets greedy verification
-      reduce the LM head to an argmax per node),
-      and ``acceptance``.
-    ``taps`` holds the target layers the proposer declares in ``feature_taps`` (concatenated in that order); None for
-    a proposer that declares none.
+    - accept: ``hidden`` [a+1, H], ``taps`` [a+1, k*H] and ``logits`` [a+1, V] at the accepted nodes
+      (root first; ``logits`` is None for a proposer that declares ``reads_logits = False``, which
+      lets greedy verification reduce the LM head to an argmax per node), and ``acceptance``.
+    ``taps`` holds the target layers the proposer declares in ``feature_taps`` (concatenated in that
+    order); None for a proposer that declares none.
     """
 
-    tokens: torch.Tensor  # [L+1] prompt + every emitted token; the last one is the root (not yet in the KV cache)
+    tokens: (
+        torch.Tensor
+    )  # [L+1] prompt + every emitted token; the last one is the root (not yet in the KV cache)
     root_token: int
     hidden: torch.Tensor
     stop_policy: StopPolicy | None = None
@@ -46,21 +51,26 @@ class StepContext:
 
 
 class Proposer:
-    """A drafter as the speculative loop, the shape search and the bench see it: every member they may read is
-    declared here with its default, so a family overrides what it has and nothing is probed.
+    """A drafter as the speculative loop, the shape search and the bench see it: every member they
+    may read is declared here with its default, so a family overrides what it has and nothing is
+    probed.
 
-    Every family subclasses it (``build_proposer`` refuses a builder's result that does not). Members, by reader:
-    - the loop (``runtime/decoding/speculative.py``): ``max_tree_nodes`` (the KV cache is sized from it),
-      ``feature_taps`` (target layers whose inputs ``begin``/``accept`` read in ``ctx.taps``), ``reads_logits``
-      (False: ``accept`` never reads ``ctx.logits``, so greedy verification may reduce the LM head to an argmax);
-      ``wrap_target`` (the decoder the loop verifies with: the target itself, or Kangaroo's cache-sharing wrapper);
-    - the shape search (``runtime/shapes/draft_shapes.py``): ``shape_family`` ("dynamic_tree": chains and trees through
-      ``reshape``; "static_tree": trees of one head per depth, ``num_heads`` of them; "depth": only the export's own
-      shape, cut at a depth up to ``draft_depth``), ``shape_vocab`` (caps a tree's branching), ``shape_max_depth``
-      (chains beyond the search's usual 4, DFlash: block_size - 1) and ``reshape``;
-    - the bench: ``draft_plan`` (which parts of a draft call run natively), ``draft_calls`` (drafter forwards so
-      far, counted by the proposer itself when ``counts_draft_calls``; otherwise the bench counts forwards of its
-      modules) and, for heads that predict several tokens ahead, the :class:`LookaheadHeads` capability.
+    Every family subclasses it (``build_proposer`` refuses a builder's result that does not).
+    Members, by reader:
+    - the loop (``runtime/decoding/speculative.py``): ``max_tree_nodes`` (the KV cache is sized from
+      it), ``feature_taps`` (target layers whose inputs ``begin``/``accept`` read in ``ctx.taps``),
+      ``reads_logits`` (False: ``accept`` never reads ``ctx.logits``, so greedy verification may
+      reduce the LM head to an argmax); ``wrap_target`` (the decoder the loop verifies with: the
+      target itself, or Kangaroo's cache-sharing wrapper);
+    - the shape search (``runtime/shapes/draft_shapes.py``): ``shape_family`` ("dynamic_tree":
+      chains and trees through ``reshape``; "static_tree": trees of one head per depth,
+      ``num_heads`` of them; "depth": only the export's own shape, cut at a depth up to
+      ``draft_depth``), ``shape_vocab`` (caps a tree's branching), ``shape_max_depth`` (chains
+      beyond the search's usual 4, DFlash: block_size - 1) and ``reshape``;
+    - the bench: ``draft_plan`` (which parts of a draft call run natively), ``draft_calls`` (drafter
+      forwards so far, counted by the proposer itself when ``counts_draft_calls``; otherwise the
+      bench counts forwards of its modules) and, for heads that predict several tokens ahead, the
+      :class:`LookaheadHeads` capability.
     """
 
     max_tree_nodes: int = 1
@@ -82,26 +92,34 @@ class Proposer:
         raise NotImplementedError(f"{type(self).__name__} must define propose()")
 
     def accept(self, ctx: StepContext) -> None:
-        """Learn what was accepted (``ctx.acceptance``, the target rows at the accepted nodes); nothing by default."""
+        """Learn what was accepted (``ctx.acceptance``, the target rows at the accepted nodes);
+        nothing by default."""
 
     def wrap_target(self, model: TargetDecoder) -> TargetDecoder:
-        """The decoder the speculative loop verifies with: the target itself unless the proposer drafts on the
-        target's own layers and cache (Kangaroo)."""
+        """The decoder the speculative loop verifies with: the target itself unless the proposer
+        drafts on the target's own layers and cache (Kangaroo)."""
         return model
 
     def reshape(self, options: dict[str, Any]) -> None:
-        """Draft another shape from now on (families whose ``shape_family`` is not "depth" define it)."""
-        raise ValueError(f"{type(self).__name__} drafts its export's shape only (shape_family={self.shape_family!r})")
+        """Draft another shape from now on (families whose ``shape_family`` is not "depth" define
+        it)."""
+        raise ValueError(
+            f"{type(self).__name__} drafts its export's shape only"
+            f" (shape_family={self.shape_family!r})"
+        )
 
     @property
     def draft_plan(self) -> dict[str, str]:
-        """Which parts of a draft call run natively, and why the others do not (empty: nothing to report)."""
+        """Which parts of a draft call run natively, and why the others do not (empty: nothing to
+        report)."""
         return {}
 
 
 class ProposerWrapper(Proposer):
-    """A proposer around another (a learned stop rule, a recorder): it drafts what ``inner`` drafts and declares the
-    inner proposer's loop and bench members as its own (shapes stay the export's: ``shape_family`` "depth")."""
+    """A proposer around another (a learned stop rule, a recorder): it drafts what ``inner`` drafts
+    and declares the inner proposer's loop and bench members as its own (shapes stay the export's:
+    ``shape_family`` "depth").
+    """
 
     def __init__(self, inner: Proposer) -> None:
         self.inner = inner
@@ -148,18 +166,19 @@ class ProposerWrapper(Proposer):
 
 
 class LookaheadHeads(Proposer):
-    """A proposer whose heads predict several tokens ahead from one target hidden state (Medusa): the bench scores
-    each head's top-1 against the target's greedy continuation."""
+    """A proposer whose heads predict several tokens ahead from one target hidden state (Medusa):
+    the bench scores each head's top-1 against the target's greedy continuation."""
 
     def lookahead_top1(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H] -> top-1 target ids [K, T]: head k at position t predicts the token at t+k+2."""
+        """hidden [T, H] -> top-1 target ids [K, T]: head k at position t predicts the token at
+        t+k+2."""
         raise NotImplementedError(f"{type(self).__name__} must define lookahead_top1()")
 
 
 @runtime_checkable
 class ReportsVerifyReuse(Protocol):
-    """A verify model (what ``wrap_target`` returns) that reuses drafted states in verification (Kangaroo's shallow
-    layers): the bench reports what the reuse saved."""
+    """A verify model (what ``wrap_target`` returns) that reuses drafted states in verification
+    (Kangaroo's shallow layers): the bench reports what the reuse saved."""
 
     def verify_reuse(self) -> dict[str, float]:
         """``{"reused_tokens", "verified_tokens", "verify_compute_saved"}`` so far."""
@@ -167,15 +186,19 @@ class ReportsVerifyReuse(Protocol):
 
 
 def module_dtype(module: torch.nn.Module) -> torch.dtype:
-    """The floating dtype a drafter module computes in. Its parameters may be gone: the packed bf16 GEMM
-    (``runtime.target.fast_linear``) swaps linears for buffers and keeps each weight as a plain attribute."""
+    """The floating dtype a drafter module computes in. Its parameters may be gone: the packed bf16
+    GEMM (``runtime.target.fast_linear``) swaps linears for buffers and keeps each weight as a plain
+    attribute.
+    """
     for tensor in module.parameters():
         return tensor.dtype
     for sub in module.modules():
         weight = getattr(sub, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.is_floating_point():
             return weight.dtype
-    raise ValueError(f"{type(module).__name__} has no floating weights to take a compute dtype from")
+    raise ValueError(
+        f"{type(module).__name__} has no floating weights to take a compute dtype from"
+    )
 
 
 def prune_tree(tree: DraftTree, keep: list[bool]) -> DraftTree:
@@ -194,7 +217,8 @@ def prune_tree(tree: DraftTree, keep: list[bool]) -> DraftTree:
 
 
 class NullProposer(Proposer):
-    """Drafts nothing: the loop becomes plain autoregressive decoding (one target forward per token)."""
+    """Drafts nothing: the loop becomes plain autoregressive decoding (one target forward per
+    token)."""
 
     max_tree_nodes = 1
 
@@ -203,5 +227,13 @@ class NullProposer(Proposer):
         return DraftTree.chain([ctx.root_token])
 
 
-__all__ = ["LookaheadHeads", "NullProposer", "Proposer", "ProposerWrapper", "ReportsVerifyReuse", "StepContext",
-           "module_dtype", "prune_tree"]
+__all__ = [
+    "LookaheadHeads",
+    "NullProposer",
+    "Proposer",
+    "ProposerWrapper",
+    "ReportsVerifyReuse",
+    "StepContext",
+    "module_dtype",
+    "prune_tree",
+]

@@ -1,35 +1,40 @@
-"""EAGLE-1 / EAGLE-3 proposers: chain drafting and EAGLE-2 dynamic trees over a drafter with its own KV cache.
+"""EAGLE-1 / EAGLE-3 proposers: chain drafting and EAGLE-2 dynamic trees over a drafter with its own
+KV cache.
 
-Feature feeding follows the pairing of drafters/eagle.py's module docstring (pair ``t`` = target feature of token
-``t`` with token ``t+1``, at RoPE position ``t``; EAGLE-3 fuses its ``target_layers`` taps with its ``fc``). The
-proposer keeps the pairs whose features came from the target in the drafter's cache
-(``num_committed`` of them) and the features not yet paired as ``pending``: ``begin`` stores the prompt's features
-(paired with the prompt's next tokens), ``accept`` those of the accepted path's nodes (paired with the accepted
-tokens); the last pending feature pairs with the root token, known in ``propose``. ``propose`` crops the cache back
-to the committed pairs (dropping last step's speculative entries), runs the pending pairs in one forward (the "root
-step": its last output drafts depth 1), then drafts:
+Feature feeding follows the pairing of drafters/eagle.py's module docstring (pair ``t`` = target
+feature of token ``t`` with token ``t+1``, at RoPE position ``t``; EAGLE-3 fuses its
+``target_layers`` taps with its ``fc``). The proposer keeps the pairs whose features came from the
+target in the drafter's cache (``num_committed`` of them) and the features not yet paired as
+``pending``: ``begin`` stores the prompt's features (paired with the prompt's next tokens),
+``accept`` those of the accepted path's nodes (paired with the accepted tokens); the last pending
+feature pairs with the root token, known in ``propose``. ``propose`` crops the cache back to the
+committed pairs (dropping last step's speculative entries), runs the pending pairs in one forward
+(the "root step": its last output drafts depth 1), then drafts:
 
 - ``policy="chain"``: ``depth + 1`` tokens, one drafter forward each, greedy (point masses) or, with
-  ``temperature > 0``, sampled from q = softmax(logits / temperature) within ``top_p``; q is recorded in the
-  DraftTree (over the target vocabulary) so the rejection sampler stays exact.
-- ``policy="tree"`` (EAGLE-2): the root step's top-k are the depth-1 nodes (score = log p). ``depth`` times, the
-  frontier (k nodes, each with its parent's drafter output) is fed in ONE forward with a tree mask (committed pairs,
-  its ancestors among the earlier tree entries, itself); each yields its top-k children with cumulative score =
-  parent + log p, and the global top-k of those k*k become the next frontier. All generated nodes are then reranked
-  and the best ``total_tokens - 1`` kept (stable sort in generation order, so a parent, whose score is >= its
-  child's, always precedes it: the kept set is a connected tree). Children are deterministic given the context,
-  i.e. point masses, which :class:`~draftsmith.runtime.acceptance.verifiers.RejectionSamplingVerifier` handles exactly.
+  ``temperature > 0``, sampled from q = softmax(logits / temperature) within ``top_p``; q is
+  recorded in the DraftTree (over the target vocabulary) so the rejection sampler stays exact.
+- ``policy="tree"`` (EAGLE-2): the root step's top-k are the depth-1 nodes (score = log p).
+  ``depth`` times, the frontier (k nodes, each with its parent's drafter output) is fed in ONE
+  forward with a tree mask (committed pairs, its ancestors among the earlier tree entries, itself);
+  each yields its top-k children with cumulative score = parent + log p, and the global top-k of
+  those k*k become the next frontier. All generated nodes are then reranked and the best
+  ``total_tokens - 1`` kept (stable sort in generation order, so a parent, whose score is >= its
+  child's, always precedes it: the kept set is a connected tree). Children are deterministic given
+  the context, i.e. point masses, which
+  :class:`~draftsmith.runtime.acceptance.verifiers.RejectionSamplingVerifier` handles exactly.
 
-In both policies the longest drafted path has ``depth + 1`` tokens (EAGLE-2's convention); a stop policy lowers that
-to its ``max_depth`` and leaves a node without children when ``should_stop`` says so for the node's
-:class:`~draftsmith.runtime.acceptance.stop_policies.StopContext` (its depth, its draft probability, its drafter
-output as ``state``). EAGLE-3 drafts over its reduced vocabulary; ids are mapped to target ids with
-``d2t`` and sampled-chain q is scattered onto the target vocabulary (zero outside the draft vocabulary).
+In both policies the longest drafted path has ``depth + 1`` tokens (EAGLE-2's convention); a stop
+policy lowers that to its ``max_depth`` and leaves a node without children when ``should_stop`` says
+so for the node's :class:`~draftsmith.runtime.acceptance.stop_policies.StopContext` (its depth, its
+draft probability, its drafter output as ``state``). EAGLE-3 drafts over its reduced vocabulary; ids
+are mapped to target ids with ``d2t`` and sampled-chain q is scattered onto the target vocabulary
+(zero outside the draft vocabulary).
 
-Why this is lossless under rejection sampling: a top-k child is a point mass, accepted with p(x) and otherwise
-zeroed out of p; that is exact for any child chosen without looking at the verifier's coins (see
-acceptance/verifiers.py). A sampled chain records the q its token was drawn from: min(1, p/q) and norm(max(0, p - q))
-apply."""
+Why this is lossless under rejection sampling: a top-k child is a point mass, accepted with p(x) and
+otherwise zeroed out of p; that is exact for any child chosen without looking at the verifier's
+coins (see acceptance/verifiers.py). A sampled chain records the q its token was drawn from: min(1,
+p/q) and norm(max(0, p - q)) apply."""
 
 from __future__ import annotations
 
@@ -48,99 +53,172 @@ from draftsmith.export.format import TargetMismatchError
 from draftsmith.runtime.acceptance.stop_policies import StopContext
 from draftsmith.runtime.acceptance.verifiers import on_generator_device, target_probs
 from draftsmith.runtime.drafting.base import Proposer, StepContext
-from draftsmith.runtime.drafting.eagle_models import DraftModel, Eagle1DraftModel, Eagle3DraftModel, torch_topk
+from draftsmith.runtime.drafting.eagle_models import (
+    DraftModel,
+    Eagle1DraftModel,
+    Eagle3DraftModel,
+    torch_topk,
+)
 from draftsmith.runtime.drafting.registry import register_chain, register_proposer
 from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 from draftsmith.runtime.target.interface import TargetDecoder
 
-POLICIES = {"tree": "tree", "chain": "chain", EAGLE_TREE_PROPOSER: "tree", EAGLE_CHAIN_PROPOSER: "chain"}
+POLICIES = {
+    "tree": "tree",
+    "chain": "chain",
+    EAGLE_TREE_PROPOSER: "tree",
+    EAGLE_CHAIN_PROPOSER: "chain",
+}
 
 
 class EagleProposer(Proposer):
-    """Drafts with an EAGLE drafter (see the module docstring for the policies and how features are fed)."""
+    """Drafts with an EAGLE drafter (see the module docstring for the policies and how features are
+    fed)."""
 
-    shape_family = "dynamic_tree"  # runtime/shapes/draft_shapes.py: chains and trees through reshape()
-    reads_logits = False  # accept() reads hidden states and taps: greedy verify may skip the [N, V] logits
-    counts_draft_calls = True  # every _draft() is one drafter forward (its native path enters no nn.Module)
+    shape_family = (  # runtime/shapes/draft_shapes.py: chains and trees through reshape()
+        "dynamic_tree"
+    )
+    reads_logits = (
+        False  # accept() reads hidden states and taps: greedy verify may skip the [N, V] logits
+    )
+    counts_draft_calls = (
+        True  # every _draft() is one drafter forward (its native path enters no nn.Module)
+    )
 
-    def __init__(self, model: DraftModel, policy: str = "tree", total_tokens: int = 16, depth: int = 4,
-                 top_k: int = 4, temperature: float = 0.0, top_p: float = 1.0) -> None:
+    def __init__(
+        self,
+        model: DraftModel,
+        policy: str = "tree",
+        total_tokens: int = 16,
+        depth: int = 4,
+        top_k: int = 4,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+    ) -> None:
         if policy not in POLICIES:
             raise InputError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
         self.policy = POLICIES[policy]
         draft_vocab = model.vocab_size if model.draft_ids is None else int(model.draft_ids.numel())
         if depth < 0 or not 1 <= top_k <= draft_vocab or total_tokens < 1:
-            raise InputError(f"need depth >= 0, 1 <= top_k <= {draft_vocab} (draft vocabulary) and total_tokens >= 1; "
-                             f"got depth={depth}, top_k={top_k}, total_tokens={total_tokens}")
+            raise InputError(
+                f"need depth >= 0, 1 <= top_k <= {draft_vocab} (draft vocabulary) and total_tokens"
+                f" >= 1; got depth={depth}, top_k={top_k}, total_tokens={total_tokens}"
+            )
         if temperature < 0 or not 0 < top_p <= 1:
-            raise InputError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+            raise InputError(
+                f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}"
+            )
         if self.policy == "tree" and temperature > 0:
-            raise InputError("dynamic trees draft the top-k children (point masses, exact under rejection sampling); "
-                             "temperature > 0 is for policy='chain'")
+            raise InputError(
+                "dynamic trees draft the top-k children (point masses, exact under rejection"
+                " sampling); temperature > 0 is for policy='chain'"
+            )
         self.model, self.shape_vocab = model, draft_vocab
         self.feature_taps = tuple(model.feature_taps)
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
         self.temperature, self.top_p = temperature, top_p
         self.max_tree_nodes = total_tokens if self.policy == "tree" else depth + 2
-        self.cache: KVCache | None = None  # the drafter's: committed pairs, then this step's speculative entries
+        self.cache: KVCache | None = (
+            None  # the drafter's: committed pairs, then this step's speculative entries
+        )
         self.num_committed = 0  # pairs built from target features (positions 0 .. num_committed-1)
         self.pending_feats: torch.Tensor | None = None  # [m, F] target features not yet fed
-        self.pending_ids: list[int] = []  # [m-1] the token after each but the last (a list: one tensor per step)
+        self.pending_ids: list[
+            int
+        ] = []  # [m-1] the token after each but the last (a list: one tensor per step)
 
     def reshape(self, options: dict[str, Any]) -> None:
-        """Draft another shape from now on: ``policy``, ``total_tokens``, ``top_k``, ``depth`` (checked as in
-        ``__init__``); the drafter, its cache and the sampling settings are kept."""
-        kw = {"policy": self.policy, "total_tokens": self.total_tokens, "depth": self.depth, "top_k": self.top_k}
+        """Draft another shape from now on: ``policy``, ``total_tokens``, ``top_k``, ``depth``
+        (checked as in ``__init__``); the drafter, its cache and the sampling settings are kept."""
+        kw = {
+            "policy": self.policy,
+            "total_tokens": self.total_tokens,
+            "depth": self.depth,
+            "top_k": self.top_k,
+        }
         kw.update(options)
         probe = EagleProposer.__new__(EagleProposer)
-        EagleProposer.__init__(probe, self.model, temperature=self.temperature, top_p=self.top_p, **kw)
-        self.policy, self.total_tokens, self.depth, self.top_k = probe.policy, probe.total_tokens, probe.depth, \
-            probe.top_k
+        EagleProposer.__init__(
+            probe, self.model, temperature=self.temperature, top_p=self.top_p, **kw
+        )
+        self.policy, self.total_tokens, self.depth, self.top_k = (
+            probe.policy,
+            probe.total_tokens,
+            probe.depth,
+            probe.top_k,
+        )
         self.max_tree_nodes = probe.max_tree_nodes
 
-    # ---- feature feeding ---------------------------------------------------------------------------------------------
+    # ---- feature feeding -------------------------------------------------------------------------
     def begin(self, ctx: StepContext) -> None:
-        """New generation: forget the drafter cache; the prompt's features pair with the prompt's next tokens."""
+        """New generation: forget the drafter cache; the prompt's features pair with the prompt's
+        next tokens."""
         self.cache, self.num_committed = None, 0
-        self._set_pending(ctx.tokens[1:-1].tolist(), ctx)  # tokens = prompt + root: the prompt's next tokens
+        self._set_pending(
+            ctx.tokens[1:-1].tolist(), ctx
+        )  # tokens = prompt + root: the prompt's next tokens
 
     def accept(self, ctx: StepContext) -> None:
-        """The accepted nodes' features [a+1, F] (root first) pair with the accepted tokens, then the bonus token."""
+        """The accepted nodes' features [a+1, F] (root first) pair with the accepted tokens, then
+        the bonus token."""
         self._set_pending(list(ctx.acceptance.accepted_tokens), ctx)
 
     def _set_pending(self, next_ids: list[int], ctx: StepContext) -> None:
         feats = ctx.taps if self.feature_taps else ctx.hidden
         if self.feature_taps and ctx.taps is None and ctx.hidden.numel():
-            raise ValueError(f"this drafter needs the target's layer taps {list(self.feature_taps)}; run it with a "
-                             "SpeculativeDecoder, which requests them from the target forward")
+            raise ValueError(
+                f"this drafter needs the target's layer taps {list(self.feature_taps)}; run it with"
+                " a SpeculativeDecoder, which requests them from the target forward"
+            )
         self.pending_feats = feats  # [m, F]
         self.pending_ids = next_ids  # [m-1]: the token after each feature but the last
 
-    def _root_step(self, ctx: StepContext, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, KVCache]:
-        """Run the pending pairs (the last one with the root token): -> (out [1, 1, H], head, ids, cache), the head
-        as in :meth:`_draft` (top-``k`` log-probs [k] and draft ids [k], or logits [N] and None when k = 0)."""
+    def _root_step(
+        self, ctx: StepContext, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, KVCache]:
+        """Run the pending pairs (the last one with the root token): -> (out [1, 1, H], head, ids,
+        cache), the head as in :meth:`_draft` (top-``k`` log-probs [k] and draft ids [k], or logits
+        [N] and None when k = 0).
+        """
         feats = self.pending_feats
         m = 0 if feats is None else feats.shape[0]
         if m == 0 or len(self.pending_ids) != m - 1:
-            raise RuntimeError("EagleProposer has no target features to draft from: call begin() at the start of a "
-                               "generation and accept() after every verified tree (SpeculativeDecoder does)")
+            raise RuntimeError(
+                "EagleProposer has no target features to draft from: call begin() at the start of a"
+                " generation and accept() after every verified tree (SpeculativeDecoder does)"
+            )
         if self.num_committed + m != ctx.tokens.numel() - 1:
-            raise RuntimeError(f"EagleProposer is out of sync with the decoding loop: {self.num_committed + m} "
-                               f"tokens fed for a context of {ctx.tokens.numel() - 1}; call begin() per generation")
+            raise RuntimeError(
+                f"EagleProposer is out of sync with the decoding loop: {self.num_committed + m} "
+                f"tokens fed for a context of {ctx.tokens.numel() - 1}; call begin() per generation"
+            )
         ids = torch.tensor([[*self.pending_ids, ctx.root_token]], device=feats.device)  # [1, m]
         cache = None if self.cache is None else self.cache.crop(self.num_committed)
-        out, head, top, cache = self._draft(self.model.features(feats), ids, cache, None, None, True, k)
-        self.cache, self.num_committed = cache, self.num_committed + m  # committed: pairs from target features only
+        out, head, top, cache = self._draft(
+            self.model.features(feats), ids, cache, None, None, True, k
+        )
+        self.cache, self.num_committed = (
+            cache,
+            self.num_committed + m,
+        )  # committed: pairs from target features only
         self.pending_feats, self.pending_ids = None, []  # fed: the next accept() brings new ones
         return out[:, -1:], head[-1], None if top is None else top[-1], cache
 
-    def _draft(self, hidden: torch.Tensor, ids: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None,
-               mask: torch.Tensor | None, last_only: bool,
-               k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, KVCache]:
-        """One drafter forward -> (out [1, S, H], log-probs [S', k] fp32, draft ids [S', k], cache), descending;
-        k = 0: (out, logits [S', N], None, cache) for sampling. The model's ``step_topk`` (the fused head: no
-        [S', N] logits) when it has one, else its logits through log_softmax + top-k."""
+    def _draft(
+        self,
+        hidden: torch.Tensor,
+        ids: torch.Tensor,
+        cache: KVCache | None,
+        positions: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        last_only: bool,
+        k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, KVCache]:
+        """One drafter forward -> (out [1, S, H], log-probs [S', k] fp32, draft ids [S', k], cache),
+        descending; k = 0: (out, logits [S', N], None, cache) for sampling. The model's
+        ``step_topk`` (the fused head: no [S', N] logits) when it has one, else its logits through
+        log_softmax + top-k."""
         self.draft_calls += 1
         if k and self.model.step_topk is not None:
             return self.model.step_topk(hidden, ids, cache, positions, mask, last_only, k)
@@ -149,14 +227,15 @@ class EagleProposer(Proposer):
 
     @property
     def draft_plan(self) -> dict[str, str]:
-        """Which parts of a draft call run natively, and why the others do not (for the runtime's report)."""
+        """Which parts of a draft call run natively, and why the others do not (for the runtime's
+        report)."""
         return dict(self.model.native_plan)
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         ids = self.model.draft_ids
         return draft_ids if ids is None else ids.to(draft_ids.device)[draft_ids]
 
-    # ---- drafting ----------------------------------------------------------------------------------------------------
+    # ---- drafting --------------------------------------------------------------------------------
     @torch.no_grad()
     def propose(self, ctx: StepContext) -> DraftTree:
         """Draft a chain or a dynamic tree rooted at ``ctx.root_token``."""
@@ -165,21 +244,33 @@ class EagleProposer(Proposer):
         policy = ctx.stop_policy
         levels = self.depth + 1 if policy is None else min(self.depth + 1, policy.max_depth)
         if self.policy == "chain":
-            return self._chain(ctx, out, (head, top), cache, levels) if levels >= 1 else \
-                DraftTree.chain([ctx.root_token])
+            return (
+                self._chain(ctx, out, (head, top), cache, levels)
+                if levels >= 1
+                else DraftTree.chain([ctx.root_token])
+            )
         if levels < 1 or self.total_tokens < 2:
             return DraftTree.chain([ctx.root_token])
         return self._tree(ctx, out, (head, top), cache, levels)
 
-    def _chain(self, ctx: StepContext, out: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor | None],
-               cache: KVCache, levels: int) -> DraftTree:
-        """``head``: the root step's (logits [N], None) when sampling, else (log-prob [1], draft id [1]) of its top."""
+    def _chain(
+        self,
+        ctx: StepContext,
+        out: torch.Tensor,
+        head: tuple[torch.Tensor, torch.Tensor | None],
+        cache: KVCache,
+        levels: int,
+    ) -> DraftTree:
+        """``head``: the root step's (logits [N], None) when sampling, else (log-prob [1], draft id
+        [1]) of its top."""
         tokens, confs, qs, stop = [ctx.root_token], [1.0], [], StopContext(0, 1.0)
         sampling = self.temperature > 0
         for d in range(1, levels + 1):
             if sampling:
                 logits = head[0]  # [N]
-                q = on_generator_device(target_probs(logits.float(), self.temperature, self.top_p), ctx.generator)
+                q = on_generator_device(
+                    target_probs(logits.float(), self.temperature, self.top_p), ctx.generator
+                )
                 x = torch.multinomial(q, 1, generator=ctx.generator)  # [1] draft id
                 qs.append(self._on_target_vocab(q))
                 confs.append(float(q[x]))
@@ -191,9 +282,12 @@ class EagleProposer(Proposer):
             if d == levels:
                 break
             # The new node pairs its parent's drafter output with its token, at the next position.
-            out, step_head, step_top, cache = self._draft(out, token[None], cache, None, None, True, int(not sampling))
+            out, step_head, step_top, cache = self._draft(
+                out, token[None], cache, None, None, True, int(not sampling)
+            )
             head = (step_head[-1], None if step_top is None else step_top[-1])
-            # As in trees, the stop policy sees the node's own drafter output (the state its child is drafted from).
+            # As in trees, the stop policy sees the node's own drafter output (the state its child
+            # is drafted from).
             stop = stop.child(d, confs[-1], out[0, -1])
             if ctx.stop_policy is not None and ctx.stop_policy.should_stop(stop):
                 break
@@ -210,33 +304,60 @@ class EagleProposer(Proposer):
         q = q.double().cpu()
         if self.model.draft_ids is None:
             return q
-        return torch.zeros(self.model.vocab_size, dtype=torch.float64).index_copy_(0, self.model.draft_ids.cpu(), q)
+        return torch.zeros(self.model.vocab_size, dtype=torch.float64).index_copy_(
+            0, self.model.draft_ids.cpu(), q
+        )
 
-    def _tree(self, ctx: StepContext, out: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-              levels: int) -> DraftTree:
+    def _tree(
+        self,
+        ctx: StepContext,
+        out: torch.Tensor,
+        head: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        levels: int,
+    ) -> DraftTree:
         k, device, policy = self.top_k, out.device, ctx.stop_policy
         logp, idx = head  # [k]: depth-1 nodes (the root step's top k), score = log p
-        # Generated nodes, in generation order (parents before children); gen_parents[g] = -1: the root's child.
+        # Generated nodes, in generation order (parents before children); gen_parents[g] = -1: the
+        # root's child.
         tokens, scores, local, gen_parents = [self._to_target(idx)], [logp], [logp], [-1] * k
-        if levels == 1:  # one level (e.g. a fixed:1 stop policy): the root step's top-k is the whole tree
+        if (
+            levels == 1
+        ):  # one level (e.g. a fixed:1 stop policy): the root step's top-k is the whole tree
             return self._rerank(ctx.root_token, tokens, scores, local, gen_parents)
         committed = self.num_committed
         frontier = list(range(k))  # generation indices of the frontier
         f_tokens, f_scores = tokens[0], logp  # [k]
         f_hidden = out[0].expand(k, -1)  # [k, H]: each frontier node's parent output
-        ancestors = torch.zeros(k, 0, dtype=torch.bool, device=device)  # [k, tree entries in the cache]
-        seen = torch.ones(k, committed, dtype=torch.bool, device=device)  # every node sees the committed pairs
+        ancestors = torch.zeros(
+            k, 0, dtype=torch.bool, device=device
+        )  # [k, tree entries in the cache]
+        seen = torch.ones(
+            k, committed, dtype=torch.bool, device=device
+        )  # every node sees the committed pairs
         eye = torch.eye(k, dtype=torch.bool, device=device)
-        f_parent_stops = [StopContext(0, 1.0) for _ in range(k)]  # each frontier path's policy context so far
+        f_parent_stops = [
+            StopContext(0, 1.0) for _ in range(k)
+        ]  # each frontier path's policy context so far
         for level in range(1, levels):
             mask = torch.cat([seen, ancestors, eye], dim=1)  # [k, committed + (level-1)*k + k]
-            positions = torch.full((1, k), committed - 1 + level, device=device)  # depth-`level` nodes share one
-            out, child_logp, child, cache = self._draft(f_hidden[None], f_tokens[None], cache, positions, mask, False,
-                                                        k)  # [k, k] each: every frontier node's top-k children
-            cum = f_scores[:, None] + child_logp  # [k, k]: log of the product of confidences along the path
+            positions = torch.full(
+                (1, k), committed - 1 + level, device=device
+            )  # depth-`level` nodes share one
+            out, child_logp, child, cache = self._draft(
+                f_hidden[None], f_tokens[None], cache, positions, mask, False, k
+            )  # [k, k] each: every frontier node's top-k children
+            cum = (
+                f_scores[:, None] + child_logp
+            )  # [k, k]: log of the product of confidences along the path
             if policy is not None:  # a stopped node keeps no children
-                own_logp = torch.cat(local)[frontier]  # [k] each frontier node's log p under its parent
-                stops = [f_parent_stops[j].child(level, float(lp.exp()), out[0, j]) for j, lp in enumerate(own_logp)]
+                own_logp = torch.cat(local)[
+                    frontier
+                ]  # [k] each frontier node's log p under its parent
+                stops = [
+                    f_parent_stops[j].child(level, float(lp.exp()), out[0, j])
+                    for j, lp in enumerate(own_logp)
+                ]
                 stop = [policy.should_stop(c) for c in stops]
                 cum = cum.masked_fill(torch.tensor(stop, device=device)[:, None], float("-inf"))
             base = len(gen_parents)
@@ -244,34 +365,56 @@ class EagleProposer(Proposer):
             tokens.append(child_tokens)
             scores.append(cum.flatten())
             local.append(child_logp.flatten())
-            gen_parents.extend(f for f in frontier for _ in range(k))  # child j*k+c of frontier node j
+            gen_parents.extend(
+                f for f in frontier for _ in range(k)
+            )  # child j*k+c of frontier node j
             if level == levels - 1:
                 break
             f_scores, best = cum.flatten().topk(k)  # global top-k of the k*k children
             row = best // k  # which frontier node each is a child of
             frontier, f_tokens, f_hidden = (base + best).tolist(), child_tokens[best], out[0, row]
-            ancestors = torch.cat([ancestors[row], eye[row]], dim=1)  # parent's ancestors + the parent itself
+            ancestors = torch.cat(
+                [ancestors[row], eye[row]], dim=1
+            )  # parent's ancestors + the parent itself
             if policy is not None:
                 f_parent_stops = [stops[int(r)] for r in row]
         return self._rerank(ctx.root_token, tokens, scores, local, gen_parents)
 
-    def _rerank(self, root: int, tokens: list[torch.Tensor], scores: list[torch.Tensor], local: list[torch.Tensor],
-                gen_parents: list[int]) -> DraftTree:
-        """Keep the best ``total_tokens - 1`` generated nodes (ties: earlier first), in generation order. A few dozen
-        nodes: ranked as Python floats in microseconds (the torch sort/isfinite/scatter took ~0.2 ms a draft call)."""
+    def _rerank(
+        self,
+        root: int,
+        tokens: list[torch.Tensor],
+        scores: list[torch.Tensor],
+        local: list[torch.Tensor],
+        gen_parents: list[int],
+    ) -> DraftTree:
+        """Keep the best ``total_tokens - 1`` generated nodes (ties: earlier first), in generation
+        order. A few dozen
+        nodes: ranked as Python floats in microseconds (the torch sort/isfinite/scatter took ~0.2 ms
+        a draft call).
+        """
         score = _flat(scores).tolist()  # [G]
-        finite = [g for g, s in enumerate(score) if math.isfinite(s)]  # -inf: a stopped node's children
-        # sorted() is stable (reverse=True too): equal scores keep generation order, as a stable sort of -score
+        finite = [
+            g for g, s in enumerate(score) if math.isfinite(s)
+        ]  # -inf: a stopped node's children
+        # sorted() is stable (reverse=True too): equal scores keep generation order, as a stable
+        # sort of -score
         keep = sorted(sorted(finite, key=score.__getitem__, reverse=True)[: self.total_tokens - 1])
-        node_of = {g: n for n, g in enumerate(keep, 1)}  # generation index -> tree node (the root is node 0)
+        node_of = {
+            g: n for n, g in enumerate(keep, 1)
+        }  # generation index -> tree node (the root is node 0)
         parents = [-1]
         for g in keep:
             p = gen_parents[g]
-            if p >= 0 and p not in node_of:  # cannot happen: a parent's score is >= its child's and it comes first
+            if (
+                p >= 0 and p not in node_of
+            ):  # cannot happen: a parent's score is >= its child's and it comes first
                 raise RuntimeError("dynamic tree reranking kept a node without its parent")
             parents.append(node_of[p] if p >= 0 else 0)
         prefix = keep == list(range(len(keep)))  # usual for one level: a view, not a gather
-        rows = slice(0, len(keep)) if prefix else torch.tensor(keep, dtype=torch.long)  # [M] generation order
+        rows = (
+            slice(0, len(keep)) if prefix else torch.tensor(keep, dtype=torch.long)
+        )  # [M] generation order
         conf = torch.cat([torch.ones(1), _flat(local)[rows].exp()])  # [M+1]
         node_tokens = [root, *_flat(tokens)[rows].tolist()]
         return DraftTree.from_parents(node_tokens, parents, draft_confidence=conf)
@@ -282,31 +425,46 @@ def _flat(parts: list[torch.Tensor]) -> torch.Tensor:
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu()
 
 
-# ---- builders from export folders -----------------------------------------------------------------------------------
+# ---- builders from export folders ----------------------------------------------------------------
 
 
 def _proposer(config: dict, model: DraftModel, options: dict[str, Any]) -> EagleProposer:
     """Tree sizes from the export's ``inference`` block, overridden by ``options``."""
     valid = {"policy", "total_tokens", "depth", "top_k", "temperature", "top_p"}
     if unknown := sorted(set(options) - valid):
-        raise InputError(f"unknown option(s) {unknown} for the {config['method']} proposer; valid: {sorted(valid)}")
+        raise InputError(
+            f"unknown option(s) {unknown} for the {config['method']} proposer; valid:"
+            f" {sorted(valid)}"
+        )
     draft_vocab = model.vocab_size if model.draft_ids is None else int(model.draft_ids.numel())
-    ranges = {"total_tokens": (2, None, "tree nodes: the root and at least one drafted token"),
-              "depth": (0, None, "drafter forwards after the root step"), "top_k": (1, draft_vocab, "draft vocabulary")}
+    ranges = {
+        "total_tokens": (2, None, "tree nodes: the root and at least one drafted token"),
+        "depth": (0, None, "drafter forwards after the root step"),
+        "top_k": (1, draft_vocab, "draft vocabulary"),
+    }
     for key, (low, high, what) in ranges.items():
         value = options.get(key)
-        if value is not None and (not isinstance(value, int) or value < low or (high is not None and value > high)):
+        if value is not None and (
+            not isinstance(value, int) or value < low or (high is not None and value > high)
+        ):
             span = f"in {low}..{high}" if high is not None else f">= {low}"
-            raise InputError(f"--proposer-option {key}={value!r} is out of range: an integer {span} ({what})")
+            raise InputError(
+                f"--proposer-option {key}={value!r} is out of range: an integer {span} ({what})"
+            )
     inference = config.get("inference") or {}
-    kw = {"policy": inference.get("proposer", "tree"), "total_tokens": inference.get("total_tokens", 16),
-          "depth": inference.get("depth", 4), "top_k": inference.get("top_k", 4)}
+    kw = {
+        "policy": inference.get("proposer", "tree"),
+        "total_tokens": inference.get("total_tokens", 16),
+        "depth": inference.get("depth", 4),
+        "top_k": inference.get("top_k", 4),
+    }
     kw.update({k: v for k, v in options.items() if v is not None})
     return EagleProposer(model, **kw)
 
 
 def _place(drafter: torch.nn.Module, target_model: TargetDecoder) -> torch.nn.Module:
-    """Run the drafter where and in the precision the target runs (bf16 CPU linears through the packed kernel)."""
+    """Run the drafter where and in the precision the target runs (bf16 CPU linears through the
+    packed kernel)."""
     w = target_model.lm_head_weight
     drafter = drafter.to(device=w.device, dtype=w.dtype).eval()
     accelerate_linears(drafter)
@@ -321,26 +479,39 @@ def _eagle_chain(tokens: int) -> dict[str, Any]:
 
 
 @register_proposer("eagle")
-def _build_eagle(export_dir: str | Path, config: dict, target_model: TargetDecoder, **options: Any) -> EagleProposer:
-    """EAGLE-1 proposer; options: policy ("tree" | "chain"), total_tokens, depth, top_k, temperature, top_p.
+def _build_eagle(
+    export_dir: str | Path, config: dict, target_model: TargetDecoder, **options: Any
+) -> EagleProposer:
+    """EAGLE-1 proposer; options: policy ("tree" | "chain"), total_tokens, depth, top_k,
+    temperature, top_p.
 
     The target was already checked against the export by ``build_proposer`` (the only caller)."""
-    drafter, _ = EagleDrafter.from_export(export_dir, embed_weight=target_model.embed_weight,
-                                         lm_head_weight=target_model.lm_head_weight)
-    # the same weights through the target's fast linears; its packed head (C++ ops) shared by the native top-k
-    model = Eagle1DraftModel(_place(drafter, target_model), target_model.lm_head_logits, target_model.packed_head)
+    drafter, _ = EagleDrafter.from_export(
+        export_dir,
+        embed_weight=target_model.embed_weight,
+        lm_head_weight=target_model.lm_head_weight,
+    )
+    # the same weights through the target's fast linears; its packed head (C++ ops) shared by the
+    # native top-k
+    model = Eagle1DraftModel(
+        _place(drafter, target_model), target_model.lm_head_logits, target_model.packed_head
+    )
     return _proposer(config, model, options)
 
 
 @register_proposer("eagle3")
-def _build_eagle3(export_dir: str | Path, config: dict, target_model: TargetDecoder, **options: Any) -> EagleProposer:
-    """EAGLE-3 proposer (same options); the loop requests its layer taps from every target forward (the lean
-    decoder and the HF fallback both return them)."""
+def _build_eagle3(
+    export_dir: str | Path, config: dict, target_model: TargetDecoder, **options: Any
+) -> EagleProposer:
+    """EAGLE-3 proposer (same options); the loop requests its layer taps from every target forward
+    (the lean decoder and the HF fallback both return them)."""
     layers = [int(i) for i in config["architecture"].get("target_layers", [])]
     num_layers = target_model.sizes.num_layers
     if any(not 0 <= i < num_layers for i in layers):
-        raise TargetMismatchError(f"the eagle3 drafter taps target layers {layers}, outside 0..{num_layers - 1} of "
-                                  "the loaded target; use the target it was trained for")
+        raise TargetMismatchError(
+            f"the eagle3 drafter taps target layers {layers}, outside 0..{num_layers - 1} of "
+            "the loaded target; use the target it was trained for"
+        )
     drafter, _ = Eagle3Drafter.from_export(export_dir, embed_weight=target_model.embed_weight)
     return _proposer(config, Eagle3DraftModel(_place(drafter, target_model)), options)
 

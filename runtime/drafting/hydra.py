@@ -1,12 +1,13 @@
-"""Hydra / Hydra++ heads as a proposer: a static sparse tree expanded head after head, each head seeing the tokens
-drafted before it on its path.
+"""Hydra / Hydra++ heads as a proposer: a static sparse tree expanded head after head, each head
+seeing the tokens drafted before it on its path.
 
-The tree's shape is the export's ``inference.tree`` (Medusa choice paths: entry i at depth d = the (i+1)-th best
-token of head d given the node's own path), calibrated at the end of training or the calibration-free default.
-Depth d is expanded in ONE head call over its frontier: every node at depth d-1 that has children gives a row
-``prefix = [root, tokens on its path]`` [N, d]; head d-1 scores all rows at once and each node's children take its
-top-k ranks. With a prefix-attention layer (Hydra++) the heads read the layer's output over the whole context,
-kept incrementally: ``begin`` feeds the prompt's target hidden states, ``accept`` the accepted path's.
+The tree's shape is the export's ``inference.tree`` (Medusa choice paths: entry i at depth d = the
+(i+1)-th best token of head d given the node's own path), calibrated at the end of training or the
+calibration-free default. Depth d is expanded in ONE head call over its frontier: every node at
+depth d-1 that has children gives a row ``prefix = [root, tokens on its path]`` [N, d]; head d-1
+scores all rows at once and each node's children take its top-k ranks. With a prefix-attention layer
+(Hydra++) the heads read the layer's output over the whole context, kept incrementally: ``begin``
+feeds the prompt's target hidden states, ``accept`` the accepted path's.
 """
 
 from __future__ import annotations
@@ -29,28 +30,42 @@ from draftsmith.runtime.target.interface import TargetDecoder
 class HydraProposer(Proposer):
     """Sequentially dependent heads over a static tree (see the module docstring).
 
-    ``heads`` provides ``context(hidden [1, S, H], cache=...) -> (ctx [1, S, H], cache)`` and ``step(ctx [N, H],
-    prefix [N, d]) -> logits [N, V]`` (head d-1), as :class:`draftsmith.heads.hydra.HydraHeads` does.
+    ``heads`` provides ``context(hidden [1, S, H], cache=...) -> (ctx [1, S, H], cache)`` and
+    ``step(ctx [N, H], prefix [N, d]) -> logits [N, V]`` (head d-1), as
+    :class:`draftsmith.heads.hydra.HydraHeads` does.
     """
 
-    reads_logits = False  # accept() never reads the target's logits: greedy verify may take argmaxes only
+    reads_logits = (
+        False  # accept() never reads the target's logits: greedy verify may take argmaxes only
+    )
 
-    def __init__(self, heads: Any, tree: StaticTree | list[list[int]], top_k: int | None = None) -> None:
+    def __init__(
+        self, heads: Any, tree: StaticTree | list[list[int]], top_k: int | None = None
+    ) -> None:
         if not isinstance(tree, StaticTree):
             tree = StaticTree.from_paths(tree, top_k or 1 + max(c for p in tree for c in p))
         if tree.depth > heads.config.num_heads:
-            raise InputError(f"the tree is {tree.depth} deep but the export has {heads.config.num_heads} heads")
+            raise InputError(
+                f"the tree is {tree.depth} deep but the export has {heads.config.num_heads} heads"
+            )
         self.heads, self.tree = heads, tree
         self.max_tree_nodes = tree.num_nodes
         self.uses_context = getattr(heads, "prefix", None) is not None
-        self.dtype = module_dtype(heads)  # once: packed bf16 linears leave the heads without parameters
+        self.dtype = module_dtype(
+            heads
+        )  # once: packed bf16 linears leave the heads without parameters
         self._cache: KVCache | None = None
         self._ctx: torch.Tensor | None = None  # [H] the heads' context state at the root's position
-        self._by_depth = [[i for i in range(tree.num_nodes) if int(tree.depths[i]) == d] for d in range(tree.depth + 1)]
+        self._by_depth = [
+            [i for i in range(tree.num_nodes) if int(tree.depths[i]) == d]
+            for d in range(tree.depth + 1)
+        ]
 
     def _feed(self, hidden: torch.Tensor) -> None:
         """Run the prefix layer over new context rows hidden [S, H]; keep the last output."""
-        ctx, self._cache = self.heads.context(hidden[None].to(self.dtype), cache=self._cache)  # [1, S, H]
+        ctx, self._cache = self.heads.context(
+            hidden[None].to(self.dtype), cache=self._cache
+        )  # [1, S, H]
         self._ctx = ctx[0, -1]
 
     def begin(self, ctx: StepContext) -> None:
@@ -69,7 +84,9 @@ class HydraProposer(Proposer):
         """Expand the static tree depth by depth, one head call per depth."""
         state = self._ctx if self.uses_context else ctx.hidden.to(self.dtype)  # [H]
         if state is None:
-            raise RuntimeError("HydraProposer has no context: call begin() at the start of a generation")
+            raise RuntimeError(
+                "HydraProposer has no context: call begin() at the start of a generation"
+            )
         tree, n = self.tree, self.tree.num_nodes
         tokens = torch.zeros(n, dtype=torch.long)
         tokens[0] = ctx.root_token
@@ -90,9 +107,11 @@ class HydraProposer(Proposer):
         draft.draft_confidence = conf
         return self._apply_stop_policy(draft, ctx, conf, state)
 
-    def _apply_stop_policy(self, draft: DraftTree, ctx: StepContext, conf: torch.Tensor,
-                           state: torch.Tensor) -> DraftTree:
-        """Prune children of nodes where the stop policy says stop (each path keeps its own policy context)."""
+    def _apply_stop_policy(
+        self, draft: DraftTree, ctx: StepContext, conf: torch.Tensor, state: torch.Tensor
+    ) -> DraftTree:
+        """Prune children of nodes where the stop policy says stop (each path keeps its own policy
+        context)."""
         policy = ctx.stop_policy
         if policy is None:
             return draft
@@ -108,9 +127,15 @@ class HydraProposer(Proposer):
         return draft if all(keep) else prune_tree(draft, keep)
 
 
-def _build_hydra(export_dir: str | Path, config: dict, target_model: TargetDecoder, tree: list[list[int]] | None = None,
-                 top_k: int | None = None) -> HydraProposer:
-    """Hydra heads from an export, on the target's device and dtype; tree and top_k default to the export's."""
+def _build_hydra(
+    export_dir: str | Path,
+    config: dict,
+    target_model: TargetDecoder,
+    tree: list[list[int]] | None = None,
+    top_k: int | None = None,
+) -> HydraProposer:
+    """Hydra heads from an export, on the target's device and dtype; tree and top_k default to the
+    export's."""
     from draftsmith.heads.hydra import HydraHeads
     from draftsmith.runtime.target.fast_linear import accelerate_linears
 
@@ -120,7 +145,11 @@ def _build_hydra(export_dir: str | Path, config: dict, target_model: TargetDecod
     accelerate_linears(heads)  # bf16 on CPU: packed GEMM for the heads' linears
     inference = config.get("inference", {})
     k = top_k or inference.get("top_k", 10)
-    paths = tree or inference.get("tree") or default_medusa_tree(heads.config.num_heads, top_k=min(k, 4))
+    paths = (
+        tree
+        or inference.get("tree")
+        or default_medusa_tree(heads.config.num_heads, top_k=min(k, 4))
+    )
     return HydraProposer(heads, StaticTree.from_paths(paths, k))
 
 

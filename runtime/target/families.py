@@ -1,8 +1,10 @@
-"""What each model family's ``config.json`` switches on in the lean decoder: windows per layer, RoPE, Gemma features.
+"""What each model family's ``config.json`` switches on in the lean decoder: windows per layer,
+RoPE, Gemma features.
 
 Pure functions over the parsed HF config dict (no torch, no weights), read by
-:meth:`draftsmith.runtime.target.model_config.ModelConfig.from_hf_dict`. Every default below is the installed
-transformers' own for that family, so a config.json that omits a field means what it means to transformers.
+:meth:`draftsmith.runtime.target.model_config.ModelConfig.from_hf_dict`. Every default below is the
+installed transformers' own for that family, so a config.json that omits a field means what it means
+to transformers.
 """
 
 from __future__ import annotations
@@ -11,7 +13,15 @@ from typing import Any, NoReturn
 
 from draftsmith.common.errors import DraftsmithError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")  # SmolLM says "llama"
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+)  # SmolLM says "llama"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
@@ -19,8 +29,8 @@ SLIDING = "sliding_attention"
 
 
 class UnsupportedArchitecture(DraftsmithError, NotImplementedError):
-    """The checkpoint is not one the lean decoder implements; load it with the HF fallback (backend='hf').
-    ``feature`` names what is missing in a few words (e.g. "rope type 'yarn'")."""
+    """The checkpoint is not one the lean decoder implements; load it with the HF fallback
+    (backend='hf'). ``feature`` names what is missing in a few words (e.g. "rope type 'yarn'")."""
 
     def __init__(self, message: str, feature: str | None = None) -> None:
         super().__init__(message)
@@ -29,8 +39,11 @@ class UnsupportedArchitecture(DraftsmithError, NotImplementedError):
 
 def refuse(feature: str, detail: str = "") -> NoReturn:
     """Raise UnsupportedArchitecture for ``feature`` with the fallback hint."""
-    raise UnsupportedArchitecture(f"{feature} is not supported by the lean decoder{detail}; use the transformers "
-                                  "fallback (backend='hf')", feature)  # fmt: skip
+    raise UnsupportedArchitecture(
+        f"{feature} is not supported by the lean decoder{detail}; use the transformers "
+        "fallback (backend='hf')",
+        feature,
+    )
 
 
 def check_model_type(cfg: dict[str, Any]) -> str:
@@ -67,8 +80,9 @@ def _rope(params: dict[str, Any], default_theta: float) -> tuple[float, dict[str
 
 def rope_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """``rope_theta``, ``rope_scaling`` and, for Gemma-3, the local layers' ``local_rope_theta`` /
-    ``local_rope_scaling``. transformers v5 writes ``rope_parameters`` (theta inside; Gemma-3 one dict per layer
-    type), v4 wrote ``rope_theta`` + ``rope_scaling`` (+ ``rope_local_base_freq`` for Gemma-3)."""
+    ``local_rope_scaling``. transformers v5 writes ``rope_parameters`` (theta inside; Gemma-3 one
+    dict per layer type), v4 wrote ``rope_theta`` + ``rope_scaling`` (+ ``rope_local_base_freq`` for
+    Gemma-3)."""
     if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
         refuse("partial rotary embeddings (partial_rotary_factor)")
     params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
@@ -87,16 +101,22 @@ def rope_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     return out
 
 
-def layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[tuple[int | None, ...], int | None]:
+def layer_windows(
+    cfg: dict[str, Any], model_type: str
+) -> tuple[tuple[int | None, ...], int | None]:
     """(the sliding window of each layer or None for a global layer, the configured window).
 
-    As transformers applies them: Mistral and Phi-3 window every layer; Qwen2/3 only with ``use_sliding_window``,
-    on the layers ``layer_types`` marks (else those from ``max_window_layers`` on); Gemma-2 alternates local and
-    global (layer_types, else every second layer global), Gemma-3 has one global layer per
-    ``sliding_window_pattern`` (default 6). A window at least ``max_position_embeddings`` long never masks a
-    position the model can reach: those layers count as global (the cache is then refused beyond the window)."""
+    As transformers applies them: Mistral and Phi-3 window every layer; Qwen2/3 only with
+    ``use_sliding_window``, on the layers ``layer_types`` marks (else those from
+    ``max_window_layers`` on); Gemma-2 alternates local and global (layer_types, else every second
+    layer global), Gemma-3 has one global layer per ``sliding_window_pattern`` (default 6). A window
+    at least ``max_position_embeddings`` long never masks a position the model can reach: those
+    layers count as global (the cache is then refused beyond the window).
+    """
     n = int(cfg["num_hidden_layers"])
-    window = cfg.get("sliding_window", 4096 if model_type in ("mistral", *GEMMA_TYPES) else None)  # class defaults
+    window = cfg.get(
+        "sliding_window", 4096 if model_type in ("mistral", *GEMMA_TYPES) else None
+    )  # class defaults
     if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         window = None  # Qwen configs carry a window size that is inactive unless use_sliding_window
     if model_type == "llama" or not window:
@@ -120,8 +140,9 @@ def layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[tuple[int | Non
 
 
 def gemma_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """Gemma-2/3: (1 + w) RMSNorms, sandwich norms, embeddings times sqrt(hidden), query_pre_attn_scalar, softcaps
-    (Gemma-2 defaults 50 / 30, Gemma-3 none). {} for other families."""
+    """Gemma-2/3: (1 + w) RMSNorms, sandwich norms, embeddings times sqrt(hidden),
+    query_pre_attn_scalar, softcaps (Gemma-2 defaults 50 / 30, Gemma-3 none). {} for other
+    families."""
     if model_type not in GEMMA_TYPES:
         return {}
     gemma2 = model_type == "gemma2"

@@ -1,17 +1,21 @@
-"""Lean Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3; Gemma-2/3) over a static KV cache, batch 1.
+"""Lean Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3; Gemma-2/3) over a static
+KV cache, batch 1.
 
-Loads a Hugging Face folder's safetensors directly; q/k/v and gate/up are fused and RoPE tables precomputed at load.
-Attention goes through ``draftsmith.kernels.attention.tree_attention`` so a draft tree is verified in the same forward
-as plain decoding. In bf16 on x86 CPUs with AVX512-BF16 or AVX2+FMA the whole forward (every layer, the final norm and
-the head) is one call of the fused C++ kernel (``draftsmith.kernels.cpu_layer``'s ``TargetStack``; this module's torch
-path is its reference; ``forward_layers`` runs its layer ranges one ``decoder_layer`` call per layer).
+Loads a Hugging Face folder's safetensors directly; q/k/v and gate/up are fused and RoPE tables
+precomputed at load. Attention goes through ``draftsmith.kernels.attention.tree_attention`` so a
+draft tree is verified in the same forward as plain decoding. In bf16 on x86 CPUs with AVX512-BF16
+or AVX2+FMA the whole forward (every layer, the final norm and the head) is one call of the fused
+C++ kernel (``draftsmith.kernels.cpu_layer``'s ``TargetStack``; this module's torch path is its
+reference; ``forward_layers`` runs its layer ranges one ``decoder_layer`` call per layer).
 
-Numerics follow transformers (RMSNorm in fp32, RoPE in the model dtype, scale ``head_dim**-0.5``); in fp32 the logits
-match HF to ~1e-5. Batch size is 1 by design: speculative decoding of one request.
+Numerics follow transformers (RMSNorm in fp32, RoPE in the model dtype, scale ``head_dim**-0.5``);
+in fp32 the logits match HF to ~1e-5. Batch size is 1 by design: speculative decoding of one
+request.
 
-A model whose layers go beyond the plain Llama layer (sliding windows, Gemma's norms, softcaps, GELU) is built as
-:class:`draftsmith.runtime.target.family_decoder.FamilyDecoder`, a subclass chosen once when it is constructed
-(``ModelConfig.llama_layer_gap``), so this module's decode step carries no per-token check for them.
+A model whose layers go beyond the plain Llama layer (sliding windows, Gemma's norms, softcaps,
+GELU) is built as :class:`draftsmith.runtime.target.family_decoder.FamilyDecoder`, a subclass chosen
+once when it is constructed (``ModelConfig.llama_layer_gap``), so this module's decode step carries
+no per-token check for them.
 """
 
 from __future__ import annotations
@@ -33,7 +37,12 @@ from draftsmith.runtime.target.layer_weights import (
     fused_layers,
 )
 from draftsmith.runtime.target.linear_ops import PackedLinear, choose_linear_ops
-from draftsmith.runtime.target.model_config import ModelConfig, UnsupportedArchitecture, rope_inv_freq, rope_tables
+from draftsmith.runtime.target.model_config import (
+    ModelConfig,
+    UnsupportedArchitecture,
+    rope_inv_freq,
+    rope_tables,
+)
 from draftsmith.runtime.target.output import TargetOutput
 from draftsmith.runtime.target.rows import RowsStep
 from draftsmith.runtime.target.torch_layers import last_dim_rms_norm, llama_layer
@@ -43,31 +52,43 @@ __all__ = ["LeanDecoder", "ModelConfig", "UnsupportedArchitecture", "rope_inv_fr
 
 
 class LeanDecoder(RowsStep, TargetDecoder):
-    """Llama-family decoder for batch-1 inference over a :class:`KVCache`, with tree-masked multi-token forwards
-    (the :class:`~draftsmith.runtime.target.interface.TargetDecoder` interface)."""
+    """Llama-family decoder for batch-1 inference over a :class:`KVCache`, with tree-masked
+    multi-token forwards (the :class:`~draftsmith.runtime.target.interface.TargetDecoder`
+    interface)."""
 
     argmax_head = True  # forward(head="argmax") returns each row's argmax without the [T, V] logits
-    layer_range = True  # forward_layers, embed_tokens, final_hidden, layer_weights, allocate_layer_cache (Kangaroo)
+    # forward_layers, embed_tokens, final_hidden, layer_weights, allocate_layer_cache (Kangaroo)
+    layer_range = True
 
     def __new__(cls, config: ModelConfig | None = None, *args, **kwargs) -> LeanDecoder:
-        # A config the plain Llama layer cannot run builds the general-layer subclass: decided once, here.
+        # A config the plain Llama layer cannot run builds the general-layer subclass: decided once,
+        # here.
         if cls is LeanDecoder and config is not None and config.llama_layer_gap is not None:
             from draftsmith.runtime.target.family_decoder import FamilyDecoder
 
             cls = FamilyDecoder
         return super().__new__(cls)
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], kernel_backend: str = "auto",
-                 linear_backend: str = "auto", compile: bool = False) -> None:
-        """Build from HF-named tensors (``model.layers.{i}.self_attn.q_proj.weight`` ...; the ``model.`` prefix is
-        optional). Raises WeightsError naming missing tensors.
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        kernel_backend: str = "auto",
+        linear_backend: str = "auto",
+        compile: bool = False,
+    ) -> None:
+        """Build from HF-named tensors (``model.layers.{i}.self_attn.q_proj.weight`` ...; the
+        ``model.`` prefix is optional). Raises WeightsError naming missing tensors.
 
-        ``kernel_backend`` goes to the attention / KV-compaction kernels ("auto" | "torch" | "triton").
-        ``linear_backend``: "dense" (F.linear), "mkldnn" (oneDNN-prepacked bf16 weights, CPU only; keeps a second
-        copy of the weights), "cpp" (the fused C++ bf16 layer, x86 with AVX512-BF16 or AVX2+FMA) or "auto" (the
-        fastest that can run on this CPU, see ``draftsmith.runtime.target.linear_ops``; ``linear_plan`` records it).
-        ``compile``: run the forward through ``torch.compile(dynamic=True)``. Off by default: on the 2-core CPU it
-        cut the per-step overhead of a 30-layer model from ~3.2 to ~1.9 ms but the first call compiled for ~3 min.
+        ``kernel_backend`` goes to the attention / KV-compaction kernels ("auto" | "torch" |
+        "triton").
+        ``linear_backend``: "dense" (F.linear), "mkldnn" (oneDNN-prepacked bf16 weights, CPU only;
+        keeps a second copy of the weights), "cpp" (the fused C++ bf16 layer, x86 with AVX512-BF16
+        or AVX2+FMA) or "auto" (the fastest that can run on this CPU, see
+        ``draftsmith.runtime.target.linear_ops``; ``linear_plan`` records it).
+        ``compile``: run the forward through ``torch.compile(dynamic=True)``. Off by default: on the
+        2-core CPU it cut the per-step overhead of a 30-layer model from ~3.2 to ~1.9 ms but the
+        first call compiled for ~3 min.
         """
         super().__init__()
         weights = canonical_weights(config, weights)  # Phi-3 / Gemma checkpoints under Llama names
@@ -76,36 +97,55 @@ class LeanDecoder(RowsStep, TargetDecoder):
         self.linear_backend = linear_backend
         p = checkpoint_prefix(weights)
         self.layers = fused_layers(config, weights, p)
-        self.register_buffer("embed", checkpoint_tensor(weights, f"{p}embed_tokens.weight", config))  # [V, H]
+        self.register_buffer(
+            "embed", checkpoint_tensor(weights, f"{p}embed_tokens.weight", config)
+        )  # [V, H]
         self.register_buffer("norm_w", checkpoint_tensor(weights, f"{p}norm.weight", config))
         if "lm_head.weight" in weights:
             self.register_buffer("lm_head", weights["lm_head.weight"])  # [V, H]
         elif config.tie_word_embeddings:
             self.lm_head = self.embed  # tied: the same tensor, no copy
         else:
-            raise WeightsError("lm_head.weight is missing and tie_word_embeddings is false: the checkpoint is "
-                               "incomplete")
+            raise WeightsError(
+                "lm_head.weight is missing and tie_word_embeddings is false: the checkpoint is "
+                "incomplete"
+            )
         self._rope_len = 0
         self._ensure_rope(min(config.max_position_embeddings, 4096))
         self._compile = compile
         self._build_exec()
         self._compiled = torch.compile(self._run, dynamic=True) if compile else None
 
-    # ---- loading / properties -------------------------------------------------------------------------------------
+    # ---- loading / properties --------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        kernel_backend: str = "auto", linear_backend: str = "auto", compile: bool = False,
-                        transform_weights: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-                        ) -> LeanDecoder:
-        """Load a HF model folder (config.json + safetensors). Raises UnsupportedArchitecture before reading weights
-        when the architecture is not a Llama-family one, WeightsError for a missing folder or tensors.
-        ``transform_weights`` rewrites the HF-named weights before use (e.g. merging an export's LoRA adapter)."""
+    def from_pretrained(
+        cls,
+        folder: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        kernel_backend: str = "auto",
+        linear_backend: str = "auto",
+        compile: bool = False,
+        transform_weights: (
+            Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None
+        ) = None,
+    ) -> LeanDecoder:
+        """Load a HF model folder (config.json + safetensors). Raises UnsupportedArchitecture before
+        reading weights when the architecture is not a Llama-family one, WeightsError for a missing
+        folder or tensors. ``transform_weights`` rewrites the HF-named weights before use (e.g.
+        merging an export's LoRA adapter).
+        """
         config = ModelConfig.from_folder(folder)
         weights = load_safetensors(folder, dtype=dtype, device=device)
         if transform_weights is not None:
             weights = transform_weights(weights)
-        return cls(config, weights, kernel_backend=kernel_backend, linear_backend=linear_backend,
-                   compile=compile).eval()
+        return cls(
+            config,
+            weights,
+            kernel_backend=kernel_backend,
+            linear_backend=linear_backend,
+            compile=compile,
+        ).eval()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,12 +158,19 @@ class LeanDecoder(RowsStep, TargetDecoder):
     @property
     def sizes(self) -> TargetSizes:
         c = self.config
-        return TargetSizes(c.num_layers, c.hidden_size, c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                           c.max_position_embeddings)
+        return TargetSizes(
+            c.num_layers,
+            c.hidden_size,
+            c.vocab_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.max_position_embeddings,
+        )
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head on post-norm hidden states [..., H] -> logits [..., V], with the decoder's fast linears (EAGLE-1
-        drafts through the target's head)."""
+        """The LM head on post-norm hidden states [..., H] -> logits [..., V], with the decoder's
+        fast linears (EAGLE-1 drafts through the target's head)."""
         rows = hidden.reshape(-1, hidden.shape[-1]).to(self.dtype)  # [M, H]
         with torch.inference_mode():
             logits = self._ops.linear(rows, self._head, None)  # [M, V]
@@ -157,42 +204,74 @@ class LeanDecoder(RowsStep, TargetDecoder):
         return out
 
     def _build_exec(self) -> None:
-        """Per-layer weight tuples in the chosen backend's form (a tuple beats attribute lookups), the head, and
-        on the cpp backend the one-call forward (``TargetStack``) holding them."""
+        """Per-layer weight tuples in the chosen backend's form (a tuple beats attribute lookups),
+        the head, and on the cpp backend the one-call forward (``TargetStack``) holding them."""
         c = self.config
-        ops, self.linear_plan = choose_linear_ops(self.linear_backend, self.dtype, self.device,
-                                                  (c.head_dim, c.hidden_size, c.intermediate_size),
-                                                  compiled=self._compile)  # fmt: skip
+        ops, self.linear_plan = choose_linear_ops(
+            self.linear_backend,
+            self.dtype,
+            self.device,
+            (c.head_dim, c.hidden_size, c.intermediate_size),
+            compiled=self._compile,
+        )
         self._ops = ops
-        self._torch_layer = partial(llama_layer, ops.linear, ops.linear_add, self.kernel_backend)  # C++ layer's twin
+        self._torch_layer = partial(
+            llama_layer, ops.linear, ops.linear_add, self.kernel_backend
+        )  # C++ layer's twin
         self._exec = [
-            (w.ln1, ops.pack(w.wqkv), w.bqkv, w.qn, w.kn, ops.pack_res(w.wo), w.bo, w.ln2, ops.pack(w.wgu), w.bgu,
-             ops.pack_res(w.wdown), w.bdown)
+            (
+                w.ln1,
+                ops.pack(w.wqkv),
+                w.bqkv,
+                w.qn,
+                w.kn,
+                ops.pack_res(w.wo),
+                w.bo,
+                w.ln2,
+                ops.pack(w.wgu),
+                w.bgu,
+                ops.pack_res(w.wdown),
+                w.bdown,
+            )
             for w in self.layers
-        ]  # fmt: skip
+        ]
         self._head = ops.pack_head(self.lm_head)
         self._final_norm = getattr(ops, "norm", None) or last_dim_rms_norm
         stack = getattr(ops, "stack", None)  # cpp: the whole forward as one native call
-        self._stack = stack and stack(self._exec, self.norm_w, self._head, c.num_heads, c.num_kv_heads, c.rms_norm_eps,
-                                      c.head_dim**-0.5)  # fmt: skip
+        self._stack = stack and stack(
+            self._exec,
+            self.norm_w,
+            self._head,
+            c.num_heads,
+            c.num_kv_heads,
+            c.rms_norm_eps,
+            c.head_dim**-0.5,
+        )
 
     def _ensure_rope(self, n: int) -> None:
-        """Precompute cos / signed-sin tables [n, 1, d] for positions 0..n-1 (fp32 math, stored in model dtype)."""
+        """Precompute cos / signed-sin tables [n, 1, d] for positions 0..n-1 (fp32 math, stored in
+        model dtype)."""
         if n <= self._rope_len:
             return
         n = max(n, 2 * self._rope_len)
-        self._cos, self._sin = rope_tables(rope_inv_freq(self.config), n, self.dtype, self.device)  # [n, 1, d]
+        self._cos, self._sin = rope_tables(
+            rope_inv_freq(self.config), n, self.dtype, self.device
+        )  # [n, 1, d]
         self._rope_len = n
 
     def allocate_cache(self, max_len: int) -> KVCache:
         """A static cache of ``max_len`` slots (batch 1)."""
         c = self.config
-        if c.sliding_window is not None and max_len > c.sliding_window:  # a window past max_position_embeddings
-            raise UnsupportedArchitecture(f"a {max_len}-token cache exceeds the model's sliding window "
-                                          f"({c.sliding_window} > max_position_embeddings): use a shorter cache")
+        if (
+            c.sliding_window is not None and max_len > c.sliding_window
+        ):  # a window past max_position_embeddings
+            raise UnsupportedArchitecture(
+                f"a {max_len}-token cache exceeds the model's sliding window "
+                f"({c.sliding_window} > max_position_embeddings): use a shorter cache"
+            )
         return self.allocate_layer_cache(c.num_layers, max_len)
 
-    # ---- forward ---------------------------------------------------------------------------------------------------
+    # ---- forward ---------------------------------------------------------------------------------
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -205,64 +284,105 @@ class LeanDecoder(RowsStep, TargetDecoder):
     ) -> TargetOutput:
         """Run T new tokens after the cache's committed prefix.
 
-        input_ids [T] long. Their K/V go to slots ``cache.length .. +T-1`` (``cache.length`` is NOT advanced: call
-        ``cache.commit(n)`` or ``cache.compact(...)``). New token i attends to the whole prefix and to new token j iff
-        ``tree_mask[i, j]`` ([T, T] bool; None = causal). ``positions`` [T] default to ``cache.length + arange(T)``
-        (tree nodes pass ``prefix_len + depth``). ``logits_for``: "all", "last" or a LongTensor of row indices.
+        input_ids [T] long. Their K/V go to slots ``cache.length .. +T-1`` (``cache.length`` is NOT
+        advanced: call ``cache.commit(n)`` or ``cache.compact(...)``). New token i attends to the
+        whole prefix and to new token j iff ``tree_mask[i, j]`` ([T, T] bool; None = causal).
+        ``positions`` [T] default to ``cache.length + arange(T)`` (tree nodes pass ``prefix_len +
+        depth``). ``logits_for``: "all", "last" or a LongTensor of row indices.
         ``taps``: decoder layers whose input (residual stream, pre-norm) to return as well.
-        ``head``: "logits", or "argmax" for greedy decoding: the LM head reduced to each row's argmax on the fly
-        (the first maximum, as ``torch.argmax`` of the logits), without materialising [T', V].
-        Returns a :class:`TargetOutput`: logits [T', V] (model dtype) or argmax [T'], post-final-norm hidden [T, H],
-        taps.
+        ``head``: "logits", or "argmax" for greedy decoding: the LM head reduced to each row's
+        argmax on the fly (the first maximum, as ``torch.argmax`` of the logits), without
+        materialising [T', V]. Returns a :class:`TargetOutput`: logits [T', V] (model dtype) or
+        argmax [T'], post-final-norm hidden [T, H], taps.
         """
         # Validate everything before any slot is written.
         if input_ids.dim() != 1 or input_ids.numel() == 0:
-            raise ValueError(f"input_ids must be a non-empty 1-D LongTensor [T] (batch 1); got "
-                             f"{tuple(input_ids.shape)}")
+            raise ValueError(
+                "input_ids must be a non-empty 1-D LongTensor [T] (batch 1); got "
+                f"{tuple(input_ids.shape)}"
+            )
         t = input_ids.numel()
         cache.check_fits(t)
         if positions is not None and positions.shape != (t,):
             raise ValueError(f"positions must have shape [{t}], got {tuple(positions.shape)}")
         if isinstance(logits_for, str) and logits_for not in ("all", "last"):
-            raise ValueError(f"logits_for must be 'all', 'last' or a LongTensor of rows, got {logits_for!r}")
+            raise ValueError(
+                f"logits_for must be 'all', 'last' or a LongTensor of rows, got {logits_for!r}"
+            )
         check_head(head)
         taps = tuple(int(i) for i in taps)
         bad = [i for i in taps if not 0 <= i <= self.config.num_layers]
         if bad:
-            raise ValueError(f"taps {bad} outside 0..{self.config.num_layers} (layer inputs; num_layers = last output)")
-        self._ensure_rope(max(cache.max_len, int(positions.max()) + 1 if positions is not None else 0))
+            raise ValueError(
+                f"taps {bad} outside 0..{self.config.num_layers} (layer inputs; num_layers = last"
+                " output)"
+            )
+        self._ensure_rope(
+            max(cache.max_len, int(positions.max()) + 1 if positions is not None else 0)
+        )
         if self._compiled is None:
             with torch.inference_mode():
-                return TargetOutput(*self._run(input_ids, cache.layers, cache.length, tree_mask, positions,
-                                               logits_for, taps, head))
+                return TargetOutput(
+                    *self._run(
+                        input_ids,
+                        cache.layers,
+                        cache.length,
+                        tree_mask,
+                        positions,
+                        logits_for,
+                        taps,
+                        head,
+                    )
+                )
         # inductor cannot trace inference tensors: compiled forwards run as ordinary no-grad code
         with torch.inference_mode(False), torch.no_grad():
-            return TargetOutput(*self._compiled(input_ids, cache.layers, cache.length, tree_mask, positions,
-                                                logits_for, taps, head))
+            return TargetOutput(
+                *self._compiled(
+                    input_ids,
+                    cache.layers,
+                    cache.length,
+                    tree_mask,
+                    positions,
+                    logits_for,
+                    taps,
+                    head,
+                )
+            )
 
     def _run(
-        self, input_ids: torch.Tensor, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], start: int,
-        tree_mask: torch.Tensor | None, positions: torch.Tensor | None, logits_for: str | torch.Tensor,
-        taps: tuple[int, ...], head: str = "logits",
+        self,
+        input_ids: torch.Tensor,
+        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+        start: int,
+        tree_mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        logits_for: str | torch.Tensor,
+        taps: tuple[int, ...],
+        head: str = "logits",
     ) -> tuple[torch.Tensor | None, torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
         """The forward math (see :meth:`forward`); inputs are already validated."""
         c = self.config
         found: dict[int, torch.Tensor] = {}
         x = F.embedding(input_ids, self.embed)  # [T, H]
-        if self._stack is not None:  # one native call: layers, final norm, head (the kernels below, bit for bit)
+        if (
+            self._stack is not None
+        ):  # one native call: layers, final norm, head (the kernels below, bit for bit)
             cos, sin = self._rope_rows(start, x.shape[0], positions)  # [T, 1, d]
             return self._stack(x, kv_layers, start, cos, sin, tree_mask, logits_for, taps, head)
-        x = self._layers(x, 0, c.num_layers, kv_layers, start, tree_mask, positions, taps, found)  # [T, H]
+        x = self._layers(
+            x, 0, c.num_layers, kv_layers, start, tree_mask, positions, taps, found
+        )  # [T, H]
         if c.num_layers in taps:
             found[c.num_layers] = x
         hidden = self.final_hidden(x)  # [T, H]
         logits, argmax = self._head_rows(hidden, logits_for, head)
         return logits, hidden, found, argmax
 
-    def _head_rows(self, hidden: torch.Tensor, logits_for: str | torch.Tensor,
-                   head: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(logits [T', V], None) or, for ``head="argmax"``, (None, argmax [T']) of the rows ``logits_for`` selects
-        from hidden [T, H]."""
+    def _head_rows(
+        self, hidden: torch.Tensor, logits_for: str | torch.Tensor, head: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits [T', V], None) or, for ``head="argmax"``, (None, argmax [T']) of the rows
+        ``logits_for`` selects from hidden [T, H]."""
         if isinstance(logits_for, str):
             sel = hidden if logits_for == "all" else hidden[-1:]
         else:
@@ -272,12 +392,19 @@ class LeanDecoder(RowsStep, TargetDecoder):
         return self._ops.linear(sel, self._head, None), None  # logits [T', V]
 
     def _layers(
-        self, x: torch.Tensor, first: int, last: int, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], start: int,
-        tree_mask: torch.Tensor | None, positions: torch.Tensor | None, taps: tuple[int, ...] = (),
+        self,
+        x: torch.Tensor,
+        first: int,
+        last: int,
+        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+        start: int,
+        tree_mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        taps: tuple[int, ...] = (),
         found: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Decoder layers ``first..last-1`` on the residual stream x [T, H]; ``kv_layers[i]`` is layer i's cache;
-        the input of each layer in ``taps`` is stored in ``found``."""
+        """Decoder layers ``first..last-1`` on the residual stream x [T, H]; ``kv_layers[i]`` is
+        layer i's cache; the input of each layer in ``taps`` is stored in ``found``."""
         c = self.config
         cos, sin = self._rope_rows(start, x.shape[0], positions)  # [T, 1, d]
         hq, hkv, eps, scale = c.num_heads, c.num_kv_heads, c.rms_norm_eps, c.head_dim**-0.5
@@ -291,14 +418,19 @@ class LeanDecoder(RowsStep, TargetDecoder):
             if found is not None and i in taps:
                 found[i] = x
             kc, vc = kv_layers[i]
-            x = layer(x, *self._exec[i], kc, vc, start, cos, sin, tree_mask, hq, hkv, eps, scale)  # [T, H]
+            x = layer(
+                x, *self._exec[i], kc, vc, start, cos, sin, tree_mask, hq, hkv, eps, scale
+            )  # [T, H]
         return x
 
-    def _rope_rows(self, start: int, t: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_rows(
+        self, start: int, t: int, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, d] of T new tokens: positions start.. or ``positions``."""
         if positions is None:
             return self._cos[start : start + t], self._sin[start : start + t]
-        # index_select: one plain gather per table (advanced indexing went through aten::index's general path)
+        # index_select: one plain gather per table (advanced indexing went through aten::index's
+        # general path)
         return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
     def forward_layers(
@@ -310,37 +442,53 @@ class LeanDecoder(RowsStep, TargetDecoder):
         tree_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run only decoder layers ``first..last-1`` (a layer range on the same cache): ``hidden`` [T, H] is the
-        residual stream entering layer ``first`` (``embed`` output for 0) of T new tokens after ``cache.length``;
-        those layers' K/V are written at slots ``cache.length ..`` (not committed). Returns the residual stream
-        leaving layer ``last-1`` [T, H], before the final norm. A self-drafter (Kangaroo) runs the target's shallow
-        layers this way and reuses their KV cache; :meth:`final_hidden` and :meth:`lm_head_logits` finish a forward."""
+        """Run only decoder layers ``first..last-1`` (a layer range on the same cache): ``hidden``
+        [T, H] is the residual stream entering layer ``first`` (``embed`` output for 0) of T new
+        tokens after ``cache.length``; those layers' K/V are written at slots ``cache.length ..``
+        (not committed). Returns the residual stream leaving layer ``last-1`` [T, H], before the
+        final norm. A self-drafter (Kangaroo) runs the target's shallow layers this way and reuses
+        their KV cache; :meth:`final_hidden` and :meth:`lm_head_logits` finish a forward.
+        """
         c = self.config
         if not 0 <= first < last <= c.num_layers:
-            raise ValueError(f"need 0 <= first < last <= {c.num_layers} layers; got first={first}, last={last}")
+            raise ValueError(
+                f"need 0 <= first < last <= {c.num_layers} layers; got first={first}, last={last}"
+            )
         if hidden.dim() != 2 or hidden.shape[1] != c.hidden_size:
             raise ValueError(f"hidden must be [T, {c.hidden_size}]; got {tuple(hidden.shape)}")
         cache.check_fits(hidden.shape[0])
         if positions is not None:
             self._ensure_rope(int(positions.max()) + 1)
         with torch.inference_mode():
-            return self._layers(hidden.to(self.dtype), first, last, cache.layers, cache.length, tree_mask, positions)
+            return self._layers(
+                hidden.to(self.dtype), first, last, cache.layers, cache.length, tree_mask, positions
+            )
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> the residual stream entering layer 0 [T, H]."""
         return F.embedding(input_ids, self.embed)
 
     def layer_weights(self, first: int, last: int) -> tuple[nn.Module, ...]:
-        """Layers ``first..last-1``' weights (the same objects and storage: Kangaroo's drafter shares them)."""
+        """Layers ``first..last-1``' weights (the same objects and storage: Kangaroo's drafter
+        shares them)."""
         return tuple(self.layers[first:last])
 
     def allocate_layer_cache(self, num_layers: int, max_len: int) -> KVCache:
-        """A static cache of the first ``num_layers`` layers, ``max_len`` slots (RoPE tables grown to reach them)."""
+        """A static cache of the first ``num_layers`` layers, ``max_len`` slots (RoPE tables grown
+        to reach them)."""
         c = self.config
         self._ensure_rope(max_len)
-        return KVCache(num_layers, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device, self.kernel_backend)
+        return KVCache(
+            num_layers,
+            c.num_kv_heads,
+            max_len,
+            c.head_dim,
+            self.dtype,
+            self.device,
+            self.kernel_backend,
+        )
 
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """The final RMSNorm on a residual stream [T, H] (what :meth:`forward` returns as hidden; the C++ norm on the
-        cpp backend, as its one-call forward computes it)."""
+        """The final RMSNorm on a residual stream [T, H] (what :meth:`forward` returns as hidden;
+        the C++ norm on the cpp backend, as its one-call forward computes it)."""
         return self._final_norm(x, self.norm_w, self.config.rms_norm_eps)

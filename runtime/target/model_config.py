@@ -1,5 +1,6 @@
-"""Which checkpoints the lean decoder runs: the HF ``config.json`` fields it needs, RoPE frequencies and tables, and
-:func:`lean_support` (what the loader asks before choosing the lean decoder or the transformers fallback).
+"""Which checkpoints the lean decoder runs: the HF ``config.json`` fields it needs, RoPE frequencies
+and tables, and :func:`lean_support` (what the loader asks before choosing the lean decoder or the
+transformers fallback).
 
 The per-family reading (windows per layer, RoPE layouts, Gemma features) lives in
 :mod:`draftsmith.runtime.target.families`.
@@ -27,8 +28,15 @@ from draftsmith.runtime.target.families import (
 )
 from draftsmith.runtime.target.weights import load_hf_config
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE_TYPES", "ModelConfig", "UnsupportedArchitecture", "lean_support",
-           "rope_inv_freq", "rope_tables"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_ROPE_TYPES",
+    "ModelConfig",
+    "UnsupportedArchitecture",
+    "lean_support",
+    "rope_inv_freq",
+    "rope_tables",
+]
 
 
 @dataclass
@@ -45,15 +53,21 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type + its parameters; {} = default
+    rope_scaling: dict[str, Any] = field(
+        default_factory=dict
+    )  # rope_type + its parameters; {} = default
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 always; Llama/Qwen3/Gemma when attention_bias
     o_bias: bool = False  # Llama/Qwen3/Gemma when attention_bias
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3, Gemma-3: RMSNorm per head on q and k before RoPE
-    sliding_window: int | None = None  # the configured window (None = none); layer_windows says where it applies
+    sliding_window: int | None = (
+        None  # the configured window (None = none); layer_windows says where it applies
+    )
     max_position_embeddings: int = 2048
-    layer_windows: tuple[int | None, ...] = ()  # per layer: keys k visible from query q iff q - k < window; None = all
+    layer_windows: tuple[
+        int | None, ...
+    ] = ()  # per layer: keys k visible from query q iff q - k < window; None = all
     hidden_act: str = "silu"  # the MLP gate's activation: silu or gelu_pytorch_tanh (Gemma)
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + w), in fp32
@@ -62,7 +76,9 @@ class ModelConfig:
     attn_scale: float | None = None  # Gemma: query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
     attn_softcap: float | None = None  # Gemma-2: scores -> cap * tanh(scores / cap) before the mask
     final_softcap: float | None = None  # Gemma-2: the same on the logits
-    local_rope_theta: float | None = None  # Gemma-3: the sliding layers' RoPE base (None: the global one)
+    local_rope_theta: float | None = (
+        None  # Gemma-3: the sliding layers' RoPE base (None: the global one)
+    )
     local_rope_scaling: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -75,8 +91,10 @@ class ModelConfig:
 
     @property
     def llama_layer_gap(self) -> str | None:
-        """The first feature of this model that the plain Llama layer (and the fused C++ layer) lacks; None when
-        the plain layer serves it. The lean decoder picks its general layer by this, once, at load."""
+        """The first feature of this model that the plain Llama layer (and the fused C++ layer)
+        lacks; None when the plain layer serves it. The lean decoder picks its general layer by
+        this, once, at load.
+        """
         gaps = (
             (any(w is not None for w in self.layer_windows), "sliding-window attention"),
             (self.norm_plus_one or self.sandwich_norms, "Gemma norms"),
@@ -90,7 +108,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a parsed HF ``config.json``; raises UnsupportedArchitecture for what the lean decoder lacks."""
+        """Build from a parsed HF ``config.json``; raises UnsupportedArchitecture for what the lean
+        decoder lacks."""
         model_type = check_model_type(cfg)
         heads = int(cfg["num_attention_heads"])
         bias = bool(cfg.get("attention_bias", False))
@@ -126,8 +145,11 @@ class ModelConfig:
 
 
 def lean_support(hf_config: dict[str, Any]) -> str | None:
-    """None when the lean decoder serves the model of this parsed ``config.json``; else what it lacks, in a few
-    words (e.g. "model_type 'gpt2'", "rope type 'yarn'"): such a model goes to the transformers fallback."""
+    """None when the lean decoder serves the model of this parsed ``config.json``; else what it
+    lacks, in a few
+    words (e.g. "model_type 'gpt2'", "rope type 'yarn'"): such a model goes to the transformers
+    fallback.
+    """
     try:
         ModelConfig.from_hf_dict(hf_config)
     except UnsupportedArchitecture as err:
@@ -138,8 +160,8 @@ def lean_support(hf_config: dict[str, Any]) -> str | None:
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies [d/2] (fp32) for the config's RoPE type (default, linear, llama3); ``local``: those of
-    the sliding layers where they have their own base (Gemma-3)."""
+    """Inverse frequencies [d/2] (fp32) for the config's RoPE type (default, linear, llama3);
+    ``local``: those of the sliding layers where they have their own base (Gemma-3)."""
     d = config.head_dim
     theta, params = config.rope_theta, config.rope_scaling
     if local and config.local_rope_theta is not None:
@@ -149,8 +171,13 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     if rope_type == "linear":
         inv = inv / float(params["factor"])
     elif rope_type == "llama3":
-        # Llama 3.1: divide low frequencies by `factor`, keep high ones, interpolate smoothly in between.
-        factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        # Llama 3.1: divide low frequencies by `factor`, keep high ones, interpolate smoothly in
+        # between.
+        factor, low, high = (
+            float(params["factor"]),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+        )
         old_len = float(params["original_max_position_embeddings"])
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
@@ -161,11 +188,19 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     return inv
 
 
-def rope_tables(inv_freq: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+def rope_tables(
+    inv_freq: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, ...]:
     """cos and signed-sin tables [n, 1, d] for positions 0..n-1 (fp32 math, stored in ``dtype``):
-    ``rotate_half(x) * sin == roll(x, d/2) * cat(-sin, sin)``, so the sign is folded into the sin table."""
-    with torch.inference_mode(False):  # ordinary tensors even when first needed under inference_mode
+    ``rotate_half(x) * sin == roll(x, d/2) * cat(-sin, sin)``, so the sign is folded into the sin
+    table.
+    """
+    with torch.inference_mode(
+        False
+    ):  # ordinary tensors even when first needed under inference_mode
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)  # [n, d/2]
         cos, sin = freqs.cos(), freqs.sin()
-        return (torch.cat([cos, cos], -1)[:, None].to(dtype).to(device),
-                torch.cat([-sin, sin], -1)[:, None].to(dtype).to(device))  # fmt: skip
+        return (
+            torch.cat([cos, cos], -1)[:, None].to(dtype).to(device),
+            torch.cat([-sin, sin], -1)[:, None].to(dtype).to(device),
+        )

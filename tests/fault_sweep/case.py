@@ -1,16 +1,20 @@
-"""One row of the fault sweep's case table, and the setup steps a row may ask for before its command runs.
+"""One row of the fault sweep's case table, and the setup steps a row may ask for before its command
+runs.
 
-A command is a string with placeholders: the world's inputs (``{T}``, ``{MED}``... see world.py) and ``{S}``, the
-case's own scratch folder. It starts with ``ds`` (the ``draftsmith`` CLI) or ``train`` (``train.py``). Setup steps
-are tuples run in order (paths formatted the same way):
+A command is a string with placeholders: the world's inputs (``{T}``, ``{MED}``... see world.py) and
+``{S}``, the case's own scratch folder. It starts with ``ds`` (the ``draftsmith`` CLI) or ``train``
+(``train.py``). Setup steps are tuples run in order (paths formatted the same way):
 
 * ``("file", PATH, TEXT)`` / ``("bytes", PATH, HEX)`` / ``("dir", PATH)``: make a file or folder;
 * ``("copy", SRC, DST)``: copy a file or folder (a case damages its own copy, never the world's);
-* ``("json", FILE, {"a.b": value})``: set keys (dotted paths; ``None`` deletes the key) in a JSON file;
-* ``("nan", FILE)``: every floating tensor of a safetensors file set to NaN; ``("truncate", FILE, N)``: keep N bytes;
-* ``("rm", PATH)``; ``("run", COMMAND)``: a command that must succeed (e.g. a first run a resume case resumes);
-* ``("ro", DIR)`` / ``("full", DIR, KB)``: a read-only, or a KB-sized, tmpfs mounted at DIR (root only; the case is
-  skipped elsewhere), unmounted after the case.
+* ``("json", FILE, {"a.b": value})``: set keys (dotted paths; ``None`` deletes the key) in a JSON
+  file;
+* ``("nan", FILE)``: every floating tensor of a safetensors file set to NaN; ``("truncate", FILE,
+  N)``: keep N bytes;
+* ``("rm", PATH)``; ``("run", COMMAND)``: a command that must succeed (e.g. a first run a resume
+  case resumes);
+* ``("ro", DIR)`` / ``("full", DIR, KB)``: a read-only, or a KB-sized, tmpfs mounted at DIR (root
+  only; the case is skipped elsewhere), unmounted after the case.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Case:
-    """A fault case: ``cmd`` run after ``setup``; ``expect`` refuse | interrupt | ok; ``mentions``: what the one
-    error line must name (case-insensitive); ``protect``: paths whose bytes must not change (``append:PATH``: may
-    only grow); ``rerun``: a command that must succeed afterwards (else the state is wedged); ``owner``: who fixes
-    it (C1 commands/exports, A config/train.py, B runtime/bench, C2 training-side faults, D engine, E evals)."""
+    """A fault case: ``cmd`` run after ``setup``; ``expect`` refuse | interrupt | ok; ``mentions``:
+    what the one error line must name (case-insensitive); ``protect``: paths whose bytes must not
+    change (``append:PATH``: may only grow); ``rerun``: a command that must succeed afterwards (else
+    the state is wedged); ``owner``: who fixes it (C1 commands/exports, A config/train.py, B
+    runtime/bench, C2 training-side faults, D engine, E evals).
+    """
 
     id: str
     cmd: str
@@ -36,13 +42,16 @@ class Case:
     owner: str = "C1"
     timeout: int = 240
     stdin: str = ""
-    sigint_after: float | None = None  # seconds after start; or after the first stderr line matching sigint_on
+    sigint_after: float | None = (
+        None  # seconds after start; or after the first stderr line matching sigint_on
+    )
     sigint_on: str | None = None
     env: dict[str, str] = field(default_factory=dict)
 
 
 def c(id: str, cmd: str, *mentions: str, **kw: Any) -> Case:
-    """A refusal case in one line: ``c("gen-no-target", "ds generate --target nosuch ...", "nosuch")``."""
+    """A refusal case in one line: ``c("gen-no-target", "ds generate --target nosuch ...",
+    "nosuch")``."""
     return Case(id, cmd, mentions=tuple(mentions), **kw)
 
 

@@ -1,5 +1,5 @@
-"""Fault cases of the serving commands: generate, bench (every mode), engine-check, calibrate; and the exports they
-read (config.json schema, part names, weights)."""
+"""Fault cases of the serving commands: generate, bench (every mode), engine-check, calibrate; and
+the exports they read (config.json schema, part names, weights)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,31 @@ from case import c, copy, edit, file, ok
 
 GEN = "ds generate --prompt 'hello world' --max-new-tokens 4 --dtype fp32"
 GT = GEN + " --target {T}"
-BENCH = ("ds bench export --prompts {PROMPTS} --num-prompts 1 --max-new-tokens 4 --dtype fp32 --skip-hf "
-         "--lossless-dtype none --target {T}")
+BENCH = (
+    "ds bench export --prompts {PROMPTS} --num-prompts 1 --max-new-tokens 4 --dtype fp32 --skip-hf "
+    "--lossless-dtype none --target {T}"
+)
 M = "{S}/m/config.json"  # a case's own copy of the Medusa export
 
 
 def _broken_export(id: str, changes: dict, *mentions: str, owner: str = "C1"):
     """generate with a copy of the Medusa export whose config.json got ``changes``."""
-    return c(id, GT + " --drafter {S}/m", *mentions, setup=(copy("{MED}", "{S}/m"), edit(M, changes)), owner=owner)
+    return c(
+        id,
+        GT + " --drafter {S}/m",
+        *mentions,
+        setup=(copy("{MED}", "{S}/m"), edit(M, changes)),
+        owner=owner,
+    )
 
 
 EXPORT_CONFIG = [
     _broken_export("export-arch-list", {"architecture": []}, "architecture"),
     _broken_export("export-arch-num-heads-str", {"architecture.num_heads": "two"}, "num_heads"),
     _broken_export("export-arch-hidden-float", {"architecture.hidden_size": 64.5}, "hidden_size"),
-    _broken_export("export-arch-missing-key", {"architecture.num_heads": None}, "architecture keys"),
+    _broken_export(
+        "export-arch-missing-key", {"architecture.num_heads": None}, "architecture keys"
+    ),
     _broken_export("export-format-version-str", {"format_version": "abc"}, "format_version"),
     _broken_export("export-format-version-future", {"format_version": 99}, "format_version"),
     _broken_export("export-format-other", {"format": "vllm"}, "format"),
@@ -31,24 +41,53 @@ EXPORT_CONFIG = [
     _broken_export("export-target-vocab-str", {"target.vocab_size": "many"}, "vocab_size"),
     _broken_export("export-inference-list", {"inference": [1, 2]}, "inference"),
     _broken_export("export-verifier-unknown", {"inference.verifier": "banana"}, "verifier"),
-    _broken_export("export-stop-policy-bad", {"inference.stop_policy": {"kind": "banana"}}, "stop_policy"),
+    _broken_export(
+        "export-stop-policy-bad", {"inference.stop_policy": {"kind": "banana"}}, "stop_policy"
+    ),
     _broken_export("export-tree-bad", {"inference.tree": "not a tree"}, "tree"),
     _broken_export("export-parts-list", {"parts": ["model"]}, "parts"),
     _broken_export("export-part-outside", {"parts.model.file": "../../chat.jsonl"}, "outside"),
     _broken_export("export-part-absolute", {"parts.model.file": "/etc/hostname"}, "outside"),
-    _broken_export("export-part-name-dots", {"parts": {"../x": {"file": "model.safetensors"}}}, "part"),
+    _broken_export(
+        "export-part-name-dots", {"parts": {"../x": {"file": "model.safetensors"}}}, "part"
+    ),
     _broken_export("export-identity-str", {"identity": "abc"}, "identity"),
-    c("export-config-not-json", GT + " --drafter {S}/m", "JSON",
-      setup=(copy("{MED}", "{S}/m"), file(M, "{not json"))),
-    c("export-config-array", GT + " --drafter {S}/m", "config.json", setup=(copy("{MED}", "{S}/m"), file(M, "[1]"))),
-    c("export-nan-weights", GT + " --drafter {S}/m", "NaN",
-      setup=(copy("{MED}", "{S}/m"), ("nan", "{S}/m/model.safetensors"))),
-    c("export-weights-truncated", GT + " --drafter {S}/m", "model.safetensors",
-      setup=(copy("{MED}", "{S}/m"), ("truncate", "{S}/m/model.safetensors", 100))),
-    c("export-weights-missing", GT + " --drafter {S}/m", "model.safetensors",
-      setup=(copy("{MED}", "{S}/m"), ("rm", "{S}/m/model.safetensors"))),
-    c("export-weights-empty", GT + " --drafter {S}/m", "model.safetensors",
-      setup=(copy("{MED}", "{S}/m"), file("{S}/m/model.safetensors", ""))),
+    c(
+        "export-config-not-json",
+        GT + " --drafter {S}/m",
+        "JSON",
+        setup=(copy("{MED}", "{S}/m"), file(M, "{not json")),
+    ),
+    c(
+        "export-config-array",
+        GT + " --drafter {S}/m",
+        "config.json",
+        setup=(copy("{MED}", "{S}/m"), file(M, "[1]")),
+    ),
+    c(
+        "export-nan-weights",
+        GT + " --drafter {S}/m",
+        "NaN",
+        setup=(copy("{MED}", "{S}/m"), ("nan", "{S}/m/model.safetensors")),
+    ),
+    c(
+        "export-weights-truncated",
+        GT + " --drafter {S}/m",
+        "model.safetensors",
+        setup=(copy("{MED}", "{S}/m"), ("truncate", "{S}/m/model.safetensors", 100)),
+    ),
+    c(
+        "export-weights-missing",
+        GT + " --drafter {S}/m",
+        "model.safetensors",
+        setup=(copy("{MED}", "{S}/m"), ("rm", "{S}/m/model.safetensors")),
+    ),
+    c(
+        "export-weights-empty",
+        GT + " --drafter {S}/m",
+        "model.safetensors",
+        setup=(copy("{MED}", "{S}/m"), file("{S}/m/model.safetensors", "")),
+    ),
 ]
 
 GENERATE = [
@@ -61,14 +100,34 @@ GENERATE = [
     c("gen-target-is-speculators", GEN + " --target {SPEC}", "speculators"),
     c("gen-remote-code", GEN + " --target {REMOTE}", "--trust-remote-code"),
     c("gen-remote-code-yes-stdin", GEN + " --target {REMOTE}", "--trust-remote-code", stdin="y\n"),
-    c("gen-target-config-corrupt", GEN + " --target {S}/t", "config.json",
-      setup=(copy("{T}", "{S}/t"), file("{S}/t/config.json", "{oops"))),
-    c("gen-target-weights-truncated", GEN + " --target {S}/t", "safetensors",
-      setup=(copy("{T}", "{S}/t"), ("truncate", "{S}/t/model.safetensors", 1000))),
-    c("gen-target-no-tokenizer", GEN + " --target {S}/t", "tokenizer",
-      setup=(copy("{T}", "{S}/t"), ("rm", "{S}/t/tokenizer.json"), ("rm", "{S}/t/tokenizer_config.json"))),
-    c("gen-target-no-weights", GEN + " --target {S}/t", "safetensors",
-      setup=(copy("{T}", "{S}/t"), ("rm", "{S}/t/model.safetensors"))),
+    c(
+        "gen-target-config-corrupt",
+        GEN + " --target {S}/t",
+        "config.json",
+        setup=(copy("{T}", "{S}/t"), file("{S}/t/config.json", "{oops")),
+    ),
+    c(
+        "gen-target-weights-truncated",
+        GEN + " --target {S}/t",
+        "safetensors",
+        setup=(copy("{T}", "{S}/t"), ("truncate", "{S}/t/model.safetensors", 1000)),
+    ),
+    c(
+        "gen-target-no-tokenizer",
+        GEN + " --target {S}/t",
+        "tokenizer",
+        setup=(
+            copy("{T}", "{S}/t"),
+            ("rm", "{S}/t/tokenizer.json"),
+            ("rm", "{S}/t/tokenizer_config.json"),
+        ),
+    ),
+    c(
+        "gen-target-no-weights",
+        GEN + " --target {S}/t",
+        "safetensors",
+        setup=(copy("{T}", "{S}/t"), ("rm", "{S}/t/model.safetensors")),
+    ),
     c("gen-drafter-missing", GT + " --drafter {S}/nosuch", "nosuch"),
     c("gen-drafter-file", GT + " --drafter {MED}/config.json", "file"),
     c("gen-drafter-is-target", GT + " --drafter {T}", "target model folder"),
@@ -77,12 +136,28 @@ GENERATE = [
     c("gen-drafter-empty-dir", GT + " --drafter {EMPTY}", "config.json"),
     c("gen-drafter-other-target", GEN + " --target {T2} --drafter {MED}", "hidden_size"),
     c("gen-controller-is-medusa", GT + " --controller {MED}", "medusa"),
-    c("gen-prompt-empty", "ds generate --prompt '' --max-new-tokens 4 --dtype fp32 --target {T}", "prompt"),
-    c("gen-max-new-tokens-huge", GT.replace("--max-new-tokens 4", "--max-new-tokens 1000000000"), "context",
-      owner="B"),
-    c("gen-max-new-tokens-past-context", GT.replace("--max-new-tokens 4", "--max-new-tokens 5000"), "context",
-      owner="B"),
-    c("gen-max-new-tokens-zero", GT.replace("--max-new-tokens 4", "--max-new-tokens 0"), "--max-new-tokens"),
+    c(
+        "gen-prompt-empty",
+        "ds generate --prompt '' --max-new-tokens 4 --dtype fp32 --target {T}",
+        "prompt",
+    ),
+    c(
+        "gen-max-new-tokens-huge",
+        GT.replace("--max-new-tokens 4", "--max-new-tokens 1000000000"),
+        "context",
+        owner="B",
+    ),
+    c(
+        "gen-max-new-tokens-past-context",
+        GT.replace("--max-new-tokens 4", "--max-new-tokens 5000"),
+        "context",
+        owner="B",
+    ),
+    c(
+        "gen-max-new-tokens-zero",
+        GT.replace("--max-new-tokens 4", "--max-new-tokens 0"),
+        "--max-new-tokens",
+    ),
     c("gen-temperature-negative", GT + " --temperature -1", "--temperature"),
     c("gen-dtype-fp16", GEN.replace("fp32", "fp16") + " --target {T}", "fp16"),
     c("gen-seed-negative", GT + " --seed -3", "--seed"),
@@ -90,69 +165,190 @@ GENERATE = [
     c("gen-proposer-option-unknown", GT + " --drafter {MED} --proposer-option banana=1", "banana"),
     c("gen-proposer-option-tree", GT + " --drafter {MED} --proposer-option 'tree=[[9]]'", "tree"),
     c("gen-stop-policy-bad", GT + " --drafter {MED} --stop-policy fixed:-1", "--stop-policy"),
-    ok("gen-ok-typical-at-zero", GT + " --drafter {MED} --verifier typical"),  # clamped to T=1e-5: greedy
+    ok(
+        "gen-ok-typical-at-zero", GT + " --drafter {MED} --verifier typical"
+    ),  # clamped to T=1e-5: greedy
     c("gen-backend-bad", GT + " --backend x", "--backend"),
     c("gen-learned-stop-no-head", GT + " --drafter {MED} --stop-policy learned:0.5", "learned"),
     c("gen-unknown-flag", GT + " --nosuch 3", "--nosuch"),
-    c("gen-sigint", GT.replace("--max-new-tokens 4", "--max-new-tokens 400") + " --backend hf --verbose",
-      "interrupted", expect="interrupt", sigint_on=r"\[dtype\]", sigint_after=0.0),
+    c(
+        "gen-sigint",
+        GT.replace("--max-new-tokens 4", "--max-new-tokens 400") + " --backend hf --verbose",
+        "interrupted",
+        expect="interrupt",
+        sigint_on=r"\[dtype\]",
+        sigint_after=0.0,
+    ),
 ]
 
 BENCH_CASES = [
     ok("bench-ok-medusa", BENCH + " --drafter {MED} --out {S}/b"),
-    c("bench-out-file", BENCH + " --drafter {MED} --out {S}/f", "file", setup=(file("{S}/f"),), protect=("{S}/f",)),
-    c("bench-out-users-folder", BENCH + " --drafter {MED} --out {S}/mine", "mine",
-      setup=(file("{S}/mine/notes.txt"), file("{S}/mine/bench.json", "{\"mine\": 1}")), protect=("{S}/mine",)),
-    c("bench-out-is-drafter", BENCH + " --drafter {S}/m --out {S}/m", "--out", setup=(copy("{MED}", "{S}/m"),),
-      protect=("{S}/m",)),
-    c("bench-out-inside-target", BENCH.replace("{T}", "{S}/t") + " --drafter {MED} --out {S}/t/bench", "--out",
-      setup=(copy("{T}", "{S}/t"),), protect=("{S}/t",)),
-    c("bench-out-read-only", BENCH + " --drafter {MED} --out {S}/ro/b", "--out", setup=(("ro", "{S}/ro"),)),
-    c("bench-out-parent-is-file", BENCH + " --drafter {MED} --out {S}/f/b", "--out", setup=(file("{S}/f"),),
-      protect=("{S}/f",)),
+    c(
+        "bench-out-file",
+        BENCH + " --drafter {MED} --out {S}/f",
+        "file",
+        setup=(file("{S}/f"),),
+        protect=("{S}/f",),
+    ),
+    c(
+        "bench-out-users-folder",
+        BENCH + " --drafter {MED} --out {S}/mine",
+        "mine",
+        setup=(file("{S}/mine/notes.txt"), file("{S}/mine/bench.json", '{"mine": 1}')),
+        protect=("{S}/mine",),
+    ),
+    c(
+        "bench-out-is-drafter",
+        BENCH + " --drafter {S}/m --out {S}/m",
+        "--out",
+        setup=(copy("{MED}", "{S}/m"),),
+        protect=("{S}/m",),
+    ),
+    c(
+        "bench-out-inside-target",
+        BENCH.replace("{T}", "{S}/t") + " --drafter {MED} --out {S}/t/bench",
+        "--out",
+        setup=(copy("{T}", "{S}/t"),),
+        protect=("{S}/t",),
+    ),
+    c(
+        "bench-out-read-only",
+        BENCH + " --drafter {MED} --out {S}/ro/b",
+        "--out",
+        setup=(("ro", "{S}/ro"),),
+    ),
+    c(
+        "bench-out-parent-is-file",
+        BENCH + " --drafter {MED} --out {S}/f/b",
+        "--out",
+        setup=(file("{S}/f"),),
+        protect=("{S}/f",),
+    ),
     c("bench-prompts-missing", BENCH + " --drafter {MED} --prompts {S}/nosuch.jsonl", "nosuch"),
     c("bench-prompts-dir", BENCH + " --drafter {MED} --prompts {EMPTY}", "folder"),
     c("bench-prompts-binary", BENCH + " --drafter {MED} --prompts {BIN}", "UTF-8"),
-    c("bench-prompts-empty-file", BENCH + " --drafter {MED} --prompts {S}/p.jsonl", "no prompts",
-      setup=(file("{S}/p.jsonl", ""),)),
-    c("bench-prompts-list-line", BENCH + " --drafter {MED} --prompts {S}/p.jsonl", "object",
-      setup=(file("{S}/p.jsonl", "[\"a\", \"b\"]\n"),)),
-    c("bench-prompts-bad-json", BENCH + " --drafter {MED} --prompts {S}/p.jsonl", "JSON",
-      setup=(file("{S}/p.jsonl", "{\"prompt\": \n"),)),
-    c("bench-prompts-no-prompt-key", BENCH + " --drafter {MED} --prompts {S}/p.jsonl", "prompt",
-      setup=(file("{S}/p.jsonl", "{\"text\": \"hi\"}\n"),)),
-    c("bench-prompts-slice-reversed", BENCH + " --drafter {MED} --prompts 'mtbench[5:2]'", "mtbench[5:2]"),
-    c("bench-prompts-slice-letters", BENCH + " --drafter {MED} --prompts 'mtbench[a:b]'", "mtbench[a:b]"),
-    c("bench-prompts-slice-unknown-set", BENCH + " --drafter {MED} --prompts 'nosuch[0:3]'", "nosuch"),
-    c("bench-prompts-slice-past-end", BENCH + " --drafter {MED} --prompts 'mtbench[500:]'", "mtbench[500:]"),
-    c("bench-prompts-too-long", BENCH + " --drafter {MED} --prompts {S}/p.jsonl", "context",
-      setup=(file("{S}/p.jsonl", "{\"prompt\": \"" + "hello " * 600 + "\"}\n"),)),
+    c(
+        "bench-prompts-empty-file",
+        BENCH + " --drafter {MED} --prompts {S}/p.jsonl",
+        "no prompts",
+        setup=(file("{S}/p.jsonl", ""),),
+    ),
+    c(
+        "bench-prompts-list-line",
+        BENCH + " --drafter {MED} --prompts {S}/p.jsonl",
+        "object",
+        setup=(file("{S}/p.jsonl", '["a", "b"]\n'),),
+    ),
+    c(
+        "bench-prompts-bad-json",
+        BENCH + " --drafter {MED} --prompts {S}/p.jsonl",
+        "JSON",
+        setup=(file("{S}/p.jsonl", '{"prompt": \n'),),
+    ),
+    c(
+        "bench-prompts-no-prompt-key",
+        BENCH + " --drafter {MED} --prompts {S}/p.jsonl",
+        "prompt",
+        setup=(file("{S}/p.jsonl", '{"text": "hi"}\n'),),
+    ),
+    c(
+        "bench-prompts-slice-reversed",
+        BENCH + " --drafter {MED} --prompts 'mtbench[5:2]'",
+        "mtbench[5:2]",
+    ),
+    c(
+        "bench-prompts-slice-letters",
+        BENCH + " --drafter {MED} --prompts 'mtbench[a:b]'",
+        "mtbench[a:b]",
+    ),
+    c(
+        "bench-prompts-slice-unknown-set",
+        BENCH + " --drafter {MED} --prompts 'nosuch[0:3]'",
+        "nosuch",
+    ),
+    c(
+        "bench-prompts-slice-past-end",
+        BENCH + " --drafter {MED} --prompts 'mtbench[500:]'",
+        "mtbench[500:]",
+    ),
+    c(
+        "bench-prompts-too-long",
+        BENCH + " --drafter {MED} --prompts {S}/p.jsonl",
+        "context",
+        setup=(file("{S}/p.jsonl", '{"prompt": "' + "hello " * 600 + '"}\n'),),
+    ),
     c("bench-num-prompts-zero", BENCH + " --drafter {MED} --num-prompts 0", "--num-prompts"),
     c("bench-no-drafter", BENCH, "--drafter"),
     c("bench-engine-parity-no-drafter", BENCH + " --engine-parity", "--drafter"),
-    c("bench-drafter-nan", BENCH + " --drafter {S}/m", "NaN",
-      setup=(copy("{MED}", "{S}/m"), ("nan", "{S}/m/model.safetensors"))),
+    c(
+        "bench-drafter-nan",
+        BENCH + " --drafter {S}/m",
+        "NaN",
+        setup=(copy("{MED}", "{S}/m"), ("nan", "{S}/m/model.safetensors")),
+    ),
     c("bench-drafter-speculators", BENCH + " --drafter {SPEC}", "speculators"),
     c("bench-drafter-is-target", BENCH + " --drafter {T}", "target model folder"),
-    c("bench-remote-code-oracle", BENCH.replace("{T}", "{REMOTE}") + " --oracle-acceptance 0.8",
-      "--trust-remote-code"),
+    c(
+        "bench-remote-code-oracle",
+        BENCH.replace("{T}", "{REMOTE}") + " --oracle-acceptance 0.8",
+        "--trust-remote-code",
+    ),
     c("bench-sweep-k-negative", BENCH + " --drafter {MED} --sweep-k 1,-2", "--sweep-k"),
     c("bench-oracle-acceptance-high", BENCH + " --oracle-acceptance 1.5", "--oracle-acceptance"),
     c("bench-window-zero", BENCH + " --drafter {MED} --window 0", "--window"),
-    c("bench-max-new-tokens-past-context", BENCH.replace("--max-new-tokens 4", "--max-new-tokens 100000")
-      + " --drafter {MED}", "context", owner="B"),
-    c("bench-controller-is-medusa", "ds bench controller --controller {MED} --target {T} --prompts {PROMPTS} "
-      "--num-prompts 1 --max-new-tokens 4 --dtype fp32", "medusa"),
-    c("bench-controller-two", "ds bench controller --controller {MED},{MED} --target {T}", "reward"),
-    c("bench-reward-unknown", "ds bench reward --target {T} --reward nosuch.module:fn --num-prompts 1 "
-      "--samples-per-prompt 2 --max-new-tokens 2 --dtype fp32", "nosuch"),
-    c("bench-reward-prompts-missing", "ds bench reward --target {T} --prompts {S}/nosuch.jsonl --num-prompts 1 "
-      "--dtype fp32", "nosuch"),
-    c("bench-diffusion-not-diffusion", "ds bench diffusion --target {T} --num-prompts 1 --gen-length 32", "diffusion"),
-    c("bench-diffusion-threshold", "ds bench diffusion --target {T} --threshold 1.5", "--threshold"),
-    c("bench-mode-flag-elsewhere", "ds bench controller --controller {MED} --engine-parity", "--engine-parity"),
-    c("bench-sigint", BENCH.replace("--max-new-tokens 4", "--max-new-tokens 300") + " --drafter {MED} --out {S}/b",
-      "interrupted", expect="interrupt", sigint_on="forward curve", sigint_after=0.2, protect=("{MED}",)),
+    c(
+        "bench-max-new-tokens-past-context",
+        BENCH.replace("--max-new-tokens 4", "--max-new-tokens 100000") + " --drafter {MED}",
+        "context",
+        owner="B",
+    ),
+    c(
+        "bench-controller-is-medusa",
+        "ds bench controller --controller {MED} --target {T} --prompts {PROMPTS} "
+        "--num-prompts 1 --max-new-tokens 4 --dtype fp32",
+        "medusa",
+    ),
+    c(
+        "bench-controller-two",
+        "ds bench controller --controller {MED},{MED} --target {T}",
+        "reward",
+    ),
+    c(
+        "bench-reward-unknown",
+        "ds bench reward --target {T} --reward nosuch.module:fn --num-prompts 1 "
+        "--samples-per-prompt 2 --max-new-tokens 2 --dtype fp32",
+        "nosuch",
+    ),
+    c(
+        "bench-reward-prompts-missing",
+        "ds bench reward --target {T} --prompts {S}/nosuch.jsonl --num-prompts 1 --dtype fp32",
+        "nosuch",
+    ),
+    c(
+        "bench-diffusion-not-diffusion",
+        "ds bench diffusion --target {T} --num-prompts 1 --gen-length 32",
+        "diffusion",
+    ),
+    c(
+        "bench-diffusion-threshold",
+        "ds bench diffusion --target {T} --threshold 1.5",
+        "--threshold",
+    ),
+    c(
+        "bench-mode-flag-elsewhere",
+        "ds bench controller --controller {MED} --engine-parity",
+        "--engine-parity",
+    ),
+    c(
+        "bench-sigint",
+        BENCH.replace("--max-new-tokens 4", "--max-new-tokens 300")
+        + " --drafter {MED} --out {S}/b",
+        "interrupted",
+        expect="interrupt",
+        sigint_on="forward curve",
+        sigint_after=0.2,
+        protect=("{MED}",),
+    ),
 ]
 
 ENGINES = [
@@ -160,16 +356,41 @@ ENGINES = [
     c("engine-check-missing", "ds engine-check {S}/nosuch", "nosuch"),
     c("engine-check-target", "ds engine-check {T}", "export"),
     c("engine-check-draft-n-max-zero", "ds engine-check {EA3} --draft-n-max 0", "--draft-n-max"),
-    c("engine-check-gguf-users-folder", "ds engine-check {EA3} --gguf {S}/mine", "mine",
-      setup=(file("{S}/mine/notes.txt"),), protect=("{S}/mine",)),
-    c("engine-check-out-is-export", "ds engine-check {EA3} --out {EA3}/config.json", "--out", protect=("{EA3}",)),
+    c(
+        "engine-check-gguf-users-folder",
+        "ds engine-check {EA3} --gguf {S}/mine",
+        "mine",
+        setup=(file("{S}/mine/notes.txt"),),
+        protect=("{S}/mine",),
+    ),
+    c(
+        "engine-check-out-is-export",
+        "ds engine-check {EA3} --out {EA3}/config.json",
+        "--out",
+        protect=("{EA3}",),
+    ),
     c("calibrate-medusa", "ds calibrate --drafter {MED} --out {S}/c --num-prompts 1", "specdecpp"),
     c("calibrate-missing", "ds calibrate --drafter {S}/nosuch --out {S}/c", "nosuch"),
-    c("calibrate-out-file", "ds calibrate --drafter {MED} --out {S}/f", "file", setup=(file("{S}/f"),),
-      protect=("{S}/f",)),
-    c("calibrate-out-is-drafter", "ds calibrate --drafter {S}/m --out {S}/m", "--out",
-      setup=(copy("{MED}", "{S}/m"),), protect=("{S}/m",)),
-    c("calibrate-out-read-only", "ds calibrate --drafter {MED} --out {S}/ro/c", "--out", setup=(("ro", "{S}/ro"),)),
+    c(
+        "calibrate-out-file",
+        "ds calibrate --drafter {MED} --out {S}/f",
+        "file",
+        setup=(file("{S}/f"),),
+        protect=("{S}/f",),
+    ),
+    c(
+        "calibrate-out-is-drafter",
+        "ds calibrate --drafter {S}/m --out {S}/m",
+        "--out",
+        setup=(copy("{MED}", "{S}/m"),),
+        protect=("{S}/m",),
+    ),
+    c(
+        "calibrate-out-read-only",
+        "ds calibrate --drafter {MED} --out {S}/ro/c",
+        "--out",
+        setup=(("ro", "{S}/ro"),),
+    ),
     c("calibrate-bins-zero", "ds calibrate --drafter {MED} --out {S}/c --bins 0", "--bins"),
 ]
 

@@ -1,16 +1,19 @@
-"""How one fault case's outcome is read: a pure function of what the runner saw, so it is unit-tested on its own
-(tests/fault_sweep/test_classify.py).
+"""How one fault case's outcome is read: a pure function of what the runner saw, so it is
+unit-tested on its own (tests/fault_sweep/test_classify.py).
 
 Outcome classes, worst first (a case gets the first that applies):
 
-* ``code-run``: a model folder's own Python ran without ``--trust-remote-code`` (its marker file appeared);
-* ``data-loss``: an input the case protects changed or vanished (``append`` protection: its old bytes are no longer
-  a prefix of the new ones);
-* ``wedged``: the command hung past its timeout, or the follow-up run that must succeed after the fault failed;
-* ``traceback``: a Python traceback on stderr that nobody asked for (an ``internal error`` line says it is a bug);
+* ``code-run``: a model folder's own Python ran without ``--trust-remote-code`` (its marker file
+  appeared);
+* ``data-loss``: an input the case protects changed or vanished (``append`` protection: its old
+  bytes are no longer a prefix of the new ones);
+* ``wedged``: the command hung past its timeout, or the follow-up run that must succeed after the
+  fault failed;
+* ``traceback``: a Python traceback on stderr that nobody asked for (an ``internal error`` line says
+  it is a bug);
 * ``silent``: a refusal was expected and the command exited 0;
-* ``unclear``: refused without a traceback but not in one ``error:`` line, or the line misses what it must name
-  (the case's ``mentions``), or an unexpected exit status;
+* ``unclear``: refused without a traceback but not in one ``error:`` line, or the line misses what
+  it must name (the case's ``mentions``), or an unexpected exit status;
 * ``broken``: a control case (expected to work) failed;
 * ``clean``: refused in one line naming what it must; ``ok``: a control case worked.
 """
@@ -20,7 +23,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-CLASSES = ("clean", "ok", "unclear", "silent", "traceback", "broken", "wedged", "data-loss", "code-run")
+CLASSES = (
+    "clean",
+    "ok",
+    "unclear",
+    "silent",
+    "traceback",
+    "broken",
+    "wedged",
+    "data-loss",
+    "code-run",
+)
 GOOD = ("clean", "ok")
 ERROR_LINE = re.compile(r"(^|: )error: ")
 INTERRUPT_LINE = re.compile(r"interrupted")
@@ -55,7 +68,11 @@ def _refusal(seen: Seen, mentions: tuple[str, ...], interrupt: bool) -> tuple[st
     if seen.returncode == 0:
         return "silent", "exited 0: the bad input was accepted"
     if interrupt:
-        lines = [ln for ln in seen.stderr.splitlines() if INTERRUPT_LINE.search(ln) and "WARNING" not in ln]
+        lines = [
+            ln
+            for ln in seen.stderr.splitlines()
+            if INTERRUPT_LINE.search(ln) and "WARNING" not in ln
+        ]
         if seen.returncode != INTERRUPT_EXIT:
             return "unclear", f"Ctrl-C exit {seen.returncode}, not {INTERRUPT_EXIT}"
         if len(lines) != 1:
@@ -68,13 +85,20 @@ def _refusal(seen: Seen, mentions: tuple[str, ...], interrupt: bool) -> tuple[st
     if len(lines) != 1:
         return "unclear", f"{len(lines)} error lines" + (f": {lines[:2]}" if lines else "")
     missing = _missing(lines[0], mentions)
-    return ("unclear", f"the line does not name {missing}: {lines[0]}") if missing else ("clean", lines[0])
+    return (
+        ("unclear", f"the line does not name {missing}: {lines[0]}")
+        if missing
+        else ("clean", lines[0])
+    )
 
 
-def classify(seen: Seen, expect: str = "refuse", mentions: tuple[str, ...] = (),
-             traceback_ok: bool = False) -> tuple[str, str]:
-    """(outcome class, reason) of one case; ``expect``: ``refuse`` (a bad input or a fault), ``interrupt`` (the
-    runner sent Ctrl-C) or ``ok`` (a control that must work); ``traceback_ok``: the case asked for tracebacks."""
+def classify(
+    seen: Seen, expect: str = "refuse", mentions: tuple[str, ...] = (), traceback_ok: bool = False
+) -> tuple[str, str]:
+    """(outcome class, reason) of one case; ``expect``: ``refuse`` (a bad input or a fault),
+    ``interrupt`` (the runner sent Ctrl-C) or ``ok`` (a control that must work); ``traceback_ok``:
+    the case asked for tracebacks.
+    """
     if seen.code_ran:
         return "code-run", "a model folder's own code ran without --trust-remote-code"
     if seen.changed:
@@ -85,7 +109,13 @@ def classify(seen: Seen, expect: str = "refuse", mentions: tuple[str, ...] = (),
         return "wedged", "the follow-up run hung"
     if seen.rerun_returncode not in (-1, 0):
         rerun_lines = error_lines(seen.rerun_stderr) or seen.rerun_stderr.strip().splitlines()[-1:]
-        return "wedged", f"the follow-up run failed (exit {seen.rerun_returncode}): {' '.join(rerun_lines)[:160]}"
+        return (
+            "wedged",
+            (
+                f"the follow-up run failed (exit {seen.rerun_returncode}):"
+                f" {' '.join(rerun_lines)[:160]}"
+            ),
+        )
     if "Traceback (most recent call last)" in seen.stderr and not traceback_ok:
         last = seen.stderr.strip().splitlines()[-1] if seen.stderr.strip() else ""
         return "traceback", last[:200]

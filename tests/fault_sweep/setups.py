@@ -11,7 +11,8 @@ from typing import Any
 
 
 class Mounts:
-    """tmpfs mounts made for one case, unmounted (lazily, so a busy one goes too) when the case ends."""
+    """tmpfs mounts made for one case, unmounted (lazily, so a busy one goes too) when the case
+    ends."""
 
     def __init__(self) -> None:
         self.points: list[Path] = []
@@ -28,8 +29,11 @@ class Mounts:
         if os.geteuid() != 0 or shutil.which("mount") is None:
             return "needs root to mount a tmpfs"
         point.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True,
-                              text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             return f"mount failed: {done.stderr.strip()[:100]}"
         self.points.append(point)
@@ -51,20 +55,35 @@ def _nan(path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(path))
-    save_file({k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in tensors.items()},
-              str(path), metadata={"format": "pt"})
+    save_file(
+        {
+            k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+            for k, v in tensors.items()
+        },
+        str(path),
+        metadata={"format": "pt"},
+    )
 
 
 def _run(command: str, env: dict[str, str], root: Path, places: dict[str, str]) -> None:
     from run import argv_of
 
-    done = subprocess.run(argv_of(command, places), cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        argv_of(command, places), cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
     if done.returncode != 0:
-        raise RuntimeError(f"setup command failed ({done.returncode}): {command}\n{done.stderr[-1500:]}")
+        raise RuntimeError(
+            f"setup command failed ({done.returncode}): {command}\n{done.stderr[-1500:]}"
+        )
 
 
-def apply_setup(steps: tuple[tuple[Any, ...], ...], places: dict[str, str], mounts: Mounts, env: dict[str, str],
-                root: Path) -> str | None:
+def apply_setup(
+    steps: tuple[tuple[Any, ...], ...],
+    places: dict[str, str],
+    mounts: Mounts,
+    env: dict[str, str],
+    root: Path,
+) -> str | None:
     """Run ``steps`` (paths expanded); returns why the case must be skipped, else None."""
     from run import expand
 
@@ -72,7 +91,9 @@ def apply_setup(steps: tuple[tuple[Any, ...], ...], places: dict[str, str], moun
         path = Path(expand(str(args[0]), places)) if args else None
         if kind in ("file", "bytes"):
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(expand(args[1], places).encode() if kind == "file" else bytes.fromhex(args[1]))
+            path.write_bytes(
+                expand(args[1], places).encode() if kind == "file" else bytes.fromhex(args[1])
+            )
         elif kind == "dir":
             path.mkdir(parents=True, exist_ok=True)
         elif kind == "copy":

@@ -1,15 +1,18 @@
-"""The sweep's world: every input the cases point at, built once in-process from tiny models (never the hub).
+"""The sweep's world: every input the cases point at, built once in-process from tiny models (never
+the hub).
 
 ``build(folder)`` writes, and returns as placeholders for the case table (``{T}``, ``{MED}``...):
 
-* ``T``: a tiny random Llama with a ChatML tokenizer (tests/conftest.py's); ``T2``: the same with hidden size 32;
-* ``MED`` / ``EA3``: a 2-head Medusa and an EAGLE-3 export for ``T``; ``SPEC``: the EAGLE-3 export in the speculators
-  format; ``VLLM``: the Medusa export in the vLLM/TGI Medusa layout; ``RUN``: a run folder whose last.ckpt holds
-  the Medusa export's weights;
-* ``DATA``: 16 chat conversations (jsonl); ``PROMPTS``: 3 prompts (jsonl); ``BIN``: a binary file; ``EMPTY``: an
-  empty folder;
-* ``REMOTE``: ``T`` relabelled as a model whose code ships in the folder (``auto_map``, an unknown ``model_type``);
-  importing that code writes the file ``MARK``, so a case can tell whether a command ran it.
+* ``T``: a tiny random Llama with a ChatML tokenizer (tests/conftest.py's); ``T2``: the same with
+  hidden size 32;
+* ``MED`` / ``EA3``: a 2-head Medusa and an EAGLE-3 export for ``T``; ``SPEC``: the EAGLE-3 export
+  in the speculators format; ``VLLM``: the Medusa export in the vLLM/TGI Medusa layout; ``RUN``: a
+  run folder whose last.ckpt holds the Medusa export's weights;
+* ``DATA``: 16 chat conversations (jsonl); ``PROMPTS``: 3 prompts (jsonl); ``BIN``: a binary file;
+  ``EMPTY``: an empty folder;
+* ``REMOTE``: ``T`` relabelled as a model whose code ships in the folder (``auto_map``, an unknown
+  ``model_type``); importing that code writes the file ``MARK``, so a case can tell whether a
+  command ran it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 WORLD_FILE = "world.json"
-REMOTE_CODE = '''
+REMOTE_CODE = """
 import os
 from pathlib import Path
 
@@ -32,8 +35,12 @@ Path(os.environ.get("SWEEP_MARKER", "{mark}")).write_text("the folder's own code
 
 class SweepConfig(LlamaConfig):
     model_type = "sweep_llama"
-'''
-PROMPT_TEXTS = ("hello world , what is the answer ?", "please explain the code", "write python code for me")
+"""
+PROMPT_TEXTS = (
+    "hello world , what is the answer ?",
+    "please explain the code",
+    "write python code for me",
+)
 
 
 def _tests_on_path() -> None:
@@ -52,14 +59,21 @@ def _target(folder: Path, tokenizer, **overrides) -> Path:
 def _remote(folder: Path, target: Path, mark: Path) -> Path:
     shutil.copytree(target, folder)
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="sweep_llama", architectures=["SweepForCausalLM"],
-                  auto_map={"AutoConfig": "configuration_sweep.SweepConfig",
-                            "AutoModelForCausalLM": "modeling_sweep.SweepForCausalLM"})
+    config.update(
+        model_type="sweep_llama",
+        architectures=["SweepForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_sweep.SweepConfig",
+            "AutoModelForCausalLM": "modeling_sweep.SweepForCausalLM",
+        },
+    )
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     (folder / "configuration_sweep.py").write_text(REMOTE_CODE.replace("{mark}", str(mark)))
     (folder / "modeling_sweep.py").write_text(
-        "from transformers import LlamaForCausalLM\n\nfrom .configuration_sweep import SweepConfig\n\n\n"
-        "class SweepForCausalLM(LlamaForCausalLM):\n    config_class = SweepConfig\n")
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_sweep import"
+        " SweepConfig\n\n\nclass SweepForCausalLM(LlamaForCausalLM):\n    config_class ="
+        " SweepConfig\n"
+    )
     return folder
 
 
@@ -97,7 +111,8 @@ def _files(world: Path) -> dict[str, Path]:
 
 
 def build(world: Path) -> dict[str, str]:
-    """Build the world in ``world`` (a fresh folder) and return its placeholders (also written to world.json)."""
+    """Build the world in ``world`` (a fresh folder) and return its placeholders (also written to
+    world.json)."""
     _tests_on_path()
     import torch
     from conftest import build_tiny_tokenizer
@@ -107,9 +122,15 @@ def build(world: Path) -> dict[str, str]:
     tokenizer = build_tiny_tokenizer()
     mark = world / "remote_code_ran"
     target = _target(world / "target", tokenizer)
-    places = {"W": world, "T": target, "T2": _target(world / "target_narrow", tokenizer, hidden_size=32),
-              "MARK": mark, "REMOTE": _remote(world / "remote_target", target, mark),
-              **_exports(world, target, tokenizer), **_files(world)}
+    places = {
+        "W": world,
+        "T": target,
+        "T2": _target(world / "target_narrow", tokenizer, hidden_size=32),
+        "MARK": mark,
+        "REMOTE": _remote(world / "remote_target", target, mark),
+        **_exports(world, target, tokenizer),
+        **_files(world),
+    }
     found = {k: str(v) for k, v in places.items()}
     (world / WORLD_FILE).write_text(json.dumps(found, indent=2))
     return found

@@ -1,22 +1,27 @@
-"""``make gpu-train``: train EAGLE-3 on a lent GPU with the real target, and measure the trainer there.
+"""``make gpu-train``: train EAGLE-3 on a lent GPU with the real target, and measure the trainer
+there.
 
-The device tool takes 64 MiB a command (repository included), 10 minutes a command, 15 minutes a session, and
-gives back at most 8 files of 16 MiB. The 94 MB target GGUF therefore travels in two commands:
+The device tool takes 64 MiB a command (repository included), 10 minutes a command, 15 minutes a
+session, and gives back at most 8 files of 16 MiB. The 94 MB target GGUF therefore travels in two
+commands:
 
-1. ``prepare`` (here): the GGUF and the tokenised training data (compressed, :mod:`gpu_train_data`) split across
-   ``.gpu_train/cmd1`` and ``.gpu_train/cmd2`` (each with the wheels its command needs, made by
-   ``make_gpu_train_wheels.sh``), every part with its SHA-256 in the manifest, sized so each command fits;
-   prints the two device calls.
-2. ``part1`` (first command there): stashes its parts in ``/tmp/gpu-train`` and writes the throughput table
-   (ours vs speculators 0.9.0, random weights, real shapes, three batch sizes in tokens).
-3. ``part2`` (second command, within the 30 s the machine stays warm): assembles and checks the GGUF and the data,
-   converts the target, trains EAGLE-3 for the rest of the command, returns the export in parts.
-4. ``receive`` (here): puts the export back together (sizes and hashes checked; a partial file refused in one line)
-   and, with ``--bench``, benches it on this CPU.
+1. ``prepare`` (here): the GGUF and the tokenised training data (compressed, :mod:`gpu_train_data`)
+   split across ``.gpu_train/cmd1`` and ``.gpu_train/cmd2`` (each with the wheels its command needs,
+   made by ``make_gpu_train_wheels.sh``), every part with its SHA-256 in the manifest, sized so each
+   command fits; prints the two device calls.
+2. ``part1`` (first command there): stashes its parts in ``/tmp/gpu-train`` and writes the
+   throughput table (ours vs speculators 0.9.0, random weights, real shapes, three batch sizes in
+   tokens).
+3. ``part2`` (second command, within the 30 s the machine stays warm): assembles and checks the GGUF
+   and the data, converts the target, trains EAGLE-3 for the rest of the command, returns the export
+   in parts.
+4. ``receive`` (here): puts the export back together (sizes and hashes checked; a partial file
+   refused in one line) and, with ``--bench``, benches it on this CPU.
 
-``dry-run`` rehearses all four on the CPU with the same code and files (the real GGUF, real data, tiny steps), so
-a lease is spent on the GPU, not on debugging. Stages are in ``gpu_train_stages.py``; a command re-run after an
-interruption keeps what is already in place (parcels and stash are checked, not trusted).
+``dry-run`` rehearses all four on the CPU with the same code and files (the real GGUF, real data,
+tiny steps), so a lease is spent on the GPU, not on debugging. Stages are in
+``gpu_train_stages.py``; a command re-run after an interruption keeps what is already in place
+(parcels and stash are checked, not trusted).
 """
 
 from __future__ import annotations
@@ -45,9 +50,18 @@ CARRY = ".gpu_train"
 
 
 def repository_bytes() -> int:
-    """Bytes of what travels with every command: tracked files and untracked ones git does not ignore."""
-    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
-                           check=True).stdout.decode().split("\0")
+    """Bytes of what travels with every command: tracked files and untracked ones git does not
+    ignore."""
+    names = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     return sum((REPO / n).stat().st_size for n in names if n and (REPO / n).is_file())
 
 
@@ -56,8 +70,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def training_samples(data: str, max_length: int, limit: int | None) -> tuple[list[dict], object]:
-    """All tokenised samples of ``data`` at ``max_length`` (draftsmith's chat masking, its sample cache) and the
-    converted target's tokenizer."""
+    """All tokenised samples of ``data`` at ``max_length`` (draftsmith's chat masking, its sample
+    cache) and the converted target's tokenizer."""
     from transformers import AutoTokenizer
 
     from draftsmith import assets
@@ -84,21 +98,36 @@ def prepare(args: argparse.Namespace) -> dict:
     size = gguf.stat().st_size
     data_room = room1 + room2 - size
     if data_room < 2**20:
-        raise SystemExit(f"gpu-train prepare: the GGUF ({size:,} B) leaves {data_room:,} B for data in two commands")
+        raise SystemExit(
+            f"gpu-train prepare: the GGUF ({size:,} B) leaves {data_room:,} B for data in two"
+            " commands"
+        )
     samples, tokenizer = training_samples(args.data, args.max_length, args.data_limit)
-    meta = {"tokenizer": tokenizer_fingerprint(tokenizer), "max_length": args.max_length, "source": args.data}
+    meta = {
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "max_length": args.max_length,
+        "source": args.data,
+    }
     blob = choose_samples(samples, min(data_room, args.data_mib * 2**20), meta, seed=args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         data_file = Path(tmp) / DATA
         data_file.write_bytes(blob)
-        files = {GGUF: parcels.split_across(gguf, GGUF, [(cmd1, room1), (cmd2, None)]),
-                 DATA: parcels.split_across(data_file, DATA, [(cmd1, max(0, room1 - size)), (cmd2, None)])}
+        files = {
+            GGUF: parcels.split_across(gguf, GGUF, [(cmd1, room1), (cmd2, None)]),
+            DATA: parcels.split_across(
+                data_file, DATA, [(cmd1, max(0, room1 - size)), (cmd2, None)]
+            ),
+        }
     for folder in (cmd1, cmd2):
         parcels.write_manifest(folder, files, data=json.loads(json.dumps(meta)))
     _, decoded_meta = _peek(blob)
-    plan = {"repository_bytes": repo, "command_bytes": {"cmd1": repo + folder_bytes(cmd1),
-                                                       "cmd2": repo + folder_bytes(cmd2)},
-            "gguf_bytes": size, "data_bytes": len(blob), "data": decoded_meta}
+    plan = {
+        "repository_bytes": repo,
+        "command_bytes": {"cmd1": repo + folder_bytes(cmd1), "cmd2": repo + folder_bytes(cmd2)},
+        "gguf_bytes": size,
+        "data_bytes": len(blob),
+        "data": decoded_meta,
+    }
     print(json.dumps(plan, indent=2))
     print(device_calls(out))
     return plan
@@ -114,12 +143,23 @@ def _peek(blob: bytes) -> tuple[list[dict], dict]:
 def device_calls(out: Path) -> str:
     """What the lead runs: the two device calls and the command that brings the export home."""
     rel = out.resolve().relative_to(REPO) if out.resolve().is_relative_to(REPO) else out
-    return "\n".join([
-        "device calls (the second within 30 s of the first's end):",
-        f'  run(command="bash tests/gpu_check/gpu_train.sh part1", carry=["{rel}/cmd1"], timeout_s=300)',
-        f'  run(command="bash tests/gpu_check/gpu_train.sh part2", carry=["{rel}/cmd2"], timeout_s=590)',
-        "then here: python tests/gpu_check/gpu_train.py receive <files_at>/export --out outputs/gpu_train/export "
-        "--bench"])
+    return "\n".join(
+        [
+            "device calls (the second within 30 s of the first's end):",
+            (
+                f'  run(command="bash tests/gpu_check/gpu_train.sh part1", carry=["{rel}/cmd1"],'
+                " timeout_s=300)"
+            ),
+            (
+                f'  run(command="bash tests/gpu_check/gpu_train.sh part2", carry=["{rel}/cmd2"],'
+                " timeout_s=590)"
+            ),
+            (
+                "then here: python tests/gpu_check/gpu_train.py receive <files_at>/export --out"
+                " outputs/gpu_train/export --bench"
+            ),
+        ]
+    )
 
 
 def part(args: argparse.Namespace) -> dict:
@@ -138,35 +178,120 @@ def part(args: argparse.Namespace) -> dict:
 
 
 def receive(args: argparse.Namespace) -> Path:
-    """Step 4: the export put back together here (checked), and benched on this CPU with ``--bench``."""
+    """Step 4: the export put back together here (checked), and benched on this CPU with
+    ``--bench``."""
     dest = parcels.unpack_folder(Path(args.parcel), Path(args.out))
     print(f"gpu-train: export reassembled and checked at {dest}")
     if args.bench:
-        bench = [sys.executable, "-m", "draftsmith.cli", "bench", "export", "--drafter", str(dest), "--prompts",
-                 "mtbench", "--num-prompts", str(args.bench_prompts), "--max-new-tokens", str(args.bench_tokens),
-                 "--out", str(dest.parent / f"{dest.name}-bench"), *(["--skip-hf"] if args.bench_prompts < 4 else [])]
+        bench = [
+            sys.executable,
+            "-m",
+            "draftsmith.cli",
+            "bench",
+            "export",
+            "--drafter",
+            str(dest),
+            "--prompts",
+            "mtbench",
+            "--num-prompts",
+            str(args.bench_prompts),
+            "--max-new-tokens",
+            str(args.bench_tokens),
+            "--out",
+            str(dest.parent / f"{dest.name}-bench"),
+            *(["--skip-hf"] if args.bench_prompts < 4 else []),
+        ]
         subprocess.run(bench, check=True, cwd=REPO)
     return dest
 
 
 def dry_run(args: argparse.Namespace) -> None:
-    """Every step on the CPU with the same code and files, tiny sizes, each as its own process (as the commands are)."""
+    """Every step on the CPU with the same code and files, tiny sizes, each as its own process (as
+    the commands are)."""
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu-train-dry-"))
     me = [sys.executable, str(Path(__file__).resolve())]
-    tiny = ["--device", "cpu", "--tiny", "--max-length", "64", "--budgets", "128,256", "--steps", "2", "--warmup", "1"]
-    steps = [me + ["prepare", "--out", str(work / "parcels"), "--max-length", "64", "--data-limit", "200",
-                   "--data-mib", "1"],
-             me + ["part1", "--parcels", str(work / "parcels" / "cmd1"), "--stash", str(work / "stash"), "--out-dir",
-                   str(work / "out1"), *tiny],
-             me + ["part2", "--parcels", str(work / "parcels" / "cmd2"), "--stash", str(work / "stash"), "--out-dir",
-                   str(work / "out2"), *tiny, "--tokens-per-step", "128", "--min-steps", "2", "--max-steps", "3",
-                   "--seconds", "900"],
-             me + ["receive", str(work / "out2" / "export"), "--out", str(work / "export"), "--bench",
-                   "--bench-prompts", "1", "--bench-tokens", "8"]]
+    tiny = [
+        "--device",
+        "cpu",
+        "--tiny",
+        "--max-length",
+        "64",
+        "--budgets",
+        "128,256",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    ]
+    steps = [
+        me
+        + [
+            "prepare",
+            "--out",
+            str(work / "parcels"),
+            "--max-length",
+            "64",
+            "--data-limit",
+            "200",
+            "--data-mib",
+            "1",
+        ],
+        me
+        + [
+            "part1",
+            "--parcels",
+            str(work / "parcels" / "cmd1"),
+            "--stash",
+            str(work / "stash"),
+            "--out-dir",
+            str(work / "out1"),
+            *tiny,
+        ],
+        me
+        + [
+            "part2",
+            "--parcels",
+            str(work / "parcels" / "cmd2"),
+            "--stash",
+            str(work / "stash"),
+            "--out-dir",
+            str(work / "out2"),
+            *tiny,
+            "--tokens-per-step",
+            "128",
+            "--min-steps",
+            "2",
+            "--max-steps",
+            "3",
+            "--seconds",
+            "900",
+        ],
+        me
+        + [
+            "receive",
+            str(work / "out2" / "export"),
+            "--out",
+            str(work / "export"),
+            "--bench",
+            "--bench-prompts",
+            "1",
+            "--bench-tokens",
+            "8",
+        ],
+    ]
     for cmd in steps:
         print(f"gpu-train dry run: {' '.join(cmd[2:])}", flush=True)
-        subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "DRAFTSMITH_CACHE": os.environ.get(
-            "DRAFTSMITH_CACHE", str(Path.home() / ".cache" / "draftsmith"))})
+        subprocess.run(
+            cmd,
+            check=True,
+            cwd=REPO,
+            env={
+                **os.environ,
+                "DRAFTSMITH_CACHE": os.environ.get(
+                    "DRAFTSMITH_CACHE", str(Path.home() / ".cache" / "draftsmith")
+                ),
+            },
+        )
     print(f"gpu-train dry run: every step passed; files under {work}")
 
 
@@ -178,28 +303,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     prep.add_argument("--gguf", default=None, help="default: the embedded target's GGUF")
     prep.add_argument("--data", default="sharegpt")
     prep.add_argument("--data-limit", type=int, default=None)
-    prep.add_argument("--data-mib", type=float, default=64.0, help="data at most this many MiB (compressed)")
+    prep.add_argument(
+        "--data-mib", type=float, default=64.0, help="data at most this many MiB (compressed)"
+    )
     prep.add_argument("--max-length", type=int, default=2048)
     prep.add_argument("--seed", type=int, default=0)
     for name in ("part1", "part2"):
         q = sub.add_parser(name, help=f"there: command {name[-1]}")
         q.add_argument("--parcels", default=str(REPO / CARRY / f"cmd{name[-1]}"))
         q.add_argument("--stash", default="/tmp/gpu-train")
-        q.add_argument("--out-dir", default=os.environ.get("OUT", str(REPO / "outputs" / "gpu_train" / name)))
+        q.add_argument(
+            "--out-dir", default=os.environ.get("OUT", str(REPO / "outputs" / "gpu_train" / name))
+        )
         q.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
         q.add_argument("--tiny", action="store_true", help="the CPU rehearsal's sizes")
         q.add_argument("--max-length", type=int, default=2048)
-        q.add_argument("--budgets", default="16384,65536,131072", help="tokens per step of the throughput table")
+        q.add_argument(
+            "--budgets",
+            default="16384,65536,131072",
+            help="tokens per step of the throughput table",
+        )
         q.add_argument("--steps", type=int, default=5)
         q.add_argument("--warmup", type=int, default=3)
         q.add_argument("--skip-peer", action="store_true")
         q.add_argument("--peer-timeout", type=float, default=240.0)
         q.add_argument("--tokens-per-step", type=int, default=65536)
-        q.add_argument("--seconds", type=float, default=560.0, help="part2: the command's time, all included")
+        q.add_argument(
+            "--seconds", type=float, default=560.0, help="part2: the command's time, all included"
+        )
         q.add_argument("--export-margin", type=float, default=45.0)
-        q.add_argument("--assumed-rate", type=float, default=100000.0, help="tokens/s when part1 left no speed.json")
+        q.add_argument(
+            "--assumed-rate",
+            type=float,
+            default=100000.0,
+            help="tokens/s when part1 left no speed.json",
+        )
         q.add_argument("--min-steps", type=int, default=20)
-        q.add_argument("--max-steps", type=int, default=0, help="part2: at most this many steps (0: what fits)")
+        q.add_argument(
+            "--max-steps", type=int, default=0, help="part2: at most this many steps (0: what fits)"
+        )
     rec = sub.add_parser("receive", help="here: the export back together")
     rec.add_argument("parcel")
     rec.add_argument("--out", default=str(REPO / "outputs" / "gpu_train" / "export"))

@@ -1,14 +1,16 @@
-"""``make gpu-train`` (a): training throughput at the real shapes, random weights, three batch sizes in tokens: our
-EAGLE-3 online trainer (``bench-train``'s parts, compiled, packed rows) and speculators 0.9.0's own trainer on the
-same device.
+"""``make gpu-train`` (a): training throughput at the real shapes, random weights, three batch sizes
+in tokens: our EAGLE-3 online trainer (``bench-train``'s parts, compiled, packed rows) and
+speculators 0.9.0's own trainer on the same device.
 
-speculators trains from hidden states computed beforehand (its data format: ``hidden_states/hs_i.safetensors``), so
-its rate compares with our drafter-only (feature-cache) rate, and our online rate adds the target forward. Its
-hidden states here are random (their values do not change the speed). Its trainer runs in a child process (the
-wrapper of scripts/peer_speculators.py) with its step timer patched to record a synchronised timestamp at two step
-starts (after the warm-up steps, and ``timed`` steps later): the rate is ``timed * total_seq_len / seconds`` (its rows
-are packed full to ``--total-seq-len``). Its own per-step synchronisation (``--log-freq``) is set past the run, as a
-fast run would.
+speculators trains from hidden states computed beforehand (its data format:
+``hidden_states/hs_i.safetensors``), so its rate compares with our drafter-only (feature-cache)
+rate, and our online rate adds the target forward. Its hidden states here are random (their values
+do not change the speed). Its trainer runs in a child process (the wrapper of
+scripts/peer_speculators.py) with its step timer patched to record a synchronised timestamp at two
+step
+starts (after the warm-up steps, and ``timed`` steps later): the rate is ``timed * total_seq_len /
+seconds`` (its rows are packed full to ``--total-seq-len``). Its own per-step synchronisation
+(``--log-freq``) is set past the run, as a fast run would.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from typing import Any
 
 from gpu_check_core import WORDS
 
-# Put before scripts/peer_speculators.py's WRAPPER (which builds the dataset, patches for the CPU and runs the
-# trainer): argv = [result.json, warm, timed, data_dir, *trainer flags]. Records a synchronised timestamp at the start
-# of step ``warm`` and of step ``warm + timed`` (the step timer's reset opens each step) and writes them at exit.
+# Put before scripts/peer_speculators.py's WRAPPER (which builds the dataset, patches for the CPU
+# and runs the trainer): argv = [result.json, warm, timed, data_dir, *trainer flags]. Records a
+# synchronised timestamp at the start of step ``warm`` and of step ``warm + timed`` (the step
+# timer's reset opens each step) and writes them at exit.
 TIMER_PATCH = r"""
 import atexit, json, sys, time
 from pathlib import Path
@@ -50,7 +53,8 @@ def _reset(self, enabled):
 
 def _write():
     if _warm + _timed in _marks:
-        Path(_out).write_text(json.dumps({"seconds": _marks[_warm + _timed] - _marks[_warm], "steps": _timed}))
+        seconds = _marks[_warm + _timed] - _marks[_warm]
+        Path(_out).write_text(json.dumps({"seconds": seconds, "steps": _timed}))
 
 
 _timed_trainer._StepTimer.reset = _reset
@@ -59,7 +63,8 @@ atexit.register(_write)
 
 
 def peer_wrapper() -> str:
-    """The timing patch, then scripts/peer_speculators.py's own wrapper (one copy of how speculators is driven)."""
+    """The timing patch, then scripts/peer_speculators.py's own wrapper (one copy of how speculators
+    is driven)."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[2] / "scripts" / "peer_speculators.py"
@@ -70,21 +75,39 @@ def peer_wrapper() -> str:
 
 
 def synthetic_chats(count: int, min_words: int, max_words: int, seed: int = 0) -> list[dict]:
-    """ShareGPT-style chats over the check's words with replies of ``min_words..max_words`` words (one token each with
-    the word-level tokenizer): documents as long as real ones, so packing and attention cost what they would."""
+    """ShareGPT-style chats over the check's words with replies of ``min_words..max_words`` words
+    (one token each with the word-level tokenizer): documents as long as real ones, so packing and
+    attention cost what they would.
+    """
     rng = random.Random(seed)
     words = sorted(set(WORDS))
     chats = []
     for _ in range(count):
         question = " ".join(rng.choice(words) for _ in range(rng.randint(8, 40))) + " ?"
         reply = " ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words))) + " ."
-        chats.append({"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": reply}]})
+        chats.append(
+            {
+                "conversations": [
+                    {"from": "human", "value": question},
+                    {"from": "gpt", "value": reply},
+                ]
+            }
+        )
     return chats
 
 
-def our_rows(target: Path, data: Path, budgets: list[int], max_length: int, device: str, compile_step: bool,
-             steps: int, warmup: int) -> list[dict[str, Any]]:
-    """bench-train of EAGLE-3 at each tokens-per-step budget (host cost measured at the first only)."""
+def our_rows(
+    target: Path,
+    data: Path,
+    budgets: list[int],
+    max_length: int,
+    device: str,
+    compile_step: bool,
+    steps: int,
+    warmup: int,
+) -> list[dict[str, Any]]:
+    """bench-train of EAGLE-3 at each tokens-per-step budget (host cost measured at the first
+    only)."""
     from draftsmith.cli.training import compose_config
     from draftsmith.distill.engine.bench_train import bench_train
     from draftsmith.recipes import get_recipe
@@ -92,20 +115,37 @@ def our_rows(target: Path, data: Path, budgets: list[int], max_length: int, devi
     rows = []
     for i, budget in enumerate(budgets):
         trainer = ["trainer=gpu"] if device == "cuda" else ["trainer=cpu"]
-        cfg = compose_config(["recipe=eagle3", f"target.name_or_path={target}",
-                              f"target.dtype={'bf16' if device == 'cuda' else 'fp32'}", f"data.spec={data}",
-                              "data.limit=null", f"data.max_length={max_length}", f"data.tokens_per_step={budget}",
-                              "data.val_fraction=0.01", *trainer, f"trainer.compile={str(compile_step).lower()}",
-                              *([] if device == "cuda" else ["drafter.target_layers=[1,2,3]",
-                                                             "drafter.draft_vocab_size=256"])])
-        result = bench_train(cfg, get_recipe("eagle3"), steps=steps, warmup=warmup, device=device, host=i == 0)
+        cfg = compose_config(
+            [
+                "recipe=eagle3",
+                f"target.name_or_path={target}",
+                f"target.dtype={'bf16' if device == 'cuda' else 'fp32'}",
+                f"data.spec={data}",
+                "data.limit=null",
+                f"data.max_length={max_length}",
+                f"data.tokens_per_step={budget}",
+                "data.val_fraction=0.01",
+                *trainer,
+                f"trainer.compile={str(compile_step).lower()}",
+                *(
+                    []
+                    if device == "cuda"
+                    else ["drafter.target_layers=[1,2,3]", "drafter.draft_vocab_size=256"]
+                ),
+            ]
+        )
+        result = bench_train(
+            cfg, get_recipe("eagle3"), steps=steps, warmup=warmup, device=device, host=i == 0
+        )
         rows.append({"budget": budget, **result})
     return rows
 
 
-def write_peer_data(target: Path, chats: list[dict], out: Path, taps: tuple[int, ...], tokens: int) -> dict:
-    """speculators' data folder for ``chats`` (tokenised with draftsmith's chat masking) until ``tokens`` tokens, with
-    random bf16 hidden states [T, 4, H]."""
+def write_peer_data(
+    target: Path, chats: list[dict], out: Path, taps: tuple[int, ...], tokens: int
+) -> dict:
+    """speculators' data folder for ``chats`` (tokenised with draftsmith's chat masking) until
+    ``tokens`` tokens, with random bf16 hidden states [T, 4, H]."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
@@ -118,13 +158,19 @@ def write_peer_data(target: Path, chats: list[dict], out: Path, taps: tuple[int,
     samples, total, freq = [], 0, {}
     generator = torch.Generator().manual_seed(0)
     for chat in chats:
-        messages = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
-                    for t in chat["conversations"]]
+        messages = [
+            {"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+            for t in chat["conversations"]
+        ]
         sample = tokenize_conversation(tokenizer, messages, 1 << 20)
         ids = torch.tensor(sample["input_ids"])
-        states = torch.randn(len(ids), len(taps) + 1, hidden, generator=generator).to(torch.bfloat16)
-        save_file({"token_ids": ids, "hidden_states": states}, str(out / "hidden_states" / f"hs_{len(samples)}"
-                                                                 ".safetensors"))
+        states = torch.randn(len(ids), len(taps) + 1, hidden, generator=generator).to(
+            torch.bfloat16
+        )
+        save_file(
+            {"token_ids": ids, "hidden_states": states},
+            str(out / "hidden_states" / f"hs_{len(samples)}.safetensors"),
+        )
         for t, m in zip(sample["input_ids"], sample["loss_mask"]):
             freq[t] = freq.get(t, 0) + int(m)
         samples.append(sample)
@@ -136,25 +182,73 @@ def write_peer_data(target: Path, chats: list[dict], out: Path, taps: tuple[int,
     return {"samples": len(samples), "tokens": total}
 
 
-def peer_rows(python: str, target: Path, data: Path, budgets: list[int], work: Path, warm: int, timed: int,
-              draft_vocab: int, taps: tuple[int, ...], timeout: float, log: Path,
-              cpu: bool = False) -> list[dict[str, Any]]:
-    """speculators' trainer at each budget (``--total-seq-len``); tokens/s from its patched step timer (``cpu``: the
-    CPU rehearsal's flags: eager loss, SDPA attention, no loader workers)."""
+def peer_rows(
+    python: str,
+    target: Path,
+    data: Path,
+    budgets: list[int],
+    work: Path,
+    warm: int,
+    timed: int,
+    draft_vocab: int,
+    taps: tuple[int, ...],
+    timeout: float,
+    log: Path,
+    cpu: bool = False,
+) -> list[dict[str, Any]]:
+    """speculators' trainer at each budget (``--total-seq-len``); tokens/s from its patched step
+    timer (``cpu``: the CPU rehearsal's flags: eager loss, SDPA attention, no loader workers)."""
     rows = []
     for budget in budgets:
         save = work / f"peer-{budget}"
         result = work / f"peer-{budget}.json"
-        shutil.rmtree(save, ignore_errors=True)  # a run that resumed an earlier one's checkpoint would time nothing
+        shutil.rmtree(
+            save, ignore_errors=True
+        )  # a run that resumed an earlier one's checkpoint would time nothing
         result.unlink(missing_ok=True)
-        flags = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(target), "--data-path", str(data),
-                 "--save-path", str(save), "--log-dir", str(save / "logs"), "--target-layer-ids", *map(str, taps),
-                 "--ttt-steps", "3", "--epochs", "1", "--max-steps", str(warm + timed + 1),
-                 "--total-seq-len", str(budget), "--log-freq", "100000", "--on-missing", "raise",
-                 "--draft-vocab-size", str(draft_vocab), "--no-norm-before-residual", "--no-norm-before-fc",
-                 "--no-norm-output", "--full-attention-indices", "0", "--no-resume-from-checkpoint"]
+        flags = [
+            "--speculator-type",
+            "eagle3",
+            "--verifier-name-or-path",
+            str(target),
+            "--data-path",
+            str(data),
+            "--save-path",
+            str(save),
+            "--log-dir",
+            str(save / "logs"),
+            "--target-layer-ids",
+            *map(str, taps),
+            "--ttt-steps",
+            "3",
+            "--epochs",
+            "1",
+            "--max-steps",
+            str(warm + timed + 1),
+            "--total-seq-len",
+            str(budget),
+            "--log-freq",
+            "100000",
+            "--on-missing",
+            "raise",
+            "--draft-vocab-size",
+            str(draft_vocab),
+            "--no-norm-before-residual",
+            "--no-norm-before-fc",
+            "--no-norm-output",
+            "--full-attention-indices",
+            "0",
+            "--no-resume-from-checkpoint",
+        ]
         if cpu:
-            flags += ["--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers", "0"]
+            flags += [
+                "--loss-implementation",
+                "eager",
+                "--draft-attn-impl",
+                "sdpa",
+                "--num-workers",
+                "0",
+            ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         if cpu:  # the rehearsal runs speculators in its own venv: nothing of ours on its path
             env["PYTHONPATH"] = ""
@@ -162,40 +256,75 @@ def peer_rows(python: str, target: Path, data: Path, budgets: list[int], work: P
             handle.write(f"\n$ speculators.train {' '.join(flags)}\n")
             handle.flush()
             try:
-                proc = subprocess.run([python, "-c", peer_wrapper(), str(result), str(warm), str(timed),
-                                       str(data), *flags], stdout=handle, stderr=subprocess.STDOUT, env=env,
-                                      timeout=timeout, check=False)
+                proc = subprocess.run(
+                    [
+                        python,
+                        "-c",
+                        peer_wrapper(),
+                        str(result),
+                        str(warm),
+                        str(timed),
+                        str(data),
+                        *flags,
+                    ],
+                    stdout=handle,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    timeout=timeout,
+                    check=False,
+                )
                 code = proc.returncode
             except subprocess.TimeoutExpired:
                 code = f"timeout after {timeout:.0f} s"
         if code != 0 or not result.is_file():
-            rows.append({"budget": budget, "error": f"speculators.train exit {code} (see peer.log)"})
+            rows.append(
+                {"budget": budget, "error": f"speculators.train exit {code} (see peer.log)"}
+            )
             continue
         timing = json.loads(result.read_text())
-        rows.append({"budget": budget, "tokens_per_s": round(timing["steps"] * budget / timing["seconds"], 1),
-                     "seconds": round(timing["seconds"], 3), "steps": timing["steps"]})
+        rows.append(
+            {
+                "budget": budget,
+                "tokens_per_s": round(timing["steps"] * budget / timing["seconds"], 1),
+                "seconds": round(timing["seconds"], 3),
+                "steps": timing["steps"],
+            }
+        )
     return rows
 
 
 def speed_table(ours: list[dict], peer: list[dict]) -> str:
-    """One markdown table: per budget, ours online / drafter-only / parts and utilization, speculators' rate."""
+    """One markdown table: per budget, ours online / drafter-only / parts and utilization,
+    speculators' rate."""
     by_budget = {row["budget"]: row for row in peer}
-    lines = ["| tokens/step | ours online tok/s | ours drafter-only tok/s | online vs parts | online utilization | "
-             "host ms/step, compute negligible (2 layers / the depth) | speculators 0.9.0 tok/s (from hidden states) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| tokens/step | ours online tok/s | ours drafter-only tok/s | online vs parts | online"
+            " utilization | host ms/step, compute negligible (2 layers / the depth) | speculators"
+            " 0.9.0 tok/s (from hidden states) |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in ours:
         host = row.get("host") or []
         host_ms = " / ".join(f"{h['ms_per_step']:.1f}" for h in host) if host else ""
         peer_row = by_budget.get(row["budget"], {})
-        peer_text = f"{peer_row['tokens_per_s']:,.0f}" if "tokens_per_s" in peer_row else peer_row.get("error", "")
-        lines.append(f"| {row['budget']:,} | {row['train_tokens_per_s']:,.0f} | "
-                     f"{row['drafter_only_tokens_per_s']:,.0f} | {row['online_vs_parts']:.0%} | "
-                     f"{row['train_utilization']:.1%} | {host_ms} | {peer_text} |")
+        peer_text = (
+            f"{peer_row['tokens_per_s']:,.0f}"
+            if "tokens_per_s" in peer_row
+            else peer_row.get("error", "")
+        )
+        lines.append(
+            f"| {row['budget']:,} | {row['train_tokens_per_s']:,.0f} | "
+            f"{row['drafter_only_tokens_per_s']:,.0f} | {row['online_vs_parts']:.0%} | "
+            f"{row['train_utilization']:.1%} | {host_ms} | {peer_text} |"
+        )
     return "\n".join(lines)
 
 
 def peer_python() -> str:
-    """speculators' interpreter: ``GPU_TRAIN_PEER_PYTHON``, else the test venv (CPU rehearsal), else this one."""
+    """speculators' interpreter: ``GPU_TRAIN_PEER_PYTHON``, else the test venv (CPU rehearsal), else
+    this one."""
     explicit = os.environ.get("GPU_TRAIN_PEER_PYTHON")
     if explicit:
         return explicit

@@ -1,9 +1,11 @@
-"""A toy method as a newcomer adds one (docs/ADDING_A_METHOD.md), laid out as in the repository: each file under this
-folder goes to the same path in a checkout (:data:`PLACED`), and two lists name it (:data:`LISTED`).
+"""A toy method as a newcomer adds one (docs/ADDING_A_METHOD.md), laid out as in the repository:
+each file under this folder goes to the same path in a checkout (:data:`PLACED`), and two lists name
+it (:data:`LISTED`).
 
-tests/test_docs.py places it in a copy of the repository, trains it through ``train.py recipe=toy``, exports and
-serves it, and counts the files that changed; tests/test_method_table.py loads it here, in-process, under the module
-names it would have (:func:`install`), and checks it like every real method.
+tests/test_docs.py places it in a copy of the repository, trains it through ``train.py recipe=toy``,
+exports and serves it, and counts the files that changed; tests/test_method_table.py loads it here,
+in-process, under the module names it would have (:func:`install`), and checks it like every real
+method.
 """
 
 from __future__ import annotations
@@ -16,28 +18,50 @@ from types import ModuleType
 
 TOY = Path(__file__).resolve().parent
 NAME = "toy"
-# The toy's files, at the paths a real method's take (the same relative path here and in a checkout).
-PLACED = ("heads/toy.py", "recipes/toy/__init__.py", "recipes/toy/objective.py", "conf/recipe/toy.yaml",
-          "runtime/drafting/toy.py", "tests/test_toy.py")
-# The lists that name every method, and the one name the toy adds to each: file -> (line before, line after).
+# The toy's files, at the paths a real method's take (the same relative path here and in a
+# checkout).
+PLACED = (
+    "heads/toy.py",
+    "recipes/toy/__init__.py",
+    "recipes/toy/objective.py",
+    "conf/recipe/toy.yaml",
+    "runtime/drafting/toy.py",
+    "tests/test_toy.py",
+)
+# The lists that name every method, and the one name the toy adds to each: file -> (line before,
+# line after).
 _RECIPES = '            "adaptive_temperature", "learn2pd", "diffusion_adapt"'
-_FAMILIES = "    from draftsmith.runtime.drafting import clover, dflash, eagle, hydra, kangaroo, medusa, specdecpp"
-LISTED = {"recipes/__init__.py": (f"{_RECIPES})", f'{_RECIPES}, "toy")'),
-          "runtime/drafting/registry.py": (f"{_FAMILIES}  # noqa: F401", f"{_FAMILIES}, toy  # noqa: F401")}
+_FAMILIES = (
+    "    from draftsmith.runtime.drafting import clover, dflash, eagle, hydra, kangaroo, medusa,"
+    " specdecpp"
+)
+LISTED = {
+    "recipes/__init__.py": (f"{_RECIPES})", f'{_RECIPES}, "toy")'),
+    "runtime/drafting/registry.py": (
+        f"{_FAMILIES}  # noqa: F401",
+        f"{_FAMILIES}, toy  # noqa: F401",
+    ),
+}
 # Module name -> file, in import order (each imports the ones before it).
-MODULES = {"draftsmith.heads.toy": "heads/toy.py", "draftsmith.recipes.toy": "recipes/toy/__init__.py",
-           "draftsmith.recipes.toy.objective": "recipes/toy/objective.py",
-           "draftsmith.runtime.drafting.toy": "runtime/drafting/toy.py"}
+MODULES = {
+    "draftsmith.heads.toy": "heads/toy.py",
+    "draftsmith.recipes.toy": "recipes/toy/__init__.py",
+    "draftsmith.recipes.toy.objective": "recipes/toy/objective.py",
+    "draftsmith.runtime.drafting.toy": "runtime/drafting/toy.py",
+}
 
 
 def place(repo: Path) -> None:
-    """Add the toy to the checkout ``repo``: its files copied to their paths, its name added to the two lists."""
+    """Add the toy to the checkout ``repo``: its files copied to their paths, its name added to the
+    two lists."""
     for rel in PLACED:
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(TOY / rel, repo / rel)
     for rel, (before, after) in LISTED.items():
         text = (repo / rel).read_text()
-        assert text.count(before + "\n") == 1, f"{rel}: the list the toy joins moved; update LISTED in {__file__}"
+        assert text.count(before + "\n") == 1, (
+            f"{rel}: the list the toy joins moved; update LISTED in {__file__}"
+        )
         (repo / rel).write_text(text.replace(before + "\n", after + "\n"))
 
 
@@ -50,13 +74,15 @@ def _load(name: str, path: Path) -> ModuleType:
     return module
 
 
-_loaded: list[str] = []  # what install() loaded here (nothing in a checkout where the toy is placed for real)
+_loaded: list[
+    str
+] = []  # what install() loaded here (nothing in a checkout where the toy is placed for real)
 
 
 def install() -> ModuleType:
-    """Load the toy in this process under the names it has in a checkout, which registers its recipe and proposer
-    (the real lists stay as they are); in a checkout that holds it already (tests/test_docs.py's copy), the toy the
-    lists registered. Returns its recipe package."""
+    """Load the toy in this process under the names it has in a checkout, which registers its recipe
+    and proposer (the real lists stay as they are); in a checkout that holds it already
+    (tests/test_docs.py's copy), the toy the lists registered. Returns its recipe package."""
     from draftsmith.recipes import RECIPES
     from draftsmith.runtime.drafting.registry import load_families
 

@@ -1,5 +1,6 @@
-"""The toy method's nn.Module: one linear head on the target's post-norm hidden state at t that predicts token t+2
-(the target's own head predicts t+1), i.e. a one-head Medusa without the residual block."""
+"""The toy method's nn.Module: one linear head on the target's post-norm hidden state at t that
+predicts token t+2 (the target's own head predicts t+1), i.e. a one-head Medusa without the residual
+block."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The toy method's own test: the head predicts over the whole vocabulary, with the bias its config asks for."""
+"""The toy method's own test: the head predicts over the whole vocabulary, with the bias its config
+asks for."""
 
 import pytest
 
@@ -8,4 +9,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_the_head_scores_every_token_with_the_bias_asked_for():
-    assert ToyHead(4, 7, bias=False).proj.out_features == 7 and ToyHead(4, 7, bias=True).proj.bias is not None
+    assert (
+        ToyHead(4, 7, bias=False).proj.out_features == 7
+        and ToyHead(4, 7, bias=True).proj.bias is not None
+    )

@@ -18,10 +18,13 @@ class ToyObjective(Objective):
 
     def __init__(self, head: ToyHead) -> None:
         self.module = head
-        self.taps = FeatureTaps(final_hidden=True)  # the target's post-norm hidden state, nothing else
+        self.taps = FeatureTaps(
+            final_hidden=True
+        )  # the target's post-norm hidden state, nothing else
 
-    def loss(self, batch: dict[str, torch.Tensor],
-             feats: TargetFeatures) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, batch: dict[str, torch.Tensor], feats: TargetFeatures
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Masked CE of head(h_t) vs x_{t+2}, plus its top-1 accuracy as a metric."""
         hidden = feats.final_hidden[:, :-2].to(self.module.proj.weight.dtype)  # [B, T-2, H]
         keep = (batch["loss_mask"] * batch["attention_mask"])[:, 2:].bool()  # [B, T-2]
@@ -31,8 +34,13 @@ class ToyObjective(Objective):
         return loss, {"top1": (logits.argmax(-1) == labels).float().mean().detach()}
 
     def export_config(self) -> dict[str, Any]:
-        """The export's ``method`` (the key its runtime proposer is registered for), architecture and inference."""
-        return {"method": "toy", "architecture": self.module.architecture(), "inference": {"verifier": "greedy"}}
+        """The export's ``method`` (the key its runtime proposer is registered for), architecture
+        and inference."""
+        return {
+            "method": "toy",
+            "architecture": self.module.architecture(),
+            "inference": {"verifier": "greedy"},
+        }
 
 
 def build(cfg: Toy, target: Target) -> ToyObjective:

@@ -1,5 +1,5 @@
-"""The toy method's runtime proposer: drafts one token (a chain of one) from the head, registered for the export
-``method`` ``toy``."""
+"""The toy method's runtime proposer: drafts one token (a chain of one) from the head, registered
+for the export ``method`` ``toy``."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ class ToyProposer(Proposer):
 
 @register_proposer("toy")
 def build_toy(export_dir: str | Path, config: dict, target_model: Any, **_: Any) -> ToyProposer:
-    """The head from an export folder (``config`` is its config.json, already checked against the target)."""
+    """The head from an export folder (``config`` is its config.json, already checked against the
+    target)."""
     _, state = read_export(export_dir)
     head = ToyHead(**config["architecture"])
     head.load_state_dict(state)
