@@ -20,6 +20,8 @@ Everything here is imported lazily; when the CPU, the compiler or the shapes do 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -27,6 +29,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -119,27 +122,51 @@ def why_unavailable(isa: str | None = None, caps: cpu_caps.CpuCaps | None = None
     return None
 
 
-STALE_LOCK_S = (
-    900  # a build takes about a minute on 2 cores; a lock this old was left by a killed build
-)
+# a build takes about a minute on 2 cores; waiting this long on another process's build means that
+# process is stuck (paused with SIGSTOP, or hung), and the caller falls back to torch instead
+BUILD_WAIT_S = 900
+BATON = "draftsmith-build.lock"
 
 
-def clear_stale_lock(build: Path, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove torch's build lock in ``build`` when it is older than ``max_age_s``. torch's file
-    baton records no owner, so a build killed mid-way (Ctrl-C, a CI timeout) leaves a lock that
-    makes every later process wait for ever; returns whether one was removed."""
-    lock = build / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < max_age_s:
-        return False
-    log.warning(
-        "removing a stale build lock (%.0f s old, left by an interrupted build): %s", age, lock
-    )
-    lock.unlink(missing_ok=True)
-    return True
+@contextlib.contextmanager
+def build_baton(build: Path, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
+    """Hold the build folder's own lock while torch builds or loads the extension there.
+
+    torch's file baton (``build/lock``) records no owner, so a build killed mid-way (Ctrl-C, kill
+    -9, a CI timeout) leaves it behind and every later process waits on it for ever. This lock is
+    an ``flock`` on ``build/draftsmith-build.lock``: the kernel drops it when its holder exits in
+    any way, so whoever holds it knows no build is running, and any ``lock`` file torch left is
+    stale and removed. A holder that stays alive without finishing (paused, hung) is waited for
+    ``wait_s`` seconds, then refused with its pid: CpuLayerUnavailable, and the caller runs torch.
+    """
+    baton = build / BATON
+    with open(baton, "a+") as handle:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "unknown"
+                    raise CpuLayerUnavailable(
+                        f"another process (pid {holder}) has held the fused CPU layer's build "
+                        f"lock {baton} for over {wait_s:.0f} s (paused or hung?); running torch"
+                    ) from None
+                time.sleep(0.2)
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+            stale = build / "lock"
+            if stale.exists():
+                log.warning("removing torch's build lock left by an interrupted build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_cpu_layer(isa: str | None = None) -> ModuleType:
@@ -170,17 +197,19 @@ def _load(isa: str) -> ModuleType:
     )
     build = extension_dir() / name
     build.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(build)
     flags = ["-O3", *ISA_FLAGS[isa], "-fopenmp"]
     try:
-        module = load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
+        with build_baton(build):
+            module = load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                verbose=False,
+            )
+    except CpuLayerUnavailable:
+        raise
     except (
         Exception
     ) as err:  # compiler errors come as RuntimeError / CalledProcessError with the log

@@ -356,22 +356,3 @@ def test_accelerate_linears_swaps_bf16_cpu_linears_only():
     assert (
         accelerate_linears(torch.nn.Sequential(torch.nn.Linear(8, 8))) == 0
     )  # fp32 stays as it is
-
-
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
-    """A build killed mid-way leaves torch's lock file behind, and every later process would wait on
-    it for ever."""
-    import os
-    import time
-
-    from draftsmith.kernels.cpu_layer import STALE_LOCK_S, clear_stale_lock
-
-    lock = tmp_path / "lock"
-    assert clear_stale_lock(tmp_path) is False  # no lock
-    lock.write_text("")
-    assert (
-        clear_stale_lock(tmp_path) is False and lock.exists()
-    )  # a build in progress keeps its lock
-    old = time.time() - STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
-    assert clear_stale_lock(tmp_path) is True and not lock.exists()
