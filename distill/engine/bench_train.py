@@ -8,7 +8,7 @@ on), after warm-up steps:
 * ``drafter_only``: the step as training from a feature cache runs it (``data.features=DIR``): the
   target's features computed beforehand (outside the timer), the teacher rebuilt from the cached
   final hidden state with the LM head as
-  :class:`~draftsmith.distill.feature_cache.cached_data.CachedTarget` does, then the drafter's
+  :class:`~draftsmith.distill.feature_cache.cached_target.CachedTarget` does, then the drafter's
   forward, backward and optimizer step;
 * ``train``: the online step (target forward + drafter step), as ``train.py`` runs it
   (``trainer.compile`` too).
