@@ -56,7 +56,7 @@ def run_train(
 
 
 def test_target_dtype_auto_is_the_default_and_follows_the_cpu(monkeypatch, caplog, tiny_target_dir):
-    from draftsmith.distill.target.frozen import resolve_target_dtype
+    from draftsmith.distill.target.loading import resolve_target_dtype
 
     assert OmegaConf.load(ROOT / "conf/target/smollm2.yaml").dtype == "auto"
     dtype, why = resolve_target_dtype("auto", "cpu", AVX2)
@@ -75,7 +75,7 @@ def test_target_dtype_auto_is_the_default_and_follows_the_cpu(monkeypatch, caplo
     for caps, want in ((AVX2, torch.float32), (AVX512_BF16, torch.bfloat16)):
         monkeypatch.setattr(cpu_caps, "probe", lambda caps=caps: caps)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="draftsmith.distill.target.frozen"):
+        with caplog.at_level(logging.INFO, logger="draftsmith.distill.target.loading"):
             target = Target.load(str(tiny_target_dir), "auto")
         assert target.lm_head_weight.dtype == want
         lines = [
