@@ -192,18 +192,6 @@ class ChatDataModule(pl.LightningDataModule):
         self.val_set = ChatDataset([samples[i] for i in order[:n_val]])
         self.train_set = ChatDataset([samples[i] for i in order[n_val:]])
 
-    def _ordered_sampler(self, size: int) -> ResumableSampler:
-        """Keep the seeded order; under data parallelism deal item r, r+W, ... to rank r.
-
-        Lightning's automatic distributed sampler reshuffles, which would break the property that W
-        processes see the same global batches as one process with W-step gradient accumulation.
-        """
-        trainer = getattr(self, "trainer", None)
-        world = int(getattr(trainer, "world_size", 1) or 1)
-        return ResumableSampler(
-            size, rank=int(trainer.global_rank) if world > 1 else 0, world=world
-        )
-
     def _batches_done(self) -> int:
         trainer = self.trainer
         return batches_done_in_epoch(
@@ -284,7 +272,7 @@ class ChatDataModule(pl.LightningDataModule):
             ResumableLoader,
             collate_fn=packed if self.packing else None,
             batch_size=batch_size,
-            sampler=self._ordered_sampler(len(dataset)),
+            sampler=ResumableSampler.for_trainer(len(dataset), getattr(self, "trainer", None)),
             batches_done=self._batches_done,
             items_per_batch=batch_size or 1,
         )

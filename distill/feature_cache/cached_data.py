@@ -212,10 +212,7 @@ class CachedFeatureDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """Batch r, r+W, ... to rank r in the cached order, resumable mid-epoch."""
         trainer = self.trainer
-        world = int(getattr(trainer, "world_size", 1) or 1)
-        sampler = ResumableSampler(
-            len(self.train_set), rank=int(trainer.global_rank) if world > 1 else 0, world=world
-        )
+        sampler = ResumableSampler.for_trainer(len(self.train_set), trainer)
 
         def done() -> int:
             return batches_done_in_epoch(
