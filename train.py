@@ -82,7 +82,7 @@ def interrupted_message(err: BaseException, argv: list[str], run_dir: str) -> st
     checkpoint = getattr(err, "checkpoint", None)
     every = getattr(err, "checkpoint_every", None)
     if checkpoint is None:
-        from draftsmith.distill.engine.checkpoints import find_resume_checkpoint
+        from draftsmith.distill.engine.resume_point import find_resume_checkpoint
 
         found = find_resume_checkpoint(getattr(err, "run_dir", run_dir))
         checkpoint = str(found) if found else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftsmith.distill.config.schema import key
+from draftsmith.distill.config.keys import key
 
 
 @dataclass

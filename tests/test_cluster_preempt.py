@@ -25,11 +25,11 @@ from draftsmith.distill.cluster.attempts import (
 )
 from draftsmith.distill.engine.checkpoints import (
     drop_stale_requeue_checkpoints,
-    find_resume_checkpoint,
     human_bytes,
     link_last,
 )
 from draftsmith.distill.engine.exporting import load_checkpoint
+from draftsmith.distill.engine.resume_point import find_resume_checkpoint
 
 pytestmark = pytest.mark.e2e
 

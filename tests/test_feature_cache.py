@@ -14,8 +14,9 @@ import torch
 
 from draftsmith.cli.training import compose_config
 from draftsmith.distill.engine.trainer import train
-from draftsmith.distill.feature_cache.build import FeatureCacheError, build_cache
+from draftsmith.distill.feature_cache.build import build_cache
 from draftsmith.distill.feature_cache.cached_data import open_cache, train_offline
+from draftsmith.distill.feature_cache.manifest import FeatureCacheError
 from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.export.format import read_export
 from draftsmith.recipes import get_recipe
@@ -292,8 +293,9 @@ def test_lazy_logits_rebuild_only_the_asked_rows_and_an_old_cache_rebuilds_all(f
     """
     from dataclasses import replace
 
-    from draftsmith.distill.feature_cache.build import PREFIX
-    from draftsmith.distill.feature_cache.cached_data import CachedTarget, FeatureCache
+    from draftsmith.distill.feature_cache.cached_data import FeatureCache
+    from draftsmith.distill.feature_cache.cached_target import CachedTarget
+    from draftsmith.distill.feature_cache.manifest import PREFIX
 
     cache = FeatureCache(fp32_cache)
     assert cache.manifest["taps"]["lazy_logits"] is True

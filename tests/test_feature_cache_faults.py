@@ -16,8 +16,10 @@ import pytest
 from test_feature_cache import overrides  # the same tiny EAGLE-3 cache settings
 
 from draftsmith.cli.training import compose_config
-from draftsmith.distill.feature_cache.build import FeatureCacheError, build_cache, shard_damage
+from draftsmith.distill.feature_cache.build import build_cache
 from draftsmith.distill.feature_cache.cached_data import open_cache
+from draftsmith.distill.feature_cache.manifest import FeatureCacheError
+from draftsmith.distill.feature_cache.shards import shard_damage
 from draftsmith.distill.target.frozen import Target
 from draftsmith.recipes import get_recipe
 
@@ -132,7 +134,8 @@ def test_a_shard_whose_bytes_changed_is_named_at_first_read_and_written_again(
 def test_a_damaged_manifest_or_target_folder_is_one_line(
     damage, tmp_path, reference, tiny_target_dir, tiny_data_file
 ):
-    from draftsmith.distill.feature_cache.cached_data import CachedTarget, FeatureCache
+    from draftsmith.distill.feature_cache.cached_data import FeatureCache
+    from draftsmith.distill.feature_cache.cached_target import CachedTarget
 
     broken = copy_tree(reference, tmp_path / damage)
     manifest = broken / "manifest.json"

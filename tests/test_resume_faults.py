@@ -18,7 +18,7 @@ import torch
 
 from draftsmith.cli.training import compose_config
 from draftsmith.common.errors import TrainingInterrupted
-from draftsmith.distill.engine import checkpoints
+from draftsmith.distill.engine import resume_point
 from draftsmith.distill.engine.trainer import train
 from draftsmith.recipes import get_recipe
 from draftsmith.train import expand_shorthands
@@ -131,15 +131,15 @@ def test_a_truncated_or_missing_newest_checkpoint_falls_back_with_one_warning(
     folder = run_dir / "checkpoints"
     newest = folder / "step4.ckpt"
     assert (
-        checkpoints.checkpoint_problem(newest) is None
+        resume_point.checkpoint_problem(newest) is None
         and (folder / "last.ckpt").resolve() == newest
     )
     newest.write_bytes(
         newest.read_bytes()[: newest.stat().st_size // 2]
     )  # a copy that stopped half-way
-    assert "truncated" in checkpoints.checkpoint_problem(newest)
+    assert "truncated" in resume_point.checkpoint_problem(newest)
     with caplog.at_level(logging.WARNING):
-        assert checkpoints.resume_checkpoint(run_dir) == folder / "step2.ckpt"
+        assert resume_point.resume_checkpoint(run_dir) == folder / "step2.ckpt"
     assert (
         f"{newest} cannot be resumed: it is truncated" in caplog.text
         and "resuming from" in caplog.text
@@ -152,19 +152,19 @@ def test_a_truncated_or_missing_newest_checkpoint_falls_back_with_one_warning(
         )
     assert summary["steps"] == 5 and f"resuming from {folder / 'step2.ckpt'}" in caplog.text
     assert (
-        checkpoints.checkpoint_problem(folder / "step4.ckpt") is None
+        resume_point.checkpoint_problem(folder / "step4.ckpt") is None
     )  # step 4 trained and written again
 
     (folder / "step5.ckpt").unlink()  # last.ckpt now names a file that was deleted
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        assert checkpoints.resume_checkpoint(run_dir) == folder / "step4.ckpt"
+        assert resume_point.resume_checkpoint(run_dir) == folder / "step4.ckpt"
     assert "names step5.ckpt, which is missing; resuming from" in caplog.text
     for path in folder.glob("step*.ckpt"):
         path.unlink()
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        assert checkpoints.resume_checkpoint(run_dir) is None
+        assert resume_point.resume_checkpoint(run_dir) is None
     assert "training restarts from step 0" in caplog.text
 
 
@@ -174,8 +174,8 @@ def test_a_flipped_byte_is_a_damaged_checkpoint(tmp_path):
     data = bytearray(path.read_bytes())
     data[len(data) // 3] ^= 0xFF
     path.write_bytes(bytes(data))
-    assert "damaged" in checkpoints.checkpoint_problem(path)
-    assert checkpoints.checkpoint_problem(tmp_path / "none.ckpt").startswith("it is missing")
+    assert "damaged" in resume_point.checkpoint_problem(path)
+    assert resume_point.checkpoint_problem(tmp_path / "none.ckpt").startswith("it is missing")
 
 
 def interrupting_save(monkeypatch, step_name: str, signals: int) -> None:
@@ -232,11 +232,11 @@ def test_ctrl_c_while_a_checkpoint_is_written_is_the_interruption(
     assert not list(folder.glob(".*tmp*"))  # no temporary left
     if signals == 1:  # the write was finished first, and is where the run resumes
         assert stopped.value.checkpoint == str((folder / "step4.ckpt").resolve())
-        assert checkpoints.checkpoint_problem(folder / "step4.ckpt") is None
+        assert resume_point.checkpoint_problem(folder / "step4.ckpt") is None
     else:  # a second Ctrl-C abandons it: the previous checkpoint is intact and named
         assert stopped.value.checkpoint == str((folder / "step2.ckpt").resolve())
         assert step_files(run_dir) == ["step2.ckpt"]
-    assert checkpoints.checkpoint_problem(folder / "last.ckpt") is None
+    assert resume_point.checkpoint_problem(folder / "last.ckpt") is None
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
@@ -450,4 +450,4 @@ def test_an_unreadable_last_pointer_falls_back_to_the_step_files(tmp_path):
     folder.mkdir()
     torch.save({"global_step": 2}, folder / "step2.ckpt")
     (folder / "last").write_bytes(b"\xff\xfe\x00")
-    assert checkpoints.resume_checkpoint(tmp_path) == folder / "step2.ckpt"
+    assert resume_point.resume_checkpoint(tmp_path) == folder / "step2.ckpt"

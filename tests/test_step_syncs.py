@@ -111,8 +111,8 @@ def test_an_eagle3_step_reads_nothing_back_outside_log_steps(
     tmp_path, monkeypatch, tiny_target_dir, tiny_data_file, counter, python_reads
 ):
     from draftsmith.distill.data.datamodule import build_datamodule
+    from draftsmith.distill.engine.lightning_trainer import apply_precision, build_trainer
     from draftsmith.distill.engine.module import DistillModule
-    from draftsmith.distill.engine.trainer import apply_precision, build_trainer
     from draftsmith.distill.target.frozen import Target
     from draftsmith.recipes import get_recipe
 

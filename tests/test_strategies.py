@@ -28,7 +28,7 @@ from draftsmith.distill.cluster.strategies import (
     layer_classes,
     resolve_precision,
 )
-from draftsmith.distill.engine.trainer import build_trainer
+from draftsmith.distill.engine.lightning_trainer import build_trainer
 from draftsmith.distill.target.shard import check_target_shard
 
 pytestmark = pytest.mark.unit
@@ -398,7 +398,7 @@ def test_precision_auto_on_gpus_and_in_the_trainer(tmp_path, caplog):
     assert resolve_precision(auto, cuda_available=True, cuda_bf16=True)[0] == "bf16-mixed"
     import logging
 
-    from draftsmith.distill.engine.trainer import apply_precision
+    from draftsmith.distill.engine.lightning_trainer import apply_precision
 
     cfg = compose_config(["recipe=eagle3", "trainer=cpu"])
     with caplog.at_level(logging.INFO):

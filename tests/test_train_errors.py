@@ -22,7 +22,7 @@ def _error_classes() -> dict[str, type[BaseException]]:
     from draftsmith.common import errors
     from draftsmith.distill.data.samples import TemplateError
     from draftsmith.distill.engine.callbacks.guards import NonFiniteLossError
-    from draftsmith.distill.feature_cache.build import FeatureCacheError
+    from draftsmith.distill.feature_cache.manifest import FeatureCacheError
     from draftsmith.export.format import ExportError, TargetMismatchError
 
     return {

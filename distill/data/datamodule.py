@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from functools import lru_cache, partial
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from draftsmith.distill.data.sample_cache import (
     load_samples,
     pack_samples_arrays,
     save_samples,
+    spec_identity,
     unpack_samples,
 )
 from draftsmith.distill.data.samples import (
@@ -47,34 +48,6 @@ from draftsmith.distill.data.samples import (
 logger = logging.getLogger(__name__)
 
 _CACHE_VERSION = 1
-
-
-def _spec_identity(spec: str, with_path: bool = True) -> dict:
-    """What identifies the data source: a local file by its content (size and SHA-256), and by its
-    absolute path unless ``with_path`` is off (the tokenised cache: the same data copied elsewhere,
-    e.g. a test's fresh tmp file, reuses one entry instead of adding another); a named dataset by
-    its name."""
-    path = Path(spec).expanduser()
-    if spec.strip().lower() != "sharegpt" and path.is_file():
-        stat = path.stat()
-        where = {"path": str(path.resolve())} if with_path else {}
-        return {
-            **where,
-            "size": stat.st_size,
-            "sha256": _file_sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns),
-        }
-    return {"name": spec}
-
-
-@lru_cache(maxsize=64)
-def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
-    """SHA-256 of a file, read once per (path, size, mtime): ``cache_path`` is asked for more than
-    once a run."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(partial(handle.read, 1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def tokenize_all(
@@ -164,7 +137,7 @@ class ChatDataModule(pl.LightningDataModule):
         template = self.tokenizer.chat_template or ""
         key = {
             "v": _CACHE_VERSION,
-            "spec": _spec_identity(self.spec, with_path=False),
+            "spec": spec_identity(self.spec, with_path=False),
             "max_length": self.max_length,
             "limit": self.limit,
             "tokenizer": getattr(self.tokenizer, "name_or_path", ""),
@@ -218,18 +191,6 @@ class ChatDataModule(pl.LightningDataModule):
         )
         self.val_set = ChatDataset([samples[i] for i in order[:n_val]])
         self.train_set = ChatDataset([samples[i] for i in order[n_val:]])
-
-    def _ordered_sampler(self, size: int) -> ResumableSampler:
-        """Keep the seeded order; under data parallelism deal item r, r+W, ... to rank r.
-
-        Lightning's automatic distributed sampler reshuffles, which would break the property that W
-        processes see the same global batches as one process with W-step gradient accumulation.
-        """
-        trainer = getattr(self, "trainer", None)
-        world = int(getattr(trainer, "world_size", 1) or 1)
-        return ResumableSampler(
-            size, rank=int(trainer.global_rank) if world > 1 else 0, world=world
-        )
 
     def _batches_done(self) -> int:
         trainer = self.trainer
@@ -311,7 +272,7 @@ class ChatDataModule(pl.LightningDataModule):
             ResumableLoader,
             collate_fn=packed if self.packing else None,
             batch_size=batch_size,
-            sampler=self._ordered_sampler(len(dataset)),
+            sampler=ResumableSampler.for_trainer(len(dataset), getattr(self, "trainer", None)),
             batches_done=self._batches_done,
             items_per_batch=batch_size or 1,
         )

@@ -30,6 +30,17 @@ class ResumableSampler(DistributedSampler):
         super().__init__(range(size), num_replicas=world, rank=rank, shuffle=False, drop_last=False)
         self._skip = 0
 
+    @classmethod
+    def for_trainer(cls, size: int, trainer: Any) -> ResumableSampler:
+        """Keep the seeded order; under data parallelism deal item r, r+W, ... to rank r of
+        ``trainer`` (None: one process).
+
+        Lightning's automatic distributed sampler reshuffles, which would break the property that W
+        processes see the same global batches as one process with W-step gradient accumulation.
+        """
+        world = int(getattr(trainer, "world_size", 1) or 1)
+        return cls(size, rank=int(trainer.global_rank) if world > 1 else 0, world=world)
+
     def skip_next(self, items: int) -> None:
         """Leave out the first ``items`` of the next pass only (a resumed epoch)."""
         self._skip = max(0, int(items))

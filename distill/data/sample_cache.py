@@ -1,5 +1,6 @@
 """The tokenised-sample cache file (``~/.cache/draftsmith/data/chat-<key>.safetensors``): written
-atomically with a checksum of its arrays, verified on every read.
+atomically with a checksum of its arrays, verified on every read; its key names the data source by
+:func:`spec_identity` (a local file by its content), as the feature cache's fingerprint does.
 
 Samples are stored as three flat arrays (int32 ids, uint8 loss mask, int64 lengths) and a
 ``draftsmith`` metadata entry (the tokenising report and ``sha256``, the digest of the arrays'
@@ -17,6 +18,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Sequence
+from functools import lru_cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -121,3 +123,31 @@ def load_samples(path: Path) -> tuple[list[dict], dict]:
     if want is not None and arrays_digest(arrays) != want:
         raise DamagedCache("its contents do not match the checksum recorded when it was written")
     return unpack_samples(arrays), metadata
+
+
+def spec_identity(spec: str, with_path: bool = True) -> dict:
+    """What identifies the data source: a local file by its content (size and SHA-256), and by its
+    absolute path unless ``with_path`` is off (the tokenised cache: the same data copied elsewhere,
+    e.g. a test's fresh tmp file, reuses one entry instead of adding another); a named dataset by
+    its name."""
+    path = Path(spec).expanduser()
+    if spec.strip().lower() != "sharegpt" and path.is_file():
+        stat = path.stat()
+        where = {"path": str(path.resolve())} if with_path else {}
+        return {
+            **where,
+            "size": stat.st_size,
+            "sha256": _file_sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns),
+        }
+    return {"name": spec}
+
+
+@lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 of a file, read once per (path, size, mtime): ``cache_path`` is asked for more than
+    once a run."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(partial(handle.read, 1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -8,7 +8,7 @@ on), after warm-up steps:
 * ``drafter_only``: the step as training from a feature cache runs it (``data.features=DIR``): the
   target's features computed beforehand (outside the timer), the teacher rebuilt from the cached
   final hidden state with the LM head as
-  :class:`~draftsmith.distill.feature_cache.cached_data.CachedTarget` does, then the drafter's
+  :class:`~draftsmith.distill.feature_cache.cached_target.CachedTarget` does, then the drafter's
   forward, backward and optimizer step;
 * ``train``: the online step (target forward + drafter step), as ``train.py`` runs it
   (``trainer.compile`` too).
@@ -225,9 +225,23 @@ def bench_train(
         "matmul_shape": "x".join(map(str, shape)),
         "matmul_gflops": round(rate / 1e9, 2),
     }
+    result.update(_part_rates(seconds, flops, tokens, rate))
+    result.update(_step_summary(result, seconds, module, steps, warmup))
+    if torch.device(device).type == "cuda":
+        result["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    if host:
+        result["host"] = host_costs(cfg, recipe, target, batches, precision, device, warmup)
+    return result
+
+
+def _part_rates(
+    seconds: dict[str, float], flops: dict[str, float], tokens: int, rate: float
+) -> dict[str, Any]:
+    """Tokens/s, ms, GFLOP per token and utilization of the matmul ``rate`` of each timed part."""
+    out: dict[str, Any] = {}
     for key, secs in seconds.items():
         per_s = tokens / secs
-        result.update(
+        out.update(
             {
                 f"{key}_tokens_per_s": round(per_s, 1),
                 f"{key}_ms": round(secs * 1e3, 2),
@@ -235,29 +249,34 @@ def bench_train(
                 f"{key}_utilization": utilization(per_s, flops[key] / tokens, rate),
             }
         )
+    return out
+
+
+def _step_summary(
+    result: dict[str, Any],
+    seconds: dict[str, float],
+    module: DistillModule,
+    steps: int,
+    warmup: int,
+) -> dict[str, Any]:
+    """How the online step compares with its parts (the rate they predict, the target's share, what
+    a feature cache would gain), the drafter's size, the memory peak and the run's settings."""
     expected = parts_rate(
         result["target_forward_tokens_per_s"], result["drafter_only_tokens_per_s"]
     )
     trainable = sum(p.numel() for p in module.objective.module.parameters() if p.requires_grad)
-    result.update(
-        {
-            "parts_tokens_per_s": round(expected, 1),
-            "online_vs_parts": round(result["train_tokens_per_s"] / expected, 4),
-            "train_tokens_per_s": result["train_tokens_per_s"],
-            "ratio": round(seconds["target_forward"] / seconds["train"], 3),
-            "cache_speedup": round(seconds["train"] / seconds["drafter_only"], 2),
-            "trainable_params_m": round(trainable / 1e6, 2),
-            "peak_rss_mib": round(peak_rss_mib(), 1),
-            "threads": torch.get_num_threads(),
-            "timed_steps": steps,
-            "warmup_steps": warmup,
-        }
-    )
-    if torch.device(device).type == "cuda":
-        result["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    if host:
-        result["host"] = host_costs(cfg, recipe, target, batches, precision, device, warmup)
-    return result
+    return {
+        "parts_tokens_per_s": round(expected, 1),
+        "online_vs_parts": round(result["train_tokens_per_s"] / expected, 4),
+        "train_tokens_per_s": result["train_tokens_per_s"],
+        "ratio": round(seconds["target_forward"] / seconds["train"], 3),
+        "cache_speedup": round(seconds["train"] / seconds["drafter_only"], 2),
+        "trainable_params_m": round(trainable / 1e6, 2),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+        "threads": torch.get_num_threads(),
+        "timed_steps": steps,
+        "warmup_steps": warmup,
+    }
 
 
 def host_costs(

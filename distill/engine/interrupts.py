@@ -141,9 +141,8 @@ def interruptible(
             signal.signal(signal.SIGINT, signal.default_int_handler)
         except ValueError:  # not the main thread
             pass
-        from draftsmith.distill.engine.checkpoints import (
-            find_resume_checkpoint,
-        )  # (checkpoints imports this module)
+        # (checkpoints, which resume_point imports, imports this module)
+        from draftsmith.distill.engine.resume_point import find_resume_checkpoint
 
         found = find_resume_checkpoint(run_dir)
         raise TrainingInterrupted(

@@ -31,7 +31,7 @@ from draftsmith.distill.engine.callbacks.zero3 import ZeroThreeDevices
 from draftsmith.distill.engine.compiled import CompiledStep
 from draftsmith.distill.engine.objective import Objective, optimizer_groups
 from draftsmith.distill.engine.schedule import lr_lambda
-from draftsmith.distill.feature_cache.cached_data import CachedTarget
+from draftsmith.distill.feature_cache.cached_target import CachedTarget
 from draftsmith.distill.target.frozen import TargetModel
 
 BATCH_FEATURE_KEYS = (

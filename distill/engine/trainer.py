@@ -4,8 +4,6 @@ checkpoints, export."""
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -16,58 +14,35 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.cluster.attempts import (
-    ClusterCallback,
     keep_global_batch,
     planned_world_size,
     read_global_batch,
 )
-from draftsmith.distill.cluster.strategies import (
-    apply_activation_checkpointing,
-    build_precision,
-    build_strategy,
-    check_devices,
-    resolve_precision,
-    strategy_family,
-    trainer_device,
-)
+from draftsmith.distill.cluster.strategies import apply_activation_checkpointing, check_devices
 from draftsmith.distill.config.checks import check_schema
 from draftsmith.distill.engine import warm_start
 from draftsmith.distill.engine.best_export import KeepBestServed
-from draftsmith.distill.engine.checkpoints import (
-    CHECKPOINT_DIR,
-    LAST_CHECKPOINT,
-    QuotaCheckpoint,
-    check_run_folder,
-    resume_checkpoint,
-)
-from draftsmith.distill.engine.interrupts import (
-    AtomicCheckpointIO,
-    InterruptWatch,
-    fit_or_interrupted,
-    interruptible,
+from draftsmith.distill.engine.checkpoints import check_run_folder
+from draftsmith.distill.engine.interrupts import fit_or_interrupted, interruptible
+from draftsmith.distill.engine.lightning_trainer import (
+    apply_precision,
+    build_trainer,
+    run_device,
+    sharded_clip_norm,
 )
 from draftsmith.distill.engine.module import DistillModule
-from draftsmith.distill.engine.progress import StepProgressBar
 from draftsmith.distill.engine.resume_check import (
     ApplyChangedOptim,
     check_resume_recipe,
     check_resume_shapes,
     read_checkpoint,
 )
-from draftsmith.distill.engine.run_logs import build_loggers, finish_loggers
+from draftsmith.distill.engine.resume_point import resume_checkpoint
+from draftsmith.distill.engine.run_logs import finish_loggers
 from draftsmith.distill.target.frozen import Target
 from draftsmith.distill.target.shard import TargetSharding, check_target_shard
 
 log = logging.getLogger(__name__)
-
-__all__ = [
-    "CHECKPOINT_DIR",
-    "LAST_CHECKPOINT",
-    "build_strategy",
-    "build_trainer",
-    "check_devices",
-    "train",
-]
 
 
 def check_config(cfg: DictConfig, recipe: Any) -> None:
@@ -94,127 +69,6 @@ def check_config(cfg: DictConfig, recipe: Any) -> None:
     check_devices(cfg.trainer)
     if recipe.validate is not None:
         recipe.validate(cfg)
-
-
-def run_device(trainer_cfg: DictConfig) -> str:
-    """The device type the trainer will place the target on (``cuda`` or ``cpu``), for
-    ``target.dtype=auto``."""
-    return trainer_device(trainer_cfg)
-
-
-def apply_precision(cfg: DictConfig) -> str:
-    """Resolve ``trainer.precision=auto`` for this machine in ``cfg`` (so the resolved config
-    records it), log the choice and why, and return it."""
-    precision, why = resolve_precision(cfg.trainer)
-    log.info("trainer precision: %s", why)
-    cfg.trainer.precision = precision
-    return precision
-
-
-def grad_clipping(optim_cfg: DictConfig, trainer_cfg: DictConfig | None = None) -> dict[str, Any]:
-    """Lightning's ``gradient_clip_val`` / ``gradient_clip_algorithm`` from ``optim.grad_clip`` (0 =
-    off) and ``optim.grad_clip_algorithm`` (``norm``: rescale the global gradient norm; ``value``:
-    clamp each element). Under FSDP, norm clipping is left to the module
-    (:func:`sharded_clip_norm`): Lightning's FSDP precision refuses it."""
-    value = float(optim_cfg.grad_clip or 0.0)
-    if not value or (trainer_cfg is not None and sharded_clip_norm(optim_cfg, trainer_cfg)):
-        return {"gradient_clip_val": None, "gradient_clip_algorithm": None}
-    return {
-        "gradient_clip_val": value,
-        "gradient_clip_algorithm": str(optim_cfg.grad_clip_algorithm),
-    }
-
-
-def sharded_clip_norm(optim_cfg: DictConfig, trainer_cfg: DictConfig) -> float | None:
-    """The global-norm clip the module applies itself under FSDP (FSDP's ``clip_grad_norm_`` reduces
-    the norm over the shards), or None where Lightning's own clipping runs."""
-    value = float(optim_cfg.grad_clip or 0.0)
-    norm = str(optim_cfg.grad_clip_algorithm) == "norm"
-    return value if value and norm and strategy_family(trainer_cfg) == "fsdp" else None
-
-
-def slurm_environment(cfg: DictConfig) -> list:
-    """Lightning's SLURM environment with auto-requeue on SIGUSR1 when running under SLURM
-    (``run.requeue``)."""
-    from lightning_fabric.plugins.environments import SLURMEnvironment
-
-    if not SLURMEnvironment.detect():
-        return []
-    return [SLURMEnvironment(auto_requeue=bool(cfg.run.requeue), requeue_signal=signal.SIGUSR1)]
-
-
-def node_count(trainer_cfg: DictConfig) -> int:
-    """``trainer.num_nodes``, or SLURM's node count (``SLURM_NNODES``) when a SLURM job has more
-    nodes than that."""
-    nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
-    slurm = int(os.environ.get("SLURM_NNODES", "0") or 0)
-    if slurm > nodes:
-        log.warning(
-            "SLURM job has %d nodes and trainer.num_nodes=%d: training on %d nodes",
-            slurm,
-            nodes,
-            slurm,
-        )
-        return slurm
-    return nodes
-
-
-def build_trainer(
-    cfg: DictConfig,
-    run_dir: Path,
-    callbacks: list | None = None,
-    drafter: Any = None,
-    run_name: str | None = None,
-) -> pl.Trainer:
-    """A Lightning Trainer from ``cfg.trainer``: the preset's strategy object
-    (:mod:`draftsmith.distill.cluster.strategies`, ``drafter`` for FSDP's wrap policy), atomic
-    checkpoints every ``run.checkpoint_every`` steps keeping the newest ``run.keep_checkpoints``
-    (:class:`~draftsmith.distill.engine.checkpoints.QuotaCheckpoint`), a checkpoint on SIGTERM and
-    SLURM requeue (:mod:`draftsmith.distill.cluster.attempts`), and a step-based progress bar."""
-    t = cfg.trainer
-    check_devices(t)
-    run_dir = Path(run_dir)
-    checkpoint = QuotaCheckpoint(
-        run_dir / CHECKPOINT_DIR,
-        every_n_train_steps=int(cfg.run.checkpoint_every),
-        keep=int(cfg.run.keep_checkpoints),
-    )
-    precision = build_precision(t)
-    resolved = resolve_precision(t)[0]
-    plugins = [
-        AtomicCheckpointIO(),
-        *slurm_environment(cfg),
-        *([precision] if precision is not None else []),
-    ]
-    val_every = int(cfg.run.val_every)
-    return pl.Trainer(
-        accelerator=t.accelerator,
-        devices=t.devices,
-        num_nodes=node_count(t),
-        strategy=build_strategy(t, drafter),
-        precision=None if precision is not None else resolved,
-        max_steps=int(t.max_steps),
-        max_time=t.max_time or None,
-        accumulate_grad_batches=int(t.accumulate_grad_batches),
-        **grad_clipping(cfg.optim, t),
-        log_every_n_steps=int(t.log_every_n_steps),
-        val_check_interval=val_every if val_every > 0 else None,
-        check_val_every_n_epoch=None if val_every else 1,
-        limit_val_batches=int(cfg.run.final_eval_batches),
-        num_sanity_val_steps=0,
-        logger=build_loggers(cfg, run_dir, run_name),
-        callbacks=[
-            checkpoint,
-            ClusterCallback(run_dir, checkpoint, int(cfg.data.batch_size)),
-            StepProgressBar(),
-            InterruptWatch(),
-            *(callbacks or []),
-        ],
-        plugins=plugins,
-        default_root_dir=str(run_dir),
-        enable_model_summary=False,
-        use_distributed_sampler=True,
-    )
 
 
 def resume_path(cfg: DictConfig, run_dir: Path) -> str | None:
@@ -303,7 +157,6 @@ def train(
     (``DistillModule.served_probe``; train.py builds it, distill/ cannot).
     """
     from draftsmith.distill.data.datamodule import build_datamodule
-    from draftsmith.distill.engine.exporting import export_from_module
     from draftsmith.distill.engine.objective import batch_kind
 
     run_dir = Path(run_dir)
@@ -311,23 +164,9 @@ def train(
     check_run_folder(run_dir)  # a file, or read-only: refused before the target loads
     apply_precision(cfg)
     shard_target = check_target_shard(cfg)
-    ckpt_path = resume_path(cfg, run_dir)
-    resumed = read_checkpoint(ckpt_path) if ckpt_path is not None else None
-    if resumed is not None:  # another attempt, maybe on another device count: keep the global batch
-        check_resume_recipe(resumed, ckpt_path, cfg, run_dir)
-        keep_global_batch(cfg, read_global_batch(run_dir), planned_world_size(cfg.trainer))
+    ckpt_path, resumed = resume_state(cfg, run_dir)
     pl.seed_everything(int(cfg.run.seed), workers=True)
-    if cfg.data.features:  # offline: the feature cache's stand-in; the target model is never loaded
-        from draftsmith.distill.feature_cache.cached_data import CachedTarget, open_cache
-
-        target = CachedTarget(open_cache(cfg))
-    else:
-        target = Target.load(
-            cfg.target.name_or_path,
-            cfg.target.dtype,
-            trust_remote_code=bool(cfg.target.trust_remote_code),
-            runs_on=run_device(cfg.trainer),
-        )
+    target = load_target(cfg)
     objective = recipe.build(cfg, target)
     data = build_datamodule(cfg, target.tokenizer, kind=batch_kind(objective))
     prior = warm_start.prepare(
@@ -350,6 +189,52 @@ def train(
     start = time.perf_counter()
     fit_or_interrupted(trainer, module, data, ckpt_path, run_dir, int(cfg.run.checkpoint_every))
     seconds = time.perf_counter() - start
+    summary = {
+        "recipe": recipe.name,
+        "steps": int(trainer.global_step),
+        "tokens": int(module.tokens_seen),
+        "fit_seconds": round(seconds, 1),
+        "metrics": final_metrics(cfg, trainer, module, data, run_dir),
+        "run_dir": str(run_dir),
+    }
+    summary["lineage"] = warm_start.lineage(
+        cfg, prior, summary["steps"], summary["tokens"], run_dir
+    )
+    return finish_run(cfg, trainer, module, summary)
+
+
+def resume_state(cfg: DictConfig, run_dir: Path) -> tuple[str | None, Any]:
+    """The checkpoint this run resumes from (None: a fresh start) and what it records, checked
+    against the recipe; another attempt, maybe on another device count, keeps the global batch."""
+    ckpt_path = resume_path(cfg, run_dir)
+    resumed = read_checkpoint(ckpt_path) if ckpt_path is not None else None
+    if resumed is not None:
+        check_resume_recipe(resumed, ckpt_path, cfg, run_dir)
+        keep_global_batch(cfg, read_global_batch(run_dir), planned_world_size(cfg.trainer))
+    return ckpt_path, resumed
+
+
+def load_target(cfg: DictConfig) -> Any:
+    """The frozen target of ``cfg``; with ``data.features`` the feature cache's stand-in (the target
+    model is never loaded)."""
+    if cfg.data.features:
+        from draftsmith.distill.feature_cache.cached_data import open_cache
+        from draftsmith.distill.feature_cache.cached_target import CachedTarget
+
+        return CachedTarget(open_cache(cfg))
+    return Target.load(
+        cfg.target.name_or_path,
+        cfg.target.dtype,
+        trust_remote_code=bool(cfg.target.trust_remote_code),
+        runs_on=run_device(cfg.trainer),
+    )
+
+
+def final_metrics(
+    cfg: DictConfig, trainer: pl.Trainer, module: DistillModule, data: Any, run_dir: Path
+) -> dict[str, float]:
+    """The scalar metrics at the end of fitting, updated by a final validation pass of
+    ``run.final_eval_batches`` batches when there is a validation set."""
     metrics = _scalars(trainer.callback_metrics)
     if int(cfg.run.final_eval_batches) > 0 and data.val_set is not None and len(data.val_set) > 0:
         interruptible(
@@ -362,21 +247,21 @@ def train(
             verbose=False,
         )  # Ctrl-C here: the interruption too, not Lightning's exit 1
         metrics.update(_scalars(trainer.callback_metrics))
-    summary = {
-        "recipe": recipe.name,
-        "steps": int(trainer.global_step),
-        "tokens": int(module.tokens_seen),
-        "fit_seconds": round(seconds, 1),
-        "metrics": metrics,
-        "run_dir": str(run_dir),
-    }
-    summary["lineage"] = warm_start.lineage(
-        cfg, prior, summary["steps"], summary["tokens"], run_dir
-    )
+    return metrics
+
+
+def finish_run(
+    cfg: DictConfig, trainer: pl.Trainer, module: DistillModule, summary: dict[str, Any]
+) -> dict[str, Any]:
+    """Export the drafter (``run.export``, on rank 0), add the served-validation results to
+    ``summary`` and close the loggers; returns ``summary``."""
+    from draftsmith.distill.engine.exporting import export_from_module
+
+    run_dir = Path(summary["run_dir"])
     if cfg.run.export and trainer.is_global_zero:
         out = export_from_module(module, run_dir / "export", training=summary)
         summary["export"] = str(out)
-        log.info("exported %s drafter to %s", recipe.name, out)
+        log.info("exported %s drafter to %s", summary["recipe"], out)
     summary.update(
         validation_summary(module, trainer)
     )  # after the export, whose config.json holds `validation`

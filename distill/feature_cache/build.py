@@ -36,7 +36,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,146 +44,26 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.common.cache_costs import MANIFEST, build_cpu_seconds, record_build_cost
-from draftsmith.common.errors import ConfigError
-from draftsmith.distill.feature_cache.shards import (
-    intact_shards,
-    shard_damage,  # noqa: F401 - re-exported
-    write_shard,
+from draftsmith.distill.feature_cache.manifest import (
+    DTYPES,
+    HEAD_FILE,
+    SPLITS,
+    TARGET_DIR,
+    FeatureCacheError,
+    bytes_per_token,
+    cacheable_taps,
+    feature_names,
+    human,
+    new_manifest,
+    old_complete,
+    plan_shards,
+    resumable_format,
+    write_json,
 )
-from draftsmith.distill.target.frozen import FeatureTaps
+from draftsmith.distill.feature_cache.shards import intact_shards, write_shard
+from draftsmith.distill.target.features import FeatureTaps
 
 log = logging.getLogger(__name__)
-
-FORMAT, VERSION = "draftsmith-features", 1
-TARGET_DIR, HEAD_FILE = "target", "head.safetensors"
-# batch keys that carry cached target features (stripped before the objective sees the batch)
-PREFIX = "features."
-SPLITS = ("train", "val")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-class FeatureCacheError(ConfigError):
-    """A feature cache cannot be written or used as asked (wrong config, incomplete folder, disk too
-    small)."""
-
-
-def cached_taps(taps: FeatureTaps) -> FeatureTaps:
-    """What the cache stores for ``taps``: the hidden states asked for, plus ``final_hidden``
-    (logits and top-k are rebuilt from it with the stored LM head); ``lazy_logits`` here means the
-    target's greedy ids are stored too (an objective that reads logits lazily then never needs the
-    whole [B, T, V] logits rebuilt)."""
-    return FeatureTaps(
-        final_hidden=True,
-        prenorm_hidden=taps.prenorm_hidden,
-        layers=tuple(sorted(set(taps.layers))),
-        lazy_logits=bool(taps.logits and taps.lazy_logits),
-    )
-
-
-def taps_key(taps: FeatureTaps) -> dict[str, Any]:
-    """The taps as the fingerprint and manifest record them (``lazy_logits`` only when set: caches
-    written before it existed keep their fingerprint)."""
-    return {k: v for k, v in asdict(taps).items() if k != "lazy_logits" or v}
-
-
-def feature_names(taps: FeatureTaps) -> list[str]:
-    """Names of the stored [B, T, H] features of ``taps`` (a :func:`cached_taps` result)."""
-    return (
-        ["final_hidden"] * taps.final_hidden
-        + ["prenorm_hidden"] * taps.prenorm_hidden
-        + [f"layer.{i}" for i in taps.layers]
-    )
-
-
-def bytes_per_token(
-    n_features: int, hidden: int, dtype: torch.dtype, greedy_ids: bool = False
-) -> int:
-    """Bytes of one stored position: the features plus the int32 id, the two uint8 masks and, when
-    stored, the int32 greedy id of the target."""
-    return (
-        n_features * hidden * torch.empty((), dtype=dtype).element_size()
-        + 4
-        + 1
-        + 1
-        + 4 * greedy_ids
-    )
-
-
-def settings_of(cfg: Any) -> dict[str, Any]:
-    """The config that decides what a cache holds (checked again when training from it): recipe,
-    target, data."""
-    from draftsmith.distill.data.datamodule import _spec_identity
-
-    d, name = cfg.data, str(cfg.target.name_or_path)
-    if (
-        Path(name).expanduser().exists()
-    ):  # a local folder: the same whether named relatively or absolutely
-        name = str(Path(name).expanduser().resolve())
-    return {
-        "recipe": str(cfg.recipe.name),
-        "target": {"name_or_path": name},
-        "data": {
-            "spec": _spec_identity(str(d.spec)),
-            "limit": d.limit,
-            "max_length": int(d.max_length),
-            "batch_size": int(d.batch_size),
-            "packing": bool(d.packing),
-            "val_fraction": float(d.val_fraction),
-            "seed": int(cfg.run.seed),
-        },
-    }
-
-
-def differences(cached: Any, now: Any, where: str = "") -> list[str]:
-    """``key: cache X, now Y`` for every leaf that differs between two nested dicts."""
-    if isinstance(cached, dict) and isinstance(now, dict):
-        return [
-            line
-            for key in sorted(set(cached) | set(now), key=str)
-            for line in differences(
-                cached.get(key), now.get(key), f"{where}.{key}" if where else str(key)
-            )
-        ]
-    return [] if cached == now else [f"{where}: cache {cached!r}, now {now!r}"]
-
-
-def human(n: float) -> str:
-    """``1.5 GB``-style byte count."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
-def plan_shards(batches: list[tuple[str, int, int]], bpt: int, shard_bytes: int) -> list[dict]:
-    """Consecutive batches ``(split, index, positions)`` grouped into shards of about
-    ``shard_bytes`` each."""
-    shards: list[dict] = []
-    for g, (_, _, positions) in enumerate(batches):
-        if not shards or shards[-1]["bytes"] + positions * bpt > shard_bytes:
-            shards.append(
-                {
-                    "file": f"shard-{len(shards):05d}.safetensors",
-                    "start": g,
-                    "stop": g,
-                    "tokens": 0,
-                    "bytes": 0,
-                }
-            )
-        shard = shards[-1]
-        shard["stop"], shard["tokens"], shard["bytes"] = (
-            g + 1,
-            shard["tokens"] + positions,
-            shard["bytes"] + positions * bpt,
-        )
-    return shards
 
 
 def _check_logits(
@@ -231,6 +111,23 @@ def _save_target(target: Any, out: Path) -> None:
     os.replace(tmp, final)
 
 
+@dataclass
+class CachePlan:
+    """What a cache run writes: the taps stored and their feature names, the storage dtype, the
+    data's batches per split (``plans``: ``(items, batches)``; ``batches``: ``(split, index,
+    positions)`` in the order they are stored), the shards they are grouped into and the manifest
+    describing all of it."""
+
+    taps: FeatureTaps
+    names: list[str]
+    store: torch.dtype
+    pad_id: int
+    plans: dict[str, Any]
+    batches: list[tuple[str, int, int]]
+    shards: list[dict]
+    manifest: dict
+
+
 def build_cache(
     cfg: Any,
     recipe: Any,
@@ -248,12 +145,8 @@ def build_cache(
     one (tests); ``stop_after`` stops after that many new shards (tests of an interrupted run).
     Returns the manifest.
     """
-    from tqdm.auto import tqdm
-
-    from draftsmith.distill.data.datamodule import build_chat_datamodule
     from draftsmith.distill.data.samples import collate
-    from draftsmith.distill.engine.trainer import run_device
-    from draftsmith.distill.target.frozen import Target
+    from draftsmith.distill.engine.lightning_trainer import run_device
 
     if dtype not in DTYPES:
         raise FeatureCacheError(f"cache dtype {dtype!r}; valid: {', '.join(DTYPES)}")
@@ -261,14 +154,39 @@ def build_cache(
         recipe.validate(cfg)
     out = Path(out)
     device = run_device(cfg.trainer)
-    if target is None:
-        target = Target.load(
-            cfg.target.name_or_path,
-            cfg.target.dtype,
-            device=device,
-            trust_remote_code=bool(cfg.target.trust_remote_code),
-        )
-    taps = _resumable_format(out, _cacheable_taps(cfg, recipe, target))
+    target = _load_target(cfg, device) if target is None else target
+    plan = _plan_cache(cfg, recipe, target, out, dtype, shard_bytes)
+    done = intact_shards(out, plan.shards)
+    _check_disk_budget(out, plan.manifest, done, target, dtype)
+    if len(done) == len(plan.shards) and old_complete(out):
+        return json.loads((out / MANIFEST).read_text())
+    _start_writing(out, plan.manifest, target)
+    items, batches = plan.plans[plan.batches[0][0]]
+    _check_logits(target, collate([items[j] for j in batches[0]], plan.pad_id), plan.taps, device)
+    if not _write_shards(out, plan, target, device, done, stop_after):
+        return plan.manifest
+    return _finish(out, plan.manifest)
+
+
+def _load_target(cfg: Any, device: str) -> Any:
+    """The frozen target of ``cfg`` on ``device``."""
+    from draftsmith.distill.target.frozen import Target
+
+    return Target.load(
+        cfg.target.name_or_path,
+        cfg.target.dtype,
+        device=device,
+        trust_remote_code=bool(cfg.target.trust_remote_code),
+    )
+
+
+def _plan_cache(
+    cfg: Any, recipe: Any, target: Any, out: Path, dtype: str, shard_bytes: int
+) -> CachePlan:
+    """The taps, batches, shards and manifest of a cache of ``recipe`` on ``target`` in ``out``."""
+    from draftsmith.distill.data.datamodule import build_chat_datamodule
+
+    taps = resumable_format(out, cacheable_taps(cfg, recipe, target))
     names, store = feature_names(taps), DTYPES[dtype]
     bpt = bytes_per_token(len(names), target.hidden_size, store, taps.lazy_logits)
     data = build_chat_datamodule(cfg, target.tokenizer, packing=None)
@@ -280,54 +198,48 @@ def build_cache(
         for i, b in enumerate(plan)
     ]
     shards = plan_shards(batches, bpt, shard_bytes)
-    manifest = _new_manifest(out, cfg, taps, dtype, shard_bytes, names, target, bpt, plans, shards)
-    done = intact_shards(out, shards)
-    _check_disk_budget(out, manifest, done, target, dtype)
-    if len(done) == len(shards) and old_complete(out):
-        return json.loads((out / MANIFEST).read_text())
-    _start_writing(out, manifest, target)
-    first = plans[batches[0][0]]
-    _check_logits(target, collate([first[0][j] for j in first[1][0]], data.pad_id), taps, device)
+    manifest = new_manifest(out, cfg, taps, dtype, shard_bytes, names, target, bpt, plans, shards)
+    return CachePlan(taps, names, store, data.pad_id, plans, batches, shards, manifest)
+
+
+def _write_shards(
+    out: Path, plan: CachePlan, target: Any, device: Any, done: list[dict], stop_after: int | None
+) -> bool:
+    """Write the planned shards not yet ``done``, recording each one's CPU cost; False when
+    ``stop_after`` new shards stopped it early."""
+    from tqdm.auto import tqdm
+
     bar = tqdm(
-        total=manifest["tokens"],
+        total=plan.manifest["tokens"],
         initial=sum(s["tokens"] for s in done),
         unit="tok",
         unit_scale=True,
         desc="cache-features",
     )
     written = 0
-    for shard in shards:
+    for shard in plan.shards:
         if shard in done:
             continue
         if stop_after is not None and written >= stop_after:
             bar.close()
-            return manifest
+            return False
         cpu = (
             time.process_time()
         )  # this process's CPU time, every thread: what a curve bills for the cache
-        tensors, meta = _shard_tensors(
-            target,
-            taps,
-            names,
-            store,
-            device,
-            data.pad_id,
-            plans,
-            batches[shard["start"] : shard["stop"]],
-            bar,
-        )
+        batches = plan.batches[shard["start"] : shard["stop"]]
+        tensors, meta = _shard_tensors(target, plan, device, batches, bar)
         write_shard(out / shard["file"], tensors, meta)
         record_build_cost(out, shard["file"], time.process_time() - cpu)
         written += 1
     bar.close()
-    return _finish(out, manifest)
+    return True
 
 
 def _finish(out: Path, manifest: dict) -> dict:
     """Mark the cache complete (its manifest, atomically) and log its size and what it cost to
     build."""
     manifest["complete"] = True
-    _write_json(out / MANIFEST, manifest)
+    write_json(out / MANIFEST, manifest)
     cpu = build_cpu_seconds(out, manifest["shards"])
     log.info(
         "feature cache complete: %s (%s, %s CPU-h to build)",
@@ -345,91 +257,8 @@ def _start_writing(out: Path, manifest: dict, target: Any) -> None:
         ".shard-*"
     ):  # a temp file of an interrupted run: never renamed, never complete
         stale.unlink()
-    _write_json(out / MANIFEST, manifest)
+    write_json(out / MANIFEST, manifest)
     _save_target(target, out)
-
-
-def _cacheable_taps(cfg: Any, recipe: Any, target: Any) -> FeatureTaps:
-    """The taps to cache for ``recipe``'s objective on ``target``; refuses an objective that
-    computes its own target features or trains on other than chat batches."""
-    from draftsmith.distill.engine.objective import batch_kind, has_own_features
-
-    objective = recipe.build(cfg, target)
-    if has_own_features(objective) or batch_kind(objective) != "chat":
-        raise FeatureCacheError(
-            f"recipe {cfg.recipe.name} computes its own target features or trains on "
-            f"{batch_kind(objective)!r} batches: it cannot train from a feature cache"
-        )
-    return cached_taps(objective.taps)
-
-
-def _resumable_format(out: Path, taps: FeatureTaps) -> FeatureTaps:
-    """``taps``, without the stored greedy ids when ``out`` holds a cache begun before they existed
-    (it resumes in its own format; training from it rebuilds the whole logits, as it did)."""
-    manifest = out / MANIFEST
-    if (
-        taps.lazy_logits
-        and manifest.is_file()
-        and "lazy_logits" not in json.loads(manifest.read_text())["taps"]
-    ):
-        return replace(taps, lazy_logits=False)
-    return taps
-
-
-def _new_manifest(
-    out: Path,
-    cfg: Any,
-    taps: FeatureTaps,
-    dtype: str,
-    shard_bytes: int,
-    names: list[str],
-    target: Any,
-    bpt: int,
-    plans: dict[str, Any],
-    shards: list[dict],
-) -> dict:
-    """The (not yet complete) manifest of this cache; refuses when ``out`` holds a cache of another
-    configuration."""
-    import hashlib
-
-    settings = settings_of(cfg)
-    key = {
-        "settings": settings,
-        "taps": taps_key(taps),
-        "dtype": dtype,
-        "shard_bytes": int(shard_bytes),
-    }
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "fingerprint": (
-            "sha256:" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-        ),
-        **key,
-        "features": names,
-        "hidden_size": target.hidden_size,
-        "bytes_per_token": bpt,
-        "target": target.identity(),
-        "target_dtype": str(target.lm_head_weight.dtype).replace("torch.", ""),
-        "batches": {s: len(plans[s][1]) for s in SPLITS},
-        "shards": shards,
-        # the non-padding tokens of each split, as training counts them (train/tokens)
-        "nonpad_tokens": {
-            s: sum(len(items[j]["input_ids"]) for b in plan for j in b)
-            for s, (items, plan) in plans.items()
-        },
-        "tokens": sum(s["tokens"] for s in shards),
-        "complete": False,
-    }
-    if (out / MANIFEST).is_file():
-        old = json.loads((out / MANIFEST).read_text())
-        if old.get("fingerprint") != manifest["fingerprint"]:
-            diff = differences({k: old.get(k) for k in key}, key)
-            raise FeatureCacheError(
-                f"{out} holds a feature cache for another configuration ({'; '.join(diff)}); "
-                "choose another --out or delete that folder"
-            )
-    return manifest
 
 
 def _check_disk_budget(
@@ -468,24 +297,16 @@ def _check_disk_budget(
 
 
 def _shard_tensors(
-    target: Any,
-    taps: FeatureTaps,
-    names: list[str],
-    store: torch.dtype,
-    device: Any,
-    pad_id: int,
-    plans: dict[str, Any],
-    batches: list[tuple[str, int, int]],
-    bar: Any,
+    target: Any, plan: CachePlan, device: Any, batches: list[tuple[str, int, int]], bar: Any
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
     """One shard's tensors (ids, masks and features of each of its ``batches``) and its metadata
     (each batch's sample indices); advances the progress ``bar`` by each batch's positions."""
     from draftsmith.distill.data.samples import collate
 
-    tensors, meta = {}, {}
+    taps, tensors, meta = plan.taps, {}, {}
     for split, i, positions in batches:
-        items, plan = plans[split]
-        batch = collate([items[j] for j in plan[i]], pad_id)  # [B, T] each
+        items, order = plan.plans[split]
+        batch = collate([items[j] for j in order[i]], plan.pad_id)  # [B, T] each
         asked = (
             replace(taps, logits=True) if taps.lazy_logits else taps
         )  # the greedy ids come from the logits
@@ -498,21 +319,14 @@ def _shard_tensors(
         tensors[f"{name}.input_ids"] = batch["input_ids"].to(torch.int32)
         tensors[f"{name}.attention_mask"] = batch["attention_mask"].to(torch.uint8)
         tensors[f"{name}.loss_mask"] = batch["loss_mask"].to(torch.uint8)
-        for feature in names:
+        for feature in plan.names:
             value = (
                 feats.layer_hidden[int(feature[6:])]
                 if feature.startswith("layer.")
                 else getattr(feats, feature)
             )
-            tensors[f"{name}.{feature}"] = value.detach().to("cpu", store).contiguous()  # [B, T, H]
-        meta[name] = [int(j) for j in plan[i]]
+            # [B, T, H]
+            tensors[f"{name}.{feature}"] = value.detach().to("cpu", plan.store).contiguous()
+        meta[name] = [int(j) for j in order[i]]
         bar.update(positions)
     return tensors, meta
-
-
-def old_complete(out: Path) -> bool:
-    """Whether ``out``'s manifest says the cache is complete."""
-    try:
-        return bool(json.loads((out / MANIFEST).read_text()).get("complete"))
-    except (OSError, ValueError):
-        return False

@@ -97,31 +97,17 @@ def acceptance_loss(
     alpha_sum = torch.zeros((), dtype=total.dtype, device=hidden.device)
     tops = []
     for start in range(0, n, rows):
-        h = hidden[start : start + rows]  # [c, H]
-        lab = None if labels is None else labels[start : start + rows]
-        teach = None if teacher_logits is None else teacher_logits[start : start + rows]
-        rw = None if row_weight is None else row_weight[start : start + rows].float()  # [c]
-
-        def chunk(
-            h_: torch.Tensor, w_: torch.Tensor, lab=lab, teach=teach, rw=rw
-        ) -> tuple[torch.Tensor, ...]:
-            logits = F.linear(
-                h_.to(dtype), w_.to(dtype)
-            )  # [c, V]: this chunk's only, recomputed in backward
-            loss, alpha = row_losses(logits, lab, teach, kind, eta)  # [c]
-            if rw is not None:
-                loss, alpha = loss * rw, alpha * rw
-            top = (
-                logits.detach().topk(topk, dim=-1).indices
-                if topk
-                else logits.new_empty(0, dtype=torch.long)
-            )
-            return loss.sum(), alpha.sum(), top
-
-        part, alpha, top = (
-            checkpoint(chunk, h, weight, use_reentrant=False)
-            if torch.is_grad_enabled()
-            else chunk(h, weight)
+        part, alpha, top = _chunk_sums(
+            hidden,
+            weight,
+            slice(start, start + rows),
+            labels,
+            teacher_logits,
+            row_weight,
+            dtype=dtype,
+            kind=kind,
+            eta=eta,
+            topk=topk,
         )
         total, alpha_sum = total + part, alpha_sum + alpha
         tops.append(top)
@@ -133,3 +119,43 @@ def acceptance_loss(
     denom = weights.sum().clamp_min(1.0)  # a tensor: counting the scored rows reads nothing back
     top = torch.cat(tops) if topk and tops else hidden.new_empty(n, 0, dtype=torch.long)
     return LinearCEOutput(total / denom if reduction == "mean" else total, top, alpha_sum / denom)
+
+
+def _chunk_sums(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rows: slice,
+    labels: torch.Tensor | None,
+    teacher_logits: torch.Tensor | None,
+    row_weight: torch.Tensor | None,
+    *,
+    dtype: torch.dtype,
+    kind: str,
+    eta: float,
+    topk: int,
+) -> tuple[torch.Tensor, ...]:
+    """(weighted loss sum, weighted alpha sum, top-k ids [c, k]) of the chunk ``rows`` of
+    :func:`acceptance_loss`'s head; checkpointed when gradients are on, so its [c, V] logits are
+    recomputed in backward instead of kept."""
+    h = hidden[rows]  # [c, H]
+    lab = None if labels is None else labels[rows]
+    teach = None if teacher_logits is None else teacher_logits[rows]
+    rw = None if row_weight is None else row_weight[rows].float()  # [c]
+
+    def chunk(h_: torch.Tensor, w_: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = F.linear(
+            h_.to(dtype), w_.to(dtype)
+        )  # [c, V]: this chunk's only, recomputed in backward
+        loss, alpha = row_losses(logits, lab, teach, kind, eta)  # [c]
+        if rw is not None:
+            loss, alpha = loss * rw, alpha * rw
+        top = (
+            logits.detach().topk(topk, dim=-1).indices
+            if topk
+            else logits.new_empty(0, dtype=torch.long)
+        )
+        return loss.sum(), alpha.sum(), top
+
+    if torch.is_grad_enabled():
+        return checkpoint(chunk, h, weight, use_reentrant=False)
+    return chunk(h, weight)

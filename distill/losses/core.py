@@ -211,6 +211,20 @@ class LMHeadLoss:
                 row_weight=row_weight,
                 reduction=reduction,
             )
+        return self._unfused(hidden, weight, labels, teacher_logits, topk, row_weight, reduction)
+
+    def _unfused(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor | None,
+        teacher_logits: torch.Tensor | None,
+        topk: int,
+        row_weight: torch.Tensor | None,
+        reduction: str,
+    ) -> LinearCEOutput:
+        """:meth:`__call__` with the whole [N, V] logits in memory
+        (``loss.fused_linear_ce=false``)."""
         dtype = self.matmul_dtype or torch.promote_types(hidden.dtype, weight.dtype)
         logits = F.linear(hidden.to(dtype), weight.to(dtype))  # [N, V]
         if row_weight is not None or reduction != "mean":

@@ -121,29 +121,50 @@ def eagle3_ttt_loss(
         weight, wanted = step_weights(labels, in_vocab, docs, j)
         weight = weight.flatten()[:rows]  # [rows]
         scored, labelled = scored + weight.sum(), labelled + wanted.sum()
-        head_in, head_w = drafter.logit_parts(hidden.flatten(0, 1)[:rows])  # [rows, H], [Nd, H]
-        out = lm_loss(
-            head_in, head_w, teacher_logits=teacher[1 + j :], topk=max(topk, 1), row_weight=weight
+        step_loss, exposed, step = ttt_step(
+            drafter, lm_loss, hidden, j, weight, teacher, teacher_ids, exposed, topk
         )
-        greedy = teacher_ids[1 + j :]  # [rows]
-        with torch.no_grad():
-            right = (out.topk[:, 0] == greedy) & (
-                weight > 0
-            )  # the greedy draft token would be accepted
-            rejected = (
-                (weight > 0) & exposed[:rows] & ~right
-            )  # where the served chain would stop at this step
-        step_loss = out.loss
-        if lm_loss.replay_weight:
-            step_loss = step_loss + replay_term(
-                lm_loss, head_in, head_w, teacher[1 + j :], weight, rejected
-            )
         total = total + step_decay**j * step_loss
-        exposed = F.pad(
-            exposed[:rows] & right, (0, 1 + j)
-        )  # a chain that fails here never reaches the target
-        metrics.update(step_metrics(j, step_loss, out, greedy, weight, rejected, topk))
+        metrics.update(step)
     return TTTLoss(total, metrics, scored, labelled)
+
+
+def ttt_step(
+    drafter: Any,
+    lm_loss: LMHeadLoss,
+    hidden: torch.Tensor,
+    j: int,
+    weight: torch.Tensor,
+    teacher: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    exposed: torch.Tensor,
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """TTT step ``j``'s loss over its scored rows (``weight`` [rows]; row r meets teacher row
+    r + 1 + j), with the replay of the rows the served chain would reject there; the chains still
+    exposed after it (every earlier step right) and its metrics."""
+    rows = weight.shape[0]
+    head_in, head_w = drafter.logit_parts(hidden.flatten(0, 1)[:rows])  # [rows, H], [Nd, H]
+    out = lm_loss(
+        head_in, head_w, teacher_logits=teacher[1 + j :], topk=max(topk, 1), row_weight=weight
+    )
+    greedy = teacher_ids[1 + j :]  # [rows]
+    with torch.no_grad():
+        right = (out.topk[:, 0] == greedy) & (
+            weight > 0
+        )  # the greedy draft token would be accepted
+        rejected = (
+            (weight > 0) & exposed[:rows] & ~right
+        )  # where the served chain would stop at this step
+    step_loss = out.loss
+    if lm_loss.replay_weight:
+        step_loss = step_loss + replay_term(
+            lm_loss, head_in, head_w, teacher[1 + j :], weight, rejected
+        )
+    exposed = F.pad(
+        exposed[:rows] & right, (0, 1 + j)
+    )  # a chain that fails here never reaches the target
+    return step_loss, exposed, step_metrics(j, step_loss, out, greedy, weight, rejected, topk)
 
 
 def replay_term(

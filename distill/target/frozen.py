@@ -16,18 +16,13 @@ EAGLE pairs these features with tokens is stated once, in drafters/eagle.py):
   post-processing (Gemma-2 final logit softcapping, Granite ``logits_scaling``, Cohere
   ``logit_scale``, a head bias).
 
-``dtype="auto"`` (the default config) runs the target in bf16 where the device computes bf16
-natively (CUDA with bf16, x86 with AVX512-BF16/AMX) and in fp32 elsewhere: emulated bf16 is several
-times slower than fp32 (an AVX2-only EPYC ran the target forward at 80 tok/s in bf16 against 488
-tok/s in fp32).
+Loading it (its dtype, the checks of a model folder): :mod:`.loading`.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -39,83 +34,12 @@ from draftsmith.distill.target.features import (
     FeatureTaps,
     TargetFeatures,
 )  # the taps' home, re-exported here
+from draftsmith.distill.target.loading import load_causal_lm
 from draftsmith.distill.target.lora import LoraSpec, TargetAdapter, lora_module_paths, require_peft
 from draftsmith.distill.target.static_forward import forward_inputs, head_argmax, plain_lm_head
 from draftsmith.export.identity import target_identity
-from draftsmith.kernels import cpu_caps
 
-log = logging.getLogger(__name__)
 DEFAULT_TAPS = FeatureTaps()  # the final hidden state only
-
-
-def resolve_target_dtype(
-    name: str | torch.dtype, device: str | torch.device, caps: cpu_caps.CpuCaps | None = None
-) -> tuple[torch.dtype, str]:
-    """``target.dtype`` -> (torch dtype, why) for the device the target runs on; ``auto`` asks
-    :func:`draftsmith.kernels.cpu_caps.resolve_dtype` (bf16 only where the device computes it
-    natively).
-    """
-    if isinstance(name, torch.dtype):
-        return name, f"{name} (as passed)"
-    try:
-        return cpu_caps.resolve_dtype(str(name), device, caps)
-    except ValueError as err:
-        raise ConfigError(f"target.dtype: {err}") from None
-
-
-def looks_like_path(name: str) -> bool:
-    """Whether ``name`` is meant as a local path rather than a hub id (``org/name``): absolute,
-    ``./``, ``~``, a Windows drive, or more than one ``/``."""
-    return (
-        name.startswith(("/", ".", "~", "\\"))
-        or (len(name) > 1 and name[1] == ":")
-        or name.count("/") > 1
-        or Path(name).expanduser().exists()
-    )
-
-
-def check_safetensors(file: Path) -> str | None:
-    """Why ``file`` is not a complete safetensors file (a truncated download, ...), or None; reads
-    its header only."""
-    from draftsmith.common.safetensors_check import safetensors_problem
-
-    return safetensors_problem(file)
-
-
-def check_target_folder(path: str) -> bool:
-    """Refuse a target that names a missing local folder, or a folder with a corrupt ``config.json``
-    or a truncated ``*.safetensors`` (naming the file), before transformers reports it in a long
-    traceback. True when ``path`` is a local folder."""
-    import json
-
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        if looks_like_path(path):
-            what = "is a file, not a model folder" if folder.exists() else "does not exist"
-            raise ConfigError(
-                f"target.name_or_path={path}: {what}; point target= at a HF causal-LM folder "
-                "(config.json, tokenizer, weights) or use the default smollm2-135m"
-            )
-        return False
-    config = folder / "config.json"
-    if not config.is_file():
-        raise ConfigError(
-            f"target folder {folder} has no config.json: is it a Hugging Face model folder?"
-        )
-    try:
-        json.loads(config.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ConfigError(
-            f"target file {config} is not valid JSON ({err}); the folder is damaged: re-download "
-            "or re-save the model"
-        ) from None
-    for file in sorted(folder.glob("*.safetensors")):
-        problem = check_safetensors(file)
-        if problem:
-            raise ConfigError(
-                f"target file {file} is damaged: {problem}; re-download or re-save the model"
-            )
-    return True
 
 
 @runtime_checkable
@@ -177,51 +101,8 @@ class Target(nn.Module):
         (the device the trainer will move the target to; default ``device``) and the choice is
         logged with its reason.
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from draftsmith.assets import resolve_target
-        from draftsmith.common.remote_code import refuse_remote_code
-
-        torch_dtype, why = resolve_target_dtype(dtype, runs_on if runs_on is not None else device)
-        log.info("target dtype: %s", why)
-        path = resolve_target(name_or_path)
-        local = check_target_folder(path)
-        if local:  # one line naming the opt-in, before transformers' three (common/remote_code.py)
-            refuse_remote_code(path, trust_remote_code, "target.trust_remote_code=true")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch_dtype, trust_remote_code=trust_remote_code
-            )
-        except (OSError, ValueError) as err:
-            if isinstance(err, ConfigError):
-                raise
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-            where = (
-                f"target folder {path}"
-                if local
-                else (
-                    f"target.name_or_path={name_or_path!r} is not a local folder and loading it"
-                    " from the Hugging Face hub failed"
-                )
-            )
-            raise ConfigError(
-                f"{where}: {first} (point target= at a HF causal-LM folder with config.json,"
-                " tokenizer and weights, or use the default smollm2-135m)"
-            ) from err
-        except Exception as err:  # safetensors' own error type, and the like: a damaged folder
-            if not local:
-                raise
-            raise ConfigError(
-                f"target folder {path} could not be loaded: {type(err).__name__}: "
-                f"{str(err).strip()[:300]}; re-download or re-save it"
-            ) from err
-        log.info(
-            "target %s loaded (%s, %.1fM params)",
-            path,
-            torch_dtype,
-            sum(p.numel() for p in model.parameters()) / 1e6,
-        )
+        runs_on = runs_on if runs_on is not None else device
+        model, tokenizer = load_causal_lm(name_or_path, dtype, runs_on, trust_remote_code)
         return cls(model.to(device), tokenizer, str(name_or_path))
 
     @property

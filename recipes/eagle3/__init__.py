@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftsmith.distill.config.schema import LossConfig, TrainConfig, group, key
+from draftsmith.distill.config.keys import group, key
+from draftsmith.distill.config.schema import LossConfig, TrainConfig
 from draftsmith.recipes.groups import DynamicTreeInferenceConfig
 from draftsmith.recipes.registration import register_recipe
 

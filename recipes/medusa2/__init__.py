@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftsmith.distill.config.schema import TrainConfig, group, key
+from draftsmith.distill.config.keys import group, key
+from draftsmith.distill.config.schema import TrainConfig
 from draftsmith.recipes.groups import TreeInferenceConfig
 from draftsmith.recipes.medusa import MedusaHeadsConfig
 from draftsmith.recipes.registration import register_recipe
