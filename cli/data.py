@@ -114,7 +114,7 @@ def _calibrate_arguments(c: argparse.ArgumentParser) -> None:
 
 
 def _rollouts_arguments(p: argparse.ArgumentParser) -> None:
-    from draftsmith.datagen.rollouts import add_arguments
+    from draftsmith.datagen.rollouts_command import add_arguments
 
     add_arguments(p)
 
@@ -214,8 +214,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_rollouts(args: argparse.Namespace) -> int:
     """Write (or resume) an LPO rollout folder and print its summary."""
-    from draftsmith.datagen.rollouts import check_arguments
-    from draftsmith.datagen.rollouts import cmd_rollouts as run
+    from draftsmith.datagen.rollouts_command import check_arguments
+    from draftsmith.datagen.rollouts_command import cmd_rollouts as run
 
     check_arguments(args)
     refuse_bad_exports(args)

@@ -52,7 +52,7 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
     )
     from draftsmith.datagen.mixed_task import load_prompt_records
     from draftsmith.datagen.rewards import load_reward
-    from draftsmith.datagen.rollouts import eos_ids_of
+    from draftsmith.datagen.rollout_sampling import eos_ids_of
     from draftsmith.evals.reward_eval import evaluate, reward_table
     from draftsmith.export.format import read_config
 

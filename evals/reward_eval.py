@@ -27,7 +27,7 @@ import torch
 
 from draftsmith.controllers.adaptive_temperature import AdaptiveTemperatureHead
 from draftsmith.datagen.rewards import Reward, score
-from draftsmith.datagen.rollouts import sample_group
+from draftsmith.datagen.rollout_sampling import sample_group
 
 BOOTSTRAP_DRAWS = 2000
 
