@@ -93,10 +93,10 @@ def read_curve(path: Path) -> dict[str, Any]:
 
 def check_prompt_sets(prompt_sets: Sequence[str]) -> None:
     """Refuse a prompt set the evaluation could not load (``mtbench``, ``humaneval``, a .jsonl,
-    ``NAME[a:b]``: read as :func:`~draftsmith.bench.prompts.prompt_texts` reads it) before any
+    ``NAME[a:b]``: read as :func:`~draftsmith.common.prompt_sets.prompt_texts` reads it) before any
     training: one line naming it.
     """
-    from draftsmith.bench.prompts import prompt_texts
+    from draftsmith.common.prompt_sets import prompt_texts
 
     for spec in prompt_sets:
         try:
