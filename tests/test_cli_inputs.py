@@ -209,8 +209,8 @@ def test_engine_check_of_a_medusa_export_says_so(capsys, medusa_export):
 )
 def test_prompt_specs_that_name_nothing(tmp_path, spec, says):
     """Slice errors and folders were all "prompts file ... not found"."""
-    from draftsmith.common.prompt_sets import prompt_texts
     from draftsmith.common.errors import DraftsmithError
+    from draftsmith.common.prompt_sets import prompt_texts
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(DraftsmithError, match=None) as refused:

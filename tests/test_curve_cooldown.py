@@ -20,9 +20,10 @@ from draftsmith.distill.engine.schedule import lr_lambda
 from draftsmith.evals.cooldown import BranchError, branch_overrides, decay_steps
 from draftsmith.evals.curve_check import run_check
 from draftsmith.evals.curve_compare import compare
+from draftsmith.evals.curve_folder import CurveError
 from draftsmith.evals.curve_forecast import check, predict
 from draftsmith.evals.curve_report import write_report
-from draftsmith.evals.curve_runner import CurveError, run_curve
+from draftsmith.evals.curve_runner import run_curve
 from draftsmith.evals.learning_curve import EvalSettings
 
 pytestmark = pytest.mark.unit
