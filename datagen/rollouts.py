@@ -29,6 +29,7 @@ import torch
 
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.controllers.adaptive_temperature import AdaptiveTemperatureHead
+from draftsmith.datagen.resumable_folder import start_folder
 from draftsmith.datagen.rewards import Reward, score
 from draftsmith.datagen.rollout_folder import META, ROWS  # the format this writes
 from draftsmith.datagen.rollout_sampling import sample_group
@@ -100,7 +101,7 @@ def write_rollouts(
     """Write (or resume) the rollouts of ``prompts`` (records with ``ids``, ``text``, ``kind``,
     ``answer``) into ``out``; ``meta`` from :func:`settings`. Returns counts."""
     out = Path(out)
-    _start_folder(out, meta)
+    start_folder(out, META, meta, "rollouts", RolloutError)
     done = {int(r["prompt_index"]) for r in _done_rows(out / ROWS)}
     bar = _progress(len(prompts), len(done), progress)
     new = 0
@@ -135,20 +136,6 @@ def write_rollouts(
         "ties": len(rows) - pairs,
         "out": str(out),
     }
-
-
-def _start_folder(out: Path, meta: dict[str, Any]) -> None:
-    """Create ``out`` with its ``meta.json``; a folder written with other settings is refused."""
-    if (out / META).is_file():
-        old = json.loads((out / META).read_text())
-        if old != meta:
-            diff = sorted(k for k in set(meta) | set(old) if old.get(k) != meta.get(k))
-            raise RolloutError(
-                f"{out} holds rollouts made with other settings ({', '.join(diff)}); use another"
-                " --out folder or remove it"
-            )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def _scored_row(

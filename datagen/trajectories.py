@@ -16,7 +16,6 @@ settings in the same folder are refused.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.datagen.resumable_folder import start_folder
 from draftsmith.datagen.trajectory_folder import META, SHARD  # the format this writes
 from draftsmith.runtime.decoding.diffusion import (
     DiffusionDecodeConfig,
@@ -142,7 +142,9 @@ def write_trajectories(
         except ValueError as err:
             raise TrajectoryError(f"prompt {i}: {err}") from None
     out = Path(out)
-    _start_folder(out, settings(lm, cfg, len(prompts), shard_size))
+    start_folder(
+        out, META, settings(lm, cfg, len(prompts), shard_size), "trajectories", TrajectoryError
+    )
     examples = resumed = 0
     for s, first in enumerate(range(0, len(prompts), shard_size)):
         path = out / SHARD.format(s)
@@ -161,20 +163,6 @@ def write_trajectories(
         "examples": total,
         "out": str(out),
     }
-
-
-def _start_folder(out: Path, meta: dict[str, Any]) -> None:
-    """Create ``out`` with its ``meta.json``; a folder written with other settings is refused."""
-    if (out / META).is_file():
-        old = json.loads((out / META).read_text())
-        if old != meta:
-            diff = sorted(k for k in meta if old.get(k) != meta[k])
-            raise TrajectoryError(
-                f"{out} holds trajectories made with other settings ({', '.join(diff)}); "
-                "use another --out folder or remove it"
-            )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def _write_shard(
