@@ -23,6 +23,7 @@ from draftsmith.bench import llamacpp
 from draftsmith.cli import main
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
+from draftsmith.evals.engine_check_report import markdown
 
 pytestmark = pytest.mark.unit
 
@@ -338,7 +339,6 @@ def test_engine_check_feeds_both_engines_the_same_ids_and_compares_ids(
     stopped at EOS."""
     from draftsmith.bench.prompts import load_prompts
     from draftsmith.evals import engine_check as ec
-    from draftsmith.evals.engine_check_report import markdown
     from draftsmith.runtime import serving
 
     export = tmp_path / "export"
