@@ -236,7 +236,8 @@ def test_bad_prompt_sets_and_cooldowns_are_refused_before_any_training(tmp_path)
     assert proc.returncode == 1 and not (tmp_path / "c" / "run").exists()
     assert proc.stderr.strip().splitlines() == [
         "draftsmith curve: error: --prompts nosuch: no such file, and not a prompt set (mtbench,"
-        " humaneval); pass a .jsonl with a 'prompt' field per line; nothing was trained"
+        ' humaneval, sharegpt); pass a .jsonl with one {"prompt": "..."} per line, or a .txt with'
+        " one prompt per line; nothing was trained"
     ]
 
 
