@@ -107,7 +107,8 @@ def _check(opts: argparse.Namespace, overrides: Sequence[str]) -> None:
     --check, which trains nothing), an --out the write rule refuses (a file, a folder of the user's,
     a read-only place)."""
     from draftsmith.cli.preflight import check_out_folder
-    from draftsmith.evals.curve_runner import check_prompt_sets, training_overrides
+    from draftsmith.evals.curve_runner import check_prompt_sets
+    from draftsmith.evals.curve_training import training_overrides
     from draftsmith.train import expand_shorthands, preflight
 
     if opts.first_steps > opts.steps:
@@ -140,8 +141,9 @@ def cmd_curve(argv: Sequence[str]) -> int:
     Ctrl-C."""
     from pathlib import Path
 
+    from draftsmith.evals.curve_folder import CURVE_FILE, CurveError
     from draftsmith.evals.curve_report import write_report
-    from draftsmith.evals.curve_runner import CURVE_FILE, CurveError, log_spaced_steps, run_curve
+    from draftsmith.evals.curve_runner import log_spaced_steps, run_curve
     from draftsmith.evals.learning_curve import EvalSettings
 
     try:
@@ -152,7 +154,7 @@ def cmd_curve(argv: Sequence[str]) -> int:
     try:
         _check(opts, overrides)
         if opts.compare:
-            from draftsmith.evals.curve_report import compare
+            from draftsmith.evals.curve_compare import compare
 
             dirs = [d for d in opts.compare.split(",") if d]
             missing = [d for d in dirs if not (Path(d) / CURVE_FILE).is_file()]

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from draftsmith.cli.arguments import COUNT, SEED, TEMPERATURE, TOP_P, Range, counts, served_dtype
 from draftsmith.cli.preflight import add_trust_flag, check_out_folder, refuse_bad_exports, target_of
-from draftsmith.common.errors import InputError
 
 
 def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
@@ -114,7 +113,7 @@ def _calibrate_arguments(c: argparse.ArgumentParser) -> None:
 
 
 def _rollouts_arguments(p: argparse.ArgumentParser) -> None:
-    from draftsmith.datagen.rollouts import add_arguments
+    from draftsmith.datagen.rollouts_command import add_arguments
 
     add_arguments(p)
 
@@ -130,7 +129,9 @@ def _trajectories_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         help="block-diffusion target folder (recipe=diffusion_adapt's <run dir>/export)",
     )
-    p.add_argument("--prompts", default="mtbench", help="mtbench | sharegpt | a .txt/.jsonl file")
+    p.add_argument(
+        "--prompts", default="mtbench", help="mtbench | humaneval | sharegpt | a .txt/.jsonl file"
+    )
     p.add_argument("--limit", type=COUNT, default=None, help="first N prompts")
     p.add_argument("--gen-length", type=COUNT, default=256)
     p.add_argument(
@@ -214,8 +215,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_rollouts(args: argparse.Namespace) -> int:
     """Write (or resume) an LPO rollout folder and print its summary."""
-    from draftsmith.datagen.rollouts import check_arguments
-    from draftsmith.datagen.rollouts import cmd_rollouts as run
+    from draftsmith.datagen.rollouts_command import check_arguments
+    from draftsmith.datagen.rollouts_command import cmd_rollouts as run
 
     check_arguments(args)
     refuse_bad_exports(args)
@@ -239,13 +240,10 @@ def cmd_diffusion_export(args: argparse.Namespace) -> int:
 
 
 def cmd_trajectories(args: argparse.Namespace) -> int:
+    from draftsmith.common.prompt_sets import check_spec
     from draftsmith.datagen.trajectories import run_cli
 
-    if args.prompts not in ("mtbench", "sharegpt") and not Path(args.prompts).is_file():
-        raise InputError(
-            f"--prompts {args.prompts}: no such file, and not a prompt set (mtbench, sharegpt);"
-            ' pass a .txt (one prompt a line) or .jsonl ({"prompt": ...} a line)'
-        )
+    check_spec(args.prompts)  # before the target loads
     refuse_bad_exports(args)
     prompts = args.prompts if Path(args.prompts).exists() else None
     check_out_folder("trajectories", args.out, (args.target, prompts))

@@ -72,7 +72,8 @@ def _is_result(path: Path) -> bool:
 
 
 def _cmd_engine_check(args: argparse.Namespace) -> int:
-    from draftsmith.evals.engine_check import engine_check, markdown
+    from draftsmith.evals.engine_check import engine_check
+    from draftsmith.evals.engine_check_report import markdown
 
     if args.engine != "llamacpp":
         raise InputError(f"--engine {args.engine!r}; valid: llamacpp")

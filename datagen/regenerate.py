@@ -39,167 +39,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from draftsmith.common.chat import encode_chat
 from draftsmith.common.errors import InputError
-from draftsmith.datagen.batched_generation import batch_support, generate_greedy_batch
+from draftsmith.datagen.batched_generation import batch_support
 from draftsmith.datagen.chat_source import (
     iter_conversations,
     normalize_messages,
-    reply_slots,
     select_conversations,
     short_prompts,
-    turns_before,
 )
+from draftsmith.datagen.conversation_replies import TURNS, stop_ids
 from draftsmith.datagen.regenerate_report import RegenerateReport, summary
-from draftsmith.datagen.resumable_jsonl import (
-    Progress,
-    append_line,
-    disk_full_named,
-    resume_or_start,
-)
-from draftsmith.runtime.decoding.autoregressive import generate_ar
-from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
+from draftsmith.datagen.regeneration_pass import RegenerationPass
+from draftsmith.datagen.resumable_jsonl import Progress, disk_full_named, resume_or_start
+from draftsmith.runtime.decoding.prompt_limits import context_limit
 
-TURNS = ("first", "all")
 DEFAULT_BATCH_SIZE = (
     8  # greedy first turns decoded at once: the weights are read once per step for 8 tokens
 )
-CHUNK_ROWS = 16  # conversations per batch row in one chunk: a resume redoes at most one chunk
-
-
-def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` in the target's chat template followed by the assistant generation
-    prompt (the encoding training and bench use: :func:`draftsmith.common.chat.encode_chat`)."""
-    return encode_chat(tokenizer, messages)
-
-
-def stop_ids(tokenizer: Any, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
-    """EOS ids of the target plus the tokenizer's EOS and common end-of-turn tokens present in its
-    vocabulary."""
-    vocab = tokenizer.get_vocab()
-    ends = [
-        t
-        for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
-        if t in vocab
-    ]
-    extra = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return tuple(dict.fromkeys([*eos_ids, *extra, *(vocab[t] for t in ends)]))
-
-
-def _turn_prompt(
-    tokenizer: Any,
-    history: list[dict],
-    messages: list[dict],
-    cursor: int,
-    slot: int,
-    max_new_tokens: int,
-    context: int | None,
-) -> tuple[list[dict], list[int], int]:
-    """The context of the reply at ``slot`` (``history`` plus the non-assistant turns since
-    ``cursor``: the original replies are dropped), its prompt ids and its token budget (<= 0 when
-    the context is full)."""
-    context_msgs = history + turns_before(messages, cursor, slot)
-    prompt = render_prompt(tokenizer, context_msgs)
-    room = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt))
-    return context_msgs, prompt, room
-
-
-def _too_long(
-    prompt: list[int], context: int | None, what: str, log: Callable[[str], None] | None
-) -> str:
-    """Log why a first prompt gets no reply (its token count and the limit); returns the skip
-    reason."""
-    try:
-        check_prompt_fits(len(prompt), context, what)
-    except ValueError as err:
-        if log is not None:
-            log(f"{err}; skipped")
-    return "prompt longer than the context"
-
-
-def first_turn_prompt(
-    tokenizer: Any,
-    messages: list[dict],
-    max_new_tokens: int,
-    context: int | None,
-    what: str = "the conversation",
-    log: Callable[[str], None] | None = None,
-) -> tuple[list[dict], list[int], int] | str:
-    """``(context messages, prompt ids, token budget)`` of the first reply, or why there is none
-    (the reason :func:`regenerate_conversation` gives); the batched path plans every row with it."""
-    slots = reply_slots(messages)
-    if not slots:
-        return "no user turn"
-    context_msgs, prompt, room = _turn_prompt(
-        tokenizer, [], messages, 0, slots[0], max_new_tokens, context
-    )
-    return (context_msgs, prompt, room) if room > 0 else _too_long(prompt, context, what, log)
-
-
-def regenerate_conversation(
-    model: Any,
-    tokenizer: Any,
-    messages: list[dict],
-    turns: str = "first",
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    eos_ids: tuple[int, ...] = (),
-    generator: torch.Generator | None = None,
-    context: int | None = None,
-    what: str = "the conversation",
-    log: Callable[[str], None] | None = None,
-) -> tuple[list[dict] | None, int, str | None]:
-    """Replace the assistant turns of one conversation by the target's replies.
-
-    Returns ``(messages, tokens_generated, note)``. ``messages`` is None when nothing could be
-    generated (``note`` says why: no user turn, prompt longer than the context, empty reply). In
-    ``"first"`` mode the conversation ends after the first reply; in ``"all"`` mode every assistant
-    turn is regenerated with the earlier regenerated replies in context, a trailing user turn gets a
-    reply too, and ``note == "truncated"`` when the context filled up. A first prompt that does not
-    fit in ``context`` is skipped before any model work; ``log`` then gets one line naming ``what``,
-    its token count and the limit.
-    """
-    if turns not in TURNS:
-        raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
-    slots = reply_slots(messages)
-    slots = slots[:1] if turns == "first" else slots
-    if not slots:
-        return None, 0, "no user turn"
-    out: list[dict] = []
-    total, done, cursor = 0, 0, 0
-    for slot in slots:
-        context_msgs, prompt, room = _turn_prompt(
-            tokenizer, out, messages, cursor, slot, max_new_tokens, context
-        )
-        if room <= 0:
-            if done == 0:
-                return None, total, _too_long(prompt, context, what, log)
-            return out, total, "truncated"
-        tokens = generate_ar(
-            model,
-            prompt,
-            room,
-            temperature=temperature,
-            top_p=top_p,
-            eos_ids=eos_ids,
-            generator=generator,
-        )
-        total += len(tokens)
-        out = context_msgs + [_reply(tokenizer, tokens)]
-        cursor, done = slot + 1, done + 1
-    if not any(m["role"] == "assistant" and m["content"] for m in out):
-        return None, total, "empty reply"
-    return out, total, None
-
-
-def _reply(tokenizer: Any, tokens: list[int]) -> dict[str, str]:
-    return {
-        "role": "assistant",
-        "content": tokenizer.decode(tokens, skip_special_tokens=True).strip(),
-    }
 
 
 def regenerate(
@@ -235,79 +91,142 @@ def regenerate(
     time); ``limit`` counts the selected ones. ``out`` must be a new file (or ``overwrite``), never
     ``data`` or inside the target: checked before any work.
     ``trust_remote_code``: let a target folder's own code run (off by default)."""
-    from draftsmith import assets
-    from draftsmith.common.atomic_folder import check_output_file
-    from draftsmith.runtime.serving import load_runtime
+    job = RegenerateJob(
+        data=data,
+        out=Path(out),
+        target=target,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        turns=turns,
+        dtype=dtype,
+        seed=seed,
+        kernels=kernels,
+        batch_size=batch_size,
+        topic=topic,
+        skip=skip,
+        max_prompt_tokens=max_prompt_tokens,
+        trust_remote_code=trust_remote_code,
+    )
+    job.check(overwrite)
+    return job.run(log or (lambda msg: print(msg, file=sys.stderr, flush=True)))
 
-    _check_arguments(turns, max_new_tokens, limit, batch_size, max_prompt_tokens)
-    check_output_file(
-        out,
-        (data if Path(data).exists() else None, target and assets.resolve_target(target)),
-        overwrite,
-    )
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    out = Path(out)
-    partial, meta_path = Path(f"{out}.partial"), Path(f"{out}.partial.json")
-    report = RegenerateReport()
-    first, conversations = _first_conversation(data, topic, skip, report)
-    settings = {
-        "data": data,
-        "target": target,
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "turns": turns,
-        "dtype": dtype,
-        "seed": seed,
-        "batch_size": batch_size,
-    }
-    if (
-        topic != "all" or skip
-    ):  # recorded only when used: a partial file of an older version still resumes
-        settings.update(topic=topic, skip=skip)
-    if max_prompt_tokens is not None:
-        settings.update(max_prompt_tokens=max_prompt_tokens)
-    report.resumed, last_done = resume_or_start(out, partial, meta_path, settings, log)
-    rt = load_runtime(None, target, dtype, kernels, trust_remote_code=trust_remote_code)
-    # The ETA needs the total: one counting pass over the data (up to the limit), seconds against
-    # hours.
-    counted = select_conversations(iter_conversations(data), topic, skip)
-    total = sum(
-        1 for _ in itertools.islice(short_prompts(counted, rt.tokenizer, max_prompt_tokens), limit)
-    )
-    kept = short_prompts(
-        itertools.chain([first], conversations), rt.tokenizer, max_prompt_tokens, report
-    )
-    items = enumerate(itertools.islice(kept, limit), 1)  # (seen, (index, messages))
-    with (
-        disk_full_named(partial),
-        open(partial, "a", encoding="utf-8") as handle,
-    ):  # a full disk: one line
-        run = _Run(
-            rt.model,
-            rt.tokenizer,
-            stop_ids(rt.tokenizer, rt.eos_ids),
-            context_limit(rt.model),
-            max_new_tokens,
-            report,
-            Progress(total, log),
-            handle,
-            last_done,
-            log,
+
+@dataclass(frozen=True)
+class RegenerateJob:
+    """The arguments of one :func:`regenerate` call, checked, and the steps of its run."""
+
+    data: str
+    out: Path
+    target: str | None
+    limit: int | None
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    turns: str
+    dtype: str
+    seed: int
+    kernels: str
+    batch_size: int
+    topic: str
+    skip: int
+    max_prompt_tokens: int | None
+    trust_remote_code: bool
+
+    def check(self, overwrite: bool) -> None:
+        """Refuse bad arguments and an ``out`` that is ``data`` or inside the target, before any
+        work."""
+        from draftsmith import assets
+        from draftsmith.common.atomic_folder import check_output_file
+
+        _check_arguments(
+            self.turns, self.max_new_tokens, self.limit, self.batch_size, self.max_prompt_tokens
         )
-        if _batched(batch_size, turns, temperature, rt.model, log):
-            run.batched(items, batch_size)
+        sources = (
+            self.data if Path(self.data).exists() else None,
+            self.target and assets.resolve_target(self.target),
+        )
+        check_output_file(self.out, sources, overwrite)
+
+    def resume_settings(self) -> dict[str, Any]:
+        """What a ``.partial`` file must have been written with for a rerun to continue it."""
+        settings = {
+            "data": self.data,
+            "target": self.target,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "turns": self.turns,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+        }
+        # recorded only when used: a partial file of an older version still resumes
+        if self.topic != "all" or self.skip:
+            settings.update(topic=self.topic, skip=self.skip)
+        if self.max_prompt_tokens is not None:
+            settings.update(max_prompt_tokens=self.max_prompt_tokens)
+        return settings
+
+    def run(self, log: Callable[[str], None]) -> RegenerateReport:
+        """Load the target, regenerate the selected conversations into ``out.partial`` (resuming
+        it), then rename it onto ``out``."""
+        from draftsmith.runtime.serving import load_runtime
+
+        partial, meta_path = Path(f"{self.out}.partial"), Path(f"{self.out}.partial.json")
+        report = RegenerateReport()
+        first, conversations = _first_conversation(self.data, self.topic, self.skip, report)
+        settings = self.resume_settings()
+        report.resumed, last_done = resume_or_start(self.out, partial, meta_path, settings, log)
+        rt = load_runtime(
+            None, self.target, self.dtype, self.kernels, trust_remote_code=self.trust_remote_code
+        )
+        kept = short_prompts(
+            itertools.chain([first], conversations), rt.tokenizer, self.max_prompt_tokens, report
+        )
+        items = enumerate(itertools.islice(kept, self.limit), 1)  # (seen, (index, messages))
+        progress = Progress(self.count_conversations(rt.tokenizer), log)
+        # a full disk: one line
+        with disk_full_named(partial), open(partial, "a", encoding="utf-8") as handle:
+            run = RegenerationPass(
+                rt.model,
+                rt.tokenizer,
+                stop_ids(rt.tokenizer, rt.eos_ids),
+                context_limit(rt.model),
+                self.max_new_tokens,
+                report,
+                progress,
+                handle,
+                last_done,
+                log,
+            )
+            self.decode(run, rt.model, log, items)
+        report.seconds = time.perf_counter() - progress.start
+        if report.written + report.resumed == 0:
+            raise InputError(
+                f"no conversation of {self.data} could be regenerated (skipped: {report.skipped}); "
+                f"{partial} is left in place"
+            )
+        os.replace(partial, self.out)  # atomic: OUT appears only complete
+        meta_path.unlink(missing_ok=True)
+        return report
+
+    def count_conversations(self, tokenizer: Any) -> int:
+        """How many conversations the run will go through (up to the limit): the ETA needs the
+        total, and one counting pass over the data costs seconds against hours."""
+        counted = select_conversations(iter_conversations(self.data), self.topic, self.skip)
+        kept = short_prompts(counted, tokenizer, self.max_prompt_tokens)
+        return sum(1 for _ in itertools.islice(kept, self.limit))
+
+    def decode(
+        self, run: RegenerationPass, model: Any, log: Callable[[str], None], items: Iterator
+    ) -> None:
+        """Batched greedy first turns where the mode and the decoder allow it, else one by one."""
+        if _batched(self.batch_size, self.turns, self.temperature, model, log):
+            run.batched(items, self.batch_size)
         else:
-            run.one_by_one(items, turns, temperature, top_p, seed)
-    report.seconds = time.perf_counter() - run.progress.start
-    if report.written + report.resumed == 0:
-        raise InputError(
-            f"no conversation of {data} could be regenerated (skipped: {report.skipped}); "
-            f"{partial} is left in place"
-        )
-    os.replace(partial, out)  # atomic: OUT appears only complete
-    meta_path.unlink(missing_ok=True)
-    return report
+            run.one_by_one(items, self.turns, self.temperature, self.top_p, self.seed)
 
 
 def _first_conversation(
@@ -381,132 +300,11 @@ def _batched(
     return why is None
 
 
-@dataclass
-class _Run:
-    """One regeneration pass writing ``handle`` (the .partial file) in source order after
-    ``last_done``."""
-
-    model: Any
-    tokenizer: Any
-    eos: tuple[int, ...]
-    context: int | None
-    max_new_tokens: int
-    report: RegenerateReport
-    progress: Progress
-    handle: Any
-    last_done: int
-    log: Callable[[str], None]
-
-    def _note(self, seen: int, index: int) -> bool:
-        """True when source conversation ``index`` is still to do (earlier ones were written before
-        a resume)."""
-        if index <= self.last_done:
-            self.progress.resumed_before = seen
-        return index > self.last_done
-
-    def _emit(self, seen: int, index: int, messages: list[dict] | None, note: str | None) -> None:
-        if messages is None:
-            self.report.skip(note or "skipped")
-            return
-        append_line(self.handle, {"messages": messages, "source_index": index})
-        self.report.written += 1
-        self.progress.tick(seen, self.report.written + self.report.resumed, self.report.tokens)
-
-    def one_by_one(
-        self, items: Iterator, turns: str, temperature: float, top_p: float, seed: int
-    ) -> None:
-        """Batch 1: each conversation through :func:`regenerate_conversation` (every mode, sampling
-        included)."""
-        for seen, (index, messages) in items:
-            if not self._note(seen, index):
-                continue
-            generator = torch.Generator().manual_seed(
-                seed * 1_000_003 + index
-            )  # per conversation: resumable
-            new, tokens, note = regenerate_conversation(
-                self.model,
-                self.tokenizer,
-                messages,
-                turns,
-                self.max_new_tokens,
-                temperature,
-                top_p,
-                self.eos,
-                generator,
-                self.context,
-                f"conversation {index}",
-                self.log,
-            )
-            self.report.tokens += tokens
-            self.report.truncated += note == "truncated"
-            self._emit(seen, index, new, note)
-
-    def batched(self, items: Iterator, batch_size: int) -> None:
-        """Greedy first turns, ``batch_size`` rows at once, in chunks of ``CHUNK_ROWS * batch_size``
-        conversations formed from the source order alone: a resumed run redoes the chunk it stopped
-        in the same way, so it writes the same bytes as an uninterrupted one."""
-        chunk: list[
-            tuple[int, int, list[dict], list[int], int]
-        ] = []  # (seen, index, context, prompt, budget)
-        for seen, (index, messages) in items:
-            todo = self._note(seen, index)
-            plan = first_turn_prompt(
-                self.tokenizer,
-                messages,
-                self.max_new_tokens,
-                self.context,
-                f"conversation {index}",
-                self.log if todo else None,
-            )
-            if isinstance(plan, str):
-                if todo:
-                    self.report.skip(plan)
-                continue
-            chunk.append((seen, index, *plan))
-            if len(chunk) == CHUNK_ROWS * batch_size:
-                self._chunk(chunk, batch_size)
-                chunk = []
-        if chunk:
-            self._chunk(chunk, batch_size)
-
-    def _chunk(
-        self, chunk: list[tuple[int, int, list[dict], list[int], int]], batch_size: int
-    ) -> None:
-        """Decode one chunk; each reply is written as soon as every earlier one of the chunk is
-        (source order)."""
-        if chunk[-1][1] <= self.last_done:
-            return  # written before the interruption
-        replies: dict[int, list[int]] = {}
-        first_unwritten = [0]  # position in the chunk
-
-        def done(i: int, tokens: list[int]) -> None:
-            replies[i] = tokens
-            self.report.tokens += len(tokens)
-            while first_unwritten[0] in replies:
-                seen, index, context_msgs, _, _ = chunk[first_unwritten[0]]
-                reply = _reply(self.tokenizer, replies.pop(first_unwritten[0]))
-                if index > self.last_done:
-                    self._emit(
-                        seen,
-                        index,
-                        context_msgs + [reply] if reply["content"] else None,
-                        "empty reply",
-                    )
-                first_unwritten[0] += 1
-
-        generate_greedy_batch(
-            self.model, [c[3] for c in chunk], [c[4] for c in chunk], self.eos, batch_size, done
-        )
-
-
 __all__ = [
+    "RegenerateJob",
     "RegenerateReport",
-    "first_turn_prompt",
     "iter_conversations",
     "normalize_messages",
     "regenerate",
-    "regenerate_conversation",
-    "render_prompt",
-    "stop_ids",
     "summary",
 ]

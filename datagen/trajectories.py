@@ -16,7 +16,6 @@ settings in the same folder are refused.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from draftsmith.common.errors import DraftsmithError
+from draftsmith.datagen.resumable_folder import start_folder
 from draftsmith.datagen.trajectory_folder import META, SHARD  # the format this writes
 from draftsmith.runtime.decoding.diffusion import (
     DiffusionDecodeConfig,
@@ -134,8 +134,6 @@ def write_trajectories(
 ) -> dict[str, Any]:
     """Write (or resume) the oracle trajectories of ``prompts`` (token ids) into ``out``; returns
     counts."""
-    from safetensors.torch import save_file
-
     if not prompts:
         raise TrajectoryError("no prompts to decode")
     for i, p in enumerate(prompts):  # every prompt is checked before any shard is written
@@ -144,17 +142,9 @@ def write_trajectories(
         except ValueError as err:
             raise TrajectoryError(f"prompt {i}: {err}") from None
     out = Path(out)
-    meta = settings(lm, cfg, len(prompts), shard_size)
-    if (out / META).is_file():
-        old = json.loads((out / META).read_text())
-        if old != meta:
-            diff = sorted(k for k in meta if old.get(k) != meta[k])
-            raise TrajectoryError(
-                f"{out} holds trajectories made with other settings ({', '.join(diff)}); "
-                "use another --out folder or remove it"
-            )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / META).write_text(json.dumps(meta, indent=2) + "\n")
+    start_folder(
+        out, META, settings(lm, cfg, len(prompts), shard_size), "trajectories", TrajectoryError
+    )
     examples = resumed = 0
     for s, first in enumerate(range(0, len(prompts), shard_size)):
         path = out / SHARD.format(s)
@@ -164,24 +154,7 @@ def write_trajectories(
             if progress:
                 progress(count)
             continue
-        parts = []
-        for i in range(first, first + count):
-            trace = oracle_trace(lm, prompts[i], cfg)
-            parts.append((trace, i))
-            if progress:
-                progress(1)
-        tensors = {
-            "conf": torch.cat([t.conf for t, _ in parts]).contiguous(),  # [N, L]
-            "labels": torch.cat([t.labels for t, _ in parts]).contiguous(),  # [N, L]
-            "prompt": torch.cat(
-                [torch.full((len(t.steps),), i, dtype=torch.int32) for t, i in parts]
-            ),
-            "step": torch.cat([t.steps for t, _ in parts]),
-        }
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(tensors, str(tmp), metadata={"prompts": f"{first}-{first + count - 1}"})
-        os.replace(tmp, path)
-        examples += len(tensors["conf"])
+        examples += _write_shard(lm, prompts, cfg, path, first, count, progress)
     total = sum(_count(p) for p in sorted(out.glob("shard-*.safetensors")))
     return {
         "prompts": len(prompts),
@@ -192,39 +165,42 @@ def write_trajectories(
     }
 
 
+def _write_shard(
+    lm: DiffusionLM,
+    prompts: list[list[int]],
+    cfg: DiffusionDecodeConfig,
+    path: Path,
+    first: int,
+    count: int,
+    progress: Callable[[int], None] | None,
+) -> int:
+    """Decode prompts ``first .. first + count - 1`` with the oracle and write their examples to
+    the shard ``path`` atomically (temp file + rename); returns how many examples it holds."""
+    from safetensors.torch import save_file
+
+    parts = []
+    for i in range(first, first + count):
+        trace = oracle_trace(lm, prompts[i], cfg)
+        parts.append((trace, i))
+        if progress:
+            progress(1)
+    tensors = {
+        "conf": torch.cat([t.conf for t, _ in parts]).contiguous(),  # [N, L]
+        "labels": torch.cat([t.labels for t, _ in parts]).contiguous(),  # [N, L]
+        "prompt": torch.cat([torch.full((len(t.steps),), i, dtype=torch.int32) for t, i in parts]),
+        "step": torch.cat([t.steps for t, _ in parts]),
+    }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"prompts": f"{first}-{first + count - 1}"})
+    os.replace(tmp, path)
+    return len(tensors["conf"])
+
+
 def _count(path: Path) -> int:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
         return int(handle.get_slice("conf").get_shape()[0])
-
-
-def load_prompts(spec: str, tokenizer: Any, limit: int | None = None) -> list[list[int]]:
-    """Prompt token ids (chat template, generation prompt) from ``mtbench``, ``sharegpt`` or a file
-    with one prompt per line (``.txt``) or per JSON line (``{"prompt": ...}`` or ``{"turns":
-    [...]}``)."""
-    from draftsmith import assets
-    from draftsmith.common.chat import encode_chat
-
-    if spec == "mtbench":
-        texts = [q["turns"][0] for q in assets.mtbench_questions()]
-    elif spec == "sharegpt":
-        convs, _ = assets.read_sharegpt(assets.sharegpt_path(), limit=limit)
-        texts = [c["conversations"][0]["value"] for c in convs if c.get("conversations")]
-    else:
-        path = Path(spec)
-        if not path.is_file():
-            raise TrajectoryError(
-                f"--prompts {spec!r}: not 'mtbench', 'sharegpt' or an existing file"
-            )
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        if path.suffix == ".jsonl":
-            records = [json.loads(ln) for ln in lines]
-            texts = [r["prompt"] if "prompt" in r else r["turns"][0] for r in records]
-        else:
-            texts = lines
-    texts = texts[:limit] if limit else texts
-    return [encode_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
 
 
 def run_cli(args: Any) -> dict[str, Any]:
@@ -233,6 +209,7 @@ def run_cli(args: Any) -> dict[str, Any]:
     from tqdm import tqdm
 
     from draftsmith.common.dtypes import dtype_from_name
+    from draftsmith.common.prompt_sets import encode_prompts
     from draftsmith.runtime.target.diffusion_lm import load_diffusion_lm, supports_prefix_cache
 
     if args.threads:
@@ -242,7 +219,7 @@ def run_cli(args: Any) -> dict[str, Any]:
         dtype=dtype_from_name(args.dtype),
         trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
     )
-    prompts = load_prompts(args.prompts, lm.tokenizer, args.limit)
+    prompts = encode_prompts(args.prompts, lm.tokenizer, args.limit)
     cfg = DiffusionDecodeConfig(
         gen_length=args.gen_length,
         steps_per_block=args.steps_per_block or lm.spec.block_length,

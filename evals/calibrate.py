@@ -193,29 +193,17 @@ def calibrate(
     ``prompts`` (mtbench or a .jsonl), write ``OUT/calibration.json`` and ``OUT/reliability.png``;
     returns the report."""
     from draftsmith.bench.prompts import load_prompts
-    from draftsmith.export.format import read_config
     from draftsmith.runtime.acceptance.choice import choose_verifier
     from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-    from draftsmith.runtime.drafting.registry import build_proposer, chain_options
     from draftsmith.runtime.serving import load_runtime
 
-    config = read_config(drafter)
-    if config.get("method") != "specdecpp":
-        raise InputError(
-            f"{drafter} is a {config.get('method')!r} export; calibrate scores a SpecDec++"
-            " acceptance head (method 'specdecpp', from `python train.py recipe=specdecpp"
-            " drafter=EXPORT_DIR`)"
-        )
+    config = _specdecpp_config(drafter)
     head, head_config = AcceptanceHead.from_export(drafter)
     base = base_export_dir(head_config)
     runtime = load_runtime(None, target or config["target"]["name_or_path"], dtype=dtype)
     stop = (config.get("inference") or {}).get("stop_policy") or {}
     depth = int(depth or stop.get("max_depth", 6))
-    options = {"temperature": temperature if temperature > 0 else 0.0}
-    options.update(
-        chain_options(base, depth + 1)
-    )  # the base proposer's own way of drafting depth + 1 tokens
-    proposer = build_proposer(base, runtime.model, **options)
+    proposer = _base_proposer(base, runtime.model, depth, temperature)
     verifier, _ = choose_verifier("auto", temperature, "auto", None)
     head = head.to(runtime.model.lm_head_weight.device)
     encoded = load_prompts(prompts, runtime.tokenizer, num_prompts)
@@ -240,11 +228,37 @@ def calibrate(
             "depth": depth,
         }
     )
+    _write_report(report, Path(out))
+    return report
+
+
+def _specdecpp_config(drafter: str) -> dict[str, Any]:
+    """The export's config; anything but a SpecDec++ export is refused in one line."""
+    from draftsmith.export.format import read_config
+
+    config = read_config(drafter)
+    if config.get("method") != "specdecpp":
+        raise InputError(
+            f"{drafter} is a {config.get('method')!r} export; calibrate scores a SpecDec++"
+            " acceptance head (method 'specdecpp', from `python train.py recipe=specdecpp"
+            " drafter=EXPORT_DIR`)"
+        )
+    return config
+
+
+def _base_proposer(base: Path, model: Any, depth: int, temperature: float) -> Any:
+    """The base export's proposer, drafting ``depth + 1`` tokens its own way."""
+    from draftsmith.runtime.drafting.registry import build_proposer, chain_options
+
+    options = {"temperature": temperature if temperature > 0 else 0.0}
+    options.update(chain_options(base, depth + 1))
+    return build_proposer(base, model, **options)
+
+
+def _write_report(report: dict[str, Any], folder: Path) -> None:
+    """``calibration.json`` and ``reliability.png`` in ``folder``, each written beside, then renamed
+    in."""
     from draftsmith.common.atomic_folder import write_file
 
-    folder = Path(out)
-    write_file(
-        folder / "calibration.json", json.dumps(report, indent=2) + "\n"
-    )  # beside, then renamed in
+    write_file(folder / "calibration.json", json.dumps(report, indent=2) + "\n")
     write_file(folder / "reliability.png", lambda tmp: plot_reliability(report, tmp))
-    return report

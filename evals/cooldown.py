@@ -162,7 +162,7 @@ def run_branch(
 ) -> tuple[Path, dict[str, Any]]:
     """Branch, train and export the cooldown of the point at ``steps`` (or take what an earlier run
     kept): (cooled export folder, its training record)."""
-    from draftsmith.evals.curve_runner import POINTS_DIR, RUN_DIR
+    from draftsmith.evals.curve_folder import POINTS_DIR, RUN_DIR
 
     point = curve_out / POINTS_DIR / f"step{steps}" / COOLED_DIR
     export, meta_path = point / "export", point / "training.json"

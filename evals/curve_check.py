@@ -37,7 +37,7 @@ def recipe_of(overrides: list[str]) -> str | None:
 def checked_export(data: dict[str, Any], run: Path) -> tuple[Path, dict[str, Any]]:
     """The run's export and config, refused in one line when it is missing, damaged, of another
     method or not past the curve's furthest reading."""
-    from draftsmith.evals.curve_runner import CurveError
+    from draftsmith.evals.curve_folder import CurveError
     from draftsmith.export.format import ExportError, read_export
 
     export = finished_export(run)
@@ -72,8 +72,8 @@ def run_check(
     """Evaluate the finished run ``run`` like the curve's points, set the curve's forecast at its
     tokens against it, store the verdict in curve.json and rewrite the report; returns the check's
     record."""
+    from draftsmith.evals.curve_folder import CURVE_FILE, CurveError, read_curve, write_json
     from draftsmith.evals.curve_report import write_report
-    from draftsmith.evals.curve_runner import CURVE_FILE, CurveError, read_curve, write_json
     from draftsmith.evals.learning_curve import EvalSettings, evaluate_export
     from draftsmith.export.format import export_fingerprint
 

@@ -16,8 +16,8 @@ def compare(curve_dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
     CPU-hours, log x) in ``out``. Each curve is read on its cooled points (each predicts a finished
     run), raw where it has none (the table says which).
     """
-    from draftsmith.evals.curve_report import fmt_value, prompt_sets, settle_cpu_hours
-    from draftsmith.evals.curve_runner import CURVE_FILE, read_curve, write_json
+    from draftsmith.evals.curve_folder import CURVE_FILE, read_curve, write_json
+    from draftsmith.evals.curve_report import settle_cpu_hours
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -25,24 +25,44 @@ def compare(curve_dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
     for data in curves.values():
         data["points"] = settle_cpu_hours(data["points"])
     chosen = pick(curves)
-    rows = []
-    for name, data in curves.items():
-        points, values = reading_points(data)
-        for p in points:
-            for prompt_set in prompt_sets(data):
-                rows.append(
-                    {
-                        "curve": name,
-                        "overrides": " ".join(data["overrides"]),
-                        "values": values,
-                        "steps": p["steps"],
-                        "tokens": p["tokens"],
-                        "cpu_hours": p["cpu_hours"],
-                        "prompts": prompt_set,
-                        "first_position": p["eval"][prompt_set]["first_position_acceptance"],
-                    }
-                )
+    rows = [row for name, data in curves.items() for row in _rows(name, data)]
     write_json(out / "compare.json", {"curves": list(curves), "rows": rows, "pick": chosen})
+    lines = _table_lines(rows)
+    (out / "compare.md").write_text("\n".join([*lines, *_pick_lines(chosen)]) + "\n")
+    _plot_compare(rows, out / "compare.png")
+    return {
+        "curves": list(curves),
+        "rows": len(rows),
+        "picked": (chosen["picked"] or {}).get("curve"),
+    }
+
+
+def _rows(name: str, data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per point and prompt set of curve ``name``, read on its cooled points (raw where it
+    has none)."""
+    from draftsmith.evals.curve_report import prompt_sets
+
+    points, values = reading_points(data)
+    return [
+        {
+            "curve": name,
+            "overrides": " ".join(data["overrides"]),
+            "values": values,
+            "steps": p["steps"],
+            "tokens": p["tokens"],
+            "cpu_hours": p["cpu_hours"],
+            "prompts": prompt_set,
+            "first_position": p["eval"][prompt_set]["first_position_acceptance"],
+        }
+        for p in points
+        for prompt_set in prompt_sets(data)
+    ]
+
+
+def _table_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows as a markdown table, then a blank line, and a note when some curves are read raw."""
+    from draftsmith.evals.curve_report import fmt_value
+
     lines = [
         "| curve | overrides | read | steps | tokens | CPU-h | prompts | first-position |",
         "|---|---|---|---|---|---|---|---|",
@@ -53,25 +73,14 @@ def compare(curve_dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
         f"{fmt_value(r['first_position'])} |"
         for r in rows
     ]
-    mixed = len({r["values"] for r in rows}) > 1
-    note = (
-        [
-            (
-                "Some curves have no cooled points and are read raw (mid-run, constant LR): raw"
-                " values understate a finished run, so the comparison favours the cooled curves."
-            ),
+    lines.append("")
+    if len({r["values"] for r in rows}) > 1:
+        lines += [
+            "Some curves have no cooled points and are read raw (mid-run, constant LR): raw"
+            " values understate a finished run, so the comparison favours the cooled curves.",
             "",
         ]
-        if mixed
-        else []
-    )
-    (out / "compare.md").write_text("\n".join([*lines, "", *note, *_pick_lines(chosen)]) + "\n")
-    _plot_compare(rows, out / "compare.png")
-    return {
-        "curves": list(curves),
-        "rows": len(rows),
-        "picked": (chosen["picked"] or {}).get("curve"),
-    }
+    return lines
 
 
 def _pick_lines(chosen: dict[str, Any]) -> list[str]:

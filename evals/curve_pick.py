@@ -18,7 +18,7 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-# The curve's own defaults (evals/curve_runner.py DEFAULT_OVERRIDES): they shape a curve's
+# The curve's own defaults (evals/curve_training.py DEFAULT_OVERRIDES): they shape a curve's
 # evaluation, not the recipe.
 CURVE_DEFAULTS = (
     "optim.scheduler=constant",

@@ -1,18 +1,15 @@
 """The learning curve's outputs: ``curve.json`` gains a ``fit`` block, ``curve.md`` a table (each
-point raw and cooled), ``curve.png`` the picture (acceptance against training tokens on a log axis,
-CPU-hours on the top axis, the raw points hollow, the cooled ones filled, the fit of the cooled ones
-dashed); the forecast and its check are :mod:`draftsmith.evals.curve_forecast`'s."""
+point raw and cooled), ``curve.png`` the picture (:mod:`draftsmith.evals.curve_plot`); the forecast
+and its check are :mod:`draftsmith.evals.curve_forecast`'s."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-# `curve --compare` and its tests reach compare here; TARGETS: the report's targets
-from draftsmith.evals.curve_compare import compare  # noqa: F401
-from draftsmith.evals.curve_forecast import TARGETS, forecast_lines  # noqa: F401
 from draftsmith.evals.curve_forecast import fits as forecast_fits
-from draftsmith.evals.curve_pick import cooled_points, reading_points
+from draftsmith.evals.curve_forecast import forecast_lines
+from draftsmith.evals.curve_pick import cooled_points
 
 
 def prompt_sets(data: dict[str, Any]) -> list[str]:
@@ -78,7 +75,7 @@ def with_cost_aware(data: dict[str, Any]) -> dict[str, Any]:
     """Every point's ``cost_aware`` shape (tau, predicted speedup) from the curve's costs, the same
     costs for every point (points evaluated before any costs, or recorded without a shape table, get
     none)."""
-    from draftsmith.evals.curve_runner import costs_of
+    from draftsmith.evals.curve_folder import costs_of
     from draftsmith.evals.learning_curve import cost_aware
 
     costs = costs_of(data)
@@ -273,75 +270,11 @@ def markdown(data: dict[str, Any], fit_block: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(data: dict[str, Any], fit_block: dict[str, Any], path: Path) -> None:
-    """Acceptance (first position, solid; fit, dashed) against training tokens, log x, CPU-hours on
-    top."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    points = [p for p in data["points"] if p.get("tokens")]
-    read, values = reading_points(data)
-    cooled = [p for p in read if p.get("tokens")] if values == "cooled" else []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = [p["tokens"] for p in [*points, *cooled]]
-    for name in prompt_sets(data):
-        ys = [p["eval"][name]["first_position_acceptance"] for p in points]
-        (line,) = ax.plot(
-            [p["tokens"] for p in points],
-            ys,
-            "o-",
-            mfc="none",
-            label=f"{name} first position (raw)",
-        )
-        if cooled:
-            ax.plot(
-                [p["tokens"] for p in cooled],
-                [p["eval"][name]["first_position_acceptance"] for p in cooled],
-                "D-",
-                color=line.get_color(),
-                label=f"{name} first position (cooled)",
-            )
-        deeper = [p["eval"][name]["chain_acceptance"][-1] for p in cooled or points]
-        ax.plot(
-            [p["tokens"] for p in cooled or points],
-            deeper,
-            "s:",
-            color=line.get_color(),
-            alpha=0.6,
-            label=f"{name} all of 4 ({values})",
-        )
-        fit = fit_block.get(name, {}).get("fit")
-        if fit and xs:
-            grid = [min(xs) * (max(xs) * 20 / min(xs)) ** (i / 60) for i in range(61)]
-            ax.plot(
-                grid,
-                [fit["ceiling"] - fit["scale"] * g ** (-fit["exponent"]) for g in grid],
-                "--",
-                color=line.get_color(),
-                alpha=0.7,
-                label=f"{name} fit (ceiling {fit['ceiling']:.2f})",
-            )
-    rate = tokens_per_cpu_hour(points)
-    if rate:
-        top = ax.secondary_xaxis("top", functions=(lambda t: t / rate, lambda h: h * rate))
-        top.set_xlabel("CPU-hours of training")
-    ax.set_xscale("log")
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("held-out acceptance")
-    ax.set_ylim(0, 1)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def write_report(curve_dir: str | Path, data: dict[str, Any]) -> dict[str, Any]:
     """Write curve.md and curve.png beside curve.json; returns the fit block (also stored in
     curve.json)."""
-    from draftsmith.evals.curve_runner import CURVE_FILE, write_json
+    from draftsmith.evals.curve_folder import CURVE_FILE, write_json
+    from draftsmith.evals.curve_plot import plot
 
     curve_dir = Path(curve_dir)
     data = {**data, "points": settle_cpu_hours(data["points"])}

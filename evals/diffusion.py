@@ -155,15 +155,10 @@ def run_cli(args: Any) -> dict[str, Any]:
     """``draftsmith bench --target DLM [--filter EXPORT]``: every mode over the
     prompts with a progress bar; prints the table, writes JSON (and a markdown twin) with ``--out``.
     """
-    import json
-    from pathlib import Path
-
     import torch
+    from tqdm import tqdm
 
-    from draftsmith.common.dtypes import dtype_from_name
-    from draftsmith.controllers.learn2pd import Learn2PDFilter
-    from draftsmith.datagen.trajectories import load_prompts
-    from draftsmith.runtime.target.diffusion_lm import load_diffusion_lm, supports_prefix_cache
+    from draftsmith.runtime.target.diffusion_lm import supports_prefix_cache
 
     caches = {"off": (False,), "on": (True,), "both": (False, True)}[args.cache]
     if args.threshold is not None and (args.filter is None or not 0 < args.threshold < 1):
@@ -173,45 +168,21 @@ def run_cli(args: Any) -> dict[str, Any]:
         )
     if args.threads:
         torch.set_num_threads(int(args.threads))
-    lm = load_diffusion_lm(
-        args.target,
-        dtype=dtype_from_name(args.dtype),
-        trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
-    )
-    filt = (
-        Learn2PDFilter.from_export(args.filter, block_length=lm.spec.block_length)[0]
-        if args.filter
-        else None
-    )
+    lm, filt = _load_target_and_filter(args)
     steps = args.steps_per_block or (
         filt.config.steps_per_block if filt is not None else lm.spec.block_length
     )
-    records = None
-    if str(args.prompts).startswith(
-        "embedded"
-    ):  # the mixed task: some prompts have a checkable answer
-        from draftsmith.common.chat import encode_chat
-        from draftsmith.datagen.mixed_task import load_prompt_records
-
-        records = load_prompt_records(args.prompts, args.limit)
-        prompts = [
-            encode_chat(lm.tokenizer, [{"role": "user", "content": r["text"]}]) for r in records
-        ]
-    else:
-        prompts = load_prompts(args.prompts, lm.tokenizer, args.limit)
+    records, prompts = _bench_prompts(args, lm.tokenizer)
     cfg = DiffusionDecodeConfig(
         gen_length=args.gen_length, steps_per_block=steps, temperature=args.temperature
     )
-    if True in caches and not supports_prefix_cache(
-        lm.spec
-    ):  # before any decode, not after the uncached modes
+    # before any decode, not after the uncached modes
+    if True in caches and not supports_prefix_cache(lm.spec):
         raise InputError(
             f"--cache {args.cache}: {args.target} has no exact prefix cache (full attention or no"
             " shift, e.g. LLaDA or Dream); use --cache off"
         )
     modes = sum(1 for m in MODES if filt is not None or "learn2pd" not in m) * len(caches)
-    from tqdm import tqdm
-
     with tqdm(total=modes * len(prompts), desc="diffusion bench", unit="decode") as bar:
         result = bench_modes(
             lm, prompts, cfg, filt, caches=caches, threshold=args.threshold, progress=bar.update
@@ -223,11 +194,51 @@ def run_cli(args: Any) -> dict[str, Any]:
         )
     first = result["rows"][0]["mode"]  # baseline or baseline+cache
     result["samples"] = [lm.tokenizer.decode(a) for a in result["answers"][first][:3]]
+    _print_and_write(result, args.out)
+    return result
+
+
+def _load_target_and_filter(args: Any) -> tuple[Any, Any]:
+    """The diffusion target of ``--target`` and the Learn2PD filter of ``--filter`` (or None)."""
+    from draftsmith.common.dtypes import dtype_from_name
+    from draftsmith.controllers.learn2pd import Learn2PDFilter
+    from draftsmith.runtime.target.diffusion_lm import load_diffusion_lm
+
+    lm = load_diffusion_lm(
+        args.target,
+        dtype=dtype_from_name(args.dtype),
+        trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
+    )
+    if not args.filter:
+        return lm, None
+    return lm, Learn2PDFilter.from_export(args.filter, block_length=lm.spec.block_length)[0]
+
+
+def _bench_prompts(args: Any, tokenizer: Any) -> tuple[list[dict] | None, list[list[int]]]:
+    """``(records, prompt ids)``: the mixed task (``embedded...``: some prompts have a checkable
+    answer, so records come back for the task accuracy) or a prompt set (records None)."""
+    from draftsmith.common.chat import encode_chat
+    from draftsmith.common.prompt_sets import encode_prompts
+    from draftsmith.datagen.mixed_task import load_prompt_records
+
+    if not str(args.prompts).startswith("embedded"):
+        return None, encode_prompts(args.prompts, tokenizer, args.limit)
+    records = load_prompt_records(args.prompts, args.limit)
+    return records, [
+        encode_chat(tokenizer, [{"role": "user", "content": r["text"]}]) for r in records
+    ]
+
+
+def _print_and_write(result: dict[str, Any], out: str | None) -> None:
+    """Print the table and the first baseline answers; write JSON and its markdown twin to
+    ``out``."""
+    import json
+    from pathlib import Path
+
     print(format_table(result))
     for i, text in enumerate(result["samples"]):
         print(f"--- baseline answer {i}: {text[:300]!r}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        Path(args.out).with_suffix(".md").write_text(markdown_table(result))
-    return result
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        Path(out).with_suffix(".md").write_text(markdown_table(result))

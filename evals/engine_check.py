@@ -35,23 +35,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from draftsmith.bench import llamacpp
 from draftsmith.bench.prompts import load_prompts
 from draftsmith.bench.timing import time_interleaved
 from draftsmith.common.errors import InputError
+from draftsmith.evals.engine_agreement import (
+    divergences,
+    same_generated_ids,
+    shared_prompt_ids,
+    texts_lossless,
+)
 from draftsmith.export.format import read_config
 from draftsmith.export.gguf import SPEC_TYPES
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.autoregressive import generate_ar
-
-
-def texts_lossless(plain: str, plain_eos: bool, speculative: str) -> bool:
-    """The speculative text is llama.cpp's plain greedy text: equal, or (plain cut at ``-n``)
-    extending it."""
-    return speculative == plain if plain_eos else speculative.startswith(plain)
-
 
 LABELS = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
 
@@ -196,18 +193,7 @@ def engine_check(
     build. ``n_max``: tokens drafted per step, default :func:`default_n_max`."""
     from draftsmith.runtime.serving import load_runtime
 
-    reason = llamacpp.missing_build_reason()
-    if reason:
-        raise llamacpp.LlamaCppMissing(reason)
-    config = read_config(export_dir)
-    if config["method"] not in SPEC_TYPES:
-        raise InputError(
-            f"llama.cpp runs {', '.join(LABELS.values())} drafters; {export_dir} is a "
-            f"{config['method']!r} export"
-        )
-    n_max = default_n_max(config) if n_max is None else n_max
-    if n_max < 1:
-        raise InputError(f"--draft-n-max must be >= 1, got {n_max}")
+    method, n_max = _checked_method(export_dir, n_max)
     options, stop = runtime_options(export_dir, n_max)
     runtime = load_runtime(str(export_dir), None, dtype, proposer_options=options, stop_policy=stop)
     hf_ids = load_prompts(prompts, runtime.tokenizer, num_prompts)
@@ -223,20 +209,16 @@ def engine_check(
         max_new_tokens,
         n_max,
         threads,
-        SPEC_TYPES[config["method"]],
+        SPEC_TYPES[method],
     )
-    per_prompt = [
-        texts_lossless(p, eos, s)
-        for p, eos, s in zip(plain["texts"], plain["stopped_at_eos"], spec["texts"], strict=True)
-    ]
-    parted = divergences(runtime, ids, plain["texts"], spec["texts"], per_prompt)
+    verdict = _llamacpp_verdict(plain, spec, runtime, ids)
     ours = runtime_side(runtime, ids, max_new_tokens)  # the very ids llama.cpp decoded from
     ours["ids_equal_llamacpp_plain"] = same_generated_ids(ours.pop("ar_outputs"), plain, runtime)
     return {
         "engine": "llamacpp",
         "version": llamacpp.VERSION,
         "export": str(export_dir),
-        "method": config["method"],
+        "method": method,
         "target_gguf": str(target_gguf),
         "draft_gguf": str(draft_gguf),
         "prompts": prompts,
@@ -245,191 +227,44 @@ def engine_check(
         "threads": threads,
         "prompt_ids_match": prompt_report["same_in_both_engines"],
         "prompt_ids": prompt_report,
-        "llamacpp": {
-            "lossless": all(per_prompt),
-            "lossless_per_prompt": per_prompt,
-            "near_ties_only": all(p is None or p["near_tie"] for p in parted),
-            "divergences": parted,
-            "plain": plain,
-            "speculative": spec,
-        },
+        "llamacpp": verdict,
         "runtime": ours,
     }
 
 
-def divergences(
-    runtime: Any,
-    ids: list[list[int]],
-    plain: list[str],
-    speculative: list[str],
-    lossless: list[bool],
-) -> list[dict[str, Any] | None]:
-    """Per prompt, where llama.cpp's speculative text leaves its plain one and how near the target's
-    two candidates were there (:mod:`draftsmith.evals.near_ties`, judged by the target in fp32);
-    None where the texts agree.
-    """
-    from draftsmith.evals.near_ties import divergence
-    from draftsmith.runtime.target.loading import load_decoder
-
-    if all(lossless):
-        return [None] * len(ids)
-    judge = (
-        runtime.model
-        if runtime.model.dtype == torch.float32
-        else load_decoder(runtime.folder, torch.float32)
-    )
-    return [
-        None if ok else divergence(judge, runtime.tokenizer, p, a, b)
-        for p, a, b, ok in zip(ids, plain, speculative, lossless, strict=True)
+def _llamacpp_verdict(
+    plain: dict[str, Any], spec: dict[str, Any], runtime: Any, ids: list[list[int]]
+) -> dict[str, Any]:
+    """llama.cpp's two rows and whether its speculative text is its plain one, per prompt (where it
+    is not, the target's judgement of the two candidates: near-tie or clear margin)."""
+    per_prompt = [
+        texts_lossless(p, eos, s)
+        for p, eos, s in zip(plain["texts"], plain["stopped_at_eos"], spec["texts"], strict=True)
     ]
-
-
-def equal_or_tied(lc: dict[str, Any]) -> str:
-    """The llama.cpp speculative row's verdict on its text: equal to plain, parted only at near-ties
-    (the logit gaps), or parted at a clear margin (a real loss)."""
-    if lc["lossless"]:
-        return "equal to plain"
-    gaps = [p["gap"] for p in lc.get("divergences") or [] if p is not None]
-    parted = sum(not ok for ok in lc["lossless_per_prompt"])
-    if gaps and lc.get("near_ties_only"):
-        return (
-            f"parts from plain on {parted} prompts, each at a near-tie (logit gap <="
-            f" {max(gaps):.3f})"
-        )
-    return f"DIFFERS: {lc['lossless_per_prompt']}" + (f", logit gaps {gaps}" if gaps else "")
-
-
-def shared_prompt_ids(
-    hf_ids: list[list[int]], engine_ids: list[list[int] | None]
-) -> tuple[list[list[int]], dict[str, Any]]:
-    """The prompt ids both engines decode from: llama.cpp's own tokenization of each rendered prompt
-    (its tools take text, not ids, and tokenize some texts, e.g. ``"\\n 3"``, unlike the HF
-    tokenizer), so our runtime is fed those; the HF tokenizer's ids where llama.cpp's could not be
-    read. Returns ``(ids, report)``."""
-    ids = [list(e) if e is not None else list(h) for h, e in zip(hf_ids, engine_ids, strict=True)]
-    unreadable = [i for i, e in enumerate(engine_ids) if e is None]
-    return ids, {
-        "fed_to_both": "llama.cpp's tokenization of the rendered prompt",
-        "same_in_both_engines": not unreadable,
-        "llamacpp_ids_unreadable": unreadable,
-        "hf_tokenizer_differs": [
-            i
-            for i, (h, e) in enumerate(zip(hf_ids, engine_ids))
-            if e is not None and list(e) != list(h)
-        ],
+    parted = divergences(runtime, ids, plain["texts"], spec["texts"], per_prompt)
+    return {
+        "lossless": all(per_prompt),
+        "lossless_per_prompt": per_prompt,
+        "near_ties_only": all(p is None or p["near_tie"] for p in parted),
+        "divergences": parted,
+        "plain": plain,
+        "speculative": spec,
     }
 
 
-def generated_ids_agree(
-    ours: list[int],
-    theirs: list[int],
-    eos_ids: Sequence[int],
-    engine_stopped_at_eos: bool,
-) -> bool:
-    """Whether our greedy ids are llama.cpp's: ``theirs`` are the ids its log lists as evaluated,
-    which never include the EOS it stopped at nor the last token of a run cut at ``-n`` (sampled,
-    never evaluated)."""
-    body = ours[:-1] if ours and ours[-1] in eos_ids else ours
-    if engine_stopped_at_eos:
-        return body == list(theirs) and len(body) < len(
-            ours
-        )  # both stopped at EOS, after the same tokens
-    return len(body) - len(theirs) in (0, 1) and body[: len(theirs)] == list(theirs)
-
-
-def same_generated_ids(
-    ours: list[list[int]], plain: dict[str, Any], runtime: Any
-) -> list[bool | None]:
-    """Per prompt: our runtime's AR ids equal llama.cpp plain's (compared as ids: its text drops
-    EOS, ours keeps ``<|im_end|>``); where llama.cpp's ids are not in its log, the texts without
-    special tokens (None if neither).
-    """
-    out: list[bool | None] = []
-    for mine, theirs, eos, text in zip(
-        ours, plain["generated_ids"], plain["stopped_at_eos"], plain["texts"], strict=True
-    ):
-        if theirs is not None:
-            out.append(generated_ids_agree(mine, theirs, runtime.eos_ids, eos))
-        else:
-            out.append(
-                runtime.tokenizer.decode(mine, skip_special_tokens=True) == text
-                if text is not None
-                else None
-            )
-    return out
-
-
-def _f(value: Any, digits: int = 2) -> str:
-    return (
-        "n/a"
-        if value is None
-        else f"{value:.{digits}f}"
-        if isinstance(value, float)
-        else str(value)
-    )
-
-
-def markdown(result: dict[str, Any]) -> str:
-    """The check as a markdown table: one row per engine and mode."""
-    lc, ours = result["llamacpp"], result["runtime"]
-    plain, spec = lc["plain"], lc["speculative"]
-    label = LABELS.get(result.get("method", "eagle3"), result.get("method"))
-    rows = [
-        (
-            "llama.cpp plain (llama-completion)",
-            "",
-            "",
-            _f(plain["decode_tokens_per_s"]),
-            _f(plain["tokens_per_s_incl_prompt"]),
-            "reference",
-        ),
-        (
-            f"llama.cpp {label} (n_max {spec['n_draft_max']})",
-            _f(spec["tau"]),
-            _f(spec["acceptance"]),
-            _f(spec["decode_tokens_per_s"]),
-            _f(spec["tokens_per_s_incl_prompt"]),
-            equal_or_tied(lc),
-        ),
-        (
-            f"draftsmith runtime AR ({ours['dtype']})",
-            "",
-            "",
-            "",
-            _f(ours["ar_tokens_per_s"]),
-            f"ids = llama.cpp plain: {ours['ids_equal_llamacpp_plain']}",
-        ),
-        (
-            f"draftsmith runtime {label} chain {spec['n_draft_max']}",
-            _f(ours["tau"]),
-            _f(ours["acceptance"]),
-            "",
-            _f(ours["speculative_tokens_per_s"]),
-            "equal to runtime AR" if ours["lossless"] else "DIFFERS from AR",
-        ),
-    ]
-    head = (
-        f"{result['num_prompts']} {result['prompts']} prompts x {result['max_new_tokens']} new"
-        f" tokens, {result['threads']} threads, greedy; {_prompt_ids_text(result)}\n\n| engine /"
-        " mode | tau | accepted / drafted | decode tok/s | tok/s incl. prompt | tokens"
-        " |\n|---|---|---|---|---|---|\n"
-    )
-    return head + "\n".join("| " + " | ".join(r) + " |" for r in rows)
-
-
-def _prompt_ids_text(result: dict[str, Any]) -> str:
-    """Which prompt ids the engines decoded from (the same in both: llama.cpp's), and where the HF
-    tokenizer differs."""
-    report = result.get("prompt_ids") or {}
-    if not report:
-        return f"prompt ids match: {result['prompt_ids_match']}"
-    same = (
-        "the same prompt ids in both engines (llama.cpp's tokenization)"
-        if report["same_in_both_engines"]
-        else (
-            f"llama.cpp's prompt ids unreadable for prompts {report['llamacpp_ids_unreadable']}:"
-            " ours decoded the HF tokenizer's there"
+def _checked_method(export_dir: str | Path, n_max: int | None) -> tuple[str, int]:
+    """``(method, n_max)`` of an export llama.cpp can run, before any model loads: the build
+    present, a method llama.cpp drafts with, ``n_max`` >= 1 (default :func:`default_n_max`)."""
+    reason = llamacpp.missing_build_reason()
+    if reason:
+        raise llamacpp.LlamaCppMissing(reason)
+    config = read_config(export_dir)
+    if config["method"] not in SPEC_TYPES:
+        raise InputError(
+            f"llama.cpp runs {', '.join(LABELS.values())} drafters; {export_dir} is a "
+            f"{config['method']!r} export"
         )
-    )
-    differs = report["hf_tokenizer_differs"]
-    return same + (f"; the HF tokenizer splits prompts {differs} differently" if differs else "")
+    n_max = default_n_max(config) if n_max is None else n_max
+    if n_max < 1:
+        raise InputError(f"--draft-n-max must be >= 1, got {n_max}")
+    return config["method"], n_max

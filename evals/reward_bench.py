@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,51 +42,18 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
     """``bench [--controller A[,B]] --prompts embedded:heldout``: rewards of every fixed grid
     temperature and of each layer on the task (JSON, markdown, PNG in ``--out``), then each layer's
     overhead in tokens/s."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from draftsmith import assets
     from draftsmith.common.chat import encode_chat
-    from draftsmith.controllers.adaptive_temperature import (
-        DEFAULT_GRID,
-        AdaptiveTemperatureHead,
-        check_grid,
-    )
     from draftsmith.datagen.mixed_task import load_prompt_records
     from draftsmith.datagen.rewards import load_reward
-    from draftsmith.datagen.rollouts import eos_ids_of
+    from draftsmith.datagen.rollout_sampling import eos_ids_of
     from draftsmith.evals.reward_eval import evaluate, reward_table
-    from draftsmith.export.format import read_config
 
     exports = [e for e in (args.controller or "").split(",") if e.strip()]
-    names = layer_names(exports)
-    layers = {name: AdaptiveTemperatureHead.from_export(e)[0] for name, e in names.items()}
-    grids = {tuple(h.config.grid) for h in layers.values()}
-    if args.grid is not None:
-        grids.add(check_grid([t for t in args.grid.split(",") if t.strip()]))
-    if len(grids) > 1:
-        raise InputError(
-            f"the controllers and --grid use different temperature grids {sorted(grids)}; bench"
-            " them separately (or drop --grid)"
-        )
-    grid = list(next(iter(grids))) if grids else list(DEFAULT_GRID)
-    target = args.target or (
-        read_config(exports[0])["target"]["name_or_path"] if exports else "smollm2-135m"
-    )
-    path = assets.resolve_target(target)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32
-    ).eval()  # the dtype rollouts sample in
-    for name, head in layers.items():
-        if head.config.hidden_size != model.config.hidden_size:
-            raise InputError(
-                f"{names[name]} reads hidden size {head.config.hidden_size} but {target} has "
-                f"{model.config.hidden_size}; bench it with the target it was trained on"
-            )
+    names, layers, grid = _layers_and_grid(exports, args.grid)
+    target, tokenizer, model = _load_target(args.target, exports, names, layers)
     records = load_prompt_records(args.prompts, args.num_prompts)
     for r in records:
         r["ids"] = encode_chat(tokenizer, r["text"])
-    eos = eos_ids_of(tokenizer, model)
     reward_name = args.reward or "embedded"
     settings = {
         "target": str(target),
@@ -106,7 +74,7 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
         lambda t: tokenizer.decode(t, skip_special_tokens=True),
         args.samples_per_prompt,
         args.max_new_tokens,
-        eos,
+        eos_ids_of(tokenizer, model),
         args.seed,
         args.out,
         settings,
@@ -117,6 +85,56 @@ def cmd_reward_bench(args: argparse.Namespace) -> int:
     if args.out:
         _write_reward_eval(result, Path(args.out))
     return 0
+
+
+def _layers_and_grid(
+    exports: list[str], grid_flag: str | None
+) -> tuple[dict[str, str], dict[str, Any], list[float]]:
+    """``(names -> export, names -> head, grid)``: the layers' one temperature grid (``--grid``
+    must agree with theirs), the default grid without layers or flag."""
+    from draftsmith.controllers.adaptive_temperature import (
+        DEFAULT_GRID,
+        AdaptiveTemperatureHead,
+        check_grid,
+    )
+
+    names = layer_names(exports)
+    layers = {name: AdaptiveTemperatureHead.from_export(e)[0] for name, e in names.items()}
+    grids = {tuple(h.config.grid) for h in layers.values()}
+    if grid_flag is not None:
+        grids.add(check_grid([t for t in grid_flag.split(",") if t.strip()]))
+    if len(grids) > 1:
+        raise InputError(
+            f"the controllers and --grid use different temperature grids {sorted(grids)}; bench"
+            " them separately (or drop --grid)"
+        )
+    return names, layers, list(next(iter(grids))) if grids else list(DEFAULT_GRID)
+
+
+def _load_target(
+    target: str | None, exports: list[str], names: dict[str, str], layers: dict[str, Any]
+) -> tuple[str, Any, Any]:
+    """``(target, tokenizer, model)``: ``--target``, else the first layer's, else the embedded
+    one, in fp32 (the dtype rollouts sample in); a layer that reads another hidden size is
+    refused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith import assets
+    from draftsmith.export.format import read_config
+
+    target = target or (
+        read_config(exports[0])["target"]["name_or_path"] if exports else "smollm2-135m"
+    )
+    path = assets.resolve_target(target)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for name, head in layers.items():
+        if head.config.hidden_size != model.config.hidden_size:
+            raise InputError(
+                f"{names[name]} reads hidden size {head.config.hidden_size} but {target} has "
+                f"{model.config.hidden_size}; bench it with the target it was trained on"
+            )
+    return target, tokenizer, model
 
 
 def _layer_overheads(

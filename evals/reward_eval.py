@@ -27,7 +27,7 @@ import torch
 
 from draftsmith.controllers.adaptive_temperature import AdaptiveTemperatureHead
 from draftsmith.datagen.rewards import Reward, score
-from draftsmith.datagen.rollouts import sample_group
+from draftsmith.datagen.rollout_sampling import sample_group
 
 BOOTSTRAP_DRAWS = 2000
 
@@ -264,28 +264,13 @@ def evaluate(
     todo += [(name, None, head, print_) for name, (head, print_) in layers.items()]
     cache = Path(out) / "conditions" if out else None
     keys = [f"{r['id']}\t{r['text']}" for r in records]
-    conditions: dict[str, list[dict]] = {}
     plan = []
     for name, temperature, head, print_ in todo:
-        saved: dict[str, dict] = {}
-        path = cache / f"{name}.json" if cache else None
-        if path is not None and path.is_file():
-            data = json.loads(path.read_text())
-            if data.get("settings") == {**settings, "condition": print_} and isinstance(
-                data.get("rows"), dict
-            ):
-                saved = data["rows"]
-        plan.append(
-            (
-                name,
-                temperature,
-                head,
-                print_,
-                saved,
-                [i for i, k in enumerate(keys) if k not in saved],
-            )
-        )
+        saved = _saved_rows(cache, name, {**settings, "condition": print_})
+        missing = [i for i, k in enumerate(keys) if k not in saved]
+        plan.append((name, temperature, head, print_, saved, missing))
     bar = _progress(sum(len(p[-1]) for p in plan), progress)
+    conditions: dict[str, list[dict]] = {}
     sampled = []
     for name, temperature, head, print_, saved, missing in plan:
         for i in missing:  # one prompt at a time, saved atomically after each
@@ -305,18 +290,35 @@ def evaluate(
                 first_index=i,
             )[0]
             saved[keys[i]] = row
-            if cache is not None:
-                cache.mkdir(parents=True, exist_ok=True)
-                tmp = cache / f".{name}.json.tmp"
-                tmp.write_text(
-                    json.dumps({"settings": {**settings, "condition": print_}, "rows": saved})
-                    + "\n"
-                )
-                tmp.replace(cache / f"{name}.json")
+            _save_rows(cache, name, {**settings, "condition": print_}, saved)
         if missing:
             sampled.append(name)
         conditions[name] = [saved[k] for k in keys]
     return {"settings": settings, **summarize(conditions, list(layers)), "sampled": sampled}
+
+
+def _saved_rows(cache: Path | None, name: str, settings: dict[str, Any]) -> dict[str, dict]:
+    """The rows of condition ``name`` kept in ``cache`` under the same ``settings`` (by prompt key),
+    else none."""
+    path = cache / f"{name}.json" if cache else None
+    if path is None or not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    if data.get("settings") == settings and isinstance(data.get("rows"), dict):
+        return data["rows"]
+    return {}
+
+
+def _save_rows(
+    cache: Path | None, name: str, settings: dict[str, Any], rows: dict[str, dict]
+) -> None:
+    """Keep condition ``name``'s rows in ``cache`` (written beside, then renamed over)."""
+    if cache is None:
+        return
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".{name}.json.tmp"
+    tmp.write_text(json.dumps({"settings": settings, "rows": rows}) + "\n")
+    tmp.replace(cache / f"{name}.json")
 
 
 def _progress(total: int, enabled: bool) -> Callable[[int], None]:

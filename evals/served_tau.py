@@ -128,7 +128,7 @@ def probe_from_config(cfg: Any) -> ServedTauProbe | None:
     if every == 0:
         return None
     prompt_set = str(block.get("prompt_set", HELD_OUT))
-    from draftsmith.bench.prompts import prompt_texts
+    from draftsmith.common.prompt_sets import prompt_texts
 
     # read now, before training: a set the probe cannot load would otherwise surface at the first
     # validation

@@ -13,6 +13,7 @@ import torch
 from conftest import build_tiny_llama
 
 from draftsmith.datagen import regenerate as regen
+from draftsmith.datagen import regeneration_pass
 from draftsmith.datagen.batched_generation import batch_support, generate_greedy_batch
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.target.loading import load_decoder
@@ -79,7 +80,7 @@ def test_batched_step_refuses_what_it_cannot_run(decoder, lively_dir):
 
 
 def test_batched_file_equals_batch_one_file(lively_dir, tiny_data_file, tmp_path, monkeypatch):
-    monkeypatch.setattr(regen, "CHUNK_ROWS", 2)  # several chunks over 24 conversations
+    monkeypatch.setattr(regeneration_pass, "CHUNK_ROWS", 2)  # several chunks over 24 conversations
     one, four = tmp_path / "one.jsonl", tmp_path / "four.jsonl"
     logs: list[str] = []
     regen.regenerate(
@@ -105,11 +106,11 @@ def test_batched_file_equals_batch_one_file(lively_dir, tiny_data_file, tmp_path
 def test_resume_mid_chunk_writes_the_same_bytes_and_another_batch_size_is_refused(
     lively_dir, tiny_data_file, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(regen, "CHUNK_ROWS", 2)  # chunks of 6 conversations at batch 3
+    monkeypatch.setattr(regeneration_pass, "CHUNK_ROWS", 2)  # chunks of 6 conversations at batch 3
     kwargs = dict(target=str(lively_dir), limit=14, batch_size=3, **SMALL)
     full, out = tmp_path / "full.jsonl", tmp_path / "out.jsonl"
     regen.regenerate(str(tiny_data_file), full, **kwargs)
-    real, calls = regen.append_line, {"n": 0}
+    real, calls = regeneration_pass.append_line, {"n": 0}
 
     def crash_after_8(handle, record):
         if calls["n"] == 8:  # inside the second chunk
@@ -117,10 +118,10 @@ def test_resume_mid_chunk_writes_the_same_bytes_and_another_batch_size_is_refuse
         calls["n"] += 1
         real(handle, record)
 
-    monkeypatch.setattr(regen, "append_line", crash_after_8)
+    monkeypatch.setattr(regeneration_pass, "append_line", crash_after_8)
     with pytest.raises(KeyboardInterrupt):
         regen.regenerate(str(tiny_data_file), out, **kwargs)
-    monkeypatch.setattr(regen, "append_line", real)
+    monkeypatch.setattr(regeneration_pass, "append_line", real)
     partial = Path(f"{out}.partial")
     assert not out.exists() and len(partial.read_text().splitlines()) == 8
     with pytest.raises(ValueError, match="other settings.*differing: batch_size"):

@@ -204,13 +204,13 @@ def test_engine_check_of_a_medusa_export_says_so(capsys, medusa_export):
         ("mtbench[a:b]", "a slice is NAME[START:STOP] with whole numbers"),
         ("mtbench[5:2]", "mtbench[5:2] selects no prompts"),
         ("nosuch[0:3]", "nosuch: no such file, and not a prompt set"),
-        ("{tmp}/nosuch.jsonl", "no such file, and not a prompt set (mtbench, humaneval)"),
+        ("{tmp}/nosuch.jsonl", "no such file, and not a prompt set (mtbench, humaneval, sharegpt)"),
     ],
 )
 def test_prompt_specs_that_name_nothing(tmp_path, spec, says):
     """Slice errors and folders were all "prompts file ... not found"."""
-    from draftsmith.bench.prompts import prompt_texts
     from draftsmith.common.errors import DraftsmithError
+    from draftsmith.common.prompt_sets import prompt_texts
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(DraftsmithError, match=None) as refused:

@@ -16,7 +16,7 @@ import pytest
 from conftest import make_conversations
 
 from draftsmith.cli import main
-from draftsmith.datagen import regenerate as regen
+from draftsmith.datagen import conversation_replies as replies
 
 pytestmark = pytest.mark.unit
 
@@ -86,7 +86,7 @@ def test_ctrl_c_in_regenerate_names_the_partial_file_and_the_resuming_command(
     capsys, monkeypatch, tiny_target_dir, tiny_data_file, tmp_path
 ):
     calls = {"n": 0}
-    real = regen.generate_ar
+    real = replies.generate_ar
 
     def interrupted(*args, **kwargs):
         calls["n"] += 1
@@ -94,7 +94,7 @@ def test_ctrl_c_in_regenerate_names_the_partial_file_and_the_resuming_command(
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(regen, "generate_ar", interrupted)
+    monkeypatch.setattr(replies, "generate_ar", interrupted)
     out = tmp_path / "o.jsonl"
     argv = [
         "regenerate",
@@ -119,7 +119,7 @@ def test_ctrl_c_in_regenerate_names_the_partial_file_and_the_resuming_command(
         f" {out}.partial (the same command resumes after the last one); resume with: draftsmith "
         + " ".join(argv)
     )
-    monkeypatch.setattr(regen, "generate_ar", real)
+    monkeypatch.setattr(replies, "generate_ar", real)
     assert main(argv) == 0  # the line's command resumes
     assert [json.loads(r)["source_index"] for r in out.read_text().splitlines()] == [0, 1, 2, 3, 4]
 

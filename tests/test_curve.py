@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 from pattern_target import write_heldout_prompts
 
+from draftsmith.evals.curve_compare import compare
 from draftsmith.evals.curve_fit import fit_curve, forecast
-from draftsmith.evals.curve_report import best_point, compare, settle_cpu_hours, write_report
-from draftsmith.evals.curve_runner import CurveError, log_spaced_steps, run_curve
+from draftsmith.evals.curve_folder import CurveError
+from draftsmith.evals.curve_report import best_point, settle_cpu_hours, write_report
+from draftsmith.evals.curve_runner import log_spaced_steps, run_curve
 from draftsmith.evals.learning_curve import (
     EvalSettings,
     chain_acceptance,
@@ -494,7 +496,7 @@ def test_the_best_point_is_chosen_by_held_out_acceptance_and_says_when_the_run_w
 
 def test_curves_are_compared_at_equal_cpu_hours_and_train_best_trains_the_pick(tmp_path):
     from draftsmith.evals.curve_pick import CURVE_DEFAULTS, interpolate
-    from draftsmith.evals.curve_runner import DEFAULT_OVERRIDES
+    from draftsmith.evals.curve_training import DEFAULT_OVERRIDES
 
     assert set(CURVE_DEFAULTS) == {f"{k}={v}" for k, v in DEFAULT_OVERRIDES.items()}
     assert interpolate([1, 100], [0.2, 0.6], 10) == pytest.approx(0.4)  # halfway on a log axis

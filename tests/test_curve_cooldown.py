@@ -20,9 +20,10 @@ from draftsmith.distill.engine.schedule import lr_lambda
 from draftsmith.evals.cooldown import BranchError, branch_overrides, decay_steps
 from draftsmith.evals.curve_check import run_check
 from draftsmith.evals.curve_compare import compare
+from draftsmith.evals.curve_folder import CurveError
 from draftsmith.evals.curve_forecast import check, predict
 from draftsmith.evals.curve_report import write_report
-from draftsmith.evals.curve_runner import CurveError, run_curve
+from draftsmith.evals.curve_runner import run_curve
 from draftsmith.evals.learning_curve import EvalSettings
 
 pytestmark = pytest.mark.unit
@@ -235,7 +236,8 @@ def test_bad_prompt_sets_and_cooldowns_are_refused_before_any_training(tmp_path)
     assert proc.returncode == 1 and not (tmp_path / "c" / "run").exists()
     assert proc.stderr.strip().splitlines() == [
         "draftsmith curve: error: --prompts nosuch: no such file, and not a prompt set (mtbench,"
-        " humaneval); pass a .jsonl with a 'prompt' field per line; nothing was trained"
+        ' humaneval, sharegpt); pass a .jsonl with one {"prompt": "..."} per line, or a .txt with'
+        " one prompt per line; nothing was trained"
     ]
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from pattern_target import write_heldout_prompts
 
-from draftsmith.evals.curve_runner import run_curve, subprocess_train
+from draftsmith.evals.curve_runner import run_curve
+from draftsmith.evals.curve_training import subprocess_train
 from draftsmith.evals.learning_curve import EvalSettings
 
 pytestmark = pytest.mark.e2e

@@ -18,7 +18,6 @@ from draftsmith.distill.data.samples import (
     TemplateError,
     bucket_by_length,
     collate,
-    mtbench_prompts,
     tokenize_conversation,
 )
 
@@ -222,31 +221,6 @@ def test_mask_with_real_smollm2_template(smollm_tokenizer):
                 "input_ids"
             ]
         )
-
-
-@pytest.mark.integration
-def test_mtbench_prompts_real(smollm_tokenizer):
-    prompts = mtbench_prompts(smollm_tokenizer)
-    assert len(prompts) == 80
-    assert smollm_tokenizer.decode(prompts[0]).endswith("<|im_start|>assistant\n")
-
-
-def test_mtbench_prompts_from_file(tiny_tokenizer, tmp_path):
-    path = tmp_path / "q.jsonl"
-    path.write_text(
-        json.dumps({"question_id": 1, "category": "x", "turns": ["hello world", "why ?"]}) + "\n"
-    )
-    one = mtbench_prompts(tiny_tokenizer, path=path)
-    assert tiny_tokenizer.convert_ids_to_tokens(one[0]) == [
-        "<|im_start|>",
-        "user",
-        "hello",
-        "world",
-        "<|im_end|>",
-        "<|im_start|>",
-        "assistant",
-    ]
-    assert len(mtbench_prompts(tiny_tokenizer, turns=2, path=path)) == 2
 
 
 # ----------------------------------------------------------------------------- batching

@@ -207,7 +207,8 @@ def embedded_gguf(tmp_path_factory) -> SimpleNamespace:
 
 @pytest.mark.integration
 def test_real_conversion_and_engine_check_on_the_embedded_target(embedded_gguf):
-    from draftsmith.evals.engine_check import engine_check, markdown
+    from draftsmith.evals.engine_check import engine_check
+    from draftsmith.evals.engine_check_report import markdown
 
     manifest, drafter, target = embedded_gguf.manifest, embedded_gguf.drafter, embedded_gguf.target
     assert (manifest["spec_type"], manifest["draft_n_max"]) == ("draft-dflash", 3)

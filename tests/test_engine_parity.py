@@ -23,6 +23,7 @@ from draftsmith.bench import llamacpp
 from draftsmith.cli import main
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
+from draftsmith.evals.engine_check_report import markdown
 
 pytestmark = pytest.mark.unit
 
@@ -313,7 +314,7 @@ def test_llamacpp_generated_ids_are_read_from_its_verbose_eval_log():
 
 
 def test_generated_ids_agree_at_eos_and_at_the_cut():
-    from draftsmith.evals.engine_check import generated_ids_agree
+    from draftsmith.evals.engine_agreement import generated_ids_agree
 
     eos = (2,)
     assert generated_ids_agree(
@@ -392,7 +393,7 @@ def test_engine_check_feeds_both_engines_the_same_ids_and_compares_ids(
     assert (
         "the same prompt ids in both engines (llama.cpp's tokenization); the HF tokenizer splits"
         " prompts [0]"
-        in ec.markdown(
+        in markdown(
             {
                 **result,
                 "llamacpp": {

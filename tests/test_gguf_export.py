@@ -25,7 +25,7 @@ from draftsmith.bench import llamacpp
 from draftsmith.cli.exporting import _convert, _to_gguf
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
-from draftsmith.evals.engine_check import texts_lossless
+from draftsmith.evals.engine_agreement import texts_lossless
 from draftsmith.export.format import ExportError
 from draftsmith.export.gguf import converter_input, refusal_line, run_converter
 from draftsmith.recipes.eagle3 import objective as eagle3_recipe
@@ -153,7 +153,8 @@ def test_real_conversion_and_engine_check_on_the_embedded_target(tmp_path):
         pytest.skip(f"llama.cpp {reason}")
     from draftsmith import assets
     from draftsmith.cli import main
-    from draftsmith.evals.engine_check import engine_check, markdown
+    from draftsmith.evals.engine_check import engine_check
+    from draftsmith.evals.engine_check_report import markdown
     from draftsmith.export.gguf import read_manifest
 
     target = Target.load(str(assets.default_target_dir()), dtype="float32")

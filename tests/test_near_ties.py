@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.evals.engine_check import equal_or_tied
+from draftsmith.evals.engine_check_report import equal_or_tied
 from draftsmith.evals.near_ties import common_prefix, divergence, parting_tokens
 from draftsmith.runtime.target.loading import load_decoder
 

@@ -1,7 +1,7 @@
-"""scripts/peer_speculators.py end to end on a tiny target: our conversations and hidden states in
-speculators' data format, the real ``speculators.train`` (0.9.0, its own venv) on CPU, its
-checkpoint imported by ``draftsmith import`` and served losslessly by our runtime. Skipped with the
-reason when the speculators venv is missing.
+"""The peer harness (tests/peer_trainer/) end to end on a tiny target: our conversations and
+hidden states in speculators' data format, the real ``speculators.train`` (0.9.0, its own venv) on
+CPU, its checkpoint imported by ``draftsmith import`` and served losslessly by our runtime. Skipped
+with the reason when the speculators venv is missing.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
+PEER = ROOT / "tests" / "peer_trainer"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location(
-        "peer_speculators", ROOT / "scripts" / "peer_speculators.py"
-    )
+def load_script(name: str = "peer_speculators"):
+    """A module of the peer harness, loaded by path (it is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, PEER / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -40,11 +40,11 @@ def load_script():
 def test_peer_data_matches_speculators_format(tmp_path, tiny_tokenizer):
     """hs_{i}: token_ids = input_ids, hidden_states [T, 4, H] = the three taps + the last layer
     before the norm."""
-    peer = load_script()
+    data = load_script("speculators_data")
     target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
     convs = [normalize_record(c) for c in make_conversations(4)]
-    samples = peer.tokenized_samples(tiny_tokenizer, convs, 50, 64)
-    sizes = peer.write_peer_data(target, samples, (1, 2, 3), tmp_path, torch.float32)
+    samples = data.tokenized_samples(tiny_tokenizer, convs, 50, 64)
+    sizes = data.write_peer_data(target, samples, (1, 2, 3), tmp_path, torch.float32)
     assert sizes["tokens"] >= 50 and sizes["samples"] == len(samples) >= 2
     hs = load_file(tmp_path / "hidden_states" / "hs_0.safetensors")
     ids = torch.tensor(samples[0]["input_ids"])

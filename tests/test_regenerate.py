@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from draftsmith.bench.timing import eos_ids_from_folder
+from draftsmith.datagen import conversation_replies as replies
 from draftsmith.datagen import regenerate as regen
 from draftsmith.distill.data.conversations import load_conversations
 from draftsmith.runtime.decoding.autoregressive import generate_ar
@@ -30,9 +31,9 @@ def _reference(folder: Path, messages: list[dict], max_new_tokens: int) -> str:
     """The reply generate_ar gives on the same rendered prompt (greedy, fp32)."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = load_decoder(folder, dtype=torch.float32)
-    eos = regen.stop_ids(tokenizer, eos_ids_from_folder(folder))
+    eos = replies.stop_ids(tokenizer, eos_ids_from_folder(folder))
     tokens = generate_ar(
-        model, regen.render_prompt(tokenizer, messages), max_new_tokens, eos_ids=eos
+        model, replies.render_prompt(tokenizer, messages), max_new_tokens, eos_ids=eos
     )
     return tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
@@ -100,7 +101,7 @@ def test_resume_after_interruption_gives_identical_file(
     regen.regenerate(str(tiny_data_file), full, **kwargs)
     out = tmp_path / "resumed.jsonl"
     calls = {"n": 0}
-    real = regen.generate_ar
+    real = replies.generate_ar
 
     def interrupted(*args, **kw):
         calls["n"] += 1
@@ -108,10 +109,10 @@ def test_resume_after_interruption_gives_identical_file(
             raise KeyboardInterrupt
         return real(*args, **kw)
 
-    monkeypatch.setattr(regen, "generate_ar", interrupted)
+    monkeypatch.setattr(replies, "generate_ar", interrupted)
     with pytest.raises(KeyboardInterrupt):
         regen.regenerate(str(tiny_data_file), out, **kwargs)
-    monkeypatch.setattr(regen, "generate_ar", real)
+    monkeypatch.setattr(replies, "generate_ar", real)
     partial = Path(f"{out}.partial")
     assert not out.exists() and len(partial.read_text().splitlines()) == 2
     with open(partial, "a") as handle:  # a line torn by the crash
@@ -277,7 +278,7 @@ def test_max_prompt_tokens_keeps_short_prompts_counts_the_rest_and_the_limit_cou
         ],
     )
     lengths = [
-        len(regen.render_prompt(tokenizer, [{"role": "user", "content": q}])) for q in questions
+        len(replies.render_prompt(tokenizer, [{"role": "user", "content": q}])) for q in questions
     ]
     cut = max(lengths[0], lengths[2], lengths[4])
     assert cut < min(

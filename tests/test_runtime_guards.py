@@ -322,6 +322,7 @@ def test_regenerate_reports_the_conversation_its_length_and_the_limit(
     tiny_target_dir, tiny_tokenizer, tmp_path
 ):
     from draftsmith.datagen import regenerate as regen
+    from draftsmith.datagen.conversation_replies import render_prompt
 
     records = [
         {
@@ -350,7 +351,7 @@ def test_regenerate_reports_the_conversation_its_length_and_the_limit(
     )
     assert report.written == 1 and report.skipped == {"prompt longer than the context": 1}
     length = len(
-        regen.render_prompt(
+        render_prompt(
             tiny_tokenizer, [{"role": "user", "content": records[1]["conversations"][0]["value"]}]
         )
     )

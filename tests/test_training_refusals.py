@@ -342,7 +342,7 @@ def test_train_py_reports_ctrl_c_with_exit_130(tmp_path, monkeypatch, capsys):
 
 
 def test_rollout_prompts_longer_than_max_length_are_skipped_and_reported(tmp_path, caplog):
-    from draftsmith.datagen.rollouts import DEFAULT_TRAIN_MAX_LENGTH, length_warning
+    from draftsmith.datagen.rollouts_command import DEFAULT_TRAIN_MAX_LENGTH, length_warning
     from draftsmith.distill.data.preferences import PreferenceDataModule
 
     assert DEFAULT_TRAIN_MAX_LENGTH == OmegaConf.load(ROOT / "conf/data/sharegpt.yaml").max_length
@@ -397,14 +397,14 @@ def test_rollout_prompts_longer_than_max_length_are_skipped_and_reported(tmp_pat
 def test_rollouts_warn_about_long_prompts_before_sampling(
     tmp_path, monkeypatch, capsys, tiny_target_dir
 ):
-    from draftsmith.datagen import rollouts
+    from draftsmith.datagen import rollouts_command
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"text": " ".join(["hello world"] * 140)}) + "\n")
 
-    monkeypatch.setattr(rollouts, "write_rollouts", lambda *a, **k: {"stopped": True})
+    monkeypatch.setattr(rollouts_command, "write_rollouts", lambda *a, **k: {"stopped": True})
     assert (
-        rollouts.main(
+        rollouts_command.main(
             [
                 "--target",
                 str(tiny_target_dir),

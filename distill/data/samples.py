@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from draftsmith.assets import (
-    mtbench_questions,
-)
 from draftsmith.common.chat import render_chat
 from draftsmith.common.errors import DataError
 
@@ -213,24 +209,3 @@ def pad_id_of(tokenizer: Any) -> int:
         if tid is not None:
             return int(tid)
     return 0
-
-
-def mtbench_prompts(
-    tokenizer: Any, turns: int = 1, path: str | Path | None = None
-) -> list[list[int]]:
-    """MT-Bench questions rendered as single-turn chat prompts with ``add_generation_prompt=True``.
-
-    ``turns=1`` gives the 80 first-turn questions (held-out eval prompts). ``turns=2`` adds each
-    second-turn question as its own single-turn prompt (160 in all; they refer to an earlier answer
-    that is absent, so use them for throughput, not quality).
-    """
-    if turns not in (1, 2):
-        raise ValueError(f"turns must be 1 or 2, got {turns}")
-    prompts = []
-    for question in mtbench_questions(path):
-        for text in question["turns"][:turns]:
-            rendered = _render(
-                tokenizer, [{"role": "user", "content": text}], generation_prompt=True
-            )
-            prompts.append(list(tokenizer(rendered, add_special_tokens=False)["input_ids"]))
-    return prompts

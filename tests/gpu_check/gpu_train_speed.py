@@ -6,11 +6,10 @@ speculators trains from hidden states computed beforehand (its data format:
 ``hidden_states/hs_i.safetensors``), so its rate compares with our drafter-only (feature-cache)
 rate, and our online rate adds the target forward. Its hidden states here are random (their values
 do not change the speed). Its trainer runs in a child process (the wrapper of
-scripts/peer_speculators.py) with its step timer patched to record a synchronised timestamp at two
-step
-starts (after the warm-up steps, and ``timed`` steps later): the rate is ``timed * total_seq_len /
-seconds`` (its rows are packed full to ``--total-seq-len``). Its own per-step synchronisation
-(``--log-freq``) is set past the run, as a fast run would.
+tests/peer_trainer/speculators_trainer.py) with its step timer patched to record a synchronised
+timestamp at two step starts (after the warm-up steps, and ``timed`` steps later): the rate is
+``timed * total_seq_len / seconds`` (its rows are packed full to ``--total-seq-len``). Its own
+per-step synchronisation (``--log-freq``) is set past the run, as a fast run would.
 """
 
 from __future__ import annotations
@@ -26,10 +25,10 @@ from typing import Any
 
 from gpu_check_core import WORDS
 
-# Put before scripts/peer_speculators.py's WRAPPER (which builds the dataset, patches for the CPU
-# and runs the trainer): argv = [result.json, warm, timed, data_dir, *trainer flags]. Records a
-# synchronised timestamp at the start of step ``warm`` and of step ``warm + timed`` (the step
-# timer's reset opens each step) and writes them at exit.
+# Put before tests/peer_trainer/speculators_trainer.py's WRAPPER (which builds the dataset,
+# patches for the CPU and runs the trainer): argv = [result.json, warm, timed, data_dir, *trainer
+# flags]. Records a synchronised timestamp at the start of step ``warm`` and of step ``warm +
+# timed`` (the step timer's reset opens each step) and writes them at exit.
 TIMER_PATCH = r"""
 import atexit, json, sys, time
 from pathlib import Path
@@ -63,12 +62,12 @@ atexit.register(_write)
 
 
 def peer_wrapper() -> str:
-    """The timing patch, then scripts/peer_speculators.py's own wrapper (one copy of how speculators
-    is driven)."""
+    """The timing patch, then tests/peer_trainer/speculators_trainer.py's own wrapper (one copy of
+    how speculators is driven)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "peer_speculators.py"
-    spec = importlib.util.spec_from_file_location("peer_speculators", path)
+    path = Path(__file__).resolve().parents[1] / "peer_trainer" / "speculators_trainer.py"
+    spec = importlib.util.spec_from_file_location("speculators_trainer", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return TIMER_PATCH + module.WRAPPER
