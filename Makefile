@@ -98,7 +98,7 @@ bench-demo:
 
 # The flagship in llama.cpp (draftsmith engine-check): skipped, with the reason, when llama.cpp is not built.
 engine-check-flagship:
-	@reason=$$($(PY) -c "from draftsmith.bench.llamacpp import missing_build_reason as m; print(m() or '')" \
+	@reason=$$($(PY) -c "from draftsmith.bench.llamacpp_build import missing_build_reason as m; print(m() or '')" \
 		2>/dev/null || echo "the llama.cpp probe failed"); \
 	if ! test -f $(FLAGSHIP)/config.json; then echo "engine-check of the flagship skipped: none shipped yet"; \
 	elif test -n "$$reason"; then echo "engine-check of the flagship skipped: llama.cpp $$reason"; \
