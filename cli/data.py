@@ -13,6 +13,8 @@ from draftsmith.common.errors import InputError
 
 
 def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
+    """``regenerate``: its input and output, which conversations and how long the answers, how they
+    are decoded, and whether the target may run its own code."""
     r.add_argument(
         "--data", default="sharegpt", help="sharegpt (embedded) or a .jsonl/.json of conversations"
     )
@@ -28,6 +30,13 @@ def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--target", default=None, help="target folder (default: the embedded smollm2-135m)"
     )
+    _regenerate_selection_flags(r)
+    _regenerate_decoding_flags(r)
+    add_trust_flag(r)
+
+
+def _regenerate_selection_flags(r: argparse.ArgumentParser) -> None:
+    """Which conversations ``regenerate`` rewrites, and how many tokens each answer may take."""
     r.add_argument(
         "--limit",
         type=counts("leave it out to use every conversation"),
@@ -60,6 +69,10 @@ def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
             " of batched regeneration's time); --limit counts the kept ones"
         ),
     )
+
+
+def _regenerate_decoding_flags(r: argparse.ArgumentParser) -> None:
+    """How ``regenerate`` decodes: sampling, turns, dtype, kernels, seed and batch size."""
     r.add_argument("--temperature", type=TEMPERATURE, default=0.0)
     r.add_argument("--top-p", type=TOP_P, default=1.0)
     r.add_argument(
@@ -86,7 +99,6 @@ def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
             " value"
         ),
     )
-    add_trust_flag(r)
 
 
 def _calibrate_arguments(c: argparse.ArgumentParser) -> None:
