@@ -220,7 +220,7 @@ curve: assets
 # The README's method table: every head-family recipe and EAGLE-1/3 trained for the same steps on the same batches.
 METHOD_STEPS ?= 80
 method-table: assets
-	$(PY) scripts/method_table.py --steps $(METHOD_STEPS) --out outputs/method_table
+	$(VENV)/bin/draftsmith method-table --steps $(METHOD_STEPS) --out outputs/method_table
 
 # `make fault-sweep`: about 270 bad inputs and faults across every command and train.py (tests/fault_sweep/), each run
 # as a subprocess on tiny in-process models and classified: a clean one-line error, a traceback, silently accepted,
