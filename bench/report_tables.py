@@ -1,5 +1,6 @@
 """The tables under the bench report's summary (``bench.md``): the cost model's draft shapes, the
-fixed-depth sweep, the per-step profile against its bandwidth floors, and the oracle's section."""
+fixed-depth sweep, the per-step profile against its bandwidth floors, and the oracle's section; and
+:func:`cell`, the one way a bench table writes a number."""
 
 from __future__ import annotations
 

@@ -16,9 +16,8 @@ from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.serving import Runtime
 from draftsmith.runtime.shapes import calibration
 
-FORWARD_SIZES = tuple(
-    range(1, 17)
-)  # new tokens per forward: every verify size a candidate shape can have
+# new tokens per forward: every verify size a candidate shape can have
+FORWARD_SIZES = tuple(range(1, 17))
 
 
 def loop_context(prompts: list[list[int]], max_new_tokens: int) -> int:
