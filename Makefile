@@ -98,7 +98,7 @@ bench-demo:
 
 # The flagship in llama.cpp (draftsmith engine-check): skipped, with the reason, when llama.cpp is not built.
 engine-check-flagship:
-	@reason=$$($(PY) -c "from draftsmith.bench.llamacpp import missing_build_reason as m; print(m() or '')" \
+	@reason=$$($(PY) -c "from draftsmith.bench.llamacpp_build import missing_build_reason as m; print(m() or '')" \
 		2>/dev/null || echo "the llama.cpp probe failed"); \
 	if ! test -f $(FLAGSHIP)/config.json; then echo "engine-check of the flagship skipped: none shipped yet"; \
 	elif test -n "$$reason"; then echo "engine-check of the flagship skipped: llama.cpp $$reason"; \
@@ -220,7 +220,7 @@ curve: assets
 # The README's method table: every head-family recipe and EAGLE-1/3 trained for the same steps on the same batches.
 METHOD_STEPS ?= 80
 method-table: assets
-	$(PY) scripts/method_table.py --steps $(METHOD_STEPS) --out outputs/method_table
+	$(VENV)/bin/draftsmith method-table --steps $(METHOD_STEPS) --out outputs/method_table
 
 # `make fault-sweep`: about 270 bad inputs and faults across every command and train.py (tests/fault_sweep/), each run
 # as a subprocess on tiny in-process models and classified: a clean one-line error, a traceback, silently accepted,

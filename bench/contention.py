@@ -101,3 +101,18 @@ def calibrated_if_quiet(
             "still serves its choice"
         )
     return record
+
+
+def verdict_text(busy: dict[str, Any]) -> str:
+    """The report's line on the machine while timing: CONTENDED with the reason, or quiet, with the
+    readings behind the verdict."""
+    share = busy.get("others_cpu_share")
+    readings = (
+        f"others used {'n/a' if share is None else f'{share:.0%}'} of {busy['cpus']} CPUs; own"
+        f" CPU/wall {busy['own_cpu_over_wall']:.2f}; load {busy.get('load_average_1m')}"
+    )
+    return (
+        f"**CONTENDED**: {busy['why']} ({readings})"
+        if busy.get("contended")
+        else f"quiet ({readings})"
+    )

@@ -47,19 +47,6 @@ def bench_controller(
             prompt, max_new_tokens, eos_ids=runtime.eos_ids, generator=generator
         ).tokens
 
-    def recorder(store: list[torch.Tensor], seconds: list[float]) -> Any:
-        def recording(hidden: torch.Tensor) -> torch.Tensor:
-            t0 = time.perf_counter()
-            temps = layer(hidden)
-            seconds.append(time.perf_counter() - t0)
-            store.append(torch.as_tensor(temps).clone())
-            return temps
-
-        recording.reset = getattr(
-            layer, "reset", lambda: None
-        )  # a sequence-level layer decides afresh per prompt
-        return recording
-
     def replay(prompt: list[int]) -> list[int]:
         calls = iter(recorded[index[tuple(prompt)]])
 
@@ -78,11 +65,27 @@ def bench_controller(
         for prompt in prompts:
             recorded[index[tuple(prompt)]] = store = []
             call_seconds.append([])
-            run(prompt, recorder(store, call_seconds[-1]))
+            run(prompt, _recording(layer, store, call_seconds[-1]))
         times = time_interleaved({"with": lambda p: run(p, layer), "without": replay}, prompts)
     finally:
         spec.temperature_policy = layer
     return _controller_result(runtime, prompts, max_new_tokens, recorded, call_seconds, times)
+
+
+def _recording(layer: Any, store: list[torch.Tensor], seconds: list[float]) -> Any:
+    """``layer`` wrapped to record each call: the temperatures it chose into ``store``, its seconds
+    into ``seconds``."""
+
+    def recording(hidden: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        temps = layer(hidden)
+        seconds.append(time.perf_counter() - t0)
+        store.append(torch.as_tensor(temps).clone())
+        return temps
+
+    # a sequence-level layer decides afresh per prompt
+    recording.reset = getattr(layer, "reset", lambda: None)
+    return recording
 
 
 def _controller_result(

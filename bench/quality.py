@@ -1,6 +1,7 @@
-"""Quality numbers for exports that change their target (Medusa-2 is lossy): perplexity of the
-served (adapted) target next to the original's on held-out conversations, and agreement with the
-original's greedy tokens.
+"""Quality numbers beside the bench's speed: for exports that change their target (Medusa-2 is
+lossy), perplexity of the served (adapted) target next to the original's on held-out conversations
+and agreement with the original's greedy tokens; for lookahead heads (Medusa-style), each head's
+top-1 agreement with the target's greedy tokens.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from draftsmith import assets
+from draftsmith.bench.timing import time_runtime_ar
 from draftsmith.common.chat import encode_chat
+from draftsmith.runtime.drafting.base import LookaheadHeads
 from draftsmith.runtime.serving import Runtime
 from draftsmith.runtime.target.interface import TargetDecoder
+from draftsmith.runtime.target.loading import load_decoder
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -105,3 +109,61 @@ def lossy_target_report(
             }
         )
     return report
+
+
+def adapted_target_change(
+    runtime: Runtime,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    sp: dict[str, Any],
+) -> dict[str, Any] | None:
+    """Medusa-2 (served on the adapted target): how the adapted target's outputs differ from the
+    original's; None for an export that serves the target unchanged."""
+    if not ((runtime.export_config or {}).get("target") or {}).get("adapter"):
+        return None
+    original = load_decoder(runtime.folder, dtype=runtime.model.dtype)
+    original_outputs = time_runtime_ar(original, prompts, max_new_tokens, eos_ids=runtime.eos_ids)[
+        "outputs"
+    ]
+    report = lossy_target_report(
+        runtime, original, sp["outputs"], original_outputs if temperature == 0 else None
+    )
+    del original
+    return report
+
+
+def head_agreement(
+    runtime: Runtime, prompts: list[list[int]], continuations: list[list[int]]
+) -> list[float] | None:
+    """Per-head top-1 agreement with the target's own greedy tokens on held-out prompts
+    (Medusa-style heads).
+
+    For each prompt, the target's greedy continuation is scored in one forward; head k at position t
+    is right when its top-1 equals the continuation token at t+k+2. Only positions whose label lies
+    in the continuation count. Returns one fraction per head, or None for proposers without heads.
+    """
+    proposer = runtime.speculative.proposer if runtime.speculative else None
+    if not isinstance(proposer, LookaheadHeads):
+        return None
+    hits: list[int] = []
+    total: list[int] = []
+    with torch.inference_mode():
+        for prompt, cont in zip(prompts, continuations):
+            seq = list(prompt) + list(cont)
+            if len(cont) < 3:
+                continue
+            cache = runtime.model.allocate_cache(len(seq))
+            hidden = runtime.model.forward(
+                torch.tensor(seq), cache, logits_for="last"
+            ).hidden  # [T, H]
+            top1 = proposer.lookahead_top1(hidden)  # [K, T] target ids
+            labels = torch.tensor(seq)
+            if not hits:
+                hits, total = [0] * top1.shape[0], [0] * top1.shape[0]
+            for k in range(top1.shape[0]):
+                first = max(len(prompt) - k - 2, 0)  # label t+k+2 must be a generated token
+                pred = top1[k, first : len(seq) - k - 2]
+                hits[k] += int((pred == labels[first + k + 2 :]).sum())
+                total[k] += pred.numel()
+    return [h / t if t else 0.0 for h, t in zip(hits, total)]

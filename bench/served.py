@@ -17,6 +17,7 @@ import torch
 
 from draftsmith.bench import floors, progress
 from draftsmith.bench.oracle import oracle_lossless
+from draftsmith.bench.report_tables import cell
 from draftsmith.bench.timing import compare_outputs, time_hf_generate
 from draftsmith.runtime.decoding import metrics
 from draftsmith.runtime.decoding.speculative import SpecResult
@@ -217,3 +218,37 @@ __all__ = [
     "served_text",
     "with_drafter",
 ]
+
+
+def lossless_text(result: dict[str, Any]) -> str:
+    """The lossless cell: the verdict, its counts and dtype, and what it ran (the drafter, whatever
+    was served)."""
+    detail = result.get("lossless_detail")
+    if not detail:
+        return "not checked (sampling or lossy verifier)"
+    text = (
+        f"{result['lossless']} ({detail['identical']}/{detail['total']} prompts identical,"
+        f" {detail['dtype']})"
+    )
+    if detail.get("checked"):
+        tau = detail.get("tau")
+        text += f"; checked: {detail['checked']}" + (f", tau {tau:.3f}" if tau is not None else "")
+    oracle = detail.get("oracle")
+    if oracle:  # the oracle beside the drafter: accepted drafts verified on most steps
+        text += (
+            f"; oracle (acceptance {oracle['acceptance']:g}, chain {oracle['chain']}):"
+            f" {oracle['all_identical']} ({oracle['identical']}/{oracle['total']}), tau"
+            f" {cell(oracle['tau'], 3)}"
+        )
+    return text
+
+
+def tau_text(result: dict[str, Any]) -> str:
+    """Tau of the served policy; where plain decoding was served it has none, and the drafter's
+    checked tau is shown."""
+    if not result.get("served_plain"):
+        return cell(result["tau"], 3)
+    checked = (result.get("lossless_detail") or {}).get("tau")
+    return "n/a: plain decoding was served (nothing drafted)" + (
+        f"; the drafter's tau in the lossless check: {checked:.3f}" if checked is not None else ""
+    )

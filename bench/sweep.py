@@ -75,3 +75,18 @@ def sweep_fixed_depths(
             }
         )
     return rows
+
+
+def fixed_depth_sweep(
+    runtime: Runtime,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sweep_k: list[int],
+    export_proposer: Proposer,
+) -> list[dict[str, Any]]:
+    """Every fixed depth in ``sweep_k`` timed on ``prompts`` (:func:`sweep_fixed_depths`), each row
+    with its speedup over the first row (plain AR)."""
+    sweep = sweep_fixed_depths(runtime, prompts, max_new_tokens, sweep_k, export_proposer)
+    for row in sweep:
+        row["speedup_vs_runtime_ar"] = row["tokens_per_s"] / sweep[0]["tokens_per_s"]
+    return sweep

@@ -21,9 +21,10 @@ import torch
 from draftsmith.bench import progress
 from draftsmith.common.chat import encode_chat
 from draftsmith.common.dtypes import dtype_from_name
+from draftsmith.kernels import cpu_caps
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.prompt_limits import cap_new_tokens
-from draftsmith.runtime.serving import eos_ids_from_folder
+from draftsmith.runtime.serving import Runtime, eos_ids_from_folder, hf_fastest_dtype
 from draftsmith.runtime.target.hf_attention import hf_sizes
 from draftsmith.runtime.target.interface import TargetDecoder
 
@@ -270,3 +271,43 @@ if __name__ == "__main__":
     print(
         json.dumps(compare_ar(args.folder, args.max_new_tokens, args.dtypes.split(",")), indent=2)
     )
+
+
+def hf_baseline(
+    runtime: Runtime,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    skip_hf: bool,
+    hf_dtype: str,
+    lossless: dict[str, Any] | None,
+    hf_result: dict[str, Any] | None,
+) -> tuple[dict[str, Any] | None, torch.dtype, str, dict[str, Any] | None]:
+    """HF ``generate`` timed in ``hf_dtype`` (see :func:`draftsmith.bench.run.run_bench`): ``(timing
+    or None with skip_hf, the dtype, why that dtype, lossless)``. A timed HF run carried by
+    ``lossless`` (taken out of a copy of it, returned) or passed as ``hf_result`` is reused when it
+    ran in that dtype on as many prompts."""
+    if hf_dtype == "same":
+        hf_torch_dtype, hf_reason = runtime.model.dtype, "same as the runtime"
+    elif hf_dtype == "auto":
+        hf_torch_dtype, hf_reason = hf_fastest_dtype(str(runtime.model.device))
+    else:
+        hf_torch_dtype, hf_reason = cpu_caps.resolve_dtype(hf_dtype, runtime.model.device)
+    lossless = dict(lossless) if lossless is not None else None
+    hf_result = hf_result or (lossless or {}).pop("hf", None)
+    if skip_hf:
+        hf = None
+    elif (
+        hf_result is not None
+        and hf_result.get("dtype") == hf_torch_dtype
+        and len(hf_result["outputs"]) == len(prompts)
+    ):
+        hf = hf_result
+    else:
+        hf = time_hf_generate(
+            runtime.folder,
+            prompts,
+            max_new_tokens,
+            dtype=hf_torch_dtype,
+            trust_remote_code=runtime.trust_remote_code,
+        )
+    return hf, hf_torch_dtype, hf_reason, lossless

@@ -88,6 +88,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
             "CPU-hours, with a fit: draftsmith curve --out DIR recipe=eagle3 [overrides]"
         ),
     ),
+    "method-table": (
+        "method_table",
+        (
+            "equal-budget method table: train each recipe for the same steps on the same batches, "
+            "bench each export, write table.json/md/png (resumable)"
+        ),
+    ),
     "flagship": (
         "flagship",
         (

@@ -22,242 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftsmith.cli.arguments import COUNT, SEED, TEMPERATURE, Range, counts, number_list
-from draftsmith.cli.oracle_flags import add_oracle_arguments
+from draftsmith.cli import bench_flags
 from draftsmith.cli.preflight import (
     check_new_tokens_fit,
     check_out_folder,
     refuse_bad_exports,
     target_of,
 )
-from draftsmith.cli.serving import (
-    _is_diffusion_target,
-    _llamacpp_parity,
-    add_serving_flags,
-    add_target_flags,
-)
-from draftsmith.cli.serving import add_verifier_flag as _add_verifier
+from draftsmith.cli.serving import _is_diffusion_target, _llamacpp_parity, runtime_from_flags
 from draftsmith.common.errors import InputError
-
-
-def _prompts_and_out(b: argparse.ArgumentParser, prompts: str = "mtbench", also: str = "") -> None:
-    b.add_argument(
-        "--prompts",
-        default=prompts,
-        help=(
-            "mtbench, humaneval or a .jsonl with 'prompt' (or 'turns'); NAME[a:b] takes a"
-            f" slice{also}"
-        ),
-    )
-    b.add_argument(
-        "--num-prompts",
-        type=counts("leave it out to use every prompt"),
-        default=None,
-        help="use the first N prompts",
-    )
-    b.add_argument(
-        "--out", default=None, help="folder for the results (checked before the bench runs)"
-    )
-
-
-def _export_arguments(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--drafter", default=None, help="export folder of a trained drafter")
-    _prompts_and_out(b)
-    b.add_argument("--seed", type=SEED, default=0)
-    b.add_argument("--skip-hf", action="store_true", help="do not time HF generate")
-    b.add_argument(
-        "--profile",
-        action="store_true",
-        help=(
-            "time each part of a speculative step (drafting, verify forward, verification, KV,"
-            " update)"
-        ),
-    )
-    b.add_argument(
-        "--sweep-k",
-        default=None,
-        type=number_list(Range(int, low=0), "draft depths"),
-        metavar="K1,K2,...",
-        help="also time fixed draft depths K on the same prompts, next to the policy in force",
-    )
-    b.add_argument(
-        "--hf-dtype",
-        default="auto",
-        choices=["auto", "same", "fp32", "bf16"],
-        help=(
-            "dtype HF generate is timed in: auto (its fastest here: bf16 where native, else fp32) |"
-            " same (the runtime's) | fp32 | bf16"
-        ),
-    )
-    b.add_argument(
-        "--lossless-dtype",
-        default="fp32",
-        choices=["fp32", "bf16", "same", "none"],
-        help=(
-            "dtype of the lossless check (greedy spec vs HF generate); 'same' = the timing dtype, "
-            "'none' = skip"
-        ),
-    )
-    b.add_argument(
-        "--llamacpp",
-        action="store_true",
-        help=(
-            "also time llama.cpp greedy on the same prompts and threads (`make llamacpp` builds it"
-            " once): the shipped Q4_1 GGUF and a BF16 GGUF converted from the target"
-            " (peers.llamacpp)"
-        ),
-    )
-    b.add_argument(
-        "--window",
-        type=COUNT,
-        default=None,
-        metavar="TOKENS",
-        help=(
-            "output tokens per window of tau by output window (bench.json tau_by_window; default"
-            " 256)"
-        ),
-    )
-    b.add_argument(
-        "--long",
-        action="store_true",
-        help=(
-            "long outputs, so acceptance decay shows: 2 prompts x 2048 "
-            "new tokens, window 256 (each where not given); generation still stops at EOS"
-        ),
-    )
-    b.add_argument(
-        "--engine-parity",
-        action="store_true",
-        help=(
-            "also run the export in each engine in reach that runs its method (llama.cpp: EAGLE-3,"
-            " DFlash) on the same prompts and drafted chain: tau ours vs tau in the engine; a gap"
-            " over 5%% is a defect of the export (bench.json engine_parity)"
-        ),
-    )
-    b.add_argument(
-        "--parity-chain",
-        type=COUNT,
-        default=None,
-        help=(
-            "with --engine-parity: tokens drafted per step in both engines (default: 4; DFlash: "
-            "block_size - 1)"
-        ),
-    )
-    add_oracle_arguments(b)
-    add_serving_flags(b)
-    b.set_defaults(max_new_tokens=None)  # 128, or --long's 2048 (bench.windows.apply_preset)
-
-
-def _controller_arguments(b: argparse.ArgumentParser) -> None:
-    b.add_argument(
-        "--controller",
-        required=True,
-        help="adaptive-temperature export: tokens/s with and without it",
-    )
-    b.add_argument(
-        "--drafter",
-        default=None,
-        help="with a drafter: speculative sampling against the tempered target",
-    )
-    _prompts_and_out(b)
-    add_serving_flags(b)
-
-
-def _reward_arguments(b: argparse.ArgumentParser) -> None:
-    b.add_argument(
-        "--controller",
-        default=None,
-        help=(
-            "adaptive-temperature export(s), comma-separated (none: fixed temperatures only): the"
-            " mean reward of each layer and of every fixed temperature of its grid, per prompt"
-            " kind, with 95%% intervals, and each layer's overhead in tokens/s"
-        ),
-    )
-    _prompts_and_out(
-        b,
-        "embedded:heldout",
-        "; also embedded[:train|heldout|all] (the mixed reward task) or a .jsonl "
-        "of {text, kind?, answer?}",
-    )
-    b.add_argument(
-        "--reward",
-        default=None,
-        help=(
-            "score rewards with this reward (embedded, exact_match, open_ended "
-            "or pkg.module:function; default embedded on the embedded task)"
-        ),
-    )
-    b.add_argument(
-        "--samples-per-prompt", type=COUNT, default=4, help="responses sampled per prompt"
-    )
-    b.add_argument(
-        "--grid",
-        default=None,
-        type=number_list(TEMPERATURE, "temperatures"),
-        help="the fixed temperatures compared (default: the controllers' grid, else 0,0.2,...,1)",
-    )
-    b.add_argument(
-        "--overhead-prompts", type=COUNT, default=8, help="prompts timed for the overhead"
-    )
-    b.add_argument("--seed", type=SEED, default=0)
-    add_target_flags(b)
-    _add_verifier(b)
-
-
-def _diffusion_arguments(b: argparse.ArgumentParser) -> None:
-    b.add_argument(
-        "--target",
-        required=True,
-        help=(
-            "block-diffusion target (recipe=diffusion_adapt's <run dir>/export "
-            "or `draftsmith diffusion-export`'s folder)"
-        ),
-    )
-    b.add_argument(
-        "--filter", default=None, help="Learn2PD export: bench baseline, Learn2PD, EoTP and both"
-    )
-    _prompts_and_out(b)
-    b.add_argument(
-        "--cache",
-        default="off",
-        choices=["off", "on", "both"],
-        help="prefix KV cache across finished blocks off, on, or every mode both ways",
-    )
-    b.add_argument("--gen-length", type=COUNT, default=256, help="answer slots per prompt")
-    b.add_argument(
-        "--steps-per-block",
-        type=counts("leave it out for one step per block position"),
-        default=None,
-        help="denoising steps per block (default: the block length)",
-    )
-    b.add_argument(
-        "--threshold",
-        default=None,
-        type=Range(
-            float,
-            low=0,
-            high=1,
-            low_open=True,
-            high_open=True,
-            hint=(
-                "the Learn2PD filter's acceptance threshold: needs --filter EXPORT and a value"
-                " strictly between 0 and 1"
-            ),
-        ),
-        help="the Learn2PD filter's acceptance threshold (default: the exported one)",
-    )
-    b.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow a target whose modelling code ships with it (LLaDA, Dream)",
-    )
-    b.add_argument("--temperature", type=TEMPERATURE, default=0.0)
-    b.add_argument(
-        "--dtype",
-        default="fp32",
-        choices=["fp32", "bf16", "auto"],
-        help="fp32 (auto means fp32) | bf16",
-    )
 
 
 def _value(tokens: list[str], flag: str) -> str | None:
@@ -372,23 +145,9 @@ def _load(args: argparse.Namespace) -> tuple[Any, list[list[int]]]:
     from draftsmith.bench import progress
     from draftsmith.bench.prompts import load_prompts
     from draftsmith.runtime.decoding.prompt_limits import context_limit
-    from draftsmith.runtime.serving import load_runtime, parse_options
 
     with progress.current().phase("load target, export and prompts"):
-        rt = load_runtime(
-            args.drafter,
-            args.target,
-            args.dtype,
-            args.kernels,
-            args.verifier,
-            args.temperature,
-            proposer_options=parse_options(args.proposer_option),
-            linear_backend=args.linear_backend,
-            stop_policy=args.stop_policy,
-            controller=getattr(args, "controller", None),
-            backend=args.backend,
-            trust_remote_code=args.trust_remote_code,
-        )
+        rt = runtime_from_flags(args)
         limit = context_limit(rt.model)
         prompts = load_prompts(args.prompts, rt.tokenizer, args.num_prompts, max_len=limit)
         longest = max(map(len, prompts))
@@ -475,21 +234,23 @@ def _run_diffusion(args: argparse.Namespace) -> int:
 MODES: dict[str, Mode] = {
     "export": Mode(
         "an export's speed, tau and lossless check (the default mode)",
-        _export_arguments,
+        bench_flags.export_arguments,
         _run_export,
     ),
     "controller": Mode(
         "an adaptive-temperature layer's overhead in tokens/s",
-        _controller_arguments,
+        bench_flags.controller_arguments,
         _run_controller,
     ),
     "reward": Mode(
         "rewards of fixed temperatures and adaptive-temperature layers on a reward task",
-        _reward_arguments,
+        bench_flags.reward_arguments,
         _run_reward,
     ),
     "diffusion": Mode(
-        "the Learn2PD filter on a block-diffusion target", _diffusion_arguments, _run_diffusion
+        "the Learn2PD filter on a block-diffusion target",
+        bench_flags.diffusion_arguments,
+        _run_diffusion,
     ),
 }
 

@@ -10,7 +10,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+from draftsmith.cli.arguments import COUNT, OneLineParser, served_dtype
 from draftsmith.common.errors import ConfigError, DraftsmithError, InputError, report_failure
 
 EPILOG = """example (EAGLE-3 on regenerated data, 6 points from 100 to 3,000 steps, each with a
@@ -26,8 +29,6 @@ and the training checkpoints, and the same command resumes."""
 def parser() -> argparse.ArgumentParser:
     """The curve's own flags; everything else on the line is a Hydra override for the training
     run."""
-    from draftsmith.cli.arguments import COUNT, OneLineParser, served_dtype
-
     p = OneLineParser(
         prog="draftsmith curve",
         description=__doc__,
@@ -37,6 +38,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", required=True, help="curve folder (a re-run with the same arguments resumes there)"
     )
+    _plan_flags(p)
+    _evaluation_flags(p)
+    p.add_argument(
+        "--cooldown",
+        type=float,
+        default=0.2,
+        metavar="FRACTION",
+        help=(
+            "at each point, branch a cooldown (LR linearly to 0) over this share of the steps so"
+            " far and report its acceptance beside the raw one; the fit and --compare read the"
+            " cooled values (0 = no branches; default 0.2)"
+        ),
+    )
+    _no_training_flags(p)
+    return p
+
+
+def _plan_flags(p: argparse.ArgumentParser) -> None:
+    """Where the points fall: the whole run's steps, the first point's, and how many points."""
     p.add_argument(
         "--steps", type=COUNT, default=2000, help="last point: optimizer steps of the whole run"
     )
@@ -47,6 +67,10 @@ def parser() -> argparse.ArgumentParser:
         default=6,
         help="points, log-spaced between --first-steps and --steps",
     )
+
+
+def _evaluation_flags(p: argparse.ArgumentParser) -> None:
+    """How each point is evaluated: held-out prompt sets, their size, new tokens, dtype, target."""
     p.add_argument(
         "--prompts",
         default="mtbench,humaneval",
@@ -66,17 +90,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target", default=None, help="target folder to serve with (default: the export's)"
     )
-    p.add_argument(
-        "--cooldown",
-        type=float,
-        default=0.2,
-        metavar="FRACTION",
-        help=(
-            "at each point, branch a cooldown (LR linearly to 0) over this share of the steps so"
-            " far and report its acceptance beside the raw one; the fit and --compare read the"
-            " cooled values (0 = no branches; default 0.2)"
-        ),
-    )
+
+
+def _no_training_flags(p: argparse.ArgumentParser) -> None:
+    """The modes that train nothing: check a finished run, re-report, compare curves."""
     p.add_argument(
         "--check",
         default=None,
@@ -98,7 +115,6 @@ def parser() -> argparse.ArgumentParser:
             "(compare.json, compare.md, compare.png)"
         ),
     )
-    return p
 
 
 def _check(opts: argparse.Namespace, overrides: Sequence[str]) -> None:
@@ -139,12 +155,7 @@ def _check(opts: argparse.Namespace, overrides: Sequence[str]) -> None:
 def cmd_curve(argv: Sequence[str]) -> int:
     """Run, resume or re-report a learning curve; one ``error:`` line for bad input, 130 on
     Ctrl-C."""
-    from pathlib import Path
-
-    from draftsmith.evals.curve_folder import CURVE_FILE, CurveError
-    from draftsmith.evals.curve_report import write_report
-    from draftsmith.evals.curve_runner import log_spaced_steps, run_curve
-    from draftsmith.evals.learning_curve import EvalSettings
+    from draftsmith.evals.curve_folder import CURVE_FILE
 
     try:
         opts, overrides = parser().parse_known_args(list(argv))
@@ -154,45 +165,10 @@ def cmd_curve(argv: Sequence[str]) -> int:
     try:
         _check(opts, overrides)
         if opts.compare:
-            from draftsmith.evals.curve_compare import compare
-
-            dirs = [d for d in opts.compare.split(",") if d]
-            missing = [d for d in dirs if not (Path(d) / CURVE_FILE).is_file()]
-            if missing:
-                raise CurveError(f"not a curve folder (no {CURVE_FILE}): {', '.join(missing)}")
-            print(json.dumps(compare(dirs, out)))
-            print(f"wrote {out / 'compare.json'}, {out / 'compare.md'}, {out / 'compare.png'}")
-            return 0
+            return _compare(opts.compare, out)
         if opts.check:
-            from draftsmith.evals.curve_check import run_check
-
-            record = run_check(out, opts.check)
-            print(json.dumps(record, indent=1))
-            verdict = {
-                True: "inside its interval",
-                False: "OUTSIDE its interval",
-                None: "not decided (no fit)",
-            }
-            print(
-                f"forecast check of {opts.check}: {verdict[record['all_inside']]}; wrote"
-                f" {out / 'curve.md'}"
-            )
-            return 0
-        if opts.report_only:
-            if not (out / CURVE_FILE).is_file():
-                raise CurveError(f"{out / CURVE_FILE} not found: run the curve first")
-            block = write_report(out, json.loads((out / CURVE_FILE).read_text()))
-        else:
-            settings = EvalSettings(
-                tuple(s for s in opts.prompts.split(",") if s),
-                opts.num_prompts,
-                opts.max_new_tokens,
-                opts.dtype,
-                opts.target,
-            )
-            plan = log_spaced_steps(opts.first_steps, opts.steps, opts.points)
-            curve = run_curve(out, overrides, plan, settings, cooldown=opts.cooldown)
-            block = write_report(out, curve.data)
+            return _check_forecast(opts.check, out)
+        block = _run_or_report(opts, overrides, out)
     except KeyboardInterrupt:
         print(
             f"draftsmith curve: interrupted; finished points are kept in {out / CURVE_FILE},"
@@ -206,6 +182,61 @@ def cmd_curve(argv: Sequence[str]) -> int:
     print(json.dumps(block, indent=1))
     print(f"wrote {out / CURVE_FILE}, {out / 'curve.md'}, {out / 'curve.png'}")
     return 0
+
+
+def _compare(folders: str, out: Path) -> int:
+    """``--compare DIR1,DIR2,...``: the curves side by side at equal CPU-hours, written into
+    ``out``."""
+    from draftsmith.evals.curve_compare import compare
+    from draftsmith.evals.curve_folder import CURVE_FILE, CurveError
+
+    dirs = [d for d in folders.split(",") if d]
+    missing = [d for d in dirs if not (Path(d) / CURVE_FILE).is_file()]
+    if missing:
+        raise CurveError(f"not a curve folder (no {CURVE_FILE}): {', '.join(missing)}")
+    print(json.dumps(compare(dirs, out)))
+    print(f"wrote {out / 'compare.json'}, {out / 'compare.md'}, {out / 'compare.png'}")
+    return 0
+
+
+def _check_forecast(run_dir: str, out: Path) -> int:
+    """``--check RUN_DIR``: whether the curve's forecast interval holds what the finished run
+    measures."""
+    from draftsmith.evals.curve_check import run_check
+
+    record = run_check(out, run_dir)
+    print(json.dumps(record, indent=1))
+    verdict = {
+        True: "inside its interval",
+        False: "OUTSIDE its interval",
+        None: "not decided (no fit)",
+    }
+    print(f"forecast check of {run_dir}: {verdict[record['all_inside']]}; wrote {out / 'curve.md'}")
+    return 0
+
+
+def _run_or_report(opts: argparse.Namespace, overrides: Sequence[str], out: Path) -> dict[str, Any]:
+    """Run (or resume) the curve's points, or with ``--report-only`` re-report curve.json; returns
+    the report's block."""
+    from draftsmith.evals.curve_report import write_report
+    from draftsmith.evals.curve_folder import CURVE_FILE, CurveError
+    from draftsmith.evals.curve_runner import log_spaced_steps, run_curve
+    from draftsmith.evals.learning_curve import EvalSettings
+
+    if opts.report_only:
+        if not (out / CURVE_FILE).is_file():
+            raise CurveError(f"{out / CURVE_FILE} not found: run the curve first")
+        return write_report(out, json.loads((out / CURVE_FILE).read_text()))
+    settings = EvalSettings(
+        tuple(s for s in opts.prompts.split(",") if s),
+        opts.num_prompts,
+        opts.max_new_tokens,
+        opts.dtype,
+        opts.target,
+    )
+    plan = log_spaced_steps(opts.first_steps, opts.steps, opts.points)
+    curve = run_curve(out, overrides, plan, settings, cooldown=opts.cooldown)
+    return write_report(out, curve.data)
 
 
 RAW_HANDLERS = {"curve": cmd_curve}

@@ -12,6 +12,8 @@ from draftsmith.cli.preflight import add_trust_flag, check_out_folder, refuse_ba
 
 
 def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
+    """``regenerate``: its input and output, which conversations and how long the answers, how they
+    are decoded, and whether the target may run its own code."""
     r.add_argument(
         "--data", default="sharegpt", help="sharegpt (embedded) or a .jsonl/.json of conversations"
     )
@@ -27,6 +29,13 @@ def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--target", default=None, help="target folder (default: the embedded smollm2-135m)"
     )
+    _regenerate_selection_flags(r)
+    _regenerate_decoding_flags(r)
+    add_trust_flag(r)
+
+
+def _regenerate_selection_flags(r: argparse.ArgumentParser) -> None:
+    """Which conversations ``regenerate`` rewrites, and how many tokens each answer may take."""
     r.add_argument(
         "--limit",
         type=counts("leave it out to use every conversation"),
@@ -59,6 +68,10 @@ def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
             " of batched regeneration's time); --limit counts the kept ones"
         ),
     )
+
+
+def _regenerate_decoding_flags(r: argparse.ArgumentParser) -> None:
+    """How ``regenerate`` decodes: sampling, turns, dtype, kernels, seed and batch size."""
     r.add_argument("--temperature", type=TEMPERATURE, default=0.0)
     r.add_argument("--top-p", type=TOP_P, default=1.0)
     r.add_argument(
@@ -85,7 +98,6 @@ def _regenerate_arguments(r: argparse.ArgumentParser) -> None:
             " value"
         ),
     )
-    add_trust_flag(r)
 
 
 def _calibrate_arguments(c: argparse.ArgumentParser) -> None:

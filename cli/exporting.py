@@ -170,12 +170,12 @@ class _CliHost:
         return load_lm_head(folder)
 
     def llamacpp(self, target_folder: str):
-        from draftsmith.bench import llamacpp
+        from draftsmith.bench import llamacpp_build
 
-        reason = llamacpp.missing_build_reason()
+        reason = llamacpp_build.missing_build_reason()
         if reason:
             raise InputError(f"--format gguf runs llama.cpp's own converter, which is {reason}")
-        return llamacpp.llamacpp_dir(), llamacpp.bf16_gguf(target_folder)
+        return llamacpp_build.llamacpp_dir(), llamacpp_build.bf16_gguf(target_folder)
 
 
 def _to_gguf(export_dir, out, target_folder: str, quant: str | None, source: str):

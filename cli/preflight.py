@@ -43,6 +43,12 @@ OUTPUT_KINDS = {
         "learning-curve folder", _has("curve.json", "compare.json", "run", "points")
     ),
     "cache-features": OutputKind("feature cache", _has("manifest.json", "cache.json")),
+    # training runs, benches and their logs under runs/; the table beside them
+    "method-table": OutputKind(
+        "method table",
+        _has("table.json", "runs"),
+        ("table.json", "table.md", "table.png", ".table.*", "runs/*"),
+    ),
 }
 
 

@@ -1,11 +1,13 @@
-"""Serving command: generate (stream a completion), and the flag groups it shares with ``bench``
-(:mod:`draftsmith.cli.bench_modes`), plus two helpers the bench modes call (the llama.cpp parity
-runner and the block-diffusion target test)."""
+"""Serving command: generate (stream a completion), and the flag groups and runtime loading it
+shares with ``bench`` (:mod:`draftsmith.cli.bench_flags`, :mod:`draftsmith.cli.bench_modes`),
+plus two helpers the bench modes call (the llama.cpp parity runner and the block-diffusion target
+test)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,23 +130,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from draftsmith.common.chat import encode_chat
     from draftsmith.runtime.decoding.autoregressive import generate_ar
     from draftsmith.runtime.decoding.prompt_limits import check_prompt_fits, context_limit
-    from draftsmith.runtime.serving import load_runtime, parse_options
 
     refuse_bad_exports(args)
-    rt = load_runtime(
-        args.drafter,
-        args.target,
-        args.dtype,
-        args.kernels,
-        args.verifier,
-        args.temperature,
-        proposer_options=parse_options(args.proposer_option),
-        linear_backend=args.linear_backend,
-        stop_policy=args.stop_policy,
-        controller=args.controller,
-        backend=args.backend,
-        trust_remote_code=args.trust_remote_code,
-    )
+    rt = runtime_from_flags(args)
     if args.verbose:
         for key, value in rt.backend_report().items():
             print(f"[{key}] {value}", file=sys.stderr)
@@ -160,17 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_prompt_fits(len(prompt), limit, "the prompt")
         check_new_tokens_fit(len(prompt), args.max_new_tokens, limit, "the prompt")
     generator = torch.Generator().manual_seed(args.seed)
-    emitted: list[int] = []
-    printed = ""
-
-    def stream(tokens: int | list[int]) -> None:
-        nonlocal printed
-        emitted.extend([tokens] if isinstance(tokens, int) else tokens)
-        text = rt.tokenizer.decode(emitted, skip_special_tokens=True)
-        sys.stdout.write(text[len(printed) :])
-        sys.stdout.flush()
-        printed = text
-
+    stream = _text_streamer(rt.tokenizer)
     if rt.speculative is not None:
         result = rt.speculative.generate(
             prompt, args.max_new_tokens, eos_ids=rt.eos_ids, generator=generator, stream=stream
@@ -188,6 +166,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         print()
     return 0
+
+
+def runtime_from_flags(args: argparse.Namespace) -> Any:
+    """The runtime the serving flags (:func:`add_serving_flags`) and ``--drafter`` /
+    ``--controller`` describe (``generate`` and ``bench`` load it alike)."""
+    from draftsmith.runtime.serving import load_runtime, parse_options
+
+    return load_runtime(
+        args.drafter,
+        args.target,
+        args.dtype,
+        args.kernels,
+        args.verifier,
+        args.temperature,
+        proposer_options=parse_options(args.proposer_option),
+        linear_backend=args.linear_backend,
+        stop_policy=args.stop_policy,
+        controller=getattr(args, "controller", None),
+        backend=args.backend,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def _text_streamer(tokenizer: Any) -> Callable[[int | list[int]], None]:
+    """A ``stream`` callback that prints the text of the tokens emitted so far as it grows (decoded
+    whole each time, so a token that completes a multi-byte character prints it once)."""
+    emitted: list[int] = []
+    printed = ""
+
+    def stream(tokens: int | list[int]) -> None:
+        nonlocal printed
+        emitted.extend([tokens] if isinstance(tokens, int) else tokens)
+        text = tokenizer.decode(emitted, skip_special_tokens=True)
+        sys.stdout.write(text[len(printed) :])
+        sys.stdout.flush()
+        printed = text
+
+    return stream
 
 
 def _llamacpp_parity(route: Any, request: Any) -> dict[str, Any]:

@@ -35,7 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from draftsmith.bench import llamacpp
+from draftsmith.bench import llamacpp, llamacpp_build
+from draftsmith.bench import llamacpp_speculative as speculative_simple  # the tool this check runs
 from draftsmith.bench.prompts import load_prompts
 from draftsmith.bench.timing import time_interleaved
 from draftsmith.common.errors import InputError
@@ -65,13 +66,15 @@ def run_speculative(
 ) -> dict[str, Any]:
     """One greedy ``llama-speculative-simple --spec-type SPEC_TYPE`` run (``bench.llamacpp``'s argv
     with its ``draft-eagle3`` swapped for ``spec_type``), parsed by
-    ``llamacpp.parse_speculative``."""
+    ``speculative_simple.parse_speculative``."""
     if spec_type == "draft-eagle3":
-        return llamacpp.run_speculative(
+        return speculative_simple.run_speculative(
             target, draft, prompt, max_new_tokens, n_max, threads, timeout_s
         )
     ctx = max(512, len(prompt) + max_new_tokens + n_max + 64)
-    argv = llamacpp.speculative_command(target, draft, prompt, max_new_tokens, n_max, threads, ctx)
+    argv = speculative_simple.speculative_command(
+        target, draft, prompt, max_new_tokens, n_max, threads, ctx
+    )
     argv[argv.index("draft-eagle3")] = spec_type
     proc = subprocess.run(
         argv,
@@ -82,8 +85,10 @@ def run_speculative(
         stdin=subprocess.DEVNULL,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"{llamacpp.SPECULATIVE} exited {proc.returncode}: {proc.stderr[-800:]}")
-    return llamacpp.parse_speculative(proc.stdout, proc.stderr, prompt)
+        raise RuntimeError(
+            f"{speculative_simple.SPECULATIVE} exited {proc.returncode}: {proc.stderr[-800:]}"
+        )
+    return speculative_simple.parse_speculative(proc.stdout, proc.stderr, prompt)
 
 
 def llamacpp_speculative(
@@ -189,8 +194,8 @@ def engine_check(
     threads: int = 2,
     dtype: str = "auto",
 ) -> dict[str, Any]:
-    """The whole check (module docstring); raises :class:`llamacpp.LlamaCppMissing` without the
-    build. ``n_max``: tokens drafted per step, default :func:`default_n_max`."""
+    """The whole check (module docstring); raises :class:`llamacpp_build.LlamaCppMissing` without
+    the build. ``n_max``: tokens drafted per step, default :func:`default_n_max`."""
     from draftsmith.runtime.serving import load_runtime
 
     method, n_max = _checked_method(export_dir, n_max)
@@ -216,7 +221,7 @@ def engine_check(
     ours["ids_equal_llamacpp_plain"] = same_generated_ids(ours.pop("ar_outputs"), plain, runtime)
     return {
         "engine": "llamacpp",
-        "version": llamacpp.VERSION,
+        "version": llamacpp_build.VERSION,
         "export": str(export_dir),
         "method": method,
         "target_gguf": str(target_gguf),
@@ -255,9 +260,9 @@ def _llamacpp_verdict(
 def _checked_method(export_dir: str | Path, n_max: int | None) -> tuple[str, int]:
     """``(method, n_max)`` of an export llama.cpp can run, before any model loads: the build
     present, a method llama.cpp drafts with, ``n_max`` >= 1 (default :func:`default_n_max`)."""
-    reason = llamacpp.missing_build_reason()
+    reason = llamacpp_build.missing_build_reason()
     if reason:
-        raise llamacpp.LlamaCppMissing(reason)
+        raise llamacpp_build.LlamaCppMissing(reason)
     config = read_config(export_dir)
     if config["method"] not in SPEC_TYPES:
         raise InputError(

@@ -34,7 +34,7 @@ vocabulary is smaller than the target's (the converter turns it into absolute ta
 
 This module runs llama.cpp's tools as subprocesses; where they live (``root``: the ``make llamacpp``
 cache with ``convert_hf_to_gguf.py``, ``pydeps/`` and ``bin/``) is the caller's to say
-(``bench/llamacpp.py`` finds it).
+(``bench/llamacpp_build.py`` finds it).
 """
 
 from __future__ import annotations

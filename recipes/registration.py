@@ -51,7 +51,7 @@ class Recipe:
     first.
     ``tiny_overrides``: Hydra overrides a tiny (4-layer) target needs. ``needs_input``: why it
     cannot train on chat data alone, if it cannot. ``in_method_table``: trained and benched by
-    ``scripts/method_table.py`` by default.
+    ``draftsmith method-table`` by default.
     """
 
     name: str

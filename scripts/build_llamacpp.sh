@@ -81,7 +81,7 @@ done
 rm -rf "$ROOT/conversion" "$ROOT/gguf-py"
 step "install converter" cp -r "$TREE/convert_hf_to_gguf.py" "$TREE/conversion" "$TREE/gguf-py" "$ROOT/"
 # the converter imports sentencepiece even for a BPE (tokenizer.json) model such as SmolLM2: installed beside it, in
-# pydeps/ (bench/llamacpp.py puts it on PYTHONPATH), not in the project's venv; torch/transformers/numpy come from PYTHON
+# pydeps/ (bench/llamacpp_build.py puts it on PYTHONPATH), not in the project's venv; torch/transformers/numpy come from PYTHON
 rm -rf "$ROOT/pydeps"
 step "converter deps" "$PY" -m pip install -q --no-deps --target "$ROOT/pydeps" "sentencepiece>=0.1.98,<0.3.0"
 

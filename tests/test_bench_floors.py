@@ -234,7 +234,7 @@ def test_step_costs_run_after_the_loops_mean_context(tiny_decoder, monkeypatch):
     from types import SimpleNamespace
 
     from draftsmith.bench import floors
-    from draftsmith.bench.run import _step_costs
+    from draftsmith.bench.step_costs import step_costs
 
     monkeypatch.setattr(floors, "read_bandwidth_gbs", lambda *a, **k: 10.0)
     seen: list[int] = []
@@ -246,10 +246,10 @@ def test_step_costs_run_after_the_loops_mean_context(tiny_decoder, monkeypatch):
 
     monkeypatch.setattr(tiny_decoder, "forward", recording)
     runtime = SimpleNamespace(model=tiny_decoder, speculative=None)
-    short = _step_costs(runtime, [5, 6, 7], repeats=1)
+    short = step_costs(runtime, [5, 6, 7], repeats=1)
     assert seen[0] == 3
     seen.clear()
-    long = _step_costs(runtime, [5, 6, 7], repeats=1, context=40)
+    long = step_costs(runtime, [5, 6, 7], repeats=1, context=40)
     assert seen[0] == 40
     assert (
         long["weight_bytes_per_step"] > short["weight_bytes_per_step"]
@@ -262,7 +262,7 @@ def test_profile_measures_drafting_even_when_plain_decoding_is_served(medusa_exp
     (else the export's proposer) and puts plain decoding back."""
     from dataclasses import asdict
 
-    from draftsmith.bench.run import _profile
+    from draftsmith.bench.step_profile import profile_steps
     from draftsmith.runtime.drafting.base import NullProposer
     from draftsmith.runtime.shapes import draft_shapes
 
@@ -280,7 +280,7 @@ def test_profile_measures_drafting_even_when_plain_decoding_is_served(medusa_exp
         ]
     }
     for model, expect in ((cost_model, best.label), (None, "the export's proposer")):
-        report = _profile(rt, prompts, 8, export_proposer, model)
+        report = profile_steps(rt, prompts, 8, export_proposer, model)
         assert (
             report["profiled"].startswith(expect)
             and "plain decoding is served" in report["profiled"]

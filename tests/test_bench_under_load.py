@@ -12,8 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftsmith.bench import contention
-from draftsmith.bench import run as bench_run
+from draftsmith.bench import contention, step_costs
 from draftsmith.runtime.serving import load_runtime
 from draftsmith.runtime.shapes import calibration, cost_model
 
@@ -38,11 +37,11 @@ def test_the_bench_forward_curve_and_the_calibration_curves_tick_the_governor(
 ):
     rt = load_runtime(str(medusa_export), None, "fp32")
     gov = CountingGovernor()
-    monkeypatch.setattr(bench_run, "governor", lambda: gov)
+    monkeypatch.setattr(step_costs, "governor", lambda: gov)
     monkeypatch.setattr(calibration, "governor", lambda: gov)
     prompt = list(range(5, 25))
-    bench_run._step_costs(rt, prompt, repeats=2)
-    forwards = 2 * len(bench_run.FORWARD_SIZES)  # every timed forward of the curve (warm-up aside)
+    step_costs.step_costs(rt, prompt, repeats=2)
+    forwards = 2 * len(step_costs.FORWARD_SIZES)  # every timed forward of the curve (warm-up aside)
     assert gov.ticks >= forwards, gov.ticks
     before = gov.ticks
     calibration.forward_curve(rt.model, prompt, sizes=(1, 2, 3), repeats=2)

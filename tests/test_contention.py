@@ -9,7 +9,6 @@ import time
 import pytest
 
 from draftsmith.bench import contention
-from draftsmith.bench.report import _contention_text
 
 pytestmark = pytest.mark.unit
 
@@ -35,7 +34,7 @@ def test_a_busy_neighbour_is_reported_and_a_quiet_interval_is_not():
         busy["others_cpu_share"] is not None and busy["others_cpu_share"] >= 0.3
     )  # one spinning process of 2 CPUs
     assert busy["contended"] and "rerun on a quiet machine" in busy["why"]
-    assert "CONTENDED" in _contention_text(busy)
+    assert "CONTENDED" in contention.verdict_text(busy)
 
 
 def test_own_work_is_not_counted_as_contention():
@@ -59,4 +58,4 @@ def test_without_proc_stat_the_verdict_is_not_contended_and_says_so(tmp_path):
     start = contention.CpuSnapshot(0.0, 0.0, None)
     verdict = contention.verdict(start, contention.CpuSnapshot(1.0, 0.5, None), cpus=2)
     assert verdict["others_cpu_share"] is None and verdict["contended"] is False
-    assert "n/a" in _contention_text(verdict)
+    assert "n/a" in contention.verdict_text(verdict)

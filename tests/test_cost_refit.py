@@ -140,12 +140,12 @@ def test_the_refitted_prediction_matches_the_loop_and_a_drifted_curve_is_anchore
 
 
 def test_the_bench_table_shows_prediction_and_measurement_side_by_side(tmp_path, monkeypatch):
-    from draftsmith.bench.report import _shape_rows
+    from draftsmith.bench.report_tables import shape_table
 
     monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path))
     runtime, prompt, clock = _oracle_runtime(layers=2)
     _, record = calibration.choose_cost_aware_shape(runtime, [prompt, prompt], clock=clock)
-    text = _shape_rows(record)
+    text = shape_table(record)
     timed = [
         r for r in record["table"] if r["measured_step_ms"] is not None and r["shape"] != "plain"
     ]

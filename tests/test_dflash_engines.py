@@ -184,10 +184,10 @@ def embedded_gguf(tmp_path_factory) -> SimpleNamespace:
     on the tapped hidden states.
     """
     from draftsmith import assets
-    from draftsmith.bench import llamacpp
+    from draftsmith.bench import llamacpp_build
     from draftsmith.export.gguf import read_manifest
 
-    reason = llamacpp.missing_build_reason()
+    reason = llamacpp_build.missing_build_reason()
     if reason:
         pytest.skip(f"llama.cpp {reason}")
     tmp = tmp_path_factory.mktemp("dflash-gguf")
@@ -201,7 +201,7 @@ def embedded_gguf(tmp_path_factory) -> SimpleNamespace:
         export=export,
         drafter=drafter,
         manifest=read_manifest(tmp / "gguf"),
-        root=llamacpp.llamacpp_dir(),
+        root=llamacpp_build.llamacpp_dir(),
     )
 
 
@@ -266,7 +266,7 @@ def test_llamacpp_drafts_our_block_from_the_same_hidden_states(embedded_gguf):
     context; read one ``hidden_states`` index off (either way) and they do not: the GGUF taps
     exactly what the drafter trained on.
     """
-    from draftsmith.bench import llamacpp
+    from draftsmith.bench import llamacpp, llamacpp_speculative
     from draftsmith.bench.prompts import load_prompts
 
     target, drafter, paths = (
@@ -276,7 +276,7 @@ def test_llamacpp_drafts_our_block_from_the_same_hidden_states(embedded_gguf):
     )
     prompt = load_prompts("mtbench", target.tokenizer, 1)[0]
     text = llamacpp.prompt_texts([prompt], target.tokenizer)[0]
-    argv = llamacpp.speculative_command(
+    argv = llamacpp_speculative.speculative_command(
         Path(paths["target"]), Path(paths["draft"]), text, 8, 3, 2, 1024
     )
     argv[argv.index("draft-eagle3")] = "draft-dflash"

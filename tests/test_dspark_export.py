@@ -144,7 +144,7 @@ def test_llamacpp_gets_a_deepspec_folder_and_draft_dspark(tmp_path, target, tiny
 def _llamacpp_converter() -> tuple[object | None, str]:
     """(the converter root holding ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/`` whose
     converter registers our ``Qwen3DSparkModel``, or None, why not)."""
-    from draftsmith.bench.llamacpp import llamacpp_dir
+    from draftsmith.bench.llamacpp_build import llamacpp_dir
 
     root = llamacpp_dir()
     if not (root / "conversion").is_dir() or not (root / "convert_hf_to_gguf.py").is_file():

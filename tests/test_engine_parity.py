@@ -19,7 +19,7 @@ import torch
 from recipe_configs import recipe_config
 
 from draftsmith.bench import engine_parity as ep
-from draftsmith.bench import llamacpp
+from draftsmith.bench import llamacpp, llamacpp_build
 from draftsmith.cli import main
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
@@ -137,7 +137,10 @@ def test_skips_say_why(tmp_path, monkeypatch):
     (row,) = ep.engine_parity(
         "eagle3", REQUEST, {"llamacpp": lambda r, q: pytest.fail("ran without a build")}
     )
-    assert row["skipped"] == llamacpp.missing_build_reason() and "make llamacpp" in row["skipped"]
+    assert (
+        row["skipped"] == llamacpp_build.missing_build_reason()
+        and "make llamacpp" in row["skipped"]
+    )
     assert "tau_ours" not in row and "verdict" not in row
     (row,) = ep.engine_parity("eagle3", REQUEST, {}, BUILT)
     assert row["skipped"] == "no runner for llamacpp given"
@@ -259,7 +262,7 @@ def test_bench_writes_the_section_and_its_row(
 
 @pytest.mark.integration
 def test_the_real_runner_puts_llamacpp_next_to_our_runtime(tmp_path):
-    reason = llamacpp.missing_build_reason()
+    reason = llamacpp_build.missing_build_reason()
     if reason:
         pytest.skip(f"llama.cpp {reason}")
     from test_gguf_export import export_eagle3

@@ -21,7 +21,7 @@ from conftest import build_tiny_llama
 from recipe_configs import recipe_config
 from safetensors.torch import load_file
 
-from draftsmith.bench import llamacpp
+from draftsmith.bench import llamacpp_build, llamacpp_speculative
 from draftsmith.cli.exporting import _convert, _to_gguf
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
@@ -71,7 +71,7 @@ def test_methods_llamacpp_cannot_run_are_refused_naming_their_formats(tmp_path, 
 
 
 def test_missing_build_says_how_to_build(tmp_path, monkeypatch):
-    monkeypatch.setattr(llamacpp, "llamacpp_dir", lambda: tmp_path / "llamacpp-0.3.36")
+    monkeypatch.setattr(llamacpp_build, "llamacpp_dir", lambda: tmp_path / "llamacpp-0.3.36")
     with pytest.raises(
         ValueError, match=r"llama.cpp's own converter, which is not built: run `make llamacpp`"
     ):
@@ -132,12 +132,14 @@ LOG = """0.07.442.127 I encoded   16 tokens in    0.803 seconds, speed:   19.926
 
 def test_speculative_simple_output_is_parsed():
     prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    run = llamacpp.parse_speculative("\n\n" + prompt + "Hello there\n\n\n\n", LOG, prompt)
+    run = llamacpp_speculative.parse_speculative(
+        "\n\n" + prompt + "Hello there\n\n\n\n", LOG, prompt
+    )
     assert run["text"] == "Hello there"
     assert (run["n_draft"], run["n_predict"], run["n_drafted"], run["n_accept"]) == (4, 9, 12, 5)
     assert (run["prompt_tokens"], run["prompt_s"], run["decode_s"]) == (16, 0.803, 4.555)
     with pytest.raises(ValueError, match="n_drafted"):
-        llamacpp.parse_speculative("", "crashed", prompt)
+        llamacpp_speculative.parse_speculative("", "crashed", prompt)
     assert texts_lossless("Paris.", True, "Paris.") and not texts_lossless(
         "Paris.", True, "Paris. It"
     )
@@ -148,7 +150,7 @@ def test_speculative_simple_output_is_parsed():
 
 @pytest.mark.integration
 def test_real_conversion_and_engine_check_on_the_embedded_target(tmp_path):
-    reason = llamacpp.missing_build_reason()
+    reason = llamacpp_build.missing_build_reason()
     if reason:
         pytest.skip(f"llama.cpp {reason}")
     from draftsmith import assets

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.bench import llamacpp
+from draftsmith.bench import llamacpp, llamacpp_build
 from draftsmith.bench.report import _peer_rows
 
 pytestmark = pytest.mark.unit
@@ -114,23 +114,23 @@ def test_the_generated_text_is_read_from_stdout():
 
 def test_a_missing_build_is_named_with_the_command_that_makes_it(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
-    reason = llamacpp.missing_build_reason()
+    reason = llamacpp_build.missing_build_reason()
     assert reason.startswith("not built: run `make llamacpp` (one-time, ~")
     assert llamacpp.llamacpp_peers([[1, 2]], None, 8) == {"skipped": reason}
-    with pytest.raises(llamacpp.LlamaCppMissing, match="make llamacpp"):
+    with pytest.raises(llamacpp_build.LlamaCppMissing, match="make llamacpp"):
         llamacpp.llamacpp_row(tmp_path / "x.gguf", ["hi"], 8)
-    (tmp_path / f"llamacpp-{llamacpp.VERSION}.failed").write_text(
+    (tmp_path / f"llamacpp-{llamacpp_build.VERSION}.failed").write_text(
         "step: build\nc++: fatal error: Killed signal\n"
     )
     assert (
         "build failed (step: build | c++: fatal error: Killed signal)"
-        in llamacpp.missing_build_reason()
+        in llamacpp_build.missing_build_reason()
     )
-    assert "retry: make llamacpp" in llamacpp.missing_build_reason()
+    assert "retry: make llamacpp" in llamacpp_build.missing_build_reason()
 
 
 def test_the_build_script_returns_at_once_when_cached(tmp_path):
-    root = tmp_path / f"llamacpp-{llamacpp.VERSION}"
+    root = tmp_path / f"llamacpp-{llamacpp_build.VERSION}"
     root.mkdir()
     (root / ".done").write_text("built\n")
     (root / "build_seconds").write_text("600\n")
@@ -178,7 +178,7 @@ def test_bench_takes_the_flag():
 
 @pytest.mark.integration
 def test_the_cached_build_decodes_a_chat_prompt_greedily_from_both_weight_files():
-    reason = llamacpp.missing_build_reason()
+    reason = llamacpp_build.missing_build_reason()
     if reason:
         pytest.skip(reason)
     from transformers import AutoTokenizer

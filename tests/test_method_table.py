@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import runpy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,13 +187,15 @@ def test_the_cli_has_no_branch_on_a_format_name():
     assert [name for name in converters() if f'"{name}"' in source or f"'{name}'" in source] == []
 
 
-def test_method_table_script_reads_the_registrations(monkeypatch):
+def test_method_table_command_reads_the_registrations(monkeypatch):
+    from draftsmith.cli import build_parser
+
     toy = dataclasses.replace(RECIPES["medusa"], name="toy", label="Toy!", in_method_table=True)
     monkeypatch.setitem(RECIPES, "toy", toy)
-    script = runpy.run_path(str(ROOT / "scripts" / "method_table.py"), run_name="method_table")
-    assert script["DEFAULT_RECIPES"].split(",") == method_table_recipes()
-    assert script["DEFAULT_RECIPES"].split(",")[-1] == "toy"
-    assert script["LABELS"] == labels() and script["LABELS"]["toy"] == "Toy!"
+    args = build_parser("method-table").parse_args(["method-table"])
+    assert args.recipes.split(",") == method_table_recipes()
+    assert args.recipes.split(",")[-1] == "toy"
+    assert labels()["toy"] == "Toy!"  # what cmd_method_table hands the table for its rows
 
 
 def test_gpu_check_reads_the_registrations(monkeypatch):
