@@ -1,7 +1,7 @@
 """The sharded GPU strategies, checked by construction (Lightning refuses FSDP and DeepSpeed on a
-CPU accelerator): the FSDP preset wraps each drafter layer and nothing of the frozen target (medusa and
-wrap classes by name included) in bf16 mixed precision, and the DeepSpeed presets build their ZeRO
-stage and offload (the other presets and what every strategy shares: test_strategies.py)."""
+CPU accelerator): the FSDP preset wraps each drafter layer and nothing of the frozen target (Medusa
+and wrap classes by name included) in bf16 mixed precision, and the DeepSpeed presets build their
+ZeRO stage and offload (the other presets and what every strategy shares: test_strategies.py)."""
 
 from __future__ import annotations
 
