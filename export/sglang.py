@@ -3,7 +3,7 @@ layout.
 
 Serve with ``python -m sglang.launch_server --model TARGET --speculative-algorithm EAGLE3
 --speculative-draft-model-path OUT``. What SGLang's ``python/sglang/srt/models/llama_eagle3.py``
-reads (key list checked in tests/test_engine_layouts.py):
+reads (key list checked in tests/test_sglang_layout.py):
 
 config.json (a Llama config of the one draft layer): ``architectures: ["LlamaForCausalLMEagle3"]``,
 ``model_type: llama``, ``num_hidden_layers: 1``, ``vocab_size`` (the target's), ``draft_vocab_size``

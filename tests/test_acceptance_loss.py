@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
+from eagle3_objectives import fixed_batch_steps, make_objective
 from omegaconf import OmegaConf
-from test_eagle3 import fixed_batch_steps, make_objective
 
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.losses.acceptance import IGNORE_INDEX, acceptance_loss, row_losses

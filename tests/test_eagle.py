@@ -1,5 +1,5 @@
 """EAGLE-1 drafter: feature/token alignment of the loss, KV cache, training signal, export round
-trip."""
+trip, and the runtime's serving step against the drafter's own forward."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
 from recipe_configs import recipe_config
+from test_eagle3_serving_step import compare_steps
 
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target, TargetFeatures
@@ -22,6 +23,7 @@ from draftsmith.export.format import ExportError, read_export
 from draftsmith.recipes import get_recipe
 from draftsmith.recipes.eagle import Eagle
 from draftsmith.recipes.eagle import objective as eagle_recipe
+from draftsmith.runtime.drafting.eagle_models import Eagle1DraftModel
 
 pytestmark = pytest.mark.unit
 
@@ -284,3 +286,31 @@ def test_train_py_end_to_end(tmp_path, tiny_target_dir, tiny_data_file):
     config, state = read_export(run_dir / "export")
     assert config["method"] == "eagle" and config["target"]["name_or_path"] == str(tiny_target_dir)
     assert "fc.bias" in state and not any("embed" in k or "lm_head" in k for k in state)
+
+
+def test_eagle1_serving_step_equals_the_drafters_own_forward():
+    """The EAGLE-1 runtime step (fused q/k/v and gate/up, RoPE tables, static KV) gives the
+    drafter's own forward and logits (fp32)."""
+    torch.manual_seed(0)
+    cfg = EagleConfig(
+        hidden_size=32,
+        vocab_size=50,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    drafter = EagleDrafter(cfg, torch.randn(50, 32), torch.randn(50, 32)).eval()
+    model = Eagle1DraftModel(drafter)
+
+    def reference(hidden, ids, cache, positions, mask):
+        out, cache = drafter(ids, hidden, past_kv=cache, positions=positions, tree_mask=mask)
+        return out, drafter.logits(out), cache
+
+    compare_steps(
+        lambda h, i, c, p, m: model.step(h, i, c, p, m, last_only=False),
+        reference,
+        32,
+        torch.float32,
+        {"atol": 1e-5, "rtol": 1e-5},
+        lambda f: f[None, :, :32],
+    )

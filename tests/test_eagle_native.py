@@ -26,7 +26,7 @@ from draftsmith.runtime.drafting.eagle_models import (
     Eagle3DraftModel,
     StaticDraftKV,
 )
-from draftsmith.runtime.drafting.eagle_ops import norm_linear_topk_reference, torch_topk
+from draftsmith.runtime.drafting.eagle_ops import torch_topk
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
 pytestmark = pytest.mark.unit
@@ -256,34 +256,6 @@ def test_a_kernel_without_full_mask_runs_eagle1_tree_steps_in_torch(target, monk
     )  # root and chain natively, the tree in torch
 
 
-def test_eagle1_serving_step_equals_the_drafters_own_forward():
-    """The EAGLE-1 runtime step (fused q/k/v and gate/up, RoPE tables, static KV) gives the
-    drafter's own forward and logits (fp32)."""
-    torch.manual_seed(0)
-    cfg = EagleConfig(
-        hidden_size=32,
-        vocab_size=50,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    drafter = EagleDrafter(cfg, torch.randn(50, 32), torch.randn(50, 32)).eval()
-    model = Eagle1DraftModel(drafter)
-
-    def reference(hidden, ids, cache, positions, mask):
-        out, cache = drafter(ids, hidden, past_kv=cache, positions=positions, tree_mask=mask)
-        return out, drafter.logits(out), cache
-
-    compare_steps(
-        lambda h, i, c, p, m: model.step(h, i, c, p, m, last_only=False),
-        reference,
-        32,
-        torch.float32,
-        {"atol": 1e-5, "rtol": 1e-5},
-        lambda f: f[None, :, :32],
-    )
-
-
 @needs_cpp
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 @pytest.mark.parametrize(
@@ -361,49 +333,3 @@ def test_the_eagle1_builder_shares_the_targets_packed_head(target, monkeypatch):
     assert packed.data_ptr() == target._head.packed.data_ptr() and proposer.draft_plan[
         "draft_head"
     ].startswith("native" if HAS_TOPK else "linear in C++")
-
-
-def test_norm_linear_topk_reference_is_the_softmax_top_k_with_ties_lower_first():
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(37, 32, generator=g).to(torch.bfloat16)  # n = 37: not a multiple of 16
-    w[20], w[30] = w[5], w[5]  # three equal columns: ties must come out 5, 20, 30
-    x, norm_w = (
-        torch.randn(3, 32, generator=g).to(torch.bfloat16),
-        torch.rand(32, generator=g).to(torch.bfloat16),
-    )
-
-    def dense(rows, weight, bias, n):  # the packed GEMM's stand-in: a bf16 linear
-        return F.linear(rows.float(), weight.float()).to(torch.bfloat16)[:, :n]
-
-    x[0] = w[5]  # row 0's largest logit is the tied one
-    for norm in (None, norm_w):
-        probs, ids = norm_linear_topk_reference(x, norm, 1e-6, w, 37, 6, linear=dense)
-        xn = (
-            x
-            if norm is None
-            else norm * F.rms_norm(x.float(), (32,), None, 1e-6).to(torch.bfloat16)
-        )
-        full = torch.softmax(dense(xn, w, None, 37).float(), -1)  # [3, 37]
-        assert probs.shape == ids.shape == (3, 6) and probs.dtype == torch.float32
-        assert torch.equal(probs, full.gather(1, ids)) and bool(
-            (probs[:, 1:] <= probs[:, :-1]).all()
-        )
-        assert torch.equal(probs, full.topk(6).values)
-    probs, ids = norm_linear_topk_reference(x, None, 1e-6, w, 37, 3, linear=dense)
-    assert ids[0].tolist() == [5, 20, 30]
-
-
-@pytest.mark.skipif(not HAS_TOPK, reason="this build of the fused kernel has no norm_linear_topk")
-@pytest.mark.parametrize("norm", [False, True])
-def test_the_kernels_norm_linear_topk_matches_the_reference(norm):
-    g = torch.Generator().manual_seed(2)
-    w = torch.randn(1003, 64, generator=g).to(torch.bfloat16)
-    w[700] = w[3]  # a tie: lower index first
-    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
-    x[1] = w[3] * 4
-    norm_w = torch.rand(64, generator=g).to(torch.bfloat16) + 0.5 if norm else None
-    packed = cpu_layer.pack_weight(w)
-    got = EXT.norm_linear_topk(x, norm_w, 1e-6, packed, 1003, 7)
-    want = norm_linear_topk_reference(x, norm_w, 1e-6, packed, 1003, 7, linear=EXT.linear)
-    assert torch.equal(got[1], want[1])
-    torch.testing.assert_close(got[0], want[0], atol=0, rtol=1e-5)

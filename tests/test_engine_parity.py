@@ -19,15 +19,13 @@ import torch
 from recipe_configs import recipe_config
 
 from draftsmith.bench import engine_parity as ep
-from draftsmith.bench import llamacpp, llamacpp_build
+from draftsmith.bench import llamacpp
 from draftsmith.cli import main
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
-from draftsmith.evals.engine_check_report import markdown
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[1]
 REQUEST = ep.ParityRequest("EXPORT", "mtbench", 2, 32, 4, 2)
 BUILT = {"eagle3": (ep.EngineRoute("llamacpp", "gguf", lambda: None),)}
 
@@ -137,10 +135,7 @@ def test_skips_say_why(tmp_path, monkeypatch):
     (row,) = ep.engine_parity(
         "eagle3", REQUEST, {"llamacpp": lambda r, q: pytest.fail("ran without a build")}
     )
-    assert (
-        row["skipped"] == llamacpp_build.missing_build_reason()
-        and "make llamacpp" in row["skipped"]
-    )
+    assert row["skipped"] == llamacpp.missing_build_reason() and "make llamacpp" in row["skipped"]
     assert "tau_ours" not in row and "verdict" not in row
     (row,) = ep.engine_parity("eagle3", REQUEST, {}, BUILT)
     assert row["skipped"] == "no runner for llamacpp given"
@@ -197,16 +192,10 @@ def tiny_eagle3_export(target_dir, tokenizer, out):
     return export_from_module(module, out, training={})
 
 
-def test_bench_writes_the_section_and_its_row(
-    tiny_target_dir, tiny_tokenizer, tmp_path, monkeypatch, capsys
-):
-    export = tiny_eagle3_export(tiny_target_dir, tiny_tokenizer, tmp_path / "export")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "hello world what is the answer ?"}) + "\n")
-    monkeypatch.setenv(
-        "DRAFTSMITH_CACHE", str(tmp_path / "cache")
-    )  # no llama.cpp build: the row says so
-    argv = [
+def engine_parity_bench_argv(export: Path, prompts: Path) -> list[str]:
+    """``draftsmith bench`` on ``export`` with engine parity at chain 3 (fp32, no HF baseline, no
+    lossless re-check), up to its ``--out`` (the caller adds the folder)."""
+    return [
         "bench",
         "--drafter",
         str(export),
@@ -226,6 +215,18 @@ def test_bench_writes_the_section_and_its_row(
         "3",
         "--out",
     ]
+
+
+def test_bench_writes_the_section_and_its_row(
+    tiny_target_dir, tiny_tokenizer, tmp_path, monkeypatch, capsys
+):
+    export = tiny_eagle3_export(tiny_target_dir, tiny_tokenizer, tmp_path / "export")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello world what is the answer ?"}) + "\n")
+    monkeypatch.setenv(
+        "DRAFTSMITH_CACHE", str(tmp_path / "cache")
+    )  # no llama.cpp build: the row says so
+    argv = engine_parity_bench_argv(export, prompts)
     assert main([*argv, str(tmp_path / "b")]) == 0, capsys.readouterr().err
     (row,) = json.loads((tmp_path / "b" / "bench.json").read_text())["engine_parity"]
     assert (row["engine"], row["format"], row["chain"], row["prompts"]) == (
@@ -262,7 +263,7 @@ def test_bench_writes_the_section_and_its_row(
 
 @pytest.mark.integration
 def test_the_real_runner_puts_llamacpp_next_to_our_runtime(tmp_path):
-    reason = llamacpp_build.missing_build_reason()
+    reason = llamacpp.missing_build_reason()
     if reason:
         pytest.skip(f"llama.cpp {reason}")
     from test_gguf_export import export_eagle3
@@ -280,143 +281,3 @@ def test_the_real_runner_puts_llamacpp_next_to_our_runtime(tmp_path):
     # unlike its decode on AVX2, evals/near_ties.py), never at a clear margin
     assert row["detail"]["engine_lossless"] or row["detail"]["engine_near_ties_only"], row
     assert row["detail"]["ours_lossless"], row
-
-
-# ---- engine-check: the same prompt ids in both engines, generated ids compared as ids (issue 40)
-
-VERBOSE_LOG = """\
-0.00.891.778 I llama_completion: number of tokens in prompt = 3
-0.00.891.812 I      1 -> '<|im_start|>'
-0.00.891.847 I   9690 -> 'system'
-0.00.891.881 I    198 -> '
-'
-0.00.900.001 D eval: [ '<|im_start|>':1, 'system':9690, '':198 ]
-0.00.900.002 D n_past = 3
-0.00.950.001 D eval: [ ' The':378 ]
-0.00.990.001 D eval: [ ' a, b':64 ]
-0.01.030.001 D eval: [ ''':11 ]
-"""
-
-
-def test_llamacpp_generated_ids_are_read_from_its_verbose_eval_log():
-    assert llamacpp.parse_generated_ids(VERBOSE_LOG, llamacpp.parse_prompt_ids(VERBOSE_LOG)) == [
-        378,
-        64,
-        11,
-    ]
-    assert llamacpp.parse_generated_ids(VERBOSE_LOG, None) == [
-        378,
-        64,
-        11,
-    ]  # the first line is the prompt's
-    assert llamacpp.parse_generated_ids("no debug log", [1]) is None
-    argv = llamacpp.completion_command(Path("t.gguf"), "hi", 8, 2, 512, log_ids=True)
-    assert argv[-1] == "-v" and "-v" not in llamacpp.completion_command(
-        Path("t.gguf"), "hi", 8, 2, 512
-    )
-
-
-def test_generated_ids_agree_at_eos_and_at_the_cut():
-    from draftsmith.evals.engine_agreement import generated_ids_agree
-
-    eos = (2,)
-    assert generated_ids_agree(
-        [5, 6, 2], [5, 6], eos, engine_stopped_at_eos=True
-    )  # text differs here: <|im_end|>
-    assert not generated_ids_agree(
-        [5, 6, 7], [5, 6], eos, engine_stopped_at_eos=True
-    )  # ours ran on
-    assert generated_ids_agree(
-        [5, 6, 7], [5, 6], eos, engine_stopped_at_eos=False
-    )  # cut at -n: last never evaluated
-    assert generated_ids_agree([5, 6], [5, 6], eos, engine_stopped_at_eos=False)
-    assert not generated_ids_agree([5, 9, 7], [5, 6], eos, engine_stopped_at_eos=False)
-    assert not generated_ids_agree([5, 6, 7, 8], [5, 6], eos, engine_stopped_at_eos=False)
-
-
-def test_engine_check_feeds_both_engines_the_same_ids_and_compares_ids(
-    tiny_tokenizer, tmp_path, monkeypatch
-):
-    """llama.cpp tokenizes some prompts unlike the HF tokenizer; engine-check used to run our
-    runtime on the HF ids (different prompts) and compare decoded texts, False whenever generation
-    stopped at EOS."""
-    from draftsmith.bench.prompts import load_prompts
-    from draftsmith.evals import engine_check as ec
-    from draftsmith.runtime import serving
-
-    export = tmp_path / "export"
-    export.mkdir()
-    monkeypatch.setattr(ec, "read_config", lambda folder: {"method": "eagle3"})
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(
-        json.dumps({"prompt": "hello world"}) + "\n" + json.dumps({"prompt": "what is it"}) + "\n"
-    )
-    hf_ids = load_prompts(str(prompts), tiny_tokenizer, None)
-    engine_ids = [
-        hf_ids[0][:-1] + [hf_ids[0][-1], 7],
-        list(hf_ids[1]),
-    ]  # llama.cpp splits prompt 0 differently
-    eos = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    runtime = SimpleNamespace(tokenizer=tiny_tokenizer, eos_ids=(eos,), inference={})
-    fed = []
-
-    def fake_row(gguf, ids, max_new_tokens, threads, tokenizer, log_ids=False):
-        assert (
-            log_ids and [list(p) for p in ids] == hf_ids
-        )  # llama.cpp gets the rendered text of the HF ids
-        return {
-            "texts": ["a b", "a b c"],
-            "stopped_at_eos": [True, False],
-            "prompt_ids": engine_ids,
-            "generated_ids": [[40, 41], [40, 41, 42]],
-            "prompt_ids_match": False,
-        }
-
-    def fake_runtime_side(rt, ids, max_new_tokens):
-        fed.extend(ids)
-        return {"tau": 1.5, "lossless": True, "ar_outputs": [[40, 41, eos], [40, 41, 42, 43]]}
-
-    monkeypatch.setattr(ec.llamacpp, "missing_build_reason", lambda: None)
-    monkeypatch.setattr(ec.llamacpp, "llamacpp_row", fake_row)
-    monkeypatch.setattr(
-        ec, "llamacpp_speculative", lambda *a: {"texts": ["a b", "a b c"], "n_draft_max": 4}
-    )
-    monkeypatch.setattr(ec, "runtime_side", fake_runtime_side)
-    monkeypatch.setattr(ec, "runtime_options", lambda export_dir, n_max: ({}, f"fixed:{n_max}"))
-    monkeypatch.setattr(serving, "load_runtime", lambda *a, **k: runtime)
-    result = ec.engine_check(export, "t.gguf", "d.gguf", str(prompts), 2, 4)
-    assert fed == engine_ids  # our runtime decoded llama.cpp's ids, not the HF tokenizer's
-    assert result["runtime"]["ids_equal_llamacpp_plain"] == [
-        True,
-        True,
-    ]  # EOS kept by ours, dropped by llama.cpp
-    assert result["prompt_ids_match"] is True and result["prompt_ids"]["hf_tokenizer_differs"] == [
-        0
-    ]
-    assert (
-        "the same prompt ids in both engines (llama.cpp's tokenization); the HF tokenizer splits"
-        " prompts [0]"
-        in markdown(
-            {
-                **result,
-                "llamacpp": {
-                    **result["llamacpp"],
-                    "plain": {"decode_tokens_per_s": 1.0, "tokens_per_s_incl_prompt": 1.0},
-                    "speculative": {
-                        "n_draft_max": 4,
-                        "tau": 1.5,
-                        "acceptance": 0.5,
-                        "decode_tokens_per_s": 1.0,
-                        "tokens_per_s_incl_prompt": 1.0,
-                    },
-                },
-                "runtime": {
-                    **result["runtime"],
-                    "dtype": "fp32",
-                    "acceptance": 0.5,
-                    "ar_tokens_per_s": 1.0,
-                    "speculative_tokens_per_s": 1.0,
-                },
-            }
-        )
-    )

@@ -1,12 +1,11 @@
 """Offline feature cache (issue 14): write once, train without the target, same weights as online
-training."""
+training (the caches a run refuses: test_feature_cache_refusals.py)."""
 
 from __future__ import annotations
 
 import json
 import re
 import struct
-from collections import namedtuple
 from pathlib import Path
 
 import pytest
@@ -200,89 +199,6 @@ def test_an_interrupted_cache_resumes_after_the_last_complete_shard(
             shard["file"]
         )
     assert json.loads((out / "manifest.json").read_text())["complete"]
-
-
-def test_refusals(tmp_path, fp32_cache, tiny_target_dir, tiny_data_file, target, monkeypatch):
-    recipe = get_recipe("eagle3")
-
-    def cfg(*extra: str, features: Path | None = fp32_cache):
-        return compose_config(
-            overrides(
-                tiny_target_dir,
-                tiny_data_file,
-                *extra,
-                *([f"data.features={features}"] if features else []),
-            )
-        )
-
-    # another target, other data settings: refused before anything loads, naming what differs
-    with pytest.raises(
-        FeatureCacheError, match=r"target\.name_or_path: cache '.*', now '/elsewhere'"
-    ):
-        train_offline(cfg("target.name_or_path=/elsewhere"), recipe, tmp_path / "a")
-    with pytest.raises(FeatureCacheError, match=r"no target to shard"):
-        train_offline(cfg("target.shard=true"), recipe, tmp_path / "s")
-    with pytest.raises(FeatureCacheError, match=r"data\.max_length: cache 48, now 40"):
-        train_offline(cfg("data.max_length=40"), recipe, tmp_path / "b")
-    # another recipe
-    with pytest.raises(FeatureCacheError, match=r"recipe: cache 'eagle3', now 'eagle'"):
-        open_cache(
-            compose_config(
-                [
-                    "recipe=eagle",
-                    f"target.name_or_path={tiny_target_dir}",
-                    f"data.spec={tiny_data_file}",
-                    "data.limit=null",
-                    "data.max_length=48",
-                    "data.batch_size=4",
-                    "data.val_fraction=0.1",
-                    f"data.features={fp32_cache}",
-                ]
-            )
-        )
-    # the same recipe tapping other layers: refused at fit start, before the first step
-    with pytest.raises(FeatureCacheError, match=r"needs layer 0"):
-        train_offline(cfg("drafter.target_layers=[0,1,2]"), recipe, tmp_path / "c")
-    # incomplete folders
-    with pytest.raises(FeatureCacheError, match=r"no manifest\.json"):
-        open_cache(cfg(features=tmp_path))
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for path in fp32_cache.rglob("*"):
-        if path.is_file() and path.name != "shard-00002.safetensors":
-            dest = broken / path.relative_to(fp32_cache)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(path.read_bytes())
-    with pytest.raises(
-        FeatureCacheError, match=r"incomplete \(1 of \d+ shards missing: shard-00002"
-    ):
-        open_cache(cfg(features=broken))
-    # a cache folder built for another configuration is never resumed into
-    with pytest.raises(
-        FeatureCacheError, match=r"another configuration .*data\.max_length.*another --out"
-    ):
-        build_cache(
-            cfg("data.max_length=40", features=None),
-            recipe,
-            fp32_cache,
-            dtype="fp32",
-            shard_bytes=SHARD_BYTES,
-            target=target,
-        )
-    # a disk too small: refused after printing the budget, nothing written
-    from draftsmith.distill.feature_cache import (
-        build as cache_build,
-    )  # the module that reads the free space
-
-    monkeypatch.setattr(
-        cache_build.shutil, "disk_usage", lambda _p: namedtuple("du", "total used free")(1, 1, 1000)
-    )
-    small = tmp_path / "small"
-    with pytest.raises(FeatureCacheError, match=r"needs 2.0\d MB more but .* has 1.00 kB free"):
-        build_cache(
-            cfg(features=None), recipe, small, dtype="fp32", shard_bytes=SHARD_BYTES, target=target
-        )
-    assert not list(small.glob("*"))
 
 
 def test_lazy_logits_rebuild_only_the_asked_rows_and_an_old_cache_rebuilds_all(fp32_cache, target):

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from test_eagle_runtime import BigramStub, propose_once
+from test_eagle_draft_trees import BigramStub, propose_once
 from test_speculative import tiny_llama
 
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth

@@ -118,6 +118,24 @@ def test_datamodules_are_chosen_by_batch_kind():
         DATAMODULES.unregister("pairs_for_test")
 
 
+def assert_signatures_follow(implementation: type, protocol: type) -> None:
+    """Every public method of ``protocol`` exists on ``implementation`` with the protocol's
+    parameters first; any extra parameter is optional."""
+    import inspect
+
+    for name, member in vars(protocol).items():
+        if callable(member) and not name.startswith("_"):
+            ours, promised = (
+                inspect.signature(getattr(implementation, name)).parameters,
+                inspect.signature(member).parameters,
+            )
+            assert list(ours)[: len(promised)] == list(promised), name
+            assert all(
+                p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                for p in list(ours.values())[len(promised) :]
+            ), name
+
+
 def test_the_causal_lm_target_is_one_implementation_of_the_target_protocol(
     tiny_target_dir, tiny_tokenizer
 ):
@@ -135,21 +153,7 @@ def test_the_causal_lm_target_is_one_implementation_of_the_target_protocol(
     )  # frozen: nothing of it can reach the optimizer
     # Behaviour, not only names: every protocol member has the protocol's signature and answers as
     # it promises.
-    import inspect
-
-    for name, member in vars(TargetModel).items():
-        if callable(member) and not name.startswith(
-            "_"
-        ):  # the protocol's parameters first; any extra is optional
-            ours, promised = (
-                inspect.signature(getattr(Target, name)).parameters,
-                inspect.signature(member).parameters,
-            )
-            assert list(ours)[: len(promised)] == list(promised), name
-            assert all(
-                p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                for p in list(ours.values())[len(promised) :]
-            ), name
+    assert_signatures_follow(Target, TargetModel)
     h, v, n = target.hidden_size, target.vocab_size, target.num_layers
     assert target.lm_head_weight.shape == target.embed_weight.shape == (v, h)
     assert {"vocab_size", "hidden_size", "num_hidden_layers"} <= set(target.identity())

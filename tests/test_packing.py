@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_llama
-from test_eagle3 import make_objective
+from eagle3_objectives import make_objective
 
 from draftsmith.distill.data.datamodule import ChatDataModule, rows_per_step
 from draftsmith.distill.data.packing import (

@@ -1,12 +1,11 @@
-"""What guards the runtime and its exports: speculators export defaults and aliases, target identity
-checks in every proposer builder, sampled trees from nuclei smaller than the branching, EAGLE-3 head
-rows and prompt limits.
+"""What guards the runtime and its exports: target identity checks in every proposer builder,
+sampled trees from nuclei smaller than the branching, EAGLE-3 head rows and prompt limits (the
+speculators export's target and chain length: test_speculators_export.py).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,13 +19,12 @@ from test_speculative_sampling import (
     chi2_pvalue,
     first_tokens,
 )
-from test_speculators_export import export_eagle3
 
 from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.drafters.vocab import vocab_maps
-from draftsmith.export.format import TargetMismatchError, check_target, read_config, write_export
+from draftsmith.export.format import TargetMismatchError, check_target, write_export
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.eagle import objective as eagle_recipe
 from draftsmith.recipes.eagle3 import objective as eagle3_recipe
@@ -40,7 +38,6 @@ from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [1, 2, 3]
 
 
@@ -59,91 +56,6 @@ def local_target(tiny_target_dir, tiny_tokenizer) -> Target:
     return Target(
         AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir)
     )
-
-
-# ---- 1. `draftsmith export --format speculators` without --target, and with an alias -------------
-
-
-def test_speculators_export_defaults_to_recorded_target_and_resolves_aliases(
-    local_target, tiny_target_dir, tiny_tokenizer, tmp_path, monkeypatch
-):
-    from draftsmith import assets
-    from draftsmith.cli import main
-
-    export, _ = export_eagle3(local_target, tmp_path / "export")
-    assert (
-        main(["export", str(export), "--format", "speculators", "--out", str(tmp_path / "a")]) == 0
-    )
-    verifier = json.loads((tmp_path / "a" / "config.json").read_text())["speculators_config"][
-        "verifier"
-    ]
-    assert verifier["name_or_path"] == str(Path(tiny_target_dir).resolve())
-    # An alias (given, or recorded in the export) lands as the folder it resolves to, never as the
-    # alias.
-    real = assets.resolve_target
-    monkeypatch.setattr(
-        assets,
-        "resolve_target",
-        lambda name: str(tiny_target_dir) if name == "smollm2-135m" else real(name),
-    )
-    assert (
-        main(
-            [
-                "export",
-                str(export),
-                "--format",
-                "speculators",
-                "--out",
-                str(tmp_path / "b"),
-                "--target",
-                "smollm2-135m",
-            ]
-        )
-        == 0
-    )
-    verifier = json.loads((tmp_path / "b" / "config.json").read_text())["speculators_config"][
-        "verifier"
-    ]
-    assert verifier["name_or_path"] == str(Path(tiny_target_dir).resolve())
-    aliased = Target(local_target.model, tiny_tokenizer, "smollm2-135m")
-    export2, _ = export_eagle3(aliased, tmp_path / "export_alias")
-    assert (
-        main(["export", str(export2), "--format", "speculators", "--out", str(tmp_path / "c")]) == 0
-    )
-    verifier = json.loads((tmp_path / "c" / "config.json").read_text())["speculators_config"][
-        "verifier"
-    ]
-    assert verifier["name_or_path"] == str(Path(tiny_target_dir).resolve())
-
-
-# ---- 2. speculative_tokens = what the runtime drafts on its longest path -------------------------
-
-
-def test_speculators_speculative_tokens_equal_the_runtime_chain_length(local_target, tmp_path):
-    from draftsmith.export.speculators import to_speculators
-
-    export, _ = export_eagle3(local_target, tmp_path / "export")
-    depth = int(read_config(export)["inference"]["depth"])
-    out = to_speculators(export, tmp_path / "spec", str(local_target.name_or_path))
-    spec = json.loads((out / "config.json").read_text())["speculators_config"]
-    tokens = spec["proposal_methods"][0]["speculative_tokens"]
-    lean = lean_from_hf(local_target.model)
-    proposer = build_proposer(export, lean, policy="chain")
-    prompt = torch.tensor([5, 9, 13, 40])
-    cache = lean.allocate_cache(8)
-    res = lean.forward(prompt, cache, taps=proposer.feature_taps)
-    root = int(res.logits[-1].argmax())
-    context = torch.cat([prompt, torch.tensor([root])])
-    proposer.begin(
-        StepContext(
-            tokens=context,
-            root_token=root,
-            hidden=res.hidden,
-            taps=res.tap_features(proposer.feature_taps),
-        )
-    )
-    tree = proposer.propose(StepContext(tokens=context, root_token=root, hidden=res.hidden[-1]))
-    assert tokens == tree.num_nodes - 1 == depth + 1  # drafted tokens per step, root excluded
 
 
 # ---- 3. the mismatch message names the recorded target and the one given -------------------------

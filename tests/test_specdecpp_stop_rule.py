@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eagle_runtime import BigramStub, propose_once
+from test_eagle_draft_trees import BigramStub, propose_once
 from test_speculative_sampling import (
     ALPHA,
     SMALL_V,

@@ -1,5 +1,6 @@
-"""speculators-format converter: our side always; the real library (separate venv) when it is
-installed.
+"""speculators-format converter: our side always (files, keys, shapes, config; the verifier a
+bare export defaults to and aliases resolved to their folder; ``speculative_tokens`` equal to the
+runtime's chain) and the real library (separate venv) when it is installed.
 
 The library check runs in ``.cache/venv-speculators`` (made by ``make test``; speculators 0.9.0 pins
 its own transformers), in a subprocess: ``SpeculatorModel.from_pretrained`` must load the converted
@@ -20,13 +21,16 @@ import torch
 from conftest import build_tiny_llama
 from recipe_configs import recipe_config
 from safetensors.torch import load_file, save_file
+from test_eagle_runtime import lean_from_hf
 
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
-from draftsmith.export.format import ExportError
+from draftsmith.export.format import ExportError, read_config
 from draftsmith.export.speculators import to_speculators
 from draftsmith.recipes.eagle import objective as eagle_recipe
 from draftsmith.recipes.eagle3 import objective as eagle3_recipe
+from draftsmith.runtime.drafting.base import StepContext
+from draftsmith.runtime.drafting.registry import build_proposer
 
 pytestmark = pytest.mark.unit
 
@@ -93,6 +97,16 @@ def target(tiny_tokenizer) -> Target:
     return Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
 
 
+@pytest.fixture(scope="module")
+def local_target(tiny_target_dir, tiny_tokenizer) -> Target:
+    """The tiny target loaded from its folder, so its identity names a loadable path."""
+    from transformers import AutoModelForCausalLM
+
+    return Target(
+        AutoModelForCausalLM.from_pretrained(tiny_target_dir), tiny_tokenizer, str(tiny_target_dir)
+    )
+
+
 def export_eagle3(target: Target, out: Path, draft_vocab: int = 48) -> tuple[Path, object]:
     torch.manual_seed(0)
     cfg = recipe_config(
@@ -112,6 +126,30 @@ def export_eagle3(target: Target, out: Path, draft_vocab: int = 48) -> tuple[Pat
         drafter=objective.module, objective=objective, run_info={"target": target.identity()}
     )
     return export_from_module(module, out, training={}), objective.module
+
+
+def speculators_shapes(h: int, v: int) -> dict[str, tuple[int, ...]]:
+    """The tensors (name: shape) of a speculators EAGLE-3 checkpoint for our one-layer drafter of
+    hidden size ``h`` over a ``v``-token vocabulary: 48 draft tokens, 4 heads and 2 KV heads of 16,
+    MLP 128, the embedding included."""
+    return {
+        "fc.weight": (h, 3 * h),
+        "norm.weight": (h,),
+        "lm_head.weight": (48, h),
+        "d2t": (48,),
+        "t2d": (v,),
+        "layers.0.input_layernorm.weight": (h,),
+        "layers.0.hidden_norm.weight": (h,),
+        "layers.0.post_attention_layernorm.weight": (h,),
+        "layers.0.self_attn.q_proj.weight": (4 * 16, 2 * h),
+        "layers.0.self_attn.k_proj.weight": (2 * 16, 2 * h),
+        "layers.0.self_attn.v_proj.weight": (2 * 16, 2 * h),
+        "layers.0.self_attn.o_proj.weight": (h, 4 * 16),
+        "layers.0.mlp.gate_proj.weight": (128, h),
+        "layers.0.mlp.up_proj.weight": (128, h),
+        "layers.0.mlp.down_proj.weight": (h, 128),
+        "embed_tokens.weight": (v, h),
+    }
 
 
 def test_our_side_files_keys_shapes_and_config(tmp_path, target):
@@ -151,24 +189,7 @@ def test_our_side_files_keys_shapes_and_config(tmp_path, target):
     )
     tensors = load_file(out / "model.safetensors")
     shapes = {k: tuple(t.shape) for k, t in tensors.items()}
-    assert shapes == {
-        "fc.weight": (h, 3 * h),
-        "norm.weight": (h,),
-        "lm_head.weight": (48, h),
-        "d2t": (48,),
-        "t2d": (v,),
-        "layers.0.input_layernorm.weight": (h,),
-        "layers.0.hidden_norm.weight": (h,),
-        "layers.0.post_attention_layernorm.weight": (h,),
-        "layers.0.self_attn.q_proj.weight": (4 * 16, 2 * h),
-        "layers.0.self_attn.k_proj.weight": (2 * 16, 2 * h),
-        "layers.0.self_attn.v_proj.weight": (2 * 16, 2 * h),
-        "layers.0.self_attn.o_proj.weight": (h, 4 * 16),
-        "layers.0.mlp.gate_proj.weight": (128, h),
-        "layers.0.mlp.up_proj.weight": (128, h),
-        "layers.0.mlp.down_proj.weight": (h, 128),
-        "embed_tokens.weight": (v, h),
-    }
+    assert shapes == speculators_shapes(h, v)
     assert torch.equal(
         tensors["layers.0.self_attn.q_proj.weight"], drafter.layer.self_attn.q_proj.weight
     )
@@ -235,3 +256,80 @@ def test_real_speculators_library_loads_it_with_identical_weights_and_logits(tmp
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert "WEIGHTS_OK" in proc.stdout and "FORWARD_OK" in proc.stdout, proc.stdout
+
+
+def test_speculators_export_defaults_to_recorded_target_and_resolves_aliases(
+    local_target, tiny_target_dir, tiny_tokenizer, tmp_path, monkeypatch
+):
+    from draftsmith import assets
+    from draftsmith.cli import main
+
+    export, _ = export_eagle3(local_target, tmp_path / "export")
+    assert (
+        main(["export", str(export), "--format", "speculators", "--out", str(tmp_path / "a")]) == 0
+    )
+    verifier = json.loads((tmp_path / "a" / "config.json").read_text())["speculators_config"][
+        "verifier"
+    ]
+    assert verifier["name_or_path"] == str(Path(tiny_target_dir).resolve())
+    # An alias (given, or recorded in the export) lands as the folder it resolves to, never as the
+    # alias.
+    real = assets.resolve_target
+    monkeypatch.setattr(
+        assets,
+        "resolve_target",
+        lambda name: str(tiny_target_dir) if name == "smollm2-135m" else real(name),
+    )
+    assert (
+        main(
+            [
+                "export",
+                str(export),
+                "--format",
+                "speculators",
+                "--out",
+                str(tmp_path / "b"),
+                "--target",
+                "smollm2-135m",
+            ]
+        )
+        == 0
+    )
+    verifier = json.loads((tmp_path / "b" / "config.json").read_text())["speculators_config"][
+        "verifier"
+    ]
+    assert verifier["name_or_path"] == str(Path(tiny_target_dir).resolve())
+    aliased = Target(local_target.model, tiny_tokenizer, "smollm2-135m")
+    export2, _ = export_eagle3(aliased, tmp_path / "export_alias")
+    assert (
+        main(["export", str(export2), "--format", "speculators", "--out", str(tmp_path / "c")]) == 0
+    )
+    verifier = json.loads((tmp_path / "c" / "config.json").read_text())["speculators_config"][
+        "verifier"
+    ]
+    assert verifier["name_or_path"] == str(Path(tiny_target_dir).resolve())
+
+
+def test_speculators_speculative_tokens_equal_the_runtime_chain_length(local_target, tmp_path):
+    export, _ = export_eagle3(local_target, tmp_path / "export")
+    depth = int(read_config(export)["inference"]["depth"])
+    out = to_speculators(export, tmp_path / "spec", str(local_target.name_or_path))
+    spec = json.loads((out / "config.json").read_text())["speculators_config"]
+    tokens = spec["proposal_methods"][0]["speculative_tokens"]
+    lean = lean_from_hf(local_target.model)
+    proposer = build_proposer(export, lean, policy="chain")
+    prompt = torch.tensor([5, 9, 13, 40])
+    cache = lean.allocate_cache(8)
+    res = lean.forward(prompt, cache, taps=proposer.feature_taps)
+    root = int(res.logits[-1].argmax())
+    context = torch.cat([prompt, torch.tensor([root])])
+    proposer.begin(
+        StepContext(
+            tokens=context,
+            root_token=root,
+            hidden=res.hidden,
+            taps=res.tap_features(proposer.feature_taps),
+        )
+    )
+    tree = proposer.propose(StepContext(tokens=context, root_token=root, hidden=res.hidden[-1]))
+    assert tokens == tree.num_nodes - 1 == depth + 1  # drafted tokens per step, root excluded

@@ -1,7 +1,8 @@
 """What guards a training run's setup and its reports: target dtype auto, CUDA-only presets on CPU,
-exact teacher logits, EAGLE-1 noise and clipping, the wall-clock budget, empty data and the step
-progress bar (the non-finite-loss
-message: test_training_scores_nothing.py) (train.py's one-line errors: test_train_errors.py)."""
+exact teacher logits, EAGLE-1 noise, the wall-clock budget, empty data and validation on the batch
+device (the non-finite-loss message: test_training_scores_nothing.py; train.py's one-line errors:
+test_train_errors.py; gradient clipping: test_fused_clipping.py; the progress bar:
+test_training_progress_bar.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -56,7 +56,7 @@ def run_train(
 
 
 def test_target_dtype_auto_is_the_default_and_follows_the_cpu(monkeypatch, caplog, tiny_target_dir):
-    from draftsmith.distill.target.loading import resolve_target_dtype
+    from draftsmith.distill.target.frozen import resolve_target_dtype
 
     assert OmegaConf.load(ROOT / "conf/target/smollm2.yaml").dtype == "auto"
     dtype, why = resolve_target_dtype("auto", "cpu", AVX2)
@@ -75,7 +75,7 @@ def test_target_dtype_auto_is_the_default_and_follows_the_cpu(monkeypatch, caplo
     for caps, want in ((AVX2, torch.float32), (AVX512_BF16, torch.bfloat16)):
         monkeypatch.setattr(cpu_caps, "probe", lambda caps=caps: caps)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="draftsmith.distill.target.loading"):
+        with caplog.at_level(logging.INFO, logger="draftsmith.distill.target.frozen"):
             target = Target.load(str(tiny_target_dir), "auto")
         assert target.lm_head_weight.dtype == want
         lines = [
@@ -101,7 +101,7 @@ def test_target_dtype_auto_is_the_default_and_follows_the_cpu(monkeypatch, caplo
     ],
 )
 def test_cuda_only_presets_without_cuda_name_the_cpu_preset(overrides):
-    from draftsmith.distill.cluster.strategies import check_devices
+    from draftsmith.distill.engine.trainer import check_devices
 
     assert not torch.cuda.is_available()
     cfg = compose_config(["recipe=medusa", *overrides])
@@ -196,7 +196,7 @@ def test_teacher_logits_equal_the_hf_forward(kind):
         assert hidden.shape == (9, 32)
 
 
-# -------------------------------------------------------------------- 4. EAGLE-1 noise and clipping
+# ------------------------------------------------------------------------------ 4. EAGLE-1 noise
 
 
 def test_eagle_noise_is_uniform_point_one_whatever_the_batch_width(tiny_tokenizer):
@@ -240,25 +240,10 @@ def test_eagle_noise_is_uniform_point_one_whatever_the_batch_width(tiny_tokenize
         )
 
 
-def test_eagle_clips_gradients_by_value_and_others_by_norm(tmp_path):
-    from draftsmith.distill.engine.lightning_trainer import build_trainer
-
-    eagle = build_trainer(compose_config(["recipe=eagle"]), tmp_path / "e")
-    assert eagle.gradient_clip_val == 0.5 and eagle.gradient_clip_algorithm == "value"
-    medusa = build_trainer(compose_config(["recipe=medusa"]), tmp_path / "m")
-    assert medusa.gradient_clip_val == 1.0 and medusa.gradient_clip_algorithm == "norm"
-    norm = build_trainer(
-        compose_config(["recipe=eagle", "optim.grad_clip_algorithm=norm"]), tmp_path / "n"
-    )
-    assert norm.gradient_clip_algorithm == "norm"
-    off = build_trainer(compose_config(["recipe=eagle", "optim.grad_clip=0"]), tmp_path / "o")
-    assert off.gradient_clip_val is None
-
-
 def test_a_wall_clock_budget_caps_training(tmp_path):
     from pytorch_lightning.callbacks import Timer
 
-    from draftsmith.distill.engine.lightning_trainer import build_trainer
+    from draftsmith.distill.engine.trainer import build_trainer
 
     capped = build_trainer(
         compose_config(["recipe=medusa", "trainer.max_time=00:00:04:30"]), tmp_path / "t"
@@ -292,116 +277,7 @@ def test_empty_data_file_says_it_is_empty(tmp_path, tiny_tokenizer):
         load_conversations(str(no_reply))
 
 
-# --------------------------------------------------------------------------- 7. progress bar
-
-
-def test_progress_bar_shows_steps_tokens_per_second_and_eta(tmp_path):
-    from pytorch_lightning.callbacks import Timer
-
-    from draftsmith.distill.engine.lightning_trainer import build_trainer
-    from draftsmith.distill.engine.progress import (
-        StepProgressBar,
-        format_duration,
-        max_time_left,
-        progress_fields,
-    )
-
-    assert progress_fields(12, 200, 0, 12_000, 10.0) == {
-        "step": "12/200",
-        "tok/s": "1,200",
-        "eta": "2m37s",
-    }
-    assert progress_fields(50, 200, 50, 0, 0.0) == {
-        "step": "50/200",
-        "tok/s": "?",
-        "eta": "?",
-    }  # just resumed
-    # trainer.max_time ends the run first: the ETA is the time it still allows, not the step count's
-    # pace
-    assert progress_fields(12, 100_000, 0, 12_000, 10.0, time_left=125.0)["eta"] == "2m05s"
-    assert progress_fields(12, 200, 0, 12_000, 10.0, time_left=3600.0)["eta"] == "2m37s"
-    assert [format_duration(s) for s in (5, 65, 7300)] == ["5s", "1m05s", "2h01m"]
-    from draftsmith.common.durations import eta_seconds
-
-    assert (
-        eta_seconds(0, 10, 5.0) is None
-        and eta_seconds(2, 10, 5.0) == 20.0
-        and eta_seconds(10, 10, 9.0) == 0
-    )
-    assert max_time_left(SimpleNamespace(callbacks=[Timer(duration="00:00:10:00")])) == 600.0
-    assert max_time_left(SimpleNamespace(callbacks=[])) is None
-
-    trainer = build_trainer(compose_config(["recipe=medusa"]), tmp_path)
-    assert isinstance(trainer.progress_bar_callback, StepProgressBar)
-
-    def bar_text(start: int, max_steps: int, reached: int, epoch_start: bool) -> str:
-        bar = StepProgressBar()
-        fake = SimpleNamespace(
-            global_step=start,
-            max_steps=max_steps,
-            world_size=1,
-            loggers=[],
-            callbacks=[],
-            progress_bar_metrics={"train/loss": 3.25},
-        )
-        module = SimpleNamespace(tokens_seen=0)
-        bar.on_train_start(fake, module)
-        if epoch_start:
-            bar.on_train_epoch_start(fake, module)
-        fake.global_step, module.tokens_seen = reached, 4_800
-        bar.on_train_batch_end(fake, module, None, None, 59)
-        text = str(bar.train_progress_bar)
-        bar.train_progress_bar.close()
-        return text
-
-    text = bar_text(0, 200, 12, epoch_start=True)
-    assert text.startswith("step 12/200") and "6%" in text, text
-    assert re.search(r"tok/s=[\d,]+", text) and re.search(r"eta=\d+(s|m\d\ds|h\d\dm)", text), text
-    assert "train/loss=3.25" in text and "Epoch" not in text and "60/60" not in text, text
-    # resumed mid-epoch: Lightning calls no epoch start (the bar read "0%" at 2537/4400)
-    text = bar_text(2500, 4400, 2537, epoch_start=False)
-    assert text.startswith("step 2537/4400") and "58%" in text, text
-
-
-def test_fsdp_norm_clipping_moves_into_the_module(tmp_path):
-    """Lightning's FSDP precision refuses ``gradient_clip_algorithm='norm'`` (seen on an H100): the
-    Trainer gets no clip and the module clips the global norm through the FSDP root instead; value
-    clipping stays Lightning's.
-    """
-    from omegaconf import OmegaConf
-
-    from draftsmith.distill.engine.lightning_trainer import grad_clipping, sharded_clip_norm
-
-    medusa = compose_config(["recipe=medusa"])
-    fsdp = OmegaConf.create({"strategy": "fsdp", "accelerator": "gpu"})
-    assert grad_clipping(medusa.optim, fsdp) == {
-        "gradient_clip_val": None,
-        "gradient_clip_algorithm": None,
-    }
-    assert sharded_clip_norm(medusa.optim, fsdp) == 1.0
-    assert sharded_clip_norm(medusa.optim, medusa.trainer) is None
-    assert grad_clipping(medusa.optim, medusa.trainer)["gradient_clip_val"] == 1.0
-    eagle = compose_config(["recipe=eagle"])
-    assert sharded_clip_norm(eagle.optim, fsdp) is None
-    assert grad_clipping(eagle.optim, fsdp)["gradient_clip_algorithm"] == "value"
-
-
-def test_the_module_clips_the_global_norm_itself_when_told():
-    """``configure_gradient_clipping`` with ``sharded_clip_norm`` calls the strategy root's
-    ``clip_grad_norm_``."""
-    from types import SimpleNamespace
-
-    from draftsmith.distill.engine.module import DistillModule
-
-    calls = []
-    fake = SimpleNamespace(
-        sharded_clip_norm=0.7,
-        trainer=SimpleNamespace(
-            strategy=SimpleNamespace(model=SimpleNamespace(clip_grad_norm_=calls.append))
-        ),
-    )
-    DistillModule.configure_gradient_clipping(fake, optimizer=None, gradient_clip_val=None)
-    assert calls == [0.7]
+# ------------------------------------------------------------- 6. validation on the batch device
 
 
 def test_validation_puts_the_drafter_buffers_and_whole_parameters_on_the_batch_device():

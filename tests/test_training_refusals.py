@@ -1,7 +1,7 @@
 """Training refuses nonsense with one actionable line: bad optimizer values, missing or damaged
-targets, binary or missing data, unknown ``+key`` overrides, Ctrl-C (where the checkpoint is, how to
-resume, exit 130) and rollout prompts longer than data.max_length (runs that score no position:
-test_training_scores_nothing.py).
+targets, binary or missing data, unknown ``+key`` overrides and rollout prompts longer than
+data.max_length (runs that score no position: test_training_scores_nothing.py; Ctrl-C:
+test_training_interrupts.py).
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import runpy
 import subprocess
 import sys
@@ -20,12 +19,7 @@ from conftest import build_tiny_llama
 from omegaconf import OmegaConf
 
 from draftsmith.cli.training import compose_config
-from draftsmith.common.errors import (
-    ConfigError,
-    DataError,
-    DataFileNotFoundError,
-    TrainingInterrupted,
-)
+from draftsmith.common.errors import ConfigError, DataError, DataFileNotFoundError
 from draftsmith.distill.target.frozen import Target
 
 pytestmark = pytest.mark.unit
@@ -260,82 +254,6 @@ def test_medusa_draft_vocab_warning_names_the_heads_key(
         and "lower heads.draft_vocab_size" in warned[0]
         and "drafter." not in warned[0]
     ), warned
-
-
-# --------------------------------------------------------------------------- Ctrl-C
-
-
-def test_ctrl_c_in_training_names_the_checkpoint_and_the_resume_command(
-    tmp_path, monkeypatch, tiny_target_dir, tiny_data_file
-):
-    from draftsmith.distill.engine.module import DistillModule
-
-    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
-    step = DistillModule.training_step
-
-    def interrupted_at_3(self, batch, batch_idx):
-        if self.global_step == 3:
-            raise KeyboardInterrupt
-        return step(self, batch, batch_idx)
-
-    monkeypatch.setattr(DistillModule, "training_step", interrupted_at_3)
-    overrides = [
-        "recipe=medusa",
-        *tiny_overrides(tiny_target_dir, tiny_data_file),
-        "trainer.max_steps=10",
-        "run.checkpoint_every=2",
-    ]
-    import signal
-
-    with pytest.raises(TrainingInterrupted) as err:
-        run_train_inprocess(overrides, tmp_path / "run")
-    assert (
-        signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    )  # Ctrl-C works again afterwards
-    assert err.value.step == 3 and err.value.checkpoint.endswith("step2.ckpt"), vars(err.value)
-    assert isinstance(err.value, KeyboardInterrupt)
-
-
-def test_train_py_reports_ctrl_c_with_exit_130(tmp_path, monkeypatch, capsys):
-    from draftsmith.distill.engine import trainer
-
-    ckpt = tmp_path / "checkpoints" / "step50.ckpt"
-
-    def interrupted(*args, **kwargs):
-        raise TrainingInterrupted(57, str(ckpt), str(tmp_path), 50)
-
-    monkeypatch.setattr(trainer, "train", interrupted)
-    assert (
-        train_main(["recipe=medusa", "optim.lr=2e-3", "run.resume=false"], tmp_path, monkeypatch)
-        == 130
-    )
-    lines = error_lines(capsys.readouterr().err)
-    assert len(lines) == 1, lines
-    assert re.match(
-        r"error: interrupted \(Ctrl-C\) at step 57; the last checkpoint is"
-        rf" {re.escape(str(ckpt))}; "
-        r"resume with: python \S*train\.py recipe=medusa optim\.lr=2e-3 hydra\.run\.dir=",
-        lines[0],
-    ), lines
-    assert "run.resume=false" not in lines[0]
-
-    def interrupted_early(*args, **kwargs):  # Ctrl-C before the first checkpoint (or while loading)
-        raise TrainingInterrupted(3, None, str(tmp_path / "fresh"), 50)
-
-    monkeypatch.setattr(trainer, "train", interrupted_early)
-    assert train_main(["recipe=medusa"], tmp_path / "fresh", monkeypatch) == 130
-    lines = error_lines(capsys.readouterr().err)
-    assert (
-        len(lines) == 1
-        and "no checkpoint was written yet (the first comes after run.checkpoint_every=50 steps)"
-        in lines[0]
-    ), lines
-    assert re.search(r"start again with: python \S*train\.py recipe=medusa", lines[0]), lines
-    # DRAFTSMITH_DEBUG=1 keeps the traceback
-    with pytest.raises(KeyboardInterrupt):
-        train_main(
-            ["recipe=medusa"], tmp_path / "fresh", monkeypatch, env={"DRAFTSMITH_DEBUG": "1"}
-        )
 
 
 # ------------------------------------------------------------- rollouts longer than data.max_length

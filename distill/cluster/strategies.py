@@ -3,7 +3,7 @@
 
 Each preset is built here from its config block, never from a bare string, so what it shards, wraps,
 offloads and in which precision it computes is decided in one place and inspected by
-``tests/test_strategies.py``:
+``tests/test_strategies.py`` and ``tests/test_sharded_strategies.py``:
 
 * The frozen target is not a registered submodule of the LightningModule (see ``DistillModule``), so
   no strategy ever puts it in optimizer state, gradients or checkpoints. ``target.shard`` decides
