@@ -218,8 +218,8 @@ def _check_forecast(run_dir: str, out: Path) -> int:
 def _run_or_report(opts: argparse.Namespace, overrides: Sequence[str], out: Path) -> dict[str, Any]:
     """Run (or resume) the curve's points, or with ``--report-only`` re-report curve.json; returns
     the report's block."""
-    from draftsmith.evals.curve_report import write_report
     from draftsmith.evals.curve_folder import CURVE_FILE, CurveError
+    from draftsmith.evals.curve_report import write_report
     from draftsmith.evals.curve_runner import log_spaced_steps, run_curve
     from draftsmith.evals.learning_curve import EvalSettings
 

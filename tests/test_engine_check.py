@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from draftsmith.bench import llamacpp
+from draftsmith.evals.engine_check_report import markdown
 
 pytestmark = pytest.mark.unit
 
@@ -48,7 +49,7 @@ def test_llamacpp_generated_ids_are_read_from_its_verbose_eval_log():
 
 
 def test_generated_ids_agree_at_eos_and_at_the_cut():
-    from draftsmith.evals.engine_check import generated_ids_agree
+    from draftsmith.evals.engine_agreement import generated_ids_agree
 
     eos = (2,)
     assert generated_ids_agree(
@@ -92,7 +93,7 @@ def fake_engines(monkeypatch, tokenizer, hf_ids: list, engine_ids: list, eos: in
         return {"tau": 1.5, "lossless": True, "ar_outputs": [[40, 41, eos], [40, 41, 42, 43]]}
 
     monkeypatch.setattr(ec, "read_config", lambda folder: {"method": "eagle3"})
-    monkeypatch.setattr(ec.llamacpp, "missing_build_reason", lambda: None)
+    monkeypatch.setattr(ec.llamacpp_build, "missing_build_reason", lambda: None)
     monkeypatch.setattr(ec.llamacpp, "llamacpp_row", fake_row)
     monkeypatch.setattr(
         ec, "llamacpp_speculative", lambda *a: {"texts": ["a b", "a b c"], "n_draft_max": 4}
@@ -162,5 +163,5 @@ def test_engine_check_feeds_both_engines_the_same_ids_and_compares_ids(
     ]
     assert (
         "the same prompt ids in both engines (llama.cpp's tokenization); the HF tokenizer splits"
-        " prompts [0]" in ec.markdown(with_speeds(result))
+        " prompts [0]" in markdown(with_speeds(result))
     )

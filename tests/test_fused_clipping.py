@@ -99,7 +99,7 @@ def test_16_mixed_with_clipping_takes_the_unfused_adamw(monkeypatch):
 
 
 def test_eagle_clips_gradients_by_value_and_others_by_norm(tmp_path):
-    from draftsmith.distill.engine.trainer import build_trainer
+    from draftsmith.distill.engine.lightning_trainer import build_trainer
 
     eagle = build_trainer(compose_config(["recipe=eagle"]), tmp_path / "e")
     assert eagle.gradient_clip_val == 0.5 and eagle.gradient_clip_algorithm == "value"
@@ -120,7 +120,7 @@ def test_fsdp_norm_clipping_moves_into_the_module(tmp_path):
     """
     from omegaconf import OmegaConf
 
-    from draftsmith.distill.engine.trainer import grad_clipping, sharded_clip_norm
+    from draftsmith.distill.engine.lightning_trainer import grad_clipping, sharded_clip_norm
 
     medusa = compose_config(["recipe=medusa"])
     fsdp = OmegaConf.create({"strategy": "fsdp", "accelerator": "gpu"})

@@ -25,7 +25,7 @@ def round_one_rollouts_and_controller(common: list[str], target_dir, tmp_path, c
     """Round 1: bad grids are refused, rollouts are written, the controller trains on them; round 2
     samples with it. Returns round 1's training summary and its head."""
     from draftsmith.cli.training import compose_config
-    from draftsmith.datagen.rollouts import main
+    from draftsmith.datagen.rollouts_command import main
     from draftsmith.distill.engine.trainer import train
     from draftsmith.recipes import get_recipe
 
@@ -86,7 +86,7 @@ def round_two_trains_on_every_round(
 
     from draftsmith.cli.training import compose_config
     from draftsmith.common.errors import ConfigError
-    from draftsmith.datagen.rollouts import main
+    from draftsmith.datagen.rollouts_command import main
     from draftsmith.distill.data.preferences import read_pair_rounds
     from draftsmith.distill.engine.trainer import train
     from draftsmith.recipes import get_recipe

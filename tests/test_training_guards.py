@@ -56,7 +56,7 @@ def run_train(
 
 
 def test_target_dtype_auto_is_the_default_and_follows_the_cpu(monkeypatch, caplog, tiny_target_dir):
-    from draftsmith.distill.target.frozen import resolve_target_dtype
+    from draftsmith.distill.target.loading import resolve_target_dtype
 
     assert OmegaConf.load(ROOT / "conf/target/smollm2.yaml").dtype == "auto"
     dtype, why = resolve_target_dtype("auto", "cpu", AVX2)
@@ -75,7 +75,7 @@ def test_target_dtype_auto_is_the_default_and_follows_the_cpu(monkeypatch, caplo
     for caps, want in ((AVX2, torch.float32), (AVX512_BF16, torch.bfloat16)):
         monkeypatch.setattr(cpu_caps, "probe", lambda caps=caps: caps)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="draftsmith.distill.target.frozen"):
+        with caplog.at_level(logging.INFO, logger="draftsmith.distill.target.loading"):
             target = Target.load(str(tiny_target_dir), "auto")
         assert target.lm_head_weight.dtype == want
         lines = [
@@ -101,7 +101,7 @@ def test_target_dtype_auto_is_the_default_and_follows_the_cpu(monkeypatch, caplo
     ],
 )
 def test_cuda_only_presets_without_cuda_name_the_cpu_preset(overrides):
-    from draftsmith.distill.engine.trainer import check_devices
+    from draftsmith.distill.cluster.strategies import check_devices
 
     assert not torch.cuda.is_available()
     cfg = compose_config(["recipe=medusa", *overrides])
@@ -243,7 +243,7 @@ def test_eagle_noise_is_uniform_point_one_whatever_the_batch_width(tiny_tokenize
 def test_a_wall_clock_budget_caps_training(tmp_path):
     from pytorch_lightning.callbacks import Timer
 
-    from draftsmith.distill.engine.trainer import build_trainer
+    from draftsmith.distill.engine.lightning_trainer import build_trainer
 
     capped = build_trainer(
         compose_config(["recipe=medusa", "trainer.max_time=00:00:04:30"]), tmp_path / "t"
