@@ -311,7 +311,7 @@ def attach_controller(
         TemperaturePolicy,
     )
     from draftsmith.export.format import check_target
-    from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
+    from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
 
     head, config = AdaptiveTemperatureHead.from_export(controller)
     check_target(

@@ -22,12 +22,9 @@ from draftsmith.recipes.eagle3 import objective as eagle3_recipe
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import StepContext
-from draftsmith.runtime.drafting.eagle import (
-    DraftModel,
-    Eagle1DraftModel,
-    Eagle3DraftModel,
-    EagleProposer,
-)
+from draftsmith.runtime.drafting.eagle_adapters import Eagle1DraftModel, Eagle3DraftModel
+from draftsmith.runtime.drafting.eagle_models import DraftModel
+from draftsmith.runtime.drafting.eagle_proposer import EagleProposer
 from draftsmith.runtime.drafting.registry import build_proposer, registered_methods
 from draftsmith.runtime.target.hf import HFModelAdapter
 from draftsmith.runtime.target.interface import TargetWrapper

@@ -23,7 +23,8 @@ from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.kernels import compact_kv, greedy_verify, tree_attention
 from draftsmith.runtime.acceptance.verifiers import GreedyVerifier
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, EagleProposer
+from draftsmith.runtime.drafting.eagle_adapters import Eagle1DraftModel
+from draftsmith.runtime.drafting.eagle_proposer import EagleProposer
 from draftsmith.runtime.drafting.medusa import MedusaProposer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 

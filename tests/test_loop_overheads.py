@@ -18,7 +18,8 @@ from draftsmith.runtime.acceptance.verifiers import Acceptance
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import StepContext
-from draftsmith.runtime.drafting.eagle import EagleProposer
+from draftsmith.runtime.drafting.eagle_proposer import EagleProposer
+from draftsmith.runtime.drafting.eagle_tree import GeneratedNodes, rerank
 from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.output import TargetOutput
 
@@ -76,8 +77,7 @@ def random_levels(seed: int, k: int, levels: int) -> tuple[list, list, list, lis
 def test_rerank_keeps_the_nodes_a_stable_torch_sort_keeps(seed, total):
     k, levels = 3, 1 + seed % 3
     tokens, scores, local, parents = random_levels(seed, k, levels)
-    proposer = EagleProposer(BigramStub(), "tree", total_tokens=total, depth=3, top_k=k)
-    got = proposer._rerank(77, tokens, scores, local, parents)
+    got = rerank(total, 77, GeneratedNodes(tokens, scores, local, parents))
     flat_parents = [torch.tensor(parents[:k])] + [
         torch.tensor(parents[k + i * k * k : k + (i + 1) * k * k]) for i in range(levels - 1)
     ]
@@ -89,9 +89,8 @@ def test_rerank_keeps_the_nodes_a_stable_torch_sort_keeps(seed, total):
 
 
 def test_rerank_drops_nodes_scored_minus_infinity():
-    proposer = EagleProposer(BigramStub(), "tree", total_tokens=8, depth=1, top_k=4)
     logp = torch.tensor([-0.1, -0.2, float("-inf"), float("-inf")])
-    tree = proposer._rerank(5, [torch.tensor([10, 11, 12, 13])], [logp], [logp], [-1] * 4)
+    tree = rerank(8, 5, GeneratedNodes([torch.tensor([10, 11, 12, 13])], [logp], [logp], [-1] * 4))
     assert tree.tokens.tolist() == [5, 10, 11] and tree.parents.tolist() == [-1, 0, 0]
     assert torch.allclose(
         tree.draft_confidence, torch.tensor([1.0, math.exp(-0.1), math.exp(-0.2)])

@@ -458,7 +458,7 @@ def test_two_rounds_rollouts_train_rollouts_with_the_controller(tiny_target_dir,
 def test_a_controller_that_always_picks_t0_decodes_exactly_greedy():
     from test_speculative import tiny_llama
 
-    from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
+    from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
     from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
     from draftsmith.runtime.drafting.base import NullProposer
 
