@@ -25,7 +25,7 @@ from draftsmith.runtime.decoding.speculative import SpecResult
 from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.drafting.base import LookaheadHeads, Proposer, ReportsVerifyReuse
 from draftsmith.runtime.serving import Runtime, hf_fastest_dtype
-from draftsmith.runtime.shapes import calibration
+from draftsmith.runtime.shapes import calibration, loop_profile, target_timing
 from draftsmith.runtime.target.loading import load_decoder
 
 FORWARD_SIZES = tuple(
@@ -54,7 +54,9 @@ def _step_costs(
         :length
     ]  # the prompt repeated up to ``context`` tokens
     cache = model.allocate_cache(len(prompt) + max(nodes, *FORWARD_SIZES) + 1)
-    head = calibration.loop_head(spec)  # the LM head the loops run (argmax for greedy verification)
+    head = target_timing.loop_head(
+        spec
+    )  # the LM head the loops run (argmax for greedy verification)
     with torch.inference_mode():
         model.forward(torch.tensor(prompt), cache, logits_for="last")
         cache.commit(len(prompt))
@@ -312,7 +314,7 @@ def _profile(
             profiled = floors.apply_profiled_shape(spec, export_proposer, cost_model)
         drafting = spec.proposer
         with floors.counting_draft_calls(spec.proposer, runtime.model) as counted:
-            report, results, _ = calibration.profiled_run(
+            report, results, _ = loop_profile.profiled_run(
                 spec, prompts, max_new_tokens, runtime.eos_ids
             )
     finally:
@@ -333,8 +335,8 @@ def _profile(
     # the plain loop without its prefill, on the same prompts (the cost model's calibration prompts
     # may differ)
     ar_tokens = min(max_new_tokens, 32)
-    ar_ms = calibration.decode_step_ms(
-        runtime.model, prompts, ar_tokens, head=calibration.loop_head(runtime.speculative)
+    ar_ms = target_timing.decode_step_ms(
+        runtime.model, prompts, ar_tokens, head=target_timing.loop_head(runtime.speculative)
     )[0]
     steps_info["ar_context_tokens"] = statistics.mean(len(p) for p in prompts) + ar_tokens / 2
     # the threads the runtime decodes with on a quiet machine (the governor lends fewer while others
