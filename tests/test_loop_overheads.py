@@ -15,8 +15,10 @@ from test_speculative import tiny_llama
 
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
 from draftsmith.runtime.acceptance.verifiers import Acceptance
+from draftsmith.runtime.decoding import speculative_step
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.decoding.speculative_step import LoopState
 from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.eagle_proposer import EagleProposer
 from draftsmith.runtime.drafting.eagle_tree import GeneratedNodes, rerank
@@ -177,8 +179,12 @@ def test_missing_taps_are_named_when_the_accepted_rows_are_handed_over():
     dec = SpeculativeDecoder(model, RecordingProposer([], (1,), 256))
     out = TargetOutput(torch.zeros(3, 8), torch.zeros(3, 4), {0: torch.zeros(3, 4)})
     acc = Acceptance([0, 2], [9], 4, 1)
+    # only the root, the taps and the generator of the loop are read when the path is handed over
+    loop = LoopState(None, torch.device("cpu"), (1,), None, False, None, None, None, 2, None)
     with pytest.raises(ValueError, match=r"no taps for layers \[1\]"):
-        dec._accept_path(out, acc, torch.tensor([0, 2]), torch.tensor([1, 2]), 2, None, (1,), None)
+        speculative_step._accept_path(
+            dec, out, acc, torch.tensor([0, 2]), torch.tensor([1, 2]), loop
+        )
 
 
 def test_rope_rows_of_explicit_positions_are_the_table_rows():
