@@ -78,11 +78,11 @@ def calibrated_if_quiet(
     back) while this bench still serves it. The record gets ``cached``, ``calibration_contention``
     and, when not cached, ``not_cached_why``."""
     from draftsmith.common.atomic_folder import write_file
-    from draftsmith.runtime.shapes import calibration, cost_model
+    from draftsmith.runtime.shapes import shape_cache
 
     path = (
-        Path(cost_model.cache_dir())
-        / f"{calibration.cache_key(calibration.machine_identity(runtime))}.json"
+        Path(shape_cache.cache_dir())
+        / f"{shape_cache.cache_key(shape_cache.machine_identity(runtime))}.json"
     )
     before = path.read_bytes() if path.is_file() else None
     start = snapshot()

@@ -143,7 +143,7 @@ _CURRENT = Progress()
 def history_file() -> Path:
     """Where phase times are kept for the next bench's ETAs: beside the measured costs
     (``DRAFTSMITH_COST_CACHE``)."""
-    from draftsmith.runtime.shapes.cost_model import cache_dir
+    from draftsmith.runtime.shapes.shape_cache import cache_dir
 
     return Path(cache_dir()) / "bench_phases.json"
 

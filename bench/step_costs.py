@@ -14,7 +14,7 @@ import torch
 from draftsmith.bench import floors
 from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.serving import Runtime
-from draftsmith.runtime.shapes import calibration
+from draftsmith.runtime.shapes import target_timing
 
 # new tokens per forward: every verify size a candidate shape can have
 FORWARD_SIZES = tuple(range(1, 17))
@@ -41,7 +41,9 @@ def step_costs(
         :length
     ]  # the prompt repeated up to ``context`` tokens
     cache = model.allocate_cache(len(prompt) + max(nodes, *FORWARD_SIZES) + 1)
-    head = calibration.loop_head(spec)  # the LM head the loops run (argmax for greedy verification)
+    head = target_timing.loop_head(
+        spec
+    )  # the LM head the loops run (argmax for greedy verification)
     with torch.inference_mode():
         model.forward(torch.tensor(prompt), cache, logits_for="last")
         cache.commit(len(prompt))

@@ -10,7 +10,7 @@ from draftsmith.bench import floors
 from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.drafting.base import Proposer
 from draftsmith.runtime.serving import Runtime
-from draftsmith.runtime.shapes import calibration
+from draftsmith.runtime.shapes import loop_profile, target_timing
 
 
 def profile_steps(
@@ -34,7 +34,7 @@ def profile_steps(
             profiled = floors.apply_profiled_shape(spec, export_proposer, cost_model)
         drafting = spec.proposer
         with floors.counting_draft_calls(spec.proposer, runtime.model) as counted:
-            report, results, _ = calibration.profiled_run(
+            report, results, _ = loop_profile.profiled_run(
                 spec, prompts, max_new_tokens, runtime.eos_ids
             )
     finally:
@@ -55,8 +55,8 @@ def profile_steps(
     # the plain loop without its prefill, on the same prompts (the cost model's calibration prompts
     # may differ)
     ar_tokens = min(max_new_tokens, 32)
-    ar_ms = calibration.decode_step_ms(
-        runtime.model, prompts, ar_tokens, head=calibration.loop_head(runtime.speculative)
+    ar_ms = target_timing.decode_step_ms(
+        runtime.model, prompts, ar_tokens, head=target_timing.loop_head(runtime.speculative)
     )[0]
     steps_info["ar_context_tokens"] = statistics.mean(len(p) for p in prompts) + ar_tokens / 2
     # the threads the runtime decodes with on a quiet machine (the governor lends fewer while others

@@ -137,9 +137,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for key, value in rt.backend_report().items():
             print(f"[{key}] {value}", file=sys.stderr)
     if rt.speculative is not None and args.stop_policy == "auto":
-        from draftsmith.runtime.shapes import calibration
+        from draftsmith.runtime.shapes import shape_cache
 
-        note = calibration.apply_cached_shape(rt)
+        note = shape_cache.apply_cached_shape(rt)
         if args.verbose or "plain decoding" in note:
             print(f"[draft shape] {note}", file=sys.stderr)
     prompt = encode_chat(rt.tokenizer, args.prompt)

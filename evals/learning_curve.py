@@ -38,13 +38,9 @@ from draftsmith.runtime.decoding.profile import StepProfiler
 from draftsmith.runtime.decoding.prompt_limits import context_limit
 from draftsmith.runtime.serving import load_runtime
 from draftsmith.runtime.shapes import draft_shapes
-from draftsmith.runtime.shapes.calibration import (
-    StepRecorder,
-    decode_step_ms,
-    forward_curve,
-    loop_head,
-)
 from draftsmith.runtime.shapes.cost_model import MachineCosts, anchor_curve
+from draftsmith.runtime.shapes.loop_profile import StepRecorder
+from draftsmith.runtime.shapes.target_timing import decode_step_ms, forward_curve, loop_head
 
 CHAIN_DEPTH = (
     4  # per-position acceptance is reported at depths 1..4 (the calibration superset's depth)

@@ -1,6 +1,6 @@
 """The runtime's entry: load a target and an export into a :class:`Runtime` (dtype choice, linear
-backend, proposer, verifier, stop policy, optional adaptive-temperature controller). Every command
-that serves starts here.
+backend, proposer, verifier, stop policy, optional adaptive-temperature controller; the last three
+attached by runtime/attachments.py). Every command that serves starts here.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ import torch
 from draftsmith import assets
 from draftsmith.common.errors import InputError, InputNotFoundError
 from draftsmith.export.format import read_config
-from draftsmith.export.identity import target_identity
 from draftsmith.kernels import cpu_caps
-from draftsmith.runtime.acceptance.choice import choose_stop_policy, choose_verifier, option_sources
+from draftsmith.runtime.attachments import DrafterSettings, attach_exports
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.base import NullProposer
-from draftsmith.runtime.drafting.registry import build_proposer
 from draftsmith.runtime.target.adapters import target_adapter
 from draftsmith.runtime.target.interface import TargetDecoder
 from draftsmith.runtime.target.loading import choose_decoder
@@ -168,12 +165,27 @@ def load_runtime(
     see ``draftsmith.runtime.acceptance.choice``).
     ``trust_remote_code``: transformers' flag for the target's tokenizer and config, always passed
     (off by default), so transformers never asks on stdin."""
-    from transformers import AutoConfig, AutoTokenizer
-
     stop_policy = (
         None if stop_policy in ("auto", "export") else stop_policy
     )  # the export's; bench may tune it
     export_config = read_config(drafter) if drafter else None
+    folder = _target_folder(target, export_config, controller, trust_remote_code)
+    runtime, adapter = _load_target(
+        folder, drafter, export_config, dtype, backend, kernels, linear_backend, trust_remote_code
+    )
+    settings = DrafterSettings(
+        verifier, temperature, stop_policy, kernels, max_cache_len, proposer_options
+    )
+    attach_exports(runtime, drafter, controller, adapter, target or str(folder), settings)
+    return runtime
+
+
+def _target_folder(
+    target: str | None, export_config: dict | None, controller: str | None, trust_remote_code: bool
+) -> Path:
+    """The target's folder: ``target``, else the one the drafter (or controller) was trained for,
+    else the embedded default; a missing folder, a corrupt config.json or unrequested custom code
+    is refused in one line."""
     if controller and not target and export_config is None:
         target = read_config(controller)["target"]["name_or_path"]
     name = target or (export_config["target"]["name_or_path"] if export_config else "smollm2-135m")
@@ -189,6 +201,23 @@ def load_runtime(
     check_custom_code(
         folder, trust_remote_code
     )  # a folder with its own code: refused in one line unless opted in
+    return folder
+
+
+def _load_target(
+    folder: Path,
+    drafter: str | None,
+    export_config: dict | None,
+    dtype: str,
+    backend: str,
+    kernels: str,
+    linear_backend: str,
+    trust_remote_code: bool,
+) -> tuple[Runtime, tuple[Any, Any] | None]:
+    """The runtime decoder and tokenizer of ``folder`` as a :class:`Runtime`, and the Medusa-2
+    target adapter the drafter trained (None without one)."""
+    from transformers import AutoTokenizer
+
     # transformers gets the user's choice itself (never whether the model needs code: a tokenizer's
     # own code is declared in tokenizer_config.json, which check_custom_code does not read)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -216,125 +245,4 @@ def load_runtime(
         decoder_reason=why,
         trust_remote_code=trust_remote_code,
     )
-    hf_config = (
-        AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        if drafter or controller
-        else None
-    )
-    if drafter:
-        identity = target_identity(
-            export_config["target"]["name_or_path"], hf_config, tokenizer, model.lm_head_weight
-        )
-        if adapter:
-            identity = {**identity, "adapter": adapter[1]}
-        _attach_drafter(
-            runtime,
-            drafter,
-            identity,
-            target or str(folder),
-            verifier,
-            temperature,
-            stop_policy,
-            kernels,
-            max_cache_len,
-            proposer_options,
-        )
-    if controller:
-        identity = target_identity(
-            read_config(controller)["target"]["name_or_path"],
-            hf_config,
-            tokenizer,
-            model.lm_head_weight,
-        )
-        attach_controller(
-            runtime, controller, identity, target or str(folder), kernels, max_cache_len
-        )
-    return runtime
-
-
-def _attach_drafter(
-    runtime: Runtime,
-    drafter: str,
-    identity: dict,
-    given: str,
-    verifier: str,
-    temperature: float,
-    stop_policy: str | None,
-    kernels: str,
-    max_cache_len: int | None,
-    proposer_options: dict[str, Any] | None,
-) -> None:
-    """The export's proposer (checked against the target's ``identity``), verifier and stop policy
-    as the runtime's speculative decoder; ``runtime.inference`` records what runs and where each
-    choice came from."""
-    model, export_config = runtime.model, runtime.export_config
-    # the HF fallback verifies trees exactly or refuses (one line), before any work
-    model.check_speculative()
-    proposer = build_proposer(
-        drafter, model, identity=identity, given=given, **(proposer_options or {})
-    )
-    chosen_verifier, verifier_info = choose_verifier(verifier, temperature, kernels, export_config)
-    policy, policy_info = choose_stop_policy(stop_policy, export_config, export_dir=drafter)
-    runtime.inference = {
-        "verifier": verifier_info,
-        "stop_policy": policy_info,
-        "proposer_options": option_sources(export_config, proposer_options),
-    }
-    verify_model = proposer.wrap_target(
-        model
-    )  # the target itself, or Kangaroo's cache-sharing wrapper
-    runtime.speculative = SpeculativeDecoder(
-        verify_model,
-        proposer,
-        chosen_verifier,
-        stop_policy=policy,
-        kernel_backend=kernels,
-        max_cache_len=max_cache_len,
-    )
-
-
-def attach_controller(
-    runtime: Runtime,
-    controller: str,
-    identity: dict,
-    given: str,
-    kernels: str = "auto",
-    max_cache_len: int | None = None,
-) -> None:
-    """Sample with an adaptive-temperature export's per-position temperatures: with a drafter, its
-    speculative loop verifies by rejection sampling at each node's temperature (the adaptive
-    decoder's law exactly); without one, the same loop with the null proposer is the adaptive
-    decoder alone. The controller must be for this target.
-    """
-    from draftsmith.controllers.adaptive_temperature import (
-        AdaptiveTemperatureHead,
-        TemperaturePolicy,
-    )
-    from draftsmith.export.format import check_target
-    from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
-
-    head, config = AdaptiveTemperatureHead.from_export(controller)
-    check_target(
-        config, identity, given
-    )  # a controller trained on another target's hidden states is refused
-    head = head.to(device=runtime.model.device)
-    policy = TemperaturePolicy(head, mode=(config.get("inference") or {}).get("choice", "greedy"))
-    spec = runtime.speculative
-    proposer = spec.proposer if spec is not None else NullProposer()
-    runtime.speculative = SpeculativeDecoder(
-        spec.model if spec is not None else runtime.model,
-        proposer,
-        RejectionSamplingVerifier(1.0),
-        spec.stop_policy if spec else None,
-        kernel_backend=kernels,
-        max_cache_len=max_cache_len,
-        temperature_policy=policy,
-    )  # the policy itself: the loop calls its reset
-    runtime.inference = {
-        **(runtime.inference or {}),
-        "controller": {
-            "export": str(controller),
-            "grid": list(head.config.grid),
-            "granularity": policy.granularity,
-        },
-    }
+    return runtime, adapter

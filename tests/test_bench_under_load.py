@@ -14,7 +14,7 @@ import torch
 
 from draftsmith.bench import contention, step_costs
 from draftsmith.runtime.serving import load_runtime
-from draftsmith.runtime.shapes import calibration, cost_model
+from draftsmith.runtime.shapes import shape_cache, target_timing
 
 pytestmark = pytest.mark.unit
 
@@ -38,14 +38,14 @@ def test_the_bench_forward_curve_and_the_calibration_curves_tick_the_governor(
     rt = load_runtime(str(medusa_export), None, "fp32")
     gov = CountingGovernor()
     monkeypatch.setattr(step_costs, "governor", lambda: gov)
-    monkeypatch.setattr(calibration, "governor", lambda: gov)
+    monkeypatch.setattr(target_timing, "governor", lambda: gov)
     prompt = list(range(5, 25))
     step_costs.step_costs(rt, prompt, repeats=2)
     forwards = 2 * len(step_costs.FORWARD_SIZES)  # every timed forward of the curve (warm-up aside)
     assert gov.ticks >= forwards, gov.ticks
     before = gov.ticks
-    calibration.forward_curve(rt.model, prompt, sizes=(1, 2, 3), repeats=2)
-    calibration.decode_step_ms(rt.model, [prompt], 4)
+    target_timing.forward_curve(rt.model, prompt, sizes=(1, 2, 3), repeats=2)
+    target_timing.decode_step_ms(rt.model, [prompt], 4)
     assert gov.ticks - before >= 3 * 2 + 4
 
 
@@ -63,8 +63,8 @@ def test_a_calibration_measured_while_contended_is_not_cached(tmp_path, monkeypa
     monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path / "costs"))
     runtime = _runtime(tmp_path)
     path = (
-        Path(cost_model.cache_dir())
-        / f"{calibration.cache_key(calibration.machine_identity(runtime))}.json"
+        Path(shape_cache.cache_dir())
+        / f"{shape_cache.cache_key(shape_cache.machine_identity(runtime))}.json"
     )
     path.parent.mkdir(parents=True)
     if earlier is not None:

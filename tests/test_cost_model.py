@@ -14,7 +14,7 @@ from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import NullProposer
 from draftsmith.runtime.drafting.chain import ChainProposer
-from draftsmith.runtime.shapes import calibration
+from draftsmith.runtime.shapes import calibration, loop_profile, shape_cache
 from draftsmith.runtime.shapes.cost_model import MachineCosts, choose_depth, threshold_from_costs
 
 pytestmark = pytest.mark.unit
@@ -121,7 +121,7 @@ def test_cost_aware_default_on_measured_costs(offset, expect_plain, tmp_path, mo
             ),
         }
     )
-    note = calibration.apply_cached_shape(
+    note = shape_cache.apply_cached_shape(
         fresh
     )  # generate reuses the decision measured by the bench
     assert ("plain decoding" in note) == expect_plain
@@ -132,7 +132,7 @@ def test_profile_parts_add_up_to_the_measured_step():
     prompt = [1, 5, 9]
     sequence = prompt + generate_ar(lean, prompt, 80)
     spec = SpeculativeDecoder(lean, ChainProposer(OracleDrafter(sequence, 96, 0), depth=3))
-    report, results, _ = calibration.profiled_run(spec, [prompt, prompt], 60, ())
+    report, results, _ = loop_profile.profiled_run(spec, [prompt, prompt], 60, ())
     assert report["steps"] == sum(r.steps for r in results) > 10
     parts = sum(
         report[f"{k}_ms"]

@@ -24,8 +24,8 @@ from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter
 from draftsmith.export.format import TargetMismatchError, read_config, write_export
 from draftsmith.recipes.dflash import objective as dflash_recipe
 from draftsmith.runtime.acceptance.choice import choose_stop_policy
+from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
-from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.dflash import DFlashProposer
 from draftsmith.runtime.drafting.registry import build_proposer, chain_options

@@ -23,7 +23,7 @@ from draftsmith.export.format import ExportError, read_export
 from draftsmith.recipes import get_recipe
 from draftsmith.recipes.eagle import Eagle
 from draftsmith.recipes.eagle import objective as eagle_recipe
-from draftsmith.runtime.drafting.eagle_models import Eagle1DraftModel
+from draftsmith.runtime.drafting.eagle_adapters import Eagle1DraftModel
 
 pytestmark = pytest.mark.unit
 

@@ -14,13 +14,10 @@ from draftsmith.common.layers import KVCache
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.kernels import cpu_layer
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting import eagle_models
-from draftsmith.runtime.drafting.eagle import EagleProposer
-from draftsmith.runtime.drafting.eagle_models import (
-    Eagle3DraftModel,
-    StaticDraftKV,
-    grouped_attention,
-)
+from draftsmith.runtime.drafting import eagle_native
+from draftsmith.runtime.drafting.eagle_adapters import Eagle3DraftModel
+from draftsmith.runtime.drafting.eagle_ops import StaticDraftKV, grouped_attention
+from draftsmith.runtime.drafting.eagle_proposer import EagleProposer
 
 pytestmark = pytest.mark.unit
 
@@ -152,7 +149,7 @@ def test_native_eagle3_layer_matches_the_torch_step(monkeypatch):
     drafter = bf16_eagle3()
     native = Eagle3DraftModel(drafter)
     assert native.fused_reason is None and native._kernel is not None
-    monkeypatch.setattr(eagle_models, "_draft_kernel", lambda d: (None, "forced off"))
+    monkeypatch.setattr(eagle_native, "draft_kernel", lambda d: (None, "forced off"))
     torch_path = Eagle3DraftModel(drafter)
     assert torch_path.fused_reason == "forced off"
     compare_steps(

@@ -19,13 +19,10 @@ from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.kernels import cpu_layer
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting import eagle_models
+from draftsmith.runtime.drafting import eagle_native
 from draftsmith.runtime.drafting.eagle import EagleProposer
-from draftsmith.runtime.drafting.eagle_models import (
-    Eagle1DraftModel,
-    Eagle3DraftModel,
-    StaticDraftKV,
-)
+from draftsmith.runtime.drafting.eagle_adapters import Eagle1DraftModel, Eagle3DraftModel
+from draftsmith.runtime.drafting.eagle_models import StaticDraftKV
 from draftsmith.runtime.drafting.eagle_ops import torch_topk
 from draftsmith.runtime.target.fast_linear import accelerate_linears
 
@@ -35,7 +32,7 @@ WHY = cpu_layer.why_unavailable()
 EXT = None if WHY else cpu_layer.load_cpu_layer()
 needs_cpp = pytest.mark.skipif(EXT is None, reason=str(WHY))
 HAS_TOPK = EXT is not None and hasattr(EXT, "norm_linear_topk")
-HAS_LN1 = EXT is not None and eagle_models._optional_ln1(EXT) is None
+HAS_LN1 = EXT is not None and eagle_native.optional_ln1(EXT) is None
 needs_ln1 = pytest.mark.skipif(
     not HAS_LN1, reason="the fused kernel's decoder_layer does not take ln1=None here"
 )
@@ -84,7 +81,7 @@ def models(kind: str, target, monkeypatch) -> tuple:
         accelerate_linears(drafter)
         native = Eagle3DraftModel(drafter)
     with monkeypatch.context() as m:
-        m.setattr(eagle_models, "_draft_kernel", lambda d: (None, OFF))
+        m.setattr(eagle_native, "draft_kernel", lambda d: (None, OFF))
         slow = (
             type(native)(drafter, target.lm_head_logits)
             if kind == "eagle1"
@@ -239,7 +236,7 @@ def test_a_kernel_without_full_mask_runs_eagle1_tree_steps_in_torch(target, monk
     older.decoder_layer.__doc__ = (
         "decoder_layer(arg0: torch.Tensor, arg1: Optional[torch.Tensor], arg2: int) -> Tensor"
     )
-    monkeypatch.setattr(eagle_models, "_draft_kernel", lambda d: (older, None))
+    monkeypatch.setattr(eagle_native, "draft_kernel", lambda d: (older, None))
     old = Eagle1DraftModel(native.drafter, target.lm_head_logits, target._head)
     assert (
         old._layer_native
@@ -297,7 +294,7 @@ def crippled_kernel(ext) -> types.SimpleNamespace:
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 def test_a_kernel_without_the_new_entry_points_falls_back_and_says_why(kind, target, monkeypatch):
     native, _ = models(kind, target, monkeypatch)
-    monkeypatch.setattr(eagle_models, "_draft_kernel", lambda d: (crippled_kernel(EXT), None))
+    monkeypatch.setattr(eagle_native, "draft_kernel", lambda d: (crippled_kernel(EXT), None))
     old = (
         Eagle1DraftModel(native.drafter, target.lm_head_logits, target._head)
         if kind == "eagle1"

@@ -13,9 +13,11 @@ from test_speculative_sampling import chi2_pvalue  # one chi-square test for eve
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.drafters.vocab import vocab_maps
-from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier, target_probs
+from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
+from draftsmith.runtime.acceptance.verifiers import target_probs
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, Eagle3DraftModel, EagleProposer
+from draftsmith.runtime.drafting.eagle_adapters import Eagle1DraftModel, Eagle3DraftModel
+from draftsmith.runtime.drafting.eagle_proposer import EagleProposer
 
 pytestmark = pytest.mark.unit
 

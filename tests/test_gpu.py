@@ -20,10 +20,13 @@ from conftest import build_tiny_llama
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
 from draftsmith.export.format import read_export
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.kernels import compact_kv, greedy_verify, tree_attention
+from draftsmith.kernels.attention import tree_attention
+from draftsmith.kernels.kv_compact import compact_kv
+from draftsmith.kernels.verify import greedy_verify
 from draftsmith.runtime.acceptance.verifiers import GreedyVerifier
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, EagleProposer
+from draftsmith.runtime.drafting.eagle_adapters import Eagle1DraftModel
+from draftsmith.runtime.drafting.eagle_proposer import EagleProposer
 from draftsmith.runtime.drafting.medusa import MedusaProposer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 

@@ -9,12 +9,9 @@ from draftsmith.runtime.acceptance.choice import (
     option_sources,
     parse_stop_policy,
 )
+from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
 from draftsmith.runtime.acceptance.stop_policies import ConfidenceStop, FixedDepth
-from draftsmith.runtime.acceptance.verifiers import (
-    GreedyVerifier,
-    RejectionSamplingVerifier,
-    TypicalVerifier,
-)
+from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, TypicalVerifier
 
 pytestmark = pytest.mark.unit
 

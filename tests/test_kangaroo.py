@@ -25,8 +25,8 @@ from draftsmith.recipes import get_recipe
 from draftsmith.recipes.kangaroo import Kangaroo
 from draftsmith.recipes.kangaroo import objective as recipe
 from draftsmith.runtime.acceptance.choice import parse_stop_policy
+from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
 from draftsmith.runtime.acceptance.stop_policies import LearnedStop
-from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.kangaroo import KangarooProposer

@@ -18,8 +18,10 @@ import sys
 import pytest
 import torch
 
-from draftsmith.kernels import KernelBackendError, compact_kv, greedy_verify, tree_attention
-from draftsmith.kernels.attention import tree_attention_torch
+from draftsmith.kernels.attention import tree_attention, tree_attention_torch
+from draftsmith.kernels.dispatch import KernelBackendError
+from draftsmith.kernels.kv_compact import compact_kv
+from draftsmith.kernels.verify import greedy_verify
 
 pytestmark = pytest.mark.unit
 

@@ -15,10 +15,13 @@ from test_speculative import tiny_llama
 
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
 from draftsmith.runtime.acceptance.verifiers import Acceptance
+from draftsmith.runtime.decoding import speculative_step
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
+from draftsmith.runtime.decoding.speculative_step import LoopState
 from draftsmith.runtime.drafting.base import StepContext
-from draftsmith.runtime.drafting.eagle import EagleProposer
+from draftsmith.runtime.drafting.eagle_proposer import EagleProposer
+from draftsmith.runtime.drafting.eagle_tree import GeneratedNodes, rerank
 from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.output import TargetOutput
 
@@ -76,8 +79,7 @@ def random_levels(seed: int, k: int, levels: int) -> tuple[list, list, list, lis
 def test_rerank_keeps_the_nodes_a_stable_torch_sort_keeps(seed, total):
     k, levels = 3, 1 + seed % 3
     tokens, scores, local, parents = random_levels(seed, k, levels)
-    proposer = EagleProposer(BigramStub(), "tree", total_tokens=total, depth=3, top_k=k)
-    got = proposer._rerank(77, tokens, scores, local, parents)
+    got = rerank(total, 77, GeneratedNodes(tokens, scores, local, parents))
     flat_parents = [torch.tensor(parents[:k])] + [
         torch.tensor(parents[k + i * k * k : k + (i + 1) * k * k]) for i in range(levels - 1)
     ]
@@ -89,9 +91,8 @@ def test_rerank_keeps_the_nodes_a_stable_torch_sort_keeps(seed, total):
 
 
 def test_rerank_drops_nodes_scored_minus_infinity():
-    proposer = EagleProposer(BigramStub(), "tree", total_tokens=8, depth=1, top_k=4)
     logp = torch.tensor([-0.1, -0.2, float("-inf"), float("-inf")])
-    tree = proposer._rerank(5, [torch.tensor([10, 11, 12, 13])], [logp], [logp], [-1] * 4)
+    tree = rerank(8, 5, GeneratedNodes([torch.tensor([10, 11, 12, 13])], [logp], [logp], [-1] * 4))
     assert tree.tokens.tolist() == [5, 10, 11] and tree.parents.tolist() == [-1, 0, 0]
     assert torch.allclose(
         tree.draft_confidence, torch.tensor([1.0, math.exp(-0.1), math.exp(-0.2)])
@@ -178,8 +179,12 @@ def test_missing_taps_are_named_when_the_accepted_rows_are_handed_over():
     dec = SpeculativeDecoder(model, RecordingProposer([], (1,), 256))
     out = TargetOutput(torch.zeros(3, 8), torch.zeros(3, 4), {0: torch.zeros(3, 4)})
     acc = Acceptance([0, 2], [9], 4, 1)
+    # only the root, the taps and the generator of the loop are read when the path is handed over
+    loop = LoopState(None, torch.device("cpu"), (1,), None, False, None, None, None, 2, None)
     with pytest.raises(ValueError, match=r"no taps for layers \[1\]"):
-        dec._accept_path(out, acc, torch.tensor([0, 2]), torch.tensor([1, 2]), 2, None, (1,), None)
+        speculative_step._accept_path(
+            dec, out, acc, torch.tensor([0, 2]), torch.tensor([1, 2]), loop
+        )
 
 
 def test_rope_rows_of_explicit_positions_are_the_table_rows():

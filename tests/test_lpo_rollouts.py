@@ -211,7 +211,7 @@ def test_pairs_collate_into_shifted_choice_indices(setup, tmp_path):
 def test_a_controller_that_always_picks_t0_decodes_exactly_greedy():
     from test_speculative import tiny_llama
 
-    from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
+    from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
     from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
     from draftsmith.runtime.drafting.base import NullProposer
 

@@ -28,11 +28,13 @@ from draftsmith.export.format import TargetMismatchError, check_target, write_ex
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.eagle import objective as eagle_recipe
 from draftsmith.recipes.eagle3 import objective as eagle3_recipe
-from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier, target_probs
+from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
+from draftsmith.runtime.acceptance.verifiers import target_probs
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.chain import SampledTreeProposer
-from draftsmith.runtime.drafting.eagle import Eagle3DraftModel, EagleProposer
+from draftsmith.runtime.drafting.eagle_adapters import Eagle3DraftModel
+from draftsmith.runtime.drafting.eagle_proposer import EagleProposer
 from draftsmith.runtime.drafting.registry import build_proposer
 from draftsmith.runtime.target.model import LeanDecoder, ModelConfig
 

@@ -8,11 +8,8 @@ import torch
 from test_speculative import tiny_llama
 from test_speculative_sampling import ALPHA, SMALL_V, bigram_drafter, chi2_pvalue
 
-from draftsmith.runtime.acceptance.verifiers import (
-    GreedyVerifier,
-    RejectionSamplingVerifier,
-    target_probs,
-)
+from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
+from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, target_probs
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import NullProposer, StepContext
 from draftsmith.runtime.drafting.chain import ChainProposer, SampledTreeProposer

@@ -13,15 +13,15 @@ from test_speculative import tiny_llama
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
 from draftsmith.runtime.drafting.base import Proposer
 from draftsmith.runtime.drafting.medusa import MedusaProposer
-from draftsmith.runtime.shapes import calibration, draft_shapes
+from draftsmith.runtime.shapes import calibration, draft_shapes, shape_cache, target_timing
 from draftsmith.runtime.shapes.cost_model import (
     MachineCosts,
     ShapeChoice,
     decide_shape,
     predict_shapes,
-    save_shape_choice,
 )
 from draftsmith.runtime.shapes.draft_shapes import RecordedStep, Shape, ShapeError
+from draftsmith.runtime.shapes.shape_cache import save_shape_choice
 from draftsmith.runtime.target.interface import TargetWrapper
 
 pytestmark = pytest.mark.unit
@@ -64,10 +64,10 @@ def test_verify_curve_covers_every_size_and_the_ar_step_excludes_the_prefill():
     _, lean = tiny_llama(0, layers=2)
     clock = FakeClock()
     model = CostedModel(lean, clock, lambda n: 5.0 + 0.5 * n, prefill_ms=900.0)
-    curve = calibration.forward_curve(model, [1, 5, 9], clock=clock)
+    curve = target_timing.forward_curve(model, [1, 5, 9], clock=clock)
     assert sorted(curve) == list(range(1, 17))
     assert curve == pytest.approx({n: 5.0 + 0.5 * n for n in range(1, 17)})
-    step, per_prompt = calibration.decode_step_ms(model, [[1, 5, 9], [2, 4, 6, 8]], 8, clock)
+    step, per_prompt = target_timing.decode_step_ms(model, [[1, 5, 9], [2, 4, 6, 8]], 8, clock)
     assert step == pytest.approx(5.5) and per_prompt == pytest.approx(
         [5.5, 5.5]
     )  # the 900 ms prefill is not in it
@@ -93,20 +93,20 @@ def test_costs_are_timed_with_the_lm_head_the_loop_runs():
     more a step on a 135M target), and the argmax-head steps decode the same tokens as the
     logits-head steps."""
     _, lean = tiny_llama(0, layers=2)
-    assert calibration.loop_head(SimpleNamespace(uses_argmax_head=lambda: True)) == "argmax"
-    assert calibration.loop_head(SimpleNamespace(uses_argmax_head=lambda: False)) == "logits"
+    assert target_timing.loop_head(SimpleNamespace(uses_argmax_head=lambda: True)) == "argmax"
+    assert target_timing.loop_head(SimpleNamespace(uses_argmax_head=lambda: False)) == "logits"
     assert (
-        calibration.loop_head(None) == "logits"
+        target_timing.loop_head(None) == "logits"
     )  # no speculative decoder: the logits head, as before
     model = HeadRecorder(lean, FakeClock(), lambda n: 5.0)
-    calibration.forward_curve(model, [1, 5, 9], sizes=(1, 4), repeats=1, head="argmax")
+    target_timing.forward_curve(model, [1, 5, 9], sizes=(1, 4), repeats=1, head="argmax")
     assert (
         model.heads == ["logits"] + ["argmax"] * 3
     )  # the untimed prefill, the warm-up, then sizes 1 and 4
     fed = {}
     for head in ("argmax", "logits"):
         model = HeadRecorder(lean, FakeClock(), lambda n: 5.0)
-        calibration.decode_step_ms(model, [[2, 4, 6, 8]], 6, head=head)
+        target_timing.decode_step_ms(model, [[2, 4, 6, 8]], 6, head=head)
         assert model.heads == ["logits"] + [head] * 6  # the untimed prefill, then each timed step
         fed[head] = model.fed[1:]
     assert fed["argmax"] == fed["logits"]  # the same greedy tokens either way
@@ -268,13 +268,13 @@ def test_generate_reapplies_the_cached_shape(tmp_path, monkeypatch):
         Shape.chain(2), "chain:2 measured at 1.30x runtime AR: serving it", 1.4, 1.3, 0.05
     )
     save_shape_choice(
-        calibration.cache_key(calibration.machine_identity(bench_rt)),
+        shape_cache.cache_key(shape_cache.machine_identity(bench_rt)),
         MachineCosts(5.0, {1: 5.0}),
         choice,
-        calibration.machine_identity(bench_rt),
+        shape_cache.machine_identity(bench_rt),
     )
     rt = _runtime(StubEagle())
-    note = calibration.apply_cached_shape(rt)  # what cli/serving.py's generate calls
+    note = shape_cache.apply_cached_shape(rt)  # what cli/serving.py's generate calls
     assert "chain:2" in note
     assert rt.speculative.proposer.options == {"policy": "chain", "depth": 1}
     assert (
@@ -282,13 +282,13 @@ def test_generate_reapplies_the_cached_shape(tmp_path, monkeypatch):
     )
     plain = ShapeChoice(draft_shapes.PLAIN, "best measured shape ... serving plain decoding")
     save_shape_choice(
-        calibration.cache_key(calibration.machine_identity(bench_rt)),
+        shape_cache.cache_key(shape_cache.machine_identity(bench_rt)),
         MachineCosts(5.0, {1: 5.0}),
         plain,
-        calibration.machine_identity(bench_rt),
+        shape_cache.machine_identity(bench_rt),
     )
     rt = _runtime(StubEagle())
-    assert "plain decoding" in calibration.apply_cached_shape(rt)
+    assert "plain decoding" in shape_cache.apply_cached_shape(rt)
     assert type(rt.speculative.proposer).__name__ == "NullProposer"
 
 

@@ -15,10 +15,11 @@ from test_speculative_sampling import (
 )
 
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
+from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
 from draftsmith.runtime.acceptance.stop_policies import LearnedStop, StopContext
-from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
-from draftsmith.runtime.drafting.eagle import Eagle1DraftModel, EagleProposer
+from draftsmith.runtime.drafting.eagle_adapters import Eagle1DraftModel
+from draftsmith.runtime.drafting.eagle_proposer import EagleProposer
 from draftsmith.runtime.drafting.specdecpp import LearnedStopProposer
 
 pytestmark = pytest.mark.unit

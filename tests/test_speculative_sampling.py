@@ -12,11 +12,8 @@ import torch
 from test_speculative import tiny_llama
 
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.runtime.acceptance.verifiers import (
-    Acceptance,
-    RejectionSamplingVerifier,
-    target_probs,
-)
+from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
+from draftsmith.runtime.acceptance.verifiers import Acceptance, target_probs
 from draftsmith.runtime.decoding.speculative import SpeculativeDecoder
 from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.chain import SampledTreeProposer

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from draftsmith.common.trees import default_medusa_tree, tree_from_head_accuracies
+from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
 from draftsmith.runtime.acceptance.stop_policies import (
     ConfidenceStop,
     FixedDepth,
@@ -13,12 +14,7 @@ from draftsmith.runtime.acceptance.stop_policies import (
     StopContext,
     StopPolicy,
 )
-from draftsmith.runtime.acceptance.verifiers import (
-    GreedyVerifier,
-    RejectionSamplingVerifier,
-    TypicalVerifier,
-    target_probs,
-)
+from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, TypicalVerifier, target_probs
 from draftsmith.runtime.drafting.base import StepContext
 from draftsmith.runtime.drafting.medusa import MedusaProposer
 from draftsmith.runtime.drafting.tree import DraftTree, StaticTree

@@ -16,6 +16,7 @@ import torch
 from draftsmith.common.constants import STOP_CONFIDENCE, STOP_FIXED, STOP_LEARNED
 from draftsmith.common.errors import InputError
 from draftsmith.common.registry import Registry
+from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
 from draftsmith.runtime.acceptance.stop_policies import (
     ConfidenceStop,
     FixedDepth,
@@ -23,12 +24,7 @@ from draftsmith.runtime.acceptance.stop_policies import (
     ProposerHead,
     StopPolicy,
 )
-from draftsmith.runtime.acceptance.verifiers import (
-    GreedyVerifier,
-    RejectionSamplingVerifier,
-    TypicalVerifier,
-    Verifier,
-)
+from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, TypicalVerifier, Verifier
 
 VerifierBuilder = Callable[
     [float, str, dict], Verifier

@@ -9,7 +9,7 @@ import torch
 from draftsmith.common.errors import InputError
 from draftsmith.runtime.decoding.prompt_limits import cap_new_tokens
 from draftsmith.runtime.decoding.threads import governor
-from draftsmith.runtime.target.interface import TargetDecoder
+from draftsmith.runtime.target.interface import RuntimeCache, TargetDecoder
 
 
 def sample_token(
@@ -66,23 +66,14 @@ def generate_ar(
     (:func:`~draftsmith.runtime.decoding.prompt_limits.cap_new_tokens`). Returns the new tokens
     only.
     """
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if head not in ("auto", "logits"):
-        raise ValueError(f"head must be 'auto' or 'logits', got {head!r}")
-    _check_prompt(prompt_ids, model.sizes.vocab_size)
+    _check_request(prompt_ids, max_new_tokens, head, model.sizes.vocab_size)
     eos = set(eos_ids)
     if max_new_tokens == 0:
         return []
     max_new_tokens = cap_new_tokens(len(prompt_ids), max_new_tokens, model.sizes.context_length)
-    device = model.device
-    cache = model.allocate_cache(len(prompt_ids) + max_new_tokens)
-    logits = model.forward(
-        torch.tensor(prompt_ids, dtype=torch.long, device=device), cache, logits_for="last"
-    ).logits
-    cache.commit(len(prompt_ids))
+    cache, logits = _prefill(model, prompt_ids, max_new_tokens)
     out: list[int] = []
-    step = torch.empty(1, dtype=torch.long, device=device)  # reused input buffer
+    step = torch.empty(1, dtype=torch.long, device=model.device)  # reused input buffer
     # Greedy steps need only the argmax: a model that can reduce its LM head to it skips the [1, V]
     # logits.
     greedy = temperature <= 0.0 and head == "auto" and model.argmax_head
@@ -98,13 +89,48 @@ def generate_ar(
         if tok in eos or len(out) >= max_new_tokens:
             return out
         step.fill_(tok)
-        if greedy:
-            tok = int(model.forward(step, cache, logits_for="last", head="argmax").argmax[0])
-        else:
-            tok = sample_token(
-                model.forward(step, cache, logits_for="last").logits[-1],
-                temperature,
-                top_p,
-                generator,
-            )
+        tok = _next_token(model, step, cache, greedy, temperature, top_p, generator)
         cache.commit(1)
+
+
+def _check_request(prompt_ids: list[int], max_new_tokens: int, head: str, vocab_size: int) -> None:
+    """Refuse a negative ``max_new_tokens``, an unknown ``head`` and a prompt outside the
+    vocabulary."""
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if head not in ("auto", "logits"):
+        raise ValueError(f"head must be 'auto' or 'logits', got {head!r}")
+    _check_prompt(prompt_ids, vocab_size)
+
+
+def _prefill(
+    model: TargetDecoder, prompt_ids: list[int], max_new_tokens: int
+) -> tuple[RuntimeCache, torch.Tensor]:
+    """A cache for prompt + ``max_new_tokens`` with the prompt committed, and its last logits
+    [1, V]."""
+    cache = model.allocate_cache(len(prompt_ids) + max_new_tokens)
+    logits = model.forward(
+        torch.tensor(prompt_ids, dtype=torch.long, device=model.device), cache, logits_for="last"
+    ).logits
+    cache.commit(len(prompt_ids))
+    return cache, logits
+
+
+def _next_token(
+    model: TargetDecoder,
+    step: torch.Tensor,
+    cache: RuntimeCache,
+    greedy: bool,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> int:
+    """Run the last token ``step`` [1] and pick the next (the argmax head when ``greedy``)."""
+    if greedy:
+        return int(model.forward(step, cache, logits_for="last", head="argmax").argmax[0])
+    return sample_token(
+        model.forward(step, cache, logits_for="last").logits[-1],
+        temperature,
+        top_p,
+        generator,
+    )

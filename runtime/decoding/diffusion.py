@@ -36,17 +36,14 @@ class DiffusionDecodeConfig:
     """Knobs of one decode (the bench and the oracle share them)."""
 
     gen_length: int = 256
-    steps_per_block: int = (
-        32  # block_length / steps_per_block tokens per step for the baseline (1 at 32/32)
-    )
+    # block_length / steps_per_block tokens per step for the baseline (1 at 32/32)
+    steps_per_block: int = 32
     temperature: float = 0.0
     use_cache: bool = False  # prefix KV cache across finished blocks (one extra forward per block)
-    eotp: bool = (
-        False  # End-of-Text Prediction: cut the answer at a predicted EoT, skip the blocks after it
-    )
-    stop_at_eot: bool = (
-        False  # stop after a finished block holds an EoT (plain early exit, no prediction)
-    )
+    # End-of-Text Prediction: cut the answer at a predicted EoT, skip the blocks after it
+    eotp: bool = False
+    # stop after a finished block holds an EoT (plain early exit, no prediction)
+    stop_at_eot: bool = False
     seed: int = 0
 
 
@@ -165,51 +162,28 @@ def diffusion_decode(
     trajectories with it); ``canvas`` [L] is the block, and writing into it replaces tokens (the
     oracle's anti-stall copy).
     """
-    L, mask_id = lm.spec.block_length, lm.spec.mask_token_id
-    full_attention = lm.spec.attention == "full"
+    L = lm.spec.block_length
     _check_decodable(lm, cfg)
     prompt = torch.as_tensor(prompt, dtype=torch.long, device=lm.device).reshape(-1)
     check_fits(len(prompt), cfg.gen_length, lm.context)
     start_time, forwards0 = time.perf_counter(), lm.forwards
-    eos = torch.tensor(lm.eos_ids(), device=lm.device)
     generator = (
         torch.Generator(device=lm.device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     )
-    offset = prompt_offset(len(prompt), L)
+    eos = torch.tensor(lm.eos_ids(), device=lm.device)
+    run = _BlockRun(lm, cfg, policy, observe, eos, generator, prompt_offset(len(prompt), L))
     seq = prompt.clone()  # prompt + finished blocks
     cache, last_logits = None, None
     if cfg.use_cache:
         logits, cache = lm.forward(
-            seq[None], block_ids(len(seq), L, offset, lm.device)[None], commit=True
+            seq[None], block_ids(len(seq), L, run.offset, lm.device)[None], commit=True
         )
         last_logits = logits[0, -1]  # [V]: scores the first slot of the next block
     block_steps: list[int] = []
     truncated_at = None
     for b in range(cfg.gen_length // L):
-        canvas = torch.full((L,), mask_id, dtype=torch.long, device=lm.device)
-        schedule = transfer_schedule(L, cfg.steps_per_block)
-        cut, step = None, 0
-        while bool((canvas == mask_id).any()):
-            masked = canvas == mask_id
-            later = (
-                cfg.gen_length - (b + 1) * L if full_attention else 0
-            )  # LLaDA/Dream also see later masks
-            slot_logits = _block_slot_logits(lm, seq, canvas, later, offset, cache, last_logits)
-            x0, conf = score(slot_logits, cfg.temperature, generator)
-            if observe is not None:
-                observe(b, step, masked, x0, conf, canvas)
-                masked = canvas == mask_id  # the observer may have filled slots
-            k = schedule[min(step, len(schedule) - 1)]
-            commit = policy(step, masked, x0, conf, k) & masked
-            if cfg.eotp and cut is None:
-                cut = _cut_at_predicted_end(canvas, commit, masked, x0, conf, eos)
-            canvas[commit] = x0[commit]
-            step += 1
-            if step > 4 * L:  # a policy that never commits would loop forever
-                raise RuntimeError(
-                    f"block {b} is still masked after {step} steps: the policy commits nothing"
-                )
-        block_steps.append(step)
+        canvas, steps, cut = _decode_block(run, b, seq, cache, last_logits)
+        block_steps.append(steps)
         seq = torch.cat([seq, canvas])
         if cut is not None:
             truncated_at = b * L + cut
@@ -217,7 +191,7 @@ def diffusion_decode(
         if cfg.stop_at_eot and bool(torch.isin(canvas, eos).any()):
             break
         if cache is not None and b + 1 < cfg.gen_length // L:
-            blocks = block_ids(len(seq), L, offset, lm.device)[None]
+            blocks = block_ids(len(seq), L, run.offset, lm.device)[None]
             logits, cache = lm.forward(
                 canvas[None], blocks[:, -L:], cache, past_blocks=blocks[:, :-L], commit=True
             )
@@ -233,6 +207,51 @@ def diffusion_decode(
         seconds=time.perf_counter() - start_time,
         truncated_at=truncated_at,
     )
+
+
+@dataclass
+class _BlockRun:
+    """What every block of one :func:`diffusion_decode` call reads."""
+
+    lm: DiffusionLM
+    cfg: DiffusionDecodeConfig
+    policy: Policy
+    observe: Callable[..., None] | None
+    eos: torch.Tensor  # [E] end-of-text ids
+    generator: torch.Generator | None  # Gumbel noise at T > 0
+    offset: int  # prompt_offset: where the first block starts
+
+
+def _decode_block(
+    run: _BlockRun, b: int, seq: torch.Tensor, cache: Any, last_logits: torch.Tensor | None
+) -> tuple[torch.Tensor, int, int | None]:
+    """Unmask block ``b`` after ``seq`` (prompt + finished blocks): -> (the block [L], the steps
+    it took, the slot End-of-Text Prediction cut it at or None)."""
+    lm, cfg = run.lm, run.cfg
+    L, mask_id = lm.spec.block_length, lm.spec.mask_token_id
+    canvas = torch.full((L,), mask_id, dtype=torch.long, device=lm.device)
+    schedule = transfer_schedule(L, cfg.steps_per_block)
+    # LLaDA/Dream also see later masks
+    later = cfg.gen_length - (b + 1) * L if lm.spec.attention == "full" else 0
+    cut, step = None, 0
+    while bool((canvas == mask_id).any()):
+        masked = canvas == mask_id
+        slot_logits = _block_slot_logits(lm, seq, canvas, later, run.offset, cache, last_logits)
+        x0, conf = score(slot_logits, cfg.temperature, run.generator)
+        if run.observe is not None:
+            run.observe(b, step, masked, x0, conf, canvas)
+            masked = canvas == mask_id  # the observer may have filled slots
+        k = schedule[min(step, len(schedule) - 1)]
+        commit = run.policy(step, masked, x0, conf, k) & masked
+        if cfg.eotp and cut is None:
+            cut = _cut_at_predicted_end(canvas, commit, masked, x0, conf, run.eos)
+        canvas[commit] = x0[commit]
+        step += 1
+        if step > 4 * L:  # a policy that never commits would loop forever
+            raise RuntimeError(
+                f"block {b} is still masked after {step} steps: the policy commits nothing"
+            )
+    return canvas, step, cut
 
 
 def _cut_at_predicted_end(

@@ -1,57 +1,35 @@
 """The speculative decoding loop: prefill, then propose a tree, verify it in one target forward,
 keep the accepted path in the KV cache, and let the target's bonus token root the next tree.
 
-The bonus token's hidden state comes from the tree forward itself, so a step costs exactly one
-target forward. Proposers hear about each event through one
-:class:`~draftsmith.runtime.drafting.base.StepContext`; those that declare ``feature_taps``
-(EAGLE-3: residual-stream inputs of some target layers) find those taps of the prompt and of every
-accepted node in it, requested from the same forwards. An optional ``temperature_policy`` (an
-adaptive-temperature layer) gives every position its own sampling temperature from the target's
-hidden state there; the verifier then samples (and verifies) each node at its own temperature.
+The bonus token's hidden state comes from the tree forward itself, so a step
+(runtime/decoding/speculative_step.py) costs exactly one target forward. Proposers hear about each
+event through one :class:`~draftsmith.runtime.drafting.base.StepContext`; those that declare
+``feature_taps`` (EAGLE-3: residual-stream inputs of some target layers) find those taps of the
+prompt and of every accepted node in it, requested from the same forwards. An optional
+``temperature_policy`` (an adaptive-temperature layer) gives every position its own sampling
+temperature from the target's hidden state there; the verifier then samples (and verifies) each
+node at its own temperature.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 
 import torch
 
 from draftsmith.common.errors import InputError
 from draftsmith.kernels.dispatch import BACKENDS
 from draftsmith.runtime.acceptance.stop_policies import StopPolicy
-from draftsmith.runtime.acceptance.verifiers import Acceptance, GreedyVerifier, Verifier
-from draftsmith.runtime.decoding import metrics
+from draftsmith.runtime.acceptance.verifiers import GreedyVerifier, Verifier
 from draftsmith.runtime.decoding.profile import StepProfiler
 from draftsmith.runtime.decoding.prompt_limits import cap_new_tokens
+from draftsmith.runtime.decoding.spec_result import GenerationRecord, SpecResult
+from draftsmith.runtime.decoding.speculative_step import LoopState, speculative_step
 from draftsmith.runtime.decoding.threads import governor
 from draftsmith.runtime.drafting.base import NullProposer, Proposer, StepContext
-from draftsmith.runtime.drafting.tree import DraftTree
 from draftsmith.runtime.target.cache import TokenBuffer
 from draftsmith.runtime.target.interface import RuntimeCache, TargetDecoder
-from draftsmith.runtime.target.output import TargetOutput
-
-
-@dataclass
-class SpecResult:
-    """Output of :meth:`SpeculativeDecoder.generate`."""
-
-    tokens: list[int]  # generated tokens (prompt excluded), truncated at eos / max_new_tokens
-    steps: int  # target forwards after the prefill (one per verified tree)
-    accepted_per_step: list[int]  # drafted tokens accepted at every step (before truncation)
-    acceptance_by_position: list[
-        float
-    ]  # [D]: metrics.acceptance_by_position (cumulative, per drafted depth)
-    lossless: bool = True  # False when the verifier is lossy (typical acceptance)
-    tree_sizes: list[int] = field(default_factory=list)  # nodes per verified tree (root included)
-    depths: list[int] = field(default_factory=list)  # deepest draft position of each step's tree
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens emitted per target forward
-        (:func:`draftsmith.runtime.decoding.metrics.tau`)."""
-        return metrics.tau(self.accepted_per_step)
 
 
 class SpeculativeDecoder:
@@ -164,72 +142,44 @@ class SpeculativeDecoder:
         )
         if self.serves_plain_ar():
             return self._plain_greedy(prompt, max_new_tokens, eos_ids, stream)
-        taps, cache, device = self._prepare(prompt, max_new_tokens)
-        eos = set(int(e) for e in eos_ids)
-        root, hidden_prev = self._prefill(
-            prompt, cache, device, taps, generator
-        )  # hidden_prev [H] produced the root
-        policy = self.stop_policy
-        out: list[int] = []
-        done = self._emit(out, [root], max_new_tokens, eos, stream)
-        context = TokenBuffer(
-            prompt, prompt.numel() + max_new_tokens
-        )  # prompt + out, appended in place
-        context.append(out)
-        greedy_head = self.uses_argmax_head()
-        accepted, sizes, depth_hist = [], [], []
+        loop = self._start(prompt, max_new_tokens, eos_ids, generator, stream)
+        done = loop.record.emit([loop.root])
+        loop.context.append(loop.record.tokens)
         prof = self.profiler
-        part = prof.part if prof is not None else _no_part
-        threads = (
-            governor()
-        )  # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
+        # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
+        threads = governor()
         while not done:
             threads.tick()
             with prof.step() if prof is not None else nullcontext():
-                with part("draft"):
-                    tokens = context.view()  # [L+1]: a view; later appends do not change it
-                    tree = self.proposer.propose(
-                        StepContext(
-                            tokens=tokens,
-                            root_token=root,
-                            hidden=hidden_prev,
-                            stop_policy=policy,
-                            generator=generator,
-                        )
-                    )
-                self._check_tree(tree, root)
-                prefix = cache.length
-                res, acc = self._verify(tree, cache, device, taps, greedy_head, generator, part)
-                nodes = acc.path_nodes
-                in_place = nodes == list(
-                    range(len(nodes))
-                )  # accepted nodes already sit right after the prefix
-                with part("kv_compaction"):
-                    _keep_path(cache, prefix, nodes, in_place)
-                with part("proposer_update"):
-                    rows = (
-                        slice(0, len(nodes))
-                        if in_place
-                        else torch.tensor(nodes, device=res.hidden.device)
-                    )
-                    hidden_prev = self._accept_path(
-                        res, acc, rows, tokens, root, policy, taps, generator
-                    )
-                root = acc.bonus_token
-                accepted.append(acc.num_accepted)
-                sizes.append(tree.num_nodes)
-                depth_hist.append(int(tree.depths.max()))
-                emitted = len(out)
-                done = self._emit(out, [*acc.accepted_tokens, root], max_new_tokens, eos, stream)
-                context.append(out[emitted:])
-        return SpecResult(
-            out,
-            len(accepted),
-            accepted,
-            metrics.acceptance_by_position(accepted, depth_hist),
-            lossless,
-            sizes,
-            depth_hist,
+                done = speculative_step(self, loop)
+        return loop.record.result(lossless)
+
+    def _start(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        eos_ids: Sequence[int],
+        generator: torch.Generator | None,
+        stream: Callable[[list[int]], None] | None,
+    ) -> LoopState:
+        """Prefill ``prompt`` and set up what every step of this generation reads and updates."""
+        taps, cache, device = self._prepare(prompt, max_new_tokens)
+        root, hidden_prev = self._prefill(
+            prompt, cache, device, taps, generator
+        )  # hidden_prev [H] produced the root
+        prof = self.profiler
+        return LoopState(
+            cache=cache,
+            device=device,
+            taps=taps,
+            generator=generator,
+            greedy_head=self.uses_argmax_head(),
+            part=prof.part if prof is not None else _no_part,
+            # prompt + out, appended in place
+            context=TokenBuffer(prompt, prompt.numel() + max_new_tokens),
+            record=GenerationRecord(max_new_tokens, {int(e) for e in eos_ids}, stream),
+            root=root,
+            hidden_prev=hidden_prev,
         )
 
     def _prepare(
@@ -246,39 +196,6 @@ class SpeculativeDecoder:
         taps = tuple(int(i) for i in self.proposer.feature_taps)
         cache = self._cache_for(self._check_request(prompt.numel(), max_new_tokens))
         return taps, cache, self.model.device
-
-    def _verify(
-        self,
-        tree: DraftTree,
-        cache: RuntimeCache,
-        device: torch.device,
-        taps: tuple[int, ...],
-        greedy_head: bool,
-        generator: torch.Generator | None,
-        part: Callable[[str], AbstractContextManager],
-    ) -> tuple[TargetOutput, Acceptance]:
-        """One target forward over ``tree`` after the cache's prefix, then the verifier's decision:
-        (output, acceptance). ``greedy_head``: the forward reduces its LM head to each node's argmax
-        (no [N, V] logits).
-        """
-        with part("verify_forward"):
-            positions = (cache.length + tree.depths).to(device)  # siblings share a position
-            mask = tree.tree_mask.to(device) if tree.num_nodes > 1 else None
-            head = {"head": "argmax"} if greedy_head else {}
-            res = self.model.forward(
-                tree.tokens.to(device),
-                cache,
-                tree_mask=mask,
-                positions=positions,
-                taps=taps,
-                **head,
-            )
-        with part("verification"):
-            if greedy_head:
-                return res, self.verifier.verify_argmax(tree, res.argmax)
-            return res, self.verifier.verify(
-                tree, res.logits, generator, **self._temperatures(res.hidden)
-            )
 
     def uses_argmax_head(self) -> bool:
         """Whether verification needs only the target's argmax per node: a greedy verifier that
@@ -307,9 +224,7 @@ class SpeculativeDecoder:
             prompt.to(device), cache, logits_for="last", taps=taps
         )  # logits [1, V], hidden [P, H]
         cache.commit(prompt.numel())
-        root = self.verifier.sample(
-            pre.logits[-1], generator, **self._temperatures(pre.hidden[-1:])
-        )
+        root = self.verifier.sample(pre.logits[-1], generator, **self.temperatures(pre.hidden[-1:]))
         self.proposer.begin(
             StepContext(
                 tokens=torch.cat([prompt, prompt.new_tensor([root])]),
@@ -322,53 +237,6 @@ class SpeculativeDecoder:
             )
         )
         return root, pre.hidden[-1]
-
-    def _check_tree(self, tree: DraftTree, root: int) -> None:
-        """Refuse a drafted tree that does not start at ``root`` or has more nodes than the cache
-        was sized for."""
-        if int(tree.tokens[0]) != root:
-            raise ValueError("the proposer's tree must start with the root token it was given")
-        if tree.num_nodes > self.proposer.max_tree_nodes:
-            raise ValueError(
-                f"the proposer drafted {tree.num_nodes} nodes but declared max_tree_nodes="
-                f"{self.proposer.max_tree_nodes}; the KV cache is sized from the latter"
-            )
-
-    def _accept_path(
-        self,
-        res: TargetOutput,
-        acc: Acceptance,
-        rows: slice | torch.Tensor,
-        tokens: torch.Tensor,
-        root: int,
-        policy: StopPolicy | None,
-        taps: tuple[int, ...],
-        generator: torch.Generator | None,
-    ) -> torch.Tensor:
-        """Tell the proposer which path the verifier accepted (``rows``: its nodes, the root first;
-        a slice when they are the first nodes, the usual case, so that every row set below is a
-        view): hidden states, taps and logits at its nodes (no logits for a proposer that declares
-        ``reads_logits = False``: copying [a+1, V] rows every step for nobody cost ~0.1 ms a step);
-        returns the hidden state [H] of the last accepted node, whose logits produced the bonus
-        token."""
-
-        def pick(t: torch.Tensor) -> torch.Tensor:  # the accepted rows of t
-            return t[rows] if isinstance(rows, slice) else t[rows.to(t.device)]
-
-        logits = pick(res.logits) if self.proposer.reads_logits else None  # [a+1, V]
-        self.proposer.accept(
-            StepContext(
-                tokens=tokens,
-                root_token=root,
-                hidden=pick(res.hidden),  # [a+1, H]
-                stop_policy=policy,
-                generator=generator,
-                taps=res.tap_features(taps, rows),
-                logits=logits,  # taps [a+1, k*H]
-                acceptance=acc,
-            )
-        )
-        return res.hidden[acc.path_nodes[-1]]
 
     def _plain_greedy(
         self,
@@ -396,7 +264,7 @@ class SpeculativeDecoder:
         steps = max(0, len(out) - 1)  # one forward per token after the prefill's
         return SpecResult(out, steps, [0] * steps, [], True, [1] * steps, [0] * steps)
 
-    def _temperatures(self, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    def temperatures(self, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{"temperature": [T]}`` from the temperature policy for target hidden rows [T, H]; {}
         without one."""
         if self.temperature_policy is None:
@@ -409,27 +277,6 @@ class SpeculativeDecoder:
             )
         return {"temperature": temps}
 
-    @staticmethod
-    def _emit(
-        out: list[int],
-        new: list[int],
-        limit: int,
-        eos: set[int],
-        stream: Callable[[list[int]], None] | None,
-    ) -> bool:
-        """Append ``new`` up to the limit / first eos; return True when generation is over."""
-        chunk = []
-        for t in new:
-            if len(out) >= limit:
-                break
-            out.append(t)
-            chunk.append(t)
-            if t in eos:
-                break
-        if stream is not None and chunk:
-            stream(chunk)
-        return len(out) >= limit or (bool(out) and out[-1] in eos)
-
 
 def _checked_prompt(prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: int) -> torch.Tensor:
     """The prompt as a flat CPU long tensor [P]; refuses an empty prompt and a negative
@@ -440,15 +287,6 @@ def _checked_prompt(prompt_ids: torch.Tensor | Sequence[int], max_new_tokens: in
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     return prompt
-
-
-def _keep_path(cache: RuntimeCache, prefix: int, nodes: list[int], in_place: bool) -> None:
-    """Keep the accepted nodes' K/V after the ``prefix`` committed slots: a commit when they already
-    sit there."""
-    if in_place:
-        cache.commit(len(nodes))
-    else:
-        cache.compact(prefix + torch.tensor(nodes, dtype=torch.long), prefix)
 
 
 def _no_part(name: str) -> nullcontext:

@@ -17,12 +17,8 @@ the prediction describes the loop it is checked on.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from draftsmith.runtime.shapes.draft_shapes import PLAIN, RecordedStep, Shape, accepted_length
@@ -326,51 +322,3 @@ def threshold_from_costs(costs: MachineCosts, nodes: int = 2) -> float:
     )
     c = (costs.draft_ms_per_depth + marginal) / costs.ar_step_ms
     return min(0.95, max(0.05, 1.0 - c))
-
-
-def cache_key(parts: dict[str, Any]) -> str:
-    """A stable key for (machine, target, dtype, backend, drafter)."""
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def cache_dir() -> Path:
-    """Where measured costs are kept (``DRAFTSMITH_COST_CACHE`` or ~/.cache/draftsmith/costs)."""
-    return Path(
-        os.environ.get("DRAFTSMITH_COST_CACHE", Path.home() / ".cache" / "draftsmith" / "costs")
-    )
-
-
-def save_shape_choice(
-    key: str, costs: MachineCosts, choice: ShapeChoice, identity: dict[str, Any]
-) -> Path:
-    """Write the measured costs and the shape decision atomically (``generate`` reapplies the
-    shape)."""
-    path = cache_dir() / f"{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(
-        json.dumps(
-            {
-                "identity": identity,
-                "costs": asdict(costs),
-                "shape": asdict(choice.shape),
-                "depth": choice.depth,
-                "why": choice.why,
-                "predicted_speedup": choice.predicted_speedup,
-                "measured_speedup": choice.measured_speedup,
-                "table": choice.table,
-            },
-            indent=1,
-        )
-    )
-    tmp.replace(path)
-    return path
-
-
-def load_choice(key: str) -> dict[str, Any] | None:
-    """The cached decision for ``key``, or None (never measured here, or unreadable)."""
-    path = cache_dir() / f"{key}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None

@@ -119,6 +119,27 @@ def check_shapes(
         runs[shape.label] = (spec.proposer, spec.stop_policy)
         spec.proposer, spec.stop_policy = saved
     steps: dict[str, list[int]] = {label: [] for label in runs}
+    decoders = _decoders(spec, runs, steps, eos_ids)
+    try:
+        for run in decoders.values():  # warm-up, untimed
+            run(list(prompts[0])[:])
+        for counted in steps.values():
+            counted.clear()
+        timed = interleaved(decoders, prompts, clock)
+    finally:
+        spec.proposer, spec.stop_policy = saved
+    return _timings(timed, steps, prefill_seconds(spec.model, prompts, clock), len(prompts))
+
+
+def _decoders(
+    spec: SpeculativeDecoder,
+    runs: dict[str, tuple[Proposer, StopPolicy | None]],
+    steps: dict[str, list[int]],
+    eos_ids: Sequence[int],
+) -> dict[str, Callable[[list[int]], int]]:
+    """``prompt -> new tokens`` for two identical plain passes and every shape in ``runs`` (its
+    proposer and stop policy set on ``spec`` for the run; its verified steps counted in
+    ``steps``)."""
 
     def spec_run(label: str) -> Callable[[list[int]], int]:
         def run(prompt: list[int]) -> int:
@@ -134,23 +155,25 @@ def check_shapes(
     def plain(prompt: list[int]) -> int:
         return len(generate_ar(spec.model, prompt, CHECK_TOKENS, eos_ids=eos_ids))
 
-    decoders = {
+    return {
         "plain": plain,
         "plain (again)": plain,
         **{label: spec_run(label) for label in runs},
     }
-    try:
-        for run in decoders.values():  # warm-up, untimed
-            run(list(prompts[0])[:])
-        for counted in steps.values():
-            counted.clear()
-        timed = interleaved(decoders, prompts, clock)
-    finally:
-        spec.proposer, spec.stop_policy = saved
+
+
+def _timings(
+    timed: dict[str, list[tuple[int, float]]],
+    steps: dict[str, list[int]],
+    prefill: list[float],
+    num_prompts: int,
+) -> ShapeTimings:
+    """Speedups, noise, decode steps and tokens per step from the interleaved runs (``timed``: per
+    decoder, (new tokens, seconds) of each prompt; ``prefill``: each prompt's prefill seconds)."""
+    runs = [label for label in timed if label not in ("plain", "plain (again)")]
     ar = rate(timed["plain"] + timed["plain (again)"])
     pairs = zip(timed["plain"], timed["plain (again)"])
     noise = max([MIN_NOISE] + [abs(rate([a]) / max(rate([b]), 1e-12) - 1.0) for a, b in pairs])
-    prefill = prefill_seconds(spec.model, prompts, clock)
     step_ms = {
         label: (
             1e3
@@ -161,7 +184,7 @@ def check_shapes(
     }
     # the prefill emits each prompt's first token; the verified steps emit the rest
     tokens = {
-        label: (sum(t for t, _ in timed[label]) - len(prompts)) / max(1, sum(steps[label]))
+        label: (sum(t for t, _ in timed[label]) - num_prompts) / max(1, sum(steps[label]))
         for label in runs
     }
     plain_rate = rate(

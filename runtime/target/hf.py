@@ -218,33 +218,10 @@ class HFModelAdapter(TargetDecoder):
         t = input_ids.numel()
         cache.check_fits(t)
         cache.sync()
-        p = cache.length
-        pos = (
-            positions if positions is not None else torch.arange(p, p + t, device=input_ids.device)
+        pos, mask = self._positions_and_mask(
+            cache.length, t, tree_mask, positions, input_ids.device
         )
-        if tree_mask is not None and (tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool):
-            raise ValueError(
-                f"tree_mask must be bool [{t}, {t}]; got {tree_mask.dtype} {tuple(tree_mask.shape)}"
-            )
-        if tree_mask is not None or (positions is not None and t > 1):
-            # a tree (or positions other than the slots) is served exactly or refused
-            self._check_trees()
-        windows = bool(
-            self.attention.windows
-        )  # the cache keeps every token: the fallback masks windows itself
-        mask = (
-            self.attention.masks(p, pos, tree_mask, self.dtype)
-            if tree_mask is not None or windows
-            else None
-        )
-        if isinstance(logits_for, str):
-            if logits_for not in ("all", "last"):
-                raise ValueError(
-                    f"logits_for must be 'all', 'last' or a LongTensor of rows, got {logits_for!r}"
-                )
-            keep: int | torch.Tensor = 0 if logits_for == "all" else 1
-        else:
-            keep = logits_for.to(input_ids.device).long()
+        keep = _kept_rows(logits_for, input_ids.device)
         out, logits = hf_forward(
             self.hf,
             self.base,
@@ -266,3 +243,43 @@ class HFModelAdapter(TargetDecoder):
         return TargetOutput(
             logits[0], out.last_hidden_state[0], found
         )  # [T', V], [T, H] post final norm
+
+    def _positions_and_mask(
+        self,
+        p: int,
+        t: int,
+        tree_mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The positions [T] of ``t`` new tokens after ``p`` cached ones and the attention mask HF
+        takes (None when causal attention over every cached token is right)."""
+        pos = positions if positions is not None else torch.arange(p, p + t, device=device)
+        if tree_mask is not None and (tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool):
+            raise ValueError(
+                f"tree_mask must be bool [{t}, {t}]; got {tree_mask.dtype} {tuple(tree_mask.shape)}"
+            )
+        if tree_mask is not None or (positions is not None and t > 1):
+            # a tree (or positions other than the slots) is served exactly or refused
+            self._check_trees()
+        windows = bool(
+            self.attention.windows
+        )  # the cache keeps every token: the fallback masks windows itself
+        mask = (
+            self.attention.masks(p, pos, tree_mask, self.dtype)
+            if tree_mask is not None or windows
+            else None
+        )
+        return pos, mask
+
+
+def _kept_rows(logits_for: str | torch.Tensor, device: torch.device) -> int | torch.Tensor:
+    """``logits_for`` as transformers' ``logits_to_keep``: 0 (all rows), 1 (the last) or row
+    indices."""
+    if isinstance(logits_for, str):
+        if logits_for not in ("all", "last"):
+            raise ValueError(
+                f"logits_for must be 'all', 'last' or a LongTensor of rows, got {logits_for!r}"
+            )
+        return 0 if logits_for == "all" else 1
+    return logits_for.to(device).long()

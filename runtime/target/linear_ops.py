@@ -127,9 +127,8 @@ class StackRunner:
         self.stack = module.TargetStack(
             [list(w) for w in layers], norm_w, head.packed, head.out_features, hq, hkv, eps, scale
         )
-        self.kv_layers: list | None = (
-            None  # the cache's per-layer (K, V) list the stack holds, compared by identity
-        )
+        # the cache's per-layer (K, V) list the stack holds, compared by identity
+        self.kv_layers: list | None = None
 
     def __call__(
         self,
@@ -202,9 +201,8 @@ class LinearPlan:
     kind: str
     reason: str
     isa: str | None = None
-    fused_unavailable: str | None = (
-        None  # why "auto" could not take the fused layer (bf16 on CPU only)
-    )
+    # why "auto" could not take the fused layer (bf16 on CPU only)
+    fused_unavailable: str | None = None
 
     @property
     def label(self) -> str:
@@ -238,17 +236,7 @@ def plan_linear_backend(
     if backend == "dense":
         return LinearPlan("dense", "dense requested")
     if dtype != torch.bfloat16 or device.type != "cpu":
-        if backend != "auto":
-            raise InputError(
-                f"linear_backend={backend!r} cannot run: it needs bf16 weights on CPU; got {dtype}"
-                f" on {device}; use linear_backend='dense' (--linear-backend dense)"
-            )
-        why = (
-            "CUDA: cuBLAS"
-            if device.type == "cuda"
-            else f"{str(dtype).replace('torch.', '')} on {device.type}: MKL"
-        )
-        return LinearPlan("dense", f"{why} linears")
+        return _plan_off_bf16_cpu(backend, dtype, device)
     caps = caps or cpu_caps.probe()
     if mkldnn_ok is None:
         mkldnn_ok = mkldnn_linear_available(dtype, device, caps)
@@ -257,6 +245,35 @@ def plan_linear_backend(
         cpp_reason = unfused or toolchain_reason or cpu_layer.shapes_supported(*sizes)
         if compiled:
             cpp_reason = "torch.compile is on (the fused layer is opaque to it)"
+    return _plan_bf16_cpu(backend, caps, isa, cpp_reason, mkldnn_ok)
+
+
+def _plan_off_bf16_cpu(backend: str, dtype: torch.dtype, device: torch.device) -> LinearPlan:
+    """Dense linears (cuBLAS / MKL) for anything but bf16 on CPU; a forced packed backend is
+    refused."""
+    if backend != "auto":
+        raise InputError(
+            f"linear_backend={backend!r} cannot run: it needs bf16 weights on CPU; got {dtype}"
+            f" on {device}; use linear_backend='dense' (--linear-backend dense)"
+        )
+    why = (
+        "CUDA: cuBLAS"
+        if device.type == "cuda"
+        else f"{str(dtype).replace('torch.', '')} on {device.type}: MKL"
+    )
+    return LinearPlan("dense", f"{why} linears")
+
+
+def _plan_bf16_cpu(
+    backend: str,
+    caps: cpu_caps.CpuCaps,
+    isa: str | None,
+    cpp_reason: str | None,
+    mkldnn_ok: bool,
+) -> LinearPlan:
+    """bf16 on CPU: the requested backend when it can run (else a refusal naming what can), or for
+    "auto" the fused C++ layer, then oneDNN, then dense. ``isa``: the fused layer's variant for
+    this CPU (None: none), ``cpp_reason``: why it cannot run this model (None: it can)."""
     fallback = "mkldnn" if mkldnn_ok else "dense"
     onednn_missing = (
         "oneDNN's bf16 linears need AVX512 BW+VL+DQ or AVX-NE-CONVERT and this CPU has "

@@ -21,7 +21,6 @@ no per-token check for them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,36 +28,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.runtime.target.cache import KVCache
+from draftsmith.runtime.target.execution import ExecutionWeights
 from draftsmith.runtime.target.interface import TargetDecoder, TargetSizes, check_head
+from draftsmith.runtime.target.layer_range import LayerRangeStep
 from draftsmith.runtime.target.layer_weights import (
     canonical_weights,
     checkpoint_prefix,
     checkpoint_tensor,
     fused_layers,
 )
-from draftsmith.runtime.target.linear_ops import PackedLinear, choose_linear_ops
+from draftsmith.runtime.target.linear_ops import PackedLinear
 from draftsmith.runtime.target.model_config import (
     ModelConfig,
     UnsupportedArchitecture,
     rope_inv_freq,
-    rope_tables,
 )
 from draftsmith.runtime.target.output import TargetOutput
 from draftsmith.runtime.target.rows import RowsStep
-from draftsmith.runtime.target.torch_layers import last_dim_rms_norm, llama_layer
 from draftsmith.runtime.target.weights import WeightsError, load_safetensors
 
 __all__ = ["LeanDecoder", "ModelConfig", "UnsupportedArchitecture", "rope_inv_freq"]
 
 
-class LeanDecoder(RowsStep, TargetDecoder):
+class LeanDecoder(ExecutionWeights, LayerRangeStep, RowsStep, TargetDecoder):
     """Llama-family decoder for batch-1 inference over a :class:`KVCache`, with tree-masked
     multi-token forwards (the :class:`~draftsmith.runtime.target.interface.TargetDecoder`
-    interface)."""
+    interface). Its execution weights are built by :class:`ExecutionWeights`
+    (runtime/target/execution.py), its layer loop and layer-range API live in
+    :class:`LayerRangeStep` (runtime/target/layer_range.py)."""
 
     argmax_head = True  # forward(head="argmax") returns each row's argmax without the [T, V] logits
-    # forward_layers, embed_tokens, final_hidden, layer_weights, allocate_layer_cache (Kangaroo)
-    layer_range = True
 
     def __new__(cls, config: ModelConfig | None = None, *args, **kwargs) -> LeanDecoder:
         # A config the plain Llama layer cannot run builds the general-layer subclass: decided once,
@@ -192,73 +191,6 @@ class LeanDecoder(RowsStep, TargetDecoder):
     def embed_weight(self) -> torch.Tensor:
         return self.embed
 
-    def _apply(self, fn, recurse=True):  # nn.Module hook behind .to() / .half() / .cuda()
-        # .to()/.half() replace buffers: re-tie the head, rebuild RoPE tables and execution weights.
-        tied = self.lm_head is self.embed
-        out = super()._apply(fn, recurse)
-        if tied:
-            self.lm_head = self.embed
-        n, self._rope_len = self._rope_len, 0
-        self._ensure_rope(n)
-        self._build_exec()
-        return out
-
-    def _build_exec(self) -> None:
-        """Per-layer weight tuples in the chosen backend's form (a tuple beats attribute lookups),
-        the head, and on the cpp backend the one-call forward (``TargetStack``) holding them."""
-        c = self.config
-        ops, self.linear_plan = choose_linear_ops(
-            self.linear_backend,
-            self.dtype,
-            self.device,
-            (c.head_dim, c.hidden_size, c.intermediate_size),
-            compiled=self._compile,
-        )
-        self._ops = ops
-        self._torch_layer = partial(
-            llama_layer, ops.linear, ops.linear_add, self.kernel_backend
-        )  # C++ layer's twin
-        self._exec = [
-            (
-                w.ln1,
-                ops.pack(w.wqkv),
-                w.bqkv,
-                w.qn,
-                w.kn,
-                ops.pack_res(w.wo),
-                w.bo,
-                w.ln2,
-                ops.pack(w.wgu),
-                w.bgu,
-                ops.pack_res(w.wdown),
-                w.bdown,
-            )
-            for w in self.layers
-        ]
-        self._head = ops.pack_head(self.lm_head)
-        self._final_norm = getattr(ops, "norm", None) or last_dim_rms_norm
-        stack = getattr(ops, "stack", None)  # cpp: the whole forward as one native call
-        self._stack = stack and stack(
-            self._exec,
-            self.norm_w,
-            self._head,
-            c.num_heads,
-            c.num_kv_heads,
-            c.rms_norm_eps,
-            c.head_dim**-0.5,
-        )
-
-    def _ensure_rope(self, n: int) -> None:
-        """Precompute cos / signed-sin tables [n, 1, d] for positions 0..n-1 (fp32 math, stored in
-        model dtype)."""
-        if n <= self._rope_len:
-            return
-        n = max(n, 2 * self._rope_len)
-        self._cos, self._sin = rope_tables(
-            rope_inv_freq(self.config), n, self.dtype, self.device
-        )  # [n, 1, d]
-        self._rope_len = n
-
     def allocate_cache(self, max_len: int) -> KVCache:
         """A static cache of ``max_len`` slots (batch 1)."""
         c = self.config
@@ -295,59 +227,19 @@ class LeanDecoder(RowsStep, TargetDecoder):
         materialising [T', V]. Returns a :class:`TargetOutput`: logits [T', V] (model dtype) or
         argmax [T'], post-final-norm hidden [T, H], taps.
         """
-        # Validate everything before any slot is written.
-        if input_ids.dim() != 1 or input_ids.numel() == 0:
-            raise ValueError(
-                "input_ids must be a non-empty 1-D LongTensor [T] (batch 1); got "
-                f"{tuple(input_ids.shape)}"
-            )
-        t = input_ids.numel()
-        cache.check_fits(t)
-        if positions is not None and positions.shape != (t,):
-            raise ValueError(f"positions must have shape [{t}], got {tuple(positions.shape)}")
-        if isinstance(logits_for, str) and logits_for not in ("all", "last"):
-            raise ValueError(
-                f"logits_for must be 'all', 'last' or a LongTensor of rows, got {logits_for!r}"
-            )
-        check_head(head)
-        taps = tuple(int(i) for i in taps)
-        bad = [i for i in taps if not 0 <= i <= self.config.num_layers]
-        if bad:
-            raise ValueError(
-                f"taps {bad} outside 0..{self.config.num_layers} (layer inputs; num_layers = last"
-                " output)"
-            )
+        taps = _checked_forward_inputs(
+            input_ids, cache, positions, logits_for, head, taps, self.config.num_layers
+        )
         self._ensure_rope(
             max(cache.max_len, int(positions.max()) + 1 if positions is not None else 0)
         )
+        args = (input_ids, cache.layers, cache.length, tree_mask, positions, logits_for, taps, head)
         if self._compiled is None:
             with torch.inference_mode():
-                return TargetOutput(
-                    *self._run(
-                        input_ids,
-                        cache.layers,
-                        cache.length,
-                        tree_mask,
-                        positions,
-                        logits_for,
-                        taps,
-                        head,
-                    )
-                )
+                return TargetOutput(*self._run(*args))
         # inductor cannot trace inference tensors: compiled forwards run as ordinary no-grad code
         with torch.inference_mode(False), torch.no_grad():
-            return TargetOutput(
-                *self._compiled(
-                    input_ids,
-                    cache.layers,
-                    cache.length,
-                    tree_mask,
-                    positions,
-                    logits_for,
-                    taps,
-                    head,
-                )
-            )
+            return TargetOutput(*self._compiled(*args))
 
     def _run(
         self,
@@ -391,104 +283,35 @@ class LeanDecoder(RowsStep, TargetDecoder):
             return None, self._ops.argmax(sel, self._head, None)  # [T']: no [T', V] logits written
         return self._ops.linear(sel, self._head, None), None  # logits [T', V]
 
-    def _layers(
-        self,
-        x: torch.Tensor,
-        first: int,
-        last: int,
-        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
-        start: int,
-        tree_mask: torch.Tensor | None,
-        positions: torch.Tensor | None,
-        taps: tuple[int, ...] = (),
-        found: dict[int, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Decoder layers ``first..last-1`` on the residual stream x [T, H]; ``kv_layers[i]`` is
-        layer i's cache; the input of each layer in ``taps`` is stored in ``found``."""
-        c = self.config
-        cos, sin = self._rope_rows(start, x.shape[0], positions)  # [T, 1, d]
-        hq, hkv, eps, scale = c.num_heads, c.num_kv_heads, c.rms_norm_eps, c.head_dim**-0.5
-        # The fused C++ layer and _torch_layer (its reference) share one signature.
-        fused = getattr(self._ops, "layer", None)
-        layer = fused or self._torch_layer
-        if fused is not None:
-            tree_mask = None if tree_mask is None else tree_mask.contiguous()
-            cos, sin = cos.contiguous(), sin.contiguous()  # [T, 1, d]
-        for i in range(first, last):
-            if found is not None and i in taps:
-                found[i] = x
-            kc, vc = kv_layers[i]
-            x = layer(
-                x, *self._exec[i], kc, vc, start, cos, sin, tree_mask, hq, hkv, eps, scale
-            )  # [T, H]
-        return x
 
-    def _rope_rows(
-        self, start: int, t: int, positions: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, d] of T new tokens: positions start.. or ``positions``."""
-        if positions is None:
-            return self._cos[start : start + t], self._sin[start : start + t]
-        # index_select: one plain gather per table (advanced indexing went through aten::index's
-        # general path)
-        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
-
-    def forward_layers(
-        self,
-        hidden: torch.Tensor,
-        cache: KVCache,
-        first: int,
-        last: int,
-        tree_mask: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Run only decoder layers ``first..last-1`` (a layer range on the same cache): ``hidden``
-        [T, H] is the residual stream entering layer ``first`` (``embed`` output for 0) of T new
-        tokens after ``cache.length``; those layers' K/V are written at slots ``cache.length ..``
-        (not committed). Returns the residual stream leaving layer ``last-1`` [T, H], before the
-        final norm. A self-drafter (Kangaroo) runs the target's shallow layers this way and reuses
-        their KV cache; :meth:`final_hidden` and :meth:`lm_head_logits` finish a forward.
-        """
-        c = self.config
-        if not 0 <= first < last <= c.num_layers:
-            raise ValueError(
-                f"need 0 <= first < last <= {c.num_layers} layers; got first={first}, last={last}"
-            )
-        if hidden.dim() != 2 or hidden.shape[1] != c.hidden_size:
-            raise ValueError(f"hidden must be [T, {c.hidden_size}]; got {tuple(hidden.shape)}")
-        cache.check_fits(hidden.shape[0])
-        if positions is not None:
-            self._ensure_rope(int(positions.max()) + 1)
-        with torch.inference_mode():
-            return self._layers(
-                hidden.to(self.dtype), first, last, cache.layers, cache.length, tree_mask, positions
-            )
-
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> the residual stream entering layer 0 [T, H]."""
-        return F.embedding(input_ids, self.embed)
-
-    def layer_weights(self, first: int, last: int) -> tuple[nn.Module, ...]:
-        """Layers ``first..last-1``' weights (the same objects and storage: Kangaroo's drafter
-        shares them)."""
-        return tuple(self.layers[first:last])
-
-    def allocate_layer_cache(self, num_layers: int, max_len: int) -> KVCache:
-        """A static cache of the first ``num_layers`` layers, ``max_len`` slots (RoPE tables grown
-        to reach them)."""
-        c = self.config
-        self._ensure_rope(max_len)
-        return KVCache(
-            num_layers,
-            c.num_kv_heads,
-            max_len,
-            c.head_dim,
-            self.dtype,
-            self.device,
-            self.kernel_backend,
+def _checked_forward_inputs(
+    input_ids: torch.Tensor,
+    cache: KVCache,
+    positions: torch.Tensor | None,
+    logits_for: str | torch.Tensor,
+    head: str,
+    taps: Sequence[int],
+    num_layers: int,
+) -> tuple[int, ...]:
+    """Validate a forward's inputs before any slot is written; -> the taps as a tuple of ints."""
+    if input_ids.dim() != 1 or input_ids.numel() == 0:
+        raise ValueError(
+            "input_ids must be a non-empty 1-D LongTensor [T] (batch 1); got "
+            f"{tuple(input_ids.shape)}"
         )
-
-    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """The final RMSNorm on a residual stream [T, H] (what :meth:`forward` returns as hidden;
-        the C++ norm on the cpp backend, as its one-call forward computes it)."""
-        return self._final_norm(x, self.norm_w, self.config.rms_norm_eps)
+    t = input_ids.numel()
+    cache.check_fits(t)
+    if positions is not None and positions.shape != (t,):
+        raise ValueError(f"positions must have shape [{t}], got {tuple(positions.shape)}")
+    if isinstance(logits_for, str) and logits_for not in ("all", "last"):
+        raise ValueError(
+            f"logits_for must be 'all', 'last' or a LongTensor of rows, got {logits_for!r}"
+        )
+    check_head(head)
+    taps = tuple(int(i) for i in taps)
+    bad = [i for i in taps if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(
+            f"taps {bad} outside 0..{num_layers} (layer inputs; num_layers = last output)"
+        )
+    return taps
