@@ -158,3 +158,32 @@ def test_module_lists_are_built_with_comprehensions():
             if is_repeated_call_list(node)
         ]
     assert not offenders, f"lists of one call multiplied (use a comprehension): {offenders}"
+
+
+def package_folders() -> set[str]:
+    """Every folder of the package that holds an ``__init__.py``, as a dotted package name."""
+    found = {"draftsmith"}
+    for init in ROOT.rglob("__init__.py"):
+        parts = init.relative_to(ROOT).parts[:-1]
+        if (
+            parts
+            and parts[0] not in SKIPPED_DIRS - {"kernels"}
+            and parts[0] not in ("tests", "docs")
+        ):
+            if not any(part in SKIPPED_DIRS - {"kernels"} for part in parts):
+                found.add(".".join(("draftsmith", *parts)))
+    return found
+
+
+def test_every_package_folder_is_in_the_wheel():
+    """pyproject's explicit ``packages`` list names every package folder: one left out installs
+    fine in editable mode (the checkout is on the path) and is missing from a wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    assert package_folders() - listed == set(), "add these to pyproject.toml's packages list"
+    assert listed - package_folders() == set(), (
+        "these packages listed in pyproject.toml do not exist"
+    )
