@@ -40,9 +40,21 @@ _CHAINS: Registry[ChainOptions] = Registry("chain-drafting proposer for method")
 register_chain = _CHAINS.register
 
 
+# The proposer family modules (runtime/drafting/<name>.py); each registers its builders on import.
+FAMILY_MODULES = (
+    "clover",
+    "dflash",
+    "eagle",
+    "hydra",
+    "kangaroo",
+    "medusa",
+    "specdecpp",
+)
+
+
 def load_families() -> None:
     """Import every family module: each registers a builder for the export methods it serves."""
-    for family in ("clover", "dflash", "eagle", "hydra", "kangaroo", "medusa", "specdecpp"):
+    for family in FAMILY_MODULES:
         importlib.import_module(f"draftsmith.runtime.drafting.{family}")
 
 

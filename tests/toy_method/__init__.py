@@ -30,17 +30,9 @@ PLACED = (
 )
 # The lists that name every method, and the one name the toy adds to each: file -> (line before,
 # line after).
-_RECIPES = '            "adaptive_temperature", "learn2pd", "diffusion_adapt"'
-_FAMILIES = (
-    "    from draftsmith.runtime.drafting import clover, dflash, eagle, hydra, kangaroo, medusa,"
-    " specdecpp"
-)
 LISTED = {
-    "recipes/__init__.py": (f"{_RECIPES})", f'{_RECIPES}, "toy")'),
-    "runtime/drafting/registry.py": (
-        f"{_FAMILIES}  # noqa: F401",
-        f"{_FAMILIES}, toy  # noqa: F401",
-    ),
+    "recipes/__init__.py": ('    "diffusion_adapt",\n)', '    "diffusion_adapt",\n    "toy",\n)'),
+    "runtime/drafting/registry.py": ('    "specdecpp",\n)', '    "specdecpp",\n    "toy",\n)'),
 }
 # Module name -> file, in import order (each imports the ones before it).
 MODULES = {
