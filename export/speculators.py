@@ -257,7 +257,7 @@ def to_speculators(
     config, state = read_export(export_dir)
     method = config["method"]
     if method == "dflash":  # speculators' dflash type: its own writer (export/dflash.py)
-        from draftsmith.export.dflash import to_speculators_dflash
+        from draftsmith.export.speculators_dflash import to_speculators_dflash
 
         return to_speculators_dflash(
             export_dir, out_dir, verifier_name_or_path, dtype, architectures, source

@@ -15,7 +15,8 @@ from recipe_configs import recipe_config
 
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.target.frozen import Target
-from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
+from draftsmith.drafters.dflash import DFlashDrafter
+from draftsmith.drafters.dflash_config import DFlashConfig, default_target_layers
 from draftsmith.export.format import write_export
 from draftsmith.recipes import get_recipe
 from draftsmith.recipes.dflash import DFlash

@@ -49,15 +49,11 @@ from draftsmith.cli import main
 from draftsmith.cli.exporting import _convert
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
-from draftsmith.export.dflash import (
-    speculators_aux_ids,
-    to_speculators_dflash,
-    to_zlab,
-    zlab_layer_ids,
-)
+from draftsmith.export.dflash import to_zlab, zlab_layer_ids
 from draftsmith.export.format import ExportError, read_export
 from draftsmith.export.gguf import converter_input
 from draftsmith.export.speculators import to_speculators
+from draftsmith.export.speculators_dflash import speculators_aux_ids, to_speculators_dflash
 from draftsmith.recipes.dflash import objective as dflash_recipe
 
 pytestmark = pytest.mark.unit

@@ -20,7 +20,8 @@ from test_eagle_sampling import ALPHA, assert_matches, exact_law, sample_counts
 from test_speculative_sampling import chi2_pvalue
 
 from draftsmith.distill.target.frozen import Target
-from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter
+from draftsmith.drafters.dflash import DFlashDrafter
+from draftsmith.drafters.dflash_config import DFlashConfig
 from draftsmith.export.format import TargetMismatchError, read_config, write_export
 from draftsmith.recipes.dflash import objective as dflash_recipe
 from draftsmith.runtime.acceptance.choice import choose_stop_policy

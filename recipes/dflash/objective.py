@@ -39,7 +39,8 @@ from draftsmith.common.errors import ConfigError, DataError
 from draftsmith.distill.engine.objective import Objective
 from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
 from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
-from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
+from draftsmith.drafters.dflash import DFlashDrafter
+from draftsmith.drafters.dflash_config import DFlashConfig, default_target_layers
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.recipes.dflash import DFlash
 from draftsmith.recipes.dflash.blocks import Blocks, build_blocks, sample_anchors
