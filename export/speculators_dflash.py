@@ -22,7 +22,8 @@ from draftsmith.export.dflash import (
     qwen3_layer_config,
 )
 from draftsmith.export.format import atomic_folder_write
-from draftsmith.export.speculators import SPECULATORS_SCHEMA_VERSION, verifier_architectures
+from draftsmith.export.speculators import SPECULATORS_SCHEMA_VERSION
+from draftsmith.export.verifier import verifier_architectures
 
 log = logging.getLogger(__name__)
 
