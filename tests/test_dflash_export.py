@@ -54,7 +54,7 @@ from draftsmith.export.format import ExportError, read_export
 from draftsmith.export.gguf import converter_input
 from draftsmith.export.speculators import to_speculators
 from draftsmith.export.speculators_dflash import speculators_aux_ids, to_speculators_dflash
-from draftsmith.recipes.dflash import objective as dflash_recipe
+from draftsmith.recipes.dflash.build import build_objective
 
 pytestmark = pytest.mark.unit
 
@@ -101,7 +101,7 @@ def export_dflash(
             torch.ones(2, 30, dtype=torch.long),
         )
     ]
-    objective = dflash_recipe.build_objective(cfg, target, batches)
+    objective = build_objective(cfg, target, batches)
     for p in objective.module.parameters():
         if norms or p.dim() > 1:
             p.data.normal_(0, 0.1)

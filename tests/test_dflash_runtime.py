@@ -23,7 +23,7 @@ from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.dflash import DFlashDrafter
 from draftsmith.drafters.dflash_config import DFlashConfig
 from draftsmith.export.format import TargetMismatchError, read_config, write_export
-from draftsmith.recipes.dflash import objective as dflash_recipe
+from draftsmith.recipes.dflash.build import build_objective
 from draftsmith.runtime.acceptance.choice import choose_stop_policy
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
 from draftsmith.runtime.acceptance.verifiers import RejectionSamplingVerifier
@@ -91,9 +91,7 @@ def exports(target, reference, tmp_path_factory):
             },
         )
         torch.manual_seed(0)
-        objective = dflash_recipe.build_objective(
-            cfg, tgt, [(batch["input_ids"], batch["loss_mask"])]
-        )
+        objective = build_objective(cfg, tgt, [(batch["input_ids"], batch["loss_mask"])])
         if name == "trained":
             feats = tgt.features(batch["input_ids"], batch["attention_mask"], objective.taps)
             opt = torch.optim.AdamW(objective.module.parameters(), lr=3e-3)
