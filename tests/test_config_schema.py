@@ -123,7 +123,7 @@ def test_out_of_range_values_are_one_line_before_anything_loads(
 
 
 def test_a_sweep_is_checked_job_by_job_before_hydra_starts(tmp_path, monkeypatch, capsys):
-    from draftsmith.train import sweep_jobs
+    from draftsmith.cli.train_command_line import sweep_jobs
 
     assert sweep_jobs(
         ["recipe=medusa,hydra", "drafter.target_layers=[1,2,3]", "optim.lr=1e-3,2e-3"]
