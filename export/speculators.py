@@ -6,7 +6,7 @@ OUT`` reads the verifier from the config, and ``speculators.SpeculatorModel.from
 loads it (checked in tests/test_speculators_export.py against the real library).
 
 DFlash exports go to speculators' ``dflash`` type: ``to_speculators`` hands them to
-``export/dflash.py``.
+``export/speculators_dflash.py``.
 
 EAGLE-1 is NOT converted: speculators 0.9.0 registers the model types dflash, dflash2, dspark,
 eagle3, mtp, peagle and xpress only; its EAGLE-1/HASS support is a converter into ``eagle3`` for
