@@ -332,9 +332,8 @@ def vllm_dflash_load(cfg: dict, tensors: dict[str, torch.Tensor]) -> SimpleNames
 
 def test_speculators_dflash_layout_loads_every_vllm_parameter(tmp_path, target):
     export, drafter = export_dflash(target, tmp_path / "export")
-    out = to_speculators(
-        export, tmp_path / "spec", "org/tiny"
-    )  # delegates to export/speculators_dflash.py
+    # to_speculators delegates a DFlash export to export/speculators_dflash.py
+    out = to_speculators(export, tmp_path / "spec", "org/tiny")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     raw = json.loads((out / "config.json").read_text())
     assert (
