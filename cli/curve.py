@@ -123,9 +123,9 @@ def _check(opts: argparse.Namespace, overrides: Sequence[str]) -> None:
     --check, which trains nothing), an --out the write rule refuses (a file, a folder of the user's,
     a read-only place)."""
     from draftsmith.cli.preflight import check_out_folder
+    from draftsmith.cli.train_command_line import expand_shorthands, preflight
     from draftsmith.evals.curve_runner import check_prompt_sets
     from draftsmith.evals.curve_training import training_overrides
-    from draftsmith.train import expand_shorthands, preflight
 
     if opts.first_steps > opts.steps:
         raise InputError(

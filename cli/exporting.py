@@ -108,8 +108,8 @@ def _verifier_folder(config: dict, target: str | None, trust_remote_code: bool =
     from transformers import AutoConfig, AutoTokenizer
 
     from draftsmith.common.remote_code import refuse_remote_code
-    from draftsmith.export.format import check_target
     from draftsmith.export.identity import decoder_identity, target_identity
+    from draftsmith.export.target_check import check_target
     from draftsmith.runtime.target.weights import load_lm_head
 
     refuse_remote_code(folder, trust_remote_code)

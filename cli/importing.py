@@ -49,7 +49,7 @@ def target_facts(folder: str, trust_remote_code: bool = False) -> tuple[dict[str
 
     from draftsmith.common.remote_code import refuse_remote_code
     from draftsmith.export.identity import target_identity
-    from draftsmith.export.speculators import local_embedding
+    from draftsmith.export.verifier import local_embedding
     from draftsmith.runtime.target.weights import load_lm_head
 
     refuse_remote_code(folder, trust_remote_code)

@@ -52,9 +52,10 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
     parser.add_argument("--out", default=None, help="FILE.json (and FILE.md beside it)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     opts, overrides = parser.parse_known_args(argv)
+    from draftsmith.cli.train_command_line import expand_shorthands, preflight
     from draftsmith.common.atomic_folder import write_file
     from draftsmith.distill.engine.bench_train import markdown_table
-    from draftsmith.train import expand_shorthands, preflight, purposeful_errors
+    from draftsmith.train import purposeful_errors
 
     overrides = expand_shorthands(overrides)
     try:
@@ -111,9 +112,10 @@ def _cmd_cache_features(argv: list[str]) -> int:
     from draftsmith import recipes
     from draftsmith.cli.arguments import OneLineParser, Range
     from draftsmith.cli.preflight import check_out_folder
+    from draftsmith.cli.train_command_line import expand_shorthands, preflight
     from draftsmith.common.errors import ConfigError
     from draftsmith.distill.feature_cache.build import build_cache
-    from draftsmith.train import expand_shorthands, preflight, purposeful_errors, report_error
+    from draftsmith.train import purposeful_errors, report_error
 
     parser = OneLineParser(prog="draftsmith cache-features")
     parser.add_argument("--out", required=True, help="cache folder (a re-run resumes there)")

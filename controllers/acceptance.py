@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.export.exportable import Exportable, ExportContents
-from draftsmith.export.format import ExportError, resolve_base_export
+from draftsmith.export.format import ExportError
+from draftsmith.export.stacking import resolve_base_export
 
 METHOD = "specdecpp"
 

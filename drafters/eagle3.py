@@ -26,7 +26,7 @@ as for EAGLE-1.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from draftsmith.drafters.eagle import (
     build_attention_mask,
     default_positions,
 )
+from draftsmith.drafters.eagle3_ttt import TTTPast, step0_mask, ttt_attention
 from draftsmith.export.exportable import Exportable, ExportContents
 from draftsmith.export.format import ExportError
 
@@ -63,74 +64,6 @@ def default_target_layers(num_layers: int) -> tuple[int, int, int]:
         )
     low, high = (1 if num_layers >= 4 else 0), num_layers - 1
     return low, (low + high) // 2, high
-
-
-class TTTPast(NamedTuple):
-    """The keys and values [B, nkv, N, d] of the TTT steps so far, step 0 first."""
-
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
-
-
-def step0_mask(
-    n: int,
-    device: torch.device,
-    pair_mask: torch.Tensor | None = None,
-    document_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Bool ``[B|1, 1, N, N]`` (True = attend) of TTT step 0: causal, inside one document
-    (``document_ids`` [B, N], -1 = padding), padding keys hidden (``pair_mask`` [B, N]); every query
-    sees itself, so no row is empty.
-    """
-    index = torch.arange(n, device=device)
-    mask = (index[None, :] <= index[:, None])[None, None]  # [1, 1, N, N] causal
-    if document_ids is not None:
-        docs = document_ids.to(device)
-        mask = (
-            mask
-            & (docs[:, None, :, None] == docs[:, None, None, :])
-            & (docs >= 0)[:, None, None, :]
-        )
-    if pair_mask is not None:
-        mask = mask & pair_mask.to(device).bool()[:, None, None, :]  # [B, 1, N, N]
-    return mask | (index[None, :] == index[:, None])[None, None]
-
-
-def ttt_attention(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], allowed: torch.Tensor
-) -> torch.Tensor:
-    """Attention of TTT step ``j = len(keys) - 1``: q [B, nh, N, d] over the step-0 keys ``keys[0]``
-    [B, nkv, N, d] where ``allowed`` [B|1, 1, N, N] says so, and over the key of its own index in
-    each of ``keys[1:]``.
-
-    One softmax over the N + j scores of a query, merged by hand (log-sum-exp style): the [N, N]
-    block of step 0 plus one score per later step, so the mask is built once and never concatenated.
-    GQA by broadcasting (no key copies); scores and softmax in fp32, the value products in the value
-    dtype. Step 0 alone is plain SDPA.
-    """
-    bsz, heads, n, dim = q.shape
-    groups = heads // keys[0].shape[1]
-    if len(keys) == 1:
-        return F.scaled_dot_product_attention(
-            q, keys[0], values[0], attn_mask=allowed, enable_gqa=groups > 1
-        )
-    q5 = q.unflatten(1, (-1, groups)).float() * dim**-0.5  # [B, nkv, g, N, d]
-    scores = q5 @ keys[0][:, :, None].float().transpose(-1, -2)  # [B, nkv, g, N, N]
-    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
-    own = [
-        (q5 * k[:, :, None].float()).sum(-1) for k in keys[1:]
-    ]  # j x [B, nkv, g, N]: the diagonal keys
-    top = scores.amax(-1)
-    for s in own:
-        top = torch.maximum(top, s)
-    top = top.detach()  # a constant shift: the softmax does not depend on it
-    weights0 = (scores - top[..., None]).exp()  # [B, nkv, g, N, N]
-    weights = [(s - top).exp() for s in own]  # j x [B, nkv, g, N]
-    total = weights0.sum(-1) + sum(weights)  # [B, nkv, g, N]
-    out = (weights0.to(values[0].dtype) @ values[0][:, :, None]).float()  # [B, nkv, g, N, d]
-    for w, v in zip(weights, values[1:]):
-        out = out + w[..., None] * v[:, :, None].float()
-    return (out / total[..., None]).to(q.dtype).flatten(1, 2)  # [B, nh, N, d]
 
 
 @dataclass

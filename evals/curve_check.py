@@ -75,7 +75,7 @@ def run_check(
     from draftsmith.evals.curve_folder import CURVE_FILE, CurveError, read_curve, write_json
     from draftsmith.evals.curve_report import write_report
     from draftsmith.evals.learning_curve import EvalSettings, evaluate_export
-    from draftsmith.export.format import export_fingerprint
+    from draftsmith.export.stacking import export_fingerprint
 
     curve_dir, run = Path(curve_dir), Path(run)
     if not (curve_dir / CURVE_FILE).is_file():

@@ -33,13 +33,8 @@ from draftsmith.common.atomic_folder import OutputKind, write_file, write_folder
 from draftsmith.common.errors import DraftsmithError
 from draftsmith.evals.flagship_record import readme, record
 from draftsmith.evals.learning_curve import EvalSettings
-from draftsmith.export.format import (
-    CONFIG_FILE,
-    IDENTITY_FIELDS,
-    WEIGHTS_FILE,
-    ExportError,
-    read_export,
-)
+from draftsmith.export.format import CONFIG_FILE, WEIGHTS_FILE, ExportError, read_export
+from draftsmith.export.target_check import IDENTITY_FIELDS
 
 NAME = "eagle3-smollm2-135m"
 FLAGSHIP_DIR = Path(__file__).resolve().parents[1] / "flagship" / NAME

@@ -1,6 +1,7 @@
-"""Convert a draftsmith DFlash export into the z-lab layout (``--format dflash-zlab``) and into
-vLLM's speculators ``dflash`` type (``--format speculators``); llama.cpp's GGUF (``--format gguf``)
-is converted from the z-lab layout by llama.cpp's own converter (``export/gguf.py``).
+"""Convert a draftsmith DFlash export into the z-lab layout (``--format dflash-zlab``), and check
+and name the drafter body's tensors for vLLM's speculators ``dflash`` type (``--format
+speculators``, written by export/speculators_dflash.py); llama.cpp's GGUF (``--format gguf``) is
+converted from the z-lab layout by llama.cpp's own converter (``export/gguf.py``).
 
 Tap convention. draftsmith's ``architecture.target_layers`` are indices into the target's HF
 ``hidden_states`` tuple (0 = the embeddings, ``i`` = the output of decoder layer ``i - 1`` = the
@@ -48,7 +49,6 @@ from safetensors.torch import save_file
 from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.export.converters import ConvertRequest, ExportFormat, register_format
 from draftsmith.export.format import ExportError, atomic_folder_write, read_export
-from draftsmith.export.speculators import SPECULATORS_SCHEMA_VERSION, verifier_architectures
 
 log = logging.getLogger(__name__)
 
@@ -129,12 +129,6 @@ def zlab_layer_ids(taps: list[int]) -> list[int]:
     return [int(t) - 1 for t in taps]
 
 
-def speculators_aux_ids(taps: list[int]) -> list[int]:
-    """speculators ``aux_hidden_state_layer_ids`` of draftsmith taps: unchanged (module
-    docstring)."""
-    return [int(t) for t in taps]
-
-
 def dflash_tensors(
     state: dict[str, torch.Tensor], num_layers: int
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -188,7 +182,11 @@ def qwen3_layer_config(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _provenance(config: dict[str, Any], source: str | Path, dropped: list[str]) -> dict[str, Any]:
+def conversion_provenance(
+    config: dict[str, Any], source: str | Path, dropped: list[str]
+) -> dict[str, Any]:
+    """The ``draftsmith`` block of a converted config.json: the export converted, its taps as
+    ``hidden_states`` indices and the optional heads left out."""
     return {
         "converted_from": str(source),
         "target_layers_hidden_states": list(config["architecture"]["target_layers"]),
@@ -215,60 +213,11 @@ def zlab_config(
         },
         "torch_dtype": dtype,
         "dtype": dtype,
-        "draftsmith": _provenance(config, source, list(dropped)),
+        "draftsmith": conversion_provenance(config, source, list(dropped)),
     }
 
 
-def speculators_dflash_config(
-    config: dict[str, Any],
-    verifier_name_or_path: str,
-    architectures: list[str],
-    dtype: str,
-    source: str | Path = "",
-    dropped: list[str] = (),
-) -> dict[str, Any]:
-    """The speculators ``dflash`` ``config.json`` (schema of speculators 0.9.0
-    ``DFlashSpeculatorConfig``).
-
-    ``speculative_tokens`` = ``block_size - 1``: the anchor slot holds the verified (bonus) token
-    and the mask slots predict (``sample_from_anchor: false``, what vLLM's DFlash proposer runs).
-    """
-    arch = config["architecture"]
-    block = int(arch["block_size"])
-    return {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
-        "speculators_version": SPECULATORS_SCHEMA_VERSION,
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": block - 1,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name_or_path, "architectures": architectures},
-        },
-        "transformer_layer_config": {
-            **qwen3_layer_config(config),
-            "architectures": ["Qwen3ForCausalLM"],
-        },
-        "draft_vocab_size": _arch_int(arch, "vocab_size"),
-        "block_size": block,
-        "target_hidden_size": _arch_int(arch, "target_hidden_size", "hidden_size"),
-        "aux_hidden_state_layer_ids": speculators_aux_ids(arch["target_layers"]),
-        "mask_token_id": int(arch["mask_token_id"]),
-        "sliding_window_non_causal": False,
-        "sample_from_anchor": False,
-        "torch_dtype": dtype,
-        "draftsmith": _provenance(config, source, list(dropped)),
-    }
-
-
-def _converted(
+def converted_dflash(
     export_dir: str | Path, source: str | Path | None, dtype: str | None, same_hidden: str | None
 ):
     """(config, tensors, dropped, dtype name) of a DFlash export, checked; ``same_hidden`` names the
@@ -299,7 +248,9 @@ def write_zlab(
 ) -> dict[str, Any]:
     """Write the z-lab layout of ``export_dir`` into the existing folder ``out_dir`` (not atomic:
     the caller's temporary folder); returns the draftsmith export config."""
-    config, tensors, dropped, written = _converted(export_dir, source, dtype, "the z-lab layout")
+    config, tensors, dropped, written = converted_dflash(
+        export_dir, source, dtype, "the z-lab layout"
+    )
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     out = zlab_config(config, written, Path(source or export_dir).resolve(), dropped)
     (out_dir / "config.json").write_text(json.dumps(out, indent=2) + "\n")
@@ -320,43 +271,6 @@ def to_zlab(
         sources=(export_dir, source),
     )
     log.info("wrote z-lab DFlash folder %s", out)
-    return out
-
-
-def to_speculators_dflash(
-    export_dir: str | Path,
-    out_dir: str | Path,
-    verifier_name_or_path: str,
-    dtype: str | None = None,
-    architectures: list[str] | None = None,
-    source: str | Path | None = None,
-) -> Path:
-    """Write the speculators ``dflash`` folder of a DFlash export into ``out_dir`` (atomically):
-    ``vllm serve OUT`` reads the verifier from its config. No embedding and no LM head are written
-    (speculators' own DFlash checkpoints leave both out; vLLM and speculators take the
-    verifier's)."""
-    from draftsmith.export.dspark import has_dspark_heads, to_speculators_dspark
-
-    if has_dspark_heads(
-        export_dir
-    ):  # DSpark-shaped: speculators' dspark type keeps the heads (export/dspark.py)
-        return to_speculators_dspark(
-            export_dir, out_dir, verifier_name_or_path, dtype, architectures, source
-        )
-    config, tensors, dropped, written = _converted(export_dir, source, dtype, None)
-    archs = architectures or verifier_architectures(
-        verifier_name_or_path, str(config["target"].get("model_type"))
-    )
-    out_config = speculators_dflash_config(
-        config, verifier_name_or_path, archs, written, Path(source or export_dir).resolve(), dropped
-    )
-
-    def fill(tmp: Path) -> None:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
-
-    out = atomic_folder_write(out_dir, fill, sources=(export_dir, source))
-    log.info("wrote speculators dflash folder %s (verifier %s)", out, verifier_name_or_path)
     return out
 
 

@@ -49,12 +49,12 @@ from draftsmith.export.dflash import (
     _arch_int,
     check_dflash,
     dflash_key_names,
-    speculators_dflash_config,
     zlab_config,
     zlab_layer_ids,
 )
 from draftsmith.export.format import WEIGHTS_FILE, ExportError, atomic_folder_write, read_export
-from draftsmith.export.speculators import local_embedding, verifier_architectures
+from draftsmith.export.speculators_dflash import speculators_dflash_config
+from draftsmith.export.verifier import local_embedding, verifier_architectures
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from draftsmith.export.format import ExportError, read_export, verify_identity
+from draftsmith.export.format import ExportError, read_export
+from draftsmith.export.integrity_check import verify_identity
 from draftsmith.export.schema import RELABEL_FIX, check_architecture, relabel_claim
 
 if TYPE_CHECKING:

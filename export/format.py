@@ -6,17 +6,18 @@ Format v2 (v1 exports keep loading):
   further parts sit beside it as ``<name>.safetensors`` (e.g. ``adapter`` for a LoRA applied to the
   target, Medusa-2).
 - ``target.adapter``: when the export changes the target (a trained adapter), the identity names it,
-  so the export is refused against the bare base target.
+  so the export is refused against the bare base target (export/target_check.py).
 - ``base_export``: an optional reference to the export this one stacks on (a SpecDec++ head on an
-  EAGLE drafter), with a fingerprint of the base's config and weights checked when it is resolved.
+  EAGLE drafter), with a fingerprint of the base's config and weights checked when it is resolved
+  (export/stacking.py).
+
+Reading checks the export's own identity digest first (export/integrity_check.py).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,6 @@ FORMAT_VERSION = 2
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MAIN_PART = "model"
-IDENTITY_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "fingerprint", "lm_head")
-# Added after format_version 1 shipped: exports written before it lack the field, which is then not
-# compared.
-LATER_IDENTITY_FIELDS = ("lm_head",)
 
 
 class ExportError(DraftsmithError, RuntimeError):
@@ -309,8 +306,9 @@ def read_export(
     export_dir: str | Path, verify: bool = True
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Return ``(config, state_dict)`` of an export folder's main part, with actionable errors for
-    broken folders;
-    ``verify``: check the recorded identity first (:func:`verify_identity`)."""
+    broken folders; ``verify``: check the recorded identity first (export/integrity_check.py)."""
+    from draftsmith.export.integrity_check import verify_identity  # it reads through this module
+
     config = read_config(export_dir)
     if verify:
         verify_identity(export_dir, config)
@@ -322,147 +320,9 @@ def read_export_parts(
 ) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
     """``(config, {part name: state_dict})``, identity checked; a v1 export has the one part
     ``model``."""
+    from draftsmith.export.integrity_check import verify_identity  # it reads through this module
+
     config = read_config(export_dir)
     verify_identity(export_dir, config)
     names = list((config.get("parts") or {MAIN_PART: {}}).keys())
     return config, {n: _load_part(Path(export_dir) / part_file(n)) for n in names}
-
-
-class ExportIdentityError(ExportError):
-    """An export's method, architecture and weight names/shapes no longer make the unit recorded at
-    export."""
-
-
-def _header_shapes(path: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape from a safetensors file's header alone (8-byte length + JSON; no tensor
-    is read)."""
-    if not path.is_file():
-        raise ExportError(f"{path} is missing; re-export the drafter")
-    try:
-        with open(path, "rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            if length > 1 << 28:  # no header of ours comes near 256 MB: the length field is garbage
-                raise ValueError(f"header length {length}")
-            header = json.loads(fh.read(length))
-        return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
-        raise ExportError(f"{path} is corrupt or truncated ({err}); re-export the drafter") from err
-
-
-def verify_identity(export_dir: str | Path, config: dict[str, Any]) -> None:
-    """Refuse (:class:`ExportIdentityError`, one line) an export whose method, architecture keys and
-    weight names and shapes no longer hash to the ``identity.digest`` recorded when it was written
-    (:func:`export_digest`): e.g. ``method`` edited to another method with the same weights layout.
-    Exports written before the field existed are not checked."""
-    recorded = config.get("identity") or {}
-    if not recorded.get("digest"):
-        return
-    shapes = {
-        n: _header_shapes(Path(export_dir) / part_file(n))
-        for n in config.get("parts") or {MAIN_PART: {}}
-    }
-    if export_digest(config["method"], dict(config["architecture"]), shapes) == recorded["digest"]:
-        return
-    written_as = recorded.get("method")
-    if written_as and written_as != config["method"]:
-        raise ExportIdentityError(
-            f"{export_dir} was written as a {written_as!r} export, but its config.json now says"
-            " method "
-            f"{config['method']!r} (method, architecture and weights are checked as one): restore "
-            f'"method": "{written_as}" in config.json, or re-export the drafter'
-        )
-    raise ExportIdentityError(
-        f"{export_dir}: its architecture keys or weight names and shapes changed after export (they"
-        " no longer match the identity recorded at export): restore the original config.json and"
-        " weights, or re-export the drafter"
-    )
-
-
-def export_fingerprint(export_dir: str | Path) -> str:
-    """sha256 over an export's config.json and weight files: what a stacked export records of its
-    base."""
-    config = read_config(export_dir)
-    digest = hashlib.sha256((Path(export_dir) / CONFIG_FILE).read_bytes())
-    for name in config.get("parts") or {MAIN_PART: {}}:
-        with open(Path(export_dir) / part_file(name), "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    return "sha256:" + digest.hexdigest()
-
-
-def base_reference(base_dir: str | Path) -> dict[str, Any]:
-    """The ``base_export`` block for an export stacked on ``base_dir`` (e.g. a controller on a
-    drafter)."""
-    config = read_config(base_dir)
-    return {
-        "path": str(Path(base_dir).resolve()),
-        "method": config["method"],
-        "fingerprint": export_fingerprint(base_dir),
-    }
-
-
-def resolve_base_export(config: dict[str, Any], base_dir: str | Path | None = None) -> Path | None:
-    """The folder of the export ``config`` stacks on (``base_dir`` overrides the recorded path when
-    it moved), or None. Raises ExportError when it is missing or is no longer the export the stacked
-    one was trained on.
-    """
-    ref = config.get("base_export")
-    if not ref:
-        return None
-    path = Path(base_dir or ref["path"])
-    if not path.is_dir():
-        raise ExportError(
-            f"this {config.get('method')} export stacks on {ref['method']} export {ref['path']},"
-            " which does not exist here; pass its new location (--base-export PATH)"
-        )
-    found = export_fingerprint(path)
-    if found != ref["fingerprint"]:
-        raise ExportError(
-            f"{path} is not the {ref['method']} export this {config.get('method')} export was"
-            f" trained on (fingerprint {found[:19]}... vs recorded {ref['fingerprint'][:19]}...);"
-            " use that export or retrain on this one"
-        )
-    return path
-
-
-def check_target(
-    config: dict[str, Any], identity: dict[str, Any], given: str | None = None
-) -> None:
-    """Raise ``TargetMismatchError`` if ``identity`` is not the target recorded in ``config``.
-
-    Only the fields ``identity`` carries are compared (a decoder without its tokenizer has no
-    ``fingerprint``); fields added to the format later are skipped for exports that predate them.
-    ``given`` names the target the user passed (folder or alias) for the message; default:
-    ``identity["name_or_path"]``.
-    """
-    recorded = config.get("target", {})
-    adapter = recorded.get("adapter")
-    if adapter and (identity.get("adapter") or {}).get("fingerprint") != adapter.get("fingerprint"):
-        raise TargetMismatchError(
-            f"this {config.get('method')} export changes its target (a trained"
-            f" {adapter.get('kind', 'adapter')} {adapter.get('fingerprint', '')[:19]}... ships as"
-            " the export's 'adapter' part), but the target given does not carry it; load the"
-            " target with the export's adapter applied"
-        )
-    diffs = [
-        f"{k}: export has {recorded.get(k)!r}, target has {identity[k]!r}"
-        for k in IDENTITY_FIELDS
-        if identity.get(k) is not None
-        and recorded.get(k) != identity[k]
-        and not (k in LATER_IDENTITY_FIELDS and recorded.get(k) is None)
-    ]
-    if not diffs:
-        return
-    want = recorded.get("name_or_path")
-    shown = given if given is not None else identity.get("name_or_path")
-    if shown is None or str(shown) == str(
-        want
-    ):  # the identity may carry the export's own name: never print it twice
-        other = "the loaded target is a different model"
-    else:
-        other = f"the given target {str(shown)!r} is a different model"
-    raise TargetMismatchError(
-        f"this {config.get('method')} drafter was exported for target {want!r}, but {other} ("
-        + "; ".join(diffs)
-        + "). Use the target it was trained for, or retrain the drafter for this target."
-    )

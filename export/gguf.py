@@ -53,11 +53,8 @@ from safetensors.torch import save_file
 from draftsmith.common.errors import InputError
 from draftsmith.export.converters import ConvertRequest, ExportFormat, register_format
 from draftsmith.export.format import ExportError, atomic_folder_write, read_config, read_export
-from draftsmith.export.speculators import (
-    speculators_config,
-    speculators_tensors,
-    verifier_architectures,
-)
+from draftsmith.export.speculators import speculators_config, speculators_tensors
+from draftsmith.export.verifier import verifier_architectures
 
 log = logging.getLogger(__name__)
 

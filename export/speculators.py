@@ -6,7 +6,7 @@ OUT`` reads the verifier from the config, and ``speculators.SpeculatorModel.from
 loads it (checked in tests/test_speculators_export.py against the real library).
 
 DFlash exports go to speculators' ``dflash`` type: ``to_speculators`` hands them to
-``export/dflash.py``.
+``export/speculators_dflash.py``.
 
 EAGLE-1 is NOT converted: speculators 0.9.0 registers the model types dflash, dflash2, dspark,
 eagle3, mtp, peagle and xpress only; its EAGLE-1/HASS support is a converter into ``eagle3`` for
@@ -78,16 +78,11 @@ from safetensors.torch import save_file
 from draftsmith.common.dtypes import dtype_from_name
 from draftsmith.export.converters import ConvertRequest, ExportFormat, register_format
 from draftsmith.export.format import ExportError, atomic_folder_write, read_export, tensor_bytes
+from draftsmith.export.verifier import local_embedding, verifier_architectures
 
 log = logging.getLogger(__name__)
 
 SPECULATORS_SCHEMA_VERSION = "0.9.0"
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 _DTYPES = (
     "float32",
     "bfloat16",
@@ -127,51 +122,6 @@ def speculators_tensors(
             f"unexpected {unexpected[:4]}); re-export with this draftsmith version"
         )
     return {new: state[old].contiguous() for old, new in names.items()}
-
-
-def local_embedding(verifier_name_or_path: str) -> torch.Tensor | None:
-    """The input embedding [V, H] of a local HF checkpoint folder (None if not a local safetensors
-    folder)."""
-    from safetensors import safe_open
-
-    folder = Path(verifier_name_or_path).expanduser()
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = {name: folder / weight_map[name] for name in weight_map}
-    elif (folder / "model.safetensors").is_file():
-        files = None
-    else:
-        return None
-    for name in (
-        "model.embed_tokens.weight",
-        "embed_tokens.weight",
-        "model.language_model.embed_tokens.weight",
-    ):
-        path = files.get(name) if files is not None else folder / "model.safetensors"
-        if path is None:
-            continue
-        with safe_open(str(path), framework="pt") as handle:
-            if name in handle.keys():
-                return handle.get_tensor(name)
-    return None
-
-
-def verifier_architectures(verifier_name_or_path: str, model_type: str) -> list[str]:
-    """``architectures`` of the verifier: from its local config.json, else from the recorded model
-    type."""
-    local = Path(verifier_name_or_path).expanduser() / "config.json"
-    if local.is_file():
-        archs = json.loads(local.read_text()).get("architectures")
-        if archs:
-            return list(archs)
-    if model_type not in _ARCHITECTURES:
-        raise ExportError(
-            f"cannot tell the verifier's architecture: {verifier_name_or_path} is not a local "
-            f"folder and target model_type {model_type!r} is not one of {sorted(_ARCHITECTURES)}; "
-            "pass verifier_architectures explicitly"
-        )
-    return [_ARCHITECTURES[model_type]]
 
 
 def speculators_config(
@@ -233,6 +183,61 @@ def speculators_config(
     }
 
 
+def refuse_other_methods(method: str, where: str | Path) -> None:
+    """Refuse (one line) an export the speculators format has no type for: EAGLE-1 (no speculators
+    type) and every method other than EAGLE-3 and DFlash."""
+    if method == "eagle":
+        raise ExportError(
+            "speculators (0.9.0) has no model type for EAGLE-1 drafters (its types are eagle3, "
+            "peagle, dflash, dflash2, dspark, mtp, xpress); train with recipe=eagle3 to serve "
+            "through speculators/vLLM, or run the EAGLE-1 drafter in draftsmith's runtime"
+        )
+    if method not in ("eagle3", "dflash"):
+        raise ExportError(
+            f"the speculators format holds EAGLE-3 and DFlash drafters; {where} is a {method!r}"
+            " export"
+        )
+
+
+def add_verifier_embedding(
+    tensors: dict[str, torch.Tensor],
+    arch: dict[str, Any],
+    verifier_name_or_path: str,
+    embed_weight: torch.Tensor | None,
+) -> None:
+    """Add ``embed_tokens.weight`` [V, H] to ``tensors``: ``embed_weight``, else the verifier's when
+    it is a local folder (checked against the drafter's sizes); without either, warn."""
+    embed = embed_weight if embed_weight is not None else local_embedding(verifier_name_or_path)
+    if embed is None:
+        log.warning(
+            "no embedding written (verifier %s is not a local folder): vLLM shares the verifier's,"
+            " but speculators' own loader may leave it uninitialised; pass embed_weight",
+            verifier_name_or_path,
+        )
+        return
+    if tuple(embed.shape) != (int(arch["vocab_size"]), int(arch["hidden_size"])):
+        raise ExportError(
+            f"verifier embedding has shape {tuple(embed.shape)}, expected"
+            f" ({arch['vocab_size']}, {arch['hidden_size']}): is {verifier_name_or_path} the"
+            " target this drafter was trained for?"
+        )
+    tensors["embed_tokens.weight"] = (
+        embed.detach().to("cpu", tensors["fc.weight"].dtype).contiguous()
+    )
+
+
+def speculative_steps(config: dict[str, Any], speculative_tokens: int | None) -> int:
+    """Tokens drafted per step: ``speculative_tokens``, default the export's ``inference.depth +
+    1``."""
+    # depth + 1: the runtime's longest drafted path (EAGLE-2's depth counts the forwards after the
+    # root step); a missing depth defaults to 4 as in runtime/drafting/eagle.py's _proposer.
+    depth = int((config.get("inference") or {}).get("depth", 4))
+    steps = speculative_tokens if speculative_tokens is not None else depth + 1
+    if steps < 1:
+        raise ValueError(f"speculative_tokens must be >= 1, got {steps}")
+    return steps
+
+
 def to_speculators(
     export_dir: str | Path,
     out_dir: str | Path,
@@ -247,31 +252,22 @@ def to_speculators(
     (atomically).
 
     ``verifier_name_or_path`` is what vLLM/speculators will load as the verifier (a hub id or a
-    folder);
-    ``speculative_tokens``: tokens drafted per step, default ``inference.depth + 1`` (see the module
-    docstring); ``dtype`` (float32 | bfloat16 | float16) converts the floating weights, default: as
-    exported; ``embed_weight`` (the target's input embedding) is written as ``embed_tokens.weight``;
-    by default it is read from the verifier when that is a local folder; ``source``: what the user
-    converted (a run folder exported into a temporary folder first), named in errors.
+    folder); ``speculative_tokens``: tokens drafted per step, default ``inference.depth + 1`` (see
+    the module docstring); ``dtype`` (float32 | bfloat16 | float16) converts the floating weights,
+    default: as exported; ``embed_weight`` (the target's input embedding) is written as
+    ``embed_tokens.weight``; by default it is read from the verifier when that is a local folder;
+    ``source``: what the user converted (a run folder exported into a temporary folder first), named
+    in errors.
     """
     config, state = read_export(export_dir)
     method = config["method"]
-    if method == "dflash":  # speculators' dflash type: its own writer (export/dflash.py)
-        from draftsmith.export.dflash import to_speculators_dflash
+    refuse_other_methods(method, source or export_dir)
+    # speculators' dflash type has its own writer (export/speculators_dflash.py)
+    if method == "dflash":
+        from draftsmith.export.speculators_dflash import to_speculators_dflash
 
         return to_speculators_dflash(
             export_dir, out_dir, verifier_name_or_path, dtype, architectures, source
-        )
-    if method == "eagle":
-        raise ExportError(
-            "speculators (0.9.0) has no model type for EAGLE-1 drafters (its types are eagle3, "
-            "peagle, dflash, dflash2, dspark, mtp, xpress); train with recipe=eagle3 to serve "
-            "through speculators/vLLM, or run the EAGLE-1 drafter in draftsmith's runtime"
-        )
-    if method != "eagle3":
-        raise ExportError(
-            f"the speculators format holds EAGLE-3 and DFlash drafters; {source or export_dir} is a"
-            f" {method!r} export"
         )
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}; valid: {', '.join(_DTYPES)}")
@@ -279,35 +275,14 @@ def to_speculators(
     tensors = speculators_tensors(
         state, full_vocab=int(arch["draft_vocab_size"]) == int(arch["vocab_size"])
     )
-    embed = embed_weight if embed_weight is not None else local_embedding(verifier_name_or_path)
-    if embed is not None:
-        if tuple(embed.shape) != (int(arch["vocab_size"]), int(arch["hidden_size"])):
-            raise ExportError(
-                f"verifier embedding has shape {tuple(embed.shape)}, expected"
-                f" ({arch['vocab_size']}, {arch['hidden_size']}): is {verifier_name_or_path} the"
-                " target this drafter was trained for?"
-            )
-        tensors["embed_tokens.weight"] = (
-            embed.detach().to("cpu", tensors["fc.weight"].dtype).contiguous()
-        )
-    else:
-        log.warning(
-            "no embedding written (verifier %s is not a local folder): vLLM shares the verifier's,"
-            " but speculators' own loader may leave it uninitialised; pass embed_weight",
-            verifier_name_or_path,
-        )
+    add_verifier_embedding(tensors, arch, verifier_name_or_path, embed_weight)
     if dtype is not None:
         tensors = {
             k: v.to(dtype_from_name(dtype)) if v.is_floating_point() else v
             for k, v in tensors.items()
         }
     written = str(tensors["fc.weight"].dtype).removeprefix("torch.")
-    # depth + 1: the runtime's longest drafted path (EAGLE-2's depth counts the forwards after the
-    # root step); a missing depth defaults to 4 as in runtime/drafting/eagle.py's _proposer.
-    depth = int((config.get("inference") or {}).get("depth", 4))
-    steps = speculative_tokens if speculative_tokens is not None else depth + 1
-    if steps < 1:
-        raise ValueError(f"speculative_tokens must be >= 1, got {steps}")
+    steps = speculative_steps(config, speculative_tokens)
     archs = architectures or verifier_architectures(
         verifier_name_or_path, str(config["target"].get("model_type"))
     )

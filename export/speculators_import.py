@@ -15,14 +15,15 @@ The exact inverse of ``export/speculators.py`` (whose docstring maps every field
   speculative_tokens - 1`` (the exporter writes ``depth + 1``); the tree width (``total_tokens`` 16,
   ``top_k`` 4), the greedy verifier and the fixed stop policy are the EAGLE-3 recipe's defaults,
   which the speculators format does not carry.
-* weights: ``layers.0.X`` -> ``layer.X``; ``fc.weight``, ``norm.weight``, ``lm_head.weight`` as is;
-  ``d2t`` (int64 offsets, target id = ``i + d2t[i]``) and ``t2d`` (bool) as is, or, when the
-  checkpoint has none (full draft vocabulary), ``d2t = 0`` and ``t2d = True`` everywhere (what
-  draftsmith stores for a full vocabulary). Floating weights are stored as float32 (a bf16
-  checkpoint widens exactly). ``embed_tokens.weight`` (the verifier's frozen embedding) is not
-  stored (draftsmith shares the target's); when the checkpoint has one it must equal the target's
-  embedding in the checkpoint's dtype, else the checkpoint was trained for another target.
-  ``verifier_norm`` / ``verifier_lm_head`` (trainer-only copies of the verifier's) are skipped.
+* weights (export/speculators_import_weights.py): ``layers.0.X`` -> ``layer.X``; ``fc.weight``,
+  ``norm.weight``, ``lm_head.weight`` as is; ``d2t`` (int64 offsets, target id = ``i + d2t[i]``) and
+  ``t2d`` (bool) as is, or, when the checkpoint has none (full draft vocabulary), ``d2t = 0`` and
+  ``t2d = True`` everywhere (what draftsmith stores for a full vocabulary). Floating weights are
+  stored as float32 (a bf16 checkpoint widens exactly). ``embed_tokens.weight`` (the verifier's
+  frozen embedding) is not stored (draftsmith shares the target's); when the checkpoint has one it
+  must equal the target's embedding in the checkpoint's dtype, else the checkpoint was trained for
+  another target. ``verifier_norm`` / ``verifier_lm_head`` (trainer-only copies of the verifier's)
+  are skipped.
 * ``target``: the identity of the target the caller loaded (``--target`` or the recorded verifier);
   the checkpoint's sizes must match it: ``target_hidden_size`` = the target's hidden size, the layer
   config's ``vocab_size`` = its vocabulary, every aux id inside its layers.
@@ -53,7 +54,7 @@ from draftsmith.export.format import (
     refuse_non_finite,
     write_export,
 )
-from draftsmith.export.speculators import _LAYER_PARTS
+from draftsmith.export.speculators_import_weights import draftsmith_tensors
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,6 @@ _UNSUPPORTED_FLAGS = {
     "fc_norm": "train without --fc-norm",
     "norm_output": "train with --no-norm-output",
 }
-_SKIPPED = ("verifier_norm.weight", "verifier_lm_head.weight", "embed_tokens.weight")
 _IMPORT_HINTS = {
     "export": ": it is already a draftsmith export; pass it as --drafter",
     "converted": ": pass the draftsmith export it was converted from as --drafter",
@@ -247,135 +247,6 @@ def check_sizes(
             + "; ".join(diffs)
             + "; pass the target it was trained for with --target"
         )
-
-
-def draftsmith_tensors(
-    state: dict[str, torch.Tensor],
-    arch: dict[str, Any],
-    source: str | Path,
-    embed_weight: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """speculators eagle3 tensors -> draftsmith EAGLE-3 state dict (module docstring); the
-    checkpoint's embedding, when it has one, must be ``embed_weight`` (the target's) in the
-    checkpoint's dtype."""
-    names = {
-        "fc.weight": "fc.weight",
-        "norm.weight": "norm.weight",
-        "lm_head.weight": "lm_head.weight",
-        **{f"layers.0.{p}": f"layer.{p}" for p in _LAYER_PARTS},
-    }
-    missing = [k for k in names if k not in state]
-    unknown = [k for k in state if k not in names and k not in ("d2t", "t2d", *_SKIPPED)]
-    if missing or unknown:
-        raise ExportError(
-            f"{source}: weights do not match speculators' eagle3 layout for draftsmith's layer "
-            f"(missing {missing[:4]}, unexpected {unknown[:4]})"
-        )
-    embed = state.get("embed_tokens.weight")
-    if (
-        embed is not None
-        and embed_weight is not None
-        and not torch.equal(embed, embed_weight.to(embed.dtype))
-    ):
-        raise TargetMismatchError(
-            f"{source}: its embed_tokens.weight is not the target's embedding: the checkpoint "
-            "was trained for another verifier; pass the target it was trained for with --target"
-        )
-    out = {new: state[old].float().contiguous() for old, new in names.items()}
-    out.update(vocab_maps(state, arch, source))
-    check_shapes(out, arch, source)
-    return out
-
-
-def expected_shapes(arch: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """draftsmith EAGLE-3 tensor -> (shape the architecture implies, the config keys that size
-    it)."""
-    h, i, v, n = (
-        arch["hidden_size"],
-        arch["intermediate_size"],
-        arch["vocab_size"],
-        arch["draft_vocab_size"],
-    )
-    q, kv = (
-        arch["num_attention_heads"] * arch["head_dim"],
-        arch["num_key_value_heads"] * arch["head_dim"],
-    )
-    heads, kv_heads = "num_attention_heads x head_dim", "num_key_value_heads x head_dim"
-    shapes = {
-        "fc.weight": (
-            (h, len(arch["target_layers"]) * h),
-            "hidden_size, eagle_aux_hidden_state_layer_ids",
-        ),
-        "norm.weight": ((h,), "hidden_size"),
-        "lm_head.weight": ((n, h), "draft_vocab_size, hidden_size"),
-        "layer.self_attn.q_proj.weight": ((q, 2 * h), heads),
-        "layer.self_attn.k_proj.weight": ((kv, 2 * h), kv_heads),
-        "layer.self_attn.v_proj.weight": ((kv, 2 * h), kv_heads),
-        "layer.self_attn.o_proj.weight": ((h, q), heads),
-        "layer.mlp.gate_proj.weight": ((i, h), "intermediate_size"),
-        "layer.mlp.up_proj.weight": ((i, h), "intermediate_size"),
-        "layer.mlp.down_proj.weight": ((h, i), "intermediate_size"),
-        "d2t": ((n,), "draft_vocab_size"),
-        "t2d": ((v,), "vocab_size"),
-    }
-    shapes.update(
-        {
-            f"layer.{p}": ((h,), "hidden_size")
-            for p in (
-                "input_layernorm.weight",
-                "hidden_norm.weight",
-                "post_attention_layernorm.weight",
-            )
-        }
-    )
-    return shapes
-
-
-def check_shapes(
-    tensors: dict[str, torch.Tensor], arch: dict[str, Any], source: str | Path
-) -> None:
-    """Refuse a checkpoint whose config.json and weights disagree (ExportError naming the config
-    keys, the tensor and both shapes): imported as is, its export would record an identity its
-    weights do not have.
-    """
-    for name, (shape, keys) in expected_shapes(arch).items():
-        found = tuple(tensors[name].shape) if name in tensors else None
-        if found is not None and found != shape:
-            raise ExportError(
-                f"{source}: config.json and model.safetensors disagree: {keys} give {name} the"
-                f" shape {list(shape)}, the weights hold {list(found)}; import the config.json"
-                " saved with these weights (a checkpoint folder of the speculators trainer is"
-                " imported as saved)"
-            )
-
-
-def vocab_maps(
-    state: dict[str, torch.Tensor], arch: dict[str, Any], source: str | Path
-) -> dict[str, torch.Tensor]:
-    """``d2t`` [N] int64 and ``t2d`` [V] bool, checked against each other (or the identity maps of a
-    full vocab)."""
-    n, v = arch["draft_vocab_size"], arch["vocab_size"]
-    if "d2t" not in state and "t2d" not in state:
-        if n != v:
-            raise ExportError(
-                f"{source}: draft_vocab_size {n} < vocab_size {v} but the checkpoint has no d2t/t2d"
-                " maps"
-            )
-        return {"d2t": torch.zeros(n, dtype=torch.long), "t2d": torch.ones(v, dtype=torch.bool)}
-    if "d2t" not in state or "t2d" not in state:
-        raise ExportError(f"{source}: the checkpoint has only one of d2t/t2d; both or neither")
-    d2t, t2d = state["d2t"].long(), state["t2d"].bool()
-    if d2t.shape != (n,) or t2d.shape != (v,):
-        raise ExportError(
-            f"{source}: d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not fit draft_vocab_size"
-            f" {n} and vocab_size {v}"
-        )
-    ids = torch.arange(n) + d2t  # the target id of every draft id
-    if not torch.equal(torch.nonzero(t2d).flatten(), ids):
-        raise ExportError(
-            f"{source}: d2t and t2d disagree (i + d2t[i] must list t2d's True entries in order)"
-        )
-    return {"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}
 
 
 def inference_of(config: dict[str, Any]) -> dict[str, Any]:

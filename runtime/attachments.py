@@ -118,7 +118,7 @@ def attach_controller(
         AdaptiveTemperatureHead,
         TemperaturePolicy,
     )
-    from draftsmith.export.format import check_target
+    from draftsmith.export.target_check import check_target
     from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
 
     head, config = AdaptiveTemperatureHead.from_export(controller)

@@ -178,9 +178,9 @@ def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 180
 def test_sigusr1_requeues_and_sigterm_checkpoints_then_the_next_attempt_resumes(
     tmp_path, tiny_target_dir, tiny_data_file, monkeypatch, caplog
 ):
+    from draftsmith.cli.train_command_line import expand_shorthands
     from draftsmith.distill.engine.trainer import train
     from draftsmith.recipes import get_recipe
-    from draftsmith.train import expand_shorthands
 
     run_dir = tmp_path / "run"
     env = {**os.environ, **_fake_slurm(tmp_path)}

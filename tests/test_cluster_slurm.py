@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.train import check_launcher
+from draftsmith.cli.train_command_line import check_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [

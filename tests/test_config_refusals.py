@@ -96,8 +96,8 @@ def test_every_trainer_key_is_range_checked_before_anything_loads(
     ],
 )
 def test_valid_trainer_values_pass(override):
+    from draftsmith.cli.train_command_line import preflight
     from draftsmith.distill.config.checks import schema_problems
-    from draftsmith.train import preflight
 
     assert preflight(["recipe=medusa", override]) is None
     assert schema_problems(compose_config(["recipe=medusa", override])) == []
@@ -133,7 +133,7 @@ def test_what_lightnings_ddp_launcher_appends_is_not_a_key_given_twice(tmp_path)
     hydra.output_subdir (lightning_fabric's _hydra_subprocess_cmd): refusing those as repeated
     killed every `trainer=ddp` run whose command gave hydra.run.dir. The user's own repeats are
     still refused."""
-    from draftsmith.train import preflight
+    from draftsmith.cli.train_command_line import preflight
 
     user = ["recipe=medusa", f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"]
     child = [
@@ -155,16 +155,16 @@ def test_the_valid_recipes_are_the_registered_ones_not_the_yaml_files(tmp_path, 
     valid recipes: ..., X, ..." (the list globbed the YAML files)."""
     import shutil
 
-    import draftsmith.train as train_module
+    import draftsmith.cli.train_command_line as command_line
 
     conf = tmp_path / "conf"
     shutil.copytree(ROOT / "conf", conf)
     (conf / "recipe" / "ghost.yaml").write_text("# @package _global_\nrecipe:\n  name: ghost\n")
-    monkeypatch.setattr(train_module, "CONF_DIR", conf)
-    message = train_module.preflight(["recipe=ghost"])
+    monkeypatch.setattr(command_line, "CONF_DIR", conf)
+    message = command_line.preflight(["recipe=ghost"])
     assert message.startswith("unknown recipe 'ghost'; valid recipes: "), message
     assert "ghost" not in message.split("valid recipes: ", 1)[1] and "medusa" in message
-    assert "ghost" not in train_module.recipe_names()
+    assert "ghost" not in command_line.recipe_names()
 
 
 def test_a_drafter_export_given_as_the_target_is_named_before_anything_loads(tmp_path):

@@ -123,7 +123,7 @@ def test_out_of_range_values_are_one_line_before_anything_loads(
 
 
 def test_a_sweep_is_checked_job_by_job_before_hydra_starts(tmp_path, monkeypatch, capsys):
-    from draftsmith.train import sweep_jobs
+    from draftsmith.cli.train_command_line import sweep_jobs
 
     assert sweep_jobs(
         ["recipe=medusa,hydra", "drafter.target_layers=[1,2,3]", "optim.lr=1e-3,2e-3"]
@@ -386,7 +386,7 @@ def test_cut_search_picks_the_cut_with_the_most_accepted_tokens_per_verify_cost(
 
 def test_a_trained_dflash_confidence_head_serves_at_the_cut_validation_picked(tiny_tokenizer):
     from draftsmith.distill.target.frozen import Target
-    from draftsmith.recipes.dflash import objective as dflash_recipe
+    from draftsmith.recipes.dflash.build import build_objective
 
     target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
     g = torch.Generator().manual_seed(0)
@@ -414,7 +414,7 @@ def test_a_trained_dflash_confidence_head_serves_at_the_cut_validation_picked(ti
             ),
         )
         torch.manual_seed(0)
-        return dflash_recipe.build_objective(cfg, target, [(ids, batch["loss_mask"])])
+        return build_objective(cfg, target, [(ids, batch["loss_mask"])])
 
     objective = build(
         inference={"cut_token_cost": 5.0}

@@ -15,12 +15,14 @@ from recipe_configs import recipe_config
 
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.target.frozen import Target
-from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
+from draftsmith.drafters.dflash import DFlashDrafter
+from draftsmith.drafters.dflash_config import DFlashConfig, default_target_layers
 from draftsmith.export.format import write_export
 from draftsmith.recipes import get_recipe
 from draftsmith.recipes.dflash import DFlash
-from draftsmith.recipes.dflash import objective as dflash_recipe
 from draftsmith.recipes.dflash.blocks import build_blocks, sample_anchors
+from draftsmith.recipes.dflash.build import build_objective
+from draftsmith.recipes.dflash.objective import DFlashObjective
 
 pytestmark = pytest.mark.unit
 
@@ -52,11 +54,9 @@ def batch_of(vocab: int, rows: int = 2, width: int = 20, seed: int = 0) -> dict[
     return {"input_ids": ids, "attention_mask": ones, "loss_mask": ones.clone()}
 
 
-def make_objective(
-    target: Target, batch: dict[str, torch.Tensor], **drafter
-) -> dflash_recipe.DFlashObjective:
+def make_objective(target: Target, batch: dict[str, torch.Tensor], **drafter) -> DFlashObjective:
     torch.manual_seed(0)
-    return dflash_recipe.build_objective(
+    return build_objective(
         recipe_cfg(**drafter), target, [(batch["input_ids"], batch["loss_mask"])]
     )
 

@@ -49,16 +49,12 @@ from draftsmith.cli import main
 from draftsmith.cli.exporting import _convert
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
-from draftsmith.export.dflash import (
-    speculators_aux_ids,
-    to_speculators_dflash,
-    to_zlab,
-    zlab_layer_ids,
-)
+from draftsmith.export.dflash import to_zlab, zlab_layer_ids
 from draftsmith.export.format import ExportError, read_export
 from draftsmith.export.gguf import converter_input
 from draftsmith.export.speculators import to_speculators
-from draftsmith.recipes.dflash import objective as dflash_recipe
+from draftsmith.export.speculators_dflash import speculators_aux_ids, to_speculators_dflash
+from draftsmith.recipes.dflash.build import build_objective
 
 pytestmark = pytest.mark.unit
 
@@ -105,7 +101,7 @@ def export_dflash(
             torch.ones(2, 30, dtype=torch.long),
         )
     ]
-    objective = dflash_recipe.build_objective(cfg, target, batches)
+    objective = build_objective(cfg, target, batches)
     for p in objective.module.parameters():
         if norms or p.dim() > 1:
             p.data.normal_(0, 0.1)
@@ -336,7 +332,8 @@ def vllm_dflash_load(cfg: dict, tensors: dict[str, torch.Tensor]) -> SimpleNames
 
 def test_speculators_dflash_layout_loads_every_vllm_parameter(tmp_path, target):
     export, drafter = export_dflash(target, tmp_path / "export")
-    out = to_speculators(export, tmp_path / "spec", "org/tiny")  # delegates to export/dflash.py
+    # to_speculators delegates a DFlash export to export/speculators_dflash.py
+    out = to_speculators(export, tmp_path / "spec", "org/tiny")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     raw = json.loads((out / "config.json").read_text())
     assert (

@@ -20,9 +20,10 @@ from test_eagle_sampling import ALPHA, assert_matches, exact_law, sample_counts
 from test_speculative_sampling import chi2_pvalue
 
 from draftsmith.distill.target.frozen import Target
-from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter
+from draftsmith.drafters.dflash import DFlashDrafter
+from draftsmith.drafters.dflash_config import DFlashConfig
 from draftsmith.export.format import TargetMismatchError, read_config, write_export
-from draftsmith.recipes.dflash import objective as dflash_recipe
+from draftsmith.recipes.dflash.build import build_objective
 from draftsmith.runtime.acceptance.choice import choose_stop_policy
 from draftsmith.runtime.acceptance.rejection_sampling import RejectionSamplingVerifier
 from draftsmith.runtime.acceptance.stop_policies import FixedDepth
@@ -90,9 +91,7 @@ def exports(target, reference, tmp_path_factory):
             },
         )
         torch.manual_seed(0)
-        objective = dflash_recipe.build_objective(
-            cfg, tgt, [(batch["input_ids"], batch["loss_mask"])]
-        )
+        objective = build_objective(cfg, tgt, [(batch["input_ids"], batch["loss_mask"])])
         if name == "trained":
             feats = tgt.features(batch["input_ids"], batch["attention_mask"], objective.taps)
             opt = torch.optim.AdamW(objective.module.parameters(), lr=3e-3)

@@ -17,7 +17,7 @@ from recipe_configs import recipe_config
 
 from draftsmith.distill.target.frozen import Target
 from draftsmith.export.format import write_export
-from draftsmith.recipes.dflash import objective as dflash_recipe
+from draftsmith.recipes.dflash.build import build_objective
 from draftsmith.runtime.serving import load_runtime
 
 pytestmark = pytest.mark.unit
@@ -93,7 +93,7 @@ def trained(tiny_tokenizer, tmp_path_factory):
         },
     )
     torch.manual_seed(0)
-    objective = dflash_recipe.build_objective(cfg, target, [(ids, ones)])
+    objective = build_objective(cfg, target, [(ids, ones)])
     feats = target.features(ids, ones, objective.taps)
     train_on_fixed_batch(objective, batch, feats, steps=100, lr=3e-3)
     with torch.no_grad():

@@ -13,12 +13,12 @@ from export_faults import cli_error_line, relabel
 from safetensors.torch import load_file, save_file
 
 from draftsmith.export.format import (
-    ExportIdentityError,
     ExportSchemaError,
     MissingArchitectureKey,
     read_config,
     read_export,
 )
+from draftsmith.export.integrity_check import ExportIdentityError
 from draftsmith.heads.medusa import MedusaHeads
 
 pytestmark = pytest.mark.unit

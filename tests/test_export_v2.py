@@ -9,13 +9,12 @@ import torch
 from draftsmith.export.format import (
     ExportError,
     TargetMismatchError,
-    base_reference,
-    check_target,
     read_export,
     read_export_parts,
-    resolve_base_export,
     write_export,
 )
+from draftsmith.export.stacking import base_reference, resolve_base_export
+from draftsmith.export.target_check import check_target
 
 pytestmark = pytest.mark.unit
 

@@ -183,10 +183,10 @@ def test_a_real_full_tmpfs_stops_an_export_cleanly(small_tmpfs):
 def test_training_stops_cleanly_on_a_full_disk_and_resumes_once_space_is_freed(
     tmp_path, tiny_target_dir, tiny_data_file, monkeypatch, caplog
 ):
+    from draftsmith.cli.train_command_line import expand_shorthands
     from draftsmith.cli.training import compose_config
     from draftsmith.distill.engine.trainer import train
     from draftsmith.recipes import get_recipe
-    from draftsmith.train import expand_shorthands
 
     run_dir = tmp_path / "run"
     cfg = compose_config(

@@ -9,7 +9,8 @@ from draftsmith.distill.data.conversations import load_conversations
 from draftsmith.distill.data.samples import tokenize_conversation
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
-from draftsmith.export.format import TargetMismatchError, check_target, read_export
+from draftsmith.export.format import TargetMismatchError, read_export
+from draftsmith.export.target_check import check_target
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree
 

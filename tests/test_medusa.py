@@ -13,14 +13,9 @@ from safetensors.torch import load_file
 
 from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import FeatureTaps, Target
-from draftsmith.export.format import (
-    ExportError,
-    TargetMismatchError,
-    check_target,
-    read_export,
-    write_export,
-)
+from draftsmith.export.format import ExportError, TargetMismatchError, read_export, write_export
 from draftsmith.export.medusa_layout import to_medusa_layout
+from draftsmith.export.target_check import check_target
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.medusa.objective import MedusaObjective, default_tree
 

@@ -10,7 +10,8 @@ from head_family_utils import fit_steps, fixed_batch, recipe_cfg
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.target.frozen import Target
 from draftsmith.distill.target.lora import LoraSpec
-from draftsmith.export.format import TargetMismatchError, check_target, read_export_parts
+from draftsmith.export.format import TargetMismatchError, read_export_parts
+from draftsmith.export.target_check import check_target
 
 pytestmark = pytest.mark.unit
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.cli.train_command_line import expand_shorthands
 from draftsmith.cli.training import compose_config
 from draftsmith.common.errors import TrainingInterrupted
 from draftsmith.distill.engine import resume_point
 from draftsmith.distill.engine.trainer import train
 from draftsmith.recipes import get_recipe
-from draftsmith.train import expand_shorthands
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,8 @@ from draftsmith.distill.target.frozen import Target
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.drafters.vocab import vocab_maps
-from draftsmith.export.format import TargetMismatchError, check_target, write_export
+from draftsmith.export.format import TargetMismatchError, write_export
+from draftsmith.export.target_check import check_target
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.recipes.eagle import objective as eagle_recipe
 from draftsmith.recipes.eagle3 import objective as eagle3_recipe

@@ -167,7 +167,7 @@ def test_broken_serving_alignment_gets_a_low_served_tau_while_training_accuracy_
     tmp_path, pattern_target, tiny_data_file, heldout, monkeypatch
 ):
     from draftsmith.evals import served_tau
-    from draftsmith.export.format import export_fingerprint
+    from draftsmith.export.stacking import export_fingerprint
 
     summary = train_medusa(pattern_target, tiny_data_file, heldout, tmp_path / "run", steps=40)
     accuracy = summary["metrics"]["val/head0/top1"]

@@ -144,7 +144,9 @@ def _check_same_module(path: str, config: dict[str, Any], export_config: dict[st
 def load_init(path: str, objective: Any, target: Any) -> dict[str, Any]:
     """Load the drafter weights of export ``path`` into ``objective.module`` after checking method,
     architecture and target; returns the export's lineage (with its fingerprint as ``export``)."""
-    from draftsmith.export.format import check_target, export_fingerprint, read_export
+    from draftsmith.export.format import read_export
+    from draftsmith.export.stacking import export_fingerprint
+    from draftsmith.export.target_check import check_target
 
     config, state = read_export(
         path

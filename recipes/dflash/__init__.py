@@ -11,8 +11,9 @@ like a target layer, 3 taps spread over
 depth: target_layers null = (2, 15, 28) as HF hidden_states indices (z-lab target_layer_ids 1, 14,
 27).
 
-``python train.py recipe=dflash``: the keys are :class:`DFlash`'s; the objective and its build are
-in objective.py, its training blocks in blocks.py and the served confidence cut's search in cut.py.
+``python train.py recipe=dflash``: the keys are :class:`DFlash`'s; the objective is in
+objective.py, its build in build.py (the mask token in mask_token.py), its training blocks in
+blocks.py and the served confidence cut's search in cut.py.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class DFlashInferenceConfig:
     proposer="dflash",
     formats=("dflash-zlab", "speculators", "gguf"),
     in_method_table=True,
-    build=".objective:build",
+    build=".build:build",
     validate=".objective:validate",
     tiny_overrides=("drafter.target_layers=[1,2,3]", "drafter.block_size=4"),
     tests=("tests/test_dflash.py", "tests/test_dflash_runtime.py"),

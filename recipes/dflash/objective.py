@@ -18,34 +18,26 @@ never pulls on the drafter) and the Markov head (teacher forcing: slot ``k``'s p
 ``x_a`` for ``k = 1``, else the target's greedy token at slot ``k-1``), both in
 drafters/dflash_heads.py.
 
-Mask token: ``drafter.mask_token_id`` (null = the first of the tokenizer's pad, unk and other
-special tokens that is neither bos nor eos and never occurs in the scanned training data). An id
-outside the vocabulary or one that occurs in the training data is refused: the drafter could not
-tell a mask slot from text.
+Mask token: recipes/dflash/mask_token.py.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from draftsmith.common.constants import STOP_FIXED
 from draftsmith.common.errors import ConfigError, DataError
 from draftsmith.distill.engine.objective import Objective
 from draftsmith.distill.losses.core import LMHeadLoss, topk_hits
-from draftsmith.distill.target.frozen import FeatureTaps, Target, TargetFeatures
-from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
-from draftsmith.drafters.eagle import EagleConfig
+from draftsmith.distill.target.frozen import FeatureTaps, TargetFeatures
+from draftsmith.drafters.dflash import DFlashDrafter
 from draftsmith.recipes.dflash import DFlash
 from draftsmith.recipes.dflash.blocks import Blocks, build_blocks, sample_anchors
 from draftsmith.recipes.dflash.cut import CutSearch
-from draftsmith.recipes.lm_loss import lm_head_loss
-from draftsmith.recipes.registration import untyped
 
 log = logging.getLogger(__name__)
 
@@ -226,151 +218,3 @@ def validate(cfg: DFlash) -> None:
             f" data.max_length={cfg.data.max_length} must exceed it (a block needs a context"
             " position before it)"
         )
-
-
-def mask_candidates(tokenizer: Any) -> list[int]:
-    """Token ids that may serve as the mask token, best first: pad, unk, the other special tokens,
-    then the added (reserved) tokens, e.g. SmolLM2's ``<repo_name>``; never bos or eos."""
-    never = {getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)}
-    added = sorted(getattr(tokenizer, "added_tokens_decoder", None) or {})
-    ids = [
-        getattr(tokenizer, "pad_token_id", None),
-        getattr(tokenizer, "unk_token_id", None),
-        *(getattr(tokenizer, "all_special_ids", None) or []),
-        *added,
-    ]
-    return [int(i) for i in dict.fromkeys(ids) if i is not None and i not in never]
-
-
-def resolve_mask_token(
-    requested: int | None,
-    tokenizer: Any,
-    vocab: int,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-) -> int:
-    """The mask token id: ``requested`` checked, or the first candidate the training data never
-    contains."""
-    if requested is not None and not 0 <= requested < vocab:
-        raise ConfigError(
-            f"drafter.mask_token_id={requested} is outside the vocabulary 0..{vocab - 1}"
-        )
-    seen = torch.zeros(vocab, dtype=torch.long)
-    for input_ids, _ in batches:
-        seen += torch.bincount(input_ids.flatten().clamp(0, vocab - 1).cpu(), minlength=vocab)[
-            :vocab
-        ]
-    if requested is not None:
-        if int(seen[requested]):
-            name = tokenizer.convert_ids_to_tokens(requested) if tokenizer is not None else "?"
-            raise ConfigError(
-                f"drafter.mask_token_id={requested} ({name!r}) occurs {int(seen[requested])} times "
-                "in the training data: a mask slot would look like text; pick an unused id, or null"
-            )
-        return requested
-    for cand in mask_candidates(tokenizer) if tokenizer is not None else []:
-        if 0 <= cand < vocab and not int(seen[cand]):
-            return cand
-    raise ConfigError(
-        "no special token of the tokenizer is absent from the training data to serve as the DFlash "
-        "mask token; set drafter.mask_token_id to an id the data never contains"
-    )
-
-
-def build_objective(
-    cfg: DFlash,
-    target: Target,
-    token_batches: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> DFlashObjective:
-    """The objective; ``token_batches`` (iterable of (input_ids, loss_mask)) replaces the
-    training-data scan."""
-    from draftsmith.distill.data.draft_vocab import training_token_batches
-
-    d, num_layers = cfg.drafter, target.num_layers
-    try:
-        layers = (
-            tuple(d.target_layers)
-            if d.target_layers
-            else default_target_layers(num_layers, d.num_taps)
-        )
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    bad = [i for i in layers if not 0 <= i < num_layers]
-    if bad:
-        raise ConfigError(
-            f"drafter.target_layers {list(layers)} names layer(s) {bad} the target lacks: it has "
-            f"hidden_states 0..{num_layers - 1} (i = input of decoder layer i)"
-        )
-    dims = EagleConfig.dims_from_hf(target.config)
-    block = d.block_size
-    if block >= dims["max_position_embeddings"]:
-        raise ConfigError(
-            f"drafter.block_size={block} is larger than the target's context "
-            f"({dims['max_position_embeddings']} positions)"
-        )
-    batches = (
-        token_batches
-        if token_batches is not None
-        else training_token_batches(untyped(cfg), target, d.mask_scan_samples)
-    )
-    mask_id = resolve_mask_token(
-        d.mask_token_id, getattr(target, "tokenizer", None), target.vocab_size, batches
-    )
-    arch = DFlashConfig(
-        hidden_size=dims["hidden_size"],
-        intermediate_size=d.intermediate_size or dims["intermediate_size"],
-        num_layers=d.num_layers,
-        num_heads=dims["num_attention_heads"],
-        num_kv_heads=dims["num_key_value_heads"],
-        vocab_size=target.vocab_size,
-        target_hidden_size=dims["hidden_size"],
-        block_size=block,
-        mask_token_id=mask_id,
-        target_layers=layers,
-        head_dim=dims["head_dim"],
-        rms_norm_eps=dims["rms_norm_eps"],
-        rope_theta=dims["rope_theta"],
-        confidence_head=d.confidence_head,
-        markov_head=d.markov_head,
-        markov_rank=d.markov_rank,
-    )
-    drafter = DFlashDrafter(arch, target.embed_weight.float(), target.lm_head_weight.float())
-    if (
-        d.output_norm_init is not None
-    ):  # a fixed gain, not the drafter's min(1, 1/mean|w_v|) (1.0 = old init)
-        with torch.no_grad():
-            drafter.norm.weight.fill_(d.output_norm_init)
-    inf = cfg.inference
-    auto_cut = (
-        inf.cut is None
-    )  # null: the cut validation finds best (0 = off until then / without a head)
-    inference = {
-        "proposer": "dflash",
-        "block_size": block,
-        "depth": block - 1,
-        "cut": 0.0 if auto_cut else inf.cut,
-        "verifier": inf.verifier,
-        "stop_policy": {"kind": STOP_FIXED},
-    }
-    search = CutSearch(inf.cut_token_cost) if auto_cut and arch.confidence_head else None
-    log.info(
-        "DFlash: block %d, %d layers, taps %s, mask token %d",
-        block,
-        arch.num_layers,
-        list(layers),
-        mask_id,
-    )
-    return DFlashObjective(
-        drafter,
-        d.anchors_per_seq,
-        d.position_decay,
-        d.confidence_weight,
-        d.topk_metric,
-        inference,
-        lm_head_loss(cfg.loss),
-        search,
-    )
-
-
-def build(cfg: DFlash, target: Target) -> DFlashObjective:
-    """A DFlash drafter sized from the target, on its shared embedding and LM head."""
-    return build_objective(cfg, target)

@@ -137,19 +137,34 @@ class Medusa2Objective(CalibratedObjective):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids = batch["input_ids"]
         mask_all = (batch["loss_mask"] * batch["attention_mask"]).bool()  # [B, T]
-        heads = self.module.heads
         hidden = feats.hidden  # [B, T, H], graph to the adapter
-        head_in = (hidden.detach() if self.warming_up else hidden).to(
-            next(heads.parameters()).dtype
-        )
         original = feats.original_logits
         own_greedy = (
             None if self.module.training else self._lm_logits(hidden).argmax(-1)
         )  # [B, T]: served target
         metrics: dict[str, torch.Tensor] = {}
-        topk = self.topk if own_greedy is None else max(self.topk, self.calibration.stats.top_k)
-        # Backbone: the adapted target's next-token loss at t (label x_{t+1}); the target's own
-        # (frozen) LM head.
+        lm_loss = self._backbone_loss(ids, mask_all, hidden, original)
+        total = (
+            0.0 if self.warming_up else self.lm_weight
+        ) * lm_loss  # x0 keeps the adapter in the graph (DDP)
+        head_sum = self._heads_loss(ids, mask_all, hidden, original, own_greedy, metrics)
+        total = total + self.heads_coefficient * head_sum
+        with torch.no_grad():
+            metrics["lm_loss"] = lm_loss.detach()
+            if original is not None and own_greedy is not None:
+                metrics.update(self._quality_metrics(ids, mask_all, hidden, original, own_greedy))
+        return total, metrics
+
+    def _backbone_loss(
+        self,
+        ids: torch.Tensor,
+        mask_all: torch.Tensor,
+        hidden: torch.Tensor,
+        original: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The adapted target's next-token loss at t (label x_{t+1}) through the target's own
+        (frozen) LM head: soft CE to the original target under self-distillation, else CE to the
+        dataset tokens."""
         keep = mask_all[:, 1:]
         lm_in, lm_weight = self._lm_parts(hidden[:, :-1][keep])  # [N, H(+1)], [V, H(+1)]
         backbone = replace(
@@ -158,12 +173,26 @@ class Medusa2Objective(CalibratedObjective):
         if (
             self.self_distill
         ):  # soft CE to the original target: KL plus its (constant) entropy, the same gradient
-            lm_loss = backbone(lm_in, lm_weight, teacher_logits=original[:, :-1][keep]).loss
-        else:
-            lm_loss = backbone(lm_in, lm_weight, labels=ids[:, 1:][keep]).loss
-        total = (
-            0.0 if self.warming_up else self.lm_weight
-        ) * lm_loss  # x0 keeps the adapter in the graph (DDP)
+            return backbone(lm_in, lm_weight, teacher_logits=original[:, :-1][keep]).loss
+        return backbone(lm_in, lm_weight, labels=ids[:, 1:][keep]).loss
+
+    def _heads_loss(
+        self,
+        ids: torch.Tensor,
+        mask_all: torch.Tensor,
+        hidden: torch.Tensor,
+        original: torch.Tensor | None,
+        own_greedy: torch.Tensor | None,
+        metrics: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """The heads' decayed loss sum (head ``k`` predicts x_{t+k+2}); each head's loss and top-1
+        (and, in validation, its agreement with the served target's greedy token) go to
+        ``metrics``."""
+        heads = self.module.heads
+        head_in = (hidden.detach() if self.warming_up else hidden).to(
+            next(heads.parameters()).dtype
+        )
+        topk = self.topk if own_greedy is None else max(self.topk, self.calibration.stats.top_k)
         head_sum = hidden.new_zeros((), dtype=torch.float32)
         for k in range(heads.config.num_heads):
             shift = k + 2
@@ -186,26 +215,27 @@ class Medusa2Objective(CalibratedObjective):
                     served = own_greedy[:, shift - 1 : -1][keep]
                     metrics[f"head{k}/agree_target_top1"] = topk_hits(out.topk, served, 1)
                     self.calibration.stats.update_topk(k, out.topk, served)
-        total = total + self.heads_coefficient * head_sum
-        with torch.no_grad():
-            metrics["lm_loss"] = lm_loss.detach()
-            if original is not None and own_greedy is not None:
-                # Quality next to the original target (Medusa-2 is lossy): agreement of the greedy
-                # tokens, and both models' CE on the held-out dataset tokens (log-perplexity).
-                keep = mask_all[:, 1:]
-                agree = (own_greedy[:, :-1] == original[:, :-1].argmax(-1))[keep]
-                metrics["agree_original_top1"] = (
-                    agree.float().mean() if agree.numel() else agree.new_zeros(())
-                )
-                ones = torch.ones(int(keep.sum()), device=ids.device)
-                labels = ids[:, 1:][keep]
-                metrics["adapted_ce"] = masked_cross_entropy(
-                    self._lm_logits(hidden[:, :-1][keep]), labels, ones
-                )
-                metrics["original_ce"] = masked_cross_entropy(
-                    original[:, :-1][keep].float(), labels, ones
-                )
-        return total, metrics
+        return head_sum
+
+    def _quality_metrics(
+        self,
+        ids: torch.Tensor,
+        mask_all: torch.Tensor,
+        hidden: torch.Tensor,
+        original: torch.Tensor,
+        own_greedy: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """Quality next to the original target (Medusa-2 is lossy): agreement of the greedy tokens,
+        and both models' CE on the held-out dataset tokens (log-perplexity)."""
+        keep = mask_all[:, 1:]
+        agree = (own_greedy[:, :-1] == original[:, :-1].argmax(-1))[keep]
+        ones = torch.ones(int(keep.sum()), device=ids.device)
+        labels = ids[:, 1:][keep]
+        return {
+            "agree_original_top1": agree.float().mean() if agree.numel() else agree.new_zeros(()),
+            "adapted_ce": masked_cross_entropy(self._lm_logits(hidden[:, :-1][keep]), labels, ones),
+            "original_ce": masked_cross_entropy(original[:, :-1][keep].float(), labels, ones),
+        }
 
     def export_config(self) -> dict[str, Any]:
         return {

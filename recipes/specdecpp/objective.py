@@ -47,7 +47,9 @@ from draftsmith.distill.target.frozen import FeatureTaps, Target
 from draftsmith.drafters.eagle import EagleDrafter
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.drafters.kangaroo import KangarooDrafter
-from draftsmith.export.format import ExportError, base_reference, check_target, read_config
+from draftsmith.export.format import ExportError, read_config
+from draftsmith.export.stacking import base_reference
+from draftsmith.export.target_check import check_target
 from draftsmith.recipes.specdecpp import SpecDecPP
 
 CHAIN_DRAFTERS = {cls.method: cls for cls in (EagleDrafter, Eagle3Drafter, KangarooDrafter)}

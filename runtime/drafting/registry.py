@@ -164,8 +164,8 @@ def check_target_model(
     (the full :func:`~draftsmith.export.identity.target_identity` of this model, tokenizer included)
     is checked too when given, and then its LM-head digest stands for the model's (no second hash).
     """
-    from draftsmith.export.format import check_target
     from draftsmith.export.identity import decoder_identity
+    from draftsmith.export.target_check import check_target
 
     if identity is not None:
         check_target(config, identity, given)
