@@ -1,7 +1,7 @@
 """The learning curve's runs (`draftsmith curve`): resuming after an interrupt without retraining
 or re-evaluating kept points, reporting and comparing curves, extending a finished curve, refusing a
 folder started otherwise, billing a cached curve its feature cache's build, and refusing the keys
-the curve sets itself.
+the curve sets itself, bad prompts and misspelt training keys before any training.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from curve_fakes import ContendedThenQuietEvaluation, FakeTraining, fake_evaluate
 
+from draftsmith.cli import main
 from draftsmith.evals.curve_report import compare, settle_cpu_hours, write_report
 from draftsmith.evals.curve_runner import CurveError, run_curve
 from draftsmith.evals.learning_curve import EvalSettings
@@ -255,3 +256,60 @@ def test_the_curve_refuses_keys_it_sets_itself_and_a_missing_recipe(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "draftsmith curve: error: name a recipe, e.g. `draftsmith curve --out DIR recipe=eagle3`"
     ]
+
+
+def test_curve_refuses_bad_prompts_before_any_training(capsys, tmp_path, monkeypatch):
+    """`curve --prompts nosuch` was refused only after a training segment."""
+    from draftsmith.evals import curve_runner
+
+    def trained(*args, **kwargs):
+        raise AssertionError("a training segment ran before the prompts were checked")
+
+    monkeypatch.setattr(curve_runner, "run_curve", trained)
+    code = main(
+        [
+            "curve",
+            "--prompts",
+            "nosuch",
+            "--out",
+            str(tmp_path / "c"),
+            "--steps",
+            "2",
+            "--first-steps",
+            "1",
+            "--points",
+            "1",
+            "recipe=medusa",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1 and "prompts nosuch: no such file" in err and "Traceback" not in err
+    assert not (tmp_path / "c").exists()
+
+
+def test_curve_refuses_a_misspelt_training_key_before_any_training(capsys, tmp_path, monkeypatch):
+    """The training segment printed its error line, then the curve printed a second one."""
+    from draftsmith.evals import curve_runner
+
+    monkeypatch.setattr(
+        curve_runner, "run_curve", lambda *a, **k: pytest.fail("a training segment ran")
+    )
+    code = main(
+        [
+            "curve",
+            "--out",
+            str(tmp_path / "c"),
+            "--steps",
+            "2",
+            "--first-steps",
+            "1",
+            "--points",
+            "1",
+            "recipe=medusa",
+            "heads.num_head=3",
+        ]
+    )
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert (
+        code == 1 and len(err) == 1 and "heads.num_head is not a key of recipe=medusa" in err[0]
+    ), err
