@@ -182,6 +182,119 @@ def write_peer_data(
     return {"samples": len(samples), "tokens": total}
 
 
+def peer_flags(
+    target: Path,
+    data: Path,
+    save: Path,
+    budget: int,
+    max_steps: int,
+    draft_vocab: int,
+    taps: tuple[int, ...],
+    cpu: bool,
+) -> list[str]:
+    """``speculators.train``'s flags for one budget (``--total-seq-len``), our drafter's shape
+    (``cpu``: the CPU rehearsal's flags: eager loss, SDPA attention, no loader workers)."""
+    flags = [
+        "--speculator-type",
+        "eagle3",
+        "--verifier-name-or-path",
+        str(target),
+        "--data-path",
+        str(data),
+        "--save-path",
+        str(save),
+        "--log-dir",
+        str(save / "logs"),
+        "--target-layer-ids",
+        *map(str, taps),
+        "--ttt-steps",
+        "3",
+        "--epochs",
+        "1",
+        "--max-steps",
+        str(max_steps),
+        "--total-seq-len",
+        str(budget),
+        "--log-freq",
+        "100000",
+        "--on-missing",
+        "raise",
+        "--draft-vocab-size",
+        str(draft_vocab),
+        "--no-norm-before-residual",
+        "--no-norm-before-fc",
+        "--no-norm-output",
+        "--full-attention-indices",
+        "0",
+        "--no-resume-from-checkpoint",
+    ]
+    if cpu:
+        flags += [
+            "--loss-implementation",
+            "eager",
+            "--draft-attn-impl",
+            "sdpa",
+            "--num-workers",
+            "0",
+        ]
+    return flags
+
+
+def run_peer(
+    python: str,
+    flags: list[str],
+    result: Path,
+    warm: int,
+    timed: int,
+    data: Path,
+    timeout: float,
+    log: Path,
+    cpu: bool,
+) -> int | str:
+    """Run speculators' trainer with its step timer patched in (:func:`peer_wrapper`), its output
+    appended to ``log``; the exit status, or why it has none."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if cpu:  # the rehearsal runs speculators in its own venv: nothing of ours on its path
+        env["PYTHONPATH"] = ""
+    with log.open("a") as handle:
+        handle.write(f"\n$ speculators.train {' '.join(flags)}\n")
+        handle.flush()
+        try:
+            proc = subprocess.run(
+                [
+                    python,
+                    "-c",
+                    peer_wrapper(),
+                    str(result),
+                    str(warm),
+                    str(timed),
+                    str(data),
+                    *flags,
+                ],
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=timeout,
+                check=False,
+            )
+            return proc.returncode
+        except subprocess.TimeoutExpired:
+            return f"timeout after {timeout:.0f} s"
+
+
+def peer_row(budget: int, code: int | str, result: Path) -> dict[str, Any]:
+    """One row of the throughput table from a peer run's exit and its timing file."""
+    if code != 0 or not result.is_file():
+        return {"budget": budget, "error": f"speculators.train exit {code} (see peer.log)"}
+    timing = json.loads(result.read_text())
+    return {
+        "budget": budget,
+        "tokens_per_s": round(timing["steps"] * budget / timing["seconds"], 1),
+        "seconds": round(timing["seconds"], 3),
+        "steps": timing["steps"],
+    }
+
+
 def peer_rows(
     python: str,
     target: Path,
@@ -206,90 +319,9 @@ def peer_rows(
             save, ignore_errors=True
         )  # a run that resumed an earlier one's checkpoint would time nothing
         result.unlink(missing_ok=True)
-        flags = [
-            "--speculator-type",
-            "eagle3",
-            "--verifier-name-or-path",
-            str(target),
-            "--data-path",
-            str(data),
-            "--save-path",
-            str(save),
-            "--log-dir",
-            str(save / "logs"),
-            "--target-layer-ids",
-            *map(str, taps),
-            "--ttt-steps",
-            "3",
-            "--epochs",
-            "1",
-            "--max-steps",
-            str(warm + timed + 1),
-            "--total-seq-len",
-            str(budget),
-            "--log-freq",
-            "100000",
-            "--on-missing",
-            "raise",
-            "--draft-vocab-size",
-            str(draft_vocab),
-            "--no-norm-before-residual",
-            "--no-norm-before-fc",
-            "--no-norm-output",
-            "--full-attention-indices",
-            "0",
-            "--no-resume-from-checkpoint",
-        ]
-        if cpu:
-            flags += [
-                "--loss-implementation",
-                "eager",
-                "--draft-attn-impl",
-                "sdpa",
-                "--num-workers",
-                "0",
-            ]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        if cpu:  # the rehearsal runs speculators in its own venv: nothing of ours on its path
-            env["PYTHONPATH"] = ""
-        with log.open("a") as handle:
-            handle.write(f"\n$ speculators.train {' '.join(flags)}\n")
-            handle.flush()
-            try:
-                proc = subprocess.run(
-                    [
-                        python,
-                        "-c",
-                        peer_wrapper(),
-                        str(result),
-                        str(warm),
-                        str(timed),
-                        str(data),
-                        *flags,
-                    ],
-                    stdout=handle,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    timeout=timeout,
-                    check=False,
-                )
-                code = proc.returncode
-            except subprocess.TimeoutExpired:
-                code = f"timeout after {timeout:.0f} s"
-        if code != 0 or not result.is_file():
-            rows.append(
-                {"budget": budget, "error": f"speculators.train exit {code} (see peer.log)"}
-            )
-            continue
-        timing = json.loads(result.read_text())
-        rows.append(
-            {
-                "budget": budget,
-                "tokens_per_s": round(timing["steps"] * budget / timing["seconds"], 1),
-                "seconds": round(timing["seconds"], 3),
-                "steps": timing["steps"],
-            }
-        )
+        flags = peer_flags(target, data, save, budget, warm + timed + 1, draft_vocab, taps, cpu)
+        code = run_peer(python, flags, result, warm, timed, data, timeout, log, cpu)
+        rows.append(peer_row(budget, code, result))
     return rows
 
 
