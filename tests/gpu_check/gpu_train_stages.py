@@ -45,7 +45,7 @@ def peer_speed(
 ) -> list[dict[str, Any]]:
     """speculators' rows of the throughput table on the same random target and chats (none with
     ``--skip-peer``); its log in ``out/peer.log``."""
-    from gpu_train_speed import peer_python, peer_rows, write_peer_data
+    from gpu_train_peer import peer_python, peer_rows, write_peer_data
 
     if args.skip_peer:
         return []
