@@ -210,6 +210,23 @@ def medusa_export(tmp_path_factory, tiny_target_dir, tiny_tokenizer) -> Path:
     return export_from_module(Live, tmp_path_factory.mktemp("medusa") / "export", training={})
 
 
+@pytest.fixture(scope="module")
+def bench_prompts_file(tmp_path_factory) -> Path:
+    """Two bench prompts as JSONL: a plain prompt and a two-turn conversation."""
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": "hello world what is the answer ?"},
+                {"turns": ["please explain the code", "why ?"]},
+            ]
+        )
+        + "\n"
+    )
+    return path
+
+
 def make_conversations(n: int, seed: int = 0) -> list[dict]:
     """Deterministic synthetic ShareGPT-style conversations over the tiny vocabulary."""
     g = torch.Generator().manual_seed(seed)

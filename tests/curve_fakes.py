@@ -1,7 +1,7 @@
-"""Stand-ins for a learning curve's training segments and evaluations
-(tests/test_curve_cooldown.py): a training that writes what ``draftsmith train`` writes
-(checkpoints, CSV tokens, export) and checks that a cooldown branch starts from the main run's
-checkpoint without touching the main run, and an evaluation that reads a known law.
+"""Stand-ins for a learning curve's training segments and evaluations (tests/test_curve*.py): a
+training that writes what ``draftsmith train`` writes (checkpoints, CSV tokens, export) and checks
+that a cooldown branch starts from the main run's checkpoint without touching the main run, an
+evaluation that reads a known law, and one whose first cost measurement is taken on a busy machine.
 """
 
 from __future__ import annotations
@@ -9,9 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+from draftsmith.runtime.shapes.cost_model import MachineCosts
 
 # what a finished (cooled) run reads above the mid-run value at the same tokens, in the fake law
 COOLED_GAIN = 0.05
@@ -34,9 +37,11 @@ class FakeTraining:
     two kept, as the real run does), ``last.ckpt``, a CSV of tokens (1,000 a step) and an export
     whose config says its steps and whether it is a cooldown branch. A branch must find its seed
     (the main run's checkpoint at the branch point); the main run's files must be exactly as its
-    last segment left them."""
+    last segment left them. ``checkpoints=False`` writes no checkpoints: the curve then finds no
+    seed to branch from and reads every point raw only."""
 
-    def __init__(self, stop_at: int | None = None) -> None:
+    def __init__(self, stop_at: int | None = None, checkpoints: bool = True) -> None:
+        self.checkpoints = checkpoints
         self.calls: list[int] = []
         self.branch_argvs: list[list[str]] = []
         self.stop_at = stop_at
@@ -55,6 +60,8 @@ class FakeTraining:
         if branch:
             self.branch_argvs.append(list(argv))
             self._check_branch(run)
+        if self.checkpoints:
+            self._write_checkpoint(run, steps)
         self._write(run, steps, cooled=branch)
         if not branch:
             self.main_dir, self.main_snapshot = run, _digest(run)
@@ -71,7 +78,7 @@ class FakeTraining:
             self.main_snapshots_checked += 1
 
     @staticmethod
-    def _write(run: Path, steps: int, cooled: bool) -> None:
+    def _write_checkpoint(run: Path, steps: int) -> None:
         folder = run / "checkpoints"
         folder.mkdir(parents=True, exist_ok=True)
         torch.save({"global_step": steps, "weights": steps}, folder / f"step{steps}.ckpt")
@@ -79,6 +86,9 @@ class FakeTraining:
             old.unlink()
         (folder / "last.ckpt").unlink(missing_ok=True)
         os.symlink(f"step{steps}.ckpt", folder / "last.ckpt")
+
+    @staticmethod
+    def _write(run: Path, steps: int, cooled: bool) -> None:
         (run / "export").mkdir(parents=True, exist_ok=True)
         (run / "export" / "config.json").write_text(
             json.dumps({"method": "fake", "steps": steps, "cooled": cooled})
@@ -138,3 +148,25 @@ def fake_evaluate(
             "contention": {"contended": False, "others_cpu_share": 0.0},
         }
     return {name: record for name in settings.prompt_sets}, measured
+
+
+class ContendedThenQuietEvaluation:
+    """:func:`fake_evaluate` whose first cost measurement is contended (others hold 60% of the CPU,
+    so a 2-node verify reads 50 ms) and every later one quiet (12 ms); ``measured`` counts the
+    measurements taken."""
+
+    def __init__(self) -> None:
+        self.measured = 0
+
+    def __call__(self, export: str, settings, measure: bool = False):
+        result, _ = fake_evaluate(export, settings)
+        if not measure:
+            return result, None
+        self.measured += 1
+        busy = self.measured == 1
+        verify = 50.0 if busy else 12.0  # contended costs make a 2-node verify look dearer
+        measured = {
+            "costs": asdict(MachineCosts(10.0, {1: 10.0, 2: verify}, 0.5, 0.2)),
+            "contention": {"contended": busy, "others_cpu_share": 0.6 if busy else 0.0},
+        }
+        return result, measured

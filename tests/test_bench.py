@@ -1,11 +1,10 @@
-"""`draftsmith bench` / `generate` on a tiny target: the JSON contract, the lossless verdict, clear
-errors."""
+"""`draftsmith bench` / `generate` on a tiny target: the JSON contract, the lossless verdict (also
+when plain decoding is served), clear errors. The CLI as a subprocess: tests/test_bench_cli.py; the
+timing: tests/test_bench_timing.py."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,25 +21,15 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
-    path.write_text(
-        "\n".join(
-            json.dumps(r)
-            for r in [
-                {"prompt": "hello world what is the answer ?"},
-                {"turns": ["please explain the code", "why ?"]},
-            ]
-        )
-        + "\n"
-    )
-    return path
-
-
-def test_bench_reports_the_contract_and_is_lossless(medusa_export, prompts_file, tmp_path):
+def medusa_bench(medusa_export, bench_prompts_file):
+    """The tiny Medusa export's runtime (fp32) and its bench over two prompts, 24 new tokens."""
     rt = load_runtime(str(medusa_export), None, "fp32")
-    prompts = load_prompts(str(prompts_file), rt.tokenizer, None)
-    result = run_bench(rt, prompts, max_new_tokens=24)
+    prompts = load_prompts(str(bench_prompts_file), rt.tokenizer, None)
+    return rt, run_bench(rt, prompts, max_new_tokens=24)
+
+
+def test_bench_reports_the_contract_and_is_lossless(medusa_bench):
+    rt, result = medusa_bench
     for key in (
         "method",
         "prompts",
@@ -68,6 +57,10 @@ def test_bench_reports_the_contract_and_is_lossless(medusa_export, prompts_file,
     assert list(by_size) == list(range(1, 17)) and all(
         ms > 0 for ms in by_size.values()
     )  # every verify size
+
+
+def test_bench_writes_json_markdown_and_a_plot(medusa_bench, tmp_path):
+    rt, result = medusa_bench
     out = write_outputs(result, tmp_path / "bench")
     assert json.loads((out / "bench.json").read_text())["lossless"] is True
     assert "oracle (acceptance 0.8, chain 4): True (2/2)" in (out / "bench.md").read_text()
@@ -140,101 +133,6 @@ def test_bench_errors_for_bad_inputs(medusa_export, tmp_path, tiny_target_dir):
         rt.speculative.generate(long_prompt, 8)
 
 
-@pytest.mark.e2e  # a train.py / draftsmith subprocess
-def test_cli_generate_and_bench_commands(medusa_export, prompts_file, tmp_path):
-    exe = [sys.executable, "-m", "draftsmith.cli"]
-    gen = subprocess.run(
-        [
-            *exe,
-            "generate",
-            "--drafter",
-            str(medusa_export),
-            "--prompt",
-            "hello world",
-            "--max-new-tokens",
-            "8",
-            "--verbose",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert gen.returncode == 0, gen.stderr[-2000:]
-    assert "tau" in gen.stderr
-    assert (
-        "[linear_backend]" in gen.stderr
-        and "[linear_reason]" in gen.stderr
-        and "[cpu]" in gen.stderr
-    )
-    bench = subprocess.run(
-        [
-            *exe,
-            "bench",
-            "--drafter",
-            str(medusa_export),
-            "--prompts",
-            str(prompts_file),
-            "--max-new-tokens",
-            "8",
-            "--dtype",
-            "bf16",
-            "--lossless-dtype",
-            "fp32",
-            "--profile",
-            "--sweep-k",
-            "1,2",
-            "--out",
-            str(tmp_path / "b"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert bench.returncode == 0, bench.stderr[-2000:]
-    assert (
-        "| tau" in bench.stdout
-        and "| stop policy | tau |" in bench.stdout
-        and "per speculative step" in bench.stdout
-    )
-    result = json.loads((tmp_path / "b" / "bench.json").read_text())
-    # Timed in bf16, lossless verdict from a separate fp32 run against HF generate.
-    assert result["dtype"] == "bfloat16" and result["lossless_detail"]["dtype"] == "fp32"
-    assert (
-        result["lossless"] is True and result["lossless_oracle"] is True
-    )  # the fp32 check ran the oracle too
-    assert result["lossless_detail"]["oracle"]["tau"] > 2.0
-    # The default stop policy is cost-aware: a depth (or plain decoding) chosen from costs measured
-    # here.
-    cm = result["cost_model"]
-    assert cm["table"][0]["depth"] == 0 and cm["depth"] in [r["depth"] for r in cm["table"]]
-    assert [r["policy"] for r in result["sweep"]][:3] == [
-        "plain (runtime AR)",
-        "fixed:1",
-        "fixed:2",
-    ]
-    assert (
-        result["sweep"][-1]["policy"].endswith("(in force)")
-        and result["sweep"][0]["speedup_vs_runtime_ar"] == 1.0
-    )
-    assert result["profile"]["steps"] > 0 and result["profile"]["step_ms"] > 0
-    from draftsmith.runtime.serving import hf_fastest_dtype
-
-    assert result["hf_dtype"] == str(hf_fastest_dtype()[0]).replace(
-        "torch.", ""
-    )  # HF timed at its fastest dtype
-    assert (
-        result["backend"]["linear_backend"] == result["linear_backend"]
-        and "hf" not in result["lossless_detail"]
-    )
-    missing = subprocess.run(
-        [*exe, "bench", "--drafter", str(tmp_path / "missing")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert missing.returncode == 2 and "does not exist" in missing.stderr
-
-
 def test_proposer_options_override_export_defaults(medusa_export):
     from draftsmith.runtime.serving import parse_options
 
@@ -247,36 +145,6 @@ def test_proposer_options_override_export_defaults(medusa_export):
         parse_options(["depth"])
     rt = load_runtime(str(medusa_export), None, "fp32", proposer_options={"tree": [[0], [0, 0]]})
     assert rt.speculative.proposer.max_tree_nodes == 3
-
-
-def test_interleaved_timing_rotates_the_order_and_shares_drift(monkeypatch):
-    """Prompt i runs the decoders in an order rotated by i; a machine that slows down over the bench
-    slows both decoders alike (sequential timing charged all of it to the decoder timed second)."""
-    from draftsmith.bench import timing
-
-    clock = {"now": 0.0, "calls": 0}
-    order: list[str] = []
-
-    def slowing_decoder(name: str):
-        def decode(prompt: list[int]) -> list[int]:
-            order.append(name)
-            clock["calls"] += 1
-            clock["now"] += (
-                1.0 + 0.1 * clock["calls"]
-            )  # each call takes longer than the last: drift
-            return list(prompt)
-
-        return decode
-
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["now"])
-    timed = timing.time_interleaved(
-        {"a": slowing_decoder("a"), "b": slowing_decoder("b")}, [[1, 2]] * 4
-    )
-    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
-    assert timed["a"]["seconds"] == pytest.approx(timed["b"]["seconds"])
-    assert timed["a"]["outputs"] == [[1, 2]] * 4 and timed["b"]["tokens"] == 8
-    with pytest.raises(ValueError, match="no prompts"):
-        timing.time_interleaved({"a": slowing_decoder("a")}, [])
 
 
 def test_an_exception_without_a_message_is_named_not_printed_empty(monkeypatch, capsys):
@@ -297,32 +165,8 @@ def test_an_exception_without_a_message_is_named_not_printed_empty(monkeypatch, 
     )
 
 
-def _timer(rows: list[tuple[int, float]]) -> dict:
-    return {"per_prompt": [{"tokens": t, "seconds": s} for t, s in rows]}
-
-
-def test_speedup_ci_brackets_the_ratio_and_collapses_when_every_prompt_agrees():
-    from draftsmith.bench.timing import speedup_ci
-
-    base = _timer([(100, 1.0), (50, 0.5), (80, 1.0)])
-    twice = _timer([(100, 0.5), (50, 0.25), (80, 0.5)])  # every prompt exactly 2x faster
-    lo, hi = speedup_ci(base, twice)
-    assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
-    noisy = _timer(
-        [(100, 0.9), (50, 0.6), (80, 1.0)]
-    )  # per prompt 1.11x, 0.83x, 0.8x of base's rate
-    lo, hi = speedup_ci(base, noisy)
-    assert 0.8 - 1e-9 <= lo < hi <= 1.0 / 0.9 + 1e-9
-    with pytest.raises(ValueError, match="same prompts"):
-        speedup_ci(base, _timer([(100, 1.0)]))
-    assert speedup_ci(_timer([(100, 1.0)]), _timer([(100, 0.5)])) == (
-        None,
-        None,
-    )  # one prompt: no interval
-
-
 def test_bench_table_shows_the_speedup_interval_and_says_when_plain_decoding_was_served(
-    medusa_export, prompts_file
+    medusa_export, bench_prompts_file
 ):
     from draftsmith.bench.report import markdown_table
     from draftsmith.runtime.drafting.base import NullProposer
@@ -332,7 +176,10 @@ def test_bench_table_shows_the_speedup_interval_and_says_when_plain_decoding_was
         NullProposer()
     )  # what the cost-aware default serves when speculation would lose
     result = run_bench(
-        rt, load_prompts(str(prompts_file), rt.tokenizer, None), max_new_tokens=8, skip_hf=True
+        rt,
+        load_prompts(str(bench_prompts_file), rt.tokenizer, None),
+        max_new_tokens=8,
+        skip_hf=True,
     )
     lo, hi = result["speedup"]["vs_runtime_ar_ci95"]
     assert lo <= hi and result["served_plain"] is True and result["lossless"] is True
@@ -351,7 +198,7 @@ def test_bench_table_shows_the_speedup_interval_and_says_when_plain_decoding_was
 
 
 def test_when_plain_decoding_is_served_the_lossless_check_still_runs_the_drafter(
-    medusa_export, prompts_file, monkeypatch
+    medusa_export, bench_prompts_file, monkeypatch
 ):
     """Issue 40: the cost-aware default served plain decoding and "lossless 6/6" compared the plain
     loop with HF, so it said nothing about the export; the table showed the export's stop policy and
@@ -372,7 +219,7 @@ def test_when_plain_decoding_is_served_the_lossless_check_still_runs_the_drafter
     rt = load_runtime(str(medusa_export), None, "fp32")
     result = run_bench(
         rt,
-        load_prompts(str(prompts_file), rt.tokenizer, None),
+        load_prompts(str(bench_prompts_file), rt.tokenizer, None),
         max_new_tokens=8,
         skip_hf=True,
         cost_aware=True,
@@ -391,23 +238,3 @@ def test_when_plain_decoding_is_served_the_lossless_check_still_runs_the_drafter
         " drafted); the drafter's tau in the lossless check:" in table
     )
     assert "checked: the export's proposer (plain decoding is served), tau " in table
-
-
-def test_hf_generate_stops_at_the_context_as_the_runtime_does(tiny_target_dir):
-    """Past the model's context the runtime caps ``max_new_tokens``; the HF baseline is capped
-    alike, so the bench's lossless comparison compares outputs of one length (HF would otherwise run
-    on past max_position_embeddings).
-    """
-    from draftsmith.bench.timing import compare_outputs, time_hf_generate
-    from draftsmith.runtime.decoding.autoregressive import generate_ar
-    from draftsmith.runtime.decoding.prompt_limits import ContextCapWarning
-    from draftsmith.runtime.target.loading import load_decoder
-
-    prompt = [5, 9, 11, 7]
-    with pytest.warns(ContextCapWarning, match="context of 512 positions"):
-        hf = time_hf_generate(tiny_target_dir, [prompt], 10**6)
-        ours = generate_ar(load_decoder(tiny_target_dir), prompt, 10**6)
-    assert (
-        len(hf["outputs"][0]) <= 512 - len(prompt)
-        and compare_outputs(hf["outputs"], [ours])["all_identical"]
-    )

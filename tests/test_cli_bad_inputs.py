@@ -2,8 +2,8 @@
 traceback.
 
 Corrupt target folders, an export whose method was edited, a file where an export folder goes,
-counts below 1, proposer options that cannot run, and `export --format` of a run folder (its
-temporary export always removed).
+counts below 1, and `export --format` of a run folder (its temporary export always removed).
+Proposer options that cannot run: tests/test_cli_proposer_options.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from recipe_configs import recipe_config
 from transformers import AutoModelForCausalLM
 
 from draftsmith.bench.prompts import load_prompts
@@ -59,19 +58,6 @@ def medusa_export(medusa, target, tmp_path_factory):
 
     Live.objective = objective
     return export_from_module(Live, tmp_path_factory.mktemp("medusa") / "export", training={})
-
-
-@pytest.fixture(scope="module")
-def eagle_export(target, tmp_path_factory):
-    from draftsmith.export.format import write_export
-    from draftsmith.recipes.eagle import objective as eagle_recipe
-
-    torch.manual_seed(0)
-    objective = eagle_recipe.build(recipe_config("eagle"), target)
-    config = {**objective.export_config(), "target": target.identity(), "training": {}}
-    return write_export(
-        tmp_path_factory.mktemp("eagle") / "export", objective.module.state_dict(), config
-    )
 
 
 def run(capsys, argv: list[str]) -> str:
@@ -287,91 +273,3 @@ def test_export_of_an_export_folder_says_what_to_do(capsys, medusa_export, tmp_p
         f"{medusa_export} is already a draftsmith export" in line
         and "--format medusa|speculators" in line
     )
-
-
-# ---- 7. proposer options that cannot run ---------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("option", "message"),
-    [
-        (
-            "top_k=0",
-            (
-                "--proposer-option top_k=0 is out of range: an integer in 1..120 (the heads'"
-                " vocabulary)"
-            ),
-        ),
-        (
-            "top_k=500",
-            (
-                "--proposer-option top_k=500 is out of range: an integer in 1..120 (the heads'"
-                " vocabulary)"
-            ),
-        ),
-        ("tree=[]", "--proposer-option tree=[] has no nodes: give a list of at least one path"),
-        (
-            "tree=[[5]]",
-            "--proposer-option tree: path [5] must be non-empty with entries in [0, top_k=4)",
-        ),
-        (
-            "tree=[[0],[0,0],[0,0,0]]",
-            "--proposer-option tree is 3 deep, but the export has 2 heads (one per depth)",
-        ),
-    ],
-)
-def test_medusa_proposer_options_that_cannot_run(
-    capsys, medusa_export, tiny_target_dir, option, message
-):
-    line = run(
-        capsys,
-        [
-            "generate",
-            "--drafter",
-            str(medusa_export),
-            "--target",
-            str(tiny_target_dir),
-            "--prompt",
-            "hi",
-            "--proposer-option",
-            option,
-            *FAST,
-        ],
-    )
-    assert message in line
-
-
-@pytest.mark.parametrize(
-    ("option", "message"),
-    [
-        (
-            "total_tokens=0",
-            "--proposer-option total_tokens=0 is out of range: an integer >= 2 (tree nodes",
-        ),
-        ("depth=-1", "--proposer-option depth=-1 is out of range: an integer >= 0"),
-        (
-            "top_k=500",
-            "--proposer-option top_k=500 is out of range: an integer in 1..120 (draft vocabulary)",
-        ),
-        ("top_k=0", "--proposer-option top_k=0 is out of range: an integer in 1..120"),
-    ],
-)
-def test_eagle_proposer_options_that_cannot_run(
-    capsys, eagle_export, tiny_target_dir, option, message
-):
-    line = run(
-        capsys,
-        [
-            "generate",
-            "--drafter",
-            str(eagle_export),
-            "--target",
-            str(tiny_target_dir),
-            "--prompt",
-            "hi",
-            "--proposer-option",
-            option,
-            *FAST,
-        ],
-    )
-    assert message in line

@@ -218,35 +218,6 @@ def test_prompt_specs_that_name_nothing(tmp_path, spec, says):
     assert says in str(refused.value)
 
 
-def test_curve_refuses_bad_prompts_before_any_training(capsys, tmp_path, monkeypatch):
-    """`curve --prompts nosuch` was refused only after a training segment."""
-    from draftsmith.evals import curve_runner
-
-    def trained(*args, **kwargs):
-        raise AssertionError("a training segment ran before the prompts were checked")
-
-    monkeypatch.setattr(curve_runner, "run_curve", trained)
-    code = main(
-        [
-            "curve",
-            "--prompts",
-            "nosuch",
-            "--out",
-            str(tmp_path / "c"),
-            "--steps",
-            "2",
-            "--first-steps",
-            "1",
-            "--points",
-            "1",
-            "recipe=medusa",
-        ]
-    )
-    err = capsys.readouterr().err
-    assert code == 1 and "prompts nosuch: no such file" in err and "Traceback" not in err
-    assert not (tmp_path / "c").exists()
-
-
 @pytest.mark.parametrize("tokens", ["5000", str(10**9)])
 def test_max_new_tokens_past_the_context_is_one_line(capsys, tiny_target_dir, tokens):
     """5,000 new tokens on a 512-position target were generated past it; 10**9 ended in an allocator
@@ -266,34 +237,6 @@ def test_max_new_tokens_past_the_context_is_one_line(capsys, tiny_target_dir, to
         ],
     )
     assert f"--max-new-tokens {tokens} does not fit" in line and "context is 512 positions" in line
-
-
-def test_curve_refuses_a_misspelt_training_key_before_any_training(capsys, tmp_path, monkeypatch):
-    """The training segment printed its error line, then the curve printed a second one."""
-    from draftsmith.evals import curve_runner
-
-    monkeypatch.setattr(
-        curve_runner, "run_curve", lambda *a, **k: pytest.fail("a training segment ran")
-    )
-    code = main(
-        [
-            "curve",
-            "--out",
-            str(tmp_path / "c"),
-            "--steps",
-            "2",
-            "--first-steps",
-            "1",
-            "--points",
-            "1",
-            "recipe=medusa",
-            "heads.num_head=3",
-        ]
-    )
-    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert (
-        code == 1 and len(err) == 1 and "heads.num_head is not a key of recipe=medusa" in err[0]
-    ), err
 
 
 @pytest.mark.parametrize("opt_in", [False, True])

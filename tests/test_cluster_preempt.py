@@ -175,20 +175,14 @@ def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 180
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_sigusr1_requeues_and_sigterm_checkpoints_then_the_next_attempt_resumes(
-    tmp_path, tiny_target_dir, tiny_data_file, monkeypatch, caplog
-):
-    from draftsmith.cli.train_command_line import expand_shorthands
-    from draftsmith.distill.engine.trainer import train
-    from draftsmith.recipes import get_recipe
-
-    run_dir = tmp_path / "run"
-    env = {**os.environ, **_fake_slurm(tmp_path)}
-    overrides = [
+def _medusa_overrides(target: Path, data: Path, run_dir: Path) -> list[str]:
+    """A one-head Medusa run on the tiny target that keeps only its newest checkpoint (every 2
+    steps)."""
+    return [
         "recipe=medusa",
-        f"target={tiny_target_dir}",
+        f"target={target}",
         "target.dtype=fp32",
-        f"data={tiny_data_file}",
+        f"data={data}",
         "data.limit=null",
         "data.max_length=48",
         "data.batch_size=4",
@@ -201,7 +195,14 @@ def test_sigusr1_requeues_and_sigterm_checkpoints_then_the_next_attempt_resumes(
         "heads.num_heads=1",
         f"hydra.run.dir={run_dir}",
     ]
-    log_path = tmp_path / "attempt1.log"
+
+
+def _signalled_attempt(
+    tmp_path: Path, overrides: list[str], run_dir: Path, log_path: Path
+) -> tuple[subprocess.Popen, float]:
+    """train.py in a fake SLURM job: SIGUSR1 once it has checkpointed (it must requeue the job),
+    then SIGTERM; the process (ended) and the seconds it took to stop after SIGTERM."""
+    env = {**os.environ, **_fake_slurm(tmp_path)}
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(
             [sys.executable, str(ROOT / "train.py"), *overrides, "trainer.max_steps=100000"],
@@ -232,10 +233,24 @@ def test_sigusr1_requeues_and_sigterm_checkpoints_then_the_next_attempt_resumes(
             sent = time.time()
             proc.send_signal(signal.SIGTERM)  # SLURM's preemption / kill warning
             proc.wait(timeout=180)
-            stopped_in = time.time() - sent
+            return proc, time.time() - sent
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_sigusr1_requeues_and_sigterm_checkpoints_then_the_next_attempt_resumes(
+    tmp_path, tiny_target_dir, tiny_data_file, monkeypatch, caplog
+):
+    from draftsmith.distill.engine.trainer import train
+    from draftsmith.recipes import get_recipe
+    from draftsmith.train import expand_shorthands
+
+    run_dir = tmp_path / "run"
+    overrides = _medusa_overrides(tiny_target_dir, tiny_data_file, run_dir)
+    log_path = tmp_path / "attempt1.log"
+    proc, stopped_in = _signalled_attempt(tmp_path, overrides, run_dir, log_path)
+    last, hpc = run_dir / "checkpoints" / "last.ckpt", run_dir / "hpc_ckpt_1.ckpt"
     text = log_path.read_text()
     assert proc.returncode == 143, text[-3000:]
     assert "SIGTERM: checkpoint" in text and "preempted by SIGTERM" in text, text[-3000:]

@@ -77,6 +77,67 @@ def test_fsdp_sharded_target_matches_replicated_target(tmp_path):
         assert res["diff"] == 0.0  # exact: all-gathered weights are the same numbers
 
 
+def _eagle3_fsdp_case() -> tuple[Target, object, dict[str, torch.Tensor]]:
+    """The tiny target, an EAGLE-3 config with the FSDP preset, and a batch (the same on every
+    rank)."""
+    from draftsmith.cli.training import compose_config
+
+    tok = build_tiny_tokenizer()
+    target = Target(build_tiny_llama(len(tok)), tok, "tiny")
+    cfg = compose_config(
+        [
+            "recipe=eagle3",
+            "trainer=fsdp",
+            "drafter.target_layers=[1,2,3]",
+            "drafter.draft_vocab_size=0",
+            "drafter.ttt_steps=2",
+        ]
+    )
+    ids = torch.randint(
+        5, len(tok), (2, 12), generator=torch.Generator().manual_seed(0)
+    )  # same on both ranks
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
+    return target, cfg, batch
+
+
+def _sharded_gradients(objective, cfg, batch, feats) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """One backward of ``objective``'s loss wrapped by the preset's FSDP policy: the FSDP units'
+    class names and every parameter's full gradient (by the unwrapped name)."""
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from draftsmith.distill.cluster.strategies import build_strategy
+
+    class Step(nn.Module):  # the root unit, as Lightning makes the LightningModule the root
+        def __init__(self) -> None:
+            super().__init__()
+            self.drafter = objective.module
+
+        def forward(self, batch, feats):
+            return objective.loss(batch, feats)[0]
+
+    strategy = build_strategy(cfg.trainer, objective.module)
+    model = FSDP(
+        Step(),
+        auto_wrap_policy=strategy.kwargs["auto_wrap_policy"],
+        use_orig_params=True,
+        device_id=torch.device("cpu"),
+        sharding_strategy=strategy.sharding_strategy,
+    )
+    units = sorted(type(m.module).__name__ for m in model.modules() if isinstance(m, FSDP))
+    model(batch, feats).backward()
+    with FSDP.summon_full_params(model, with_grads=True):
+        got = {
+            n.replace("_fsdp_wrapped_module.", "").removeprefix("drafter."): p.grad.clone()
+            for n, p in model.module.named_parameters()
+        }
+    return units, got
+
+
 def _fsdp_drafter_worker(rank: int, world: int, port: int, out: str) -> None:
     """The preset's FSDP policy on a real EAGLE-3 drafter: units, and one step's gradients vs the
     unsharded drafter."""
@@ -84,67 +145,19 @@ def _fsdp_drafter_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        from torch import nn
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
         from draftsmith import recipes
-        from draftsmith.cli.training import compose_config
-        from draftsmith.distill.cluster.strategies import build_strategy
 
-        tok = build_tiny_tokenizer()
-        target = Target(build_tiny_llama(len(tok)), tok, "tiny")
-        cfg = compose_config(
-            [
-                "recipe=eagle3",
-                "trainer=fsdp",
-                "drafter.target_layers=[1,2,3]",
-                "drafter.draft_vocab_size=0",
-                "drafter.ttt_steps=2",
-            ]
-        )
-        ids = torch.randint(
-            5, len(tok), (2, 12), generator=torch.Generator().manual_seed(0)
-        )  # same on both ranks
-        batch = {
-            "input_ids": ids,
-            "attention_mask": torch.ones_like(ids),
-            "loss_mask": torch.ones_like(ids),
-        }
+        target, cfg, batch = _eagle3_fsdp_case()
 
         def build():
             torch.manual_seed(0)
             return recipes.get_recipe("eagle3").build(cfg, target)
 
         reference = build()
-        feats = target.features(ids, batch["attention_mask"], reference.taps)
+        feats = target.features(batch["input_ids"], batch["attention_mask"], reference.taps)
         reference.loss(batch, feats)[0].backward()
         want = {n: p.grad.clone() for n, p in reference.module.named_parameters()}
-
-        objective = build()
-
-        class Step(nn.Module):  # the root unit, as Lightning makes the LightningModule the root
-            def __init__(self) -> None:
-                super().__init__()
-                self.drafter = objective.module
-
-            def forward(self, batch, feats):
-                return objective.loss(batch, feats)[0]
-
-        strategy = build_strategy(cfg.trainer, objective.module)
-        model = FSDP(
-            Step(),
-            auto_wrap_policy=strategy.kwargs["auto_wrap_policy"],
-            use_orig_params=True,
-            device_id=torch.device("cpu"),
-            sharding_strategy=strategy.sharding_strategy,
-        )
-        units = sorted(type(m.module).__name__ for m in model.modules() if isinstance(m, FSDP))
-        model(batch, feats).backward()
-        with FSDP.summon_full_params(model, with_grads=True):
-            got = {
-                n.replace("_fsdp_wrapped_module.", "").removeprefix("drafter."): p.grad.clone()
-                for n, p in model.module.named_parameters()
-            }
+        units, got = _sharded_gradients(build(), cfg, batch, feats)
         diff = max(float((got[n] - want[n]).abs().max()) for n in want)
         Path(out, f"fsdp{rank}.json").write_text(
             json.dumps({"units": units, "diff": diff, "keys": sorted(got) == sorted(want)})

@@ -1,9 +1,9 @@
 """Typed recipe configs (issue 41 item 3, issue 40's training parts): every recipe has a dataclass
 schema in Hydra's ConfigStore with a doc per key; misspelt keys (with or without `+`) and
 out-of-range values are one `error:` line naming the close match or the allowed range, before
-anything loads; `--help` lists the recipes and a recipe's keys; an empty data folder, a run folder
-holding another model's checkpoint and a DFlash confidence head that was never served each get one
-line or the right default."""
+anything loads; `--help` lists the recipes and a recipe's keys; an empty data folder gets one line.
+A run folder holding another model's checkpoint: tests/test_config_resume.py; the DFlash served
+cut: tests/test_dflash_cut.py."""
 
 from __future__ import annotations
 
@@ -13,10 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import build_tiny_llama
 from omegaconf import OmegaConf
-from recipe_configs import recipe_config
 
 from draftsmith.cli.training import compose_config
 from draftsmith.common.errors import ConfigError, DataError
@@ -265,167 +262,3 @@ def test_train_py_with_an_empty_data_folder_prints_one_line(
     assert ended.value.code == 1 and errors == [
         f"error: data folder {empty} holds no data files: {needs}"
     ], errors
-
-
-def fake_checkpoint(recipe: str, config: dict, state: dict[str, torch.Tensor]) -> dict:
-    return {"state_dict": state, "draftsmith": {"recipe": recipe, "config": config}}
-
-
-def test_a_checkpoint_of_another_recipe_is_refused_before_the_target_loads(tmp_path):
-    from draftsmith.distill.engine.resume_check import check_resume_recipe
-
-    cfg = compose_config(["recipe=eagle3"])
-    with pytest.raises(
-        ConfigError,
-        match=r"holds a recipe=medusa checkpoint \(ck\.ckpt\), and this run is "
-        r"recipe=eagle3.*hydra\.run\.dir=NEW_DIR.*run\.resume=false",
-    ):
-        check_resume_recipe(fake_checkpoint("medusa", {}, {}), "ck.ckpt", cfg, tmp_path)
-    check_resume_recipe(
-        fake_checkpoint("eagle3", {}, {}), "ck.ckpt", cfg, tmp_path
-    )  # same recipe: fine
-
-
-def test_a_checkpoint_of_another_shape_names_the_changed_key(tmp_path):
-    from draftsmith.distill.engine.resume_check import check_resume_shapes
-
-    cfg = compose_config(["recipe=medusa", "heads.num_heads=5"])
-    saved = OmegaConf.to_container(
-        compose_config(["recipe=medusa", "heads.num_heads=3", "optim.lr=0.1"])
-    )
-    module = torch.nn.Linear(4, 5)
-    ckpt = fake_checkpoint("medusa", saved, {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)})
-    with pytest.raises(ConfigError) as err:
-        check_resume_shapes(ckpt, "run/checkpoints/step-6.ckpt", cfg, module, tmp_path)
-    message = str(err.value)
-    assert message.startswith(
-        "cannot resume from run/checkpoints/step-6.ckpt: the model's shape changed "
-        "(heads.num_heads 3 -> 5); 2 weight(s) differ, e.g. bias (3,) vs (5,)"
-    ), message
-    assert (
-        "optim.lr" not in message and "run.resume=false" in message and "hydra.run.dir=" in message
-    )
-    same = fake_checkpoint("medusa", saved, {k: v.detach() for k, v in module.state_dict().items()})
-    check_resume_shapes(same, "x.ckpt", cfg, module, tmp_path)  # same shapes: resumes
-
-
-def test_a_checkpoint_folder_or_damaged_file_is_left_to_lightning(tmp_path):
-    from draftsmith.distill.engine.resume_check import check_resume_shapes, read_checkpoint
-
-    damaged = tmp_path / "last.ckpt"
-    damaged.write_bytes(b"not a checkpoint")
-    assert (
-        read_checkpoint(tmp_path) == {} and read_checkpoint(damaged) == {}
-    )  # DeepSpeed folder, damaged file
-    check_resume_shapes(
-        {}, str(damaged), compose_config(["recipe=medusa"]), torch.nn.Linear(2, 2), tmp_path
-    )
-
-
-@pytest.mark.e2e  # two short training runs in one run folder
-def test_rerunning_with_more_heads_in_the_same_folder_is_one_line(
-    tmp_path, tiny_target_dir, tiny_data_file
-):
-    from draftsmith import recipes
-    from draftsmith.distill.engine.trainer import train
-
-    base = [
-        "recipe=medusa",
-        f"target.name_or_path={tiny_target_dir}",
-        "target.dtype=fp32",
-        f"data.spec={tiny_data_file}",
-        "data.limit=null",
-        "data.max_length=48",
-        "data.batch_size=4",
-        "data.val_fraction=0.1",
-        "trainer.max_steps=2",
-        "run.checkpoint_every=2",
-        "run.final_eval_batches=1",
-        "run.export=false",
-        "validation.served_tau.every=0",
-    ]
-    train(compose_config([*base, "heads.num_heads=2"]), recipes.get_recipe("medusa"), tmp_path)
-    with pytest.raises(
-        ConfigError,
-        match=r"the model's shape changed \(heads\.num_heads 2 -> 3\).*run\.resume=false",
-    ):
-        train(compose_config([*base, "heads.num_heads=3"]), recipes.get_recipe("medusa"), tmp_path)
-    with pytest.raises(ConfigError, match=r"holds a recipe=medusa checkpoint"):
-        train(
-            compose_config([*base[1:], "recipe=hydra", "heads.num_heads=2"]),
-            recipes.get_recipe("hydra"),
-            tmp_path,
-        )
-
-
-# -------------------------------------------------------------------------------- DFlash served cut
-def test_cut_search_picks_the_cut_with_the_most_accepted_tokens_per_verify_cost():
-    from draftsmith.recipes.dflash.cut import CutSearch, drafted_per_cut
-
-    confidence = torch.tensor(
-        [[0.9, 0.9, 0.1, 0.1], [0.9, 0.9, 0.9, 0.9]]
-    )  # cumulative: .9 .81 .081 .0081 / ...
-    scored = torch.tensor([4, 3])
-    assert drafted_per_cut(confidence, scored, torch.tensor([0.0, 0.5, 0.95])).tolist() == [
-        [4, 3],
-        [3, 3],
-        [1, 1],
-    ]
-    search = CutSearch(token_cost=0.5)
-    search.add(
-        confidence, scored, accepted=torch.tensor([2, 3])
-    )  # block 1's slots 3-4 would be rejected
-    cut, speed = search.best()
-    assert cut == 0.1 and speed == pytest.approx(
-        (2 + 5) / (2 + 0.5 * 6)
-    )  # 3 then 3 slots verified, 2 + 3 kept
-    free = CutSearch(token_cost=0.0)  # verifying costs nothing: never cut
-    free.add(confidence, scored, torch.tensor([2, 3]))
-    assert free.best()[0] == 0.0 and CutSearch(0.1).best() is None
-
-
-def test_a_trained_dflash_confidence_head_serves_at_the_cut_validation_picked(tiny_tokenizer):
-    from draftsmith.distill.target.frozen import Target
-    from draftsmith.recipes.dflash.build import build_objective
-
-    target = Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, target.vocab_size, (2, 20), generator=g)
-    batch = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "loss_mask": torch.ones_like(ids),
-    }
-    assert recipe_config("dflash").inference.cut is None  # the default: chosen by validation
-
-    def build(**extra):
-        cfg = recipe_config(
-            "dflash",
-            OmegaConf.merge(
-                {
-                    "drafter": {
-                        "target_layers": [1, 2, 3],
-                        "block_size": 4,
-                        "mask_token_id": 1,
-                        "confidence_head": True,
-                    }
-                },
-                extra,
-            ),
-        )
-        torch.manual_seed(0)
-        return build_objective(cfg, target, [(ids, batch["loss_mask"])])
-
-    objective = build(
-        inference={"cut_token_cost": 5.0}
-    )  # a drafted token costing 5 steps: cutting pays
-    feats = target.features(ids, batch["attention_mask"], objective.taps)
-    objective.module.eval()
-    objective.on_validation_start()
-    with torch.no_grad():
-        objective.loss(batch, feats)
-    expected = objective.cut_search.best()
-    objective.on_validation_end()
-    assert expected is not None and objective.export_config()["inference"]["cut"] == expected[0] > 0
-    fixed = build(inference={"cut": 0.0})  # an explicit cut is served as given, never searched
-    assert fixed.cut_search is None and fixed.export_config()["inference"]["cut"] == 0.0

@@ -1,29 +1,25 @@
 """Cooldown branches of the learning curve (issue 49 item 1): each point is read raw and after a
 branch whose LR decays linearly to zero, the main run untouched; the fit, the forecast interval and
 ``--compare`` read the cooled values; a killed branch resumes, a damaged one is refused in one line;
-a bad prompt set is refused before training; a finished run checks the forecast."""
+a bad prompt set is refused before training. The forecast check is in
+tests/test_curve_forecast_check.py."""
 
 from __future__ import annotations
 
 import json
-import random
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from curve_fakes import COOLED_GAIN, FakeTraining, fake_evaluate, law
+from curve_fakes import COOLED_GAIN, FakeTraining, fake_evaluate
 
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.engine.schedule import lr_lambda
 from draftsmith.evals.cooldown import BranchError, branch_overrides, decay_steps
-from draftsmith.evals.curve_check import run_check
 from draftsmith.evals.curve_compare import compare
-from draftsmith.evals.curve_folder import CurveError
-from draftsmith.evals.curve_forecast import check, predict
 from draftsmith.evals.curve_report import write_report
-from draftsmith.evals.curve_runner import run_curve
+from draftsmith.evals.curve_runner import CurveError, run_curve
 from draftsmith.evals.learning_curve import EvalSettings
 
 pytestmark = pytest.mark.unit
@@ -112,40 +108,43 @@ def test_a_branch_reads_the_main_runs_checkpoint_and_never_writes_the_main_run(t
     }  # the branch started from the main run's step 10
 
 
-def test_a_killed_branch_resumes_and_a_damaged_one_is_refused_in_one_line(tmp_path):
-    first = FakeTraining(stop_at=36)
+def _kill_at(folder, steps: int, plan: list[int], evaluate=fake_evaluate) -> FakeTraining:
+    """Run a cooled curve of ``plan`` in ``folder`` until its training reaches ``steps`` (then
+    interrupted); the training."""
+    runner = FakeTraining(stop_at=steps)
+    with pytest.raises(KeyboardInterrupt):
+        cooled_curve(folder, plan, runner, evaluate)
+    return runner
+
+
+def cooled_curve(folder, plan: list[int], runner: FakeTraining, evaluate=fake_evaluate):
+    """A curve of ``plan`` in ``folder`` whose points are also read after a 20% cooldown."""
+    return run_curve(
+        folder,
+        ["recipe=eagle3"],
+        plan,
+        SETTINGS,
+        runner=runner,
+        evaluate=evaluate,
+        say=quiet,
+        cooldown=0.2,
+    )
+
+
+def test_a_killed_branch_resumes_without_training_the_main_run_again(tmp_path):
     evaluations: list[str] = []
 
     def counting(export, settings, measure=False):
         evaluations.append(export)
         return fake_evaluate(export, settings, measure)
 
-    with pytest.raises(KeyboardInterrupt):
-        run_curve(
-            tmp_path,
-            ["recipe=eagle3"],
-            [10, 30, 100],
-            SETTINGS,
-            runner=first,
-            evaluate=counting,
-            say=quiet,
-            cooldown=0.2,
-        )
+    first = _kill_at(tmp_path, 36, [10, 30, 100], counting)
     assert first.calls == [10, 12, 30]
     seed = tmp_path / "branches" / "step30" / "checkpoints" / "step30.ckpt"
     assert seed.is_file() and torch.load(seed, weights_only=True)["global_step"] == 30
     raw_evals = len(evaluations)
     again = FakeTraining()
-    run_curve(
-        tmp_path,
-        ["recipe=eagle3"],
-        [10, 30, 100],
-        SETTINGS,
-        runner=again,
-        evaluate=counting,
-        say=quiet,
-        cooldown=0.2,
-    )
+    cooled_curve(tmp_path, [10, 30, 100], again, counting)
     assert again.calls == [
         36,
         100,
@@ -153,31 +152,13 @@ def test_a_killed_branch_resumes_and_a_damaged_one_is_refused_in_one_line(tmp_pa
     ]  # the branch resumed; the main run was not trained again to 30
     assert len(evaluations) == raw_evals + 3  # step 30's raw evaluation was kept, not redone
 
-    other = tmp_path / "other"
-    with pytest.raises(KeyboardInterrupt):
-        run_curve(
-            other,
-            ["recipe=eagle3"],
-            [10, 30],
-            SETTINGS,
-            runner=FakeTraining(stop_at=12),
-            evaluate=fake_evaluate,
-            say=quiet,
-            cooldown=0.2,
-        )
-    damaged = other / "branches" / "step10" / "checkpoints" / "step10.ckpt"
+
+def test_a_damaged_branch_is_refused_in_one_line(tmp_path):
+    _kill_at(tmp_path, 12, [10, 30])
+    damaged = tmp_path / "branches" / "step10" / "checkpoints" / "step10.ckpt"
     damaged.write_bytes(damaged.read_bytes()[:40])  # a partial file
     with pytest.raises(BranchError) as err:
-        run_curve(
-            other,
-            ["recipe=eagle3"],
-            [10, 30],
-            SETTINGS,
-            runner=FakeTraining(),
-            evaluate=fake_evaluate,
-            say=quiet,
-            cooldown=0.2,
-        )
+        cooled_curve(tmp_path, [10, 30], FakeTraining())
     assert "is corrupt or partial" in str(err.value) and "\n" not in str(err.value)
     assert "re-run the same command to branch again" in str(err.value)
 
@@ -280,112 +261,3 @@ def test_compare_reads_the_cooled_points(tmp_path):
     assert chosen["pick"]["equal_cpu_hours"]["curves"][str(slow)]["values"] == "cooled"
     assert {r["values"] for r in chosen["rows"]} == {"cooled", "raw"}
     assert "are read raw" in (tmp_path / "cmp" / "compare.md").read_text()
-
-
-def _noisy_points(truth, budgets: list[float], trials: int, seed: int = 1) -> list[dict]:
-    rng = random.Random(seed)
-    points = []
-    for tokens in budgets:
-        p = truth(tokens)
-        measured = (
-            sum(rng.random() < p for _ in range(trials)) / trials
-        )  # a binomial reading of the true value
-        points.append(
-            {
-                "tokens": tokens,
-                "eval": {
-                    "mtbench": {"first_position_acceptance": measured, "verify_steps": trials}
-                },
-            }
-        )
-    return points
-
-
-def test_the_forecast_interval_covers_the_truth_and_a_check_says_so(tmp_path):
-    def truth(t: float) -> float:
-        return 0.7 - 3.0 * t**-0.3
-
-    budgets = [2e4 * 2**i for i in range(6)]
-    inside = 0
-    for seed in range(10):
-        guess = predict(_noisy_points(truth, budgets, 600, seed), "mtbench", budgets[-1] * 4)
-        inside += guess["interval"][0] <= truth(budgets[-1] * 4) <= guess["interval"][1]
-    assert inside >= 8  # a 90% interval, on ten independent curves
-    data = {"settings": {"prompt_sets": ["mtbench"]}, "points": _noisy_points(truth, budgets, 600)}
-    at = int(budgets[-1] * 4)
-    ok = check(data, "cosine_run", at, {"mtbench": {"first_position_acceptance": truth(at)}})
-    far = check(data, "cosine_run", at, {"mtbench": {"first_position_acceptance": 0.95}})
-    assert (
-        ok["all_inside"] is True
-        and far["all_inside"] is False
-        and far["sets"]["mtbench"]["inside"] is False
-    )
-
-
-def test_check_evaluates_a_finished_run_past_the_curve_and_refuses_what_it_cannot_check(
-    tmp_path, medusa_export
-):
-    curve_dir = tmp_path / "curve"
-    run_curve(
-        curve_dir,
-        ["recipe=medusa"],
-        [10, 30, 100, 300],
-        SETTINGS,
-        runner=FakeTraining(),
-        evaluate=fake_evaluate,
-        say=quiet,
-        cooldown=0.2,
-    )
-    write_report(curve_dir, json.loads((curve_dir / "curve.json").read_text()))
-    run = tmp_path / "cosine"
-    shutil.copytree(medusa_export, run / "export")
-    config = json.loads((run / "export" / "config.json").read_text())
-    for tokens, refused in ((300_000, True), (3_000_000, False)):
-        config["training"] = {"tokens": tokens, "steps": tokens // 1000}
-        (run / "export" / "config.json").write_text(json.dumps(config))
-        if refused:  # the cooled reading at step 360 has 360k tokens: a check needs more
-            with pytest.raises(
-                CurveError, match="not more than the curve's furthest reading \\(360,000\\)"
-            ):
-                run_check(curve_dir, run, evaluate=fake_evaluate, say=quiet)
-    record = run_check(
-        curve_dir,
-        run,
-        say=quiet,
-        evaluate=lambda e, s, measure=False: fake_evaluate(e, s, measure, steps=3000, cooled=True),
-    )
-    assert record["sets"]["mtbench"]["measured"] == pytest.approx(law(3_000_000, cooled=True))
-    assert record["all_inside"] is True
-    assert "Forecast check" in (curve_dir / "curve.md").read_text()
-    assert len(json.loads((curve_dir / "curve.json").read_text())["checks"]) == 1
-    weights = run / "export" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.raises(CurveError, match="corrupt or truncated") as err:
-        run_check(curve_dir, run, evaluate=fake_evaluate, say=quiet)
-    assert "\n" not in str(err.value)
-
-
-def test_the_cli_checks_a_run_and_refuses_one_it_cannot_check_in_one_line(
-    tmp_path, medusa_export, capsys
-):
-    from draftsmith.cli.curve import cmd_curve
-
-    curve_dir = tmp_path / "curve"
-    run_curve(
-        curve_dir,
-        ["recipe=medusa"],
-        [10, 30, 100],
-        SETTINGS,
-        runner=FakeTraining(),
-        evaluate=fake_evaluate,
-        say=quiet,
-        cooldown=0.2,
-    )
-    write_report(curve_dir, json.loads((curve_dir / "curve.json").read_text()))
-    assert (
-        cmd_curve(["--out", str(curve_dir), "--check", str(medusa_export)]) == 1
-    )  # its training block: 0 tokens
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not more than the curve's furthest reading (120,000)" in err[0]
-    assert cmd_curve(["--out", str(tmp_path / "none"), "--check", str(medusa_export)]) == 1
-    assert "curve.json not found: run the curve first" in capsys.readouterr().err

@@ -24,34 +24,37 @@ def _lr(path: Path) -> float:
     return float(ckpt["optimizer_states"][0]["param_groups"][0]["lr"])
 
 
-def test_a_cooldown_branch_decays_to_zero_and_leaves_the_main_run_alone(
-    tmp_path, tiny_target_dir, tiny_data_file
-):
-    lrs: dict[str, dict[int, float]] = {}
-    main_seed: dict[int, str] = {}
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
-    def runner(argv: list[str]) -> int:
+
+class LrRecordingTraining:
+    """Runs ``draftsmith train`` as a subprocess, records the learning rate of every checkpoint
+    each run wrote (``lrs[run][step]``), and checks that a branch leaves the main run's checkpoint
+    at its branch point byte for byte as it found it."""
+
+    def __init__(self, curve: Path) -> None:
+        self.curve = curve
+        self.lrs: dict[str, dict[int, float]] = {}
+
+    def __call__(self, argv: list[str]) -> int:
         run = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")))
-        if (
-            "branches" in run.parts
-        ):  # the main run's checkpoint at the branch point, as the branch starts
-            step = int(run.name[4:])
-            main_seed[step] = hashlib.sha256(
-                (tmp_path / "run" / "checkpoints" / f"step{step}.ckpt").read_bytes()
-            ).hexdigest()
+        branch = "branches" in run.parts
+        if branch:  # the main run's checkpoint at the branch point, as the branch starts
+            seed = self.curve / "run" / "checkpoints" / f"step{int(run.name[4:])}.ckpt"
+            before = _digest(seed)
         code = subprocess_train(argv)
-        lrs.setdefault(str(run), {}).update(
+        self.lrs.setdefault(str(run), {}).update(
             {int(p.stem[4:]): _lr(p) for p in (run / "checkpoints").glob("step*.ckpt")}
         )
-        if "branches" in run.parts:  # ... and after it trained: the same bytes
-            digest = hashlib.sha256(
-                (tmp_path / "run" / "checkpoints" / f"step{step}.ckpt").read_bytes()
-            ).hexdigest()
-            assert digest == main_seed[step], "the branch wrote the main run's checkpoint"
+        if branch:  # ... and after it trained: the same bytes
+            assert _digest(seed) == before, "the branch wrote the main run's checkpoint"
         return code
 
-    prompts = write_heldout_prompts(tmp_path / "heldout.jsonl", count=2)
-    overrides = [
+
+def _tiny_medusa(tiny_target_dir: Path, tiny_data_file: Path) -> list[str]:
+    """A Medusa run on the tiny target that keeps a checkpoint at every step."""
+    return [
         "recipe=medusa",
         f"target={tiny_target_dir}",
         "target.dtype=fp32",
@@ -66,6 +69,15 @@ def test_a_cooldown_branch_decays_to_zero_and_leaves_the_main_run_alone(
         "run.val_every=0",
         "trainer.log_every_n_steps=1",
     ]
+
+
+def test_a_cooldown_branch_decays_to_zero_and_leaves_the_main_run_alone(
+    tmp_path, tiny_target_dir, tiny_data_file
+):
+    runner = LrRecordingTraining(tmp_path)
+    lrs = runner.lrs
+    prompts = write_heldout_prompts(tmp_path / "heldout.jsonl", count=2)
+    overrides = _tiny_medusa(tiny_target_dir, tiny_data_file)
     settings = EvalSettings(prompt_sets=(str(prompts),), prompts=2, max_new_tokens=8, dtype="fp32")
     curve = run_curve(tmp_path, overrides, [3, 6], settings, runner=runner, say=print, cooldown=0.5)
 

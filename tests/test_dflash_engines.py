@@ -29,8 +29,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from dflash_exports import export_dflash
 from safetensors.torch import save_file
-from test_dflash_export import export_dflash
 from test_speculators_export import HAVE_SPECULATORS, SPECULATORS_PYTHON, _no_speculators_reason
 
 from draftsmith.cli import main

@@ -1,5 +1,5 @@
 """DFlash exports: the z-lab layout, vLLM's speculators ``dflash`` type and llama.cpp's GGUF,
-against the engines.
+against the engines (the vLLM layout's loader check: tests/test_dflash_vllm_layout.py).
 
 Layer ids. Each test below pins the ids a format writes against the ``hidden_states`` the drafter
 trained on (draftsmith ``target_layers``: HF ``hidden_states`` indices, 0 = embeddings), following
@@ -41,74 +41,26 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import build_tiny_llama
-from recipe_configs import recipe_config
+from dflash_exports import export_dflash, tiny_llama_target
 from safetensors.torch import load_file
 
 from draftsmith.cli import main
 from draftsmith.cli.exporting import _convert
-from draftsmith.distill.engine.exporting import export_from_module
 from draftsmith.distill.target.frozen import Target
 from draftsmith.export.dflash import to_zlab, zlab_layer_ids
 from draftsmith.export.format import ExportError, read_export
 from draftsmith.export.gguf import converter_input
 from draftsmith.export.speculators import to_speculators
-from draftsmith.export.speculators_dflash import speculators_aux_ids, to_speculators_dflash
-from draftsmith.recipes.dflash.build import build_objective
+from draftsmith.export.speculators_dflash import speculators_aux_ids
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-TAPS = [1, 2, 3]  # hidden_states indices of the 4-layer tiny target
 
 
 @pytest.fixture()
 def target(tiny_tokenizer) -> Target:
-    return Target(build_tiny_llama(len(tiny_tokenizer)), tiny_tokenizer, "tiny")
-
-
-def export_dflash(
-    target: Target,
-    out: Path,
-    layers: list[int] | None = TAPS,
-    block: int = 4,
-    heads: bool = False,
-    num_layers: int = 2,
-    norms: bool = True,
-) -> tuple[Path, object]:
-    """A DFlash export of random weights for ``target`` (every weight perturbed, so equality tests
-    can fail; ``norms=False`` keeps the RMSNorm weights at 1, which makes the drafts depend on the
-    context taps).
-    """
-    torch.manual_seed(0)
-    cfg = recipe_config(
-        "dflash",
-        {
-            "drafter": {
-                "target_layers": layers,
-                "block_size": block,
-                "num_layers": num_layers,
-                "confidence_head": heads,
-                "markov_head": heads,
-                "mask_token_id": None,
-            }
-        },
-    )
-    g = torch.Generator().manual_seed(1)
-    batches = [
-        (
-            torch.randint(4, target.vocab_size, (2, 30), generator=g),
-            torch.ones(2, 30, dtype=torch.long),
-        )
-    ]
-    objective = build_objective(cfg, target, batches)
-    for p in objective.module.parameters():
-        if norms or p.dim() > 1:
-            p.data.normal_(0, 0.1)
-    module = SimpleNamespace(
-        drafter=objective.module, objective=objective, run_info={"target": target.identity()}
-    )
-    return export_from_module(module, out, training={}), objective.module
+    return tiny_llama_target(tiny_tokenizer)
 
 
 def _rewrite(export: Path, **arch) -> Path:
@@ -236,160 +188,6 @@ def test_the_zlab_check_fails_on_a_wrong_layout(tmp_path, target):
         zlab_params({**cfg, "dflash_config": {"target_layer_ids": [0, 1]}}), tensors
     )
     assert two_taps.wrong == [("fc.weight", (64, 3 * 64))]
-
-
-# ---- vLLM DFlashQwen3ForCausalLM (speculators dflash) --------------------------------------------
-VLLM_STACKED = (
-    (".qkv_proj", ".q_proj", "q"),
-    (".qkv_proj", ".k_proj", "k"),
-    (".qkv_proj", ".v_proj", "v"),
-    (".gate_up_proj", ".gate_proj", 0),
-    (".gate_up_proj", ".up_proj", 1),
-)
-VLLM_FROM_TARGET = {
-    "lm_head.weight",
-    "model.embed_tokens.weight",
-}  # skipped / shared when the draft has none
-
-
-def vllm_dflash_config(raw: dict) -> dict:
-    """The HF config vLLM builds from a speculators dflash config.json (``update_dflash``)."""
-    aux = raw["aux_hidden_state_layer_ids"]
-    return {
-        **raw["transformer_layer_config"],
-        "architectures": ["DFlashDraftModel"],
-        "draft_vocab_size": raw.get("draft_vocab_size"),
-        "target_hidden_size": raw["target_hidden_size"],
-        "eagle_aux_hidden_state_layer_ids": aux,
-        "dflash_config": {
-            "mask_token_id": raw["mask_token_id"],
-            "target_layer_ids": [i - 1 for i in aux],
-        },
-    }
-
-
-def vllm_dflash_load(cfg: dict, tensors: dict[str, torch.Tensor]) -> SimpleNamespace:
-    """vLLM's parameters and ``load_weights`` name mapping over ``tensors``."""
-    h, d, inter = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    layer_ids = cfg[
-        "eagle_aux_hidden_state_layer_ids"
-    ]  # _resolve_dflash_layer_ids: no dflash_config.layer_ids
-    params = {
-        "model.fc.weight": (h, cfg["target_hidden_size"] * len(layer_ids)),
-        "model.hidden_norm.weight": (h,),
-        "model.norm.weight": (h,),
-        "model.embed_tokens.weight": (cfg["vocab_size"], h),
-        "lm_head.weight": (cfg["draft_vocab_size"] or cfg["vocab_size"], h),
-    }
-    for i in range(cfg["num_hidden_layers"]):
-        m = f"model.layers.{i}."
-        params.update(
-            {
-                m + "self_attn.qkv_proj.weight": (q + 2 * kv, h),
-                m + "self_attn.o_proj.weight": (h, q),
-                m + "self_attn.q_norm.weight": (d,),
-                m + "self_attn.k_norm.weight": (d,),
-                m + "mlp.gate_up_proj.weight": (2 * inter, h),
-                m + "mlp.down_proj.weight": (h, inter),
-                m + "input_layernorm.weight": (h,),
-                m + "post_attention_layernorm.weight": (h,),
-            }
-        )
-    rows = {"q": q, "k": kv, "v": kv, 0: inter, 1: inter}
-    loaded: dict[str, set] = {}
-    unknown, wrong = [], []
-    for original, w in tensors.items():
-        if "t2d" in original or "d2t" in original:
-            continue
-        name = original if "lm_head" in original else "model." + original
-        want, shard = None, None
-        for param_name, weight_name, shard_id in VLLM_STACKED:
-            if weight_name in name:
-                name, shard = name.replace(weight_name, param_name), shard_id
-                want = (rows[shard_id], params[name][1]) if name in params else None
-                break
-        else:
-            want = params.get(name)
-        if name not in params:
-            unknown.append(original)  # vLLM: KeyError in params_dict[name]
-            continue
-        if tuple(w.shape) != want:
-            wrong.append((original, tuple(w.shape), want))
-        loaded.setdefault(name, set()).add(shard)
-    stacked = {"qkv_proj": {"q", "k", "v"}, "gate_up_proj": {0, 1}}
-    missing = sorted(
-        k
-        for k in params
-        if k not in VLLM_FROM_TARGET
-        and (
-            k not in loaded
-            or any(part in k and loaded[k] != shards for part, shards in stacked.items())
-        )
-    )
-    return SimpleNamespace(unknown=unknown, missing=missing, wrong=wrong)
-
-
-def test_speculators_dflash_layout_loads_every_vllm_parameter(tmp_path, target):
-    export, drafter = export_dflash(target, tmp_path / "export")
-    # to_speculators delegates a DFlash export to export/speculators_dflash.py
-    out = to_speculators(export, tmp_path / "spec", "org/tiny")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    raw = json.loads((out / "config.json").read_text())
-    assert (
-        raw["speculators_model_type"] == "dflash"
-        and raw["speculators_config"]["algorithm"] == "dflash"
-    )
-    assert (
-        raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
-    )  # block_size - 1
-    assert raw["speculators_config"]["verifier"] == {
-        "name_or_path": "org/tiny",
-        "architectures": ["LlamaForCausalLM"],
-    }
-    assert (raw["aux_hidden_state_layer_ids"], raw["mask_token_id"], raw["block_size"]) == (
-        TAPS,
-        drafter.config.mask_token_id,
-        4,
-    )
-    assert raw["sample_from_anchor"] is False and raw["draft_vocab_size"] == target.vocab_size
-    layer = raw["transformer_layer_config"]
-    assert (layer["model_type"], layer["num_hidden_layers"], layer["vocab_size"]) == (
-        "qwen3",
-        2,
-        target.vocab_size,
-    )
-    cfg = vllm_dflash_config(raw)
-    assert cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2]  # = the z-lab ids of the same taps
-    tensors = load_file(out / "model.safetensors")
-    report = vllm_dflash_load(cfg, tensors)
-    assert (report.unknown, report.missing, report.wrong) == ([], [], [])
-    assert torch.equal(tensors["layers.1.mlp.up_proj.weight"], drafter.layers[1].mlp.up_proj.weight)
-    assert set(tensors) == set(
-        load_file(to_zlab(export, tmp_path / "z") / "model.safetensors")
-    )  # same body
-    bf16 = load_file(
-        to_speculators_dflash(export, tmp_path / "bf16", "org/tiny", dtype="bfloat16")
-        / "model.safetensors"
-    )
-    assert bf16["fc.weight"].dtype == torch.bfloat16
-
-
-def test_the_vllm_check_fails_on_a_wrong_layout(tmp_path, target):
-    export, _ = export_dflash(target, tmp_path / "export")
-    out = to_speculators(export, tmp_path / "spec", "org/tiny")
-    cfg = vllm_dflash_config(json.loads((out / "config.json").read_text()))
-    tensors = load_file(out / "model.safetensors")
-    renamed = {k.replace("layers.", "blocks."): v for k, v in tensors.items()}
-    report = vllm_dflash_load(cfg, renamed)
-    assert "blocks.0.self_attn.q_proj.weight" in report.unknown
-    assert "model.layers.0.self_attn.qkv_proj.weight" in report.missing
-    no_k = vllm_dflash_load(
-        cfg, {k: v for k, v in tensors.items() if k != "layers.0.self_attn.k_proj.weight"}
-    )
-    assert no_k.missing == [
-        "model.layers.0.self_attn.qkv_proj.weight"
-    ]  # a shard short of the stacked parameter
 
 
 # ---- refusals and the CLI ------------------------------------------------------------------------

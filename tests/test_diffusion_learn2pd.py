@@ -6,6 +6,7 @@ an over-long prompt).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,31 +128,19 @@ def test_learn2pd_recipe_refuses_causal_target(traj_dir, tiny_target_dir):
     assert json.loads((traj_dir / "meta.json").read_text())["num_prompts"] == 3
 
 
-def test_cli_refuses_causal_target_and_foreign_filter(tiny_target_dir, tmp_path, capsys):
-    from draftsmith import cli
-    from draftsmith.recipes.diffusion_adapt.objective import add_mask_token
-    from draftsmith.runtime.target.diffusion_lm import save_diffusion_folder
-
+def _prompts(tmp_path: Path) -> Path:
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello world\nwhat is the answer\n")
-    out = tmp_path / "traj"
-    rc = cli.main(
-        [
-            "trajectories",
-            "--target",
-            str(tiny_target_dir),
-            "--prompts",
-            str(prompts),
-            "--out",
-            str(out),
-        ]
-    )
-    assert (
-        rc == 2
-        and "causal (autoregressive) LM, not a block-diffusion target" in capsys.readouterr().err
-    )
-    assert not out.exists()
+    return prompts
+
+
+def _diffusion_target_and_filter(tiny_target_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """The tiny target saved as a block-diffusion folder (blocks of 8) and a Learn2PD filter export
+    trained for blocks of 32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.recipes.diffusion_adapt.objective import add_mask_token
+    from draftsmith.runtime.target.diffusion_lm import save_diffusion_folder
 
     model, tok = (
         AutoModelForCausalLM.from_pretrained(tiny_target_dir),
@@ -170,6 +159,31 @@ def test_cli_refuses_causal_target_and_foreign_filter(tiny_target_dir, tmp_path,
             "target": {"name_or_path": "x"},
         },
     )
+    return dlm, tmp_path / "f32"
+
+
+def test_cli_refuses_causal_target_and_foreign_filter(tiny_target_dir, tmp_path, capsys):
+    from draftsmith import cli
+
+    prompts = _prompts(tmp_path)
+    out = tmp_path / "traj"
+    rc = cli.main(
+        [
+            "trajectories",
+            "--target",
+            str(tiny_target_dir),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+        ]
+    )
+    assert (
+        rc == 2
+        and "causal (autoregressive) LM, not a block-diffusion target" in capsys.readouterr().err
+    )
+    assert not out.exists()
+    dlm, filter_export = _diffusion_target_and_filter(tiny_target_dir, tmp_path)
     # `draftsmith bench --target DLM [--filter EXPORT]` is the one block-diffusion bench, with a
     # markdown twin
     rc = cli.main(
@@ -178,7 +192,7 @@ def test_cli_refuses_causal_target_and_foreign_filter(tiny_target_dir, tmp_path,
             "--target",
             str(dlm),
             "--filter",
-            str(tmp_path / "f32"),
+            str(filter_export),
             "--prompts",
             str(prompts),
             "--gen-length",
@@ -190,13 +204,31 @@ def test_cli_refuses_causal_target_and_foreign_filter(tiny_target_dir, tmp_path,
         and "trained for block length 32 but the target decodes blocks of 8"
         in capsys.readouterr().err
     )
+    for bad in (
+        ["--threshold", "0.5"],
+        ["--filter", str(filter_export), "--threshold", "1.5"],
+    ):  # before loading
+        rc = cli.main(
+            ["bench", "--target", str(dlm), "--prompts", str(prompts), "--gen-length", "16", *bad]
+        )
+        assert (
+            rc == 2
+            and "needs --filter EXPORT and a value strictly between 0 and 1"
+            in capsys.readouterr().err
+        )
+
+
+def test_the_diffusion_bench_with_the_cache_writes_its_table(tiny_target_dir, tmp_path):
+    from draftsmith import cli
+
+    dlm, _ = _diffusion_target_and_filter(tiny_target_dir, tmp_path)
     rc = cli.main(
         [
             "bench",
             "--target",
             str(dlm),
             "--prompts",
-            str(prompts),
+            str(_prompts(tmp_path)),
             "--gen-length",
             "16",
             "--cache",
@@ -213,18 +245,6 @@ def test_cli_refuses_causal_target_and_foreign_filter(tiny_target_dir, tmp_path,
         ]
         == 1.0
     )
-    for bad in (
-        ["--threshold", "0.5"],
-        ["--filter", str(tmp_path / "f32"), "--threshold", "1.5"],
-    ):  # before loading
-        rc = cli.main(
-            ["bench", "--target", str(dlm), "--prompts", str(prompts), "--gen-length", "16", *bad]
-        )
-        assert (
-            rc == 2
-            and "needs --filter EXPORT and a value strictly between 0 and 1"
-            in capsys.readouterr().err
-        )
 
 
 def test_task_accuracy_counts_only_checkable_prompts():

@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
+from dflash_exports import export_dflash
 from safetensors.torch import load_file, save_file
-from test_dflash_export import export_dflash
 from test_speculators_export import HAVE_SPECULATORS, SPECULATORS_PYTHON, _no_speculators_reason
 
 from draftsmith.distill.target.frozen import Target

@@ -77,7 +77,7 @@ INPUTS = [  # data, target and run folder (helpers C2 and A)
         owner="C2",
     ),
     # a data folder trains on every data file in it (.jsonl/.json/.parquet) and names the others in
-    # one warning (tests/test_data.py), by design: a control, not a refusal
+    # one warning (tests/test_data_loading.py), by design: a control, not a refusal
     ok(
         "train-data-mixed-dir",
         "train recipe=medusa target={T} data={S}/d {TINY}",

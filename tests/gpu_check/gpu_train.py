@@ -19,9 +19,9 @@ commands:
    refused in one line) and, with ``--bench``, benches it on this CPU.
 
 ``dry-run`` rehearses all four on the CPU with the same code and files (the real GGUF, real data,
-tiny steps), so a lease is spent on the GPU, not on debugging. Stages are in
-``gpu_train_stages.py``; a command re-run after an interruption keeps what is already in place
-(parcels and stash are checked, not trusted).
+tiny steps; ``gpu_train_dry_run.py``), so a lease is spent on the GPU, not on debugging. Stages
+are in ``gpu_train_stages.py``; a command re-run after an interruption keeps what is already in
+place (parcels and stash are checked, not trusted).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ if _HERE not in sys.path:
 import parcels  # noqa: E402
 from gpu_check_core import REPO  # noqa: E402
 from gpu_train_data import choose_samples, tokenizer_fingerprint  # noqa: E402
+from gpu_train_dry_run import dry_run  # noqa: E402
 from gpu_train_stages import DATA, GGUF, speed_stage, stash_parts, train_stage  # noqa: E402
 
 COMMAND_BYTES = 64 * 2**20  # what one device command may carry, the repository included
@@ -203,96 +204,6 @@ def receive(args: argparse.Namespace) -> Path:
         ]
         subprocess.run(bench, check=True, cwd=REPO)
     return dest
-
-
-def dry_run(args: argparse.Namespace) -> None:
-    """Every step on the CPU with the same code and files, tiny sizes, each as its own process (as
-    the commands are)."""
-    work = Path(args.work or tempfile.mkdtemp(prefix="gpu-train-dry-"))
-    me = [sys.executable, str(Path(__file__).resolve())]
-    tiny = [
-        "--device",
-        "cpu",
-        "--tiny",
-        "--max-length",
-        "64",
-        "--budgets",
-        "128,256",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-    ]
-    steps = [
-        me
-        + [
-            "prepare",
-            "--out",
-            str(work / "parcels"),
-            "--max-length",
-            "64",
-            "--data-limit",
-            "200",
-            "--data-mib",
-            "1",
-        ],
-        me
-        + [
-            "part1",
-            "--parcels",
-            str(work / "parcels" / "cmd1"),
-            "--stash",
-            str(work / "stash"),
-            "--out-dir",
-            str(work / "out1"),
-            *tiny,
-        ],
-        me
-        + [
-            "part2",
-            "--parcels",
-            str(work / "parcels" / "cmd2"),
-            "--stash",
-            str(work / "stash"),
-            "--out-dir",
-            str(work / "out2"),
-            *tiny,
-            "--tokens-per-step",
-            "128",
-            "--min-steps",
-            "2",
-            "--max-steps",
-            "3",
-            "--seconds",
-            "900",
-        ],
-        me
-        + [
-            "receive",
-            str(work / "out2" / "export"),
-            "--out",
-            str(work / "export"),
-            "--bench",
-            "--bench-prompts",
-            "1",
-            "--bench-tokens",
-            "8",
-        ],
-    ]
-    for cmd in steps:
-        print(f"gpu-train dry run: {' '.join(cmd[2:])}", flush=True)
-        subprocess.run(
-            cmd,
-            check=True,
-            cwd=REPO,
-            env={
-                **os.environ,
-                "DRAFTSMITH_CACHE": os.environ.get(
-                    "DRAFTSMITH_CACHE", str(Path.home() / ".cache" / "draftsmith")
-                ),
-            },
-        )
-    print(f"gpu-train dry run: every step passed; files under {work}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -40,18 +40,42 @@ def stash_parts(parcel: Path, stash: Path) -> dict[str, Any]:
     return {"stashed": kept, "stash": str(stash / "parts")}
 
 
+def peer_speed(
+    args: Any, target: Path, chats: list, work: Path, out: Path, budgets: list[int], taps: tuple
+) -> list[dict[str, Any]]:
+    """speculators' rows of the throughput table on the same random target and chats (none with
+    ``--skip-peer``); its log in ``out/peer.log``."""
+    from gpu_train_peer import peer_python, peer_rows, write_peer_data
+
+    if args.skip_peer:
+        return []
+    peer_data = work / "peer-data"
+    # one epoch must hold every step after speculators' validation split: three times the tokens
+    # needed
+    write_peer_data(
+        target, chats, peer_data, taps, 3 * (args.warmup + args.steps + 2) * max(budgets)
+    )
+    return peer_rows(
+        peer_python(),
+        target,
+        peer_data,
+        budgets,
+        work,
+        args.warmup,
+        args.steps,
+        256 if args.tiny else 8192,
+        taps,
+        args.peer_timeout,
+        out / "peer.log",
+        cpu=args.tiny,
+    )
+
+
 def speed_stage(args: Any, out: Path, stash: Path) -> dict[str, Any]:
     """The throughput table (module docstring); ``args.tiny`` shrinks it to the CPU rehearsal's
     sizes."""
     from gpu_check_train import build_random_target
-    from gpu_train_speed import (
-        our_rows,
-        peer_python,
-        peer_rows,
-        speed_table,
-        synthetic_chats,
-        write_peer_data,
-    )
+    from gpu_train_speed import our_rows, speed_table, synthetic_chats
 
     plan = Plan.make(args.device, args.tiny)
     work = stash / "speed"
@@ -74,28 +98,7 @@ def speed_stage(args: Any, out: Path, stash: Path) -> dict[str, Any]:
     )
     layers = plan.shape["num_hidden_layers"]
     taps = (1, 2, 3) if args.tiny else (2, layers // 2, layers - 3)
-    peer: list[dict[str, Any]] = []
-    if not args.skip_peer:
-        peer_data = work / "peer-data"
-        # one epoch must hold every step after speculators' validation split: three times the tokens
-        # needed
-        write_peer_data(
-            target, chats, peer_data, taps, 3 * (args.warmup + args.steps + 2) * max(budgets)
-        )
-        peer = peer_rows(
-            peer_python(),
-            target,
-            peer_data,
-            budgets,
-            work,
-            args.warmup,
-            args.steps,
-            256 if args.tiny else 8192,
-            taps,
-            args.peer_timeout,
-            out / "peer.log",
-            cpu=args.tiny,
-        )
+    peer = peer_speed(args, target, chats, work, out, budgets, taps)
     result = {
         "device": args.device,
         "shape": plan.shape,

@@ -2,10 +2,10 @@
 each file under this folder goes to the same path in a checkout (:data:`PLACED`), and two lists name
 it (:data:`LISTED`).
 
-tests/test_docs.py places it in a copy of the repository, trains it through ``train.py recipe=toy``,
-exports and serves it, and counts the files that changed; tests/test_method_table.py loads it here,
-in-process, under the module names it would have (:func:`install`), and checks it like every real
-method.
+tests/test_adding_a_method.py places it in a copy of the repository, trains it through
+``train.py recipe=toy``, exports and serves it, and counts the files that changed;
+tests/test_method_table.py loads it here, in-process, under the module names it would have
+(:func:`install`), and checks it like every real method.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ _loaded: list[
 def install() -> ModuleType:
     """Load the toy in this process under the names it has in a checkout, which registers its recipe
     and proposer (the real lists stay as they are); in a checkout that holds it already
-    (tests/test_docs.py's copy), the toy the lists registered. Returns its recipe package."""
+    (tests/test_adding_a_method.py's copy), the toy the lists registered. Returns its recipe
+    package."""
     from draftsmith.recipes import RECIPES
     from draftsmith.runtime.drafting.registry import load_families
 
