@@ -267,9 +267,8 @@ def default_target_dir(cache: Path | None = None, full_check: bool = False) -> P
             info["seconds"] = round(time.perf_counter() - start, 1)
             info["files"] = _file_records(tmp)
             (tmp / _COMPLETE).write_text(json.dumps(info, indent=2))
-            if (
-                final.exists()
-            ):  # leftover of an interrupted run without a marker, or a damaged folder
+            # leftover of an interrupted run without a marker, or a damaged folder
+            if final.exists():
                 logger.warning("Removing incomplete or damaged target folder %s", final)
                 shutil.rmtree(final)
             os.rename(tmp, final)

@@ -135,14 +135,12 @@ def main(cfg: DictConfig) -> float | None:
     recipe = recipes.get_recipe(cfg.recipe.name)
     hydra_cfg = HydraConfig.get()
     run_name = f"{cfg.recipe.name}-{slug(hydra_cfg.job.override_dirname)}"
-    if (
-        cfg.data.features
-    ):  # offline: batches and target features from a cache, the target never loaded
+    # offline: batches and target features from a cache, the target never loaded
+    if cfg.data.features:
         from draftsmith.distill.feature_cache.cached_data import train_offline as train
     try:
-        if (
-            cfg.data.features
-        ):  # offline runs never load the target; the probe would (off there, for now)
+        # offline runs never load the target; the probe would (off there, for now)
+        if cfg.data.features:
             summary = train(cfg, recipe, hydra_cfg.runtime.output_dir, run_name=run_name)
         else:
             summary = train(
@@ -152,9 +150,8 @@ def main(cfg: DictConfig) -> float | None:
                 run_name=run_name,
                 served_probe=served_probe(cfg),
             )
-    except (
-        KeyboardInterrupt
-    ) as err:  # Ctrl-C: where the checkpoint is and how to resume, exit 130 like a shell
+    # Ctrl-C: where the checkpoint is and how to resume, exit 130 like a shell
+    except KeyboardInterrupt as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1" or traceback_requested():
             raise
         report_error(interrupted_message(err, sys.argv, hydra_cfg.runtime.output_dir))

@@ -20,9 +20,8 @@ from typing import Any
 from draftsmith.runtime.decoding.threads import busy_all_seconds
 from draftsmith.runtime.serving import Runtime
 
-OTHERS_SHARE_LIMIT = (
-    0.10  # other processes using over 10% of all CPUs during timing: the figure is contended
-)
+# other processes using over 10% of all CPUs during timing: the figure is contended
+OTHERS_SHARE_LIMIT = 0.10
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,8 @@ class ParityRequest:
     prompts: str  # mtbench | humaneval | FILE.jsonl, as the bench's --prompts
     num_prompts: int | None  # None: every prompt of the set (as the bench)
     max_new_tokens: int
-    chain: (
-        int | None
-    )  # tokens drafted per step, in both engines (None: the runner's default for the method)
+    # tokens drafted per step, in both engines (None: the runner's default for the method)
+    chain: int | None
     threads: int
     dtype: str = "auto"  # our runtime's
 

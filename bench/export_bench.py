@@ -84,9 +84,8 @@ def _additions(
             "engine parity",
             lambda: engine_parity(result["method"], request, {"llamacpp": parity_runner}),
         )
-    if (
-        args.oracle_acceptance is not None
-    ):  # the loop's ceiling at a chosen acceptance, beside this drafter
+    # the loop's ceiling at a chosen acceptance, beside this drafter
+    if args.oracle_acceptance is not None:
         from draftsmith.bench.oracle import oracle_beside
 
         result["oracle"] = phases.run(
@@ -106,9 +105,8 @@ def bench_export(
     from draftsmith.bench.run import run_bench
 
     lossless = _lossless_first(args, rt, prompts)
-    sweep = (
-        [int(k) for k in args.sweep_k.split(",") if k.strip()] if args.sweep_k else None
-    )  # checked >= 0
+    # checked >= 0
+    sweep = [int(k) for k in args.sweep_k.split(",") if k.strip()] if args.sweep_k else None
     result = run_bench(
         rt,
         prompts,

@@ -31,9 +31,8 @@ from draftsmith.runtime.drafting.oracle import OracleProposer, check_oracle, exp
 from draftsmith.runtime.serving import Runtime
 from draftsmith.runtime.target.interface import TargetDecoder
 
-DEFAULT_CHAIN = (
-    3  # chains of 3-4 are the useful shapes on a 2-core CPU (verify cost grows past them)
-)
+# chains of 3-4 are the useful shapes on a 2-core CPU (verify cost grows past them)
+DEFAULT_CHAIN = 3
 REHEARSALS = 3  # untimed passes at most to settle the references (fp32 settles in one)
 CHECK_ACCEPTANCE, CHECK_CHAIN = (
     0.8,

@@ -61,9 +61,8 @@ class Progress:
                     f", {self._done}/{self._total} prompts done, eta "
                     f"{format_duration(left) if left is not None else 'after the first prompt'}"
                 )
-            elif (
-                self._name in self.expected
-            ):  # uncounted (loading, calibration): the last bench's time says
+            # uncounted (loading, calibration): the last bench's time says
+            elif self._name in self.expected:
                 before = self.expected[self._name]
                 text += (
                     f", eta {format_duration(before - spent)} (it took {format_duration(before)}"

@@ -29,9 +29,8 @@ ROLES = {
     "assistant": "assistant",
     "system": "system",
 }
-HELD_OUT = (
-    8  # conversations from the END of the embedded ShareGPT file (training reads from its start)
-)
+# conversations from the END of the embedded ShareGPT file (training reads from its start)
+HELD_OUT = 8
 MAX_TOKENS = 256
 
 

@@ -108,9 +108,8 @@ def _bench_arguments(b: argparse.ArgumentParser) -> None:
             parsers[args[0]].error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace, extras
 
-    b.parse_known_args = (
-        with_mode  # the bench parser alone: argparse hands it the words after `bench`
-    )
+    # the bench parser alone: argparse hands it the words after `bench`
+    b.parse_known_args = with_mode
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -140,9 +140,8 @@ def _check(opts: argparse.Namespace, overrides: Sequence[str]) -> None:
                 " (comma-separated)"
             )
         check_prompt_sets(sets)  # the line run_curve would give, before anything trains
-    if (
-        not opts.compare and not opts.report_only and not opts.check
-    ):  # --check trains nothing: no recipe to check
+    # --check trains nothing: no recipe to check
+    if not opts.compare and not opts.report_only and not opts.check:
         if (
             problem := preflight(expand_shorthands(training_overrides(list(overrides))))
         ) is not None:

@@ -55,9 +55,8 @@ def _check_inputs(args: argparse.Namespace) -> None:
     refuse_bad_exports(
         argparse.Namespace(drafter=args.export, trust_remote_code=args.trust_remote_code)
     )
-    if (
-        args.gguf and not (Path(args.gguf) / MANIFEST).is_file()
-    ):  # converted there: never into the user's folder
+    # converted there: never into the user's folder
+    if args.gguf and not (Path(args.gguf) / MANIFEST).is_file():
         check_folder_target(args.gguf, EXPORT_OUTPUT, sources=(args.export,), flag="--gguf")
     if args.out:
         check_output_file(args.out, (args.export, args.gguf), owned=_is_result)

@@ -59,9 +59,8 @@ def _cmd_bench_train(argv: Sequence[str]) -> int:
 
     overrides = expand_shorthands(overrides)
     try:
-        if (
-            opts.out
-        ):  # the write rule, before any work: never a folder, nor a file bench-train did not write
+        # the write rule, before any work: never a folder, nor a file bench-train did not write
+        if opts.out:
             for path in (Path(opts.out), Path(opts.out).with_suffix(".md")):
                 try:
                     check_file_target(path, owned=_bench_train_output)

@@ -24,9 +24,8 @@ def human_bytes(n: float) -> str:
 def is_disk_full(err: BaseException | None) -> bool:
     """True when ``err`` (or an error it was raised from) is a full disk or an exceeded quota."""
     seen = 0
-    while (
-        err is not None and seen < 8
-    ):  # torch and Lightning wrap the OSError; follow the chain a little way
+    # torch and Lightning wrap the OSError; follow the chain a little way
+    while err is not None and seen < 8:
         if isinstance(err, OSError) and err.errno in FULL_DISK_ERRNOS:
             return True
         if "No space left on device" in str(err) or "Disk quota exceeded" in str(err):

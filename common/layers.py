@@ -164,12 +164,10 @@ class DraftAttention(nn.Module):
         RoPE on q and k."""
         c = self.config
         bsz, seq, _ = x.shape
-        q = (
-            self.q_proj(x).view(bsz, seq, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        )  # [B, nh, S, d]
-        k = (
-            self.k_proj(x).view(bsz, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        )  # [B, nkv, S, d]
+        # [B, nh, S, d]
+        q = self.q_proj(x).view(bsz, seq, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        # [B, nkv, S, d]
+        k = self.k_proj(x).view(bsz, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

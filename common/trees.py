@@ -105,9 +105,8 @@ class HeadRankStats:
             return
         k = min(self.top_k, logits.shape[-1])
         top = logits.topk(k, dim=-1).indices  # [N, k]
-        hits = (
-            (top == labels.unsqueeze(-1)).double().sum(0).cpu()
-        )  # [k]: how often rank i was the label
+        # [k]: how often rank i was the label
+        hits = (top == labels.unsqueeze(-1)).double().sum(0).cpu()
         self.counts[head, :k] += hits
         self.totals[head] += logits.shape[0]
 

@@ -75,9 +75,8 @@ class AdaptiveTemperatureConfig:
     grid: list[float] = field(default_factory=lambda: list(DEFAULT_GRID))
     granularity: str = "token"
     width: int = 128
-    num_layers: int = (
-        1  # Linear + SiLU blocks before the output layer (0 = a linear head on the normed hidden)
-    )
+    # Linear + SiLU blocks before the output layer (0 = a linear head on the normed hidden)
+    num_layers: int = 1
 
     def __post_init__(self) -> None:
         self.grid = list(check_grid(self.grid))
@@ -130,9 +129,8 @@ class AdaptiveTemperatureHead(Exportable, nn.Module):
         (``sample``)."""
         if mode not in CHOICES:
             raise ValueError(f"choice mode must be one of {', '.join(CHOICES)}, got {mode!r}")
-        if (
-            mode == "greedy"
-        ):  # the argmax of the logits is that of their log-softmax: skip the normalisation
+        # the argmax of the logits is that of their log-softmax: skip the normalisation
+        if mode == "greedy":
             return self(hidden).argmax(-1)
         logp = self.log_probs(hidden)  # [..., K]
         flat = logp.reshape(-1, logp.shape[-1]).exp()  # [N, K]
@@ -188,9 +186,8 @@ class TemperaturePolicy:
             with torch.no_grad():
                 self.last_indices = self.head.choose(flat, self.mode, self.generator)  # [T]
             return self.head.temperatures(self.last_indices)
-        if (
-            self._sequence_index is None
-        ):  # a response's first call decides; later calls only repeat it (no head)
+        # a response's first call decides; later calls only repeat it (no head)
+        if self._sequence_index is None:
             with torch.no_grad():
                 self._sequence_index = self.head.choose(flat[-1:], self.mode, self.generator)[0]
             self._sequence_temperature = self.head.temperatures(self._sequence_index)

@@ -53,9 +53,8 @@ from draftsmith.datagen.regeneration_pass import RegenerationPass
 from draftsmith.datagen.resumable_jsonl import Progress, disk_full_named, resume_or_start
 from draftsmith.runtime.decoding.prompt_limits import context_limit
 
-DEFAULT_BATCH_SIZE = (
-    8  # greedy first turns decoded at once: the weights are read once per step for 8 tokens
-)
+# greedy first turns decoded at once: the weights are read once per step for 8 tokens
+DEFAULT_BATCH_SIZE = 8
 
 
 def regenerate(

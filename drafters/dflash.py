@@ -107,9 +107,8 @@ class DFlashAttention(nn.Module):
             torch.cat((ctx_v, v), dim=2),
         )  # [B, nkv, C+S, d]
         groups = self.c.num_heads // self.c.num_kv_heads
-        if (
-            torch.is_grad_enabled() and groups > 1
-        ):  # training: explicit copies (SDPA's GQA flag has no backward here)
+        # training: explicit copies (SDPA's GQA flag has no backward here)
+        if torch.is_grad_enabled() and groups > 1:
             keys, values = (
                 keys.repeat_interleave(groups, dim=1),
                 values.repeat_interleave(groups, dim=1),
@@ -174,9 +173,8 @@ class DFlashDrafter(Exportable, nn.Module):
                     " was built for"
                 )
             self.register_buffer(name, weight.detach(), persistent=False)
-        with (
-            torch.no_grad()
-        ):  # why: the shared LM head's rows are long (SmolLM2: |w_v| ~ 3.2), so a gain of 1 on a
+        # why: the shared LM head's rows are long (SmolLM2: |w_v| ~ 3.2), so a gain of 1 on a
+        with torch.no_grad():
             # random unit-RMS state gives logits of std ~|w_v|: initial CE ~20 > ln V = 10.8, and
             # early training only un-learns that confidence. Gain 1/mean|w_v| (<= 1) gives logit std
             # ~1, initial CE ~ ln V.

@@ -192,9 +192,8 @@ class EagleDrafter(Exportable, nn.Module):
     method = "eagle"
     config_class = EagleConfig
     target_weights = ("embed_weight", "lm_head_weight")
-    self_drafting = (
-        False  # drafts from its own recurrence over target features (see KangarooDrafter)
-    )
+    # drafts from its own recurrence over target features (see KangarooDrafter)
+    self_drafting = False
     tapped_layers: tuple[
         int, ...
     ] = ()  # reads the target's post-norm final hidden state, no layer taps

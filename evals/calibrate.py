@@ -67,9 +67,8 @@ class OutcomeRecorder(ProposerWrapper):
     def accept(self, ctx: StepContext) -> None:
         accepted = ctx.acceptance.num_accepted
         for depth, prob in self._step:
-            if (
-                depth <= accepted + 1
-            ):  # every earlier token accepted: an outcome of the head's conditional
+            # every earlier token accepted: an outcome of the head's conditional
+            if depth <= accepted + 1:
                 self.records.append((depth, prob, int(depth <= accepted)))
         self.base.accept(ctx)
 

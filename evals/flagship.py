@@ -39,9 +39,8 @@ from draftsmith.export.target_check import IDENTITY_FIELDS
 NAME = "eagle3-smollm2-135m"
 FLAGSHIP_DIR = Path(__file__).resolve().parents[1] / "flagship" / NAME
 RECORD_FILE, README_FILE = "RECORD.json", "README.md"
-MIN_GAIN = (
-    0.02  # held-out first-position acceptance a candidate must add to replace the shipped drafter
-)
+# held-out first-position acceptance a candidate must add to replace the shipped drafter
+MIN_GAIN = 0.02
 SETTINGS = EvalSettings(
     prompt_sets=("mtbench", "humaneval"), prompts=8, max_new_tokens=128, dtype="fp32"
 )

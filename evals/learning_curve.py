@@ -42,9 +42,8 @@ from draftsmith.runtime.shapes.cost_model import MachineCosts, anchor_curve
 from draftsmith.runtime.shapes.loop_profile import StepRecorder
 from draftsmith.runtime.shapes.target_timing import decode_step_ms, forward_curve, loop_head
 
-CHAIN_DEPTH = (
-    4  # per-position acceptance is reported at depths 1..4 (the calibration superset's depth)
-)
+# per-position acceptance is reported at depths 1..4 (the calibration superset's depth)
+CHAIN_DEPTH = 4
 COST_PROMPTS = 2  # prompts the step costs are measured on (once per curve)
 COST_TOKENS = 32
 
@@ -133,9 +132,8 @@ def measure_costs(runtime: Any, prompts: Sequence[list[int]]) -> MachineCosts:
         + max(0.0, report["unattributed_ms"])
     )
     draft_ms = 1e3 * recorder.draft_s / steps
-    if (
-        draft_shapes.family_of(spec.proposer) == "static_tree"
-    ):  # heads: one draft call, whatever the shape
+    # heads: one draft call, whatever the shape
+    if draft_shapes.family_of(spec.proposer) == "static_tree":
         return MachineCosts(ar_ms, curve, 0.0, rest, draft_ms)
     mean_depth = sum(max(s.depths) for s in recorder.steps) / steps
     return MachineCosts(ar_ms, curve, draft_ms / max(mean_depth, 1.0), rest)

@@ -49,9 +49,8 @@ class ServedTauProbe:
     max_new_tokens: int = 32
     prompt_set: str = HELD_OUT
     dtype: str = "auto"
-    target: str | None = (
-        None  # the target folder; None: the one the export records (the run's target)
-    )
+    # the target folder; None: the one the export records (the run's target)
+    target: str | None = None
 
     def __post_init__(self) -> None:
         if int(self.every) < 1:

@@ -120,9 +120,8 @@ def _load_converters() -> None:
         name = f"{__package__}.{module}"
         try:
             importlib.import_module(name)
-        except (
-            ModuleNotFoundError
-        ) as err:  # an optional package one converter needs must not take the others down
+        # an optional package one converter needs must not take the others down
+        except ModuleNotFoundError as err:
             if (err.name or "").startswith("draftsmith"):
                 raise
             log.warning(

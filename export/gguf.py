@@ -271,9 +271,8 @@ def gguf_manifest(
         "target_layers": config["architecture"]["target_layers"],
         "spec_type": spec_type,
     }
-    if (
-        config["method"] == "dflash"
-    ):  # llama.cpp's block is n_max + 1 tokens: the trained block at block_size - 1
+    # llama.cpp's block is n_max + 1 tokens: the trained block at block_size - 1
+    if config["method"] == "dflash":
         manifest["draft_n_max"] = int(config["architecture"]["block_size"]) - 1
         flags += f" --spec-draft-n-max {manifest['draft_n_max']}"
     manifest["run"] = (

@@ -73,9 +73,8 @@ def head_lm_weights(
                 "this export shares the target's LM head: pass the target (--target) so its LM head"
                 " can be written into the engine layout"
             )
-        if (
-            draft_ids is not None and head.shape[0] != draft_ids.numel()
-        ):  # a shared full head: its draft rows
+        # a shared full head: its draft rows
+        if draft_ids is not None and head.shape[0] != draft_ids.numel():
             head = head[draft_ids]  # [V', H]
         heads.append(head.contiguous().clone())
     return heads

@@ -58,9 +58,8 @@ class CloverConfig:
     rope_theta: float = 10000.0
     num_heads: int = 5  # draft heads (tree depth)
     num_layers: int = 2  # augmenting decoder layers
-    embed_source: str = (
-        "embed"  # token embedding: the target's input embedding, or its LM head (the paper)
-    )
+    # token embedding: the target's input embedding, or its LM head (the paper)
+    embed_source: str = "embed"
 
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_layers < 1:
@@ -133,9 +132,8 @@ class CloverHeads(Exportable, nn.Module):
             if tuple(w.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {shape}")
             self.register_buffer(name, w.detach(), persistent=False)
-        self.lm_head_fn: Callable[[torch.Tensor], torch.Tensor] | None = (
-            None  # set by the runtime (see logits)
-        )
+        # set by the runtime (see logits)
+        self.lm_head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.token_attn = TokenAttention(h, config.num_attention_heads, config.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(h, config.rms_norm_eps)

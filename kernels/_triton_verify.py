@@ -24,9 +24,8 @@ def _row_argmax_kernel(x_ptr, out_ptr, stride_n, stride_v, V, BLOCK_V: tl.conste
             x_ptr + row * stride_n + cols * stride_v, mask=cols < V, other=float("-inf")
         ).to(tl.float32)
         blk_val, blk_idx = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
-        better = (
-            blk_val > best_val
-        )  # strict: ties keep the earlier block, i.e. the first maximal index overall
+        # strict: ties keep the earlier block, i.e. the first maximal index overall
+        better = blk_val > best_val
         best_idx = tl.where(better, (start + blk_idx).to(tl.int64), best_idx)
         best_val = tl.where(better, blk_val, best_val)
     tl.store(out_ptr + row, best_idx)

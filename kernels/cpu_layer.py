@@ -210,9 +210,8 @@ def _load(isa: str) -> ModuleType:
             )
     except CpuLayerUnavailable:
         raise
-    except (
-        Exception
-    ) as err:  # compiler errors come as RuntimeError / CalledProcessError with the log
+    # compiler errors come as RuntimeError / CalledProcessError with the log
+    except Exception as err:
         raise CpuLayerUnavailable(f"building the fused CPU layer ({isa}) failed: {err}") from err
     module.isa = isa
     return module

@@ -148,9 +148,8 @@ class _LinearCE(torch.autograd.Function):
                 valid, labels, torch.zeros_like(labels)
             )  # ignored rows gather column 0
         denom = rw.sum() if reduction == "mean" else torch.ones((), device=device)
-        scale = (
-            rw / denom.clamp_min(torch.finfo(torch.float32).tiny) if reduction == "mean" else rw
-        )  # [N]
+        # [N]
+        scale = rw / denom.clamp_min(torch.finfo(torch.float32).tiny) if reduction == "mean" else rw
         grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
         grad_b = torch.zeros(v, dtype=torch.float32, device=device) if need_b else None
@@ -180,9 +179,8 @@ class _LinearCE(torch.autograd.Function):
             g = z.sub_(lse[:, None]).exp_()  # [C, V] softmax, in place of the logits
             if p is None:
                 rows = torch.arange(end - start, device=device)
-                g[rows, safe_labels[start:end]] -= (
-                    1.0  # softmax - onehot (ignored rows are zeroed by sc)
-                )
+                # softmax - onehot (ignored rows are zeroed by sc)
+                g[rows, safe_labels[start:end]] -= 1.0
             else:
                 g -= p
             g *= (sc / temperature)[:, None]  # d loss / d logits

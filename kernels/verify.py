@@ -37,9 +37,8 @@ def target_argmax(logits: torch.Tensor) -> torch.Tensor:
     )
 
 
-HEAD_CHUNK = (
-    8192  # LM-head rows per chunk of linear_argmax: [T, 8192] fp32 logits stay in L2 on a CPU
-)
+# LM-head rows per chunk of linear_argmax: [T, 8192] fp32 logits stay in L2 on a CPU
+HEAD_CHUNK = 8192
 
 
 def linear_argmax(

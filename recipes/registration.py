@@ -79,9 +79,8 @@ class Recipe:
         if isinstance(cfg, self.schema):
             return cfg
         node = cfg
-        if (
-            OmegaConf.get_type(cfg) is not self.schema
-        ):  # an overlay of some keys: the schema gives the rest
+        # an overlay of some keys: the schema gives the rest
+        if OmegaConf.get_type(cfg) is not self.schema:
             node = OmegaConf.merge(OmegaConf.structured(self.schema), cfg)
         missing = sorted(OmegaConf.missing_keys(node))
         if missing:

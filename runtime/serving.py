@@ -57,14 +57,12 @@ class Runtime:
     export_config: dict | None = None
     speculative: SpeculativeDecoder | None = None
     dtype_reason: str = ""
-    inference: dict[str, Any] | None = (
-        None  # verifier / stop policy / proposer options that run, and their sources
-    )
+    # verifier / stop policy / proposer options that run, and their sources
+    inference: dict[str, Any] | None = None
     decoder_backend: str = ""  # "lean" or "hf" (the transformers fallback)
     decoder_reason: str = ""  # why: forced by --backend, or what auto found
-    trust_remote_code: bool = (
-        False  # the user let the target folder's own model code run (--trust-remote-code)
-    )
+    # the user let the target folder's own model code run (--trust-remote-code)
+    trust_remote_code: bool = False
 
     def backend_report(self) -> dict[str, Any]:
         """What runs and why: CPU, dtype, linear backend (for bench.json, the bench table and
@@ -165,9 +163,8 @@ def load_runtime(
     see ``draftsmith.runtime.acceptance.choice``).
     ``trust_remote_code``: transformers' flag for the target's tokenizer and config, always passed
     (off by default), so transformers never asks on stdin."""
-    stop_policy = (
-        None if stop_policy in ("auto", "export") else stop_policy
-    )  # the export's; bench may tune it
+    # the export's; bench may tune it
+    stop_policy = None if stop_policy in ("auto", "export") else stop_policy
     export_config = read_config(drafter) if drafter else None
     folder = _target_folder(target, export_config, controller, trust_remote_code)
     runtime, adapter = _load_target(
@@ -222,9 +219,8 @@ def _load_target(
     # own code is declared in tokenizer_config.json, which check_custom_code does not read)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     torch_dtype, dtype_reason = resolve_runtime_dtype(dtype)
-    adapter = (
-        target_adapter(drafter, export_config) if drafter else None
-    )  # Medusa-2: the target it trained
+    # Medusa-2: the target it trained
+    adapter = target_adapter(drafter, export_config) if drafter else None
     model, decoder, why = choose_decoder(
         folder,
         torch_dtype,

@@ -118,9 +118,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         chain = item.listchain()
         module = item.getparent(pytest.Module)
-        below_file = (
-            chain[chain.index(module) + 1 :] if module in chain else chain
-        )  # class, function
+        # class, function
+        below_file = chain[chain.index(module) + 1 :] if module in chain else chain
         own = {
             mark.name
             for node in below_file

@@ -74,9 +74,8 @@ def test_hard_labels_skip_ignored_rows_and_nla_is_cross_entropy():
     with pytest.raises(ValueError, match="either hard labels or teacher logits"):
         acceptance_loss(h, w)
     empty = acceptance_loss(h[:0], w, teacher_logits=torch.zeros(0, w.shape[0], dtype=w.dtype))
-    assert (
-        empty.loss.item() == 0.0 and empty.loss.requires_grad
-    )  # still a graph: DDP sees every parameter
+    # still a graph: DDP sees every parameter
+    assert empty.loss.item() == 0.0 and empty.loss.requires_grad
 
 
 def test_lm_head_loss_switches_objective_and_refuses_bad_settings():

@@ -50,9 +50,8 @@ def copy_of_the_repository(tmp_path: Path) -> tuple[Path, dict[str, str]]:
         if (ROOT / rel).is_file():
             (repo / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, repo / rel)
-    package = (
-        tmp_path / "site"
-    )  # `import draftsmith` must load the copy, not the installed checkout
+    # `import draftsmith` must load the copy, not the installed checkout
+    package = tmp_path / "site"
     package.mkdir()
     (package / "draftsmith").symlink_to(repo, target_is_directory=True)
     return repo, {
@@ -93,9 +92,8 @@ def failing(repo: Path, env: dict[str, str], tests: list[str]) -> set[str]:
         for line in proc.stdout.splitlines()
         if line.startswith(("FAILED ", "ERROR "))
     }
-    assert proc.returncode == 0 or found, (
-        proc.stdout[-3000:] + proc.stderr[-2000:]
-    )  # e.g. a collection crash
+    # e.g. a collection crash
+    assert proc.returncode == 0 or found, proc.stdout[-3000:] + proc.stderr[-2000:]
     return found
 
 
@@ -153,9 +151,8 @@ def failing_because_of_the_toy(repo: Path, env: dict[str, str]) -> set[str]:
     without it."""
     checks = [c for c in CHECKS if (repo / c).is_file()]
     new = failing(repo, env, [*checks, TOY_TEST])
-    if (
-        new
-    ):  # what already fails without the toy (someone's work in progress) is not the toy's doing
+    # what already fails without the toy (someone's work in progress) is not the toy's doing
+    if new:
         subprocess.run([*GIT, "stash", "-u", "-q"], cwd=repo, check=True)  # the private copy only
         new -= failing(repo, env, sorted(n for n in new if not n.startswith(TOY_TEST)))
         subprocess.run([*GIT, "stash", "pop", "-q"], cwd=repo, check=True)
@@ -223,6 +220,5 @@ def test_adding_the_toy_method_touches_the_files_the_guide_counts_and_it_trains_
     ]
     served = run(repo, env, *generate, "--drafter", str(run_dir / "export"))
     plain = run(repo, env, *generate)
-    assert (
-        "tau" in served.stderr and served.stdout.strip() == plain.stdout.strip()
-    )  # lossless: greedy, fp32
+    # lossless: greedy, fp32
+    assert "tau" in served.stderr and served.stdout.strip() == plain.stdout.strip()

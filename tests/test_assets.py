@@ -194,14 +194,12 @@ def test_a_damaged_converted_target_is_said_and_converted_again(
     data = bytearray(weights.read_bytes())
     if damage == "truncated":  # a copy that stopped: `assets` used to report the folder ready
         weights.write_bytes(bytes(data[:-1000]))
-    elif (
-        damage == "changed"
-    ):  # same size, other bytes: only the full check (draftsmith assets) sees it
+    # same size, other bytes: only the full check (draftsmith assets) sees it
+    elif damage == "changed":
         data[-8] ^= 0x40
         weights.write_bytes(bytes(data))
-        assert (
-            assets.default_target_dir(tmp_path) == final and len(calls) == 1
-        )  # the cheap check passes it
+        # the cheap check passes it
+        assert assets.default_target_dir(tmp_path) == final and len(calls) == 1
     else:
         weights.unlink()
     with caplog.at_level("WARNING"):

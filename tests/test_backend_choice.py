@@ -65,9 +65,8 @@ def test_auto_picks_what_each_cpu_can_run(caps, label):
 
 
 def test_auto_without_a_compiler_falls_back_to_onednn_or_dense_and_says_why():
-    assert (
-        plan("auto", SKYLAKE_X, toolchain="no C++ compiler").kind == "mkldnn"
-    )  # oneDNN runs on AVX512 BW/VL/DQ
+    # oneDNN runs on AVX512 BW/VL/DQ
+    assert plan("auto", SKYLAKE_X, toolchain="no C++ compiler").kind == "mkldnn"
     zen3 = plan("auto", ZEN3, toolchain="no C++ compiler")
     assert (
         zen3.kind == "dense"
@@ -133,9 +132,8 @@ def test_fused_layer_variant_needs_its_instructions():
 def test_auto_dtype_is_bf16_only_where_it_is_native(caps, device, want):
     dtype, why = cpu_caps.resolve_dtype("auto", device, caps)
     assert dtype == want and why.startswith("auto -> ")
-    assert (
-        cpu_caps.resolve_dtype("bf16", device, caps)[0] == torch.bfloat16
-    )  # explicit choices are kept
+    # explicit choices are kept
+    assert cpu_caps.resolve_dtype("bf16", device, caps)[0] == torch.bfloat16
     with pytest.raises(ValueError, match="valid: auto, fp32"):
         cpu_caps.resolve_dtype("int3", device, caps)
 

@@ -77,9 +77,8 @@ def test_bench_writes_json_markdown_and_a_plot(medusa_bench, tmp_path):
         and backend["linear_reason"]
         and backend["cpu"]
     )
-    assert (
-        backend["dtype"] == "float32" and result["hf_dtype"] == "float32"
-    )  # run_bench's default: HF in same dtype
+    # run_bench's default: HF in same dtype
+    assert backend["dtype"] == "float32" and result["hf_dtype"] == "float32"
     inference = json.loads((out / "bench.json").read_text())[
         "inference"
     ]  # what ran and where it came from
@@ -172,9 +171,8 @@ def test_bench_table_shows_the_speedup_interval_and_says_when_plain_decoding_was
     from draftsmith.runtime.drafting.base import NullProposer
 
     rt = load_runtime(str(medusa_export), None, "fp32")
-    rt.speculative.proposer = (
-        NullProposer()
-    )  # what the cost-aware default serves when speculation would lose
+    # what the cost-aware default serves when speculation would lose
+    rt.speculative.proposer = NullProposer()
     result = run_bench(
         rt,
         load_prompts(str(bench_prompts_file), rt.tokenizer, None),
@@ -192,9 +190,8 @@ def test_bench_table_shows_the_speedup_interval_and_says_when_plain_decoding_was
     rt.speculative.temperature_policy = lambda hidden: torch.zeros(
         hidden.shape[0]
     )  # still no drafter, but the
-    assert (
-        not rt.speculative.serves_plain_ar()
-    )  # speculative loop runs (a controller's tempered sampling)
+    # speculative loop runs (a controller's tempered sampling)
+    assert not rt.speculative.serves_plain_ar()
 
 
 def test_when_plain_decoding_is_served_the_lossless_check_still_runs_the_drafter(

@@ -86,9 +86,8 @@ def test_cli_bench_times_in_bf16_and_checks_losslessness_in_fp32(
     result = json.loads((tmp_path / "b" / "bench.json").read_text())
     # Timed in bf16, lossless verdict from a separate fp32 run against HF generate.
     assert result["dtype"] == "bfloat16" and result["lossless_detail"]["dtype"] == "fp32"
-    assert (
-        result["lossless"] is True and result["lossless_oracle"] is True
-    )  # the fp32 check ran the oracle too
+    # the fp32 check ran the oracle too
+    assert result["lossless"] is True and result["lossless_oracle"] is True
     assert result["lossless_detail"]["oracle"]["tau"] > 2.0
     # The default stop policy is cost-aware: a depth (or plain decoding) chosen from costs measured
     # here.

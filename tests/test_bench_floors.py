@@ -98,9 +98,8 @@ def test_drafter_bytes_count_own_weights_the_shared_head_and_one_embedding_row(t
     untied_head = torch.randn(vocab, H)
     proposer = _Proposer(_Serving(_Drafter(target.embed_weight, untied_head), target))
     got = floors.drafter_call_bytes(proposer, target)
-    assert (
-        got["drafter_weights"] == 4 * (2 * H * H + H) + 4 * vocab * H
-    )  # fc + a head the target does not hold
+    # fc + a head the target does not hold
+    assert got["drafter_weights"] == 4 * (2 * H * H + H) + 4 * vocab * H
     assert got["target_lm_head"] == 0 and got["embed_rows"] == 4 * H
     # holding the target's own (tied) head: counted as the shared LM head, the target's layers never
     shared = _Proposer(_Serving(_Drafter(target.embed_weight, target.lm_head_weight), target))
@@ -189,13 +188,11 @@ def test_bandwidth_probe_is_positive_finite_cached_and_uses_the_thread_count(mon
     before = torch.get_num_threads()
     gbs = floors.read_bandwidth_gbs(threads=1, mib=8, repeats=2, fresh=True)
     assert math.isfinite(gbs) and gbs > 0
-    assert (
-        seen and set(seen) == {1} and torch.get_num_threads() == before
-    )  # probed on 1 thread, then restored
+    # probed on 1 thread, then restored
+    assert seen and set(seen) == {1} and torch.get_num_threads() == before
     calls = len(seen)
-    assert (
-        floors.read_bandwidth_gbs(threads=1, mib=8, repeats=2) == gbs and len(seen) == calls
-    )  # cached
+    # cached
+    assert floors.read_bandwidth_gbs(threads=1, mib=8, repeats=2) == gbs and len(seen) == calls
     with pytest.raises(ValueError, match="threads, mib and repeats"):
         floors.read_bandwidth_gbs(threads=1, mib=0)
 
@@ -251,9 +248,8 @@ def test_step_costs_run_after_the_loops_mean_context(tiny_decoder, monkeypatch):
     seen.clear()
     long = step_costs(runtime, [5, 6, 7], repeats=1, context=40)
     assert seen[0] == 40
-    assert (
-        long["weight_bytes_per_step"] > short["weight_bytes_per_step"]
-    )  # 37 more tokens of KV read per step
+    # 37 more tokens of KV read per step
+    assert long["weight_bytes_per_step"] > short["weight_bytes_per_step"]
 
 
 def test_profile_measures_drafting_even_when_plain_decoding_is_served(medusa_export, tmp_path):

@@ -21,9 +21,8 @@ def test_interleaved_timing_rotates_the_order_and_shares_drift(monkeypatch):
         def decode(prompt: list[int]) -> list[int]:
             order.append(name)
             clock["calls"] += 1
-            clock["now"] += (
-                1.0 + 0.1 * clock["calls"]
-            )  # each call takes longer than the last: drift
+            # each call takes longer than the last: drift
+            clock["now"] += 1.0 + 0.1 * clock["calls"]
             return list(prompt)
 
         return decode

@@ -83,9 +83,8 @@ def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
 
 def test_the_worked_example_runs_as_written(tmp_path, tiny_tokenizer):
     download, support, train, bench = example_commands()
-    assert (
-        download[:2] == ["python", "-c"] and "from_pretrained(n)" in download[2]
-    )  # step 1: the hub snapshot
+    # step 1: the hub snapshot
+    assert download[:2] == ["python", "-c"] and "from_pretrained(n)" in download[2]
     model = tmp_path / "qwen2.5-0.5b"
     tiny_qwen2(model, tiny_tokenizer)
     data = tmp_path / "chats.jsonl"
@@ -97,9 +96,8 @@ def test_the_worked_example_runs_as_written(tmp_path, tiny_tokenizer):
         assert cmd[0] in ("python", "draftsmith"), cmd
         return head + cmd[1:]
 
-    assert (
-        run(mine(support), tmp_path).stdout.strip() == "None"
-    )  # step 2: the lean decoder serves a Qwen2
+    # step 2: the lean decoder serves a Qwen2
+    assert run(mine(support), tmp_path).stdout.strip() == "None"
     assert train[:3] == ["draftsmith", "train", "recipe=medusa"]
     run([*mine(train), f"data={data}", *SHORT_TRAIN], tmp_path)  # step 3
     assert (tmp_path / "outputs" / "qwen-medusa" / "export" / "config.json").is_file()

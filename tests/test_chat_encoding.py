@@ -47,9 +47,8 @@ def test_a_prompt_beyond_the_context_fails_at_once_naming_it(tiny_tokenizer, tmp
     prompts.write_text(
         json.dumps({"prompt": "hello"}) + "\n" + json.dumps({"prompt": "the word " * 600}) + "\n"
     )
-    assert (
-        len(load_prompts(str(prompts), tiny_tokenizer, None)) == 2
-    )  # no limit given: nothing refused
+    # no limit given: nothing refused
+    assert len(load_prompts(str(prompts), tiny_tokenizer, None)) == 2
     with pytest.raises(
         ValueError,
         match=r"prompt 2 of .*long.jsonl.* has \d+ tokens but the target's context is 512",
@@ -59,12 +58,10 @@ def test_a_prompt_beyond_the_context_fails_at_once_naming_it(tiny_tokenizer, tmp
 
 def test_a_slice_of_a_prompt_set_takes_exactly_those_prompts(tiny_tokenizer, tmp_path):
     every = load_prompts("mtbench", tiny_tokenizer, None)
-    assert (
-        load_prompts("mtbench[40:]", tiny_tokenizer, None) == every[40:]
-    )  # disjoint from a bench's first 8
-    assert (
-        load_prompts("mtbench[40:48]", tiny_tokenizer, 3) == every[40:43]
-    )  # the limit counts inside the slice
+    # disjoint from a bench's first 8
+    assert load_prompts("mtbench[40:]", tiny_tokenizer, None) == every[40:]
+    # the limit counts inside the slice
+    assert load_prompts("mtbench[40:48]", tiny_tokenizer, 3) == every[40:43]
     assert load_prompts("humaneval[:2]", tiny_tokenizer, None) == load_prompts(
         "humaneval", tiny_tokenizer, 2
     )

@@ -147,9 +147,8 @@ def test_an_export_relabelled_to_another_method_is_one_line(
         ],
     )
     assert f"{relabelled} claims method {claimed!r}, but its architecture fields [" in line
-    assert (
-        f"are unknown to {config_class}" in line
-    )  # the export's identity names the method to restore
+    # the export's identity names the method to restore
+    assert f"are unknown to {config_class}" in line
     assert 'it was written as a \'medusa\' export: restore "method": "medusa"' in line
     assert "unexpected keyword" not in line
 

@@ -155,9 +155,8 @@ def test_a_real_sigint_into_regenerate_exits_130_with_one_line(tiny_target_dir, 
     )
     partial = Path(f"{out}.partial")
     deadline = time.monotonic() + 300
-    while (
-        proc.poll() is None and time.monotonic() < deadline
-    ):  # wait for the first complete line, then Ctrl-C
+    # wait for the first complete line, then Ctrl-C
+    while proc.poll() is None and time.monotonic() < deadline:
         if partial.is_file() and partial.read_bytes().count(b"\n") >= 1:
             break
         time.sleep(0.2)

@@ -151,9 +151,8 @@ def test_fp16_is_refused_up_front_with_the_reason(capsys, nothing_loads, command
         f"{PROG[command]}: error: --dtype: fp16 is not served: the runtime runs fp32 (exact) or"
         " bf16" in line
     )
-    assert (
-        "Use --dtype bf16 or fp32" in line and "fingerprint" in line
-    )  # why, not the fingerprint mismatch later
+    # why, not the fingerprint mismatch later
+    assert "Use --dtype bf16 or fp32" in line and "fingerprint" in line
 
 
 def test_a_target_folder_given_as_the_drafter_says_what_to_pass(

@@ -217,9 +217,8 @@ def test_run_folder_problems(tmp_path, tiny_target_dir, tiny_data_file):
         ), found
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    assert (
-        run_folder_problem([f"hydra.run.dir={run}", f"data.spec={data}"]) is None
-    )  # a run folder: it resumes
+    # a run folder: it resumes
+    assert run_folder_problem([f"hydra.run.dir={run}", f"data.spec={data}"]) is None
     assert run_folder_problem([f"hydra.run.dir={tmp_path / 'new'}"]) is None
     assert run_folder_problem(["recipe=medusa"]) is None
 

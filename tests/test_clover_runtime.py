@@ -104,9 +104,8 @@ def test_drafting_through_the_targets_own_lm_head_gives_the_same_drafts(target):
     out = torch.randn(5, target.config.hidden_size)
     before = heads.logits(out)
     heads.lm_head_fn = target.lm_head_logits
-    assert (
-        heads.lm_head_weight.data_ptr() == target.lm_head_weight.data_ptr()
-    )  # the same weights, not a copy
+    # the same weights, not a copy
+    assert heads.lm_head_weight.data_ptr() == target.lm_head_weight.data_ptr()
     torch.testing.assert_close(heads.logits(out), before)
     decoder = SpeculativeDecoder(
         target, CloverProposer(heads, TREE, target.config.num_layers, top_k=3)

@@ -177,6 +177,5 @@ def test_fsdp_preset_wraps_eagle3_layer_and_matches_unsharded_gradients(tmp_path
     for rank in range(2):
         res = json.loads((tmp_path / f"fsdp{rank}.json").read_text())
         assert res["units"] == ["Eagle3Layer", "Step"] and res["keys"]
-        assert res["diff"] < 1e-6, (
-            res
-        )  # FSDP averages identical per-rank gradients: the unsharded gradient
+        # FSDP averages identical per-rank gradients: the unsharded gradient
+        assert res["diff"] < 1e-6, res

@@ -68,9 +68,8 @@ def test_offline_wandb_run_has_name_config_and_export_config(
         and config["trainer"]["max_steps"] == 2
     )
     runs = list((run_dir / "wandb").glob("offline-run-*"))
-    assert (
-        len(runs) == 1 and wandb.run is None
-    )  # written offline, and finished (a sweep's next job gets its own)
+    # written offline, and finished (a sweep's next job gets its own)
+    assert len(runs) == 1 and wandb.run is None
     exported = json.loads(
         (runs[0] / "files" / "export" / "config.json").read_text()
     )  # synced with the run

@@ -83,9 +83,8 @@ def test_a_compiled_step_computes_the_eager_loss_and_gradients(setup):
         )
         results.append((loss.detach(), metrics["step2/top1"], torch.autograd.grad(loss, params)))
     assert step.features is not None and step.loss is not None
-    assert (
-        float(objective.last_scored) > 0
-    )  # the compiled loss still hands its counts to the guards
+    # the compiled loss still hands its counts to the guards
+    assert float(objective.last_scored) > 0
     for loss, top1, grads in results[1:]:
         torch.testing.assert_close(loss, results[0][0], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(top1, results[0][1])

@@ -62,9 +62,8 @@ def test_a_checkpoint_folder_or_damaged_file_is_left_to_lightning(tmp_path):
 
     damaged = tmp_path / "last.ckpt"
     damaged.write_bytes(b"not a checkpoint")
-    assert (
-        read_checkpoint(tmp_path) == {} and read_checkpoint(damaged) == {}
-    )  # DeepSpeed folder, damaged file
+    # DeepSpeed folder, damaged file
+    assert read_checkpoint(tmp_path) == {} and read_checkpoint(damaged) == {}
     check_resume_shapes(
         {}, str(damaged), compose_config(["recipe=medusa"]), torch.nn.Linear(2, 2), tmp_path
     )

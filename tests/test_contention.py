@@ -30,9 +30,8 @@ def test_a_busy_neighbour_is_reported_and_a_quiet_interval_is_not():
         busy = contention.verdict(start, contention.snapshot(), cpus=2)
     finally:
         neighbour.kill()
-    assert (
-        busy["others_cpu_share"] is not None and busy["others_cpu_share"] >= 0.3
-    )  # one spinning process of 2 CPUs
+    # one spinning process of 2 CPUs
+    assert busy["others_cpu_share"] is not None and busy["others_cpu_share"] >= 0.3
     assert busy["contended"] and "rerun on a quiet machine" in busy["why"]
     assert "CONTENDED" in contention.verdict_text(busy)
 

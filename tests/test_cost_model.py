@@ -101,9 +101,8 @@ def test_cost_aware_default_on_measured_costs(offset, expect_plain, tmp_path, mo
         assert (
             isinstance(spec.proposer, NullProposer) and record["acceptance_by_position"][0] == 0.0
         )
-        assert (
-            spec.generate(prompt, 20).tokens == sequence[3:23]
-        )  # plain decoding through the same loop
+        # plain decoding through the same loop
+        assert spec.generate(prompt, 20).tokens == sequence[3:23]
     else:
         assert (
             isinstance(spec.stop_policy, ConfidenceStop)

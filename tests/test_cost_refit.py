@@ -92,9 +92,8 @@ def test_timed_shapes_report_their_decode_step_without_the_prefill():
     # an oracle chain of depth 2 verifies 3 nodes a step: 11.5 ms, whatever the 400 ms prefill
     assert timings.step_ms["depth:2"] == pytest.approx(11.5)
     assert timings.speedup["depth:2"] > 1.0 and timings.noise == shape_timing.MIN_NOISE
-    assert (
-        2.8 < timings.tokens_per_step["depth:2"] <= 3.0
-    )  # the oracle's 2 drafts + the bonus (the last step cut)
+    # the oracle's 2 drafts + the bonus (the last step cut)
+    assert 2.8 < timings.tokens_per_step["depth:2"] <= 3.0
     assert timings.tokens_per_step["depth:2"] == pytest.approx(
         31 / 11
     )  # 31 tokens after the prefill's, 11 steps
@@ -188,9 +187,8 @@ def test_round_two_times_only_new_shapes_with_a_prediction_of_their_own():
     assert [s.label for s in calibration._top(rows, {"tree:3/b2/d1", "tree:5/b4/d1"})] == [
         "tree:4/b3/d1"
     ]
-    assert (
-        calibration._top(rows, {"tree:3/b2/d1", "tree:4/b3/d1", "tree:5/b4/d1"}) == []
-    )  # nothing new: one round
+    # nothing new: one round
+    assert calibration._top(rows, {"tree:3/b2/d1", "tree:4/b3/d1", "tree:5/b4/d1"}) == []
     first = shape_timing.ShapeTimings({"a": 1.1}, 0.04, {"a": 9.0}, {"a": 1.5}, {"a": 1.2})
     both = first.merge(
         shape_timing.ShapeTimings({"b": 0.9}, 0.07, {"b": 11.0}, {"b": 1.6}, {"b": 0.95})

@@ -87,9 +87,8 @@ def test_each_kind_makes_its_own_choices(kind):
             and caps.native_bf16 == native
             and caps.onednn_bf16 == onednn
         )
-        assert (
-            cpu_layer.pick_isa()[0] == variant
-        )  # what every caller without a caps argument now sees
+        # what every caller without a caps argument now sees
+        assert cpu_layer.pick_isa()[0] == variant
         plan = plan_linear_backend(
             "auto", torch.bfloat16, "cpu", (16, 64, 128), mkldnn_ok=onednn, toolchain_reason=None
         )

@@ -14,9 +14,8 @@ from draftsmith.kernels import cpu_layer
 from draftsmith.runtime.decoding.autoregressive import generate_ar
 from draftsmith.runtime.target.model import LeanDecoder
 
-RUNNABLE = (
-    runnable_isas()
-)  # the variants this CPU can run; fixtures `ext` / `use_variant` in conftest.py
+# the variants this CPU can run; fixtures `ext` / `use_variant` in conftest.py
+RUNNABLE = runnable_isas()
 pytestmark = [
     pytest.mark.unit,
     pytest.mark.skipif(not RUNNABLE, reason=str(cpu_layer.why_unavailable())),
@@ -204,10 +203,8 @@ def test_accelerate_linears_swaps_bf16_cpu_linears_only():
     assert accelerate_linears(net) == 2 and all(isinstance(net[i], PackedLinear) for i in (0, 2))
     assert net[0]._kernel.isa == cpu_layer.pick_isa()[0]
     got = net(x.bfloat16())
-    assert (
-        got.shape == (3, 5, 7) and net[0].weight.dtype == torch.bfloat16
-    )  # .weight stays readable
+    # .weight stays readable
+    assert got.shape == (3, 5, 7) and net[0].weight.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=0.03, rtol=0.02)
-    assert (
-        accelerate_linears(torch.nn.Sequential(torch.nn.Linear(8, 8))) == 0
-    )  # fp32 stays as it is
+    # fp32 stays as it is
+    assert accelerate_linears(torch.nn.Sequential(torch.nn.Linear(8, 8))) == 0

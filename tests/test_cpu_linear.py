@@ -139,9 +139,8 @@ def test_linear_flushes_subnormals_like_vdpbf16ps(ext):
     assert want[:2].ne(0).all()
     got = ext.linear(x, cpu_layer.pack_weight(w), None, 16)  # [3, 16]
     assert got[:2].eq(0).all()
-    assert (
-        torch.equal(got[2], want[2]) and got[2].eq(2.0**10).all()
-    )  # 2^10 + 2^-110: normal, rounded as torch does
+    # 2^10 + 2^-110: normal, rounded as torch does
+    assert torch.equal(got[2], want[2]) and got[2].eq(2.0**10).all()
 
 
 @pytest.mark.parametrize(

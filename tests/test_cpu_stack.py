@@ -82,9 +82,8 @@ def test_stack_equals_per_layer_path_bit_for_bit(tmp_path, use_variant, kind):
     for step in STEPS:
         model._stack = stack
         got = model(cache=caches[0], **step)
-        model._stack = (
-            None  # the per-layer path: Python loop over decoder_layer, then norm and head
-        )
+        # the per-layer path: Python loop over decoder_layer, then norm and head
+        model._stack = None
         want = model(cache=caches[1], **step)
         for name in ("logits", "argmax", "hidden"):
             a, b = getattr(got, name), getattr(want, name)
@@ -92,9 +91,8 @@ def test_stack_equals_per_layer_path_bit_for_bit(tmp_path, use_variant, kind):
         assert sorted(got.taps) == sorted(want.taps) == sorted(step.get("taps", ()))
         assert all(torch.equal(got.taps[i], want.taps[i]) for i in want.taps)
         assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
-        n = (
-            step["input_ids"].numel() if "tree_mask" not in step else 3
-        )  # commit the prefill / a 3-node path
+        # commit the prefill / a 3-node path
+        n = step["input_ids"].numel() if "tree_mask" not in step else 3
         if step.get("head") != "argmax" or "tree_mask" not in step:
             for cache in caches:
                 cache.commit(n)
@@ -128,9 +126,8 @@ def test_stack_rows_do_not_depend_on_how_many_tokens_are_verified(tmp_path, use_
         one.commit(1)
     alone = torch.cat(rows)  # [16, V]
     for t in (5, 9, 16):
-        assert torch.equal(model(new[:t], batch).logits, alone[:t]), (
-            f"T={t}"
-        )  # not committed: the next T overwrites
+        # not committed: the next T overwrites
+        assert torch.equal(model(new[:t], batch).logits, alone[:t]), f"T={t}"
         assert torch.equal(
             model(new[:t], batch, head="argmax").argmax, alone[:t].float().argmax(-1)
         ), f"T={t}"

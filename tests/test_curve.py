@@ -53,9 +53,8 @@ def test_an_interrupted_curve_resumes_without_redoing_finished_points(tmp_path):
     second, curve = _interrupted_then_resumed(tmp_path, evaluate)
     assert second.calls == [100, 300]  # the kept points were neither retrained nor re-evaluated
     assert [p["tokens"] for p in curve.data["points"]] == [10_000, 30_000, 100_000, 300_000]
-    assert (
-        evaluate.measured == 2
-    )  # contended costs at the first point, measured again (quiet) at the next, then kept
+    # contended costs at the first point, measured again (quiet) at the next, then kept
+    assert evaluate.measured == 2
     assert not curve.data["costs_contention"]["contended"]
 
 
@@ -64,9 +63,8 @@ def test_a_resumed_curve_is_reported_with_the_quiet_costs(tmp_path):
     block = write_report(tmp_path, curve.data)
     assert block["mtbench"]["fit"]["ceiling"] == pytest.approx(0.8, abs=0.02)
     reported = json.loads((tmp_path / "curve.json").read_text())["points"]
-    for p in (
-        reported
-    ):  # every point predicted with the same (quiet) costs: 2-node verify 12 ms + 0.5 + 0.2
+    # every point predicted with the same (quiet) costs: 2-node verify 12 ms + 0.5 + 0.2
+    for p in reported:
         first = p["eval"]["mtbench"]["first_position_acceptance"]
         speedup = (1 + first) / (12.0 + 0.5 + 0.2) * 10.0
         expected = "chain:1" if speedup > 1 else "plain"

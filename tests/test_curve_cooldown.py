@@ -252,9 +252,8 @@ def test_compare_reads_the_cooled_points(tmp_path):
         and at_tokens["curves"][str(fast)]["values"] == "raw"
     )
     assert at_tokens["budget"] == 100_000  # the raw curve reaches 100k; the cooled one 120k
-    expected = (
-        0.8 - 2.0 * 100_000**-0.3 + COOLED_GAIN
-    )  # the cooled law, interpolated between 12k and 120k
+    # the cooled law, interpolated between 12k and 120k
+    expected = 0.8 - 2.0 * 100_000**-0.3 + COOLED_GAIN
     assert at_tokens["curves"][str(slow)]["first_position"]["mtbench"] == pytest.approx(
         expected, abs=0.01
     )

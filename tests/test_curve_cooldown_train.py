@@ -96,9 +96,8 @@ def test_a_cooldown_branch_decays_to_zero_and_leaves_the_main_run_alone(
     ] == pytest.approx([2 / 3, 1 / 3, 0], abs=1e-6)
     points = curve.data["points"]
     assert [p["cooled"]["steps"] for p in points] == [5, 9]
-    assert (
-        points[0]["cooled"]["tokens"] > points[0]["tokens"]
-    )  # the branch trained on further batches
+    # the branch trained on further batches
+    assert points[0]["cooled"]["tokens"] > points[0]["tokens"]
     for p in points:
         name = str(prompts)
         assert 0 <= p["eval"][name]["first_position_acceptance"] <= 1

@@ -31,9 +31,8 @@ def _noisy_points(truth, budgets: list[float], trials: int, seed: int = 1) -> li
     points = []
     for tokens in budgets:
         p = truth(tokens)
-        measured = (
-            sum(rng.random() < p for _ in range(trials)) / trials
-        )  # a binomial reading of the true value
+        # a binomial reading of the true value
+        measured = sum(rng.random() < p for _ in range(trials)) / trials
         points.append(
             {
                 "tokens": tokens,
@@ -126,9 +125,8 @@ def test_the_cli_checks_a_run_and_refuses_one_it_cannot_check_in_one_line(
         cooldown=0.2,
     )
     write_report(curve_dir, json.loads((curve_dir / "curve.json").read_text()))
-    assert (
-        cmd_curve(["--out", str(curve_dir), "--check", str(medusa_export)]) == 1
-    )  # its training block: 0 tokens
+    # its training block: 0 tokens
+    assert cmd_curve(["--out", str(curve_dir), "--check", str(medusa_export)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not more than the curve's furthest reading (120,000)" in err[0]
     assert cmd_curve(["--out", str(tmp_path / "none"), "--check", str(medusa_export)]) == 1

@@ -165,9 +165,8 @@ def test_a_damaged_tokenised_cache_is_said_and_rebuilt(damage, tiny_tokenizer, t
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and f"the tokenised-data cache {path} is damaged (" in warned[0], warned
     assert "tokenising the data again" in warned[0]
-    assert (
-        load_samples(path)[0] and len(list(path.parent.iterdir())) == 1
-    )  # rebuilt whole, no temporary
+    # rebuilt whole, no temporary
+    assert load_samples(path)[0] and len(list(path.parent.iterdir())) == 1
 
 
 def test_a_full_disk_while_caching_leaves_no_file_and_goes_on(

@@ -112,9 +112,8 @@ def test_a_data_folder_of_mixed_files_reads_every_chat_file_and_names_the_rest(t
     (folder / "notes.txt").write_text("not data")
     with caplog.at_level("WARNING"):
         conversations, report = load_conversations(str(folder))
-    assert (
-        len(conversations) == 10 and report.kept == 10
-    )  # `datasets` read the parquet alone: 4 of 10, silently
+    # `datasets` read the parquet alone: 4 of 10, silently
+    assert len(conversations) == 10 and report.kept == 10
     assert (
         "skipping 2 file(s) that are not .jsonl/.json/.parquet: junk.bin, notes.txt" in caplog.text
     )

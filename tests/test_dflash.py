@@ -117,9 +117,8 @@ def test_blocks_hand_built_alignment():
     mask = blocks.mask[0, 0]  # [8, 10 + 8]
     assert mask[0, :10].tolist() == [True] * 3 + [False] * 7  # block at 3 sees context 0..2
     assert mask[5, :10].tolist() == [True] * 8 + [False] * 2
-    assert (
-        mask[1, 10:].tolist() == [True] * 4 + [False] * 4
-    )  # its own block, non-causal, never the other block
+    # its own block, non-causal, never the other block
+    assert mask[1, 10:].tolist() == [True] * 4 + [False] * 4
 
 
 def test_anchor_sampling_picks_labelled_positions_only():
@@ -194,9 +193,8 @@ def test_loss_goes_down_on_a_fixed_batch(target, heads):
         target, batch, anchors_per_seq=18, **heads
     )  # every candidate anchor: a fixed set
     feats = target.features(batch["input_ids"], batch["attention_mask"], objective.taps)
-    feats.logits = (
-        feats.logits * 20
-    )  # a peaked teacher (the random target is near uniform): CE can fall far
+    # a peaked teacher (the random target is near uniform): CE can fall far
+    feats.logits = feats.logits * 20
     losses = train_on_fixed_batch(objective, batch, feats, steps=15)
     assert losses[-1] < 0.9 * losses[0], losses
     _, metrics = objective.loss(batch, feats)

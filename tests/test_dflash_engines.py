@@ -219,9 +219,8 @@ def test_real_conversion_and_engine_check_on_the_embedded_target(embedded_gguf):
         len(taps) * h,
         h,
     )  # no token_embd / output: the target's
-    assert (
-        fields["dflash.target_layers"] == taps
-    )  # captured at those layers' inputs: our hidden_states indices
+    # captured at those layers' inputs: our hidden_states indices
+    assert fields["dflash.target_layers"] == taps
     assert (fields["dflash.block_size"], fields["tokenizer.ggml.mask_token_id"]) == (
         4,
         drafter.config.mask_token_id,

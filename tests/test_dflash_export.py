@@ -84,9 +84,8 @@ def test_each_format_taps_the_hidden_states_the_drafter_trained_on():
     vllm_dflash_ids = [
         i - 1 for i in aux
     ]  # vLLM update_dflash: dflash_config.target_layer_ids = aux - 1
-    assert (
-        vllm_dflash_ids == zlab and [i + 1 for i in vllm_dflash_ids] == taps
-    )  # captured at input of id + 1
+    # captured at input of id + 1
+    assert vllm_dflash_ids == zlab and [i + 1 for i in vllm_dflash_ids] == taps
     assert [
         i + 1 for i in zlab
     ] == aux  # speculators' own DFlashConverter (z-lab -> speculators): aux = id + 1

@@ -120,9 +120,8 @@ def test_greedy_speculative_equals_plain_greedy(target, reference, exports, name
         res = dec.generate(prompt, NEW)
         assert res.tokens == reference[tuple(prompt)], (name, options, prompt)
         taus.append(res.tau)
-    if (
-        name == "trained" and not options
-    ):  # memorised continuations: accepted only if serving feeds what training saw
+    # memorised continuations: accepted only if serving feeds what training saw
+    if name == "trained" and not options:
         assert min(taus) > 2.0, taus
 
 

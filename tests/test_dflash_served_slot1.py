@@ -46,9 +46,8 @@ def cycle_target(folder: Path, tokenizer, cycle: list[int]) -> Path:
         for layer in hf.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-        emb = (
-            torch.nn.functional.normalize(torch.randn(vocab, hf.config.hidden_size), dim=-1) * 8.0
-        )  # [V, H]
+        # [V, H]
+        emb = torch.nn.functional.normalize(torch.randn(vocab, hf.config.hidden_size), dim=-1) * 8.0
         head = torch.zeros_like(emb)
         for i, token in enumerate(cycle):
             head[cycle[(i + 1) % len(cycle)]] = emb[token]
@@ -111,9 +110,8 @@ def test_the_hand_built_target_follows_its_cycle(trained):
 
     folder, _, _, cycle = trained
     ids = torch.tensor([walk(cycle, 3, 30)])  # [1, 30]
-    greedy = (
-        AutoModelForCausalLM.from_pretrained(folder).eval()(input_ids=ids).logits.argmax(-1)
-    )  # [1, 30]
+    # [1, 30]
+    greedy = AutoModelForCausalLM.from_pretrained(folder).eval()(input_ids=ids).logits.argmax(-1)
     assert greedy[0, :-1].tolist() == ids[0, 1:].tolist()
 
 

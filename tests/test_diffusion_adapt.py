@@ -22,12 +22,10 @@ def test_two_stream_mask_layout():
     blocks = torch.tensor([[0, 0, 1, 1]])
     mask = two_stream_mask(blocks, torch.ones(1, 4, dtype=torch.bool))[0, 0]  # [8, 8]
     assert mask[2, 3] and mask[3, 2] and not mask[1, 2]  # noisy: own block only
-    assert (
-        mask[2, 4] and mask[2, 5] and not mask[2, 6] and not mask[0, 4]
-    )  # noisy reads earlier clean blocks
-    assert (
-        mask[6, 4] and mask[6, 7] and not mask[4, 6] and not mask[6, 2]
-    )  # clean: block causal, never noisy
+    # noisy reads earlier clean blocks
+    assert mask[2, 4] and mask[2, 5] and not mask[2, 6] and not mask[0, 4]
+    # clean: block causal, never noisy
+    assert mask[6, 4] and mask[6, 7] and not mask[4, 6] and not mask[6, 2]
 
 
 def test_pad_with_eot_counts_padding_in_loss():
@@ -61,9 +59,8 @@ def test_loss_decreases_and_folder_round_trips(tiny_target_dir, tmp_path):
         losses.append(loss.item())
     assert sum(losses[-3:]) < 0.5 * sum(losses[:3])
     state = objective.module.state_dict()
-    assert (
-        "model.lm_head.weight" not in state
-    )  # tied head left out (safetensors refuses shared tensors)
+    # tied head left out (safetensors refuses shared tensors)
+    assert "model.lm_head.weight" not in state
     objective.module.load_state_dict(state)  # and put back on load
     assert target.vocab_size + 1 == objective.module.model.get_input_embeddings().weight.shape[0]
     out = objective.write_export(tmp_path / "dlm", {"steps": 25})

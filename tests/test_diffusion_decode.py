@@ -85,9 +85,8 @@ def test_prefix_cache_decodes_the_same_tokens():
         lm, [7, 8, 9], DiffusionDecodeConfig(gen_length=24, steps_per_block=4, use_cache=True)
     )
     assert plain.tokens == cached.tokens
-    assert (
-        cached.forwards == cached.steps + 1 + 2
-    )  # prompt + one commit per finished block but the last
+    # prompt + one commit per finished block but the last
+    assert cached.forwards == cached.steps + 1 + 2
 
 
 def test_filter_never_commits_fewer_than_baseline():

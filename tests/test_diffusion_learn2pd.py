@@ -287,6 +287,5 @@ def test_agreed_prefix_measures_the_share_before_the_first_difference():
     assert agreed_prefix([[1, 2, 9, 4], [5, 6, 0], []], base) == pytest.approx(
         (2 / 4 + 2 / 3 + 0) / 3
     )
-    assert (
-        agreed_prefix([[]], [[]]) == 1.0
-    )  # two empty answers (an EoT at the first slot) are the same answer
+    # two empty answers (an EoT at the first slot) are the same answer
+    assert agreed_prefix([[]], [[]]) == 1.0

@@ -29,9 +29,8 @@ def test_future_token_changes_earlier_position_inside_block_only(attn):
     changed[0, 6] = 41  # position 6 sits in block 1 (positions 4..7)
     other, _ = lm.forward(changed, blocks)
     diff = (base - other).abs().amax(-1)[0]  # [T]
-    assert (
-        diff[4] > 1e-4 and diff[5] > 1e-4
-    )  # earlier positions of the same block see the future token
+    # earlier positions of the same block see the future token
+    assert diff[4] > 1e-4 and diff[5] > 1e-4
     assert torch.all(diff[:4] == 0)  # an earlier block never does
     # The plain (causal) forward would leave positions 4 and 5 unchanged: the trap this guards
     # against.

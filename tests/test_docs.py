@@ -215,9 +215,8 @@ def test_a_stale_command_list_is_seen():
     wrapped = rc.wrap(
         "word " * 22 + "`a code span across the line's end` and words after it"
     )  # span at column 110
-    assert all(line.count("`") % 2 == 0 for line in wrapped.splitlines()), (
-        wrapped
-    )  # no span split over two lines
+    # no span split over two lines
+    assert all(line.count("`") % 2 == 0 for line in wrapped.splitlines()), wrapped
 
 
 def test_docs_name_the_bench_mode():

@@ -216,9 +216,8 @@ def test_llamacpps_own_converter_turns_our_deepspec_folder_into_a_dspark_gguf(tm
     )  # draftsmith's slot convention (export/dspark.py)
     layers = fields["dflash.target_layers"]
     taps = [int(layers.parts[i][0]) for i in layers.data]
-    assert (
-        taps == read_export(export)[0]["architecture"]["target_layers"]
-    )  # HF hidden_states ids, as we tap them
+    # HF hidden_states ids, as we tap them
+    assert taps == read_export(export)[0]["architecture"]["target_layers"]
 
 
 SPECULATORS_DSPARK = r"""

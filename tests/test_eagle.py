@@ -144,9 +144,8 @@ def test_noise_only_in_training_mode(target):
     assert not torch.equal(noisy, eval_a)
     features = torch.zeros(2, 256, 8)
     noise = eagle_recipe.uniform_feature_noise(features, 0.2, 512)
-    assert (
-        noise.abs().max() <= 0.2 and noise.abs().max() > 0.15
-    )  # (U-0.5) * 0.2 * 512/256 spans +-0.2
+    # (U-0.5) * 0.2 * 512/256 spans +-0.2
+    assert noise.abs().max() <= 0.2 and noise.abs().max() > 0.15
 
 
 def test_kv_cache_and_tree_mask_match_full_forward(target):

@@ -69,9 +69,8 @@ def test_dynamic_tree_on_a_fixed_distribution_gives_the_known_tree(mapped):
     # Scores (products of probabilities) of the generated nodes, in generation order: depth 1: 1
     # .50, 2 .30 | expansion 1: 1>3 .35, 1>4 .10, 2>1 .27, 2>3 .015 -> frontier {1>3, 2>1} expansion
     # 2: 1>3>4 .175, 1>3>0 .14, 2>1>3 .189, 2>1>4 .054. Best 6: .50 .35 .30 .27 .189 .175.
-    draft_ids = (
-        torch.tensor([1, 4, 7, 10, 13]) if mapped else None
-    )  # reduced vocab: target id 3d + 1
+    # reduced vocab: target id 3d + 1
+    draft_ids = torch.tensor([1, 4, 7, 10, 13]) if mapped else None
     stub = BigramStub(draft_ids, 16 if mapped else 5)
     tgt = (lambda d: [int(draft_ids[i]) for i in d]) if mapped else (lambda d: list(d))
     proposer = EagleProposer(stub, "tree", total_tokens=7, depth=2, top_k=2)
@@ -91,9 +90,8 @@ def test_dynamic_tree_on_a_fixed_distribution_gives_the_known_tree(mapped):
     assert ids2.tolist() == [tgt([3, 1])] and pos2.tolist() == [[3, 3]]
     # 1>3 sees its parent 1 (first tree entry), 2>1 its parent 2 (second), each itself.
     assert mask2.int().tolist() == [[1, 1, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]]
-    assert (
-        proposer.num_committed == 2 and proposer.cache.length == 2
-    )  # speculative entries are not kept
+    # speculative entries are not kept
+    assert proposer.num_committed == 2 and proposer.cache.length == 2
 
 
 def test_stop_policies_and_chain_on_the_fixed_distribution():

@@ -79,9 +79,8 @@ def sample_counts(decoder: SpeculativeDecoder, n: int, seed: int) -> torch.Tenso
 def assert_matches(counts: torch.Tensor, exact: torch.Tensor) -> None:
     assert float(counts[exact == 0].sum()) == 0  # nothing outside the top-p nucleus
     assert chi2_pvalue(counts.sum(2), exact.sum(2)) > ALPHA  # (t1, t2)
-    assert (
-        chi2_pvalue(counts.sum(0), exact.sum(0)) > ALPHA
-    )  # (t2, t3): acceptance below depth 1 matters too
+    # (t2, t3): acceptance below depth 1 matters too
+    assert chi2_pvalue(counts.sum(0), exact.sum(0)) > ALPHA
 
 
 # thousands of whole sampled decodes for a chi-square: over 5 s, so not in the unit tier

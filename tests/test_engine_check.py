@@ -77,9 +77,8 @@ def fake_engines(monkeypatch, tokenizer, hf_ids: list, engine_ids: list, eos: in
     fed = []
 
     def fake_row(gguf, ids, max_new_tokens, threads, tokenizer, log_ids=False):
-        assert (
-            log_ids and [list(p) for p in ids] == hf_ids
-        )  # llama.cpp gets the rendered text of the HF ids
+        # llama.cpp gets the rendered text of the HF ids
+        assert log_ids and [list(p) for p in ids] == hf_ids
         return {
             "texts": ["a b", "a b c"],
             "stopped_at_eos": [True, False],

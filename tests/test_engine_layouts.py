@@ -306,8 +306,7 @@ def test_tgi_refuses_a_draft_vocabulary_and_the_cli_writes_all_three(tmp_path, t
         )
         assert (tmp_path / f"out-{fmt}" / marker).is_file()
     tgi = json.loads((tmp_path / "out-medusa-tgi" / "config.json").read_text())
-    assert (
-        tgi["base_model_name_or_path"] == "tiny"
-    )  # the recorded target (an alias resolved to its folder)
+    # the recorded target (an alias resolved to its folder)
+    assert tgi["base_model_name_or_path"] == "tiny"
     assert main(["export", str(medusa), "--out", str(tmp_path / "bad"), "--format", "sglang"]) == 2
     assert "Medusa-1 exports as: draftsmith, medusa, medusa-tgi" in capsys.readouterr().err

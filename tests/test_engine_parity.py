@@ -252,9 +252,8 @@ def test_bench_writes_the_section_and_its_row(
     )
     assert "[bench] engine parity..." in capsys.readouterr().err
     assert main(["bench", "--controller", str(export), "--engine-parity"]) == 2
-    assert (
-        "--engine-parity belongs to `draftsmith bench export`" in capsys.readouterr().err
-    )  # not the controller's
+    # not the controller's
+    assert "--engine-parity belongs to `draftsmith bench export`" in capsys.readouterr().err
     assert main(["bench", "--engine-parity"]) == 2
     assert "--engine-parity compares a drafter's tau across engines" in capsys.readouterr().err
     assert main(["bench", "--drafter", str(export), "--engine-parity", "--parity-chain", "0"]) == 2

@@ -47,9 +47,8 @@ def test_every_architecture_is_served_and_the_oracle_is_lossless_past_the_window
     assert generate_ar(decoder, PROMPT, NEW) == want
     check = oracle_lossless(decoder, (), [PROMPT], NEW, [want], kernels="torch")
     assert check["all_identical"], (name, check["first_mismatch"])
-    assert (
-        check["tau"] > 2.5 and check["chain"] == CHECK_CHAIN
-    )  # drafts were accepted on most steps
+    # drafts were accepted on most steps
+    assert check["tau"] > 2.5 and check["chain"] == CHECK_CHAIN
     assert WINDOW < len(PROMPT) + NEW
 
 

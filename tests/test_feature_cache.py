@@ -22,9 +22,8 @@ from draftsmith.recipes import get_recipe
 
 pytestmark = pytest.mark.unit
 
-SHARD_BYTES = (
-    60_000  # a few shards for 64 tiny conversations (fp32: 4 x 64 x 4 + 6 = 1030 bytes/token)
-)
+# a few shards for 64 tiny conversations (fp32: 4 x 64 x 4 + 6 = 1030 bytes/token)
+SHARD_BYTES = 60_000
 
 
 def overrides(target_dir: Path, data_file: Path, *extra: str) -> list[str]:
@@ -97,9 +96,8 @@ def test_training_from_the_cache_gives_the_online_weights(
     assert offline["steps"] == online["steps"] == 4 and offline["tokens"] == online["tokens"]
     config_on, on = read_export(tmp_path / "online" / "export")
     config_off, off = read_export(tmp_path / "offline" / "export")
-    assert (
-        config_off["target"] == config_on["target"]
-    )  # the cache records the target's identity for the export
+    # the cache records the target's identity for the export
+    assert config_off["target"] == config_on["target"]
     assert sorted(on) == sorted(off)
     assert any(not torch.equal(start[k], on[k]) for k in on)  # training moved the weights
     for key in on:
@@ -190,9 +188,8 @@ def test_an_interrupted_cache_resumes_after_the_last_complete_shard(
         cfg, get_recipe("eagle3"), out, dtype="fp32", shard_bytes=SHARD_BYTES, target=target
     )
     first = manifest["shards"][0]["stop"] - manifest["shards"][0]["start"]
-    assert (
-        len(calls) == 1 + sum(s["stop"] - s["start"] for s in manifest["shards"]) - first
-    )  # + 1 logits check
+    # + 1 logits check
+    assert len(calls) == 1 + sum(s["stop"] - s["start"] for s in manifest["shards"]) - first
     assert not list(out.glob(".shard-*"))
     for shard in manifest["shards"]:  # byte for byte the uninterrupted cache
         assert (out / shard["file"]).read_bytes() == (fp32_cache / shard["file"]).read_bytes(), (

@@ -37,9 +37,8 @@ def _data_cache(tmp_path_factory, monkeypatch):
 def reference(tmp_path_factory, tiny_target_dir, tiny_data_file) -> Path:
     """An uninterrupted fp32 cache (several shards)."""
     out = tmp_path_factory.mktemp("cache") / "reference"
-    with (
-        pytest.MonkeyPatch.context() as mp
-    ):  # module scope: set up before the autouse fixture above
+    # module scope: set up before the autouse fixture above
+    with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DRAFTSMITH_CACHE", str(tmp_path_factory.getbasetemp() / "draftsmith-cache"))
         build_cache(
             compose_config(overrides(tiny_target_dir, tiny_data_file)),
@@ -102,9 +101,8 @@ def test_a_shard_whose_bytes_changed_is_named_at_first_read_and_written_again(
     flipped = copy_tree(reference, tmp_path / "flipped")
     shard = flipped / "shard-00001.safetensors"
     data = bytearray(shard.read_bytes())
-    data[-50] ^= (
-        0x10  # same size, one feature value changed on disk: it used to be trained on as it is
-    )
+    # same size, one feature value changed on disk: it used to be trained on as it is
+    data[-50] ^= 0x10
     shard.write_bytes(bytes(data))
     assert shard_damage(shard) is None  # the size check cannot see it
     cache = open_cache(

@@ -102,9 +102,8 @@ def test_ships_only_a_real_gain_in_bf16_with_its_record(tmp_path, medusa_export)
     assert "| mtbench | 0.400 | 0.410 |" in said and any(
         "the flagship stays as it is" in s for s in said
     )
-    assert (
-        evaluate.calls.count(str(dest)) == 0
-    )  # the shipped one's evaluation comes from its record
+    # the shipped one's evaluation comes from its record
+    assert evaluate.calls.count(str(dest)) == 0
 
     big = _ship(_candidate(medusa_export, tmp_path / "c", 0.43, tokens=5000), dest, work, evaluate)
     assert big["shipped"] and big["gain"] == pytest.approx(0.03)

@@ -54,9 +54,8 @@ def test_a_checkpoint_save_on_a_full_disk_removes_its_temporary_and_names_the_pa
     text = str(err.value)
     assert text.startswith(f"no space left on the device for {target}: it needs about 3.00 MB (")
     assert "last.ckpt still names step2.ckpt, where a re-run resumes" in text and "\n" not in text
-    assert (
-        isinstance(err.value, DraftsmithError) and err.value.errno == errno.ENOSPC
-    )  # train.py: one error line
+    # train.py: one error line
+    assert isinstance(err.value, DraftsmithError) and err.value.errno == errno.ENOSPC
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step2.ckpt"]
     assert (folder / "last.ckpt").resolve() == folder / "step2.ckpt"
 
@@ -231,9 +230,8 @@ def test_training_stops_cleanly_on_a_full_disk_and_resumes_once_space_is_freed(
         "step2.ckpt",
     ]  # no step 4
     monkeypatch.setattr(torch, "save", real_save)  # space freed
-    stale = (
-        folder / f".step9.ckpt.tmp-{dead_pid()}"
-    )  # and a temporary some other failed attempt left
+    # and a temporary some other failed attempt left
+    stale = folder / f".step9.ckpt.tmp-{dead_pid()}"
     stale.write_bytes(b"\0" * 100)
     with caplog.at_level(logging.INFO):
         summary = train(cfg, get_recipe("medusa"), run_dir)

@@ -253,6 +253,5 @@ def test_three_step_bf16_mixed_training_on_gpu(tmp_path, tiny_target_dir, tiny_d
     assert config["method"] == "medusa" and config["training"]["steps"] == 3
     assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
     composed = (run_dir / ".hydra" / "config.yaml").read_text()  # what Lightning was given
-    assert (
-        "accelerator: gpu" in composed and "precision: auto" in composed
-    )  # bf16-mixed on a GPU with bf16
+    # bf16-mixed on a GPU with bf16
+    assert "accelerator: gpu" in composed and "precision: auto" in composed

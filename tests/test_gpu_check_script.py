@@ -152,9 +152,8 @@ def test_tiny_cpu_run_reports_every_stage_and_survives_an_injected_failure(tmp_p
         assert bench["spec_tok_per_s"] > 0 and bench["hf_tok_per_s"] > 0 and bench["tau"] >= 1
         assert bench["lossless_fp32_vs_ar"] == "2/2"
     table = (out / "gpu_check.md").read_text()
-    assert (
-        table in proc.stdout and table.count("\n| ") == len(expected) + 1
-    )  # header + one row per stage
+    # header + one row per stage
+    assert table in proc.stdout and table.count("\n| ") == len(expected) + 1
     assert "| bench:eagle | FAIL |" in table and "| runtime-kernels | PASS |" in table
 
 

@@ -65,9 +65,8 @@ def test_train_exports_each_head_family_recipe(
     inference = config["inference"]
     assert config["method"] == name == inference["proposer"] and config["training"]["steps"] == 2
     assert inference["verifier"] == "greedy" and inference["tree"] and inference["top_k"] == 10
-    assert (
-        inference["tree_source"] == "calibrated"
-    )  # the end-of-training validation pass measured the heads
+    # the end-of-training validation pass measured the heads
+    assert inference["tree_source"] == "calibrated"
     assert len(inference["head_accuracies"]) == 2
     assert set(parts) == ({"model", "adapter"} if name == "medusa2" else {"model"})
     if name == "medusa2":

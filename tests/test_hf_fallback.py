@@ -131,9 +131,8 @@ def test_the_probe_catches_a_mask_that_drops_the_window(family):
 
 def test_features_it_cannot_mask_are_refused_with_one_line_but_plain_decoding_runs():
     model = tiny("llama")
-    model.config.attention_chunk_size = (
-        4  # chunked attention (Llama 4): the fallback does not chunk tree masks
-    )
+    # chunked attention (Llama 4): the fallback does not chunk tree masks
+    model.config.attention_chunk_size = 4
     adapter = HFModelAdapter(model)
     assert (
         adapter.tree_refusal
@@ -209,9 +208,8 @@ def test_generate_backend_flag(tiny_target_dir, gpt2_target, capsys):
     assert "[decoder_backend] hf" in err and "[decoder_reason] forced by --backend hf" in err
     assert cli.main([*base, "--target", str(tiny_target_dir)]) == 0
     assert "[decoder_backend] lean" in capsys.readouterr().err
-    assert (
-        cli.main([*base, "--target", str(gpt2_target)]) == 0
-    )  # auto: the fallback, and it says why
+    # auto: the fallback, and it says why
+    assert cli.main([*base, "--target", str(gpt2_target)]) == 0
     err = capsys.readouterr().err
     assert (
         "[decoder_backend] hf" in err
@@ -222,7 +220,6 @@ def test_generate_backend_flag(tiny_target_dir, gpt2_target, capsys):
     assert (
         lines[-1].startswith("draftsmith generate: error: --backend lean: ") and "gpt2" in lines[-1]
     )
-    assert (
-        cli.main([*base, "--target", str(tiny_target_dir), "--backend", "vllm"]) == 2
-    )  # one line, no traceback
+    # one line, no traceback
+    assert cli.main([*base, "--target", str(tiny_target_dir), "--backend", "vllm"]) == 2
     assert "invalid choice: 'vllm'" in capsys.readouterr().err

@@ -201,6 +201,5 @@ def test_hydra_pp_soft_labels_are_a_cross_entropy_against_the_targets_distributi
     )  # soft CE >= teacher entropy
     assert floor.item() < loss.item() < floor.item() + 2.0
     loss.backward()
-    assert (
-        objective.module.prefix.self_attn.o_proj.weight.grad.abs().sum() > 0
-    )  # the prefix layer learns
+    # the prefix layer learns
+    assert objective.module.prefix.self_attn.o_proj.weight.grad.abs().sum() > 0

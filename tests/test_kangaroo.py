@@ -114,9 +114,8 @@ def test_shallow_subnetwork_shares_the_target_storage(target, trained):
 def test_training_lowers_the_soft_ce_and_logs_expected_acceptance(target, reference, trained):
     objective, history, _ = trained
     (first_loss, first_acc), (last_loss, last_acc) = history[0], history[-1]
-    assert (
-        last_loss < first_loss - 0.5 and last_acc > first_acc + 0.05
-    )  # soft CE >= H(p): compare drops
+    # soft CE >= H(p): compare drops
+    assert last_loss < first_loss - 0.5 and last_acc > first_acc + 0.05
     # The logged metric is sum_v min(p, q) at each scored row, averaged.
     h, w = torch.randn(5, 64), objective.module.lm_head_weight
     teacher = torch.randn(5, w.shape[0])
@@ -279,9 +278,8 @@ def test_specdecpp_head_on_a_kangaroo_drafter(target, reference, trained, tmp_pa
     objective = specdecpp.build(conf, tgt)
     seq = torch.tensor([prompt + reference[tuple(prompt)]])
     loss_mask = torch.zeros_like(seq)
-    loss_mask[0, len(prompt) + 1] = (
-        1  # one candidate: the first drafted token (after the target's root token)
-    )
+    # one candidate: the first drafted token (after the target's root token)
+    loss_mask[0, len(prompt) + 1] = 1
     feats = objective.features(
         tgt, {"input_ids": seq, "attention_mask": torch.ones_like(seq), "loss_mask": loss_mask}
     )

@@ -136,9 +136,8 @@ def test_greedy_verify_on_half_precision_logits_equals_the_plain_argmax_ties_inc
     paths = torch.tensor([[0, 1, 2], [0, 3, -1]])
     for dtype in (torch.bfloat16, torch.float16):
         logits = (torch.randn(4, 300) * 4).round().to(dtype)  # coarse values: many ties per row
-        logits[:, 7] = logits[:, 250] = (
-            logits.max(-1).values.max() + 1
-        )  # an exact tie for the maximum
+        # an exact tie for the maximum
+        logits[:, 7] = logits[:, 250] = logits.max(-1).values.max() + 1
         tokens = torch.tensor([5, 7, 7, 9])
         res = greedy_verify(paths, tokens, logits, backend="torch")
         assert torch.equal(res.argmax, logits.argmax(-1)) and res.argmax.tolist() == [7, 7, 7, 7]
@@ -331,7 +330,6 @@ def test_triton_greedy_verify_matches_reference(parity):
     assert len(parity["verify"]) == 12 and all(parity["verify"]), parity["verify"]
 
 
-if (
-    __name__ == "__main__"
-):  # child process of the parity fixture (TRITON_INTERPRET=1 set before triton loads)
+# child process of the parity fixture (TRITON_INTERPRET=1 set before triton loads)
+if __name__ == "__main__":
     print(json.dumps(_parity_report()))

@@ -101,9 +101,8 @@ def test_frozen_weight_gets_no_gradient_and_none_is_computed():
     h, w, _, y = _inputs()
     frozen = w.detach()
     out = linear_cross_entropy(h, frozen, y, chunk_size=8)
-    assert (
-        out.loss.grad_fn.saved_tensors[1] is None
-    )  # the [V, H] weight gradient was never accumulated
+    # the [V, H] weight gradient was never accumulated
+    assert out.loss.grad_fn.saved_tensors[1] is None
     out.loss.backward()
     assert frozen.grad is None
     torch.testing.assert_close(

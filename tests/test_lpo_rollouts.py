@@ -77,9 +77,8 @@ def test_samples_record_one_temperature_index_per_token_and_greedy_rows_agree(se
         (3,),
         torch.Generator().manual_seed(0),
     )
-    assert (
-        len({tuple(t) for t, _ in group}) == 1
-    )  # T=0 only: every sample is the greedy continuation
+    # T=0 only: every sample is the greedy continuation
+    assert len({tuple(t) for t, _ in group}) == 1
     group = sample_group(
         model,
         prompts[0]["ids"],
@@ -92,9 +91,8 @@ def test_samples_record_one_temperature_index_per_token_and_greedy_rows_agree(se
         torch.Generator().manual_seed(0),
     )
     for tokens, idx in group:
-        assert (
-            len(tokens) == len(idx) and len(set(idx)) == 1
-        )  # sequence level: one index per response
+        # sequence level: one index per response
+        assert len(tokens) == len(idx) and len(set(idx)) == 1
 
 
 def test_rollouts_resume_after_an_interruption_without_duplicates_or_losses(setup, tmp_path):
@@ -123,9 +121,8 @@ def test_rollouts_resume_after_an_interruption_without_duplicates_or_losses(setu
             eos_ids=(3,),
             progress=False,
         )
-    assert (
-        len(rows(tmp_path / "cut")) == 2
-    )  # two prompts of three samples were written before the crash
+    # two prompts of three samples were written before the crash
+    assert len(rows(tmp_path / "cut")) == 2
     with (tmp_path / "cut" / "rollouts.jsonl").open("a") as handle:
         handle.write('{"prompt_index": 2, "samp')  # and a torn line, as a kill mid-write leaves
     again = write_rollouts(

@@ -112,9 +112,8 @@ def round_two_trains_on_every_round(
         tmp_path / "run2",
     )
     after, _ = AdaptiveTemperatureHead.from_export(second["export"])
-    assert (
-        head.out.weight.abs().sum() > 0
-    )  # round 1 moved the zero-initialised output layer: a fresh head differs
+    # round 1 moved the zero-initialised output layer: a fresh head differs
+    assert head.out.weight.abs().sum() > 0
     for name, weight in head.state_dict().items():
         torch.testing.assert_close(after.state_dict()[name], weight, rtol=0, atol=0)
     with pytest.raises(ConfigError, match="controller.init .* has another width"):
@@ -151,9 +150,8 @@ def serving_and_benching_the_controller(target_dir, export: str) -> None:
     assert len(out) == 6
     result = bench_controller(rt, [[5, 9, 13], [7, 7, 2]], 6)
     assert result["tokens_per_s_with_layer"] > 0 and 0.0 <= result["mean_chosen_temperature"] <= 1.0
-    assert (
-        result["layer_calls"] >= 2 * 6 and result["tokens_per_s_without_layer"] > 0
-    )  # replayed call by call
+    # replayed call by call
+    assert result["layer_calls"] >= 2 * 6 and result["tokens_per_s_without_layer"] > 0
     low, high = result["overhead_ci95"]
     assert low <= high and 0 < result["layer_share"] < 1 and result["layer_ms_per_call"] > 0
     fast_layer = rt.speculative.temperature_policy

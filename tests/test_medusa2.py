@@ -62,12 +62,10 @@ def test_medusa2_trains_only_lora_and_heads_and_its_export_refuses_the_plain_tar
 
     batch = fixed_batch(fresh_target.vocab_size, period=5)
     losses = fit_steps(objective, fresh_target, batch, 20, lr=1e-2)
-    assert (
-        losses[1] < losses[0] and losses[2] > losses[1]
-    )  # heads-only warmup, then the backbone loss joins
-    assert losses[-1] < 0.9 * losses[2], (
-        losses
-    )  # (the LoRA learns slowly from B = 0; the heads fast)
+    # heads-only warmup, then the backbone loss joins
+    assert losses[1] < losses[0] and losses[2] > losses[1]
+    # (the LoRA learns slowly from B = 0; the heads fast)
+    assert losses[-1] < 0.9 * losses[2], losses
     after = fresh_target.model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in base.items())  # the base weights never move
     assert any(

@@ -231,9 +231,8 @@ def test_cli_format_choices_and_refusals_come_from_the_registrations(tmp_path):
 def test_the_toy_method_registers_and_passes_the_checks(toy):
     recipe = get_recipe("toy")
     assert recipe.schema is toy.Toy and recipe.proposer in registered_methods()
-    assert (
-        recipe_problems(recipe, toy_method.TOY, registered_methods()) == []
-    )  # its files, under tests/toy_method
+    # its files, under tests/toy_method
+    assert recipe_problems(recipe, toy_method.TOY, registered_methods()) == []
     unserved = recipe_problems(
         recipe, toy_method.TOY, [m for m in registered_methods() if m != "toy"]
     )
@@ -248,9 +247,8 @@ def test_the_toy_method_trains_exports_and_drafts(toy, tiny_target, tmp_path):
     from draftsmith.runtime.drafting.registry import build_proposer
     from draftsmith.runtime.target.hf import HFModelAdapter
 
-    cfg = (
-        toy.Toy()
-    )  # the schema's values (a typed config; train.py composes the same through Hydra)
+    # the schema's values (a typed config; train.py composes the same through Hydra)
+    cfg = toy.Toy()
     objective = get_recipe("toy").build(cfg, tiny_target)
     losses = fit_steps(
         objective, tiny_target, fixed_batch(tiny_target.vocab_size, period=4), steps=2, lr=3e-3

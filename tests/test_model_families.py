@@ -106,9 +106,8 @@ def build(kind: str, folder, seed: int = 0, **overrides) -> transformers.PreTrai
         else getattr(transformers, f"{kind}ForCausalLM")
     )
     model = cls(config).eval()
-    with (
-        torch.no_grad()
-    ):  # default init makes norms 1 (Gemma: 0) and biases 0, which would hide wiring mistakes
+    # default init makes norms 1 (Gemma: 0) and biases 0, which would hide wiring mistakes
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.3)
@@ -307,9 +306,8 @@ def test_lean_support_names_what_goes_to_the_fallback():
     for model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"):
         assert lean_support({**base, "model_type": model_type}) is None
     assert lean_support({**base, "model_type": "gpt2"}) == "model_type 'gpt2'"
-    assert (
-        lean_support({**base, "model_type": "gemma3"}) == "model_type 'gemma3'"
-    )  # multimodal wrapper
+    # multimodal wrapper
+    assert lean_support({**base, "model_type": "gemma3"}) == "model_type 'gemma3'"
     assert (
         lean_support({**base, "model_type": "llama", "rope_scaling": {"rope_type": "yarn"}})
         == "rope type 'yarn'"

@@ -32,9 +32,8 @@ def test_the_texts_part_at_the_first_differing_token(tiny_tokenizer):
     assert common_prefix("abcx", "abcy") == 3 and common_prefix("ab", "abc") == 2
     assert parting_tokens(tok, plain, spec) == (w[:3], w[5], w[7])
     assert parting_tokens(tok, plain, plain) is None
-    assert (
-        parting_tokens(tok, tok.decode(w[:3]), plain) is None
-    )  # one extends the other: they never part
+    # one extends the other: they never part
+    assert parting_tokens(tok, tok.decode(w[:3]), plain) is None
 
 
 def test_the_judge_scores_both_tokens_with_the_target(model, tiny_tokenizer):

@@ -57,9 +57,8 @@ def test_peer_data_matches_speculators_format(tmp_path, tiny_tokenizer):
         out = target.model(ids[None], output_hidden_states=True)
     for k, layer in enumerate((1, 2, 3)):
         torch.testing.assert_close(hs["hidden_states"][:, k], out.hidden_states[layer][0])
-    last = (
-        target.model.model.norm
-    )  # HF's last hidden_states entry is after the final norm; ours is before it
+    # HF's last hidden_states entry is after the final norm; ours is before it
+    last = target.model.model.norm
     torch.testing.assert_close(
         last(hs["hidden_states"][:, 3]), out.hidden_states[-1][0], atol=1e-5, rtol=1e-5
     )
@@ -131,9 +130,8 @@ def test_speculators_trainer_runs_on_cpu_and_its_checkpoint_serves(
             str(SPECULATORS_PYTHON),
         ]
     )
-    assert (
-        again["seconds"] == report["seconds"]
-    )  # the re-run kept the data and the trained checkpoint
+    # the re-run kept the data and the trained checkpoint
+    assert again["seconds"] == report["seconds"]
     checkpoint = Path(report["checkpoint"])
     assert not (
         checkpoint.parent / "speculators.patch"

@@ -102,12 +102,10 @@ def test_unknown_options_are_refused_with_the_valid_ones(medusa_export, tiny_tar
         "clover2",
     ):  # fixed option lists, checked centrally
         assert registry.builder_options(registry._REGISTRY.get(method)) == ("tree", "top_k")
-    assert (
-        registry.builder_options(lambda export_dir, config, target, **_: None) == ()
-    )  # ignores all: refuses all
-    assert (
-        registry.builder_options(lambda export_dir, config, target, **options: None) is None
-    )  # checks its own
+    # ignores all: refuses all
+    assert registry.builder_options(lambda export_dir, config, target, **_: None) == ()
+    # checks its own
+    assert registry.builder_options(lambda export_dir, config, target, **options: None) is None
 
 
 def test_a_builder_must_return_a_declared_proposer(tmp_path, tiny_target_dir):
@@ -155,6 +153,5 @@ def test_the_base_declares_every_member_with_a_default():
         and wrapped.max_tree_nodes == 4
         and wrapped.reads_logits is False
     )
-    assert (
-        chain.draft_depth == 3 and wrapped.draft_depth is None
-    )  # a wrapper keeps its export's shape
+    # a wrapper keeps its export's shape
+    assert chain.draft_depth == 3 and wrapped.draft_depth is None

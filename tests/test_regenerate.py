@@ -301,9 +301,8 @@ def test_max_prompt_tokens_keeps_short_prompts_counts_the_rest_and_the_limit_cou
         regen.regenerate(
             str(data), tmp_path / "bad.jsonl", target=str(tiny_target_dir), max_prompt_tokens=0
         )
-    other = (
-        tmp_path / "other.jsonl"
-    )  # an interrupted run (out itself is finished: a new run there is refused)
+    # an interrupted run (out itself is finished: a new run there is refused)
+    other = tmp_path / "other.jsonl"
     Path(f"{other}.partial").write_text("")
     Path(f"{other}.partial.json").write_text(
         json.dumps(

@@ -151,9 +151,8 @@ def test_a_truncated_or_missing_newest_checkpoint_falls_back_with_one_warning(
             run_dir,
         )
     assert summary["steps"] == 5 and f"resuming from {folder / 'step2.ckpt'}" in caplog.text
-    assert (
-        resume_point.checkpoint_problem(folder / "step4.ckpt") is None
-    )  # step 4 trained and written again
+    # step 4 trained and written again
+    assert resume_point.checkpoint_problem(folder / "step4.ckpt") is None
 
     (folder / "step5.ckpt").unlink()  # last.ckpt now names a file that was deleted
     caplog.clear()

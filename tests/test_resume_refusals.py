@@ -90,9 +90,8 @@ def test_run_resume_changed_trains_at_the_new_rate(tmp_path, tiny_target_dir, ti
     groups = saved["optimizer_states"][0]["param_groups"]
     assert {g["lr"] for g in groups} == {0.0003} and {g["weight_decay"] for g in groups} == {0.05}
     assert saved["lr_schedulers"][0]["base_lrs"] == [0.0003] * len(groups)
-    assert (
-        saved["draftsmith"]["config"]["optim"]["lr"] == 0.0003
-    )  # the next resume compares against the new value
+    # the next resume compares against the new value
+    assert saved["draftsmith"]["config"]["optim"]["lr"] == 0.0003
 
 
 def test_a_resume_against_another_target_is_refused_and_a_copy_of_the_same_one_is_not(
@@ -104,9 +103,8 @@ def test_a_resume_against_another_target_is_refused_and_a_copy_of_the_same_one_i
 
     run_dir = tmp_path / "run"
     train(tiny_cfg(tiny_target_dir, tiny_data_file), get_recipe("medusa"), run_dir)
-    other = (
-        tmp_path / "other_target"
-    )  # the same shapes, other weights: it used to resume without a word
+    # the same shapes, other weights: it used to resume without a word
+    other = tmp_path / "other_target"
     build_tiny_llama(len(tiny_tokenizer), seed=5).save_pretrained(other)
     tiny_tokenizer.save_pretrained(other)
     with pytest.raises(

@@ -80,9 +80,8 @@ def test_a_layer_that_always_picks_t_is_fixed_t_draw_for_draw(setup, granularity
         setup, {"hot": (always(1, granularity, h), "a"), "cold": (always(0, granularity, h), "b")}
     )
     table = result["table"]
-    assert (
-        table["hot"] == table["T=1"] and table["cold"] == table["T=0"]
-    )  # common random numbers, exactly
+    # common random numbers, exactly
+    assert table["hot"] == table["T=1"] and table["cold"] == table["T=0"]
     assert (
         table["hot"]["a"]["mean_temperature"] == 1.0
         and table["cold"]["b"]["mean_temperature"] == 0.0

@@ -146,17 +146,15 @@ def test_sampled_tree_without_replacement_small_nucleus_is_exact():
         StepContext(tokens=torch.tensor(prompt), root_token=6, hidden=torch.zeros(1), generator=gen)
     )
     nucleus = int((target_probs(drafter(torch.tensor(prompt)), temperature, top_p) > 0).sum())
-    assert (
-        nucleus < branching[0] and len(tree.children(0)) == nucleus
-    )  # draws what the nucleus holds
+    # draws what the nucleus holds
+    assert nucleus < branching[0] and len(tree.children(0)) == nucleus
     counts = torch.zeros(SMALL_V, SMALL_V, SMALL_V)
     for _ in range(2000):
         t1, t2, t3 = first_tokens(proposer, verifier, prompt, 3, gen)
         counts[t1, t2, t3] += 1
     probs = target_probs(SYNTH.double(), temperature, top_p)  # [a, b, V]
-    exact = (
-        probs[prompt[0], prompt[1]][:, None, None] * probs[prompt[1]][:, :, None] * probs
-    )  # [t1, t2, t3]
+    # [t1, t2, t3]
+    exact = probs[prompt[0], prompt[1]][:, None, None] * probs[prompt[1]][:, :, None] * probs
     assert float(counts[exact == 0].sum()) == 0
     assert chi2_pvalue(counts.sum(2), exact.sum(2)) > ALPHA
     assert chi2_pvalue(counts.sum(0), exact.sum(0)) > ALPHA

@@ -57,9 +57,8 @@ def tiny_model(kind: str, folder, seed: int = 0, **overrides) -> transformers.Pr
     kw.update(overrides)
     config = getattr(transformers, f"{kind}Config")(**kw)
     model = getattr(transformers, f"{kind}ForCausalLM")(config).eval()
-    with (
-        torch.no_grad()
-    ):  # default init makes norms 1 and biases 0, which would hide wiring mistakes
+    # default init makes norms 1 and biases 0, which would hide wiring mistakes
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.2)

@@ -146,9 +146,8 @@ def test_sglang_layout_loads_every_parameter_and_d2t_reproduces_our_draft_map(tm
     )
     assert cfg["tie_word_embeddings"] is False and cfg["target_hidden_size"] == target.hidden_size
     ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    assert (
-        [i + 1 for i in ids] == list(drafter.tapped_layers) == [1, 2, 3]
-    )  # SGLang captures the input of id + 1
+    # SGLang captures the input of id + 1
+    assert [i + 1 for i in ids] == list(drafter.tapped_layers) == [1, 2, 3]
     tensors = load_file(out / "model.safetensors")
     report = sglang_load(cfg, tensors)
     assert (report.unknown, report.missing, report.wrong) == ([], [], [])

@@ -95,14 +95,12 @@ def test_costs_are_timed_with_the_lm_head_the_loop_runs():
     _, lean = tiny_llama(0, layers=2)
     assert target_timing.loop_head(SimpleNamespace(uses_argmax_head=lambda: True)) == "argmax"
     assert target_timing.loop_head(SimpleNamespace(uses_argmax_head=lambda: False)) == "logits"
-    assert (
-        target_timing.loop_head(None) == "logits"
-    )  # no speculative decoder: the logits head, as before
+    # no speculative decoder: the logits head, as before
+    assert target_timing.loop_head(None) == "logits"
     model = HeadRecorder(lean, FakeClock(), lambda n: 5.0)
     target_timing.forward_curve(model, [1, 5, 9], sizes=(1, 4), repeats=1, head="argmax")
-    assert (
-        model.heads == ["logits"] + ["argmax"] * 3
-    )  # the untimed prefill, the warm-up, then sizes 1 and 4
+    # the untimed prefill, the warm-up, then sizes 1 and 4
+    assert model.heads == ["logits"] + ["argmax"] * 3
     fed = {}
     for head in ("argmax", "logits"):
         model = HeadRecorder(lean, FakeClock(), lambda n: 5.0)
@@ -168,9 +166,8 @@ def test_search_picks_a_short_chain_when_verify_16_is_dear_and_acceptance_decays
     table = predict_shapes(_decaying_steps(), draft_shapes.candidates(proposer), costs)
     assert table[0]["spec"]["kind"] == "chain" and 2 <= table[0]["spec"]["nodes"] <= 4
     full = next(r for r in table if r["shape"] == "tree:16/b4/d4")
-    assert (
-        full["predicted_speedup"] < 1.0 < table[0]["predicted_speedup"]
-    )  # the export's 16-node tree loses
+    # the export's 16-node tree loses
+    assert full["predicted_speedup"] < 1.0 < table[0]["predicted_speedup"]
     measured = {r["shape"]: r["predicted_speedup"] for r in table[:3] if r["shape"] != "plain"}
     choice = decide_shape(table, measured, noise=0.05)
     assert (
@@ -222,9 +219,8 @@ def test_medusa_shapes_come_from_the_tree_builder():
     from draftsmith.common.trees import default_medusa_tree
 
     assert sorted(map(list, shaped.tree.paths)) == sorted(default_medusa_tree(2, 5, 2))
-    assert (
-        shaped.max_tree_nodes == 6 and medusa.max_tree_nodes == 4
-    )  # a copy: the export's proposer is unchanged
+    # a copy: the export's proposer is unchanged
+    assert shaped.max_tree_nodes == 6 and medusa.max_tree_nodes == 4
     chain = draft_shapes.with_shape(medusa, Shape.chain(3))
     assert [list(p) for p in chain.tree.paths] == [[0], [0, 0], [0, 0, 0]]
     with pytest.raises(ShapeError, match="3 heads"):

@@ -106,9 +106,8 @@ def test_rejection_sampling_with_the_learned_rule_keeps_the_target_law(small_tar
         "head_dim": 8,
     }
     drafter = EagleDrafter(EagleConfig(**hf_cfg), lean.embed_weight, lean.lm_head_weight).eval()
-    head = (
-        HashHead()
-    )  # any function of the drafter state: the stop decision never looks at the verifier
+    # any function of the drafter state: the stop decision never looks at the verifier
+    head = HashHead()
     base = EagleProposer(Eagle1DraftModel(drafter), "chain", depth=3, temperature=1.0)
     proposer = LearnedStopProposer(base, head, LearnedStop(head, threshold=0.5, max_depth=3))
     dec = SpeculativeDecoder(lean, proposer, RejectionSamplingVerifier(temperature=1.0))

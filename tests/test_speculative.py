@@ -130,9 +130,8 @@ class OracleHeads(nn.Module):
         for k in range(self.num_heads):
             pos = j + k + 2
             truth = self.seq[pos] if pos < len(self.seq) else 0
-            rank = (
-                (3 * j + k) % 4 % 3
-            )  # 0, 1, 2, 0, ...: mostly present, sometimes not in the top-2
+            # 0, 1, 2, 0, ...: mostly present, sometimes not in the top-2
+            rank = (3 * j + k) % 4 % 3
             fillers = [t for t in range(VOCAB) if t != truth][:3]
             order = fillers[:rank] + [truth] + fillers[rank:]
             for r, tok in enumerate(order):
@@ -241,9 +240,8 @@ def test_eos_and_stream(target, reference):
     res = dec.generate(PROMPTS[1], NEW, eos_ids=(eos,), stream=chunks.append)
     assert res.tokens == ref[: first + 1]
     assert [t for c in chunks for t in c] == res.tokens and len(chunks) > 1
-    assert (
-        dec.generate(PROMPTS[1], 5).tokens == ref[:5]
-    )  # max_new_tokens cuts inside an accepted chain
+    # max_new_tokens cuts inside an accepted chain
+    assert dec.generate(PROMPTS[1], 5).tokens == ref[:5]
 
 
 def test_typical_verifier_accepts_by_the_entropy_threshold_where_greedy_rejects():

@@ -128,9 +128,8 @@ def test_chi_square_has_power_against_a_wrong_sampler(small_target):
 # tokens): cheap enough to check the first THREE tokens (so acceptance below the root's children
 # matters too), sampling without replacement, temperature and top-p.
 
-SYNTH = (
-    torch.randn(SMALL_V, SMALL_V, SMALL_V, generator=torch.Generator().manual_seed(11)) * 2.0
-)  # [prev2, prev1, V]
+# [prev2, prev1, V]
+SYNTH = torch.randn(SMALL_V, SMALL_V, SMALL_V, generator=torch.Generator().manual_seed(11)) * 2.0
 
 
 def synthetic_logits(ctx: list[int]) -> torch.Tensor:
@@ -198,9 +197,8 @@ def test_rejection_sampling_modes_on_synthetic_target(mode, verifier_cls, temper
     probs = target_probs(
         p, temperature, top_p
     )  # [a, b, V]: law of the next token after (..., a, b)
-    exact = (
-        probs[prompt[0], prompt[1]][:, None, None] * probs[prompt[1]][:, :, None] * probs
-    )  # [t1, t2, t3]
+    # [t1, t2, t3]
+    exact = probs[prompt[0], prompt[1]][:, None, None] * probs[prompt[1]][:, :, None] * probs
     assert float(counts[exact == 0].sum()) == 0  # nothing outside the top-p nucleus
     assert chi2_pvalue(counts.sum(2), exact.sum(2)) > ALPHA  # (t1, t2)
     assert chi2_pvalue(counts.sum(0), exact.sum(0)) > ALPHA  # (t2, t3)

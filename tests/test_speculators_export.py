@@ -35,9 +35,8 @@ from draftsmith.runtime.drafting.registry import build_proposer
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC_VENV = (
-    ROOT / ".cache" / "venv-speculators"
-)  # made by `make speculators-venv` (part of `make test`)
+# made by `make speculators-venv` (part of `make test`)
+SPEC_VENV = ROOT / ".cache" / "venv-speculators"
 SPECULATORS_PYTHON = Path(
     os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON", SPEC_VENV / "bin" / "python")
 )

@@ -63,9 +63,8 @@ def test_round_trip_through_the_speculators_format_is_exact(
     ours, ours_state = read_export(export)
     back, back_state = read_export(tmp_path / "imported")
     assert back["method"] == "eagle3" and dict(back["architecture"]) == dict(ours["architecture"])
-    assert (
-        back["inference"] == ours["inference"]
-    )  # depth = speculative_tokens - 1 and the recipe's tree
+    # depth = speculative_tokens - 1 and the recipe's tree
+    assert back["inference"] == ours["inference"]
     assert {
         k: back["target"][k] for k in ("fingerprint", "lm_head", "vocab_size", "hidden_size")
     } == {k: ours["target"][k] for k in ("fingerprint", "lm_head", "vocab_size", "hidden_size")}

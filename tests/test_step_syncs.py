@@ -156,9 +156,8 @@ def test_an_eagle3_step_reads_nothing_back_outside_log_steps(
         counter.counts[step] > 0 for step in log_steps
     )  # the counter sees the log steps' reads
     batches = list(data.train_dataloader())
-    assert (
-        batches[0]["input_ids"].shape == (4, 48) and "document_ids" in batches[0]
-    )  # 192 tokens: 4 packed rows
+    # 192 tokens: 4 packed rows
+    assert batches[0]["input_ids"].shape == (4, 48) and "document_ids" in batches[0]
     expected = sum(
         int(b["attention_mask"].sum()) for b in (batches * 7)[:7]
     )  # counted on the host, every step

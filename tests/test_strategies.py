@@ -231,9 +231,8 @@ def test_precision_auto_on_gpus_and_in_the_trainer(tmp_path, caplog):
         "32-true",
         "auto -> 32-true (this GPU has no bf16 support)",
     )
-    assert (
-        resolve_precision(gpu, cuda_available=False)[0] == "bf16-mixed"
-    )  # planned here, trained there
+    # planned here, trained there
+    assert resolve_precision(gpu, cuda_available=False)[0] == "bf16-mixed"
     auto = compose_config(["recipe=eagle3", "trainer=cpu", "trainer.accelerator=auto"]).trainer
     assert resolve_precision(auto, cuda_available=True, cuda_bf16=True)[0] == "bf16-mixed"
     import logging

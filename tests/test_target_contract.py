@@ -145,9 +145,8 @@ def test_every_member_callers_read_is_declared():
             reads += 1
             if member not in declared or member.startswith("_"):
                 undeclared.append(f"{path.relative_to(ROOT)}:{line}: .{member}")
-    assert (
-        reads > 50
-    )  # the scan sees the callers (the loops, the families, the bench, batched generation)
+    # the scan sees the callers (the loops, the families, the bench, batched generation)
+    assert reads > 50
     assert undeclared == [], (
         "declare these on runtime/target/interface.TargetDecoder:\n" + "\n".join(undeclared)
     )
@@ -283,9 +282,8 @@ def test_a_target_with_its_own_code_is_refused_without_the_opt_in(tmp_path):
         with pytest.raises(RemoteCodeRefused) as err:
             load()
         assert "--trust-remote-code" in str(err.value) and "\n" not in str(err.value)
-    assert (
-        check_custom_code(folder, trust_remote_code=True) is True
-    )  # the opt-in lets transformers run it
+    # the opt-in lets transformers run it
+    assert check_custom_code(folder, trust_remote_code=True) is True
 
 
 def test_a_known_model_type_loads_with_transformers_own_code_whatever_its_auto_map(tmp_path):

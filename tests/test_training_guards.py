@@ -63,9 +63,8 @@ def test_target_dtype_auto_is_the_default_and_follows_the_cpu(monkeypatch, caplo
     assert dtype == torch.float32 and why.startswith("auto -> fp32") and "no bf16" in why
     dtype, why = resolve_target_dtype("auto", "cpu", AVX512_BF16)
     assert dtype == torch.bfloat16 and why.startswith("auto -> bf16")
-    assert (
-        resolve_target_dtype("bf16", "cpu", AVX2)[0] == torch.bfloat16
-    )  # explicit choices are kept
+    # explicit choices are kept
+    assert resolve_target_dtype("bf16", "cpu", AVX2)[0] == torch.bfloat16
     assert resolve_target_dtype("fp32", "cpu", AVX512_BF16)[0] == torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_target_dtype("int3", "cpu")
@@ -151,9 +150,8 @@ def _tiny_hf(kind: str) -> torch.nn.Module:
         eos_token_id=2,
     )
     torch.manual_seed(0)
-    if (
-        kind == "gemma2"
-    ):  # tanh(logits / cap) * cap, a small cap so that it visibly bends the logits
+    # tanh(logits / cap) * cap, a small cap so that it visibly bends the logits
+    if kind == "gemma2":
         return tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, final_logit_softcapping=0.5)).eval()
     if kind == "granite":  # logits / logits_scaling
         return tf.GraniteForCausalLM(tf.GraniteConfig(**common, logits_scaling=4.0)).eval()
@@ -307,9 +305,7 @@ def test_validation_puts_the_drafter_buffers_and_whole_parameters_on_the_batch_d
     assert "embed_weight" not in drafter.state_dict()  # still non-persistent
     assert drafter[1].weight.device.type == "meta"  # kept whole by ZeRO-3: moved
     assert drafter[2].weight.device.type == "cpu"  # partitioned: left to ZeRO-3
-    assert (
-        drafter[0].weight.device.type == "cpu"
-    )  # not DeepSpeed's (e.g. FSDP cpu_offload): left to the strategy
-    assert (
-        drafter[1].weight.ds_id == 7 and drafter[1].weight.ds_persist
-    )  # same object, DeepSpeed attributes kept
+    # not DeepSpeed's (e.g. FSDP cpu_offload): left to the strategy
+    assert drafter[0].weight.device.type == "cpu"
+    # same object, DeepSpeed attributes kept
+    assert drafter[1].weight.ds_id == 7 and drafter[1].weight.ds_persist

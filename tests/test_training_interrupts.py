@@ -39,9 +39,8 @@ def test_ctrl_c_in_training_names_the_checkpoint_and_the_resume_command(
 
     with pytest.raises(TrainingInterrupted) as err:
         run_train_inprocess(overrides, tmp_path / "run")
-    assert (
-        signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    )  # Ctrl-C works again afterwards
+    # Ctrl-C works again afterwards
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert err.value.step == 3 and err.value.checkpoint.endswith("step2.ckpt"), vars(err.value)
     assert isinstance(err.value, KeyboardInterrupt)
 

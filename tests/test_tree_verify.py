@@ -101,9 +101,8 @@ def test_default_medusa_tree_is_valid_and_sized():
     tree = StaticTree.from_paths(paths, top_k=4)
     assert tree.num_nodes == 13 and tree.depth == 3
     assert [0] in paths and [0, 0] in paths and [0, 0, 0] in paths
-    assert (
-        len(default_medusa_tree(num_heads=1, num_nodes=50, top_k=2)) == 2
-    )  # capped by what exists
+    # capped by what exists
+    assert len(default_medusa_tree(num_heads=1, num_nodes=50, top_k=2)) == 2
 
 
 def hand_tree_and_logits():

@@ -104,9 +104,8 @@ def test_the_sync_free_loss_equals_the_boolean_indexing_loss(target, lm_loss):
         p.data.normal_(0, 0.1)
     batch = fixed_batch(target.vocab_size)
     feats = target.features(batch["input_ids"], batch["attention_mask"], objective.taps)
-    assert (
-        feats.logits is None and feats.greedy_ids is not None
-    )  # the teacher never builds [B, T, V] logits
+    # the teacher never builds [B, T, V] logits
+    assert feats.logits is None and feats.greedy_ids is not None
     ref, ref_metrics, ref_scored = reference_loss(
         objective.module, lm_loss, batch, feats, 3, 0.8, 5
     )
@@ -129,9 +128,8 @@ def test_shift_left_and_the_reason_for_an_unscored_batch(target):
     )
     config = make_objective(target, draft_vocab=60).module.config
     assert unscored_reason(config, torch.tensor(3.0), torch.tensor(9.0)) is None
-    assert (
-        unscored_reason(config, torch.tensor(0.0), torch.tensor(0.0)) is None
-    )  # no assistant token: the mask's case
+    # no assistant token: the mask's case
+    assert unscored_reason(config, torch.tensor(0.0), torch.tensor(0.0)) is None
     assert "none of 9 assistant positions (drafter.draft_vocab_size=60" in unscored_reason(
         config, torch.tensor(0.0), torch.tensor(9.0)
     )

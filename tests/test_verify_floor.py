@@ -85,9 +85,8 @@ def test_torch_linear_argmax_is_the_first_maximum_of_its_chunked_logits(dtype, c
     clear = top2[:, 0] - top2[:, 1] > 2 * bound
     assert clear.any() and torch.equal(got[clear], full.argmax(-1)[clear])
     tied = tie_weights(n, k, dtype)
-    pos = (
-        torch.rand(5, k, generator=g).to(dtype) + 0.1
-    )  # x > 0: row 3 and its copies give the maximum
+    # x > 0: row 3 and its copies give the maximum
+    pos = torch.rand(5, k, generator=g).to(dtype) + 0.1
     got = linear_argmax(pos, tied, chunk)
     assert torch.equal(got, chunked_argmax(pos, tied, chunk)) and set(got.tolist()) <= TIED_ROWS(n)
 
@@ -239,9 +238,8 @@ def test_greedy_speculation_with_the_argmax_head_is_lossless(pair):
         ChainProposer(inner, depth=3),
         SampledTreeProposer(inner, (2, 2, 1), temperature=0.0),
     ):
-        proposer.reads_logits = (
-            False  # what a proposer declares when its accept() never reads logits (EAGLE)
-        )
+        # what a proposer declares when its accept() never reads logits (EAGLE)
+        proposer.reads_logits = False
         spy.heads.clear()
         assert SpeculativeDecoder(spy, proposer).generate(prompt, new).tokens == reference
         assert spy.heads[0] == "logits" and set(spy.heads[1:]) == {

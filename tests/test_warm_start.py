@@ -79,9 +79,8 @@ def test_a_warm_start_loads_the_exports_weights_and_refuses_another_target_or_sh
     )  # another init
     prior = warm_start.load_init(str(medusa_export), objective, target)
     assert all(torch.equal(objective.module.state_dict()[k], v) for k, v in exported.items())
-    assert (
-        prior["export"].startswith("sha256:") and prior["data_order"] is None
-    )  # written before lineages
+    # written before lineages
+    assert prior["export"].startswith("sha256:") and prior["data_order"] is None
 
     other = Target(_other_llama(len(tiny_tokenizer)), tiny_tokenizer, "other-target")
     with pytest.raises(TargetMismatchError) as err:
@@ -211,6 +210,5 @@ def test_an_export_from_before_lineages_gets_its_data_order_from_its_run_folder(
     assert lineage["data_order"] == warm_start.data_order(cfg) and lineage["order_steps"] == 200
     assert lineage["tokens_total"] == 379314
     assert lineage["runs"][-1]["command"] == "train.py recipe=eagle3 data.max_length=512"
-    assert (
-        warm_start.lineage_from_run(tmp_path / "elsewhere", old)["data_order"] is None
-    )  # no run config: unknown
+    # no run config: unknown
+    assert warm_start.lineage_from_run(tmp_path / "elsewhere", old)["data_order"] is None

@@ -114,9 +114,8 @@ def test_stale_temporaries_of_a_dead_process_are_removed_with_a_warning(tmp_path
     stale = tmp_path / f".out.tmp-{dead}-x1y2"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
-    live = (
-        tmp_path / f".out.tmp-{os.getpid() + 0}-mine"
-    )  # a live pid's temporary is a write in progress
+    # a live pid's temporary is a write in progress
+    live = tmp_path / f".out.tmp-{os.getpid() + 0}-mine"
     live.mkdir()
     with caplog.at_level(logging.WARNING):
         write_folder(out, lambda tmp: (tmp / "report.json").write_text("{}"), PLAIN)

@@ -75,9 +75,8 @@ def eagle3_params(t: Shape, draft_vocab: int) -> int:
     2H, final norm, LM head over the draft vocabulary (``drafters/eagle3.py``)."""
     h, kv = t.hidden, t.kv_dim
     attention = 2 * h * h + 2 * (2 * h * kv) + h * h  # q: 2H -> H, k and v: 2H -> kv, o: H -> H
-    return (
-        3 * h * h + attention + 3 * h * t.intermediate + 4 * h + draft_vocab * h
-    )  # fc, attn, mlp, 4 norms, head
+    # fc, attn, mlp, 4 norms, head
+    return 3 * h * h + attention + 3 * h * t.intermediate + 4 * h + draft_vocab * h
 
 
 def activation_bytes_per_token(
@@ -120,9 +119,8 @@ def memory_per_gpu(
     target_forward = tokens_per_gpu * 2 * ((t.layers + 1) * t.hidden + t.vocab)
     optimizer = 0 if offload_optimizer else 12 * p_d
     if preset == "ddp":
-        drafter = (
-            16 * p_d
-        )  # fp32 weights (autocast computes in bf16), grads, Adam m and v; all replicated
+        # fp32 weights (autocast computes in bf16), grads, Adam m and v; all replicated
+        drafter = 16 * p_d
     elif preset == "zero2":
         drafter = 2 * p_d + (2 * p_d + optimizer) / world
     # fsdp / zero3: grads (4 fp32 / 2 bf16 + 2) and master + Adam (12) sharded, plus one gathered
@@ -156,9 +154,8 @@ def tokens_per_second(
     and the drafter's forward + backward (6 FLOPs per parameter per TTT step) at ``mfu`` of
     ``flops`` (H100 bf16 dense).
     """
-    target = (
-        2 * t.params + 2 * t.layers * seq * t.hidden
-    )  # matmuls + QK^T / PV over half the context on average
+    # matmuls + QK^T / PV over half the context on average
+    target = 2 * t.params + 2 * t.layers * seq * t.hidden
     drafter = 6 * ttt_steps * eagle3_params(t, draft_vocab)
     return flops * mfu / (target + drafter)
 

@@ -127,9 +127,8 @@ def resolve_precision(
     device = trainer_device(trainer_cfg, cuda_available)
     if device == "cuda":
         visible = torch.cuda.is_available() if cuda_available is None else cuda_available
-        if (
-            cuda_bf16 is None
-        ):  # no GPU to ask on this machine (a plan, a dry run): the GPUs trained on have bf16
+        # no GPU to ask on this machine (a plan, a dry run): the GPUs trained on have bf16
+        if cuda_bf16 is None:
             cuda_bf16 = torch.cuda.is_bf16_supported() if visible else True
         native = cuda_bf16
         why = (
@@ -185,9 +184,8 @@ def _fsdp(trainer_cfg: DictConfig, drafter: nn.Module | None) -> Any:
         classes if bool(trainer_cfg.get("activation_checkpointing", False)) and classes else None
     )
     mesh = None
-    if (
-        sharding == "HYBRID_SHARD"
-    ):  # shard inside a node, replicate across nodes: mesh (nodes, GPUs per node)
+    # shard inside a node, replicate across nodes: mesh (nodes, GPUs per node)
+    if sharding == "HYBRID_SHARD":
         from draftsmith.distill.cluster.attempts import planned_world_size
 
         nodes = int(trainer_cfg.get("num_nodes", 1) or 1)

@@ -151,9 +151,8 @@ def load_conversations(spec: str, limit: int | None = None) -> tuple[list[list[d
             messages = normalize_record(record)
         except ValueError as err:
             if strict:
-                at = (
-                    where if isinstance(where, str) else f"{source}:{where}"
-                )  # a folder's records name their file
+                # a folder's records name their file
+                at = where if isinstance(where, str) else f"{source}:{where}"
                 raise DataError(f"{at}: {err}. Fix the record or convert the file.") from None
             malformed += 1
             continue

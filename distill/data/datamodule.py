@@ -153,9 +153,8 @@ class ChatDataModule(pl.LightningDataModule):
         if path.is_file():
             try:
                 samples, self.report = load_samples(path)
-            except (
-                DamagedCache
-            ) as err:  # verified on read: a damaged file is rebuilt, never read again
+            # verified on read: a damaged file is rebuilt, never read again
+            except DamagedCache as err:
                 logger.warning(
                     "the tokenised-data cache %s is damaged (%s): tokenising the data again",
                     path,
@@ -208,9 +207,8 @@ class ChatDataModule(pl.LightningDataModule):
         **kwargs: Any,
     ) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
-        workers = (
-            {"persistent_workers": True} if self.num_workers else {}
-        )  # no re-fork at each epoch / validation
+        # no re-fork at each epoch / validation
+        workers = {"persistent_workers": True} if self.num_workers else {}
         return loader(
             dataset,
             num_workers=self.num_workers,
@@ -290,9 +288,8 @@ class ChatDataModule(pl.LightningDataModule):
 
 
 DATAMODULES: Registry[Callable[..., Any]] = Registry("batch kind")
-register_batch_kind = (
-    DATAMODULES.register
-)  # @register_batch_kind(name) on fn(cfg, tokenizer, packing) -> datamodule
+# @register_batch_kind(name) on fn(cfg, tokenizer, packing) -> datamodule
+register_batch_kind = DATAMODULES.register
 
 
 def build_datamodule(

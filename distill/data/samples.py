@@ -64,9 +64,8 @@ def _assistant_spans(
         before = _render(tokenizer, messages[:i]) if i else ""
         if len(before) >= stop_char:  # this turn starts after the truncation point
             break
-        context = (
-            messages[:i] if i else [{"role": "user", "content": "x"}]
-        )  # some templates reject []
+        # some templates reject []
+        context = messages[:i] if i else [{"role": "user", "content": "x"}]
         plain = before if i else _render(tokenizer, context)
         header = _render(tokenizer, context, generation_prompt=True)[len(plain) :]
         after = _render(tokenizer, messages[: i + 1])

@@ -204,9 +204,8 @@ def _refuse_binary(path: Path) -> None:
     try:
         head.decode("utf-8")
         text_like = b"\0" not in head
-    except (
-        UnicodeDecodeError
-    ) as err:  # a multi-byte character cut by the 4 KiB window is still text
+    # a multi-byte character cut by the 4 KiB window is still text
+    except UnicodeDecodeError as err:
         text_like = b"\0" not in head and err.start >= len(head) - 3
     if head.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise DataError(

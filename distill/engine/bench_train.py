@@ -99,9 +99,8 @@ def _with_teacher(target: Target, objective: Any, feats: Any) -> Any:
     taps = objective.taps
     if not (taps.logits or taps.topk):
         return feats
-    if (
-        feats.greedy_ids is not None and not taps.topk
-    ):  # lazy: the objective rebuilds only the rows it scores
+    # lazy: the objective rebuilds only the rows it scores
+    if feats.greedy_ids is not None and not taps.topk:
         return replace(feats, head_weight=target.lm_head_weight)
     logits = torch.nn.functional.linear(feats.final_hidden, target.lm_head_weight)  # [B, T, V]
     out = replace(feats, logits=logits if taps.logits else None)

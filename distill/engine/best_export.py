@@ -28,14 +28,12 @@ class KeepBestServed(pl.Callback):
 
     def __init__(self, run_dir: str | Path, resumed: bool) -> None:
         self.out, self.resumed = Path(run_dir) / BEST_EXPORT, resumed
-        self.best: dict[str, Any] | None = (
-            kept_best(self.out) if resumed else None
-        )  # {step, served_tau, tokens}
+        # {step, served_tau, tokens}
+        self.best: dict[str, Any] | None = kept_best(self.out) if resumed else None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if (
-            not self.resumed and trainer.is_global_zero
-        ):  # a fresh run: an earlier run's best is not this one's
+        # a fresh run: an earlier run's best is not this one's
+        if not self.resumed and trainer.is_global_zero:
             shutil.rmtree(self.out, ignore_errors=True)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

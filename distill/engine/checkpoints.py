@@ -199,9 +199,8 @@ class QuotaCheckpoint(ModelCheckpoint):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if (
-            trainer.is_global_zero and Path(self.dirpath).is_dir()
-        ):  # what an earlier attempt's failed save left
+        # what an earlier attempt's failed save left
+        if trainer.is_global_zero and Path(self.dirpath).is_dir():
             remove_stale_temporaries(Path(self.dirpath))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -235,9 +234,8 @@ class QuotaCheckpoint(ModelCheckpoint):
         start = time.perf_counter()
         try:
             super()._save_checkpoint(trainer, filepath)
-        except (
-            CheckpointInterrupted
-        ) as stop:  # Ctrl-C during the write: the finished file becomes last.ckpt
+        # Ctrl-C during the write: the finished file becomes last.ckpt
+        except CheckpointInterrupted as stop:
             if stop.saved is not None and trainer.is_global_zero:
                 self.link_kind = link_last(filepath, Path(self.dirpath) / LAST_CHECKPOINT)
             raise

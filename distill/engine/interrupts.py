@@ -100,9 +100,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                     os.fsync(fh.fileno())
             except BaseException:
                 tmp.unlink(missing_ok=True)
-                if (
-                    pending["count"] > 1
-                ):  # torch's C++ writer turned the second Ctrl-C into a RuntimeError
+                # torch's C++ writer turned the second Ctrl-C into a RuntimeError
+                if pending["count"] > 1:
                     raise CheckpointInterrupted(None) from None
                 raise
             os.replace(tmp, path)

@@ -96,18 +96,14 @@ class DistillModule(pl.LightningModule):
         self.run_info: dict[
             str, Any
         ] = {}  # recipe name, target identity, resolved config (set by the trainer)
-        self.served_probe = (
-            served_probe  # serving code handed in by the entry point: distill/ never imports it
-        )
-        self.served_validation: dict[str, Any] | None = (
-            None  # the last probe's record, written into the export
-        )
-        self.sharded_clip_norm: float | None = (
-            None  # FSDP: clip the global norm here (set by the trainer)
-        )
-        self.last_logged_loss: float | None = (
-            None  # the training loss read at the last log step (progress bar)
-        )
+        # serving code handed in by the entry point: distill/ never imports it
+        self.served_probe = served_probe
+        # the last probe's record, written into the export
+        self.served_validation: dict[str, Any] | None = None
+        # FSDP: clip the global norm here (set by the trainer)
+        self.sharded_clip_norm: float | None = None
+        # the training loss read at the last log step (progress bar)
+        self.last_logged_loss: float | None = None
         self.compiled = CompiledStep(
             enabled=bool(compile)
         )  # trainer.compile: the target forward and the loss
@@ -163,9 +159,8 @@ class DistillModule(pl.LightningModule):
         ):  # a feature cache: refuse taps it does not hold before step 1
             self._target.check_taps(self.objective.taps, own_features=self.objective.own_features)
         self._target.to(self.device)
-        for (
-            model
-        ) in self.objective.frozen.values():  # never registered: never saved, never optimised
+        # never registered: never saved, never optimised
+        for model in self.objective.frozen.values():
             model.to(self.device).eval().requires_grad_(False)
 
     def _step(
@@ -305,9 +300,8 @@ class DistillModule(pl.LightningModule):
             "export_config": self.objective.export_config(),
             **self.run_info,
         }
-        if (
-            self.served_validation is not None
-        ):  # `draftsmith export CHECKPOINT` keeps the last served tau
+        # `draftsmith export CHECKPOINT` keeps the last served tau
+        if self.served_validation is not None:
             checkpoint["draftsmith"]["validation"] = self.served_validation
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -62,9 +62,8 @@ def check_config(cfg: DictConfig, recipe: Any) -> None:
             "target.name_or_path is empty: point it at a HF causal-LM folder, or use the default "
             "`smollm2-135m`"
         )
-    if (
-        float(cfg.optim.lr) == 0
-    ):  # allowed: runs the pipeline without moving a weight (checking an init or an export)
+    # allowed: runs the pipeline without moving a weight (checking an init or an export)
+    if float(cfg.optim.lr) == 0:
         log.warning("optim.lr=0: the weights will not change")
     check_devices(cfg.trainer)
     if recipe.validate is not None:
@@ -94,9 +93,8 @@ def extra_callbacks(
     """Callbacks beyond the standard set: the sharded target's, and the best-served export's when a
     served-tau probe runs and ``validation.served_tau.keep_best`` is on."""
     extra: list = [TargetSharding(target, cfg.trainer)] if shard_target else []
-    if (
-        resumed and str(cfg.run.resume).lower() == "changed"
-    ):  # the new optim values over the checkpoint's
+    # the new optim values over the checkpoint's
+    if resumed and str(cfg.run.resume).lower() == "changed":
         extra.append(ApplyChangedOptim())
     block = (cfg.get("validation") or {}).get("served_tau") or {}
     if served and bool(block.get("keep_best", True)) and bool(cfg.run.export):

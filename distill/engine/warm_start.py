@@ -114,9 +114,8 @@ def lineage_from_run(run_dir: str | Path, config: dict[str, Any]) -> dict[str, A
         return lineage
     cfg = OmegaConf.load(saved)
     overrides = Path(run_dir) / ".hydra" / "overrides.yaml"
-    if (
-        overrides.is_file() and lineage["runs"]
-    ):  # the command, as the run's own record of its overrides gives it
+    # the command, as the run's own record of its overrides gives it
+    if overrides.is_file() and lineage["runs"]:
         words = [str(o) for o in OmegaConf.to_container(OmegaConf.load(overrides))]
         lineage["runs"][-1]["command"] = shlex.join(["train.py", *words])
     return {**lineage, "data_order": data_order(cfg), "order_steps": lineage["steps_total"]}

@@ -223,9 +223,8 @@ def _write_shards(
         if stop_after is not None and written >= stop_after:
             bar.close()
             return False
-        cpu = (
-            time.process_time()
-        )  # this process's CPU time, every thread: what a curve bills for the cache
+        # this process's CPU time, every thread: what a curve bills for the cache
+        cpu = time.process_time()
         batches = plan.batches[shard["start"] : shard["stop"]]
         tensors, meta = _shard_tensors(target, plan, device, batches, bar)
         write_shard(out / shard["file"], tensors, meta)
@@ -307,9 +306,8 @@ def _shard_tensors(
     for split, i, positions in batches:
         items, order = plan.plans[split]
         batch = collate([items[j] for j in order[i]], plan.pad_id)  # [B, T] each
-        asked = (
-            replace(taps, logits=True) if taps.lazy_logits else taps
-        )  # the greedy ids come from the logits
+        # the greedy ids come from the logits
+        asked = replace(taps, logits=True) if taps.lazy_logits else taps
         feats = target.features(
             batch["input_ids"].to(device), batch["attention_mask"].to(device), asked
         )

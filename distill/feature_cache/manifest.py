@@ -80,9 +80,8 @@ def settings_of(cfg: Any) -> dict[str, Any]:
     from draftsmith.distill.data.sample_cache import spec_identity
 
     d, name = cfg.data, str(cfg.target.name_or_path)
-    if (
-        Path(name).expanduser().exists()
-    ):  # a local folder: the same whether named relatively or absolutely
+    # a local folder: the same whether named relatively or absolutely
+    if Path(name).expanduser().exists():
         name = str(Path(name).expanduser().resolve())
     return {
         "recipe": str(cfg.recipe.name),

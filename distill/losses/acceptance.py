@@ -26,9 +26,8 @@ from draftsmith.kernels.linear_cross_entropy import LinearCEOutput, default_chun
 
 KINDS = ("none", "hybrid", "nla", "tv")
 IGNORE_INDEX = -100
-_EPS = (
-    1e-6  # floor of alpha inside -log alpha (a row the draft gives no mass where the target has it)
-)
+# floor of alpha inside -log alpha (a row the draft gives no mass where the target has it)
+_EPS = 1e-6
 
 
 def row_losses(
@@ -111,9 +110,8 @@ def acceptance_loss(
         )
         total, alpha_sum = total + part, alpha_sum + alpha
         tops.append(top)
-    weights = (
-        torch.ones(n, device=hidden.device) if row_weight is None else row_weight.float()
-    )  # [N]
+    # [N]
+    weights = torch.ones(n, device=hidden.device) if row_weight is None else row_weight.float()
     if labels is not None:
         weights = weights * (labels != IGNORE_INDEX)
     denom = weights.sum().clamp_min(1.0)  # a tensor: counting the scored rows reads nothing back

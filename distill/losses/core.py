@@ -117,13 +117,11 @@ class LMHeadLoss:
     fused: bool = True
     chunk_size: int | None = None
     matmul_dtype: torch.dtype | None = None
-    acceptance: str = (
-        "none"  # loss.acceptance: none | hybrid | nla | tv (distill/losses/acceptance.py)
-    )
+    # loss.acceptance: none | hybrid | nla | tv (distill/losses/acceptance.py)
+    acceptance: str = "none"
     acceptance_eta: float = 3.0
-    replay_weight: float = (
-        0.0  # loss.replay_weight: on-policy error-position replay (recipes/eagle3.py)
-    )
+    # loss.replay_weight: on-policy error-position replay (recipes/eagle3.py)
+    replay_weight: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: Any, replay: bool = False) -> LMHeadLoss:
@@ -183,9 +181,8 @@ class LMHeadLoss:
         subset with static shapes: the mean divides by the weights' sum, kept on the device);
         ``reduction="sum"`` returns the weighted sum instead."""
         topk = min(topk, weight.shape[0])
-        if (
-            self.acceptance != "none"
-        ):  # the acceptance-targeted objective replaces the cross-entropy
+        # the acceptance-targeted objective replaces the cross-entropy
+        if self.acceptance != "none":
             return acceptance_loss(
                 hidden,
                 weight,
@@ -229,9 +226,8 @@ class LMHeadLoss:
         logits = F.linear(hidden.to(dtype), weight.to(dtype))  # [N, V]
         if row_weight is not None or reduction != "mean":
             loss = weighted_cross_entropy(logits, labels, teacher_logits, row_weight, reduction)
-        elif (
-            teacher_logits is None
-        ):  # rows labelled IGNORE_INDEX score nothing, as in the fused path
+        # rows labelled IGNORE_INDEX score nothing, as in the fused path
+        elif teacher_logits is None:
             loss = masked_cross_entropy(logits, labels.clamp_min(0), labels != IGNORE_INDEX)
         else:
             loss = soft_cross_entropy(

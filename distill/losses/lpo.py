@@ -70,9 +70,8 @@ def tempered_token_log_probs(
             hit = x.argmax(-1) == tokens  # [B, T]
             out.append(torch.where(hit, 0.0, LOG_ZERO).to(x.dtype))
         else:
-            lp = (
-                torch.log_softmax(x / tau, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-            )  # [B, T]
+            # [B, T]
+            lp = torch.log_softmax(x / tau, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
             out.append(lp.clamp(min=LOG_ZERO))
     return torch.stack(out, dim=-1)  # [B, T, K]
 

@@ -153,9 +153,8 @@ def ttt_step(
         right = (out.topk[:, 0] == greedy) & (
             weight > 0
         )  # the greedy draft token would be accepted
-        rejected = (
-            (weight > 0) & exposed[:rows] & ~right
-        )  # where the served chain would stop at this step
+        # where the served chain would stop at this step
+        rejected = (weight > 0) & exposed[:rows] & ~right
     step_loss = out.loss
     if lm_loss.replay_weight:
         step_loss = step_loss + replay_term(

@@ -27,9 +27,8 @@ class FeatureTaps:
     layers: tuple[int, ...] = ()
     logits: bool = False
     topk: int = 0
-    lazy_logits: bool = (
-        False  # logits read only through greedy() / logits_at() (see the module docstring)
-    )
+    # logits read only through greedy() / logits_at() (see the module docstring)
+    lazy_logits: bool = False
 
 
 @dataclass
@@ -44,12 +43,10 @@ class TargetFeatures:
     logits: torch.Tensor | None = None  # [B, T, V]
     topk_values: torch.Tensor | None = None  # [B, T, k]
     topk_indices: torch.Tensor | None = None  # [B, T, k]
-    greedy_ids: torch.Tensor | None = (
-        None  # [B, T] argmax of the logits, when they are not materialised
-    )
-    head_weight: torch.Tensor | None = (
-        None  # [V, H] LM head: logits = final_hidden @ head_weight.T, rows on demand
-    )
+    # [B, T] argmax of the logits, when they are not materialised
+    greedy_ids: torch.Tensor | None = None
+    # [V, H] LM head: logits = final_hidden @ head_weight.T, rows on demand
+    head_weight: torch.Tensor | None = None
 
     def greedy(self) -> torch.Tensor:
         """The target's greedy next token at every position [B, T] (stored, or the argmax of the

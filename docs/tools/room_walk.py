@@ -116,9 +116,8 @@ class Tracer:
             if name in self.files
             else self.files.setdefault(name, repository_file(name))
         )
-        if (
-            event != "call" or rel is None or frame.f_code.co_name.startswith("<")
-        ):  # module bodies, lambdas
+        # module bodies, lambdas
+        if event != "call" or rel is None or frame.f_code.co_name.startswith("<"):
             return
         key = (rel, frame.f_code.co_qualname)
         parent = self.stack[-1][1] if self.stack else self.root

@@ -50,9 +50,8 @@ class CloverObjective(CalibratedObjective):
             topk,
         )
         self.calibration, self.inference = calibration, inference
-        self.lm_loss = (
-            lm_loss or LMHeadLoss()
-        )  # fused chunked linear + CE (loss.fused_linear_ce): no [N, V] logits
+        # fused chunked linear + CE (loss.fused_linear_ce): no [N, V] logits
+        self.lm_loss = lm_loss or LMHeadLoss()
         self.taps = FeatureTaps(final_hidden=True, prenorm_hidden=True, logits=True)
 
     def loss(

@@ -35,9 +35,8 @@ class Blocks:
     positions: torch.Tensor  # [B, A*S] long: a .. a+S-1 per block
     mask: torch.Tensor  # [B, 1, A*S, T + A*S] bool: context keys then block keys
     scored: torch.Tensor  # [B, A, K] bool: slot k+1 is scored (a prefix per block)
-    label_pos: (
-        torch.Tensor
-    )  # [B, A, K] long: a+k (clamped into the sequence), the position slot k+1 predicts
+    # [B, A, K] long: a+k (clamped into the sequence), the position slot k+1 predicts
+    label_pos: torch.Tensor
 
 
 def sample_anchors(
@@ -47,9 +46,8 @@ def sample_anchors(
     bool)."""
     bsz, seq = attn.shape
     cand = torch.zeros(bsz, seq, dtype=torch.bool, device=attn.device)
-    cand[:, 1 : seq - 1] = (
-        attn[:, 1 : seq - 1].bool() & labels[:, 2:].bool()
-    )  # a in 1..T-2, label a+1 assistant
+    # a in 1..T-2, label a+1 assistant
+    cand[:, 1 : seq - 1] = attn[:, 1 : seq - 1].bool() & labels[:, 2:].bool()
     noise = torch.rand(bsz, seq, generator=generator, device="cpu").to(
         attn.device
     )  # [B, T] random order
@@ -98,9 +96,8 @@ def build_blocks(
     clamped = label_pos.clamp(max=seq - 1)
     real = (labels * attn).bool()  # [B, T]
     ok = inside & real.gather(1, clamped.flatten(1)).view_as(clamped) & valid[:, :, None]
-    scored = (
-        ok.long().cumprod(dim=-1).bool()
-    )  # a block's scored slots stop at its first unscored one
+    # a block's scored slots stop at its first unscored one
+    scored = ok.long().cumprod(dim=-1).bool()
     return Blocks(anchors, block_ids.flatten(1), positions.flatten(1), mask, scored, clamped)
 
 

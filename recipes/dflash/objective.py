@@ -53,9 +53,8 @@ class _Tally:
     weights: float = 0.0  # sum_k w_k over slots with rows
     conf_rows: int = 0
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-    confidence: torch.Tensor | None = (
-        None  # [B, A, S-1]: the head's P(accept) of every slot (validation, auto cut)
-    )
+    # [B, A, S-1]: the head's P(accept) of every slot (validation, auto cut)
+    confidence: torch.Tensor | None = None
 
 
 class DFlashObjective(Objective):
@@ -80,12 +79,10 @@ class DFlashObjective(Objective):
         self.taps = FeatureTaps(
             final_hidden=False, layers=tuple(drafter.config.target_layers), logits=True
         )
-        self.generator: torch.Generator | None = (
-            None  # anchors' randomness (None = torch's global RNG)
-        )
-        self.cut_search = (
-            cut_search  # inference.cut null + a confidence head: validation picks the served cut
-        )
+        # anchors' randomness (None = torch's global RNG)
+        self.generator: torch.Generator | None = None
+        # inference.cut null + a confidence head: validation picks the served cut
+        self.cut_search = cut_search
 
     def loss(
         self, batch: dict[str, torch.Tensor], feats: TargetFeatures
@@ -105,9 +102,8 @@ class DFlashObjective(Objective):
         )  # [B, A*S, H]
         hidden = hidden.view(bsz, self.anchors_per_seq, c.block_size, -1)  # [B, A, S, H]
         tally = _Tally(hidden.new_zeros(()), torch.ones_like(valid), torch.zeros_like(anchors))
-        searching = (
-            self.cut_search is not None and not d.training
-        )  # validation: record what the cut would do
+        # validation: record what the cut would do
+        searching = self.cut_search is not None and not d.training
         if searching:
             tally.confidence = hidden.new_zeros(
                 bsz, self.anchors_per_seq, c.block_size - 1, dtype=torch.float32
@@ -167,9 +163,8 @@ class DFlashObjective(Objective):
                 logit, hit[live].float(), reduction="sum"
             )
             tally.conf_rows += int(live.sum())
-            if (
-                tally.confidence is not None
-            ):  # every scored slot's P(accept), as the runtime's cut reads it
+            # every scored slot's P(accept), as the runtime's cut reads it
+            if tally.confidence is not None:
                 with torch.no_grad():
                     tally.confidence[:, :, k - 1][keep] = torch.sigmoid(
                         d.confidence_logit(head_in.detach(), out.topk[:, 0])

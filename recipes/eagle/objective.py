@@ -103,9 +103,8 @@ class EagleObjective(Objective):
         self.noise = noise
         self.topk = topk
         self.inference = inference
-        self.lm_loss = (
-            lm_loss or LMHeadLoss()
-        )  # fused chunked linear + CE by default (loss.fused_linear_ce)
+        # fused chunked linear + CE by default (loss.fused_linear_ce)
+        self.lm_loss = lm_loss or LMHeadLoss()
         self.taps = FeatureTaps(final_hidden=True, logits=True)
 
     def loss(
@@ -123,9 +122,8 @@ class EagleObjective(Objective):
             inputs = self.noise(inputs)
         pair_valid = attn[:, :n] * attn[:, 1 : n + 1]  # both f_t and x_{t+1} are real tokens
         pred, _ = self.module(ids[:, 1 : n + 1], inputs, attention_mask=pair_valid)  # [B, N, H]
-        mask = (
-            batch["loss_mask"][:, 2:] * attn[:, 2:]
-        )  # [B, N]: label x_{t+2} is an assistant token
+        # [B, N]: label x_{t+2} is an assistant token
+        mask = batch["loss_mask"][:, 2:] * attn[:, 2:]
         keep = mask.bool()
         pred_k = pred[keep]  # [M, H]; the V-wide LM head only runs on scored rows
         ones = torch.ones(pred_k.shape[0], device=pred.device)

@@ -47,9 +47,8 @@ class Eagle3Objective(Objective):
         self.module = drafter
         self.ttt_steps, self.step_decay, self.topk = ttt_steps, step_decay, topk
         self.inference = inference
-        self.lm_loss = (
-            lm_loss or LMHeadLoss()
-        )  # fused chunked linear + CE by default (loss.fused_linear_ce)
+        # fused chunked linear + CE by default (loss.fused_linear_ce)
+        self.lm_loss = lm_loss or LMHeadLoss()
         # logits read through greedy() / logits_at() only: from a feature cache, just the
         # draft-vocabulary rows of the scored positions go through the LM head (not all [B, T, V] of
         # them)

@@ -46,9 +46,8 @@ class HydraObjective(CalibratedObjective):
         self.module = heads
         self.method, self.decay, self.labels, self.topk = method, decay, labels, topk
         self.calibration, self.inference = calibration, inference
-        self.lm_loss = (
-            lm_loss or LMHeadLoss()
-        )  # fused chunked linear + CE (loss.fused_linear_ce): no [N, V] logits
+        # fused chunked linear + CE (loss.fused_linear_ce): no [N, V] logits
+        self.lm_loss = lm_loss or LMHeadLoss()
         self.taps = FeatureTaps(final_hidden=True, logits=labels != "dataset")
 
     def loss(
@@ -74,9 +73,8 @@ class HydraObjective(CalibratedObjective):
             x, weight = self.module.teacher_forced_parts(
                 ctx, ids, k, keep
             )  # [N, H(+1)], [V, H(+1)]
-            teacher = (
-                feats.logits[:, shift - 1 : -1][keep] if feats.logits is not None else None
-            )  # [N, V]
+            # [N, V]
+            teacher = feats.logits[:, shift - 1 : -1][keep] if feats.logits is not None else None
             if self.labels == "target_soft":
                 labels = teacher.argmax(-1)
                 out = self.lm_loss(x, weight, teacher_logits=teacher, topk=topk)

@@ -42,9 +42,8 @@ class MedusaObjective(CalibratedObjective):
         self.topk = topk
         self.tree = tree
         self.inference = inference
-        self.lm_loss = (
-            lm_loss or LMHeadLoss()
-        )  # fused chunked linear + CE by default (loss.fused_linear_ce)
+        # fused chunked linear + CE by default (loss.fused_linear_ce)
+        self.lm_loss = lm_loss or LMHeadLoss()
         # Validation top-k accuracies of each head -> Medusa's greedy optimal tree in the export
         # (``tree`` stays the fallback when no validation ran).
         self.calibration = TreeCalibration(

@@ -76,16 +76,14 @@ class Medusa2Objective(CalibratedObjective):
         lm_loss: LMHeadLoss | None = None,
     ) -> None:
         self.module = module
-        self.lm_head = (
-            target.model.get_output_embeddings()
-        )  # frozen, never registered here: not saved
+        # frozen, never registered here: not saved
+        self.lm_head = target.model.get_output_embeddings()
         self.decay, self.heads_coefficient, self.lm_weight = decay, heads_coefficient, lm_weight
         self.warmup_steps, self.lr_multiplier = warmup_steps, lr_multiplier
         self.self_distill, self.labels, self.topk = self_distill, labels, topk
         self.calibration, self.inference = calibration, inference
-        self.lm_loss = (
-            lm_loss or LMHeadLoss()
-        )  # fused chunked linear + CE (loss.fused_linear_ce): no [N, V] logits
+        # fused chunked linear + CE (loss.fused_linear_ce): no [N, V] logits
+        self.lm_loss = lm_loss or LMHeadLoss()
         self.step = 0
 
     def set_step(self, step: int) -> None:
@@ -139,9 +137,8 @@ class Medusa2Objective(CalibratedObjective):
         mask_all = (batch["loss_mask"] * batch["attention_mask"]).bool()  # [B, T]
         hidden = feats.hidden  # [B, T, H], graph to the adapter
         original = feats.original_logits
-        own_greedy = (
-            None if self.module.training else self._lm_logits(hidden).argmax(-1)
-        )  # [B, T]: served target
+        # [B, T]: served target
+        own_greedy = None if self.module.training else self._lm_logits(hidden).argmax(-1)
         metrics: dict[str, torch.Tensor] = {}
         lm_loss = self._backbone_loss(ids, mask_all, hidden, original)
         total = (
@@ -170,9 +167,8 @@ class Medusa2Objective(CalibratedObjective):
         backbone = replace(
             self.lm_loss, acceptance="none"
         )  # loss.acceptance is the heads' objective, not the model's
-        if (
-            self.self_distill
-        ):  # soft CE to the original target: KL plus its (constant) entropy, the same gradient
+        # soft CE to the original target: KL plus its (constant) entropy, the same gradient
+        if self.self_distill:
             return backbone(lm_in, lm_weight, teacher_logits=original[:, :-1][keep]).loss
         return backbone(lm_in, lm_weight, labels=ids[:, 1:][keep]).loss
 

@@ -122,9 +122,8 @@ class SpecDecObjective(Objective):
                 positions=positions,
                 tree_mask=tree_mask,
             )
-        hidden = (
-            self.drafter.fuse(features) if cache is None else features
-        )  # taps fused only for target pairs
+        # taps fused only for target pairs
+        hidden = self.drafter.fuse(features) if cache is None else features
         out, _, cache = self.drafter.draft_step(hidden, ids, cache, positions, pad, tree_mask)
         return out, cache
 
@@ -147,9 +146,8 @@ class SpecDecObjective(Objective):
         argmax) drafts, a ``mixing_ratio`` share replaced by the target's token ``truth``, labelled
         against p_all [M, V] logits.
         """
-        draft = (
-            torch.multinomial(q, 1).squeeze(-1) if self.temperature > 0 else q.argmax(-1)
-        )  # [M] draft ids
+        # [M] draft ids
+        draft = torch.multinomial(q, 1).squeeze(-1) if self.temperature > 0 else q.argmax(-1)
         z = draft if d2t is None else d2t.to(draft.device)[draft]  # [M] target ids
         mixed = torch.rand(z.shape, device=z.device) < self.mixing_ratio
         z = torch.where(mixed, truth, z)

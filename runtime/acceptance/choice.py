@@ -30,9 +30,8 @@ VerifierBuilder = Callable[
     [float, str, dict], Verifier
 ]  # (temperature, kernels, export inference block) -> verifier
 VERIFIERS: Registry[VerifierBuilder] = Registry("verifier")
-register_verifier = (
-    VERIFIERS.register
-)  # @register_verifier(name): what --verifier and inference.verifier say
+# @register_verifier(name): what --verifier and inference.verifier say
+register_verifier = VERIFIERS.register
 
 
 @register_verifier("greedy")

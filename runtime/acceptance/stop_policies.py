@@ -26,9 +26,8 @@ class StopContext:
 
     depth: int
     confidence: float
-    state: torch.Tensor | None = (
-        None  # [H] drafter state that scored the token (None: the proposer has none)
-    )
+    # [H] drafter state that scored the token (None: the proposer has none)
+    state: torch.Tensor | None = None
     path: dict[str, Any] = field(
         default_factory=dict
     )  # per-path running values (copied when a path branches)
@@ -96,9 +95,8 @@ class LearnedStop:
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
             raise InputError(f"LearnedStop threshold must be in [0, 1], got {self.threshold}")
-        if (
-            self.min_depth < 1 or self.max_depth < 1
-        ):  # min > max is allowed: max_depth wins (a capped depth)
+        # min > max is allowed: max_depth wins (a capped depth)
+        if self.min_depth < 1 or self.max_depth < 1:
             raise InputError(
                 f"need min_depth >= 1 and max_depth >= 1, got {self.min_depth}, {self.max_depth}"
             )

@@ -66,15 +66,12 @@ class Verifier:
     """What the speculative loop needs from a verifier: every member it reads, declared with its
     default."""
 
-    lossless: bool = (
-        False  # True when the output distribution equals the target's (greedy: identical tokens)
-    )
-    per_position_temperature: bool = (
-        False  # verify/sample take a per-node ``temperature`` (an adaptive policy)
-    )
-    decides_from_argmax: bool = (
-        False  # verify_argmax decides from the target's argmax per node alone
-    )
+    # True when the output distribution equals the target's (greedy: identical tokens)
+    lossless: bool = False
+    # verify/sample take a per-node ``temperature`` (an adaptive policy)
+    per_position_temperature: bool = False
+    # verify_argmax decides from the target's argmax per node alone
+    decides_from_argmax: bool = False
 
     def verify(
         self,

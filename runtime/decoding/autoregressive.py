@@ -77,9 +77,8 @@ def generate_ar(
     # Greedy steps need only the argmax: a model that can reduce its LM head to it skips the [1, V]
     # logits.
     greedy = temperature <= 0.0 and head == "auto" and model.argmax_head
-    threads = (
-        governor()
-    )  # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
+    # fewer threads while other processes hold cores (see runtime/decoding/threads.py)
+    threads = governor()
     tok = sample_token(logits[-1], temperature, top_p, generator)
     while True:
         threads.tick()

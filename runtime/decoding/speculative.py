@@ -84,9 +84,8 @@ class SpeculativeDecoder:
         self.head = head
         self.max_cache_len = max_cache_len
         self._cache: RuntimeCache | None = None
-        self.profiler: StepProfiler | None = (
-            None  # set one to time each part of every step (bench --profile)
-        )
+        # set one to time each part of every step (bench --profile)
+        self.profiler: StepProfiler | None = None
 
     def serves_plain_ar(self) -> bool:
         """Whether ``generate`` hands over to the plain autoregressive loop: nothing is drafted,

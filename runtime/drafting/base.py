@@ -38,9 +38,8 @@ class StepContext:
     order); None for a proposer that declares none.
     """
 
-    tokens: (
-        torch.Tensor
-    )  # [L+1] prompt + every emitted token; the last one is the root (not yet in the KV cache)
+    # [L+1] prompt + every emitted token; the last one is the root (not yet in the KV cache)
+    tokens: torch.Tensor
     root_token: int
     hidden: torch.Tensor
     stop_policy: StopPolicy | None = None

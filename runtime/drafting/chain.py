@@ -24,9 +24,8 @@ class ChainProposer(Proposer):
     rejection sampler.
     """
 
-    reads_logits = (
-        False  # accept() never reads the target's logits: greedy verify may take argmaxes only
-    )
+    # accept() never reads the target's logits: greedy verify may take argmaxes only
+    reads_logits = False
 
     def __init__(
         self,
@@ -98,9 +97,8 @@ class SampledTreeProposer(Proposer):
     (point masses, EAGLE-2-style top-k). A stop policy can leave a node unexpanded.
     """
 
-    reads_logits = (
-        False  # accept() never reads the target's logits: greedy verify may take argmaxes only
-    )
+    # accept() never reads the target's logits: greedy verify may take argmaxes only
+    reads_logits = False
 
     def __init__(
         self,

@@ -44,9 +44,8 @@ class CloverProposer(HydraProposer):
             int(num_layers),
         )  # the pre-final-norm residual stream of every forwarded token
         self._caches: list | None = None
-        self._c: torch.Tensor | None = (
-            None  # [H] augmenting block output of the last committed pair
-        )
+        # [H] augmenting block output of the last committed pair
+        self._c: torch.Tensor | None = None
 
     def _pairs(self, prenorm: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Feed pairs (p [S, H], x [S]) to the augmenting block; keep the last pair's output."""

@@ -65,9 +65,8 @@ class DFlashProposer(Proposer):
     """Drafts ``depth`` (<= block_size - 1) tokens per step with a DFlash drafter (see the module
     docstring)."""
 
-    reads_logits = (
-        False  # accept() never reads the target's logits: greedy verify may take argmaxes only
-    )
+    # accept() never reads the target's logits: greedy verify may take argmaxes only
+    reads_logits = False
 
     # runtime/shapes/draft_shapes.py: one "head" per block slot, trees through reshape()
     shape_family = "static_tree"
@@ -235,12 +234,10 @@ class DFlashProposer(Proposer):
         """Draft slots 1..levels of the block's states ``hidden`` [S, H] (see the module
         docstring)."""
         d = self.drafter
-        batched = (
-            None if d.markov_head is not None else d.head_input(hidden[1 : levels + 1])
-        )  # [levels, H]
-        all_logits = (
-            None if batched is None else self.head(batched)
-        )  # [levels, V]: one LM-head pass
+        # [levels, H]
+        batched = None if d.markov_head is not None else d.head_input(hidden[1 : levels + 1])
+        # [levels, V]: one LM-head pass
+        all_logits = None if batched is None else self.head(batched)
         tokens, confs, qs, stop = [ctx.root_token], [1.0], [], StopContext(0, 1.0)
         prev = torch.tensor([ctx.root_token], device=hidden.device)
         for k in range(1, levels + 1):

@@ -33,9 +33,8 @@ class Eagle1DraftModel(ServingDraftModel):
     feature_taps: tuple[int, ...] = ()
 
     def __init__(self, drafter: EagleDrafter, head: Any = None, packed_head: Any = None) -> None:
-        self.head = (
-            head or drafter.logits
-        )  # the target's own (packed, faster) head when it offers one
+        # the target's own (packed, faster) head when it offers one
+        self.head = head or drafter.logits
         source = packed_head if packed_head is not None else HeadWeight(drafter.lm_head_weight)
         super().__init__(drafter, None, source, drafter.config.vocab_size)
         why = None if self._kernel is None else optional_ln1(self._kernel)
@@ -58,9 +57,8 @@ class Eagle1DraftModel(ServingDraftModel):
                     " decoder_layer takes no full_mask"
                 )
             )
-        elif (
-            why is not None
-        ):  # an older build of the kernel: the layer runs in torch, the head natively
+        # an older build of the kernel: the layer runs in torch, the head natively
+        elif why is not None:
             self.native_plan["draft_layer"], self.fused_reason = f"torch: {why}", why
 
     def features(self, feats: torch.Tensor) -> torch.Tensor:

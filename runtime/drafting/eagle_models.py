@@ -41,9 +41,8 @@ class DraftModel:
 
     feature_taps: tuple[int, ...] = ()  # target layer taps to feed; () = the post-norm final hidden
     vocab_size: int  # target vocabulary
-    draft_ids: torch.Tensor | None = (
-        None  # target id of each draft-vocab id [N], None = same vocabulary
-    )
+    # target id of each draft-vocab id [N], None = same vocabulary
+    draft_ids: torch.Tensor | None = None
     step_topk: Callable[..., tuple] | None = None
     native_plan: Mapping[str, str] = MappingProxyType({})
 
@@ -86,9 +85,8 @@ class ServingDraftModel(DraftModel):
         self.vocab_size = drafter.config.vocab_size
         attn, mlp = drafter.layer.self_attn, drafter.layer.mlp
         self._kernel, self.fused_reason = eagle_native.draft_kernel(drafter)
-        self._cos = self._sin = self._signed_sin = (
-            None  # [P, d] RoPE rows of positions 0..P-1, the drafter's dtype
-        )
+        # [P, d] RoPE rows of positions 0..P-1, the drafter's dtype
+        self._cos = self._sin = self._signed_sin = None
         self.native_plan = {
             "draft_layer": "native" if self._kernel else f"torch: {self.fused_reason}"
         }
@@ -219,9 +217,8 @@ class ServingDraftModel(DraftModel):
             positions = torch.arange(past, needed, device=ids.device)[None]  # [1, S]
         emb = F.embedding(ids, self.drafter.embed_weight).to(self._dtype)  # [1, S, H]
         one_query = seq == 1 and tree_mask is None  # one new query sees every key: no mask to build
-        mask = (
-            None if one_query else build_attention_mask(seq, past, ids.device, tree_mask)
-        )  # [1, 1, S, P+S]
+        # [1, 1, S, P+S]
+        mask = None if one_query else build_attention_mask(seq, past, ids.device, tree_mask)
         x, res = self._layer_input(emb, hidden)
         return self._layer(x, res, *self._rope(positions, needed), mask, cache), cache
 
@@ -257,9 +254,8 @@ class ServingDraftModel(DraftModel):
         """:meth:`step` with the head reduced to its top ``k``: (out [1, S, H], log-probs [S', k]
         fp32 descending, draft ids [S', k], cache), S' = 1 or S. Natively no [S', N] logits are
         made."""
-        if (
-            self._kernel is None
-        ):  # the torch head on the logits (through self.step, which tests may override)
+        # the torch head on the logits (through self.step, which tests may override)
+        if self._kernel is None:
             out, logits, cache = self.step(hidden, ids, cache, positions, tree_mask, last_only)
             return (out, *torch_topk(logits[0], k), cache)
         out, cache = self._run(hidden, ids, cache, positions, tree_mask)

@@ -89,9 +89,8 @@ def grouped_attention(
     query over 200 keys, 2-core Zen 4 under load)."""
     nh, seq, hd = q.shape[1:]
     nkv, length = key.shape[1], key.shape[2]
-    rows = (
-        q[0].reshape(nkv, nh // nkv * seq, hd).float()
-    )  # [nkv, g*S, d]: heads kv*g .. kv*g+g-1 share kv head kv
+    # [nkv, g*S, d]: heads kv*g .. kv*g+g-1 share kv head kv
+    rows = q[0].reshape(nkv, nh // nkv * seq, hd).float()
     scores = torch.bmm(rows, key[0].float().transpose(1, 2)).mul_(hd**-0.5)  # [nkv, g*S, L]
     if mask is not None:
         scores.view(nkv, -1, seq, length).masked_fill_(~mask[0, 0], float("-inf"))  # [nkv, g, S, L]
@@ -121,9 +120,8 @@ def norm_linear_topk_reference(
     logits."""
     if norm_w is not None:
         x = norm_w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)  # [T, K]
-    logits = (
-        linear(x.contiguous(), packed_w, None, n).float() + 0.0
-    )  # [T, n]; + 0.0 turns -0 into +0
+    # [T, n]; + 0.0 turns -0 into +0
+    logits = linear(x.contiguous(), packed_w, None, n).float() + 0.0
     # Rank by the logits (probabilities that underflow to 0 would tie), the lower column first among
     # equals: topk's order among equal values is unspecified, so rank one int64 key, the logit's
     # bits made monotonic (negative floats flip) then the column (a full stable sort cost ~1 ms

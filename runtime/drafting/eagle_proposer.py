@@ -61,12 +61,10 @@ class EagleProposer(Proposer):
     shape_family = (  # runtime/shapes/draft_shapes.py: chains and trees through reshape()
         "dynamic_tree"
     )
-    reads_logits = (
-        False  # accept() reads hidden states and taps: greedy verify may skip the [N, V] logits
-    )
-    counts_draft_calls = (
-        True  # every _draft() is one drafter forward (its native path enters no nn.Module)
-    )
+    # accept() reads hidden states and taps: greedy verify may skip the [N, V] logits
+    reads_logits = False
+    # every _draft() is one drafter forward (its native path enters no nn.Module)
+    counts_draft_calls = True
 
     def __init__(
         self,
@@ -101,9 +99,8 @@ class EagleProposer(Proposer):
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
         self.temperature, self.top_p = temperature, top_p
         self.max_tree_nodes = total_tokens if self.policy == "tree" else depth + 2
-        self.cache: KVCache | None = (
-            None  # the drafter's: committed pairs, then this step's speculative entries
-        )
+        # the drafter's: committed pairs, then this step's speculative entries
+        self.cache: KVCache | None = None
         self.num_committed = 0  # pairs built from target features (positions 0 .. num_committed-1)
         self.pending_feats: torch.Tensor | None = None  # [m, F] target features not yet fed
         self.pending_ids: list[

@@ -35,9 +35,8 @@ class HydraProposer(Proposer):
     :class:`draftsmith.heads.hydra.HydraHeads` does.
     """
 
-    reads_logits = (
-        False  # accept() never reads the target's logits: greedy verify may take argmaxes only
-    )
+    # accept() never reads the target's logits: greedy verify may take argmaxes only
+    reads_logits = False
 
     def __init__(
         self, heads: Any, tree: StaticTree | list[list[int]], top_k: int | None = None

@@ -47,9 +47,8 @@ class KangarooProposer(Proposer):
     """Self-speculative chain drafting (see the module docstring). ``target`` must offer the
     layer-range API."""
 
-    reads_logits = (
-        False  # accept() never reads the target's logits: greedy verify may take argmaxes only
-    )
+    # accept() never reads the target's logits: greedy verify may take argmaxes only
+    reads_logits = False
 
     def __init__(
         self,
@@ -86,12 +85,10 @@ class KangarooProposer(Proposer):
             self.exit_layer,
         )  # the loop hands over the shallow states of prompt and accepted rows
         self.max_tree_nodes = self.max_depth + 1
-        self.cache: RuntimeCache | None = (
-            None  # the target's KV cache, bound by KangarooTarget.allocate_cache
-        )
-        self.private = (
-            False  # True: not bound, drafting on a cache of the shallow layers only (no reuse)
-        )
+        # the target's KV cache, bound by KangarooTarget.allocate_cache
+        self.cache: RuntimeCache | None = None
+        # True: not bound, drafting on a cache of the shallow layers only (no reuse)
+        self.private = False
         self.acache = None  # the adapter's cache: committed entries (one per token before the root)
         self.committed = 0
         self._spec: tuple[Any, int] = (None, 0)  # (adapter cache after drafting, entries it added)
@@ -141,9 +138,8 @@ class KangarooProposer(Proposer):
             self.committed += min(keep, made)
         if keep > made:
             self._feed(self._taps(ctx)[made:keep])
-        if (
-            self.private
-        ):  # the loop commits its own cache; ours holds root + accepted tokens' shallow K/V
+        # the loop commits its own cache; ours holds root + accepted tokens' shallow K/V
+        if self.private:
             self.cache.commit(keep)
         self._spec, self.pending = (None, 0), None
 
@@ -169,9 +165,8 @@ class KangarooProposer(Proposer):
         """The shallow state [1, H] of ``token`` at cache slot ``slot`` (its shallow K/V written
         there)."""
         cache, length = self.cache, self.cache.length
-        cache.length = (
-            slot  # forward_layers writes at cache.length and attends to every slot before it
-        )
+        # forward_layers writes at cache.length and attends to every slot before it
+        cache.length = slot
         try:
             x = self.target.embed_tokens(torch.tensor([token], device=self.target.device))
             return self.target.forward_layers(x, cache, 0, self.exit_layer)  # [1, H]

@@ -56,9 +56,8 @@ class KangarooTarget(TargetWrapper):
 
     def __init__(self, model: TargetDecoder, proposer: KangarooProposer) -> None:
         super().__init__(model)
-        self.argmax_head = (
-            False  # verification reads logits (the reuse path computes them from the deep layers)
-        )
+        # verification reads logits (the reuse path computes them from the deep layers)
+        self.argmax_head = False
         self.proposer = proposer
         self.reused_tokens = self.verified_tokens = 0
 

@@ -26,9 +26,8 @@ class MedusaProposer(LookaheadHeads):
     head probability, the target hidden).
     """
 
-    reads_logits = (
-        False  # accept() never reads the target's logits: greedy verify may take argmaxes only
-    )
+    # accept() never reads the target's logits: greedy verify may take argmaxes only
+    reads_logits = False
 
     shape_family = "static_tree"  # runtime/shapes/draft_shapes.py: node budgets through reshape()
     counts_draft_calls = True  # one forward of every head per propose()

@@ -75,9 +75,8 @@ class OracleProposer(Proposer):
     draft call. A proposer of this kind declares no ``feature_taps`` and never reads logits.
     """
 
-    reads_logits = (
-        False  # accept() never reads the target's logits: greedy verify may take argmaxes only
-    )
+    # accept() never reads the target's logits: greedy verify may take argmaxes only
+    reads_logits = False
 
     def __init__(
         self,
@@ -105,9 +104,8 @@ class OracleProposer(Proposer):
         self.references: dict[tuple[int, ...], torch.Tensor] = {}
         for prompt, continuation in references.items():
             self.set_reference(prompt, continuation)
-        self.diverged = (
-            0  # generations whose emitted tokens left their reference (a bf16 near-tie flipped)
-        )
+        # generations whose emitted tokens left their reference (a bf16 near-tie flipped)
+        self.diverged = 0
         self._reference = torch.empty(
             0, dtype=torch.long
         )  # [R] continuation of the prompt being decoded
@@ -140,9 +138,8 @@ class OracleProposer(Proposer):
         """The root and ``chain`` drafted tokens: a run of right ones (each kept with probability
         ``acceptance``), then wrong ones. Off the reference (a divergence), every drafted token is a
         wrong one."""
-        emitted = (
-            ctx.tokens.numel() - self._prompt_len
-        )  # generated tokens so far, the root included
+        # generated tokens so far, the root included
+        emitted = ctx.tokens.numel() - self._prompt_len
         ref = self._reference
         known = min(emitted, ref.numel())
         if self._on_track and not torch.equal(

@@ -39,9 +39,8 @@ def _masks_from_parents(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor,
             raise ValueError(
                 f"node {i} has parent {p}; parents must precede their children (root = node 0)"
             )
-        row = (
-            list(rows[p]) if p >= 0 else [False] * n
-        )  # ancestors of the parent are ancestors of the child
+        # ancestors of the parent are ancestors of the child
+        row = list(rows[p]) if p >= 0 else [False] * n
         row[i] = True
         rows.append(row)
         depths[i] = depths[p] + 1 if p >= 0 else 0
@@ -82,13 +81,11 @@ class DraftTree:
     depths: torch.Tensor  # [N] long
     tree_mask: torch.Tensor  # [N, N] bool
     retrieve_indices: torch.Tensor  # [P, D+1] long, -1 padded
-    draft_q: torch.Tensor | None = (
-        None  # [N, V] float: row p = distribution the children of node p were drawn from
-    )
+    # [N, V] float: row p = distribution the children of node p were drawn from
+    draft_q: torch.Tensor | None = None
     draft_mode: str = "point_mass"
-    draft_confidence: torch.Tensor | None = (
-        None  # [N] optional drafter confidence per node (for stop policies / logs)
-    )
+    # [N] optional drafter confidence per node (for stop policies / logs)
+    draft_confidence: torch.Tensor | None = None
 
     MODES = ("point_mass", "with_replacement", "without_replacement")
 
@@ -171,9 +168,8 @@ class StaticTree:
     depths: torch.Tensor  # [N+1]
     parents: torch.Tensor  # [N+1], root -1
     retrieve_indices: torch.Tensor  # [P, D+1], -1 padded
-    candidate_index: (
-        torch.Tensor
-    )  # [N+1] index into [root] + concat(top-k of head 0, top-k of head 1, ...)
+    # [N+1] index into [root] + concat(top-k of head 0, top-k of head 1, ...)
+    candidate_index: torch.Tensor
 
     @classmethod
     def from_paths(cls, paths: list[list[int]], top_k: int) -> StaticTree:

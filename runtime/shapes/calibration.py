@@ -42,12 +42,10 @@ if TYPE_CHECKING:
     )  # the runtime imports no shape code: no cycle at run time
 
 CALIBRATION_PROMPTS = 4  # prompts calibration drafts on (fewer when the bench has fewer)
-CALIBRATION_TOKENS = (
-    64  # new tokens per calibration prompt: up to 256 target tokens, ~100 verified steps
-)
-MIN_CALIBRATION_TOKENS = (
-    64  # fewer generated tokens than this (short outputs, early EOS): no calibration
-)
+# new tokens per calibration prompt: up to 256 target tokens, ~100 verified steps
+CALIBRATION_TOKENS = 64
+# fewer generated tokens than this (short outputs, early EOS): no calibration
+MIN_CALIBRATION_TOKENS = 64
 CHECK_TOP = 3  # predicted-best shapes timed against plain decoding
 
 

@@ -34,12 +34,10 @@ class MachineCosts:
     ]  # forward of n new tokens -> ms (interpolated between the measured sizes)
     draft_ms_per_depth: float = 0.0  # drafting one more depth level in a step
     overhead_ms: float = 0.0  # per speculative step, besides drafting and the verify forward
-    draft_fixed_ms: float = (
-        0.0  # drafting cost per step whatever the depth (Medusa-family heads run once)
-    )
-    overhead_per_node_ms: float = (
-        0.0  # per verified node, besides the verify forward (fit on timed steps)
-    )
+    # drafting cost per step whatever the depth (Medusa-family heads run once)
+    draft_fixed_ms: float = 0.0
+    # per verified node, besides the verify forward (fit on timed steps)
+    overhead_per_node_ms: float = 0.0
 
     def rest_ms(self, depth: int, nodes: float) -> float:
         """Per-step ms besides the verify forward: drafting ``depth`` levels and the overhead of

@@ -127,9 +127,8 @@ class TokenBuffer:
                 " tokens"
             )
         self.data = torch.empty(capacity, dtype=torch.long)  # [capacity]
-        self._host = (
-            self.data.numpy()
-        )  # the same memory: a slice assignment from a list is one cheap call
+        # the same memory: a slice assignment from a list is one cheap call
+        self._host = self.data.numpy()
         self.data[: first.numel()] = first
         self.length = first.numel()
 

@@ -100,9 +100,8 @@ class DiffusionLM:
         """
         from transformers import DynamicCache
 
-        if (
-            self.spec.attention == "full"
-        ):  # LLaDA/Dream: the remote model attends to everything it is given
+        # LLaDA/Dream: the remote model attends to everything it is given
+        if self.spec.attention == "full":
             if cache is not None or commit:
                 raise InputError(
                     "a full-attention diffusion LM (LLaDA, Dream) has no prefix cache: decode with"
@@ -112,9 +111,8 @@ class DiffusionLM:
             self.forwards += 1
             return out.logits.float(), None
         past = 0 if cache is None else cache.get_seq_length()
-        keys = (
-            blocks if past_blocks is None else torch.cat([past_blocks, blocks], dim=1)
-        )  # [1, P+T]
+        # [1, P+T]
+        keys = blocks if past_blocks is None else torch.cat([past_blocks, blocks], dim=1)
         if keys.shape[1] != past + ids.shape[1]:
             raise ValueError(
                 f"block ids cover {keys.shape[1]} positions but the forward has"

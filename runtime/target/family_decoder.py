@@ -81,9 +81,8 @@ class FamilyDecoder(LeanDecoder):
         ]
         self._head = ops.pack_head(self.lm_head)
         self._embed_scale = None
-        if (
-            c.embed_scale is not None
-        ):  # transformers scales by the factor rounded to the model dtype
+        # transformers scales by the factor rounded to the model dtype
+        if c.embed_scale is not None:
             self._embed_scale = torch.tensor(c.embed_scale, dtype=self.dtype, device=self.device)
 
     def _ensure_rope(self, n: int) -> None:

@@ -96,9 +96,8 @@ class HFModelAdapter(TargetDecoder):
             hf_model
         )  # the module the model's forward runs for its hidden states (OPT: the decoder)
         self.attention = FallbackAttention.of(hf_model, self.base)
-        self.tree_refusal = (
-            self.attention.refusal
-        )  # None: tree verification is exact; else why it is refused
+        # None: tree verification is exact; else why it is refused
+        self.tree_refusal = self.attention.refusal
         self._probed = False
 
     def check_speculative(self) -> None:

@@ -79,9 +79,8 @@ class FallbackAttention:
         allowed[:, p:] = own.to(pos.device)
         if not self.windows:
             return _additive(allowed, dtype)
-        gap = (
-            pos[:, None] - torch.cat([torch.arange(p, device=pos.device), pos])[None, :]
-        )  # [T, P+T] query - key
+        # [T, P+T] query - key
+        gap = pos[:, None] - torch.cat([torch.arange(p, device=pos.device), pos])[None, :]
         sliding = allowed & (gap < next(iter(self.windows.values())))
         if not self.layer_types:
             return _additive(sliding, dtype)  # every layer has the window

@@ -58,9 +58,8 @@ class TargetSizes:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    context_length: (
-        int | None
-    )  # max_position_embeddings: positions the model was trained on; None = not stated
+    # max_position_embeddings: positions the model was trained on; None = not stated
+    context_length: int | None
 
 
 class TargetDecoder(nn.Module):
@@ -97,9 +96,8 @@ class TargetDecoder(nn.Module):
     kernel_backend: str = (
         "n/a"  # "auto" | "torch" | "triton" where the target runs the runtime's kernels
     )
-    linear_plan: LinearPlan | None = (
-        None  # how the lean decoder runs its linears (None: transformers runs them)
-    )
+    # how the lean decoder runs its linears (None: transformers runs them)
+    linear_plan: LinearPlan | None = None
 
     # ---- what it is ------------------------------------------------------------------------------
     @property

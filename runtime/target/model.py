@@ -194,9 +194,8 @@ class LeanDecoder(ExecutionWeights, LayerRangeStep, RowsStep, TargetDecoder):
     def allocate_cache(self, max_len: int) -> KVCache:
         """A static cache of ``max_len`` slots (batch 1)."""
         c = self.config
-        if (
-            c.sliding_window is not None and max_len > c.sliding_window
-        ):  # a window past max_position_embeddings
+        # a window past max_position_embeddings
+        if c.sliding_window is not None and max_len > c.sliding_window:
             raise UnsupportedArchitecture(
                 f"a {max_len}-token cache exceeds the model's sliding window "
                 f"({c.sliding_window} > max_position_embeddings): use a shorter cache"
@@ -256,9 +255,8 @@ class LeanDecoder(ExecutionWeights, LayerRangeStep, RowsStep, TargetDecoder):
         c = self.config
         found: dict[int, torch.Tensor] = {}
         x = F.embedding(input_ids, self.embed)  # [T, H]
-        if (
-            self._stack is not None
-        ):  # one native call: layers, final norm, head (the kernels below, bit for bit)
+        # one native call: layers, final norm, head (the kernels below, bit for bit)
+        if self._stack is not None:
             cos, sin = self._rope_rows(start, x.shape[0], positions)  # [T, 1, d]
             return self._stack(x, kv_layers, start, cos, sin, tree_mask, logits_for, taps, head)
         x = self._layers(

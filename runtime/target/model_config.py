@@ -61,9 +61,8 @@ class ModelConfig:
     o_bias: bool = False  # Llama/Qwen3/Gemma when attention_bias
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3, Gemma-3: RMSNorm per head on q and k before RoPE
-    sliding_window: int | None = (
-        None  # the configured window (None = none); layer_windows says where it applies
-    )
+    # the configured window (None = none); layer_windows says where it applies
+    sliding_window: int | None = None
     max_position_embeddings: int = 2048
     layer_windows: tuple[
         int | None, ...
@@ -76,9 +75,8 @@ class ModelConfig:
     attn_scale: float | None = None  # Gemma: query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
     attn_softcap: float | None = None  # Gemma-2: scores -> cap * tanh(scores / cap) before the mask
     final_softcap: float | None = None  # Gemma-2: the same on the logits
-    local_rope_theta: float | None = (
-        None  # Gemma-3: the sliding layers' RoPE base (None: the global one)
-    )
+    # Gemma-3: the sliding layers' RoPE base (None: the global one)
+    local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

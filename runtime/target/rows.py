@@ -190,9 +190,8 @@ class RowsStep:
             cache.lengths[lo:hi],
         )  # [b]: a row's next slot is its position (no padding)
         x = F.embedding(tokens[lo:hi], self.embed)  # [b, H]
-        if (
-            self._stack is not None
-        ):  # every layer, the final norm and the head's argmax in one native call
+        # every layer, the final norm and the head's argmax in one native call
+        if self._stack is not None:
             cos, sin = (
                 t[pos].reshape(hi - lo, -1).contiguous() for t in (self._cos, self._sin)
             )  # [b, d]

@@ -42,9 +42,8 @@ class Case:
     owner: str = "C1"
     timeout: int = 240
     stdin: str = ""
-    sigint_after: float | None = (
-        None  # seconds after start; or after the first stderr line matching sigint_on
-    )
+    # seconds after start; or after the first stderr line matching sigint_on
+    sigint_after: float | None = None
     sigint_on: str | None = None
     env: dict[str, str] = field(default_factory=dict)
 

@@ -268,9 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     places = {**load_or_build(out / "world"), "CACHE": str(sweep_cache(out))}
-    saved = (
-        out / "results.json"
-    )  # a partial run (--only) updates its cases and keeps the others' last results
+    # a partial run (--only) updates its cases and keeps the others' last results
+    saved = out / "results.json"
     known = {c.id for c in CASES}
     results = {
         r["id"]: r

@@ -174,9 +174,8 @@ def stage_list(
             (f"train:{r}", lambda c, r=r: stage_train(c, r, limits["train"]), limits["train"] + 30)
         )
         stages.append((f"bench:{r}", lambda c, r=r: stage_bench(c, r), limits["runtime"]))
-    if (
-        ctx.plan.device == "cuda"
-    ):  # the sharding presets need a GPU (the CPU run checks them by inspection)
+    # the sharding presets need a GPU (the CPU run checks them by inspection)
+    if ctx.plan.device == "cuda":
         for preset in STRATEGY_PRESETS:
             stages.append(
                 (

@@ -145,9 +145,8 @@ class Context:
     work: Path
     log_path: Path
     fail_stages: set[str]
-    random_target: bool = (
-        False  # build the random SmolLM2-shaped target even if the converted one is cached
-    )
+    # build the random SmolLM2-shaped target even if the converted one is cached
+    random_target: bool = False
     target_note: str = ""
     target: Path | None = None
     data: Path | None = None

@@ -134,9 +134,8 @@ def kernel_parity(ctx: Context) -> dict:
             diff = max(diff, float((a - b).abs().max()))
         n = ctx.plan.kernel_tokens
         same += generate_ar(ref, prompt, n) == generate_ar(tri, prompt, n)
-    if (
-        ctx.plan.speed_dtype != "fp32"
-    ):  # free the fp32 pair; the timings below load the serving dtype
+    # free the fp32 pair; the timings below load the serving dtype
+    if ctx.plan.speed_dtype != "fp32":
         for key in [k for k in ctx.cache if k.startswith("decoder/fp32/")]:
             del ctx.cache[key]
     return {

@@ -85,9 +85,8 @@ def last_checkpoint(trainer: Any) -> str | None:
     any."""
     for callback in getattr(trainer, "checkpoint_callbacks", []) if trainer is not None else []:
         dirpath = getattr(callback, "dirpath", None)
-        last = (
-            str(Path(dirpath) / "last.ckpt") if dirpath else ""
-        )  # a resumed run's checkpoint before any save
+        # a resumed run's checkpoint before any save
+        last = str(Path(dirpath) / "last.ckpt") if dirpath else ""
         for path in (
             getattr(callback, "last_model_path", ""),
             last,

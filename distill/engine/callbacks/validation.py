@@ -58,9 +58,8 @@ class ServedTauProbe(pl.Callback):
         if probe is None or trainer.sanity_checking:
             return
         self.validations += 1
-        final = (
-            trainer.state.fn == "validate"
-        )  # the trainer's last pass on the weights that are exported
+        # the trainer's last pass on the weights that are exported
+        final = trainer.state.fn == "validate"
         if not (final or self.validations % max(1, int(getattr(probe, "every", 1))) == 0):
             return
         if not trainer.is_global_zero:
