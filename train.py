@@ -15,7 +15,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-import draftsmith.recipes  # noqa: F401  (registers every recipe: its schema is what conf/train.yaml names)
+# registers every recipe: its schema is what conf/train.yaml names
+import draftsmith.recipes  # noqa: F401
 from draftsmith.cli.train_command_line import (
     CONF_DIR,
     check_launcher,
@@ -171,7 +172,8 @@ def main(cfg: DictConfig) -> float | None:
         report_error(err)
         # SystemExit passes through Hydra's handler, which would print a traceback for an Exception
         sys.exit(1)
-    except Exception as err:  # noqa: BLE001 - a bug: its traceback and a line saying so (common/errors.py's policy)
+    # a bug: its traceback and a line saying so (common/errors.py's policy
+    except Exception as err:  # noqa: BLE001
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         sys.exit(report_failure(err, ""))

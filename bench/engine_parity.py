@@ -133,7 +133,8 @@ def engine_parity(
             ours, theirs = detail.pop("tau_ours"), detail.pop("tau_engine")
             row["chain"] = detail.pop("chain", row["chain"])
             text = verdict(route.engine, ours, theirs)
-        except Exception as err:  # noqa: BLE001 - an engine that cannot run the export is the finding, not a crash
+        # an engine that cannot run the export is the finding, not a crash
+        except Exception as err:  # noqa: BLE001
             ours = theirs = None
             detail = {"error": f"{type(err).__name__}: {err}"[:600]}
             text = (

@@ -210,5 +210,6 @@ def _run(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print(interrupted_line(command, argv, args), file=sys.stderr)
         return 130
-    except Exception as err:  # noqa: BLE001 - the one policy: a purposeful error is one line, a bug its traceback
+    # the one policy: a purposeful error is one line, a bug its traceback
+    except Exception as err:  # noqa: BLE001
         return report_failure(err, f"draftsmith {command}" if command in COMMANDS else "draftsmith")

@@ -25,7 +25,8 @@ def compose_config(overrides: Sequence[str]):
 
     from hydra import compose, initialize_config_dir
 
-    import draftsmith.recipes  # noqa: F401  (registers every recipe's schema in Hydra's ConfigStore)
+    # registers every recipe's schema in Hydra's ConfigStore
+    import draftsmith.recipes  # noqa: F401
 
     with initialize_config_dir(
         config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"

@@ -46,7 +46,8 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from draftsmith.common.disk_space import (  # noqa: F401  (re-exported: writers import them from here)
+# re-exported: writers import them from here
+from draftsmith.common.disk_space import (  # noqa: F401
     FULL_DISK_ERRNOS,
     disk_full_message,
     free_bytes,
@@ -54,7 +55,9 @@ from draftsmith.common.disk_space import (  # noqa: F401  (re-exported: writers 
     is_disk_full,
 )
 from draftsmith.common.errors import DraftsmithError
-from draftsmith.common.write_rule import (  # noqa: F401  (re-exported: writers import them from here)
+
+# re-exported: writers import them from here
+from draftsmith.common.write_rule import (  # noqa: F401
     OutputKind,
     OutputRefused,
     check_file_target,

@@ -53,7 +53,8 @@ def read_trajectories(folder: str | Path) -> tuple[dict[str, Any], torch.Tensor,
             with safe_open(str(path), framework="pt") as handle:
                 confs.append(handle.get_tensor("conf").float())  # [n, L]
                 labels.append(handle.get_tensor("labels").float())  # [n, L]
-        except Exception as err:  # noqa: BLE001 - safetensors raises several types for truncated files
+        # safetensors raises several types for truncated files
+        except Exception as err:  # noqa: BLE001
             raise TrajectoryFolderError(
                 f"trajectory shard {path} is truncated or corrupt ({type(err).__name__}); "
                 f"delete it and {fix} to rewrite it"

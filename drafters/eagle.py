@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.common.layers import (  # noqa: F401  (re-exported: the EAGLE drafters' building blocks)
+# re-exported: the EAGLE drafters' building blocks
+from draftsmith.common.layers import (  # noqa: F401
     DraftAttention,
     KVCache,
     RMSNorm,

@@ -73,7 +73,8 @@ def _iter_hf_dataset(spec: str) -> Iterator[tuple[int, Any]]:
             datasets.data_files.EmptyDatasetError,
         ) as err:
             raise DataError(f"data={spec}: {' '.join(str(err).split())}; {FOLDER_NEEDS}") from None
-        except Exception as err:  # noqa: BLE001 - datasets raises many types (mixed formats, hub, offline, cast)
+        # datasets raises many types (mixed formats, hub, offline, cast
+        except Exception as err:  # noqa: BLE001
             raise DataError(
                 f"data={spec}: the datasets library cannot load it ({type(err).__name__}: "
                 f"{' '.join(str(err).split())[:300]}); {FOLDER_NEEDS}"

@@ -56,7 +56,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         return {}
     try:
         return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-    except Exception:  # noqa: BLE001 - torch raises several types for damaged files; Lightning names them later
+    # torch raises several types for damaged files; Lightning names them later
+    except Exception:  # noqa: BLE001
         return {}
 
 

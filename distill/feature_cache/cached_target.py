@@ -37,7 +37,8 @@ class CachedTarget:
             self._weights = load_file(
                 str(folder / HEAD_FILE)
             )  # embed, lm_head [V, H] in the target's dtype
-        except Exception as err:  # noqa: BLE001 - transformers and tokenizers raise many types for a damaged file
+        # transformers and tokenizers raise many types for a damaged file
+        except Exception as err:  # noqa: BLE001
             raise FeatureCacheError(
                 f"feature cache {cache.path}: its {TARGET_DIR}/ folder does not load "
                 f"({' '.join(str(err).split())[:200]}); {REBUILD}"

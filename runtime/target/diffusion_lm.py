@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.common.diffusion_format import (  # noqa: F401 - the format this module serves, named here too
+# the format this module serves, named here too
+from draftsmith.common.diffusion_format import (  # noqa: F401
     DIFFUSION_KEY,
     MASK_TOKEN,
     REMOTE_BLOCK_LENGTH,

@@ -97,7 +97,8 @@ def served_record(pl_module: Any, probe: ServedProbe) -> dict[str, Any] | None:
                 pl_module, Path(tmp) / "export", training={"steps": step, "served_probe": True}
             )
             record = probe(out)
-    except Exception as err:  # noqa: BLE001 - a failed probe is reported, it does not end a long training run
+    # a failed probe is reported, it does not end a long training run
+    except Exception as err:  # noqa: BLE001
         log.warning(
             "served-tau probe failed at step %d (%s: %s); training goes on",
             step,
