@@ -235,29 +235,29 @@ def _child_env(interpret: bool = False) -> dict[str, str]:
     return env
 
 
-def _parity_report() -> dict:
-    """Run every Triton kernel on CPU (interpreter) against its reference; return the worst
-    errors."""
-    report: dict = {"attention": [], "compact": [], "verify": []}
+def _attention_error(q, k, v, prefix_len, mask, scale) -> float:
+    """The largest absolute difference between the Triton tree attention and the reference."""
+    ref = tree_attention(q, k, v, prefix_len, mask, scale, backend="torch")
+    out = tree_attention(q, k, v, prefix_len, mask, scale, backend="triton")
+    return float((ref - out).abs().max())
+
+
+def _attention_errors() -> list[float]:
+    """The worst error of each attention case, then of one with non-contiguous K/V."""
+    errors = []
     for i, case in enumerate(ATTN_CASES):
-        q, k, v, p, mask, scale = attention_inputs(case, seed=i)
-        ref = tree_attention(q, k, v, p, mask, scale, backend="torch")
-        out = tree_attention(q, k, v, p, mask, scale, backend="triton")
-        report["attention"].append(float((ref - out).abs().max()))
+        errors.append(_attention_error(*attention_inputs(case, seed=i)))
     # Non-contiguous K/V: one layer of a [S, L, Hkv, d]-ordered buffer viewed as [Hkv, S, d].
     q, _, _, p, mask, scale = attention_inputs(ATTN_CASES[2])
     buf = torch.randn(70, 2, 1, 24)
     k, v = buf[:, 0].permute(1, 0, 2), buf[:, 1].permute(1, 0, 2)
-    report["attention"].append(
-        float(
-            (
-                tree_attention(q, k, v, p, mask, scale, backend="torch")
-                - tree_attention(q, k, v, p, mask, scale, backend="triton")
-            )
-            .abs()
-            .max()
-        )
-    )
+    errors.append(_attention_error(q, k, v, p, mask, scale))
+    return errors
+
+
+def _compact_errors() -> list[float]:
+    """The worst K/V difference after compacting with Triton and with the reference."""
+    errors = []
     gen = torch.Generator().manual_seed(0)
     for src, dst in ([5, 6, 7], 4), ([9, 13, 14, 20], 9), ([10, 15, 21], 3), ([30], 0):
         k = torch.randn(3, 2, 32, 40, generator=gen)
@@ -265,7 +265,24 @@ def _parity_report() -> dict:
         k2, v2 = k.clone(), v.clone()
         compact_kv(k, v, torch.tensor(src), dst, backend="torch")
         compact_kv(k2, v2, torch.tensor(src), dst, backend="triton")
-        report["compact"].append(float(max((k - k2).abs().max(), (v - v2).abs().max())))
+        errors.append(float(max((k - k2).abs().max(), (v - v2).abs().max())))
+    return errors
+
+
+def _verify_fields(result) -> list:
+    """Every field of a greedy_verify result, as plain Python values."""
+    return [
+        result.best_path,
+        result.accept_len,
+        result.bonus_token,
+        result.accept_lens.tolist(),
+        result.argmax.tolist(),
+    ]
+
+
+def _verify_agreements() -> list[bool]:
+    """Whether Triton's greedy_verify equals the reference's, per vocabulary and seed."""
+    agreements = []
     paths = torch.tensor([[0, 1, 3, 6], [0, 1, 4, -1], [0, 2, 5, -1], [0, 2, -1, -1]])
     for vocab, ties in ((3000, False), (50, True), (7, True)):
         for seed in range(4):
@@ -283,23 +300,18 @@ def _parity_report() -> dict:
                 tokens[6] = amax[3]
             a = greedy_verify(paths, tokens, logits, backend="torch")
             b = greedy_verify(paths, tokens, logits, backend="triton")
-            report["verify"].append(
-                [
-                    a.best_path,
-                    a.accept_len,
-                    a.bonus_token,
-                    a.accept_lens.tolist(),
-                    a.argmax.tolist(),
-                ]
-                == [
-                    b.best_path,
-                    b.accept_len,
-                    b.bonus_token,
-                    b.accept_lens.tolist(),
-                    b.argmax.tolist(),
-                ]
-            )
-    return report
+            agreements.append(_verify_fields(a) == _verify_fields(b))
+    return agreements
+
+
+def _parity_report() -> dict:
+    """Run every Triton kernel on CPU (interpreter) against its reference; return the worst
+    errors."""
+    return {
+        "attention": _attention_errors(),
+        "compact": _compact_errors(),
+        "verify": _verify_agreements(),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -37,44 +37,48 @@ def medusa2_cfg(**heads):
     )
 
 
-def test_medusa2_trains_only_lora_and_heads_and_its_export_refuses_the_plain_target(
-    fresh_target, tmp_path
-):
-    from draftsmith.distill.engine.exporting import export_from_module
-    from draftsmith.distill.engine.module import DistillModule
+def check_only_lora_and_heads_train(objective, target) -> None:
+    """The optimizer holds exactly the LoRA parameters and the heads; only the LoRA of the target
+    needs grad."""
     from draftsmith.distill.engine.objective import optimizer_groups
-    from draftsmith.export.adapter import merge_lora
-    from draftsmith.recipes import get_recipe
 
-    plain_identity = fresh_target.identity()
-    objective = get_recipe("medusa2").build(medusa2_cfg(), fresh_target)
-    base = {k: v.clone() for k, v in fresh_target.model.state_dict().items() if "lora_" not in k}
     groups = optimizer_groups(objective, 1e-3)
-    assert [g["lr"] for g in groups] == pytest.approx(
-        [4e-3, 1e-3]
-    )  # heads at lr_multiplier x the adapter's LR
-    trainable = {id(p) for p in fresh_target.model.parameters() if p.requires_grad}
-    lora = {id(p) for n, p in fresh_target.model.named_parameters() if "lora_" in n}
+    # heads at lr_multiplier x the adapter's LR
+    assert [g["lr"] for g in groups] == pytest.approx([4e-3, 1e-3])
+    trainable = {id(p) for p in target.model.parameters() if p.requires_grad}
+    lora = {id(p) for n, p in target.model.named_parameters() if "lora_" in n}
     assert trainable == lora and len(lora) == 4 * 2 * 2  # 4 layers x (q, v) x (A, B)
     assert {id(p) for g in groups for p in g["params"]} == lora | {
         id(p) for p in objective.module.heads.parameters()
     }
 
-    batch = fixed_batch(fresh_target.vocab_size, period=5)
-    losses = fit_steps(objective, fresh_target, batch, 20, lr=1e-2)
+
+def train_and_check_losses(objective, target) -> dict:
+    """Fit a fixed batch: heads-only warmup, then the backbone loss joins; the base weights never
+    move and the adapter trains. Returns the batch."""
+    base = {k: v.clone() for k, v in target.model.state_dict().items() if "lora_" not in k}
+    batch = fixed_batch(target.vocab_size, period=5)
+    losses = fit_steps(objective, target, batch, 20, lr=1e-2)
     # heads-only warmup, then the backbone loss joins
     assert losses[1] < losses[0] and losses[2] > losses[1]
     # (the LoRA learns slowly from B = 0; the heads fast)
     assert losses[-1] < 0.9 * losses[2], losses
-    after = fresh_target.model.state_dict()
+    after = target.model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in base.items())  # the base weights never move
-    assert any(
-        v.abs().sum() > 0 for k, v in after.items() if "lora_B" in k
-    )  # the adapter trained (B starts at 0)
+    # the adapter trained (B starts at 0)
+    assert any(v.abs().sum() > 0 for k, v in after.items() if "lora_B" in k)
+    return batch
 
-    module = DistillModule(objective, fresh_target, {"lr": 1e-3}, total_steps=8)
-    module.run_info = {"target": fresh_target.identity()}
-    out = export_from_module(module, tmp_path / "export", training={"steps": 8})
+
+def export_and_check_parts(objective, target, plain_identity, folder) -> tuple[dict, dict]:
+    """Export: the heads and the adapter as separate parts; the plain target is refused, the
+    adapted one accepted. Returns (config, parts)."""
+    from draftsmith.distill.engine.exporting import export_from_module
+    from draftsmith.distill.engine.module import DistillModule
+
+    module = DistillModule(objective, target, {"lr": 1e-3}, total_steps=8)
+    module.run_info = {"target": target.identity()}
+    out = export_from_module(module, folder, training={"steps": 8})
     config, parts = read_export_parts(out)
     assert config["method"] == "medusa2" and set(parts) == {"model", "adapter"}
     assert all(k.startswith("heads.") for k in parts["model"])  # MedusaHeads' own keys
@@ -85,30 +89,48 @@ def test_medusa2_trains_only_lora_and_heads_and_its_export_refuses_the_plain_tar
     )
     with pytest.raises(TargetMismatchError, match="changes its target .*lora"):
         check_target(config, plain_identity)
-    check_target(config, fresh_target.identity())  # the adapted target it was trained with
+    check_target(config, target.identity())  # the adapted target it was trained with
+    return config, parts
 
-    # The runtime's path: merging the part into the plain weights reproduces the adapted target's
-    # logits.
+
+def check_merged_adapter_and_disabled_adapter(target, config, parts, ids) -> None:
+    """The runtime's path: merging the part into the plain weights reproduces the adapted target's
+    logits; with adapters disabled (self-distillation's teacher) it is the original target."""
     from transformers import AutoModelForCausalLM
 
-    plain = AutoModelForCausalLM.from_pretrained(fresh_target.name_or_path)
+    from draftsmith.export.adapter import merge_lora
+
+    plain = AutoModelForCausalLM.from_pretrained(target.name_or_path)
     plain.load_state_dict(
         merge_lora(plain.state_dict(), parts["adapter"], config["inference"]["adapter"]["scaling"])
     )
-    ids = batch["input_ids"][:1]
     with torch.no_grad():
-        adapted = fresh_target.model(ids).logits
+        adapted = target.model(ids).logits
         torch.testing.assert_close(plain(ids).logits, adapted, rtol=1e-4, atol=1e-4)
         # Self-distillation's teacher: the same model with adapters disabled is the original target.
-        with fresh_target.adapter_disabled():
-            original = fresh_target.model(ids).logits
+        with target.adapter_disabled():
+            original = target.model(ids).logits
         torch.testing.assert_close(
-            original, AutoModelForCausalLM.from_pretrained(fresh_target.name_or_path)(ids).logits
+            original, AutoModelForCausalLM.from_pretrained(target.name_or_path)(ids).logits
         )
     assert not torch.allclose(original, adapted)
-    assert all(
-        p.requires_grad for n, p in fresh_target.model.named_parameters() if "lora_" in n
-    )  # re-enabled
+    # re-enabled
+    assert all(p.requires_grad for n, p in target.model.named_parameters() if "lora_" in n)
+
+
+def test_medusa2_trains_only_lora_and_heads_and_its_export_refuses_the_plain_target(
+    fresh_target, tmp_path
+):
+    from draftsmith.recipes import get_recipe
+
+    plain_identity = fresh_target.identity()
+    objective = get_recipe("medusa2").build(medusa2_cfg(), fresh_target)
+    check_only_lora_and_heads_train(objective, fresh_target)
+    batch = train_and_check_losses(objective, fresh_target)
+    config, parts = export_and_check_parts(
+        objective, fresh_target, plain_identity, tmp_path / "export"
+    )
+    check_merged_adapter_and_disabled_adapter(fresh_target, config, parts, batch["input_ids"][:1])
 
 
 def test_self_distillation_loss_decreases(fresh_target):

@@ -68,74 +68,40 @@ def test_peer_data_matches_speculators_format(tmp_path, tiny_tokenizer):
     assert sum(freq.values()) == sizes["loss_tokens"]
 
 
-@pytest.mark.e2e  # the real trainer in its own venv (about 2 minutes on 2 cores)
-@pytest.mark.skipif(not HAVE_SPECULATORS, reason=_no_speculators_reason())
-def test_speculators_trainer_runs_on_cpu_and_its_checkpoint_serves(
-    tmp_path, tiny_tokenizer, tiny_target_dir
-):
-    peer = load_script()
-    data = tmp_path / "chat.jsonl"
-    data.write_text("\n".join(json.dumps(c) for c in make_conversations(24)) + "\n")
-    report = peer.main(
-        [
-            "--target",
-            str(tiny_target_dir),
-            "--data",
-            str(data),
-            "--tokens",
-            "600",
-            "--out",
-            str(tmp_path / "peer"),
-            "--taps",
-            "1",
-            "2",
-            "3",
-            "--hs-dtype",
-            "float32",
-            "--max-length",
-            "128",
-            "--draft-vocab-size",
-            "16",
-            "--speculators-python",
-            str(SPECULATORS_PYTHON),
-            "--timeout",
-            "900",
-        ]
-    )
-    assert (
-        report["data"]["tokens"] >= 600
-        and json.loads((tmp_path / "peer" / "peer.json").read_text()) == report
-    )
-    again = peer.main(
-        [
-            "--target",
-            str(tiny_target_dir),
-            "--data",
-            str(data),
-            "--tokens",
-            "600",
-            "--out",
-            str(tmp_path / "peer"),
-            "--taps",
-            "1",
-            "2",
-            "3",
-            "--hs-dtype",
-            "float32",
-            "--max-length",
-            "128",
-            "--draft-vocab-size",
-            "16",
-            "--speculators-python",
-            str(SPECULATORS_PYTHON),
-        ]
-    )
-    # the re-run kept the data and the trained checkpoint
-    assert again["seconds"] == report["seconds"]
+def peer_arguments(target_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    """The peer harness's command line for the tiny target: 600 tokens, taps 1-3, float32 hidden
+    states, a 16-token draft vocabulary, the speculators venv's python; ``extra`` appended."""
+    return [
+        "--target",
+        str(target_dir),
+        "--data",
+        str(data),
+        "--tokens",
+        "600",
+        "--out",
+        str(out),
+        "--taps",
+        "1",
+        "2",
+        "3",
+        "--hs-dtype",
+        "float32",
+        "--max-length",
+        "128",
+        "--draft-vocab-size",
+        "16",
+        "--speculators-python",
+        str(SPECULATORS_PYTHON),
+        *extra,
+    ]
+
+
+def check_imported_checkpoint(report: dict) -> None:
+    """The export ``draftsmith import`` made holds what the real trainer wrote, and no copy of the
+    clone's uncommitted diff sits beside the checkpoint."""
     checkpoint = Path(report["checkpoint"])
-    assert not (
-        checkpoint.parent / "speculators.patch"
-    ).exists()  # no copy of the clone's uncommitted diff
+    # no copy of the clone's uncommitted diff
+    assert not (checkpoint.parent / "speculators.patch").exists()
     saved = load_file(checkpoint / "model.safetensors")  # what the real trainer wrote
     config, state = read_export(report["export"])
     assert (
@@ -148,16 +114,18 @@ def test_speculators_trainer_runs_on_cpu_and_its_checkpoint_serves(
     assert torch.equal(
         state["layer.self_attn.q_proj.weight"], saved["layers.0.self_attn.q_proj.weight"].float()
     )
-    model = build_tiny_llama(len(tiny_tokenizer))
+
+
+def check_served_losslessly(export: str, tokenizer) -> None:
+    """Our runtime, drafting with the peer's export, emits exactly the target's greedy tokens."""
+    model = build_tiny_llama(len(tokenizer))
     lean = LeanDecoder(
         ModelConfig.from_hf_dict(model.config.to_dict()),
         {k: v.detach().clone() for k, v in model.state_dict().items()},
         kernel_backend="torch",
     ).eval()
-    plain = SpeculativeDecoder(
-        lean, build_proposer(report["export"], lean, policy="chain", depth=2)
-    )
-    prompt = tiny_tokenizer("what is the answer to the question .")["input_ids"]
+    plain = SpeculativeDecoder(lean, build_proposer(export, lean, policy="chain", depth=2))
+    prompt = tokenizer("what is the answer to the question .")["input_ids"]
     result = plain.generate(prompt, 16)
     want, seq = [], torch.tensor([prompt])
     with torch.no_grad():
@@ -165,6 +133,24 @@ def test_speculators_trainer_runs_on_cpu_and_its_checkpoint_serves(
             want.append(int(model(seq).logits[0, -1].argmax()))
             seq = torch.cat((seq, torch.tensor([[want[-1]]])), 1)
     assert result.tokens == want  # lossless with the peer's drafter
+
+
+@pytest.mark.e2e  # the real trainer in its own venv (about 2 minutes on 2 cores)
+@pytest.mark.skipif(not HAVE_SPECULATORS, reason=_no_speculators_reason())
+def test_speculators_trainer_runs_on_cpu_and_its_checkpoint_serves(
+    tmp_path, tiny_tokenizer, tiny_target_dir
+):
+    peer = load_script()
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in make_conversations(24)) + "\n")
+    out = tmp_path / "peer"
+    report = peer.main(peer_arguments(tiny_target_dir, data, out, "--timeout", "900"))
+    assert report["data"]["tokens"] >= 600 and json.loads((out / "peer.json").read_text()) == report
+    again = peer.main(peer_arguments(tiny_target_dir, data, out))
+    # the re-run kept the data and the trained checkpoint
+    assert again["seconds"] == report["seconds"]
+    check_imported_checkpoint(report)
+    check_served_losslessly(report["export"], tiny_tokenizer)
 
 
 def test_the_peer_is_read_beside_the_curve_at_equal_tokens(tmp_path, monkeypatch):

@@ -255,14 +255,10 @@ def test_topic_and_skip_select_the_conversations_regenerated(tiny_target_dir, tm
         )
 
 
-def test_max_prompt_tokens_keeps_short_prompts_counts_the_rest_and_the_limit_counts_kept_ones(
-    tiny_target_dir, tmp_path
-):
-    """--max-prompt-tokens skips a conversation whose first prompt is longer before any model work;
-    --limit then counts the kept ones; a resume with another value is refused; a value below 1 is
-    refused in one line.
-    """
-    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+def _short_and_long_prompts(folder: Path, tmp_path: Path) -> tuple[Path, int, int]:
+    """Five conversations, the 2nd and 4th with long first prompts; returns (data file, a
+    --max-prompt-tokens cut between the short and the long prompts, the number of records)."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     questions = [
         "hello world",
         " ".join(["hello"] * 40),
@@ -281,34 +277,19 @@ def test_max_prompt_tokens_keeps_short_prompts_counts_the_rest_and_the_limit_cou
         len(replies.render_prompt(tokenizer, [{"role": "user", "content": q}])) for q in questions
     ]
     cut = max(lengths[0], lengths[2], lengths[4])
-    assert cut < min(
-        lengths[1], lengths[3]
-    )  # the two long questions are over the cut, the three short ones not
-    out = tmp_path / "short.jsonl"
-    report = regen.regenerate(
-        str(data), out, target=str(tiny_target_dir), max_prompt_tokens=cut, limit=2, **SMALL
-    )
-    assert [json.loads(line)["source_index"] for line in out.read_text().splitlines()] == [0, 2]
-    assert report.skipped == {
-        "prompt over --max-prompt-tokens": 1
-    }  # index 1, met before the limit's second keep
-    assert "1 prompt over --max-prompt-tokens" in regen.summary(report, out)
-    every = regen.regenerate(
-        str(data), tmp_path / "every.jsonl", target=str(tiny_target_dir), **SMALL
-    )
-    assert every.written == len(questions) and not every.skipped
-    with pytest.raises(ValueError, match="--max-prompt-tokens must be >= 1"):
-        regen.regenerate(
-            str(data), tmp_path / "bad.jsonl", target=str(tiny_target_dir), max_prompt_tokens=0
-        )
-    # an interrupted run (out itself is finished: a new run there is refused)
-    other = tmp_path / "other.jsonl"
-    Path(f"{other}.partial").write_text("")
-    Path(f"{other}.partial.json").write_text(
+    # the two long questions are over the cut, the three short ones not
+    assert cut < min(lengths[1], lengths[3])
+    return data, cut, len(questions)
+
+
+def _interrupted_run(out: Path, data: Path, folder: Path, max_prompt_tokens: int) -> None:
+    """An empty partial output and the settings file of a run (SMALL settings) interrupted there."""
+    Path(f"{out}.partial").write_text("")
+    Path(f"{out}.partial.json").write_text(
         json.dumps(
             {
                 "data": str(data),
-                "target": str(tiny_target_dir),
+                "target": str(folder),
                 "max_new_tokens": 6,
                 "temperature": 0.0,
                 "top_p": 1.0,
@@ -316,10 +297,39 @@ def test_max_prompt_tokens_keeps_short_prompts_counts_the_rest_and_the_limit_cou
                 "dtype": "fp32",
                 "seed": 0,
                 "batch_size": regen.DEFAULT_BATCH_SIZE,
-                "max_prompt_tokens": cut,
+                "max_prompt_tokens": max_prompt_tokens,
             }
         )
     )
+
+
+def test_max_prompt_tokens_keeps_short_prompts_counts_the_rest_and_the_limit_counts_kept_ones(
+    tiny_target_dir, tmp_path
+):
+    """--max-prompt-tokens skips a conversation whose first prompt is longer before any model work;
+    --limit then counts the kept ones; a resume with another value is refused; a value below 1 is
+    refused in one line.
+    """
+    data, cut, records = _short_and_long_prompts(tiny_target_dir, tmp_path)
+    out = tmp_path / "short.jsonl"
+    report = regen.regenerate(
+        str(data), out, target=str(tiny_target_dir), max_prompt_tokens=cut, limit=2, **SMALL
+    )
+    assert [json.loads(line)["source_index"] for line in out.read_text().splitlines()] == [0, 2]
+    # index 1, met before the limit's second keep
+    assert report.skipped == {"prompt over --max-prompt-tokens": 1}
+    assert "1 prompt over --max-prompt-tokens" in regen.summary(report, out)
+    every = regen.regenerate(
+        str(data), tmp_path / "every.jsonl", target=str(tiny_target_dir), **SMALL
+    )
+    assert every.written == records and not every.skipped
+    with pytest.raises(ValueError, match="--max-prompt-tokens must be >= 1"):
+        regen.regenerate(
+            str(data), tmp_path / "bad.jsonl", target=str(tiny_target_dir), max_prompt_tokens=0
+        )
+    # an interrupted run (out itself is finished: a new run there is refused)
+    other = tmp_path / "other.jsonl"
+    _interrupted_run(other, data, tiny_target_dir, cut)
     with pytest.raises(ValueError, match="other settings"):
         regen.regenerate(
             str(data), other, target=str(tiny_target_dir), max_prompt_tokens=cut + 1, **SMALL
