@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import build_tiny_llama
+from eagle3_objectives import LAYERS, fixed_batch_steps, make_objective
 from omegaconf import OmegaConf
-from test_eagle3 import LAYERS, fixed_batch_steps, make_objective, two_step_setup
+from test_eagle3_training import two_step_setup
 
 from draftsmith.common.errors import ConfigError
 from draftsmith.distill.losses.core import LMHeadLoss
@@ -34,6 +35,58 @@ def chain_logits(
     return [step0[0, -1], step1[0, -1]]
 
 
+def target_logits(
+    chains: dict, draft_ids: torch.Tensor, g: torch.Generator, shape: tuple[int, int, int]
+) -> torch.Tensor:
+    """Random target logits [B, T, V] whose argmax is draftable everywhere, made to agree with the
+    drafter's step-0 proposal on half the chains and with its step-1 proposal on a quarter."""
+    B, T, V = shape
+    logits = torch.randn(B, T, V, generator=g)
+    best = draft_ids[torch.randint(0, 60, (B, T), generator=g)]
+    # a draftable target argmax everywhere
+    logits.scatter_add_(-1, best[..., None], torch.full((B, T, 1), 8.0))
+    for (b, t), (step0, step1) in chains.items():
+        if t % 2 == 0:  # half the chains: the target agrees with the drafter's step-0 proposal ...
+            logits[b, t + 1, draft_ids[step0.argmax()]] += 30.0
+            if t % 4 == 0:  # ... and a quarter of them at step 1 too
+                logits[b, t + 2, draft_ids[step1.argmax()]] += 60.0
+    return logits
+
+
+def drafter_step_logits(drafter, fused, ids, chains: dict, b: int, t: int, j: int) -> torch.Tensor:
+    """The drafter's logits at step j of the chain after position t+1 (step 0 computed afresh for
+    the rows too late in the sequence to have a two-step chain)."""
+    if (b, t) in chains:
+        return chains[(b, t)][j]
+    return drafter.draft_step(drafter.fuse(fused[b : b + 1, : t + 1]), ids[b : b + 1, 1 : t + 2])[
+        1
+    ][0, -1]
+
+
+def reference_replay_steps(drafter, fused, ids, chains, logits, loss_mask, weight, draft_ids):
+    """Per step j, (loss, rejected rows, rows) by the reference rule, and the chains whose step 0
+    was accepted."""
+    B, T = ids.shape
+    steps, accepted_step0 = [], set()
+    for j in range(2):
+        terms, rejected = [], 0
+        for b in range(B):
+            for t in range(T - 2 - j):
+                if not loss_mask[b, t + 2 + j]:
+                    continue
+                p = F.softmax(logits[b, t + 1 + j, draft_ids], -1)
+                step_logits = drafter_step_logits(drafter, fused, ids, chains, b, t, j)
+                ce = -(p * F.log_softmax(step_logits, -1)).sum()
+                right = bool(step_logits.argmax() == p.argmax())
+                exposed = j == 0 or (b, t) in accepted_step0
+                if j == 0 and right:
+                    accepted_step0.add((b, t))
+                rejected += exposed and not right
+                terms.append(ce * (1 + weight * (exposed and not right)))
+        steps.append((torch.stack(terms).mean(), rejected, len(terms)))
+    return steps, accepted_step0
+
+
 def test_replay_weights_exactly_the_rows_the_served_chain_stops_at(target):
     """Reference: per chain, step 0 rejected when its greedy draft token is not the target's; step 1
     counts only for chains whose step 0 was accepted. Loss per step = (1/M) sum (1 + w * rejected) *
@@ -47,16 +100,7 @@ def test_replay_weights_exactly_the_rows_the_served_chain_stops_at(target):
         chains = {
             (b, t): chain_logits(drafter, fused, ids, b, t) for b in range(B) for t in range(T - 3)
         }
-    logits = torch.randn(B, T, V, generator=g)
-    best = draft_ids[torch.randint(0, 60, (B, T), generator=g)]
-    logits.scatter_add_(
-        -1, best[..., None], torch.full((B, T, 1), 8.0)
-    )  # a draftable target argmax everywhere
-    for (b, t), (step0, step1) in chains.items():
-        if t % 2 == 0:  # half the chains: the target agrees with the drafter's step-0 proposal ...
-            logits[b, t + 1, draft_ids[step0.argmax()]] += 30.0
-            if t % 4 == 0:  # ... and a quarter of them at step 1 too
-                logits[b, t + 2, draft_ids[step1.argmax()]] += 60.0
+    logits = target_logits(chains, draft_ids, g, (B, T, V))
     loss_mask = torch.ones_like(ids)
     loss_mask[:, :2] = 0
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
@@ -65,45 +109,22 @@ def test_replay_weights_exactly_the_rows_the_served_chain_stops_at(target):
     for weight in (0.0, 2.5):
         objective.lm_loss = LMHeadLoss(replay_weight=weight)
         loss, metrics = objective.loss(batch, feats)
-        total, accepted_step0, rejected_counts = 0.0, set(), []
-        for j in range(2):
-            terms, rejected = [], 0
-            for b in range(B):
-                for t in range(T - 2 - j):
-                    if not loss_mask[b, t + 2 + j]:
-                        continue
-                    p = F.softmax(logits[b, t + 1 + j, draft_ids], -1)
-                    step_logits = (
-                        chains[(b, t)]
-                        if (b, t) in chains
-                        else [
-                            drafter.draft_step(
-                                drafter.fuse(fused[b : b + 1, : t + 1]), ids[b : b + 1, 1 : t + 2]
-                            )[1][0, -1]
-                        ]
-                    )[j]
-                    ce = -(p * F.log_softmax(step_logits, -1)).sum()
-                    right = bool(step_logits.argmax() == p.argmax())
-                    exposed = j == 0 or (b, t) in accepted_step0
-                    if j == 0 and right:
-                        accepted_step0.add((b, t))
-                    rejected += exposed and not right
-                    terms.append(ce * (1 + weight * (exposed and not right)))
-            rejected_counts.append(rejected)
-            step_loss = torch.stack(terms).mean()
+        steps, accepted_step0 = reference_replay_steps(
+            drafter, fused, ids, chains, logits, loss_mask, weight, draft_ids
+        )
+        total = 0.0
+        for j, (step_loss, rejected, rows) in enumerate(steps):
             torch.testing.assert_close(
                 metrics[f"step{j}/loss"], step_loss.detach(), atol=1e-5, rtol=0
             )
             torch.testing.assert_close(
-                float(metrics[f"step{j}/rejected"]), rejected / len(terms), atol=1e-6, rtol=0
+                float(metrics[f"step{j}/rejected"]), rejected / rows, atol=1e-6, rtol=0
             )
             total = total + 0.8**j * step_loss
         torch.testing.assert_close(loss, total, atol=1e-5, rtol=0)
         # the construction gives every kind of row: accepted and rejected at step 0, exposed and not
         # at step 1
-        assert 0 < len(accepted_step0) < B * (T - 2) and 0 < rejected_counts[1] < len(
-            accepted_step0
-        )
+        assert 0 < len(accepted_step0) < B * (T - 2) and 0 < steps[1][1] < len(accepted_step0)
 
 
 def test_replay_training_lowers_the_loss_and_the_rejections(tiny_tokenizer):

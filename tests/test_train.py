@@ -110,7 +110,52 @@ def test_cfg_job_prints_the_composed_config():
     assert "name_or_path: smollm2-135m" in proc.stdout
 
 
-def test_train_exports_and_resumes_after_kill(tmp_path, tiny_target_dir, tiny_data_file):
+def check_cli_exports(run_dir: Path, out_root: Path) -> None:
+    """The console command exports a run folder, converts an export to the engine layout, and
+    refuses a folder with nothing to export."""
+    from draftsmith.cli import main as cli_main
+
+    assert cli_main(["export", str(run_dir), "--out", str(out_root / "cli_export")]) == 0
+    assert read_export(out_root / "cli_export")[0]["method"] == "medusa"
+    assert (
+        cli_main(
+            [
+                "export",
+                str(run_dir / "export"),
+                "--out",
+                str(out_root / "vllm"),
+                "--format",
+                "medusa",
+            ]
+        )
+        == 0
+    )
+    assert json.loads((out_root / "vllm" / "config.json").read_text())["model_type"] == "medusa"
+    assert cli_main(["export", str(out_root / "nothing"), "--out", str(out_root / "x")]) == 2
+
+
+def kill_once_checkpointed(overrides: list[str], run_dir: Path) -> Path:
+    """Start ``train.py`` and kill -9 it once it has written a checkpoint (a simulated crash);
+    return the path of its last.ckpt."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *overrides],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    last = run_dir / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 180
+    while time.time() < deadline and not last.exists():
+        time.sleep(0.5)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return last
+
+
+def test_train_exports_and_the_checkpoint_and_cli_export_the_same(
+    tmp_path, tiny_target_dir, tiny_data_file
+):
     run_dir = tmp_path / "run"
     overrides = tiny_overrides(tiny_target_dir, tiny_data_file, run_dir)
     run_train(*overrides)
@@ -128,30 +173,12 @@ def test_train_exports_and_resumes_after_kill(tmp_path, tiny_target_dir, tiny_da
     again = export_from_checkpoint(run_dir, tmp_path / "from_ckpt")
     _, state2 = read_export(again)
     assert state.keys() == state2.keys() and all(torch.equal(state[k], state2[k]) for k in state)
+    check_cli_exports(run_dir, tmp_path)
 
-    # The console command exports a run folder, and converts to the engine layout.
-    from draftsmith.cli import main as cli_main
 
-    assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "cli_export")]) == 0
-    assert read_export(tmp_path / "cli_export")[0]["method"] == "medusa"
-    assert (
-        cli_main(
-            [
-                "export",
-                str(run_dir / "export"),
-                "--out",
-                str(tmp_path / "vllm"),
-                "--format",
-                "medusa",
-            ]
-        )
-        == 0
-    )
-    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["model_type"] == "medusa"
-    assert cli_main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
-
-    # Simulated crash: kill -9 a longer run once it has written a checkpoint, then re-run the same
-    # command.
+def test_train_resumes_after_kill(tmp_path, tiny_target_dir, tiny_data_file):
+    """kill -9 a longer run once it has written a checkpoint, then re-run the same command: it
+    resumes from the checkpoint's step."""
     crash_dir = tmp_path / "crash"
     longer = tiny_overrides(
         tiny_target_dir,
@@ -160,19 +187,7 @@ def test_train_exports_and_resumes_after_kill(tmp_path, tiny_target_dir, tiny_da
         "trainer.max_steps=400",
         "run.checkpoint_every=2",
     )
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *longer],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    last = crash_dir / "checkpoints" / "last.ckpt"
-    deadline = time.time() + 180
-    while time.time() < deadline and not last.exists():
-        time.sleep(0.5)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    last = kill_once_checkpointed(longer, crash_dir)
     assert last.exists(), "no checkpoint written before the kill"
     saved_step = load_checkpoint(crash_dir)["global_step"]
     assert 0 < saved_step < 400
