@@ -103,16 +103,9 @@ def engine_parity(
     not built here, no runner for it)."""
     routes = ROUTES if routes is None else routes
     if method not in routes:
-        return [
-            {
-                "engine": None,
-                "format": None,
-                "skipped": (
-                    f"no engine in reach runs a {method!r} export (engine "
-                    f"parity covers: {', '.join(sorted(routes)) or 'nothing'})"
-                ),
-            }
-        ]
+        covered = ", ".join(sorted(routes)) or "nothing"
+        reason = f"no engine in reach runs a {method!r} export (engine parity covers: {covered})"
+        return [{"engine": None, "format": None, "skipped": reason}]
     rows = []
     for route in routes[method]:
         row: dict[str, Any] = {
