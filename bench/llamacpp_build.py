@@ -94,3 +94,26 @@ def bf16_gguf(target_dir: str | Path | None = None, python: str = sys.executable
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {folder}: {proc.stderr[-800:]}")
     partial.replace(out)
     return out
+
+
+def greedy_run_flags(prompt: str, max_new_tokens: int, threads: int, ctx: int) -> list[str]:
+    """The flags every greedy llama.cpp run here shares (completion and speculative tools): the
+    raw prompt, the token budget, the threads, the context, greedy sampling with a fixed seed."""
+    return [
+        "-p",
+        prompt,
+        "-n",
+        str(max_new_tokens),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-c",
+        str(ctx),
+        "--temp",
+        "0",
+        "--top-k",
+        "1",
+        "--seed",
+        "0",
+    ]

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from draftsmith.bench.llamacpp_build import llamacpp_dir
+from draftsmith.bench.llamacpp_build import greedy_run_flags, llamacpp_dir
 
 SPECULATIVE = "llama-speculative-simple"
 
@@ -36,22 +36,7 @@ def speculative_command(
         "draft-eagle3",
         "--spec-draft-n-max",
         str(n_max),
-        "-p",
-        prompt,
-        "-n",
-        str(max_new_tokens),
-        "-t",
-        str(threads),
-        "-tb",
-        str(threads),
-        "-c",
-        str(ctx),
-        "--temp",
-        "0",
-        "--top-k",
-        "1",
-        "--seed",
-        "0",
+        *greedy_run_flags(prompt, max_new_tokens, threads, ctx),
         "--no-escape",
     ]
 

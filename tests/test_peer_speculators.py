@@ -62,9 +62,8 @@ def test_peer_data_matches_speculators_format(tmp_path, tiny_tokenizer):
     torch.testing.assert_close(
         last(hs["hidden_states"][:, 3]), out.hidden_states[-1][0], atol=1e-5, rtol=1e-5
     )
-    freq = torch.load(
-        tmp_path / "token_freq.pt", weights_only=True
-    )  # a dict of ints: no pickled code
+    # a dict of ints: no pickled code
+    freq = torch.load(tmp_path / "token_freq.pt", weights_only=True)
     assert sum(freq.values()) == sizes["loss_tokens"]
 
 
